@@ -1,0 +1,3 @@
+from cardtool.cli import main
+
+main()

@@ -1,0 +1,1 @@
+"""The platform: registries, detection, kernels and reference implementations."""

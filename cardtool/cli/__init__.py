@@ -1,0 +1,35 @@
+"""The `cardtool` command line. Thin: parse, call core, render. Heavy imports happen inside commands."""
+
+from __future__ import annotations
+
+import typer
+
+from cardtool import __version__
+from cardtool.cli import cards
+
+app = typer.Typer(
+    name="cardtool",
+    help="Diffusion model cards: the recipe and the runtime as one versioned object, and the tool that runs them.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(cards.app, name="cards")
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"cardtool {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the version and exit."),
+) -> None:
+    """Diffusion model cards: the recipe and the runtime as one versioned object."""
+
+
+def main() -> None:
+    app()

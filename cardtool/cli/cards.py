@@ -1,0 +1,154 @@
+"""`cardtool cards list | show | validate | lineage`."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from cardtool.cli.output import console, emit_json, handled
+
+app = typer.Typer(help="Find, inspect, check and trace cards.", no_args_is_help=True)
+
+JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (see README).")]
+CardArgument = Annotated[str, typer.Argument(help="A card id, card folder or manifest file.")]
+
+
+@app.command("list")
+def list_command(json_: JsonOption = False) -> None:
+    """List the cards on the search path: ./cards, CARDTOOL_PATH, then the built-in cards."""
+    from cardtool.core.catalog import list_cards
+
+    with handled(json_):
+        summaries = list_cards()
+    if json_:
+        emit_json({"cards": [s.to_json() for s in summaries]})
+        return
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title="cards", title_justify="left")
+    for column in ("id", "method", "origin", "path", "status", "description"):
+        table.add_column(column, overflow="fold")
+    for s in summaries:
+        status = "[green]ok[/green]" if s.valid else f"[red]invalid[/red] ({len(s.problems)} problems)"
+        table.add_row(*map(escape, (s.id or "?", s.method or "", s.origin, s.path)), status, escape(s.description))
+    if summaries:
+        console().print(table)
+    else:
+        console().print("no cards found in ./cards, on CARDTOOL_PATH or among the built-in cards")
+
+
+@app.command("show")
+def show_command(card: CardArgument, json_: JsonOption = False) -> None:
+    """Show a card's manifest with `extends` resolved: components, loops, adapters, recipe."""
+    from cardtool.core.loader import load_card
+    from cardtool.core.source import display_path
+
+    with handled(json_):
+        loaded = load_card(card)
+    m = loaded.manifest
+    if json_:
+        emit_json({"id": m.id, "path": display_path(loaded.folder), "manifest": display_path(loaded.file),
+                   "card": m.to_json()})
+        return
+    from rich.markup import escape
+    from rich.table import Table
+
+    out = console()
+    out.print(f"[bold]{m.id}[/bold]  {escape(m.description)}")
+    out.print(display_path(loaded.file) + (f"  (extends {m.extends})" if m.extends else ""), markup=False)
+    table = Table(title="components", title_justify="left")
+    for column in ("name", "kind", "impl", "weights / source", "sha256", "config"):
+        table.add_column(column, overflow="fold")
+    for name, c in m.components.items():
+        config = ", ".join(f"{k}={v}" for k, v in c.config.items())
+        table.add_row(*map(escape, (name, c.kind, c.impl, c.weights or c.source or "", (c.sha256 or "")[:12], config)))
+    out.print(table)
+    if m.loops:
+        table = Table(title="loops", title_justify="left")
+        for column in ("name", "kind", "uses", "defaults"):
+            table.add_column(column, overflow="fold")
+        for name, loop in m.loops.items():
+            defaults = ", ".join(f"{k}={v}" for k, v in loop.defaults.items())
+            table.add_row(*map(escape, (name, loop.kind, ", ".join(loop.uses), defaults)))
+        out.print(table)
+    if m.adapters:
+        table = Table(title="adapters", title_justify="left")
+        for column in ("name", "kind", "target", "weights"):
+            table.add_column(column, overflow="fold")
+        for name, a in m.adapters.items():
+            table.add_row(*map(escape, (name, a.kind, a.target, a.weights)))
+        out.print(table)
+    r = m.recipe
+    out.print(f"recipe: method={r.method} parents=[{', '.join(r.parents)}] assumes: loop={r.assumes.loop} "
+              f"steps={r.assumes.steps} precision={r.assumes.precision}; parity {m.parity.consistency}", markup=False)
+    if r.command:
+        out.print(f"made by: {r.command}", markup=False)
+    if r.metrics:
+        out.print("metrics: " + ", ".join(f"{k}={v}" for k, v in r.metrics.items()), markup=False)
+
+
+@app.command("validate")
+def validate_command(
+    paths: Annotated[list[str], typer.Argument(help="Card folders, manifest files, or folders of cards.")],
+    checksums: Annotated[bool, typer.Option("--checksums", help="Also verify every declared sha256.")] = False,
+    json_: JsonOption = False,
+) -> None:
+    """Validate cards strictly; exit 1 if any card has a problem."""
+    from cardtool.core.catalog import validate_paths
+
+    with handled(json_):
+        results = validate_paths(paths, checksums=checksums)
+    ok = all(r.valid for r in results)
+    if json_:
+        emit_json({"ok": ok, "checksums": checksums, "results": [r.to_json() for r in results]})
+    else:
+        from rich.markup import escape
+
+        out, err = console(), console(stderr=True)
+        for r in results:
+            if r.valid:
+                out.print(f"[green]ok[/green]      {r.id}  ({r.path})")
+            else:
+                out.print(f"[red]invalid[/red] {r.path}")
+                for problem in r.problems:
+                    err.print(f"  {escape(str(problem))}")
+    if not ok:
+        raise typer.Exit(1)
+
+
+@app.command("lineage")
+def lineage_command(card: CardArgument, json_: JsonOption = False) -> None:
+    """Walk recipe.parents back to the roots and print the tree (base → rl → distilled)."""
+    from cardtool.core.lineage import lineage
+    from cardtool.core.loader import load_card
+
+    with handled(json_):
+        root = lineage(load_card(card))
+    complete = not _any_missing(root)
+    if json_:
+        emit_json({"complete": complete, "lineage": root.to_json()})
+    else:
+        from rich.tree import Tree
+
+        def label(node) -> str:
+            return f"[red]{node.id} (missing)[/red]" if node.missing else f"{node.id} [dim]({node.method})[/dim]"
+
+        def grow(tree, node) -> None:
+            for parent in node.parents:
+                grow(tree.add(label(parent)), parent)
+
+        tree = Tree(label(root))
+        grow(tree, root)
+        out = console()
+        out.print(tree)
+        chain = root.chain()
+        if chain and len(chain) > 1:
+            out.print(" → ".join(f"{n.id} ({n.method})" for n in chain))
+    if not complete:
+        raise typer.Exit(1)
+
+
+def _any_missing(node) -> bool:
+    return node.missing or any(_any_missing(p) for p in node.parents)

@@ -1,0 +1,48 @@
+"""Rendering for people (Rich, on stdout; errors on stderr) and for scripts (one JSON document on stdout)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import typer
+
+from cardtool.core.errors import CardtoolError, CardValidationError
+
+__all__ = ["console", "emit_json", "handled"]
+
+
+def console(*, stderr: bool = False):
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False, soft_wrap=stderr)
+
+
+def emit_json(document: dict) -> None:
+    sys.stdout.write(json.dumps(document, indent=2, ensure_ascii=False) + "\n")
+
+
+def error_json(error: CardtoolError) -> dict:
+    if isinstance(error, CardValidationError):
+        return {"error": {"kind": "validation", "message": "card validation failed",
+                          "problems": [p.to_json() for p in error.problems]}}
+    return {"error": {"kind": "bad_input", "message": str(error), "problems": []}}
+
+
+@contextmanager
+def handled(json_mode: bool) -> Iterator[None]:
+    """Turn cardtool's own errors into a message (and a JSON error document) and its exit code."""
+    try:
+        yield
+    except CardtoolError as error:
+        if json_mode:
+            emit_json(error_json(error))
+        from rich.markup import escape
+
+        err = console(stderr=True)
+        lines = error.problems if isinstance(error, CardValidationError) else [error]
+        for line in lines:
+            err.print(f"[red]error[/red] {escape(str(line))}")
+        raise typer.Exit(error.exit_code) from None

@@ -1,0 +1,1 @@
+"""Device-free domain logic: cards, discovery, lineage (and, later, loops and methods)."""

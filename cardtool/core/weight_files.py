@@ -1,0 +1,45 @@
+"""Weight files on disk: safetensors only (pickle formats can run code when loaded), sha256 verified."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from pathlib import Path
+
+__all__ = ["PICKLE_SUFFIXES", "format_problem", "sha256_file"]
+
+PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle")
+
+_digests: dict[tuple[str, int, int], str] = {}
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, remembered per (path, size, mtime) so a process hashes each file once."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _digests:
+        digest = hashlib.sha256()
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+        _digests[key] = digest.hexdigest()
+    return _digests[key]
+
+
+def format_problem(path: Path) -> str | None:
+    """Why `path` is not a safetensors file we will load, or None if its header looks right."""
+    if path.suffix.lower() in PICKLE_SUFFIXES:
+        return f"'{path.name}' is a pickle checkpoint format ({path.suffix}); only safetensors are loaded"
+    if path.suffix.lower() != ".safetensors":
+        return f"'{path.name}' is not a .safetensors file"
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(9)
+    if head[:1] == b"\x80" or head[:4] == b"PK\x03\x04":
+        return f"'{path.name}' is named .safetensors but holds a pickle/zip checkpoint"
+    if len(head) < 9:
+        return f"'{path.name}' is truncated ({size} bytes): too short for a safetensors header"
+    (header_len,) = struct.unpack("<Q", head[:8])
+    if header_len == 0 or 8 + header_len > size or head[8:9] != b"{":
+        return f"'{path.name}' does not have a valid safetensors header (truncated or corrupt)"
+    return None
