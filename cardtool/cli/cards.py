@@ -24,15 +24,18 @@ def list_command(json_: JsonOption = False) -> None:
     if json_:
         emit_json({"cards": [s.to_json() for s in summaries]})
         return
+    from rich import box
     from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title="cards", title_justify="left")
-    for column in ("id", "method", "origin", "path", "status", "description"):
-        table.add_column(column, overflow="fold")
+    table = Table(box=box.SIMPLE_HEAD)
+    for column in ("id", "method", "status"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("path", overflow="fold")
+    table.add_column("description", overflow="fold", min_width=24)
     for s in summaries:
-        status = "[green]ok[/green]" if s.valid else f"[red]invalid[/red] ({len(s.problems)} problems)"
-        table.add_row(*map(escape, (s.id or "?", s.method or "", s.origin, s.path)), status, escape(s.description))
+        status = "[green]ok[/green]" if s.valid else f"[red]invalid[/red] ({len(s.problems)})"
+        table.add_row(*map(escape, (s.id or "?", s.method or "")), status, *map(escape, (s.path, s.description)))
     if summaries:
         console().print(table)
     else:

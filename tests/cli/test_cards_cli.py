@@ -1,0 +1,119 @@
+"""`cardtool cards …` for people and scripts: output, JSON shapes and exit codes (0 ok, 1 invalid, 2 bad input)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from cardtool import __version__
+from cardtool.cli import app
+
+
+def run(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+@pytest.fixture
+def on_path(examples, monkeypatch):
+    monkeypatch.setenv("CARDTOOL_PATH", str(examples))
+    return examples
+
+
+def test_version():
+    result = run("--version")
+    assert result.exit_code == 0 and result.stdout.strip() == f"cardtool {__version__}"
+
+
+def test_list_json_shape(on_path):
+    result = run("cards", "list", "--json")
+    assert result.exit_code == 0
+    cards = json.loads(result.stdout)["cards"]
+    assert [c["id"] for c in cards] == ["tiny-base", "tiny-distilled", "tiny-rl"]
+    assert set(cards[0]) == {"id", "path", "origin", "method", "description", "valid", "problems"}
+    assert cards[1]["method"] == "dmd2" and cards[1]["origin"] == "CARDTOOL_PATH" and cards[1]["valid"]
+
+
+def test_list_table(on_path):
+    result = run("cards", "list")
+    assert result.exit_code == 0
+    assert "tiny-distilled" in result.stdout and "dmd2" in result.stdout
+
+
+def test_show_json_has_the_resolved_manifest(on_path):
+    result = run("cards", "show", "tiny-distilled", "--json")
+    assert result.exit_code == 0
+    shown = json.loads(result.stdout)
+    assert shown["id"] == "tiny-distilled" and shown["manifest"].endswith("tiny-distilled/card.yaml")
+    assert shown["card"]["components"]["vae"]["weights"] == "../tiny-base/vae.safetensors"
+    assert shown["card"]["recipe"]["assumes"]["steps"] == 4
+
+
+def test_show_for_people_escapes_brackets(on_path):
+    result = run("cards", "show", "tiny-rl")
+    assert result.exit_code == 0
+    assert "parents=[tiny-base]" in result.stdout and "diffusion_nft" in result.stdout
+
+
+def test_show_unknown_card_is_bad_input():
+    result = run("cards", "show", "nope")
+    assert result.exit_code == 2
+    assert "no card with id 'nope'" in result.stderr and "Traceback" not in result.output
+
+
+def test_show_unknown_card_json_error_document():
+    result = run("cards", "show", "nope", "--json")
+    assert result.exit_code == 2
+    assert json.loads(result.stdout)["error"]["kind"] == "bad_input"
+
+
+def test_show_invalid_card_exits_1_with_located_problems(examples):
+    bad = examples / "tiny-base" / "card.yaml"
+    bad.write_text(bad.read_text().replace("frozen: true", "frozen: yes please"))
+    result = run("cards", "show", str(examples / "tiny-base"))
+    assert result.exit_code == 1
+    assert "card.yaml:11:13: components.text_encoder.frozen: Input should be a valid boolean" in result.stderr
+
+
+def test_validate_ok_and_with_checksums(examples):
+    result = run("cards", "validate", "--checksums", str(examples), "--json")
+    assert result.exit_code == 0
+    report = json.loads(result.stdout)
+    assert report["ok"] and report["checksums"] and len(report["results"]) == 3
+
+
+def test_validate_catches_a_changed_weight_file_only_with_checksums(examples):
+    (examples / "tiny-rl" / "transformer.safetensors").write_bytes(
+        (examples / "tiny-distilled" / "transformer.safetensors").read_bytes())
+    assert run("cards", "validate", str(examples / "tiny-rl")).exit_code == 0
+    result = run("cards", "validate", "--checksums", str(examples / "tiny-rl"), "--json")
+    assert result.exit_code == 1
+    [problem] = json.loads(result.stdout)["results"][0]["problems"]
+    assert (problem["line"], problem["field"]) == (10, "components.transformer.sha256")
+
+
+def test_validate_missing_path_is_bad_input():
+    result = run("cards", "validate", "nowhere")
+    assert result.exit_code == 2 and "no such file or folder: nowhere" in result.stderr
+
+
+def test_validate_without_paths_is_a_usage_error():
+    assert run("cards", "validate").exit_code == 2
+
+
+def test_lineage_prints_the_chain(on_path):
+    result = run("cards", "lineage", "tiny-distilled")
+    assert result.exit_code == 0
+    assert "tiny-base (pretrain) → tiny-rl (diffusion_nft) → tiny-distilled (dmd2)" in result.stdout
+
+
+def test_lineage_json_and_missing_parent_exit_1(on_path):
+    rl = on_path / "tiny-rl" / "card.toml"
+    rl.write_text(rl.read_text().replace('parents = ["tiny-base"]', 'parents = ["lost-base"]'))
+    result = run("cards", "lineage", "tiny-distilled", "--json")
+    assert result.exit_code == 1
+    report = json.loads(result.stdout)
+    assert report["complete"] is False
+    assert report["lineage"]["parents"][0]["parents"][0] == {"id": "lost-base", "method": None, "path": None,
+                                                             "missing": True, "parents": []}

@@ -1,0 +1,47 @@
+"""Light commands never import torch or transformers (DESIGN.md invariant 5), proven in a fresh process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import EXAMPLE_CARDS
+
+PROBE = """
+import json, sys
+sys.argv = ["cardtool", *json.loads(sys.argv[1])]
+from cardtool.cli import main
+try:
+    main()
+except SystemExit as e:
+    code = e.code
+else:
+    code = 0
+heavy = [m for m in ("torch", "transformers", "diffusers") if m in sys.modules]
+open(OUT, "w").write(json.dumps({"code": code, "heavy": heavy}))
+"""
+
+COMMANDS = [
+    ["--help"],
+    ["--version"],
+    ["cards", "--help"],
+    ["cards", "list"],
+    ["cards", "list", "--json"],
+    ["cards", "show", "tiny-distilled"],
+    ["cards", "show", "tiny-distilled", "--json"],
+    ["cards", "validate", "--checksums", str(EXAMPLE_CARDS)],
+    ["cards", "lineage", "tiny-distilled", "--json"],
+]
+
+
+@pytest.mark.parametrize("args", COMMANDS, ids=" ".join)
+def test_light_command_imports_no_torch(args, tmp_path, monkeypatch):
+    monkeypatch.setenv("CARDTOOL_PATH", str(EXAMPLE_CARDS))
+    out = tmp_path / "probe.json"
+    code = PROBE.replace("OUT", repr(str(out)))
+    subprocess.run([sys.executable, "-c", code, json.dumps(args)], check=True, capture_output=True, timeout=60)
+    report = json.loads(out.read_text())
+    assert report["code"] in (0, None), f"cardtool {' '.join(args)} exited {report['code']}"
+    assert report["heavy"] == [], f"cardtool {' '.join(args)} imported {report['heavy']}"
