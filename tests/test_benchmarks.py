@@ -1,0 +1,18 @@
+"""The benchmark scripts run and write their JSON (their numbers are reported, never asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import REPO
+
+
+def test_cli_startup_benchmark_writes_medians(tmp_path):
+    out = tmp_path / "cli_startup.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "cli_startup.py"), "--repeats", "1", "--out", str(out)],
+                   check=True, capture_output=True, timeout=120)
+    medians = json.loads(out.read_text())["median_s"]
+    assert set(medians) == {"cardtool --help", "cardtool cards list --json"}
+    assert all(t > 0 for t in medians.values())
