@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from cardtool import __version__
-from cardtool.cli import cards
+from cardtool.cli import cards, parity, platform
 
 app = typer.Typer(
     name="cardtool",
@@ -15,6 +15,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.add_typer(cards.app, name="cards")
+app.add_typer(platform.app, name="platform")
+app.command("parity")(parity.parity_command)
 
 
 def _version(value: bool) -> None:

@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import typer
 
-from cardtool.core.errors import CardtoolError, CardValidationError
+from cardtool.errors import CardtoolError, CardValidationError
 
 __all__ = ["console", "emit_json", "handled"]
 
 
 def console(*, stderr: bool = False):
+    """A Rich console; when not a terminal (a log, a pipe) it is 160 columns wide, not Rich's 80, so
+    tables stay readable. COLUMNS overrides both."""
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False, soft_wrap=stderr)
+    stream = sys.stderr if stderr else sys.stdout
+    width = None if stream.isatty() or os.environ.get("COLUMNS") else 160
+    return Console(stderr=stderr, highlight=False, soft_wrap=stderr, width=width)
 
 
 def emit_json(document: dict) -> None:

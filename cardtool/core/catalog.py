@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cardtool.core.discovery import Entry, scan, search_roots
-from cardtool.core.errors import BadInput, CardValidationError, Problem
 from cardtool.core.lineage import lineage, missing_parent_problems
 from cardtool.core.loader import Card, load_card
 from cardtool.core.source import MANIFEST_NAMES, display_path
+from cardtool.errors import BadInput, CardValidationError, Problem
 
 __all__ = ["CardSummary", "ValidationResult", "list_cards", "validate_paths"]
 

@@ -6,8 +6,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from cardtool.core.errors import AmbiguousCard, BadInput, CardNotFound, CardValidationError
 from cardtool.core.source import MANIFEST_NAMES, display_path, read_source
+from cardtool.errors import AmbiguousCard, BadInput, CardNotFound, CardValidationError
 
 __all__ = ["Root", "Entry", "builtin_dir", "search_roots", "scan", "manifest_in", "locate"]
 

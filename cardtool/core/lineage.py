@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cardtool.core.discovery import locate
-from cardtool.core.errors import AmbiguousCard, CardNotFound, CardValidationError, Problem
 from cardtool.core.loader import Card, load_card
 from cardtool.core.source import display_path
+from cardtool.errors import AmbiguousCard, CardNotFound, CardValidationError, Problem
 
 __all__ = ["LineageNode", "lineage", "missing_parent_problems"]
 

@@ -18,10 +18,10 @@ from pathlib import Path
 from pydantic import BaseModel, ValidationError
 
 from cardtool.core.discovery import locate
-from cardtool.core.errors import BadInput, CardValidationError, Problem
 from cardtool.core.schema import CardManifest
 from cardtool.core.source import FieldPath, Source, display_path, read_source
 from cardtool.core.weight_files import PICKLE_SUFFIXES, format_problem, sha256_file
+from cardtool.errors import BadInput, CardValidationError, Problem
 
 __all__ = ["Card", "load_card", "merge_extends"]
 

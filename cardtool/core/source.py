@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cardtool.core.errors import CardValidationError, Problem
+from cardtool.errors import CardValidationError, Problem
 
 __all__ = ["MANIFEST_NAMES", "Source", "display_path", "read_source"]
 

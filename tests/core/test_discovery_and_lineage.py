@@ -10,9 +10,9 @@ from conftest import EXAMPLE_CARDS, write_card
 from cardtool.core import discovery
 from cardtool.core.catalog import list_cards, validate_paths
 from cardtool.core.discovery import locate
-from cardtool.core.errors import AmbiguousCard, BadInput, CardNotFound, CardValidationError
 from cardtool.core.lineage import lineage
 from cardtool.core.loader import load_card
+from cardtool.errors import AmbiguousCard, BadInput, CardNotFound, CardValidationError
 
 ONE = """
 schema: cardtool/v1

@@ -8,8 +8,8 @@ import pytest
 import yaml
 from conftest import write_card
 
-from cardtool.core.errors import CardValidationError
 from cardtool.core.loader import load_card, merge_extends
+from cardtool.errors import CardValidationError
 
 
 def test_merge_semantics_mappings_merge_null_removes_lists_replace():

@@ -12,8 +12,8 @@ from conftest import EXAMPLE_CARDS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cardtool.core.errors import CardValidationError
 from cardtool.core.loader import load_card
+from cardtool.errors import CardValidationError
 
 BASE = yaml.safe_load((EXAMPLE_CARDS / "tiny-base" / "card.yaml").read_text())
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

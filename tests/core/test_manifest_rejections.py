@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from conftest import write_card, write_weights
 
-from cardtool.core.errors import CardValidationError
 from cardtool.core.loader import load_card
+from cardtool.errors import CardValidationError
 
 WEIGHTS = ("vae.safetensors", "dit.safetensors", "invert.safetensors")
 

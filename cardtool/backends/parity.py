@@ -1,0 +1,209 @@
+"""`cardtool parity`: every available kernel cell run on seeded inputs and compared to its oracle.
+
+float64 and float32 cells are compared with the numpy reference (computed in float64 on the same,
+dtype-rounded inputs); float16/bfloat16 cells, and the bf16 variants, with the same op in float32 on the
+same device — as PyTorch's own tests do. Tolerances are per dtype, with per-op entries where an op's
+conditioning differs (an error `e` passes where |e| ≤ atol + rtol·|expected| element-wise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from cardtool.backends.platform import Platform
+from cardtool.backends.registry import KERNELS, Cell
+
+__all__ = ["TOLERANCES", "ParityRow", "cases", "run_parity"]
+
+# dtype → op → (atol, rtol); "*" is the dtype's default.
+TOLERANCES: dict[str, dict[str, tuple[float, float]]] = {
+    "float64": {"*": (1e-10, 1e-10)},
+    "float32": {"*": (1e-5, 1e-5),
+                # cos/sin of arguments up to 1000 rad: float32 rounding of the argument alone is ~6e-5
+                "timestep_embedding": (2e-4, 1e-5)},
+    "float16": {"*": (2e-3, 2e-3)},
+    "bfloat16": {"*": (1.6e-2, 1.6e-2),
+                 # x·A·B rounds x, A, B and the rank-r product to 8 bits each (~4 × 2⁻⁹ on terms of size ~3),
+                 # like PyTorch's own bf16 overrides for bmm/baddbmm
+                 "lora_bgmv": (5e-2, 1.6e-2)},
+}
+
+
+@dataclass
+class ParityRow:
+    cell: str
+    dtype: str
+    against: str  # "numpy" or the torch op in float32
+    shapes: list[str]
+    max_abs_err: float
+    max_rel_err: float
+    atol: float
+    rtol: float
+    passed: bool
+    error: str = ""
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Case:
+    shapes: str
+    floats: dict  # float64 arrays or python floats, converted to the cell's dtype
+    fixed: dict  # integer/boolean arrays and parameters, passed as they are
+
+
+def cases(op: str) -> list[Case]:
+    """Seeded inputs at several shapes for `op`, covering its options (masks, per-sample σ, adapters)."""
+    rng = np.random.default_rng(0)
+
+    def normal(*shape):
+        return rng.standard_normal(shape)
+
+    if op == "flow_match_step":
+        return [Case("2x4x1x8x8, per-sample σ", {"x": normal(2, 4, 1, 8, 8), "v": normal(2, 4, 1, 8, 8),
+                                                 "sigma": np.array([1.0, 0.5]), "sigma_next": np.array([0.9, 0.25])}, {}),
+                Case("1x16x1x4x4, scalar σ", {"x": normal(1, 16, 1, 4, 4), "v": normal(1, 16, 1, 4, 4),
+                                              "sigma": 0.75, "sigma_next": 0.5}, {})]
+    if op == "flow_sde_step":
+        return [Case("2x4x1x8x8, σ=1 first step", {"x": normal(2, 4, 1, 8, 8), "v": normal(2, 4, 1, 8, 8),
+                                                   "sigma": np.array([1.0, 0.5]), "sigma_next": np.array([0.9, 0.4]),
+                                                   "noise": normal(2, 4, 1, 8, 8)}, {"eta": 0.7}),
+                Case("3x4x1x4x4, scoring a recorded sample", {"x": normal(3, 4, 1, 4, 4), "v": normal(3, 4, 1, 4, 4),
+                                                              "sigma": 0.3, "sigma_next": 0.0,
+                                                              "prev_sample": normal(3, 4, 1, 4, 4)}, {"eta": 0.7})]
+    if op == "cfg_combine":
+        return [Case("2x4x1x8x8, per-sample w", {"v_uncond": normal(2, 4, 1, 8, 8), "v_cond": normal(2, 4, 1, 8, 8),
+                                                 "scale": np.array([1.0, 4.5])}, {}),
+                Case("3x16, w=7.5", {"v_uncond": normal(3, 16), "v_cond": normal(3, 16), "scale": 7.5}, {})]
+    if op == "attention":
+        key_mask = np.ones((2, 1, 1, 7), dtype=bool)
+        key_mask[1, ..., 4:] = False
+        row_mask = rng.random((1, 2, 5, 9)) > 0.3
+        row_mask[0, 1, 2] = False  # a query with nothing to attend to
+        return [Case("2x4x16x32", {"q": normal(2, 4, 16, 32), "k": normal(2, 4, 16, 32), "v": normal(2, 4, 16, 32)}, {}),
+                Case("2x2x12x16 · 7 keys, padding mask", {"q": normal(2, 2, 12, 16), "k": normal(2, 2, 7, 16),
+                                                          "v": normal(2, 2, 7, 16)}, {"mask": key_mask}),
+                Case("1x2x5x8 · 9 keys, full mask, an empty row", {"q": normal(1, 2, 5, 8), "k": normal(1, 2, 9, 8),
+                                                                   "v": normal(1, 2, 9, 8)}, {"mask": row_mask})]
+    if op == "rms_norm":
+        return [Case("2x16x32, weight", {"x": normal(2, 16, 32), "weight": 1 + 0.1 * normal(32)}, {}),
+                Case("3x7x64", {"x": 3 * normal(3, 7, 64)}, {})]
+    if op == "modulated_layer_norm":
+        return [Case("2x16x32", {"x": normal(2, 16, 32), "shift": normal(2, 1, 32), "scale": 0.5 * normal(2, 1, 32)},
+                     {})]
+    if op == "rope_3d":
+        return [Case("2x2x32x24, grid 2x4x4", {"x": normal(2, 2, 32, 24)}, {"grid": (2, 4, 4)}),
+                Case("1x4x36x64, grid 1x6x6", {"x": normal(1, 4, 36, 64)}, {"grid": (1, 6, 6)})]
+    if op == "timestep_embedding":
+        return [Case("t=4, dim 256", {"t": np.array([0.0, 1.5, 500.0, 999.0])}, {"dim": 256}),
+                Case("t=3, dim 33", {"t": np.array([3.0, 250.0, 1000.0])}, {"dim": 33})]
+    if op == "lora_bgmv":  # A and B at the scale of trained adapters (fan-in normalised), not raw N(0, 1)
+        return [Case("5x6x32 → 48, 3 adapters r=4", {"x": normal(5, 6, 32), "y": normal(5, 6, 48),
+                                                     "lora_a": normal(3, 4, 32) / 32**0.5,
+                                                     "lora_b": normal(3, 48, 4) / 4**0.5,
+                                                     "scales": np.array([1.0, 0.5, 2.0])},
+                     {"index": np.array([0, -1, 2, 1, 0])}),
+                Case("4x16 → 8, 2 adapters r=2", {"x": normal(4, 16), "y": normal(4, 8),
+                                                  "lora_a": normal(2, 2, 16) / 16**0.5,
+                                                  "lora_b": normal(2, 8, 2) / 2**0.5, "scales": np.array([1.0, 0.25])},
+                     {"index": np.array([-1, -1, 1, 0])})]
+    raise KeyError(f"no parity inputs for op '{op}'")
+
+
+def run_parity(platform: Platform, op: str | None = None) -> list[ParityRow]:
+    """A row per (available non-reference cell, dtype) on `platform`, optionally for one op."""
+    rows = []
+    for cell in KERNELS.cells():
+        name = cell.key[0]
+        if cell.reference or (op is not None and name != op) or KERNELS.reasons(cell, platform):
+            continue
+        for dtype in cell.dtypes:
+            rows.append(_check(cell, dtype, platform))
+    return rows
+
+
+def _check(cell: Cell, dtype: str, platform: Platform) -> ParityRow:
+    op, device, variant = cell.key[0], cell.key[1], cell.key[3]
+    low = dtype in ("float16", "bfloat16") or variant == "bf16"
+    atol, rtol = _tolerance(op, "bfloat16" if variant == "bf16" else dtype)
+    against = "numpy float64" if not low else f"{op} in float32"
+    row = ParityRow(cell.name, dtype, against, [], 0.0, 0.0, atol, rtol, True)
+    try:
+        fn = cell.load()
+        oracle = (KERNELS.resolve(op, platform, "default")[1] if variant == "bf16"
+                  else fn if low else KERNELS.resolve(op, Platform("numpy", "generic"))[1])
+        for case in cases(op):
+            rounded = {k: _round(v, dtype) for k, v in case.floats.items()}
+            actual = _outputs(fn(**_convert(rounded, device, dtype), **_fixed(case.fixed, device)))
+            if low:
+                expected = _outputs(oracle(**_convert(rounded, device, "float32"), **_fixed(case.fixed, device)))
+            else:
+                expected = _outputs(oracle(**rounded, **case.fixed))
+            for a, e in zip(actual, expected, strict=True):
+                abs_err, rel_err, ok = _compare(a, e, atol, rtol)
+                row.max_abs_err, row.max_rel_err = max(row.max_abs_err, abs_err), max(row.max_rel_err, rel_err)
+                row.passed &= ok
+            row.shapes.append(case.shapes)
+    except Exception as error:  # noqa: BLE001 - a crashing kernel is a failed cell, reported, not a crash
+        row.passed, row.error = False, f"{type(error).__name__}: {error}"
+    return row
+
+
+def _tolerance(op: str, dtype: str) -> tuple[float, float]:
+    table = TOLERANCES[dtype]
+    return table.get(op, table["*"])
+
+
+def _round(value, dtype: str):
+    """`value` rounded to `dtype` and back to float64, so every implementation sees the same numbers."""
+    if dtype in ("float64", "float32", "float16"):
+        return np.asarray(value, dtype=dtype).astype(np.float64) if isinstance(value, np.ndarray) else \
+            float(np.asarray(value, dtype=dtype))
+    import torch
+
+    rounded = torch.as_tensor(np.asarray(value, dtype=np.float64)).to(torch.bfloat16).double().numpy()
+    return rounded if isinstance(value, np.ndarray) else float(rounded)
+
+
+def _convert(values: dict, device: str, dtype: str) -> dict:
+    if device == "numpy":
+        return {k: v.astype(dtype) if isinstance(v, np.ndarray) else v for k, v in values.items()}
+    import torch
+
+    torch_dtype = getattr(torch, dtype)
+    return {k: torch.as_tensor(v, device=device).to(torch_dtype) if isinstance(v, np.ndarray) else v
+            for k, v in values.items()}
+
+
+def _fixed(values: dict, device: str) -> dict:
+    if device == "numpy":
+        return values
+    import torch
+
+    return {k: torch.as_tensor(v, device=device) if isinstance(v, np.ndarray) else v for k, v in values.items()}
+
+
+def _outputs(result) -> list[np.ndarray]:
+    items = result if isinstance(result, tuple) else (result,)
+    out = []
+    for item in items:
+        if hasattr(item, "detach"):
+            item = item.detach().float().cpu().double().numpy() if item.dtype.is_floating_point and \
+                item.element_size() < 4 else item.detach().cpu().double().numpy()
+        out.append(np.asarray(item, dtype=np.float64))
+    return out
+
+
+def _compare(actual: np.ndarray, expected: np.ndarray, atol: float, rtol: float) -> tuple[float, float, bool]:
+    if actual.shape != expected.shape:
+        return float("inf"), float("inf"), False
+    diff = np.abs(actual - expected)
+    if not np.all(np.isfinite(actual) == np.isfinite(expected)):
+        return float("inf"), float("inf"), False
+    diff = np.where(np.isfinite(diff), diff, 0.0)
+    meaningful = np.abs(expected) > atol
+    rel = float((diff[meaningful] / np.abs(expected[meaningful])).max()) if meaningful.any() else 0.0
+    return float(diff.max(initial=0.0)), rel, bool(np.all(diff <= atol + rtol * np.abs(expected)))

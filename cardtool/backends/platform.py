@@ -1,0 +1,155 @@
+"""The platform: which device and arch this process runs on, detected honestly and cheaply.
+
+CUDA only when torch reports a CUDA device (arch from its compute capability); else torch on the host CPU
+when torch is installed (arch = the ISA tier read from the CPU flags); else the numpy CPU rung. `--device`
+or CARDTOOL_DEVICE overrides the device, CARDTOOL_ARCH forces an arch so arch paths are testable without
+the hardware. Detection never imports torch into a process that has not imported it already: when a GPU
+driver is present it asks torch in a subprocess, so light commands stay light and no CUDA context is made.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import platform as host
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cardtool.backends.chains import ARCH_TIERS, DEVICES, arch_tiers, component_chain, kernel_chain
+from cardtool.errors import BadInput
+
+__all__ = ["Platform", "cpu_tier"]
+
+
+@dataclass(frozen=True)
+class Platform:
+    device: str  # "cuda" | "cpu" (torch on the host CPU) | "numpy"
+    arch: str  # "sm90", "avx512_bf16", "generic", …
+    name: str = field(default="", compare=False)  # the GPU or CPU model, for people
+    why: tuple[str, ...] = field(default=(), compare=False)  # how the device and arch were decided
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        return arch_tiers(self.device, self.arch)
+
+    def kernel_chain(self) -> list[tuple[str, str]]:
+        return kernel_chain(self.device, self.arch)
+
+    def component_chain(self) -> list[str]:
+        return component_chain(self.device)
+
+    @property
+    def torch_device(self) -> str:
+        """The torch device string for tensors on this platform (`numpy` has none)."""
+        if self.device == "numpy":
+            raise BadInput("the numpy platform has no torch device")
+        return self.device
+
+    def to_json(self) -> dict:
+        return {"device": self.device, "arch": self.arch, "name": self.name, "tiers": list(self.tiers),
+                "kernel_chain": ["/".join(c) for c in self.kernel_chain()],
+                "component_chain": self.component_chain(), "why": list(self.why)}
+
+    @classmethod
+    def detect(cls, device: str | None = None, arch: str | None = None) -> Platform:
+        """Detect the platform; `device` (from --device) beats CARDTOOL_DEVICE, CARDTOOL_ARCH forces the arch."""
+        why = []
+        if device:
+            why.append(f"device {device} asked for with --device")
+        elif os.environ.get("CARDTOOL_DEVICE"):
+            device = os.environ["CARDTOOL_DEVICE"]
+            why.append(f"device {device} forced by CARDTOOL_DEVICE")
+        if device is not None and device not in DEVICES:
+            raise BadInput(f"unknown device '{device}'; choose one of: {', '.join(DEVICES)}")
+        forced_arch = arch or os.environ.get("CARDTOOL_ARCH") or None
+        has_torch = importlib.util.find_spec("torch") is not None
+
+        cuda = None
+        if device in (None, "cuda") and has_torch and not (device == "cuda" and forced_arch):
+            cuda = _cuda_probe()
+        if device is None:
+            if cuda:
+                device = "cuda"
+                why.append(f"torch reports CUDA device {cuda['name']} (capability {cuda['capability']})")
+            elif has_torch:
+                device = "cpu"
+                why.append("torch is installed and reports no CUDA device: torch on the host CPU")
+            else:
+                device = "numpy"
+                why.append("torch is not installed: the numpy CPU rung")
+        if device in ("cpu", "cuda") and not has_torch:
+            raise BadInput(f"device {device} needs torch, which is not installed (pip install torch==2.13.0)")
+
+        if forced_arch:
+            if forced_arch not in ARCH_TIERS[device] and not (device == "cuda" and forced_arch.startswith("sm")):
+                raise BadInput(f"unknown {device} arch '{forced_arch}'; known: {', '.join(ARCH_TIERS[device])}")
+            why.append(f"arch {forced_arch} forced by CARDTOOL_ARCH")
+            return cls(device, forced_arch, cuda["name"] if cuda else _cpu_name(), tuple(why))
+        if device == "cuda":
+            if not cuda:
+                raise BadInput("device cuda asked for, but torch reports no CUDA device "
+                               "(set CARDTOOL_ARCH, e.g. sm90, to simulate one)")
+            major, minor = cuda["capability"]
+            return cls("cuda", f"sm{major}{minor}", cuda["name"], tuple(why))
+        if device == "numpy":
+            return cls("numpy", "generic", _cpu_name(), tuple(why))
+        tier, flags = cpu_tier()
+        why.append(f"CPU flags {flags}: ISA tier {tier}" if flags else f"CPU flags unknown: ISA tier {tier}")
+        return cls("cpu", tier, _cpu_name(), tuple(why))
+
+
+def cpu_tier(flags_text: str | None = None) -> tuple[str, str]:
+    """The CPU's ISA tier (avx512_bf16, avx2 or generic) and the flags that decided it."""
+    if flags_text is None:
+        flags_text = _cpu_flags()
+    flags = set(flags_text.split())
+    for tier in ("avx512_bf16", "avx2"):
+        if tier in flags:
+            return tier, f"include {tier}"
+    return "generic", "have neither avx512_bf16 nor avx2" if flags else ""
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.split(":", 1)[1]
+    except OSError:
+        pass
+    return ""
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return host.processor() or host.machine()
+
+
+_PROBE = ("import json, torch; ok = torch.cuda.is_available(); "
+          "print(json.dumps({'name': torch.cuda.get_device_name(0), 'capability': torch.cuda.get_device_capability(0)}"
+          " if ok else None))")
+
+
+def _cuda_probe() -> dict | None:
+    """What torch says about CUDA device 0: in this process if torch is already imported, else in a
+    subprocess — and only when an NVIDIA driver is present, so CPU machines pay nothing."""
+    if "torch" in sys.modules:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        return {"name": torch.cuda.get_device_name(0), "capability": list(torch.cuda.get_device_capability(0))}
+    if not Path("/proc/driver/nvidia/version").exists() and not Path("/dev/nvidiactl").exists():
+        return None
+    try:
+        out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120)
+        return json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return None

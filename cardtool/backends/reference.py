@@ -1,0 +1,120 @@
+"""The numpy reference of every kernel op: plain, loop-where-clearer code that is the oracle
+`cardtool parity` measures every other cell against (DESIGN.md invariant 4).
+
+Conventions shared by every implementation of an op:
+- σ runs from 1 (noise) to 0 (data); `sigma`, `sigma_next`, guidance `scale` are scalars or (B,) arrays.
+- attention takes (B, H, L, D) and a boolean mask broadcastable to (B, H, Lq, Lk), True = attend; a row
+  with nothing to attend to gives zeros.
+- rope_3d takes (B, H, L, D) with the L tokens in (frame, row, column) order over `grid` = (F, H, W).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["flow_match_step", "flow_sde_step", "cfg_combine", "attention", "rms_norm", "modulated_layer_norm",
+           "rope_3d", "rope_angles", "timestep_embedding", "lora_bgmv"]
+
+
+def _per_sample(value, x: np.ndarray) -> np.ndarray:
+    """A scalar or (B,) value shaped to broadcast against x (B, …)."""
+    a = np.asarray(value, dtype=x.dtype)
+    return a.reshape(a.shape + (1,) * (x.ndim - a.ndim)) if a.ndim else a
+
+
+def flow_match_step(x, v, sigma, sigma_next):
+    """Euler step of the flow-matching ODE: x + (σ_next − σ)·v."""
+    return x + (_per_sample(sigma_next, x) - _per_sample(sigma, x)) * v
+
+
+def flow_sde_step(x, v, sigma, sigma_next, noise=None, prev_sample=None, eta=0.7):
+    """Flow-GRPO SDE step (arXiv 2505.05470): returns (sample, mean, std (B,), log-prob (B,)).
+
+    The sample is mean + std·noise, or `prev_sample` when given (to score a recorded step)."""
+    s, s_next = _per_sample(sigma, x), _per_sample(sigma_next, x)
+    dt = s_next - s
+    std_t = eta * np.sqrt(s / (1 - np.where(s == 1, s_next, s)))  # at σ = 1 the grid's next σ stands in
+    mean = x + (v + std_t**2 / (2 * s) * (x + (1 - s) * v)) * dt
+    std = std_t * np.sqrt(-dt)
+    sample = mean + std * noise if prev_sample is None else prev_sample
+    logp = -((sample - mean) ** 2) / (2 * std**2) - np.log(std) - 0.5 * np.log(2 * np.pi)
+    reduce = tuple(range(1, x.ndim))
+    return sample, mean, np.broadcast_to(std, logp.shape).mean(axis=reduce), logp.mean(axis=reduce)
+
+
+def cfg_combine(v_uncond, v_cond, scale):
+    """Classifier-free guidance: v_u + w·(v_c − v_u)."""
+    return v_uncond + _per_sample(scale, v_cond) * (v_cond - v_uncond)
+
+
+def attention(q, k, v, mask=None):
+    """Scaled dot-product attention softmax(q·kᵀ/√d)·v, with an optional boolean mask."""
+    scores = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = np.where(mask, scores, -np.inf)
+    peak = scores.max(axis=-1, keepdims=True)
+    weights = np.exp(scores - np.where(np.isfinite(peak), peak, 0))
+    total = weights.sum(axis=-1, keepdims=True)
+    return (weights @ v) / np.where(total == 0, 1, total)
+
+
+def rms_norm(x, weight=None, eps=1e-6):
+    """RMSNorm: x / √(mean(x²) + eps) · weight, over the last dim."""
+    out = x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps)
+    return out * weight if weight is not None else out
+
+
+def modulated_layer_norm(x, shift, scale, eps=1e-6):
+    """adaLN: LayerNorm without affine, then ·(1 + scale) + shift (DiT / Wan2.1 modulation)."""
+    mean = x.mean(axis=-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * (1 + scale) + shift
+
+
+def rope_angles(grid, dim, theta=10000.0):
+    """(L, dim/2) rotation angles of Wan2.1's 3D RoPE: the head dim splits into d − 4⌊d/6⌋ channels
+    for frames and 2⌊d/6⌋ each for rows and columns, each axis with its own frequency ladder."""
+    frames, rows, cols = grid
+    split_hw = 2 * (dim // 6)
+    parts = []
+    for axis, (length, n) in enumerate(((frames, dim - 2 * split_hw), (rows, split_hw), (cols, split_hw))):
+        freqs = 1.0 / theta ** (np.arange(0, n, 2, dtype=np.float64) / n)
+        angles = np.outer(np.arange(length, dtype=np.float64), freqs)  # (length, n/2)
+        shape = [1, 1, 1, n // 2]
+        shape[axis] = length
+        parts.append(np.broadcast_to(angles.reshape(shape), (frames, rows, cols, n // 2)))
+    return np.concatenate(parts, axis=-1).reshape(frames * rows * cols, dim // 2)
+
+
+def rope_3d(x, grid, theta=10000.0):
+    """Rotate consecutive channel pairs (x[2i], x[2i+1]) of x (B, H, L, D) by the 3D RoPE angles."""
+    angles = rope_angles(grid, x.shape[-1], theta)
+    cos, sin = np.cos(angles).astype(x.dtype), np.sin(angles).astype(x.dtype)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2] = even * cos - odd * sin
+    out[..., 1::2] = even * sin + odd * cos
+    return out
+
+
+def timestep_embedding(t, dim, max_period=10000.0):
+    """Sinusoidal timestep embedding, cos half first (Wan2.1: flip_sin_to_cos, no frequency shift)."""
+    half = dim // 2
+    freqs = np.exp(-np.log(max_period) * np.arange(half, dtype=np.float64) / half)
+    args = np.asarray(t, dtype=np.float64)[:, None] * freqs[None]
+    emb = np.concatenate([np.cos(args), np.sin(args)], axis=-1)
+    if dim % 2:
+        emb = np.concatenate([emb, np.zeros_like(emb[:, :1])], axis=-1)
+    return emb.astype(np.asarray(t).dtype if np.asarray(t).dtype.kind == "f" else np.float64)
+
+
+def lora_bgmv(x, y, lora_a, lora_b, scales, index):
+    """Mixed-adapter LoRA (Punica BGMV): y[i] + scale_a·x[i]·A_aᵀ·B_aᵀ with a = index[i], −1 = no adapter.
+
+    x (N, …, Din), y (N, …, Dout) the base output, lora_a (n, r, Din), lora_b (n, Dout, r), scales (n,).
+    Adapters of smaller rank are zero-padded to r, which changes nothing."""
+    out = y.copy()
+    for i, a in enumerate(np.asarray(index)):
+        if a >= 0:
+            out[i] = out[i] + scales[a] * ((x[i] @ lora_a[a].T) @ lora_b[a].T)
+    return out

@@ -1,0 +1,159 @@
+"""The registries `COMPONENTS(kind, device, variant)` and `KERNELS(op, device, arch, variant)`.
+
+A cell is a key plus a dotted import path held as a string and the availability checks that give the
+*reasons* it cannot run here (an empty list means it can). Nothing is imported until a cell is resolved,
+so listing every cell stays light. Out-of-tree packages add cells through the entry-point group
+`cardtool.backends`: each entry point names a function `register(components, kernels)`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cardtool.backends.platform import Platform
+from cardtool.errors import BadInput
+
+__all__ = ["Cell", "Registry", "COMPONENTS", "KERNELS", "NoCellAvailable", "load_plugins", "plugin_errors"]
+
+ENTRY_POINT_GROUP = "cardtool.backends"
+
+
+class NoCellAvailable(BadInput):
+    """Nothing on the platform's chain can run an op or component; the message lists every reason."""
+
+
+@dataclass(frozen=True)
+class Cell:
+    key: tuple[str, ...]
+    target: str  # "package.module:attribute", imported only on resolution
+    requires: tuple[str, ...] = ()  # modules that must be importable
+    check: str | None = None  # "package.module:function", called as function(platform) -> list[str]
+    dtypes: tuple[str, ...] = ("float64", "float32", "bfloat16")  # what parity runs it at
+    reference: bool = False  # the numpy oracle: parity compares the others against it
+    source: str = "builtin"  # or the distribution whose entry point registered it
+
+    @property
+    def name(self) -> str:
+        return "/".join(self.key)
+
+    def load(self) -> Callable:
+        module, _, attribute = self.target.partition(":")
+        return getattr(importlib.import_module(module), attribute)
+
+
+class Registry:
+    """Cells keyed by (name, device[, arch], variant), resolved along a platform's chain."""
+
+    def __init__(self, title: str, fields: tuple[str, ...]):
+        self.title, self.fields = title, fields
+        self._cells: dict[tuple[str, ...], Cell] = {}
+        self._resolved: dict[tuple, tuple[Cell, Callable]] = {}
+
+    def register(self, *key: str, target: str, requires: tuple[str, ...] = (), check: str | None = None,
+                 dtypes: tuple[str, ...] | None = None, reference: bool = False, source: str = "builtin") -> Cell:
+        if len(key) != len(self.fields):
+            raise ValueError(f"{self.title} keys are ({', '.join(self.fields)}), got {key}")
+        extra = {"dtypes": dtypes} if dtypes is not None else {}
+        cell = Cell(tuple(key), target, tuple(requires), check, reference=reference, source=source, **extra)
+        self._cells[cell.key] = cell
+        self._resolved.clear()
+        return cell
+
+    def unregister(self, *key: str) -> None:
+        self._cells.pop(tuple(key), None)
+        self._resolved.clear()
+
+    def cells(self) -> list[Cell]:
+        load_plugins()
+        return list(self._cells.values())
+
+    def reasons(self, cell: Cell, platform: Platform) -> list[str]:
+        """Why `cell` cannot run on `platform`; empty when it can. Imports nothing heavy."""
+        device, arch = cell.key[1], cell.key[2] if "arch" in self.fields else None
+        reasons = []
+        if arch is None:
+            if device not in platform.component_chain():
+                reasons.append(f"{device} is not on the chain of {platform.device}/{platform.arch}")
+        elif (device, arch) not in platform.kernel_chain():
+            reasons.append(f"{device}/{arch} is not on the chain of {platform.device}/{platform.arch}")
+        reasons += [f"needs {m}, which is not installed" for m in cell.requires if not _importable(m)]
+        if cell.check and not reasons:
+            module, _, function = cell.check.partition(":")
+            reasons += getattr(importlib.import_module(module), function)(platform)
+        return reasons
+
+    def candidates(self, name: str, platform: Platform, variant: str) -> list[tuple[str, ...]]:
+        """Keys to try, in order: along the chain with `variant`, then with the default variant."""
+        variants = [variant] + (["default"] if variant != "default" else [])
+        if "arch" in self.fields:
+            return [(name, d, a, v) for v in variants for d, a in platform.kernel_chain()]
+        return [(name, d, v) for v in variants for d in platform.component_chain()]
+
+    def resolve(self, name: str, platform: Platform, variant: str = "default") -> tuple[Cell, Callable]:
+        """The first cell on the platform's chain that can run, and its implementation; cached per platform."""
+        memo = (name, platform, variant)
+        if memo in self._resolved:
+            return self._resolved[memo]
+        load_plugins()
+        for key in self.candidates(name, platform, variant):
+            cell = self._cells.get(key)
+            if cell is not None and not self.reasons(cell, platform):
+                self._resolved[memo] = (cell, cell.load())
+                return self._resolved[memo]
+        cells = [c for c in self._cells.values() if c.key[0] == name]
+        if not cells:
+            known = ", ".join(sorted({k[0] for k in self._cells}))
+            raise NoCellAvailable(f"no {self.title} cell named '{name}'; registered: {known}")
+        lines = [f"  {c.name}: {'; '.join(self.reasons(c, platform)) or f'variant {c.key[-1]} was not asked for'}"
+                 for c in cells]
+        raise NoCellAvailable(f"nothing can run {self.title} '{name}' (variant {variant}) on "
+                              f"{platform.device}/{platform.arch}:\n" + "\n".join(lines))
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+COMPONENTS = Registry("component", ("kind", "device", "variant"))
+KERNELS = Registry("kernel", ("op", "device", "arch", "variant"))
+
+_plugins_loaded = False
+_plugin_errors: list[str] = []
+
+
+def load_plugins() -> None:
+    """Call every `cardtool.backends` entry point once; a broken plugin is reported, never fatal."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    from cardtool.backends import builtin
+
+    builtin.register(COMPONENTS, KERNELS)
+    for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            entry.load()(_Scoped(COMPONENTS, entry), _Scoped(KERNELS, entry))
+        except Exception as error:  # noqa: BLE001 - a plugin's failure must not take the tool down
+            _plugin_errors.append(f"{entry.value} ({entry.name}): {type(error).__name__}: {error}")
+
+
+def plugin_errors() -> list[str]:
+    load_plugins()
+    return list(_plugin_errors)
+
+
+class _Scoped:
+    """A registry as a plugin sees it: every cell it registers records the plugin as its source."""
+
+    def __init__(self, registry: Registry, entry: importlib.metadata.EntryPoint):
+        self._registry, self._source = registry, entry.dist.name if entry.dist else entry.value
+
+    def register(self, *key: str, **kwargs) -> Cell:
+        return self._registry.register(*key, **{**kwargs, "source": self._source})

@@ -1,0 +1,122 @@
+"""Device-generic, differentiable torch implementations of the kernel ops (conventions: reference.py).
+
+Numerically sensitive ops (the SDE step, norms, RoPE, timestep embedding) compute in float32 when given
+float16/bfloat16, as diffusers and Flow-GRPO do, and return the input dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+from cardtool.backends.reference import rope_angles
+
+__all__ = ["flow_match_step", "flow_sde_step", "cfg_combine", "attention", "rms_norm", "modulated_layer_norm",
+           "rope_3d", "timestep_embedding", "lora_bgmv"]
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def _compute(x: torch.Tensor) -> torch.dtype:
+    return torch.float32 if x.dtype in _LOW else x.dtype
+
+
+def _per_sample(value, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    a = torch.as_tensor(value, dtype=dtype, device=x.device)
+    return a.reshape(a.shape + (1,) * (x.ndim - a.ndim)) if a.ndim else a
+
+
+def flow_match_step(x, v, sigma, sigma_next):
+    """Euler step of the flow-matching ODE: x + (σ_next − σ)·v."""
+    return x + (_per_sample(sigma_next, x, x.dtype) - _per_sample(sigma, x, x.dtype)) * v
+
+
+def flow_sde_step(x, v, sigma, sigma_next, noise=None, prev_sample=None, eta=0.7):
+    """Flow-GRPO SDE step (arXiv 2505.05470): returns (sample, mean, std (B,), log-prob (B,))."""
+    dtype = _compute(x)
+    xc, vc = x.to(dtype), v.to(dtype)
+    s, s_next = _per_sample(sigma, x, dtype), _per_sample(sigma_next, x, dtype)
+    dt = s_next - s
+    std_t = eta * torch.sqrt(s / (1 - torch.where(s == 1, s_next, s)))
+    mean = xc + (vc + std_t**2 / (2 * s) * (xc + (1 - s) * vc)) * dt
+    std = std_t * torch.sqrt(-dt)
+    sample = mean + std * noise.to(dtype) if prev_sample is None else prev_sample.to(dtype)
+    logp = -((sample - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
+    reduce = tuple(range(1, x.ndim))
+    std_b = std.expand_as(logp).mean(dim=reduce)
+    return sample.to(x.dtype), mean.to(x.dtype), std_b.to(x.dtype), logp.mean(dim=reduce).to(x.dtype)
+
+
+def cfg_combine(v_uncond, v_cond, scale):
+    """Classifier-free guidance: v_u + w·(v_c − v_u)."""
+    return v_uncond + _per_sample(scale, v_cond, v_cond.dtype) * (v_cond - v_uncond)
+
+
+def attention(q, k, v, mask=None):
+    """Scaled dot-product attention through torch's fused SDPA; rows with nothing to attend to give zeros."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v)
+    mask = torch.as_tensor(mask, device=q.device, dtype=torch.bool)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    anything = mask.any(dim=-1, keepdim=True)
+    return torch.where(anything, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def rms_norm(x, weight=None, eps=1e-6):
+    """RMSNorm over the last dim."""
+    xc = x.to(_compute(x))
+    out = xc * torch.rsqrt(xc.pow(2).mean(dim=-1, keepdim=True) + eps)
+    if weight is not None:
+        out = out * weight.to(out.dtype)
+    return out.to(x.dtype)
+
+
+def modulated_layer_norm(x, shift, scale, eps=1e-6):
+    """adaLN: LayerNorm without affine, then ·(1 + scale) + shift."""
+    dtype = _compute(x)
+    normed = F.layer_norm(x.to(dtype), x.shape[-1:], eps=eps)
+    return (normed * (1 + scale.to(dtype)) + shift.to(dtype)).to(x.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _rope_tables(grid: tuple[int, int, int], dim: int, theta: float, device: str, dtype: torch.dtype):
+    angles = torch.from_numpy(rope_angles(grid, dim, theta))  # float64, computed once per grid
+    return angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)
+
+
+def rope_3d(x, grid, theta=10000.0):
+    """Wan2.1 3D RoPE on x (B, H, L, D): rotate channel pairs (2i, 2i+1) by per-token angles."""
+    dtype = _compute(x)
+    cos, sin = _rope_tables(tuple(int(g) for g in grid), x.shape[-1], float(theta), str(x.device), dtype)
+    pairs = x.to(dtype).unflatten(-1, (-1, 2))  # (B, H, L, D/2, 2)
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2).to(x.dtype)
+
+
+def timestep_embedding(t, dim, max_period=10000.0):
+    """Sinusoidal timestep embedding, cos half first."""
+    dtype = _compute(t) if t.is_floating_point() else torch.float32
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=dtype, device=t.device) / half)
+    args = t.to(dtype)[:, None] * freqs[None]
+    emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+    if dim % 2:
+        emb = F.pad(emb, (0, 1))
+    return emb.to(t.dtype) if t.is_floating_point() else emb
+
+
+def lora_bgmv(x, y, lora_a, lora_b, scales, index):
+    """Mixed-adapter LoRA in one batched call: gather each sample's A, B and scale by index (−1 = none)."""
+    if lora_a.shape[0] == 0:
+        return y
+    index = torch.as_tensor(index, device=x.device)
+    picked = index.clamp(min=0)
+    n = x.shape[0]
+    h = torch.bmm(x.reshape(n, -1, x.shape[-1]), lora_a[picked].transpose(1, 2))  # (N, L, r)
+    delta = torch.bmm(h, lora_b[picked].transpose(1, 2))  # (N, L, Dout)
+    weight = torch.where(index >= 0, scales[picked], torch.zeros((), dtype=scales.dtype, device=x.device))
+    return y + (weight.to(delta.dtype)[:, None, None] * delta).reshape(y.shape)

@@ -1,0 +1,56 @@
+"""`cardtool parity` — every available kernel cell against the numpy reference (or float32 for low precision)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from cardtool.cli.output import console, emit_json, handled
+
+
+def parity_command(
+    device: Annotated[str | None, typer.Option("--device", help="Override the device: cuda, cpu or numpy.")] = None,
+    op: Annotated[str | None, typer.Option("--op", help="Only this op.")] = None,
+    json_: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (see README).")] = False,
+) -> None:
+    """Run every available kernel cell on seeded inputs and compare; exit 1 if any cell fails."""
+    from cardtool.backends.builtin import OPS
+    from cardtool.backends.parity import run_parity
+    from cardtool.backends.platform import Platform
+    from cardtool.backends.registry import KERNELS
+    from cardtool.errors import BadInput
+
+    with handled(json_):
+        platform = Platform.detect(device)
+        known = {cell.key[0] for cell in KERNELS.cells()} | set(OPS)
+        if op is not None and op not in known:
+            raise BadInput(f"unknown op '{op}'; ops: {', '.join(sorted(known))}")
+        rows = run_parity(platform, op)
+    ok = all(r.passed for r in rows)
+    if json_:
+        emit_json({"platform": platform.to_json(), "ok": ok, "rows": [r.to_json() for r in rows]})
+    else:
+        from rich import box
+        from rich.markup import escape
+        from rich.table import Table
+
+        table = Table(box=box.SIMPLE_HEAD, title=f"parity on {platform.device}/{platform.arch}", title_justify="left")
+        for column in ("op", "cell", "dtype", "against", "cases", "max abs err", "max rel err", "atol/rtol", "verdict"):
+            table.add_column(column, no_wrap=column != "verdict", overflow="fold")
+        for r in rows:
+            op_name, rest = r.cell.split("/", 1)
+            verdict = "[green]pass[/green]" if r.passed else "[red]FAIL[/red]" + (f" {escape(r.error)}" if r.error else "")
+            against = "numpy" if r.against.startswith("numpy") else "f32"
+            table.add_row(op_name, escape(rest), r.dtype, against, str(len(r.shapes)), f"{r.max_abs_err:.1e}",
+                          f"{r.max_rel_err:.1e}", f"{r.atol:.0e}/{r.rtol:.0e}", verdict)
+        out = console()
+        out.print(table)
+        shapes = {r.cell.split("/", 1)[0]: r.shapes for r in rows if r.shapes}
+        for name, cases in shapes.items():
+            out.print(f"  {name}: {'; '.join(cases)}", markup=False)
+        failed = [r for r in rows if not r.passed]
+        out.print(f"{len(rows) - len(failed)} passed, {len(failed)} failed" if rows else
+                  f"no accelerated kernel cells can run on {platform.device}/{platform.arch}; nothing to compare")
+    if not ok:
+        raise typer.Exit(1)
