@@ -5,7 +5,6 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 try:  # tiny models run faster on one thread, and the test machines are small and shared
@@ -15,8 +14,9 @@ try:  # tiny models run faster on one thread, and the test machines are small an
 except ImportError:  # pragma: no cover
     pass
 
-REPO = Path(__file__).resolve().parents[1]
-EXAMPLE_CARDS = REPO / "examples" / "cards"
+from helpers import EXAMPLE_CARDS
+
+from cardtool.backends import registry
 
 
 @pytest.fixture(autouse=True)
@@ -35,24 +35,13 @@ def examples(tmp_path) -> Path:
     return target
 
 
-def write_weights(path: Path, seed: int = 0) -> str:
-    """Write a small real safetensors file and return its sha256."""
-    from safetensors.numpy import save_file
-
-    from cardtool.core.weight_files import sha256_file
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    save_file({"proj.weight": rng.standard_normal((4, 4)).astype(np.float32)}, str(path))
-    return sha256_file(path)
-
-
-def write_card(folder: Path, manifest: str, *, name: str = "card.yaml", weights: tuple[str, ...] = ()) -> Path:
-    """A card folder holding `manifest` (dedented) and a real safetensors file for each of `weights`."""
-    import textwrap
-
-    folder.mkdir(parents=True, exist_ok=True)
-    for seed, rel in enumerate(weights):
-        write_weights(folder / rel, seed)
-    (folder / name).write_text(textwrap.dedent(manifest).lstrip("\n"))
-    return folder
+@pytest.fixture
+def kernels(monkeypatch):
+    """KERNELS and COMPONENTS with their built-in cells, restored after the test whatever it registers."""
+    registry.load_plugins()
+    for reg in (registry.KERNELS, registry.COMPONENTS):
+        monkeypatch.setattr(reg, "_cells", dict(reg._cells))
+        monkeypatch.setattr(reg, "_resolved", {})
+    yield registry.KERNELS
+    for reg in (registry.KERNELS, registry.COMPONENTS):
+        reg._resolved.clear()

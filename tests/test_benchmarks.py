@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from conftest import REPO
+from helpers import REPO
 
 
 def test_cli_startup_benchmark_writes_medians(tmp_path):

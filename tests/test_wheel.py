@@ -8,7 +8,7 @@ import subprocess
 import sys
 import zipfile
 
-from conftest import EXAMPLE_CARDS, REPO
+from helpers import EXAMPLE_CARDS, REPO
 
 
 def test_builtin_cards_are_found_from_a_built_wheel(tmp_path):

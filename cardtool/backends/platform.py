@@ -83,6 +83,8 @@ class Platform:
         if device in ("cpu", "cuda") and not has_torch:
             raise BadInput(f"device {device} needs torch, which is not installed (pip install torch==2.13.0)")
 
+        if device == "numpy":  # one arch only: a forced arch is for the torch devices
+            return cls("numpy", "generic", _cpu_name(), tuple(why))
         if forced_arch:
             if forced_arch not in ARCH_TIERS[device] and not (device == "cuda" and forced_arch.startswith("sm")):
                 raise BadInput(f"unknown {device} arch '{forced_arch}'; known: {', '.join(ARCH_TIERS[device])}")
@@ -94,8 +96,6 @@ class Platform:
                                "(set CARDTOOL_ARCH, e.g. sm90, to simulate one)")
             major, minor = cuda["capability"]
             return cls("cuda", f"sm{major}{minor}", cuda["name"], tuple(why))
-        if device == "numpy":
-            return cls("numpy", "generic", _cpu_name(), tuple(why))
         tier, flags = cpu_tier()
         why.append(f"CPU flags {flags}: ISA tier {tier}" if flags else f"CPU flags unknown: ISA tier {tier}")
         return cls("cpu", tier, _cpu_name(), tuple(why))

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import EXAMPLE_CARDS
+from helpers import EXAMPLE_CARDS
 
 PROBE = """
 import json, sys
@@ -33,6 +33,11 @@ COMMANDS = [
     ["cards", "show", "tiny-distilled", "--json"],
     ["cards", "validate", "--checksums", str(EXAMPLE_CARDS)],
     ["cards", "lineage", "tiny-distilled", "--json"],
+    ["platform", "detect"],
+    ["platform", "detect", "--json"],
+    ["platform", "matrix"],
+    ["platform", "matrix", "--json"],
+    ["parity", "--help"],
 ]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from conftest import EXAMPLE_CARDS, write_card
+from helpers import EXAMPLE_CARDS, write_card
 
 from cardtool.core import discovery
 from cardtool.core.catalog import list_cards, validate_paths

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import yaml
-from conftest import write_card
+from helpers import write_card
 
 from cardtool.core.loader import load_card, merge_extends
 from cardtool.errors import CardValidationError

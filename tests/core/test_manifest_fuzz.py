@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 import yaml
-from conftest import EXAMPLE_CARDS
+from helpers import EXAMPLE_CARDS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

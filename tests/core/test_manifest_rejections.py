@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import write_card, write_weights
+from helpers import write_card, write_weights
 
 from cardtool.core.loader import load_card
 from cardtool.errors import CardValidationError

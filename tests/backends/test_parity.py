@@ -1,0 +1,67 @@
+"""`cardtool parity` passes every cell on this machine and has teeth: wrong kernels fail, named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from cardtool.backends.builtin import OPS
+from cardtool.backends.parity import run_parity
+from cardtool.backends.platform import Platform, cpu_tier
+from cardtool.cli import app
+
+HERE = Platform("cpu", cpu_tier()[0])
+
+
+def test_every_torch_cell_passes_at_float64_float32_bfloat16():
+    rows = run_parity(HERE)
+    generic = {(r.cell, r.dtype) for r in rows if "/cpu/generic/" in r.cell}
+    assert generic == {(f"{op}/cpu/generic/default", d) for op in OPS for d in ("float64", "float32", "bfloat16")}
+    failed = [(r.cell, r.dtype, r.max_abs_err, r.error) for r in rows if not r.passed]
+    assert not failed, failed
+    assert all(len(r.shapes) >= 1 for r in rows)
+
+
+@pytest.mark.skipif(HERE.arch != "avx512_bf16", reason="the bf16 variants live on the avx512_bf16 tier")
+def test_bf16_variants_are_held_to_bf16_tolerances_against_float32():
+    rows = {r.cell: r for r in run_parity(HERE) if r.cell.endswith("/bf16")}
+    assert set(rows) == {"attention/cpu/avx512_bf16/bf16", "lora_bgmv/cpu/avx512_bf16/bf16"}
+    for row in rows.values():
+        assert row.passed and row.dtype == "float32" and row.against.endswith("in float32")
+        assert row.atol >= 1e-2 and row.max_abs_err > 1e-4, "bf16 compute is really lower precision"
+
+
+def test_numpy_platform_has_nothing_to_compare():
+    assert run_parity(Platform("numpy", "generic")) == []
+
+
+@pytest.mark.parametrize(("op", "target"), [("cfg_combine", "wrong_kernels:cfg_combine_sign_flipped"),
+                                            ("attention", "wrong_kernels:attention_drops_mask")])
+def test_a_wrong_kernel_fails_parity_naming_its_cell(kernels, monkeypatch, op, target):
+    kernels.register(op, "cpu", "avx2", "default", target=target, requires=("torch",))
+    monkeypatch.setenv("CARDTOOL_ARCH", "avx2")
+    result = CliRunner().invoke(app, ["parity", "--device", "cpu", "--op", op, "--json"])
+    assert result.exit_code == 1
+    report = json.loads(result.stdout)
+    verdicts = {(r["cell"], r["dtype"]): r["passed"] for r in report["rows"]}
+    wrong = f"{op}/cpu/avx2/default"
+    assert not verdicts[(wrong, "float64")] and not verdicts[(wrong, "float32")]
+    assert all(ok for (cell, _), ok in verdicts.items() if cell != wrong), "the correct cells still pass"
+    table = CliRunner().invoke(app, ["parity", "--device", "cpu", "--op", op])
+    assert table.exit_code == 1 and "cpu/avx2/default" in table.stdout and "FAIL" in table.stdout
+
+
+def test_a_crashing_kernel_is_a_failed_row_not_a_crash(kernels, monkeypatch):
+    kernels.register("rms_norm", "cpu", "avx2", "default", target="wrong_kernels:no_such_function")
+    rows = run_parity(Platform("cpu", "avx2"), "rms_norm")
+    crashed = [r for r in rows if r.cell == "rms_norm/cpu/avx2/default"]
+    assert crashed and all(not r.passed and "AttributeError" in r.error for r in crashed)
+
+
+def test_parity_cli_passes_here_and_rejects_unknown_ops():
+    result = CliRunner().invoke(app, ["parity", "--json"])
+    assert result.exit_code == 0, result.stdout[-2000:]
+    assert json.loads(result.stdout)["ok"]
+    assert CliRunner().invoke(app, ["parity", "--op", "nope"]).exit_code == 2

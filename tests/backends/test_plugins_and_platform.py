@@ -1,0 +1,141 @@
+"""Out-of-tree cells arrive through the `cardtool.backends` entry point; detection is honest and overridable."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from cardtool.backends import platform as platform_module
+from cardtool.backends import registry
+from cardtool.backends.platform import Platform, cpu_tier
+from cardtool.cli import app
+from cardtool.errors import BadInput
+
+PLUGIN = '''
+def register(components, kernels):
+    kernels.register("cfg_combine", "cpu", "avx2", "default", target="dummy_backend.ops:cfg_combine",
+                     requires=("torch",), dtypes=("float32",))
+    components.register("toy-vae", "numpy", "default", target="dummy_backend.ops:ToyVae")
+'''
+OPS = '''
+from cardtool.backends.torch_ops import cfg_combine
+
+
+class ToyVae:
+    pass
+'''
+
+
+@pytest.fixture
+def installed_plugin(tmp_path, monkeypatch, kernels):
+    """A small installed distribution (a package plus its dist-info) registering one kernel and one component."""
+    site = tmp_path / "site"
+    (site / "dummy_backend").mkdir(parents=True)
+    (site / "dummy_backend" / "__init__.py").write_text(PLUGIN)
+    (site / "dummy_backend" / "ops.py").write_text(OPS)
+    info = site / "dummy_backend-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: dummy-backend\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[cardtool.backends]\ndummy = dummy_backend:register\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(registry, "_plugins_loaded", False)
+    monkeypatch.setattr(registry, "_plugin_errors", [])
+    yield site
+    for module in ("dummy_backend", "dummy_backend.ops"):
+        sys.modules.pop(module, None)
+
+
+def test_entry_point_cells_are_registered_and_resolved(installed_plugin):
+    cell, fn = registry.KERNELS.resolve("cfg_combine", Platform("cpu", "avx2"))
+    assert cell.name == "cfg_combine/cpu/avx2/default" and cell.source == "dummy-backend"
+    assert fn.__module__ == "cardtool.backends.torch_ops"
+    component = registry.COMPONENTS.resolve("toy-vae", Platform("cpu", "avx2"))[0]
+    assert component.name == "toy-vae/numpy/default", "the cpu component chain ends at numpy"
+
+
+def test_plugin_cells_show_in_the_matrix_with_their_source(installed_plugin, monkeypatch):
+    monkeypatch.setenv("CARDTOOL_ARCH", "avx2")
+    result = CliRunner().invoke(app, ["platform", "matrix", "--op", "cfg_combine", "--json"])
+    assert result.exit_code == 0
+    cells = {c["cell"]: c for c in json.loads(result.stdout)["cells"]}
+    assert cells["cfg_combine/cpu/avx2/default"]["source"] == "dummy-backend"
+    assert cells["cfg_combine/cpu/avx2/default"]["available"]
+    assert set(cells) == {"cfg_combine/numpy/generic/default", "cfg_combine/cpu/generic/default",
+                          "cfg_combine/cuda/generic/default", "cfg_combine/cpu/avx2/default"}
+
+
+def test_a_broken_plugin_is_reported_not_fatal(installed_plugin):
+    broken = "def register(components, kernels):\n    raise RuntimeError('boom')\n"
+    (installed_plugin / "dummy_backend" / "__init__.py").write_text(broken)
+    cell = registry.KERNELS.resolve("cfg_combine", Platform("cpu", "avx2"))[0]
+    assert cell.name == "cfg_combine/cpu/generic/default"
+    assert registry.plugin_errors() == ["dummy_backend:register (dummy): RuntimeError: boom"]
+
+
+def test_cpu_tier_from_flags():
+    assert cpu_tier("fpu sse avx2 avx512f avx512_bf16") == ("avx512_bf16", "include avx512_bf16")
+    assert cpu_tier("fpu sse avx2") == ("avx2", "include avx2")
+    assert cpu_tier("fpu sse") == ("generic", "have neither avx512_bf16 nor avx2")
+
+
+def test_detect_on_this_machine_is_torch_on_the_cpu(monkeypatch):
+    monkeypatch.delenv("CARDTOOL_DEVICE", raising=False)
+    monkeypatch.delenv("CARDTOOL_ARCH", raising=False)
+    monkeypatch.setattr(platform_module, "_cuda_probe", lambda: None)
+    detected = Platform.detect()
+    assert detected.device == "cpu" and detected.arch == cpu_tier()[0]
+    assert detected.why[0] == "torch is installed and reports no CUDA device: torch on the host CPU"
+
+
+def test_detect_reports_cuda_from_torchs_capability(monkeypatch):
+    monkeypatch.delenv("CARDTOOL_DEVICE", raising=False)
+    monkeypatch.delenv("CARDTOOL_ARCH", raising=False)
+    monkeypatch.setattr(platform_module, "_cuda_probe", lambda: {"name": "NVIDIA H200", "capability": [9, 0]})
+    detected = Platform.detect()
+    assert (detected.device, detected.arch, detected.tiers) == ("cuda", "sm90", ("sm90a", "sm80"))
+
+
+def test_detect_without_torch_is_the_numpy_rung(monkeypatch):
+    monkeypatch.delenv("CARDTOOL_DEVICE", raising=False)
+    monkeypatch.setattr(platform_module.importlib.util, "find_spec", lambda name: None)
+    assert Platform.detect() == Platform("numpy", "generic")
+    with pytest.raises(BadInput, match="needs torch"):
+        Platform.detect("cpu")
+
+
+def test_overrides_force_device_and_arch(monkeypatch):
+    monkeypatch.setenv("CARDTOOL_DEVICE", "cuda")
+    monkeypatch.setenv("CARDTOOL_ARCH", "sm120")
+    forced = Platform.detect()
+    assert (forced.device, forced.arch) == ("cuda", "sm120")
+    assert "arch sm120 forced by CARDTOOL_ARCH" in forced.why
+    assert Platform.detect("numpy").device == "numpy", "--device beats the environment"
+    monkeypatch.setenv("CARDTOOL_ARCH", "avx2")
+    assert Platform.detect("cpu") == Platform("cpu", "avx2")
+
+
+def test_bad_overrides_are_bad_input(monkeypatch):
+    with pytest.raises(BadInput, match="unknown device 'tpu'"):
+        Platform.detect("tpu")
+    monkeypatch.setenv("CARDTOOL_ARCH", "avx9000")
+    with pytest.raises(BadInput, match="unknown cpu arch 'avx9000'"):
+        Platform.detect("cpu")
+
+
+def test_asking_for_cuda_without_a_device_explains(monkeypatch):
+    monkeypatch.delenv("CARDTOOL_ARCH", raising=False)
+    monkeypatch.setattr(platform_module, "_cuda_probe", lambda: None)
+    with pytest.raises(BadInput, match="torch reports no CUDA device"):
+        Platform.detect("cuda")
+
+
+def test_platform_detect_cli_json(monkeypatch):
+    monkeypatch.setenv("CARDTOOL_ARCH", "avx2")
+    result = CliRunner().invoke(app, ["platform", "detect", "--device", "cpu", "--json"])
+    assert result.exit_code == 0
+    shown = json.loads(result.stdout)
+    assert shown["kernel_chain"] == ["cpu/avx2", "cpu/generic", "numpy/generic"]
+    assert CliRunner().invoke(app, ["platform", "detect", "--device", "tpu"]).exit_code == 2

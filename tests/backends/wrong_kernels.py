@@ -1,0 +1,11 @@
+"""Deliberately wrong kernels: parity must catch each of them."""
+
+from cardtool.backends import torch_ops
+
+
+def cfg_combine_sign_flipped(v_uncond, v_cond, scale):
+    return v_uncond - torch_ops._per_sample(scale, v_cond, v_cond.dtype) * (v_cond - v_uncond)
+
+
+def attention_drops_mask(q, k, v, mask=None):
+    return torch_ops.attention(q, k, v)
