@@ -8,17 +8,15 @@ each card and are never inherited. Inherited weight paths keep pointing into the
 from __future__ import annotations
 
 import copy
-import difflib
 import os
-import types
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from cardtool.core.discovery import locate
 from cardtool.core.schema import CardManifest
+from cardtool.core.schema_errors import locate_problem, schema_problems
 from cardtool.core.source import FieldPath, Source, display_path, read_source
 from cardtool.core.weight_files import PICKLE_SUFFIXES, format_problem, sha256_file
 from cardtool.errors import BadInput, CardValidationError, Problem
@@ -46,7 +44,7 @@ class Card:
         return self.file.parent
 
     def problem(self, path: FieldPath, message: str, fix: str = "", *, key: bool = False) -> Problem:
-        return _problem(self.sources, path, message, fix, key=key)
+        return locate_problem(self.sources, path, message, fix, key=key)
 
     def weights_file(self, name: str) -> Path:
         """The weights of component or adapter `name`, checked: a safetensors file whose sha256 matches."""
@@ -78,7 +76,7 @@ def load_card(ref: str | Path, *, checksums: bool = False, _chain: tuple[Path, .
     try:
         manifest = CardManifest.model_validate(data)
     except ValidationError as e:
-        raise CardValidationError(problems + _schema_problems(e, data, sources)) from None
+        raise CardValidationError(problems + schema_problems(e, data, sources)) from None
     card = Card(manifest, file, sources, data)
     problems += _reference_problems(card)
     for section in ("components", "adapters"):
@@ -125,15 +123,6 @@ def _load_parent(source: Source, extends: str, checksums: bool, chain: tuple[Pat
     except CardValidationError as e:
         first = _with(here, f"extends '{extends}', which is invalid", "fix the problems listed after this one")
         raise CardValidationError([first] + e.problems) from None
-
-
-def _problem(sources, path: FieldPath, message: str, fix: str = "", *, key: bool = False) -> Problem:
-    """A problem located in whichever manifest (the card's own or one it extends) declares `path`."""
-    for n in range(len(path), 0, -1):
-        for source in sources:
-            if path[:n] in source.keys:
-                return source.problem(path, message, fix, key=key)
-    return sources[0].problem(path, message, fix, key=key)
 
 
 def _with(problem: Problem, message: str, fix: str) -> Problem:
@@ -248,102 +237,3 @@ def _exists(path: Path) -> bool:
         return path.exists()
     except (OSError, ValueError):
         return False
-
-
-# --- schema errors -----------------------------------------------------------------------------------
-
-def _schema_problems(error: ValidationError, data: dict, sources: tuple[Source, ...]) -> list[Problem]:
-    problems = []
-    for e in error.errors():
-        path = _data_path(e["loc"], data)
-        kind = e["type"]
-        if kind == "extra_forbidden":
-            problems.append(_problem(sources, path, "unknown key", _extra_fix(e["loc"]), key=True))
-        elif kind == "missing":
-            fix = f"add '{path[-1]}'"
-            if path == ("recipe",) and "extends" in data:
-                fix += " (a derived card states its own recipe; recipe is never inherited)"
-            problems.append(_problem(sources, path, "required field is missing", fix, key=True))
-        elif kind in ("union_tag_invalid", "union_tag_not_found"):
-            expected = (e.get("ctx") or {}).get("expected_tags", "'lora', 'controlnet'")
-            problems.append(_problem(sources, path + ("kind",), f"unknown or missing adapter kind; expected {expected}",
-                                     "set kind to one of the expected values", key=kind == "union_tag_not_found"))
-        else:
-            problems.append(_problem(sources, path, _value_message(e), "correct the value"))
-    return problems
-
-
-def _data_path(loc: tuple, data) -> FieldPath:
-    """The field path in the manifest data for a pydantic error location (which also names union tags)."""
-    path, node = [], data
-    for i, part in enumerate(loc):
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
-            node = node[part]
-        elif i != len(loc) - 1 or part == "[key]":
-            continue  # a union tag or a key-validation step, not a field of the file
-        path.append(str(part))
-    return tuple(path)
-
-
-def _value_message(e: dict) -> str:
-    pattern = (e.get("ctx") or {}).get("pattern", "")
-    if "0-9a-f" in pattern:
-        message = "not a sha256 digest (64 lowercase hex characters)"
-    elif pattern:
-        message = "a name must start with a letter or digit and use only letters, digits, '.', '_' and '-'"
-    else:
-        message = e["msg"]
-    value = e.get("input")
-    shown = type(value).__name__ if isinstance(value, (dict, list)) else repr(value)
-    return f"{message}, got {shown[:80]}"
-
-
-def _extra_fix(loc: tuple) -> str:
-    allowed = _allowed_keys(loc[:-1])
-    if not allowed:
-        return "remove it"
-    close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
-    if close:
-        return f"did you mean '{close[0]}'?"
-    return f"remove it; allowed here: {', '.join(allowed)}"
-
-
-def _allowed_keys(loc: tuple) -> list[str]:
-    """The keys the schema allows at a pydantic error location, found by walking the model types."""
-    kind = CardManifest
-    for part in loc:
-        kind = _strip(kind)
-        if isinstance(kind, type) and issubclass(kind, BaseModel):
-            field = next((f for n, f in kind.model_fields.items() if (f.alias or n) == part), None)
-            if field is None:
-                return []
-            kind = field.annotation
-        elif typing.get_origin(kind) in (dict, list):
-            kind = typing.get_args(kind)[-1]
-        elif typing.get_origin(kind) in (typing.Union, types.UnionType):
-            kind = next((m for m in typing.get_args(kind) if _tag(m) == part), None)
-        else:
-            return []
-    kind = _strip(kind)
-    if isinstance(kind, type) and issubclass(kind, BaseModel):
-        return [f.alias or n for n, f in kind.model_fields.items()]
-    return []
-
-
-def _strip(kind):
-    while typing.get_origin(kind) is typing.Annotated:
-        kind = typing.get_args(kind)[0]
-    if typing.get_origin(kind) in (typing.Union, types.UnionType):
-        members = [m for m in typing.get_args(kind) if m is not type(None)]
-        if len(members) == 1:
-            return _strip(members[0])
-    return kind
-
-
-def _tag(model) -> str | None:
-    if isinstance(model, type) and issubclass(model, BaseModel) and "kind" in model.model_fields:
-        args = typing.get_args(model.model_fields["kind"].annotation)
-        return args[0] if args else None
-    return None
