@@ -1,15 +1,29 @@
 """cardtool's own registrations: every op's numpy reference, its device-generic torch implementation on
-cpu and cuda, and the bfloat16 variants of the matmul-heavy ops on the avx512_bf16 CPU tier."""
+cpu and cuda, the bfloat16 variants of the matmul-heavy ops on the avx512_bf16 CPU tier; and the
+components (keyed by the implementation name a card's `impl` gives) in torch and, where one exists, numpy."""
 
 from __future__ import annotations
 
-__all__ = ["OPS", "register"]
+__all__ = ["OPS", "COMPONENT_IMPLS", "register"]
 
 OPS = ("flow_match_step", "flow_sde_step", "cfg_combine", "attention", "rms_norm", "modulated_layer_norm",
        "rope_3d", "timestep_embedding", "lora_bgmv")
 
 
+# impl → (torch builder, numpy builder or None, what the torch builder needs installed)
+COMPONENT_IMPLS = {"wan-dit": ("wan_dit_torch", "wan_dit_numpy", ("torch",)),
+                   "conv-vae": ("conv_vae_torch", "conv_vae_numpy", ("torch",)),
+                   "hf-encoder": ("hf_encoder_torch", None, ("torch", "transformers"))}
+
+
 def register(components, kernels) -> None:
+    for impl, (torch_builder, numpy_builder, requires) in COMPONENT_IMPLS.items():
+        for device in ("cuda", "cpu"):
+            components.register(impl, device, "default", target=f"cardtool.backends.builders:{torch_builder}",
+                                requires=requires)
+        if numpy_builder:
+            components.register(impl, "numpy", "default", target=f"cardtool.backends.builders:{numpy_builder}",
+                                reference=True)
     for op in OPS:
         kernels.register(op, "numpy", "generic", "default", target=f"cardtool.backends.reference:{op}",
                          dtypes=("float64",), reference=True)

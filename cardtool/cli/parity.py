@@ -12,6 +12,7 @@ from cardtool.cli.output import console, emit_json, handled
 def parity_command(
     device: Annotated[str | None, typer.Option("--device", help="Override the device: cuda, cpu or numpy.")] = None,
     op: Annotated[str | None, typer.Option("--op", help="Only this op.")] = None,
+    card: Annotated[str | None, typer.Option("--card", help="Also compare the card's components with numpy.")] = None,
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (see README).")] = False,
 ) -> None:
     """Run every available kernel cell on seeded inputs and compare; exit 1 if any cell fails."""
@@ -27,6 +28,11 @@ def parity_command(
         if op is not None and op not in known:
             raise BadInput(f"unknown op '{op}'; ops: {', '.join(sorted(known))}")
         rows = run_parity(platform, op)
+        if card is not None:
+            from cardtool.core.card_parity import card_parity
+            from cardtool.core.loader import load_card
+
+            rows += card_parity(load_card(card), platform)
     ok = all(r.passed for r in rows)
     if json_:
         emit_json({"platform": platform.to_json(), "ok": ok, "rows": [r.to_json() for r in rows]})

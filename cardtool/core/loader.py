@@ -21,7 +21,7 @@ from cardtool.core.source import FieldPath, Source, display_path, read_source
 from cardtool.core.weight_files import PICKLE_SUFFIXES, format_problem, sha256_file
 from cardtool.errors import BadInput, CardValidationError, Problem
 
-__all__ = ["Card", "load_card", "merge_extends"]
+__all__ = ["Card", "load_card", "merge_extends", "package_path"]
 
 _OWN_KEYS = ("id", "extends", "recipe")  # never inherited through `extends`
 
@@ -56,6 +56,32 @@ class Card:
         if problems:
             raise CardValidationError(problems)
         return self.folder / entry.weights
+
+    def source_path(self, name: str) -> Path | None:
+        """Where component `name`'s `source` lives: inside an installed package or the card folder."""
+        source = self.manifest.components[name].source
+        if source is None:
+            return None
+        return package_path(source) if source.startswith("package:") else self.folder / source
+
+
+def package_path(source: str) -> Path:
+    """The folder a `package:<module>/<path>` source names inside an installed package, found without
+    importing the package (its __init__ may be heavy)."""
+    import importlib.util
+
+    module, _, rest = source.removeprefix("package:").partition("/")
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise BadInput(f"source {source}: the package '{module}' is not installed "
+                       f"(pip install {module.replace('_', '-')})")
+    folder = Path(list(spec.submodule_search_locations)[0]) / rest
+    if not folder.exists():
+        raise BadInput(f"source {source}: {folder} does not exist in the installed package '{module}'")
+    return folder
 
 
 def load_card(ref: str | Path, *, checksums: bool = False, _chain: tuple[Path, ...] = ()) -> Card:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import struct
 from pathlib import Path
 
-__all__ = ["PICKLE_SUFFIXES", "format_problem", "sha256_file"]
+__all__ = ["PICKLE_SUFFIXES", "format_problem", "sha256_file", "tensor_digest"]
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle")
 
@@ -43,3 +44,28 @@ def format_problem(path: Path) -> str | None:
     if header_len == 0 or 8 + header_len > size or head[8:9] != b"{":
         return f"'{path.name}' does not have a valid safetensors header (truncated or corrupt)"
     return None
+
+
+_versions: dict[tuple[str, int, int], str] = {}
+
+
+def tensor_digest(path: Path) -> str:
+    """A content hash of the tensors in a safetensors file (names, dtypes, shapes, bytes), blind to its
+    metadata and tensor order: the weights version used in cache keys. Read from the raw layout, so any
+    dtype (bf16 included) hashes without a framework."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _versions:
+        with path.open("rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+            start = 8 + header_len
+            digest = hashlib.sha256()
+            for name in sorted(k for k in header if k != "__metadata__"):
+                entry = header[name]
+                begin, end = entry["data_offsets"]
+                f.seek(start + begin)
+                digest.update(f"{name}|{entry['dtype']}|{entry['shape']}|".encode())
+                digest.update(f.read(end - begin))
+        _versions[key] = digest.hexdigest()
+    return _versions[key]

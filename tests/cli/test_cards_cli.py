@@ -73,7 +73,7 @@ def test_show_invalid_card_exits_1_with_located_problems(examples):
     bad.write_text(bad.read_text().replace("frozen: true", "frozen: yes please"))
     result = run("cards", "show", str(examples / "tiny-base"))
     assert result.exit_code == 1
-    assert "card.yaml:11:13: components.text_encoder.frozen: Input should be a valid boolean" in result.stderr
+    assert "card.yaml:13:13: components.text_encoder.frozen: Input should be a valid boolean" in result.stderr
 
 
 def test_validate_ok_and_with_checksums(examples):

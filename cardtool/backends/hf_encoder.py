@@ -1,0 +1,37 @@
+"""`hf-encoder`: a Hugging Face encoder as a frozen text encoder, loaded strictly offline from a folder.
+
+Output as Wan pads its umT5 states: token hidden states (B, max_length, d) zero beyond each prompt's
+tokens, and the boolean mask of real tokens. The empty prompt is the null condition for CFG.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+__all__ = ["HFTextEncoder"]
+
+
+class HFTextEncoder:
+    def __init__(self, folder: Path, max_length: int, device: str, dtype: torch.dtype):
+        os.environ["HF_HUB_OFFLINE"] = "1"  # a folder on disk, never the hub
+        from transformers import AutoModel, AutoTokenizer
+        from transformers.utils import logging
+
+        logging.disable_progress_bar()
+
+        self.max_length, self.device = max_length, device
+        self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        self.model = AutoModel.from_pretrained(folder, local_files_only=True, use_safetensors=True,
+                                               dtype=dtype).to(device).eval().requires_grad_(False)
+        self.dim = self.model.config.hidden_size
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = self.tokenizer(list(prompts), padding="max_length", truncation=True, max_length=self.max_length,
+                                return_tensors="pt").to(self.device)
+        states = self.model(**tokens).last_hidden_state
+        mask = tokens["attention_mask"].bool()
+        return states * mask[..., None].to(states.dtype), mask

@@ -1,0 +1,142 @@
+"""The Wan2.1 DiT (arXiv 2503.20314) in torch, with diffusers' `WanTransformer3DModel` state-dict keys.
+
+Shared time modulation `e0 = Linear(SiLU(e))` (B, 6, D), plus each block's learned bias (1, 6, D); gated
+self-attention with qk-RMSNorm and 3D RoPE; ungated cross-attention to the projected text states; gated
+FFN; a head modulated by e plus its own bias. Every primitive op (attention, norms, modulation, RoPE,
+timestep embedding) comes from the platform's kernel table, so a faster kernel changes no code here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cardtool.backends.platform import Platform
+from cardtool.backends.registry import KERNELS
+from cardtool.backends.wan_config import WanDiTConfig
+
+__all__ = ["WanDiT", "Kernels"]
+
+OPS = ("attention", "rms_norm", "modulated_layer_norm", "rope_3d", "timestep_embedding")
+
+
+class Kernels:
+    """The resolved kernel ops a module calls, looked up once per platform (a dict lookup in the hot loop)."""
+
+    def __init__(self, platform: Platform, variant: str = "default"):
+        for op in OPS:
+            setattr(self, op, KERNELS.resolve(op, platform, variant)[1])
+
+
+class _Weight(nn.Module):
+    """A learned per-channel weight (the RMSNorm gain), kept as a module for diffusers' key names."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+
+class _MLP(nn.Module):
+    """linear_1 → activation → linear_2 (diffusers' TimestepEmbedding and PixArtAlphaTextProjection)."""
+
+    def __init__(self, d_in: int, d_out: int, activation):
+        super().__init__()
+        self.linear_1, self.linear_2, self.activation = nn.Linear(d_in, d_out), nn.Linear(d_out, d_out), activation
+
+    def forward(self, x):
+        return self.linear_2(self.activation(self.linear_1(x)))
+
+
+class _ConditionEmbedder(nn.Module):
+    def __init__(self, c: WanDiTConfig):
+        super().__init__()
+        self.time_embedder = _MLP(c.freq_dim, c.dim, F.silu)
+        self.time_proj = nn.Linear(c.dim, 6 * c.dim)
+        self.text_embedder = _MLP(c.text_dim, c.dim, lambda x: F.gelu(x, approximate="tanh"))
+
+
+class _Attention(nn.Module):
+    def __init__(self, c: WanDiTConfig, ops: Kernels):
+        super().__init__()
+        self.heads, self.eps, self.ops = c.heads, c.eps, ops
+        self.to_q, self.to_k, self.to_v = (nn.Linear(c.dim, c.dim) for _ in range(3))
+        self.to_out = nn.ModuleList([nn.Linear(c.dim, c.dim)])
+        self.norm_q, self.norm_k = _Weight(c.dim), _Weight(c.dim)
+
+    def forward(self, x, context=None, grid=None, mask=None):
+        source = x if context is None else context
+        q = self.ops.rms_norm(self.to_q(x), self.norm_q.weight, self.eps)
+        k = self.ops.rms_norm(self.to_k(source), self.norm_k.weight, self.eps)
+        q, k, v = (t.unflatten(2, (self.heads, -1)).transpose(1, 2) for t in (q, k, self.to_v(source)))  # (B, H, L, Dh)
+        if grid is not None:
+            q, k = self.ops.rope_3d(q, grid), self.ops.rope_3d(k, grid)
+        out = self.ops.attention(q, k, v, None if mask is None else mask[:, None, None, :])
+        return self.to_out[0](out.transpose(1, 2).flatten(2))
+
+
+class _FeedForward(nn.Module):
+    def __init__(self, c: WanDiTConfig):
+        super().__init__()
+        up = nn.Module()
+        up.proj = nn.Linear(c.dim, c.ffn_dim)
+        self.net = nn.ModuleList([up, nn.Identity(), nn.Linear(c.ffn_dim, c.dim)])
+
+    def forward(self, x):
+        return self.net[2](F.gelu(self.net[0].proj(x), approximate="tanh"))
+
+
+class _Block(nn.Module):
+    def __init__(self, c: WanDiTConfig, ops: Kernels):
+        super().__init__()
+        self.eps, self.ops = c.eps, ops
+        self.attn1, self.attn2 = _Attention(c, ops), _Attention(c, ops)
+        self.norm2 = nn.LayerNorm(c.dim, eps=c.eps) if c.cross_attn_norm else None
+        self.ffn = _FeedForward(c)
+        self.scale_shift_table = nn.Parameter(torch.randn(1, 6, c.dim) / c.dim**0.5)
+
+    def forward(self, x, context, modulation, grid, text_mask):
+        shift, scale, gate, c_shift, c_scale, c_gate = (self.scale_shift_table + modulation).chunk(6, dim=1)
+        x = x + self.attn1(self.ops.modulated_layer_norm(x, shift, scale, self.eps), grid=grid) * gate
+        # an affine LayerNorm is adaLN with shift = bias and scale = weight − 1
+        normed = x if self.norm2 is None else \
+            self.ops.modulated_layer_norm(x, self.norm2.bias, self.norm2.weight - 1, self.eps)
+        x = x + self.attn2(normed, context, mask=text_mask)
+        return x + self.ffn(self.ops.modulated_layer_norm(x, c_shift, c_scale, self.eps)) * c_gate
+
+
+class WanDiT(nn.Module):
+    """Velocity model v(x_t, t, text): latents (B, C, F, H, W), timesteps t (B,) in [0, 1000], text states
+    (B, Lt, text_dim) with an optional boolean mask (B, Lt) of real tokens."""
+
+    def __init__(self, config: WanDiTConfig, platform: Platform, variant: str = "default"):
+        super().__init__()
+        self.config, self.ops = config, Kernels(platform, variant)
+        c = config
+        self.patch_embedding = nn.Conv3d(c.in_channels, c.dim, kernel_size=c.patch, stride=c.patch)
+        self.condition_embedder = _ConditionEmbedder(c)
+        self.blocks = nn.ModuleList([_Block(c, self.ops) for _ in range(c.depth)])
+        self.proj_out = nn.Linear(c.dim, c.out_channels * math.prod(c.patch))
+        self.scale_shift_table = nn.Parameter(torch.randn(1, 2, c.dim) / c.dim**0.5)
+        nn.init.zeros_(self.proj_out.weight)  # the head starts at zero: an untrained model predicts v = 0
+        nn.init.zeros_(self.proj_out.bias)
+
+    def forward(self, x, t, text, text_mask=None):
+        c = self.config
+        batch, _, frames, height, width = x.shape
+        pt, ph, pw = c.patch
+        grid = (frames // pt, height // ph, width // pw)
+        h = self.patch_embedding(x).flatten(2).transpose(1, 2)  # (B, L, D), tokens in (f, h, w) order
+        embedder = self.condition_embedder
+        freq = self.ops.timestep_embedding(t, c.freq_dim).to(embedder.time_embedder.linear_1.weight.dtype)
+        temb = embedder.time_embedder(freq)  # (B, D)
+        modulation = embedder.time_proj(F.silu(temb)).unflatten(1, (6, c.dim))  # (B, 6, D)
+        context = embedder.text_embedder(text)
+        for block in self.blocks:
+            h = block(h, context, modulation, grid, text_mask)
+        shift, scale = (self.scale_shift_table + temb[:, None]).chunk(2, dim=1)
+        h = self.proj_out(self.ops.modulated_layer_norm(h, shift, scale, c.eps))
+        h = h.reshape(batch, *grid, pt, ph, pw, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return h.reshape(batch, -1, frames, height, width)

@@ -1,0 +1,85 @@
+"""Fashion-MNIST (or any IDX image/label folder): reading the IDX files, the class names, where they live.
+
+IDX is LeCun's format: a magic of two zero bytes, a type code (0x08 = unsigned byte) and the number of
+dimensions, then one big-endian uint32 per dimension, then the data. Files may be gzipped.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from cardtool.errors import BadInput
+
+__all__ = ["CLASS_NAMES", "DEFAULT_DATA", "Split", "data_dir", "load_split", "read_idx"]
+
+DEFAULT_DATA = Path("/usr/share/datasets/fashion-mnist")  # Debian's dataset-fashion-mnist
+CLASS_NAMES = ("T-shirt/top", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag",
+               "ankle boot")
+_FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+          "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+_HOW = ("install Debian's package (apt-get install -y dataset-fashion-mnist), or give a folder holding "
+        "train-/t10k- images and labels IDX files with --data DIR or CARDTOOL_DATA")
+
+
+@dataclass(frozen=True)
+class Split:
+    """One split: uint8 images (N, 28, 28) and int64 labels (N,)."""
+
+    images: np.ndarray
+    labels: np.ndarray
+    class_names: tuple[str, ...] = CLASS_NAMES
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+def data_dir(explicit: str | Path | None = None) -> Path:
+    """The data folder: --data, else CARDTOOL_DATA, else Debian's fashion-mnist folder."""
+    folder = Path(explicit or os.environ.get("CARDTOOL_DATA") or DEFAULT_DATA)
+    if not folder.is_dir():
+        raise BadInput(f"no Fashion-MNIST data at {folder}: {_HOW}")
+    return folder
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """An IDX file (gzipped or not) as a numpy array of its declared shape."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            header = f.read(4)
+            if len(header) < 4 or header[:2] != b"\0\0" or header[2] != 0x08:
+                raise BadInput(f"{path} is not an unsigned-byte IDX file (bad magic {header.hex()}): {_HOW}")
+            ndim = header[3]
+            shape = struct.unpack(f">{ndim}I", f.read(4 * ndim))
+            data = f.read()
+    except (OSError, EOFError, struct.error) as e:
+        raise BadInput(f"cannot read {path}: {e}: {_HOW}")
+    if len(data) != int(np.prod(shape)):
+        raise BadInput(f"{path} is truncated: {len(data)} bytes of data for shape {shape}: {_HOW}")
+    return np.frombuffer(data, dtype=np.uint8).reshape(shape)
+
+
+def load_split(split: str = "train", folder: str | Path | None = None) -> Split:
+    """The `train` or `test` split of the IDX folder (Fashion-MNIST by default)."""
+    if split not in _FILES:
+        raise BadInput(f"unknown split '{split}'; choose train or test")
+    root = data_dir(folder)
+    images, labels = (read_idx(_find(root, stem)) for stem in _FILES[split])
+    if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
+        raise BadInput(f"{root}: {split} images {images.shape} and labels {labels.shape} do not match: {_HOW}")
+    if labels.max(initial=0) >= len(CLASS_NAMES):
+        raise BadInput(f"{root}: {split} labels go up to {labels.max()}, Fashion-MNIST has {len(CLASS_NAMES)} classes")
+    return Split(images, labels.astype(np.int64))
+
+
+def _find(root: Path, stem: str) -> Path:
+    for name in (stem + ".gz", stem):
+        if (root / name).is_file():
+            return root / name
+    raise BadInput(f"{root} has no {stem}(.gz): {_HOW}")
