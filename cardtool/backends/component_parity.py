@@ -56,7 +56,7 @@ def _run(impl, torch_model, numpy_model, device, dtype):
         mask[1, 5:] = False
         with torch.no_grad():
             actual = torch_model(tensor(x), tensor(t), tensor(text), torch.as_tensor(mask, device=device))
-        yield "2x{}x1x8x8, text 2x8 masked".format(c.in_channels), actual.double().cpu().numpy(), \
+        yield f"2x{c.in_channels}x1x8x8, text 2x8 masked", actual.double().cpu().numpy(), \
             numpy_model(x, t, text, mask)
     else:
         c = torch_model.config

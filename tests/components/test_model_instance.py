@@ -1,0 +1,99 @@
+"""ModelInstance: lazy components through COMPONENTS, shared by reference, versioned, sleep/wake, verified."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from cardtool.backends.numpy_wan_dit import NumpyWanDiT
+from cardtool.backends.platform import Platform
+from cardtool.backends.wan_dit import WanDiT
+from cardtool.cli import app
+from cardtool.core.card_parity import card_parity
+from cardtool.core.instance import ModelInstance
+from cardtool.core.loader import load_card
+from cardtool.errors import BadInput, CardValidationError
+
+CPU = Platform("cpu", "generic")
+
+
+def test_components_are_built_lazily_and_shared_between_loops(examples):
+    card = load_card(examples / "tiny-base")
+    instance = ModelInstance(card, CPU)
+    assert not instance.is_awake("transformer")
+    transformer = instance.component("transformer")
+    assert isinstance(transformer, WanDiT) and not transformer.training
+    assert instance.loop_components("denoise")["transformer"] is transformer
+    assert next(transformer.parameters()).dtype == torch.float32
+
+
+def test_numpy_platform_builds_the_numpy_forward(examples):
+    instance = ModelInstance(load_card(examples / "tiny-base"), Platform("numpy", "generic"))
+    assert isinstance(instance.component("transformer"), NumpyWanDiT)
+
+
+def test_weights_version_is_the_tensor_content_hash(examples):
+    base, rl = (ModelInstance(load_card(examples / n), CPU) for n in ("tiny-base", "tiny-rl"))
+    assert base.weights_version("vae") == rl.weights_version("vae"), "rl inherits the same VAE file"
+    assert base.weights_version("transformer") != rl.weights_version("transformer")
+    assert base.weights_version("text_encoder") == rl.weights_version("text_encoder")
+    assert len(base.weights_version("text_encoder")) == 64
+    assert not base.is_awake("transformer"), "versioning reads files, it builds nothing"
+
+
+def test_sleep_frees_and_wake_rebuilds(examples):
+    instance = ModelInstance(load_card(examples / "tiny-base"), CPU)
+    first = instance.component("vae")
+    instance.sleep("vae")
+    assert not instance.is_awake("vae")
+    second = instance.wake("vae")
+    assert second is not first
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values(),
+                                                 strict=True))
+    instance.component("transformer")
+    instance.sleep()
+    assert not instance.is_awake("transformer")
+
+
+def test_tampered_weights_are_refused_when_loaded(examples):
+    card = load_card(examples / "tiny-base")
+    path = examples / "tiny-base" / "transformer.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF  # one flipped bit of one weight
+    path.write_bytes(bytes(data))
+    with pytest.raises(CardValidationError, match="sha256 of 'transformer.safetensors' is"):
+        ModelInstance(card, CPU).component("transformer")
+
+
+def test_unknown_component_and_loop(examples):
+    instance = ModelInstance(load_card(examples / "tiny-base"), CPU)
+    with pytest.raises(BadInput, match="has no component 'unet'"):
+        instance.component("unet")
+    with pytest.raises(BadInput, match="has no loop 'sample'"):
+        instance.loop_components("sample")
+
+
+def test_card_parity_compares_dit_and_vae_with_numpy(examples):
+    rows = card_parity(load_card(examples / "tiny-base"), CPU)
+    assert {(r.cell, r.dtype) for r in rows} == {
+        (f"{n}/cpu/generic", d) for n in ("vae:conv-vae", "transformer:wan-dit") for d in ("float64", "float32")}
+    assert all(r.passed for r in rows), [(r.cell, r.dtype, r.max_abs_err, r.error) for r in rows]
+    assert all(r.max_abs_err < 1e-12 for r in rows if r.dtype == "float64")
+
+
+def test_card_parity_has_teeth(examples, monkeypatch):
+    original = NumpyWanDiT.__call__
+    monkeypatch.setattr(NumpyWanDiT, "__call__", lambda self, x, t, text, text_mask=None: original(self, x, t, text))
+    rows = card_parity(load_card(examples / "tiny-base"), CPU)
+    assert [r.passed for r in rows if r.cell.startswith("transformer")] == [False, False], "the mask was dropped"
+
+
+def test_parity_cli_with_a_card(examples):
+    result = CliRunner().invoke(app, ["parity", "--card", str(examples / "tiny-base"), "--op", "cfg_combine",
+                                      "--json"])
+    assert result.exit_code == 0
+    cells = [row["cell"] for row in json.loads(result.stdout)["rows"]]
+    assert "transformer:wan-dit/" + Platform.detect().device + "/generic" in cells

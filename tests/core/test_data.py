@@ -1,0 +1,74 @@
+"""The IDX reader: Fashion-MNIST from Debian's package, any IDX folder, and clear errors otherwise."""
+
+from __future__ import annotations
+
+import gzip
+import struct
+
+import numpy as np
+import pytest
+
+from cardtool.core.data import CLASS_NAMES, DEFAULT_DATA, load_split, read_idx
+from cardtool.errors import BadInput
+
+
+def write_idx(path, array, compress=False):
+    payload = b"\0\0\x08" + bytes([array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape) + array.tobytes()
+    path.write_bytes(gzip.compress(payload) if compress else payload)
+
+
+def make_folder(folder, n=5, compress=True):
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    suffix = ".gz" if compress else ""
+    for stem, count in (("train", n), ("t10k", n + 1)):
+        write_idx(folder / f"{stem}-images-idx3-ubyte{suffix}", rng.integers(0, 256, (count, 28, 28), dtype=np.uint8),
+                  compress)
+        write_idx(folder / f"{stem}-labels-idx1-ubyte{suffix}", np.arange(count, dtype=np.uint8) % 10, compress)
+    return folder
+
+
+@pytest.mark.skipif(not DEFAULT_DATA.is_dir(), reason="apt-get install -y dataset-fashion-mnist (.ci/run does)")
+def test_debian_fashion_mnist_is_the_default():
+    test = load_split("test")
+    assert test.images.shape == (10000, 28, 28) and test.images.dtype == np.uint8
+    assert np.bincount(test.labels).tolist() == [1000] * 10
+    assert test.class_names[9] == "ankle boot" and len(CLASS_NAMES) == 10
+
+
+@pytest.mark.parametrize("compress", [True, False])
+def test_any_idx_folder_gzipped_or_not(tmp_path, compress):
+    folder = make_folder(tmp_path / "idx", compress=compress)
+    train = load_split("train", folder)
+    assert train.images.shape == (5, 28, 28) and train.labels.tolist() == [0, 1, 2, 3, 4]
+    assert len(load_split("test", folder)) == 6
+
+
+def test_cardtool_data_environment_variable(tmp_path, monkeypatch):
+    monkeypatch.setenv("CARDTOOL_DATA", str(make_folder(tmp_path / "env")))
+    assert len(load_split("train")) == 5
+
+
+def test_missing_folder_says_how_to_install(tmp_path):
+    with pytest.raises(BadInput, match="apt-get install -y dataset-fashion-mnist"):
+        load_split("train", tmp_path / "nowhere")
+
+
+def test_missing_file_bad_magic_and_truncation_are_clear(tmp_path):
+    folder = make_folder(tmp_path / "idx")
+    (folder / "t10k-labels-idx1-ubyte.gz").unlink()
+    with pytest.raises(BadInput, match="has no t10k-labels-idx1-ubyte"):
+        load_split("test", folder)
+    bad = tmp_path / "bad-idx"
+    bad.write_bytes(b"PK\x03\x04junk")
+    with pytest.raises(BadInput, match="not an unsigned-byte IDX file"):
+        read_idx(bad)
+    short = tmp_path / "short-idx"
+    short.write_bytes(b"\0\0\x08\x01" + struct.pack(">I", 10) + b"\x01\x02")
+    with pytest.raises(BadInput, match="truncated"):
+        read_idx(short)
+
+
+def test_unknown_split(tmp_path):
+    with pytest.raises(BadInput, match="unknown split"):
+        load_split("validation", make_folder(tmp_path / "idx"))
