@@ -7,6 +7,7 @@ into the manifests. They are not trained: they exist to exercise cards, loading 
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -52,7 +53,10 @@ def main(root: Path) -> None:
     generator = torch.Generator().manual_seed(2)
     lora = {"blocks.0.attn1.to_q.lora_A.weight": torch.randn(4, 32, generator=generator) / 32**0.5,
             "blocks.0.attn1.to_q.lora_B.weight": torch.randn(32, 4, generator=generator) / 2}
-    write(root / "tiny-base", "adapters/invert.safetensors", lora, {"rank": "4", "alpha": "4"})
+    # rank and alpha as diffusers stores them: one JSON metadata entry (one key keeps the header deterministic)
+    config = {"r": 4, "lora_alpha": 4, "target_modules": ["blocks.0.attn1.to_q"]}
+    write(root / "tiny-base", "adapters/invert.safetensors", lora,
+          {"lora_adapter_metadata": json.dumps(config, sort_keys=True)})
     write(root / "tiny-rl", "transformer.safetensors", dit_weights(3))
     write(root / "tiny-distilled", "transformer.safetensors", dit_weights(4))
 
