@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from cardtool.atomic import atomic_path, write_atomic
 from cardtool.backends.conv_vae import ConvVAE
 from cardtool.backends.platform import Platform
 from cardtool.backends.vae_config import ConvVAEConfig
@@ -35,15 +36,15 @@ def dit_weights(seed: int) -> dict:
 
 def write(folder: Path, rel: str, tensors: dict, metadata: dict | None = None) -> None:
     path = folder / rel
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
+    with atomic_path(path) as temporary:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(temporary), metadata=metadata)
     manifest = next(p for p in (folder / "card.yaml", folder / "card.toml") if p.exists())
     text = manifest.read_text()
     # the sha256 line right after this file's weights line
     pattern = re.compile(rf"(weights\s*[:=]\s*\"?{re.escape(rel)}\"?\s*\n\s*sha256\s*[:=]\s*\"?)([0-9a-f]{{64}})")
     if not pattern.search(text):
         raise SystemExit(f"{manifest}: no sha256 line after weights {rel}")
-    manifest.write_text(pattern.sub(lambda m: m.group(1) + sha256_file(path), text))
+    write_atomic(manifest, pattern.sub(lambda m: m.group(1) + sha256_file(path), text).encode())
 
 
 def main(root: Path) -> None:
