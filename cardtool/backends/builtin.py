@@ -10,20 +10,22 @@ OPS = ("flow_match_step", "flow_sde_step", "cfg_combine", "attention", "rms_norm
        "rope_3d", "timestep_embedding", "lora_bgmv")
 
 
-# impl → (torch builder, numpy builder or None, what the torch builder needs installed)
-COMPONENT_IMPLS = {"wan-dit": ("wan_dit_torch", "wan_dit_numpy", ("torch",)),
-                   "conv-vae": ("conv_vae_torch", "conv_vae_numpy", ("torch",)),
-                   "hf-encoder": ("hf_encoder_torch", None, ("torch", "transformers"))}
+_B = "cardtool.backends.builders"
+# impl → (torch builder, numpy builder or None, what the torch builder needs installed); "arrays" is the
+# array namespace the denoise loop works in on each device
+COMPONENT_IMPLS = {"wan-dit": (f"{_B}:wan_dit_torch", f"{_B}:wan_dit_numpy", ("torch",)),
+                   "conv-vae": (f"{_B}:conv_vae_torch", f"{_B}:conv_vae_numpy", ("torch",)),
+                   "hf-encoder": (f"{_B}:hf_encoder_torch", None, ("torch", "transformers")),
+                   "arrays": ("cardtool.backends.arrays:arrays_torch", "cardtool.backends.arrays:arrays_numpy",
+                              ("torch",))}
 
 
 def register(components, kernels) -> None:
     for impl, (torch_builder, numpy_builder, requires) in COMPONENT_IMPLS.items():
         for device in ("cuda", "cpu"):
-            components.register(impl, device, "default", target=f"cardtool.backends.builders:{torch_builder}",
-                                requires=requires)
+            components.register(impl, device, "default", target=torch_builder, requires=requires)
         if numpy_builder:
-            components.register(impl, "numpy", "default", target=f"cardtool.backends.builders:{numpy_builder}",
-                                reference=True)
+            components.register(impl, "numpy", "default", target=numpy_builder, reference=True)
     for op in OPS:
         kernels.register(op, "numpy", "generic", "default", target=f"cardtool.backends.reference:{op}",
                          dtypes=("float64",), reference=True)

@@ -25,6 +25,7 @@ class ModelInstance:
         self.precision = precision or card.manifest.recipe.assumes.precision
         self._awake: dict[str, Any] = {}
         self._versions: dict[str, str] = {}
+        self._arrays = None
 
     def __repr__(self) -> str:
         return f"ModelInstance({self.card.id} on {self.platform.device}/{self.platform.arch}, {self.precision})"
@@ -38,6 +39,14 @@ class ModelInstance:
             self._awake[name] = build(spec.config, weights, self.card.source_path(name),
                                       _on(self.platform, cell.key[1]), self.precision)
         return self._awake[name]
+
+    @property
+    def arrays(self):
+        """The array namespace (torch on cpu/cuda, numpy on the numpy rung) the loops work in."""
+        if self._arrays is None:
+            cell, build = COMPONENTS.resolve("arrays", self.platform)
+            self._arrays = build({}, None, None, _on(self.platform, cell.key[1]), self.precision)
+        return self._arrays
 
     def loop_components(self, loop: str) -> dict[str, Any]:
         """The components a loop uses, by name: the same objects every other loop gets."""

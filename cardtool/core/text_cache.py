@@ -1,0 +1,90 @@
+"""The text-feature cache (DESIGN.md invariant 6): encoded prompts, in memory and on disk, keyed by every
+field that changes them — card, component, that component's weights version and config, the adapter
+stack on it, precision, and the prompt. The transformer's weights are not in the key, so retraining the
+DiT keeps these entries; a different text encoder misses them."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from cardtool.atomic import write_atomic
+
+__all__ = ["TextFeatureCache", "cache_dir", "encode_prompts"]
+
+
+def cache_dir() -> Path:
+    """CARDTOOL_CACHE, else $XDG_CACHE_HOME/cardtool, else ~/.cache/cardtool."""
+    if os.environ.get("CARDTOOL_CACHE"):
+        return Path(os.environ["CARDTOOL_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cardtool"
+
+
+class TextFeatureCache:
+    """(states (L, d), mask (L,) bool) per key — states in float64 at float64 precision, else float32;
+    `disk=False` keeps it in memory only."""
+
+    def __init__(self, root: Path | None = None, *, disk: bool = True):
+        self.root = (root or cache_dir()) / "text" if disk else None
+        self._memory: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self.hits = self.misses = 0
+
+    @staticmethod
+    def key(*, card: str, component: str, weights_version: str, config: dict, adapters: tuple, precision: str,
+            prompt: str) -> str:
+        fields = {"card": card, "component": component, "weights_version": weights_version, "config": config,
+                  "adapters": list(adapters), "precision": precision,
+                  "prompt": hashlib.sha256(prompt.encode()).hexdigest()}
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+    def get(self, key: str):
+        found = self._memory.get(key)
+        if found is None and self.root is not None:
+            path = self.root / key[:2] / f"{key}.npz"
+            if path.is_file():
+                try:
+                    with np.load(path, allow_pickle=False) as f:  # never unpickle from a cache
+                        found = (f["states"], f["mask"])
+                except (OSError, ValueError, KeyError):
+                    found = None  # a damaged entry is a miss, rewritten below
+                if found is not None:
+                    self._memory[key] = found
+        if found is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return found
+
+    def put(self, key: str, states: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Store an entry and return it as stored, so a first use sees exactly what later hits will."""
+        states = np.asarray(states)
+        entry = (states.astype(np.float64 if states.dtype == np.float64 else np.float32), np.asarray(mask, dtype=bool))
+        self._memory[key] = entry
+        if self.root is not None:
+            buffer = io.BytesIO()
+            np.savez(buffer, states=entry[0], mask=entry[1])
+            write_atomic(self.root / key[:2] / f"{key}.npz", buffer.getvalue())
+        return entry
+
+
+def encode_prompts(instance, prompts: list[str], cache: TextFeatureCache, component: str = "text_encoder"):
+    """Features for each prompt, from the cache or encoded in one batch; the encoder is built only on a miss."""
+    spec = instance.card.manifest.components[component]
+    common = dict(card=instance.card.id, component=component, weights_version=instance.weights_version(component),
+                  config=spec.config, adapters=(), precision=instance.precision)
+    keys = [cache.key(**common, prompt=p) for p in prompts]
+    found = {k: cache.get(k) for k in dict.fromkeys(keys)}
+    missing = [k for k, v in found.items() if v is None]
+    if missing:
+        first = {k: p for k, p in zip(keys, prompts, strict=True) if k in missing}
+        encoder = instance.component(component)
+        states, mask = encoder([first[k] for k in missing])
+        arrays = instance.arrays
+        for i, k in enumerate(missing):
+            found[k] = cache.put(k, arrays.to_numpy(states[i]), arrays.to_numpy(mask[i]))
+    return [found[k] for k in keys]
