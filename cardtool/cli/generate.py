@@ -1,0 +1,80 @@
+"""`cardtool generate CARD -p PROMPT …` — sample images with the card's own loop."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cardtool.cli.output import console, emit_json, handled
+
+
+def generate_command(
+    card: Annotated[str, typer.Argument(help="A card id, card folder or manifest file.")],
+    prompt: Annotated[list[str] | None, typer.Option("-p", "--prompt", help="A prompt; repeat for more.")] = None,
+    prompts_file: Annotated[Path | None, typer.Option("--prompts-file", help="One prompt a line.")] = None,
+    num: Annotated[int, typer.Option("-n", "--num", help="Images per prompt (seeds seed, seed+1, …).")] = 1,
+    seed: Annotated[int, typer.Option("--seed", help="The first seed.")] = 0,
+    steps: Annotated[int | None, typer.Option("--steps", help="Sampling steps (default: the card's).")] = None,
+    guidance: Annotated[float | None, typer.Option("--guidance", help="CFG scale; 1 turns CFG off.")] = None,
+    shift: Annotated[float | None, typer.Option("--shift", help="σ-grid shift (SD3 / Wan).")] = None,
+    solver: Annotated[str | None, typer.Option("--solver", help="euler (ODE) or sde (Flow-GRPO SDE).")] = None,
+    device: Annotated[str | None, typer.Option("--device", help="Override the device (cuda, cpu, numpy).")] = None,
+    out: Annotated[Path, typer.Option("--out", help="Output folder, or NAME.png for a single image.")] = Path("outputs"),
+    grid: Annotated[bool, typer.Option("--grid", help="Also write a labelled grid of all images.")] = False,
+    strict: Annotated[bool, typer.Option("--strict", help="Refuse a step count the card does not assume.")] = False,
+    json_: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (see README).")] = False,
+) -> None:
+    """Generate images; each PNG carries its card, weights versions, prompt, seed and settings."""
+    from cardtool.core.generate import generate, read_prompts_file
+
+    with handled(json_):
+        prompts = list(prompt or []) + (read_prompts_file(prompts_file) if prompts_file else [])
+        progress = _LateProgress(enabled=not json_ and sys.stderr.isatty())
+        try:
+            report = generate(card, prompts, num=num, seed=seed, steps=steps, guidance=guidance, shift=shift,
+                              solver=solver, device=device, out=out, grid=grid, strict=strict, on_step=progress)
+        finally:
+            progress.stop()
+    err = console(stderr=True)
+    for warning in report.warnings:
+        err.print(f"[yellow]warning[/yellow] {warning}", markup=True, highlight=False)
+    if json_:
+        emit_json(report.to_json())
+        return
+    out_console = console()
+    for image in report.images:
+        out_console.print(f"{image.path}  ({image.metadata['prompt']!r}, seed {image.metadata['seed']})", markup=False)
+    if report.grid:
+        out_console.print(f"{report.grid}  (grid)", markup=False)
+    rate = len(report.images) / report.seconds if report.seconds else float("nan")
+    err.print(f"{len(report.images)} images from {report.card} on {report.platform} in {report.seconds:.2f}s "
+              f"({rate:.1f} images/s)", markup=False)
+
+
+class _LateProgress:
+    """A Rich progress bar on stderr that appears only once work has run for a second."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.started, self.bar, self.task = enabled, time.perf_counter(), None, None
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:
+            if time.perf_counter() - self.started < 1.0:
+                return
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(TextColumn("denoising"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                                console=console(stderr=True), transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task("denoise", total=total)
+        self.bar.update(self.task, completed=done)
+
+    def stop(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
