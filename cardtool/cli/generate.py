@@ -23,7 +23,7 @@ def generate_command(
     shift: Annotated[float | None, typer.Option("--shift", help="σ-grid shift (SD3 / Wan).")] = None,
     solver: Annotated[str | None, typer.Option("--solver", help="euler (ODE) or sde (Flow-GRPO SDE).")] = None,
     device: Annotated[str | None, typer.Option("--device", help="Override the device (cuda, cpu, numpy).")] = None,
-    out: Annotated[Path, typer.Option("--out", help="Output folder, or NAME.png for a single image.")] = Path("outputs"),
+    out: Annotated[Path, typer.Option("--out", help="Output folder, or NAME.png for one image.")] = Path("outputs"),
     grid: Annotated[bool, typer.Option("--grid", help="Also write a labelled grid of all images.")] = False,
     strict: Annotated[bool, typer.Option("--strict", help="Refuse a step count the card does not assume.")] = False,
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (see README).")] = False,

@@ -79,7 +79,8 @@ def test_unknown_component_and_loop(examples):
 def test_card_parity_compares_dit_and_vae_with_numpy(examples):
     rows = card_parity(load_card(examples / "tiny-base"), CPU)
     assert {(r.cell, r.dtype) for r in rows} == {
-        (f"{n}/cpu/generic", d) for n in ("vae:conv-vae", "transformer:wan-dit") for d in ("float64", "float32")}
+        (f"{n}/cpu/generic", d) for n in ("vae:conv-vae", "transformer:wan-dit", "generate:denoise")
+        for d in ("float64", "float32")}
     assert all(r.passed for r in rows), [(r.cell, r.dtype, r.max_abs_err, r.error) for r in rows]
     assert all(r.max_abs_err < 1e-12 for r in rows if r.dtype == "float64")
 
