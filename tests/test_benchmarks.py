@@ -16,3 +16,13 @@ def test_cli_startup_benchmark_writes_medians(tmp_path):
     medians = json.loads(out.read_text())["median_s"]
     assert set(medians) == {"cardtool --help", "cardtool cards list --json"}
     assert all(t > 0 for t in medians.values())
+
+
+def test_generate_throughput_benchmark_writes_rows(tmp_path):
+    out = tmp_path / "throughput.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "generate_throughput.py"), "--steps", "2",
+                    "--batch-sizes", "1", "2", "--repeats", "1", "--out", str(out)], check=True, capture_output=True,
+                   timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 2]
+    assert all(r["generate_images_per_s"] > 0 and r["bare_loop_images_per_s"] > 0 for r in rows)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -15,9 +16,12 @@ SETUP_MAIN, SETUP_TESTS, TOUR = BLOCKS[0].strip(), BLOCKS[1].strip(), BLOCKS[2]
 SHIM = f'cardtool() {{ "{sys.executable}" -m cardtool "$@"; }}\n'
 
 
-def bash(script: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-euo", "pipefail", "-c", SHIM + script], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+def bash(script: str, cwd) -> subprocess.CompletedProcess:
+    """Run README lines in a scratch folder that sees the repository's examples/ (outputs land there)."""
+    (cwd / "examples").symlink_to(REPO / "examples")
+    env = {**os.environ, "CARDTOOL_CACHE": str(cwd / "cache")}
+    return subprocess.run(["bash", "-euo", "pipefail", "-c", SHIM + script], cwd=cwd, capture_output=True,
+                          text=True, timeout=300, env=env)
 
 
 def test_readme_has_the_two_setup_commands_and_a_tour():
@@ -30,15 +34,16 @@ def test_ci_runs_the_readme_test_command():
     assert SETUP_TESTS in (REPO / ".ci" / "run").read_text().splitlines()
 
 
-def test_main_job_runs():
+def test_main_job_runs(tmp_path):
     # the install half is what CI itself does; here the job after `&&` runs as written
-    result = bash(SETUP_MAIN.split(" && ", 1)[1])
+    result = bash(SETUP_MAIN.split(" && ", 1)[1], tmp_path)
     assert result.returncode == 0, result.stderr
 
 
-def test_quick_tour_runs_as_written():
-    result = bash(TOUR)
+def test_quick_tour_runs_as_written(tmp_path):
+    result = bash(TOUR, tmp_path)
     assert result.returncode == 0, result.stderr
     assert "tiny-base (pretrain) → tiny-rl (diffusion_nft) → tiny-distilled (dmd2)" in result.stdout
     assert '"id": "tiny-rl"' in result.stdout
     assert result.stdout.count("ok ") >= 3, "validate --checksums reports each example card ok"
+    assert len(list((tmp_path / "outputs").glob("tiny-base-*.png"))) == 4 + 1, "four images and the grid"

@@ -3,7 +3,7 @@ will distillation and RL rollouts, with capture switched on.
 
 A driven loop: `init` makes a request's state (its seed's noise, its shifted σ grid, its text features);
 `next` says what the model must evaluate for it; `step` evaluates many states' inputs in one forward;
-`advance` applies CFG and the solver (`euler`, the flow ODE; `sde`, Flow-GRPO's SDE with per-step
+`advance` applies CFG and the solver to a batch of states (`euler`, the flow ODE; `sde`, Flow-GRPO's SDE with per-step
 log-probabilities); `finalize` decodes. Everything per request lives in its LoopState: its own numpy RNG
 (so samples do not depend on batch composition or platform), σ grid, guidance and captured tensors.
 """
@@ -73,7 +73,7 @@ class Capture:
         return self.latents[-1]
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a state is one request's run, never equal to another
 class LoopState:
     request: Request
     sigmas: np.ndarray
@@ -115,6 +115,7 @@ class DenoiseLoop:
         self.euler = KERNELS.resolve("flow_match_step", platform)[1]
         self.sde = KERNELS.resolve("flow_sde_step", platform)[1]
         self.cfg = KERNELS.resolve("cfg_combine", platform)[1]
+        self._text_rows = None
 
     def latent_shape(self) -> tuple[int, ...]:
         config = self.instance.component(self.vae).config
@@ -149,45 +150,70 @@ class DenoiseLoop:
         """The model evaluation `state` needs for its next step; None once it is done."""
         if state.done:
             return None
-        t = self.arrays.asarray(np.full(2 if state.uncond else 1, state.sigmas[state.step] * 1000.0))
+        t = self.arrays.asarray(np.full(2 if state.uncond is not None else 1, state.sigmas[state.step] * 1000.0))
         if state.uncond is None:
             return StepInput(state.latents, t, *state.cond)
         a = self.arrays
         return StepInput(a.cat([state.latents, state.latents]), t, a.cat([state.cond[0], state.uncond[0]]),
                          a.cat([state.cond[1], state.uncond[1]]))
 
-    def advance(self, state: LoopState, velocity) -> None:
-        """Combine the conditional and unconditional velocities and take one solver step."""
-        request, i = state.request, state.step
-        v = velocity[:1] if state.uncond is None else self.cfg(velocity[1:2], velocity[:1], request.guidance)
-        sigma, sigma_next = float(state.sigmas[i]), float(state.sigmas[i + 1])
-        log_prob = None
-        if request.solver == "euler":
-            state.latents = self.euler(state.latents, v, sigma, sigma_next)
-        else:
-            noise = self.arrays.asarray(state.rng.standard_normal(tuple(state.latents.shape)))
-            state.latents, _, _, log_prob = self.sde(state.latents, v, sigma, sigma_next, noise=noise, eta=request.eta)
-        state.step += 1
-        if state.capture is not None:
-            state.capture.latents.append(state.latents)
-            state.capture.velocities.append(v)
-            state.capture.log_probs.append(log_prob)
+    def advance(self, states: list[LoopState], velocity) -> None:
+        """One solver step for each state, given the model's velocity rows in `next` order (each state's
+        conditional row, then its unconditional row when it uses CFG). CFG and the solvers are element-wise
+        kernels with per-sample σ and guidance, so a batch of states advances in a few calls."""
+        a = self.arrays
+        cond, uncond, scales, row = [], [], [], 0
+        for state in states:
+            guided = state.uncond is not None
+            cond.append(row)
+            uncond.append(row + 1 if guided else row)  # unguided: v_c + 1·(v_c − v_c) = v_c exactly
+            scales.append(state.request.guidance if guided else 1.0)
+            row += 2 if guided else 1
+        v = self.cfg(velocity[uncond], velocity[cond], a.asarray(np.array(scales)))
+        x = a.cat([s.latents for s in states])
+        sigma = np.array([s.sigmas[s.step] for s in states])
+        sigma_next = np.array([s.sigmas[s.step + 1] for s in states])
+        solved, log_probs = [None] * len(states), [None] * len(states)
+        euler = [i for i, s in enumerate(states) if s.request.solver == "euler"]
+        if euler:
+            stepped = self.euler(x[euler], v[euler], a.asarray(sigma[euler]), a.asarray(sigma_next[euler]))
+            for j, i in enumerate(euler):
+                solved[i] = stepped[j:j + 1]
+        for eta in sorted({s.request.eta for s in states if s.request.solver == "sde"}):
+            group = [i for i, s in enumerate(states) if s.request.solver == "sde" and s.request.eta == eta]
+            noise = a.asarray(np.concatenate([states[i].rng.standard_normal((1, *x.shape[1:])) for i in group]))
+            sample, _, _, logp = self.sde(x[group], v[group], a.asarray(sigma[group]), a.asarray(sigma_next[group]),
+                                          noise=noise, eta=eta)
+            for j, i in enumerate(group):
+                solved[i], log_probs[i] = sample[j:j + 1], logp[j:j + 1]
+        for i, state in enumerate(states):
+            state.latents = solved[i]
+            state.step += 1
+            if state.capture is not None:
+                state.capture.latents.append(solved[i])
+                state.capture.velocities.append(v[i:i + 1])
+                state.capture.log_probs.append(log_probs[i])
 
     def step(self, states: list[LoopState]) -> None:
         """Advance every unfinished state by one step, sharing one transformer forward between them."""
-        work = [(s, inputs) for s in states if (inputs := self.next(s)) is not None]
-        if not work:
+        active = [s for s in states if not s.done]
+        if not active:
             return
         a = self.arrays
-        batch = [inputs for _, inputs in work]
-        velocity = self.instance.component(self.transformer)(
-            a.cat([b.x for b in batch]), a.cat([b.t for b in batch]), a.cat([b.text for b in batch]),
-            a.cat([b.mask for b in batch]))
-        start = 0
-        for state, inputs in work:
-            size = int(inputs.x.shape[0])
-            self.advance(state, velocity[start:start + size])
-            start += size
+        rows = [s for s in active for _ in range(2 if s.uncond is not None else 1)]
+        t = a.asarray(np.array([s.sigmas[s.step] * 1000.0 for s in rows]))
+        text, mask = self._batch_text(active)
+        velocity = self.instance.component(self.transformer)(a.cat([s.latents for s in rows]), t, text, mask)
+        self.advance(active, velocity)
+
+    def _batch_text(self, states: list[LoopState]):
+        """The text rows of a batch, rebuilt only when the set of states changes (not every step)."""
+        key = tuple(states)  # the states themselves (compared by identity), kept alive with the rows
+        if self._text_rows is None or self._text_rows[0] != key:
+            parts = [part for s in states for part in ((s.cond, s.uncond) if s.uncond is not None else (s.cond,))]
+            a = self.arrays
+            self._text_rows = (key, a.cat([p[0] for p in parts]), a.cat([p[1] for p in parts]))
+        return self._text_rows[1:]
 
     def finalize(self, states: list[LoopState]) -> np.ndarray:
         """Decode finished states to uint8 images (B, H, W)."""

@@ -38,6 +38,7 @@ COMMANDS = [
     ["platform", "matrix"],
     ["platform", "matrix", "--json"],
     ["parity", "--help"],
+    ["generate", "--help"],
 ]
 
 
