@@ -31,3 +31,22 @@ def write_card(folder: Path, manifest: str, *, name: str = "card.yaml", weights:
         write_weights(folder / rel, seed)
     (folder / name).write_text(textwrap.dedent(manifest).lstrip("\n"))
     return folder
+
+
+def write_idx_folder(folder: Path, train: int = 64, test: int = 32, seed: int = 0) -> Path:
+    """A small IDX folder in Fashion-MNIST's layout: blob-like random images, labels cycling over 10 classes."""
+    import gzip
+    import struct
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for stem, count in (("train", train), ("t10k", test)):
+        images = np.zeros((count, 28, 28), dtype=np.uint8)
+        labels = (np.arange(count) % 10).astype(np.uint8)
+        for i, label in enumerate(labels):  # a class-dependent bright rectangle plus noise
+            images[i, 4 + label:14 + label, 6:22] = 200
+        images = np.clip(images + rng.integers(0, 40, images.shape), 0, 255).astype(np.uint8)
+        for kind, array in (("images-idx3", images), ("labels-idx1", labels)):
+            header = b"\0\0\x08" + bytes([array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
+            (folder / f"{stem}-{kind}-ubyte.gz").write_bytes(gzip.compress(header + array.tobytes()))
+    return folder

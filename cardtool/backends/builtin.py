@@ -16,6 +16,7 @@ _B = "cardtool.backends.builders"
 COMPONENT_IMPLS = {"wan-dit": (f"{_B}:wan_dit_torch", f"{_B}:wan_dit_numpy", ("torch",)),
                    "conv-vae": (f"{_B}:conv_vae_torch", f"{_B}:conv_vae_numpy", ("torch",)),
                    "hf-encoder": (f"{_B}:hf_encoder_torch", None, ("torch", "transformers")),
+                   "fashion-cnn": (f"{_B}:fashion_cnn_torch", None, ("torch",)),
                    "arrays": ("cardtool.backends.arrays:arrays_torch", "cardtool.backends.arrays:arrays_numpy",
                               ("torch",))}
 

@@ -42,6 +42,13 @@ class Platform:
         return component_chain(self.device)
 
     @property
+    def supports_bf16(self) -> bool:
+        """Fast bfloat16 compute: CUDA from sm80 (Ampere) on, CPUs on the avx512_bf16 tier."""
+        if self.device == "cuda":
+            return self.arch[2:].isdigit() and int(self.arch[2:]) >= 80
+        return self.device == "cpu" and "avx512_bf16" in self.tiers
+
+    @property
     def torch_device(self) -> str:
         """The torch device string for tensors on this platform (`numpy` has none)."""
         if self.device == "numpy":

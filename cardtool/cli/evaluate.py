@@ -1,0 +1,58 @@
+"""`cardtool eval CARD` — class accuracy, FID-FMNIST, mean reward and images/s, measured the same way."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from cardtool.cli.output import console, emit_json, handled
+
+
+def eval_command(
+    card: Annotated[str, typer.Argument(help="A text-to-image card id, folder or manifest.")],
+    reward: Annotated[str, typer.Option("--reward", help="The judge card.")] = "fashion-classifier",
+    steps: Annotated[list[int] | None, typer.Option("--steps", help="Step counts; repeat for several.")] = None,
+    guidance: Annotated[list[float] | None, typer.Option("--guidance", help="CFG scales; repeat.")] = None,
+    per_class: Annotated[int, typer.Option("--per-class", help="Images per class (10 classes).")] = 100,
+    seed: Annotated[int, typer.Option("--seed", help="First seed of each class.")] = 0,
+    device: Annotated[str | None, typer.Option("--device", help="Override the device (cuda, cpu).")] = None,
+    data: Annotated[str | None, typer.Option("--data", help="An IDX folder (default: Fashion-MNIST).")] = None,
+    record: Annotated[bool, typer.Option("--record", help="Write the results into the card's recipe metrics.")] = False,
+    json_: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (see README).")] = False,
+) -> None:
+    """Evaluate a card: per step count and guidance, accuracy by the judge, FID-FMNIST with its floors."""
+    from cardtool.core.evaluate import evaluate
+
+    err = console(stderr=True)
+
+    def progress(row) -> None:
+        if not json_:
+            err.print(f"steps {row.steps} guidance {row.guidance}: accuracy {row.class_accuracy:.4f}  "
+                      f"FID {row.fid_fmnist:.3f}  reward {row.mean_reward:.4f}  {row.images_per_second:.0f} img/s",
+                      markup=False)
+
+    with handled(json_):
+        report = evaluate(card, judge=reward, steps=steps, guidance=guidance, per_class=per_class, seed=seed,
+                          device=device, data=data, on_row=progress)
+        if record:
+            from cardtool.core.record import record_metrics
+
+            record_metrics(card, {"eval": report.to_json()})
+    if json_:
+        emit_json(report.to_json())
+        return
+    from rich import box
+    from rich.table import Table
+
+    table = Table(box=box.SIMPLE_HEAD, title=f"{report.card} judged by {report.judge} on {report.platform}, "
+                                             f"{report.per_class} images per class", title_justify="left")
+    for column in ("steps", "guidance", "class accuracy", "FID-FMNIST", "mean reward", "images/s"):
+        table.add_column(column, justify="right")
+    for r in report.rows:
+        table.add_row(str(r.steps), f"{r.guidance:g}", f"{r.class_accuracy:.4f}", f"{r.fid_fmnist:.3f}",
+                      f"{r.mean_reward:.4f}", f"{r.images_per_second:.0f}")
+    out = console()
+    out.print(table)
+    out.print(f"FID floors: real train vs test {report.floors['train_vs_test']:.3f}, "
+              f"VAE reconstructions vs test {report.floors['vae_reconstruction']:.3f}", markup=False)

@@ -1,0 +1,55 @@
+"""`cardtool train --recipe FILE [--method M] [--set key=value …]` — make a card from data."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cardtool.cli.output import console, emit_json, handled
+
+
+def train_command(
+    recipe: Annotated[Path, typer.Option("--recipe", help="A YAML recipe (see examples/recipes/).")],
+    method: Annotated[str | None, typer.Option("--method", help="vae, classifier, pretrain or finetune.")] = None,
+    overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a value: optim.lr=3e-4.")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="The card folder to write (default cards/ID).")] = None,
+    run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Checkpoints (default runs/ID).")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --run-dir.")] = False,
+    data: Annotated[str | None, typer.Option("--data", help="An IDX folder (default: Fashion-MNIST).")] = None,
+    device: Annotated[str | None, typer.Option("--device", help="Override the device (cuda, cpu).")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing card folder.")] = False,
+    json_: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (see README).")] = False,
+) -> None:
+    """Train a card: the recipe's method, its data and hyperparameters; checkpoints, resume, a card at the end."""
+    from cardtool.core.recipes import load_recipe
+    from cardtool.core.source import display_path
+    from cardtool.core.train import train
+
+    err = console(stderr=True)
+    quiet = json_
+
+    def log(entry: dict) -> None:
+        if quiet:
+            return
+        extras = " ".join(f"{k} {v:.4g}" for k, v in entry.items()
+                          if k not in ("step", "steps", "loss", "lr", "samples_per_second"))
+        err.print(f"step {entry['step']}/{entry['steps']}  loss {entry['loss']:.4f}  lr {entry['lr']:.2e}  "
+                  f"{entry['samples_per_second']:.0f} samples/s  {extras}", markup=False, highlight=False)
+
+    with handled(json_):
+        loaded = load_recipe(recipe, overrides or [], method)
+        command = shlex.join(["cardtool", *sys.argv[1:]]) if sys.argv[0].endswith("cardtool") else \
+            shlex.join(["cardtool", "train", "--recipe", str(recipe), *(f"--set={o}" for o in overrides or [])]
+                       + (["--method", method] if method else []))
+        card = train(loaded, command=command, out=out, run_dir=run_dir, resume=resume, data=data, device=device,
+                     overwrite=overwrite, on_log=log)
+    metrics = card.manifest.recipe.metrics
+    if json_:
+        emit_json({"card": card.id, "path": display_path(card.folder), "metrics": metrics})
+        return
+    console().print(f"wrote card {card.id} to {display_path(card.folder)}", markup=False)
+    console().print("metrics: " + ", ".join(f"{k}={v}" for k, v in metrics.items()), markup=False)

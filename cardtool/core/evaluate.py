@@ -1,0 +1,104 @@
+"""`cardtool eval`: quality and speed of a text-to-image card, measured the same way every time.
+
+For each step count: N images per class from the class prompts with fixed seeds (0…N−1), sampled with the
+card's own loop; the judge card gives class accuracy and mean reward; FID-FMNIST is the Fréchet distance of
+the judge's features, generated vs the 10,000 real test images. Two floors put it in scale: N real train
+images vs the test set, and N VAE reconstructions of train images vs the test set."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from cardtool.backends.platform import Platform
+from cardtool.core.data import CLASS_NAMES, load_split
+from cardtool.core.denoise import DenoiseLoop, Request
+from cardtool.core.discovery import locate
+from cardtool.core.instance import ModelInstance
+from cardtool.core.loader import load_card
+from cardtool.core.metrics import frechet_distance
+from cardtool.core.prompts import class_prompt
+from cardtool.core.reward import FashionJudge
+from cardtool.core.sampler import sample
+from cardtool.core.text_cache import TextFeatureCache
+from cardtool.errors import BadInput
+
+__all__ = ["EvalRow", "EvalReport", "evaluate"]
+
+
+@dataclass
+class EvalRow:
+    steps: int
+    guidance: float
+    images: int
+    class_accuracy: float
+    fid_fmnist: float
+    mean_reward: float
+    images_per_second: float
+
+
+@dataclass
+class EvalReport:
+    card: str
+    judge: str
+    platform: str
+    per_class: int
+    rows: list[EvalRow] = field(default_factory=list)
+    floors: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"card": self.card, "judge": self.judge, "platform": self.platform, "per_class": self.per_class,
+                "floors": self.floors, "rows": [asdict(r) for r in self.rows]}
+
+
+def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[int] | None = None,
+             guidance: list[float] | None = None, per_class: int = 100, seed: int = 0, device: str | None = None,
+             data: str | None = None, on_row: Callable[[EvalRow], None] | None = None) -> EvalReport:
+    if per_class < 1:
+        raise BadInput(f"--per-class must be at least 1, got {per_class}")
+    card = load_card(card_ref)
+    platform = Platform.detect(device)
+    instance = ModelInstance(card, platform)
+    loop = DenoiseLoop(instance, cache=TextFeatureCache())
+    defaults = card.manifest.loops["denoise"].defaults
+    judge_instance = ModelInstance(load_card(locate(judge)), platform)
+    referee = FashionJudge(judge_instance)
+    test, train = load_split("test", data), load_split("train", data)
+    real = referee.features(test.images)
+    count = per_class * len(CLASS_NAMES)
+    report = EvalReport(card.id, judge_instance.card.id, f"{platform.device}/{platform.arch}", per_class)
+    picked = np.random.default_rng(seed).choice(len(train), count, replace=False)
+    report.floors["train_vs_test"] = round(frechet_distance(referee.features(train.images[picked]), real), 4)
+    report.floors["vae_reconstruction"] = round(frechet_distance(
+        referee.features(_reconstruct(instance, loop.vae, train.images[picked])), real), 4)
+    labels = np.repeat(np.arange(len(CLASS_NAMES)), per_class)
+    for g in guidance or [float(defaults.get("guidance", 4.0))]:
+        for k in steps or [int(defaults.get("steps", 20))]:
+            requests = [Request(class_prompt(int(label)), seed=seed + j % per_class, steps=k, guidance=g,
+                                shift=float(defaults.get("shift", 1.0)), solver=defaults.get("solver", "euler"))
+                        for j, label in enumerate(labels)]
+            started = time.perf_counter()
+            images = loop.finalize(sample(loop, requests, max_batch=256))
+            seconds = time.perf_counter() - started
+            probabilities = referee.probabilities(images)
+            row = EvalRow(k, g, count, round(float((probabilities.argmax(1) == labels).mean()), 4),
+                          round(frechet_distance(referee.features(images), real), 4),
+                          round(float(probabilities[np.arange(count), labels].mean()), 4), round(count / seconds, 1))
+            report.rows.append(row)
+            if on_row:
+                on_row(row)
+    return report
+
+
+def _reconstruct(instance: ModelInstance, vae_name: str, images: np.ndarray) -> np.ndarray:
+    """uint8 reconstructions through the card's VAE (posterior mean), as the VAE floor."""
+    vae, arrays = instance.component(vae_name), instance.arrays
+    out = []
+    with arrays.inference():
+        for i in range(0, len(images), 500):
+            x = arrays.asarray(images[i:i + 500].astype(np.float64)[:, None] / 127.5 - 1.0)
+            out.append(arrays.to_numpy(vae.decode(vae.encode(x)[0]))[:, 0])
+    return np.clip(np.round((np.concatenate(out).astype(np.float64) + 1) * 127.5), 0, 255).astype(np.uint8)

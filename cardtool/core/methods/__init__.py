@@ -1,0 +1,1 @@
+"""Training methods: each builds a Task for the shared trainer and the card it writes."""

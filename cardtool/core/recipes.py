@@ -1,0 +1,108 @@
+"""Training recipes: a YAML file plus dotted command-line overrides (`--set optim.lr=3e-4`), in the manner
+of litgpt / torchtune, validated strictly so a typo is an error, not a silently ignored key."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from cardtool.errors import BadInput
+
+__all__ = ["Recipe", "load_recipe", "apply_overrides"]
+
+TRAIN_METHODS = ("vae", "classifier", "pretrain", "finetune")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class CardSpec(_Strict):
+    id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    description: str = ""
+    storage: Literal["float32", "float16", "bfloat16"] = "float32"  # dtype of the weights written
+
+
+class Optim(_Strict):
+    lr: float = Field(3e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup: int = Field(0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    batch_size: int = Field(128, ge=1)
+    steps: int = Field(1000, ge=1)
+
+
+class Schedule(_Strict):
+    seed: int = Field(0, ge=0)
+    precision: Literal["float32", "bfloat16"] = "float32"  # autocast compute; master weights stay float32
+    ema: float = Field(0.0, ge=0, lt=1)  # 0 = no EMA
+    checkpoint_every: int = Field(200, ge=1)
+    log_every: int = Field(50, ge=1)
+
+
+class Recipe(_Strict):
+    method: Literal[TRAIN_METHODS]  # type: ignore[valid-type]
+    card: CardSpec
+    parents: list[str] = []  # cards this one starts from or uses (a VAE, a base to fine-tune)
+    data: dict[str, Any] = {}
+    model: dict[str, Any] = {}
+    loss: dict[str, Any] = {}
+    optim: Optim = Optim()
+    train: Schedule = Schedule()
+
+    def fingerprint(self) -> str:
+        """A hash of everything that shapes the run; a resumed run must match it."""
+        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """`a.b=value` sets data["a"]["b"] = YAML(value): numbers (3e-4 too), booleans, lists parse as in YAML."""
+    out = copy.deepcopy(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise BadInput(f"--set {item!r}: expected KEY.PATH=VALUE")
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise BadInput(f"--set {item!r}: '{part}' is not a section")
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise BadInput(f"--set {item!r}: value is not YAML: {e}")
+        if isinstance(value, str):
+            try:  # PyYAML (YAML 1.1) reads 3e-4 as a string; a number is meant
+                value = float(raw)
+            except ValueError:
+                pass
+        node[parts[-1]] = value
+    return out
+
+
+def load_recipe(path: str | Path, overrides: list[str] = (), method: str | None = None) -> Recipe:
+    """Read a recipe, apply overrides (and --method), validate; errors name the field."""
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as e:
+        raise BadInput(f"cannot read recipe {path}: {e}")
+    if not isinstance(data, dict):
+        raise BadInput(f"recipe {path}: expected a mapping of sections")
+    data = apply_overrides(data, list(overrides))
+    if method is not None:
+        if data.get("method") not in (None, method):
+            raise BadInput(f"recipe {path} is for method '{data['method']}', not '{method}'")
+        data["method"] = method
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        raise BadInput(f"recipe {path}: {problems}")
