@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from helpers import REPO
 
 from cardtool.core.recipes import apply_overrides, load_recipe
 from cardtool.errors import BadInput
-from helpers import REPO
 
 
 def test_overrides_parse_values_as_yaml():

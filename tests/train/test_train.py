@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from helpers import REPO, write_idx_folder
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -17,7 +18,6 @@ from cardtool.core.recipes import load_recipe
 from cardtool.core.train import train
 from cardtool.core.trainer import CHECKPOINT, TrainingDiverged
 from cardtool.errors import BadInput
-from helpers import REPO, write_idx_folder
 
 RECIPES = REPO / "examples" / "recipes"
 TINY_VAE = ["model.channels=[8, 16, 32]", "optim.steps=6", "optim.batch_size=8", "optim.warmup=2",
@@ -119,7 +119,8 @@ def test_classifier_pretrain_and_generate_from_what_training_wrote(tmp_path, dat
                                        "train.checkpoint_every=2"]),
                  command="c", out=tmp_path / "cards" / "fashion-base", run_dir=tmp_path / "r3", data=str(data))
     assert base.manifest.recipe.parents == ["fashion-vae"] and base.manifest.recipe.assumes.loop == "denoise"
-    assert base.weights_file("vae").read_bytes() == (tmp_path / "cards" / "fashion-vae" / "vae.safetensors").read_bytes()
+    parent_vae = tmp_path / "cards" / "fashion-vae" / "vae.safetensors"
+    assert base.weights_file("vae").read_bytes() == parent_vae.read_bytes(), "the VAE is carried over as is"
     result = CliRunner().invoke(app, ["generate", "fashion-base", "-p", "an ankle boot", "--steps", "2", "--json",
                                       "--out", str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
