@@ -21,8 +21,11 @@ from cardtool.backends import registry
 
 @pytest.fixture(autouse=True)
 def isolated(tmp_path, monkeypatch):
-    """Each test runs in its own empty folder with no CARDTOOL_PATH, so only the cards it makes exist, and
-    its own feature cache."""
+    """Each test runs in its own empty folder with no CARDTOOL_PATH and the built-in cards hidden, so only the
+    cards it makes exist, and with its own feature cache."""
+    from cardtool.core import discovery
+
+    monkeypatch.setattr(discovery, "builtin_dir", lambda: None)
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("CARDTOOL_PATH", raising=False)
     monkeypatch.setenv("CARDTOOL_CACHE", str(tmp_path / "cache"))

@@ -39,6 +39,8 @@ COMMANDS = [
     ["platform", "matrix", "--json"],
     ["parity", "--help"],
     ["generate", "--help"],
+    ["train", "--help"],
+    ["eval", "--help"],
 ]
 
 

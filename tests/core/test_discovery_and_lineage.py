@@ -90,7 +90,8 @@ def test_list_reports_invalid_cards_without_failing(tmp_path, builtin):
     assert not summaries["cards/bad"].valid and summaries["cards/bad"].problems[0].line == 2
 
 
-def test_builtin_dir_of_a_checkout_is_the_top_level_cards_folder():
+def test_builtin_dir_of_a_checkout_is_the_top_level_cards_folder(monkeypatch):
+    monkeypatch.undo()  # the isolation fixture hides the built-in cards; look at the real lookup
     assert discovery.builtin_dir() == EXAMPLE_CARDS.parents[1] / "cards"
 
 

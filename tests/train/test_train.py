@@ -134,6 +134,14 @@ def test_classifier_pretrain_and_generate_from_what_training_wrote(tmp_path, dat
     assert [r["steps"] for r in report["rows"]] == [1, 2] and report["rows"][0]["images"] == 20
     assert set(report["floors"]) == {"train_vs_test", "vae_reconstruction"}
     assert load_card("fashion-base", checksums=True).manifest.recipe.metrics["eval"]["rows"][1]["steps"] == 2
+    tuned = train(tiny("fashion-base", ["method=finetune", "parents=[fashion-base]", "card.id=fashion-tuned",
+                                        "model={}", "optim.steps=2", "optim.batch_size=8", "train.ema=0",
+                                        "train.precision=float32"]),
+                  command="c", out=tmp_path / "cards" / "fashion-tuned", run_dir=tmp_path / "r4", data=str(data))
+    assert tuned.manifest.recipe.method == "finetune" and tuned.manifest.recipe.parents == ["fashion-base"]
+    assert tuned.manifest.components["transformer"].config == base.manifest.components["transformer"].config
+    before, after = weights(base, "transformer"), weights(tuned, "transformer")
+    assert any(not torch.equal(before[k], after[k]) for k in before), "fine-tuning moved the weights"
 
 
 def test_train_cli(tmp_path, data):

@@ -40,7 +40,11 @@ class FlowMatchingTask(Task):
             spec = self.parent.manifest.components.get("transformer")
             if spec is None:
                 raise BadInput(f"finetune: parent card '{self.parent.id}' has no transformer to continue")
-            self.config = WanDiTConfig.from_card({**spec.config, **recipe.model})
+            changed = sorted(k for k, v in recipe.model.items() if spec.config.get(k) != v)
+            if changed:
+                raise BadInput(f"finetune keeps the architecture of '{self.parent.id}'; the recipe changes "
+                               f"model.{', model.'.join(changed)} (leave model: empty)")
+            self.config = WanDiTConfig.from_card(spec.config)
             self.dit = WanDiT(self.config, platform).to(self.device)
             self.dit.load_state_dict(parent.component("transformer").state_dict())
         self.vae_name = next((n for n, c in self.parent.manifest.components.items() if c.kind == "vae"), None)
