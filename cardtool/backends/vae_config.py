@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 
+from cardtool.backends.config_dataclass import config_from_card, config_to_card
 from cardtool.errors import BadInput
 
 __all__ = ["ConvVAEConfig"]
@@ -27,20 +28,11 @@ class ConvVAEConfig:
 
     @classmethod
     def from_card(cls, config: dict) -> ConvVAEConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(config) - known)
-        if unknown:
-            raise BadInput(f"conv-vae config: unknown keys {unknown}; known: {sorted(known)}")
-        values = dict(config)
-        if "channels" in values:
-            values["channels"] = tuple(values["channels"])
-        made = cls(**values)
+        made = config_from_card(cls, "conv-vae", config)
         if made.padded_size < made.image_size or made.padded_size % 2 ** (len(made.channels) - 1):
             raise BadInput(f"conv-vae config: padded_size {made.padded_size} must hold image_size "
                            f"{made.image_size} and halve {len(made.channels) - 1} times exactly")
         return made
 
     def to_card(self) -> dict:
-        out = asdict(self)
-        out["channels"] = list(self.channels)
-        return out
+        return config_to_card(self)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 
+from cardtool.backends.config_dataclass import config_from_card, config_to_card
 from cardtool.errors import BadInput
 
 __all__ = ["WanDiTConfig"]
@@ -32,14 +33,7 @@ class WanDiTConfig:
     @classmethod
     def from_card(cls, config: dict) -> WanDiTConfig:
         """Read a card's `config` mapping; unknown keys and impossible sizes are errors, not silently dropped."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(config) - known)
-        if unknown:
-            raise BadInput(f"wan-dit config: unknown keys {unknown}; known: {sorted(known)}")
-        values = dict(config)
-        if "patch" in values:
-            values["patch"] = tuple(values["patch"])
-        made = cls(**values)
+        made = config_from_card(cls, "wan-dit", config)
         if made.dim % made.heads or made.head_dim % 2:
             raise BadInput(f"wan-dit config: dim {made.dim} must split into {made.heads} heads of an even size")
         if len(made.patch) != 3:
@@ -47,9 +41,7 @@ class WanDiTConfig:
         return made
 
     def to_card(self) -> dict:
-        out = asdict(self)
-        out["patch"] = list(self.patch)
-        return out
+        return config_to_card(self)
 
     def to_diffusers(self) -> dict:
         """The same model as a diffusers `WanTransformer3DModel` config (its state-dict keys match ours)."""
