@@ -1,5 +1,5 @@
 """`--method classifier`: the Fashion-MNIST CNN that judges generated images (reward and FID features),
-trained with cross-entropy and horizontal-flip augmentation."""
+trained with cross-entropy, horizontal flips and small translations."""
 
 from __future__ import annotations
 
@@ -33,7 +33,9 @@ class ClassifierTask(Task):
     def loss(self, indices, generator):
         images = self.images[indices]
         flip = torch.rand(len(indices), generator=generator) < 0.5
-        images = torch.where(flip[:, None, None, None], images.flip(-1), images).to(self.device)
+        images = torch.where(flip[:, None, None, None], images.flip(-1), images)
+        shift = torch.randint(-2, 3, (2,), generator=generator)  # a small translation per batch
+        images = torch.roll(images, shifts=(int(shift[0]), int(shift[1])), dims=(2, 3)).to(self.device)
         logits = self.model(images).float()
         labels = self.labels[indices].to(self.device)
         loss = F.cross_entropy(logits, labels)
