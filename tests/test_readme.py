@@ -38,6 +38,8 @@ def test_main_job_runs(tmp_path):
     # the install half is what CI itself does; here the job after `&&` runs as written
     result = bash(SETUP_MAIN.split(" && ", 1)[1], tmp_path)
     assert result.returncode == 0, result.stderr
+    made = sorted(p.name for p in (tmp_path / "outputs").glob("*.png"))
+    assert made[0].startswith("fashion-base-000-an-ankle-boot") and len(made) == 4 + 1, made
 
 
 def test_quick_tour_runs_as_written(tmp_path):
