@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cardtool.backends.parity import ParityRow, _compare
+from cardtool.backends.parity import ParityRow, compare_arrays
 from cardtool.backends.platform import Platform
 from cardtool.backends.registry import COMPONENTS
 
@@ -31,7 +31,7 @@ def component_rows(name: str, impl: str, config: dict, weights: Path, platform: 
             numpy_model = COMPONENTS.resolve(impl, Platform("numpy", "generic"))[1](config, weights, None,
                                                                                      platform, "float64")
             for shapes, actual, expected in _run(impl, torch_model, numpy_model, platform.torch_device, dtype):
-                abs_err, rel_err, ok = _compare(actual, expected, atol, rtol)
+                abs_err, rel_err, ok = compare_arrays(actual, expected, atol, rtol)
                 row.max_abs_err, row.max_rel_err = max(row.max_abs_err, abs_err), max(row.max_rel_err, rel_err)
                 row.passed &= ok
                 row.shapes.append(shapes)

@@ -15,7 +15,7 @@ import numpy as np
 from cardtool.backends.platform import Platform
 from cardtool.backends.registry import KERNELS, Cell
 
-__all__ = ["TOLERANCES", "ParityRow", "cases", "run_parity"]
+__all__ = ["TOLERANCES", "ParityRow", "cases", "compare_arrays", "run_parity"]
 
 # dtype → op → (atol, rtol); "*" is the dtype's default.
 TOLERANCES: dict[str, dict[str, tuple[float, float]]] = {
@@ -169,7 +169,7 @@ def _check(cell: Cell, dtype: str, platform: Platform) -> ParityRow:
             else:
                 expected = _outputs(oracle(**rounded, **case.fixed))
             for a, e in zip(actual, expected, strict=True):
-                abs_err, rel_err, ok = _compare(a, e, atol, rtol)
+                abs_err, rel_err, ok = compare_arrays(a, e, atol, rtol)
                 row.max_abs_err, row.max_rel_err = max(row.max_abs_err, abs_err), max(row.max_rel_err, rel_err)
                 row.passed &= ok
             row.shapes.append(case.shapes)
@@ -223,7 +223,8 @@ def _outputs(result) -> list[np.ndarray]:
     return out
 
 
-def _compare(actual: np.ndarray, expected: np.ndarray, atol: float, rtol: float) -> tuple[float, float, bool]:
+def compare_arrays(actual: np.ndarray, expected: np.ndarray, atol: float, rtol: float) -> tuple[float, float, bool]:
+    """(max abs error, max relative error where |expected| > atol, whether |a − e| ≤ atol + rtol·|e| everywhere)."""
     if actual.shape != expected.shape:
         return float("inf"), float("inf"), False
     diff = np.abs(actual - expected)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from cardtool.backends.component_parity import COMPONENT_TOLERANCES, component_rows
-from cardtool.backends.parity import ParityRow, _compare
+from cardtool.backends.parity import ParityRow, compare_arrays
 from cardtool.backends.platform import Platform
 from cardtool.core.denoise import DenoiseLoop, Request
 from cardtool.core.instance import ModelInstance
@@ -45,7 +45,7 @@ def generation_rows(card: Card, platform: Platform, loop: str = "denoise") -> li
         row = ParityRow(f"generate:{loop}/{platform.device}/{platform.arch}", dtype, "numpy float64",
                         [f"{len(requests)} requests × 3 steps: euler with CFG, sde with shift"], 0.0, 0.0, atol, rtol,
                         True)
-        row.max_abs_err, row.max_rel_err, row.passed = _compare(actual, expected, atol, rtol)
+        row.max_abs_err, row.max_rel_err, row.passed = compare_arrays(actual, expected, atol, rtol)
         rows.append(row)
     return rows
 

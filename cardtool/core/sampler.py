@@ -3,6 +3,7 @@ advance together, compatible work sharing each transformer forward, up to `max_b
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 from cardtool.core.denoise import DenoiseLoop, LoopState, Request
@@ -18,7 +19,7 @@ def sample(loop: DenoiseLoop, requests: list[Request], *, capture: bool = False,
     reports progress in request-steps. Without `grad` the forwards run under no-grad."""
     states = loop.init(requests, capture)
     total, done = sum(r.steps for r in requests), 0
-    with loop.arrays.inference() if not grad else _nothing():
+    with loop.arrays.inference() if not grad else contextlib.nullcontext():
         while active := [s for s in states if not s.done]:
             for chunk in _chunks(active, max_batch):
                 loop.step(chunk)
@@ -39,11 +40,3 @@ def _chunks(states: list[LoopState], max_batch: int):
         size += cost
     if chunk:
         yield chunk
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
