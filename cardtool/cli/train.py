@@ -42,9 +42,11 @@ def train_command(
 
     with handled(json_):
         loaded = load_recipe(recipe, overrides or [], method)
-        command = shlex.join(["cardtool", *sys.argv[1:]]) if sys.argv[0].endswith("cardtool") else \
-            shlex.join(["cardtool", "train", "--recipe", str(recipe), *(f"--set={o}" for o in overrides or [])]
-                       + (["--method", method] if method else []))
+        # the command as typed (console script or python -m cardtool); rebuilt when called from Python
+        typed = sys.argv[1:2] == ["train"]
+        command = shlex.join(["cardtool", *sys.argv[1:]] if typed else
+                             ["cardtool", "train", "--recipe", str(recipe), *(f"--set={o}" for o in overrides or []),
+                              *(["--method", method] if method else [])])
         card = train(loaded, command=command, out=out, run_dir=run_dir, resume=resume, data=data, device=device,
                      overwrite=overwrite, on_log=log)
     metrics = card.manifest.recipe.metrics

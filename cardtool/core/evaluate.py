@@ -15,8 +15,9 @@ import numpy as np
 
 from cardtool.backends.platform import Platform
 from cardtool.core.data import CLASS_NAMES, load_split
-from cardtool.core.denoise import DenoiseLoop, Request
+from cardtool.core.denoise import DenoiseLoop
 from cardtool.core.discovery import locate
+from cardtool.core.generate import plan_requests
 from cardtool.core.instance import ModelInstance
 from cardtool.core.loader import load_card
 from cardtool.core.metrics import frechet_distance
@@ -63,7 +64,6 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     platform = Platform.detect(device)
     instance = ModelInstance(card, platform)
     loop = DenoiseLoop(instance, cache=TextFeatureCache())
-    defaults = card.manifest.loops["denoise"].defaults
     judge_instance = ModelInstance(load_card(locate(judge)), platform)
     referee = FashionJudge(judge_instance)
     test, train = load_split("test", data), load_split("train", data)
@@ -74,17 +74,17 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     report.floors["train_vs_test"] = round(frechet_distance(referee.features(train.images[picked]), real), 4)
     report.floors["vae_reconstruction"] = round(frechet_distance(
         referee.features(_reconstruct(instance, loop.vae, train.images[picked])), real), 4)
-    labels = np.repeat(np.arange(len(CLASS_NAMES)), per_class)
-    for g in guidance or [float(defaults.get("guidance", 4.0))]:
-        for k in steps or [int(defaults.get("steps", 20))]:
-            requests = [Request(class_prompt(int(label)), seed=seed + j % per_class, steps=k, guidance=g,
-                                shift=float(defaults.get("shift", 1.0)), solver=defaults.get("solver", "euler"))
-                        for j, label in enumerate(labels)]
+    prompts = [class_prompt(label) for label in range(len(CLASS_NAMES))]
+    labels = np.repeat(np.arange(len(CLASS_NAMES)), per_class)  # plan_requests orders prompts × seeds
+    for g in guidance or [None]:  # None: the card's loop default
+        for k in steps or [None]:
+            requests, _ = plan_requests(card, prompts, num=per_class, seed=seed, steps=k, guidance=g)
             started = time.perf_counter()
             images = loop.finalize(sample(loop, requests, max_batch=256))
             seconds = time.perf_counter() - started
             probabilities = referee.probabilities(images)
-            row = EvalRow(k, g, count, round(float((probabilities.argmax(1) == labels).mean()), 4),
+            accuracy = float((probabilities.argmax(1) == labels).mean())
+            row = EvalRow(requests[0].steps, requests[0].guidance, count, round(accuracy, 4),
                           round(frechet_distance(referee.features(images), real), 4),
                           round(float(probabilities[np.arange(count), labels].mean()), 4), round(count / seconds, 1))
             report.rows.append(row)
