@@ -14,6 +14,8 @@ def eval_command(
     reward: Annotated[str, typer.Option("--reward", help="The judge card.")] = "fashion-classifier",
     steps: Annotated[list[int] | None, typer.Option("--steps", help="Step counts; repeat for several.")] = None,
     guidance: Annotated[list[float] | None, typer.Option("--guidance", help="CFG scales; repeat.")] = None,
+    guidance_interval: Annotated[str | None, typer.Option(
+        "--guidance-interval", metavar="LO,HI", help="σ range whose steps use CFG (default: the card's).")] = None,
     per_class: Annotated[int, typer.Option("--per-class", help="Images per class (10 classes).")] = 100,
     seed: Annotated[int, typer.Option("--seed", help="First seed of each class.")] = 0,
     device: Annotated[str | None, typer.Option("--device", help="Override the device (cuda, cpu).")] = None,
@@ -23,18 +25,21 @@ def eval_command(
 ) -> None:
     """Evaluate a card: per step count and guidance, accuracy by the judge, FID-FMNIST with its floors."""
     from cardtool.core.evaluate import evaluate
+    from cardtool.core.generate import parse_interval
 
     err = console(stderr=True)
 
     def progress(row) -> None:
         if not json_:
-            err.print(f"steps {row.steps} guidance {row.guidance}: accuracy {row.class_accuracy:.4f}  "
-                      f"FID {row.fid_fmnist:.3f}  reward {row.mean_reward:.4f}  {row.images_per_second:.0f} img/s",
+            err.print(f"steps {row.steps} guidance {row.guidance:g}{_interval(row)}: "
+                      f"accuracy {row.class_accuracy:.4f}  FID {row.fid_fmnist:.3f}  reward {row.mean_reward:.4f}  "
+                      f"{row.images_per_second:.0f} img/s",
                       markup=False)
 
     with handled(json_):
-        report = evaluate(card, judge=reward, steps=steps, guidance=guidance, per_class=per_class, seed=seed,
-                          device=device, data=data, on_row=progress)
+        interval = parse_interval(guidance_interval) if guidance_interval is not None else None
+        report = evaluate(card, judge=reward, steps=steps, guidance=guidance, guidance_interval=interval,
+                          per_class=per_class, seed=seed, device=device, data=data, on_row=progress)
         if record:
             from cardtool.core.record import record_metrics
 
@@ -50,9 +55,17 @@ def eval_command(
     for column in ("steps", "guidance", "class accuracy", "FID-FMNIST", "mean reward", "images/s"):
         table.add_column(column, justify="right")
     for r in report.rows:
-        table.add_row(str(r.steps), f"{r.guidance:g}", f"{r.class_accuracy:.4f}", f"{r.fid_fmnist:.3f}",
+        table.add_row(str(r.steps), f"{r.guidance:g}{_interval(r)}", f"{r.class_accuracy:.4f}", f"{r.fid_fmnist:.3f}",
                       f"{r.mean_reward:.4f}", f"{r.images_per_second:.0f}")
     out = console()
     out.print(table)
     out.print(f"FID floors: real train vs test {report.floors['train_vs_test']:.3f}, "
               f"VAE reconstructions vs test {report.floors['vae_reconstruction']:.3f}", markup=False)
+
+
+def _interval(row) -> str:
+    """' on σ ≤ 0.4' style suffix when guidance applies to part of the trajectory only."""
+    low, high = row.guidance_interval
+    if row.guidance == 1 or (low, high) == (0, 1):
+        return ""
+    return f" on σ ≤ {high:g}" if low == 0 else f" on σ ∈ [{low:g}, {high:g}]"

@@ -20,6 +20,8 @@ def generate_command(
     seed: Annotated[int, typer.Option("--seed", help="The first seed.")] = 0,
     steps: Annotated[int | None, typer.Option("--steps", help="Sampling steps (default: the card's).")] = None,
     guidance: Annotated[float | None, typer.Option("--guidance", help="CFG scale; 1 turns CFG off.")] = None,
+    guidance_interval: Annotated[str | None, typer.Option(
+        "--guidance-interval", metavar="LO,HI", help="σ range of the steps using CFG (default: the card's).")] = None,
     shift: Annotated[float | None, typer.Option("--shift", help="σ-grid shift (SD3 / Wan).")] = None,
     solver: Annotated[str | None, typer.Option("--solver", help="euler (ODE) or sde (Flow-GRPO SDE).")] = None,
     device: Annotated[str | None, typer.Option("--device", help="Override the device (cuda, cpu, numpy).")] = None,
@@ -29,14 +31,16 @@ def generate_command(
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (see README).")] = False,
 ) -> None:
     """Generate images; each PNG carries its card, weights versions, prompt, seed and settings."""
-    from cardtool.core.generate import generate, read_prompts_file
+    from cardtool.core.generate import generate, parse_interval, read_prompts_file
 
     with handled(json_):
         prompts = list(prompt or []) + (read_prompts_file(prompts_file) if prompts_file else [])
         progress = _LateProgress(enabled=not json_ and sys.stderr.isatty())
         try:
+            interval = parse_interval(guidance_interval) if guidance_interval is not None else None
             report = generate(card, prompts, num=num, seed=seed, steps=steps, guidance=guidance, shift=shift,
-                              solver=solver, device=device, out=out, grid=grid, strict=strict, on_step=progress)
+                              solver=solver, guidance_interval=interval, device=device, out=out, grid=grid,
+                              strict=strict, on_step=progress)
         finally:
             progress.stop()
     err = console(stderr=True)

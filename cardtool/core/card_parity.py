@@ -18,7 +18,7 @@ from cardtool.core.text_cache import TextFeatureCache
 __all__ = ["card_parity", "generation_rows"]
 
 # one CFG request on the ODE, one unguided request on the SDE, with a shifted grid
-PARITY_REQUESTS = (Request("an ankle boot", seed=0, steps=3, guidance=3.0),
+PARITY_REQUESTS = (Request("an ankle boot", seed=0, steps=3, guidance=3.0, guidance_interval=(0.0, 0.7)),
                    Request("", seed=1, steps=3, guidance=1.0, shift=2.0, solver="sde"))
 
 

@@ -6,6 +6,11 @@ A driven loop: `init` makes a request's state (its seed's noise, its shifted σ 
 `advance` applies CFG and the solver to a batch of states (`euler`, the flow ODE; `sde`, Flow-GRPO's SDE with per-step
 log-probabilities); `finalize` decodes. Everything per request lives in its LoopState: its own numpy RNG
 (so samples do not depend on batch composition or platform), σ grid, guidance and captured tensors.
+
+CFG applies on the steps whose σ lies in the request's `guidance_interval` (Kynkäänniemi et al. 2024,
+"Applying Guidance in a Limited Interval Improves Sample and Distribution Quality in Diffusion Models"):
+guidance at high noise mostly collapses diversity, so a card may guide only the later steps; an unguided
+step evaluates the conditional branch alone (one row, not two).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class Request:
     solver: str = "euler"
     negative_prompt: str = ""  # the empty prompt is the null condition
     eta: float = 0.7  # the SDE's noise level (Flow-GRPO's a)
+    guidance_interval: tuple[float, float] = (0.0, 1.0)  # the σ range (inclusive) of the steps CFG applies to
 
     def check(self) -> None:
         if self.steps < 1:
@@ -52,6 +58,14 @@ class Request:
             raise BadInput(f"shift must be positive, got {self.shift}")
         if not 0 <= self.seed < 2**63:
             raise BadInput(f"seed must be in [0, 2⁶³), got {self.seed}")
+        low, high = self.guidance_interval
+        if not 0 <= low <= high <= 1:
+            raise BadInput(f"guidance interval must be LO,HI with 0 ≤ LO ≤ HI ≤ 1 (a σ range), got {low:g},{high:g}")
+
+    def guides_at(self, sigma: float) -> bool:
+        """Whether CFG applies at σ (a step's starting σ); the bounds are inclusive, up to rounding of the grid."""
+        low, high = self.guidance_interval
+        return self.guidance != 1 and low - 1e-9 <= sigma <= high + 1e-9
 
 
 @dataclass
@@ -87,6 +101,11 @@ class LoopState:
     @property
     def done(self) -> bool:
         return self.step >= self.request.steps
+
+    @property
+    def guided(self) -> bool:
+        """Whether this step uses CFG (two model rows) or the conditional branch alone."""
+        return self.uncond is not None and not self.done and self.request.guides_at(self.sigmas[self.step])
 
 
 @dataclass
@@ -150,8 +169,8 @@ class DenoiseLoop:
         """The model evaluation `state` needs for its next step; None once it is done."""
         if state.done:
             return None
-        t = self.arrays.asarray(np.full(2 if state.uncond is not None else 1, state.sigmas[state.step] * 1000.0))
-        if state.uncond is None:
+        t = self.arrays.asarray(np.full(2 if state.guided else 1, state.sigmas[state.step] * 1000.0))
+        if not state.guided:
             return StepInput(state.latents, t, *state.cond)
         a = self.arrays
         return StepInput(a.cat([state.latents, state.latents]), t, a.cat([state.cond[0], state.uncond[0]]),
@@ -164,7 +183,7 @@ class DenoiseLoop:
         a = self.arrays
         cond, uncond, scales, row = [], [], [], 0
         for state in states:
-            guided = state.uncond is not None
+            guided = state.guided
             cond.append(row)
             uncond.append(row + 1 if guided else row)  # unguided: v_c + 1·(v_c − v_c) = v_c exactly
             scales.append(state.request.guidance if guided else 1.0)
@@ -200,17 +219,17 @@ class DenoiseLoop:
         if not active:
             return
         a = self.arrays
-        rows = [s for s in active for _ in range(2 if s.uncond is not None else 1)]
+        rows = [s for s in active for _ in range(2 if s.guided else 1)]
         t = a.asarray(np.array([s.sigmas[s.step] * 1000.0 for s in rows]))
         text, mask = self._batch_text(active)
         velocity = self.instance.component(self.transformer)(a.cat([s.latents for s in rows]), t, text, mask)
         self.advance(active, velocity)
 
     def _batch_text(self, states: list[LoopState]):
-        """The text rows of a batch, rebuilt only when the set of states changes (not every step)."""
-        key = tuple(states)  # the states themselves (compared by identity), kept alive with the rows
+        """The text rows of a batch, rebuilt only when the states or their guided steps change (not every step)."""
+        key = tuple((s, s.guided) for s in states)  # states compared by identity, kept alive with the rows
         if self._text_rows is None or self._text_rows[0] != key:
-            parts = [part for s in states for part in ((s.cond, s.uncond) if s.uncond is not None else (s.cond,))]
+            parts = [part for s in states for part in ((s.cond, s.uncond) if s.guided else (s.cond,))]
             a = self.arrays
             self._text_rows = (key, a.cat([p[0] for p in parts]), a.cat([p[1] for p in parts]))
         return self._text_rows[1:]

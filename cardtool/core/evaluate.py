@@ -1,8 +1,9 @@
 """`cardtool eval`: quality and speed of a text-to-image card, measured the same way every time.
 
-For each step count: N images per class from the class prompts with fixed seeds (0…N−1), sampled with the
-card's own loop; the judge card gives class accuracy and mean reward; FID-FMNIST is the Fréchet distance of
-the judge's features, generated vs the 10,000 real test images. Two floors put it in scale: N real train
+For each step count and guidance: N images per class from the class prompts with fixed seeds (0…N−1), sampled
+with the card's own loop and its defaults for the rest (shift, solver, guidance interval); the judge card
+gives class accuracy and mean reward; FID-FMNIST is the Fréchet distance of the judge's features, generated
+vs the 10,000 real test images. Two floors put it in scale: N real train
 images vs the test set, and N VAE reconstructions of train images vs the test set."""
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ __all__ = ["EvalRow", "EvalReport", "evaluate"]
 class EvalRow:
     steps: int
     guidance: float
+    guidance_interval: list[float]  # the σ range of the guided steps
     images: int
     class_accuracy: float
     fid_fmnist: float
@@ -56,8 +58,9 @@ class EvalReport:
 
 
 def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[int] | None = None,
-             guidance: list[float] | None = None, per_class: int = 100, seed: int = 0, device: str | None = None,
-             data: str | None = None, on_row: Callable[[EvalRow], None] | None = None) -> EvalReport:
+             guidance: list[float] | None = None, guidance_interval: tuple[float, float] | None = None,
+             per_class: int = 100, seed: int = 0, device: str | None = None, data: str | None = None,
+             on_row: Callable[[EvalRow], None] | None = None) -> EvalReport:
     if per_class < 1:
         raise BadInput(f"--per-class must be at least 1, got {per_class}")
     card = load_card(card_ref)
@@ -78,13 +81,15 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     labels = np.repeat(np.arange(len(CLASS_NAMES)), per_class)  # plan_requests orders prompts × seeds
     for g in guidance or [None]:  # None: the card's loop default
         for k in steps or [None]:
-            requests, _ = plan_requests(card, prompts, num=per_class, seed=seed, steps=k, guidance=g)
+            requests, _ = plan_requests(card, prompts, num=per_class, seed=seed, steps=k, guidance=g,
+                                        guidance_interval=guidance_interval)
             started = time.perf_counter()
             images = loop.finalize(sample(loop, requests, max_batch=256))
             seconds = time.perf_counter() - started
             probabilities = referee.probabilities(images)
             accuracy = float((probabilities.argmax(1) == labels).mean())
-            row = EvalRow(requests[0].steps, requests[0].guidance, count, round(accuracy, 4),
+            first = requests[0]
+            row = EvalRow(first.steps, first.guidance, list(first.guidance_interval), count, round(accuracy, 4),
                           round(frechet_distance(referee.features(images), real), 4),
                           round(float(probabilities[np.arange(count), labels].mean()), 4), round(count / seconds, 1))
             report.rows.append(row)

@@ -21,7 +21,7 @@ from cardtool.core.sampler import sample
 from cardtool.core.text_cache import TextFeatureCache
 from cardtool.errors import BadInput
 
-__all__ = ["GeneratedImage", "GenerateReport", "generate", "plan_requests", "read_prompts_file"]
+__all__ = ["GeneratedImage", "GenerateReport", "generate", "parse_interval", "plan_requests", "read_prompts_file"]
 
 LOOP = "denoise"
 
@@ -62,6 +62,7 @@ def read_prompts_file(path: str | Path) -> list[str]:
 
 def plan_requests(card: Card, prompts: list[str], *, num: int = 1, seed: int = 0, steps: int | None = None,
                   guidance: float | None = None, shift: float | None = None, solver: str | None = None,
+                  guidance_interval: tuple[float, float] | None = None,
                   strict: bool = False) -> tuple[list[Request], list[str]]:
     """Requests for prompts × seeds (seed, seed + 1, … for each prompt's images), the card's loop defaults
     filling what is not given; and warnings (a card assuming a fixed step count sampled with another)."""
@@ -84,21 +85,41 @@ def plan_requests(card: Card, prompts: list[str], *, num: int = 1, seed: int = 0
     requests = [Request(prompt=p, seed=seed + j, steps=steps,
                         guidance=float(guidance if guidance is not None else defaults.get("guidance", 4.0)),
                         shift=float(shift if shift is not None else defaults.get("shift", 1.0)),
-                        solver=solver or defaults.get("solver", "euler"))
+                        solver=solver or defaults.get("solver", "euler"),
+                        guidance_interval=_interval(guidance_interval or defaults.get("guidance_interval", (0.0, 1.0))))
                 for p in prompts for j in range(num)]
     for request in requests:
         request.check()
     return requests, warnings
 
 
+def parse_interval(text: str) -> tuple[float, float]:
+    """`LO,HI` as typed on the command line (a σ range for --guidance-interval)."""
+    try:
+        low, high = (float(part) for part in text.split(","))
+    except ValueError:
+        raise BadInput(f"--guidance-interval takes LO,HI (a σ range such as 0,0.4), got '{text}'")
+    return low, high
+
+
+def _interval(value) -> tuple[float, float]:
+    try:
+        low, high = value if isinstance(value, (list, tuple)) else ()
+        return float(low), float(high)
+    except (TypeError, ValueError):
+        raise BadInput(f"guidance_interval must be two numbers [LO, HI], got {value!r}")
+
+
 def generate(card_ref: str, prompts: list[str], *, num: int = 1, seed: int = 0, steps: int | None = None,
              guidance: float | None = None, shift: float | None = None, solver: str | None = None,
-             device: str | None = None, out: str | Path = "outputs", grid: bool = False, strict: bool = False,
+             guidance_interval: tuple[float, float] | None = None, device: str | None = None,
+             out: str | Path = "outputs", grid: bool = False, strict: bool = False,
              cache: TextFeatureCache | None = None, on_step: Callable[[int, int], None] | None = None,
              max_batch: int = 64) -> GenerateReport:
     card = load_card(card_ref)
     requests, warnings = plan_requests(card, prompts, num=num, seed=seed, steps=steps, guidance=guidance,
-                                       shift=shift, solver=solver, strict=strict)
+                                       shift=shift, solver=solver, guidance_interval=guidance_interval,
+                                       strict=strict)
     paths = _output_paths(Path(out), card.id, requests)
     platform = Platform.detect(device)
     instance = ModelInstance(card, platform)
@@ -113,6 +134,7 @@ def generate(card_ref: str, prompts: list[str], *, num: int = 1, seed: int = 0, 
         metadata = {"cardtool": __version__, "card": card.id, "weights": json.dumps(versions, sort_keys=True),
                     "prompt": request.prompt, "negative_prompt": request.negative_prompt, "seed": str(request.seed),
                     "steps": str(request.steps), "guidance": repr(request.guidance), "shift": repr(request.shift),
+                    "guidance_interval": ",".join(map(repr, request.guidance_interval)),
                     "solver": request.solver, "platform": f"{platform.device}/{platform.arch}",
                     "precision": instance.precision}
         save_png(path, image, metadata)

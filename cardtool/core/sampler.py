@@ -15,7 +15,7 @@ def sample(loop: DenoiseLoop, requests: list[Request], *, capture: bool = False,
            on_step: Callable[[int, int], None] | None = None, grad: bool = False) -> list[LoopState]:
     """Run every request to the end and return their final states (latents, and capture if asked).
 
-    Each forward holds up to `max_batch` samples (a CFG request counts twice). `on_step(done, total)`
+    Each forward holds up to `max_batch` samples (a request on a guided step counts twice). `on_step(done, total)`
     reports progress in request-steps. Without `grad` the forwards run under no-grad."""
     states = loop.init(requests, capture)
     total, done = sum(r.steps for r in requests), 0
@@ -32,7 +32,7 @@ def sample(loop: DenoiseLoop, requests: list[Request], *, capture: bool = False,
 def _chunks(states: list[LoopState], max_batch: int):
     chunk, size = [], 0
     for state in states:
-        cost = 2 if state.uncond is not None else 1
+        cost = 2 if state.guided else 1
         if chunk and size + cost > max_batch:
             yield chunk
             chunk, size = [], 0

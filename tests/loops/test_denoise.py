@@ -18,7 +18,8 @@ from cardtool.errors import BadInput
 MIXED = [Request("an ankle boot", seed=1, steps=3, guidance=4.0),
          Request("a bag", seed=2, steps=5, guidance=1.0, solver="sde"),
          Request("a coat", seed=3, steps=4, guidance=2.0, shift=3.0, solver="sde"),
-         Request("a coat", seed=4, steps=2, guidance=7.5, negative_prompt="a shirt")]
+         Request("a coat", seed=4, steps=2, guidance=7.5, negative_prompt="a shirt"),
+         Request("a shirt", seed=5, steps=4, guidance=3.0, guidance_interval=(0.0, 0.5))]  # σ 1, .75 unguided
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,8 @@ def test_forwards_are_shared_and_capped_by_max_batch(loop, monkeypatch):
     monkeypatch.setattr(type(transformer), "forward",
                         lambda self, x, *rest: sizes.append(x.shape[0]) or original(self, x, *rest))
     sample(loop, MIXED)
-    assert sizes[0] == 2 + 1 + 2 + 2, "one forward for all four requests, CFG ones twice"
+    assert sizes[0] == 2 + 1 + 2 + 2 + 1, "one forward for all five requests, guided ones twice"
+    assert sizes[2] == 2 + 1 + 2 + 2, "the third step: two requests done, the interval one now guided"
     assert len(sizes) == 5, "as many forwards as the longest request has steps"
     sizes.clear()
     capped = final(sample(loop, MIXED, max_batch=2))
@@ -92,11 +94,37 @@ def test_guidance_one_needs_no_unconditional_pass(loop):
     assert state.uncond is None and loop.next(state).x.shape[0] == 1
 
 
+def test_guidance_interval_guides_only_the_steps_inside_it(loop):
+    """Euler by hand: v_c alone where σ > 0.5, v_u + w·(v_c − v_u) where σ ≤ 0.5 (bounds inclusive)."""
+    request = Request("an ankle boot", seed=3, steps=4, guidance=3.0, guidance_interval=(0.0, 0.5))
+    [state] = loop.init([request])
+    model = loop.instance.component("transformer")
+    x = state.latents
+    with torch.no_grad():
+        for sigma, sigma_next in zip(state.sigmas[:-1], state.sigmas[1:], strict=True):
+            t = torch.tensor([sigma * 1000.0])
+            v = model(x, t, *state.cond)
+            if sigma <= 0.5:
+                v_u = model(x, t, *state.uncond)
+                v = v_u + 3.0 * (v - v_u)
+            x = x + (sigma_next - sigma) * v
+    [sampled] = final(sample(loop, [request]))
+    assert np.abs(sampled - x.numpy()).max() <= 1e-5
+    everywhere, nowhere = final(sample(loop, [Request("an ankle boot", seed=3, steps=4, guidance=3.0),
+                                              Request("an ankle boot", seed=3, steps=4, guidance=1.0)]))
+    assert np.abs(sampled - everywhere).max() > 1e-2 and np.abs(sampled - nowhere).max() > 1e-2
+    [empty] = final(sample(loop, [Request("an ankle boot", seed=3, steps=4, guidance=3.0,
+                                          guidance_interval=(0.1, 0.2))]))
+    assert np.abs(empty - nowhere).max() <= 1e-6, "an interval holding no step's σ is unguided sampling"
+
+
 @pytest.mark.parametrize(("request_", "message"), [
     (Request("x", steps=0), "steps must be at least 1"),
     (Request("x", solver="heun"), "unknown solver 'heun'"),
     (Request("x", shift=0), "shift must be positive"),
     (Request("x", seed=-1), "seed must be in"),
+    (Request("x", guidance_interval=(0.6, 0.2)), "0 ≤ LO ≤ HI ≤ 1"),
+    (Request("x", guidance_interval=(0.0, 1.5)), "0 ≤ LO ≤ HI ≤ 1"),
 ])
 def test_bad_requests_are_refused(loop, request_, message):
     with pytest.raises(BadInput, match=message):

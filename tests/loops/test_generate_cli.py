@@ -10,7 +10,10 @@ import pytest
 from typer.testing import CliRunner
 
 from cardtool.cli import app
+from cardtool.core.generate import plan_requests
 from cardtool.core.images import read_png_metadata
+from cardtool.core.loader import load_card
+from cardtool.errors import BadInput
 
 
 def run(*args):
@@ -34,6 +37,7 @@ def test_generate_writes_pngs_with_metadata_and_a_grid(on_path, tmp_path):
     metadata = read_png_metadata(first["path"])
     assert metadata["card"] == "tiny-base" and metadata["steps"] == "3" and metadata["solver"] == "euler"
     assert metadata["guidance"] == "4.0", "the card's default guidance"
+    assert metadata["guidance_interval"] == "0.0,1.0", "guided on every step unless the card says otherwise"
     assert set(json.loads(metadata["weights"])) == {"text_encoder", "vae", "transformer"}
     assert metadata["platform"] == report["platform"]
     assert report["grid"] and read_png_metadata(report["grid"])["card"] == "tiny-base"
@@ -48,6 +52,22 @@ def test_the_same_command_twice_gives_bit_identical_pngs(on_path, tmp_path):
                        timeout=300)
         outputs.append({p.name: p.read_bytes() for p in sorted(out.glob("*.png"))})
     assert len(outputs[0]) == 2 and outputs[0] == outputs[1]
+
+
+def test_guidance_interval_from_the_command_line_or_the_card(on_path, tmp_path):
+    result = run("generate", "tiny-base", "-p", "a bag", "--steps", "2", "--guidance-interval", "0,0.5",
+                 "--out", str(tmp_path / "one.png"))
+    assert result.exit_code == 0, result.output
+    assert read_png_metadata(tmp_path / "one.png")["guidance_interval"] == "0.0,0.5"
+    card = load_card("tiny-base")
+    card.manifest.loops["denoise"].defaults["guidance_interval"] = [0.2, 0.6]
+    [request], _ = plan_requests(card, ["a bag"])
+    assert request.guidance_interval == (0.2, 0.6)
+    [request], _ = plan_requests(card, ["a bag"], guidance_interval=(0.0, 1.0))
+    assert request.guidance_interval == (0.0, 1.0), "the command line wins over the card"
+    card.manifest.loops["denoise"].defaults["guidance_interval"] = "late"
+    with pytest.raises(BadInput, match="guidance_interval must be two numbers"):
+        plan_requests(card, ["a bag"])
 
 
 def test_a_single_named_file_and_a_prompts_file(on_path, tmp_path):
@@ -77,6 +97,8 @@ def test_a_card_assuming_fixed_steps_warns_and_strict_refuses(on_path, tmp_path)
     (["tiny-base", "-p", "x", "-p", "y", "--out", "one.png"], "names one file"),
     (["tiny-base", "-p", "x", "--out", "/proc/no/such"], "cannot create output folder"),
     (["tiny-base", "-p", "x", "--device", "tpu"], "unknown device"),
+    (["tiny-base", "-p", "x", "--guidance-interval", "0.5"], "--guidance-interval takes LO,HI"),
+    (["tiny-base", "-p", "x", "--guidance-interval", "0.5,0.1"], "0 ≤ LO ≤ HI ≤ 1"),
 ])
 def test_bad_input_is_a_clear_message_and_exit_2(on_path, args, message):
     result = run("generate", *args)

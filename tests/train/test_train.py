@@ -119,6 +119,7 @@ def test_classifier_pretrain_and_generate_from_what_training_wrote(tmp_path, dat
                                        "train.checkpoint_every=2"]),
                  command="c", out=tmp_path / "cards" / "fashion-base", run_dir=tmp_path / "r3", data=str(data))
     assert base.manifest.recipe.parents == ["fashion-vae"] and base.manifest.recipe.assumes.loop == "denoise"
+    assert base.manifest.loops["denoise"].defaults["guidance_interval"] == [0.0, 0.4], "the recipe's loop defaults"
     parent_vae = tmp_path / "cards" / "fashion-vae" / "vae.safetensors"
     assert base.weights_file("vae").read_bytes() == parent_vae.read_bytes(), "the VAE is carried over as is"
     result = CliRunner().invoke(app, ["generate", "fashion-base", "-p", "an ankle boot", "--steps", "2", "--json",
@@ -132,6 +133,7 @@ def test_classifier_pretrain_and_generate_from_what_training_wrote(tmp_path, dat
     assert evaluation.exit_code == 0, evaluation.output
     report = json.loads(evaluation.stdout)
     assert [r["steps"] for r in report["rows"]] == [1, 2] and report["rows"][0]["images"] == 20
+    assert report["rows"][0]["guidance"] == 4.0 and report["rows"][0]["guidance_interval"] == [0.0, 0.4]
     assert set(report["floors"]) == {"train_vs_test", "vae_reconstruction"}
     assert load_card("fashion-base", checksums=True).manifest.recipe.metrics["eval"]["rows"][1]["steps"] == 2
     tuned = train(tiny("fashion-base", ["method=finetune", "parents=[fashion-base]", "card.id=fashion-tuned",

@@ -1,0 +1,58 @@
+"""The shipped family: valid with checksums, each made by its recipe's command, and fashion-base meeting the
+quality targets — as recorded by `cardtool eval --record`, and again live on a small eval."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+from helpers import REPO
+
+from cardtool.core import discovery
+from cardtool.core.catalog import validate_paths
+from cardtool.core.evaluate import evaluate
+from cardtool.core.loader import load_card
+from cardtool.core.recipes import load_recipe
+
+CARDS = REPO / "cards"
+FAMILY = ("fashion-vae", "fashion-classifier", "fashion-base")
+
+
+@pytest.fixture
+def builtin(monkeypatch):
+    monkeypatch.setattr(discovery, "builtin_dir", lambda: CARDS)
+
+
+def test_the_family_validates_with_checksums(builtin):
+    results = validate_paths([str(CARDS)], checksums=True)
+    assert sorted(r.id for r in results) == sorted(FAMILY)
+    assert all(not r.problems for r in results), [p for r in results for p in r.problems]
+
+
+@pytest.mark.parametrize("card_id", FAMILY)
+def test_each_card_records_the_command_and_recipe_that_made_it(builtin, card_id):
+    card = load_card(card_id)
+    command = shlex.split(card.manifest.recipe.command)
+    assert command[:4] == ["cardtool", "train", "--recipe", f"examples/recipes/{card_id}.yaml"]
+    recipe = load_recipe(REPO / command[3])
+    assert card.manifest.recipe.method == recipe.method and card.manifest.recipe.parents == recipe.parents
+    if "loop" in recipe.data:
+        assert card.manifest.loops["denoise"].defaults == recipe.data["loop"], "the recipe sets the loop defaults"
+
+
+def test_recorded_eval_meets_the_targets_at_20_steps_with_the_default_guidance(builtin):
+    card = load_card("fashion-base")
+    defaults = card.manifest.loops["denoise"].defaults
+    report = card.manifest.recipe.metrics["eval"]
+    [row] = [r for r in report["rows"] if r["steps"] == 20 and r["guidance"] == defaults["guidance"]]
+    assert row["guidance_interval"] == defaults["guidance_interval"] and row["images"] >= 1000
+    assert row["class_accuracy"] >= 0.95
+    assert row["fid_fmnist"] <= 1.3 * report["floors"]["vae_reconstruction"]
+
+
+def test_a_small_live_eval_names_the_right_class(builtin):
+    report = evaluate("fashion-base", per_class=20)  # measured here: accuracy 0.945, FID 37.9 (floor 40.8)
+    [row] = report.rows
+    assert (row.steps, row.guidance, row.images) == (20, 4.0, 200)
+    assert row.class_accuracy >= 0.9 and row.mean_reward >= 0.85
+    assert row.fid_fmnist <= 1.3 * report.floors["vae_reconstruction"], "within the target even at 200 images"
