@@ -3,8 +3,8 @@
 For each step count and guidance: N images per class from the class prompts with fixed seeds (0…N−1), sampled
 with the card's own loop and its defaults for the rest (shift, solver, guidance interval); the judge card
 gives class accuracy and mean reward; FID-FMNIST is the Fréchet distance of the judge's features, generated
-vs the 10,000 real test images. Two floors put it in scale: N real train
-images vs the test set, and N VAE reconstructions of train images vs the test set."""
+vs the 10,000 real test images. Two floors put it in scale: N real train images vs the test set, and N VAE
+reconstructions of train images vs the test set."""
 
 from __future__ import annotations
 
