@@ -63,9 +63,9 @@ class Request:
             raise BadInput(f"guidance interval must be LO,HI with 0 ≤ LO ≤ HI ≤ 1 (a σ range), got {low:g},{high:g}")
 
     def guides_at(self, sigma: float) -> bool:
-        """Whether CFG applies at σ (a step's starting σ); the bounds are inclusive, up to rounding of the grid."""
+        """Whether σ (a step's starting σ) is in the guidance interval, bounds inclusive up to the grid's rounding."""
         low, high = self.guidance_interval
-        return self.guidance != 1 and low - 1e-9 <= sigma <= high + 1e-9
+        return low - 1e-9 <= sigma <= high + 1e-9
 
 
 @dataclass
