@@ -23,7 +23,7 @@ from cardtool.backends import registry
 def isolated(tmp_path, monkeypatch):
     """Each test runs in its own empty folder with no CARDTOOL_PATH and the built-in cards hidden, so only the
     cards it makes exist, and with its own feature cache."""
-    from cardtool.core import discovery
+    from cardtool.core.cards import discovery
 
     monkeypatch.setattr(discovery, "builtin_dir", lambda: None)
     monkeypatch.chdir(tmp_path)

@@ -14,7 +14,7 @@ def write_weights(path: Path, seed: int = 0) -> str:
     """Write a small real safetensors file and return its sha256."""
     from safetensors.numpy import save_file
 
-    from cardtool.core.weight_files import sha256_file
+    from cardtool.core.cards.weight_files import sha256_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)

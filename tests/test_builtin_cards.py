@@ -8,11 +8,11 @@ import shlex
 import pytest
 from helpers import REPO
 
-from cardtool.core import discovery
-from cardtool.core.catalog import validate_paths
-from cardtool.core.evaluate import evaluate
-from cardtool.core.loader import load_card
-from cardtool.core.recipes import load_recipe
+from cardtool.core.cards import discovery
+from cardtool.core.cards.catalog import validate_paths
+from cardtool.core.evaluation.evaluate import evaluate
+from cardtool.core.cards.loader import load_card
+from cardtool.core.training.recipes import load_recipe
 
 CARDS = REPO / "cards"
 FAMILY = ("fashion-vae", "fashion-classifier", "fashion-base")

@@ -17,7 +17,7 @@ CardArgument = Annotated[str, typer.Argument(help="A card id, card folder or man
 @app.command("list")
 def list_command(json_: JsonOption = False) -> None:
     """List the cards on the search path: ./cards, CARDTOOL_PATH, then the built-in cards."""
-    from cardtool.core.catalog import list_cards
+    from cardtool.core.cards.catalog import list_cards
 
     with handled(json_):
         summaries = list_cards()
@@ -45,8 +45,8 @@ def list_command(json_: JsonOption = False) -> None:
 @app.command("show")
 def show_command(card: CardArgument, json_: JsonOption = False) -> None:
     """Show a card's manifest with `extends` resolved: components, loops, adapters, recipe."""
-    from cardtool.core.loader import load_card
-    from cardtool.core.source import display_path
+    from cardtool.core.cards.loader import load_card
+    from cardtool.core.cards.source import display_path
 
     with handled(json_):
         loaded = load_card(card)
@@ -99,7 +99,7 @@ def validate_command(
     json_: JsonOption = False,
 ) -> None:
     """Validate cards strictly; exit 1 if any card has a problem."""
-    from cardtool.core.catalog import validate_paths
+    from cardtool.core.cards.catalog import validate_paths
 
     with handled(json_):
         results = validate_paths(paths, checksums=checksums)
@@ -124,8 +124,8 @@ def validate_command(
 @app.command("lineage")
 def lineage_command(card: CardArgument, json_: JsonOption = False) -> None:
     """Walk recipe.parents back to the roots and print the tree (base → rl → distilled)."""
-    from cardtool.core.lineage import lineage
-    from cardtool.core.loader import load_card
+    from cardtool.core.cards.lineage import lineage
+    from cardtool.core.cards.loader import load_card
 
     with handled(json_):
         root = lineage(load_card(card))

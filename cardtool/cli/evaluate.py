@@ -24,8 +24,8 @@ def eval_command(
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (see README).")] = False,
 ) -> None:
     """Evaluate a card: per step count and guidance, accuracy by the judge, FID-FMNIST with its floors."""
-    from cardtool.core.evaluate import evaluate
-    from cardtool.core.generate import parse_interval
+    from cardtool.core.evaluation.evaluate import evaluate
+    from cardtool.core.sampling.generate import parse_interval
 
     err = console(stderr=True)
 
@@ -41,7 +41,7 @@ def eval_command(
         report = evaluate(card, judge=reward, steps=steps, guidance=guidance, guidance_interval=interval,
                           per_class=per_class, seed=seed, device=device, data=data, on_row=progress)
         if record:
-            from cardtool.core.record import record_metrics
+            from cardtool.core.cards.record import record_metrics
 
             record_metrics(card, {"eval": report.to_json()})
     if json_:

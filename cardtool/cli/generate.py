@@ -31,7 +31,7 @@ def generate_command(
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (see README).")] = False,
 ) -> None:
     """Generate images; each PNG carries its card, weights versions, prompt, seed and settings."""
-    from cardtool.core.generate import generate, parse_interval, read_prompts_file
+    from cardtool.core.sampling.generate import generate, parse_interval, read_prompts_file
 
     with handled(json_):
         prompts = list(prompt or []) + (read_prompts_file(prompts_file) if prompts_file else [])

@@ -21,7 +21,7 @@ from cardtool.backends.platform import Platform
 from cardtool.backends.vae_config import ConvVAEConfig
 from cardtool.backends.wan_config import WanDiTConfig
 from cardtool.backends.wan_dit import WanDiT
-from cardtool.core.weight_files import sha256_file
+from cardtool.core.cards.weight_files import sha256_file
 
 DIT = WanDiTConfig(dim=32, depth=2, heads=2, ffn_dim=64, in_channels=4, out_channels=4, text_dim=384, freq_dim=64)
 VAE = ConvVAEConfig(channels=(8, 16, 32), latent_channels=4)

@@ -10,7 +10,7 @@ from cardtool.backends.conv_vae import ConvVAE
 from cardtool.backends.hf_encoder import HFTextEncoder
 from cardtool.backends.numpy_conv_vae import NumpyVAEDecoder
 from cardtool.backends.vae_config import ConvVAEConfig
-from cardtool.core.loader import package_path
+from cardtool.core.cards.loader import package_path
 from cardtool.errors import BadInput
 
 SMALL = ConvVAEConfig(channels=(8, 16, 32))

@@ -1,0 +1,103 @@
+"""The card commands' domain functions: list every card on the search roots, validate cards in bulk."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cardtool.core.cards.discovery import Entry, scan, search_roots
+from cardtool.core.cards.lineage import lineage, missing_parent_problems
+from cardtool.core.cards.loader import Card, load_card
+from cardtool.core.cards.source import MANIFEST_NAMES, display_path
+from cardtool.errors import BadInput, CardValidationError, Problem
+
+__all__ = ["CardSummary", "ValidationResult", "list_cards", "validate_paths"]
+
+
+@dataclass
+class CardSummary:
+    id: str | None
+    path: str
+    origin: str
+    method: str | None = None
+    description: str = ""
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def valid(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict:
+        return {"id": self.id, "path": self.path, "origin": self.origin, "method": self.method,
+                "description": self.description, "valid": self.valid,
+                "problems": [p.to_json() for p in self.problems]}
+
+
+@dataclass
+class ValidationResult:
+    path: str
+    id: str | None
+    problems: list[Problem]
+
+    @property
+    def valid(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "id": self.id, "valid": self.valid,
+                "problems": [p.to_json() for p in self.problems]}
+
+
+def list_cards() -> list[CardSummary]:
+    """Every card on the search roots, in search order; an invalid card is listed with its problems."""
+    summaries = []
+    for entry in scan(search_roots()):
+        summary = CardSummary(entry.id, display_path(entry.folder), entry.origin)
+        try:
+            card = _load(entry)
+            summary.method, summary.description = card.manifest.recipe.method, card.manifest.description
+        except CardValidationError as e:
+            summary.problems = e.problems
+        summaries.append(summary)
+    return summaries
+
+
+def _load(entry: Entry) -> Card:
+    if entry.error is not None:
+        raise entry.error
+    return load_card(entry.file)
+
+
+def validate_paths(paths: list[str], *, checksums: bool = False) -> list[ValidationResult]:
+    """Validate each card folder or manifest in `paths`; a folder of card folders validates each card.
+
+    Beyond loading, a card's parents must be found and must not form a cycle."""
+    results = []
+    for target in _expand(paths):
+        try:
+            card = load_card(target, checksums=checksums)
+            problems = missing_parent_problems(card, lineage(card))
+            results.append(ValidationResult(display_path(target), card.id, problems))
+        except CardValidationError as e:
+            results.append(ValidationResult(display_path(target), None, e.problems))
+    return results
+
+
+def _expand(paths: list[str]) -> list[Path]:
+    targets = []
+    for name in paths:
+        path = Path(name)
+        if path.is_file():
+            targets.append(path)
+        elif path.is_dir():
+            children = [path] if _has_manifest(path) else sorted(p for p in path.iterdir() if _has_manifest(p))
+            if not children:
+                raise BadInput(f"{display_path(path)} holds no card (no card.yaml or card.toml in it or below it)")
+            targets += children
+        else:
+            raise BadInput(f"no such file or folder: {name}")
+    return targets
+
+
+def _has_manifest(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in MANIFEST_NAMES)

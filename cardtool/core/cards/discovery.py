@@ -1,0 +1,127 @@
+"""Finding cards by id or path. Search order: explicit path, ./cards, CARDTOOL_PATH, the built-in cards."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from cardtool.core.cards.source import MANIFEST_NAMES, display_path, read_source
+from cardtool.errors import AmbiguousCard, BadInput, CardNotFound, CardValidationError
+
+__all__ = ["Root", "Entry", "builtin_dir", "search_roots", "scan", "manifest_in", "locate"]
+
+
+@dataclass(frozen=True)
+class Root:
+    """A folder whose subfolders are cards, and why it is searched."""
+
+    path: Path
+    origin: str  # "beside" | "./cards" | "CARDTOOL_PATH" | "builtin"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A card folder found on a search root; `error` is set when its manifest cannot be read."""
+
+    id: str | None
+    file: Path
+    origin: str
+    error: CardValidationError | None = None
+
+    @property
+    def folder(self) -> Path:
+        return self.file.parent
+
+
+def builtin_dir() -> Path | None:
+    """The built-in cards: `cardtool/cards` in an installed wheel, `cards/` beside the package in a checkout."""
+    package = Path(__file__).resolve().parents[2]  # …/cardtool/core/cards/discovery.py → …/cardtool
+    if (package / "cards").is_dir():
+        return package / "cards"
+    checkout = package.parent
+    if (checkout / "pyproject.toml").is_file() and (checkout / "cards").is_dir():
+        return checkout / "cards"
+    return None
+
+
+def search_roots(near: Path | None = None) -> list[Root]:
+    """The roots searched for a card id. `near` (the folder holding a card that names another card by
+    id, in `extends` or `recipe.parents`) is searched first, so a family of cards can live together."""
+    roots = [Root(near, "beside")] if near is not None else []
+    roots.append(Root(Path.cwd() / "cards", "./cards"))
+    roots += [Root(Path(p), "CARDTOOL_PATH") for p in os.environ.get("CARDTOOL_PATH", "").split(os.pathsep) if p]
+    builtin = builtin_dir()
+    if builtin is not None:
+        roots.append(Root(builtin, "builtin"))
+    return roots
+
+
+def manifest_in(folder: Path) -> Path | None:
+    """The manifest file of a card folder, None if there is none; both YAML and TOML is an error."""
+    found = [folder / name for name in MANIFEST_NAMES if (folder / name).is_file()]
+    if len(found) > 1:
+        raise CardValidationError.at(display_path(found[1]), 1, 1, "",
+                                     f"{display_path(folder)} holds both card.yaml and card.toml",
+                                     "keep one manifest per card folder")
+    return found[0] if found else None
+
+
+def scan(roots: list[Root]) -> list[Entry]:
+    """Every card folder directly below the roots, in search order; a folder reached twice counts once."""
+    entries: list[Entry] = []
+    seen: set[Path] = set()
+    for root in roots:
+        if not root.path.is_dir():
+            continue
+        for folder in sorted(p for p in root.path.iterdir() if p.is_dir()):
+            if folder.resolve() in seen:
+                continue
+            file = None
+            try:
+                file = manifest_in(folder)
+                if file is None:
+                    continue
+                seen.add(folder.resolve())
+                data = read_source(file).data
+                card_id = data.get("id")
+                entries.append(Entry(card_id if isinstance(card_id, str) else None, file, root.origin))
+            except CardValidationError as e:
+                seen.add(folder.resolve())
+                entries.append(Entry(None, file or folder / MANIFEST_NAMES[0], root.origin, e))
+    return entries
+
+
+def _as_path(name: str) -> Path | None:
+    path = Path(name).expanduser()
+    try:
+        is_file, is_dir = path.is_file(), path.is_dir()
+    except (OSError, ValueError) as e:  # a NUL byte, a name too long for the file system
+        raise BadInput(f"not a usable card name or path: {name!r} ({e})")
+    if is_file:
+        return path
+    if is_dir:
+        file = manifest_in(path)
+        if file is None:
+            raise BadInput(f"{display_path(path)} is not a card folder: it holds no card.yaml or card.toml")
+        return file
+    if os.sep in name or name.startswith(".") or name.endswith((".yaml", ".toml")):
+        raise BadInput(f"no such card folder or manifest: {name}")
+    return None
+
+
+def locate(name: str, near: Path | None = None) -> Path:
+    """The manifest file of the card named `name` (a path, or an id searched for on the roots)."""
+    file = _as_path(name)
+    if file is not None:
+        return file
+    roots = search_roots(near)
+    matches = [e for e in scan(roots) if e.id == name]
+    if not matches:
+        searched = ", ".join(f"{display_path(r.path)} ({r.origin})" for r in roots) or "nothing"
+        raise CardNotFound(f"no card with id '{name}'; searched {searched}. "
+                           "Give a card folder, or add its parent folder to CARDTOOL_PATH")
+    if len(matches) > 1:
+        places = " and ".join(f"{display_path(e.folder)} ({e.origin})" for e in matches)
+        raise AmbiguousCard(f"card id '{name}' is declared twice: {places}; rename one of them")
+    return matches[0].file

@@ -1,0 +1,265 @@
+"""Loading a card: parse its manifest, resolve `extends`, validate the schema, check references and files.
+
+`extends` derives a card from another: mappings merge key by key, a `null` removes an inherited key, and
+any other value (lists included) replaces the inherited one whole. `id`, `extends` and `recipe` belong to
+each card and are never inherited. Inherited weight paths keep pointing into the parent's folder.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from cardtool.core.cards.discovery import locate
+from cardtool.core.cards.schema import CardManifest
+from cardtool.core.cards.schema_errors import locate_problem, schema_problems
+from cardtool.core.cards.source import FieldPath, Source, display_path, read_source
+from cardtool.core.cards.weight_files import PICKLE_SUFFIXES, format_problem, sha256_file
+from cardtool.errors import BadInput, CardValidationError, Problem
+
+__all__ = ["Card", "load_card", "merge_extends", "package_path"]
+
+_OWN_KEYS = ("id", "extends", "recipe")  # never inherited through `extends`
+
+
+@dataclass(frozen=True)
+class Card:
+    """A validated card: its manifest (with `extends` resolved) and where every field came from."""
+
+    manifest: CardManifest
+    file: Path
+    sources: tuple[Source, ...]  # this card's manifest first, then the ones it extends, nearest first
+    raw: dict  # merged data, paths relative to this card's folder
+
+    @property
+    def id(self) -> str:
+        return self.manifest.id
+
+    @property
+    def folder(self) -> Path:
+        return self.file.parent
+
+    def problem(self, path: FieldPath, message: str, fix: str = "", *, key: bool = False) -> Problem:
+        return locate_problem(self.sources, path, message, fix, key=key)
+
+    def weights_file(self, name: str) -> Path:
+        """The weights of component or adapter `name`, checked: a safetensors file whose sha256 matches."""
+        section = "components" if name in self.manifest.components else "adapters"
+        entry = getattr(self.manifest, section).get(name)
+        if entry is None or entry.weights is None:
+            raise BadInput(f"card '{self.id}' has no component or adapter '{name}' with weights")
+        problems = _file_problems(self, (section, name), entry.weights, entry.sha256, checksums=True)
+        if problems:
+            raise CardValidationError(problems)
+        return self.folder / entry.weights
+
+    def source_path(self, name: str) -> Path | None:
+        """Where component `name`'s `source` lives: inside an installed package or the card folder."""
+        source = self.manifest.components[name].source
+        if source is None:
+            return None
+        return package_path(source) if source.startswith("package:") else self.folder / source
+
+
+def package_path(source: str) -> Path:
+    """The folder a `package:<module>/<path>` source names inside an installed package, found without
+    importing the package (its __init__ may be heavy)."""
+    import importlib.util
+
+    module, _, rest = source.removeprefix("package:").partition("/")
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise BadInput(f"source {source}: the package '{module}' is not installed "
+                       f"(pip install {module.replace('_', '-')})")
+    folder = Path(list(spec.submodule_search_locations)[0]) / rest
+    if not folder.exists():
+        raise BadInput(f"source {source}: {folder} does not exist in the installed package '{module}'")
+    return folder
+
+
+def load_card(ref: str | Path, *, checksums: bool = False, _chain: tuple[Path, ...] = ()) -> Card:
+    """Load and validate the card named by `ref` (a folder, a manifest file or an id).
+
+    Raises CardValidationError listing every problem found; with `checksums`, every declared sha256 is
+    verified too (otherwise sums are checked when weights are loaded)."""
+    file = locate(str(ref)).resolve()
+    source = read_source(file)
+    problems = _own_path_problems(source)
+    data, sources = source.data, (source,)
+    extends = data.get("extends")
+    if isinstance(extends, str):
+        parent = _load_parent(source, extends, checksums, _chain + (file,))
+        inherited = {k: v for k, v in parent.raw.items() if k not in _OWN_KEYS}
+        data = merge_extends(_rebase(inherited, parent.folder, file.parent), data)
+        sources += parent.sources
+    try:
+        manifest = CardManifest.model_validate(data)
+    except ValidationError as e:
+        raise CardValidationError(problems + schema_problems(e, data, sources)) from None
+    card = Card(manifest, file, sources, data)
+    problems += _reference_problems(card)
+    for section in ("components", "adapters"):
+        for name, entry in getattr(manifest, section).items():
+            if entry.weights is not None:
+                problems += _file_problems(card, (section, name), entry.weights, entry.sha256, checksums)
+    if problems:
+        raise CardValidationError(problems)
+    return card
+
+
+def merge_extends(base: dict, override: dict) -> dict:
+    """Derive `override` from `base`: mappings merge by key, null removes, other values replace."""
+    out = dict(base)
+    for key, value in override.items():
+        if value is None and key in out:
+            del out[key]
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_extends(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+# --- extends -----------------------------------------------------------------------------------------
+
+def _load_parent(source: Source, extends: str, checksums: bool, chain: tuple[Path, ...]) -> Card:
+    folder = source.file.parent
+    here = source.problem(("extends",), "", key=False)
+    try:
+        if extends.startswith(".") or "/" in extends:
+            parent_file = locate(str(folder / extends)).resolve()
+        else:
+            parent_file = locate(extends, near=folder.parent).resolve()
+    except BadInput as e:
+        raise CardValidationError([_with(here, f"cannot find the card it extends: {e}",
+                                         "name an existing card id or a relative card folder")]) from None
+    if parent_file in chain:
+        cycle = " → ".join(display_path(p.parent) for p in chain + (parent_file,))
+        raise CardValidationError([_with(here, f"extends forms a cycle: {cycle}",
+                                         "remove one `extends` from the cycle")])
+    try:
+        return load_card(parent_file, checksums=checksums, _chain=chain)
+    except CardValidationError as e:
+        first = _with(here, f"extends '{extends}', which is invalid", "fix the problems listed after this one")
+        raise CardValidationError([first] + e.problems) from None
+
+
+def _with(problem: Problem, message: str, fix: str) -> Problem:
+    return Problem(problem.file, problem.line, problem.column, problem.field, message, fix)
+
+
+def _file_fields(data: dict):
+    """(field path, value) of every manifest field that names a file inside the card folder."""
+    for section in ("components", "adapters"):
+        entries = data.get(section)
+        if not isinstance(entries, dict):
+            continue
+        for name, entry in entries.items():
+            if not isinstance(entry, dict):
+                continue
+            for field in ("weights", "source"):
+                value = entry.get(field)
+                if isinstance(value, str) and not (field == "source" and ":" in value):
+                    yield (section, str(name), field), value
+
+
+def _rebase(data: dict, old: Path, new: Path) -> dict:
+    """`data` with its file paths rewritten from relative-to-`old` to relative-to-`new`."""
+    out = copy.deepcopy(data)
+    for (section, name, field), value in _file_fields(data):
+        out[section][name][field] = os.path.relpath(old / value, new)
+    return out
+
+
+def _own_path_problems(source: Source) -> list[Problem]:
+    """Paths a manifest declares itself must stay inside its card folder."""
+    folder = source.file.parent.resolve()
+    problems = []
+    for path, value in _file_fields(source.data):
+        try:
+            inside = not Path(value).is_absolute() and (folder / value).resolve().is_relative_to(folder)
+        except (OSError, ValueError):  # a NUL byte, a symlink loop
+            inside = False
+        if not inside:
+            problems.append(source.problem(path, f"'{value}' escapes the card folder {display_path(folder)}",
+                                           "use a path relative to the card folder, inside it"))
+    return problems
+
+
+# --- checks after the schema -------------------------------------------------------------------------
+
+def _reference_problems(card: Card) -> list[Problem]:
+    m = card.manifest
+    components = ", ".join(sorted(m.components))
+    problems = []
+    for name, loop in m.loops.items():
+        for i, used in enumerate(loop.uses):
+            if used not in m.components:
+                problems.append(card.problem(("loops", name, "uses", str(i)),
+                                             f"loop '{name}' uses '{used}', which the card does not declare",
+                                             f"declare components.{used} or use one of: {components}"))
+    for name, adapter in m.adapters.items():
+        if adapter.target not in m.components:
+            problems.append(card.problem(("adapters", name, "target"),
+                                         f"adapter '{name}' targets '{adapter.target}', which is not a component",
+                                         f"target one of: {components}"))
+    loop = m.recipe.assumes.loop
+    if loop is not None and loop not in m.loops:
+        declared = ", ".join(sorted(m.loops)) or "none declared"
+        problems.append(card.problem(("recipe", "assumes", "loop"),
+                                     f"assumes loop '{loop}', which the card does not declare",
+                                     f"declare loops.{loop} or assume one of: {declared}"))
+    for name, component in m.components.items():
+        source = component.source
+        if source is None:
+            continue
+        if ":" in source:
+            scheme, _, rest = source.partition(":")
+            if scheme != "package" or not rest or rest.startswith("/"):
+                problems.append(card.problem(("components", name, "source"), f"unknown source '{source}'",
+                                             "use package:<module>/<folder> or a folder inside the card"))
+        elif not _exists(card.folder / source):
+            problems.append(card.problem(("components", name, "source"),
+                                         f"'{source}' does not exist in {display_path(card.folder)}",
+                                         "add it to the card folder or correct the path"))
+    return problems
+
+
+def _file_problems(card: Card, at: FieldPath, rel: str, sha256: str | None, checksums: bool) -> list[Problem]:
+    path = card.folder / rel
+    weights_at = at + ("weights",)
+    if path.suffix.lower() in PICKLE_SUFFIXES:
+        return [card.problem(weights_at, format_problem(path) or "", "convert the weights to .safetensors")]
+    if not _is_file(path):
+        return [card.problem(weights_at, f"'{rel}' does not exist in {display_path(card.folder)}",
+                             "add the file or correct the path")]
+    reason = format_problem(path)
+    if reason:
+        return [card.problem(weights_at, reason, "write the weights with safetensors")]
+    if checksums and sha256 is not None:
+        actual = sha256_file(path)
+        if actual != sha256:
+            return [card.problem(at + ("sha256",), f"sha256 of '{rel}' is {actual}, the manifest declares {sha256}",
+                                 "restore the original file, or update sha256 if the new weights are intended")]
+    return []
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except (OSError, ValueError):  # a NUL byte, a name too long for the file system
+        return False
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except (OSError, ValueError):
+        return False

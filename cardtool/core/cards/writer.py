@@ -1,0 +1,61 @@
+"""Writing a new card folder atomically: weights as safetensors, their sha256 filled into the manifest,
+the whole folder validated before it is renamed into place (DESIGN.md invariant 8)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import yaml
+
+from cardtool.core.cards.loader import Card, load_card
+from cardtool.core.cards.weight_files import sha256_file
+from cardtool.errors import BadInput
+
+__all__ = ["write_card"]
+
+
+def write_card(folder: Path, manifest: dict, weights: dict[str, dict], *, copies: dict[str, Path] | None = None,
+               storage: str = "float32", overwrite: bool = False) -> Card:
+    """Write `manifest` (components/adapters naming files in `weights` or `copies`) into `folder`.
+
+    `weights` maps a relative file name to a state dict of torch tensors, stored at `storage` precision
+    (floating tensors only); `copies` maps a relative name to an existing file copied as is."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    if folder.exists() and not overwrite:
+        raise BadInput(f"{folder} already exists; choose another card id or --out, or pass --overwrite")
+    staging = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        dtype = getattr(torch, storage)
+        for rel, state in weights.items():
+            (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+            stored = {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous().cpu()
+                      for k, v in state.items()}
+            save_file(stored, str(staging / rel))
+        for rel, source in (copies or {}).items():
+            (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, staging / rel)
+        for section in ("components", "adapters"):
+            for entry in manifest.get(section, {}).values():
+                if entry.get("weights"):
+                    entry["sha256"] = sha256_file(staging / entry["weights"])
+        (staging / "card.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False, allow_unicode=True, width=110))
+        load_card(staging, checksums=True)  # a card that would not load is never put in place
+        _swap(staging, folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return load_card(folder)
+
+
+def _swap(staging: Path, folder: Path) -> None:
+    old = folder.parent / f".{folder.name}.old-{os.getpid()}"
+    if folder.exists():
+        os.replace(folder, old)
+    os.replace(staging, folder)
+    shutil.rmtree(old, ignore_errors=True)

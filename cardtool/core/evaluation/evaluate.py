@@ -1,0 +1,109 @@
+"""`cardtool eval`: quality and speed of a text-to-image card, measured the same way every time.
+
+For each step count and guidance: N images per class from the class prompts with fixed seeds (0…N−1), sampled
+with the card's own loop and its defaults for the rest (shift, solver, guidance interval); the judge card
+gives class accuracy and mean reward; FID-FMNIST is the Fréchet distance of the judge's features, generated
+vs the 10,000 real test images. Two floors put it in scale: N real train images vs the test set, and N VAE
+reconstructions of train images vs the test set."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from cardtool.backends.platform import Platform
+from cardtool.core.data import CLASS_NAMES, load_split
+from cardtool.core.sampling.denoise import DenoiseLoop
+from cardtool.core.cards.discovery import locate
+from cardtool.core.sampling.generate import plan_requests
+from cardtool.core.sampling.instance import ModelInstance
+from cardtool.core.cards.loader import load_card
+from cardtool.core.evaluation.metrics import frechet_distance
+from cardtool.core.prompts import class_prompt
+from cardtool.core.evaluation.reward import FashionJudge
+from cardtool.core.sampling.sampler import sample
+from cardtool.core.sampling.text_cache import TextFeatureCache
+from cardtool.errors import BadInput
+
+__all__ = ["EvalRow", "EvalReport", "evaluate"]
+
+
+@dataclass
+class EvalRow:
+    steps: int
+    guidance: float
+    guidance_interval: list[float]  # the σ range of the guided steps
+    images: int
+    class_accuracy: float
+    fid_fmnist: float
+    mean_reward: float
+    images_per_second: float
+
+
+@dataclass
+class EvalReport:
+    card: str
+    judge: str
+    platform: str
+    per_class: int
+    rows: list[EvalRow] = field(default_factory=list)
+    floors: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"card": self.card, "judge": self.judge, "platform": self.platform, "per_class": self.per_class,
+                "floors": self.floors, "rows": [asdict(r) for r in self.rows]}
+
+
+def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[int] | None = None,
+             guidance: list[float] | None = None, guidance_interval: tuple[float, float] | None = None,
+             per_class: int = 100, seed: int = 0, device: str | None = None, data: str | None = None,
+             on_row: Callable[[EvalRow], None] | None = None) -> EvalReport:
+    if per_class < 1:
+        raise BadInput(f"--per-class must be at least 1, got {per_class}")
+    card = load_card(card_ref)
+    platform = Platform.detect(device)
+    instance = ModelInstance(card, platform)
+    loop = DenoiseLoop(instance, cache=TextFeatureCache())
+    judge_instance = ModelInstance(load_card(locate(judge)), platform)
+    referee = FashionJudge(judge_instance)
+    test, train = load_split("test", data), load_split("train", data)
+    real = referee.features(test.images)
+    count = per_class * len(CLASS_NAMES)
+    report = EvalReport(card.id, judge_instance.card.id, f"{platform.device}/{platform.arch}", per_class)
+    picked = np.random.default_rng(seed).choice(len(train), count, replace=False)
+    report.floors["train_vs_test"] = round(frechet_distance(referee.features(train.images[picked]), real), 4)
+    report.floors["vae_reconstruction"] = round(frechet_distance(
+        referee.features(_reconstruct(instance, loop.vae, train.images[picked])), real), 4)
+    prompts = [class_prompt(label) for label in range(len(CLASS_NAMES))]
+    labels = np.repeat(np.arange(len(CLASS_NAMES)), per_class)  # plan_requests orders prompts × seeds
+    for g in guidance or [None]:  # None: the card's loop default
+        for k in steps or [None]:
+            requests, _ = plan_requests(card, prompts, num=per_class, seed=seed, steps=k, guidance=g,
+                                        guidance_interval=guidance_interval)
+            started = time.perf_counter()
+            images = loop.finalize(sample(loop, requests, max_batch=256))
+            seconds = time.perf_counter() - started
+            probabilities = referee.probabilities(images)
+            accuracy = float((probabilities.argmax(1) == labels).mean())
+            first = requests[0]
+            row = EvalRow(first.steps, first.guidance, list(first.guidance_interval), count, round(accuracy, 4),
+                          round(frechet_distance(referee.features(images), real), 4),
+                          round(float(probabilities[np.arange(count), labels].mean()), 4), round(count / seconds, 1))
+            report.rows.append(row)
+            if on_row:
+                on_row(row)
+    return report
+
+
+def _reconstruct(instance: ModelInstance, vae_name: str, images: np.ndarray) -> np.ndarray:
+    """uint8 reconstructions through the card's VAE (posterior mean), as the VAE floor."""
+    vae, arrays = instance.component(vae_name), instance.arrays
+    out = []
+    with arrays.inference():
+        for i in range(0, len(images), 500):
+            x = arrays.asarray(images[i:i + 500].astype(np.float64)[:, None] / 127.5 - 1.0)
+            out.append(arrays.to_numpy(vae.decode(vae.encode(x)[0]))[:, 0])
+    return np.clip(np.round((np.concatenate(out).astype(np.float64) + 1) * 127.5), 0, 255).astype(np.uint8)

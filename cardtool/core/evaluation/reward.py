@@ -1,0 +1,86 @@
+"""The Fashion-MNIST judge served from the `fashion-classifier` card: a reward `score(images, prompts)` =
+the classifier's probability of the prompt's class, and penultimate-layer features for FID.
+
+A prompt's class: a class name or synonym found in it (the longest match wins), else the class whose
+canonical prompt the text encoder embeds closest (cosine of mean-pooled token states)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from cardtool.core.data import CLASS_NAMES
+from cardtool.core.sampling.instance import ModelInstance
+from cardtool.core.prompts import SYNONYMS, class_prompt
+from cardtool.errors import BadInput
+
+__all__ = ["FashionJudge"]
+
+
+class FashionJudge:
+    def __init__(self, instance: ModelInstance):
+        components = instance.card.manifest.components
+        self.classifier_name = next((n for n, c in components.items() if c.kind == "classifier"), None)
+        if self.classifier_name is None:
+            raise BadInput(f"card '{instance.card.id}' has no classifier component to judge with")
+        self.instance = instance
+        self._class_embeddings = None
+        words = [(w.lower(), label) for label, name in enumerate(CLASS_NAMES) for w in (name, *SYNONYMS[name])]
+        self._words = sorted(words, key=lambda item: -len(item[0]))
+
+    def _model(self):
+        return self.instance.component(self.classifier_name)
+
+    def _batches(self, images: np.ndarray, fn, size: int = 1000) -> np.ndarray:
+        """Run fn over uint8 images (B, 28, 28) in batches; returns stacked numpy results."""
+        import torch
+
+        model, out = self._model(), []
+        device = next(model.parameters()).device
+        with torch.no_grad():
+            for i in range(0, len(images), size):
+                x = torch.from_numpy(images[i:i + size].astype(np.float32) / 127.5 - 1.0)[:, None].to(device)
+                out.append(fn(model, x).float().cpu().numpy())
+        return np.concatenate(out) if out else np.zeros((0,))
+
+    def probabilities(self, images: np.ndarray) -> np.ndarray:
+        """Class probabilities (B, 10) of uint8 images (B, 28, 28)."""
+        return self._batches(images, lambda m, x: m(x).softmax(-1))
+
+    def features(self, images: np.ndarray) -> np.ndarray:
+        """Penultimate-layer features (B, 256): the space FID-FMNIST is measured in."""
+        return self._batches(images, lambda m, x: m.embed(x))
+
+    def prompt_classes(self, prompts: list[str]) -> np.ndarray:
+        labels, unmatched = [], []
+        for i, prompt in enumerate(prompts):
+            text = prompt.lower()
+            match = next((label for word, label in self._words if re.search(rf"\b{re.escape(word)}\b", text)), None)
+            labels.append(match)
+            if match is None:
+                unmatched.append(i)
+        if unmatched:
+            nearest = self._nearest([prompts[i] for i in unmatched])
+            for i, label in zip(unmatched, nearest, strict=True):
+                labels[i] = int(label)
+        return np.array(labels, dtype=np.int64)
+
+    def _nearest(self, prompts: list[str]) -> np.ndarray:
+        if self._class_embeddings is None:
+            self._class_embeddings = self._embed([class_prompt(label) for label in range(len(CLASS_NAMES))])
+        return (self._embed(prompts) @ self._class_embeddings.T).argmax(1)
+
+    def _embed(self, prompts: list[str]) -> np.ndarray:
+        encoder = self.instance.component("text_encoder")
+        states, mask = encoder(prompts)
+        states, mask = self.instance.arrays.to_numpy(states), self.instance.arrays.to_numpy(mask)
+        pooled = (states * mask[..., None]).sum(1) / mask.sum(1, keepdims=True)
+        return pooled / np.linalg.norm(pooled, axis=1, keepdims=True)
+
+    def score(self, images: np.ndarray, prompts: list[str]) -> np.ndarray:
+        """Reward per image: the probability the classifier gives the class its prompt asks for."""
+        if len(images) != len(prompts):
+            raise BadInput(f"score: {len(images)} images but {len(prompts)} prompts")
+        labels = self.prompt_classes(prompts)
+        return self.probabilities(images)[np.arange(len(labels)), labels]

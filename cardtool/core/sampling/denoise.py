@@ -1,0 +1,242 @@
+"""The denoise loop — the one sampler of the project (DESIGN.md invariant 2): `generate` runs it, and so
+will distillation and RL rollouts, with capture switched on.
+
+A driven loop: `init` makes a request's state (its seed's noise, its shifted σ grid, its text features);
+`next` says what the model must evaluate for it; `step` evaluates many states' inputs in one forward;
+`advance` applies CFG and the solver to a batch of states (`euler`, the flow ODE; `sde`, Flow-GRPO's SDE with per-step
+log-probabilities); `finalize` decodes. Everything per request lives in its LoopState: its own numpy RNG
+(so samples do not depend on batch composition or platform), σ grid, guidance and captured tensors.
+
+CFG applies on the steps whose σ lies in the request's `guidance_interval` (Kynkäänniemi et al. 2024,
+"Applying Guidance in a Limited Interval Improves Sample and Distribution Quality in Diffusion Models"):
+guidance at high noise mostly collapses diversity, so a card may guide only the later steps; an unguided
+step evaluates the conditional branch alone (one row, not two).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cardtool.backends.registry import KERNELS
+from cardtool.core.sampling.instance import ModelInstance
+from cardtool.core.sampling.text_cache import TextFeatureCache, encode_prompts
+from cardtool.errors import BadInput
+
+__all__ = ["SOLVERS", "Request", "Capture", "LoopState", "DenoiseLoop", "shifted_sigmas"]
+
+SOLVERS = ("euler", "sde")
+
+
+def shifted_sigmas(steps: int, shift: float) -> np.ndarray:
+    """σ grid from 1 to 0 in `steps` steps, shifted t' = s·t / (1 + (s − 1)·t) as in SD3 / Wan2.1."""
+    t = np.linspace(1.0, 0.0, steps + 1)
+    return shift * t / (1 + (shift - 1) * t)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One image to make: everything that decides it, and nothing shared with other requests."""
+
+    prompt: str
+    seed: int = 0
+    steps: int = 30
+    guidance: float = 4.0
+    shift: float = 1.0
+    solver: str = "euler"
+    negative_prompt: str = ""  # the empty prompt is the null condition
+    eta: float = 0.7  # the SDE's noise level (Flow-GRPO's a)
+    guidance_interval: tuple[float, float] = (0.0, 1.0)  # the σ range (inclusive) of the steps CFG applies to
+
+    def check(self) -> None:
+        if self.steps < 1:
+            raise BadInput(f"steps must be at least 1, got {self.steps}")
+        if self.solver not in SOLVERS:
+            raise BadInput(f"unknown solver '{self.solver}'; choose one of: {', '.join(SOLVERS)}")
+        if self.shift <= 0:
+            raise BadInput(f"shift must be positive, got {self.shift}")
+        if not 0 <= self.seed < 2**63:
+            raise BadInput(f"seed must be in [0, 2⁶³), got {self.seed}")
+        low, high = self.guidance_interval
+        if not 0 <= low <= high <= 1:
+            raise BadInput(f"guidance interval must be LO,HI with 0 ≤ LO ≤ HI ≤ 1 (a σ range), got {low:g},{high:g}")
+
+    def guides_at(self, sigma: float) -> bool:
+        """Whether σ (a step's starting σ) is in the guidance interval, bounds inclusive up to the grid's rounding."""
+        low, high = self.guidance_interval
+        return low - 1e-9 <= sigma <= high + 1e-9
+
+
+@dataclass
+class Capture:
+    """What training needs from a rollout: x before each step and after the last, the guided velocity
+    of each step, and (sde) each step's log-probability. Recording changes nothing in the sample."""
+
+    sigmas: np.ndarray
+    latents: list = field(default_factory=list)  # steps + 1 entries, the first is the initial noise
+    velocities: list = field(default_factory=list)
+    log_probs: list = field(default_factory=list)
+
+    @property
+    def noise(self):
+        return self.latents[0]
+
+    @property
+    def x0(self):
+        return self.latents[-1]
+
+
+@dataclass(eq=False)  # identity: a state is one request's run, never equal to another
+class LoopState:
+    request: Request
+    sigmas: np.ndarray
+    rng: np.random.Generator
+    latents: object  # (1, C, F, H, W) in the loop's array namespace
+    cond: tuple  # (text states (1, L, d), mask (1, L))
+    uncond: tuple | None  # the negative prompt's, when guidance ≠ 1
+    step: int = 0
+    capture: Capture | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.request.steps
+
+    @property
+    def guided(self) -> bool:
+        """Whether this step uses CFG (two model rows) or the conditional branch alone."""
+        return self.uncond is not None and not self.done and self.request.guides_at(self.sigmas[self.step])
+
+
+@dataclass
+class StepInput:
+    x: object  # (k, C, F, H, W): k = 2 with CFG (conditional first), else 1
+    t: object  # (k,) timesteps σ·1000
+    text: object
+    mask: object
+
+
+class DenoiseLoop:
+    """The `denoise` loop of a card on its instance's platform."""
+
+    def __init__(self, instance: ModelInstance, loop: str = "denoise", cache: TextFeatureCache | None = None):
+        spec = instance.card.manifest.loops.get(loop)
+        if spec is None:
+            raise BadInput(f"card '{instance.card.id}' has no loop '{loop}'")
+        self.instance, self.cache = instance, cache or TextFeatureCache(disk=False)
+        kinds = {instance.card.manifest.components[name].kind: name for name in spec.uses}
+        missing = {"text_encoder", "vae", "dit"} - set(kinds)
+        if missing:
+            raise BadInput(f"loop '{loop}' of card '{instance.card.id}' uses no {', '.join(sorted(missing))} component")
+        self.text_encoder, self.vae, self.transformer = kinds["text_encoder"], kinds["vae"], kinds["dit"]
+        self.arrays = instance.arrays
+        platform = instance.platform
+        self.euler = KERNELS.resolve("flow_match_step", platform)[1]
+        self.sde = KERNELS.resolve("flow_sde_step", platform)[1]
+        self.cfg = KERNELS.resolve("cfg_combine", platform)[1]
+        self._text_rows = None
+
+    def latent_shape(self) -> tuple[int, ...]:
+        config = self.instance.component(self.vae).config
+        return (config.latent_channels, 1, config.latent_size, config.latent_size)
+
+    def init(self, requests: list[Request], capture: bool = False) -> list[LoopState]:
+        """States for `requests`, their prompts encoded in one batch (or read from the cache)."""
+        for request in requests:
+            request.check()
+        prompts = [r.prompt for r in requests] + [r.negative_prompt for r in requests if r.guidance != 1]
+        features = iter(encode_prompts(self.instance, prompts, self.cache, self.text_encoder))
+        conds = [next(features) for _ in requests]
+        shape, states = self.latent_shape(), []
+        for request, cond in zip(requests, conds, strict=True):
+            uncond = next(features) if request.guidance != 1 else None
+            rng = np.random.default_rng(request.seed)
+            latents = self.arrays.asarray(rng.standard_normal((1, *shape)))
+            sigmas = shifted_sigmas(request.steps, request.shift)
+            state = LoopState(request, sigmas, rng, latents, self._text(cond),
+                              self._text(uncond) if uncond is not None else None,
+                              capture=Capture(sigmas) if capture else None)
+            if state.capture is not None:
+                state.capture.latents.append(latents)
+            states.append(state)
+        return states
+
+    def _text(self, feature):
+        states, mask = feature
+        return self.arrays.asarray(states[None]), self.arrays.asarray(mask[None])
+
+    def next(self, state: LoopState) -> StepInput | None:
+        """The model evaluation `state` needs for its next step; None once it is done."""
+        if state.done:
+            return None
+        t = self.arrays.asarray(np.full(2 if state.guided else 1, state.sigmas[state.step] * 1000.0))
+        if not state.guided:
+            return StepInput(state.latents, t, *state.cond)
+        a = self.arrays
+        return StepInput(a.cat([state.latents, state.latents]), t, a.cat([state.cond[0], state.uncond[0]]),
+                         a.cat([state.cond[1], state.uncond[1]]))
+
+    def advance(self, states: list[LoopState], velocity) -> None:
+        """One solver step for each state, given the model's velocity rows in `next` order (each state's
+        conditional row, then its unconditional row when it uses CFG). CFG and the solvers are element-wise
+        kernels with per-sample σ and guidance, so a batch of states advances in a few calls."""
+        a = self.arrays
+        cond, uncond, scales, row = [], [], [], 0
+        for state in states:
+            guided = state.guided
+            cond.append(row)
+            uncond.append(row + 1 if guided else row)  # unguided: v_c + 1·(v_c − v_c) = v_c exactly
+            scales.append(state.request.guidance if guided else 1.0)
+            row += 2 if guided else 1
+        v = self.cfg(velocity[uncond], velocity[cond], a.asarray(np.array(scales)))
+        x = a.cat([s.latents for s in states])
+        sigma = np.array([s.sigmas[s.step] for s in states])
+        sigma_next = np.array([s.sigmas[s.step + 1] for s in states])
+        solved, log_probs = [None] * len(states), [None] * len(states)
+        euler = [i for i, s in enumerate(states) if s.request.solver == "euler"]
+        if euler:
+            stepped = self.euler(x[euler], v[euler], a.asarray(sigma[euler]), a.asarray(sigma_next[euler]))
+            for j, i in enumerate(euler):
+                solved[i] = stepped[j:j + 1]
+        for eta in sorted({s.request.eta for s in states if s.request.solver == "sde"}):
+            group = [i for i, s in enumerate(states) if s.request.solver == "sde" and s.request.eta == eta]
+            noise = a.asarray(np.concatenate([states[i].rng.standard_normal((1, *x.shape[1:])) for i in group]))
+            sample, _, _, logp = self.sde(x[group], v[group], a.asarray(sigma[group]), a.asarray(sigma_next[group]),
+                                          noise=noise, eta=eta)
+            for j, i in enumerate(group):
+                solved[i], log_probs[i] = sample[j:j + 1], logp[j:j + 1]
+        for i, state in enumerate(states):
+            state.latents = solved[i]
+            state.step += 1
+            if state.capture is not None:
+                state.capture.latents.append(solved[i])
+                state.capture.velocities.append(v[i:i + 1])
+                state.capture.log_probs.append(log_probs[i])
+
+    def step(self, states: list[LoopState]) -> None:
+        """Advance every unfinished state by one step, sharing one transformer forward between them."""
+        active = [s for s in states if not s.done]
+        if not active:
+            return
+        a = self.arrays
+        rows = [s for s in active for _ in range(2 if s.guided else 1)]
+        t = a.asarray(np.array([s.sigmas[s.step] * 1000.0 for s in rows]))
+        text, mask = self._batch_text(active)
+        velocity = self.instance.component(self.transformer)(a.cat([s.latents for s in rows]), t, text, mask)
+        self.advance(active, velocity)
+
+    def _batch_text(self, states: list[LoopState]):
+        """The text rows of a batch, rebuilt only when the states or their guided steps change (not every step)."""
+        key = tuple((s, s.guided) for s in states)  # states compared by identity, kept alive with the rows
+        if self._text_rows is None or self._text_rows[0] != key:
+            parts = [part for s in states for part in ((s.cond, s.uncond) if s.guided else (s.cond,))]
+            a = self.arrays
+            self._text_rows = (key, a.cat([p[0] for p in parts]), a.cat([p[1] for p in parts]))
+        return self._text_rows[1:]
+
+    def finalize(self, states: list[LoopState]) -> np.ndarray:
+        """Decode finished states to uint8 images (B, H, W)."""
+        vae = self.instance.component(self.vae)
+        latents = self.arrays.cat([s.latents for s in states])[:, :, 0] / vae.config.scaling_factor
+        images = self.arrays.to_numpy(vae.decode(latents))[:, 0]
+        return np.clip(np.round((images.astype(np.float64) + 1) * 127.5), 0, 255).astype(np.uint8)

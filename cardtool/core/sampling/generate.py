@@ -1,0 +1,175 @@
+"""`cardtool generate`: plan requests from a card's loop defaults and the user's options, run them through
+the denoise loop with step-level batching, and write PNGs carrying their generation metadata."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cardtool import __version__
+from cardtool.backends.platform import Platform
+from cardtool.core.sampling.denoise import DenoiseLoop, Request
+from cardtool.core.sampling.images import grid_image, save_png
+from cardtool.core.sampling.instance import ModelInstance
+from cardtool.core.cards.loader import Card, load_card
+from cardtool.core.sampling.sampler import sample
+from cardtool.core.sampling.text_cache import TextFeatureCache
+from cardtool.errors import BadInput
+
+__all__ = ["GeneratedImage", "GenerateReport", "generate", "parse_interval", "plan_requests", "read_prompts_file"]
+
+LOOP = "denoise"
+
+
+@dataclass
+class GeneratedImage:
+    path: Path
+    metadata: dict[str, str]
+
+    def to_json(self) -> dict:
+        return {"path": str(self.path), **{k: _json_value(v) for k, v in self.metadata.items()}}
+
+
+@dataclass
+class GenerateReport:
+    card: str
+    platform: str
+    images: list[GeneratedImage]
+    grid: Path | None = None
+    warnings: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        return {"card": self.card, "platform": self.platform, "images": [i.to_json() for i in self.images],
+                "grid": str(self.grid) if self.grid else None, "warnings": self.warnings,
+                "seconds": round(self.seconds, 3),
+                "images_per_second": round(len(self.images) / self.seconds, 3) if self.seconds else None}
+
+
+def read_prompts_file(path: str | Path) -> list[str]:
+    """One prompt a line; blank lines and lines starting with # are skipped."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInput(f"cannot read prompts file {path}: {e}")
+    return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+
+def plan_requests(card: Card, prompts: list[str], *, num: int = 1, seed: int = 0, steps: int | None = None,
+                  guidance: float | None = None, shift: float | None = None, solver: str | None = None,
+                  guidance_interval: tuple[float, float] | None = None,
+                  strict: bool = False) -> tuple[list[Request], list[str]]:
+    """Requests for prompts × seeds (seed, seed + 1, … for each prompt's images), the card's loop defaults
+    filling what is not given; and warnings (a card assuming a fixed step count sampled with another)."""
+    if not prompts:
+        raise BadInput("no prompts: give -p PROMPT or --prompts-file FILE")
+    if num < 1:
+        raise BadInput(f"--num must be at least 1, got {num}")
+    loop = card.manifest.loops.get(LOOP)
+    if loop is None:
+        raise BadInput(f"card '{card.id}' has no '{LOOP}' loop to generate with")
+    defaults = loop.defaults
+    steps = int(steps if steps is not None else defaults.get("steps", 30))
+    warnings = []
+    assumed = card.manifest.recipe.assumes.steps
+    if assumed is not None and steps != assumed:
+        message = f"card '{card.id}' assumes {assumed} steps; sampling with {steps} may give poor images"
+        if strict:
+            raise BadInput(message + " (--strict)")
+        warnings.append(message)
+    requests = [Request(prompt=p, seed=seed + j, steps=steps,
+                        guidance=float(guidance if guidance is not None else defaults.get("guidance", 4.0)),
+                        shift=float(shift if shift is not None else defaults.get("shift", 1.0)),
+                        solver=solver or defaults.get("solver", "euler"),
+                        guidance_interval=_interval(guidance_interval or defaults.get("guidance_interval", (0.0, 1.0))))
+                for p in prompts for j in range(num)]
+    for request in requests:
+        request.check()
+    return requests, warnings
+
+
+def parse_interval(text: str) -> tuple[float, float]:
+    """`LO,HI` as typed on the command line (a σ range for --guidance-interval)."""
+    try:
+        low, high = (float(part) for part in text.split(","))
+    except ValueError:
+        raise BadInput(f"--guidance-interval takes LO,HI (a σ range such as 0,0.4), got '{text}'")
+    return low, high
+
+
+def _interval(value) -> tuple[float, float]:
+    try:
+        low, high = value if isinstance(value, (list, tuple)) else ()
+        return float(low), float(high)
+    except (TypeError, ValueError):
+        raise BadInput(f"guidance_interval must be two numbers [LO, HI], got {value!r}")
+
+
+def generate(card_ref: str, prompts: list[str], *, num: int = 1, seed: int = 0, steps: int | None = None,
+             guidance: float | None = None, shift: float | None = None, solver: str | None = None,
+             guidance_interval: tuple[float, float] | None = None, device: str | None = None,
+             out: str | Path = "outputs", grid: bool = False, strict: bool = False,
+             cache: TextFeatureCache | None = None, on_step: Callable[[int, int], None] | None = None,
+             max_batch: int = 64) -> GenerateReport:
+    card = load_card(card_ref)
+    requests, warnings = plan_requests(card, prompts, num=num, seed=seed, steps=steps, guidance=guidance,
+                                       shift=shift, solver=solver, guidance_interval=guidance_interval,
+                                       strict=strict)
+    paths = _output_paths(Path(out), card.id, requests)
+    platform = Platform.detect(device)
+    instance = ModelInstance(card, platform)
+    loop = DenoiseLoop(instance, LOOP, cache or TextFeatureCache())
+    started = time.perf_counter()
+    states = sample(loop, requests, on_step=on_step, max_batch=max_batch)
+    pixels = loop.finalize(states)
+    seconds = time.perf_counter() - started
+    versions = {name: instance.weights_version(name) for name in card.manifest.loops[LOOP].uses}
+    images = []
+    for request, image, path in zip(requests, pixels, paths, strict=True):
+        metadata = {"cardtool": __version__, "card": card.id, "weights": json.dumps(versions, sort_keys=True),
+                    "prompt": request.prompt, "negative_prompt": request.negative_prompt, "seed": str(request.seed),
+                    "steps": str(request.steps), "guidance": repr(request.guidance), "shift": repr(request.shift),
+                    "guidance_interval": ",".join(map(repr, request.guidance_interval)),
+                    "solver": request.solver, "platform": f"{platform.device}/{platform.arch}",
+                    "precision": instance.precision}
+        save_png(path, image, metadata)
+        images.append(GeneratedImage(path, metadata))
+    grid_path = None
+    if grid:
+        grid_path = paths[0].parent / f"{card.id}-grid.png"
+        rows = [(p, [img for r, img in zip(requests, pixels, strict=True) if r.prompt == p])
+                for p in dict.fromkeys(r.prompt for r in requests)]
+        save_png(grid_path, grid_image(rows), {"card": card.id, "cardtool": __version__})
+    return GenerateReport(card.id, f"{platform.device}/{platform.arch}", images, grid_path, warnings, seconds)
+
+
+def _output_paths(out: Path, card_id: str, requests: list[Request]) -> list[Path]:
+    """A file for a single image given as NAME.png, else numbered files in the folder `out`; checked
+    writable before any work is done."""
+    if out.suffix.lower() == ".png":
+        if len(requests) != 1:
+            raise BadInput(f"--out {out} names one file, but {len(requests)} images are asked for; give a folder")
+        paths, folder = [out], out.parent
+    else:
+        folder = out
+        paths = [out / f"{card_id}-{i:03d}-{_slug(r.prompt)}-seed{r.seed}.png" for i, r in enumerate(requests)]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise BadInput(f"cannot create output folder {folder}: {e.strerror}")
+    if not os.access(folder, os.W_OK):
+        raise BadInput(f"output folder {folder} is not writable")
+    return paths
+
+
+def _slug(prompt: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", prompt.lower()).strip("-")[:40] or "unconditional"
+
+
+def _json_value(value: str):
+    return json.loads(value) if value.startswith("{") else value

@@ -1,0 +1,103 @@
+"""ModelInstance: a loaded card. Components are materialised lazily through the platform's COMPONENTS
+registry, shared by reference between the loops that use them, and versioned by the content hash of
+their tensors (the key caches use, DESIGN.md invariant 6)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from cardtool.backends.platform import Platform
+from cardtool.backends.registry import COMPONENTS
+from cardtool.core.cards.loader import Card
+from cardtool.core.cards.weight_files import tensor_digest
+from cardtool.errors import BadInput
+
+__all__ = ["ModelInstance"]
+
+
+class ModelInstance:
+    """Components of `card` on `platform` at `precision` (the card's assumed precision by default)."""
+
+    def __init__(self, card: Card, platform: Platform | None = None, precision: str | None = None):
+        self.card = card
+        self.platform = platform or Platform.detect()
+        self.precision = precision or card.manifest.recipe.assumes.precision
+        self._awake: dict[str, Any] = {}
+        self._versions: dict[str, str] = {}
+        self._arrays = None
+
+    def __repr__(self) -> str:
+        return f"ModelInstance({self.card.id} on {self.platform.device}/{self.platform.arch}, {self.precision})"
+
+    def component(self, name: str) -> Any:
+        """Component `name`, built on first use (its weights' sha256 verified) and kept until `sleep`."""
+        if name not in self._awake:
+            spec = self._spec(name)
+            cell, build = COMPONENTS.resolve(spec.impl, self.platform)
+            weights = self.card.weights_file(name) if spec.weights else None
+            self._awake[name] = build(spec.config, weights, self.card.source_path(name),
+                                      _on(self.platform, cell.key[1]), self.precision)
+        return self._awake[name]
+
+    @property
+    def arrays(self):
+        """The array namespace (torch on cpu/cuda, numpy on the numpy rung) the loops work in."""
+        if self._arrays is None:
+            cell, build = COMPONENTS.resolve("arrays", self.platform)
+            self._arrays = build({}, None, None, _on(self.platform, cell.key[1]), self.precision)
+        return self._arrays
+
+    def loop_components(self, loop: str) -> dict[str, Any]:
+        """The components a loop uses, by name: the same objects every other loop gets."""
+        loops = self.card.manifest.loops
+        if loop not in loops:
+            raise BadInput(f"card '{self.card.id}' has no loop '{loop}'; loops: {', '.join(loops) or 'none'}")
+        return {name: self.component(name) for name in loops[loop].uses}
+
+    def weights_version(self, name: str) -> str:
+        """Content hash of component `name`'s tensors, computed from its files without building it."""
+        if name not in self._versions:
+            files = self._weight_files(name)
+            if not files:
+                raise BadInput(f"component '{name}' of card '{self.card.id}' has no safetensors weights to version")
+            self._versions[name] = files[0][1] if len(files) == 1 else \
+                _combine([digest for _, digest in files])
+        return self._versions[name]
+
+    def is_awake(self, name: str) -> bool:
+        return name in self._awake
+
+    def sleep(self, name: str | None = None) -> None:
+        """Free one component (or all); the next use builds it again from disk."""
+        for key in [name] if name else list(self._awake):
+            self._awake.pop(key, None)
+
+    def wake(self, name: str) -> Any:
+        return self.component(name)
+
+    def _spec(self, name: str):
+        components = self.card.manifest.components
+        if name not in components:
+            raise BadInput(f"card '{self.card.id}' has no component '{name}'; components: {', '.join(components)}")
+        return components[name]
+
+    def _weight_files(self, name: str) -> list[tuple[Path, str]]:
+        spec = self._spec(name)
+        if spec.weights:
+            path = self.card.weights_file(name)
+            return [(path, tensor_digest(path))]
+        source = self.card.source_path(name)
+        files = sorted(source.glob("*.safetensors")) if source and source.is_dir() else []
+        return [(path, tensor_digest(path)) for path in files]
+
+
+def _on(platform: Platform, device: str) -> Platform:
+    """The platform a cell runs on: a numpy component on a CPU platform runs on the numpy rung."""
+    return platform if device == platform.device else Platform(device, "generic")
+
+
+def _combine(digests: list[str]) -> str:
+    import hashlib
+
+    return hashlib.sha256("|".join(digests).encode()).hexdigest()

@@ -1,0 +1,42 @@
+"""Step-level batching: many requests (prompts × seeds, any mix of guidance, steps, shift and solver)
+advance together, compatible work sharing each transformer forward, up to `max_batch` samples a forward."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+from cardtool.core.sampling.denoise import DenoiseLoop, LoopState, Request
+
+__all__ = ["sample"]
+
+
+def sample(loop: DenoiseLoop, requests: list[Request], *, capture: bool = False, max_batch: int = 64,
+           on_step: Callable[[int, int], None] | None = None, grad: bool = False) -> list[LoopState]:
+    """Run every request to the end and return their final states (latents, and capture if asked).
+
+    Each forward holds up to `max_batch` samples (a request on a guided step counts twice). `on_step(done, total)`
+    reports progress in request-steps. Without `grad` the forwards run under no-grad."""
+    states = loop.init(requests, capture)
+    total, done = sum(r.steps for r in requests), 0
+    with loop.arrays.inference() if not grad else contextlib.nullcontext():
+        while active := [s for s in states if not s.done]:
+            for chunk in _chunks(active, max_batch):
+                loop.step(chunk)
+                done += len(chunk)
+                if on_step:
+                    on_step(done, total)
+    return states
+
+
+def _chunks(states: list[LoopState], max_batch: int):
+    chunk, size = [], 0
+    for state in states:
+        cost = 2 if state.guided else 1
+        if chunk and size + cost > max_batch:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(state)
+        size += cost
+    if chunk:
+        yield chunk

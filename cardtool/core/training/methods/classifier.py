@@ -1,0 +1,48 @@
+"""`--method classifier`: the Fashion-MNIST CNN that judges generated images (reward and FID features),
+trained with cross-entropy, horizontal flips and small translations."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from cardtool.backends.platform import Platform
+from cardtool.backends.training import FashionCNN
+from cardtool.core.data import Split
+from cardtool.core.training.methods.vae import to_unit
+from cardtool.core.training.recipes import Recipe
+from cardtool.core.training.trainer import Task
+
+__all__ = ["ClassifierTask"]
+
+
+class ClassifierTask(Task):
+    def __init__(self, recipe: Recipe, platform: Platform, train: Split, test: Split):
+        self.device = platform.torch_device
+        torch.manual_seed(recipe.train.seed)
+        self.model = FashionCNN(**recipe.model).to(self.device)
+        self.images, self.labels = to_unit(train.images), torch.from_numpy(train.labels)
+        self.test_images, self.test_labels = to_unit(test.images), torch.from_numpy(test.labels)
+
+    def modules(self):
+        return {"classifier": self.model}
+
+    def dataset_size(self) -> int:
+        return len(self.images)
+
+    def loss(self, indices, generator):
+        images = self.images[indices]
+        flip = torch.rand(len(indices), generator=generator) < 0.5
+        images = torch.where(flip[:, None, None, None], images.flip(-1), images)
+        shift = torch.randint(-2, 3, (2,), generator=generator)  # a small translation per batch
+        images = torch.roll(images, shifts=(int(shift[0]), int(shift[1])), dims=(2, 3)).to(self.device)
+        logits = self.model(images).float()
+        labels = self.labels[indices].to(self.device)
+        loss = F.cross_entropy(logits, labels)
+        return loss, {"accuracy": float((logits.argmax(1) == labels).float().mean())}
+
+    @torch.no_grad()
+    def finish(self, model: FashionCNN) -> dict:
+        predictions = torch.cat([model(self.test_images[i:i + 1000].to(self.device)).argmax(1).cpu()
+                                 for i in range(0, len(self.test_images), 1000)])
+        return {"test_accuracy": round(float((predictions == self.test_labels).float().mean()), 4)}

@@ -1,0 +1,130 @@
+"""`--method pretrain | finetune`: flow-matching training of the Wan DiT on VAE latents (rectified flow as in
+SD3 / Wan2.1): x_t = (1 − t)·x0 + t·ε with logit-normal t, velocity target ε − x0, the condition dropped
+to the empty prompt 10% of the time so CFG works, EMA weights for sampling. `pretrain` starts a new DiT
+beside a trained VAE card; `finetune` continues a text-to-image card's DiT."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from cardtool.backends.platform import Platform
+from cardtool.backends.wan_config import WanDiTConfig
+from cardtool.backends.wan_dit import WanDiT
+from cardtool.core.data import Split
+from cardtool.core.cards.discovery import locate
+from cardtool.core.sampling.instance import ModelInstance
+from cardtool.core.cards.loader import load_card, package_path
+from cardtool.core.training.methods.vae import to_unit
+from cardtool.core.prompts import TEXT_ENCODER, training_prompts
+from cardtool.core.training.recipes import Recipe
+from cardtool.core.training.trainer import Task
+from cardtool.errors import BadInput
+
+__all__ = ["FlowMatchingTask"]
+
+
+class FlowMatchingTask(Task):
+    def __init__(self, recipe: Recipe, platform: Platform, train: Split, test: Split):
+        if len(recipe.parents) != 1:
+            raise BadInput(f"{recipe.method} needs exactly one parent card (a VAE card to pretrain beside, or the "
+                           "text-to-image card to fine-tune); set parents: [CARD]")
+        self.recipe, self.device = recipe, platform.torch_device
+        self.parent = load_card(locate(recipe.parents[0]))
+        parent = ModelInstance(self.parent, platform, "float32")
+        torch.manual_seed(recipe.train.seed)
+        if recipe.method == "pretrain":
+            self.config = WanDiTConfig.from_card(recipe.model)
+            self.dit = WanDiT(self.config, platform).to(self.device)
+        else:
+            spec = self.parent.manifest.components.get("transformer")
+            if spec is None:
+                raise BadInput(f"finetune: parent card '{self.parent.id}' has no transformer to continue")
+            changed = sorted(k for k, v in recipe.model.items() if spec.config.get(k) != v)
+            if changed:
+                raise BadInput(f"finetune keeps the architecture of '{self.parent.id}'; the recipe changes "
+                               f"model.{', model.'.join(changed)} (leave model: empty)")
+            self.config = WanDiTConfig.from_card(spec.config)
+            self.dit = WanDiT(self.config, platform).to(self.device)
+            self.dit.load_state_dict(parent.component("transformer").state_dict())
+        self.vae_name = next((n for n, c in self.parent.manifest.components.items() if c.kind == "vae"), None)
+        if self.vae_name is None:
+            raise BadInput(f"parent card '{self.parent.id}' has no VAE component")
+        vae = parent.component(self.vae_name)
+        scale = vae.config.scaling_factor
+        with torch.no_grad():
+            self.mean, self.std = self._encode(vae, train.images, scale)
+            self.test_mean, _ = self._encode(vae, test.images[:2000], scale)
+        self.labels, self.test_labels = torch.from_numpy(train.labels), torch.from_numpy(test.labels[:2000])
+        self._text(platform)
+        self.dropout = float(recipe.loss.get("condition_dropout", 0.1))
+
+    def _encode(self, vae, images: np.ndarray, scale: float):
+        means, stds = [], []
+        for i in range(0, len(images), 1000):
+            mean, logvar = vae.encode(to_unit(images[i:i + 1000]).to(self.device))
+            means.append(mean * scale)
+            stds.append((0.5 * logvar).exp() * scale)
+        return torch.cat(means)[:, :, None], torch.cat(stds)[:, :, None]  # (N, C, 1, H, W): 1-frame videos
+
+    def _text(self, platform: Platform) -> None:
+        """Features of every training prompt (and the empty prompt), made by the text encoder component
+        the written card declares, with its config: what its denoise loop will feed the DiT."""
+        from cardtool.backends.registry import COMPONENTS
+
+        prompts = training_prompts()
+        flat = [p for options in prompts for p in options] + [""]
+        build = COMPONENTS.resolve(TEXT_ENCODER["impl"], platform)[1]
+        encoder = build(TEXT_ENCODER["config"], None, package_path(TEXT_ENCODER["source"]), platform, "float32")
+        self.text, self.mask = encoder(flat)
+        self.per_class, self.empty = len(prompts[0]), len(flat) - 1
+
+    def modules(self):
+        return {"transformer": self.dit}
+
+    def dataset_size(self) -> int:
+        return len(self.labels)
+
+    def _conditions(self, labels, generator, dropout: float):
+        choice = torch.randint(0, self.per_class, (len(labels),), generator=generator)
+        index = labels * self.per_class + choice
+        drop = torch.rand(len(labels), generator=generator) < dropout
+        index = torch.where(drop, torch.full_like(index, self.empty), index).to(self.device)
+        return self.text[index], self.mask[index]
+
+    def _loss(self, x0, labels, generator, dropout):
+        text, mask = self._conditions(labels, generator, dropout)
+        t = torch.sigmoid(torch.randn(len(x0), generator=generator)).to(self.device)  # logit-normal (SD3)
+        noise = torch.randn(x0.shape, generator=generator).to(self.device)
+        tb = t[:, None, None, None, None]
+        v = self.dit((1 - tb) * x0 + tb * noise, t * 1000, text, mask)
+        return (v.float() - (noise - x0)).pow(2).mean()
+
+    def loss(self, indices, generator):
+        idx = torch.from_numpy(indices)
+        eps = torch.randn(self.mean[idx].shape, generator=generator).to(self.device)
+        x0 = self.mean[idx] + self.std[idx] * eps  # a posterior sample, fresh each time
+        return self._loss(x0, self.labels[idx], generator, self.dropout), {}
+
+    @torch.no_grad()
+    def finish(self, dit) -> dict:
+        """Flow-matching loss of the final (EMA) weights on 2,000 held-out test latents, fixed noise."""
+        self.dit, trained = dit, self.dit
+        generator = torch.Generator().manual_seed(12345)
+        losses = [float(self._loss(self.test_mean[i:i + 500], self.test_labels[i:i + 500], generator, 0.0))
+                  for i in range(0, len(self.test_mean), 500)]
+        self.dit = trained
+        return {"test_flow_loss": round(float(np.mean(losses)), 5)}
+
+    def card_components(self) -> dict:
+        vae = self.parent.manifest.components[self.vae_name]
+        return {"vae": {"kind": "vae", "impl": vae.impl, "config": dict(vae.config), "weights": "vae.safetensors"},
+                "transformer": {"kind": "dit", "impl": "wan-dit", "config": self.config.to_card(),
+                                "weights": "transformer.safetensors"}}
+
+    def card_copies(self) -> dict:
+        return {"vae.safetensors": self.parent.weights_file(self.vae_name)}
+
+    def card_loop(self) -> dict:
+        defaults = {"steps": 20, "guidance": 4.0, "shift": 1.0, "solver": "euler", **self.recipe.data.get("loop", {})}
+        return {"kind": "flow_denoise", "uses": ["text_encoder", "vae", "transformer"], "defaults": defaults}

@@ -1,0 +1,61 @@
+"""`--method vae`: the conv VAE on Fashion-MNIST — reconstruction MSE plus a small KL term (Kingma &
+Welling 2014), then the latent scaling factor (1/std of the training latents) and the test PSNR."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from cardtool.backends.conv_vae import ConvVAE
+from cardtool.backends.platform import Platform
+from cardtool.backends.vae_config import ConvVAEConfig
+from cardtool.core.data import Split
+from cardtool.core.training.recipes import Recipe
+from cardtool.core.training.trainer import Task
+
+__all__ = ["VAETask", "to_unit", "psnr"]
+
+
+def to_unit(images: np.ndarray) -> torch.Tensor:
+    """uint8 (B, 28, 28) → float32 (B, 1, 28, 28) in [−1, 1]."""
+    return torch.from_numpy(images.astype(np.float32) / 127.5 - 1.0)[:, None]
+
+
+def psnr(reconstruction: torch.Tensor, images: torch.Tensor) -> float:
+    """PSNR in dB over [0, 1] pixels of images in [−1, 1]."""
+    mse = ((reconstruction.clamp(-1, 1) - images) / 2).pow(2).mean().item()
+    return float(10 * np.log10(1.0 / mse))
+
+
+class VAETask(Task):
+    def __init__(self, recipe: Recipe, platform: Platform, train: Split, test: Split):
+        self.recipe, self.device = recipe, platform.torch_device
+        self.config = ConvVAEConfig.from_card(recipe.model)
+        torch.manual_seed(recipe.train.seed)
+        self.vae = ConvVAE(self.config).to(self.device)
+        self.images, self.test = to_unit(train.images), to_unit(test.images)
+        self.kl_weight = float(recipe.loss.get("kl_weight", 1e-4))
+
+    def modules(self):
+        return {"vae": self.vae}
+
+    def dataset_size(self) -> int:
+        return len(self.images)
+
+    def loss(self, indices, generator):
+        images = self.images[indices].to(self.device)
+        reconstruction, mean, logvar = self.vae(images, generator=generator)
+        mse = (reconstruction.float() - images).pow(2).mean()
+        kl = 0.5 * (mean.float().pow(2) + logvar.float().exp() - 1 - logvar.float()).mean()
+        return mse + self.kl_weight * kl, {"mse": float(mse.detach()), "kl": float(kl.detach())}
+
+    @torch.no_grad()
+    def finish(self, vae: ConvVAE) -> tuple[ConvVAEConfig, dict]:
+        """The scaling factor from training latents, and reconstruction PSNR of the whole test split."""
+        sample = self.images[:10000]
+        means = torch.cat([vae.encode(sample[i:i + 1000].to(self.device))[0] for i in range(0, len(sample), 1000)])
+        scale = float(1.0 / means.std())
+        reconstructions = torch.cat([vae.decode(vae.encode(self.test[i:i + 1000].to(self.device))[0]).cpu()
+                                     for i in range(0, len(self.test), 1000)])
+        return ConvVAEConfig(**{**self.config.__dict__, "scaling_factor": round(scale, 6)}), \
+            {"test_psnr_db": round(psnr(reconstructions, self.test), 3), "scaling_factor": round(scale, 6)}

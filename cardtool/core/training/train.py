@@ -1,0 +1,78 @@
+"""`cardtool train`: run a recipe's method through the shared trainer and write the card it makes, its
+recipe holding the method, parents, data, hyperparameters, the exact command and the measured metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from cardtool.backends.platform import Platform
+from cardtool.core.cards.writer import write_card
+from cardtool.core.data import load_split
+from cardtool.core.cards.loader import Card
+from cardtool.core.prompts import TEXT_ENCODER
+from cardtool.core.training.recipes import Recipe
+from cardtool.core.training.trainer import train_loop
+from cardtool.errors import BadInput
+
+__all__ = ["train"]
+
+
+
+def train(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Path | None = None, resume: bool = False,
+          data: str | None = None, device: str | None = None, overwrite: bool = False,
+          on_log: Callable[[dict], None] | None = None) -> Card:
+    platform = Platform.detect(device)
+    if recipe.train.precision == "bfloat16" and not platform.supports_bf16:
+        raise BadInput(f"train.precision bfloat16 needs bf16 compute, which {platform.device}/{platform.arch} "
+                       "lacks; use float32")
+    out = Path(out or Path("cards") / recipe.card.id)
+    run_dir = Path(run_dir or Path("runs") / recipe.card.id)
+    if out.exists() and not overwrite:
+        raise BadInput(f"{out} already exists; choose another card id or --out, or pass --overwrite")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    folder = data or recipe.data.get("folder")
+    train_split, test_split = load_split("train", folder), load_split("test", folder)
+    method = recipe.method
+    if method == "vae":
+        from cardtool.core.training.methods.vae import VAETask
+
+        task = VAETask(recipe, platform, train_split, test_split)
+    elif method == "classifier":
+        from cardtool.core.training.methods.classifier import ClassifierTask
+
+        task = ClassifierTask(recipe, platform, train_split, test_split)
+    else:
+        from cardtool.core.training.methods.flow_matching import FlowMatchingTask
+
+        task = FlowMatchingTask(recipe, platform, train_split, test_split)
+    result = train_loop(task, recipe, platform, run_dir, resume=resume, on_log=on_log)
+    trained = {"steps": result.steps, "final_loss": round(result.final_loss, 6),
+               "train_seconds": round(result.seconds, 1), "samples_per_second": round(result.samples_per_second, 1),
+               "platform": f"{platform.device}/{platform.arch}"}
+    recipe_block = {"method": method, "parents": list(recipe.parents), "command": command,
+                    "data": {"dataset": "fashion-mnist", "split": "train"},
+                    "hyperparameters": recipe.model_dump(mode="json", exclude={"card", "method", "parents"})}
+    storage = recipe.card.storage
+    if method == "vae":
+        config, metrics = task.finish(result.modules["vae"])
+        components = {"vae": {"kind": "vae", "impl": "conv-vae", "config": config.to_card(),
+                              "weights": "vae.safetensors"}}
+        weights, copies, loops = {"vae.safetensors": result.modules["vae"].state_dict()}, {}, {}
+    elif method == "classifier":
+        metrics = task.finish(result.modules["classifier"])
+        components = {"classifier": {"kind": "classifier", "impl": "fashion-cnn", "config": dict(recipe.model),
+                                     "weights": "classifier.safetensors"},
+                      "text_encoder": dict(TEXT_ENCODER)}
+        weights, copies, loops = {"classifier.safetensors": result.modules["classifier"].state_dict()}, {}, {}
+    else:
+        metrics = task.finish(result.modules["transformer"])
+        components = {"text_encoder": dict(TEXT_ENCODER), **task.card_components()}
+        weights = {"transformer.safetensors": result.modules["transformer"].state_dict()}
+        copies, loops = task.card_copies(), {"denoise": task.card_loop()}
+        recipe_block["assumes"] = {"loop": "denoise"}
+        recipe_block["parents"] = [task.parent.id]  # the id, also when the recipe named the parent by path
+    manifest = {"schema": "cardtool/v1", "id": recipe.card.id, "description": recipe.card.description,
+                "components": components, **({"loops": loops} if loops else {}),
+                "recipe": {**recipe_block, "metrics": {**metrics, **trained}}, "parity": {"consistency": "C1"}}
+    return write_card(out, manifest, weights, copies=copies, storage=storage, overwrite=overwrite)

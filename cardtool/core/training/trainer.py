@@ -1,0 +1,168 @@
+"""The training loop every method shares: deterministic data order and noise, AdamW with warmup and cosine
+decay, optional EMA, bf16 autocast through the platform, atomic checkpoints that a `--resume` continues
+bit-for-bit, and a stop with a clear error on a NaN/inf loss that keeps the last good checkpoint."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from cardtool.atomic import atomic_path
+from cardtool.backends.platform import Platform
+from cardtool.backends.training import autocast, load_optimizer_tensors, optimizer_tensors
+from cardtool.core.training.recipes import Recipe
+from cardtool.errors import BadInput, CardtoolError
+
+__all__ = ["Task", "TrainingDiverged", "TrainResult", "train_loop", "CHECKPOINT"]
+
+CHECKPOINT = "checkpoint.safetensors"
+
+
+class TrainingDiverged(CardtoolError):
+    exit_code = 1
+
+
+class Task(ABC):
+    """What a method trains: its modules, its data, the loss of a batch."""
+
+    @abstractmethod
+    def modules(self) -> dict[str, torch.nn.Module]:
+        """Trainable modules by component name (their parameters are optimised and EMA-averaged)."""
+
+    @abstractmethod
+    def dataset_size(self) -> int: ...
+
+    @abstractmethod
+    def loss(self, indices: np.ndarray, generator: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
+        """Loss on the training examples `indices`; all randomness drawn from `generator`."""
+
+
+@dataclass
+class TrainResult:
+    modules: dict[str, torch.nn.Module]  # the EMA weights when EMA is on
+    steps: int
+    final_loss: float
+    seconds: float
+    samples_per_second: float
+
+
+class _Order:
+    """Epoch-wise permutations seeded by (seed, epoch): the data order of any step is known up front."""
+
+    def __init__(self, size: int, batch: int, seed: int):
+        self.size, self.batch, self.seed, self._perms = size, batch, seed, {}
+
+    def __call__(self, step: int) -> np.ndarray:
+        positions = np.arange(step * self.batch, (step + 1) * self.batch)
+        epochs, offsets = positions // self.size, positions % self.size
+        out = np.empty(self.batch, dtype=np.int64)
+        for epoch in np.unique(epochs):
+            chosen = epochs == epoch
+            out[chosen] = self._perm(int(epoch))[offsets[chosen]]
+        return out
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            if len(self._perms) > 1:
+                self._perms.clear()
+            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.size)
+        return self._perms[epoch]
+
+
+def _lr(recipe: Recipe, step: int) -> float:
+    o = recipe.optim
+    if step < o.warmup:
+        return o.lr * (step + 1) / o.warmup
+    progress = (step - o.warmup) / max(1, o.steps - o.warmup)
+    return o.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))  # cosine down to 10%
+
+
+def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *, resume: bool = False,
+               on_log: Callable[[dict], None] | None = None) -> TrainResult:
+    modules = task.modules()
+    params = [p for m in modules.values() for p in m.parameters() if p.requires_grad]
+    o, schedule = recipe.optim, recipe.train
+    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+    ema = {name: copy.deepcopy(m).requires_grad_(False) for name, m in modules.items()} if schedule.ema else None
+    checkpoint = run_dir / CHECKPOINT
+    start = 0
+    if checkpoint.exists() and not resume:
+        raise BadInput(f"{run_dir} already holds a run; continue it with --resume, or remove the folder")
+    if resume:
+        if not checkpoint.exists():
+            raise BadInput(f"nothing to resume: {checkpoint} does not exist")
+        start = _load(checkpoint, recipe, modules, ema, optimizer)
+    order = _Order(task.dataset_size(), o.batch_size, schedule.seed)
+    started, loss_value, seen = time.perf_counter(), float("nan"), 0
+    for step in range(start, o.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = _lr(recipe, step)
+        generator = torch.Generator().manual_seed(schedule.seed * 1_000_003 + step)
+        for m in modules.values():
+            m.train()
+        with autocast(platform, schedule.precision):
+            loss, metrics = task.loss(order(step), generator)
+        loss_value = float(loss.detach())
+        if not math.isfinite(loss_value):
+            kept = f"the last good checkpoint is {checkpoint}" if checkpoint.exists() else "none was written yet"
+            raise TrainingDiverged(f"loss became {loss_value} at step {step}; {kept}. Lower optim.lr or raise "
+                                   "optim.warmup, then --resume")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
+        optimizer.step()
+        if ema is not None:
+            with torch.no_grad():
+                for name, m in modules.items():
+                    for e, p in zip(ema[name].parameters(), m.parameters(), strict=True):
+                        e.lerp_(p, 1 - schedule.ema)
+        seen += o.batch_size
+        done = step + 1
+        if on_log and (done % schedule.log_every == 0 or done == o.steps):
+            elapsed = time.perf_counter() - started
+            on_log({"step": done, "steps": o.steps, "loss": loss_value, "lr": _lr(recipe, step),
+                    "samples_per_second": seen / elapsed if elapsed else 0.0, **metrics})
+        if done % schedule.checkpoint_every == 0 or done == o.steps:
+            _save(checkpoint, recipe, done, modules, ema, optimizer)
+    seconds = time.perf_counter() - started
+    final = ema if ema is not None else modules
+    for m in final.values():
+        m.eval()
+    return TrainResult(final, o.steps, loss_value, seconds, seen / seconds if seconds else 0.0)
+
+
+def _save(path: Path, recipe: Recipe, step: int, modules, ema, optimizer) -> None:
+    tensors = {f"model.{n}.{k}": v.detach().clone() for n, m in modules.items() for k, v in m.state_dict().items()}
+    if ema is not None:
+        tensors.update({f"ema.{n}.{k}": v.detach().clone() for n, m in ema.items() for k, v in m.state_dict().items()})
+    optim, groups = optimizer_tensors(optimizer)
+    tensors.update(optim)
+    metadata = {"step": str(step), "fingerprint": recipe.fingerprint(), "param_groups": groups}
+    with atomic_path(path) as temporary:
+        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(temporary), metadata=metadata)
+
+
+def _load(path: Path, recipe: Recipe, modules, ema, optimizer) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata()
+    if metadata.get("fingerprint") != recipe.fingerprint():
+        raise BadInput(f"{path} was made by a different recipe; resume with the same recipe and overrides")
+    tensors = load_file(str(path))
+    for prefix, group in (("model", modules), ("ema", ema or {})):
+        for name, module in group.items():
+            state = {k[len(f"{prefix}.{name}."):]: v for k, v in tensors.items() if k.startswith(f"{prefix}.{name}.")}
+            module.load_state_dict(state)
+    load_optimizer_tensors(optimizer, tensors, metadata["param_groups"])
+    return int(json.loads(metadata["step"]))

@@ -1,0 +1,143 @@
+"""Cards are found by path or id in the documented order; lineage walks parents to the roots."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from helpers import EXAMPLE_CARDS, write_card
+
+from cardtool.core.cards import discovery
+from cardtool.core.cards.catalog import list_cards, validate_paths
+from cardtool.core.cards.discovery import locate
+from cardtool.core.cards.lineage import lineage
+from cardtool.core.cards.loader import load_card
+from cardtool.errors import AmbiguousCard, BadInput, CardNotFound, CardValidationError
+
+ONE = """
+schema: cardtool/v1
+id: {id}
+description: "{description}"
+components:
+  transformer: {{kind: dit, impl: wan-dit}}
+recipe:
+  method: {method}
+  parents: {parents}
+"""
+
+
+def make(root, folder, id, description="", method="pretrain", parents="[]"):
+    return write_card(root / folder, ONE.format(id=id, description=description, method=method, parents=parents))
+
+
+@pytest.fixture
+def builtin(tmp_path, monkeypatch):
+    folder = tmp_path / "builtin"
+    folder.mkdir()
+    monkeypatch.setattr(discovery, "builtin_dir", lambda: folder)
+    return folder
+
+
+def test_search_order_is_path_then_cwd_cards_then_cardtool_path_then_builtin(tmp_path, builtin, monkeypatch):
+    make(builtin, "a", "only-builtin")
+    make(tmp_path / "extra", "b", "only-on-path")
+    make(tmp_path / "cards", "c", "only-in-cwd")
+    monkeypatch.setenv("CARDTOOL_PATH", str(tmp_path / "extra"))
+    assert locate("only-builtin") == builtin / "a" / "card.yaml"
+    assert locate("only-on-path") == tmp_path / "extra" / "b" / "card.yaml"
+    assert locate("only-in-cwd").resolve() == (tmp_path / "cards" / "c" / "card.yaml").resolve()
+    assert [s.origin for s in list_cards()] == ["./cards", "CARDTOOL_PATH", "builtin"]
+    # an explicit path wins over any id, even a folder named like a card id
+    make(tmp_path, "only-builtin", "explicit")
+    assert load_card("only-builtin").id == "explicit"
+
+
+def test_two_cards_with_one_id_is_an_error_naming_both(tmp_path, builtin, monkeypatch):
+    make(tmp_path / "cards", "x", "twin")
+    make(builtin, "y", "twin")
+    with pytest.raises(AmbiguousCard) as info:
+        locate("twin")
+    assert "card id 'twin' is declared twice: cards/x (./cards) and builtin/y (builtin)" in str(info.value)
+
+
+def test_the_same_folder_reached_twice_is_one_card(tmp_path, builtin, monkeypatch):
+    make(tmp_path / "cards", "x", "once")
+    monkeypatch.setenv("CARDTOOL_PATH", str(tmp_path / "cards"))
+    assert locate("once").name == "card.yaml"
+    assert len(list_cards()) == 1
+
+
+def test_unknown_id_lists_what_was_searched(builtin):
+    with pytest.raises(CardNotFound) as info:
+        locate("nope")
+    assert "no card with id 'nope'; searched cards (./cards)" in str(info.value)
+    assert "(builtin)" in str(info.value)
+
+
+def test_path_like_names_that_do_not_exist_are_bad_input(tmp_path):
+    with pytest.raises(BadInput, match="no such card folder"):
+        locate("./missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(BadInput, match="is not a card folder"):
+        locate("empty")
+
+
+def test_list_reports_invalid_cards_without_failing(tmp_path, builtin):
+    make(tmp_path / "cards", "good", "good")
+    write_card(tmp_path / "cards" / "bad", "id: [unclosed\n")
+    summaries = {s.path: s for s in list_cards()}
+    assert summaries["cards/good"].valid and summaries["cards/good"].method == "pretrain"
+    assert not summaries["cards/bad"].valid and summaries["cards/bad"].problems[0].line == 2
+
+
+def test_builtin_dir_of_a_checkout_is_the_top_level_cards_folder(monkeypatch):
+    monkeypatch.undo()  # the isolation fixture hides the built-in cards; look at the real lookup
+    assert discovery.builtin_dir() == EXAMPLE_CARDS.parents[1] / "cards"
+
+
+def test_lineage_walks_parents_to_the_root(examples):
+    root = lineage(load_card(examples / "tiny-distilled"))
+    assert [(n.id, n.method) for n in root.chain()] == [("tiny-base", "pretrain"), ("tiny-rl", "diffusion_nft"),
+                                                        ("tiny-distilled", "dmd2")]
+    assert root.to_json()["parents"][0]["parents"][0] == {"id": "tiny-base", "method": "pretrain",
+                                                          "path": "examples/tiny-base", "missing": False,
+                                                          "parents": []}
+
+
+def test_lineage_with_two_parents_is_a_tree(tmp_path):
+    make(tmp_path / "cards", "a", "a")
+    make(tmp_path / "cards", "b", "b", method="lora")
+    make(tmp_path / "cards", "m", "merged", method="finetune", parents="[a, b]")
+    root = lineage(load_card("merged"))
+    assert [p.id for p in root.parents] == ["a", "b"] and root.chain() is None
+
+
+def test_parents_cycle_is_a_validation_error(tmp_path):
+    make(tmp_path / "cards", "a", "a", parents="[b]")
+    make(tmp_path / "cards", "b", "b", parents="[a]")
+    with pytest.raises(CardValidationError) as info:
+        lineage(load_card("a"))
+    [problem] = info.value.problems
+    assert (problem.file, problem.line, problem.field) == ("cards/b/card.yaml", 8, "recipe.parents.0")
+    assert "parents form a cycle: a → b → a" in problem.message
+
+
+def test_missing_parent_is_marked_and_fails_validation(tmp_path):
+    make(tmp_path / "cards", "orphan", "orphan", parents="[gone]")
+    root = lineage(load_card("orphan"))
+    assert root.parents[0].missing and root.parents[0].id == "gone"
+    [result] = validate_paths(["cards/orphan"])
+    assert not result.valid
+    assert str(result.problems[0]).startswith("cards/orphan/card.yaml:8:")
+    assert "parent card 'gone' cannot be found" in str(result.problems[0])
+
+
+def test_validate_a_folder_of_cards_and_bad_paths(tmp_path):
+    shutil.copytree(EXAMPLE_CARDS, tmp_path / "ex")
+    results = validate_paths(["ex"], checksums=True)
+    assert [(r.id, r.valid) for r in results] == [("tiny-base", True), ("tiny-distilled", True), ("tiny-rl", True)]
+    with pytest.raises(BadInput, match="no such file or folder"):
+        validate_paths(["nowhere"])
+    (tmp_path / "void").mkdir()
+    with pytest.raises(BadInput, match="holds no card"):
+        validate_paths(["void"])

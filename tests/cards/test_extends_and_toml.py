@@ -1,0 +1,142 @@
+"""`extends` derives cards; TOML and YAML manifests mean the same thing; cycles are refused."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import yaml
+from helpers import write_card
+
+from cardtool.core.cards.loader import load_card, merge_extends
+from cardtool.errors import CardValidationError
+
+
+def test_merge_semantics_mappings_merge_null_removes_lists_replace():
+    base = {"a": {"x": 1, "y": 2}, "b": [1, 2, 3], "c": "keep"}
+    assert merge_extends(base, {"a": {"y": 3, "x": None}, "b": [9]}) == {"a": {"y": 3}, "b": [9], "c": "keep"}
+    assert base == {"a": {"x": 1, "y": 2}, "b": [1, 2, 3], "c": "keep"}, "the base must not be modified"
+
+
+def test_derived_card_replaces_transformer_and_recipe_and_inherits_the_rest(examples):
+    base, rl, distilled = (load_card(examples / n) for n in ("tiny-base", "tiny-rl", "tiny-distilled"))
+    assert rl.manifest.components["transformer"].weights == "transformer.safetensors"
+    assert rl.manifest.components["transformer"].sha256 != base.manifest.components["transformer"].sha256
+    assert rl.manifest.components["transformer"].config == base.manifest.components["transformer"].config
+    assert rl.manifest.components["vae"].weights == "../tiny-base/vae.safetensors"
+    assert rl.weights_file("vae").resolve() == (examples / "tiny-base" / "vae.safetensors").resolve()
+    assert rl.manifest.recipe.method == "diffusion_nft" and rl.manifest.recipe.parents == ["tiny-base"]
+    assert rl.manifest.loops == base.manifest.loops
+    # two levels down: a grandparent's file still resolves, a loop default is overridden key by key
+    assert distilled.weights_file("vae").resolve() == (examples / "tiny-base" / "vae.safetensors").resolve()
+    assert distilled.manifest.loops["denoise"].defaults == {"steps": 4, "guidance": 1.0, "shift": 1.0,
+                                                            "solver": "euler"}
+    assert distilled.manifest.adapters == {}, "null removes the inherited adapter"
+    assert distilled.manifest.recipe.assumes.steps == 4
+
+
+def test_recipe_is_never_inherited(examples):
+    text = (examples / "tiny-rl" / "card.toml").read_text()
+    (examples / "tiny-rl" / "card.toml").write_text(text[: text.index("[recipe]")])
+    with pytest.raises(CardValidationError) as info:
+        load_card(examples / "tiny-rl")
+    [problem] = info.value.problems
+    assert problem.field == "recipe" and "recipe is never inherited" in problem.fix
+
+
+def test_toml_and_yaml_manifests_are_the_same_card(examples, tmp_path):
+    data = yaml.safe_load((examples / "tiny-base" / "card.yaml").read_text())
+    toml_text = _to_toml(data)
+    twin = tmp_path / "twin"
+    shutil.copytree(examples / "tiny-base", twin)
+    (twin / "card.yaml").unlink()
+    (twin / "card.toml").write_text(toml_text)
+    assert load_card(twin, checksums=True).manifest == load_card(examples / "tiny-base").manifest
+
+
+def test_toml_errors_are_located_too(tmp_path):
+    folder = write_card(tmp_path / "t", """
+        schema = "cardtool/v1"
+        id = "t"
+
+        [components.vae]
+        kind = "vae"
+        impl = "conv-vae"
+        weigths = "vae.safetensors"
+
+        [recipe]
+        method = "pretrain"
+        assumes = { loop = "denoise", steps = 0 }
+        """, name="card.toml")
+    with pytest.raises(CardValidationError) as info:
+        load_card(folder)
+    assert [str(p).split(" (fix")[0] for p in info.value.problems] == [
+        "t/card.toml:7:1: components.vae.weigths: unknown key",
+        "t/card.toml:11:39: recipe.assumes.steps: Input should be greater than or equal to 1, got 0"]
+
+
+def test_toml_syntax_error_is_located(tmp_path):
+    folder = write_card(tmp_path / "t", 'schema = "cardtool/v1"\nid = \n', name="card.toml")
+    with pytest.raises(CardValidationError) as info:
+        load_card(folder)
+    assert str(info.value).startswith("t/card.toml:2:6: TOML: ")
+
+
+def test_extends_cycle_is_refused(examples):
+    base = examples / "tiny-base" / "card.yaml"
+    base.write_text(base.read_text().replace("id: tiny-base\n", "id: tiny-base\nextends: tiny-distilled\n"))
+    with pytest.raises(CardValidationError) as info:
+        load_card(examples / "tiny-base")
+    last = str(info.value.problems[-1])
+    assert last.startswith("examples/tiny-rl/card.toml:6:11: extends: extends forms a cycle: examples/tiny-base → "
+                           "examples/tiny-distilled → examples/tiny-rl → examples/tiny-base"), last
+
+
+def test_extends_an_unknown_card(examples):
+    rl = examples / "tiny-rl" / "card.toml"
+    rl.write_text(rl.read_text().replace('extends = "tiny-base"', 'extends = "no-such-card"'))
+    with pytest.raises(CardValidationError) as info:
+        load_card(examples / "tiny-rl")
+    [problem] = info.value.problems
+    assert (problem.file, problem.line, problem.field) == ("examples/tiny-rl/card.toml", 6, "extends")
+    assert "cannot find the card it extends: no card with id 'no-such-card'" in problem.message
+
+
+def test_problem_in_the_parent_is_reported_in_the_parent_file(examples):
+    base = examples / "tiny-base" / "card.yaml"
+    base.write_text(base.read_text().replace("impl: conv-vae", "impl: conv-vae\n    colour: red"))
+    with pytest.raises(CardValidationError) as info:
+        load_card(examples / "tiny-rl")
+    files = [p.file for p in info.value.problems]
+    assert files == ["examples/tiny-rl/card.toml", "examples/tiny-base/card.yaml"]
+    assert info.value.problems[1].field == "components.vae.colour"
+
+
+def _to_toml(data: dict) -> str:
+    """A small TOML writer for the test: nested tables as [a.b] headers, leaves as TOML values."""
+    import json
+
+    def value(v):
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, dict):
+            return "{ " + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + " }"
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return json.dumps(v)
+
+    lines, tables = [], []
+
+    def walk(prefix, mapping):
+        leaves = {k: v for k, v in mapping.items() if not isinstance(v, dict) or k in ("config", "defaults", "data",
+                                                                                      "assumes")}
+        if prefix:
+            tables.append(f"\n[{prefix}]")
+        for k, v in leaves.items():
+            (tables if prefix else lines).append(f"{k} = {value(v)}")
+        for k, v in mapping.items():
+            if k not in leaves:
+                walk(f"{prefix}.{k}" if prefix else k, v)
+
+    walk("", data)
+    return "\n".join(lines + tables) + "\n"

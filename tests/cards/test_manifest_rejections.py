@@ -1,0 +1,210 @@
+"""Each kind of bad manifest is rejected with an error naming the file, line, column and field."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import write_card, write_weights
+
+from cardtool.core.cards.loader import load_card
+from cardtool.errors import CardValidationError
+
+WEIGHTS = ("vae.safetensors", "dit.safetensors", "invert.safetensors")
+
+MINIMAL = """\
+schema: cardtool/v1
+id: tiny
+components:
+  vae:
+    kind: vae
+    impl: conv-vae
+    weights: vae.safetensors
+  transformer:
+    kind: dit
+    impl: wan-dit
+    weights: dit.safetensors
+loops:
+  denoise:
+    kind: flow_denoise
+    uses: [vae, transformer]
+adapters:
+  invert: {kind: lora, target: transformer, weights: invert.safetensors, rank: 4, alpha: 4}
+recipe:
+  method: pretrain
+  assumes: {loop: denoise}
+"""
+
+
+def card(tmp_path, manifest=MINIMAL, *, name="x", weights=WEIGHTS):
+    return write_card(tmp_path / "cards" / name, manifest, weights=weights)
+
+
+def problems(folder, **kwargs) -> list[str]:
+    with pytest.raises(CardValidationError) as info:
+        load_card(folder, **kwargs)
+    return [str(p) for p in info.value.problems]
+
+
+def test_minimal_card_loads(tmp_path):
+    loaded = load_card(card(tmp_path))
+    assert loaded.id == "tiny"
+    assert loaded.manifest.adapters["invert"].rank == 4
+    assert loaded.manifest.recipe.assumes.precision == "float32"
+
+
+def test_unknown_key_names_line_field_and_suggests_the_right_one(tmp_path):
+    folder = card(tmp_path, MINIMAL.replace("    weights: dit.safetensors", "    wieghts: dit.safetensors"))
+    assert problems(folder) == [
+        "cards/x/card.yaml:11:5: components.transformer.wieghts: unknown key (fix: did you mean 'weights'?)"]
+
+
+def test_unknown_top_level_key_lists_the_allowed_keys(tmp_path):
+    folder = card(tmp_path, MINIMAL + "zzz: 1\n")
+    [message] = problems(folder)
+    assert message.startswith("cards/x/card.yaml:21:1: zzz: unknown key")
+    assert "allowed here: schema, id, description, extends, components" in message
+
+
+def test_wrong_type_names_line_and_field(tmp_path):
+    folder = card(tmp_path, MINIMAL.replace("rank: 4", 'rank: "four"'))
+    [message] = problems(folder)
+    assert message.startswith("cards/x/card.yaml:17:80: adapters.invert.rank: Input should be a valid integer")
+    assert "got 'four'" in message
+
+
+def test_missing_required_field_points_at_its_parent(tmp_path):
+    folder = card(tmp_path, MINIMAL.replace("    impl: conv-vae\n", ""))
+    assert problems(folder) == ["cards/x/card.yaml:4:3: components.vae.impl: required field is missing "
+                                "(fix: add 'impl')"]
+
+
+def test_missing_weights_file(tmp_path):
+    folder = card(tmp_path, weights=("dit.safetensors", "invert.safetensors"))
+    assert problems(folder) == ["cards/x/card.yaml:7:14: components.vae.weights: 'vae.safetensors' does not exist "
+                                "in cards/x (fix: add the file or correct the path)"]
+
+
+def test_sha256_mismatch_is_caught_by_checksums_and_by_loading_weights(tmp_path):
+    folder = card(tmp_path, MINIMAL.replace("    weights: vae.safetensors\n",
+                                            "    weights: vae.safetensors\n    sha256: '" + "0" * 64 + "'\n"))
+    loaded = load_card(folder)  # sums are verified when asked for or when weights are loaded, not on every load
+    assert loaded.weights_file("transformer") == folder / "dit.safetensors"
+    with pytest.raises(CardValidationError) as info:
+        loaded.weights_file("vae")
+    [message] = [str(p) for p in info.value.problems]
+    assert message.startswith("cards/x/card.yaml:8:13: components.vae.sha256: sha256 of 'vae.safetensors' is ")
+    assert problems(folder, checksums=True) == [message]
+
+
+def test_matching_sha256_passes(tmp_path):
+    folder = card(tmp_path)
+    digest = write_weights(folder / "vae.safetensors", seed=7)
+    (folder / "card.yaml").write_text(MINIMAL.replace("    weights: vae.safetensors\n",
+                                                      f"    weights: vae.safetensors\n    sha256: {digest}\n"))
+    assert load_card(folder, checksums=True).weights_file("vae").name == "vae.safetensors"
+
+
+def test_loop_using_an_undeclared_component(tmp_path):
+    folder = card(tmp_path, MINIMAL.replace("uses: [vae, transformer]", "uses: [vae, unet]"))
+    [message] = problems(folder)
+    assert message.startswith("cards/x/card.yaml:15:17: loops.denoise.uses.1: loop 'denoise' uses 'unet', "
+                              "which the card does not declare")
+    assert "use one of: transformer, vae" in message
+
+
+def test_adapter_targeting_a_missing_component(tmp_path):
+    folder = card(tmp_path, MINIMAL.replace("target: transformer", "target: unet"))
+    [message] = problems(folder)
+    assert message.startswith("cards/x/card.yaml:17:32: adapters.invert.target: adapter 'invert' targets 'unet'")
+
+
+def test_assumed_loop_not_declared(tmp_path):
+    folder = card(tmp_path, MINIMAL.replace("assumes: {loop: denoise}", "assumes: {loop: sample}"))
+    [message] = problems(folder)
+    assert message.startswith("cards/x/card.yaml:20:19: recipe.assumes.loop: assumes loop 'sample', "
+                              "which the card does not declare")
+
+
+def test_path_escaping_the_card_folder(tmp_path):
+    write_weights(tmp_path / "cards" / "outside.safetensors")
+    folder = card(tmp_path, MINIMAL.replace("weights: vae.safetensors", "weights: ../outside.safetensors"))
+    [message] = problems(folder)
+    assert message.startswith("cards/x/card.yaml:7:14: components.vae.weights: '../outside.safetensors' "
+                              "escapes the card folder")
+
+
+def test_absolute_path_is_refused(tmp_path):
+    absolute = write_weights(tmp_path / "abs.safetensors") and tmp_path / "abs.safetensors"
+    folder = card(tmp_path, MINIMAL.replace("weights: vae.safetensors", f"weights: {absolute}"))
+    assert "escapes the card folder" in problems(folder)[0]
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".pth", ".bin", ".ckpt"])
+def test_pickle_weight_formats_are_refused(tmp_path, suffix):
+    folder = card(tmp_path, MINIMAL.replace("dit.safetensors", f"dit{suffix}"))
+    (folder / f"dit{suffix}").write_bytes(b"\x80\x02}q\x00.")  # a real (empty-dict) pickle
+    assert problems(folder) == [f"cards/x/card.yaml:11:14: components.transformer.weights: 'dit{suffix}' is a "
+                                f"pickle checkpoint format ({suffix}); only safetensors are loaded "
+                                "(fix: convert the weights to .safetensors)"]
+
+
+def test_pickle_renamed_to_safetensors_is_refused(tmp_path):
+    folder = card(tmp_path)
+    (folder / "dit.safetensors").write_bytes(b"\x80\x04\x95\x05\x00\x00\x00\x00\x00\x00\x00}\x94.")
+    [message] = problems(folder)
+    assert message.startswith("cards/x/card.yaml:11:14: components.transformer.weights: 'dit.safetensors' is "
+                              "named .safetensors but holds a pickle/zip checkpoint")
+
+
+def test_truncated_safetensors_is_refused(tmp_path):
+    folder = card(tmp_path)
+    data = (folder / "dit.safetensors").read_bytes()
+    (folder / "dit.safetensors").write_bytes(data[:20])
+    assert "valid safetensors header" in problems(folder)[0]
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    broken = MINIMAL.replace("uses: [vae, transformer]", "uses: [vae, unet]").replace("target: transformer",
+                                                                                     "target: unet")
+    assert len(problems(card(tmp_path, broken))) == 2
+
+
+def test_duplicate_yaml_key(tmp_path):
+    folder = card(tmp_path, MINIMAL.replace("    impl: wan-dit\n", "    impl: wan-dit\n    impl: other\n"))
+    assert problems(folder) == ["cards/x/card.yaml:11:5: components.transformer.impl: duplicate key "
+                                "(fix: keep one of the duplicate keys)"]
+
+
+def test_yaml_syntax_error_is_located(tmp_path):
+    folder = card(tmp_path, MINIMAL.replace("uses: [vae, transformer]", "uses: [vae, transformer"))
+    [message] = problems(folder)
+    assert message.startswith("cards/x/card.yaml:16:")
+    assert "YAML" in message
+
+
+def test_manifest_that_is_not_a_mapping(tmp_path):
+    assert "a manifest is a mapping" in problems(card(tmp_path, "- just\n- a list\n"))[0]
+
+
+def test_yaml_python_tags_are_not_constructed(tmp_path):
+    folder = card(tmp_path, MINIMAL.replace("id: tiny", "id: !!python/object/apply:os.system ['true']"))
+    assert "YAML" in problems(folder)[0]
+
+
+def test_both_yaml_and_toml_in_one_folder(tmp_path):
+    folder = card(tmp_path)
+    (folder / "card.toml").write_text('schema = "cardtool/v1"\n')
+    assert "holds both card.yaml and card.toml" in problems(folder)[0]
+
+
+def test_bad_sha256_and_bad_names(tmp_path):
+    folder = card(tmp_path, MINIMAL.replace("id: tiny", "id: -tiny").replace(
+        "    weights: vae.safetensors\n", "    weights: vae.safetensors\n    sha256: ABC\n"))
+    found = problems(folder)
+    assert any(p.startswith("cards/x/card.yaml:2:5: id: a name must start with a letter or digit") for p in found)
+    assert any(p.startswith("cards/x/card.yaml:8:13: components.vae.sha256: not a sha256 digest") for p in found)
+
+
+def test_unknown_adapter_kind_points_at_kind(tmp_path):
+    folder = card(tmp_path, MINIMAL.replace("{kind: lora,", "{kind: lorra,"))
+    [message] = problems(folder)
+    assert message.startswith("cards/x/card.yaml:17:18: adapters.invert.kind: unknown or missing adapter kind")

@@ -1,0 +1,140 @@
+"""The denoise loop: schedules, solvers, CFG, capture, and step-level batching equal to running alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cardtool.backends.platform import Platform
+from cardtool.backends.torch_ops import flow_sde_step
+from cardtool.core.sampling.denoise import DenoiseLoop, Request, shifted_sigmas
+from cardtool.core.sampling.instance import ModelInstance
+from cardtool.core.cards.loader import load_card
+from cardtool.core.sampling.sampler import sample
+from cardtool.core.sampling.text_cache import TextFeatureCache
+from cardtool.errors import BadInput
+
+MIXED = [Request("an ankle boot", seed=1, steps=3, guidance=4.0),
+         Request("a bag", seed=2, steps=5, guidance=1.0, solver="sde"),
+         Request("a coat", seed=3, steps=4, guidance=2.0, shift=3.0, solver="sde"),
+         Request("a coat", seed=4, steps=2, guidance=7.5, negative_prompt="a shirt"),
+         Request("a shirt", seed=5, steps=4, guidance=3.0, guidance_interval=(0.0, 0.5))]  # σ 1, .75 unguided
+
+
+@pytest.fixture(scope="module")
+def loop():
+    card = load_card("examples/cards/tiny-base")
+    return DenoiseLoop(ModelInstance(card, Platform("cpu", "generic")), cache=TextFeatureCache(disk=False))
+
+
+def final(states):
+    return [s.latents.numpy() for s in states]
+
+
+def test_shifted_sigmas_follow_sd3():
+    np.testing.assert_allclose(shifted_sigmas(4, 1.0), [1, 0.75, 0.5, 0.25, 0])
+    shifted = shifted_sigmas(4, 3.0)
+    np.testing.assert_allclose(shifted[2], 3 * 0.5 / (1 + 2 * 0.5))
+    assert shifted[0] == 1 and shifted[-1] == 0 and np.all(np.diff(shifted) < 0)
+
+
+def test_a_mixed_batch_equals_each_request_alone(loop):
+    batched = final(sample(loop, MIXED))
+    for request, together in zip(MIXED, batched, strict=True):
+        [alone] = final(sample(loop, [request]))
+        assert np.abs(together - alone).max() <= 1e-5, request
+    assert np.abs(batched[0]).max() > 0.1
+
+
+def test_forwards_are_shared_and_capped_by_max_batch(loop, monkeypatch):
+    sizes = []
+    transformer = loop.instance.component("transformer")
+    original = type(transformer).forward
+    monkeypatch.setattr(type(transformer), "forward",
+                        lambda self, x, *rest: sizes.append(x.shape[0]) or original(self, x, *rest))
+    sample(loop, MIXED)
+    assert sizes[0] == 2 + 1 + 2 + 2 + 1, "one forward for all five requests, guided ones twice"
+    assert sizes[2] == 2 + 1 + 2 + 2, "the third step: two requests done, the interval one now guided"
+    assert len(sizes) == 5, "as many forwards as the longest request has steps"
+    sizes.clear()
+    capped = final(sample(loop, MIXED, max_batch=2))
+    assert max(sizes) <= 2
+    assert all(np.abs(a - b).max() <= 1e-5 for a, b in zip(capped, final(sample(loop, MIXED)), strict=True))
+
+
+def test_same_seed_same_image_other_seed_other_image(loop):
+    a, b, c = final(sample(loop, [Request("a bag", seed=7, steps=3), Request("a bag", seed=7, steps=3),
+                                  Request("a bag", seed=8, steps=3)]))
+    assert np.abs(a - b).max() <= 1e-6 and np.abs(a - c).max() > 0.1
+
+
+def test_capture_records_training_inputs_without_changing_samples(loop):
+    plain = final(sample(loop, MIXED[:3]))
+    captured = sample(loop, MIXED[:3], capture=True)
+    for state, expected in zip(captured, plain, strict=True):
+        assert np.abs(state.latents.numpy() - expected).max() <= 1e-6
+        capture = state.capture
+        assert len(capture.latents) == state.request.steps + 1 and len(capture.velocities) == state.request.steps
+        assert torch.equal(capture.x0, state.latents)
+        assert (capture.log_probs[0] is None) == (state.request.solver == "euler")
+
+
+def test_captured_sde_log_probs_rescore_exactly(loop):
+    [state] = sample(loop, [MIXED[1]], capture=True)
+    c = state.capture
+    for i in range(state.request.steps):
+        logp = flow_sde_step(c.latents[i], c.velocities[i], c.sigmas[i], c.sigmas[i + 1],
+                             prev_sample=c.latents[i + 1])[3]
+        torch.testing.assert_close(logp, c.log_probs[i], rtol=1e-5, atol=1e-5)
+
+
+def test_guidance_one_needs_no_unconditional_pass(loop):
+    [state] = loop.init([Request("a bag", guidance=1.0)])
+    assert state.uncond is None and loop.next(state).x.shape[0] == 1
+
+
+def test_guidance_interval_guides_only_the_steps_inside_it(loop):
+    """Euler by hand: v_c alone where σ > 0.5, v_u + w·(v_c − v_u) where σ ≤ 0.5 (bounds inclusive)."""
+    request = Request("an ankle boot", seed=3, steps=4, guidance=3.0, guidance_interval=(0.0, 0.5))
+    [state] = loop.init([request])
+    model = loop.instance.component("transformer")
+    x = state.latents
+    with torch.no_grad():
+        for sigma, sigma_next in zip(state.sigmas[:-1], state.sigmas[1:], strict=True):
+            t = torch.tensor([sigma * 1000.0])
+            v = model(x, t, *state.cond)
+            if sigma <= 0.5:
+                v_u = model(x, t, *state.uncond)
+                v = v_u + 3.0 * (v - v_u)
+            x = x + (sigma_next - sigma) * v
+    [sampled] = final(sample(loop, [request]))
+    assert np.abs(sampled - x.numpy()).max() <= 1e-5
+    everywhere, nowhere = final(sample(loop, [Request("an ankle boot", seed=3, steps=4, guidance=3.0),
+                                              Request("an ankle boot", seed=3, steps=4, guidance=1.0)]))
+    assert np.abs(sampled - everywhere).max() > 1e-2 and np.abs(sampled - nowhere).max() > 1e-2
+    [empty] = final(sample(loop, [Request("an ankle boot", seed=3, steps=4, guidance=3.0,
+                                          guidance_interval=(0.1, 0.2))]))
+    assert np.abs(empty - nowhere).max() <= 1e-6, "an interval holding no step's σ is unguided sampling"
+
+
+@pytest.mark.parametrize(("request_", "message"), [
+    (Request("x", steps=0), "steps must be at least 1"),
+    (Request("x", solver="heun"), "unknown solver 'heun'"),
+    (Request("x", shift=0), "shift must be positive"),
+    (Request("x", seed=-1), "seed must be in"),
+    (Request("x", guidance_interval=(0.6, 0.2)), "0 ≤ LO ≤ HI ≤ 1"),
+    (Request("x", guidance_interval=(0.0, 1.5)), "0 ≤ LO ≤ HI ≤ 1"),
+])
+def test_bad_requests_are_refused(loop, request_, message):
+    with pytest.raises(BadInput, match=message):
+        loop.init([request_])
+
+
+def test_numpy_platform_runs_the_same_loop(loop):
+    card = loop.instance.card
+    torch64 = DenoiseLoop(ModelInstance(card, Platform("cpu", "generic"), "float64"), cache=loop.cache)
+    numpy64 = DenoiseLoop(ModelInstance(card, Platform("numpy", "generic"), "float64"), cache=loop.cache)
+    expected = final(sample(torch64, MIXED))
+    for actual, wanted in zip(sample(numpy64, MIXED), expected, strict=True):
+        assert np.abs(actual.latents - wanted).max() <= 1e-12

@@ -1,0 +1,116 @@
+"""`cardtool generate`: PNGs with metadata, JSON, warnings, determinism and clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from cardtool.cli import app
+from cardtool.core.sampling.generate import plan_requests
+from cardtool.core.sampling.images import read_png_metadata
+from cardtool.core.cards.loader import load_card
+from cardtool.errors import BadInput
+
+
+def run(*args):
+    return CliRunner().invoke(app, list(args))
+
+
+@pytest.fixture
+def on_path(examples, monkeypatch):
+    monkeypatch.setenv("CARDTOOL_PATH", str(examples))
+    return examples
+
+
+def test_generate_writes_pngs_with_metadata_and_a_grid(on_path, tmp_path):
+    result = run("generate", "tiny-base", "-p", "an ankle boot", "-p", "a bag", "-n", "2", "--seed", "5",
+                 "--steps", "3", "--out", str(tmp_path / "out"), "--grid", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert [(i["prompt"], i["seed"]) for i in report["images"]] == [
+        ("an ankle boot", "5"), ("an ankle boot", "6"), ("a bag", "5"), ("a bag", "6")]
+    first = report["images"][0]
+    metadata = read_png_metadata(first["path"])
+    assert metadata["card"] == "tiny-base" and metadata["steps"] == "3" and metadata["solver"] == "euler"
+    assert metadata["guidance"] == "4.0", "the card's default guidance"
+    assert metadata["guidance_interval"] == "0.0,1.0", "guided on every step unless the card says otherwise"
+    assert set(json.loads(metadata["weights"])) == {"text_encoder", "vae", "transformer"}
+    assert metadata["platform"] == report["platform"]
+    assert report["grid"] and read_png_metadata(report["grid"])["card"] == "tiny-base"
+
+
+def test_the_same_command_twice_gives_bit_identical_pngs(on_path, tmp_path):
+    outputs = []
+    for attempt in ("a", "b"):
+        out = tmp_path / attempt
+        subprocess.run([sys.executable, "-m", "cardtool", "generate", "tiny-base", "-p", "a coat", "-n", "2",
+                        "--steps", "3", "--solver", "sde", "--out", str(out)], check=True, capture_output=True,
+                       timeout=300)
+        outputs.append({p.name: p.read_bytes() for p in sorted(out.glob("*.png"))})
+    assert len(outputs[0]) == 2 and outputs[0] == outputs[1]
+
+
+def test_guidance_interval_from_the_command_line_or_the_card(on_path, tmp_path):
+    result = run("generate", "tiny-base", "-p", "a bag", "--steps", "2", "--guidance-interval", "0,0.5",
+                 "--out", str(tmp_path / "one.png"))
+    assert result.exit_code == 0, result.output
+    assert read_png_metadata(tmp_path / "one.png")["guidance_interval"] == "0.0,0.5"
+    card = load_card("tiny-base")
+    card.manifest.loops["denoise"].defaults["guidance_interval"] = [0.2, 0.6]
+    [request], _ = plan_requests(card, ["a bag"])
+    assert request.guidance_interval == (0.2, 0.6)
+    [request], _ = plan_requests(card, ["a bag"], guidance_interval=(0.0, 1.0))
+    assert request.guidance_interval == (0.0, 1.0), "the command line wins over the card"
+    card.manifest.loops["denoise"].defaults["guidance_interval"] = "late"
+    with pytest.raises(BadInput, match="guidance_interval must be two numbers"):
+        plan_requests(card, ["a bag"])
+
+
+def test_a_single_named_file_and_a_prompts_file(on_path, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("# one a line\na sneaker\n\n")
+    result = run("generate", "tiny-base", "--prompts-file", str(prompts), "--steps", "2", "--out",
+                 str(tmp_path / "one.png"))
+    assert result.exit_code == 0, result.output
+    assert read_png_metadata(tmp_path / "one.png")["prompt"] == "a sneaker"
+    assert str(tmp_path / "one.png") in result.stdout
+
+
+def test_a_card_assuming_fixed_steps_warns_and_strict_refuses(on_path, tmp_path):
+    result = run("generate", "tiny-distilled", "-p", "a bag", "--steps", "6", "--out", str(tmp_path))
+    assert result.exit_code == 0 and "assumes 4 steps; sampling with 6" in result.stderr
+    strict = run("generate", "tiny-distilled", "-p", "a bag", "--steps", "6", "--strict", "--out", str(tmp_path))
+    assert strict.exit_code == 2 and "--strict" in strict.stderr
+    assert run("generate", "tiny-distilled", "-p", "a bag", "--out", str(tmp_path)).stderr.count("warning") == 0
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["nope", "-p", "x"], "no card with id 'nope'"),
+    (["tiny-base"], "no prompts"),
+    (["tiny-base", "-p", "x", "--steps", "0"], "steps must be at least 1"),
+    (["tiny-base", "-p", "x", "--solver", "heun"], "unknown solver"),
+    (["tiny-base", "-p", "x", "-n", "0"], "--num must be at least 1"),
+    (["tiny-base", "-p", "x", "-p", "y", "--out", "one.png"], "names one file"),
+    (["tiny-base", "-p", "x", "--out", "/proc/no/such"], "cannot create output folder"),
+    (["tiny-base", "-p", "x", "--device", "tpu"], "unknown device"),
+    (["tiny-base", "-p", "x", "--guidance-interval", "0.5"], "--guidance-interval takes LO,HI"),
+    (["tiny-base", "-p", "x", "--guidance-interval", "0.5,0.1"], "0 ≤ LO ≤ HI ≤ 1"),
+])
+def test_bad_input_is_a_clear_message_and_exit_2(on_path, args, message):
+    result = run("generate", *args)
+    assert result.exit_code == 2 and message in result.stderr and "Traceback" not in result.output
+
+
+def test_numpy_device_generates_from_cached_text_features(on_path, tmp_path):
+    args = ["generate", "tiny-base", "-p", "a bag", "--steps", "2", "--guidance", "1", "--json"]
+    torch_run = json.loads(run(*args, "--out", str(tmp_path / "t")).stdout)
+    numpy_run = run(*args, "--device", "numpy", "--out", str(tmp_path / "n"))
+    assert numpy_run.exit_code == 0, numpy_run.output
+    assert json.loads(numpy_run.stdout)["platform"] == "numpy/generic"
+    assert torch_run["images"][0]["prompt"] == "a bag"
+    uncached = run("generate", "tiny-base", "-p", "never encoded", "--device", "numpy", "--out", str(tmp_path / "u"))
+    assert uncached.exit_code == 2 and "nothing can run component 'hf-encoder'" in uncached.stderr

@@ -1,0 +1,77 @@
+"""The text-feature cache: keyed per DESIGN invariant 6, on disk atomically, never re-encoding a prompt."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+from helpers import write_weights
+
+from cardtool.backends.platform import Platform
+from cardtool.core.sampling.instance import ModelInstance
+from cardtool.core.cards.loader import load_card
+from cardtool.core.sampling.text_cache import TextFeatureCache, cache_dir, encode_prompts
+
+CPU = Platform("cpu", "generic")
+
+
+def encode(folder, prompts, cache):
+    instance = ModelInstance(load_card(folder), CPU)
+    return instance, encode_prompts(instance, prompts, cache)
+
+
+def test_a_repeated_prompt_neither_re_encodes_nor_loads_the_encoder(examples, tmp_path):
+    first_instance, first = encode(examples / "tiny-base", ["a bag", "a coat"], TextFeatureCache(tmp_path / "c"))
+    assert first_instance.is_awake("text_encoder")
+    cache = TextFeatureCache(tmp_path / "c")  # a new process: only the disk entries remain
+    instance, again = encode(examples / "tiny-base", ["a coat", "a bag"], cache)
+    assert not instance.is_awake("text_encoder") and (cache.hits, cache.misses) == (2, 0)
+    assert np.array_equal(again[0][0], first[1][0]) and np.array_equal(again[1][1], first[0][1])
+
+
+def test_new_transformer_weights_keep_the_text_entries(examples, tmp_path):
+    encode(examples / "tiny-base", ["a bag"], TextFeatureCache(tmp_path / "c"))
+    manifest = examples / "tiny-base" / "card.yaml"
+    digest = write_weights(examples / "tiny-base" / "transformer.safetensors", seed=9)
+    text = manifest.read_text()
+    old = re.search(r"weights: transformer.safetensors\n    sha256: (\w+)", text).group(1)
+    manifest.write_text(text.replace(old, digest))
+    cache = TextFeatureCache(tmp_path / "c")
+    instance, _ = encode(examples / "tiny-base", ["a bag"], cache)
+    assert (cache.hits, cache.misses) == (1, 0) and not instance.is_awake("text_encoder")
+
+
+def test_a_different_text_encoder_misses(examples, tmp_path):
+    encode(examples / "tiny-base", ["a bag"], TextFeatureCache(tmp_path / "c"))
+    manifest = examples / "tiny-base" / "card.yaml"
+    manifest.write_text(manifest.read_text().replace("config: {max_length: 16}", "config: {max_length: 12}"))
+    cache = TextFeatureCache(tmp_path / "c")
+    _, [(states, mask)] = encode(examples / "tiny-base", ["a bag"], cache)
+    assert (cache.hits, cache.misses) == (0, 1) and states.shape == (12, 384)
+
+
+def test_every_key_field_changes_the_key():
+    base = dict(card="c", component="text_encoder", weights_version="v1", config={"max_length": 16}, adapters=(),
+                precision="float32", prompt="a bag")
+    key = TextFeatureCache.key(**base)
+    for field, other in [("card", "d"), ("component", "te2"), ("weights_version", "v2"), ("config", {}),
+                         ("adapters", (("style", "v1", 1.0),)), ("precision", "bfloat16"), ("prompt", "a bag ")]:
+        assert TextFeatureCache.key(**{**base, field: other}) != key, field
+
+
+def test_entries_are_atomic_npz_files_and_a_damaged_one_is_rewritten(tmp_path):
+    cache = TextFeatureCache(tmp_path / "c")
+    cache.put("ab" + "0" * 62, np.ones((4, 3)), np.array([1, 1, 0, 0]))
+    [path] = list((tmp_path / "c" / "text").rglob("*.npz"))
+    assert not list(path.parent.glob(".*tmp")), "no temporary files remain"
+    path.write_bytes(b"garbage")
+    fresh = TextFeatureCache(tmp_path / "c")
+    assert fresh.get("ab" + "0" * 62) is None and fresh.misses == 1
+
+
+def test_cache_dir_honours_cardtool_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("CARDTOOL_CACHE", str(tmp_path / "x"))
+    assert cache_dir() == tmp_path / "x"
+    monkeypatch.delenv("CARDTOOL_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "cardtool"

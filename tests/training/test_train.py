@@ -1,0 +1,176 @@
+"""cardtool train on tiny configs: cards written atomically, resume equals an uninterrupted run, a NaN
+stops the run keeping the last good checkpoint, and what pretraining writes is served by generate."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from helpers import REPO, write_idx_folder
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from cardtool.cli import app
+from cardtool.core.cards.loader import load_card
+from cardtool.core.training.recipes import load_recipe
+from cardtool.core.training.train import train
+from cardtool.core.training.trainer import CHECKPOINT, TrainingDiverged
+from cardtool.errors import BadInput
+
+RECIPES = REPO / "examples" / "recipes"
+TINY_VAE = ["model.channels=[8, 16, 32]", "optim.steps=6", "optim.batch_size=8", "optim.warmup=2",
+            "train.checkpoint_every=3", "train.log_every=1", "train.precision=float32"]
+
+
+@pytest.fixture
+def data(tmp_path):
+    return write_idx_folder(tmp_path / "idx")
+
+
+def tiny(name, extra=()):
+    base = TINY_VAE if name == "fashion-vae" else []
+    return load_recipe(RECIPES / f"{name}.yaml", [*base, *extra])
+
+
+def weights(card, name):
+    return load_file(str(card.weights_file(name)))
+
+
+def test_vae_card_is_written_with_recipe_command_and_metrics(tmp_path, data):
+    card = train(tiny("fashion-vae"), command="cardtool train …", out=tmp_path / "vae", run_dir=tmp_path / "run",
+                 data=str(data))
+    recipe = card.manifest.recipe
+    assert recipe.method == "vae" and recipe.command == "cardtool train …"
+    assert {"test_psnr_db", "scaling_factor", "final_loss", "steps"} <= set(recipe.metrics)
+    assert card.manifest.components["vae"].config["scaling_factor"] == recipe.metrics["scaling_factor"]
+    assert load_card(tmp_path / "vae", checksums=True).id == "fashion-vae"
+    assert weights(card, "vae")["encoder.conv_in.weight"].dtype == torch.float16, "the recipe stores float16"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no staging folder is left"
+
+
+def test_resume_after_a_kill_gives_the_same_final_weights(tmp_path, data):
+    uninterrupted = train(tiny("fashion-vae"), command="c", out=tmp_path / "a", run_dir=tmp_path / "ra",
+                          data=str(data))
+
+    def kill_after_step_4(entry):
+        if entry["step"] == 4:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny("fashion-vae"), command="c", out=tmp_path / "b", run_dir=tmp_path / "rb", data=str(data),
+              on_log=kill_after_step_4)
+    assert not (tmp_path / "b").exists() and (tmp_path / "rb" / CHECKPOINT).exists()
+    with pytest.raises(BadInput, match="already holds a run"):
+        train(tiny("fashion-vae"), command="c", out=tmp_path / "b", run_dir=tmp_path / "rb", data=str(data))
+    resumed = train(tiny("fashion-vae"), command="c", out=tmp_path / "b", run_dir=tmp_path / "rb", data=str(data),
+                    resume=True)
+    a, b = weights(uninterrupted, "vae"), weights(resumed, "vae")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_with_another_recipe_is_refused(tmp_path, data):
+    train(tiny("fashion-vae"), command="c", out=tmp_path / "a", run_dir=tmp_path / "r", data=str(data))
+    with pytest.raises(BadInput, match="different recipe"):
+        train(tiny("fashion-vae", ["optim.lr=1e-2"]), command="c", out=tmp_path / "b", run_dir=tmp_path / "r",
+              data=str(data), resume=True)
+
+
+def test_a_nan_loss_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(tmp_path, data, monkeypatch):
+    from cardtool.core.training.methods.vae import VAETask
+
+    original = VAETask.loss
+    calls = []
+
+    def poisoned(self, indices, generator):
+        loss, metrics = original(self, indices, generator)
+        calls.append(1)
+        return (loss * float("nan") if len(calls) == 5 else loss), metrics
+
+    monkeypatch.setattr(VAETask, "loss", poisoned)
+    with pytest.raises(TrainingDiverged, match=r"loss became nan at step 4; the last good checkpoint is .*checkpoint"):
+        train(tiny("fashion-vae"), command="c", out=tmp_path / "vae", run_dir=tmp_path / "run", data=str(data))
+    assert not (tmp_path / "vae").exists()
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "run" / CHECKPOINT), framework="pt") as f:
+        assert f.metadata()["step"] == "3"
+
+
+def test_an_existing_card_is_not_overwritten_unless_asked(tmp_path, data):
+    (tmp_path / "vae").mkdir()
+    with pytest.raises(BadInput, match="already exists"):
+        train(tiny("fashion-vae"), command="c", out=tmp_path / "vae", run_dir=tmp_path / "run", data=str(data))
+
+
+def test_classifier_pretrain_and_generate_from_what_training_wrote(tmp_path, data, monkeypatch):
+    """The whole family on tiny configs: VAE → classifier → pretrained text-to-image card → generate."""
+    monkeypatch.chdir(tmp_path)
+    train(tiny("fashion-vae"), command="c", out=tmp_path / "cards" / "fashion-vae", run_dir=tmp_path / "r1",
+          data=str(data))
+    judge = train(tiny("fashion-classifier", ["model.width=8", "model.features=16", "optim.steps=4",
+                                              "optim.batch_size=8", "train.precision=float32"]),
+                  command="c", out=tmp_path / "cards" / "fashion-classifier", run_dir=tmp_path / "r2", data=str(data))
+    assert set(judge.manifest.components) == {"classifier", "text_encoder"}
+    assert 0 <= judge.manifest.recipe.metrics["test_accuracy"] <= 1
+    base = train(tiny("fashion-base", ["model.dim=32", "model.depth=1", "model.heads=2", "model.ffn_dim=64",
+                                       "optim.steps=3", "optim.batch_size=8", "train.precision=float32",
+                                       "train.checkpoint_every=2"]),
+                 command="c", out=tmp_path / "cards" / "fashion-base", run_dir=tmp_path / "r3", data=str(data))
+    assert base.manifest.recipe.parents == ["fashion-vae"] and base.manifest.recipe.assumes.loop == "denoise"
+    assert base.manifest.loops["denoise"].defaults["guidance_interval"] == [0.0, 0.4], "the recipe's loop defaults"
+    parent_vae = tmp_path / "cards" / "fashion-vae" / "vae.safetensors"
+    assert base.weights_file("vae").read_bytes() == parent_vae.read_bytes(), "the VAE is carried over as is"
+    result = CliRunner().invoke(app, ["generate", "fashion-base", "-p", "an ankle boot", "--steps", "2", "--json",
+                                      "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["images"][0]["card"] == "fashion-base"
+    lineage = CliRunner().invoke(app, ["cards", "lineage", "fashion-base", "--json"])
+    assert json.loads(lineage.stdout)["lineage"]["parents"][0]["id"] == "fashion-vae"
+    evaluation = CliRunner().invoke(app, ["eval", "fashion-base", "--per-class", "2", "--steps", "1", "--steps", "2",
+                                          "--data", str(data), "--json", "--record"])
+    assert evaluation.exit_code == 0, evaluation.output
+    report = json.loads(evaluation.stdout)
+    assert [r["steps"] for r in report["rows"]] == [1, 2] and report["rows"][0]["images"] == 20
+    assert report["rows"][0]["guidance"] == 4.0 and report["rows"][0]["guidance_interval"] == [0.0, 0.4]
+    assert set(report["floors"]) == {"train_vs_test", "vae_reconstruction"}
+    assert load_card("fashion-base", checksums=True).manifest.recipe.metrics["eval"]["rows"][1]["steps"] == 2
+    tuned = train(tiny("fashion-base", ["method=finetune", "parents=[fashion-base]", "card.id=fashion-tuned",
+                                        "model={}", "optim.steps=2", "optim.batch_size=8", "train.ema=0",
+                                        "train.precision=float32"]),
+                  command="c", out=tmp_path / "cards" / "fashion-tuned", run_dir=tmp_path / "r4", data=str(data))
+    assert tuned.manifest.recipe.method == "finetune" and tuned.manifest.recipe.parents == ["fashion-base"]
+    assert tuned.manifest.components["transformer"].config == base.manifest.components["transformer"].config
+    before, after = weights(base, "transformer"), weights(tuned, "transformer")
+    assert any(not torch.equal(before[k], after[k]) for k in before), "fine-tuning moved the weights"
+
+
+def test_train_cli(tmp_path, data):
+    sets = [arg for override in TINY_VAE for arg in ("--set", override)]
+    result = CliRunner().invoke(app, ["train", "--recipe", str(RECIPES / "fashion-vae.yaml"), *sets, "--data",
+                                      str(data), "--out", str(tmp_path / "vae"), "--run-dir", str(tmp_path / "run"),
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["card"] == "fashion-vae"
+    bad = CliRunner().invoke(app, ["train", "--recipe", str(RECIPES / "fashion-vae.yaml"), "--set", "optim.lrr=1"])
+    assert bad.exit_code == 2 and "optim.lrr" in bad.stderr
+
+
+def test_judge_scores_prompts_by_class_names_and_free_text(tmp_path, data):
+    train(tiny("fashion-classifier", ["model.width=8", "model.features=16", "optim.steps=2", "optim.batch_size=8",
+                                      "train.precision=float32"]),
+          command="c", out=tmp_path / "judge", run_dir=tmp_path / "r", data=str(data))
+    from cardtool.backends.platform import Platform
+    from cardtool.core.sampling.instance import ModelInstance
+    from cardtool.core.evaluation.reward import FashionJudge
+
+    judge = FashionJudge(ModelInstance(load_card(tmp_path / "judge"), Platform("cpu", "generic")))
+    assert judge.prompt_classes(["an ankle boot", "A pair of JEANS", "a handbag", "a warm winter jacket for snow"]
+                                ).tolist() == [9, 1, 8, 4]
+    images = np.random.default_rng(0).integers(0, 255, (4, 28, 28), dtype=np.uint8)
+    scores = judge.score(images, ["a bag", "a coat", "a dress", "a sneaker"])
+    probabilities = judge.probabilities(images)
+    assert np.allclose(probabilities.sum(1), 1, atol=1e-5)
+    assert np.allclose(scores, probabilities[np.arange(4), [8, 4, 3, 7]])
+    assert judge.features(images).shape == (4, 16)
