@@ -27,10 +27,10 @@ import torch
 
 from cardtool.atomic import write_atomic
 from cardtool.backends.platform import Platform
+from cardtool.core.cards.loader import load_card
 from cardtool.core.sampling.denoise import DenoiseLoop, Request, shifted_sigmas
 from cardtool.core.sampling.generate import generate
 from cardtool.core.sampling.instance import ModelInstance
-from cardtool.core.cards.loader import load_card
 from cardtool.core.sampling.text_cache import TextFeatureCache
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,8 +10,8 @@ from helpers import REPO
 
 from cardtool.core.cards import discovery
 from cardtool.core.cards.catalog import validate_paths
-from cardtool.core.evaluation.evaluate import evaluate
 from cardtool.core.cards.loader import load_card
+from cardtool.core.evaluation.evaluate import evaluate
 from cardtool.core.training.recipes import load_recipe
 
 CARDS = REPO / "cards"

@@ -29,8 +29,8 @@ def parity_command(
             raise BadInput(f"unknown op '{op}'; ops: {', '.join(sorted(known))}")
         rows = run_parity(platform, op)
         if card is not None:
-            from cardtool.core.evaluation.card_parity import card_parity
             from cardtool.core.cards.loader import load_card
+            from cardtool.core.evaluation.card_parity import card_parity
 
             rows += card_parity(load_card(card), platform)
     ok = all(r.passed for r in rows)

@@ -25,8 +25,8 @@ def train_command(
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (see README).")] = False,
 ) -> None:
     """Train a card: the recipe's method, its data and hyperparameters; checkpoints, resume, a card at the end."""
-    from cardtool.core.training.recipes import load_recipe
     from cardtool.core.cards.source import display_path
+    from cardtool.core.training.recipes import load_recipe
     from cardtool.core.training.train import train
 
     err = console(stderr=True)

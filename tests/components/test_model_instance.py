@@ -12,9 +12,9 @@ from cardtool.backends.numpy_wan_dit import NumpyWanDiT
 from cardtool.backends.platform import Platform
 from cardtool.backends.wan_dit import WanDiT
 from cardtool.cli import app
+from cardtool.core.cards.loader import load_card
 from cardtool.core.evaluation.card_parity import card_parity
 from cardtool.core.sampling.instance import ModelInstance
-from cardtool.core.cards.loader import load_card
 from cardtool.errors import BadInput, CardValidationError
 
 CPU = Platform("cpu", "generic")

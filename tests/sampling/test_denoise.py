@@ -8,9 +8,9 @@ import torch
 
 from cardtool.backends.platform import Platform
 from cardtool.backends.torch_ops import flow_sde_step
+from cardtool.core.cards.loader import load_card
 from cardtool.core.sampling.denoise import DenoiseLoop, Request, shifted_sigmas
 from cardtool.core.sampling.instance import ModelInstance
-from cardtool.core.cards.loader import load_card
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache
 from cardtool.errors import BadInput

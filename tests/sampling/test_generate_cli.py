@@ -10,9 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from cardtool.cli import app
+from cardtool.core.cards.loader import load_card
 from cardtool.core.sampling.generate import plan_requests
 from cardtool.core.sampling.images import read_png_metadata
-from cardtool.core.cards.loader import load_card
 from cardtool.errors import BadInput
 
 

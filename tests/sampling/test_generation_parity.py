@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from cardtool.backends.platform import Platform
-from cardtool.core.evaluation.card_parity import generation_rows
 from cardtool.core.cards.loader import load_card
+from cardtool.core.evaluation.card_parity import generation_rows
 
 
 def test_torch_and_numpy_generations_agree(examples):

@@ -8,8 +8,8 @@ import numpy as np
 from helpers import write_weights
 
 from cardtool.backends.platform import Platform
-from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.cards.loader import load_card
+from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.sampling.text_cache import TextFeatureCache, cache_dir, encode_prompts
 
 CPU = Platform("cpu", "generic")

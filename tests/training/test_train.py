@@ -162,8 +162,8 @@ def test_judge_scores_prompts_by_class_names_and_free_text(tmp_path, data):
                                       "train.precision=float32"]),
           command="c", out=tmp_path / "judge", run_dir=tmp_path / "r", data=str(data))
     from cardtool.backends.platform import Platform
-    from cardtool.core.sampling.instance import ModelInstance
     from cardtool.core.evaluation.reward import FashionJudge
+    from cardtool.core.sampling.instance import ModelInstance
 
     judge = FashionJudge(ModelInstance(load_card(tmp_path / "judge"), Platform("cpu", "generic")))
     assert judge.prompt_classes(["an ankle boot", "A pair of JEANS", "a handbag", "a warm winter jacket for snow"]

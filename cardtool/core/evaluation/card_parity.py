@@ -9,9 +9,9 @@ import numpy as np
 from cardtool.backends.component_parity import COMPONENT_TOLERANCES, component_rows
 from cardtool.backends.parity import ParityRow, compare_arrays
 from cardtool.backends.platform import Platform
+from cardtool.core.cards.loader import Card
 from cardtool.core.sampling.denoise import DenoiseLoop, Request
 from cardtool.core.sampling.instance import ModelInstance
-from cardtool.core.cards.loader import Card
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache
 

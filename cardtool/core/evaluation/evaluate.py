@@ -15,15 +15,15 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from cardtool.backends.platform import Platform
-from cardtool.core.data import CLASS_NAMES, load_split
-from cardtool.core.sampling.denoise import DenoiseLoop
 from cardtool.core.cards.discovery import locate
+from cardtool.core.cards.loader import load_card
+from cardtool.core.data import CLASS_NAMES, load_split
+from cardtool.core.evaluation.metrics import frechet_distance
+from cardtool.core.evaluation.reward import FashionJudge
+from cardtool.core.prompts import class_prompt
+from cardtool.core.sampling.denoise import DenoiseLoop
 from cardtool.core.sampling.generate import plan_requests
 from cardtool.core.sampling.instance import ModelInstance
-from cardtool.core.cards.loader import load_card
-from cardtool.core.evaluation.metrics import frechet_distance
-from cardtool.core.prompts import class_prompt
-from cardtool.core.evaluation.reward import FashionJudge
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache
 from cardtool.errors import BadInput

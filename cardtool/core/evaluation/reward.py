@@ -11,8 +11,8 @@ import re
 import numpy as np
 
 from cardtool.core.data import CLASS_NAMES
-from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.prompts import SYNONYMS, class_prompt
+from cardtool.core.sampling.instance import ModelInstance
 from cardtool.errors import BadInput
 
 __all__ = ["FashionJudge"]

@@ -13,10 +13,10 @@ from pathlib import Path
 
 from cardtool import __version__
 from cardtool.backends.platform import Platform
+from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.sampling.denoise import DenoiseLoop, Request
 from cardtool.core.sampling.images import grid_image, save_png
 from cardtool.core.sampling.instance import ModelInstance
-from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache
 from cardtool.errors import BadInput

@@ -7,9 +7,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cardtool.backends.platform import Platform
+from cardtool.core.cards.loader import Card
 from cardtool.core.cards.writer import write_card
 from cardtool.core.data import load_split
-from cardtool.core.cards.loader import Card
 from cardtool.core.prompts import TEXT_ENCODER
 from cardtool.core.training.recipes import Recipe
 from cardtool.core.training.trainer import train_loop

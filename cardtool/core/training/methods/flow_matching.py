@@ -11,12 +11,12 @@ import torch
 from cardtool.backends.platform import Platform
 from cardtool.backends.wan_config import WanDiTConfig
 from cardtool.backends.wan_dit import WanDiT
-from cardtool.core.data import Split
 from cardtool.core.cards.discovery import locate
-from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.cards.loader import load_card, package_path
-from cardtool.core.training.methods.vae import to_unit
+from cardtool.core.data import Split
 from cardtool.core.prompts import TEXT_ENCODER, training_prompts
+from cardtool.core.sampling.instance import ModelInstance
+from cardtool.core.training.methods.vae import to_unit
 from cardtool.core.training.recipes import Recipe
 from cardtool.core.training.trainer import Task
 from cardtool.errors import BadInput
