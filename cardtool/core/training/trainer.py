@@ -95,19 +95,25 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
     optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
     ema = {name: copy.deepcopy(m).requires_grad_(False) for name, m in modules.items()} if schedule.ema else None
     checkpoint = run_dir / CHECKPOINT
-    start = 0
+    for stale in run_dir.glob(f".{CHECKPOINT}.*.tmp"):  # a write that a kill interrupted
+        stale.unlink(missing_ok=True)
+    start, loss_value = 0, float("nan")
     if checkpoint.exists() and not resume:
         raise BadInput(f"{run_dir} already holds a run; continue it with --resume, or remove the folder")
     if resume:
         if not checkpoint.exists():
             raise BadInput(f"nothing to resume: {checkpoint} does not exist")
-        start = _load(checkpoint, recipe, modules, ema, optimizer)
+        start, loss_value = _load(checkpoint, recipe, modules, ema, optimizer)
     order = _Order(task.dataset_size(), o.batch_size, schedule.seed)
-    started, loss_value, seen = time.perf_counter(), float("nan"), 0
+    started, seen = time.perf_counter(), 0
     for step in range(start, o.steps):
         for group in optimizer.param_groups:
             group["lr"] = _lr(recipe, step)
-        generator = torch.Generator().manual_seed(schedule.seed * 1_000_003 + step)
+        step_seed = schedule.seed * 1_000_003 + step
+        generator = torch.Generator().manual_seed(step_seed)
+        # anything drawing from torch's global RNG (dropout) becomes a function of the step too, so a resumed
+        # run draws what the uninterrupted one drew; the checkpoint then holds every piece of state
+        torch.manual_seed(step_seed)
         for m in modules.values():
             m.train()
         with autocast(platform, schedule.precision):
@@ -133,7 +139,7 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
             on_log({"step": done, "steps": o.steps, "loss": loss_value, "lr": _lr(recipe, step),
                     "samples_per_second": seen / elapsed if elapsed else 0.0, **metrics})
         if done % schedule.checkpoint_every == 0 or done == o.steps:
-            _save(checkpoint, recipe, done, modules, ema, optimizer)
+            _save(checkpoint, recipe, done, loss_value, modules, ema, optimizer)
     seconds = time.perf_counter() - started
     final = ema if ema is not None else modules
     for m in final.values():
@@ -141,18 +147,20 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
     return TrainResult(final, o.steps, loss_value, seconds, seen / seconds if seconds else 0.0)
 
 
-def _save(path: Path, recipe: Recipe, step: int, modules, ema, optimizer) -> None:
+def _save(path: Path, recipe: Recipe, step: int, loss: float, modules, ema, optimizer) -> None:
     tensors = {f"model.{n}.{k}": v.detach().clone() for n, m in modules.items() for k, v in m.state_dict().items()}
     if ema is not None:
         tensors.update({f"ema.{n}.{k}": v.detach().clone() for n, m in ema.items() for k, v in m.state_dict().items()})
     optim, groups = optimizer_tensors(optimizer)
     tensors.update(optim)
-    metadata = {"step": str(step), "fingerprint": recipe.fingerprint(), "param_groups": groups}
+    metadata = {"step": str(step), "loss": repr(loss), "fingerprint": recipe.fingerprint(), "param_groups": groups}
     with atomic_path(path) as temporary:
         save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(temporary), metadata=metadata)
 
 
-def _load(path: Path, recipe: Recipe, modules, ema, optimizer) -> int:
+def _load(path: Path, recipe: Recipe, modules, ema, optimizer) -> tuple[int, float]:
+    """Restore a checkpoint; the step it was taken after and that step's loss (what a run killed after its
+    last checkpoint reports as final)."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
@@ -165,4 +173,4 @@ def _load(path: Path, recipe: Recipe, modules, ema, optimizer) -> int:
             state = {k[len(f"{prefix}.{name}."):]: v for k, v in tensors.items() if k.startswith(f"{prefix}.{name}.")}
             module.load_state_dict(state)
     load_optimizer_tensors(optimizer, tensors, metadata["param_groups"])
-    return int(json.loads(metadata["step"]))
+    return int(json.loads(metadata["step"])), float(metadata.get("loss", "nan"))
