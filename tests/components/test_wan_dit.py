@@ -108,7 +108,7 @@ def test_gradients_flow_to_every_parameter():
 
 
 def test_config_is_checked():
-    with pytest.raises(BadInput, match="unknown keys"):
+    with pytest.raises(BadInput, match="layers: unknown key"):
         WanDiTConfig.from_card({"dim": 32, "layers": 3})
     with pytest.raises(BadInput, match="even size"):
         WanDiTConfig.from_card({"dim": 30, "heads": 2})

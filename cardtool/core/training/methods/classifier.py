@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cardtool.backends.cnn_config import FashionCNNConfig
 from cardtool.backends.platform import Platform
 from cardtool.backends.training import FashionCNN
 from cardtool.core.data import Split
@@ -20,7 +21,7 @@ class ClassifierTask(Task):
     def __init__(self, recipe: Recipe, platform: Platform, train: Split, test: Split):
         self.device = platform.torch_device
         torch.manual_seed(recipe.train.seed)
-        self.model = FashionCNN(**recipe.model).to(self.device)
+        self.model = FashionCNN(**FashionCNNConfig.from_card(recipe.model, "fashion-cnn").model_dump()).to(self.device)
         self.images, self.labels = to_unit(train.images), torch.from_numpy(train.labels)
         self.test_images, self.test_labels = to_unit(test.images), torch.from_numpy(test.labels)
 

@@ -57,5 +57,5 @@ class VAETask(Task):
         scale = float(1.0 / means.std())
         reconstructions = torch.cat([vae.decode(vae.encode(self.test[i:i + 1000].to(self.device))[0]).cpu()
                                      for i in range(0, len(self.test), 1000)])
-        return ConvVAEConfig(**{**self.config.__dict__, "scaling_factor": round(scale, 6)}), \
+        return self.config.model_copy(update={"scaling_factor": round(scale, 6)}), \
             {"test_psnr_db": round(psnr(reconstructions, self.test), 3), "scaling_factor": round(scale, 6)}

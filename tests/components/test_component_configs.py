@@ -1,0 +1,65 @@
+"""Each implementation's config schema and the tensors it predicts without torch: the predicted names and
+shapes are exactly the torch module's state dict, for many configs."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cardtool.backends.cnn_config import FashionCNNConfig
+from cardtool.backends.component_config import config_problems, short_repr
+from cardtool.backends.conv_vae import ConvVAE
+from cardtool.backends.platform import Platform
+from cardtool.backends.training import FashionCNN
+from cardtool.backends.vae_config import ConvVAEConfig
+from cardtool.backends.wan_config import WanDiTConfig
+from cardtool.backends.wan_dit import WanDiT
+
+
+def shapes(module) -> dict:
+    return {k: tuple(v.shape) for k, v in module.state_dict().items()}
+
+
+@settings(max_examples=12, deadline=None)
+@given(heads=st.integers(1, 3), head_dim=st.sampled_from([2, 4, 8]), depth=st.integers(0, 2), ffn=st.integers(1, 9),
+       channels=st.integers(1, 5), patch=st.tuples(st.just(1), st.integers(1, 3), st.integers(1, 3)),
+       text_dim=st.integers(1, 9), freq_dim=st.integers(2, 9), norm=st.booleans())
+def test_wan_dit_tensors_are_the_modules_state_dict(heads, head_dim, depth, ffn, channels, patch, text_dim, freq_dim,
+                                                    norm):
+    config = WanDiTConfig(dim=heads * head_dim, heads=heads, depth=max(depth, 1), ffn_dim=ffn, in_channels=channels,
+                          out_channels=channels + 1, patch=patch, text_dim=text_dim, freq_dim=freq_dim,
+                          cross_attn_norm=norm)
+    assert config.tensors() == shapes(WanDiT(config, Platform("cpu", "generic")))
+
+
+@pytest.mark.parametrize("channels", [(8,), (4, 8), (8, 16, 32), (16, 8, 24, 4)])
+def test_conv_vae_tensors_are_the_modules_state_dict(channels):
+    config = ConvVAEConfig(channels=channels, latent_channels=3, image_channels=2, padded_size=32)
+    assert config.tensors() == shapes(ConvVAE(config))
+
+
+def test_fashion_cnn_tensors_are_the_modules_state_dict():
+    config = FashionCNNConfig(width=16, features=12, classes=7)
+    assert config.tensors() == shapes(FashionCNN(**config.model_dump()))
+
+
+@pytest.mark.parametrize(("config", "expected"), [
+    ({"dim": "128"}, "dim: Input should be a valid integer, got '128'"),
+    ({"dim": 64, "heads": 3}, "dim 64 must split into 3 heads"),
+    ({"heads": 0}, "heads: Input should be greater than or equal to 1, got 0"),
+    ({"patch": [1, 2]}, "patch: Tuple should have at most 3 items|patch.2: Field required"),
+    ({"eps": float("nan")}, "eps: Input should be a finite number"),
+    ({"depth": True}, "depth: Input should be a valid integer, got True"),
+    ({"dim": 10**5000}, "an integer of 16610 bits"),
+    ({"dmi": 64}, "dmi: unknown key.*did you mean 'dim'"),
+])
+def test_wan_dit_config_problems_name_the_field(config, expected):
+    problems = config_problems(WanDiTConfig, config)
+    text = "; ".join(f"{'.'.join(where)}: {message} ({fix})" for where, message, fix in problems)
+    assert problems and __import__("re").search(expected, text), text
+
+
+def test_short_repr_never_converts_a_huge_integer():
+    assert short_repr(10**10000).startswith("an integer of")
+    assert short_repr("x" * 1000).endswith("...") and short_repr([1, 2]) == "a list"
