@@ -22,13 +22,48 @@ def write_weights(path: Path, seed: int = 0) -> str:
     return sha256_file(path)
 
 
-def write_card(folder: Path, manifest: str, *, name: str = "card.yaml", weights: tuple[str, ...] = ()) -> Path:
-    """A card folder holding `manifest` (dedented) and a real safetensors file for each of `weights`."""
+# tiny configs whose weights (a few KB) satisfy deep validation; TINY_LORA targets TINY_DIT's first query
+TINY_DIT = {"dim": 8, "depth": 1, "heads": 1, "ffn_dim": 8, "text_dim": 384, "freq_dim": 4}
+TINY_VAE = {"channels": [8], "padded_size": 28}
+
+
+def tiny_tensors(kind: str) -> dict[str, tuple[int, ...]]:
+    """Name → shape of the weights a tiny `dit`, `vae` or `lora` (rank 4 on TINY_DIT) holds."""
+    from cardtool.backends.vae_config import ConvVAEConfig
+    from cardtool.backends.wan_config import WanDiTConfig
+
+    if kind == "dit":
+        return WanDiTConfig(**TINY_DIT).tensors()
+    if kind == "vae":
+        return ConvVAEConfig(**TINY_VAE).tensors()
+    return {"blocks.0.attn1.to_q.lora_A.weight": (4, 8), "blocks.0.attn1.to_q.lora_B.weight": (8, 4)}
+
+
+def write_tensors(path: Path, shapes: dict[str, tuple[int, ...]], seed: int = 0) -> str:
+    """Write random float32 tensors of `shapes` as safetensors and return the file's sha256."""
+    from safetensors.numpy import save_file
+
+    from cardtool.core.cards.weight_files import sha256_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    save_file({k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}, str(path))
+    return sha256_file(path)
+
+
+def write_card(folder: Path, manifest: str, *, name: str = "card.yaml", weights: tuple[str, ...] = (),
+               kinds: dict[str, str] | None = None) -> Path:
+    """A card folder holding `manifest` (dedented) and a real safetensors file for each of `weights`: the
+    tensors of the tiny component `kinds[file]` names (dit, vae, lora), else one small tensor."""
     import textwrap
 
     folder.mkdir(parents=True, exist_ok=True)
     for seed, rel in enumerate(weights):
-        write_weights(folder / rel, seed)
+        kind = (kinds or {}).get(rel)
+        if kind:
+            write_tensors(folder / rel, tiny_tensors(kind), seed)
+        else:
+            write_weights(folder / rel, seed)
     (folder / name).write_text(textwrap.dedent(manifest).lstrip("\n"))
     return folder
 

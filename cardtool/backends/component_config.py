@@ -49,8 +49,9 @@ class ComponentConfig(BaseModel):
         return {}
 
 
-def config_problems(cls: type[ComponentConfig], config) -> list[tuple[tuple[str, ...], str, str]]:
-    """(field path inside the config, message, fix) for each thing wrong with `config`; empty when valid."""
+def config_problems(cls: type[BaseModel], config) -> list[tuple[tuple[str, ...], str, str]]:
+    """(field path inside the config, message, fix) for each thing wrong with `config` as a `cls` (a config
+    schema, or any strict pydantic model such as a loop's defaults); empty when valid."""
     if not isinstance(config, dict):
         return [((), f"a config is a mapping, got {short_repr(config)}", "write key: value pairs")]
     try:

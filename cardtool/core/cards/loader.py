@@ -14,6 +14,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from cardtool.core.cards.adapters import adapter_problems
+from cardtool.core.cards.components import component_problems, loop_problems
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.schema import CardManifest
 from cardtool.core.cards.schema_errors import locate_problem, schema_problems
@@ -105,10 +107,16 @@ def load_card(ref: str | Path, *, checksums: bool = False, _chain: tuple[Path, .
         raise CardValidationError(problems + schema_problems(e, data, sources)) from None
     card = Card(manifest, file, sources, data)
     problems += _reference_problems(card)
+    files_ok = True
     for section in ("components", "adapters"):
         for name, entry in getattr(manifest, section).items():
             if entry.weights is not None:
-                problems += _file_problems(card, (section, name), entry.weights, entry.sha256, checksums)
+                found = _file_problems(card, (section, name), entry.weights, entry.sha256, checksums)
+                files_ok &= not found
+                problems += found
+    if not problems and files_ok:
+        found, facts = component_problems(card)
+        problems += found + loop_problems(card, facts) + adapter_problems(card, facts)
     if problems:
         raise CardValidationError(problems)
     return card

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
+import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,11 +50,30 @@ class Source:
         return Problem(display_path(self.file), line, col, ".".join(path), message, fix)
 
 
+MAX_BYTES = 1 << 20  # a manifest is a page of settings, not a data file
+MAX_DEPTH = 32  # nesting of mappings and lists
+_JSON_SCALARS = (str, int, float, bool, type(None))
+_cache: dict[tuple[str, int, int], Source] = {}
+
+
 def read_source(file: Path) -> Source:
-    """Parse `file` (card.yaml or card.toml); any parse failure is a located CardValidationError."""
+    """Parse `file` (card.yaml or card.toml); any problem is a located CardValidationError. Linear in the
+    input: bounded size and nesting, no YAML aliases, only the plain YAML types. The result is cached per
+    (path, size, mtime) and must not be modified."""
     shown = display_path(file)
     try:
-        text = file.read_text(encoding="utf-8")
+        info = file.stat()
+        if not stat.S_ISREG(info.st_mode):
+            raise CardValidationError.at(shown, 1, 1, "", "not a regular file", "give a card.yaml or card.toml file")
+        if info.st_size > MAX_BYTES:
+            raise CardValidationError.at(shown, 1, 1, "", f"{info.st_size} bytes: larger than the {MAX_BYTES}-byte "
+                                         "limit for a manifest", "keep large results in files beside the card")
+        key = (str(file), info.st_size, info.st_mtime_ns)
+        if key in _cache:
+            return _cache[key]
+        with file.open("rb") as f:
+            raw = f.read(MAX_BYTES + 1)
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise CardValidationError.at(shown, 1, 1, "", f"not UTF-8 text ({e.reason})", "save it as UTF-8")
     except OSError as e:
@@ -62,24 +83,78 @@ def read_source(file: Path) -> Source:
         kind = type(source.data).__name__ if source.data is not None else "an empty document"
         raise CardValidationError.at(shown, 1, 1, "", f"a manifest is a mapping of fields, got {kind}",
                                      "start from examples/cards/tiny-base/card.yaml")
+    problems = _value_problems(source, source.data, ())
+    if problems:
+        raise CardValidationError(problems[:20])
+    _cache[key] = source
     return source
+
+
+def _value_problems(source: Source, value, path: FieldPath) -> list[Problem]:
+    """Manifests hold JSON's kinds of values only, printable as JSON: text keys, finite numbers, integers within
+    64 bits, text without lone surrogates; nested at most MAX_DEPTH deep."""
+    if len(path) > MAX_DEPTH:
+        return [source.problem(path, f"nested deeper than {MAX_DEPTH} levels", "flatten the structure")]
+    if isinstance(value, dict):
+        problems = []
+        for key, item in value.items():
+            if not isinstance(key, str):
+                problems.append(source.problem(path, f"a key that is not text ({type(key).__name__})",
+                                               "quote the key"))
+                continue
+            problems += _value_problems(source, item, path + (key,))
+        return problems
+    if isinstance(value, list):
+        return [p for i, item in enumerate(value) for p in _value_problems(source, item, path + (str(i),))]
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return [source.problem(path, "text holding a lone surrogate (not encodable as UTF-8)",
+                                   "remove the \\uD800-\\uDFFF escape")]
+        return []
+    if isinstance(value, bool) or value is None:
+        return []
+    if isinstance(value, int) and abs(value) >= 2**63:
+        return [source.problem(path, f"an integer of {value.bit_length()} bits, beyond 64",
+                               "use a smaller number")]
+    if isinstance(value, float) and not math.isfinite(value):
+        return [source.problem(path, f"a non-finite number ({value})", "use a finite number, or null for none")]
+    if isinstance(value, _JSON_SCALARS):
+        return []
+    return [source.problem(path, f"a {type(value).__name__} value; manifests hold text, numbers, booleans, lists "
+                           "and mappings", "quote it to make it text")]
 
 
 # --- YAML --------------------------------------------------------------------------------------------
 
+_PLAIN_TAGS = {f"tag:yaml.org,2002:{name}" for name in ("str", "int", "float", "bool", "null", "map", "seq")}
+
+
 def _read_yaml(file: Path, text: str) -> Source:
     import yaml
 
+    loader_class = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    shown = display_path(file)
     try:
-        data = yaml.safe_load(text)
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        _check_events(yaml, text, shown, loader_class)
+        loader = loader_class(text)
+        try:
+            root = loader.get_single_node()
+            _check_scalars(yaml, loader, root, shown)
+            data = loader.construct_document(root) if root is not None else None
+        finally:
+            loader.dispose()
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
-        raise CardValidationError.at(display_path(file), line, col, "", f"YAML: {e.problem or e.context}",
+        raise CardValidationError.at(shown, line, col, "", f"YAML: {e.problem or e.context}",
                                      "fix the YAML syntax at this position")
-    except (yaml.YAMLError, RecursionError, ValueError, TypeError) as e:
-        raise CardValidationError.at(display_path(file), 1, 1, "", f"YAML: {e}", "fix the YAML syntax")
+    except CardValidationError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a constructor's own error (ValueError, KeyError …) is bad input too
+        raise CardValidationError.at(shown, 1, 1, "", f"YAML: {type(e).__name__}: {str(e)[:200]}",
+                                     "fix the YAML value")
     source = Source(file, data)
     duplicates: list[Problem] = []
     if root is not None:
@@ -87,6 +162,55 @@ def _read_yaml(file: Path, text: str) -> Source:
     if duplicates:
         raise CardValidationError(duplicates)
     return source
+
+
+def _check_events(yaml, text: str, shown: str, loader_class) -> None:
+    """Refuse aliases (their expansion can be exponential or cyclic) and nesting beyond MAX_DEPTH, from the
+    event stream, before anything is composed or constructed."""
+    depth = 0
+    for event in yaml.parse(text, Loader=loader_class):
+        if isinstance(event, yaml.AliasEvent):
+            mark = event.start_mark
+            raise CardValidationError.at(shown, mark.line + 1, mark.column + 1, "",
+                                         f"YAML alias *{event.anchor}: aliases are not allowed in manifests",
+                                         "write the value out (a card derives from another with extends)")
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > MAX_DEPTH:
+                mark = event.start_mark
+                raise CardValidationError.at(shown, mark.line + 1, mark.column + 1, "",
+                                             f"nested deeper than {MAX_DEPTH} levels", "flatten the structure")
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
+
+
+def _check_scalars(yaml, loader, node, shown: str) -> None:
+    """Only the plain types, each value valid for its tag (an explicit `!!int abc` would raise inside the
+    constructor); timestamps, binary and sets are refused where they are not quoted."""
+    stack = [node] if node is not None else []
+    while stack:
+        node = stack.pop()
+        mark = node.start_mark
+        if node.tag not in _PLAIN_TAGS:
+            name = node.tag.rsplit(":", 1)[-1]
+            raise CardValidationError.at(shown, mark.line + 1, mark.column + 1, "",
+                                         f"YAML type {name!r} is not allowed in manifests",
+                                         "use text, numbers, booleans, lists and mappings (quote dates)")
+        if isinstance(node, yaml.ScalarNode):
+            implicit = loader.resolve(yaml.ScalarNode, node.value, (True, False))
+            as_float = node.tag.endswith(":float") and implicit.endswith(":int")  # !!float 1 is 1.0
+            if node.tag != "tag:yaml.org,2002:str" and implicit != node.tag and not as_float:
+                raise CardValidationError.at(shown, mark.line + 1, mark.column + 1, "",
+                                             f"{node.value[:40]!r} is not a valid {node.tag.rsplit(':', 1)[-1]}",
+                                             "correct the value or drop the tag")
+            if node.tag in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float") and len(node.value) > 400:
+                raise CardValidationError.at(shown, mark.line + 1, mark.column + 1, "",
+                                             f"a number written with {len(node.value)} characters",
+                                             "use a smaller number")
+        elif isinstance(node, yaml.MappingNode):
+            stack += [part for pair in node.value for part in pair]
+        else:
+            stack += node.value
 
 
 def _walk_yaml(node, path: FieldPath, source: Source, duplicates: list[Problem]) -> None:
@@ -140,6 +264,9 @@ def _read_toml(file: Path, text: str) -> Source:
         message = _TOML_AT.sub("", str(e)).strip(" ()")
         raise CardValidationError.at(display_path(file), line, col, "", f"TOML: {message}",
                                      "fix the TOML syntax at this position")
+    except (RecursionError, ValueError) as e:  # nesting beyond the parser's recursion; an int beyond int()'s limit
+        message = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
+        raise CardValidationError.at(display_path(file), 1, 1, "", f"TOML: {message}", "fix the TOML value")
     source = Source(file, data)
     _scan_toml(text, source)
     return source
@@ -175,10 +302,19 @@ def _scan_toml(text: str, source: Source) -> None:
         source.values[path] = (lineno, assign.end() + 1)
         rest = line[assign.end():]
         if rest.startswith("{"):
+            depths = _brace_depths(rest)
             for inner in _INLINE_KEY.finditer(rest):
-                depth = rest.count("{", 0, inner.start() + 1) - rest.count("}", 0, inner.start() + 1)
-                if depth != 1:
+                if depths[inner.start()] != 1:
                     continue
                 sub = path + _split_key(inner.group(1))
                 source.keys.setdefault(sub, (lineno, assign.end() + inner.start(1) + 1))
                 source.values.setdefault(sub, (lineno, assign.end() + inner.end() + 1))
+
+
+def _brace_depths(text: str) -> list[int]:
+    """The `{}` nesting depth after each character, in one pass (the key scan must stay linear in the line)."""
+    depths, depth = [], 0
+    for char in text:
+        depth += (char == "{") - (char == "}")
+        depths.append(depth)
+    return depths

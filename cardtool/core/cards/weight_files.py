@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import stat
 import struct
 from pathlib import Path
 
-__all__ = ["PICKLE_SUFFIXES", "format_problem", "sha256_file", "tensor_digest"]
+__all__ = ["PICKLE_SUFFIXES", "FLOAT_DTYPES", "format_problem", "read_header", "sha256_file", "tensor_digest"]
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle")
 
@@ -27,23 +29,104 @@ def sha256_file(path: Path) -> str:
     return _digests[key]
 
 
+# bytes per element of each safetensors dtype
+DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+               "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+MAX_HEADER = 16 << 20  # bytes; a header this large is not a model card's
+
+Header = dict[str, tuple[str, tuple[int, ...]]]  # tensor name → (dtype, shape)
+_headers: dict[tuple[str, int, int], tuple[Header, str | None]] = {}
+
+
 def format_problem(path: Path) -> str | None:
-    """Why `path` is not a safetensors file we will load, or None if its header looks right."""
+    """Why `path` is not a safetensors file we will load, or None if its header is sound."""
+    return read_header(path)[1]
+
+
+def read_header(path: Path) -> tuple[Header, str | None]:
+    """The tensors a safetensors file declares, read from its header alone (never the data), and why the file
+    cannot be loaded (None when it can): a pickle format, a truncated file, a header whose JSON, dtypes,
+    shapes or byte offsets are inconsistent with each other or with the file's size."""
     if path.suffix.lower() in PICKLE_SUFFIXES:
-        return f"'{path.name}' is a pickle checkpoint format ({path.suffix}); only safetensors are loaded"
+        return {}, f"'{path.name}' is a pickle checkpoint format ({path.suffix}); only safetensors are loaded"
     if path.suffix.lower() != ".safetensors":
-        return f"'{path.name}' is not a .safetensors file"
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        head = f.read(9)
-    if head[:1] == b"\x80" or head[:4] == b"PK\x03\x04":
-        return f"'{path.name}' is named .safetensors but holds a pickle/zip checkpoint"
-    if len(head) < 9:
-        return f"'{path.name}' is truncated ({size} bytes): too short for a safetensors header"
-    (header_len,) = struct.unpack("<Q", head[:8])
-    if header_len == 0 or 8 + header_len > size or head[8:9] != b"{":
-        return f"'{path.name}' does not have a valid safetensors header (truncated or corrupt)"
+        return {}, f"'{path.name}' is not a .safetensors file"
+    try:
+        info = path.stat()
+    except (OSError, ValueError) as e:
+        return {}, f"cannot read '{path.name}': {getattr(e, 'strerror', None) or e}"
+    if not stat.S_ISREG(info.st_mode):
+        return {}, f"'{path.name}' is not a regular file"
+    key = (str(path), info.st_size, info.st_mtime_ns)
+    if key not in _headers:
+        _headers[key] = _parse_header(path, info.st_size)
+    return _headers[key]
+
+
+def _parse_header(path: Path, size: int) -> tuple[Header, str | None]:
+    name = path.name
+    try:
+        with path.open("rb") as f:
+            head = f.read(9)
+            if head[:1] == b"\x80" or head[:4] == b"PK\x03\x04":
+                return {}, f"'{name}' is named .safetensors but holds a pickle/zip checkpoint"
+            if len(head) < 9:
+                return {}, f"'{name}' is truncated ({size} bytes): too short for a safetensors header"
+            (length,) = struct.unpack("<Q", head[:8])
+            if length == 0 or 8 + length > size or head[8:9] != b"{" or length > MAX_HEADER:
+                return {}, f"'{name}' does not have a valid safetensors header (truncated or corrupt)"
+            f.seek(8)
+            raw = f.read(length)
+    except OSError as e:
+        return {}, f"cannot read '{name}': {e.strerror}"
+    try:
+        document = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return {}, f"'{name}' has a safetensors header that is not valid JSON"
+    if not isinstance(document, dict):
+        return {}, f"'{name}' has a safetensors header that is not a JSON object"
+    header, spans = {}, []
+    for tensor, entry in document.items():
+        if tensor == "__metadata__":
+            continue
+        problem = _entry_problem(tensor, entry)
+        if problem:
+            return {}, f"'{name}': {problem}"
+        begin, end = entry["data_offsets"]
+        spans.append((begin, end, tensor))
+        header[tensor] = (entry["dtype"], tuple(entry["shape"]))
+    position = 0
+    for begin, end, tensor in sorted(spans):
+        if begin != position:
+            return {}, f"'{name}': tensor '{_short(tensor)}' starts at byte {begin}, expected {position} (overlap or gap)"
+        position = end
+    if 8 + length + position != size:
+        return {}, f"'{name}' holds {size - 8 - length} data bytes but its header declares {position} (truncated?)"
+    return header, None
+
+
+def _entry_problem(tensor: str, entry) -> str | None:
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        return f"tensor '{_short(tensor)}' is not a {{dtype, shape, data_offsets}} entry"
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if dtype not in DTYPE_SIZES:
+        return f"tensor '{_short(tensor)}' has an unknown dtype"
+    if not isinstance(shape, list) or len(shape) > 8 or not all(_count(n) for n in shape):
+        return f"tensor '{_short(tensor)}' has an invalid shape"
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_count(n) for n in offsets):
+        return f"tensor '{_short(tensor)}' has invalid data_offsets"
+    if offsets[1] - offsets[0] != math.prod(shape) * DTYPE_SIZES[dtype]:
+        return f"tensor '{_short(tensor)}': its byte range does not match its shape and dtype"
     return None
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**48
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 _versions: dict[tuple[str, int, int], str] = {}

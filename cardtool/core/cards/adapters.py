@@ -1,0 +1,50 @@
+"""Deep validation of a card's LoRA adapters against the component they target: PEFT/diffusers naming
+(`<module>.lora_A.weight` (r, in), `<module>.lora_B.weight` (out, r)), the manifest's rank, and modules that
+exist in the target with those in/out sizes. Reads headers only."""
+
+from __future__ import annotations
+
+import re
+
+from cardtool.core.cards.weight_files import read_header
+from cardtool.errors import Problem
+
+__all__ = ["adapter_problems"]
+
+_LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<part>[AB])\.weight$")
+
+
+def adapter_problems(card, facts: dict[str, dict]) -> list[Problem]:
+    problems = []
+    for name, adapter in card.manifest.adapters.items():
+        target = facts.get(adapter.target, {}).get("tensors")
+        if adapter.kind != "lora" or target is None:  # an unsound target is reported as a component problem
+            continue
+        header, _ = read_header(card.folder / adapter.weights)
+        reasons = _lora_reasons(header, adapter.rank, target)
+        fix = "use a LoRA made for this component, with the manifest's rank"
+        problems += [card.problem(("adapters", name, "weights"), reason, fix) for reason in reasons[:3]]
+    return problems
+
+
+def _lora_reasons(header: dict, rank: int, target: dict[str, tuple[int, ...]]) -> list[str]:
+    modules: dict[str, dict[str, tuple[int, ...]]] = {}
+    reasons = []
+    for tensor, (_, shape) in header.items():
+        match = _LORA.match(tensor)
+        if match is None:
+            reasons.append(f"'{tensor[:80]}' is not named <module>.lora_A.weight or <module>.lora_B.weight")
+            continue
+        modules.setdefault(match["module"], {})[match["part"]] = shape
+    if not modules and not reasons:
+        reasons.append("the file holds no LoRA tensors")
+    for module, parts in sorted(modules.items()):
+        base = target.get(f"{module}.weight")
+        if base is None or len(base) != 2:
+            reasons.append(f"'{module[:80]}' is not a linear layer of the target")
+        elif set(parts) != {"A", "B"}:
+            reasons.append(f"'{module[:80]}' has lora_{next(iter(parts))} without its pair")
+        elif parts["A"] != (rank, base[1]) or parts["B"] != (base[0], rank):
+            reasons.append(f"'{module[:80]}': lora_A {list(parts['A'])} and lora_B {list(parts['B'])} are not "
+                           f"[{rank}, {base[1]}] and [{base[0]}, {rank}] (rank {rank} on a {list(base)} layer)")
+    return reasons

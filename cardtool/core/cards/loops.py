@@ -1,0 +1,44 @@
+"""The loop kinds a card may declare, each with a typed schema for its `defaults:` and the component kinds it
+runs. `flow_denoise` is the denoise loop of `cardtool.core.sampling.denoise` (flow matching, SD3 / Wan2.1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["SOLVERS", "LOOP_KINDS", "LoopKind", "FlowDenoiseDefaults", "MAX_STEPS"]
+
+SOLVERS = ("euler", "sde")
+MAX_STEPS = 1000
+Finite = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # an int is a float too
+
+
+class FlowDenoiseDefaults(BaseModel):
+    """What `generate` uses for a setting the request does not give."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    steps: Annotated[int, Field(strict=True, ge=1, le=MAX_STEPS)] = 30
+    guidance: Annotated[Finite, Field(ge=-100, le=100)] = 4.0
+    shift: Annotated[Finite, Field(gt=0, le=100)] = 1.0
+    solver: Literal[SOLVERS] = "euler"  # type: ignore[valid-type]
+    # the σ range of the steps CFG applies to (Kynkäänniemi et al. 2024)
+    guidance_interval: tuple[Annotated[Finite, Field(ge=0, le=1)], Annotated[Finite, Field(ge=0, le=1)]] = (0.0, 1.0)
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        low, high = self.guidance_interval
+        if low > high:
+            raise ValueError(f"guidance_interval [{low:g}, {high:g}] must be [LO, HI] with LO ≤ HI")
+        return self
+
+
+@dataclass(frozen=True)
+class LoopKind:
+    defaults: type[BaseModel]
+    needs: tuple[str, ...]  # component kinds it runs, one component of each
+
+
+LOOP_KINDS = {"flow_denoise": LoopKind(FlowDenoiseDefaults, ("text_encoder", "vae", "dit"))}
