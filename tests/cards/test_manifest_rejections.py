@@ -32,8 +32,9 @@ adapters:
 recipe:
   method: pretrain
   assumes: {loop: denoise}
-""".replace("    weights: vae.safetensors\n", f"    weights: vae.safetensors\n    config: {TINY_VAE}\n".replace("'", "")
-            ).replace("    weights: dit.safetensors\n", f"    weights: dit.safetensors\n    config: {TINY_DIT}\n".replace("'", ""))
+""".replace("    weights: vae.safetensors\n", "    weights: vae.safetensors\n    config: VAE\n"
+            ).replace("    weights: dit.safetensors\n", "    weights: dit.safetensors\n    config: DIT\n"
+                      ).replace("VAE", str(TINY_VAE)).replace("DIT", str(TINY_DIT)).replace("'", "")
 KINDS = {"vae.safetensors": "vae", "dit.safetensors": "dit", "invert.safetensors": "lora"}
 
 

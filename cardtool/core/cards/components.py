@@ -66,7 +66,8 @@ def _component(card, name: str, spec) -> tuple[list[Problem], dict | None]:
             return [card.problem(at + ("source",), str(e), "install the package or correct the source")], None
         reasons = config.source_problems(source) if hasattr(config, "source_problems") else []
         if reasons:
-            return [card.problem(at + ("source",), r, "point source at a complete encoder folder") for r in reasons], None
+            fix = "point source at a complete encoder folder"
+            return [card.problem(at + ("source",), r, fix) for r in reasons], None
     if spec.weights is not None:
         problems = _tensor_problems(card, at, card.folder / spec.weights, config.tensors())
     return problems, (None if problems else {**config.facts(source), "tensors": config.tensors()})

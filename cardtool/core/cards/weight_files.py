@@ -99,7 +99,7 @@ def _parse_header(path: Path, size: int) -> tuple[Header, str | None]:
     position = 0
     for begin, end, tensor in sorted(spans):
         if begin != position:
-            return {}, f"'{name}': tensor '{_short(tensor)}' starts at byte {begin}, expected {position} (overlap or gap)"
+            return {}, f"'{name}': tensor '{_short(tensor)}' starts at byte {begin}, not {position} (overlap or gap)"
         position = end
     if 8 + length + position != size:
         return {}, f"'{name}' holds {size - 8 - length} data bytes but its header declares {position} (truncated?)"
