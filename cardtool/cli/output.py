@@ -26,7 +26,18 @@ def console(*, stderr: bool = False):
 
 
 def emit_json(document: dict) -> None:
-    sys.stdout.write(json.dumps(document, indent=2, ensure_ascii=False) + "\n")
+    """Print exactly one valid JSON document: `document`, or, if it cannot be written as strict JSON (a
+    non-finite number, an integer past int-to-str's limit, a lone surrogate, an object JSON has no form
+    for), an error document saying so — never `NaN`, `Infinity` or half a document."""
+    try:
+        text = json.dumps(document, indent=2, ensure_ascii=False, allow_nan=False)
+        text.encode("utf-8")
+    except (ValueError, TypeError, RecursionError, UnicodeEncodeError) as e:
+        message = f"the result cannot be written as JSON ({type(e).__name__}: {str(e)[:200]})"
+        text = json.dumps({"error": {"kind": "internal", "message": message, "problems": []}}, indent=2)
+        sys.stdout.write(text + "\n")
+        raise typer.Exit(1)
+    sys.stdout.write(text + "\n")
 
 
 def error_json(error: CardtoolError) -> dict:

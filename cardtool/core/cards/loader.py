@@ -191,13 +191,13 @@ def _own_path_problems(source: Source) -> list[Problem]:
     folder = source.file.parent.resolve()
     problems = []
     for path, value in _file_fields(source.data):
+        message = f"'{value[:200]}' escapes the card folder {display_path(folder)}"
         try:
             inside = not Path(value).is_absolute() and (folder / value).resolve().is_relative_to(folder)
-        except (OSError, ValueError):  # a NUL byte, a symlink loop
-            inside = False
+        except (OSError, ValueError, RuntimeError):  # a NUL byte; a symlink loop (RuntimeError before 3.13)
+            inside, message = False, f"'{value[:200]}' cannot be resolved (a symlink loop, or not a usable name)"
         if not inside:
-            problems.append(source.problem(path, f"'{value}' escapes the card folder {display_path(folder)}",
-                                           "use a path relative to the card folder, inside it"))
+            problems.append(source.problem(path, message, "use a path relative to the card folder, inside it"))
     return problems
 
 

@@ -24,7 +24,7 @@ def display_path(path: Path) -> str:
     """A path as a person would type it: relative to the working directory when it lies below it."""
     try:
         return os.path.relpath(path) if Path(path).resolve().is_relative_to(Path.cwd()) else str(path)
-    except ValueError:  # another drive on Windows
+    except (ValueError, OSError, RuntimeError):  # another drive on Windows; a symlink loop
         return str(path)
 
 

