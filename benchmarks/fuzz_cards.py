@@ -2,8 +2,9 @@
 `generate` → `parity --card`, in process, with counts by outcome.
 
 Outcomes: `rejected` (validation refused it with a clean error), `ran` (it validated, and show, generate and
-parity all succeeded), `validated_then_error` (it validated, then a command exited with a clean error — a
-gap in validation), and the failures the target is zero of: `traceback`, `hang` (a command ran ≥ 20 s),
+parity all succeeded), `check_failed` (it ran, and parity reported a numeric mismatch — e.g. weights holding
+NaN: validation reads headers, not values), `validated_then_error` (it validated, then a command exited with a
+clean error — a gap in validation), and the failures the target is zero of: `traceback`, `hang` (a command ran ≥ 20 s),
 `invalid_json` (a --json command printed anything but one strict JSON document).
 
     python benchmarks/fuzz_cards.py --cases 10000 --seed 0 [--out benchmarks/results/fuzz-cards.json]
@@ -170,7 +171,8 @@ def _resign(card: Path, path: Path) -> None:
     if not isinstance(data, dict):
         return
     for section in ("components", "adapters"):
-        for entry in (data.get(section) or {}).values():
+        entries = data.get(section)
+        for entry in entries.values() if isinstance(entries, dict) else ():
             if isinstance(entry, dict) and entry.get("weights") == str(path.relative_to(card)):
                 entry["sha256"] = sha256_file(path)
     manifest.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -269,7 +271,7 @@ def run_case(runner, app, card: Path, out: Path) -> tuple[str, str]:
     commands = [["cards", "validate", "--checksums", "--json", str(card)], ["cards", "show", "--json", str(card)],
                 ["generate", str(card), "-p", "a bag", "--steps", "2", "--json", "--out", str(out)],
                 ["parity", "--card", str(card), "--op", "cfg_combine", "--json"]]
-    valid, errors = None, []
+    valid, errors, checks = None, [], []
     for i, args in enumerate(commands):
         if i >= 2 and not valid:
             break
@@ -287,11 +289,16 @@ def run_case(runner, app, card: Path, out: Path) -> tuple[str, str]:
             return "invalid_json", f"{' '.join(args[:2])}: {result.stdout[:200]!r}"
         if i == 0:
             valid = result.exit_code == 0
+        elif args[0] == "parity" and result.exit_code == 1 and "error" not in json.loads(result.stdout):
+            checks.append("parity: " + ", ".join(r["cell"] for r in json.loads(result.stdout)["rows"]
+                                                 if not r["passed"]))
         elif result.exit_code != 0:
             errors.append(f"{args[0]}: {result.stdout[:300]}")
     if not valid:
         return "rejected", ""
-    return ("validated_then_error", "; ".join(errors)) if errors else ("ran", "")
+    if errors:
+        return "validated_then_error", "; ".join(errors)
+    return ("check_failed", "; ".join(checks)) if checks else ("ran", "")
 
 
 def fuzz(cases: int, seed: int, on_case=None) -> dict:
@@ -313,8 +320,10 @@ def fuzz(cases: int, seed: int, on_case=None) -> dict:
             description = mutate(rng, root)
             outcome, detail = run_case(runner, app, root / description.split(":")[0], Path(tmp) / "out")
             counts[outcome] += 1
-            if outcome not in ("rejected", "ran") and len(details[outcome]) < 20:
-                details[outcome].append(f"{description} → {detail}")
+            if outcome not in ("rejected", "ran", "check_failed"):
+                print(f"case {case} {outcome}: {description} → {detail}", file=sys.stderr, flush=True)
+                if len(details[outcome]) < 20:
+                    details[outcome].append(f"{description} → {detail}")
             shutil.rmtree(root, ignore_errors=True)
             if on_case:
                 on_case(case + 1, counts)

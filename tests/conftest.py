@@ -50,3 +50,16 @@ def kernels(monkeypatch):
     yield registry.KERNELS
     for reg in (registry.KERNELS, registry.COMPONENTS):
         reg._resolved.clear()
+
+
+@pytest.fixture
+def fashion_mnist():
+    """The real Fashion-MNIST files; a test that needs them is skipped, with how to install them, where they
+    are missing (CI installs them, so there they run)."""
+    from cardtool.core.data import data_dir
+    from cardtool.errors import BadInput
+
+    try:
+        return data_dir()
+    except BadInput:
+        pytest.skip("needs Fashion-MNIST: apt-get install -y dataset-fashion-mnist (or set CARDTOOL_DATA)")

@@ -30,6 +30,9 @@ class Platform:
     arch: str  # "sm90", "avx512_bf16", "generic", …
     name: str = field(default="", compare=False)  # the GPU or CPU model, for people
     why: tuple[str, ...] = field(default=(), compare=False)  # how the device and arch were decided
+    # a CUDA arch forced (CARDTOOL_ARCH) on a machine without a CUDA device: cells are listed and resolved as
+    # on that arch, but nothing runs (platform detect/matrix work; generate, parity and train refuse cleanly)
+    simulated: bool = False
 
     @property
     def tiers(self) -> tuple[str, ...]:
@@ -53,10 +56,14 @@ class Platform:
         """The torch device string for tensors on this platform (`numpy` has none)."""
         if self.device == "numpy":
             raise BadInput("the numpy platform has no torch device")
+        if self.simulated:
+            raise BadInput(f"{self.device}/{self.arch} is simulated ({', '.join(self.why[-1:])}): there is no CUDA "
+                           "device to run on; unset CARDTOOL_DEVICE and CARDTOOL_ARCH, or use --device cpu")
         return self.device
 
     def to_json(self) -> dict:
-        return {"device": self.device, "arch": self.arch, "name": self.name, "tiers": list(self.tiers),
+        return {"device": self.device, "arch": self.arch, "name": self.name, "simulated": self.simulated,
+                "tiers": list(self.tiers),
                 "kernel_chain": ["/".join(c) for c in self.kernel_chain()],
                 "component_chain": self.component_chain(), "why": list(self.why)}
 
@@ -75,7 +82,7 @@ class Platform:
         has_torch = importlib.util.find_spec("torch") is not None
 
         cuda = None
-        if device in (None, "cuda") and has_torch and not (device == "cuda" and forced_arch):
+        if device in (None, "cuda") and has_torch:
             cuda = _cuda_probe()
         if device is None:
             if cuda:
@@ -96,7 +103,10 @@ class Platform:
             if forced_arch not in ARCH_TIERS[device] and not (device == "cuda" and forced_arch.startswith("sm")):
                 raise BadInput(f"unknown {device} arch '{forced_arch}'; known: {', '.join(ARCH_TIERS[device])}")
             why.append(f"arch {forced_arch} forced by CARDTOOL_ARCH")
-            return cls(device, forced_arch, cuda["name"] if cuda else _cpu_name(), tuple(why))
+            simulated = device == "cuda" and not cuda
+            if simulated:
+                why.append("no CUDA device here: simulated, nothing runs")
+            return cls(device, forced_arch, cuda["name"] if cuda else _cpu_name(), tuple(why), simulated)
         if device == "cuda":
             if not cuda:
                 raise BadInput("device cuda asked for, but torch reports no CUDA device "

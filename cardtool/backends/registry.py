@@ -91,6 +91,8 @@ class Registry:
                 reasons.append(f"{device} is not on the chain of {platform.device}/{platform.arch}")
         elif (device, arch) not in platform.kernel_chain():
             reasons.append(f"{device}/{arch} is not on the chain of {platform.device}/{platform.arch}")
+        if platform.simulated and device == "cuda":
+            reasons.append(f"the platform {platform.device}/{platform.arch} is simulated: no device to run on")
         reasons += [f"needs {m}, which is not installed" for m in cell.requires if not _importable(m)]
         if cell.check and not reasons:
             module, _, function = cell.check.partition(":")

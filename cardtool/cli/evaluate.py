@@ -32,7 +32,8 @@ def eval_command(
     def progress(row) -> None:
         if not json_:
             err.print(f"steps {row.steps} guidance {row.guidance:g}{_interval(row)}: "
-                      f"accuracy {row.class_accuracy:.4f}  FID {row.fid_fmnist:.3f}  reward {row.mean_reward:.4f}  "
+                      f"accuracy {row.class_accuracy:.4f}  FID {row.fid_fmnist:.3f}  "
+                      f"KID×1000 {1000 * row.kid:.2f} ± {1000 * row.kid_std:.2f}  reward {row.mean_reward:.4f}  "
                       f"{row.images_per_second:.0f} img/s",
                       markup=False)
 
@@ -52,15 +53,20 @@ def eval_command(
 
     table = Table(box=box.SIMPLE_HEAD, title=f"{report.card} judged by {report.judge} on {report.platform}, "
                                              f"{report.per_class} images per class", title_justify="left")
-    for column in ("steps", "guidance", "class accuracy", "FID-FMNIST", "mean reward", "images/s"):
+    for column in ("steps", "guidance", "class accuracy", "FID-FMNIST", "KID×1000", "mean reward", "images/s"):
         table.add_column(column, justify="right")
     for r in report.rows:
         table.add_row(str(r.steps), f"{r.guidance:g}{_interval(r)}", f"{r.class_accuracy:.4f}", f"{r.fid_fmnist:.3f}",
-                      f"{r.mean_reward:.4f}", f"{r.images_per_second:.0f}")
+                      f"{1000 * r.kid:.2f} ± {1000 * r.kid_std:.2f}", f"{r.mean_reward:.4f}",
+                      f"{r.images_per_second:.0f}")
     out = console()
     out.print(table)
-    out.print(f"FID floors: real train vs test {report.floors['train_vs_test']:.3f}, "
-              f"VAE reconstructions vs test {report.floors['vae_reconstruction']:.3f}", markup=False)
+    floors, kid = report.floors, report.kid_floors
+    out.print(f"floors: real train vs test FID {floors['train_vs_test']:.3f} / KID×1000 "
+              f"{1000 * kid['train_vs_test']:.2f}; VAE reconstructions vs test FID "
+              f"{floors['vae_reconstruction']:.3f} / KID×1000 {1000 * kid['vae_reconstruction']:.2f}", markup=False)
+    for warning in report.warnings:
+        console(stderr=True).print(f"[yellow]warning[/yellow] {warning}", highlight=False)
 
 
 def _interval(row) -> str:

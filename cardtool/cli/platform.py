@@ -46,6 +46,11 @@ def matrix_command(
 
     with handled(json_):
         platform = Platform.detect(device)
+        known = sorted(set(KERNELS.names()) | set(COMPONENTS.names()))
+        if op is not None and op not in known:
+            from cardtool.errors import BadInput
+
+            raise BadInput(f"unknown op or component '{op}'; known: {', '.join(known)}")
     rows = []
     for registry in (COMPONENTS, KERNELS):
         for cell in registry.cells():

@@ -134,12 +134,16 @@ def test_missing_parent_is_marked_and_fails_validation(tmp_path):
     assert "parent card 'gone' cannot be found" in str(result.problems[0])
 
 
-def test_validate_a_folder_of_cards_and_bad_paths(tmp_path):
+def test_validate_a_folder_of_cards_and_bad_paths(tmp_path, monkeypatch):
     shutil.copytree(EXAMPLE_CARDS, tmp_path / "ex")
     results = validate_paths(["ex"], checksums=True)
     assert [(r.id, r.valid) for r in results] == [("tiny-base", True), ("tiny-distilled", True), ("tiny-rl", True)]
-    with pytest.raises(BadInput, match="no such file or folder"):
+    with pytest.raises(BadInput, match="no card with id 'nowhere'"):
         validate_paths(["nowhere"])
+    with pytest.raises(BadInput, match="no such card folder or manifest: ./nowhere"):
+        validate_paths(["./nowhere"])
+    monkeypatch.setenv("CARDTOOL_PATH", str(tmp_path / "ex"))
+    assert [(r.id, r.valid) for r in validate_paths(["tiny-rl"])] == [("tiny-rl", True)], "an id, as elsewhere"
     (tmp_path / "void").mkdir()
     with pytest.raises(BadInput, match="holds no card"):
         validate_paths(["void"])

@@ -95,7 +95,7 @@ def test_validate_catches_a_changed_weight_file_only_with_checksums(examples):
 
 def test_validate_missing_path_is_bad_input():
     result = run("cards", "validate", "nowhere")
-    assert result.exit_code == 2 and "no such file or folder: nowhere" in result.stderr
+    assert result.exit_code == 2 and "no card with id 'nowhere'" in result.stderr
 
 
 def test_validate_without_paths_is_a_usage_error():

@@ -8,7 +8,7 @@ import struct
 import numpy as np
 import pytest
 
-from cardtool.core.data import CLASS_NAMES, DEFAULT_DATA, load_split, read_idx
+from cardtool.core.data import CLASS_NAMES, load_split, read_idx
 from cardtool.errors import BadInput
 
 
@@ -28,8 +28,7 @@ def make_folder(folder, n=5, compress=True):
     return folder
 
 
-@pytest.mark.skipif(not DEFAULT_DATA.is_dir(), reason="apt-get install -y dataset-fashion-mnist (.ci/run does)")
-def test_debian_fashion_mnist_is_the_default():
+def test_debian_fashion_mnist_is_the_default(fashion_mnist):
     test = load_split("test")
     assert test.images.shape == (10000, 28, 28) and test.images.dtype == np.uint8
     assert np.bincount(test.labels).tolist() == [1000] * 10

@@ -134,7 +134,9 @@ def test_classifier_pretrain_and_generate_from_what_training_wrote(tmp_path, dat
     report = json.loads(evaluation.stdout)
     assert [r["steps"] for r in report["rows"]] == [1, 2] and report["rows"][0]["images"] == 20
     assert report["rows"][0]["guidance"] == 4.0 and report["rows"][0]["guidance_interval"] == [0.0, 0.4]
-    assert set(report["floors"]) == {"train_vs_test", "vae_reconstruction"}
+    assert set(report["floors"]) == set(report["kid_floors"]) == {"train_vs_test", "vae_reconstruction"}
+    assert all(r["kid_std"] >= 0 and isinstance(r["kid"], float) for r in report["rows"])
+    assert "KID" in report["warnings"][0], "20 images are too few for FID to mean much, and the report says so"
     assert load_card("fashion-base", checksums=True).manifest.recipe.metrics["eval"]["rows"][1]["steps"] == 2
     tuned = train(tiny("fashion-base", ["method=finetune", "parents=[fashion-base]", "card.id=fashion-tuned",
                                         "model={}", "optim.steps=2", "optim.batch_size=8", "train.ema=0",

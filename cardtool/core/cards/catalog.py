@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cardtool.core.cards.discovery import Entry, scan, search_roots
+from cardtool.core.cards.discovery import Entry, locate, scan, search_roots
 from cardtool.core.cards.lineage import lineage, missing_parent_problems
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.source import MANIFEST_NAMES, display_path
@@ -69,7 +69,8 @@ def _load(entry: Entry) -> Card:
 
 
 def validate_paths(paths: list[str], *, checksums: bool = False) -> list[ValidationResult]:
-    """Validate each card folder or manifest in `paths`; a folder of card folders validates each card.
+    """Validate each card (a folder, a manifest or an id) in `paths`; a folder of card folders validates each
+    card.
 
     Beyond loading, a card's parents must be found and must not form a cycle."""
     results = []
@@ -95,7 +96,7 @@ def _expand(paths: list[str]) -> list[Path]:
                 raise BadInput(f"{display_path(path)} holds no card (no card.yaml or card.toml in it or below it)")
             targets += children
         else:
-            raise BadInput(f"no such file or folder: {name}")
+            targets.append(locate(name))  # an id, as every other command takes; CardNotFound says where it looked
     return targets
 
 

@@ -3,8 +3,9 @@
 For each step count and guidance: N images per class from the class prompts with fixed seeds (0…N−1), sampled
 with the card's own loop and its defaults for the rest (shift, solver, guidance interval); the judge card
 gives class accuracy and mean reward; FID-FMNIST is the Fréchet distance of the judge's features, generated
-vs the 10,000 real test images. Two floors put it in scale: N real train images vs the test set, and N VAE
-reconstructions of train images vs the test set."""
+vs the 10,000 real test images, and KID (unbiased, with its spread over subsets) the kernel distance of the same
+features, which stays meaningful where N is too small for FID (the report says when). Two floors put both in
+scale: N real train images vs the test set, and N VAE reconstructions of train images vs the test set."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from cardtool.backends.platform import Platform
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import load_card
 from cardtool.core.data import CLASS_NAMES, load_split
-from cardtool.core.evaluation.metrics import frechet_distance
+from cardtool.core.evaluation.metrics import fid_warning, frechet_distance, kernel_distance
 from cardtool.core.evaluation.reward import FashionJudge
 from cardtool.core.prompts import class_prompt
 from cardtool.core.sampling.denoise import DenoiseLoop
@@ -39,6 +40,8 @@ class EvalRow:
     images: int
     class_accuracy: float
     fid_fmnist: float
+    kid: float  # ×1000 is the usual way to print it
+    kid_std: float
     mean_reward: float
     images_per_second: float
 
@@ -51,10 +54,13 @@ class EvalReport:
     per_class: int
     rows: list[EvalRow] = field(default_factory=list)
     floors: dict[str, float] = field(default_factory=dict)
+    kid_floors: dict[str, float] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"card": self.card, "judge": self.judge, "platform": self.platform, "per_class": self.per_class,
-                "floors": self.floors, "rows": [asdict(r) for r in self.rows]}
+                "floors": self.floors, "kid_floors": self.kid_floors, "rows": [asdict(r) for r in self.rows],
+                "warnings": self.warnings}
 
 
 def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[int] | None = None,
@@ -74,9 +80,14 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     count = per_class * len(CLASS_NAMES)
     report = EvalReport(card.id, judge_instance.card.id, f"{platform.device}/{platform.arch}", per_class)
     picked = np.random.default_rng(seed).choice(len(train), count, replace=False)
-    report.floors["train_vs_test"] = round(frechet_distance(referee.features(train.images[picked]), real), 4)
-    report.floors["vae_reconstruction"] = round(frechet_distance(
-        referee.features(_reconstruct(instance, loop.vae, train.images[picked])), real), 4)
+    floors = {"train_vs_test": referee.features(train.images[picked]),
+              "vae_reconstruction": referee.features(_reconstruct(instance, loop.vae, train.images[picked]))}
+    for name, features in floors.items():
+        report.floors[name] = round(frechet_distance(features, real), 4)
+        report.kid_floors[name] = round(kernel_distance(features, real)[0], 6)
+    warning = fid_warning(count, real.shape[1])
+    if warning:
+        report.warnings.append(warning)
     prompts = [class_prompt(label) for label in range(len(CLASS_NAMES))]
     labels = np.repeat(np.arange(len(CLASS_NAMES)), per_class)  # plan_requests orders prompts × seeds
     for g in guidance or [None]:  # None: the card's loop default
@@ -88,9 +99,10 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
             seconds = time.perf_counter() - started
             probabilities = referee.probabilities(images)
             accuracy = float((probabilities.argmax(1) == labels).mean())
-            first = requests[0]
+            first, features = requests[0], referee.features(images)
+            kid, kid_std = kernel_distance(features, real)
             row = EvalRow(first.steps, first.guidance, list(first.guidance_interval), count, round(accuracy, 4),
-                          round(frechet_distance(referee.features(images), real), 4),
+                          round(frechet_distance(features, real), 4), round(kid, 6), round(kid_std, 6),
                           round(float(probabilities[np.arange(count), labels].mean()), 4), round(count / seconds, 1))
             report.rows.append(row)
             if on_row:

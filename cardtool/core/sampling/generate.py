@@ -4,8 +4,8 @@ the denoise loop with step-level batching, and write PNGs carrying their generat
 from __future__ import annotations
 
 import json
-import os
 import re
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -137,14 +137,14 @@ def generate(card_ref: str, prompts: list[str], *, num: int = 1, seed: int = 0, 
                     "guidance_interval": ",".join(map(repr, request.guidance_interval)),
                     "solver": request.solver, "platform": f"{platform.device}/{platform.arch}",
                     "precision": instance.precision}
-        save_png(path, image, metadata)
+        _save(path, image, metadata)
         images.append(GeneratedImage(path, metadata))
     grid_path = None
     if grid:
         grid_path = paths[0].parent / f"{card.id}-grid.png"
         rows = [(p, [img for r, img in zip(requests, pixels, strict=True) if r.prompt == p])
                 for p in dict.fromkeys(r.prompt for r in requests)]
-        save_png(grid_path, grid_image(rows), {"card": card.id, "cardtool": __version__})
+        _save(grid_path, grid_image(rows), {"card": card.id, "cardtool": __version__})
     return GenerateReport(card.id, f"{platform.device}/{platform.arch}", images, grid_path, warnings, seconds)
 
 
@@ -160,11 +160,19 @@ def _output_paths(out: Path, card_id: str, requests: list[Request]) -> list[Path
         paths = [out / f"{card_id}-{i:03d}-{_slug(r.prompt)}-seed{r.seed}.png" for i, r in enumerate(requests)]
     try:
         folder.mkdir(parents=True, exist_ok=True)
+        # a real write, not os.access: root passes access checks on /proc and read-only mounts
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".cardtool-probe-"):
+            pass
     except OSError as e:
-        raise BadInput(f"cannot create output folder {folder}: {e.strerror}")
-    if not os.access(folder, os.W_OK):
-        raise BadInput(f"output folder {folder} is not writable")
+        raise BadInput(f"cannot write to the output folder {folder}: {e.strerror or e}")
     return paths
+
+
+def _save(path: Path, pixels, metadata: dict) -> None:
+    try:
+        save_png(path, pixels, metadata)
+    except OSError as e:  # the folder passed the probe, so a full disk or a file system that refuses the name
+        raise BadInput(f"cannot write {path}: {e.strerror or e}")
 
 
 def _slug(prompt: str) -> str:

@@ -1,0 +1,40 @@
+"""FID and KID on feature rows: analytic answers, and KID staying unbiased where FID is not."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cardtool.core.evaluation.metrics import fid_warning, frechet_distance, kernel_distance
+
+
+def test_frechet_distance_of_a_mean_shift_is_the_squared_shift():
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((4000, 4))
+    shifted = a + np.array([1.0, 0.0, 2.0, 0.0])
+    assert abs(frechet_distance(a, shifted) - 5.0) < 1e-9, "equal covariances: only ‖μa − μb‖² = 1 + 4 remains"
+
+
+def test_kernel_distance_is_near_zero_for_one_distribution_and_positive_for_two():
+    rng = np.random.default_rng(1)
+    real = rng.standard_normal((2000, 16))
+    same, std = kernel_distance(rng.standard_normal((300, 16)), real, subsets=20)
+    assert abs(same) < 3 * std + 1e-3, f"same distribution: KID {same} should be 0 within its spread {std}"
+    other, _ = kernel_distance(rng.standard_normal((300, 16)) + 0.5, real, subsets=20)
+    assert other > 10 * max(std, 1e-4), "a shifted distribution is far"
+
+
+def test_at_small_n_kid_stays_unbiased_while_fid_does_not():
+    rng = np.random.default_rng(2)
+    real = rng.standard_normal((3000, 64))
+    kids, fids = [], []
+    for seed in range(8):
+        sample = np.random.default_rng(100 + seed).standard_normal((40, 64))  # the same distribution as `real`
+        kids.append(kernel_distance(sample, real, subsets=10, seed=seed)[0])
+        fids.append(frechet_distance(sample, real))
+    assert abs(np.mean(kids)) < 3 * np.std(kids) / np.sqrt(len(kids)) + 1e-3, "KID's mean is 0 at N = 40"
+    assert min(fids) > 10, "FID of 40 samples from the very same distribution is far from 0"
+
+
+def test_a_sample_too_small_for_fid_is_named():
+    assert fid_warning(20, 256) is not None and "KID" in fid_warning(20, 256)
+    assert fid_warning(1000, 256) is None
