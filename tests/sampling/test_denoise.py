@@ -119,7 +119,7 @@ def test_guidance_interval_guides_only_the_steps_inside_it(loop):
 
 
 @pytest.mark.parametrize(("request_", "message"), [
-    (Request("x", steps=0), "steps must be at least 1"),
+    (Request("x", steps=0), "steps must be in 1…1000"),
     (Request("x", solver="heun"), "unknown solver 'heun'"),
     (Request("x", shift=0), "shift must be positive"),
     (Request("x", seed=-1), "seed must be in"),

@@ -13,7 +13,7 @@ from cardtool.cli import app
 from cardtool.core.cards.loader import load_card
 from cardtool.core.sampling.generate import plan_requests
 from cardtool.core.sampling.images import read_png_metadata
-from cardtool.errors import BadInput
+from cardtool.errors import BadInput, CardValidationError
 
 
 def run(*args):
@@ -65,9 +65,11 @@ def test_guidance_interval_from_the_command_line_or_the_card(on_path, tmp_path):
     assert request.guidance_interval == (0.2, 0.6)
     [request], _ = plan_requests(card, ["a bag"], guidance_interval=(0.0, 1.0))
     assert request.guidance_interval == (0.0, 1.0), "the command line wins over the card"
-    card.manifest.loops["denoise"].defaults["guidance_interval"] = "late"
-    with pytest.raises(BadInput, match="guidance_interval must be two numbers"):
-        plan_requests(card, ["a bag"])
+    manifest = card.file.read_text().replace("solver: euler}", "solver: euler, guidance_interval: late}")
+    card.file.write_text(manifest)
+    with pytest.raises(CardValidationError, match="loops.denoise.defaults.guidance_interval: Input should be a "
+                                                  "valid tuple, got 'late'"):
+        load_card(card.file)
 
 
 def test_a_single_named_file_and_a_prompts_file(on_path, tmp_path):
@@ -91,11 +93,11 @@ def test_a_card_assuming_fixed_steps_warns_and_strict_refuses(on_path, tmp_path)
 @pytest.mark.parametrize(("args", "message"), [
     (["nope", "-p", "x"], "no card with id 'nope'"),
     (["tiny-base"], "no prompts"),
-    (["tiny-base", "-p", "x", "--steps", "0"], "steps must be at least 1"),
+    (["tiny-base", "-p", "x", "--steps", "0"], "steps must be in 1…1000"),
     (["tiny-base", "-p", "x", "--solver", "heun"], "unknown solver"),
     (["tiny-base", "-p", "x", "-n", "0"], "--num must be at least 1"),
     (["tiny-base", "-p", "x", "-p", "y", "--out", "one.png"], "names one file"),
-    (["tiny-base", "-p", "x", "--out", "/proc/no/such"], "cannot create output folder"),
+    (["tiny-base", "-p", "x", "--out", "/proc/no/such"], "cannot write to the output folder"),
     (["tiny-base", "-p", "x", "--device", "tpu"], "unknown device"),
     (["tiny-base", "-p", "x", "--guidance-interval", "0.5"], "--guidance-interval takes LO,HI"),
     (["tiny-base", "-p", "x", "--guidance-interval", "0.5,0.1"], "0 ≤ LO ≤ HI ≤ 1"),

@@ -15,18 +15,19 @@ step evaluates the conditional branch alone (one row, not two).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from cardtool.backends.registry import KERNELS
+from cardtool.core.cards.loops import MAX_STEPS, SOLVERS
 from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.sampling.text_cache import TextFeatureCache, encode_prompts
 from cardtool.errors import BadInput
 
 __all__ = ["SOLVERS", "Request", "Capture", "LoopState", "DenoiseLoop", "shifted_sigmas"]
 
-SOLVERS = ("euler", "sde")
 
 
 def shifted_sigmas(steps: int, shift: float) -> np.ndarray:
@@ -50,8 +51,11 @@ class Request:
     guidance_interval: tuple[float, float] = (0.0, 1.0)  # the σ range (inclusive) of the steps CFG applies to
 
     def check(self) -> None:
-        if self.steps < 1:
-            raise BadInput(f"steps must be at least 1, got {self.steps}")
+        if not 1 <= self.steps <= MAX_STEPS:
+            raise BadInput(f"steps must be in 1…{MAX_STEPS}, got {self.steps}")
+        for name in ("guidance", "shift", "eta"):
+            if not math.isfinite(getattr(self, name)):
+                raise BadInput(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.solver not in SOLVERS:
             raise BadInput(f"unknown solver '{self.solver}'; choose one of: {', '.join(SOLVERS)}")
         if self.shift <= 0:

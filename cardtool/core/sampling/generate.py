@@ -14,6 +14,7 @@ from pathlib import Path
 from cardtool import __version__
 from cardtool.backends.platform import Platform
 from cardtool.core.cards.loader import Card, load_card
+from cardtool.core.cards.loops import FlowDenoiseDefaults
 from cardtool.core.sampling.denoise import DenoiseLoop, Request
 from cardtool.core.sampling.images import grid_image, save_png
 from cardtool.core.sampling.instance import ModelInstance
@@ -24,6 +25,7 @@ from cardtool.errors import BadInput
 __all__ = ["GeneratedImage", "GenerateReport", "generate", "parse_interval", "plan_requests", "read_prompts_file"]
 
 LOOP = "denoise"
+MAX_IMAGES = 100_000  # one command; beyond this a planning mistake, not a job (script several runs)
 
 
 @dataclass
@@ -68,13 +70,13 @@ def plan_requests(card: Card, prompts: list[str], *, num: int = 1, seed: int = 0
     filling what is not given; and warnings (a card assuming a fixed step count sampled with another)."""
     if not prompts:
         raise BadInput("no prompts: give -p PROMPT or --prompts-file FILE")
-    if num < 1:
-        raise BadInput(f"--num must be at least 1, got {num}")
+    if not 1 <= num <= MAX_IMAGES or len(prompts) * num > MAX_IMAGES:
+        raise BadInput(f"--num must be at least 1 and prompts × num at most {MAX_IMAGES:,}, got {len(prompts)} × {num}")
     loop = card.manifest.loops.get(LOOP)
     if loop is None:
         raise BadInput(f"card '{card.id}' has no '{LOOP}' loop to generate with")
-    defaults = loop.defaults
-    steps = int(steps if steps is not None else defaults.get("steps", 30))
+    defaults = FlowDenoiseDefaults.model_validate(loop.defaults)  # validated when the card loaded
+    steps = steps if steps is not None else defaults.steps
     warnings = []
     assumed = card.manifest.recipe.assumes.steps
     if assumed is not None and steps != assumed:
@@ -83,10 +85,10 @@ def plan_requests(card: Card, prompts: list[str], *, num: int = 1, seed: int = 0
             raise BadInput(message + " (--strict)")
         warnings.append(message)
     requests = [Request(prompt=p, seed=seed + j, steps=steps,
-                        guidance=float(guidance if guidance is not None else defaults.get("guidance", 4.0)),
-                        shift=float(shift if shift is not None else defaults.get("shift", 1.0)),
-                        solver=solver or defaults.get("solver", "euler"),
-                        guidance_interval=_interval(guidance_interval or defaults.get("guidance_interval", (0.0, 1.0))))
+                        guidance=float(guidance if guidance is not None else defaults.guidance),
+                        shift=float(shift if shift is not None else defaults.shift),
+                        solver=solver or defaults.solver,
+                        guidance_interval=tuple(map(float, guidance_interval or defaults.guidance_interval)))
                 for p in prompts for j in range(num)]
     for request in requests:
         request.check()
@@ -100,14 +102,6 @@ def parse_interval(text: str) -> tuple[float, float]:
     except ValueError:
         raise BadInput(f"--guidance-interval takes LO,HI (a σ range such as 0,0.4), got '{text}'")
     return low, high
-
-
-def _interval(value) -> tuple[float, float]:
-    try:
-        low, high = value if isinstance(value, (list, tuple)) else ()
-        return float(low), float(high)
-    except (TypeError, ValueError):
-        raise BadInput(f"guidance_interval must be two numbers [LO, HI], got {value!r}")
 
 
 def generate(card_ref: str, prompts: list[str], *, num: int = 1, seed: int = 0, steps: int | None = None,

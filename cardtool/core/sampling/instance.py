@@ -23,6 +23,9 @@ class ModelInstance:
         self.card = card
         self.platform = platform or Platform.detect()
         self.precision = precision or card.manifest.recipe.assumes.precision
+        if self.platform.device == "numpy" and self.precision == "bfloat16":
+            raise BadInput(f"card '{card.id}' runs in bfloat16, which numpy does not have; use --device cpu (or a "
+                           "float32 card) for the numpy reference")
         self._awake: dict[str, Any] = {}
         self._versions: dict[str, str] = {}
         self._arrays = None
