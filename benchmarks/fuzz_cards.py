@@ -336,7 +336,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--first", type=int, default=0, help="skip this many cases of the seed's sequence")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     try:

@@ -13,7 +13,7 @@ from cardtool.cli import app
 from cardtool.core.cards.loader import load_card
 from cardtool.core.sampling.generate import plan_requests
 from cardtool.core.sampling.images import read_png_metadata
-from cardtool.errors import BadInput, CardValidationError
+from cardtool.errors import CardValidationError
 
 
 def run(*args):
