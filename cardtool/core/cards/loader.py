@@ -107,10 +107,10 @@ def load_card(ref: str | Path, *, checksums: bool = False, _chain: tuple[Path, .
         raise CardValidationError(problems + schema_problems(e, data, sources)) from None
     card = Card(manifest, file, sources, data)
     problems += _reference_problems(card)
-    files_ok = True
+    files_ok, refused = True, {p.field for p in problems}  # paths refused already (escaping, a loop)
     for section in ("components", "adapters"):
         for name, entry in getattr(manifest, section).items():
-            if entry.weights is not None:
+            if entry.weights is not None and f"{section}.{name}.weights" not in refused:
                 found = _file_problems(card, (section, name), entry.weights, entry.sha256, checksums)
                 files_ok &= not found
                 problems += found

@@ -1,0 +1,240 @@
+"""Hostile input to the manifest readers, the validator and the JSON writer: each class is a located error,
+fast, never a traceback, a hang or invalid JSON; and a card that validates runs generate and parity."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import sys
+
+import pytest
+from helpers import REPO
+from safetensors.numpy import load_file, save_file
+from typer.testing import CliRunner
+
+from cardtool.cli import app
+from cardtool.core.cards.loader import load_card
+from cardtool.core.cards.source import MAX_BYTES, MAX_DEPTH
+from cardtool.errors import CardValidationError
+
+
+def problems_of(folder) -> list[str]:
+    with pytest.raises(CardValidationError) as info:
+        load_card(folder)
+    return [str(p) for p in info.value.problems]
+
+
+def with_text(card, before: str = "", replace: tuple[str, str] | None = None, after: str = ""):
+    manifest = card / "card.yaml"
+    text = manifest.read_text()
+    if replace:
+        assert replace[0] in text, replace[0]
+        text = text.replace(*replace)
+    manifest.write_text(before + text + after)
+    return card
+
+
+@pytest.fixture
+def base(examples):
+    return examples / "tiny-base"
+
+
+# --- the YAML and TOML readers -----------------------------------------------------------------------
+
+BOMB = "".join(f"{chr(97 + i)}: &{chr(97 + i)} [{', '.join([f'*{chr(96 + i)}'] * 9) if i else 'x, x, x, x'}]\n"
+               for i in range(9))
+
+
+@pytest.mark.parametrize(("snippet", "expected"), [
+    (BOMB, r"YAML alias \*a: aliases are not allowed"),
+    ("loop: &x [*x]\n", r"alias \*x"),
+    ("description: !!bool maybe\n", "'maybe' is not a valid bool"),
+    ("description: !!int abc\n", "'abc' is not a valid int"),
+    ("description: !!timestamp 2020-13-45\n", "YAML type 'timestamp' is not allowed"),
+    ("description: !!binary '@@@'\n", "YAML type 'binary' is not allowed"),
+    ("description: 2020-01-01\n", "YAML type 'timestamp' is not allowed"),
+    ("description: !!python/object/apply:os.system ['true']\n", "is not allowed"),
+    ("description: " + "[" * 5000 + "]" * 5000 + "\n", f"nested deeper than {MAX_DEPTH} levels"),
+    ("description: " + "9" * 5000 + "\n", "a number written with 5000 characters"),
+    ("description: " + "9" * 300 + "\n", "an integer of 997 bits, beyond 64"),
+    ('description: "\\ud800"\n', "lone surrogate|invalid Unicode"),
+    ("description: .nan\n", r"a non-finite number \(nan\)"),
+    ("1: one\n", "a key that is not text"),
+], ids=["alias-bomb", "self-alias", "bool-tag", "int-tag", "timestamp-tag", "binary-tag", "implicit-date",
+        "python-tag", "deep-nesting", "5000-digits", "300-digits", "surrogate", "nan", "int-key"])
+def test_hostile_yaml_is_a_located_error(base, snippet, expected):
+    with_text(base, replace=("description: Minimal flow-matching text-to-image card (tiny random weights)\n", ""),
+              before=snippet)
+    found = problems_of(base)
+    assert any(re.search(expected, p) for p in found), found
+    assert all(re.match(r"[^:]+card\.yaml:\d+:\d+: ", p) for p in found), "file:line:column first"
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    ("x = " + "[" * 3000 + "]" * 3000, "nested too deeply|nested deeper"),
+    ("x = {" + ", ".join(f"k{i} = {i}" for i in range(20000)) + "}", "unknown key"),
+    ("x = " + "9" * 5000, "TOML: .*(digits|limit)"),
+    ("x = " + "9" * 30, "beyond 64"),
+    ("x = inf", "non-finite"),
+    ("x = 2020-01-01T00:00:00Z", "a datetime value"),
+], ids=["deep-nesting", "20000-key-inline-table", "5000-digits", "30-digits", "inf", "datetime"])
+def test_hostile_toml_is_a_located_error(tmp_path, body, expected):
+    folder = tmp_path / "t"
+    folder.mkdir()
+    (folder / "card.toml").write_text(f'schema = "cardtool/v1"\nid = "t"\n{body}\n')
+    found = problems_of(folder)
+    assert any(re.search(expected, p) for p in found), found
+
+
+def test_a_manifest_beyond_the_size_limit_is_refused_unread(base):
+    with_text(base, after="# " + "x" * MAX_BYTES + "\n")
+    [problem] = problems_of(base)
+    assert "larger than the 1048576-byte limit" in problem
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="FIFOs and /proc")
+@pytest.mark.parametrize("make", ["loop", "dev", "fifo", "dir"])
+def test_weight_paths_that_are_not_regular_files(base, make):
+    path = base / "vae.safetensors"
+    path.unlink()
+    if make == "loop":
+        os.symlink(path.name, path)
+    elif make == "dev":
+        os.symlink("/dev/zero", path)
+    elif make == "fifo":
+        os.mkfifo(path)  # opening it would block: it must never be opened
+    else:
+        path.mkdir()
+    [problem] = problems_of(base)
+    assert "components.vae.weights" in problem
+    assert re.search("symlink loop|escapes the card folder|does not exist", problem), problem
+
+
+# --- deep validation ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("old", "new", "expected"), [
+    ("impl: wan-dit", "impl: arrays", "'arrays' is not a component implementation"),
+    ("impl: wan-dit", "impl: wan-dti", "'wan-dti' is not a registered implementation .*did you mean 'wan-dit'"),
+    ("impl: wan-dit", "impl: conv-vae", "'conv-vae' implements kind 'vae', not 'dit'"),
+    ("dim: 32,", "dim: '32',", "components.transformer.config.dim: Input should be a valid integer, got '32'"),
+    ("heads: 2,", "heads: 3,", "dim 32 must split into 3 heads"),
+    ("heads: 2,", "heads: 0,", "config.heads: Input should be greater than or equal to 1"),
+    ("patch: [1, 2, 2]", "patch: [1, 2]", "config.patch"),
+    ("patch: [1, 2, 2]", "patch: [2, 2, 2]", "spans 2 frames; images are one frame"),
+    ("patch: [1, 2, 2]", "patch: [1, 3, 3]", "does not tile the VAE's 8×8 latents"),
+    ("{max_length: 16}", "{max_length: 4000}", "max_length 4000 is beyond the encoder's 512 positions"),
+    ("{max_length: 16}", "{max_lenght: 16}", "did you mean 'max_length'"),
+    ("text_dim: 384", "text_dim: 256", "text_dim 256 is not the text encoder's width 384"),
+    ("{latent_channels: 4,", "{latent_channels: 4, padded_size: 30,", "padded_size 30 must hold image_size 28"),
+    ("steps: 30,", "steps: four,", "loops.denoise.defaults.steps: Input should be a valid integer, got 'four'"),
+    ("steps: 30,", "steps: .inf,", "non-finite number"),
+    ("solver: euler", "solver: heun", "defaults.solver"),
+    ("kind: flow_denoise", "kind: flow_sample", "unknown loop kind 'flow_sample'"),
+    ("rank: 4", "rank: 8", "lora_A \\[4, 32\\] and lora_B \\[32, 4\\] are not \\[8, 32\\] and \\[32, 8\\]"),
+])
+def test_configs_that_would_crash_torch_are_validation_errors(base, old, new, expected):
+    with_text(base, replace=(old, new))
+    refit(base)  # weights that fit the new config, so that what is checked is the config itself
+    found = problems_of(base)
+    assert any(re.search(expected, p) for p in found), found
+
+
+def refit(card) -> None:
+    """Rewrite the card's DiT and VAE weights for their configs as the manifest now gives them (when the
+    schema accepts them), dropping their sha256, so a test reaches the checks after the weights."""
+    import yaml
+    from helpers import write_tensors
+
+    from cardtool.backends.vae_config import ConvVAEConfig
+    from cardtool.backends.wan_config import WanDiTConfig
+
+    manifest = card / "card.yaml"
+    text = manifest.read_text()
+    data = yaml.safe_load(text)
+    for name, schema in (("transformer", WanDiTConfig), ("vae", ConvVAEConfig)):
+        try:
+            config = schema.model_validate(data["components"][name]["config"])
+        except Exception:  # noqa: BLE001 - the config itself is what the test breaks
+            continue
+        write_tensors(card / data["components"][name]["weights"], config.tensors())
+        text = text.replace(f"    sha256: {data['components'][name]['sha256']}\n", "")
+    manifest.write_text(text)
+
+
+def rewrite(path, change):
+    tensors = load_file(str(path))
+    change(tensors)
+    save_file(tensors, str(path))
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    (lambda t: t.pop("proj_out.bias"), "1 tensors the config implies are missing: proj_out.bias"),
+    (lambda t: t.update(extra=t["proj_out.bias"]), "1 tensors the config does not imply: extra"),
+    (lambda t: t.update({"proj_out.bias": t["proj_out.bias"][:2]}), "proj_out.bias is \\[2\\], the config implies"),
+    (lambda t: t.update({"proj_out.bias": t["proj_out.bias"].astype("int32")}), "not floating point \\(I32\\)"),
+])
+def test_weights_that_do_not_fit_the_config_are_validation_errors(base, change, expected):
+    rewrite(base / "transformer.safetensors", change)
+    with_text(base, replace=("    sha256: e7f0ee5b09fb5d256da323b648b4d7c8d39b6192bece93e5e619d3ac2b1a31ba\n", ""))
+    found = problems_of(base)
+    assert any(re.search(expected, p) for p in found), found
+    assert all("components.transformer.weights" in p for p in found)
+
+
+def test_a_header_whose_offsets_disagree_with_the_file_is_refused(base):
+    path = base / "vae.safetensors"
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["data_offsets"][1] += 4
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length:])
+    with_text(base, replace=("    sha256: 2cb79df0a8bfd8bfa3efe7a51e1944d7142b7029e925a4c4bb3c48d0d829abdb\n", ""))
+    [problem] = problems_of(base)
+    assert re.search("byte range does not match|overlap or gap", problem), problem
+
+
+def test_a_derived_card_whose_config_does_not_fit_its_inherited_weights(examples):
+    rl = examples / "tiny-rl"
+    manifest = rl / "card.toml"
+    manifest.write_text(manifest.read_text() + "\n[components.vae]\nconfig = { channels = [8, 16, 16] }\n")
+    found = problems_of(rl)
+    assert any("components.vae.weights" in p and "other shapes" in p for p in found), found
+
+
+# --- the JSON writer and the CLI ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", [lambda: float("nan"), lambda: float("inf"), lambda: 10**5000, lambda: "\ud800",
+                                   object], ids=["nan", "inf", "huge-int", "surrogate", "object"])
+def test_json_output_is_one_strict_document_or_an_error_document(value, capsys):
+    import typer
+
+    from cardtool.cli.output import emit_json
+
+    with pytest.raises(typer.Exit):
+        emit_json({"x": value()})
+    document = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(c))
+    assert document["error"]["kind"] == "internal"
+
+
+def test_cli_on_an_alias_bomb_prints_valid_json_quickly(base):
+    with_text(base, before=BOMB)
+    for args in (["cards", "validate", "--json", str(base)], ["cards", "show", "--json", str(base)]):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 1 and result.exception is None or isinstance(result.exception, SystemExit)
+        assert json.loads(result.stdout)["error" if args[1] == "show" else "results"]
+
+
+def test_mutated_cards_never_crash_hang_or_print_invalid_json():
+    """A small run of the fuzz harness: whatever validates also generates and passes parity --card."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from fuzz_cards import BAD, fuzz
+    finally:
+        sys.path.pop(0)
+    report = fuzz(12, seed=3)
+    assert not any(report["counts"].get(k) for k in BAD + ("validated_then_error",)), report["details"]
+    assert report["counts"].get("ran", 0) > 0, "some mutated cards still validate and run"
