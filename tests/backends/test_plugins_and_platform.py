@@ -132,6 +132,28 @@ def test_asking_for_cuda_without_a_device_explains(monkeypatch):
         Platform.detect("cuda")
 
 
+def test_a_forced_cuda_arch_without_cuda_is_simulated_and_runs_nothing(monkeypatch, examples, tmp_path):
+    monkeypatch.setattr(platform_module, "_cuda_probe", lambda: None)
+    monkeypatch.setenv("CARDTOOL_DEVICE", "cuda")
+    monkeypatch.setenv("CARDTOOL_ARCH", "sm90")
+    simulated = Platform.detect()
+    assert (simulated.device, simulated.arch, simulated.simulated) == ("cuda", "sm90", True)
+    cell = registry.KERNELS.implementation("attention")
+    assert registry.KERNELS.resolve("attention", Platform("cuda", "sm90"))[0].key[1] == "cuda", "a fake one runs"
+    with pytest.raises(BadInput, match="simulated"):
+        registry.KERNELS.resolve(cell.key[0], simulated)
+    result = CliRunner().invoke(app, ["generate", str(examples / "tiny-base"), "-p", "x", "--steps", "1", "--out",
+                                      str(tmp_path)])
+    assert result.exit_code == 2 and "simulated" in result.stderr, result.output
+    matrix = CliRunner().invoke(app, ["platform", "matrix", "--json"])
+    assert matrix.exit_code == 0 and json.loads(matrix.stdout)["platform"]["simulated"] is True
+
+
+def test_matrix_refuses_an_unknown_op():
+    result = CliRunner().invoke(app, ["platform", "matrix", "--op", "NOSUCHOP"])
+    assert result.exit_code == 2 and "unknown op or component 'NOSUCHOP'" in result.stderr
+
+
 def test_platform_detect_cli_json(monkeypatch):
     monkeypatch.setenv("CARDTOOL_ARCH", "avx2")
     result = CliRunner().invoke(app, ["platform", "detect", "--device", "cpu", "--json"])

@@ -53,3 +53,14 @@ def test_light_command_imports_no_torch(args, tmp_path, monkeypatch):
     report = json.loads(out.read_text())
     assert report["code"] in (0, None), f"cardtool {' '.join(args)} exited {report['code']}"
     assert report["heavy"] == [], f"cardtool {' '.join(args)} imported {report['heavy']}"
+
+
+def test_help_shows_flags_as_flags_and_values_as_words():
+    from typer.testing import CliRunner
+
+    from cardtool.cli import app
+
+    text = CliRunner().invoke(app, ["generate", "--help"], env={"COLUMNS": "160"}).stdout
+    assert "<bool>" not in text and "list[str]" not in text and "{card}" not in text.lower(), text
+    grid = next(line for line in text.splitlines() if "--grid" in line)
+    assert grid.split("--grid", 1)[1].split()[0] == "Also", "a flag takes no value, so no metavar follows it"
