@@ -42,8 +42,9 @@ KEYS = ["dim", "depth", "heads", "ffn_dim", "in_channels", "out_channels", "text
         "sha256", "source", "impl", "kind", "config", "rank", "alpha", "extends", "uses", "defaults", "wieghts"]
 
 HOSTILE_YAML = [
-    "a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\nc: &c [*b, *b, *b, *b, *b, *b, *b]\n"
-    "d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]\ne: [*d, *d, *d, *d, *d, *d, *d, *d, *d]\n",
+    "a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+    "c: &c [*b, *b, *b, *b, *b, *b, *b]\nd: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]\n"
+    "e: [*d, *d, *d, *d, *d, *d, *d, *d, *d]\n",
     "loop: &x [*x]\n", "self: &s {k: *s}\n",
     "description: !!bool maybe\n", "description: !!int abc\n", "description: !!timestamp 2020-13-45\n",
     "description: !!binary '@@@@'\n", "description: !!float x\n", "description: !!set {a, b}\n",
@@ -102,7 +103,8 @@ def mutate(rng: random.Random, root: Path) -> str:
         elif kind == "text":
             snippet = rng.choice(HOSTILE_YAML)
             text = manifest.read_text()
-            manifest.write_text(snippet + text if rng.random() < 0.5 else text.replace("description:", "x_", 1) + snippet)
+            front = rng.random() < 0.5
+            manifest.write_text(snippet + text if front else text.replace("description:", "x_", 1) + snippet)
             done.append(f"text {snippet[:30]!r}")
         elif kind == "toml":
             manifest.unlink()
@@ -304,9 +306,15 @@ def run_case(runner, app, card: Path, out: Path) -> tuple[str, str]:
 
 def fuzz(cases: int, seed: int, on_case=None) -> dict:
     """Run `cases` mutated cards; the counts by outcome and up to 20 details of each bad outcome."""
+    import functools
+
+    import typer.testing
     from typer.testing import CliRunner
 
     from cardtool.cli import app
+
+    # the runner rebuilds the click command from the Typer app on every call (~50 ms); build it once
+    typer.testing._get_command = functools.lru_cache(maxsize=1)(typer.testing._get_command)
 
     rng = random.Random(seed)
     runner = CliRunner()
