@@ -16,7 +16,10 @@ import sys
 import time
 from pathlib import Path
 
-COMMANDS = (["--help"], ["cards", "list", "--json"])
+REPO = Path(__file__).resolve().parents[1]
+# validate with checksums: deep validation of the built-in and example cards (headers against configs, sums)
+COMMANDS = (["--help"], ["cards", "list", "--json"],
+            ["cards", "validate", "--checksums", str(REPO / "examples" / "cards"), str(REPO / "cards")])
 
 
 def measure(argv: list[str], repeats: int, env: dict) -> list[float]:
@@ -36,12 +39,12 @@ def main() -> None:
 
     script = shutil.which("cardtool")
     launcher = [script] if script else [sys.executable, "-m", "cardtool"]
-    env = {**os.environ, "CARDTOOL_PATH": str(Path(__file__).resolve().parents[1] / "examples" / "cards")}
+    env = {**os.environ, "CARDTOOL_PATH": str(REPO / "examples" / "cards")}
     measure(launcher + ["--version"], 1, env)  # warm the file cache once
     results = {"launcher": " ".join(launcher), "repeats": args.repeats, "python": platform.python_version(),
                "machine": platform.machine(), "cpus": os.cpu_count(), "median_s": {}}
     for command in COMMANDS:
-        name = "cardtool " + " ".join(command)
+        name = "cardtool " + " ".join(os.path.relpath(c, REPO) if c.startswith("/") else c for c in command)
         times = measure(launcher + command, args.repeats, env)
         results["median_s"][name] = round(statistics.median(times), 4)
         print(f"{name:32s} median {statistics.median(times) * 1000:7.1f} ms  "

@@ -14,7 +14,8 @@ def test_cli_startup_benchmark_writes_medians(tmp_path):
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "cli_startup.py"), "--repeats", "1", "--out", str(out)],
                    check=True, capture_output=True, timeout=120)
     medians = json.loads(out.read_text())["median_s"]
-    assert set(medians) == {"cardtool --help", "cardtool cards list --json"}
+    assert set(medians) == {"cardtool --help", "cardtool cards list --json",
+                            "cardtool cards validate --checksums examples/cards cards"}
     assert all(t > 0 for t in medians.values())
 
 

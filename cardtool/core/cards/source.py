@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import re
@@ -53,13 +54,13 @@ class Source:
 MAX_BYTES = 1 << 20  # a manifest is a page of settings, not a data file
 MAX_DEPTH = 32  # nesting of mappings and lists
 _JSON_SCALARS = (str, int, float, bool, type(None))
-_cache: dict[tuple[str, int, int], Source] = {}
+_cache: dict[tuple[str, bytes], Source] = {}
 
 
 def read_source(file: Path) -> Source:
     """Parse `file` (card.yaml or card.toml); any problem is a located CardValidationError. Linear in the
     input: bounded size and nesting, no YAML aliases, only the plain YAML types. The result is cached per
-    (path, size, mtime) and must not be modified."""
+    (path, content) and must not be modified."""
     shown = display_path(file)
     try:
         info = file.stat()
@@ -68,11 +69,12 @@ def read_source(file: Path) -> Source:
         if info.st_size > MAX_BYTES:
             raise CardValidationError.at(shown, 1, 1, "", f"{info.st_size} bytes: larger than the {MAX_BYTES}-byte "
                                          "limit for a manifest", "keep large results in files beside the card")
-        key = (str(file), info.st_size, info.st_mtime_ns)
-        if key in _cache:
-            return _cache[key]
         with file.open("rb") as f:
             raw = f.read(MAX_BYTES + 1)
+        # keyed by content, not mtime: a manifest rewritten within one clock tick must not parse as its old self
+        key = (str(file), hashlib.blake2b(raw, digest_size=16).digest())
+        if key in _cache:
+            return _cache[key]
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise CardValidationError.at(shown, 1, 1, "", f"not UTF-8 text ({e.reason})", "save it as UTF-8")

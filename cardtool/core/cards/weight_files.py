@@ -36,7 +36,6 @@ FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 MAX_HEADER = 16 << 20  # bytes; a header this large is not a model card's
 
 Header = dict[str, tuple[str, tuple[int, ...]]]  # tensor name → (dtype, shape)
-_headers: dict[tuple[str, int, int], tuple[Header, str | None]] = {}
 
 
 def format_problem(path: Path) -> str | None:
@@ -58,10 +57,7 @@ def read_header(path: Path) -> tuple[Header, str | None]:
         return {}, f"cannot read '{path.name}': {getattr(e, 'strerror', None) or e}"
     if not stat.S_ISREG(info.st_mode):
         return {}, f"'{path.name}' is not a regular file"
-    key = (str(path), info.st_size, info.st_mtime_ns)
-    if key not in _headers:
-        _headers[key] = _parse_header(path, info.st_size)
-    return _headers[key]
+    return _parse_header(path, info.st_size)  # one small read: not worth a cache that could go stale
 
 
 def _parse_header(path: Path, size: int) -> tuple[Header, str | None]:
