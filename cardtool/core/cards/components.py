@@ -65,12 +65,22 @@ def _component(card, name: str, spec) -> tuple[list[Problem], dict | None]:
         except Exception as e:  # noqa: BLE001 - BadInput from package lookup: a located problem instead
             return [card.problem(at + ("source",), str(e), "install the package or correct the source")], None
         reasons = config.source_problems(source) if hasattr(config, "source_problems") else []
+        reasons += _source_weights_problems(source)
         if reasons:
             fix = "point source at a complete encoder folder"
             return [card.problem(at + ("source",), r, fix) for r in reasons], None
     if spec.weights is not None:
         problems = _tensor_problems(card, at, card.folder / spec.weights, config.tensors())
     return problems, (None if problems else {**config.facts(source), "tensors": config.tensors()})
+
+
+def _source_weights_problems(source) -> list[str]:
+    """Every safetensors file in a source folder is loaded (and versioned) later: each header must be sound."""
+    try:
+        files = sorted(source.glob("*.safetensors")) if source.is_dir() else []
+    except OSError as e:
+        return [f"cannot list {source}: {e.strerror}"]
+    return [f"{source}: {reason}" for path in files if (reason := read_header(path)[1])]
 
 
 def _tensor_problems(card, at, path, expected: dict[str, tuple[int, ...]]) -> list[Problem]:
