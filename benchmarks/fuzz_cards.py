@@ -87,9 +87,12 @@ def mutate(rng: random.Random, root: Path) -> str:
             break
         if kind in ("value", "delete", "add"):
             data = _parsed(manifest)
-            if not isinstance(data, dict):
+            try:
+                paths = list(_paths(data)) if isinstance(data, dict) else []
+            except RecursionError:  # PyYAML built a cyclic structure from a self-referencing alias
+                paths = []
+            if not paths:
                 continue
-            paths = list(_paths(data))
             path = rng.choice(paths)
             parent = _get(data, path[:-1])
             if kind == "value":

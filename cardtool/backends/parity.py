@@ -8,6 +8,7 @@ conditioning differs (an error `e` passes where |e| ≤ atol + rtol·|expected| 
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -45,7 +46,11 @@ class ParityRow:
     error: str = ""
 
     def to_json(self) -> dict:
-        return asdict(self)
+        """Errors that are not finite (inf or NaN outputs) are null: strict JSON has no inf or NaN."""
+        row = asdict(self)
+        for key in ("max_abs_err", "max_rel_err"):
+            row[key] = row[key] if math.isfinite(row[key]) else None
+        return row
 
 
 @dataclass

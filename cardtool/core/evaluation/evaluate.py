@@ -9,6 +9,7 @@ scale: N real train images vs the test set, and N VAE reconstructions of train i
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -59,8 +60,13 @@ class EvalReport:
 
     def to_json(self) -> dict:
         return {"card": self.card, "judge": self.judge, "platform": self.platform, "per_class": self.per_class,
-                "floors": self.floors, "kid_floors": self.kid_floors, "rows": [asdict(r) for r in self.rows],
+                "floors": self.floors, "kid_floors": self.kid_floors, "rows": [_finite(asdict(r)) for r in self.rows],
                 "warnings": self.warnings}
+
+
+def _finite(row: dict) -> dict:
+    """A measurement that is not finite (a card sampling NaN) is null: strict JSON has no NaN."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
 
 
 def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[int] | None = None,
