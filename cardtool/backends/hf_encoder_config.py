@@ -4,15 +4,15 @@ config.json, a tokenizer and safetensors weights (a pickle `pytorch_model.bin` i
 from __future__ import annotations
 
 import json
-import stat
 from pathlib import Path
 from typing import Annotated, ClassVar
 
 from pydantic import Field
 
 from cardtool.backends.component_config import ComponentConfig
+from cardtool.files import is_regular_file, read_small_file
 
-__all__ = ["HFEncoderConfig", "read_small_file"]
+__all__ = ["HFEncoderConfig"]
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "spiece.model", "tokenizer.model")
 
@@ -27,9 +27,9 @@ class HFEncoderConfig(ComponentConfig):
         if reason:
             return [reason]
         problems = []
-        if not _regular(source / "model.safetensors"):
+        if not is_regular_file(source / "model.safetensors"):
             problems.append(f"{source} holds no model.safetensors (only safetensors weights are loaded)")
-        if not any(_regular(source / name) for name in TOKENIZER_FILES):
+        if not any(is_regular_file(source / name) for name in TOKENIZER_FILES):
             problems.append(f"{source} holds no tokenizer ({', '.join(TOKENIZER_FILES)})")
         limit = settings.get("max_position_embeddings")
         if isinstance(limit, int) and self.max_length > limit:
@@ -53,28 +53,3 @@ def _encoder_settings(source: Path) -> tuple[dict, str]:
     if not isinstance(settings, dict) or not isinstance(settings.get("hidden_size"), int):
         return {}, f"{source / 'config.json'} does not give the encoder's hidden_size"
     return settings, ""
-
-
-def _regular(path: Path) -> bool:
-    try:
-        return stat.S_ISREG(path.stat().st_mode)
-    except (OSError, ValueError):
-        return False
-
-
-def read_small_file(path: Path, limit: int = 1 << 20) -> tuple[str, str]:
-    """(text, "") of a regular UTF-8 file of at most `limit` bytes, else ("", why not) — never blocking on a
-    FIFO or reading a device."""
-    if not _regular(path):
-        return "", f"{path} is missing or not a regular file"
-    try:
-        with path.open("rb") as f:
-            data = f.read(limit + 1)
-    except OSError as e:
-        return "", f"cannot read {path}: {e.strerror}"
-    if len(data) > limit:
-        return "", f"{path} is larger than {limit} bytes"
-    try:
-        return data.decode("utf-8"), ""
-    except UnicodeDecodeError:
-        return "", f"{path} is not UTF-8 text"

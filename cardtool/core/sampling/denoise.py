@@ -29,7 +29,6 @@ from cardtool.errors import BadInput
 __all__ = ["SOLVERS", "Request", "Capture", "LoopState", "DenoiseLoop", "shifted_sigmas"]
 
 
-
 def shifted_sigmas(steps: int, shift: float) -> np.ndarray:
     """σ grid from 1 to 0 in `steps` steps, shifted t' = s·t / (1 + (s − 1)·t) as in SD3 / Wan2.1."""
     t = np.linspace(1.0, 0.0, steps + 1)

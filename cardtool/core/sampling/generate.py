@@ -21,6 +21,7 @@ from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache
 from cardtool.errors import BadInput
+from cardtool.files import read_small_file
 
 __all__ = ["GeneratedImage", "GenerateReport", "generate", "parse_interval", "plan_requests", "read_prompts_file"]
 
@@ -54,11 +55,12 @@ class GenerateReport:
 
 
 def read_prompts_file(path: str | Path) -> list[str]:
-    """One prompt a line; blank lines and lines starting with # are skipped."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise BadInput(f"cannot read prompts file {path}: {e}")
+    """One prompt a line; blank lines and lines starting with # are skipped. A regular UTF-8 file of at most
+    16 MiB (never a FIFO or a device, which could block or never end)."""
+    text, reason = read_small_file(Path(path), limit=16 << 20)
+    if reason:
+        raise BadInput(f"cannot read prompts file: {reason}")
+    lines = text.splitlines()
     return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
 
 

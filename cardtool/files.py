@@ -1,0 +1,34 @@
+"""Reading small files that a user names (manifests' neighbours, prompt lists, encoder configs) without ever
+blocking on a FIFO, reading a device, or reading without bound."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+__all__ = ["is_regular_file", "read_small_file"]
+
+
+def is_regular_file(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(path.stat().st_mode)
+    except (OSError, ValueError):
+        return False
+
+
+def read_small_file(path: Path, limit: int = 1 << 20) -> tuple[str, str]:
+    """(text, "") of a regular UTF-8 file of at most `limit` bytes, else ("", why not) — never blocking on a
+    FIFO or reading a device."""
+    if not is_regular_file(path):
+        return "", f"{path} is missing or not a regular file"
+    try:
+        with path.open("rb") as f:
+            data = f.read(limit + 1)
+    except OSError as e:
+        return "", f"cannot read {path}: {e.strerror}"
+    if len(data) > limit:
+        return "", f"{path} is larger than {limit} bytes"
+    try:
+        return data.decode("utf-8"), ""
+    except UnicodeDecodeError:
+        return "", f"{path} is not UTF-8 text"
