@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cardtool.errors import BadInput
+from cardtool.files import read_small_file
 
 __all__ = ["Recipe", "load_recipe", "apply_overrides"]
 
@@ -90,9 +91,12 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 def load_recipe(path: str | Path, overrides: list[str] = (), method: str | None = None) -> Recipe:
     """Read a recipe, apply overrides (and --method), validate; errors name the field."""
+    text, reason = read_small_file(Path(path))
+    if reason:
+        raise BadInput(f"cannot read recipe: {reason}")
     try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError, UnicodeDecodeError) as e:
+        data = yaml.safe_load(text) or {}
+    except (yaml.YAMLError, RecursionError, ValueError) as e:
         raise BadInput(f"cannot read recipe {path}: {e}")
     if not isinstance(data, dict):
         raise BadInput(f"recipe {path}: expected a mapping of sections")
