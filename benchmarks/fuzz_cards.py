@@ -113,10 +113,12 @@ def mutate(rng: random.Random, root: Path) -> str:
             manifest.unlink()
             (card / "card.toml").write_text(rng.choice(HOSTILE_TOML))
             done.append("toml")
-        elif kind == "weights":
-            done.append("weights " + _mutate_weights(rng, card))
         else:
-            done.append("file " + _mutate_file(rng, card))
+            mutation = _mutate_weights if kind == "weights" else _mutate_file
+            try:
+                done.append(f"{kind} " + mutation(rng, card))
+            except Exception as e:  # noqa: BLE001 - an earlier mutation left nothing this one can work on
+                done.append(f"{kind} skipped ({type(e).__name__})")
     return f"{card.name}: " + "; ".join(done)
 
 
