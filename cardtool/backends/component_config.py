@@ -44,6 +44,10 @@ class ComponentConfig(BaseModel):
         """The weights file's tensors, name → shape, exactly (no more, no fewer)."""
         return {}
 
+    def source_problems(self, source: Path) -> list[str]:
+        """Why the `source` folder cannot serve this implementation (needs = "source"); empty when it can."""
+        return []
+
     def facts(self, source: Path | None = None) -> dict:
         """Sizes other components must agree with (e.g. `text_dim`, `latent_channels`), for loop checks."""
         return {}

@@ -13,7 +13,7 @@ from cardtool.backends.component_config import config_problems
 from cardtool.backends.registry import COMPONENTS
 from cardtool.core.cards.loops import LOOP_KINDS
 from cardtool.core.cards.weight_files import FLOAT_DTYPES, read_header
-from cardtool.errors import Problem
+from cardtool.errors import BadInput, Problem
 
 __all__ = ["component_problems", "loop_problems"]
 
@@ -62,12 +62,11 @@ def _component(card, name: str, spec) -> tuple[list[Problem], dict | None]:
     if spec.source is not None:
         try:
             source = card.source_path(name)
-        except Exception as e:  # noqa: BLE001 - BadInput from package lookup: a located problem instead
+        except BadInput as e:  # a package that is not installed: a located problem instead
             return [card.problem(at + ("source",), str(e), "install the package or correct the source")], None
-        reasons = config.source_problems(source) if hasattr(config, "source_problems") else []
-        reasons += _source_weights_problems(source)
+        reasons = config.source_problems(source) + _source_weights_problems(source)
         if reasons:
-            fix = "point source at a complete encoder folder"
+            fix = f"point source at a complete folder for {spec.impl}"
             return [card.problem(at + ("source",), r, fix) for r in reasons], None
     if spec.weights is not None:
         problems = _tensor_problems(card, at, card.folder / spec.weights, config.tensors())
