@@ -41,3 +41,16 @@ def test_fingerprint_follows_every_setting():
     path = REPO / "examples" / "recipes" / "fashion-vae.yaml"
     assert load_recipe(path).fingerprint() == load_recipe(path).fingerprint()
     assert load_recipe(path).fingerprint() != load_recipe(path, ["optim.steps=5"]).fingerprint()
+
+
+def test_hostile_recipes_and_overrides_are_bad_input(tmp_path):
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("a: &a [x, x, x]\nb: &b [*a, *a, *a]\nmethod: vae\nmodel: {x: [*b, *b, *b]}\n")
+    with pytest.raises(BadInput, match=r"bomb.yaml:2:\d+: YAML alias \*a: aliases are not allowed"):
+        load_recipe(bomb)
+    with pytest.raises(BadInput, match="not a regular file"):
+        load_recipe("/dev/zero")
+    with pytest.raises(BadInput, match="YAML aliases are not allowed"):
+        load_recipe(REPO / "examples" / "recipes" / "fashion-vae.yaml", ["model.channels=&a [*a]"])
+    with pytest.raises(BadInput, match="value is not YAML"):
+        load_recipe(REPO / "examples" / "recipes" / "fashion-vae.yaml", ["optim.lr=!!int abc"])

@@ -12,8 +12,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from cardtool.errors import BadInput
-from cardtool.files import read_small_file
+from cardtool.core.cards.source import read_source
+from cardtool.errors import BadInput, CardValidationError
 
 __all__ = ["Recipe", "load_recipe", "apply_overrides"]
 
@@ -77,9 +77,11 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             if not isinstance(node, dict):
                 raise BadInput(f"--set {item!r}: '{part}' is not a section")
         try:
+            if any(isinstance(event, yaml.AliasEvent) for event in yaml.parse(raw)):
+                raise BadInput(f"--set {item!r}: YAML aliases are not allowed; write the value out")
             value = yaml.safe_load(raw)
-        except yaml.YAMLError as e:
-            raise BadInput(f"--set {item!r}: value is not YAML: {e}")
+        except (yaml.YAMLError, ValueError, RecursionError) as e:
+            raise BadInput(f"--set {item!r}: value is not YAML: {str(e)[:200]}")
         if isinstance(value, str):
             try:  # PyYAML (YAML 1.1) reads 3e-4 as a string; a number is meant
                 value = float(raw)
@@ -91,13 +93,10 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 def load_recipe(path: str | Path, overrides: list[str] = (), method: str | None = None) -> Recipe:
     """Read a recipe, apply overrides (and --method), validate; errors name the field."""
-    text, reason = read_small_file(Path(path))
-    if reason:
-        raise BadInput(f"cannot read recipe: {reason}")
-    try:
-        data = yaml.safe_load(text) or {}
-    except (yaml.YAMLError, RecursionError, ValueError) as e:
-        raise BadInput(f"cannot read recipe {path}: {e}")
+    try:  # the manifest reader: bounded size and depth, no aliases, plain types, located errors
+        data = read_source(Path(path)).data
+    except CardValidationError as e:
+        raise BadInput(f"cannot read recipe: {e}")
     if not isinstance(data, dict):
         raise BadInput(f"recipe {path}: expected a mapping of sections")
     data = apply_overrides(data, list(overrides))
