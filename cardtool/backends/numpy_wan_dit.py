@@ -43,6 +43,7 @@ class NumpyWanDiT:
 
     def __call__(self, x, t, text, text_mask=None):
         c, s = self.config, self.state
+        text_mask = text_mask if c.text_mask else None  # Wan2.1 attends to every (zero-padded) token
         batch, channels, frames, height, width = x.shape
         pt, ph, pw = c.patch
         grid = (frames // pt, height // ph, width // pw)

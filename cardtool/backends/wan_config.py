@@ -9,6 +9,7 @@ from typing import Annotated
 from pydantic import Field, model_validator
 
 from cardtool.backends.component_config import ComponentConfig, Count, FiniteFloat, Size
+from cardtool.errors import BadInput
 
 __all__ = ["WanDiTConfig"]
 
@@ -29,6 +30,9 @@ class WanDiTConfig(ComponentConfig):
     patch: tuple[PatchSize, PatchSize, PatchSize] = (1, 2, 2)
     eps: Annotated[FiniteFloat, Field(gt=0, lt=1)] = 1e-6
     cross_attn_norm: Annotated[bool, Field(strict=True)] = True
+    # Wan2.1 (official code and diffusers) attends to every text token, the padding being zero states; true
+    # masks the padding instead — an option for cards trained so, which diffusers cannot run as trained
+    text_mask: Annotated[bool, Field(strict=True)] = False
 
     @model_validator(mode="after")
     def _heads_split_dim(self):
@@ -68,6 +72,9 @@ class WanDiTConfig(ComponentConfig):
 
     def to_diffusers(self) -> dict:
         """The same model as a diffusers `WanTransformer3DModel` config (its state-dict keys match ours)."""
+        if self.text_mask:
+            raise BadInput("a wan-dit with text_mask: true masks padded text tokens, which diffusers' "
+                           "WanTransformer3DModel does not; its outputs would differ")
         return {"patch_size": list(self.patch), "num_attention_heads": self.heads, "attention_head_dim": self.head_dim,
                 "in_channels": self.in_channels, "out_channels": self.out_channels, "text_dim": self.text_dim,
                 "freq_dim": self.freq_dim, "ffn_dim": self.ffn_dim, "num_layers": self.depth,

@@ -109,7 +109,8 @@ class _Block(nn.Module):
 
 class WanDiT(nn.Module):
     """Velocity model v(x_t, t, text): latents (B, C, F, H, W), timesteps t (B,) in [0, 1000], text states
-    (B, Lt, text_dim) with an optional boolean mask (B, Lt) of real tokens."""
+    (B, Lt, text_dim) zero beyond each prompt, and the boolean mask (B, Lt) of real tokens — which cross-attention
+    uses only when the config says `text_mask: true`; by default it attends to every token, as Wan2.1 does."""
 
     def __init__(self, config: WanDiTConfig, platform: Platform, variant: str = "default"):
         super().__init__()
@@ -125,6 +126,7 @@ class WanDiT(nn.Module):
 
     def forward(self, x, t, text, text_mask=None):
         c = self.config
+        text_mask = text_mask if c.text_mask else None  # Wan2.1 attends to every (zero-padded) token
         batch, _, frames, height, width = x.shape
         pt, ph, pw = c.patch
         grid = (frames // pt, height // ph, width // pw)

@@ -86,6 +86,8 @@ def test_card_parity_compares_dit_and_vae_with_numpy(examples):
 
 
 def test_card_parity_has_teeth(examples, monkeypatch):
+    manifest = examples / "tiny-base" / "card.yaml"
+    manifest.write_text(manifest.read_text().replace("freq_dim: 64}", "freq_dim: 64, text_mask: true}"))
     original = NumpyWanDiT.__call__
     monkeypatch.setattr(NumpyWanDiT, "__call__", lambda self, x, t, text, text_mask=None: original(self, x, t, text))
     rows = card_parity(load_card(examples / "tiny-base"), CPU)

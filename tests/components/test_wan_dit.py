@@ -58,20 +58,41 @@ def test_our_weights_load_into_diffusers_and_agree(tmp_path):
         assert (theirs(x, t, text, return_dict=False)[0] - ours(x, t, text)).abs().max().item() <= 1e-5
 
 
-def test_numpy_forward_matches_torch_in_float64_with_a_text_mask():
+@pytest.mark.parametrize("text_mask", [True, False])
+def test_numpy_forward_matches_torch_in_float64_with_and_without_the_text_mask(text_mask):
+    config = TINY.model_copy(update={"text_mask": text_mask})
     torch.manual_seed(2)
-    model = WanDiT(TINY, CPU).double().eval()
+    model = WanDiT(config, CPU).double().eval()
     torch.nn.init.normal_(model.proj_out.weight, std=0.2)
-    reference = NumpyWanDiT(TINY, {k: v.numpy() for k, v in model.state_dict().items()})
+    reference = NumpyWanDiT(config, {k: v.numpy() for k, v in model.state_dict().items()})
     x, t, text = inputs(torch.float64)
     mask = torch.tensor([[True] * 4 + [False] * 3, [True] * 7])
+    text = text * mask[..., None]  # padded states are zero, as the text encoder gives them
     with torch.no_grad():
         actual = model(x, t, text, mask).numpy()
     expected = reference(x.numpy(), t.numpy(), text.numpy(), mask.numpy())
     np.testing.assert_allclose(actual, expected, atol=1e-12, rtol=1e-10)
     unmasked = reference(x.numpy(), t.numpy(), text.numpy())
-    assert np.abs(unmasked[0] - expected[0]).max() > 1e-6, "the mask changes the padded sample's output"
+    if text_mask:
+        assert np.abs(unmasked[0] - expected[0]).max() > 1e-6, "the mask changes the padded sample's output"
+    else:
+        np.testing.assert_array_equal(unmasked, expected, "Wan2.1 semantics: the mask is not used")
     np.testing.assert_allclose(unmasked[1], expected[1], atol=1e-12)
+
+
+def test_by_default_a_padded_prompt_gives_what_diffusers_gives(tmp_path):
+    """Wan2.1 semantics: zero-padded text states attended to in full, whatever mask comes with them."""
+    theirs = diffusers_model(seed=3)
+    ours = WanDiT(TINY, CPU).eval()
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    x, t, text = inputs()
+    mask = torch.tensor([[True] * 3 + [False] * 4, [True] * 5 + [False] * 2])
+    text = text * mask[..., None]
+    with torch.no_grad():
+        expected = theirs(x, t, text, return_dict=False)[0]
+        assert (ours(x, t, text, mask) - expected).abs().max().item() <= 1e-5
+    with pytest.raises(BadInput, match="text_mask: true masks padded text tokens"):
+        TINY.model_copy(update={"text_mask": True}).to_diffusers()
 
 
 def test_untrained_head_predicts_zero_velocity():

@@ -112,7 +112,8 @@ def test_guidance_interval_guides_only_the_steps_inside_it(loop):
     assert np.abs(sampled - x.numpy()).max() <= 1e-5
     everywhere, nowhere = final(sample(loop, [Request("an ankle boot", seed=3, steps=4, guidance=3.0),
                                               Request("an ankle boot", seed=3, steps=4, guidance=1.0)]))
-    assert np.abs(sampled - everywhere).max() > 1e-2 and np.abs(sampled - nowhere).max() > 1e-2
+    # both differ by far more than the 1e-5 the hand loop is held to
+    assert np.abs(sampled - everywhere).max() > 1e-3 and np.abs(sampled - nowhere).max() > 1e-3
     [empty] = final(sample(loop, [Request("an ankle boot", seed=3, steps=4, guidance=3.0,
                                           guidance_interval=(0.1, 0.2))]))
     assert np.abs(empty - nowhere).max() <= 1e-6, "an interval holding no step's σ is unguided sampling"
