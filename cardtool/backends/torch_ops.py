@@ -101,8 +101,10 @@ def modulated_layer_norm(x, shift, scale, eps=1e-6):
 
 @functools.lru_cache(maxsize=64)
 def _rope_tables(grid: tuple[int, int, int], dim: int, theta: float, device: str, dtype: torch.dtype):
-    angles = torch.from_numpy(rope_angles(grid, dim, theta))  # float64, computed once per grid
-    return angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)
+    # normal tensors even when first asked for under inference_mode: training reuses the cached tables
+    with torch.inference_mode(False):
+        angles = torch.from_numpy(rope_angles(grid, dim, theta))  # float64, computed once per grid
+        return angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)
 
 
 def rope_3d(x, grid, theta=10000.0):
