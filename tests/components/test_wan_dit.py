@@ -143,3 +143,15 @@ def test_config_is_checked():
 def test_supported_sizes_parameter_counts(config, millions):
     count = sum(p.numel() for p in WanDiT(config, CPU).parameters())
     assert round(count / 1e6, 2) == millions, count
+
+
+def test_a_forward_under_inference_mode_leaves_nothing_that_breaks_training():
+    from cardtool.backends import torch_ops
+
+    torch_ops._rope_tables.cache_clear()  # the tables are cached: make this forward the one that builds them
+    model = WanDiT(TINY, CPU)
+    x, t, text = inputs()
+    with torch.inference_mode():
+        model(x, t, text)
+    model(x, t, text).sum().backward()  # would raise if a cached table were an inference tensor
+    assert model.blocks[0].attn1.to_q.weight.grad is not None
