@@ -118,3 +118,24 @@ def test_numpy_device_generates_from_cached_text_features(on_path, tmp_path):
     assert torch_run["images"][0]["prompt"] == "a bag"
     uncached = run("generate", "tiny-base", "-p", "never encoded", "--device", "numpy", "--out", str(tmp_path / "u"))
     assert uncached.exit_code == 2 and "nothing can run component 'hf-encoder'" in uncached.stderr
+
+
+def test_a_loaded_card_generates_many_times_and_gives_the_one_shot_images(on_path, tmp_path):
+    from cardtool.core.sampling.generate import LoadedCard, generate
+
+    loaded = LoadedCard("tiny-base")
+    first = loaded.generate(["a bag"], steps=2, out=tmp_path / "a")
+    transformer = loaded.instance.component("transformer")
+    second = loaded.generate(["a bag", "a coat"], steps=2, out=tmp_path / "b")
+    assert loaded.instance.component("transformer") is transformer, "built once, kept across calls"
+    assert loaded.loop.cache.hits >= 1, "the second call reads the first call's prompt from the cache"
+    once = generate("tiny-base", ["a bag"], steps=2, out=tmp_path / "c")
+    pixels = [read_png_pixels(r.images[0].path) for r in (first, second, once)]
+    assert all((p == pixels[0]).all() for p in pixels), "the same request gives the same image however it is run"
+
+
+def read_png_pixels(path):
+    import numpy as np
+    from PIL import Image
+
+    return np.asarray(Image.open(path))

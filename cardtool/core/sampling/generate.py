@@ -23,7 +23,8 @@ from cardtool.core.sampling.text_cache import TextFeatureCache
 from cardtool.errors import BadInput
 from cardtool.files import read_small_file
 
-__all__ = ["GeneratedImage", "GenerateReport", "generate", "parse_interval", "plan_requests", "read_prompts_file"]
+__all__ = ["GeneratedImage", "GenerateReport", "LoadedCard", "generate", "parse_interval", "plan_requests",
+           "read_prompts_file"]
 
 LOOP = "denoise"
 MAX_IMAGES = 100_000  # one command; beyond this a planning mistake, not a job (script several runs)
@@ -106,42 +107,55 @@ def parse_interval(text: str) -> tuple[float, float]:
     return low, high
 
 
-def generate(card_ref: str, prompts: list[str], *, num: int = 1, seed: int = 0, steps: int | None = None,
-             guidance: float | None = None, shift: float | None = None, solver: str | None = None,
-             guidance_interval: tuple[float, float] | None = None, device: str | None = None,
-             out: str | Path = "outputs", grid: bool = False, strict: bool = False,
-             cache: TextFeatureCache | None = None, on_step: Callable[[int, int], None] | None = None,
-             max_batch: int = 64) -> GenerateReport:
-    card = load_card(card_ref)
-    requests, warnings = plan_requests(card, prompts, num=num, seed=seed, steps=steps, guidance=guidance,
-                                       shift=shift, solver=solver, guidance_interval=guidance_interval,
-                                       strict=strict)
-    paths = _output_paths(Path(out), card.id, requests)
-    platform = Platform.detect(device)
-    instance = ModelInstance(card, platform)
-    loop = DenoiseLoop(instance, LOOP, cache or TextFeatureCache())
-    started = time.perf_counter()
-    states = sample(loop, requests, on_step=on_step, max_batch=max_batch)
-    pixels = loop.finalize(states)
-    seconds = time.perf_counter() - started
-    versions = {name: instance.weights_version(name) for name in card.manifest.loops[LOOP].uses}
-    images = []
-    for request, image, path in zip(requests, pixels, paths, strict=True):
-        metadata = {"cardtool": __version__, "card": card.id, "weights": json.dumps(versions, sort_keys=True),
-                    "prompt": request.prompt, "negative_prompt": request.negative_prompt, "seed": str(request.seed),
-                    "steps": str(request.steps), "guidance": repr(request.guidance), "shift": repr(request.shift),
-                    "guidance_interval": ",".join(map(repr, request.guidance_interval)),
-                    "solver": request.solver, "platform": f"{platform.device}/{platform.arch}",
-                    "precision": instance.precision}
-        _save(path, image, metadata)
-        images.append(GeneratedImage(path, metadata))
-    grid_path = None
-    if grid:
-        grid_path = paths[0].parent / f"{card.id}-grid.png"
-        rows = [(p, [img for r, img in zip(requests, pixels, strict=True) if r.prompt == p])
-                for p in dict.fromkeys(r.prompt for r in requests)]
-        _save(grid_path, grid_image(rows), {"card": card.id, "cardtool": __version__})
-    return GenerateReport(card.id, f"{platform.device}/{platform.arch}", images, grid_path, warnings, seconds)
+class LoadedCard:
+    """A card loaded once for many `generate` calls: its instance keeps the components it has built, and the
+    text-feature cache its encoded prompts, so a script that generates a hundred times loads once."""
+
+    def __init__(self, card_ref: str | Card, *, device: str | None = None, cache: TextFeatureCache | None = None):
+        self.card = card_ref if isinstance(card_ref, Card) else load_card(card_ref)
+        self.platform = Platform.detect(device)
+        self.instance = ModelInstance(self.card, self.platform)
+        self.loop = DenoiseLoop(self.instance, LOOP, cache or TextFeatureCache())
+
+    def generate(self, prompts: list[str], *, num: int = 1, seed: int = 0, steps: int | None = None,
+                 guidance: float | None = None, shift: float | None = None, solver: str | None = None,
+                 guidance_interval: tuple[float, float] | None = None, out: str | Path = "outputs",
+                 grid: bool = False, strict: bool = False, on_step: Callable[[int, int], None] | None = None,
+                 max_batch: int = 64) -> GenerateReport:
+        card, instance, platform = self.card, self.instance, self.platform
+        requests, warnings = plan_requests(card, prompts, num=num, seed=seed, steps=steps, guidance=guidance,
+                                           shift=shift, solver=solver, guidance_interval=guidance_interval,
+                                           strict=strict)
+        paths = _output_paths(Path(out), card.id, requests)
+        started = time.perf_counter()
+        states = sample(self.loop, requests, on_step=on_step, max_batch=max_batch)
+        pixels = self.loop.finalize(states)
+        seconds = time.perf_counter() - started
+        versions = {name: instance.weights_version(name) for name in card.manifest.loops[LOOP].uses}
+        images = []
+        for request, image, path in zip(requests, pixels, paths, strict=True):
+            metadata = {"cardtool": __version__, "card": card.id, "weights": json.dumps(versions, sort_keys=True),
+                        "prompt": request.prompt, "negative_prompt": request.negative_prompt,
+                        "seed": str(request.seed), "steps": str(request.steps), "guidance": repr(request.guidance),
+                        "shift": repr(request.shift),
+                        "guidance_interval": ",".join(map(repr, request.guidance_interval)),
+                        "solver": request.solver, "platform": f"{platform.device}/{platform.arch}",
+                        "precision": instance.precision}
+            _save(path, image, metadata)
+            images.append(GeneratedImage(path, metadata))
+        grid_path = None
+        if grid:
+            grid_path = paths[0].parent / f"{card.id}-grid.png"
+            rows = [(p, [img for r, img in zip(requests, pixels, strict=True) if r.prompt == p])
+                    for p in dict.fromkeys(r.prompt for r in requests)]
+            _save(grid_path, grid_image(rows), {"card": card.id, "cardtool": __version__})
+        return GenerateReport(card.id, f"{platform.device}/{platform.arch}", images, grid_path, warnings, seconds)
+
+
+def generate(card_ref: str, prompts: list[str], *, device: str | None = None, cache: TextFeatureCache | None = None,
+             **options) -> GenerateReport:
+    """One call: load the card, generate (options as `LoadedCard.generate`), done."""
+    return LoadedCard(card_ref, device=device, cache=cache).generate(prompts, **options)
 
 
 def _output_paths(out: Path, card_id: str, requests: list[Request]) -> list[Path]:
