@@ -17,12 +17,18 @@ __all__ = ["wan_dit_torch", "wan_dit_numpy", "conv_vae_torch", "conv_vae_numpy",
            "fashion_cnn_torch"]
 
 
-def _torch_state(module, weights: Path, device: str, dtype: str):
+def _torch_module(make, weights: Path | None, device: str, dtype: str):
+    """`make()` with the weights in `weights`: built on the meta device and given the loaded tensors
+    (`assign=True`), so no throw-away random init is computed; without weights, a fresh random init."""
     import torch
     from safetensors.torch import load_file
 
+    if weights is None:
+        return make()
     state = load_file(str(weights), device=device)
-    missing, unexpected = module.load_state_dict(state, strict=False)
+    with torch.device("meta"):
+        module = make()
+    missing, unexpected = module.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
         raise BadInput(f"{weights}: does not fit this {type(module).__name__} config "
                        f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})")
@@ -40,8 +46,8 @@ def _numpy_state(weights: Path, dtype: str) -> dict:
 def wan_dit_torch(config: dict, weights: Path | None, source: Path | None, platform: Platform, dtype: str):
     from cardtool.backends.wan_dit import WanDiT
 
-    model = WanDiT(WanDiTConfig.from_card(config, "wan-dit"), platform)
-    return _torch_state(model, weights, platform.torch_device, dtype) if weights else model
+    settings = WanDiTConfig.from_card(config, "wan-dit")
+    return _torch_module(lambda: WanDiT(settings, platform), weights, platform.torch_device, dtype)
 
 
 def wan_dit_numpy(config: dict, weights: Path | None, source: Path | None, platform: Platform, dtype: str):
@@ -53,8 +59,8 @@ def wan_dit_numpy(config: dict, weights: Path | None, source: Path | None, platf
 def conv_vae_torch(config: dict, weights: Path | None, source: Path | None, platform: Platform, dtype: str):
     from cardtool.backends.conv_vae import ConvVAE
 
-    model = ConvVAE(ConvVAEConfig.from_card(config, "conv-vae"))
-    return _torch_state(model, weights, platform.torch_device, dtype) if weights else model
+    settings = ConvVAEConfig.from_card(config, "conv-vae")
+    return _torch_module(lambda: ConvVAE(settings), weights, platform.torch_device, dtype)
 
 
 def conv_vae_numpy(config: dict, weights: Path | None, source: Path | None, platform: Platform, dtype: str):
@@ -87,5 +93,5 @@ def _hf_encoder(source: str, max_length: int, device: str, dtype):
 def fashion_cnn_torch(config: dict, weights: Path | None, source: Path | None, platform: Platform, dtype: str):
     from cardtool.backends.training import FashionCNN
 
-    model = FashionCNN(**FashionCNNConfig.from_card(config, "fashion-cnn").model_dump())
-    return _torch_state(model, weights, platform.torch_device, dtype) if weights else model
+    settings = FashionCNNConfig.from_card(config, "fashion-cnn").model_dump()
+    return _torch_module(lambda: FashionCNN(**settings), weights, platform.torch_device, dtype)
