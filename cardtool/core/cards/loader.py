@@ -22,6 +22,7 @@ from cardtool.core.cards.schema_errors import locate_problem, schema_problems
 from cardtool.core.cards.source import FieldPath, Source, display_path, read_source
 from cardtool.core.cards.weight_files import PICKLE_SUFFIXES, format_problem, sha256_file
 from cardtool.errors import BadInput, CardValidationError, Problem
+from cardtool.files import is_regular_file
 
 __all__ = ["Card", "load_card", "merge_extends", "package_path"]
 
@@ -245,9 +246,9 @@ def _file_problems(card: Card, at: FieldPath, rel: str, sha256: str | None, chec
     weights_at = at + ("weights",)
     if path.suffix.lower() in PICKLE_SUFFIXES:
         return [card.problem(weights_at, format_problem(path) or "", "convert the weights to .safetensors")]
-    if not _is_file(path):
-        return [card.problem(weights_at, f"'{rel}' does not exist in {display_path(card.folder)}",
-                             "add the file or correct the path")]
+    if not is_regular_file(path):
+        what = "is not a regular file" if _exists(path) else f"does not exist in {display_path(card.folder)}"
+        return [card.problem(weights_at, f"'{rel}' {what}", "add the file or correct the path")]
     reason = format_problem(path)
     if reason:
         return [card.problem(weights_at, reason, "write the weights with safetensors")]
@@ -257,13 +258,6 @@ def _file_problems(card: Card, at: FieldPath, rel: str, sha256: str | None, chec
             return [card.problem(at + ("sha256",), f"sha256 of '{rel}' is {actual}, the manifest declares {sha256}",
                                  "restore the original file, or update sha256 if the new weights are intended")]
     return []
-
-
-def _is_file(path: Path) -> bool:
-    try:
-        return path.is_file()
-    except (OSError, ValueError):  # a NUL byte, a name too long for the file system
-        return False
 
 
 def _exists(path: Path) -> bool:

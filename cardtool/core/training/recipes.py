@@ -97,8 +97,6 @@ def load_recipe(path: str | Path, overrides: list[str] = (), method: str | None 
         data = read_source(Path(path)).data
     except CardValidationError as e:
         raise BadInput(f"cannot read recipe: {e}")
-    if not isinstance(data, dict):
-        raise BadInput(f"recipe {path}: expected a mapping of sections")
     data = apply_overrides(data, list(overrides))
     if method is not None:
         if data.get("method") not in (None, method):

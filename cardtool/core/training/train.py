@@ -18,7 +18,6 @@ from cardtool.errors import BadInput
 __all__ = ["train"]
 
 
-
 def train(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Path | None = None, resume: bool = False,
           data: str | None = None, device: str | None = None, overwrite: bool = False,
           on_log: Callable[[dict], None] | None = None) -> Card:
