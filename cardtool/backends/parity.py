@@ -24,11 +24,15 @@ TOLERANCES: dict[str, dict[str, tuple[float, float]]] = {
     "float32": {"*": (1e-5, 1e-5),
                 # cos/sin of arguments up to 1000 rad: float32 rounding of the argument alone is ~6e-5
                 "timestep_embedding": (2e-4, 1e-5)},
-    "float16": {"*": (2e-3, 2e-3)},
+    # "generate": a card's whole 3-step generation against float32 (card_parity.py). Each forward's error is
+    # the per-op one through the network's depth; CFG multiplies it by up to 2w + 1 (7 at the parity requests'
+    # w = 3) and the steps add up. Measured on fashion-base: 2.9e-3 (float16), 3.5e-2 (bfloat16).
+    "float16": {"*": (2e-3, 2e-3), "generate": (1e-2, 2e-3)},
     "bfloat16": {"*": (1.6e-2, 1.6e-2),
                  # x·A·B rounds x, A, B and the rank-r product to 8 bits each (~4 × 2⁻⁹ on terms of size ~3),
                  # like PyTorch's own bf16 overrides for bmm/baddbmm
-                 "lora_bgmv": (5e-2, 1.6e-2)},
+                 "lora_bgmv": (5e-2, 1.6e-2),
+                 "generate": (8e-2, 1.6e-2)},
 }
 
 

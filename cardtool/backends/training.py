@@ -1,24 +1,14 @@
-"""Training plumbing that speaks torch: autocast through the platform, optimizer state as safetensors
+"""Training plumbing that speaks torch: optimizer state as safetensors
 (checkpoints never pickle), and the classifier CNN the reward card serves."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 
 import torch
 from torch import nn
 
-from cardtool.backends.platform import Platform
-
-__all__ = ["autocast", "optimizer_tensors", "load_optimizer_tensors", "FashionCNN"]
-
-
-def autocast(platform: Platform, precision: str):
-    """bfloat16 autocast where the platform computes it fast; float32 master weights either way."""
-    if precision != "bfloat16":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=platform.torch_device, dtype=torch.bfloat16)
+__all__ = ["optimizer_tensors", "load_optimizer_tensors", "FashionCNN"]
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer, prefix: str = "optim") -> tuple[dict, str]:

@@ -20,6 +20,8 @@ def eval_command(
     seed: Annotated[int, typer.Option("--seed", help="First seed of each class.")] = 0,
     device: Annotated[str | None, typer.Option("--device", help="Override the device (cuda, cpu).")] = None,
     data: Annotated[str | None, typer.Option("--data", help="An IDX folder (default: Fashion-MNIST).")] = None,
+    precision: Annotated[list[str] | None, typer.Option(
+        "--precision", help="Sampling precision (float32, bfloat16, float16); repeat for several.")] = None,
     record: Annotated[bool, typer.Option("--record", help="Write the results into the card's recipe metrics.")] = False,
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (see README).")] = False,
 ) -> None:
@@ -31,7 +33,7 @@ def eval_command(
 
     def progress(row) -> None:
         if not json_:
-            err.print(f"steps {row.steps} guidance {row.guidance:g}{_interval(row)}: "
+            err.print(f"{row.precision} steps {row.steps} guidance {row.guidance:g}{_interval(row)}: "
                       f"accuracy {row.class_accuracy:.4f}  FID {row.fid_fmnist:.3f}  "
                       f"KID×1000 {1000 * row.kid:.2f} ± {1000 * row.kid_std:.2f}  reward {row.mean_reward:.4f}  "
                       f"{row.images_per_second:.0f} img/s",
@@ -40,7 +42,8 @@ def eval_command(
     with handled(json_):
         interval = parse_interval(guidance_interval) if guidance_interval is not None else None
         report = evaluate(card, judge=reward, steps=steps, guidance=guidance, guidance_interval=interval,
-                          per_class=per_class, seed=seed, device=device, data=data, on_row=progress)
+                          per_class=per_class, seed=seed, device=device, data=data, precision=precision,
+                          on_row=progress)
         if record:
             from cardtool.core.cards.record import record_metrics
 
@@ -53,10 +56,12 @@ def eval_command(
 
     table = Table(box=box.SIMPLE_HEAD, title=f"{report.card} judged by {report.judge} on {report.platform}, "
                                              f"{report.per_class} images per class", title_justify="left")
-    for column in ("steps", "guidance", "class accuracy", "FID-FMNIST", "KID×1000", "mean reward", "images/s"):
+    for column in ("precision", "steps", "guidance", "class accuracy", "FID-FMNIST", "KID×1000", "mean reward",
+                   "images/s"):
         table.add_column(column, justify="right")
     for r in report.rows:
-        table.add_row(str(r.steps), f"{r.guidance:g}{_interval(r)}", f"{r.class_accuracy:.4f}", f"{r.fid_fmnist:.3f}",
+        table.add_row(r.precision, str(r.steps), f"{r.guidance:g}{_interval(r)}", f"{r.class_accuracy:.4f}",
+                      f"{r.fid_fmnist:.3f}",
                       f"{1000 * r.kid:.2f} ± {1000 * r.kid_std:.2f}", f"{r.mean_reward:.4f}",
                       f"{r.images_per_second:.0f}")
     out = console()

@@ -25,6 +25,9 @@ def generate_command(
     shift: Annotated[float | None, typer.Option("--shift", help="σ-grid shift (SD3 / Wan).")] = None,
     solver: Annotated[str | None, typer.Option("--solver", help="euler (ODE) or sde (Flow-GRPO SDE).")] = None,
     device: Annotated[str | None, typer.Option("--device", help="Override the device (cuda, cpu, numpy).")] = None,
+    precision: Annotated[str | None, typer.Option(
+        "--precision", help="float32, bfloat16 or float16 (mixed: float32 weights, low-precision products), "
+        "float64 (default: the card's).")] = None,
     out: Annotated[Path, typer.Option("--out", help="Output folder, or NAME.png for one image.")] = Path("outputs"),
     grid: Annotated[bool, typer.Option("--grid", help="Also write a labelled grid of all images.")] = False,
     strict: Annotated[bool, typer.Option("--strict", help="Refuse a step count the card does not assume.")] = False,
@@ -39,7 +42,8 @@ def generate_command(
         try:
             interval = parse_interval(guidance_interval) if guidance_interval is not None else None
             report = generate(card, prompts, num=num, seed=seed, steps=steps, guidance=guidance, shift=shift,
-                              solver=solver, guidance_interval=interval, device=device, out=out, grid=grid,
+                              solver=solver, guidance_interval=interval, device=device,
+                              precision=precision, out=out, grid=grid,
                               strict=strict, on_step=progress)
         finally:
             progress.stop()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from cardtool.backends.component_parity import COMPONENT_TOLERANCES, component_rows
-from cardtool.backends.parity import ParityRow, compare_arrays
+from cardtool.backends.parity import TOLERANCES, ParityRow, compare_arrays
 from cardtool.backends.platform import Platform
 from cardtool.core.cards.loader import Card
 from cardtool.core.sampling.denoise import DenoiseLoop, Request
@@ -31,7 +31,8 @@ def card_parity(card: Card, platform: Platform) -> list[ParityRow]:
 
 
 def generation_rows(card: Card, platform: Platform, loop: str = "denoise") -> list[ParityRow]:
-    """Final latents of the torch platform (float64, float32) against the numpy platform (float64)."""
+    """Final latents of the torch platform (float64, float32) against the numpy platform (float64), and at the
+    platform's fast low precisions (bfloat16 where it has fast bf16, float16 on CUDA) against its float32."""
     if loop not in card.manifest.loops or platform.device == "numpy":
         return []
     cache = TextFeatureCache(disk=False)  # the numpy run reads the features the float64 torch run encodes
@@ -46,6 +47,14 @@ def generation_rows(card: Card, platform: Platform, loop: str = "denoise") -> li
                         [f"{len(requests)} requests × 3 steps: euler with CFG, sde with shift"], 0.0, 0.0, atol, rtol,
                         True)
         row.max_abs_err, row.max_rel_err, row.passed = compare_arrays(actual, expected, atol, rtol)
+        rows.append(row)
+    low = (["bfloat16"] if platform.supports_bf16 else []) + (["float16"] if platform.device == "cuda" else [])
+    for dtype in low:
+        actual = _latents(ModelInstance(card, platform, dtype), loop, cache, requests)
+        atol, rtol = TOLERANCES[dtype]["generate"]
+        row = ParityRow(f"generate:{loop}/{platform.device}/{platform.arch}", dtype, "the same loop in float32",
+                        [f"{len(requests)} requests × 3 steps, mixed precision"], 0.0, 0.0, atol, rtol, True)
+        row.max_abs_err, row.max_rel_err, row.passed = compare_arrays(actual, runs["float32"], atol, rtol)
         rows.append(row)
     return rows
 

@@ -9,6 +9,7 @@ scale: N real train images vs the test set, and N VAE reconstructions of train i
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable
@@ -38,6 +39,7 @@ class EvalRow:
     steps: int
     guidance: float
     guidance_interval: list[float]  # the σ range of the guided steps
+    precision: str  # the sampler's compute precision (the judge always runs in float32)
     images: int
     class_accuracy: float
     fid_fmnist: float
@@ -72,14 +74,16 @@ def _finite(row: dict) -> dict:
 def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[int] | None = None,
              guidance: list[float] | None = None, guidance_interval: tuple[float, float] | None = None,
              per_class: int = 100, seed: int = 0, device: str | None = None, data: str | None = None,
-             on_row: Callable[[EvalRow], None] | None = None) -> EvalReport:
+             precision: list[str] | None = None, on_row: Callable[[EvalRow], None] | None = None) -> EvalReport:
     if per_class < 1:
         raise BadInput(f"--per-class must be at least 1, got {per_class}")
     card = load_card(card_ref)
     platform = Platform.detect(device)
-    instance = ModelInstance(card, platform)
-    loop = DenoiseLoop(instance, cache=TextFeatureCache())
-    judge_instance = ModelInstance(load_card(locate(judge)), platform)
+    cache = TextFeatureCache()
+    loops = {p: DenoiseLoop(ModelInstance(card, platform, p), cache=cache)
+             for p in precision or [card.manifest.recipe.assumes.precision]}
+    instance = next(iter(loops.values())).instance
+    judge_instance = ModelInstance(load_card(locate(judge)), platform, "float32")
     referee = FashionJudge(judge_instance)
     test, train = load_split("test", data), load_split("train", data)
     real = referee.features(test.images)
@@ -87,32 +91,33 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     report = EvalReport(card.id, judge_instance.card.id, f"{platform.device}/{platform.arch}", per_class)
     picked = np.random.default_rng(seed).choice(len(train), count, replace=False)
     floors = {"train_vs_test": referee.features(train.images[picked]),
-              "vae_reconstruction": referee.features(_reconstruct(instance, loop.vae, train.images[picked]))}
+              "vae_reconstruction": referee.features(_reconstruct(instance, next(iter(loops.values())).vae,
+                                                                   train.images[picked]))}
     for name, features in floors.items():
         report.floors[name] = round(frechet_distance(features, real), 4)
         report.kid_floors[name] = round(kernel_distance(features, real)[0], 6)
     warning = fid_warning(count, real.shape[1])
-    if warning:
-        report.warnings.append(warning)
+    report.warnings += [warning] if warning else []
+    report.warnings += [w for loop in loops.values() for w in loop.instance.warnings]
     prompts = [class_prompt(label) for label in range(len(CLASS_NAMES))]
     labels = np.repeat(np.arange(len(CLASS_NAMES)), per_class)  # plan_requests orders prompts × seeds
-    for g in guidance or [None]:  # None: the card's loop default
-        for k in steps or [None]:
-            requests, _ = plan_requests(card, prompts, num=per_class, seed=seed, steps=k, guidance=g,
-                                        guidance_interval=guidance_interval)
-            started = time.perf_counter()
-            images = loop.finalize(sample(loop, requests, max_batch=256))
-            seconds = time.perf_counter() - started
-            probabilities = referee.probabilities(images)
-            accuracy = float((probabilities.argmax(1) == labels).mean())
-            first, features = requests[0], referee.features(images)
-            kid, kid_std = kernel_distance(features, real)
-            row = EvalRow(first.steps, first.guidance, list(first.guidance_interval), count, round(accuracy, 4),
-                          round(frechet_distance(features, real), 4), round(kid, 6), round(kid_std, 6),
-                          round(float(probabilities[np.arange(count), labels].mean()), 4), round(count / seconds, 1))
-            report.rows.append(row)
-            if on_row:
-                on_row(row)
+    # None: the card's loop default for steps and guidance
+    for (p, loop), g, k in itertools.product(loops.items(), guidance or [None], steps or [None]):
+        requests, _ = plan_requests(card, prompts, num=per_class, seed=seed, steps=k, guidance=g,
+                                    guidance_interval=guidance_interval)
+        started = time.perf_counter()
+        images = loop.finalize(sample(loop, requests, max_batch=256))
+        seconds = time.perf_counter() - started
+        probabilities = referee.probabilities(images)
+        accuracy = float((probabilities.argmax(1) == labels).mean())
+        first, features = requests[0], referee.features(images)
+        kid, kid_std = kernel_distance(features, real)
+        row = EvalRow(first.steps, first.guidance, list(first.guidance_interval), p, count, round(accuracy, 4),
+                      round(frechet_distance(features, real), 4), round(kid, 6), round(kid_std, 6),
+                      round(float(probabilities[np.arange(count), labels].mean()), 4), round(count / seconds, 1))
+        report.rows.append(row)
+        if on_row:
+            on_row(row)
     return report
 
 

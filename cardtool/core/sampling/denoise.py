@@ -226,7 +226,7 @@ class DenoiseLoop:
         t = a.asarray(np.array([s.sigmas[s.step] * 1000.0 for s in rows]))
         text, mask = self._batch_text(active)
         velocity = self.instance.component(self.transformer)(a.cat([s.latents for s in rows]), t, text, mask)
-        self.advance(active, velocity)
+        self.advance(active, a.to_state(velocity))  # CFG and the solver in the state's dtype, whatever the precision
 
     def _batch_text(self, states: list[LoopState]):
         """The text rows of a batch, rebuilt only when the states or their guided steps change (not every step)."""
@@ -241,5 +241,6 @@ class DenoiseLoop:
         """Decode finished states to uint8 images (B, H, W)."""
         vae = self.instance.component(self.vae)
         latents = self.arrays.cat([s.latents for s in states])[:, :, 0] / vae.config.scaling_factor
-        images = self.arrays.to_numpy(vae.decode(latents))[:, 0]
+        with self.arrays.inference():
+            images = self.arrays.to_numpy(vae.decode(latents))[:, 0]
         return np.clip(np.round((images.astype(np.float64) + 1) * 127.5), 0, 255).astype(np.uint8)

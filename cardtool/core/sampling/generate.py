@@ -108,28 +108,47 @@ def parse_interval(text: str) -> tuple[float, float]:
 
 
 class LoadedCard:
-    """A card loaded once for many `generate` calls: its instance keeps the components it has built, and the
-    text-feature cache its encoded prompts, so a script that generates a hundred times loads once."""
+    """A card loaded once for many `generate` calls: each precision asked for gets an instance that keeps the
+    components it has built, and all share the text-feature cache of encoded prompts, so a script that
+    generates a hundred times loads once. Not for concurrent calls from several threads."""
 
-    def __init__(self, card_ref: str | Card, *, device: str | None = None, cache: TextFeatureCache | None = None):
+    def __init__(self, card_ref: str | Card, *, device: str | None = None, cache: TextFeatureCache | None = None,
+                 precision: str | None = None):
         self.card = card_ref if isinstance(card_ref, Card) else load_card(card_ref)
         self.platform = Platform.detect(device)
-        self.instance = ModelInstance(self.card, self.platform)
-        self.loop = DenoiseLoop(self.instance, LOOP, cache or TextFeatureCache())
+        self.cache = cache or TextFeatureCache()
+        self.precision = precision or self.card.manifest.recipe.assumes.precision
+        self._loops: dict[str, DenoiseLoop] = {}
+        self.loop(self.precision)  # a precision the platform cannot run is refused here, not at the first call
+
+    @property
+    def instance(self) -> ModelInstance:
+        """The instance at the default precision."""
+        return self.loop(self.precision).instance
+
+    def loop(self, precision: str | None = None) -> DenoiseLoop:
+        precision = precision or self.precision
+        if precision not in self._loops:
+            self._loops[precision] = DenoiseLoop(ModelInstance(self.card, self.platform, precision), LOOP,
+                                                 self.cache)
+        return self._loops[precision]
 
     def generate(self, prompts: list[str], *, num: int = 1, seed: int = 0, steps: int | None = None,
                  guidance: float | None = None, shift: float | None = None, solver: str | None = None,
-                 guidance_interval: tuple[float, float] | None = None, out: str | Path = "outputs",
-                 grid: bool = False, strict: bool = False, on_step: Callable[[int, int], None] | None = None,
-                 max_batch: int = 64) -> GenerateReport:
-        card, instance, platform = self.card, self.instance, self.platform
+                 guidance_interval: tuple[float, float] | None = None, precision: str | None = None,
+                 out: str | Path = "outputs", grid: bool = False, strict: bool = False,
+                 on_step: Callable[[int, int], None] | None = None, max_batch: int = 64) -> GenerateReport:
+        card, platform = self.card, self.platform
+        loop = self.loop(precision)
+        instance = loop.instance
         requests, warnings = plan_requests(card, prompts, num=num, seed=seed, steps=steps, guidance=guidance,
                                            shift=shift, solver=solver, guidance_interval=guidance_interval,
                                            strict=strict)
+        warnings = instance.warnings + warnings
         paths = _output_paths(Path(out), card.id, requests)
         started = time.perf_counter()
-        states = sample(self.loop, requests, on_step=on_step, max_batch=max_batch)
-        pixels = self.loop.finalize(states)
+        states = sample(loop, requests, on_step=on_step, max_batch=max_batch)
+        pixels = loop.finalize(states)
         seconds = time.perf_counter() - started
         versions = {name: instance.weights_version(name) for name in card.manifest.loops[LOOP].uses}
         images = []
@@ -153,9 +172,9 @@ class LoadedCard:
 
 
 def generate(card_ref: str, prompts: list[str], *, device: str | None = None, cache: TextFeatureCache | None = None,
-             **options) -> GenerateReport:
+             precision: str | None = None, **options) -> GenerateReport:
     """One call: load the card, generate (options as `LoadedCard.generate`), done."""
-    return LoadedCard(card_ref, device=device, cache=cache).generate(prompts, **options)
+    return LoadedCard(card_ref, device=device, cache=cache, precision=precision).generate(prompts, **options)
 
 
 def _output_paths(out: Path, card_id: str, requests: list[Request]) -> list[Path]:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from cardtool.backends.platform import Platform
+from cardtool.backends.precision import check_precision
 from cardtool.backends.registry import COMPONENTS
 from cardtool.core.cards.loader import Card
 from cardtool.core.cards.weight_files import tensor_digest
@@ -17,15 +18,17 @@ __all__ = ["ModelInstance"]
 
 
 class ModelInstance:
-    """Components of `card` on `platform` at `precision` (the card's assumed precision by default)."""
+    """Components of `card` on `platform` at compute `precision` (precision.py; the card's assumed precision by
+    default). `warnings` says when the platform runs that precision slowly."""
 
     def __init__(self, card: Card, platform: Platform | None = None, precision: str | None = None):
         self.card = card
         self.platform = platform or Platform.detect()
         self.precision = precision or card.manifest.recipe.assumes.precision
-        if self.platform.device == "numpy" and self.precision == "bfloat16":
-            raise BadInput(f"card '{card.id}' runs in bfloat16, which numpy does not have; use --device cpu (or a "
-                           "float32 card) for the numpy reference")
+        try:
+            self.warnings = check_precision(self.platform, self.precision)
+        except BadInput as e:
+            raise BadInput(f"card '{card.id}': {e}") from None
         self._awake: dict[str, Any] = {}
         self._versions: dict[str, str] = {}
         self._arrays = None

@@ -3,7 +3,6 @@ advance together, compatible work sharing each transformer forward, up to `max_b
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 from cardtool.core.sampling.denoise import DenoiseLoop, LoopState, Request
@@ -16,10 +15,11 @@ def sample(loop: DenoiseLoop, requests: list[Request], *, capture: bool = False,
     """Run every request to the end and return their final states (latents, and capture if asked).
 
     Each forward holds up to `max_batch` samples (a request on a guided step counts twice). `on_step(done, total)`
-    reports progress in request-steps. Without `grad` the forwards run under no-grad."""
+    reports progress in request-steps. Without `grad` the forwards run under inference mode; either way at
+    the instance's precision."""
     states = loop.init(requests, capture)
     total, done = sum(r.steps for r in requests), 0
-    with loop.arrays.inference() if not grad else contextlib.nullcontext():
+    with loop.arrays.inference() if not grad else loop.arrays.compute():
         while active := [s for s in states if not s.done]:
             for chunk in _chunks(active, max_batch):
                 loop.step(chunk)

@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file
 
 from cardtool.atomic import atomic_path
 from cardtool.backends.platform import Platform
-from cardtool.backends.training import autocast, load_optimizer_tensors, optimizer_tensors
+from cardtool.backends.precision import autocast
+from cardtool.backends.training import load_optimizer_tensors, optimizer_tensors
 from cardtool.core.training.recipes import Recipe
 from cardtool.errors import BadInput, CardtoolError
 

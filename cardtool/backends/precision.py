@@ -1,0 +1,55 @@
+"""Compute precision: what `--precision` means on each platform.
+
+float64 and float32 run the components at that dtype. bfloat16 and float16 are mixed precision, as in
+training (Micikevicius et al. 2018, "Mixed Precision Training"): the weights, the latents and the solver
+stay float32 while the matrix products run in the low dtype under torch autocast, and the platform's
+kernel cells of the matching variant are picked (the avx512_bf16 attention and LoRA kernels on this CPU
+tier; the dtype-generic torch ops on CUDA). One float32 copy of the weights serves every precision.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from cardtool.backends.platform import Platform
+from cardtool.errors import BadInput
+
+__all__ = ["PRECISIONS", "LOW_PRECISIONS", "autocast", "check_precision", "kernel_variant", "weights_dtype"]
+
+PRECISIONS = ("float64", "float32", "bfloat16", "float16")
+LOW_PRECISIONS = ("bfloat16", "float16")
+_VARIANTS = {"bfloat16": "bf16", "float16": "fp16"}  # the registry falls back to `default` where none is registered
+
+
+def check_precision(platform: Platform, precision: str) -> list[str]:
+    """Refuse a precision the platform cannot run; warnings for one it runs slowly."""
+    if precision not in PRECISIONS:
+        raise BadInput(f"unknown precision '{precision}'; choose one of: {', '.join(PRECISIONS)}")
+    if platform.device == "numpy" and precision in LOW_PRECISIONS:
+        raise BadInput(f"the numpy platform has no {precision}; use --device cpu, or float32/float64")
+    warnings = []
+    if precision == "bfloat16" and not platform.supports_bf16:
+        warnings.append(f"{platform.device}/{platform.arch} has no fast bfloat16 (avx512_bf16 or CUDA sm80+): "
+                        "bfloat16 runs emulated and is likely slower than float32")
+    if precision == "float16" and platform.device != "cuda":
+        warnings.append("float16 on a CPU is emulated and likely slower than float32; bfloat16 is the CPU's low "
+                        "precision")
+    return warnings
+
+
+def weights_dtype(precision: str) -> str:
+    """The dtype components hold their weights and activations in: float32 under mixed precision."""
+    return "float64" if precision == "float64" else "float32"
+
+
+def kernel_variant(precision: str) -> str:
+    return _VARIANTS.get(precision, "default")
+
+
+def autocast(platform: Platform, precision: str):
+    """The context the components run under: torch autocast to the low dtype, or nothing."""
+    if precision not in LOW_PRECISIONS or platform.device == "numpy":
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.autocast(device_type=platform.torch_device, dtype=getattr(torch, precision))
