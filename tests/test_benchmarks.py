@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from helpers import REPO
 
 
@@ -19,11 +20,17 @@ def test_cli_startup_benchmark_writes_medians(tmp_path):
     assert all(t > 0 for t in medians.values())
 
 
-def test_generate_throughput_benchmark_writes_rows(tmp_path):
-    out = tmp_path / "throughput.json"
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "generate_throughput.py"), "--steps", "2",
-                    "--batch-sizes", "1", "2", "--repeats", "1", "--out", str(out)], check=True, capture_output=True,
-                   timeout=300)
-    rows = json.loads(out.read_text())["rows"]
-    assert [r["batch"] for r in rows] == [1, 2]
-    assert all(r["generate_images_per_s"] > 0 and r["bare_loop_images_per_s"] > 0 for r in rows)
+def test_peer_benchmark_times_every_method_and_writes_ratios(tmp_path, examples):
+    pytest.importorskip("diffusers")
+    out = tmp_path / "peer.json"
+    script = REPO / "benchmarks" / "peer_diffusers.py"
+    subprocess.run([sys.executable, str(script), "--card", str(examples / "tiny-base"), "--steps", "2",
+                    "--batch-sizes", "1", "2", "--repeats", "1", "--startup-repeats", "1",
+                    "--out", str(out)], check=True, capture_output=True, timeout=600)
+    report = json.loads(out.read_text())
+    assert {(r["method"], r["batch"], r["precision"]) for r in report["rows"]} == {
+        (m, b, p) for m in ("generate warm", "generate cold", "command", "loop", "bare forward", "diffusers loop",
+                            "WanPipeline") for b in (1, 2) for p in ("float32", "bfloat16")}
+    assert all(r["median_s"] > 0 for r in report["rows"])
+    assert report["ratios"]["float32 B=2"]["generate warm / diffusers loop"] > 0
+    assert report["startup"]["ratio"] > 0

@@ -31,6 +31,14 @@ class Kernels:
             setattr(self, op, KERNELS.resolve(op, platform, variant)[1])
 
 
+def _random_table(rows: int, dim: int) -> torch.Tensor:
+    """A modulation table's init, N(0, 1/dim). On the meta device (weights about to be assigned) it stays
+    uninitialised: random ops on meta tensors run through torch._refs, whose first use imports torch._dynamo
+    (~1 s of a one-image `generate`)."""
+    table = torch.empty(1, rows, dim)
+    return table if table.is_meta else torch.randn(1, rows, dim) / dim**0.5
+
+
 class _Weight(nn.Module):
     """A learned per-channel weight (the RMSNorm gain), kept as a module for diffusers' key names."""
 
@@ -66,11 +74,15 @@ class _Attention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(c.dim, c.dim)])
         self.norm_q, self.norm_k = _Weight(c.dim), _Weight(c.dim)
 
-    def forward(self, x, context=None, grid=None, mask=None):
-        source = x if context is None else context
-        q = self.ops.rms_norm(self.to_q(x), self.norm_q.weight, self.eps)
+    def keys_values(self, source):
+        """Keys (RMS-normed) and values of `source`, (B, H, L, Dh) each."""
         k = self.ops.rms_norm(self.to_k(source), self.norm_k.weight, self.eps)
-        q, k, v = (t.unflatten(2, (self.heads, -1)).transpose(1, 2) for t in (q, k, self.to_v(source)))  # (B, H, L, Dh)
+        return tuple(t.unflatten(2, (self.heads, -1)).transpose(1, 2) for t in (k, self.to_v(source)))
+
+    def forward(self, x, kv=None, grid=None, mask=None):
+        """Self-attention with RoPE over `grid` when `kv` is None, else attention to the given keys and values."""
+        q = self.ops.rms_norm(self.to_q(x), self.norm_q.weight, self.eps).unflatten(2, (self.heads, -1)).transpose(1, 2)
+        k, v = self.keys_values(x) if kv is None else kv
         if grid is not None:
             q, k = self.ops.rope_3d(q, grid), self.ops.rope_3d(k, grid)
         out = self.ops.attention(q, k, v, None if mask is None else mask[:, None, None, :])
@@ -95,22 +107,23 @@ class _Block(nn.Module):
         self.attn1, self.attn2 = _Attention(c, ops), _Attention(c, ops)
         self.norm2 = nn.LayerNorm(c.dim, eps=c.eps) if c.cross_attn_norm else None
         self.ffn = _FeedForward(c)
-        self.scale_shift_table = nn.Parameter(torch.randn(1, 6, c.dim) / c.dim**0.5)
+        self.scale_shift_table = nn.Parameter(_random_table(6, c.dim))
 
-    def forward(self, x, context, modulation, grid, text_mask):
+    def forward(self, x, text_kv, modulation, grid, text_mask):
         shift, scale, gate, c_shift, c_scale, c_gate = (self.scale_shift_table + modulation).chunk(6, dim=1)
         x = x + self.attn1(self.ops.modulated_layer_norm(x, shift, scale, self.eps), grid=grid) * gate
         # an affine LayerNorm is adaLN with shift = bias and scale = weight − 1
         normed = x if self.norm2 is None else \
             self.ops.modulated_layer_norm(x, self.norm2.bias, self.norm2.weight - 1, self.eps)
-        x = x + self.attn2(normed, context, mask=text_mask)
+        x = x + self.attn2(normed, text_kv, mask=text_mask)
         return x + self.ffn(self.ops.modulated_layer_norm(x, c_shift, c_scale, self.eps)) * c_gate
 
 
 class WanDiT(nn.Module):
     """Velocity model v(x_t, t, text): latents (B, C, F, H, W), timesteps t (B,) in [0, 1000], text states
     (B, Lt, text_dim) zero beyond each prompt, and the boolean mask (B, Lt) of real tokens — which cross-attention
-    uses only when the config says `text_mask: true`; by default it attends to every token, as Wan2.1 does."""
+    uses only when the config says `text_mask: true`; by default it attends to every token, as Wan2.1 does.
+    `text_context`, from `text_context(text)`, skips recomputing the text's keys and values."""
 
     def __init__(self, config: WanDiTConfig, platform: Platform, variant: str = "default"):
         super().__init__()
@@ -120,11 +133,17 @@ class WanDiT(nn.Module):
         self.condition_embedder = _ConditionEmbedder(c)
         self.blocks = nn.ModuleList([_Block(c, self.ops) for _ in range(c.depth)])
         self.proj_out = nn.Linear(c.dim, c.out_channels * math.prod(c.patch))
-        self.scale_shift_table = nn.Parameter(torch.randn(1, 2, c.dim) / c.dim**0.5)
+        self.scale_shift_table = nn.Parameter(_random_table(2, c.dim))
         nn.init.zeros_(self.proj_out.weight)  # the head starts at zero: an untrained model predicts v = 0
         nn.init.zeros_(self.proj_out.bias)
 
-    def forward(self, x, t, text, text_mask=None):
+    def text_context(self, text):
+        """Every block's cross-attention keys and values for the text states (B, Lt, text_dim): they do not
+        change over a denoising run, so a sampler computes them once and passes them to each step's forward."""
+        context = self.condition_embedder.text_embedder(text)
+        return [block.attn2.keys_values(context) for block in self.blocks]
+
+    def forward(self, x, t, text, text_mask=None, text_context=None):
         c = self.config
         text_mask = text_mask if c.text_mask else None  # Wan2.1 attends to every (zero-padded) token
         batch, _, frames, height, width = x.shape
@@ -135,9 +154,8 @@ class WanDiT(nn.Module):
         freq = self.ops.timestep_embedding(t, c.freq_dim).to(embedder.time_embedder.linear_1.weight.dtype)
         temb = embedder.time_embedder(freq)  # (B, D)
         modulation = embedder.time_proj(F.silu(temb)).unflatten(1, (6, c.dim))  # (B, 6, D)
-        context = embedder.text_embedder(text)
-        for block in self.blocks:
-            h = block(h, context, modulation, grid, text_mask)
+        for block, kv in zip(self.blocks, text_context or self.text_context(text), strict=True):
+            h = block(h, kv, modulation, grid, text_mask)
         shift, scale = (self.scale_shift_table + temb[:, None]).chunk(2, dim=1)
         h = self.proj_out(self.ops.modulated_layer_norm(h, shift, scale, c.eps))
         h = h.reshape(batch, *grid, pt, ph, pw, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)

@@ -148,7 +148,7 @@ def test_supported_sizes_parameter_counts(config, millions):
 def test_a_forward_under_inference_mode_leaves_nothing_that_breaks_training():
     from cardtool.backends import torch_ops
 
-    torch_ops._rope_tables.cache_clear()  # the tables are cached: make this forward the one that builds them
+    torch_ops._rope_rotations.cache_clear()  # the tables are cached: make this forward the one that builds them
     model = WanDiT(TINY, CPU)
     x, t, text = inputs()
     with torch.inference_mode():

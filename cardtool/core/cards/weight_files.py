@@ -9,6 +9,10 @@ import stat
 import struct
 from pathlib import Path
 
+from cardtool.atomic import write_atomic
+from cardtool.cache import cache_dir
+from cardtool.files import read_small_file
+
 __all__ = ["PICKLE_SUFFIXES", "FLOAT_DTYPES", "format_problem", "read_header", "sha256_file", "tensor_digest"]
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle")
@@ -125,26 +129,57 @@ def _short(text: str) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-_versions: dict[tuple[str, int, int], str] = {}
-
-
 def tensor_digest(path: Path) -> str:
     """A content hash of the tensors in a safetensors file (names, dtypes, shapes, bytes), blind to its
     metadata and tensor order: the weights version used in cache keys. Read from the raw layout, so any
-    dtype (bf16 included) hashes without a framework."""
+    dtype (bf16 included) hashes without a framework. Remembered across processes by the file's identity
+    (path, size, inode, mtime and ctime, as git's index does): a 90 MB encoder is hashed once, not per call."""
     stat = path.stat()
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-    if key not in _versions:
-        with path.open("rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
-            start = 8 + header_len
-            digest = hashlib.sha256()
-            for name in sorted(k for k in header if k != "__metadata__"):
-                entry = header[name]
-                begin, end = entry["data_offsets"]
-                f.seek(start + begin)
-                digest.update(f"{name}|{entry['dtype']}|{entry['shape']}|".encode())
-                digest.update(f.read(end - begin))
-        _versions[key] = digest.hexdigest()
-    return _versions[key]
+    resolved = str(path.resolve())
+    identity = [stat.st_size, stat.st_ino, stat.st_mtime_ns, stat.st_ctime_ns]
+    memo = _digest_memo()
+    known = memo.get(resolved)
+    if isinstance(known, list) and known[:4] == identity and isinstance(known[-1], str):
+        return known[-1]
+    with path.open("rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+        start = 8 + header_len
+        digest = hashlib.sha256()
+        for name in sorted(k for k in header if k != "__metadata__"):
+            entry = header[name]
+            begin, end = entry["data_offsets"]
+            f.seek(start + begin)
+            digest.update(f"{name}|{entry['dtype']}|{entry['shape']}|".encode())
+            digest.update(f.read(end - begin))
+    memo.pop(resolved, None)
+    memo[resolved] = identity + [digest.hexdigest()]
+    _save_digest_memo(memo)
+    return digest.hexdigest()
+
+
+_MEMO_FILE, _MEMO_ENTRIES = "digests.json", 1000
+_memo: dict | None = None
+
+
+def _digest_memo() -> dict:
+    """The remembered digests (per process, read once); an unreadable or foreign file counts as empty."""
+    global _memo
+    if _memo is None:
+        text, problem = read_small_file(cache_dir() / _MEMO_FILE, limit=4 << 20)
+        try:
+            _memo = json.loads(text) if not problem else {}
+        except ValueError:
+            _memo = {}
+        _memo = _memo if isinstance(_memo, dict) else {}
+    return _memo
+
+
+def _save_digest_memo(memo: dict) -> None:
+    for stale in list(memo)[:-_MEMO_ENTRIES]:
+        del memo[stale]
+    try:
+        cache_dir().mkdir(parents=True, exist_ok=True)
+        write_atomic(cache_dir() / _MEMO_FILE, json.dumps(memo).encode())
+    except OSError:  # a read-only cache only costs the next process a re-hash
+        pass

@@ -224,17 +224,23 @@ class DenoiseLoop:
         a = self.arrays
         rows = [s for s in active for _ in range(2 if s.guided else 1)]
         t = a.asarray(np.array([s.sigmas[s.step] * 1000.0 for s in rows]))
-        text, mask = self._batch_text(active)
-        velocity = self.instance.component(self.transformer)(a.cat([s.latents for s in rows]), t, text, mask)
+        text, mask, context = self._batch_text(active)
+        transformer = self.instance.component(self.transformer)
+        x = a.cat([s.latents for s in rows])
+        velocity = transformer(x, t, text, mask) if context is None else transformer(x, t, text, mask, context)
         self.advance(active, a.to_state(velocity))  # CFG and the solver in the state's dtype, whatever the precision
 
     def _batch_text(self, states: list[LoopState]):
-        """The text rows of a batch, rebuilt only when the states or their guided steps change (not every step)."""
+        """The text rows of a batch and, from a transformer that offers `text_context`, what its
+        cross-attention derives from them (Wan: every block's keys and values) — rebuilt only when the states or
+        their guided steps change, not every step."""
         key = tuple((s, s.guided) for s in states)  # states compared by identity, kept alive with the rows
         if self._text_rows is None or self._text_rows[0] != key:
             parts = [part for s in states for part in ((s.cond, s.uncond) if s.guided else (s.cond,))]
             a = self.arrays
-            self._text_rows = (key, a.cat([p[0] for p in parts]), a.cat([p[1] for p in parts]))
+            text, mask = a.cat([p[0] for p in parts]), a.cat([p[1] for p in parts])
+            encode = getattr(self.instance.component(self.transformer), "text_context", None)
+            self._text_rows = (key, text, mask, encode(text) if encode else None)
         return self._text_rows[1:]
 
     def finalize(self, states: list[LoopState]) -> np.ndarray:

@@ -8,21 +8,14 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
 from cardtool.atomic import write_atomic
+from cardtool.cache import cache_dir
 
 __all__ = ["TextFeatureCache", "cache_dir", "encode_prompts"]
-
-
-def cache_dir() -> Path:
-    """CARDTOOL_CACHE, else $XDG_CACHE_HOME/cardtool, else ~/.cache/cardtool."""
-    if os.environ.get("CARDTOOL_CACHE"):
-        return Path(os.environ["CARDTOOL_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cardtool"
 
 
 class TextFeatureCache:
