@@ -139,3 +139,19 @@ def test_numpy_platform_runs_the_same_loop(loop):
     expected = final(sample(torch64, MIXED))
     for actual, wanted in zip(sample(numpy64, MIXED), expected, strict=True):
         assert np.abs(actual.latents - wanted).max() <= 1e-12
+
+
+def test_text_keys_and_values_are_computed_once_per_run_and_change_nothing(loop, monkeypatch):
+    dit = loop.instance.component("transformer")
+    requests = [Request("a bag", seed=s, steps=4, guidance=3.0) for s in range(3)]
+    with torch.inference_mode():
+        expected = []
+        for state in loop.init(requests):  # the plain forward, text projected on every call
+            while (inputs := loop.next(state)) is not None:
+                loop.advance([state], dit(inputs.x, inputs.t, inputs.text, inputs.mask))
+            expected.append(state.latents.numpy())
+    calls = []
+    monkeypatch.setattr(dit, "text_context", lambda text: calls.append(text.shape) or type(dit).text_context(dit, text))
+    actual = final(sample(loop, requests))
+    assert calls == [(6, 16, 384)], "one projection for the batch's six rows, reused on all four steps"
+    np.testing.assert_allclose(np.concatenate(actual), np.concatenate(expected), atol=1e-6)
