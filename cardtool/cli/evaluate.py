@@ -22,7 +22,8 @@ def eval_command(
     data: Annotated[str | None, typer.Option("--data", help="An IDX folder (default: Fashion-MNIST).")] = None,
     precision: Annotated[list[str] | None, typer.Option(
         "--precision", help="Sampling precision (float32, bfloat16, float16); repeat for several.")] = None,
-    record: Annotated[bool, typer.Option("--record", help="Write the results into the card's recipe metrics.")] = False,
+    record: Annotated[bool, typer.Option(
+        "--record", help="Write the report beside the card (eval.json), its summary into the recipe.")] = False,
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (see README).")] = False,
 ) -> None:
     """Evaluate a card: per step count and guidance, accuracy by the judge, FID-FMNIST with its floors."""
@@ -45,9 +46,9 @@ def eval_command(
                           per_class=per_class, seed=seed, device=device, data=data, precision=precision,
                           on_row=progress)
         if record:
-            from cardtool.core.cards.record import record_metrics
+            from cardtool.core.cards.record import record_eval
 
-            record_metrics(card, {"eval": report.to_json()})
+            record_eval(card, report.to_json())
     if json_:
         emit_json(report.to_json())
         return

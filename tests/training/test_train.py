@@ -3,6 +3,7 @@ stops the run keeping the last good checkpoint, and what pretraining writes is s
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import numpy as np
@@ -137,7 +138,10 @@ def test_classifier_pretrain_and_generate_from_what_training_wrote(tmp_path, dat
     assert set(report["floors"]) == set(report["kid_floors"]) == {"train_vs_test", "vae_reconstruction"}
     assert all(r["kid_std"] >= 0 and isinstance(r["kid"], float) for r in report["rows"])
     assert "KID" in report["warnings"][0], "20 images are too few for FID to mean much, and the report says so"
-    assert load_card("fashion-base", checksums=True).manifest.recipe.metrics["eval"]["rows"][1]["steps"] == 2
+    summary = load_card("fashion-base", checksums=True).manifest.recipe.metrics["eval"]
+    full = (base.folder / summary["report"]).read_bytes()
+    assert json.loads(full)["rows"] == report["rows"] and summary["sha256"] == hashlib.sha256(full).hexdigest()
+    assert summary["rows_in_report"] == 2 and summary["rows"] == report["rows"], "no row at the 20-step default"
     tuned = train(tiny("fashion-base", ["method=finetune", "parents=[fashion-base]", "card.id=fashion-tuned",
                                         "model={}", "optim.steps=2", "optim.batch_size=8", "train.ema=0",
                                         "train.precision=float32"]),

@@ -1,14 +1,21 @@
-"""Recording measured metrics into a card's recipe, atomically, keeping the manifest's other text."""
+"""Recording measured metrics into a card's recipe, atomically, keeping the manifest's other text; an eval's
+full table goes to a report file beside the manifest, its summary into the manifest."""
 
 from __future__ import annotations
+
+import hashlib
+import json
 
 import yaml
 
 from cardtool.atomic import write_atomic
 from cardtool.core.cards.loader import load_card
+from cardtool.core.cards.loops import FlowDenoiseDefaults
 from cardtool.errors import BadInput
 
-__all__ = ["record_metrics"]
+__all__ = ["EVAL_REPORT", "eval_summary", "record_eval", "record_metrics"]
+
+EVAL_REPORT = "eval.json"
 
 
 def record_metrics(card_ref: str, metrics: dict) -> None:
@@ -25,3 +32,26 @@ def record_metrics(card_ref: str, metrics: dict) -> None:
     except Exception:
         write_atomic(card.file, before)  # never leave a card that does not load
         raise
+
+
+def record_eval(card_ref: str, report: dict) -> None:
+    """The whole report as `eval.json` beside the manifest, and its summary as recipe.metrics.eval: a large
+    table stays out of the manifest every generate call parses."""
+    card = load_card(card_ref)
+    if card.file.suffix != ".yaml":
+        raise BadInput(f"--record writes YAML manifests; {card.file} is TOML")
+    data = (json.dumps(report, indent=1) + "\n").encode()
+    write_atomic(card.folder / EVAL_REPORT, data)
+    loop = card.manifest.loops.get("denoise")
+    defaults = FlowDenoiseDefaults.model_validate(loop.defaults if loop else {})
+    record_metrics(card_ref, {"eval": eval_summary(report, defaults, hashlib.sha256(data).hexdigest())})
+
+
+def eval_summary(report: dict, defaults: FlowDenoiseDefaults, sha256: str) -> dict:
+    """Where the report is, what judged it, its floors, and its rows at the card's loop defaults (one per
+    precision; every row when none is at the defaults)."""
+    wanted = (defaults.steps, defaults.guidance, list(defaults.guidance_interval))
+    at_defaults = [r for r in report["rows"] if (r["steps"], r["guidance"], list(r["guidance_interval"])) == wanted]
+    return {"report": EVAL_REPORT, "sha256": sha256, "rows_in_report": len(report["rows"]),
+            **{k: report[k] for k in ("judge", "platform", "per_class", "floors", "kid_floors") if k in report},
+            "rows": at_defaults or report["rows"]}
