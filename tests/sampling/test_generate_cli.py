@@ -43,13 +43,14 @@ def test_generate_writes_pngs_with_metadata_and_a_grid(on_path, tmp_path):
     assert report["grid"] and read_png_metadata(report["grid"])["card"] == "tiny-base"
 
 
-def test_the_same_command_twice_gives_bit_identical_pngs(on_path, tmp_path):
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_the_same_command_twice_gives_bit_identical_pngs(on_path, tmp_path, precision):
     outputs = []
     for attempt in ("a", "b"):
         out = tmp_path / attempt
         subprocess.run([sys.executable, "-m", "cardtool", "generate", "tiny-base", "-p", "a coat", "-n", "2",
-                        "--steps", "3", "--solver", "sde", "--out", str(out)], check=True, capture_output=True,
-                       timeout=300)
+                        "--steps", "3", "--solver", "sde", "--precision", precision, "--device", "cpu",
+                        "--out", str(out)], check=True, capture_output=True, timeout=300)
         outputs.append({p.name: p.read_bytes() for p in sorted(out.glob("*.png"))})
     assert len(outputs[0]) == 2 and outputs[0] == outputs[1]
 
