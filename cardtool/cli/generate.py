@@ -28,6 +28,8 @@ def generate_command(
     precision: Annotated[str | None, typer.Option(
         "--precision", help="float32, bfloat16 or float16 (mixed: float32 weights, low-precision products), "
         "float64 (default: the card's).")] = None,
+    max_batch: Annotated[int, typer.Option(
+        "--max-batch", help="Model rows per forward (a guided request takes two); lower it to save memory.")] = 128,
     out: Annotated[Path, typer.Option("--out", help="Output folder, or NAME.png for one image.")] = Path("outputs"),
     grid: Annotated[bool, typer.Option("--grid", help="Also write a labelled grid of all images.")] = False,
     strict: Annotated[bool, typer.Option("--strict", help="Refuse a step count the card does not assume.")] = False,
@@ -43,7 +45,7 @@ def generate_command(
             interval = parse_interval(guidance_interval) if guidance_interval is not None else None
             report = generate(card, prompts, num=num, seed=seed, steps=steps, guidance=guidance, shift=shift,
                               solver=solver, guidance_interval=interval, device=device,
-                              precision=precision, out=out, grid=grid,
+                              precision=precision, max_batch=max_batch, out=out, grid=grid,
                               strict=strict, on_step=progress)
         finally:
             progress.stop()

@@ -97,6 +97,7 @@ def test_a_card_assuming_fixed_steps_warns_and_strict_refuses(on_path, tmp_path)
     (["tiny-base", "-p", "x", "--steps", "0"], "steps must be in 1…1000"),
     (["tiny-base", "-p", "x", "--solver", "heun"], "unknown solver"),
     (["tiny-base", "-p", "x", "-n", "0"], "--num must be at least 1"),
+    (["tiny-base", "-p", "x", "--max-batch", "0"], "--max-batch must be at least 1"),
     (["tiny-base", "-p", "x", "-p", "y", "--out", "one.png"], "names one file"),
     (["tiny-base", "-p", "x", "--out", "/proc/no/such"], "cannot write to the output folder"),
     (["tiny-base", "-p", "x", "--out", "/proc/x.png"], "cannot write to the output folder /proc"),

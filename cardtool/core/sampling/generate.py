@@ -137,7 +137,9 @@ class LoadedCard:
                  guidance: float | None = None, shift: float | None = None, solver: str | None = None,
                  guidance_interval: tuple[float, float] | None = None, precision: str | None = None,
                  out: str | Path = "outputs", grid: bool = False, strict: bool = False,
-                 on_step: Callable[[int, int], None] | None = None, max_batch: int = 64) -> GenerateReport:
+                 on_step: Callable[[int, int], None] | None = None, max_batch: int = 128) -> GenerateReport:
+        if max_batch < 1:
+            raise BadInput(f"--max-batch must be at least 1, got {max_batch}")
         card, platform = self.card, self.platform
         loop = self.loop(precision)
         instance = loop.instance

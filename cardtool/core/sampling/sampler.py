@@ -10,11 +10,12 @@ from cardtool.core.sampling.denoise import DenoiseLoop, LoopState, Request
 __all__ = ["sample"]
 
 
-def sample(loop: DenoiseLoop, requests: list[Request], *, capture: bool = False, max_batch: int = 64,
+def sample(loop: DenoiseLoop, requests: list[Request], *, capture: bool = False, max_batch: int = 128,
            on_step: Callable[[int, int], None] | None = None, grad: bool = False) -> list[LoopState]:
     """Run every request to the end and return their final states (latents, and capture if asked).
 
-    Each forward holds up to `max_batch` samples (a request on a guided step counts twice). `on_step(done, total)`
+    Each forward holds up to `max_batch` model rows (a request on a guided step counts twice), so 64 guided
+    requests share one forward by default: larger products run more efficiently, bf16 ones especially. `on_step(done, total)`
     reports progress in request-steps. Without `grad` the forwards run under inference mode; either way at
     the instance's precision."""
     states = loop.init(requests, capture)
