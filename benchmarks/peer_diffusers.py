@@ -7,7 +7,8 @@ precision, autocast for diffusers too) and batch size B:
 - generate cold:  a fresh `LoadedCard` per call in this process (parse, build, then as warm)
 - command:        `cardtool generate` in a fresh process (interpreter, torch import, everything)
 - loop:           the denoise loop alone (`sample`: no decoding, no PNGs)
-- bare forward:   the same DiT's forwards and Euler updates on fixed tensors, nothing else
+- bare forward:   the same DiT's forwards (with the text mask, for a card that masks) and Euler updates on fixed
+                  tensors, nothing else
 - diffusers loop: diffusers' `WanTransformer3DModel` holding the same weights, its FlowMatchEulerDiscreteScheduler
                   and a hand-written CFG loop, on the same text states and initial noise
 - WanPipeline:    `WanPipeline(output_type="latent")` given the same prompt embeddings and latents (it evaluates
@@ -65,6 +66,7 @@ class Peers:
         card = self.loaded.card
         cond, uncond = encode_prompts(loop.instance, [PROMPT, ""], self.loaded.cache, loop.text_encoder)
         self.cond, self.uncond = (torch.from_numpy(states[None]).float() for states, _ in (cond, uncond))
+        self.masks = [torch.from_numpy(mask[None]) for _, mask in (cond, uncond)]
         config = WanDiTConfig.from_card(card.manifest.components[loop.transformer].config, "wan-dit")
         self.text_mask = config.text_mask  # diffusers has no mask: a masked card is compared for speed only
         self.dit = diffusers.WanTransformer3DModel(**config.model_copy(update={"text_mask": False}).to_diffusers())
@@ -113,10 +115,11 @@ class Peers:
         loop = self.loaded.loop(precision)
         dit, sigmas = loop.instance.component(loop.transformer), shifted_sigmas(self.steps, self.shift)
         x, text = self.noise(batch), torch.cat([self.cond.expand(batch, -1, -1), self.uncond.expand(batch, -1, -1)])
+        mask = torch.cat([m.expand(batch, -1) for m in self.masks])  # used only by a card that masks
         with loop.arrays.inference():
             for i in range(self.steps):
                 t = torch.full((2 * batch,), sigmas[i] * 1000.0)
-                v_cond, v_uncond = dit(torch.cat([x, x]), t, text).float().chunk(2)
+                v_cond, v_uncond = dit(torch.cat([x, x]), t, text, mask).float().chunk(2)
                 x = x + (sigmas[i + 1] - sigmas[i]) * (v_uncond + self.guidance * (v_cond - v_uncond))
 
     def _diffusers_loop(self, batch, precision):

@@ -89,6 +89,8 @@ def attention(q, k, v, mask=None):
         return F.scaled_dot_product_attention(q, k, v)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     anything = mask.any(dim=-1, keepdim=True)
+    if anything.all():  # the usual case (every prompt has tokens): no zeroing pass
+        return out
     return torch.where(anything, out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
