@@ -15,9 +15,9 @@ def sample(loop: DenoiseLoop, requests: list[Request], *, capture: bool = False,
     """Run every request to the end and return their final states (latents, and capture if asked).
 
     Each forward holds up to `max_batch` model rows (a request on a guided step counts twice), so 64 guided
-    requests share one forward by default: larger products run more efficiently, bf16 ones especially. `on_step(done, total)`
-    reports progress in request-steps. Without `grad` the forwards run under inference mode; either way at
-    the instance's precision."""
+    requests share one forward by default: larger products run more efficiently, bf16 ones especially.
+    `on_step(done, total)` reports progress in request-steps. Without `grad` the forwards run under inference
+    mode; either way at the instance's precision."""
     states = loop.init(requests, capture)
     total, done = sum(r.steps for r in requests), 0
     with loop.arrays.inference() if not grad else loop.arrays.compute():
