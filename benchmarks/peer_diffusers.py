@@ -248,8 +248,9 @@ def plot(report: dict, path: Path) -> None:
         ax.set_yscale("log")
         ax.set_ylabel("images / s (median)")
         ax.set_title(f"{report['card']}, {report['steps']} steps, CFG every step, {precision}")
-    axes[0][0].legend(fontsize=7)
-    figure.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="lower center", ncol=len(methods), fontsize=8, frameon=False)
+    figure.tight_layout(rect=(0, 0.07, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
 

@@ -9,6 +9,8 @@ import sys
 
 from helpers import REPO
 
+from cardtool.core.sampling.images import read_png_metadata
+
 README = (REPO / "README.md").read_text()
 BLOCKS = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
 SETUP_MAIN, SETUP_TESTS, TOUR = BLOCKS[0].strip(), BLOCKS[1].strip(), BLOCKS[2]
@@ -49,3 +51,4 @@ def test_quick_tour_runs_as_written(tmp_path):
     assert '"id": "tiny-rl"' in result.stdout
     assert result.stdout.count("ok ") >= 3, "validate --checksums reports each example card ok"
     assert len(list((tmp_path / "outputs").glob("tiny-base-*.png"))) == 4 + 1, "four images and the grid"
+    assert read_png_metadata(tmp_path / "outputs" / "bag-bf16.png")["precision"] == "bfloat16"
