@@ -4,7 +4,8 @@ float64 and float32 run the components at that dtype. bfloat16 and float16 are m
 training (Micikevicius et al. 2018, "Mixed Precision Training"): the weights, the latents and the solver
 stay float32 while the matrix products run in the low dtype under torch autocast, and the platform's
 kernel cells of the matching variant are picked (the avx512_bf16 attention and LoRA kernels on this CPU
-tier; the dtype-generic torch ops on CUDA). One float32 copy of the weights serves every precision.
+tier; the dtype-generic torch ops on CUDA). Weights are never rounded to the low dtype, so a low-precision
+run differs from float32 only by its products.
 """
 
 from __future__ import annotations

@@ -1,0 +1,31 @@
+"""Weights versions (tensor digests) are remembered across processes by file identity, never past a change."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from safetensors.torch import save_file
+
+from cardtool.cache import cache_dir
+from cardtool.core.cards import weight_files
+from cardtool.core.cards.weight_files import tensor_digest
+
+
+def test_a_digest_is_read_back_in_a_new_process_and_recomputed_when_the_file_changes(tmp_path, monkeypatch):
+    path = tmp_path / "w.safetensors"
+    save_file({"a": torch.ones(3)}, str(path))
+    first = tensor_digest(path)
+    memo_file = cache_dir() / "digests.json"
+    memo = json.loads(memo_file.read_text())
+    assert memo[str(path.resolve())][-1] == first
+    memo[str(path.resolve())][-1] = "remembered"  # what a new process would trust for the same file identity
+    memo_file.write_text(json.dumps(memo))
+    monkeypatch.setattr(weight_files, "_memo", None)  # a new process
+    assert tensor_digest(path) == "remembered", "not hashed again"
+    save_file({"a": torch.zeros(3)}, str(path))  # new content: new size/inode/times, so the entry is stale
+    changed = tensor_digest(path)
+    assert changed not in (first, "remembered") and len(changed) == 64
+    memo_file.write_text("not json")
+    monkeypatch.setattr(weight_files, "_memo", None)
+    assert tensor_digest(path) == changed, "an unreadable memo is only a cache miss"
