@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -48,6 +49,8 @@ from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import encode_prompts
 
 PROMPT = "an ankle boot"
+# the console script as users run it; the module where no script is on PATH
+CARDTOOL = [shutil.which("cardtool")] if shutil.which("cardtool") else [sys.executable, "-m", "cardtool"]
 METHODS = ("generate warm", "generate cold", "command", "loop", "bare forward", "diffusers loop", "WanPipeline")
 
 
@@ -101,7 +104,7 @@ class Peers:
         LoadedCard(self.card_ref, device="cpu").generate([PROMPT], **self.options(batch, precision))
 
     def _command(self, batch, precision):
-        subprocess.run(["cardtool", "generate", self.card_ref, "-p", PROMPT, "-n", str(batch), "--steps",
+        subprocess.run([*CARDTOOL, "generate", self.card_ref, "-p", PROMPT, "-n", str(batch), "--steps",
                         str(self.steps), "--guidance", str(self.guidance), "--shift", str(self.shift),
                         "--guidance-interval", "0,1", "--precision", precision, "--device", "cpu",
                         "--out", str(self.out)], check=True, capture_output=True)
@@ -144,7 +147,7 @@ class Peers:
 def startup(card_ref: str, repeats: int) -> dict:
     """Medians of a one-step one-image command and of importing torch, interleaved, in fresh processes."""
     out = Path(tempfile.mkdtemp(prefix="cardtool-startup-")) / "one.png"
-    commands = {"cardtool generate -n 1 --steps 1": ["cardtool", "generate", card_ref, "-p", PROMPT, "-n", "1",
+    commands = {"cardtool generate -n 1 --steps 1": [*CARDTOOL, "generate", card_ref, "-p", PROMPT, "-n", "1",
                                                      "--steps", "1", "--out", str(out)],
                 "python -c 'import torch'": [sys.executable, "-c", "import torch"]}
     times: dict[str, list[float]] = {name: [] for name in commands}
