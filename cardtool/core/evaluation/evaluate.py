@@ -82,7 +82,7 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     cache = TextFeatureCache()
     loops = {p: DenoiseLoop(ModelInstance(card, platform, p), cache=cache)
              for p in precision or [card.manifest.recipe.assumes.precision]}
-    instance = next(iter(loops.values())).instance
+    first = next(iter(loops.values()))  # its VAE makes the reconstruction floor
     judge_instance = ModelInstance(load_card(locate(judge)), platform, "float32")
     referee = FashionJudge(judge_instance)
     test, train = load_split("test", data), load_split("train", data)
@@ -91,8 +91,7 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     report = EvalReport(card.id, judge_instance.card.id, f"{platform.device}/{platform.arch}", per_class)
     picked = np.random.default_rng(seed).choice(len(train), count, replace=False)
     floors = {"train_vs_test": referee.features(train.images[picked]),
-              "vae_reconstruction": referee.features(_reconstruct(instance, next(iter(loops.values())).vae,
-                                                                   train.images[picked]))}
+              "vae_reconstruction": referee.features(_reconstruct(first.instance, first.vae, train.images[picked]))}
     for name, features in floors.items():
         report.floors[name] = round(frechet_distance(features, real), 4)
         report.kid_floors[name] = round(kernel_distance(features, real)[0], 6)
