@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 
+import pytest
+
 from cardtool.core.cards.loader import load_card
 from cardtool.core.cards.record import record_eval
 
@@ -28,3 +30,20 @@ def test_record_keeps_the_table_beside_the_card_and_the_default_rows_in_it(examp
     assert [(r["precision"], r["steps"], r["guidance"]) for r in summary["rows"]] == [
         ("float32", defaults["steps"], defaults["guidance"]), ("bfloat16", defaults["steps"], defaults["guidance"])]
     assert summary["rows_in_report"] == 8 and summary["floors"] == {"a": 1.0} and summary["judge"] == "j"
+
+
+def test_a_record_that_fails_leaves_the_old_report_and_summary_together(examples, monkeypatch):
+    from cardtool.core.cards import record
+
+    report = {"rows": [row(2, 4.0, "float32", 0.5)]}
+    record_eval(str(examples / "tiny-base"), report)
+    folder = examples / "tiny-base"
+    before = ((folder / "eval.json").read_bytes(), (folder / "card.yaml").read_bytes())
+
+    def broken(card_ref, metrics):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(record, "record_metrics", broken)
+    with pytest.raises(RuntimeError, match="disk full"):
+        record_eval(str(folder), {"rows": [row(3, 4.0, "float32", 0.9)]})
+    assert ((folder / "eval.json").read_bytes(), (folder / "card.yaml").read_bytes()) == before

@@ -41,10 +41,19 @@ def record_eval(card_ref: str, report: dict) -> None:
     if card.file.suffix != ".yaml":
         raise BadInput(f"--record writes YAML manifests; {card.file} is TOML")
     data = (json.dumps(report, indent=1) + "\n").encode()
-    write_atomic(card.folder / EVAL_REPORT, data)
+    path = card.folder / EVAL_REPORT
+    before = path.read_bytes() if path.is_file() else None
+    write_atomic(path, data)
     loop = card.manifest.loops.get("denoise")
     defaults = FlowDenoiseDefaults.model_validate(loop.defaults if loop else {})
-    record_metrics(card_ref, {"eval": eval_summary(report, defaults, hashlib.sha256(data).hexdigest())})
+    try:
+        record_metrics(card_ref, {"eval": eval_summary(report, defaults, hashlib.sha256(data).hexdigest())})
+    except Exception:  # the manifest kept its old summary: keep the report it describes
+        if before is None:
+            path.unlink(missing_ok=True)
+        else:
+            write_atomic(path, before)
+        raise
 
 
 def eval_summary(report: dict, defaults: FlowDenoiseDefaults, sha256: str) -> dict:
