@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from cardtool.cli.output import console, emit_json, handled
+from cardtool.cli.output import console, emit_json, handled, warn
 
 
 def eval_command(
@@ -72,7 +72,7 @@ def eval_command(
               f"{1000 * kid['train_vs_test']:.2f}; VAE reconstructions vs test FID "
               f"{floors['vae_reconstruction']:.3f} / KID×1000 {1000 * kid['vae_reconstruction']:.2f}", markup=False)
     for warning in report.warnings:
-        console(stderr=True).print(f"[yellow]warning[/yellow] {warning}", highlight=False)
+        warn(warning)
 
 
 def _interval(row) -> str:

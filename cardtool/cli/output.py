@@ -12,7 +12,7 @@ import typer
 
 from cardtool.errors import CardtoolError, CardValidationError
 
-__all__ = ["console", "emit_json", "handled"]
+__all__ = ["console", "emit_json", "handled", "say", "warn"]
 
 
 def console(*, stderr: bool = False):
@@ -23,6 +23,24 @@ def console(*, stderr: bool = False):
     stream = sys.stderr if stderr else sys.stdout
     width = None if stream.isatty() or os.environ.get("COLUMNS") else 160
     return Console(stderr=stderr, highlight=False, soft_wrap=stderr, width=width)
+
+
+def say(line: str, *, stderr: bool = False) -> None:
+    """One plain line (no markup, no wrapping): the per-image lines of `generate` need no Rich, whose import is
+    a measurable part of a one-image command."""
+    stream = sys.stderr if stderr else sys.stdout
+    stream.write(line + "\n")
+    stream.flush()
+
+
+def warn(message: str) -> None:
+    """A warning on stderr, yellow on a terminal."""
+    if sys.stderr.isatty() and not os.environ.get("NO_COLOR"):
+        from rich.markup import escape
+
+        console(stderr=True).print(f"[yellow]warning[/yellow] {escape(message)}", highlight=False)
+    else:
+        say(f"warning {message}", stderr=True)
 
 
 def emit_json(document: dict) -> None:
