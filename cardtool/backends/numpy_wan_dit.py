@@ -8,15 +8,13 @@ import numpy as np
 from cardtool.backends import reference as ops
 from cardtool.backends.wan_config import WanDiTConfig
 
-__all__ = ["NumpyWanDiT", "gelu_tanh", "silu"]
+__all__ = ["NumpyWanDiT", "silu"]
 
 
 def silu(x):
     return x / (1 + np.exp(-x))
 
 
-def gelu_tanh(x):
-    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
 
 
 class NumpyWanDiT:
@@ -56,7 +54,7 @@ class NumpyWanDiT:
                             silu(self._linear("condition_embedder.time_embedder.linear_1", freq)))
         modulation = self._linear("condition_embedder.time_proj", silu(temb)).reshape(batch, 6, c.dim)
         context = self._linear("condition_embedder.text_embedder.linear_2",
-                               gelu_tanh(self._linear("condition_embedder.text_embedder.linear_1", text)))
+                               ops.gelu_tanh(self._linear("condition_embedder.text_embedder.linear_1", text)))
         for i in range(c.depth):
             b = f"blocks.{i}"
             shift, scale, gate, c_shift, c_scale, c_gate = np.split(s[f"{b}.scale_shift_table"] + modulation, 6, 1)
@@ -66,7 +64,7 @@ class NumpyWanDiT:
                 ops.modulated_layer_norm(h, s[f"{b}.norm2.bias"], s[f"{b}.norm2.weight"] - 1, c.eps)
             h = h + self._attention(f"{b}.attn2", normed, context, None, text_mask)
             normed = ops.modulated_layer_norm(h, c_shift, c_scale, c.eps)
-            h = h + self._linear(f"{b}.ffn.net.2", gelu_tanh(self._linear(f"{b}.ffn.net.0.proj", normed))) * c_gate
+            h = h + self._linear(f"{b}.ffn.net.2", ops.gelu_tanh(self._linear(f"{b}.ffn.net.0.proj", normed))) * c_gate
         shift, scale = np.split(s["scale_shift_table"] + temb[:, None], 2, 1)
         h = self._linear("proj_out", ops.modulated_layer_norm(h, shift, scale, c.eps))
         h = h.reshape(batch, *grid, pt, ph, pw, -1).transpose(0, 7, 1, 4, 2, 5, 3, 6)

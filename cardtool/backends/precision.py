@@ -1,11 +1,12 @@
 """Compute precision: what `--precision` means on each platform.
 
 float64 and float32 run the components at that dtype. bfloat16 and float16 are mixed precision, as in
-training (Micikevicius et al. 2018, "Mixed Precision Training"): the weights, the latents and the solver
+training (Micikevicius et al. 2018, "Mixed Precision Training"): the latents, the solver, norms and modulation
 stay float32 while the matrix products run in the low dtype under torch autocast, and the platform's
-kernel cells of the matching variant are picked (the avx512_bf16 attention and LoRA kernels on this CPU
-tier; the dtype-generic torch ops on CUDA). Weights are never rounded to the low dtype, so a low-precision
-run differs from float32 only by its products.
+kernel cells of the matching variant are picked (cpu_bf16.py on the avx512_bf16 CPU tier; the dtype-generic
+torch ops on CUDA). The DiT's linear and convolution weights are rounded to the low dtype once at load — the
+rounding autocast applies to them on every call — so a low-precision run differs from float32 only by its
+products.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["flow_match_step", "flow_sde_step", "cfg_combine", "attention", "rms_norm", "modulated_layer_norm",
-           "rope_3d", "rope_angles", "timestep_embedding", "lora_bgmv"]
+__all__ = ["flow_match_step", "flow_sde_step", "flow_renoise_step",
+           "cfg_combine", "attention", "rms_norm", "modulated_layer_norm",
+           "rope_3d", "rope_angles", "timestep_embedding", "lora_bgmv", "gelu_tanh"]
 
 
 def _per_sample(value, x: np.ndarray) -> np.ndarray:
@@ -42,9 +43,23 @@ def flow_sde_step(x, v, sigma, sigma_next, noise=None, prev_sample=None, eta=0.7
     return sample, mean, np.broadcast_to(std, logp.shape).mean(axis=reduce), logp.mean(axis=reduce)
 
 
+def flow_renoise_step(x, v, sigma, sigma_next, noise):
+    """The few-step sampling rule of DMD2's multi-step generators (arXiv 2405.14867, "backward simulation"; the
+    LCM-style multistep rule): the clean estimate x̂0 = x − σ·v, re-noised to the next grid point with fresh
+    noise: (1 − σ_next)·x̂0 + σ_next·ε. The last step (σ_next = 0) returns x̂0."""
+    s, s_next = _per_sample(sigma, x), _per_sample(sigma_next, x)
+    return (1 - s_next) * (x - s * v) + s_next * noise
+
+
 def cfg_combine(v_uncond, v_cond, scale):
     """Classifier-free guidance: v_u + w·(v_c − v_u)."""
     return v_uncond + _per_sample(scale, v_cond) * (v_cond - v_uncond)
+
+
+def gelu_tanh(x):
+    """GELU in its tanh form (Hendrycks & Gimpel 2016, eq. 3), the FFN activation of Wan2.1:
+    ½·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))."""
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
 
 
 def attention(q, k, v, mask=None):

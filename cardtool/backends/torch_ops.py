@@ -14,8 +14,9 @@ import torch.nn.functional as F
 
 from cardtool.backends.reference import rope_angles
 
-__all__ = ["flow_match_step", "flow_sde_step", "cfg_combine", "attention", "rms_norm", "modulated_layer_norm",
-           "rope_3d", "timestep_embedding", "lora_bgmv"]
+__all__ = ["flow_match_step", "flow_sde_step", "flow_renoise_step",
+           "cfg_combine", "attention", "rms_norm", "modulated_layer_norm",
+           "rope_3d", "timestep_embedding", "lora_bgmv", "gelu_tanh"]
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -57,9 +58,20 @@ def flow_sde_step(x, v, sigma, sigma_next, noise=None, prev_sample=None, eta=0.7
     return sample.to(x.dtype), mean.to(x.dtype), std_b.to(x.dtype), logp.mean(dim=reduce).to(x.dtype)
 
 
+def flow_renoise_step(x, v, sigma, sigma_next, noise):
+    """x̂0 = x − σ·v re-noised to σ_next: (1 − σ_next)·x̂0 + σ_next·ε (DMD2's few-step rule)."""
+    s, s_next = _per_sample(sigma, x, x.dtype), _per_sample(sigma_next, x, x.dtype)
+    return (1 - s_next) * (x - s * v) + s_next * noise.to(x.dtype)
+
+
 def cfg_combine(v_uncond, v_cond, scale):
     """Classifier-free guidance: v_u + w·(v_c − v_u)."""
     return v_uncond + _per_sample(scale, v_cond, v_cond.dtype) * (v_cond - v_uncond)
+
+
+def gelu_tanh(x):
+    """GELU in its tanh form (the reference's formula)."""
+    return F.gelu(x, approximate="tanh")
 
 
 def _short_on_cpu_training(q, k, v) -> bool:

@@ -3,7 +3,7 @@
 Shared time modulation `e0 = Linear(SiLU(e))` (B, 6, D), plus each block's learned bias (1, 6, D); gated
 self-attention with qk-RMSNorm and 3D RoPE; ungated cross-attention to the projected text states; gated
 FFN; a head modulated by e plus its own bias. Every primitive op (attention, norms, modulation, RoPE,
-timestep embedding) comes from the platform's kernel table, so a faster kernel changes no code here.
+timestep embedding, GELU) comes from the platform's kernel table, so a faster kernel changes no code here.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from cardtool.backends.wan_config import WanDiTConfig
 
 __all__ = ["WanDiT", "Kernels"]
 
-OPS = ("attention", "rms_norm", "modulated_layer_norm", "rope_3d", "timestep_embedding")
+OPS = ("attention", "rms_norm", "modulated_layer_norm", "rope_3d", "timestep_embedding", "gelu_tanh")
 
 
 class Kernels:
@@ -59,11 +59,11 @@ class _MLP(nn.Module):
 
 
 class _ConditionEmbedder(nn.Module):
-    def __init__(self, c: WanDiTConfig):
+    def __init__(self, c: WanDiTConfig, ops: Kernels):
         super().__init__()
         self.time_embedder = _MLP(c.freq_dim, c.dim, F.silu)
         self.time_proj = nn.Linear(c.dim, 6 * c.dim)
-        self.text_embedder = _MLP(c.text_dim, c.dim, lambda x: F.gelu(x, approximate="tanh"))
+        self.text_embedder = _MLP(c.text_dim, c.dim, ops.gelu_tanh)
 
 
 class _Attention(nn.Module):
@@ -90,14 +90,15 @@ class _Attention(nn.Module):
 
 
 class _FeedForward(nn.Module):
-    def __init__(self, c: WanDiTConfig):
+    def __init__(self, c: WanDiTConfig, ops: Kernels):
         super().__init__()
+        self.ops = ops
         up = nn.Module()
         up.proj = nn.Linear(c.dim, c.ffn_dim)
         self.net = nn.ModuleList([up, nn.Identity(), nn.Linear(c.ffn_dim, c.dim)])
 
     def forward(self, x):
-        return self.net[2](F.gelu(self.net[0].proj(x), approximate="tanh"))
+        return self.net[2](self.ops.gelu_tanh(self.net[0].proj(x)))
 
 
 class _Block(nn.Module):
@@ -106,7 +107,7 @@ class _Block(nn.Module):
         self.eps, self.ops = c.eps, ops
         self.attn1, self.attn2 = _Attention(c, ops), _Attention(c, ops)
         self.norm2 = nn.LayerNorm(c.dim, eps=c.eps) if c.cross_attn_norm else None
-        self.ffn = _FeedForward(c)
+        self.ffn = _FeedForward(c, ops)
         self.scale_shift_table = nn.Parameter(_random_table(6, c.dim))
 
     def forward(self, x, text_kv, modulation, grid, text_mask):
@@ -130,7 +131,7 @@ class WanDiT(nn.Module):
         self.config, self.ops = config, Kernels(platform, variant)
         c = config
         self.patch_embedding = nn.Conv3d(c.in_channels, c.dim, kernel_size=c.patch, stride=c.patch)
-        self.condition_embedder = _ConditionEmbedder(c)
+        self.condition_embedder = _ConditionEmbedder(c, self.ops)
         self.blocks = nn.ModuleList([_Block(c, self.ops) for _ in range(c.depth)])
         self.proj_out = nn.Linear(c.dim, c.out_channels * math.prod(c.patch))
         self.scale_shift_table = nn.Parameter(_random_table(2, c.dim))

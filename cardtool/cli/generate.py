@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from cardtool.cli.output import console, emit_json, handled
+from cardtool.cli.output import console, emit_json, handled, say, warn
 
 
 def generate_command(
@@ -23,7 +23,8 @@ def generate_command(
     guidance_interval: Annotated[str | None, typer.Option(
         "--guidance-interval", metavar="LO,HI", help="σ range of the steps using CFG (default: the card's).")] = None,
     shift: Annotated[float | None, typer.Option("--shift", help="σ-grid shift (SD3 / Wan).")] = None,
-    solver: Annotated[str | None, typer.Option("--solver", help="euler (ODE) or sde (Flow-GRPO SDE).")] = None,
+    solver: Annotated[str | None, typer.Option(
+        "--solver", help="euler (ODE), sde (Flow-GRPO SDE) or renoise (DMD2 few-step: x̂0, re-noised).")] = None,
     device: Annotated[str | None, typer.Option("--device", help="Override the device (cuda, cpu, numpy).")] = None,
     precision: Annotated[str | None, typer.Option(
         "--precision", help="float32, bfloat16 or float16 (mixed: float32 weights, low-precision products), "
@@ -49,20 +50,18 @@ def generate_command(
                               strict=strict, on_step=progress)
         finally:
             progress.stop()
-    err = console(stderr=True)
     for warning in report.warnings:
-        err.print(f"[yellow]warning[/yellow] {warning}", markup=True, highlight=False)
+        warn(warning)
     if json_:
         emit_json(report.to_json())
         return
-    out_console = console()
     for image in report.images:
-        out_console.print(f"{image.path}  ({image.metadata['prompt']!r}, seed {image.metadata['seed']})", markup=False)
+        say(f"{image.path}  ({image.metadata['prompt']!r}, seed {image.metadata['seed']})")
     if report.grid:
-        out_console.print(f"{report.grid}  (grid)", markup=False)
+        say(f"{report.grid}  (grid)")
     rate = len(report.images) / report.seconds if report.seconds else float("nan")
-    err.print(f"{len(report.images)} images from {report.card} on {report.platform} in {report.seconds:.2f}s "
-              f"({rate:.1f} images/s)", markup=False)
+    say(f"{len(report.images)} images from {report.card} on {report.platform} in {report.seconds:.2f}s "
+        f"({rate:.1f} images/s)", stderr=True)
 
 
 class _LateProgress:

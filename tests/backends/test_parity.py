@@ -27,10 +27,13 @@ def test_every_torch_cell_passes_at_float64_float32_bfloat16():
 @pytest.mark.skipif(HERE.arch != "avx512_bf16", reason="the bf16 variants live on the avx512_bf16 tier")
 def test_bf16_variants_are_held_to_bf16_tolerances_against_float32():
     rows = {r.cell: r for r in run_parity(HERE) if r.cell.endswith("/bf16")}
-    assert set(rows) == {"attention/cpu/avx512_bf16/bf16", "lora_bgmv/cpu/avx512_bf16/bf16"}
+    lowered = ("attention", "lora_bgmv", "gelu_tanh", "modulated_layer_norm")
+    assert set(rows) == {f"{op}/cpu/avx512_bf16/bf16" for op in lowered + ("rms_norm",)}
     for row in rows.values():
-        assert row.passed and row.dtype == "float32" and row.against.endswith("in float32")
-        assert row.atol >= 1e-2 and row.max_abs_err > 1e-4, "bf16 compute is really lower precision"
+        assert row.passed and row.dtype == "float32" and row.against.endswith("in float32") and row.atol >= 1e-2
+    for op in lowered:
+        assert rows[f"{op}/cpu/avx512_bf16/bf16"].max_abs_err > 1e-4, "bf16 compute is really lower precision"
+    assert rows["rms_norm/cpu/avx512_bf16/bf16"].max_abs_err == 0, "computed and handed on in float32"
 
 
 def test_numpy_platform_has_nothing_to_compare():
@@ -65,3 +68,20 @@ def test_parity_cli_passes_here_and_rejects_unknown_ops():
     assert result.exit_code == 0, result.stdout[-2000:]
     assert json.loads(result.stdout)["ok"]
     assert CliRunner().invoke(app, ["parity", "--op", "nope"]).exit_code == 2
+
+
+def test_bf16_attention_keeps_short_key_sequences_in_float32_even_under_autocast():
+    import torch
+
+    from cardtool.backends import cpu_bf16, torch_ops
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 2, 8, 16)
+    for keys, exact in ((16, True), (cpu_bf16.SHORT_KEYS, False)):
+        k, v = torch.randn(2, 2, keys, 16), torch.randn(2, 2, keys, 16)
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            out = cpu_bf16.attention(q, k, v)
+        expected = torch_ops.attention(q, k, v)
+        assert out.dtype == torch.float32
+        assert torch.equal(out, expected) == exact, keys
+        assert (out - expected).abs().max() < 2e-2

@@ -50,6 +50,19 @@ def test_sde_step_at_sigma_one_uses_the_next_grid_point():
     np.testing.assert_allclose(std, [0.7 * math.sqrt(1.0 / 0.1) * math.sqrt(0.1)])
 
 
+def test_renoise_step_predicts_x0_and_renoises_to_the_next_sigma():
+    """On x_t = (1 − t)·x0 + t·ε with the true velocity ε − x0, x̂0 is x0 exactly: each step lands on the path
+    at σ_next with the fresh noise, and the last step returns x0."""
+    x0, eps, fresh = rng.standard_normal((2, 6)), rng.standard_normal((2, 6)), rng.standard_normal((2, 6))
+    sigma, sigma_next = np.array([0.75, 0.25]), np.array([0.5, 0.0])
+    x = (1 - sigma[:, None]) * x0 + sigma[:, None] * eps
+    out = ref.flow_renoise_step(x, eps - x0, sigma, sigma_next, fresh)
+    np.testing.assert_allclose(out[0], 0.5 * x0[0] + 0.5 * fresh[0], atol=1e-12)
+    np.testing.assert_allclose(out[1], x0[1], atol=1e-12)
+    # a one-step grid (σ 1 → 0) is the Euler step
+    np.testing.assert_allclose(ref.flow_renoise_step(x, eps, 1.0, 0.0, fresh), ref.flow_match_step(x, eps, 1.0, 0.0))
+
+
 def test_cfg_at_scale_one_is_the_conditional_velocity():
     vu, vc = rng.standard_normal((2, 5)), rng.standard_normal((2, 5))
     np.testing.assert_allclose(ref.cfg_combine(vu, vc, 1.0), vc)

@@ -19,7 +19,8 @@ MIXED = [Request("an ankle boot", seed=1, steps=3, guidance=4.0),
          Request("a bag", seed=2, steps=5, guidance=1.0, solver="sde"),
          Request("a coat", seed=3, steps=4, guidance=2.0, shift=3.0, solver="sde"),
          Request("a coat", seed=4, steps=2, guidance=7.5, negative_prompt="a shirt"),
-         Request("a shirt", seed=5, steps=4, guidance=3.0, guidance_interval=(0.0, 0.5))]  # σ 1, .75 unguided
+         Request("a shirt", seed=5, steps=4, guidance=3.0, guidance_interval=(0.0, 0.5)),  # σ 1, .75 unguided
+         Request("a sneaker", seed=6, steps=3, guidance=1.0, solver="renoise")]
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +55,8 @@ def test_forwards_are_shared_and_capped_by_max_batch(loop, monkeypatch):
     monkeypatch.setattr(type(transformer), "forward",
                         lambda self, x, *rest: sizes.append(x.shape[0]) or original(self, x, *rest))
     sample(loop, MIXED)
-    assert sizes[0] == 2 + 1 + 2 + 2 + 1, "one forward for all five requests, guided ones twice"
-    assert sizes[2] == 2 + 1 + 2 + 2, "the third step: two requests done, the interval one now guided"
+    assert sizes[0] == 2 + 1 + 2 + 2 + 1 + 1, "one forward for all six requests, guided ones twice"
+    assert sizes[2] == 2 + 1 + 2 + 2 + 1, "the third step: two requests done, the interval one now guided"
     assert len(sizes) == 5, "as many forwards as the longest request has steps"
     sizes.clear()
     capped = final(sample(loop, MIXED, max_batch=2))
@@ -87,6 +88,24 @@ def test_captured_sde_log_probs_rescore_exactly(loop):
         logp = flow_sde_step(c.latents[i], c.velocities[i], c.sigmas[i], c.sigmas[i + 1],
                              prev_sample=c.latents[i + 1])[3]
         torch.testing.assert_close(logp, c.log_probs[i], rtol=1e-5, atol=1e-5)
+
+
+def test_renoise_predicts_x0_and_renoises_with_the_requests_own_noise(loop):
+    """DMD2's few-step rule by hand: x̂0 = x − σ·v, then (1 − σ')·x̂0 + σ'·ε with ε the request's next normal draws."""
+    request = Request("a sneaker", seed=6, steps=3, guidance=1.0, solver="renoise")
+    [state] = loop.init([request])
+    rng = np.random.default_rng(request.seed)
+    rng.standard_normal(state.latents.shape)  # the initial noise
+    model = loop.instance.component("transformer")
+    x = state.latents
+    with torch.no_grad():
+        for sigma, sigma_next in zip(state.sigmas[:-1], state.sigmas[1:], strict=True):
+            x0 = x - sigma * model(x, torch.tensor([sigma * 1000.0]), *state.cond)
+            x = (1 - sigma_next) * x0 + sigma_next * torch.as_tensor(rng.standard_normal(x.shape), dtype=x.dtype)
+    [sampled] = final(sample(loop, [request]))
+    assert np.abs(sampled - x.numpy()).max() <= 1e-5
+    [euler] = final(sample(loop, [Request("a sneaker", seed=6, steps=3, guidance=1.0)]))
+    assert np.abs(sampled - euler).max() > 1e-3, "a different rule from the ODE"
 
 
 def test_guidance_one_needs_no_unconditional_pass(loop):

@@ -36,8 +36,9 @@ def test_every_chunk_carries_a_valid_crc():
     assert kinds == [b"IHDR", b"iTXt", b"IDAT", b"IEND"]
 
 
-@pytest.mark.parametrize("pixels, metadata", [(np.zeros((2, 2, 3), np.uint8), {}), (np.zeros((2, 2), np.uint8), {"": "x"}),
-                                              (np.zeros((2, 2), np.uint8), {"k" * 80: "x"})])
+@pytest.mark.parametrize(("pixels", "metadata"), [(np.zeros((2, 2, 3), np.uint8), {}),
+                                                  (np.zeros((2, 2), np.uint8), {"": "x"}),
+                                                  (np.zeros((2, 2), np.uint8), {"k" * 80: "x"})])
 def test_bad_images_and_keywords_are_refused(pixels, metadata):
     with pytest.raises(ValueError):
         png_bytes(pixels, metadata)

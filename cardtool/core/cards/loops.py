@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = ["SOLVERS", "LOOP_KINDS", "LoopKind", "FlowDenoiseDefaults", "MAX_STEPS"]
 
-SOLVERS = ("euler", "sde")
+SOLVERS = ("euler", "sde", "renoise")
 MAX_STEPS = 1000
 Finite = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # an int is a float too
 

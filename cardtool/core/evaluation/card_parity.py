@@ -17,9 +17,10 @@ from cardtool.core.sampling.text_cache import TextFeatureCache
 
 __all__ = ["card_parity", "generation_rows"]
 
-# one CFG request on the ODE, one unguided request on the SDE, with a shifted grid
+# one CFG request on the ODE, one unguided request on the SDE with a shifted grid, one on the re-noising rule
 PARITY_REQUESTS = (Request("an ankle boot", seed=0, steps=3, guidance=3.0, guidance_interval=(0.0, 0.7)),
-                   Request("", seed=1, steps=3, guidance=1.0, shift=2.0, solver="sde"))
+                   Request("", seed=1, steps=3, guidance=1.0, shift=2.0, solver="sde"),
+                   Request("a bag", seed=2, steps=3, guidance=1.0, solver="renoise"))
 
 
 def card_parity(card: Card, platform: Platform) -> list[ParityRow]:
@@ -44,8 +45,8 @@ def generation_rows(card: Card, platform: Platform, loop: str = "denoise") -> li
     for dtype, actual in runs.items():
         atol, rtol = COMPONENT_TOLERANCES[dtype]
         row = ParityRow(f"generate:{loop}/{platform.device}/{platform.arch}", dtype, "numpy float64",
-                        [f"{len(requests)} requests × 3 steps: euler with CFG, sde with shift"], 0.0, 0.0, atol, rtol,
-                        True)
+                        [f"{len(requests)} requests × 3 steps: euler with CFG, sde with shift, renoise"], 0.0, 0.0,
+                        atol, rtol, True)
         row.max_abs_err, row.max_rel_err, row.passed = compare_arrays(actual, expected, atol, rtol)
         rows.append(row)
     low = (["bfloat16"] if platform.supports_bf16 else []) + (["float16"] if platform.device == "cuda" else [])

@@ -4,7 +4,8 @@ will distillation and RL rollouts, with capture switched on.
 A driven loop: `init` makes a request's state (its seed's noise, its shifted σ grid, its text features);
 `next` says what the model must evaluate for it; `step` evaluates many states' inputs in one forward;
 `advance` applies CFG and the solver to a batch of states (`euler`, the flow ODE; `sde`, Flow-GRPO's SDE with per-step
-log-probabilities); `finalize` decodes. Everything per request lives in its LoopState: its own numpy RNG
+log-probabilities; `renoise`, DMD2's few-step rule: predict x̂0, re-noise it to the next σ with fresh noise); `finalize`
+decodes. Everything per request lives in its LoopState: its own numpy RNG
 (so samples do not depend on batch composition or platform), σ grid, guidance and captured tensors.
 
 CFG applies on the steps whose σ lies in the request's `guidance_interval` (Kynkäänniemi et al. 2024,
@@ -136,6 +137,7 @@ class DenoiseLoop:
         platform = instance.platform
         self.euler = KERNELS.resolve("flow_match_step", platform)[1]
         self.sde = KERNELS.resolve("flow_sde_step", platform)[1]
+        self.renoise = KERNELS.resolve("flow_renoise_step", platform)[1]
         self.cfg = KERNELS.resolve("cfg_combine", platform)[1]
         self._text_rows = None
 
@@ -200,6 +202,13 @@ class DenoiseLoop:
         if euler:
             stepped = self.euler(x[euler], v[euler], a.asarray(sigma[euler]), a.asarray(sigma_next[euler]))
             for j, i in enumerate(euler):
+                solved[i] = stepped[j:j + 1]
+        renoise = [i for i, s in enumerate(states) if s.request.solver == "renoise"]
+        if renoise:
+            noise = a.asarray(np.concatenate([states[i].rng.standard_normal((1, *x.shape[1:])) for i in renoise]))
+            stepped = self.renoise(x[renoise], v[renoise], a.asarray(sigma[renoise]), a.asarray(sigma_next[renoise]),
+                                   noise)
+            for j, i in enumerate(renoise):
                 solved[i] = stepped[j:j + 1]
         for eta in sorted({s.request.eta for s in states if s.request.solver == "sde"}):
             group = [i for i, s in enumerate(states) if s.request.solver == "sde" and s.request.eta == eta]
