@@ -36,6 +36,9 @@ class NumpyArrays:
     def compute(self):
         return contextlib.nullcontext()
 
+    def grad_enabled(self) -> bool:
+        return False
+
 
 class TorchArrays:
     """Tensors at the weights' dtype; `inference()` adds the precision's autocast (mixed precision)."""
@@ -73,6 +76,9 @@ class TorchArrays:
     def compute(self):
         """The precision's autocast alone, for forwards that keep autograd (rollouts that train)."""
         return autocast(self._platform, self._precision)
+
+    def grad_enabled(self) -> bool:
+        return self.torch.is_grad_enabled()
 
 
 def arrays_numpy(config, weights, source, platform: Platform, precision: str) -> NumpyArrays:

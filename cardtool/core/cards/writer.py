@@ -43,7 +43,7 @@ def write_card(folder: Path, manifest: dict, weights: dict[str, dict], *, copies
             shutil.copyfile(source, staging / rel)
         for section in ("components", "adapters"):
             for entry in manifest.get(section, {}).values():
-                if entry.get("weights"):
+                if entry and entry.get("weights"):  # an inherited entry set to null is removed
                     entry["sha256"] = sha256_file(staging / entry["weights"])
         (staging / "card.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False, allow_unicode=True, width=110))
         load_card(staging, checksums=True)  # a card that would not load is never put in place

@@ -46,6 +46,12 @@ class ModelInstance:
                                       _on(self.platform, cell.key[1]), self.precision)
         return self._awake[name]
 
+    def use(self, name: str, module: Any) -> None:
+        """Serve component `name` from `module` (a training method's live weights) instead of the card's file,
+        so the project's one loop samples exactly what is being trained. Its version is then `live`."""
+        self._spec(name)
+        self._awake[name], self._versions[name] = module, "live"
+
     @property
     def arrays(self):
         """The array namespace (torch on cpu/cuda, numpy on the numpy rung) the loops work in."""

@@ -17,7 +17,8 @@ from cardtool.errors import BadInput, CardValidationError
 
 __all__ = ["Recipe", "load_recipe", "apply_overrides"]
 
-TRAIN_METHODS = ("vae", "classifier", "pretrain", "finetune")
+TRAIN_METHODS = ("vae", "classifier", "pretrain", "finetune")  # `cardtool train`
+DISTILL_METHODS = ("dmd2",)  # `cardtool distill`
 
 
 class _Strict(BaseModel):
@@ -49,7 +50,7 @@ class Schedule(_Strict):
 
 
 class Recipe(_Strict):
-    method: Literal[TRAIN_METHODS]  # type: ignore[valid-type]
+    method: Literal[TRAIN_METHODS + DISTILL_METHODS]  # type: ignore[valid-type]
     card: CardSpec
     parents: list[str] = []  # cards this one starts from or uses (a VAE, a base to fine-tune)
     data: dict[str, Any] = {}
@@ -91,19 +92,34 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return out
 
 
-def load_recipe(path: str | Path, overrides: list[str] = (), method: str | None = None) -> Recipe:
-    """Read a recipe, apply overrides (and --method), validate; errors name the field."""
-    try:  # the manifest reader: bounded size and depth, no aliases, plain types, located errors
-        data = read_source(Path(path)).data
-    except CardValidationError as e:
-        raise BadInput(f"cannot read recipe: {e}")
-    data = apply_overrides(data, list(overrides))
+def load_recipe(path: str | Path | None, overrides: list[str] = (), method: str | None = None,
+                defaults: dict | None = None, complete=None) -> Recipe:
+    """Read a recipe (or start from `defaults` alone), apply overrides (and --method), validate; errors name the
+    field. The file's values win over `defaults`, overrides over both; `complete(data)` may fill in what depends
+    on the merged values (distill's student id) before validation."""
+    data = {}
+    if path is not None:
+        try:  # the manifest reader: bounded size and depth, no aliases, plain types, located errors
+            data = read_source(Path(path)).data
+        except CardValidationError as e:
+            raise BadInput(f"cannot read recipe: {e}")
+    data = apply_overrides(_under(defaults or {}, data), list(overrides))
     if method is not None:
         if data.get("method") not in (None, method):
-            raise BadInput(f"recipe {path} is for method '{data['method']}', not '{method}'")
+            raise BadInput(f"recipe {path or 'defaults'} is for method '{data['method']}', not '{method}'")
         data["method"] = method
+    if complete is not None:
+        complete(data)
     try:
         return Recipe.model_validate(data)
     except ValidationError as e:
         problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
-        raise BadInput(f"recipe {path}: {problems}")
+        raise BadInput(f"recipe {path or '(defaults and --set)'}: {problems}")
+
+
+def _under(defaults: dict, data: dict) -> dict:
+    """`data` over `defaults`, section by section."""
+    out = copy.deepcopy(defaults)
+    for key, value in data.items():
+        out[key] = _under(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out

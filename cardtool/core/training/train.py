@@ -21,6 +21,8 @@ __all__ = ["train"]
 def train(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Path | None = None, resume: bool = False,
           data: str | None = None, device: str | None = None, overwrite: bool = False,
           on_log: Callable[[dict], None] | None = None) -> Card:
+    if recipe.method == "dmd2":
+        raise BadInput("dmd2 is distillation: run it with `cardtool distill TEACHER --recipe FILE`")
     platform = Platform.detect(device)
     if recipe.train.precision == "bfloat16" and not platform.supports_bf16:
         raise BadInput(f"train.precision bfloat16 needs bf16 compute, which {platform.device}/{platform.arch} "

@@ -45,7 +45,13 @@ class Task(ABC):
 
     @abstractmethod
     def loss(self, indices: np.ndarray, generator: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
-        """Loss on the training examples `indices`; all randomness drawn from `generator`."""
+        """Loss on the training examples `indices`; all randomness drawn from `generator`. Modules the step
+        should not update simply get no gradient (AdamW leaves a parameter without one untouched)."""
+
+    def prepare(self, step: int) -> None:
+        """Called before each step's loss: a method with a schedule of its own (DMD2's two time-scale updates)
+        reads the step here."""
+        return None
 
 
 @dataclass
@@ -91,7 +97,8 @@ def _lr(recipe: Recipe, step: int) -> float:
 def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *, resume: bool = False,
                on_log: Callable[[dict], None] | None = None) -> TrainResult:
     modules = task.modules()
-    params = [p for m in modules.values() for p in m.parameters() if p.requires_grad]
+    groups = [[p for p in m.parameters() if p.requires_grad] for m in modules.values()]
+    params = [p for group in groups for p in group]
     o, schedule = recipe.optim, recipe.train
     optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
     ema = {name: copy.deepcopy(m).requires_grad_(False) for name, m in modules.items()} if schedule.ema else None
@@ -117,6 +124,7 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
         torch.manual_seed(step_seed)
         for m in modules.values():
             m.train()
+        task.prepare(step)
         with autocast(platform, schedule.precision):
             loss, metrics = task.loss(order(step), generator)
         loss_value = float(loss.detach())
@@ -126,7 +134,8 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
                                    "optim.warmup, then --resume")
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
+        for group in groups:  # per module: a critic's large gradient must not shrink the generator's
+            torch.nn.utils.clip_grad_norm_(group, o.grad_clip)
         optimizer.step()
         if ema is not None:
             with torch.no_grad():

@@ -1,0 +1,62 @@
+"""`cardtool distill TEACHER [--steps N] [--recipe FILE] [--set key=value …]` — DMD2 into a few-step student card."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cardtool.cli.output import emit_json, handled, say
+
+
+def distill_command(
+    teacher: Annotated[str, typer.Argument(help="The teacher: a card id, folder or manifest with a denoise loop.")],
+    steps: Annotated[int | None, typer.Option("--steps", help="The student's step count (default: the recipe's, "
+                                              "4).")] = None,
+    recipe: Annotated[Path | None, typer.Option("--recipe", help="A dmd2 recipe (examples/recipes/fashion-dmd2."
+                                                "yaml holds the defaults).")] = None,
+    overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a value: optim.steps=500.")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="The student card folder (default cards/ID).")] = None,
+    run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Checkpoints (default runs/ID).")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --run-dir.")] = False,
+    device: Annotated[str | None, typer.Option("--device", help="Override the device (cuda, cpu).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing student card folder.")] = False,
+    evaluate: Annotated[bool, typer.Option("--eval/--no-eval", help="Evaluate the student at its own defaults "
+                                           "and record it in the card.")] = True,
+    judge: Annotated[str, typer.Option("--judge", help="The judge card for the eval.")] = "fashion-classifier",
+    json_: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (see README).")] = False,
+) -> None:
+    """Distil TEACHER into an N-step student with DMD2; the student card extends the teacher."""
+    from cardtool.core.cards.source import display_path
+    from cardtool.core.training.distill import distill, distill_recipe
+
+    def log(entry: dict) -> None:
+        if not json_:
+            extras = "  ".join(f"{k} {v:.4g}" for k, v in entry.items() if k not in ("step", "steps", "loss", "lr"))
+            say(f"iteration {entry['step']}/{entry['steps']}  loss {entry['loss']:.4f}  lr {entry['lr']:.2e}  {extras}",
+                stderr=True)
+
+    def eval_line(report: dict) -> None:
+        if not json_:
+            for row in report["rows"]:
+                say(f"eval at {row['steps']} steps: accuracy {row['class_accuracy']:.4f}  FID {row['fid_fmnist']:.3f}"
+                    f"  {row['images_per_second']:.0f} img/s", stderr=True)
+
+    with handled(json_):
+        loaded = distill_recipe(teacher, recipe, list(overrides or []), steps)
+        typed = sys.argv[1:2] == ["distill"]
+        command = shlex.join(["cardtool", *sys.argv[1:]] if typed else
+                             ["cardtool", "distill", teacher, *(["--steps", str(steps)] if steps else []),
+                              *(["--recipe", str(recipe)] if recipe else []), *(f"--set={o}" for o in overrides or [])])
+        card = distill(loaded, command=command, out=out, run_dir=run_dir, resume=resume, device=device, force=force,
+                       evaluate=evaluate, judge=judge, on_log=log, on_eval=eval_line)
+    metrics = card.manifest.recipe.metrics
+    if json_:
+        emit_json({"card": card.id, "path": display_path(card.folder), "extends": card.manifest.extends,
+                   "steps": card.manifest.recipe.assumes.steps, "metrics": metrics})
+        return
+    say(f"wrote student card {card.id} ({card.manifest.recipe.assumes.steps} steps) to {display_path(card.folder)}")
+

@@ -1,0 +1,120 @@
+"""`cardtool distill TEACHER`: DMD2 through the shared trainer, then the student card — it `extends` the teacher
+(text encoder and VAE by reference), replaces the transformer, and its loop defaults are exactly the sampling rule
+it was trained with (`steps: N`, `solver: renoise`, `guidance: 1`) — and, unless asked not to, its eval at them."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from cardtool.backends.platform import Platform
+from cardtool.core.cards.discovery import locate
+from cardtool.core.cards.loader import Card, load_card
+from cardtool.core.cards.writer import write_card
+from cardtool.core.training.recipes import Recipe
+from cardtool.core.training.trainer import train_loop
+from cardtool.errors import BadInput, CardtoolError
+
+__all__ = ["distill", "distill_recipe", "student_id"]
+
+
+def student_id(teacher: str, steps) -> str:
+    name = Path(teacher).name if os.sep in teacher or teacher.startswith(".") else teacher
+    return f"{name}-{steps}step"
+
+
+def distill_recipe(teacher: str, path: Path | None = None, overrides: list[str] = (),
+                   steps: int | None = None) -> Recipe:
+    """The recipe `cardtool distill` runs: the file (or DMD2's defaults) with `--set` and `--steps` applied, the
+    teacher as its one parent, and the student id `TEACHER-Nstep` unless the recipe names one."""
+    from cardtool.core.training.methods.dmd2 import DEFAULTS
+    from cardtool.core.training.recipes import load_recipe
+
+    if steps is not None and steps < 1:
+        raise BadInput(f"--steps must be at least 1, got {steps}")
+
+    def complete(data: dict) -> None:
+        data["parents"] = [teacher]
+        card = data.setdefault("card", {})
+        if isinstance(card, dict) and "id" not in card:
+            loss = data.get("loss") if isinstance(data.get("loss"), dict) else {}
+            card["id"] = student_id(teacher, loss.get("student_steps", DEFAULTS["loss"]["student_steps"]))
+
+    sets = [*overrides, *([f"loss.student_steps={steps}"] if steps is not None else [])]
+    return load_recipe(path, sets, "dmd2", defaults=DEFAULTS, complete=complete)
+
+
+def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Path | None = None,
+            resume: bool = False, device: str | None = None, force: bool = False, evaluate: bool = True,
+            judge: str = "fashion-classifier", on_log: Callable[[dict], None] | None = None,
+            on_eval: Callable[[dict], None] | None = None) -> Card:
+    from cardtool.core.training.methods.dmd2 import DMD2Task
+
+    if recipe.method != "dmd2" or len(recipe.parents) != 1:
+        raise BadInput("distill runs a dmd2 recipe with exactly one parent, the teacher")
+    platform = Platform.detect(device)
+    if recipe.train.precision == "bfloat16" and not platform.supports_bf16:
+        raise BadInput(f"train.precision bfloat16 needs bf16 compute, which {platform.device}/{platform.arch} "
+                       "lacks; use --set train.precision=float32")
+    teacher = load_card(locate(recipe.parents[0]))
+    out = Path(out or Path("cards") / recipe.card.id)
+    run_dir = Path(run_dir or Path("runs") / recipe.card.id)
+    if out.exists() and not force:
+        raise BadInput(f"{out} already exists; choose another --out, or pass --force to replace it")
+    if evaluate:
+        locate(judge)  # before hours of training, not after
+    task = DMD2Task(recipe, platform, teacher)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    result = train_loop(task, recipe, platform, run_dir, resume=resume, on_log=on_log)
+    settings = task.settings
+    metrics = {"iterations": result.steps, "generator_updates": -(-result.steps // settings.generator_every),
+               "train_seconds": round(result.seconds, 1), "final_loss": round(result.final_loss, 6),
+               "platform": f"{platform.device}/{platform.arch}"}
+    steps = settings.student_steps
+    manifest = {
+        "schema": "cardtool/v1", "id": recipe.card.id,
+        "description": recipe.card.description or f"{steps}-step DMD2 student of {teacher.id}",
+        "extends": _reference(teacher, out),
+        "components": {task.name: {"weights": "transformer.safetensors"}},
+        "loops": {"denoise": {"defaults": {"steps": steps, "guidance": 1.0, "shift": settings.shift,
+                                           "solver": "renoise"}}},
+        **({"adapters": {name: None for name in teacher.manifest.adapters}} if teacher.manifest.adapters else {}),
+        "recipe": {"method": "dmd2", "parents": [teacher.id], "assumes": {"loop": "denoise", "steps": steps},
+                   "command": command,
+                   "hyperparameters": recipe.model_dump(mode="json", exclude={"card", "method", "parents"}),
+                   "metrics": metrics},
+        "parity": {"consistency": "C1"},
+    }
+    weights = {"transformer.safetensors": result.modules["transformer"].state_dict()}
+    card = write_card(out, manifest, weights, storage=recipe.card.storage, overwrite=force)
+    if evaluate:
+        card = evaluate_student(card, judge, device, on_eval)
+    return card
+
+
+def evaluate_student(card: Card, judge: str, device: str | None, on_eval=None) -> Card:
+    """`cardtool eval` at the student's own defaults, recorded (eval.json beside it, summary in the recipe)."""
+    from cardtool.core.cards.record import record_eval
+    from cardtool.core.evaluation.evaluate import evaluate
+
+    try:
+        report = evaluate(str(card.folder), judge=judge, device=device).to_json()
+    except CardtoolError as e:
+        raise BadInput(f"the student card {card.folder} was written, but its eval failed: {e}; run "
+                       f"`cardtool eval {card.folder} --record` once it can") from None
+    record_eval(str(card.folder), report)
+    if on_eval:
+        on_eval(report)
+    return load_card(card.folder)
+
+
+def _reference(teacher: Card, out: Path) -> str:
+    """How the student names its teacher in `extends`: the id where that finds this very card from the student's
+    folder (a built-in teacher, or one beside it), else the relative path."""
+    try:
+        if locate(teacher.id, near=out.parent.resolve()).resolve() == teacher.file.resolve():
+            return teacher.id
+    except BadInput:
+        pass
+    return os.path.relpath(teacher.folder.resolve(), out.parent.resolve() / out.name)

@@ -1,0 +1,204 @@
+"""DMD2 (Yin et al. 2024, "Improved Distribution Matching Distillation for Fast Image Synthesis", arXiv
+2405.14867) in flow-matching form (ALGORITHMS.md): a few-step generator G, initialised from the teacher, is
+trained so that its samples' distribution matches the teacher's.
+
+Each iteration: the student samples with the project's one denoise loop (`renoise`, its own k-step rule) from
+noise for a random number of grid steps without gradient (backward simulation), then takes the next step — with
+gradient on the generator's turn — whose clean estimate x = x_j − σ_j·G(x_j) is the generator's sample. Noised to a
+random t, the frozen teacher with CFG gives x̂_real and the critic (fake score, initialised from the teacher) gives
+x̂_fake; the distribution-matching gradient g = (x̂_fake − x̂_real) / mean|x − x̂_real| enters as
+½·‖x − sg(x − g)‖². The critic learns the generator's distribution with the ordinary flow-matching loss on sg(x).
+Two time-scale updates: the critic every iteration, the generator every `generator_every`-th.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from cardtool.backends.platform import Platform
+from cardtool.backends.registry import KERNELS
+from cardtool.backends.wan_config import WanDiTConfig
+from cardtool.backends.wan_dit import WanDiT
+from cardtool.core.cards.loader import Card
+from cardtool.core.cards.loops import MAX_STEPS, FlowDenoiseDefaults
+from cardtool.core.prompts import training_prompts
+from cardtool.core.sampling.denoise import DenoiseLoop, Request
+from cardtool.core.sampling.instance import ModelInstance
+from cardtool.core.sampling.text_cache import TextFeatureCache, encode_prompts
+from cardtool.core.training.recipes import Recipe
+from cardtool.core.training.trainer import Task
+from cardtool.errors import BadInput
+
+__all__ = ["DEFAULTS", "DMD2Settings", "DMD2Task", "dm_gradient", "generator_turn", "critic_loss"]
+
+# what `cardtool distill` runs without --recipe (examples/recipes/fashion-dmd2.yaml spells the same values out):
+# DMD2's optimiser (lr 2e-5 for both networks, Adam β1 = 0 as in its ImageNet runs, weight decay 0.01, clip 10)
+DEFAULTS = {
+    "method": "dmd2",
+    "card": {"storage": "float16"},
+    "loss": {"student_steps": 4, "generator_every": 5, "t_range": [0.02, 0.98]},
+    "optim": {"lr": 2.0e-5, "betas": [0.0, 0.999], "weight_decay": 0.01, "grad_clip": 10.0, "warmup": 0,
+              "batch_size": 64, "steps": 3000},
+    "train": {"seed": 0, "precision": "bfloat16", "ema": 0.0, "checkpoint_every": 100, "log_every": 20},
+}
+
+
+class DMD2Settings(BaseModel):
+    """A DMD2 recipe's `loss:` section."""
+
+    model_config = ConfigDict(extra="forbid")
+    student_steps: int = Field(4, ge=1, le=MAX_STEPS)  # the student's grid: shifted_sigmas(steps, shift)
+    shift: float = Field(1.0, gt=0)
+    guidance: float | None = Field(None, ge=1)  # the teacher's CFG scale (None: its card's loop default)
+    guidance_interval: tuple[float, float] | None = None  # the σ range it guides (None: the card's)
+    generator_every: int = Field(5, ge=1)  # two time-scale update rule: critic steps per generator step
+    t_range: tuple[float, float] = (0.02, 0.98)  # where the DM loss and the critic are evaluated (DMD2's 2%…98%)
+
+    @model_validator(mode="after")
+    def _ranges(self):
+        for name in ("guidance_interval", "t_range"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value[0] <= value[1] <= 1:
+                raise ValueError(f"{name} must be [LO, HI] with 0 ≤ LO ≤ HI ≤ 1, got {list(value)}")
+        return self
+
+    @classmethod
+    def from_recipe(cls, section: dict) -> DMD2Settings:
+        try:
+            return cls.model_validate(section)
+        except ValidationError as e:
+            problems = "; ".join(f"loss.{'.'.join(map(str, err['loc']))}: {err['msg']}".replace("loss.: ", "loss: ")
+                                 for err in e.errors())
+            raise BadInput(f"dmd2 recipe: {problems}") from None
+
+
+def generator_turn(step: int, every: int) -> bool:
+    """The two time-scale update rule: the generator moves on steps 0, every, 2·every, …; the critic on all."""
+    return step % every == 0
+
+
+def dm_gradient(x: torch.Tensor, x0_real: torch.Tensor, x0_fake: torch.Tensor) -> torch.Tensor:
+    """DMD's distribution-matching gradient, normalised per sample (DMD eq. 8, DMD2 code):
+    (x̂_fake − x̂_real) / mean|x − x̂_real|."""
+    scale = (x - x0_real).abs().mean(dim=tuple(range(1, x.ndim)), keepdim=True)
+    return torch.nan_to_num((x0_fake - x0_real) / scale)
+
+
+def critic_loss(critic, x: torch.Tensor, t: torch.Tensor, noise: torch.Tensor, text, mask) -> torch.Tensor:
+    """The fake score's ordinary flow-matching loss on the generator's samples x (held constant):
+    ‖v(x_t, t) − (ε − x)‖² at x_t = (1 − t)·x + t·ε."""
+    x = x.detach()
+    tb = t.reshape(-1, *(1,) * (x.ndim - 1))
+    v = critic((1 - tb) * x + tb * noise, t * 1000, text, mask)
+    return (v.float() - (noise - x)).pow(2).mean()
+
+
+class DMD2Task(Task):
+    """Generator (`transformer`, written to the student card) and critic, trained against the frozen teacher."""
+
+    def __init__(self, recipe: Recipe, platform: Platform, teacher: Card):
+        self.settings = s = DMD2Settings.from_recipe(recipe.loss)
+        self.teacher, self.device = teacher, platform.torch_device
+        if "denoise" not in teacher.manifest.loops:
+            raise BadInput(f"teacher '{teacher.id}' has no denoise loop: DMD2 distils a card's denoise sampling")
+        real = ModelInstance(teacher, platform, "float32")
+        self.cache = TextFeatureCache(disk=False)  # each prompt encoded once per run
+        teacher_loop = DenoiseLoop(real, cache=self.cache)
+        self.name = teacher_loop.transformer
+        spec = teacher.manifest.components[self.name]
+        if spec.impl != "wan-dit":
+            raise BadInput(f"teacher '{teacher.id}': DMD2 trains wan-dit transformers, not '{spec.impl}'")
+        if recipe.model:
+            raise BadInput(f"the student keeps the architecture of '{teacher.id}'; leave the recipe's model: empty")
+        self.real = real.component(self.name)  # frozen: built by the registry in eval mode without gradients
+        self.config = WanDiTConfig.from_card(spec.config)
+        torch.manual_seed(recipe.train.seed)
+        self.generator, self.critic = (self._copy(platform) for _ in range(2))
+        student = ModelInstance(teacher, platform, "float32")
+        student.use(self.name, self.generator)
+        self.loop = DenoiseLoop(student, cache=self.cache)
+        defaults = FlowDenoiseDefaults.model_validate(teacher.manifest.loops["denoise"].defaults)
+        self.guidance = s.guidance if s.guidance is not None else defaults.guidance
+        self.interval = s.guidance_interval if s.guidance_interval is not None else defaults.guidance_interval
+        self.cfg = KERNELS.resolve("cfg_combine", platform)[1]
+        self.prompts = [p for options in training_prompts() for p in options]  # (class, phrasing) pairs
+        [self.empty] = encode_prompts(real, [""], self.cache, teacher_loop.text_encoder)  # the null condition
+        self.turn = True
+
+    def _copy(self, platform: Platform) -> WanDiT:
+        module = WanDiT(self.config, platform).to(self.device)
+        module.load_state_dict(self.real.state_dict())
+        return module
+
+    def modules(self):
+        return {"transformer": self.generator, "critic": self.critic}
+
+    def dataset_size(self) -> int:
+        return len(self.prompts)
+
+    def prepare(self, step: int) -> None:
+        self.turn = generator_turn(step, self.settings.generator_every)
+
+    def rollout(self, prompts: list[str], seeds: list[int], depth: int, *, grad: bool):
+        """The student's sample at grid step `depth`: `depth` steps of its own sampling rule from each seed's noise
+        without gradient, then step `depth` (differentiable when `grad`); returns (x̂0, σ, text, mask)."""
+        s, loop = self.settings, self.loop
+        requests = [Request(p, seed=seed, steps=s.student_steps, guidance=1.0, shift=s.shift, solver="renoise")
+                    for p, seed in zip(prompts, seeds, strict=True)]
+        states = loop.init(requests, capture=True)
+        with torch.no_grad(), loop.arrays.compute():
+            for _ in range(depth):
+                loop.step(states)
+        with torch.set_grad_enabled(grad), loop.arrays.compute():
+            loop.step(states)
+        x = torch.cat([st.capture.latents[depth] for st in states])
+        v = torch.cat([st.capture.velocities[depth] for st in states])
+        sigma = float(states[0].sigmas[depth])
+        # the renoise rule's own clean estimate (its step to σ = 0): what the student hands on at this depth
+        x0 = loop.renoise(x, v, loop.arrays.asarray(np.full(len(x), sigma)), loop.arrays.asarray(np.zeros(len(x))),
+                          torch.zeros_like(x))
+        text = torch.cat([st.cond[0] for st in states])
+        mask = torch.cat([st.cond[1] for st in states])
+        return x0, sigma, text, mask
+
+    def real_velocity(self, x_t, t, text, mask):
+        """The teacher's velocity with CFG on the samples whose t lies in the guidance interval."""
+        v = self.real(x_t, t * 1000, text, mask)
+        low, high = self.interval
+        guided = ((t >= low - 1e-9) & (t <= high + 1e-9)).nonzero().flatten() if self.guidance != 1 else []
+        if len(guided):
+            empty, empty_mask = (torch.as_tensor(a, device=self.device)[None].expand(len(guided), *a.shape)
+                                 for a in self.empty)
+            v_uncond = self.real(x_t[guided], t[guided] * 1000, empty.to(text.dtype), empty_mask)
+            v = v.clone()
+            v[guided] = self.cfg(v_uncond, v[guided], self.guidance).to(v.dtype)
+        return v
+
+    def loss(self, indices, generator):
+        s = self.settings
+        n = len(indices)
+        prompts = [self.prompts[i] for i in indices]
+        seeds = torch.randint(0, 2**62, (n,), generator=generator).tolist()
+        depth = int(torch.randint(0, s.student_steps, (1,), generator=generator))
+        x, _, text, mask = self.rollout(prompts, seeds, depth, grad=self.turn)
+        low, high = s.t_range
+        t = (low + (high - low) * torch.rand(n, generator=generator)).to(self.device)
+        noise = torch.randn(x.shape, generator=generator).to(self.device)
+        critic_t = (low + (high - low) * torch.rand(n, generator=generator)).to(self.device)
+        critic_noise = torch.randn(x.shape, generator=generator).to(self.device)
+        loss = critic_loss(self.critic, x, critic_t, critic_noise, text, mask)
+        metrics = {"critic_loss": float(loss.detach())}
+        if self.turn:
+            with torch.no_grad():
+                tb = t.reshape(-1, 1, 1, 1, 1)
+                x_t = (1 - tb) * x + tb * noise
+                x0_real = x_t - tb * self.real_velocity(x_t, t, text, mask).float()
+                x0_fake = x_t - tb * self.critic(x_t, t * 1000, text, mask).float()
+                g = dm_gradient(x, x0_real, x0_fake)
+            dm = 0.5 * F.mse_loss(x.float(), (x - g).detach().float())
+            loss = loss + dm
+            metrics["dm_loss"] = float(dm.detach())
+        return loss, metrics

@@ -1,0 +1,171 @@
+"""`cardtool distill` (DMD2) on the tiny example card: the pieces against hand-computed values, a few iterations
+that move generator and critic and leave the teacher alone, resume, the student card, train ≡ serve, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+from helpers import REPO, write_card
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from cardtool.cli import app
+from cardtool.core.cards.loader import load_card
+from cardtool.core.sampling.denoise import DenoiseLoop, Request
+from cardtool.core.sampling.instance import ModelInstance
+from cardtool.core.sampling.sampler import sample
+from cardtool.core.sampling.text_cache import TextFeatureCache
+from cardtool.core.training.distill import distill, distill_recipe
+from cardtool.core.training.methods.dmd2 import DEFAULTS, DMD2Task, critic_loss, dm_gradient, generator_turn
+from cardtool.core.training.trainer import CHECKPOINT
+
+TINY = ["optim.steps=6", "optim.batch_size=4", "train.precision=float32", "train.checkpoint_every=3",
+        "train.log_every=1", "card.storage=float32"]
+
+
+def recipe(teacher, steps=2, extra=()):
+    return distill_recipe(str(teacher), None, [*TINY, *extra], steps)
+
+
+def run(teacher, out, run_dir, steps=2, **kwargs):
+    return distill(recipe(teacher, steps), command="cardtool distill …", out=out, run_dir=run_dir, evaluate=False,
+                   **kwargs)
+
+
+def test_the_distribution_matching_gradient_is_normalised_per_sample():
+    x = torch.tensor([[1.0, 2.0], [0.0, 4.0]])
+    real = torch.tensor([[0.0, 0.0], [2.0, 2.0]])  # mean |x − x̂_real|: 1.5 and 2
+    fake = torch.tensor([[3.0, 0.0], [1.0, 5.0]])
+    expected = torch.tensor([[3.0 / 1.5, 0.0], [-1.0 / 2, 3.0 / 2]])
+    torch.testing.assert_close(dm_gradient(x, real, fake), expected)
+    assert torch.isfinite(dm_gradient(x, x, fake)).all(), "x̂_real = x: a zero normaliser never gives NaN or inf"
+
+
+def test_the_critic_regresses_the_velocity_of_the_generators_samples():
+    x, noise, t = torch.tensor([[2.0, -1.0]]), torch.tensor([[0.5, 1.0]]), torch.tensor([0.25])
+    seen = {}
+
+    def critic(x_t, timesteps, text, mask):
+        seen["x_t"], seen["t"] = x_t, timesteps
+        return torch.full_like(x_t, 0.5)
+
+    loss = critic_loss(critic, x.requires_grad_(), t, noise, None, None)
+    torch.testing.assert_close(seen["x_t"], torch.tensor([[0.75 * 2 + 0.25 * 0.5, 0.75 * -1 + 0.25 * 1.0]]))
+    assert float(seen["t"]) == 250.0
+    # target ε − x = (−1.5, 2.0): errors 2.0 and −1.5
+    assert float(loss) == pytest.approx((2.0**2 + 1.5**2) / 2)
+    assert not loss.requires_grad, "the generator's samples are held constant in the critic's loss"
+
+
+def test_two_time_scale_updates_move_the_generator_every_fifth_iteration():
+    assert [s for s in range(12) if generator_turn(s, 5)] == [0, 5, 10]
+    assert all(generator_turn(s, 1) for s in range(4))
+
+
+def test_a_few_iterations_move_generator_and_critic_and_leave_the_teacher(examples, tmp_path):
+    teacher = examples / "tiny-base"
+    before = (teacher / "transformer.safetensors").read_bytes()
+    task = DMD2Task(recipe(teacher), _platform(), load_card(teacher))
+    original = {k: v.clone() for k, v in task.real.state_dict().items()}
+    from cardtool.core.training.trainer import train_loop
+
+    train_loop(task, recipe(teacher), _platform(), tmp_path / "run")
+    moved = {name: max(float((m.state_dict()[k] - original[k]).abs().max()) for k in original)
+             for name, m in task.modules().items()}
+    assert moved["transformer"] > 0 and moved["critic"] > 0
+    assert all(torch.equal(task.real.state_dict()[k], v) for k, v in original.items()), "the teacher is frozen"
+    assert (teacher / "transformer.safetensors").read_bytes() == before
+
+
+def test_resume_after_an_interruption_gives_the_same_student(examples, tmp_path):
+    teacher = examples / "tiny-base"
+    whole = run(teacher, tmp_path / "a", tmp_path / "ra")
+
+    def stop_after_4(entry):
+        if entry["step"] == 4:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(teacher, tmp_path / "b", tmp_path / "rb", on_log=stop_after_4)
+    assert (tmp_path / "rb" / CHECKPOINT).exists() and not (tmp_path / "b").exists()
+    resumed = run(teacher, tmp_path / "b", tmp_path / "rb", resume=True)
+    a, b = (load_file(str(c.weights_file("transformer"))) for c in (whole, resumed))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_student_card_extends_its_teacher_and_samples_as_it_was_trained(examples, tmp_path):
+    teacher = examples / "tiny-base"
+    student = run(teacher, examples / "tiny-2step", tmp_path / "run")
+    card = load_card(examples / "tiny-2step", checksums=True)
+    m = card.manifest
+    assert m.extends == "tiny-base" and m.recipe.method == "dmd2" and m.recipe.parents == ["tiny-base"]
+    assert m.recipe.assumes.steps == 2 and m.loops["denoise"].defaults["solver"] == "renoise"
+    assert m.loops["denoise"].defaults["steps"] == 2 and m.loops["denoise"].defaults["guidance"] == 1.0
+    assert card.weights_file("vae").resolve() == (teacher / "vae.safetensors").resolve(), "VAE by reference"
+    assert "invert" not in m.adapters, "the teacher's LoRA was trained for the teacher's transformer"
+    assert student.manifest.recipe.metrics["iterations"] == 6
+    # train ≡ serve: the training rollout (the generator's last step) equals the student card's sampling
+    task = DMD2Task(recipe(teacher), _platform(), load_card(teacher))
+    task.generator.load_state_dict(load_file(str(card.weights_file("transformer"))))
+    with torch.no_grad():
+        x0 = task.rollout(["a bag", "a coat"], [3, 4], depth=1, grad=False)[0]
+    served = DenoiseLoop(ModelInstance(card, _platform()), cache=TextFeatureCache(disk=False))
+    requests = [Request(p, seed=s, steps=2, guidance=1.0, solver="renoise") for p, s in (("a bag", 3), ("a coat", 4))]
+    latents = torch.cat([st.latents for st in sample(served, requests)])
+    assert float((x0 - latents).abs().max()) <= 1e-5
+    result = CliRunner().invoke(app, ["generate", str(examples / "tiny-2step"), "-p", "a bag", "--out",
+                                      str(tmp_path / "one.png"), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["images"][0]["steps"] == "2" and not json.loads(result.stdout)["warnings"]
+
+
+def test_the_cli_writes_the_student_and_reports_json(examples, tmp_path):
+    result = CliRunner().invoke(app, ["distill", str(examples / "tiny-base"), "--steps", "1", "--no-eval",
+                                      "--out", str(tmp_path / "s1"), "--run-dir", str(tmp_path / "r"), "--json",
+                                      *(f"--set={o}" for o in TINY)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["card"] == "tiny-base-1step" and report["steps"] == 1
+    assert "cardtool distill" in load_card(tmp_path / "s1").manifest.recipe.command
+
+
+def test_the_example_recipe_spells_out_the_defaults():
+    data = yaml.safe_load((REPO / "examples" / "recipes" / "fashion-dmd2.yaml").read_text())
+    assert data == DEFAULTS
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--set", "loss.no_such_knob=1"], "loss.no_such_knob"),
+    (["--set", "optim.nope=1"], "optim.nope"),
+])
+def test_bad_input_is_a_clear_error(examples, tmp_path, args, message):
+    result = CliRunner().invoke(app, ["distill", str(examples / "tiny-base"), "--no-eval", *args,
+                                      "--out", str(tmp_path / "s"), "--run-dir", str(tmp_path / "r")])
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+
+
+def test_a_teacher_without_a_denoise_loop_and_an_existing_output_are_refused(examples, tmp_path):
+    vae_only = write_card(tmp_path / "vae-only", """
+        schema: cardtool/v1
+        id: vae-only
+        components:
+          vae: {kind: vae, impl: conv-vae, config: {channels: [8], padded_size: 28}, weights: vae.safetensors}
+        recipe: {method: vae}
+        """, weights=("vae.safetensors",), kinds={"vae.safetensors": "vae"})
+    result = CliRunner().invoke(app, ["distill", str(vae_only), "--no-eval", "--out", str(tmp_path / "s")])
+    assert result.exit_code == 2 and "has no denoise loop" in result.output
+    (tmp_path / "taken").mkdir()
+    result = CliRunner().invoke(app, ["distill", str(examples / "tiny-base"), "--no-eval", "--out",
+                                      str(tmp_path / "taken")])
+    assert result.exit_code == 2 and "already exists" in result.output and "--force" in result.output
+
+
+def _platform():
+    from cardtool.backends.platform import Platform
+
+    return Platform("cpu", "generic")
+
