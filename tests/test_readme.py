@@ -52,3 +52,5 @@ def test_quick_tour_runs_as_written(tmp_path):
     assert result.stdout.count("ok ") >= 3, "validate --checksums reports each example card ok"
     assert len(list((tmp_path / "outputs").glob("tiny-base-*.png"))) == 4 + 1, "four images and the grid"
     assert read_png_metadata(tmp_path / "outputs" / "bag-bf16.png")["precision"] == "bfloat16"
+    student = read_png_metadata(tmp_path / "outputs" / "student.png")
+    assert (student["card"], student["steps"], student["solver"]) == ("tiny-base-2step", "2", "renoise")

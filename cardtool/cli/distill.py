@@ -23,6 +23,8 @@ def distill_command(
     run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Checkpoints (default runs/ID).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --run-dir.")] = False,
     device: Annotated[str | None, typer.Option("--device", help="Override the device (cuda, cpu).")] = None,
+    data: Annotated[str | None, typer.Option("--data", help="An IDX folder for the GAN term and the eval "
+                                             "(default: Fashion-MNIST).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing student card folder.")] = False,
     evaluate: Annotated[bool, typer.Option("--eval/--no-eval", help="Evaluate the student at its own defaults "
                                            "and record it in the card.")] = True,
@@ -51,8 +53,8 @@ def distill_command(
         command = shlex.join(["cardtool", *sys.argv[1:]] if typed else
                              ["cardtool", "distill", teacher, *(["--steps", str(steps)] if steps else []),
                               *(["--recipe", str(recipe)] if recipe else []), *(f"--set={o}" for o in overrides or [])])
-        card = distill(loaded, command=command, out=out, run_dir=run_dir, resume=resume, device=device, force=force,
-                       evaluate=evaluate, judge=judge, on_log=log, on_eval=eval_line)
+        card = distill(loaded, command=command, out=out, run_dir=run_dir, resume=resume, device=device, data=data,
+                       force=force, evaluate=evaluate, judge=judge, on_log=log, on_eval=eval_line)
     metrics = card.manifest.recipe.metrics
     if json_:
         emit_json({"card": card.id, "path": display_path(card.folder), "extends": card.manifest.extends,

@@ -21,6 +21,7 @@ from cardtool.core.sampling.text_cache import TextFeatureCache
 from cardtool.core.training.distill import distill, distill_recipe
 from cardtool.core.training.methods.dmd2 import DEFAULTS, DMD2Task, critic_loss, dm_gradient, generator_turn
 from cardtool.core.training.trainer import CHECKPOINT
+from cardtool.errors import BadInput
 
 TINY = ["optim.steps=6", "optim.batch_size=4", "train.precision=float32", "train.checkpoint_every=3",
         "train.log_every=1", "card.storage=float32"]
@@ -169,3 +170,23 @@ def _platform():
 
     return Platform("cpu", "generic")
 
+
+
+def test_the_gan_term_trains_a_head_on_the_critic_and_moves_the_generator(examples, tmp_path):
+    from helpers import write_idx_folder
+
+    from cardtool.core.data import load_split
+    from cardtool.core.training.trainer import train_loop
+
+    teacher = examples / "tiny-base"
+    gan = recipe(teacher, extra=["loss.gan=true", "loss.generator_every=1", "optim.steps=3"])
+    task = DMD2Task(gan, _platform(), load_card(teacher), load_split("train", write_idx_folder(tmp_path / "idx")))
+    head = {k: v.clone() for k, v in task.head.state_dict().items()}
+    logged = []
+    train_loop(task, gan, _platform(), tmp_path / "run", on_log=logged.append)
+    assert set(task.modules()) == {"transformer", "critic", "gan_head"}
+    assert any(not torch.equal(v, task.head.state_dict()[k]) for k, v in head.items())
+    assert all({"d_loss", "g_loss", "dm_loss"} <= set(entry) for entry in logged)
+    assert all(p.requires_grad for p in task.critic.parameters()), "the critic is trainable again after G's term"
+    with pytest.raises(BadInput, match="needs the training images"):
+        DMD2Task(gan, _platform(), load_card(teacher))

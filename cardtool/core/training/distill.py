@@ -46,7 +46,8 @@ def distill_recipe(teacher: str, path: Path | None = None, overrides: list[str] 
 
 
 def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Path | None = None,
-            resume: bool = False, device: str | None = None, force: bool = False, evaluate: bool = True,
+            resume: bool = False, device: str | None = None, data: str | None = None, force: bool = False,
+            evaluate: bool = True,
             judge: str = "fashion-classifier", on_log: Callable[[dict], None] | None = None,
             on_eval: Callable[[dict], None] | None = None) -> Card:
     from cardtool.core.training.methods.dmd2 import DMD2Task
@@ -64,7 +65,12 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
         raise BadInput(f"{out} already exists; choose another --out, or pass --force to replace it")
     if evaluate:
         locate(judge)  # before hours of training, not after
-    task = DMD2Task(recipe, platform, teacher)
+    train = None
+    if recipe.loss.get("gan"):
+        from cardtool.core.data import load_split
+
+        train = load_split("train", data or recipe.data.get("folder"))
+    task = DMD2Task(recipe, platform, teacher, train)
     run_dir.mkdir(parents=True, exist_ok=True)
     result = train_loop(task, recipe, platform, run_dir, resume=resume, on_log=on_log)
     settings = task.settings
@@ -89,17 +95,17 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
     weights = {"transformer.safetensors": result.modules["transformer"].state_dict()}
     card = write_card(out, manifest, weights, storage=recipe.card.storage, overwrite=force)
     if evaluate:
-        card = evaluate_student(card, judge, device, on_eval)
+        card = evaluate_student(card, judge, device, data, on_eval)
     return card
 
 
-def evaluate_student(card: Card, judge: str, device: str | None, on_eval=None) -> Card:
+def evaluate_student(card: Card, judge: str, device: str | None, data: str | None = None, on_eval=None) -> Card:
     """`cardtool eval` at the student's own defaults, recorded (eval.json beside it, summary in the recipe)."""
     from cardtool.core.cards.record import record_eval
     from cardtool.core.evaluation.evaluate import evaluate
 
     try:
-        report = evaluate(str(card.folder), judge=judge, device=device).to_json()
+        report = evaluate(str(card.folder), judge=judge, device=device, data=data).to_json()
     except CardtoolError as e:
         raise BadInput(f"the student card {card.folder} was written, but its eval failed: {e}; run "
                        f"`cardtool eval {card.folder} --record` once it can") from None

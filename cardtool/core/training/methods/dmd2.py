@@ -9,6 +9,10 @@ random t, the frozen teacher with CFG gives x̂_real and the critic (fake score,
 x̂_fake; the distribution-matching gradient g = (x̂_fake − x̂_real) / mean|x − x̂_real| enters as
 ½·‖x − sg(x − g)‖². The critic learns the generator's distribution with the ordinary flow-matching loss on sg(x).
 Two time-scale updates: the critic every iteration, the generator every `generator_every`-th.
+
+`gan: true` adds DMD2's GAN term: a classifier head on the critic's last-block features, trained to tell noised
+real latents (the data, the prompt's class) from noised generator samples (softplus losses, weight λ_D), while the
+generator is pushed to look real to it (λ_G) — the critic's weights are held fixed for that term.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from cardtool.backends.wan_config import WanDiTConfig
 from cardtool.backends.wan_dit import WanDiT
 from cardtool.core.cards.loader import Card
 from cardtool.core.cards.loops import MAX_STEPS, FlowDenoiseDefaults
+from cardtool.core.data import Split
 from cardtool.core.prompts import training_prompts
 from cardtool.core.sampling.denoise import DenoiseLoop, Request
 from cardtool.core.sampling.instance import ModelInstance
@@ -56,6 +61,9 @@ class DMD2Settings(BaseModel):
     guidance_interval: tuple[float, float] | None = None  # the σ range it guides (None: the card's)
     generator_every: int = Field(5, ge=1)  # two time-scale update rule: critic steps per generator step
     t_range: tuple[float, float] = (0.02, 0.98)  # where the DM loss and the critic are evaluated (DMD2's 2%…98%)
+    gan: bool = False  # the GAN head on the critic's features (needs the training images)
+    gan_generator_weight: float = Field(3e-3, ge=0)  # λ_G
+    gan_critic_weight: float = Field(1e-2, ge=0)  # λ_D
 
     @model_validator(mode="after")
     def _ranges(self):
@@ -96,10 +104,22 @@ def critic_loss(critic, x: torch.Tensor, t: torch.Tensor, noise: torch.Tensor, t
     return (v.float() - (noise - x)).pow(2).mean()
 
 
+class GANHead(torch.nn.Module):
+    """DMD2's classifier on the critic's features: token-averaged last-block states → one real/fake logit."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.LayerNorm(dim), torch.nn.Linear(dim, dim), torch.nn.SiLU(),
+                                       torch.nn.Linear(dim, 1))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.net(features.float().mean(dim=1)).squeeze(-1)
+
+
 class DMD2Task(Task):
     """Generator (`transformer`, written to the student card) and critic, trained against the frozen teacher."""
 
-    def __init__(self, recipe: Recipe, platform: Platform, teacher: Card):
+    def __init__(self, recipe: Recipe, platform: Platform, teacher: Card, train: Split | None = None):
         self.settings = s = DMD2Settings.from_recipe(recipe.loss)
         self.teacher, self.device = teacher, platform.torch_device
         if "denoise" not in teacher.manifest.loops:
@@ -127,6 +147,26 @@ class DMD2Task(Task):
         self.prompts = [p for options in training_prompts() for p in options]  # (class, phrasing) pairs
         [self.empty] = encode_prompts(real, [""], self.cache, teacher_loop.text_encoder)  # the null condition
         self.turn = True
+        self.per_class = len(training_prompts()[0])
+        self.head = None
+        if s.gan:
+            if train is None:
+                raise BadInput("loss.gan needs the training images (Fashion-MNIST, or --data DIR)")
+            self.head = GANHead(self.config.dim).to(self.device)
+            self.real_latents = self._encode(real.component(teacher_loop.vae), train.images)
+            self.by_class = [np.flatnonzero(train.labels == c) for c in range(len(training_prompts()))]
+            self.critic.blocks[-1].register_forward_hook(self._keep_features)
+
+    def _keep_features(self, module, inputs, output) -> None:
+        self._features = output
+
+    @torch.no_grad()
+    def _encode(self, vae, images: np.ndarray) -> torch.Tensor:
+        """Posterior means of the images, scaled as the denoise loop's latents: (N, C, 1, H, W)."""
+        from cardtool.core.training.methods.vae import to_unit
+
+        means = [vae.encode(to_unit(images[i:i + 1000]).to(self.device))[0] for i in range(0, len(images), 1000)]
+        return (torch.cat(means) * vae.config.scaling_factor)[:, :, None]
 
     def _copy(self, platform: Platform) -> WanDiT:
         module = WanDiT(self.config, platform).to(self.device)
@@ -134,7 +174,8 @@ class DMD2Task(Task):
         return module
 
     def modules(self):
-        return {"transformer": self.generator, "critic": self.critic}
+        heads = {"gan_head": self.head} if self.head is not None else {}
+        return {"transformer": self.generator, "critic": self.critic, **heads}
 
     def dataset_size(self) -> int:
         return len(self.prompts)
@@ -191,9 +232,16 @@ class DMD2Task(Task):
         critic_noise = torch.randn(x.shape, generator=generator).to(self.device)
         loss = critic_loss(self.critic, x, critic_t, critic_noise, text, mask)
         metrics = {"critic_loss": float(loss.detach())}
+        if self.head is not None:
+            fake_logit = self.head(self._features)  # the critic loss's forward saw the noised fake samples
+            real = self._real(indices, critic_t, generator)
+            self.critic(real, critic_t * 1000, text, mask)
+            d_loss = F.softplus(fake_logit).mean() + F.softplus(-self.head(self._features)).mean()
+            loss = loss + s.gan_critic_weight * d_loss
+            metrics["d_loss"] = float(d_loss.detach())
         if self.turn:
+            tb = t.reshape(-1, 1, 1, 1, 1)
             with torch.no_grad():
-                tb = t.reshape(-1, 1, 1, 1, 1)
                 x_t = (1 - tb) * x + tb * noise
                 x0_real = x_t - tb * self.real_velocity(x_t, t, text, mask).float()
                 x0_fake = x_t - tb * self.critic(x_t, t * 1000, text, mask).float()
@@ -201,4 +249,33 @@ class DMD2Task(Task):
             dm = 0.5 * F.mse_loss(x.float(), (x - g).detach().float())
             loss = loss + dm
             metrics["dm_loss"] = float(dm.detach())
+            if self.head is not None:
+                with _frozen(self.critic, self.head):  # the generator's term moves the generator alone
+                    self.critic((1 - tb) * x + tb * noise, t * 1000, text, mask)
+                    g_loss = F.softplus(-self.head(self._features)).mean()
+                loss = loss + s.gan_generator_weight * g_loss
+                metrics["g_loss"] = float(g_loss.detach())
         return loss, metrics
+
+    def _real(self, indices, t, generator) -> torch.Tensor:
+        """Training latents of each row's class, noised to that row's t."""
+        picks = [self.by_class[i // self.per_class] for i in indices]
+        rows = [int(p[int(torch.randint(0, len(p), (1,), generator=generator))]) for p in picks]
+        x0 = self.real_latents[rows]
+        tb = t.reshape(-1, 1, 1, 1, 1)
+        return (1 - tb) * x0 + tb * torch.randn(x0.shape, generator=generator).to(self.device)
+
+
+class _frozen:
+    """Modules whose parameters take no gradient inside the block (the graph through their inputs remains)."""
+
+    def __init__(self, *modules: torch.nn.Module):
+        self.params = [p for m in modules for p in m.parameters() if p.requires_grad]
+
+    def __enter__(self):
+        for p in self.params:
+            p.requires_grad_(False)
+
+    def __exit__(self, *exc):
+        for p in self.params:
+            p.requires_grad_(True)
