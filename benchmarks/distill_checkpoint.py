@@ -31,6 +31,8 @@ def main() -> None:
     parser.add_argument("--teacher", default="fashion-base")
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--per-class", type=int, default=100)
+    parser.add_argument("--judge", default="fashion-classifier")
+    parser.add_argument("--data", default=None, help="an IDX folder (default: Fashion-MNIST)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -50,7 +52,7 @@ def main() -> None:
                                        "assumes": {"loop": "denoise", "steps": args.steps}}},
                    {"transformer.safetensors": weights})
         started = time.perf_counter()
-        [row] = evaluate(str(folder), per_class=args.per_class).to_json()["rows"]
+        [row] = evaluate(str(folder), judge=args.judge, per_class=args.per_class, data=args.data).to_json()["rows"]
     entry = {"iteration": iteration, "steps": args.steps, "class_accuracy": row["class_accuracy"],
              "fid_fmnist": row["fid_fmnist"], "kid": row["kid"], "images": row["images"],
              "eval_seconds": round(time.perf_counter() - started, 1)}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -34,3 +35,39 @@ def test_peer_benchmark_times_every_method_and_writes_ratios(tmp_path, examples)
     assert all(r["median_s"] > 0 for r in report["rows"])
     assert report["ratios"]["float32 B=2"]["generate warm / diffusers loop"] > 0
     assert report["startup"]["ratio"] > 0
+
+
+def test_distill_quality_counts_model_evaluations_and_reads_recorded_evals(tmp_path, examples):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from distill_quality import evaluations_per_image
+
+    assert evaluations_per_image(20, 4.0, [0.0, 0.4]) == 28, "σ = 0.4, 0.35, …, 0.05 are guided"
+    assert evaluations_per_image(4, 1.0, [0.0, 1.0]) == 4 and evaluations_per_image(4, 2.0, [0.0, 1.0]) == 8
+    row = {"steps": 20, "guidance": 4.0, "guidance_interval": [0.0, 0.4], "precision": "float32",
+           "class_accuracy": 0.9, "fid_fmnist": 15.0, "images_per_second": 80.0}
+    for name, rows in (("tiny-base", [row, {**row, "precision": "bfloat16"}]),
+                       ("tiny-distilled", [{**row, "steps": 4, "guidance": 1.0}])):
+        (examples / name / "eval.json").write_text(json.dumps({"rows": rows}))
+    out = tmp_path / "quality.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "distill_quality.py"), "--teacher", "tiny-base",
+                    "--students", "tiny-distilled", "--out", str(out), "--plot", str(tmp_path / "q.png")],
+                   check=True, capture_output=True, timeout=120, env={**os.environ, "CARDTOOL_PATH": str(examples)})
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["card"], r["role"], r["evaluations_per_image"]) for r in rows] == [
+        ("tiny-base", "teacher", 28), ("tiny-distilled", "student", 4)], "float32 rows only"
+    assert (tmp_path / "q.png").stat().st_size > 0
+
+
+def test_distill_checkpoint_evaluates_a_runs_generator(tmp_path, examples, fashion_mnist):
+    from cardtool.core.training.distill import distill, distill_recipe
+
+    sets = ["optim.steps=2", "optim.batch_size=2", "train.precision=float32", "train.checkpoint_every=2"]
+    distill(distill_recipe(str(examples / "tiny-base"), None, sets, 2), command="c", out=tmp_path / "s",
+            run_dir=tmp_path / "run", evaluate=False)
+    out = tmp_path / "curve.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "distill_checkpoint.py"), str(tmp_path / "run"),
+                    "--teacher", str(examples / "tiny-base"), "--steps", "2", "--per-class", "1", "--out", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    [entry] = json.loads(out.read_text())
+    assert entry["iteration"] == 2 and entry["steps"] == 2 and entry["images"] == 10
+    assert 0 <= entry["class_accuracy"] <= 1
