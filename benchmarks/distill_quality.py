@@ -81,7 +81,8 @@ def main() -> None:
     for r in rows:
         if r["role"] == "student" or r["guidance"] == guidance:
             print(f"{r['card']:22s} {r['steps']:3d} steps  w {r['guidance']:g}  "
-                  f"NFE {r['evaluations_per_image']:3d}  accuracy {r['class_accuracy']:.3f}  FID {r['fid_fmnist']:7.2f}  {r['images_per_second']:6.0f} img/s")
+                  f"NFE {r['evaluations_per_image']:3d}  accuracy {r['class_accuracy']:.3f}  "
+                  f"FID {r['fid_fmnist']:7.2f}  {r['images_per_second']:6.0f} img/s")
 
 
 if __name__ == "__main__":
