@@ -188,5 +188,11 @@ def test_the_gan_term_trains_a_head_on_the_critic_and_moves_the_generator(exampl
     assert any(not torch.equal(v, task.head.state_dict()[k]) for k, v in head.items())
     assert all({"d_loss", "g_loss", "dm_loss"} <= set(entry) for entry in logged)
     assert all(p.requires_grad for p in task.critic.parameters()), "the critic is trainable again after G's term"
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "run" / CHECKPOINT), framework="pt") as f:
+        groups = json.loads(f.metadata()["param_groups"])
+    assert [g["lr_scale"] for g in groups] == [1.0, 1.0, 50.0], "the fresh head learns 50x faster"
+    assert groups[2]["lr"] == pytest.approx(50 * groups[0]["lr"])
     with pytest.raises(BadInput, match="needs the training images"):
         DMD2Task(gan, _platform(), load_card(teacher))

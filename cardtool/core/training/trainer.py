@@ -48,6 +48,10 @@ class Task(ABC):
         """Loss on the training examples `indices`; all randomness drawn from `generator`. Modules the step
         should not update simply get no gradient (AdamW leaves a parameter without one untouched)."""
 
+    def lr_scales(self) -> dict[str, float]:
+        """Learning-rate multipliers by module name (a freshly initialised head beside pretrained networks)."""
+        return {}
+
     def prepare(self, step: int) -> None:
         """Called before each step's loss: a method with a schedule of its own (DMD2's two time-scale updates)
         reads the step here."""
@@ -100,7 +104,10 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
     groups = [[p for p in m.parameters() if p.requires_grad] for m in modules.values()]
     params = [p for group in groups for p in group]
     o, schedule = recipe.optim, recipe.train
-    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+    scales = task.lr_scales()
+    optimizer = torch.optim.AdamW([{"params": group, "lr_scale": scales.get(name, 1.0)}
+                                   for name, group in zip(modules, groups, strict=True) if group],
+                                  lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
     ema = {name: copy.deepcopy(m).requires_grad_(False) for name, m in modules.items()} if schedule.ema else None
     checkpoint = run_dir / CHECKPOINT
     for stale in run_dir.glob(f".{CHECKPOINT}.*.tmp"):  # a write that a kill interrupted
@@ -116,7 +123,7 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
     started, seen = time.perf_counter(), 0
     for step in range(start, o.steps):
         for group in optimizer.param_groups:
-            group["lr"] = _lr(recipe, step)
+            group["lr"] = _lr(recipe, step) * group.get("lr_scale", 1.0)
         step_seed = schedule.seed * 1_000_003 + step
         generator = torch.Generator().manual_seed(step_seed)
         # anything drawing from torch's global RNG (dropout) becomes a function of the step too, so a resumed

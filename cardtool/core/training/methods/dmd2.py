@@ -64,6 +64,7 @@ class DMD2Settings(BaseModel):
     gan: bool = False  # the GAN head on the critic's features (needs the training images)
     gan_generator_weight: float = Field(3e-3, ge=0)  # λ_G
     gan_critic_weight: float = Field(1e-2, ge=0)  # λ_D
+    gan_head_lr_scale: float = Field(50.0, gt=0)  # the fresh head's learning rate over the networks' (2e-5 → 1e-3)
 
     @model_validator(mode="after")
     def _ranges(self):
@@ -179,6 +180,9 @@ class DMD2Task(Task):
 
     def dataset_size(self) -> int:
         return len(self.prompts)
+
+    def lr_scales(self) -> dict[str, float]:
+        return {"gan_head": self.settings.gan_head_lr_scale}
 
     def prepare(self, step: int) -> None:
         self.turn = generator_turn(step, self.settings.generator_every)
