@@ -102,7 +102,6 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
                on_log: Callable[[dict], None] | None = None) -> TrainResult:
     modules = task.modules()
     groups = [[p for p in m.parameters() if p.requires_grad] for m in modules.values()]
-    params = [p for group in groups for p in group]
     o, schedule = recipe.optim, recipe.train
     scales = task.lr_scales()
     optimizer = torch.optim.AdamW([{"params": group, "lr_scale": scales.get(name, 1.0)}
