@@ -50,7 +50,7 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
             evaluate: bool = True,
             judge: str = "fashion-classifier", on_log: Callable[[dict], None] | None = None,
             on_eval: Callable[[dict], None] | None = None) -> Card:
-    from cardtool.core.training.methods.dmd2 import DMD2Task
+    from cardtool.core.training.methods.dmd2 import DMD2Settings, DMD2Task
 
     if recipe.method != "dmd2" or len(recipe.parents) != 1:
         raise BadInput("distill runs a dmd2 recipe with exactly one parent, the teacher")
@@ -66,7 +66,7 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
     if evaluate:
         locate(judge)  # before hours of training, not after
     train = None
-    if recipe.loss.get("gan"):
+    if DMD2Settings.from_recipe(recipe.loss).gan:  # a bad loss: section fails here, before the data is read
         from cardtool.core.data import load_split
 
         train = load_split("train", data or recipe.data.get("folder"))

@@ -33,6 +33,7 @@ from cardtool.core.prompts import training_prompts
 from cardtool.core.sampling.denoise import DenoiseLoop, Request
 from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.sampling.text_cache import TextFeatureCache, encode_prompts
+from cardtool.core.training.methods.vae import latents
 from cardtool.core.training.recipes import Recipe
 from cardtool.core.training.trainer import Task
 from cardtool.errors import BadInput
@@ -154,20 +155,12 @@ class DMD2Task(Task):
             if train is None:
                 raise BadInput("loss.gan needs the training images (Fashion-MNIST, or --data DIR)")
             self.head = GANHead(self.config.dim).to(self.device)
-            self.real_latents = self._encode(real.component(teacher_loop.vae), train.images)
+            self.real_latents = latents(real.component(teacher_loop.vae), train.images, self.device)[0]
             self.by_class = [np.flatnonzero(train.labels == c) for c in range(len(training_prompts()))]
             self.critic.blocks[-1].register_forward_hook(self._keep_features)
 
     def _keep_features(self, module, inputs, output) -> None:
         self._features = output
-
-    @torch.no_grad()
-    def _encode(self, vae, images: np.ndarray) -> torch.Tensor:
-        """Posterior means of the images, scaled as the denoise loop's latents: (N, C, 1, H, W)."""
-        from cardtool.core.training.methods.vae import to_unit
-
-        means = [vae.encode(to_unit(images[i:i + 1000]).to(self.device))[0] for i in range(0, len(images), 1000)]
-        return (torch.cat(means) * vae.config.scaling_factor)[:, :, None]
 
     def _copy(self, platform: Platform) -> WanDiT:
         module = WanDiT(self.config, platform).to(self.device)
@@ -189,7 +182,7 @@ class DMD2Task(Task):
 
     def rollout(self, prompts: list[str], seeds: list[int], depth: int, *, grad: bool):
         """The student's sample at grid step `depth`: `depth` steps of its own sampling rule from each seed's noise
-        without gradient, then step `depth` (differentiable when `grad`); returns (x̂0, σ, text, mask)."""
+        without gradient, then step `depth` (differentiable when `grad`); returns (x̂0, text, mask)."""
         s, loop = self.settings, self.loop
         requests = [Request(p, seed=seed, steps=s.student_steps, guidance=1.0, shift=s.shift, solver="renoise")
                     for p, seed in zip(prompts, seeds, strict=True)]
@@ -207,7 +200,7 @@ class DMD2Task(Task):
                           torch.zeros_like(x))
         text = torch.cat([st.cond[0] for st in states])
         mask = torch.cat([st.cond[1] for st in states])
-        return x0, sigma, text, mask
+        return x0, text, mask
 
     def real_velocity(self, x_t, t, text, mask):
         """The teacher's velocity with CFG on the samples whose t lies in the guidance interval."""
@@ -228,7 +221,7 @@ class DMD2Task(Task):
         prompts = [self.prompts[i] for i in indices]
         seeds = torch.randint(0, 2**62, (n,), generator=generator).tolist()
         depth = int(torch.randint(0, s.student_steps, (1,), generator=generator))
-        x, _, text, mask = self.rollout(prompts, seeds, depth, grad=self.turn)
+        x, text, mask = self.rollout(prompts, seeds, depth, grad=self.turn)
         low, high = s.t_range
         t = (low + (high - low) * torch.rand(n, generator=generator)).to(self.device)
         noise = torch.randn(x.shape, generator=generator).to(self.device)

@@ -16,7 +16,7 @@ from cardtool.core.cards.loader import load_card, package_path
 from cardtool.core.data import Split
 from cardtool.core.prompts import TEXT_ENCODER, training_prompts
 from cardtool.core.sampling.instance import ModelInstance
-from cardtool.core.training.methods.vae import to_unit
+from cardtool.core.training.methods.vae import latents
 from cardtool.core.training.recipes import Recipe
 from cardtool.core.training.trainer import Task
 from cardtool.errors import BadInput
@@ -51,21 +51,11 @@ class FlowMatchingTask(Task):
         if self.vae_name is None:
             raise BadInput(f"parent card '{self.parent.id}' has no VAE component")
         vae = parent.component(self.vae_name)
-        scale = vae.config.scaling_factor
-        with torch.no_grad():
-            self.mean, self.std = self._encode(vae, train.images, scale)
-            self.test_mean, _ = self._encode(vae, test.images[:2000], scale)
+        self.mean, self.std = latents(vae, train.images, self.device)
+        self.test_mean, _ = latents(vae, test.images[:2000], self.device)
         self.labels, self.test_labels = torch.from_numpy(train.labels), torch.from_numpy(test.labels[:2000])
         self._text(platform)
         self.dropout = float(recipe.loss.get("condition_dropout", 0.1))
-
-    def _encode(self, vae, images: np.ndarray, scale: float):
-        means, stds = [], []
-        for i in range(0, len(images), 1000):
-            mean, logvar = vae.encode(to_unit(images[i:i + 1000]).to(self.device))
-            means.append(mean * scale)
-            stds.append((0.5 * logvar).exp() * scale)
-        return torch.cat(means)[:, :, None], torch.cat(stds)[:, :, None]  # (N, C, 1, H, W): 1-frame videos
 
     def _text(self, platform: Platform) -> None:
         """Features of every training prompt (and the empty prompt), made by the text encoder component

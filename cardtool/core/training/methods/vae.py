@@ -13,12 +13,24 @@ from cardtool.core.data import Split
 from cardtool.core.training.recipes import Recipe
 from cardtool.core.training.trainer import Task
 
-__all__ = ["VAETask", "to_unit", "psnr"]
+__all__ = ["VAETask", "to_unit", "psnr", "latents"]
 
 
 def to_unit(images: np.ndarray) -> torch.Tensor:
     """uint8 (B, 28, 28) → float32 (B, 1, 28, 28) in [−1, 1]."""
     return torch.from_numpy(images.astype(np.float32) / 127.5 - 1.0)[:, None]
+
+
+@torch.no_grad()
+def latents(vae, images: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The posterior mean and standard deviation of uint8 images as the denoise loop's latents (scaled by the VAE's
+    scaling factor), (N, C, 1, H, W): one-frame videos, in batches of 1,000."""
+    scale, means, stds = vae.config.scaling_factor, [], []
+    for i in range(0, len(images), 1000):
+        mean, logvar = vae.encode(to_unit(images[i:i + 1000]).to(device))
+        means.append(mean * scale)
+        stds.append((0.5 * logvar).exp() * scale)
+    return torch.cat(means)[:, :, None], torch.cat(stds)[:, :, None]
 
 
 def psnr(reconstruction: torch.Tensor, images: torch.Tensor) -> float:
