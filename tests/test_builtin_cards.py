@@ -17,7 +17,7 @@ from cardtool.core.evaluation.evaluate import evaluate
 from cardtool.core.training.recipes import load_recipe
 
 CARDS = REPO / "cards"
-FAMILY = ("fashion-vae", "fashion-classifier", "fashion-base")
+FAMILY = ("fashion-vae", "fashion-classifier", "fashion-referee", "fashion-base")
 STUDENTS = ("fashion-base-4step",)
 
 

@@ -54,3 +54,6 @@ def test_quick_tour_runs_as_written(tmp_path):
     assert read_png_metadata(tmp_path / "outputs" / "bag-bf16.png")["precision"] == "bfloat16"
     student = read_png_metadata(tmp_path / "outputs" / "student.png")
     assert (student["card"], student["steps"], student["solver"]) == ("tiny-base-2step", "2", "renoise")
+    tuned = (tmp_path / "outputs" / "tiny-nft" / "card.yaml").read_text()
+    assert "method: diffusion_nft" in tuned and "- tiny-judge" in tuned
+    assert "tiny-base-nft" in result.stdout and "tiny-judge (classifier)" in result.stdout, "lineage: base and reward"

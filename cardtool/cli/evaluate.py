@@ -11,7 +11,9 @@ from cardtool.cli.output import console, emit_json, handled, warn
 
 def eval_command(
     card: Annotated[str, typer.Argument(help="A text-to-image card id, folder or manifest.")],
-    reward: Annotated[str, typer.Option("--reward", help="The judge card.")] = "fashion-classifier",
+    judge: Annotated[str, typer.Option("--judge", "--reward", help="The judge card: its classifier gives accuracy "
+                                       "and reward, its features FID (fashion-referee is a held-out second "
+                                       "judge).")] = "fashion-classifier",
     steps: Annotated[list[int] | None, typer.Option("--steps", help="Step counts; repeat for several.")] = None,
     guidance: Annotated[list[float] | None, typer.Option("--guidance", help="CFG scales; repeat.")] = None,
     guidance_interval: Annotated[str | None, typer.Option(
@@ -42,7 +44,7 @@ def eval_command(
 
     with handled(json_):
         interval = parse_interval(guidance_interval) if guidance_interval is not None else None
-        report = evaluate(card, judge=reward, steps=steps, guidance=guidance, guidance_interval=interval,
+        report = evaluate(card, judge=judge, steps=steps, guidance=guidance, guidance_interval=interval,
                           per_class=per_class, seed=seed, device=device, data=data, precision=precision,
                           on_row=progress)
         if record:

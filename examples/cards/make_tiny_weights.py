@@ -1,5 +1,5 @@
-"""Write the example card family's weights: tiny, randomly initialised (seeded) Wan-DiT, conv-VAE and LoRA
-tensors in the real architectures, so every command runs on them in seconds; then put each file's sha256
+"""Write the example card family's weights: tiny, randomly initialised (seeded) Wan-DiT, conv-VAE, LoRA and
+classifier tensors in the real architectures, so every command runs on them in seconds; then put each file's sha256
 into the manifests. They are not trained: they exist to exercise cards, loading and parity.
 
     python examples/cards/make_tiny_weights.py [FOLDER]   (default: the folder this script is in)
@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from cardtool.atomic import atomic_path, write_atomic
 from cardtool.backends.conv_vae import ConvVAE
 from cardtool.backends.platform import Platform
+from cardtool.backends.training import FashionCNN
 from cardtool.backends.vae_config import ConvVAEConfig
 from cardtool.backends.wan_config import WanDiTConfig
 from cardtool.backends.wan_dit import WanDiT
@@ -60,6 +61,8 @@ def main(root: Path) -> None:
           {"lora_adapter_metadata": json.dumps(config, sort_keys=True)})
     write(root / "tiny-rl", "transformer.safetensors", dit_weights(3))
     write(root / "tiny-distilled", "transformer.safetensors", dit_weights(4))
+    torch.manual_seed(5)
+    write(root / "tiny-judge", "classifier.safetensors", FashionCNN(width=8, features=16).state_dict())
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
-"""The Fashion-MNIST judge served from the `fashion-classifier` card: a reward `score(images, prompts)` =
-the classifier's probability of the prompt's class, and penultimate-layer features for FID.
+"""Rewards are cards. A reward serves `score(images, prompts)` — one number per decoded image, batched on the
+platform — from a component of a kind in `REWARD_KINDS`; `load_reward` refuses a card that serves none. The one
+kind today is the Fashion-MNIST judge of the `fashion-classifier` card: the classifier's probability of the
+prompt's class (it also gives penultimate-layer features for FID).
 
 A prompt's class: a class name or synonym found in it (the longest match wins), else the class whose
 canonical prompt the text encoder embeds closest (cosine of mean-pooled token states)."""
@@ -7,6 +9,7 @@ canonical prompt the text encoder embeds closest (cosine of mean-pooled token st
 from __future__ import annotations
 
 import re
+from typing import Protocol
 
 import numpy as np
 
@@ -15,7 +18,16 @@ from cardtool.core.prompts import SYNONYMS, class_prompt
 from cardtool.core.sampling.instance import ModelInstance
 from cardtool.errors import BadInput
 
-__all__ = ["FashionJudge"]
+__all__ = ["FashionJudge", "Reward", "REWARD_KINDS", "load_reward"]
+
+
+class Reward(Protocol):
+    """What reward fine-tuning and best-of-N ask of a reward card."""
+
+    card_id: str
+
+    def score(self, images: np.ndarray, prompts: list[str]) -> np.ndarray:
+        """Rewards (B,) of uint8 images (B, H, W) made for `prompts`; higher is better."""
 
 
 class FashionJudge:
@@ -24,7 +36,7 @@ class FashionJudge:
         self.classifier_name = next((n for n, c in components.items() if c.kind == "classifier"), None)
         if self.classifier_name is None:
             raise BadInput(f"card '{instance.card.id}' has no classifier component to judge with")
-        self.instance = instance
+        self.instance, self.card_id = instance, instance.card.id
         self._class_embeddings = None
         words = [(w.lower(), label) for label, name in enumerate(CLASS_NAMES) for w in (name, *SYNONYMS[name])]
         self._words = sorted(words, key=lambda item: -len(item[0]))
@@ -84,3 +96,21 @@ class FashionJudge:
             raise BadInput(f"score: {len(images)} images but {len(prompts)} prompts")
         labels = self.prompt_classes(prompts)
         return self.probabilities(images)[np.arange(len(labels)), labels]
+
+
+REWARD_KINDS = {"classifier": FashionJudge}  # component kind → the reward served from it
+
+
+def load_reward(ref: str, platform=None) -> Reward:
+    """The reward card `ref` (an id, folder or manifest) on `platform`, in float32; a clear error for a card that
+    serves no reward."""
+    from cardtool.core.cards.discovery import locate
+    from cardtool.core.cards.loader import load_card
+
+    card = load_card(locate(ref))
+    kinds = {spec.kind for spec in card.manifest.components.values()}
+    for kind, make in REWARD_KINDS.items():
+        if kind in kinds:
+            return make(ModelInstance(card, platform, "float32"))
+    raise BadInput(f"card '{card.id}' is not a reward: a reward card serves a component of kind "
+                   f"{' or '.join(REWARD_KINDS)}, and it has {', '.join(sorted(kinds))}")

@@ -12,9 +12,10 @@ from cardtool.backends.platform import Platform
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.writer import write_card
+from cardtool.core.training.derived import evaluate_output, extends_reference
 from cardtool.core.training.recipes import Recipe
 from cardtool.core.training.trainer import train_loop
-from cardtool.errors import BadInput, CardtoolError
+from cardtool.errors import BadInput
 
 __all__ = ["distill", "distill_recipe", "student_id"]
 
@@ -81,7 +82,7 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
     manifest = {
         "schema": "cardtool/v1", "id": recipe.card.id,
         "description": recipe.card.description or f"{steps}-step DMD2 student of {teacher.id}",
-        "extends": _reference(teacher, out),
+        "extends": extends_reference(teacher, out),
         "components": {task.name: {"weights": "transformer.safetensors"}},
         "loops": {"denoise": {"defaults": {"steps": steps, "guidance": 1.0, "shift": settings.shift,
                                            "solver": "renoise"}}},
@@ -95,32 +96,5 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
     weights = {"transformer.safetensors": result.modules["transformer"].state_dict()}
     card = write_card(out, manifest, weights, storage=recipe.card.storage, overwrite=force)
     if evaluate:
-        card = evaluate_student(card, judge, device, data, on_eval)
+        card = evaluate_output(card, judge, device, data, on_eval)
     return card
-
-
-def evaluate_student(card: Card, judge: str, device: str | None, data: str | None = None, on_eval=None) -> Card:
-    """`cardtool eval` at the student's own defaults, recorded (eval.json beside it, summary in the recipe)."""
-    from cardtool.core.cards.record import record_eval
-    from cardtool.core.evaluation.evaluate import evaluate
-
-    try:
-        report = evaluate(str(card.folder), judge=judge, device=device, data=data).to_json()
-    except CardtoolError as e:
-        raise BadInput(f"the student card {card.folder} was written, but its eval failed: {e}; run "
-                       f"`cardtool eval {card.folder} --record` once it can") from None
-    record_eval(str(card.folder), report)
-    if on_eval:
-        on_eval(report)
-    return load_card(card.folder)
-
-
-def _reference(teacher: Card, out: Path) -> str:
-    """How the student names its teacher in `extends`: the id where that finds this very card from the student's
-    folder (a built-in teacher, or one beside it), else the relative path."""
-    try:
-        if locate(teacher.id, near=out.parent.resolve()).resolve() == teacher.file.resolve():
-            return teacher.id
-    except BadInput:
-        pass
-    return os.path.relpath(teacher.folder.resolve(), out.parent.resolve() / out.name)

@@ -19,6 +19,9 @@ __all__ = ["Recipe", "load_recipe", "apply_overrides"]
 
 TRAIN_METHODS = ("vae", "classifier", "pretrain", "finetune")  # `cardtool train`
 DISTILL_METHODS = ("dmd2",)  # `cardtool distill`
+RL_METHODS = ("diffusion_nft", "flow_grpo")  # `cardtool rl`
+RUN_BY = {**{m: "cardtool distill TEACHER --recipe FILE" for m in DISTILL_METHODS},
+          **{m: "cardtool rl CARD --reward REWARD_CARD --recipe FILE" for m in RL_METHODS}}
 
 
 class _Strict(BaseModel):
@@ -50,7 +53,7 @@ class Schedule(_Strict):
 
 
 class Recipe(_Strict):
-    method: Literal[TRAIN_METHODS + DISTILL_METHODS]  # type: ignore[valid-type]
+    method: Literal[TRAIN_METHODS + DISTILL_METHODS + RL_METHODS]  # type: ignore[valid-type]
     card: CardSpec
     parents: list[str] = []  # cards this one starts from or uses (a VAE, a base to fine-tune)
     data: dict[str, Any] = {}
@@ -108,6 +111,9 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), method: str 
         if data.get("method") not in (None, method):
             raise BadInput(f"recipe {path or 'defaults'} is for method '{data['method']}', not '{method}'")
         data["method"] = method
+    if method is None and data.get("method") in RUN_BY:  # `cardtool train`, given another command's recipe
+        raise BadInput(f"recipe {path} is for {data['method']}, which `cardtool train` does not run: "
+                       f"`{RUN_BY[data['method']]}` does")
     if complete is not None:
         complete(data)
     try:

@@ -11,7 +11,7 @@ from cardtool.core.cards.loader import Card
 from cardtool.core.cards.writer import write_card
 from cardtool.core.data import load_split
 from cardtool.core.prompts import TEXT_ENCODER
-from cardtool.core.training.recipes import Recipe
+from cardtool.core.training.recipes import RUN_BY, Recipe
 from cardtool.core.training.trainer import train_loop
 from cardtool.errors import BadInput
 
@@ -21,8 +21,8 @@ __all__ = ["train"]
 def train(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Path | None = None, resume: bool = False,
           data: str | None = None, device: str | None = None, overwrite: bool = False,
           on_log: Callable[[dict], None] | None = None) -> Card:
-    if recipe.method == "dmd2":
-        raise BadInput("dmd2 is distillation: run it with `cardtool distill TEACHER --recipe FILE`")
+    if recipe.method in RUN_BY:
+        raise BadInput(f"{recipe.method} is not a `cardtool train` method: `{RUN_BY[recipe.method]}` runs it")
     platform = Platform.detect(device)
     if recipe.train.precision == "bfloat16" and not platform.supports_bf16:
         raise BadInput(f"train.precision bfloat16 needs bf16 compute, which {platform.device}/{platform.arch} "

@@ -57,6 +57,15 @@ class Task(ABC):
         reads the step here."""
         return None
 
+    def state(self) -> dict[str, torch.Tensor]:
+        """Tensors besides the trainable modules that a resumed run needs (RL's old policy, a rollout buffer);
+        saved in every checkpoint."""
+        return {}
+
+    def load_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore what `state` returned at the checkpoint."""
+        return None
+
 
 @dataclass
 class TrainResult:
@@ -117,7 +126,7 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
     if resume:
         if not checkpoint.exists():
             raise BadInput(f"nothing to resume: {checkpoint} does not exist")
-        start, loss_value = _load(checkpoint, recipe, modules, ema, optimizer)
+        start, loss_value = _load(checkpoint, recipe, modules, ema, optimizer, task)
     order = _Order(task.dataset_size(), o.batch_size, schedule.seed)
     started, seen = time.perf_counter(), 0
     for step in range(start, o.steps):
@@ -155,7 +164,7 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
             on_log({"step": done, "steps": o.steps, "loss": loss_value, "lr": _lr(recipe, step),
                     "samples_per_second": seen / elapsed if elapsed else 0.0, **metrics})
         if done % schedule.checkpoint_every == 0 or done == o.steps:
-            _save(checkpoint, recipe, done, loss_value, modules, ema, optimizer)
+            _save(checkpoint, recipe, done, loss_value, modules, ema, optimizer, task)
     seconds = time.perf_counter() - started
     final = ema if ema is not None else modules
     for m in final.values():
@@ -163,8 +172,9 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
     return TrainResult(final, o.steps, loss_value, seconds, seen / seconds if seconds else 0.0)
 
 
-def _save(path: Path, recipe: Recipe, step: int, loss: float, modules, ema, optimizer) -> None:
+def _save(path: Path, recipe: Recipe, step: int, loss: float, modules, ema, optimizer, task: Task) -> None:
     tensors = {f"model.{n}.{k}": v.detach().clone() for n, m in modules.items() for k, v in m.state_dict().items()}
+    tensors.update({f"task.{k}": v.detach().clone() for k, v in task.state().items()})
     if ema is not None:
         tensors.update({f"ema.{n}.{k}": v.detach().clone() for n, m in ema.items() for k, v in m.state_dict().items()})
     optim, groups = optimizer_tensors(optimizer)
@@ -174,7 +184,7 @@ def _save(path: Path, recipe: Recipe, step: int, loss: float, modules, ema, opti
         save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(temporary), metadata=metadata)
 
 
-def _load(path: Path, recipe: Recipe, modules, ema, optimizer) -> tuple[int, float]:
+def _load(path: Path, recipe: Recipe, modules, ema, optimizer, task: Task) -> tuple[int, float]:
     """Restore a checkpoint; the step it was taken after and that step's loss (what a run killed after its
     last checkpoint reports as final)."""
     from safetensors import safe_open
@@ -189,4 +199,5 @@ def _load(path: Path, recipe: Recipe, modules, ema, optimizer) -> tuple[int, flo
             state = {k[len(f"{prefix}.{name}."):]: v for k, v in tensors.items() if k.startswith(f"{prefix}.{name}.")}
             module.load_state_dict(state)
     load_optimizer_tensors(optimizer, tensors, metadata["param_groups"])
+    task.load_state({k[len("task."):]: v for k, v in tensors.items() if k.startswith("task.")})
     return int(json.loads(metadata["step"])), float(metadata.get("loss", "nan"))

@@ -1,0 +1,79 @@
+"""`cardtool rl CARD --reward REWARD_CARD [--method diffusion_nft|flow_grpo] [--prompts FILE] …` — reward
+fine-tuning into a card that samples without CFG."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cardtool.cli.output import emit_json, handled, say
+
+
+def rl_command(
+    card: Annotated[str, typer.Argument(help="The base: a card id, folder or manifest with a denoise loop.")],
+    reward: Annotated[str, typer.Option("--reward", help="The reward card (fashion-classifier: the probability "
+                                        "of the prompt's class).")],
+    method: Annotated[str | None, typer.Option("--method", help="diffusion_nft (default) or flow_grpo; default: "
+                                               "the recipe's.")] = None,
+    prompts: Annotated[Path | None, typer.Option("--prompts", help="A text file, one prompt per line (default: "
+                                                 "the class prompts with their synonyms and templates).")] = None,
+    recipe: Annotated[Path | None, typer.Option("--recipe", help="An rl recipe (examples/recipes/fashion-nft.yaml "
+                                                "and fashion-grpo.yaml hold the defaults).")] = None,
+    overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a value: optim.steps=100.")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="The tuned card folder (default cards/ID).")] = None,
+    run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Checkpoints (default runs/ID).")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --run-dir.")] = False,
+    device: Annotated[str | None, typer.Option("--device", help="Override the device (cuda, cpu).")] = None,
+    data: Annotated[str | None, typer.Option("--data", help="An IDX folder for the eval (default: "
+                                             "Fashion-MNIST).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing card folder.")] = False,
+    evaluate: Annotated[bool, typer.Option("--eval/--no-eval", help="Evaluate the tuned card at its defaults and "
+                                           "record it.")] = True,
+    judge: Annotated[str, typer.Option("--judge", help="The judge for the eval and FID.")] = "fashion-classifier",
+    held_out_judge: Annotated[str, typer.Option("--held-out-judge", help="A judge that is never the reward; its "
+                                                "accuracy is recorded beside the reward's ('' for none).")]
+    = "fashion-referee",
+    watch_every: Annotated[int, typer.Option("--watch-every", help="Every N updates, sample the class prompts "
+                                             "with the policy and log accuracy under both judges and FID (0: "
+                                             "off).")] = 0,
+    json_: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (see README).")] = False,
+) -> None:
+    """Fine-tune CARD on a reward with DiffusionNFT (or Flow-GRPO); the tuned card extends CARD."""
+    from cardtool.core.cards.source import display_path
+    from cardtool.core.training.rl import read_prompts, rl, rl_recipe
+
+    def log(entry: dict) -> None:
+        if not json_:
+            extras = "  ".join(f"{k} {v:.4g}" for k, v in entry.items()
+                               if k not in ("step", "steps", "loss", "lr", "samples_per_second"))
+            say(f"update {entry['step']}/{entry['steps']}  loss {entry['loss']:.4f}  lr {entry['lr']:.2e}  {extras}",
+                stderr=True)
+
+    def eval_line(report: dict) -> None:
+        if not json_:
+            for row in report["rows"]:
+                say(f"eval ({report['judge']}) at {row['steps']} steps, guidance {row['guidance']:g}: accuracy "
+                    f"{row['class_accuracy']:.4f}  FID {row['fid_fmnist']:.3f}  {row['images_per_second']:.0f} img/s",
+                    stderr=True)
+
+    with handled(json_):
+        loaded = rl_recipe(card, reward, method, recipe, list(overrides or []))
+        chosen = read_prompts(prompts) if prompts is not None else None
+        typed = sys.argv[1:2] == ["rl"]
+        command = shlex.join(["cardtool", *sys.argv[1:]] if typed else
+                             ["cardtool", "rl", card, "--reward", reward, *(["--method", method] if method else []),
+                              *(["--prompts", str(prompts)] if prompts else []),
+                              *(["--recipe", str(recipe)] if recipe else []), *(f"--set={o}" for o in overrides or [])])
+        tuned = rl(loaded, command=command, prompts=chosen, out=out, run_dir=run_dir, resume=resume, device=device,
+                   data=data, force=force, evaluate=evaluate, judge=judge, held_out_judge=held_out_judge or None,
+                   watch_every=watch_every, on_log=log, on_eval=eval_line)
+    recipe_block = tuned.manifest.recipe
+    if json_:
+        emit_json({"card": tuned.id, "path": display_path(tuned.folder), "extends": tuned.manifest.extends,
+                   "method": recipe_block.method, "parents": recipe_block.parents, "metrics": recipe_block.metrics})
+        return
+    say(f"wrote {recipe_block.method} card {tuned.id} to {display_path(tuned.folder)}")

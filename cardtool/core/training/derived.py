@@ -1,0 +1,40 @@
+"""Cards made from another card (a DMD2 student, an RL'd policy): how the new card names its parent in `extends`,
+and its eval at its own loop defaults, recorded in it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from cardtool.core.cards.discovery import locate
+from cardtool.core.cards.loader import Card, load_card
+from cardtool.errors import BadInput, CardtoolError
+
+__all__ = ["extends_reference", "evaluate_output"]
+
+
+def extends_reference(parent: Card, out: Path) -> str:
+    """The id where that finds this very parent from the new card's folder (a built-in parent, or one beside it),
+    else the relative path."""
+    try:
+        if locate(parent.id, near=out.parent.resolve()).resolve() == parent.file.resolve():
+            return parent.id
+    except BadInput:
+        pass
+    return os.path.relpath(parent.folder.resolve(), out.parent.resolve() / out.name)
+
+
+def evaluate_output(card: Card, judge: str, device: str | None, data: str | None = None, on_eval=None) -> Card:
+    """`cardtool eval` at the card's own defaults, recorded (eval.json beside it, summary in the recipe)."""
+    from cardtool.core.cards.record import record_eval
+    from cardtool.core.evaluation.evaluate import evaluate
+
+    try:
+        report = evaluate(str(card.folder), judge=judge, device=device, data=data).to_json()
+    except CardtoolError as e:
+        raise BadInput(f"the card {card.folder} was written, but its eval failed: {e}; run "
+                       f"`cardtool eval {card.folder} --record` once it can") from None
+    record_eval(str(card.folder), report)
+    if on_eval:
+        on_eval(report)
+    return load_card(card.folder)

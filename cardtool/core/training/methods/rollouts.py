@@ -1,0 +1,205 @@
+"""Reward fine-tuning's shared half (DiffusionNFT and Flow-GRPO): groups of K rollouts per prompt through the
+project's one denoise loop with capture on (DESIGN.md invariant 2), their rewards from a reward card, group-centred
+advantages, and a rollout buffer that `updates_per_rollout` optimiser steps share.
+
+One trainer step is one optimiser update. On every `updates_per_rollout`-th step the task samples the trainer's
+batch of prompts K times each (RL runs without CFG: guidance 1), scores the decoded images, and keeps what its
+method trains on; each update takes its share of the buffer's rows. The buffer is part of the checkpoint, so a
+run resumed between two updates continues on the same samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from cardtool.backends.platform import Platform
+from cardtool.backends.wan_config import WanDiTConfig
+from cardtool.backends.wan_dit import WanDiT
+from cardtool.core.cards.loader import Card
+from cardtool.core.cards.loops import MAX_STEPS, FlowDenoiseDefaults
+from cardtool.core.evaluation.reward import Reward
+from cardtool.core.sampling.denoise import DenoiseLoop, LoopState, Request
+from cardtool.core.sampling.instance import ModelInstance
+from cardtool.core.sampling.sampler import sample
+from cardtool.core.sampling.text_cache import TextFeatureCache
+from cardtool.core.training.recipes import Recipe
+from cardtool.core.training.trainer import Task
+from cardtool.errors import BadInput
+
+__all__ = ["RolloutSettings", "Rollouts", "RewardTask", "group_advantages"]
+
+
+class RolloutSettings(BaseModel):
+    """The `loss:` keys both methods share."""
+
+    model_config = ConfigDict(extra="forbid")
+    group_size: int = Field(16, ge=2)  # K samples per prompt; advantages compare within a group
+    rollout_steps: int = Field(10, ge=1, le=MAX_STEPS)  # the sampler's steps in training (both papers: 10)
+    shift: float | None = Field(None, gt=0)  # None: the base card's loop default
+    updates_per_rollout: int = Field(1, ge=1)  # optimiser steps sharing one rollout buffer
+    kl: float = Field(0.0, ge=0)  # weight of the KL term to the frozen reference
+    advantage_clip: float = Field(5.0, gt=0)
+
+    @classmethod
+    def from_recipe(cls, section: dict, method: str):
+        try:
+            return cls.model_validate(section)
+        except ValidationError as e:
+            problems = "; ".join(f"loss.{'.'.join(map(str, err['loc']))}: {err['msg']}".replace("loss.: ", "loss: ")
+                                 for err in e.errors())
+            raise BadInput(f"{method} recipe: {problems}") from None
+
+
+def group_advantages(rewards: np.ndarray, *, global_std: bool) -> np.ndarray:
+    """(R − mean of its group) / (std + 1e-4) for rewards (P, K): the group's std (Flow-GRPO) or the whole batch's
+    (DiffusionNFT's `global_std`, which keeps near-uniform groups from being blown up)."""
+    centred = rewards - rewards.mean(axis=1, keepdims=True)
+    std = rewards.std() if global_std else rewards.std(axis=1, keepdims=True)
+    return centred / (std + 1e-4)
+
+
+@dataclass
+class Rollouts:
+    """One rollout buffer: per sample its prompt (an index into the task's prompts), reward and advantage, the
+    captured latents (T + 1, N, C, F, H, W) and, from the SDE, each step's log-probability (T, N)."""
+
+    prompts: torch.Tensor
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    latents: torch.Tensor
+    log_probs: torch.Tensor | None = None
+    order: torch.Tensor | None = None  # the permutation the updates take their rows from
+
+    def rows(self, update: int, updates: int) -> torch.Tensor:
+        return self.order.tensor_split(updates)[update]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+
+class RewardTask(Task):
+    """The policy (`transformer`, written to the output card) fine-tuned on a reward; `reference` is the frozen base
+    for the KL term. Methods say which module samples (`sampler`), which solver, and what they train on."""
+
+    solver = "euler"
+    settings_type = RolloutSettings
+    method = ""
+
+    def __init__(self, recipe: Recipe, platform: Platform, base: Card, reward: Reward, prompts: list[str]):
+        self.settings = s = self.settings_type.from_recipe(recipe.loss, self.method)
+        if not prompts:
+            raise BadInput("no prompts to train on")
+        if "denoise" not in base.manifest.loops:
+            raise BadInput(f"card '{base.id}' has no denoise loop: reward fine-tuning trains a card's denoise sampling")
+        if recipe.model:
+            raise BadInput(f"the tuned card keeps the architecture of '{base.id}'; leave the recipe's model: empty")
+        self.base, self.reward, self.prompts = base, reward, prompts
+        self.device = platform.torch_device
+        frozen = ModelInstance(base, platform, "float32")
+        self.cache = TextFeatureCache(disk=False)  # each prompt encoded once per run
+        self.name = DenoiseLoop(frozen, cache=self.cache).transformer
+        spec = base.manifest.components[self.name]
+        if spec.impl != "wan-dit":
+            raise BadInput(f"card '{base.id}': reward fine-tuning trains wan-dit transformers, not '{spec.impl}'")
+        self.reference = frozen.component(self.name)  # built by the registry in eval mode without gradients
+        self.config = WanDiTConfig.from_card(spec.config)
+        torch.manual_seed(recipe.train.seed)
+        self.policy = self.copy(platform)
+        rollout = ModelInstance(base, platform, "float32")
+        rollout.use(self.name, self.sampler())
+        self.loop = DenoiseLoop(rollout, cache=self.cache)
+        defaults = FlowDenoiseDefaults.model_validate(base.manifest.loops["denoise"].defaults)
+        self.shift = s.shift if s.shift is not None else defaults.shift
+        self.buffer: Rollouts | None = None
+        self.update, self.rollout_count = 0, 0
+        self.reward_history: list[float] = []
+
+    def copy(self, platform: Platform) -> WanDiT:
+        module = WanDiT(self.config, platform).to(self.device)
+        module.load_state_dict(self.reference.state_dict())
+        return module
+
+    def sampler(self) -> torch.nn.Module:
+        """The module rollouts sample: the current policy unless the method keeps an older one."""
+        return self.policy
+
+    def modules(self):
+        return {"transformer": self.policy}
+
+    def dataset_size(self) -> int:
+        return len(self.prompts)
+
+    def prepare(self, step: int) -> None:
+        self.update = step % self.settings.updates_per_rollout
+        self.rollout_count = step // self.settings.updates_per_rollout
+
+    def requests(self, indices: np.ndarray, generator: torch.Generator) -> list[Request]:
+        s, k = self.settings, self.settings.group_size
+        seeds = torch.randint(0, 2**62, (len(indices) * k,), generator=generator).tolist()
+        return [Request(self.prompts[i], seed=seed, steps=s.rollout_steps, guidance=1.0, shift=self.shift,
+                        solver=self.solver, **self.request_options())
+                for i, seed in zip(np.repeat(indices, k), seeds, strict=True)]
+
+    def request_options(self) -> dict:
+        return {}
+
+    def collect(self, indices: np.ndarray, generator: torch.Generator) -> Rollouts:
+        """Sample each prompt of `indices` K times with the sampler module, score the images, and keep the capture."""
+        requests = self.requests(indices, generator)
+        with torch.no_grad():
+            states = sample(self.loop, requests, capture=True, max_batch=256)
+            images = self.loop.finalize(states)
+        rewards = np.asarray(self.reward.score(images, [r.prompt for r in requests]), dtype=np.float64)
+        if not np.isfinite(rewards).all():
+            raise BadInput(f"reward '{self.reward.card_id}' returned a non-finite score")
+        grouped = rewards.reshape(len(indices), self.settings.group_size)
+        advantages = self.advantages(grouped).reshape(-1)
+        self.reward_history.append(float(rewards.mean()))
+        order = torch.randperm(len(requests), generator=generator)
+        return Rollouts(torch.as_tensor(np.repeat(indices, self.settings.group_size)), torch.as_tensor(rewards),
+                        torch.as_tensor(advantages), _stack([st.capture.latents for st in states]),
+                        self.captured_log_probs(states), order)
+
+    def advantages(self, rewards: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def captured_log_probs(self, states: list[LoopState]) -> torch.Tensor | None:
+        return None
+
+    def batch(self, indices: np.ndarray, generator: torch.Generator) -> tuple[Rollouts, torch.Tensor]:
+        """The buffer (collected on the first update of a rollout) and the rows this update trains on."""
+        if self.update == 0 or self.buffer is None:
+            self.buffer = self.collect(indices, generator)
+        return self.buffer, self.buffer.rows(self.update, self.settings.updates_per_rollout)
+
+    def text(self, prompt_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached text states and masks of the buffer's prompts (each prompt encoded once per run)."""
+        from cardtool.core.sampling.text_cache import encode_prompts
+
+        features = encode_prompts(self.loop.instance, [self.prompts[int(i)] for i in prompt_rows], self.cache,
+                                  self.loop.text_encoder)
+        states = torch.as_tensor(np.stack([f[0] for f in features]), device=self.device)
+        mask = torch.as_tensor(np.stack([f[1] for f in features]), device=self.device)
+        return states, mask
+
+    def metrics(self, buffer: Rollouts) -> dict[str, float]:
+        lookups = self.cache.hits + self.cache.misses
+        return {"reward": float(buffer.rewards.mean()), "reward_std": float(buffer.rewards.std()),
+                "text_cache_hit_rate": self.cache.hits / lookups if lookups else 0.0}
+
+    def state(self) -> dict[str, torch.Tensor]:
+        held = {f"buffer.{k}": v for k, v in self.buffer.tensors().items()} if self.buffer is not None else {}
+        return {**held, "reward_history": torch.tensor(self.reward_history, dtype=torch.float64)}
+
+    def load_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        buffer = {k[len("buffer."):]: v for k, v in tensors.items() if k.startswith("buffer.")}
+        self.buffer = Rollouts(**buffer) if buffer else None
+        self.reward_history = tensors["reward_history"].tolist() if "reward_history" in tensors else []
+
+
+def _stack(per_sample: list[list[torch.Tensor]]) -> torch.Tensor:
+    """(T + 1, N, …) from each sample's captured list of (1, …) latents; detached from inference mode."""
+    return torch.stack([torch.cat(step) for step in zip(*per_sample, strict=True)]).clone()

@@ -1,0 +1,223 @@
+"""`cardtool rl CARD --reward REWARD_CARD`: reward fine-tuning (DiffusionNFT by default, Flow-GRPO as the
+likelihood-based baseline) through the shared trainer, then the tuned card — it `extends` the base (text encoder and
+VAE by reference), replaces the transformer, samples without CFG (`guidance: 1`, the base's steps), and records
+`recipe: {method, parents: [BASE, REWARD], hyperparameters, command, metrics}` with the reward curve and, unless asked
+not to, its eval under the judge and the accuracy under a held-out judge that was never the reward."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from cardtool.backends.platform import Platform
+from cardtool.core.cards.discovery import locate
+from cardtool.core.cards.loader import Card, load_card
+from cardtool.core.cards.loops import FlowDenoiseDefaults
+from cardtool.core.cards.writer import write_card
+from cardtool.core.prompts import training_prompts
+from cardtool.core.training.derived import evaluate_output, extends_reference
+from cardtool.core.training.recipes import Recipe
+from cardtool.core.training.trainer import train_loop
+from cardtool.errors import BadInput
+
+__all__ = ["METHODS", "rl", "rl_recipe", "read_prompts", "default_prompts", "make_task", "Watch"]
+
+METHODS = {"diffusion_nft": "nft", "flow_grpo": "grpo"}  # method → the suffix of the tuned card's id
+MAX_PROMPTS_BYTES = 1 << 20
+
+
+def default_prompts() -> list[str]:
+    """Every class's canonical prompt, synonyms and templates: what the base was trained on."""
+    return [p for options in training_prompts() for p in options]
+
+
+def read_prompts(path: Path) -> list[str]:
+    """One prompt per line; blank lines and lines starting with # are skipped."""
+    path = Path(path)
+    try:
+        if path.stat().st_size > MAX_PROMPTS_BYTES:
+            raise BadInput(f"{path}: a prompts file may hold at most {MAX_PROMPTS_BYTES} bytes")
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise BadInput(f"{path}: no such prompts file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInput(f"{path}: cannot read prompts: {e}") from None
+    prompts = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    if not prompts:
+        raise BadInput(f"{path}: the prompts file holds no prompts (one per line)")
+    return prompts
+
+
+def _defaults(method: str) -> dict:
+    from cardtool.core.training.methods.grpo import GRPO_DEFAULTS
+    from cardtool.core.training.methods.nft import NFT_DEFAULTS
+
+    return {"diffusion_nft": NFT_DEFAULTS, "flow_grpo": GRPO_DEFAULTS}[method]
+
+
+def rl_recipe(base: str, reward: str, method: str | None = None, path: Path | None = None,
+              overrides: list[str] = ()) -> Recipe:
+    """The recipe `cardtool rl` runs: the file (or the method's defaults) with `--set` applied, parents [BASE,
+    REWARD], and the card id `BASE-nft` / `BASE-grpo` unless the recipe names one. Without --method, the file's
+    method, else diffusion_nft."""
+    from cardtool.core.cards.source import read_source
+    from cardtool.core.training.recipes import load_recipe
+    from cardtool.errors import CardValidationError
+
+    if method is None and path is not None:
+        try:
+            method = read_source(Path(path)).data.get("method")
+        except CardValidationError as e:
+            raise BadInput(f"cannot read recipe: {e}") from None
+    method = method or "diffusion_nft"
+    if method not in METHODS:
+        raise BadInput(f"unknown rl method '{method}'; choose one of: {', '.join(METHODS)}")
+
+    def complete(data: dict) -> None:
+        data["parents"] = [base, reward]
+        card = data.setdefault("card", {})
+        if isinstance(card, dict) and "id" not in card:
+            card["id"] = f"{Path(base).name if base.startswith('.') or '/' in base else base}-{METHODS[method]}"
+
+    return load_recipe(path, list(overrides), method, defaults=_defaults(method), complete=complete)
+
+
+def make_task(recipe: Recipe, platform: Platform, base: Card, reward, prompts: list[str]):
+    if recipe.method == "flow_grpo":
+        from cardtool.core.training.methods.grpo import GRPOTask
+
+        return GRPOTask(recipe, platform, base, reward, prompts)
+    from cardtool.core.training.methods.nft import NFTTask
+
+    return NFTTask(recipe, platform, base, reward, prompts)
+
+
+class Watch:
+    """The policy during a run, at the tuned card's serving settings (the base's steps, guidance 1) on each class
+    prompt × `per_class` fixed seeds: class accuracy under each judge and FID-FMNIST under the first — where reward
+    hacking (a held-out judge disagreeing) or a collapse of diversity (FID rising) shows first."""
+
+    def __init__(self, task, judges: list[str], platform: Platform, precision: str, per_class: int = 50,
+                 data: str | None = None):
+        from cardtool.core.data import CLASS_NAMES, load_split
+        from cardtool.core.evaluation.reward import FashionJudge
+        from cardtool.core.prompts import class_prompt
+        from cardtool.core.sampling.denoise import DenoiseLoop, Request
+        from cardtool.core.sampling.instance import ModelInstance
+
+        instance = ModelInstance(task.base, platform, precision)
+        instance.use(task.name, task.policy)
+        self.loop = DenoiseLoop(instance, cache=task.cache)
+        self.judges = [FashionJudge(ModelInstance(load_card(locate(j)), platform, "float32")) for j in judges]
+        self.real = self.judges[0].features(load_split("test", data).images)
+        d = FlowDenoiseDefaults.model_validate(task.base.manifest.loops["denoise"].defaults)
+        self.requests = [Request(class_prompt(c), seed=i, steps=d.steps, guidance=1.0, shift=d.shift, solver=d.solver)
+                         for c in range(len(CLASS_NAMES)) for i in range(per_class)]
+        self.labels = np.repeat(np.arange(len(CLASS_NAMES)), per_class)
+        self.seconds = 0.0
+
+    def __call__(self) -> dict[str, float]:
+        from cardtool.core.evaluation.metrics import frechet_distance
+        from cardtool.core.sampling.sampler import sample
+
+        started = time.perf_counter()
+        images = self.loop.finalize(sample(self.loop, self.requests, max_batch=256))
+        out = {}
+        for i, judge in enumerate(self.judges):
+            accuracy = float((judge.probabilities(images).argmax(1) == self.labels).mean())
+            out["watch_accuracy" if i == 0 else f"watch_accuracy_{judge.card_id}"] = accuracy
+        out["watch_fid"] = frechet_distance(self.judges[0].features(images), self.real)
+        self.seconds += time.perf_counter() - started
+        return out
+
+
+def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: Path | None = None,
+       run_dir: Path | None = None, resume: bool = False, device: str | None = None, data: str | None = None,
+       force: bool = False, evaluate: bool = True, judge: str = "fashion-classifier",
+       held_out_judge: str | None = "fashion-referee", watch_every: int = 0,
+       on_log: Callable[[dict], None] | None = None, on_eval: Callable[[dict], None] | None = None) -> Card:
+    from cardtool.core.evaluation.reward import load_reward
+
+    if recipe.method not in METHODS or len(recipe.parents) != 2:
+        raise BadInput("rl runs a diffusion_nft or flow_grpo recipe whose parents are [BASE, REWARD_CARD]")
+    if watch_every < 0:
+        raise BadInput(f"--watch-every must be 0 (off) or positive, got {watch_every}")
+    platform = Platform.detect(device)
+    if recipe.train.precision == "bfloat16" and not platform.supports_bf16:
+        raise BadInput(f"train.precision bfloat16 needs bf16 compute, which {platform.device}/{platform.arch} "
+                       "lacks; use --set train.precision=float32")
+    base = load_card(locate(recipe.parents[0]))
+    reward = load_reward(recipe.parents[1], platform)
+    out = Path(out or Path("cards") / recipe.card.id)
+    run_dir = Path(run_dir or Path("runs") / recipe.card.id)
+    if out.exists() and not force:
+        raise BadInput(f"{out} already exists; choose another --out, or pass --force to replace it")
+    judges = [judge, *([held_out_judge] if held_out_judge else [])]
+    if evaluate or watch_every:
+        for name in judges:
+            locate(name)  # before the run, not after
+    task = make_task(recipe, platform, base, reward, prompts or default_prompts())
+    watch = Watch(task, judges, platform, recipe.train.precision, data=data) if watch_every else None
+
+    def log(entry: dict) -> None:
+        if watch is not None and entry["step"] % watch_every == 0:
+            entry = {**entry, **watch()}
+        if on_log:
+            on_log(entry)
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    result = train_loop(task, recipe, platform, run_dir, resume=resume, on_log=log)
+    card = write_card(out, _manifest(recipe, task, base, reward.card_id, out, command, result, platform),
+                      {"transformer.safetensors": result.modules["transformer"].state_dict()},
+                      storage=recipe.card.storage, overwrite=force)
+    if evaluate:
+        card = evaluate_output(card, judge, device, data, on_eval)
+        if held_out_judge:
+            card = _held_out(card, held_out_judge, device, data, on_eval)
+    return card
+
+
+def _manifest(recipe: Recipe, task, base: Card, reward_id: str, out: Path, command: str, result, platform) -> dict:
+    s = task.settings
+    history = task.reward_history
+    windows = np.array_split(np.asarray(history), min(len(history), 20)) if history else []
+    rows = recipe.optim.batch_size * s.group_size
+    metrics = {"updates": result.steps, "rollouts": len(history), "samples": len(history) * rows,
+               "train_seconds": round(result.seconds, 1), "final_loss": round(result.final_loss, 6),
+               "reward_first": round(history[0], 4) if history else None,
+               "reward_last": round(history[-1], 4) if history else None,
+               "reward_curve": [round(float(w.mean()), 4) for w in windows],  # the mean reward over each 5% of rollouts
+               "text_cache_hit_rate": round(task.cache.hits / max(1, task.cache.hits + task.cache.misses), 4),
+               "platform": f"{platform.device}/{platform.arch}"}
+    steps = FlowDenoiseDefaults.model_validate(base.manifest.loops["denoise"].defaults).steps
+    return {
+        "schema": "cardtool/v1", "id": recipe.card.id,
+        "description": recipe.card.description or f"{base.id} reward-tuned with {recipe.method} on {reward_id}; "
+                                                   "samples without CFG",
+        "extends": extends_reference(base, out),
+        "components": {task.name: {"weights": "transformer.safetensors"}},
+        "loops": {"denoise": {"defaults": {"steps": steps, "guidance": 1.0, "solver": "euler"}}},
+        **({"adapters": {name: None for name in base.manifest.adapters}} if base.manifest.adapters else {}),
+        "recipe": {"method": recipe.method, "parents": [base.id, reward_id],
+                   "assumes": {"loop": "denoise", "steps": steps}, "command": command,
+                   "hyperparameters": recipe.model_dump(mode="json", exclude={"card", "method", "parents"}),
+                   "metrics": metrics},
+        "parity": {"consistency": "C1"},
+    }
+
+
+def _held_out(card: Card, judge: str, device: str | None, data: str | None, on_eval) -> Card:
+    """Class accuracy at the card's defaults under a judge that was never the reward, beside the reward's own."""
+    from cardtool.core.cards.record import record_metrics
+    from cardtool.core.evaluation.evaluate import evaluate
+
+    report = evaluate(str(card.folder), judge=judge, device=device, data=data).to_json()
+    row = report["rows"][0]
+    record_metrics(str(card.folder), {"held_out_judge": {"card": report["judge"], "images": row["images"],
+                                                         "class_accuracy": row["class_accuracy"]}})
+    if on_eval:
+        on_eval(report)
+    return load_card(card.folder)

@@ -1,0 +1,228 @@
+"""`cardtool rl` (DiffusionNFT, Flow-GRPO) on the tiny example card: the losses against hand-computed values, the
+log-probability identity, a toy reward that a few updates must raise, resume, the tuned card, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from helpers import REPO, write_card, write_idx_folder
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from cardtool.backends.platform import Platform
+from cardtool.cli import app
+from cardtool.core.cards.lineage import lineage
+from cardtool.core.cards.loader import load_card
+from cardtool.core.sampling.denoise import DenoiseLoop, Request, shifted_sigmas
+from cardtool.core.sampling.instance import ModelInstance
+from cardtool.core.sampling.sampler import sample
+from cardtool.core.sampling.text_cache import TextFeatureCache
+from cardtool.core.training.methods.grpo import GRPO_DEFAULTS, clipped_objective, transition_log_probs
+from cardtool.core.training.methods.nft import NFT_DEFAULTS, nft_loss, old_policy_decay
+from cardtool.core.training.methods.rollouts import group_advantages
+from cardtool.core.training.rl import make_task, rl, rl_recipe
+from cardtool.core.training.trainer import CHECKPOINT, train_loop
+
+TINY = ["optim.batch_size=2", "loss.group_size=8", "loss.rollout_steps=3", "train.precision=float32",
+        "train.checkpoint_every=2", "train.log_every=1", "card.storage=float32"]
+CPU = Platform("cpu", "generic")
+
+
+class Brightness:
+    """A toy reward: mean brightness of the image in [0, 1]."""
+
+    card_id = "brightness"
+
+    def score(self, images, prompts):
+        return images.reshape(len(images), -1).mean(1) / 255.0
+
+
+def recipe(base, method="diffusion_nft", extra=(), reward="tiny-judge"):
+    return rl_recipe(str(base), str(reward), method, None, [*TINY, *extra])
+
+
+def test_nft_loss_matches_a_hand_computed_case():
+    x0, x_t, t = torch.tensor([[1.0, -1.0]]), torch.tensor([[0.5, 0.5]]), torch.tensor([0.5])
+    v, v_old = torch.tensor([[1.0, 2.0]], requires_grad=True), torch.tensor([[0.0, 1.0]])
+    # β = 1: v⁺ = v = (1, 2), v⁻ = 2·v_old − v = (−1, 0); x̂0⁺ = (0, −0.5), x̂0⁻ = (1, 0.5)
+    # errors (−1, 0.5) and (0, 1.5); weights mean|·| = 0.75 and 0.75; ℓ⁺ = (1 + 0.25)/2/0.75, ℓ⁻ = 2.25/2/0.75
+    l_pos, l_neg = 1.25 / 2 / 0.75, 2.25 / 2 / 0.75
+    for advantage, r in ((5.0, 1.0), (-5.0, 0.0), (2.5, 0.75), (40.0, 1.0)):
+        loss, parts = nft_loss(v, v_old, x_t, x0, t, torch.tensor([advantage]))
+        expected = 5 * (r * l_pos + (1 - r) * l_neg)
+        assert float(loss.detach()) == pytest.approx(expected), f"advantage {advantage} → r = {r}"
+        assert parts["positive_loss"] == pytest.approx(l_pos) and parts["negative_loss"] == pytest.approx(l_neg)
+    loss, _ = nft_loss(v, v_old, x_t, x0, t, torch.tensor([5.0]))
+    loss.backward()
+    # a fully positive sample pulls v⁺ = v to make x̂0 = x0: the gradient is 5·2·t·(x̂0⁺ − x0)·(−1)… sign-checked:
+    assert v.grad[0, 0] > 0 and v.grad[0, 1] < 0, "descending moves x̂0⁺ = x_t − t·v toward x0"
+
+
+def test_old_policy_decay_follows_the_papers_schedule():
+    assert [old_policy_decay(k) for k in (0, 1, 250, 500, 900)] == [0.0, 0.001, 0.25, 0.5, 0.5]
+
+
+def test_advantages_and_clipping_match_hand_computed_values():
+    rewards = np.array([[1.0, 2.0, 3.0], [0.0, 0.0, 3.0]])
+    per_group = group_advantages(rewards, global_std=False)
+    np.testing.assert_allclose(per_group[0], np.array([-1, 0, 1]) / (np.sqrt(2 / 3) + 1e-4))
+    np.testing.assert_allclose(per_group[1], np.array([-1, -1, 2]) / (np.sqrt(2) + 1e-4))
+    everyone = group_advantages(rewards, global_std=True)
+    np.testing.assert_allclose(everyone, (rewards - rewards.mean(1, keepdims=True)) / (rewards.std() + 1e-4))
+    log_probs = torch.log(torch.tensor([1.5, 0.5, 1.0]))
+    loss, ratio = clipped_objective(log_probs, torch.zeros(3), torch.tensor([1.0, -2.0, 3.0]), 0.2)
+    # ρ = 1.5 with A = 1: max(−1.5, −1.2) = −1.2; ρ = 0.5 with A = −2: max(1.0, 1.6) = 1.6; ρ = 1: −3
+    assert float(loss) == pytest.approx((-1.2 + 1.6 - 3.0) / 3)
+    torch.testing.assert_close(ratio, torch.tensor([1.5, 0.5, 1.0]))
+
+
+def test_grpo_log_probabilities_recomputed_from_the_capture_equal_the_captured_ones(examples):
+    """The parity ladder's C2: the rollout's own weights give back each captured step's log-probability, so the
+    first update's policy ratio is 1."""
+    task = make_task(recipe(examples / "tiny-base", "flow_grpo", reward=examples / "tiny-base"), CPU,
+                     load_card(examples / "tiny-base"), Brightness(), ["a bag", "a coat"])
+    buffer = task.collect(np.array([0, 1]), torch.Generator().manual_seed(0))
+    assert buffer.log_probs.shape == (3, 16) and buffer.latents.shape[:2] == (4, 16)
+    text, mask = task.text(buffer.prompts)
+    log_probs, _, _ = transition_log_probs(task.loop.sde, task.policy, buffer.latents, shifted_sigmas(3, 1.0),
+                                           [0, 1, 2], text, mask, eta=0.7)
+    log_probs = log_probs.detach()
+    assert float((log_probs - buffer.log_probs.reshape(-1)).abs().max()) <= 1e-5
+    _, ratio = clipped_objective(log_probs, buffer.log_probs.reshape(-1), torch.ones(48), 1e-4)
+    assert float((ratio - 1).abs().max()) <= 1e-4
+
+
+class Darkness(Brightness):
+    def score(self, images, prompts):
+        return -super().score(images, prompts)
+
+
+def _mean_brightness(base, policy, seeds=range(8)) -> float:
+    instance = ModelInstance(load_card(base), CPU, "float32")
+    instance.use("transformer", policy)
+    loop = DenoiseLoop(instance, cache=TextFeatureCache(disk=False))
+    requests = [Request(p, seed=s, steps=3, guidance=1.0) for p in ("a bag", "a coat") for s in seeds]
+    return float(Brightness().score(loop.finalize(sample(loop, requests)), None).mean())
+
+
+@pytest.mark.parametrize("method", ["diffusion_nft", "flow_grpo"])
+def test_a_few_updates_move_the_images_the_way_the_reward_asks(examples, tmp_path, method):
+    """Would fail with the advantage's sign flipped: a brightness reward makes the tiny card's images brighter,
+    its negation darker (its random VAE leaves a narrow range of brightness to move in)."""
+    base = examples / "tiny-base"
+    extra = ["optim.lr=3e-2", "optim.steps=10", *(["loss.clip_range=0.2"] if method == "flow_grpo" else [])]
+    r = recipe(base, method, extra, reward=base)
+    moved = {}
+    for reward in (Brightness(), Darkness()):
+        task = make_task(r, CPU, load_card(base), reward, ["a bag", "a coat"])
+        before = _mean_brightness(base, task.policy)
+        train_loop(task, r, CPU, tmp_path / type(reward).__name__)
+        moved[type(reward).__name__] = _mean_brightness(base, task.policy) - before
+    assert moved["Brightness"] > 0.003 and moved["Darkness"] < -0.003, moved
+
+
+@pytest.mark.parametrize("method", ["diffusion_nft", "flow_grpo"])
+def test_resume_between_two_updates_of_a_rollout_equals_an_uninterrupted_run(examples, tmp_path, method):
+    base = examples / "tiny-base"
+    extra = ["optim.steps=4", "loss.updates_per_rollout=2", "train.checkpoint_every=1"]
+
+    def go(out, **kwargs):
+        return rl(recipe(base, method, extra, reward=examples / "tiny-judge"), command="cardtool rl …", out=out,
+                  run_dir=tmp_path / f"run-{out.name}", evaluate=False, **kwargs)
+
+    whole = go(examples / "whole")
+
+    def stop_after_3(entry):
+        if entry["step"] == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        go(examples / "cut", on_log=stop_after_3)
+    assert (tmp_path / "run-cut" / CHECKPOINT).exists() and not (examples / "cut").exists()
+    resumed = go(examples / "cut", resume=True)
+    a, b = (load_file(str(c.weights_file("transformer"))) for c in (whole, resumed))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert whole.manifest.recipe.metrics["reward_curve"] == resumed.manifest.recipe.metrics["reward_curve"]
+
+
+def test_the_tuned_card_extends_the_base_samples_without_cfg_and_traces_to_base_and_reward(examples, tmp_path):
+    base = examples / "tiny-base"
+    result = CliRunner().invoke(app, ["rl", str(base), "--reward", str(examples / "tiny-judge"), "--no-eval",
+                                      "--out", str(examples / "tiny-base-nft"), "--run-dir", str(tmp_path / "r"),
+                                      "--json", *(f"--set={o}" for o in [*TINY, "optim.steps=2"])])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["card"] == "tiny-base-nft" and report["method"] == "diffusion_nft"
+    card = load_card(examples / "tiny-base-nft", checksums=True)
+    m = card.manifest
+    assert m.extends == "tiny-base" and m.recipe.parents == ["tiny-base", "tiny-judge"]
+    defaults = m.loops["denoise"].defaults
+    assert (defaults["steps"], defaults["guidance"], defaults["solver"]) == (30, 1.0, "euler"), "base's steps, no CFG"
+    assert card.weights_file("vae").resolve() == (base / "vae.safetensors").resolve(), "VAE by reference"
+    metrics = m.recipe.metrics
+    assert metrics["updates"] == 2 and metrics["rollouts"] == 2 and metrics["samples"] == 32
+    assert len(metrics["reward_curve"]) == 2 and 0 <= metrics["text_cache_hit_rate"] <= 1
+    roots = {node.id for node in lineage(card).parents}
+    assert roots == {"tiny-base", "tiny-judge"} and not any(node.missing for node in lineage(card).parents)
+    assert "cardtool rl" in m.recipe.command and m.recipe.hyperparameters["loss"]["group_size"] == 8
+
+
+def test_the_example_recipes_spell_out_the_defaults():
+    for name, defaults in (("fashion-nft.yaml", NFT_DEFAULTS), ("fashion-grpo.yaml", GRPO_DEFAULTS)):
+        assert yaml.safe_load((REPO / "examples" / "recipes" / name).read_text()) == defaults, name
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--set", "loss.group_size=1"], "loss.group_size"),
+    (["--method", "ppo"], "unknown rl method 'ppo'"),
+    (["--set", "loss.no_such_knob=1"], "loss.no_such_knob"),
+    (["--method", "flow_grpo", "--set", "loss.beta=1"], "loss.beta"),
+    (["--prompts", "empty.txt"], "holds no prompts"),
+    (["--prompts", "missing.txt"], "no such prompts file"),
+])
+def test_bad_input_is_a_clear_error(examples, tmp_path, args, message):
+    (tmp_path / "empty.txt").write_text("\n# only a comment\n   \n")
+    result = CliRunner().invoke(app, ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
+                                      "--no-eval", *args, "--out", str(tmp_path / "o"), "--run-dir",
+                                      str(tmp_path / "r")])
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+
+
+def test_a_reward_that_is_not_a_reward_and_a_base_without_a_loop_are_refused(examples, tmp_path):
+    result = CliRunner().invoke(app, ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-base"),
+                                      "--no-eval", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "is not a reward" in result.output
+    vae_only = write_card(tmp_path / "vae-only", """
+        schema: cardtool/v1
+        id: vae-only
+        components:
+          vae: {kind: vae, impl: conv-vae, config: {channels: [8], padded_size: 28}, weights: vae.safetensors}
+        recipe: {method: vae}
+        """, weights=("vae.safetensors",), kinds={"vae.safetensors": "vae"})
+    result = CliRunner().invoke(app, ["rl", str(vae_only), "--reward", str(examples / "tiny-judge"), "--no-eval",
+                                      "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "has no denoise loop" in result.output
+    result = CliRunner().invoke(app, ["train", "--recipe", str(REPO / "examples" / "recipes" / "fashion-nft.yaml")])
+    assert result.exit_code == 2 and "cardtool rl" in result.output
+
+
+def test_watching_logs_both_judges_accuracy_and_fid_of_the_live_policy(examples, tmp_path):
+    referee = examples / "tiny-referee"
+    referee.mkdir()
+    (referee / "classifier.safetensors").write_bytes((examples / "tiny-judge" / "classifier.safetensors").read_bytes())
+    (referee / "card.yaml").write_text((examples / "tiny-judge" / "card.yaml").read_text()
+                                       .replace("id: tiny-judge", "id: tiny-referee"))
+    entries = []
+    judge = examples / "tiny-judge"
+    rl(recipe(examples / "tiny-base", extra=["optim.steps=2"], reward=judge), command="cardtool rl …",
+       out=examples / "watched", run_dir=tmp_path / "run", evaluate=False, judge=str(judge),
+       held_out_judge=str(referee), watch_every=2, data=str(write_idx_folder(tmp_path / "idx")),
+       on_log=entries.append)
+    assert "watch_fid" not in entries[0], "only every second update is watched"
+    watched = entries[1]
+    assert 0 <= watched["watch_accuracy"] <= 1 and 0 <= watched["watch_accuracy_tiny-referee"] <= 1
+    assert np.isfinite(watched["watch_fid"])
