@@ -38,6 +38,7 @@ def write_card(folder: Path, manifest: dict, weights: dict[str, dict], *, copies
             stored = {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous().cpu()
                       for k, v in state.items()}
             save_file(stored, str(staging / rel))
+            os.chmod(staging / rel, 0o644)  # safetensors writes 0600: a card shared on a team disk must be readable
         for rel, source in (copies or {}).items():
             (staging / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(source, staging / rel)
