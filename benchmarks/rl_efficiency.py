@@ -26,6 +26,7 @@ from cardtool.core.evaluation.reward import load_reward
 from cardtool.core.training.rl import Watch, default_prompts, make_task, rl_recipe
 from cardtool.core.training.trainer import train_loop
 
+REPO = Path(__file__).resolve().parents[1]
 RECIPES = {"diffusion_nft": "examples/recipes/fashion-nft.yaml", "flow_grpo": "examples/recipes/fashion-grpo.yaml"}
 
 
@@ -36,7 +37,7 @@ class Budget(Exception):
 def run(method: str, args) -> dict:
     """One method until `args.budget` training seconds; the watch points and the run's settings."""
     platform = Platform.detect(args.device)
-    recipe = rl_recipe(args.base, args.reward, method, Path(RECIPES[method]),
+    recipe = rl_recipe(args.base, args.reward, method, REPO / RECIPES[method],
                        [f"optim.steps={args.max_updates}", f"train.log_every={args.watch_every}",
                         f"train.checkpoint_every={args.max_updates}", *args.set])
     task = make_task(recipe, platform, load_card(locate(args.base)), load_reward(args.reward, platform),
@@ -46,7 +47,7 @@ def run(method: str, args) -> dict:
     samples_per_rollout = recipe.optim.batch_size * task.settings.group_size
     points, started = [], time.perf_counter()
 
-    def record(step: int) -> None:
+    def record(step: int, check: bool = True) -> None:
         seconds = time.perf_counter() - started - watch.seconds
         scores = watch()
         points.append({"update": step, "train_seconds": round(seconds, 2),
@@ -56,10 +57,10 @@ def run(method: str, args) -> dict:
                        "held_out_accuracy": scores[f"watch_accuracy_{watch.judges[1].card_id}"],
                        "fid_fmnist": round(scores["watch_fid"], 3)})
         print(json.dumps({"method": method, **points[-1]}), flush=True)
-        if seconds >= args.budget:
+        if check and seconds >= args.budget:
             raise Budget
 
-    record(0)
+    record(0, check=False)
     try:
         with tempfile.TemporaryDirectory() as run_dir:
             train_loop(task, recipe, platform, Path(run_dir), on_log=lambda entry: record(entry["step"]))

@@ -72,3 +72,20 @@ def test_distill_checkpoint_evaluates_a_runs_generator(tmp_path, examples, fashi
     [entry] = json.loads(out.read_text())
     assert entry["iteration"] == 2 and entry["steps"] == 2 and entry["images"] == 10
     assert 0 <= entry["class_accuracy"] <= 1
+
+
+def test_rl_efficiency_runs_both_methods_to_the_budget_and_writes_their_curves(tmp_path, examples):
+    from helpers import write_idx_folder
+
+    out = tmp_path / "rl.json"
+    tiny = ["optim.batch_size=2", "loss.group_size=2", "loss.rollout_steps=2", "train.precision=float32"]
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "rl_efficiency.py"), "--base", "tiny-base",
+                    "--reward", "tiny-judge", "--held-out-judge", "tiny-judge", "--budget", "0", "--watch-every", "1",
+                    "--per-class", "1", "--data", str(write_idx_folder(tmp_path / "idx")), "--out", str(out),
+                    *(f"--set={o}" for o in tiny)],
+                   check=True, capture_output=True, timeout=300, env={**os.environ, "CARDTOOL_PATH": str(examples)})
+    report = json.loads(out.read_text())
+    assert [r["method"] for r in report["results"]] == ["diffusion_nft", "flow_grpo"]
+    for result in report["results"]:
+        assert [p["update"] for p in result["points"]] == [0, 1], "a start point, then stop at the budget"
+        assert result["points"][1]["samples"] == 4 and 0 <= result["points"][1]["held_out_accuracy"] <= 1

@@ -137,7 +137,8 @@ def test_missing_parent_is_marked_and_fails_validation(tmp_path):
 def test_validate_a_folder_of_cards_and_bad_paths(tmp_path, monkeypatch):
     shutil.copytree(EXAMPLE_CARDS, tmp_path / "ex")
     results = validate_paths(["ex"], checksums=True)
-    assert [(r.id, r.valid) for r in results] == [("tiny-base", True), ("tiny-distilled", True), ("tiny-rl", True)]
+    assert [(r.id, r.valid) for r in results] == [("tiny-base", True), ("tiny-distilled", True), ("tiny-judge", True),
+                                                   ("tiny-rl", True)]
     with pytest.raises(BadInput, match="no card with id 'nowhere'"):
         validate_paths(["nowhere"])
     with pytest.raises(BadInput, match="no such card folder or manifest: ./nowhere"):

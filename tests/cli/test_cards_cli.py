@@ -30,7 +30,7 @@ def test_list_json_shape(on_path):
     result = run("cards", "list", "--json")
     assert result.exit_code == 0
     cards = json.loads(result.stdout)["cards"]
-    assert [c["id"] for c in cards] == ["tiny-base", "tiny-distilled", "tiny-rl"]
+    assert [c["id"] for c in cards] == ["tiny-base", "tiny-distilled", "tiny-judge", "tiny-rl"]
     assert set(cards[0]) == {"id", "path", "origin", "method", "description", "valid", "problems"}
     assert cards[1]["method"] == "dmd2" and cards[1]["origin"] == "CARDTOOL_PATH" and cards[1]["valid"]
 
@@ -80,7 +80,7 @@ def test_validate_ok_and_with_checksums(examples):
     result = run("cards", "validate", "--checksums", str(examples), "--json")
     assert result.exit_code == 0
     report = json.loads(result.stdout)
-    assert report["ok"] and report["checksums"] and len(report["results"]) == 3
+    assert report["ok"] and report["checksums"] and len(report["results"]) == 4
 
 
 def test_validate_catches_a_changed_weight_file_only_with_checksums(examples):

@@ -3,6 +3,7 @@ log-probability identity, a toy reward that a few updates must raise, resume, th
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import numpy as np
@@ -114,7 +115,8 @@ def test_a_few_updates_move_the_images_the_way_the_reward_asks(examples, tmp_pat
     """Would fail with the advantage's sign flipped: a brightness reward makes the tiny card's images brighter,
     its negation darker (its random VAE leaves a narrow range of brightness to move in)."""
     base = examples / "tiny-base"
-    extra = ["optim.lr=3e-2", "optim.steps=10", *(["loss.clip_range=0.2"] if method == "flow_grpo" else [])]
+    extra = ["optim.lr=3e-2", "optim.steps=10", "loss.kl=0",
+             *(["loss.clip_range=0.2"] if method == "flow_grpo" else [])]
     r = recipe(base, method, extra, reward=base)
     moved = {}
     for reward in (Brightness(), Darkness()):
@@ -163,12 +165,25 @@ def test_the_tuned_card_extends_the_base_samples_without_cfg_and_traces_to_base_
     defaults = m.loops["denoise"].defaults
     assert (defaults["steps"], defaults["guidance"], defaults["solver"]) == (30, 1.0, "euler"), "base's steps, no CFG"
     assert card.weights_file("vae").resolve() == (base / "vae.safetensors").resolve(), "VAE by reference"
+    assert card.weights_file("transformer").stat().st_mode & 0o777 == 0o644, "readable by others, as the manifest is"
     metrics = m.recipe.metrics
     assert metrics["updates"] == 2 and metrics["rollouts"] == 2 and metrics["samples"] == 32
     assert len(metrics["reward_curve"]) == 2 and 0 <= metrics["text_cache_hit_rate"] <= 1
     roots = {node.id for node in lineage(card).parents}
     assert roots == {"tiny-base", "tiny-judge"} and not any(node.missing for node in lineage(card).parents)
     assert "cardtool rl" in m.recipe.command and m.recipe.hyperparameters["loss"]["group_size"] == 8
+    assert metrics["prompts"]["count"] == 130, "the class prompts with their synonyms and templates"
+
+
+def test_a_prompts_file_is_what_the_run_trains_on(examples, tmp_path):
+    (tmp_path / "prompts.txt").write_text("# two garments\na bag\n\n  a red coat  \n")
+    result = CliRunner().invoke(app, ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
+                                      "--prompts", str(tmp_path / "prompts.txt"), "--no-eval", "--out",
+                                      str(tmp_path / "o"), "--run-dir", str(tmp_path / "r"), "--json",
+                                      *(f"--set={o}" for o in [*TINY, "optim.steps=1"])])
+    assert result.exit_code == 0, result.output
+    prompts = json.loads(result.stdout)["metrics"]["prompts"]
+    assert prompts == {"count": 2, "sha256": hashlib.sha256(b"a bag\na red coat").hexdigest()}
 
 
 def test_the_example_recipes_spell_out_the_defaults():
@@ -183,9 +198,12 @@ def test_the_example_recipes_spell_out_the_defaults():
     (["--method", "flow_grpo", "--set", "loss.beta=1"], "loss.beta"),
     (["--prompts", "empty.txt"], "holds no prompts"),
     (["--prompts", "missing.txt"], "no such prompts file"),
+    (["--prompts", "/dev/zero"], "must be a regular file"),
+    (["--prompts", "latin1.txt"], "cannot read prompts"),
 ])
 def test_bad_input_is_a_clear_error(examples, tmp_path, args, message):
     (tmp_path / "empty.txt").write_text("\n# only a comment\n   \n")
+    (tmp_path / "latin1.txt").write_bytes("a béret".encode("latin-1"))
     result = CliRunner().invoke(app, ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
                                       "--no-eval", *args, "--out", str(tmp_path / "o"), "--run-dir",
                                       str(tmp_path / "r")])
@@ -226,3 +244,17 @@ def test_watching_logs_both_judges_accuracy_and_fid_of_the_live_policy(examples,
     watched = entries[1]
     assert 0 <= watched["watch_accuracy"] <= 1 and 0 <= watched["watch_accuracy_tiny-referee"] <= 1
     assert np.isfinite(watched["watch_fid"])
+
+
+def test_the_guided_reference_applies_cfg_on_the_guidance_interval_only():
+    from cardtool.backends.torch_ops import cfg_combine
+    from cardtool.core.training.methods.guided import GuidedVelocity
+
+    def model(x, timesteps, text, mask):  # v = the text's first value: 1 for the prompt, 0 for the null condition
+        return text[:, 0, 0].reshape(-1, 1, 1, 1, 1).expand_as(x)
+
+    empty = (np.zeros((3, 2), dtype=np.float32), np.ones(3, dtype=bool))
+    guided = GuidedVelocity(model, cfg_combine, empty, 4.0, (0.0, 0.4), "cpu")
+    x, text = torch.zeros(2, 1, 1, 2, 2), torch.ones(2, 3, 2)
+    v = guided(x, torch.tensor([0.2, 0.8]), text, torch.ones(2, 3, dtype=torch.bool))
+    assert v[0].unique().tolist() == [4.0] and v[1].unique().tolist() == [1.0], "0 + 4·(1 − 0) inside, 1 outside"

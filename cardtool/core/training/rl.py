@@ -6,6 +6,7 @@ not to, its eval under the judge and the accuracy under a held-out judge that wa
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,12 +38,16 @@ def default_prompts() -> list[str]:
 def read_prompts(path: Path) -> list[str]:
     """One prompt per line; blank lines and lines starting with # are skipped."""
     path = Path(path)
+    if not path.exists():
+        raise BadInput(f"{path}: no such prompts file")
+    if not path.is_file():  # a folder, a FIFO or /dev/zero would block or never end
+        raise BadInput(f"{path}: a prompts file must be a regular file")
     try:
-        if path.stat().st_size > MAX_PROMPTS_BYTES:
+        with path.open("rb") as f:
+            data = f.read(MAX_PROMPTS_BYTES + 1)
+        if len(data) > MAX_PROMPTS_BYTES:
             raise BadInput(f"{path}: a prompts file may hold at most {MAX_PROMPTS_BYTES} bytes")
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise BadInput(f"{path}: no such prompts file") from None
+        text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise BadInput(f"{path}: cannot read prompts: {e}") from None
     prompts = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
@@ -190,6 +195,8 @@ def _manifest(recipe: Recipe, task, base: Card, reward_id: str, out: Path, comma
                "reward_first": round(history[0], 4) if history else None,
                "reward_last": round(history[-1], 4) if history else None,
                "reward_curve": [round(float(w.mean()), 4) for w in windows],  # the mean reward over each 5% of rollouts
+               "prompts": {"count": len(task.prompts),  # what was trained on, checkable against a --prompts file
+                           "sha256": hashlib.sha256("\n".join(task.prompts).encode()).hexdigest()},
                "text_cache_hit_rate": round(task.cache.hits / max(1, task.cache.hits + task.cache.misses), 4),
                "platform": f"{platform.device}/{platform.arch}"}
     steps = FlowDenoiseDefaults.model_validate(base.manifest.loops["denoise"].defaults).steps

@@ -33,6 +33,7 @@ from cardtool.core.prompts import training_prompts
 from cardtool.core.sampling.denoise import DenoiseLoop, Request
 from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.sampling.text_cache import TextFeatureCache, encode_prompts
+from cardtool.core.training.methods.guided import GuidedVelocity
 from cardtool.core.training.methods.vae import latents
 from cardtool.core.training.recipes import Recipe
 from cardtool.core.training.trainer import Task
@@ -145,9 +146,11 @@ class DMD2Task(Task):
         defaults = FlowDenoiseDefaults.model_validate(teacher.manifest.loops["denoise"].defaults)
         self.guidance = s.guidance if s.guidance is not None else defaults.guidance
         self.interval = s.guidance_interval if s.guidance_interval is not None else defaults.guidance_interval
-        self.cfg = KERNELS.resolve("cfg_combine", platform)[1]
         self.prompts = [p for options in training_prompts() for p in options]  # (class, phrasing) pairs
-        [self.empty] = encode_prompts(real, [""], self.cache, teacher_loop.text_encoder)  # the null condition
+        [empty] = encode_prompts(real, [""], self.cache, teacher_loop.text_encoder)  # the null condition
+        # the teacher as its card serves it: CFG on the steps in the guidance interval
+        self.real_velocity = GuidedVelocity(self.real, KERNELS.resolve("cfg_combine", platform)[1], empty,
+                                            self.guidance, self.interval, self.device)
         self.turn = True
         self.per_class = len(training_prompts()[0])
         self.head = None
@@ -201,19 +204,6 @@ class DMD2Task(Task):
         text = torch.cat([st.cond[0] for st in states])
         mask = torch.cat([st.cond[1] for st in states])
         return x0, text, mask
-
-    def real_velocity(self, x_t, t, text, mask):
-        """The teacher's velocity with CFG on the samples whose t lies in the guidance interval."""
-        v = self.real(x_t, t * 1000, text, mask)
-        low, high = self.interval
-        guided = ((t >= low - 1e-9) & (t <= high + 1e-9)).nonzero().flatten() if self.guidance != 1 else []
-        if len(guided):
-            empty, empty_mask = (torch.as_tensor(a, device=self.device)[None].expand(len(guided), *a.shape)
-                                 for a in self.empty)
-            v_uncond = self.real(x_t[guided], t[guided] * 1000, empty.to(text.dtype), empty_mask)
-            v = v.clone()
-            v[guided] = self.cfg(v_uncond, v[guided], self.guidance).to(v.dtype)
-        return v
 
     def loss(self, indices, generator):
         s = self.settings

@@ -74,6 +74,10 @@ class GRPOTask(RewardTask):
         return torch.stack([torch.cat(step) for step in zip(*[st.capture.log_probs for st in states],
                                                              strict=True)]).clone()
 
+    def reference_model(self, x, timesteps, text, mask):
+        """The reference velocity with the model's call signature (timesteps σ·1000)."""
+        return self.reference_velocity(x, timesteps / 1000, text, mask)
+
     def loss(self, indices, generator):
         s = self.settings
         buffer, rows = self.batch(indices, generator)
@@ -91,8 +95,8 @@ class GRPOTask(RewardTask):
                    "clip_fraction": float(((ratio.detach() - 1).abs() > s.clip_range).float().mean())}
         if s.kl:
             with torch.no_grad():
-                _, mean_ref, _ = transition_log_probs(self.loop.sde, self.reference, latents, sigmas, steps, text,
-                                                      mask, s.eta)
+                _, mean_ref, _ = transition_log_probs(self.loop.sde, self.reference_model, latents, sigmas, steps,
+                                                      text, mask, s.eta)
             dims = tuple(range(1, mean.ndim))
             kl = ((mean - mean_ref).pow(2).mean(dim=dims) / (2 * std.pow(2))).mean()
             loss = loss + s.kl * kl

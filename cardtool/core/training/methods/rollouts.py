@@ -9,6 +9,7 @@ run resumed between two updates continues on the same samples."""
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +17,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cardtool.backends.platform import Platform
+from cardtool.backends.registry import KERNELS
 from cardtool.backends.wan_config import WanDiTConfig
 from cardtool.backends.wan_dit import WanDiT
 from cardtool.core.cards.loader import Card
@@ -24,7 +26,8 @@ from cardtool.core.evaluation.reward import Reward
 from cardtool.core.sampling.denoise import DenoiseLoop, LoopState, Request
 from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.sampling.sampler import sample
-from cardtool.core.sampling.text_cache import TextFeatureCache
+from cardtool.core.sampling.text_cache import TextFeatureCache, encode_prompts
+from cardtool.core.training.methods.guided import GuidedVelocity
 from cardtool.core.training.recipes import Recipe
 from cardtool.core.training.trainer import Task
 from cardtool.errors import BadInput
@@ -41,6 +44,9 @@ class RolloutSettings(BaseModel):
     shift: float | None = Field(None, gt=0)  # None: the base card's loop default
     updates_per_rollout: int = Field(1, ge=1)  # optimiser steps sharing one rollout buffer
     kl: float = Field(0.0, ge=0)  # weight of the KL term to the frozen reference
+    # the reference's CFG scale in that term: 1 is the base's conditional velocity alone; None is the base as its card
+    # serves it (its loop's guidance and interval), so the tuned policy is held near the guided sampler
+    reference_guidance: float | None = Field(1.0, ge=1)
     advantage_clip: float = Field(5.0, gt=0)
 
     @classmethod
@@ -100,18 +106,23 @@ class RewardTask(Task):
         self.device = platform.torch_device
         frozen = ModelInstance(base, platform, "float32")
         self.cache = TextFeatureCache(disk=False)  # each prompt encoded once per run
-        self.name = DenoiseLoop(frozen, cache=self.cache).transformer
+        frozen_loop = DenoiseLoop(frozen, cache=self.cache)
+        self.name = frozen_loop.transformer
         spec = base.manifest.components[self.name]
         if spec.impl != "wan-dit":
             raise BadInput(f"card '{base.id}': reward fine-tuning trains wan-dit transformers, not '{spec.impl}'")
         self.reference = frozen.component(self.name)  # built by the registry in eval mode without gradients
+        defaults = FlowDenoiseDefaults.model_validate(base.manifest.loops["denoise"].defaults)
+        [empty] = encode_prompts(frozen, [""], self.cache, frozen_loop.text_encoder)  # the null condition
+        guidance = s.reference_guidance if s.reference_guidance is not None else defaults.guidance
+        self.reference_velocity = GuidedVelocity(self.reference, KERNELS.resolve("cfg_combine", platform)[1], empty,
+                                                 guidance, defaults.guidance_interval, self.device)
         self.config = WanDiTConfig.from_card(spec.config)
         torch.manual_seed(recipe.train.seed)
         self.policy = self.copy(platform)
         rollout = ModelInstance(base, platform, "float32")
         rollout.use(self.name, self.sampler())
         self.loop = DenoiseLoop(rollout, cache=self.cache)
-        defaults = FlowDenoiseDefaults.model_validate(base.manifest.loops["denoise"].defaults)
         self.shift = s.shift if s.shift is not None else defaults.shift
         self.buffer: Rollouts | None = None
         self.update, self.rollout_count = 0, 0
@@ -163,8 +174,9 @@ class RewardTask(Task):
                         torch.as_tensor(advantages), _stack([st.capture.latents for st in states]),
                         self.captured_log_probs(states), order)
 
+    @abstractmethod
     def advantages(self, rewards: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
+        """Advantages (P, K) of rewards (P, K), normalised as the method's paper does."""
 
     def captured_log_probs(self, states: list[LoopState]) -> torch.Tensor | None:
         return None
@@ -177,8 +189,6 @@ class RewardTask(Task):
 
     def text(self, prompt_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached text states and masks of the buffer's prompts (each prompt encoded once per run)."""
-        from cardtool.core.sampling.text_cache import encode_prompts
-
         features = encode_prompts(self.loop.instance, [self.prompts[int(i)] for i in prompt_rows], self.cache,
                                   self.loop.text_encoder)
         states = torch.as_tensor(np.stack([f[0] for f in features]), device=self.device)
