@@ -37,9 +37,9 @@ def rl_command(
     held_out_judge: Annotated[str, typer.Option("--held-out-judge", help="A judge that is never the reward; its "
                                                 "accuracy is recorded beside the reward's ('' for none).")]
     = "fashion-referee",
-    watch_every: Annotated[int, typer.Option("--watch-every", help="Every N updates, sample the class prompts "
-                                             "with the policy and log accuracy under both judges and FID (0: "
-                                             "off).")] = 0,
+    watch_every: Annotated[int, typer.Option("--watch-every", help="Every N updates (at the next progress line), "
+                                             "sample the class prompts with the policy and log accuracy under both "
+                                             "judges and FID (0: off).")] = 0,
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (see README).")] = False,
 ) -> None:
     """Fine-tune CARD on a reward with DiffusionNFT (or Flow-GRPO); the tuned card extends CARD."""

@@ -236,11 +236,12 @@ def test_watching_logs_both_judges_accuracy_and_fid_of_the_live_policy(examples,
                                        .replace("id: tiny-judge", "id: tiny-referee"))
     entries = []
     judge = examples / "tiny-judge"
-    rl(recipe(examples / "tiny-base", extra=["optim.steps=2"], reward=judge), command="cardtool rl …",
-       out=examples / "watched", run_dir=tmp_path / "run", evaluate=False, judge=str(judge),
-       held_out_judge=str(referee), watch_every=2, data=str(write_idx_folder(tmp_path / "idx")),
+    rl(recipe(examples / "tiny-base", extra=["optim.steps=4", "train.log_every=2"], reward=judge),
+       command="cardtool rl …", out=examples / "watched", run_dir=tmp_path / "run", evaluate=False, judge=str(judge),
+       held_out_judge=str(referee), watch_every=3, data=str(write_idx_folder(tmp_path / "idx")),
        on_log=entries.append)
-    assert "watch_fid" not in entries[0], "only every second update is watched"
+    assert [(e["step"], "watch_fid" in e) for e in entries] == [(2, False), (4, True)], \
+        "watched at the first progress line at or past every third update"
     watched = entries[1]
     assert 0 <= watched["watch_accuracy"] <= 1 and 0 <= watched["watch_accuracy_tiny-referee"] <= 1
     assert np.isfinite(watched["watch_fid"])

@@ -167,9 +167,13 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
     task = make_task(recipe, platform, base, reward, prompts or default_prompts())
     watch = Watch(task, judges, platform, recipe.train.precision, data=data) if watch_every else None
 
+    next_watch = watch_every
+
     def log(entry: dict) -> None:
-        if watch is not None and entry["step"] % watch_every == 0:
+        nonlocal next_watch
+        if watch is not None and entry["step"] >= next_watch:  # the first progress line at or past each multiple
             entry = {**entry, **watch()}
+            next_watch = (entry["step"] // watch_every + 1) * watch_every
         if on_log:
             on_log(entry)
 
