@@ -249,7 +249,7 @@ def test_watching_logs_both_judges_accuracy_and_fid_of_the_live_policy(examples,
 
 def test_the_guided_reference_applies_cfg_on_the_guidance_interval_only():
     from cardtool.backends.torch_ops import cfg_combine
-    from cardtool.core.training.methods.guided import GuidedVelocity
+    from cardtool.core.training.methods.frozen import GuidedVelocity
 
     def model(x, timesteps, text, mask):  # v = the text's first value: 1 for the prompt, 0 for the null condition
         return text[:, 0, 0].reshape(-1, 1, 1, 1, 1).expand_as(x)

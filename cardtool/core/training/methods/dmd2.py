@@ -23,17 +23,12 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cardtool.backends.platform import Platform
-from cardtool.backends.registry import KERNELS
-from cardtool.backends.wan_config import WanDiTConfig
-from cardtool.backends.wan_dit import WanDiT
 from cardtool.core.cards.loader import Card
-from cardtool.core.cards.loops import MAX_STEPS, FlowDenoiseDefaults
+from cardtool.core.cards.loops import MAX_STEPS
 from cardtool.core.data import Split
 from cardtool.core.prompts import training_prompts
-from cardtool.core.sampling.denoise import DenoiseLoop, Request
-from cardtool.core.sampling.instance import ModelInstance
-from cardtool.core.sampling.text_cache import TextFeatureCache, encode_prompts
-from cardtool.core.training.methods.guided import GuidedVelocity
+from cardtool.core.sampling.denoise import Request
+from cardtool.core.training.methods.frozen import FrozenCard
 from cardtool.core.training.methods.vae import latents
 from cardtool.core.training.recipes import Recipe
 from cardtool.core.training.trainer import Task
@@ -125,32 +120,17 @@ class DMD2Task(Task):
     def __init__(self, recipe: Recipe, platform: Platform, teacher: Card, train: Split | None = None):
         self.settings = s = DMD2Settings.from_recipe(recipe.loss)
         self.teacher, self.device = teacher, platform.torch_device
-        if "denoise" not in teacher.manifest.loops:
-            raise BadInput(f"teacher '{teacher.id}' has no denoise loop: DMD2 distils a card's denoise sampling")
-        real = ModelInstance(teacher, platform, "float32")
-        self.cache = TextFeatureCache(disk=False)  # each prompt encoded once per run
-        teacher_loop = DenoiseLoop(real, cache=self.cache)
-        self.name = teacher_loop.transformer
-        spec = teacher.manifest.components[self.name]
-        if spec.impl != "wan-dit":
-            raise BadInput(f"teacher '{teacher.id}': DMD2 trains wan-dit transformers, not '{spec.impl}'")
+        frozen = FrozenCard(teacher, platform, "teacher", "DMD2")
         if recipe.model:
             raise BadInput(f"the student keeps the architecture of '{teacher.id}'; leave the recipe's model: empty")
-        self.real = real.component(self.name)  # frozen: built by the registry in eval mode without gradients
-        self.config = WanDiTConfig.from_card(spec.config)
+        self.name, self.config, self.cache = frozen.name, frozen.config, frozen.cache
+        self.real = frozen.module
         torch.manual_seed(recipe.train.seed)
-        self.generator, self.critic = (self._copy(platform) for _ in range(2))
-        student = ModelInstance(teacher, platform, "float32")
-        student.use(self.name, self.generator)
-        self.loop = DenoiseLoop(student, cache=self.cache)
-        defaults = FlowDenoiseDefaults.model_validate(teacher.manifest.loops["denoise"].defaults)
-        self.guidance = s.guidance if s.guidance is not None else defaults.guidance
-        self.interval = s.guidance_interval if s.guidance_interval is not None else defaults.guidance_interval
+        self.generator, self.critic = frozen.copy(), frozen.copy()
+        self.loop = frozen.serving(self.generator)
+        # the teacher as its card serves it (or as the recipe guides it): CFG on the steps in the guidance interval
+        self.real_velocity = frozen.guided(s.guidance, s.guidance_interval)
         self.prompts = [p for options in training_prompts() for p in options]  # (class, phrasing) pairs
-        [empty] = encode_prompts(real, [""], self.cache, teacher_loop.text_encoder)  # the null condition
-        # the teacher as its card serves it: CFG on the steps in the guidance interval
-        self.real_velocity = GuidedVelocity(self.real, KERNELS.resolve("cfg_combine", platform)[1], empty,
-                                            self.guidance, self.interval, self.device)
         self.turn = True
         self.per_class = len(training_prompts()[0])
         self.head = None
@@ -158,17 +138,12 @@ class DMD2Task(Task):
             if train is None:
                 raise BadInput("loss.gan needs the training images (Fashion-MNIST, or --data DIR)")
             self.head = GANHead(self.config.dim).to(self.device)
-            self.real_latents = latents(real.component(teacher_loop.vae), train.images, self.device)[0]
+            self.real_latents = latents(frozen.instance.component(frozen.loop.vae), train.images, self.device)[0]
             self.by_class = [np.flatnonzero(train.labels == c) for c in range(len(training_prompts()))]
             self.critic.blocks[-1].register_forward_hook(self._keep_features)
 
     def _keep_features(self, module, inputs, output) -> None:
         self._features = output
-
-    def _copy(self, platform: Platform) -> WanDiT:
-        module = WanDiT(self.config, platform).to(self.device)
-        module.load_state_dict(self.real.state_dict())
-        return module
 
     def modules(self):
         heads = {"gan_head": self.head} if self.head is not None else {}

@@ -17,17 +17,13 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cardtool.backends.platform import Platform
-from cardtool.backends.registry import KERNELS
-from cardtool.backends.wan_config import WanDiTConfig
-from cardtool.backends.wan_dit import WanDiT
 from cardtool.core.cards.loader import Card
-from cardtool.core.cards.loops import MAX_STEPS, FlowDenoiseDefaults
+from cardtool.core.cards.loops import MAX_STEPS
 from cardtool.core.evaluation.reward import Reward
-from cardtool.core.sampling.denoise import DenoiseLoop, LoopState, Request
-from cardtool.core.sampling.instance import ModelInstance
+from cardtool.core.sampling.denoise import LoopState, Request
 from cardtool.core.sampling.sampler import sample
-from cardtool.core.sampling.text_cache import TextFeatureCache, encode_prompts
-from cardtool.core.training.methods.guided import GuidedVelocity
+from cardtool.core.sampling.text_cache import encode_prompts
+from cardtool.core.training.methods.frozen import FrozenCard
 from cardtool.core.training.recipes import Recipe
 from cardtool.core.training.trainer import Task
 from cardtool.errors import BadInput
@@ -98,40 +94,21 @@ class RewardTask(Task):
         self.settings = s = self.settings_type.from_recipe(recipe.loss, self.method)
         if not prompts:
             raise BadInput("no prompts to train on")
-        if "denoise" not in base.manifest.loops:
-            raise BadInput(f"card '{base.id}' has no denoise loop: reward fine-tuning trains a card's denoise sampling")
+        frozen = FrozenCard(base, platform, "card", "reward fine-tuning")
         if recipe.model:
             raise BadInput(f"the tuned card keeps the architecture of '{base.id}'; leave the recipe's model: empty")
         self.base, self.reward, self.prompts = base, reward, prompts
-        self.device = platform.torch_device
-        frozen = ModelInstance(base, platform, "float32")
-        self.cache = TextFeatureCache(disk=False)  # each prompt encoded once per run
-        frozen_loop = DenoiseLoop(frozen, cache=self.cache)
-        self.name = frozen_loop.transformer
-        spec = base.manifest.components[self.name]
-        if spec.impl != "wan-dit":
-            raise BadInput(f"card '{base.id}': reward fine-tuning trains wan-dit transformers, not '{spec.impl}'")
-        self.reference = frozen.component(self.name)  # built by the registry in eval mode without gradients
-        defaults = FlowDenoiseDefaults.model_validate(base.manifest.loops["denoise"].defaults)
-        [empty] = encode_prompts(frozen, [""], self.cache, frozen_loop.text_encoder)  # the null condition
-        guidance = s.reference_guidance if s.reference_guidance is not None else defaults.guidance
-        self.reference_velocity = GuidedVelocity(self.reference, KERNELS.resolve("cfg_combine", platform)[1], empty,
-                                                 guidance, defaults.guidance_interval, self.device)
-        self.config = WanDiTConfig.from_card(spec.config)
+        self.device, self.name, self.cache = platform.torch_device, frozen.name, frozen.cache
+        self.reference = frozen.module
+        # the KL term's reference: the plain base (guidance 1), or the base as its card serves it (None)
+        self.reference_velocity = frozen.guided(s.reference_guidance)
         torch.manual_seed(recipe.train.seed)
-        self.policy = self.copy(platform)
-        rollout = ModelInstance(base, platform, "float32")
-        rollout.use(self.name, self.sampler())
-        self.loop = DenoiseLoop(rollout, cache=self.cache)
-        self.shift = s.shift if s.shift is not None else defaults.shift
+        self.policy = frozen.copy()
+        self.loop = frozen.serving(self.sampler())
+        self.shift = s.shift if s.shift is not None else frozen.defaults.shift
         self.buffer: Rollouts | None = None
         self.update, self.rollout_count = 0, 0
         self.reward_history: list[float] = []
-
-    def copy(self, platform: Platform) -> WanDiT:
-        module = WanDiT(self.config, platform).to(self.device)
-        module.load_state_dict(self.reference.state_dict())
-        return module
 
     def sampler(self) -> torch.nn.Module:
         """The module rollouts sample: the current policy unless the method keeps an older one."""
