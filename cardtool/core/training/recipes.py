@@ -7,7 +7,7 @@ import copy
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from cardtool.core.cards.source import read_source
 from cardtool.errors import BadInput, CardValidationError
 
-__all__ = ["Recipe", "load_recipe", "apply_overrides"]
+__all__ = ["Recipe", "LossSettings", "load_recipe", "apply_overrides"]
 
 TRAIN_METHODS = ("vae", "classifier", "pretrain", "finetune")  # `cardtool train`
 DISTILL_METHODS = ("dmd2",)  # `cardtool distill`
@@ -26,6 +26,21 @@ RUN_BY = {**{m: "cardtool distill TEACHER --recipe FILE" for m in DISTILL_METHOD
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class LossSettings(_Strict):
+    """A method's `loss:` section; errors name the field as `loss.FIELD` and the method."""
+
+    method: ClassVar[str] = ""
+
+    @classmethod
+    def from_recipe(cls, section: dict):
+        try:
+            return cls.model_validate(section)
+        except ValidationError as e:
+            problems = "; ".join(f"loss.{'.'.join(map(str, err['loc']))}: {err['msg']}".replace("loss.: ", "loss: ")
+                                 for err in e.errors())
+            raise BadInput(f"{cls.method} recipe: {problems}") from None
 
 
 class CardSpec(_Strict):

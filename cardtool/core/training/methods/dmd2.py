@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
 from cardtool.backends.platform import Platform
 from cardtool.core.cards.loader import Card
@@ -30,7 +30,7 @@ from cardtool.core.prompts import training_prompts
 from cardtool.core.sampling.denoise import Request
 from cardtool.core.training.methods.frozen import FrozenCard
 from cardtool.core.training.methods.vae import latents
-from cardtool.core.training.recipes import Recipe
+from cardtool.core.training.recipes import LossSettings, Recipe
 from cardtool.core.training.trainer import Task
 from cardtool.errors import BadInput
 
@@ -48,10 +48,10 @@ DEFAULTS = {
 }
 
 
-class DMD2Settings(BaseModel):
+class DMD2Settings(LossSettings):
     """A DMD2 recipe's `loss:` section."""
 
-    model_config = ConfigDict(extra="forbid")
+    method = "dmd2"
     student_steps: int = Field(4, ge=1, le=MAX_STEPS)  # the student's grid: shifted_sigmas(steps, shift)
     shift: float = Field(1.0, gt=0)
     guidance: float | None = Field(None, ge=1)  # the teacher's CFG scale (None: its card's loop default)
@@ -70,15 +70,6 @@ class DMD2Settings(BaseModel):
             if value is not None and not 0 <= value[0] <= value[1] <= 1:
                 raise ValueError(f"{name} must be [LO, HI] with 0 ≤ LO ≤ HI ≤ 1, got {list(value)}")
         return self
-
-    @classmethod
-    def from_recipe(cls, section: dict) -> DMD2Settings:
-        try:
-            return cls.model_validate(section)
-        except ValidationError as e:
-            problems = "; ".join(f"loss.{'.'.join(map(str, err['loc']))}: {err['msg']}".replace("loss.: ", "loss: ")
-                                 for err in e.errors())
-            raise BadInput(f"dmd2 recipe: {problems}") from None
 
 
 def generator_turn(step: int, every: int) -> bool:

@@ -30,6 +30,7 @@ GRPO_DEFAULTS = {
 
 
 class GRPOSettings(RolloutSettings):
+    method = "flow_grpo"
     eta: float = Field(0.7, gt=0)  # the SDE's noise level a
     clip_range: float = Field(1e-4, gt=0)  # ε
     train_timesteps: int | None = Field(None, ge=1)  # trajectory steps trained per update (None: all of them)
@@ -59,7 +60,6 @@ def transition_log_probs(sde, model, latents: torch.Tensor, sigmas: np.ndarray, 
 
 
 class GRPOTask(RewardTask):
-    method = "flow_grpo"
     solver = "sde"
     settings_type = GRPOSettings
 

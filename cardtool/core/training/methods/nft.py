@@ -39,6 +39,7 @@ NFT_DEFAULTS = {
 
 
 class NFTSettings(RolloutSettings):
+    method = "diffusion_nft"
     beta: float = Field(1.0, gt=0)  # how far the implicit policies sit from the old one
     timesteps: int = Field(2, ge=1)  # (t, ε) draws per sample per update
     t_range: tuple[float, float] = (0.0, 1.0)
@@ -72,7 +73,6 @@ def nft_loss(v: torch.Tensor, v_old: torch.Tensor, x_t: torch.Tensor, x0: torch.
 
 
 class NFTTask(RewardTask):
-    method = "diffusion_nft"
     solver = "euler"
     settings_type = NFTSettings
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
 from cardtool.backends.platform import Platform
 from cardtool.core.cards.loader import Card
@@ -24,17 +24,15 @@ from cardtool.core.sampling.denoise import LoopState, Request
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import encode_prompts
 from cardtool.core.training.methods.frozen import FrozenCard
-from cardtool.core.training.recipes import Recipe
+from cardtool.core.training.recipes import LossSettings, Recipe
 from cardtool.core.training.trainer import Task
 from cardtool.errors import BadInput
 
 __all__ = ["RolloutSettings", "Rollouts", "RewardTask", "group_advantages"]
 
 
-class RolloutSettings(BaseModel):
+class RolloutSettings(LossSettings):
     """The `loss:` keys both methods share."""
-
-    model_config = ConfigDict(extra="forbid")
     group_size: int = Field(16, ge=2)  # K samples per prompt; advantages compare within a group
     rollout_steps: int = Field(10, ge=1, le=MAX_STEPS)  # the sampler's steps in training (both papers: 10)
     shift: float | None = Field(None, gt=0)  # None: the base card's loop default
@@ -44,15 +42,6 @@ class RolloutSettings(BaseModel):
     # serves it (its loop's guidance and interval), so the tuned policy is held near the guided sampler
     reference_guidance: float | None = Field(1.0, ge=1)
     advantage_clip: float = Field(5.0, gt=0)
-
-    @classmethod
-    def from_recipe(cls, section: dict, method: str):
-        try:
-            return cls.model_validate(section)
-        except ValidationError as e:
-            problems = "; ".join(f"loss.{'.'.join(map(str, err['loc']))}: {err['msg']}".replace("loss.: ", "loss: ")
-                                 for err in e.errors())
-            raise BadInput(f"{method} recipe: {problems}") from None
 
 
 def group_advantages(rewards: np.ndarray, *, global_std: bool) -> np.ndarray:
@@ -88,10 +77,9 @@ class RewardTask(Task):
 
     solver = "euler"
     settings_type = RolloutSettings
-    method = ""
 
     def __init__(self, recipe: Recipe, platform: Platform, base: Card, reward: Reward, prompts: list[str]):
-        self.settings = s = self.settings_type.from_recipe(recipe.loss, self.method)
+        self.settings = s = self.settings_type.from_recipe(recipe.loss)
         if not prompts:
             raise BadInput("no prompts to train on")
         frozen = FrozenCard(base, platform, "card", "reward fine-tuning")
