@@ -68,6 +68,17 @@ def write_card(folder: Path, manifest: str, *, name: str = "card.yaml", weights:
     return folder
 
 
+def write_vae_only_card(folder: Path) -> Path:
+    """A valid card with a VAE and no denoise loop: what a method that trains a denoise loop must refuse."""
+    return write_card(folder, """
+        schema: cardtool/v1
+        id: vae-only
+        components:
+          vae: {kind: vae, impl: conv-vae, config: {channels: [8], padded_size: 28}, weights: vae.safetensors}
+        recipe: {method: vae}
+        """, weights=("vae.safetensors",), kinds={"vae.safetensors": "vae"})
+
+
 def write_idx_folder(folder: Path, train: int = 64, test: int = 32, seed: int = 0) -> Path:
     """A small IDX folder in Fashion-MNIST's layout: blob-like random images, labels cycling over 10 classes."""
     import gzip

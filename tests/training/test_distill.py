@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 import yaml
-from helpers import REPO, write_card
+from helpers import REPO, write_vae_only_card
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -150,13 +150,7 @@ def test_bad_input_is_a_clear_error(examples, tmp_path, args, message):
 
 
 def test_a_teacher_without_a_denoise_loop_and_an_existing_output_are_refused(examples, tmp_path):
-    vae_only = write_card(tmp_path / "vae-only", """
-        schema: cardtool/v1
-        id: vae-only
-        components:
-          vae: {kind: vae, impl: conv-vae, config: {channels: [8], padded_size: 28}, weights: vae.safetensors}
-        recipe: {method: vae}
-        """, weights=("vae.safetensors",), kinds={"vae.safetensors": "vae"})
+    vae_only = write_vae_only_card(tmp_path / "vae-only")
     result = CliRunner().invoke(app, ["distill", str(vae_only), "--no-eval", "--out", str(tmp_path / "s")])
     assert result.exit_code == 2 and "has no denoise loop" in result.output
     (tmp_path / "taken").mkdir()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from helpers import REPO, write_card, write_idx_folder
+from helpers import REPO, write_idx_folder, write_vae_only_card
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -214,13 +214,7 @@ def test_a_reward_that_is_not_a_reward_and_a_base_without_a_loop_are_refused(exa
     result = CliRunner().invoke(app, ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-base"),
                                       "--no-eval", "--out", str(tmp_path / "o")])
     assert result.exit_code == 2 and "is not a reward" in result.output
-    vae_only = write_card(tmp_path / "vae-only", """
-        schema: cardtool/v1
-        id: vae-only
-        components:
-          vae: {kind: vae, impl: conv-vae, config: {channels: [8], padded_size: 28}, weights: vae.safetensors}
-        recipe: {method: vae}
-        """, weights=("vae.safetensors",), kinds={"vae.safetensors": "vae"})
+    vae_only = write_vae_only_card(tmp_path / "vae-only")
     result = CliRunner().invoke(app, ["rl", str(vae_only), "--reward", str(examples / "tiny-judge"), "--no-eval",
                                       "--out", str(tmp_path / "o")])
     assert result.exit_code == 2 and "has no denoise loop" in result.output
