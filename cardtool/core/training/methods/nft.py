@@ -30,7 +30,7 @@ __all__ = ["NFT_DEFAULTS", "NFTSettings", "NFTTask", "nft_loss", "old_policy_dec
 NFT_DEFAULTS = {
     "method": "diffusion_nft",
     "card": {"storage": "float16"},
-    "loss": {"group_size": 16, "rollout_steps": 10, "beta": 1.0, "kl": 5.0, "reference_guidance": None,
+    "loss": {"group_size": 16, "rollout_steps": 20, "beta": 1.0, "kl": 5.0, "reference_guidance": None,
              "timesteps": 2},
     "optim": {"lr": 1.0e-4, "betas": [0.9, 0.999], "weight_decay": 0.0, "grad_clip": 1.0, "warmup": 0,
               "batch_size": 4, "steps": 600},
