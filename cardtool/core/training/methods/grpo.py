@@ -13,7 +13,7 @@ import torch
 from pydantic import Field
 
 from cardtool.core.sampling.denoise import LoopState, shifted_sigmas
-from cardtool.core.training.methods.rollouts import RewardTask, RolloutSettings, group_advantages
+from cardtool.core.training.methods.rollouts import RewardTask, RolloutSettings, group_advantages, stack_captured
 
 __all__ = ["GRPO_DEFAULTS", "GRPOSettings", "GRPOTask", "clipped_objective", "transition_log_probs"]
 
@@ -71,8 +71,7 @@ class GRPOTask(RewardTask):
         return np.clip(group_advantages(rewards, global_std=False), -s.advantage_clip, s.advantage_clip)
 
     def captured_log_probs(self, states: list[LoopState]) -> torch.Tensor:
-        return torch.stack([torch.cat(step) for step in zip(*[st.capture.log_probs for st in states],
-                                                             strict=True)]).clone()
+        return stack_captured([st.capture.log_probs for st in states])
 
     def reference_model(self, x, timesteps, text, mask):
         """The reference velocity with the model's call signature (timesteps σ·1000)."""

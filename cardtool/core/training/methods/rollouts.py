@@ -28,11 +28,12 @@ from cardtool.core.training.recipes import LossSettings, Recipe
 from cardtool.core.training.trainer import Task
 from cardtool.errors import BadInput
 
-__all__ = ["RolloutSettings", "Rollouts", "RewardTask", "group_advantages"]
+__all__ = ["RolloutSettings", "Rollouts", "RewardTask", "group_advantages", "stack_captured"]
 
 
 class RolloutSettings(LossSettings):
     """The `loss:` keys both methods share."""
+
     group_size: int = Field(16, ge=2)  # K samples per prompt; advantages compare within a group
     rollout_steps: int = Field(10, ge=1, le=MAX_STEPS)  # the sampler's steps in training (both papers: 10)
     shift: float | None = Field(None, gt=0)  # None: the base card's loop default
@@ -72,8 +73,9 @@ class Rollouts:
 
 
 class RewardTask(Task):
-    """The policy (`transformer`, written to the output card) fine-tuned on a reward; `reference` is the frozen base
-    for the KL term. Methods say which module samples (`sampler`), which solver, and what they train on."""
+    """The policy (`transformer`, written to the output card) fine-tuned on a reward; `reference_velocity` is the
+    frozen base's for the KL term. Methods say which module samples (`sampler`), which solver, and what they train
+    on."""
 
     solver = "euler"
     settings_type = RolloutSettings
@@ -87,7 +89,6 @@ class RewardTask(Task):
             raise BadInput(f"the tuned card keeps the architecture of '{base.id}'; leave the recipe's model: empty")
         self.base, self.reward, self.prompts = base, reward, prompts
         self.device, self.name, self.cache = platform.torch_device, frozen.name, frozen.cache
-        self.reference = frozen.module
         # the KL term's reference: the plain base (guidance 1), or the base as its card serves it (None)
         self.reference_velocity = frozen.guided(s.reference_guidance)
         torch.manual_seed(recipe.train.seed)
@@ -136,7 +137,7 @@ class RewardTask(Task):
         self.reward_history.append(float(rewards.mean()))
         order = torch.randperm(len(requests), generator=generator)
         return Rollouts(torch.as_tensor(np.repeat(indices, self.settings.group_size)), torch.as_tensor(rewards),
-                        torch.as_tensor(advantages), _stack([st.capture.latents for st in states]),
+                        torch.as_tensor(advantages), stack_captured([st.capture.latents for st in states]),
                         self.captured_log_probs(states), order)
 
     @abstractmethod
@@ -175,6 +176,7 @@ class RewardTask(Task):
         self.reward_history = tensors["reward_history"].tolist() if "reward_history" in tensors else []
 
 
-def _stack(per_sample: list[list[torch.Tensor]]) -> torch.Tensor:
-    """(T + 1, N, …) from each sample's captured list of (1, …) latents; detached from inference mode."""
+def stack_captured(per_sample: list[list[torch.Tensor]]) -> torch.Tensor:
+    """(T, N, …) from each sample's captured list of T (1, …) tensors (latents, log-probabilities), as ordinary
+    tensors that training may differentiate through (the capture was made in inference mode)."""
     return torch.stack([torch.cat(step) for step in zip(*per_sample, strict=True)]).clone()
