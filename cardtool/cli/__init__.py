@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from cardtool import __version__
-from cardtool.cli import cards, distill, evaluate, generate, parity, platform, rl, train
+from cardtool.cli import cards, distill, evaluate, flywheel, generate, parity, platform, rl, train
 
 app = typer.Typer(
     name="cardtool",
@@ -20,6 +20,7 @@ app.command("generate")(generate.generate_command)
 app.command("train")(train.train_command)
 app.command("distill")(distill.distill_command)
 app.command("rl")(rl.rl_command)
+app.command("flywheel")(flywheel.flywheel_command)
 app.command("eval")(evaluate.eval_command)
 app.command("parity")(parity.parity_command)
 

@@ -81,6 +81,7 @@ class Recipe(_Strict):
     method: Literal[METHODS]  # type: ignore[valid-type]
     parents: list[Name] = []
     command: str | None = None  # the exact command that reproduces this card
+    fingerprint: Sha256 | None = None  # of the resolved recipe and its parents' weights: a re-run can skip this card
     data: dict[str, Any] = {}
     assumes: Assumes = Assumes()
     hyperparameters: dict[str, Any] = {}

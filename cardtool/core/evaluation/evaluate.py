@@ -47,6 +47,7 @@ class EvalRow:
     kid_std: float
     mean_reward: float
     images_per_second: float
+    model_evaluations: int = 0  # transformer evaluations per image: two on each guided step
 
 
 @dataclass
@@ -89,6 +90,9 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     real = referee.features(test.images)
     count = per_class * len(CLASS_NAMES)
     report = EvalReport(card.id, judge_instance.card.id, f"{platform.device}/{platform.arch}", per_class)
+    if count > len(train):
+        raise BadInput(f"--per-class {per_class} asks for {count} images, more than the {len(train)} training images "
+                       "the floors are measured on")
     picked = np.random.default_rng(seed).choice(len(train), count, replace=False)
     floors = {"train_vs_test": referee.features(train.images[picked]),
               "vae_reconstruction": referee.features(_reconstruct(first.instance, first.vae, train.images[picked]))}
@@ -113,7 +117,8 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
         kid, kid_std = kernel_distance(features, real)
         row = EvalRow(first.steps, first.guidance, list(first.guidance_interval), p, count, round(accuracy, 4),
                       round(frechet_distance(features, real), 4), round(kid, 6), round(kid_std, 6),
-                      round(float(probabilities[np.arange(count), labels].mean()), 4), round(count / seconds, 1))
+                      round(float(probabilities[np.arange(count), labels].mean()), 4), round(count / seconds, 1),
+                      first.model_evaluations())
         report.rows.append(row)
         if on_row:
             on_row(row)

@@ -66,6 +66,12 @@ class Request:
         if not 0 <= low <= high <= 1:
             raise BadInput(f"guidance interval must be LO,HI with 0 ≤ LO ≤ HI ≤ 1 (a σ range), got {low:g},{high:g}")
 
+    def model_evaluations(self) -> int:
+        """Transformer evaluations this request costs: two on each guided step, one on the others."""
+        guided = self.guidance != 1
+        sigmas = shifted_sigmas(self.steps, self.shift)[:-1]
+        return sum(2 if guided and self.guides_at(sigma) else 1 for sigma in sigmas)
+
     def guides_at(self, sigma: float) -> bool:
         """Whether σ (a step's starting σ) is in the guidance interval, bounds inclusive up to the grid's rounding."""
         low, high = self.guidance_interval

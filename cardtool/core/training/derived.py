@@ -1,8 +1,10 @@
 """Cards made from another card (a DMD2 student, an RL'd policy): how the new card names its parent in `extends`,
-and its eval at its own loop defaults, recorded in it."""
+the fingerprint that says which run made it, and its eval at its own loop defaults, recorded in it."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -10,7 +12,7 @@ from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.errors import BadInput, CardtoolError
 
-__all__ = ["extends_reference", "evaluate_output"]
+__all__ = ["extends_reference", "evaluate_output", "recipe_fingerprint"]
 
 
 def extends_reference(parent: Card, out: Path) -> str:
@@ -22,6 +24,19 @@ def extends_reference(parent: Card, out: Path) -> str:
     except BadInput:
         pass
     return os.path.relpath(parent.folder.resolve(), out.parent.resolve() / out.name)
+
+
+def recipe_fingerprint(recipe) -> str:
+    """sha256 of the resolved recipe with each parent named by what it is — its id and the manifest parts that
+    decide a run (components with their weights' sha256, loops, adapters) — not by the path it was found at. Two
+    runs with one fingerprint make the same card, so a re-run (the flywheel's stages) can skip it."""
+    parents = []
+    for ref in recipe.parents:
+        manifest = load_card(locate(ref)).manifest
+        parents.append({"id": manifest.id, **manifest.model_dump(mode="json", include={"components", "loops",
+                                                                                        "adapters"})})
+    document = {"recipe": recipe.model_dump(mode="json", exclude={"parents"}), "parents": parents}
+    return hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()
 
 
 def evaluate_output(card: Card, judge: str, device: str | None, data: str | None = None, on_eval=None) -> Card:

@@ -12,7 +12,7 @@ from cardtool.backends.platform import Platform
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.writer import write_card
-from cardtool.core.training.derived import evaluate_output, extends_reference
+from cardtool.core.training.derived import evaluate_output, extends_reference, recipe_fingerprint
 from cardtool.core.training.recipes import Recipe
 from cardtool.core.training.trainer import train_loop
 from cardtool.errors import BadInput
@@ -26,7 +26,7 @@ def student_id(teacher: str, steps) -> str:
 
 
 def distill_recipe(teacher: str, path: Path | None = None, overrides: list[str] = (),
-                   steps: int | None = None) -> Recipe:
+                   steps: int | None = None, section: dict | None = None) -> Recipe:
     """The recipe `cardtool distill` runs: the file (or DMD2's defaults) with `--set` and `--steps` applied, the
     teacher as its one parent, and the student id `TEACHER-Nstep` unless the recipe names one."""
     from cardtool.core.training.methods.dmd2 import DEFAULTS
@@ -43,7 +43,7 @@ def distill_recipe(teacher: str, path: Path | None = None, overrides: list[str] 
             card["id"] = student_id(teacher, loss.get("student_steps", DEFAULTS["loss"]["student_steps"]))
 
     sets = [*overrides, *([f"loss.student_steps={steps}"] if steps is not None else [])]
-    return load_recipe(path, sets, "dmd2", defaults=DEFAULTS, complete=complete)
+    return load_recipe(path, sets, "dmd2", defaults=DEFAULTS, complete=complete, section=section)
 
 
 def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Path | None = None,
@@ -88,7 +88,7 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
                                            "solver": "renoise"}}},
         **({"adapters": {name: None for name in teacher.manifest.adapters}} if teacher.manifest.adapters else {}),
         "recipe": {"method": "dmd2", "parents": [teacher.id], "assumes": {"loop": "denoise", "steps": steps},
-                   "command": command,
+                   "command": command, "fingerprint": recipe_fingerprint(recipe),
                    "hyperparameters": recipe.model_dump(mode="json", exclude={"card", "method", "parents"}),
                    "metrics": metrics},
         "parity": {"consistency": "C1"},

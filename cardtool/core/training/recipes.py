@@ -111,11 +111,12 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 
 def load_recipe(path: str | Path | None, overrides: list[str] = (), method: str | None = None,
-                defaults: dict | None = None, complete=None) -> Recipe:
+                defaults: dict | None = None, complete=None, section: dict | None = None) -> Recipe:
     """Read a recipe (or start from `defaults` alone), apply overrides (and --method), validate; errors name the
-    field. The file's values win over `defaults`, overrides over both; `complete(data)` may fill in what depends
-    on the merged values (distill's student id) before validation."""
-    data = {}
+    field. The file's values win over `defaults`, overrides over both; `section` (a flywheel recipe's stage) stands
+    in for a file; `complete(data)` may fill in what depends on the merged values (distill's student id) before
+    validation."""
+    data = section or {}
     if path is not None:
         try:  # the manifest reader: bounded size and depth, no aliases, plain types, located errors
             data = read_source(Path(path)).data

@@ -19,7 +19,7 @@ from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.loops import FlowDenoiseDefaults
 from cardtool.core.cards.writer import write_card
 from cardtool.core.prompts import training_prompts
-from cardtool.core.training.derived import evaluate_output, extends_reference
+from cardtool.core.training.derived import evaluate_output, extends_reference, recipe_fingerprint
 from cardtool.core.training.recipes import Recipe
 from cardtool.core.training.trainer import train_loop
 from cardtool.errors import BadInput
@@ -64,10 +64,10 @@ def _defaults(method: str) -> dict:
 
 
 def rl_recipe(base: str, reward: str, method: str | None = None, path: Path | None = None,
-              overrides: list[str] = ()) -> Recipe:
-    """The recipe `cardtool rl` runs: the file (or the method's defaults) with `--set` applied, parents [BASE,
-    REWARD], and the card id `BASE-nft` / `BASE-grpo` unless the recipe names one. Without --method, the file's
-    method, else diffusion_nft."""
+              overrides: list[str] = (), section: dict | None = None) -> Recipe:
+    """The recipe `cardtool rl` runs: the file (or `section`, or the method's defaults) with `--set` applied, parents
+    [BASE, REWARD], and the card id `BASE-nft` / `BASE-grpo` unless the recipe names one. Without --method, the
+    file's method, else diffusion_nft."""
     from cardtool.core.cards.source import read_source
     from cardtool.core.training.recipes import load_recipe
     from cardtool.errors import CardValidationError
@@ -77,7 +77,7 @@ def rl_recipe(base: str, reward: str, method: str | None = None, path: Path | No
             method = read_source(Path(path)).data.get("method")
         except CardValidationError as e:
             raise BadInput(f"cannot read recipe: {e}") from None
-    method = method or "diffusion_nft"
+    method = method or (section or {}).get("method") or "diffusion_nft"
     if method not in METHODS:
         raise BadInput(f"unknown rl method '{method}'; choose one of: {', '.join(METHODS)}")
 
@@ -87,7 +87,7 @@ def rl_recipe(base: str, reward: str, method: str | None = None, path: Path | No
         if isinstance(card, dict) and "id" not in card:
             card["id"] = f"{Path(base).name if base.startswith('.') or '/' in base else base}-{METHODS[method]}"
 
-    return load_recipe(path, list(overrides), method, defaults=_defaults(method), complete=complete)
+    return load_recipe(path, list(overrides), method, defaults=_defaults(method), complete=complete, section=section)
 
 
 def make_task(recipe: Recipe, platform: Platform, base: Card, reward, prompts: list[str]):
@@ -214,6 +214,7 @@ def _manifest(recipe: Recipe, task, base: Card, reward_id: str, out: Path, comma
         **({"adapters": {name: None for name in base.manifest.adapters}} if base.manifest.adapters else {}),
         "recipe": {"method": recipe.method, "parents": [base.id, reward_id],
                    "assumes": {"loop": "denoise", "steps": steps}, "command": command,
+                   "fingerprint": recipe_fingerprint(recipe),
                    "hyperparameters": recipe.model_dump(mode="json", exclude={"card", "method", "parents"}),
                    "metrics": metrics},
         "parity": {"consistency": "C1"},

@@ -194,10 +194,15 @@ def _load(path: Path, recipe: Recipe, modules, ema, optimizer, task: Task) -> tu
     if metadata.get("fingerprint") != recipe.fingerprint():
         raise BadInput(f"{path} was made by a different recipe; resume with the same recipe and overrides")
     tensors = load_file(str(path))
-    for prefix, group in (("model", modules), ("ema", ema or {})):
-        for name, module in group.items():
-            state = {k[len(f"{prefix}.{name}."):]: v for k, v in tensors.items() if k.startswith(f"{prefix}.{name}.")}
-            module.load_state_dict(state)
-    load_optimizer_tensors(optimizer, tensors, metadata["param_groups"])
-    task.load_state({k[len("task."):]: v for k, v in tensors.items() if k.startswith("task.")})
+    try:
+        for prefix, group in (("model", modules), ("ema", ema or {})):
+            for name, module in group.items():
+                state = {k[len(f"{prefix}.{name}."):]: v for k, v in tensors.items()
+                         if k.startswith(f"{prefix}.{name}.")}
+                module.load_state_dict(state)
+        load_optimizer_tensors(optimizer, tensors, metadata["param_groups"])
+        task.load_state({k[len("task."):]: v for k, v in tensors.items() if k.startswith("task.")})
+    except (RuntimeError, ValueError, KeyError) as e:  # the same recipe, an older cardtool's training state
+        raise BadInput(f"{path} does not fit this version's training state ({str(e).splitlines()[0][:160]}); "
+                       "start the run again in a new --run-dir") from None
     return int(json.loads(metadata["step"])), float(metadata.get("loss", "nan"))

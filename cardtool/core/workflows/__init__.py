@@ -1,0 +1,1 @@
+"""Workflows: the flywheel and workflow manifests (chain, parallel, best-of-N)."""

@@ -1,0 +1,220 @@
+"""`cardtool flywheel CARD --reward R`: reward fine-tuning, then DMD2 distillation *from the RL'd card*, then the
+three cards evaluated side by side — the few-step student inherits the RL gains. The card family records base → rl →
+distilled in `recipe.parents`.
+
+Each stage is `rl()` / `distill()` itself — the same code as its own command — checkpointing in its own run folder,
+so a kill -9 loses at most the work since the stage's last checkpoint, and `--resume` continues the stage that was
+running. A stage whose card already exists with the fingerprint of the stage's resolved recipe (recipe and parents'
+weights, see `recipe_fingerprint`) is skipped; one that exists with another fingerprint is an error, never
+overwritten without `--force`."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cardtool.atomic import write_atomic
+from cardtool.core.cards.discovery import locate
+from cardtool.core.cards.loader import Card, load_card
+from cardtool.core.cards.source import read_source
+from cardtool.core.training.derived import recipe_fingerprint
+from cardtool.core.training.recipes import Recipe
+from cardtool.errors import BadInput, CardtoolError, CardValidationError
+
+__all__ = ["STAGES", "FlywheelRecipe", "FlywheelReport", "flywheel", "flywheel_recipe"]
+
+STAGES = ("rl", "distill", "eval")
+SECTIONS = ("method", "rl", "distill")  # a flywheel recipe's keys: each stage's section is that command's recipe
+REPORT = "flywheel.json"
+
+
+@dataclass
+class FlywheelRecipe:
+    base: str
+    reward: str
+    rl: Recipe
+    distill: Recipe
+
+
+def flywheel_recipe(base: str, reward: str, *, steps: int | None = None, path: Path | None = None,
+                    overrides: list[str] = (), prefix: str | None = None,
+                    out_dir: Path = Path("cards")) -> FlywheelRecipe:
+    """The two stage recipes: the file's `rl:` and `distill:` sections (each a recipe of that command, over its
+    defaults), `--set rl.KEY=V` / `distill.KEY=V` applied to its stage, `--steps` the student's step count. Cards:
+    `PREFIX-nft` (or -grpo) and `PREFIX-nft-Nstep`, PREFIX the base's name unless given; the student's teacher is
+    the RL'd card in `out_dir`."""
+    from cardtool.core.training.distill import distill_recipe
+    from cardtool.core.training.rl import METHODS, rl_recipe
+
+    sections = _read(path) if path is not None else {}
+    split: dict[str, list[str]] = {"rl": [], "distill": []}
+    for item in overrides:
+        stage, dot, rest = item.partition(".")
+        if stage not in split or not dot:
+            raise BadInput(f"--set {item!r}: a flywheel override names its stage: rl.KEY=VALUE or distill.KEY=VALUE")
+        split[stage].append(rest)
+    prefix = prefix or (Path(base).name if base.startswith(".") or "/" in base else base)
+    rl_section = _with_id(sections.get("rl"), None)
+    method = rl_section.get("method", "diffusion_nft")
+    if method not in METHODS:
+        raise BadInput(f"flywheel rl.method: unknown rl method '{method}'; choose one of: {', '.join(METHODS)}")
+    rl_section = _with_id(rl_section, f"{prefix}-{METHODS[method]}")
+    stage1 = rl_recipe(base, reward, None, None, split["rl"], section=rl_section)
+    teacher = str(Path(out_dir) / stage1.card.id)
+    student_steps = steps if steps is not None else sections.get("distill", {}).get("loss", {}).get("student_steps")
+    student_steps = student_steps if student_steps is not None else 2
+    stage2 = distill_recipe(teacher, None, split["distill"], student_steps,
+                            section=_with_id(sections.get("distill"), f"{stage1.card.id}-{student_steps}step"))
+    return FlywheelRecipe(base, reward, stage1, stage2)
+
+
+def _read(path: Path) -> dict:
+    """A flywheel recipe file: `method: flywheel` (optional) and the sections `rl:` and `distill:`; a stray key or a
+    section that is not a mapping is a located error."""
+    try:
+        source = read_source(Path(path))
+    except CardValidationError as e:
+        raise BadInput(f"cannot read recipe: {e}") from None
+    problems = []
+    for key, value in source.data.items():
+        if key not in SECTIONS:
+            problems.append(source.problem((key,), "unknown key", f"a flywheel recipe holds {', '.join(SECTIONS)}",
+                                           key=True))
+        elif key == "method" and value != "flywheel":
+            problems.append(source.problem((key,), f"a flywheel recipe has method 'flywheel', got {value!r}",
+                                           "run it with the command of its method, or set method: flywheel"))
+        elif key != "method" and not isinstance(value, dict):
+            problems.append(source.problem((key,), f"the {key} section must be a mapping (a {key} recipe)"))
+    if problems:
+        raise CardValidationError(problems)
+    return source.data
+
+
+def _with_id(section, card_id: str | None) -> dict:
+    if section is not None and not isinstance(section, dict):
+        raise BadInput("a flywheel stage section must be a mapping")
+    out = dict(section or {})
+    if card_id is not None:
+        card = out.get("card") if isinstance(out.get("card"), dict) else {}
+        out["card"] = {"id": card_id, **card}  # the section may name its own card
+    return out
+
+
+@dataclass
+class FlywheelReport:
+    cards: list[dict] = field(default_factory=list)  # one row per card: base, rl'd, student, then --compare
+    stages: list[dict] = field(default_factory=list)  # name, card, skipped, seconds
+    judge: str = ""
+    held_out_judge: str | None = None
+    per_class: int = 0
+    platform: str = ""
+
+    def to_json(self) -> dict:
+        return {"judge": self.judge, "held_out_judge": self.held_out_judge, "per_class": self.per_class,
+                "platform": self.platform, "stages": self.stages, "cards": self.cards}
+
+
+def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("cards"), run_dir: Path | None = None,
+             resume: bool = False, force: bool = False, device: str | None = None, data: str | None = None,
+             judge: str = "fashion-classifier", held_out_judge: str | None = "fashion-referee", per_class: int = 100,
+             compare: list[str] = (), stop_after: str | None = None,
+             on_log: Callable[[str, dict], None] | None = None,
+             on_stage: Callable[[dict], None] | None = None) -> FlywheelReport:
+    """Run the stages in order (up to `stop_after`); the report has each stage and, after the eval stage, each
+    card's accuracy under both judges, FID-FMNIST, model evaluations per image and images/s."""
+    from cardtool.core.training.distill import distill
+    from cardtool.core.training.rl import rl
+
+    if stop_after is not None and stop_after not in STAGES:
+        raise BadInput(f"--stop-after must be one of {', '.join(STAGES)}, got '{stop_after}'")
+    if per_class < 1:
+        raise BadInput(f"--per-class must be at least 1, got {per_class}")
+    for ref in [recipe.base, recipe.reward, judge, *([held_out_judge] if held_out_judge else []), *compare]:
+        locate(ref)  # before hours of training, not after
+    run_dir = Path(run_dir or Path("runs") / f"{recipe.rl.card.id}-flywheel")
+    report = FlywheelReport(judge=judge, held_out_judge=held_out_judge, per_class=per_class)
+    common = {"device": device, "data": data}
+
+    def stage(name: str, stage_recipe: Recipe, run) -> Card:
+        out = Path(out_dir) / stage_recipe.card.id
+        fingerprint = recipe_fingerprint(stage_recipe)
+        existing = _existing(out)
+        if existing is not None and existing.manifest.recipe.fingerprint == fingerprint:
+            entry = {"stage": name, "card": existing.id, "path": str(out), "skipped": True, "seconds": 0.0}
+        else:
+            if out.exists() and not force:
+                raise BadInput(f"{out} exists but was not made by this stage's recipe (fingerprint {fingerprint[:12]}"
+                               "…); pass --force to replace it, or choose another --out-prefix")
+            stage_dir = run_dir / name
+            started = time.perf_counter()
+            run(stage_recipe, command=f"{command}  # stage {name}", out=out, run_dir=stage_dir,
+                resume=resume and _has_checkpoint(stage_dir), force=force, evaluate=False,
+                on_log=(lambda entry: on_log(name, entry)) if on_log else None, **common)
+            entry = {"stage": name, "card": stage_recipe.card.id, "path": str(out), "skipped": False,
+                     "seconds": round(time.perf_counter() - started, 1)}
+        report.stages.append(entry)
+        if on_stage:
+            on_stage(entry)
+        return load_card(out)
+
+    tuned = stage("rl", recipe.rl, rl)
+    if stop_after != "rl":
+        student = stage("distill", recipe.distill, distill)
+        if stop_after != "distill":
+            started = time.perf_counter()
+            _evaluate([str(locate(recipe.base)), str(tuned.folder), str(student.folder),
+                       *(str(locate(c)) for c in compare)], report, device, data,
+                      record={str(tuned.folder), str(student.folder)})
+            entry = {"stage": "eval", "card": None, "skipped": False,
+                     "seconds": round(time.perf_counter() - started, 1)}
+            report.stages.append(entry)
+            if on_stage:
+                on_stage(entry)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(run_dir / REPORT, (json.dumps(report.to_json(), indent=1) + "\n").encode())
+    return report
+
+
+def _evaluate(folders: list[str], report: FlywheelReport, device: str | None, data: str | None,
+              record: set[str]) -> None:
+    """Each card at its own loop defaults under the judge (accuracy, FID, speed) and the held-out judge; the
+    flywheel's own cards keep theirs (eval.json and the summary, as `cardtool eval --record`)."""
+    from cardtool.core.cards.record import record_eval, record_metrics
+    from cardtool.core.evaluation.evaluate import evaluate
+
+    judge, held_out_judge = report.judge, report.held_out_judge
+    for folder in folders:
+        card = load_card(folder)
+        measured = evaluate(folder, judge=judge, per_class=report.per_class, device=device, data=data)
+        report.platform, report.judge, first = measured.platform, measured.judge, measured.rows[0]
+        held_out = None
+        if held_out_judge:
+            other = evaluate(folder, judge=held_out_judge, per_class=report.per_class, device=device, data=data)
+            report.held_out_judge, held_out = other.judge, other.rows[0].class_accuracy
+        if folder in record:
+            record_eval(folder, measured.to_json())
+            if held_out is not None:
+                record_metrics(folder, {"held_out_judge": {"card": report.held_out_judge, "images": first.images,
+                                                           "class_accuracy": held_out}})
+        report.cards.append({"card": card.id, "method": card.manifest.recipe.method,
+                             "parents": card.manifest.recipe.parents, "steps": first.steps,
+                             "guidance": first.guidance, "model_evaluations": first.model_evaluations,
+                             "class_accuracy": first.class_accuracy, "held_out_accuracy": held_out,
+                             "fid_fmnist": first.fid_fmnist, "kid": first.kid,
+                             "images_per_second": first.images_per_second})
+
+
+def _existing(out: Path) -> Card | None:
+    try:
+        return load_card(out) if (out / "card.yaml").is_file() or (out / "card.toml").is_file() else None
+    except CardtoolError:
+        return None
+
+
+def _has_checkpoint(stage_dir: Path) -> bool:
+    from cardtool.core.training.trainer import CHECKPOINT
+
+    return (stage_dir / CHECKPOINT).is_file()

@@ -1,0 +1,119 @@
+"""`cardtool flywheel` on the tiny example cards: the chain base → rl → distilled, stages skipped by fingerprint on a
+re-run, a run stopped after the rl stage going on at distill, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import write_idx_folder
+from typer.testing import CliRunner
+
+from cardtool.cli import app
+from cardtool.core.cards.loader import load_card
+from cardtool.core.training.derived import recipe_fingerprint
+from cardtool.core.workflows.flywheel import flywheel, flywheel_recipe
+
+TINY = ["rl.optim.steps=2", "rl.optim.batch_size=2", "rl.loss.group_size=4", "rl.loss.rollout_steps=3",
+        "rl.train.precision=float32", "distill.optim.steps=3", "distill.optim.batch_size=4",
+        "distill.train.precision=float32"]
+
+
+def run(examples, tmp_path, *extra, overrides=TINY):
+    data = write_idx_folder(tmp_path / "idx")
+    return CliRunner().invoke(app, ["flywheel", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
+                                    "--steps", "1", *[f"--set={o}" for o in overrides], "--out-dir",
+                                    str(tmp_path / "cards"), "--run-dir", str(tmp_path / "run"), "--judge",
+                                    str(examples / "tiny-judge"), "--held-out-judge", str(examples / "tiny-judge"),
+                                    "--per-class", "2", "--data", str(data), "--json", *extra])
+
+
+def test_the_flywheel_chains_base_rl_and_student_and_reports_the_three(examples, tmp_path):
+    result = run(examples, tmp_path)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert [s["stage"] for s in report["stages"]] == ["rl", "distill", "eval"]
+    assert not any(s["skipped"] for s in report["stages"])
+    tuned = load_card(tmp_path / "cards" / "tiny-base-nft")
+    student = load_card(tmp_path / "cards" / "tiny-base-nft-1step")
+    assert tuned.manifest.recipe.method == "diffusion_nft"
+    assert tuned.manifest.recipe.parents == ["tiny-base", "tiny-judge"]
+    assert student.manifest.recipe.method == "dmd2" and student.manifest.recipe.parents == ["tiny-base-nft"]
+    assert student.manifest.recipe.assumes.steps == 1
+    # the student's teacher is the RL'd card, not the base
+    assert student.manifest.extends == "tiny-base-nft" and tuned.manifest.extends.endswith("tiny-base")
+    rows = {row["card"]: row for row in report["cards"]}
+    assert list(rows) == ["tiny-base", "tiny-base-nft", "tiny-base-nft-1step"]
+    assert [rows[c]["model_evaluations"] for c in rows] == [60, 30, 1]  # tiny-base: CFG on all 30 steps
+    for row in rows.values():
+        assert 0 <= row["class_accuracy"] <= 1 and row["fid_fmnist"] > 0 and row["images_per_second"] > 0
+    assert json.loads((tmp_path / "run" / "flywheel.json").read_text()) == report
+
+
+def test_a_rerun_skips_finished_stages_and_a_changed_recipe_is_refused(examples, tmp_path):
+    assert run(examples, tmp_path, "--stop-after", "distill").exit_code == 0
+    weights = (tmp_path / "cards" / "tiny-base-nft-1step" / "transformer.safetensors").read_bytes()
+    again = run(examples, tmp_path, "--stop-after", "distill")
+    assert again.exit_code == 0, again.output
+    assert all(s["skipped"] for s in json.loads(again.stdout)["stages"])
+    assert (tmp_path / "cards" / "tiny-base-nft-1step" / "transformer.safetensors").read_bytes() == weights
+    changed = run(examples, tmp_path, "--stop-after", "distill", overrides=[*TINY, "distill.optim.lr=1e-3"])
+    assert changed.exit_code == 2
+    assert "not made by this stage's recipe" in json.loads(changed.stdout)["error"]["message"]
+
+
+def test_a_run_stopped_after_the_rl_stage_goes_on_at_distill(examples, tmp_path):
+    first = run(examples, tmp_path, "--stop-after", "rl")
+    assert first.exit_code == 0, first.output
+    assert [s["stage"] for s in json.loads(first.stdout)["stages"]] == ["rl"]
+    assert not (tmp_path / "cards" / "tiny-base-nft-1step").exists()
+    tuned = (tmp_path / "cards" / "tiny-base-nft" / "transformer.safetensors").read_bytes()
+    second = run(examples, tmp_path, "--stop-after", "distill", "--resume")
+    assert second.exit_code == 0, second.output
+    stages = json.loads(second.stdout)["stages"]
+    assert [(s["stage"], s["skipped"]) for s in stages] == [("rl", True), ("distill", False)]
+    assert (tmp_path / "cards" / "tiny-base-nft" / "transformer.safetensors").read_bytes() == tuned
+
+
+def test_a_killed_stage_resumes_from_its_checkpoint(examples, tmp_path):
+    recipe = flywheel_recipe(str(examples / "tiny-base"), str(examples / "tiny-judge"), steps=1,
+                             overrides=[*TINY, "rl.optim.steps=4", "rl.train.checkpoint_every=2",
+                                        "rl.train.log_every=1"],
+                             out_dir=tmp_path / "cards")
+    kwargs = dict(command="test", out_dir=tmp_path / "cards", run_dir=tmp_path / "run", held_out_judge=None,
+                  judge=str(examples / "tiny-judge"), stop_after="rl")
+    seen = []
+
+    def killed_at_three(stage, entry):  # a kill after the checkpoint at update 2, before the card is written
+        seen.append(entry["step"])
+        if entry["step"] == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        flywheel(recipe, on_log=killed_at_three, **kwargs)
+    assert (tmp_path / "run" / "rl" / "checkpoint.safetensors").is_file()
+    assert not (tmp_path / "cards" / "tiny-base-nft").exists()
+    seen.clear()
+    flywheel(recipe, on_log=lambda stage, entry: seen.append(entry["step"]), resume=True, **kwargs)
+    assert seen == [3, 4], "the resumed stage continues after its last checkpoint"
+    card = load_card(tmp_path / "cards" / "tiny-base-nft")
+    assert card.manifest.recipe.fingerprint == recipe_fingerprint(recipe.rl)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--set", "optim.steps=3"], "names its stage"),
+    (["--stop-after", "train"], "--stop-after must be one of"),
+    (["--per-class", "0"], "--per-class"),
+])
+def test_bad_input_is_a_clear_error(examples, tmp_path, args, message):
+    result = run(examples, tmp_path, *args)
+    assert result.exit_code == 2 and message in json.loads(result.stdout)["error"]["message"]
+
+
+def test_a_flywheel_recipe_with_a_stray_key_is_a_located_error(examples, tmp_path):
+    bad = tmp_path / "flywheel.yaml"
+    bad.write_text("method: flywheel\nrl:\n  optim: {steps: 2}\ndistil:\n  optim: {steps: 3}\n")
+    result = run(examples, tmp_path, "--recipe", str(bad))
+    assert result.exit_code == 1
+    problem = json.loads(result.stdout)["error"]["problems"][0]
+    assert problem["line"] == 4 and problem["field"] == "distil"
