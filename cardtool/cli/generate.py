@@ -29,6 +29,10 @@ def generate_command(
     precision: Annotated[str | None, typer.Option(
         "--precision", help="float32, bfloat16 or float16 (mixed: float32 weights, low-precision products), "
         "float64 (default: the card's).")] = None,
+    best_of: Annotated[int, typer.Option("--best-of", help="Sample N candidates per image and keep the one the "
+                                         "--reward card scores highest (all scores go in the metadata).")] = 1,
+    reward: Annotated[str | None, typer.Option("--reward", help="The reward card that scores best-of-N candidates "
+                                               "(fashion-classifier).")] = None,
     max_batch: Annotated[int, typer.Option(
         "--max-batch", help="Model rows per forward (a guided request takes two); lower it to save memory.")] = 128,
     out: Annotated[Path, typer.Option("--out", help="Output folder, or NAME.png for one image.")] = Path("outputs"),
@@ -46,7 +50,8 @@ def generate_command(
             interval = parse_interval(guidance_interval) if guidance_interval is not None else None
             report = generate(card, prompts, num=num, seed=seed, steps=steps, guidance=guidance, shift=shift,
                               solver=solver, guidance_interval=interval, device=device,
-                              precision=precision, max_batch=max_batch, out=out, grid=grid,
+                              precision=precision, max_batch=max_batch, out=out, grid=grid, best_of=best_of,
+                              reward=reward,
                               strict=strict, on_step=progress)
         finally:
             progress.stop()
@@ -56,7 +61,9 @@ def generate_command(
         emit_json(report.to_json())
         return
     for image in report.images:
-        say(f"{image.path}  ({image.metadata['prompt']!r}, seed {image.metadata['seed']})")
+        scored = f", best of {image.metadata['best_of']} by {image.metadata['reward']}" if "reward" in image.metadata \
+            else ""
+        say(f"{image.path}  ({image.metadata['prompt']!r}, seed {image.metadata['seed']}{scored})")
     if report.grid:
         say(f"{report.grid}  (grid)")
     rate = len(report.images) / report.seconds if report.seconds else float("nan")

@@ -119,6 +119,7 @@ class LoadedCard:
         self.cache = cache or TextFeatureCache()
         self.precision = precision or self.card.manifest.recipe.assumes.precision
         self._loops: dict[str, DenoiseLoop] = {}
+        self._rewards: dict[str, object] = {}
         self.loop(self.precision)  # a precision the platform cannot run is refused here, not at the first call
 
     @property
@@ -133,13 +134,28 @@ class LoadedCard:
                                                  self.cache)
         return self._loops[precision]
 
+    def reward(self, ref: str):
+        """The reward card `ref` on this card's platform, loaded once (best-of-N)."""
+        from cardtool.core.evaluation.reward import load_reward
+
+        if ref not in self._rewards:
+            self._rewards[ref] = load_reward(ref, self.platform)
+        return self._rewards[ref]
+
     def generate(self, prompts: list[str], *, num: int = 1, seed: int = 0, steps: int | None = None,
                  guidance: float | None = None, shift: float | None = None, solver: str | None = None,
                  guidance_interval: tuple[float, float] | None = None, precision: str | None = None,
                  out: str | Path = "outputs", grid: bool = False, strict: bool = False,
-                 on_step: Callable[[int, int], None] | None = None, max_batch: int = 128) -> GenerateReport:
+                 on_step: Callable[[int, int], None] | None = None, max_batch: int = 128, best_of: int = 1,
+                 reward: str | None = None, extra_metadata: dict[str, str] | None = None) -> GenerateReport:
+        """Sample prompts × num images and write them; with `best_of` N > 1, each image is the best of N candidates
+        under the reward card `reward`, and its metadata records every candidate's score."""
         if max_batch < 1:
             raise BadInput(f"--max-batch must be at least 1, got {max_batch}")
+        if best_of != 1 and reward is None:
+            raise BadInput("--best-of N needs --reward REWARD_CARD, the card that scores the candidates")
+        if best_of < 1 or best_of * num * max(1, len(prompts)) > MAX_IMAGES:
+            raise BadInput(f"--best-of must be at least 1 and best-of × images at most {MAX_IMAGES:,}, got {best_of}")
         card, platform = self.card, self.platform
         loop = self.loop(precision)
         instance = loop.instance
@@ -148,20 +164,30 @@ class LoadedCard:
                                            strict=strict)
         warnings = instance.warnings + warnings
         paths = _output_paths(Path(out), card.id, requests)
+        judge = self.reward(reward) if reward is not None else None
         started = time.perf_counter()
-        states = sample(loop, requests, on_step=on_step, max_batch=max_batch)
-        pixels = loop.finalize(states)
+        extras = [{} for _ in requests]
+        if judge is None:
+            pixels = loop.finalize(sample(loop, requests, on_step=on_step, max_batch=max_batch))
+        else:
+            from cardtool.core.sampling.best_of import best_of_n
+
+            picked = best_of_n(loop, judge, requests, best_of, max_batch=max_batch, on_step=on_step)
+            extras = [{"best_of": str(best_of), "reward": judge.card_id, "request_seed": str(r.seed),
+                       "candidate": str(c), "scores": json.dumps([round(x, 6) for x in row])}
+                      for r, c, row in zip(requests, picked.chosen, picked.scores, strict=True)]
+            requests, pixels = picked.requests, picked.images
         seconds = time.perf_counter() - started
         versions = {name: instance.weights_version(name) for name in card.manifest.loops[LOOP].uses}
         images = []
-        for request, image, path in zip(requests, pixels, paths, strict=True):
+        for request, image, path, extra in zip(requests, pixels, paths, extras, strict=True):
             metadata = {"cardtool": __version__, "card": card.id, "weights": json.dumps(versions, sort_keys=True),
                         "prompt": request.prompt, "negative_prompt": request.negative_prompt,
                         "seed": str(request.seed), "steps": str(request.steps), "guidance": repr(request.guidance),
                         "shift": repr(request.shift),
                         "guidance_interval": ",".join(map(repr, request.guidance_interval)),
                         "solver": request.solver, "platform": f"{platform.device}/{platform.arch}",
-                        "precision": instance.precision}
+                        "precision": instance.precision, **extra, **(extra_metadata or {})}
             _save(path, image, metadata)
             images.append(GeneratedImage(path, metadata))
         grid_path = None
@@ -211,4 +237,4 @@ def _slug(prompt: str) -> str:
 
 
 def _json_value(value: str):
-    return json.loads(value) if value.startswith("{") else value
+    return json.loads(value) if value.startswith(("{", "[")) else value

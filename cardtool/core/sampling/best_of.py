@@ -1,0 +1,51 @@
+"""Best-of-N: N candidates per request sampled together by the denoise loop, scored by a reward card in one batch,
+the highest kept (ties go to the earlier candidate). Candidate 0 is the request itself, so best-of-N never scores
+below plain sampling on the reward; candidate i's seed is derived from (seed, i), so every candidate — the winner
+included — is reproduced by plain sampling at its own seed."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Callable
+
+import numpy as np
+
+from cardtool.core.sampling.denoise import DenoiseLoop, Request
+from cardtool.core.sampling.sampler import sample
+from cardtool.errors import BadInput
+
+__all__ = ["MAX_CANDIDATES", "Picked", "best_of_n", "candidate_seed"]
+
+MAX_CANDIDATES = 1024  # per request: beyond this a planning mistake
+
+
+def candidate_seed(seed: int, i: int) -> int:
+    """The seed of candidate i of a request with `seed`: the seed itself for i = 0, else a 63-bit hash of both."""
+    if i == 0:
+        return seed
+    return int.from_bytes(hashlib.blake2b(f"best-of:{seed}:{i}".encode(), digest_size=8).digest(), "big") >> 1
+
+
+@dataclasses.dataclass
+class Picked:
+    requests: list[Request]  # the winning candidate of each request (its seed reproduces the image)
+    images: np.ndarray  # uint8 (B, H, W), the winners
+    scores: list[list[float]]  # every candidate's reward, in candidate order
+    chosen: list[int]  # the winner's candidate index
+
+
+def best_of_n(loop: DenoiseLoop, reward, requests: list[Request], n: int, *, max_batch: int = 128,
+              on_step: Callable[[int, int], None] | None = None) -> Picked:
+    """The best of `n` candidates of each request under `reward` (a `Reward`: `score(images, prompts)`)."""
+    if not 1 <= n <= MAX_CANDIDATES:
+        raise BadInput(f"best-of N must be in 1…{MAX_CANDIDATES}, got {n}")
+    candidates = [dataclasses.replace(r, seed=candidate_seed(r.seed, i)) for r in requests for i in range(n)]
+    images = loop.finalize(sample(loop, candidates, max_batch=max_batch, on_step=on_step))
+    scores = np.asarray(reward.score(images, [c.prompt for c in candidates]), dtype=np.float64)
+    if scores.shape != (len(candidates),):
+        raise BadInput(f"reward '{reward.card_id}' gave {scores.shape} scores for {len(candidates)} images")
+    grouped = scores.reshape(len(requests), n)
+    chosen = [int(np.argmax(np.where(np.isnan(row), -np.inf, row))) for row in grouped]  # a NaN score never wins
+    rows = [k * n + c for k, c in enumerate(chosen)]
+    return Picked([candidates[i] for i in rows], images[rows], [[float(s) for s in row] for row in grouped], chosen)

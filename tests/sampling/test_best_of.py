@@ -1,0 +1,69 @@
+"""Best-of-N (`generate --best-of N --reward R`): the image kept is the argmax of the recorded scores, every
+candidate reproduces by plain sampling at its seed, and candidate 0 is the plain request."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+from typer.testing import CliRunner
+
+from cardtool.cli import app
+from cardtool.core.evaluation.reward import load_reward
+from cardtool.core.sampling.best_of import best_of_n, candidate_seed
+from cardtool.core.sampling.generate import LoadedCard, plan_requests
+
+
+def pixels(path):
+    with Image.open(path) as image:
+        return np.asarray(image)
+
+
+def test_the_kept_image_is_the_argmax_of_the_recorded_scores_and_reproduces_at_its_seed(examples, tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(app, ["generate", str(examples / "tiny-base"), "-p", "a bag", "-p", "a dress", "-n", "2",
+                                 "--steps", "4", "--best-of", "4", "--reward", str(examples / "tiny-judge"),
+                                 "--out", str(tmp_path / "best"), "--json"])
+    assert result.exit_code == 0, result.output
+    images = json.loads(result.stdout)["images"]
+    assert len(images) == 4
+    for image in images:
+        scores, chosen = image["scores"], int(image["candidate"])
+        assert len(scores) == 4 and chosen == int(np.argmax(scores)) and image["reward"] == "tiny-judge"
+        assert int(image["seed"]) == candidate_seed(int(image["request_seed"]), chosen)
+        again = runner.invoke(app, ["generate", str(examples / "tiny-base"), "-p", image["prompt"], "--seed",
+                                    image["seed"], "--steps", "4", "--out", str(tmp_path / "plain.png")])
+        assert again.exit_code == 0, again.output
+        assert np.array_equal(pixels(tmp_path / "plain.png"), pixels(image["path"]))
+
+
+def test_candidates_are_scored_in_one_batch_and_candidate_zero_is_the_plain_request(examples):
+    loaded = LoadedCard(str(examples / "tiny-base"))
+    requests, _ = plan_requests(loaded.card, ["a bag", "a sneaker"], num=2, steps=3)
+    reward = load_reward(str(examples / "tiny-judge"))
+    calls = []
+    score = reward.score
+    reward.score = lambda images, prompts: calls.append(len(images)) or score(images, prompts)
+    picked = best_of_n(loaded.loop(), reward, requests, 3)
+    assert calls == [12], "one reward call for every candidate of every request"
+    plain = best_of_n(loaded.loop(), reward, requests, 1)
+    assert [r.seed for r in plain.requests] == [r.seed for r in requests] and plain.chosen == [0] * 4
+    for k, row in enumerate(picked.scores):
+        assert row[0] == pytest.approx(plain.scores[k][0], abs=1e-6)  # candidate 0 is the plain sample
+        assert row[picked.chosen[k]] == max(row) >= plain.scores[k][0] - 1e-6
+    assert len({candidate_seed(7, i) for i in range(100)}) == 100 and candidate_seed(7, 0) == 7
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--best-of", "3"], "needs --reward"),
+    (["--best-of", "0", "--reward", "REWARD"], "--best-of must be at least 1"),
+    (["--best-of", "2", "--reward", "BASE"], "is not a reward"),
+])
+def test_bad_best_of_requests_are_clear_errors(examples, tmp_path, args, message):
+    args = [str(examples / "tiny-judge") if a == "REWARD" else str(examples / "tiny-base") if a == "BASE" else a
+            for a in args]
+    result = CliRunner().invoke(app, ["generate", str(examples / "tiny-base"), "-p", "a bag", "--steps", "2",
+                                      "--out", str(tmp_path / "x"), "--json", *args])
+    assert result.exit_code == 2 and message in json.loads(result.stdout)["error"]["message"]
