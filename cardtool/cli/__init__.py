@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from cardtool import __version__
-from cardtool.cli import cards, distill, evaluate, flywheel, generate, parity, platform, rl, train
+from cardtool.cli import cards, distill, evaluate, flywheel, generate, parity, platform, rl, train, workflow
 
 app = typer.Typer(
     name="cardtool",
@@ -16,6 +16,7 @@ app = typer.Typer(
 )
 app.add_typer(cards.app, name="cards")
 app.add_typer(platform.app, name="platform")
+app.add_typer(workflow.app, name="workflow")
 app.command("generate")(generate.generate_command)
 app.command("train")(train.train_command)
 app.command("distill")(distill.distill_command)

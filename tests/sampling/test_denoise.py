@@ -174,3 +174,22 @@ def test_text_keys_and_values_are_computed_once_per_run_and_change_nothing(loop,
     actual = final(sample(loop, requests))
     assert calls == [(6, 16, 384)], "one projection for the batch's six rows, reused on all four steps"
     np.testing.assert_allclose(np.concatenate(actual), np.concatenate(expected), atol=1e-6)
+
+
+def test_a_request_with_strength_starts_from_its_source_re_noised_on_the_grid(loop):
+    request = Request("a bag", seed=9, steps=10, guidance=1.0, strength=0.35)
+    sigmas = shifted_sigmas(10, 1.0)
+    assert request.first_step(sigmas) == 7 and sigmas[7] == pytest.approx(0.3)  # the first σ ≤ 0.35
+    assert request.model_evaluations() == 3 and Request("x", steps=10, guidance=1.0).model_evaluations() == 10
+    assert Request("x", steps=4, strength=1e-6).first_step(shifted_sigmas(4, 1.0)) == 3  # always one step
+    source = torch.full((1, *loop.latent_shape()), 0.5)
+    (state,) = loop.init([request], sources=[source])
+    noise = np.random.default_rng(9).standard_normal((1, *loop.latent_shape()))
+    np.testing.assert_allclose(state.latents.numpy(), 0.7 * 0.5 + 0.3 * noise, rtol=1e-6, atol=1e-6)
+    assert state.step == 7
+    (done,) = sample(loop, [request], sources=[source])
+    assert done.step == 10 and done.done
+    with pytest.raises(BadInput, match="starts from an image"):
+        loop.init([request])
+    with pytest.raises(BadInput, match="strength must be in"):
+        loop.init([Request("x", strength=0.0)], sources=[source])

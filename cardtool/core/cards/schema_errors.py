@@ -25,14 +25,16 @@ def locate_problem(sources, path: FieldPath, message: str, fix: str = "", *, key
     return sources[0].problem(path, message, fix, key=key)
 
 
-def schema_problems(error: ValidationError, data: dict, sources: tuple[Source, ...]) -> list[Problem]:
-    """One located problem per pydantic error, in the manifest that declares the field."""
+def schema_problems(error: ValidationError, data: dict, sources: tuple[Source, ...],
+                    root: type[BaseModel] = CardManifest) -> list[Problem]:
+    """One located problem per pydantic error, in the manifest that declares the field (`root`: the model that
+    was validated, a card's or a workflow's)."""
     problems = []
     for e in error.errors():
         path = _data_path(e["loc"], data)
         kind = e["type"]
         if kind == "extra_forbidden":
-            problems.append(locate_problem(sources, path, "unknown key", _extra_fix(e["loc"]), key=True))
+            problems.append(locate_problem(sources, path, "unknown key", _extra_fix(e["loc"], root), key=True))
         elif kind == "missing":
             fix = f"add '{path[-1]}'"
             if path == ("recipe",) and "extends" in data:
@@ -75,8 +77,8 @@ def _value_message(e: dict) -> str:
     return f"{message}, got {shown[:80]}"
 
 
-def _extra_fix(loc: tuple) -> str:
-    allowed = _allowed_keys(loc[:-1])
+def _extra_fix(loc: tuple, root: type[BaseModel]) -> str:
+    allowed = _allowed_keys(loc[:-1], root)
     if not allowed:
         return "remove it"
     close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
@@ -85,9 +87,9 @@ def _extra_fix(loc: tuple) -> str:
     return f"remove it; allowed here: {', '.join(allowed)}"
 
 
-def _allowed_keys(loc: tuple) -> list[str]:
+def _allowed_keys(loc: tuple, root: type[BaseModel]) -> list[str]:
     """The keys the schema allows at a pydantic error location, found by walking the model types."""
-    kind = CardManifest
+    kind = root
     for part in loc:
         kind = _strip(kind)
         if isinstance(kind, type) and issubclass(kind, BaseModel):

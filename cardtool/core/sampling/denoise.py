@@ -49,6 +49,7 @@ class Request:
     negative_prompt: str = ""  # the empty prompt is the null condition
     eta: float = 0.7  # the SDE's noise level (Flow-GRPO's a)
     guidance_interval: tuple[float, float] = (0.0, 1.0)  # the σ range (inclusive) of the steps CFG applies to
+    strength: float = 1.0  # < 1: start from a given image re-noised to this σ, skipping the grid's noisier steps
 
     def check(self) -> None:
         if not 1 <= self.steps <= MAX_STEPS:
@@ -62,6 +63,8 @@ class Request:
             raise BadInput(f"shift must be positive, got {self.shift}")
         if not 0 <= self.seed < 2**63:
             raise BadInput(f"seed must be in [0, 2⁶³), got {self.seed}")
+        if not 0 < self.strength <= 1:
+            raise BadInput(f"strength must be in (0, 1] (the σ an input image is re-noised to), got {self.strength}")
         low, high = self.guidance_interval
         if not 0 <= low <= high <= 1:
             raise BadInput(f"guidance interval must be LO,HI with 0 ≤ LO ≤ HI ≤ 1 (a σ range), got {low:g},{high:g}")
@@ -69,8 +72,15 @@ class Request:
     def model_evaluations(self) -> int:
         """Transformer evaluations this request costs: two on each guided step, one on the others."""
         guided = self.guidance != 1
-        sigmas = shifted_sigmas(self.steps, self.shift)[:-1]
-        return sum(2 if guided and self.guides_at(sigma) else 1 for sigma in sigmas)
+        sigmas = shifted_sigmas(self.steps, self.shift)
+        return sum(2 if guided and self.guides_at(sigma) else 1 for sigma in sigmas[self.first_step(sigmas):-1])
+
+    def first_step(self, sigmas: np.ndarray) -> int:
+        """The grid step a request starts at: 0 from noise, else the first whose σ is at most `strength` (and
+        never past the last step, so an image is always denoised at least once)."""
+        if self.strength >= 1:
+            return 0
+        return min(int(np.argmax(sigmas <= self.strength + 1e-9)), self.steps - 1)
 
     def guides_at(self, sigma: float) -> bool:
         """Whether σ (a step's starting σ) is in the guidance interval, bounds inclusive up to the grid's rounding."""
@@ -151,21 +161,33 @@ class DenoiseLoop:
         config = self.instance.component(self.vae).config
         return (config.latent_channels, 1, config.latent_size, config.latent_size)
 
-    def init(self, requests: list[Request], capture: bool = False) -> list[LoopState]:
-        """States for `requests`, their prompts encoded in one batch (or read from the cache)."""
+    def init(self, requests: list[Request], capture: bool = False, sources: list | None = None) -> list[LoopState]:
+        """States for `requests`, their prompts encoded in one batch (or read from the cache). A request with
+        strength < 1 starts from its source latent (see `encode`) re-noised with its own seed's noise to the first
+        grid σ at or below the strength: x = (1 − σ)·x0 + σ·ε, the flow's forward process (SDEdit, Meng et al.
+        2022, in the rectified-flow form)."""
         for request in requests:
             request.check()
+        sources = sources if sources is not None else [None] * len(requests)
+        if len(sources) != len(requests):
+            raise BadInput(f"{len(sources)} source latents for {len(requests)} requests")
+        for request, source in zip(requests, sources, strict=True):
+            if (request.strength < 1) != (source is not None):
+                raise BadInput("a request starts from an image exactly when its strength is below 1")
         prompts = [r.prompt for r in requests] + [r.negative_prompt for r in requests if r.guidance != 1]
         features = iter(encode_prompts(self.instance, prompts, self.cache, self.text_encoder))
         conds = [next(features) for _ in requests]
         shape, states = self.latent_shape(), []
-        for request, cond in zip(requests, conds, strict=True):
+        for request, cond, source in zip(requests, conds, sources, strict=True):
             uncond = next(features) if request.guidance != 1 else None
             rng = np.random.default_rng(request.seed)
             latents = self.arrays.asarray(rng.standard_normal((1, *shape)))
             sigmas = shifted_sigmas(request.steps, request.shift)
+            start = request.first_step(sigmas)
+            if source is not None:
+                latents = (1 - sigmas[start]) * source + sigmas[start] * latents
             state = LoopState(request, sigmas, rng, latents, self._text(cond),
-                              self._text(uncond) if uncond is not None else None,
+                              self._text(uncond) if uncond is not None else None, step=start,
                               capture=Capture(sigmas) if capture else None)
             if state.capture is not None:
                 state.capture.latents.append(latents)
@@ -259,6 +281,19 @@ class DenoiseLoop:
             encode = getattr(self.instance.component(self.transformer), "text_context", None)
             self._text_rows = (key, text, mask, encode(text) if encode else None)
         return self._text_rows[1:]
+
+    def encode(self, images: np.ndarray) -> list:
+        """Latents (1, C, 1, H, W) of uint8 images (B, H, W) — the VAE's posterior mean, scaled as the DiT sees
+        them — for requests that start from an image."""
+        vae = self.instance.component(self.vae)
+        if not hasattr(vae, "encode"):
+            raise BadInput(f"the VAE of '{self.instance.card.id}' on {self.instance.platform.device} has no encoder; "
+                           "starting from an image needs the torch platform")
+        x = self.arrays.asarray(images.astype(np.float64)[:, None] / 127.5 - 1.0)
+        with self.arrays.inference():
+            latents = vae.encode(x)[0] * vae.config.scaling_factor
+        latents = self.arrays.to_state(latents)[:, :, None]
+        return [latents[i:i + 1] for i in range(len(images))]
 
     def finalize(self, states: list[LoopState]) -> np.ndarray:
         """Decode finished states to uint8 images (B, H, W)."""

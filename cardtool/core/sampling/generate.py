@@ -23,8 +23,8 @@ from cardtool.core.sampling.text_cache import TextFeatureCache
 from cardtool.errors import BadInput
 from cardtool.files import read_small_file
 
-__all__ = ["GeneratedImage", "GenerateReport", "LoadedCard", "generate", "parse_interval", "plan_requests",
-           "read_prompts_file"]
+__all__ = ["GeneratedImage", "GenerateReport", "LoadedCard", "generate", "image_metadata", "parse_interval",
+           "plan_requests", "read_prompts_file", "save_image"]
 
 LOOP = "denoise"
 MAX_IMAGES = 100_000  # one command; beyond this a planning mistake, not a job (script several runs)
@@ -178,24 +178,17 @@ class LoadedCard:
                       for r, c, row in zip(requests, picked.chosen, picked.scores, strict=True)]
             requests, pixels = picked.requests, picked.images
         seconds = time.perf_counter() - started
-        versions = {name: instance.weights_version(name) for name in card.manifest.loops[LOOP].uses}
         images = []
         for request, image, path, extra in zip(requests, pixels, paths, extras, strict=True):
-            metadata = {"cardtool": __version__, "card": card.id, "weights": json.dumps(versions, sort_keys=True),
-                        "prompt": request.prompt, "negative_prompt": request.negative_prompt,
-                        "seed": str(request.seed), "steps": str(request.steps), "guidance": repr(request.guidance),
-                        "shift": repr(request.shift),
-                        "guidance_interval": ",".join(map(repr, request.guidance_interval)),
-                        "solver": request.solver, "platform": f"{platform.device}/{platform.arch}",
-                        "precision": instance.precision, **extra, **(extra_metadata or {})}
-            _save(path, image, metadata)
+            metadata = {**image_metadata(loop, request), **extra, **(extra_metadata or {})}
+            save_image(path, image, metadata)
             images.append(GeneratedImage(path, metadata))
         grid_path = None
         if grid:
             grid_path = paths[0].parent / f"{card.id}-grid.png"
             rows = [(p, [img for r, img in zip(requests, pixels, strict=True) if r.prompt == p])
                     for p in dict.fromkeys(r.prompt for r in requests)]
-            _save(grid_path, grid_image(rows), {"card": card.id, "cardtool": __version__})
+            save_image(grid_path, grid_image(rows), {"card": card.id, "cardtool": __version__})
         return GenerateReport(card.id, f"{platform.device}/{platform.arch}", images, grid_path, warnings, seconds)
 
 
@@ -225,7 +218,23 @@ def _output_paths(out: Path, card_id: str, requests: list[Request]) -> list[Path
     return paths
 
 
-def _save(path: Path, pixels, metadata: dict) -> None:
+def image_metadata(loop: DenoiseLoop, request: Request) -> dict[str, str]:
+    """What a PNG records about the image: card, weights versions, every setting of its request, platform and
+    precision — enough to make it again."""
+    instance, platform = loop.instance, loop.instance.platform
+    versions = {name: instance.weights_version(name) for name in instance.card.manifest.loops[LOOP].uses}
+    metadata = {"cardtool": __version__, "card": instance.card.id, "weights": json.dumps(versions, sort_keys=True),
+                "prompt": request.prompt, "negative_prompt": request.negative_prompt,
+                "seed": str(request.seed), "steps": str(request.steps), "guidance": repr(request.guidance),
+                "shift": repr(request.shift), "guidance_interval": ",".join(map(repr, request.guidance_interval)),
+                "solver": request.solver, "platform": f"{platform.device}/{platform.arch}",
+                "precision": instance.precision}
+    if request.strength < 1:
+        metadata["strength"] = repr(request.strength)
+    return metadata
+
+
+def save_image(path: Path, pixels, metadata: dict) -> None:
     try:
         save_png(path, pixels, metadata)
     except OSError as e:  # the folder passed the probe, so a full disk or a file system that refuses the name

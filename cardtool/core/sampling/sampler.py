@@ -11,15 +11,16 @@ __all__ = ["sample"]
 
 
 def sample(loop: DenoiseLoop, requests: list[Request], *, capture: bool = False, max_batch: int = 128,
-           on_step: Callable[[int, int], None] | None = None, grad: bool = False) -> list[LoopState]:
+           on_step: Callable[[int, int], None] | None = None, grad: bool = False,
+           sources: list | None = None) -> list[LoopState]:
     """Run every request to the end and return their final states (latents, and capture if asked).
 
     Each forward holds up to `max_batch` model rows (a request on a guided step counts twice), so 64 guided
     requests share one forward by default: larger products run more efficiently, bf16 ones especially.
     `on_step(done, total)` reports progress in request-steps. Without `grad` the forwards run under inference
-    mode; either way at the instance's precision."""
-    states = loop.init(requests, capture)
-    total, done = sum(r.steps for r in requests), 0
+    mode; either way at the instance's precision. `sources`: the start latents of requests with strength < 1."""
+    states = loop.init(requests, capture, sources)
+    total, done = sum(r.steps - s.step for r, s in zip(requests, states, strict=True)), 0
     with loop.arrays.inference() if not grad else loop.arrays.compute():
         while active := [s for s in states if not s.done]:
             for chunk in _chunks(active, max_batch):

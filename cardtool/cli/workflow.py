@@ -1,0 +1,64 @@
+"""`cardtool workflow validate FILE` and `cardtool workflow run FILE [--set …]` — workflow manifests: generate, chain,
+parallel and best-of-N steps over cards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cardtool.cli.output import emit_json, handled, say
+
+app = typer.Typer(help="Workflow manifests: generate, chain, parallel and best-of-N steps over cards.",
+                  no_args_is_help=True)
+
+
+@app.command("validate")
+def validate_command(
+    file: Annotated[Path, typer.Argument(help="A workflow manifest (YAML or TOML).")],
+    overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a value: "
+                                                        "steps.draft.generate.num=4.")] = None,
+    json_: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")] = False,
+) -> None:
+    """Check a workflow: its schema, its steps' inputs (no missing output, no cycle) and every card it names."""
+    from cardtool.core.workflows.manifest import load_workflow
+
+    with handled(json_):
+        workflow = load_workflow(file, list(overrides or []))
+    steps = {name: step.kind for name, step in workflow.manifest.steps.items()}
+    if json_:
+        emit_json({"workflow": workflow.manifest.id, "ok": True, "order": workflow.order, "steps": steps})
+        return
+    say(f"ok      {workflow.manifest.id}  ({len(steps)} steps: {', '.join(f'{n} ({k})' for n, k in steps.items())})")
+
+
+@app.command("run")
+def run_command(
+    file: Annotated[Path, typer.Argument(help="A workflow manifest (YAML or TOML).")],
+    overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a value: "
+                                                        "steps.draft.generate.num=4.")] = None,
+    out: Annotated[Path, typer.Option("--out", help="Images go to OUT/WORKFLOW_ID/STEP/.")] = Path("outputs"),
+    device: Annotated[str | None, typer.Option("--device", help="Override the device (cuda, cpu).")] = None,
+    max_batch: Annotated[int, typer.Option("--max-batch", help="Model rows per forward.")] = 128,
+    json_: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")] = False,
+) -> None:
+    """Run a workflow: its steps in dependency order in one process, each card loaded once."""
+    from cardtool.core.workflows.manifest import load_workflow
+    from cardtool.core.workflows.run import run_workflow
+
+    def progress(entry: dict) -> None:
+        if not json_:
+            say(f"step {entry['step']} ({entry['kind']}): {len(entry['images'])} images in {entry['seconds']:.2f}s",
+                stderr=True)
+
+    with handled(json_):
+        workflow = load_workflow(file, list(overrides or []))
+        report = run_workflow(workflow, out=out, device=device, max_batch=max_batch, on_step=progress)
+    if json_:
+        emit_json(report.to_json())
+        return
+    for step in report.steps:
+        for image in step["images"]:
+            scored = f", best of {image['best_of']}: {image['scores']}" if "scores" in image else ""
+            say(f"{image['path']}  ({step['step']}: {image['prompt']!r}, seed {image['seed']}{scored})")

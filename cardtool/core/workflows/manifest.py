@@ -1,0 +1,210 @@
+"""Workflow manifests (`cardtool/v1`, kind `workflow`, YAML or TOML): named steps that generate with a card, refine an
+earlier step's images with another card (`chain`), fan one input out to several cards (`parallel`), or keep the best
+of N samples under a reward card (`best_of_n`). Validated as strictly as cards: unknown keys and wrong types, a step
+reading an output no step makes, a cycle, a card that cannot be found, a reward that is not a reward card — each a
+located problem (file:line:column, field, fix)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from cardtool.core.cards.schema import Name
+from cardtool.core.cards.schema_errors import schema_problems
+from cardtool.core.cards.source import Source, read_source
+from cardtool.core.training.recipes import apply_overrides
+from cardtool.errors import CardtoolError, CardValidationError, Problem
+
+__all__ = ["KINDS", "Workflow", "WorkflowManifest", "load_workflow"]
+
+KINDS = ("generate", "chain", "parallel", "best_of_n")
+MAX_IMAGES = 10_000  # per step
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class _Sampling(_Strict):
+    """Loop settings a step may set; the card's loop defaults fill the rest."""
+
+    steps: int | None = Field(None, ge=1)
+    guidance: float | None = None
+    shift: float | None = Field(None, gt=0)
+    solver: str | None = None
+    seed: int = Field(0, ge=0)
+
+
+class _Prompted(_Sampling):
+    prompts: list[str] = Field(min_length=1)
+    num: int = Field(1, ge=1, le=MAX_IMAGES)  # images per prompt, seeds seed, seed + 1, …
+
+
+class GenerateStep(_Prompted):
+    card: str
+
+
+class ChainStep(_Sampling):
+    """Refine another step's images with `card`: each is encoded, re-noised to σ = strength and denoised (SDEdit)."""
+
+    input: Name
+    card: str
+    strength: float = Field(0.5, gt=0, le=1)
+
+
+class ParallelStep(_Sampling):
+    """One input fanned out to every card in order: the same prompts (generate), or another step's images (chain,
+    with `strength`); outputs merged card by card in the listed order."""
+
+    cards: list[str] = Field(min_length=1)
+    prompts: list[str] | None = Field(None, min_length=1)
+    num: int = Field(1, ge=1, le=MAX_IMAGES)
+    input: Name | None = None
+    strength: float = Field(0.5, gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompts is None) == (self.input is None):
+            raise ValueError("a parallel step takes either prompts or an input step, not both or neither")
+        return self
+
+
+class BestOfNStep(_Prompted):
+    card: str
+    reward: str
+    n: int = Field(ge=1, le=1024)
+
+
+class Step(_Strict):
+    """One step: exactly one of the kinds."""
+
+    generate: GenerateStep | None = None
+    chain: ChainStep | None = None
+    parallel: ParallelStep | None = None
+    best_of_n: BestOfNStep | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self):
+        given = [k for k in KINDS if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"a step has exactly one kind ({', '.join(KINDS)}); this one has "
+                             f"{', '.join(given) or 'none'}")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) is not None)
+
+    @property
+    def body(self):
+        return getattr(self, self.kind)
+
+
+class WorkflowManifest(_Strict):
+    schema_: Literal["cardtool/v1"] = Field(alias="schema")
+    kind: Literal["workflow"]
+    id: Name
+    description: str = ""
+    steps: dict[Name, Step] = Field(min_length=1)
+
+
+@dataclass
+class Workflow:
+    manifest: WorkflowManifest
+    source: Source
+    order: list[str]  # the steps in an order where every input comes first
+
+    @property
+    def folder(self) -> Path:
+        return self.source.file.parent
+
+    def card_ref(self, ref: str) -> str:
+        """A card named in the workflow: an id (searched from the workflow's folder too), or a path relative to it."""
+        return str(self.folder / ref) if "/" in ref or ref.startswith(".") else ref
+
+
+def load_workflow(file: str | Path, overrides: list[str] = (), *, check_cards: bool = True) -> Workflow:
+    """Parse, apply `--set` overrides (`steps.ID.KIND.FIELD=VALUE`), validate; every problem found is reported
+    together, located in the file."""
+    source = read_source(Path(file))
+    data = apply_overrides(source.data, list(overrides)) if overrides else source.data
+    try:
+        manifest = WorkflowManifest.model_validate(data)
+    except ValidationError as e:
+        raise CardValidationError(schema_problems(e, data, (source,), WorkflowManifest)) from None
+    problems, order = _graph(manifest, source)
+    workflow = Workflow(manifest, source, order)
+    if check_cards and not problems:
+        problems += _card_problems(workflow)
+    if problems:
+        raise CardValidationError(problems)
+    return workflow
+
+
+def _inputs(step: Step) -> list[str]:
+    name = getattr(step.body, "input", None)
+    return [name] if name is not None else []
+
+
+def _graph(manifest: WorkflowManifest, source: Source) -> tuple[list[Problem], list[str]]:
+    """Each input names a step; no cycles. Returns problems and a dependency order (depth-first)."""
+    problems, order, state = [], [], {}
+
+    def visit(name: str, trail: list[str]) -> None:
+        if state.get(name) == "done":
+            return
+        if state.get(name) == "active":
+            cycle = trail[trail.index(name):] + [name]
+            step = manifest.steps[cycle[-2]]
+            problems.append(source.problem(("steps", cycle[-2], step.kind, "input"),
+                                           f"steps {' → '.join(cycle)} form a cycle",
+                                           "a step may only read the images of steps that do not read its own"))
+            return
+        state[name] = "active"
+        step = manifest.steps[name]
+        for needed in _inputs(step):
+            if needed not in manifest.steps:
+                problems.append(source.problem(("steps", name, step.kind, "input"),
+                                               f"step '{name}' reads the output of '{needed}', which no step makes",
+                                               f"name one of: {', '.join(manifest.steps)}"))
+            else:
+                visit(needed, trail + [name])
+        state[name] = "done"
+        order.append(name)
+
+    for name in manifest.steps:
+        visit(name, [])
+    return problems, order
+
+
+def _card_problems(workflow: Workflow) -> list[Problem]:
+    """Every card can be found and loaded; a `reward` is a reward card; a step that samples has a denoise loop."""
+    from cardtool.core.cards.discovery import locate
+    from cardtool.core.cards.loader import load_card
+    from cardtool.core.evaluation.reward import REWARD_KINDS
+
+    problems = []
+    for name, step in workflow.manifest.steps.items():
+        body = step.body
+        refs = [("card", body.card)] if hasattr(body, "card") else [(f"cards.{i}", c) for i, c in enumerate(body.cards)]
+        refs += [("reward", body.reward)] if step.kind == "best_of_n" else []
+        for field, ref in refs:
+            at = ("steps", name, step.kind, *field.split("."))
+            try:
+                card = load_card(locate(workflow.card_ref(ref), near=workflow.folder))
+            except CardtoolError as e:
+                problems.append(workflow.source.problem(at, f"card '{ref}' cannot be used: {str(e).splitlines()[0]}",
+                                                        "name a card id or a card folder"))
+                continue
+            kinds = {c.kind for c in card.manifest.components.values()}
+            if field == "reward" and not kinds & set(REWARD_KINDS):
+                problems.append(workflow.source.problem(
+                    at, f"card '{card.id}' is not a reward: it serves no component of kind {', '.join(REWARD_KINDS)}",
+                    "name a reward card such as fashion-classifier"))
+            elif field != "reward" and "denoise" not in card.manifest.loops:
+                problems.append(workflow.source.problem(at, f"card '{card.id}' has no denoise loop to sample with",
+                                                        "name a text-to-image card"))
+    return problems

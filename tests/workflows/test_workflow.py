@@ -1,0 +1,139 @@
+"""Workflow manifests on the tiny example cards: each step kind, the merged order of a fan-out, best-of-N's argmax,
+SDEdit refinement, and bad workflows as located errors (never tracebacks)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+from typer.testing import CliRunner
+
+from cardtool.cli import app
+from cardtool.core.sampling.generate import LoadedCard
+
+HEAD = "schema: cardtool/v1\nkind: workflow\nid: w\nsteps:\n"
+
+
+def write(tmp_path, examples, steps: str, name="w.yaml"):
+    text = HEAD + steps.replace("EX", str(examples))
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def run(path, tmp_path, *extra):
+    return CliRunner().invoke(app, ["workflow", "run", str(path), "--out", str(tmp_path / "out"), "--json", *extra])
+
+
+def pixels(path):
+    with Image.open(path) as image:
+        return np.asarray(image), dict(image.text)
+
+
+def test_the_example_workflow_runs_every_step_kind_and_names_workflow_and_step(tmp_path):
+    from helpers import REPO
+
+    result = run(REPO / "examples" / "workflows" / "tiny-tour.yaml", tmp_path)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert [(s["step"], s["kind"], len(s["images"])) for s in report["steps"]] == [
+        ("draft", "generate", 2), ("refine", "chain", 2), ("compare", "parallel", 2), ("pick", "best_of_n", 1)]
+    for step in report["steps"]:
+        for image in step["images"]:
+            _, text = pixels(image["path"])
+            assert text["workflow"] == "tiny-tour" and text["step"] == step["step"]
+            assert text["step_kind"] == step["kind"]
+    assert [i["input"] for i in report["steps"][1]["images"]] == ["draft/0", "draft/1"]
+
+
+def test_parallel_merges_card_by_card_in_order_each_as_its_own_generate(examples, tmp_path):
+    path = write(tmp_path, examples, "  fan:\n    parallel: {cards: [EX/tiny-rl, EX/tiny-base], "
+                                     "prompts: [a bag, a coat], steps: 3, seed: 5}\n")
+    result = run(path, tmp_path)
+    assert result.exit_code == 0, result.output
+    images = json.loads(result.stdout)["steps"][0]["images"]
+    assert [(i["card"], i["prompt"]) for i in images] == [("tiny-rl", "a bag"), ("tiny-rl", "a coat"),
+                                                          ("tiny-base", "a bag"), ("tiny-base", "a coat")]
+    for image in images:
+        alone = LoadedCard(str(examples / image["card"])).generate([image["prompt"]], seed=5, steps=3,
+                                                                   out=tmp_path / "alone.png")
+        assert np.array_equal(pixels(alone.images[0].path)[0], pixels(image["path"])[0])
+
+
+def test_best_of_n_returns_the_argmax_of_its_recorded_scores(examples, tmp_path):
+    path = write(tmp_path, examples, "  pick:\n    best_of_n: {card: EX/tiny-base, reward: EX/tiny-judge, n: 5, "
+                                     "prompts: [a bag, a shirt], num: 2, steps: 3}\n")
+    result = run(path, tmp_path)
+    assert result.exit_code == 0, result.output
+    images = json.loads(result.stdout)["steps"][0]["images"]
+    assert len(images) == 4
+    for image in images:
+        assert len(image["scores"]) == 5 and int(image["candidate"]) == int(np.argmax(image["scores"]))
+
+
+def test_a_chain_keeps_more_of_its_input_the_lower_its_strength(examples, tmp_path, monkeypatch):
+    # the built-in cards: SDEdit needs a VAE that reconstructs (the tiny cards' is untrained)
+    from helpers import REPO
+
+    from cardtool.core.cards import discovery
+
+    monkeypatch.setattr(discovery, "builtin_dir", lambda: REPO / "cards")
+    steps = ("  draft:\n    generate: {card: fashion-base, prompts: [a bag, a dress, a sneaker], steps: 20}\n"
+             "  light:\n    chain: {input: draft, card: fashion-base-nft, strength: 0.1, seed: 100}\n"
+             "  heavy:\n    chain: {input: draft, card: fashion-base-nft, strength: 0.9, seed: 100}\n"
+             "  full:\n    chain: {input: draft, card: fashion-base-nft, strength: 1.0}\n"
+             "  fresh:\n    generate: {card: fashion-base-nft, prompts: [a bag]}\n")
+    result = run(write(tmp_path, examples, steps), tmp_path)
+    assert result.exit_code == 0, result.output
+    out = {s["step"]: [pixels(i["path"])[0].astype(float) for i in s["images"]]
+           for s in json.loads(result.stdout)["steps"]}
+
+    def distance(name):
+        return np.mean([np.abs(a - b).mean() for a, b in zip(out[name], out["draft"], strict=True)])
+
+    assert distance("light") < 0.5 * distance("heavy"), (distance("light"), distance("heavy"))
+    # strength 1 forgets the input: plain sampling of the same prompt and seed (the first chained image, seed 0)
+    assert np.array_equal(out["full"][0], out["fresh"][0])
+
+
+BAD = {
+    "unknown step kind": ("  a:\n    upscale: {card: EX/tiny-base}\n", 6, "steps.a.upscale", "unknown key"),
+    "missing output": ("  a:\n    chain: {input: nowhere, card: EX/tiny-base}\n", 6, "steps.a.chain.input",
+                       "which no step makes"),
+    "cycle": ("  a:\n    chain: {input: b, card: EX/tiny-base}\n  b:\n    chain: {input: a, card: EX/tiny-base}\n",
+              8, "steps.b.chain.input", "form a cycle"),
+    "n below 1": ("  a:\n    best_of_n: {card: EX/tiny-base, reward: EX/tiny-judge, n: 0, prompts: [a bag]}\n", 6,
+                  "steps.a.best_of_n.n", "greater than or equal to 1"),
+    "reward not a reward": ("  a:\n    best_of_n:\n      card: EX/tiny-base\n      reward: EX/tiny-base\n      n: 2\n"
+                            "      prompts: [a bag]\n", 8, "steps.a.best_of_n.reward", "is not a reward"),
+    "two kinds": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x]}\n    chain: {input: a, card: EX/tiny-base}\n",
+                  6, "steps.a", "exactly one kind"),
+    "missing card": ("  a:\n    generate: {card: EX/no-such-card, prompts: [x]}\n", 6, "steps.a.generate.card",
+                     "cannot be used"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_workflows_are_located_errors_not_tracebacks(examples, tmp_path, case):
+    steps, line, field, message = BAD[case]
+    path = write(tmp_path, examples, steps)
+    for command in (["workflow", "validate", str(path), "--json"], ["workflow", "run", str(path), "--json"]):
+        result = CliRunner().invoke(app, command)
+        assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+        problems = json.loads(result.stdout)["error"]["problems"]
+        hit = next((p for p in problems if p["field"] == field), None)
+        assert hit is not None and message in hit["message"], problems
+        assert hit["file"].endswith("w.yaml") and hit["line"] == line
+
+
+def test_a_toml_workflow_and_a_set_override(examples, tmp_path):
+    path = tmp_path / "w.toml"
+    path.write_text(f'schema = "cardtool/v1"\nkind = "workflow"\nid = "t"\n[steps.one.generate]\n'
+                    f'card = "{examples}/tiny-base"\nprompts = ["a bag"]\nsteps = 2\n')
+    result = run(path, tmp_path, "--set", "steps.one.generate.num=3")
+    assert result.exit_code == 0, result.output
+    assert [i["seed"] for i in json.loads(result.stdout)["steps"][0]["images"]] == ["0", "1", "2"]
+    bad = run(path, tmp_path, "--set", "steps.one.generate.num=0")
+    assert bad.exit_code == 1 and json.loads(bad.stdout)["error"]["problems"][0]["field"] == "steps.one.generate.num"
