@@ -70,9 +70,11 @@ class WanDiTConfig(ComponentConfig):
         return {"in_channels": self.in_channels, "out_channels": self.out_channels, "text_dim": self.text_dim,
                 "patch": self.patch}
 
-    def to_diffusers(self) -> dict:
-        """The same model as a diffusers `WanTransformer3DModel` config (its state-dict keys match ours)."""
-        if self.text_mask:
+    def to_diffusers(self, *, unpadded_text: bool = False) -> dict:
+        """The same model as a diffusers `WanTransformer3DModel` config (its state-dict keys match ours). A card with
+        text_mask is the same model only for callers that pass each prompt's text states without padding
+        (`unpadded_text`): attending to no padding equals masking it."""
+        if self.text_mask and not unpadded_text:
             raise BadInput("a wan-dit with text_mask: true masks padded text tokens, which diffusers' "
                            "WanTransformer3DModel does not; its outputs would differ")
         return {"patch_size": list(self.patch), "num_attention_heads": self.heads, "attention_head_dim": self.head_dim,

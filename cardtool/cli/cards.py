@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -155,3 +156,26 @@ def lineage_command(card: CardArgument, json_: JsonOption = False) -> None:
 
 def _any_missing(node) -> bool:
     return node.missing or any(_any_missing(p) for p in node.parents)
+
+
+@app.command("export")
+def export_command(
+    card: CardArgument,
+    out: Annotated[Path, typer.Option("--out", help="The export folder.")],
+    fmt: Annotated[str, typer.Option("--format", help="hf: a Hugging Face model folder (README.md with front "
+                                     "matter, the transformer in diffusers' layout, the card manifest).")] = "hf",
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing export folder.")] = False,
+    json_: JsonOption = False,
+) -> None:
+    """Export a card for people who do not use cardtool: diffusers loads its transformer, cardtool loads it all."""
+    from cardtool.core.cards.export import export_card
+    from cardtool.core.cards.source import display_path
+
+    with handled(json_):
+        exported = export_card(card, out, fmt=fmt, overwrite=overwrite)
+    files = sorted(str(p.relative_to(exported.folder)) for p in exported.folder.rglob("*") if p.is_file())
+    if json_:
+        emit_json({"card": exported.id, "format": fmt, "path": display_path(exported.folder), "files": files})
+        return
+    console().print(f"exported {exported.id} ({fmt}) to {display_path(exported.folder)}: {', '.join(files)}",
+                    markup=False)

@@ -1,0 +1,130 @@
+"""`cardtool cards export CARD --format hf --out DIR`: a folder a Hugging Face user recognises — `README.md` with the
+model-card front matter (`base_model`, `base_model_relation`, `library_name`, `pipeline_tag`, `tags`) and the card's
+lineage and recorded metrics; the transformer in diffusers' layout (`transformer/config.json` +
+`diffusion_pytorch_model.safetensors`, which `WanTransformer3DModel.from_pretrained` loads); and the card manifest,
+`extends` resolved and every weights file inside the folder, so cardtool loads the export back as it is."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from cardtool.core.cards.discovery import locate
+from cardtool.core.cards.loader import Card, load_card
+from cardtool.errors import BadInput
+
+__all__ = ["FORMATS", "export_card"]
+
+FORMATS = ("hf",)
+RELATIONS = {"finetune": "finetune", "dmd2": "finetune", "diffusion_nft": "finetune", "flow_grpo": "finetune",
+             "lora": "adapter", "controlnet": "adapter"}  # recipe.method → base_model_relation
+TRANSFORMER = "transformer/diffusion_pytorch_model.safetensors"
+DIFFUSERS_CLASS = "WanTransformer3DModel"
+
+
+def export_card(card_ref: str, out: Path, *, fmt: str = "hf", overwrite: bool = False) -> Card:
+    """Write the export of `card_ref` to `out` atomically (validated before it is put in place); the exported card."""
+    from safetensors.torch import load_file
+
+    from cardtool.backends.wan_config import WanDiTConfig
+    from cardtool.core.cards.writer import write_card
+
+    if fmt not in FORMATS:
+        raise BadInput(f"unknown export format '{fmt}'; choose one of: {', '.join(FORMATS)}")
+    card = load_card(locate(card_ref))
+    m = card.manifest
+    dits = [name for name, c in m.components.items() if c.kind == "dit" and c.impl == "wan-dit"]
+    if len(dits) != 1 or m.components[dits[0]].weights is None:
+        raise BadInput(f"card '{card.id}' has no wan-dit transformer with weights to export in diffusers' layout")
+    name = dits[0]
+    dit_config = WanDiTConfig.from_card(m.components[name].config, "wan-dit")
+    config = {"_class_name": DIFFUSERS_CLASS, **dit_config.to_diffusers(unpadded_text=True)}
+    state = {k: v.float() for k, v in load_file(str(card.weights_file(name))).items()}  # diffusers loads float32
+
+    manifest = m.to_json()
+    manifest["extends"] = None
+    copies = {}
+    for section in ("components", "adapters"):
+        for entry_name, entry in manifest[section].items():
+            if not entry.get("weights"):
+                continue
+            if section == "components" and entry_name == name:
+                entry["weights"] = TRANSFORMER
+                continue
+            rel = f"{section}/{entry_name}.safetensors" if section == "adapters" else f"{entry_name}.safetensors"
+            copies[rel] = card.weights_file(entry_name)
+            entry["weights"] = rel
+    with tempfile.TemporaryDirectory() as tmp:
+        extra = {"README.md": _readme(card, dit_config.text_mask),
+                 "transformer/config.json": json.dumps(config, indent=2) + "\n"}
+        for rel, text in extra.items():
+            (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
+            (Path(tmp) / rel).write_text(text, encoding="utf-8")
+            copies[rel] = Path(tmp) / rel
+        return write_card(Path(out), manifest, {TRANSFORMER: state}, copies=copies, storage="float32",
+                          overwrite=overwrite)
+
+
+def front_matter(card: Card) -> dict:
+    recipe = card.manifest.recipe
+    data = {}
+    if recipe.parents and recipe.method in RELATIONS:
+        data["base_model"] = recipe.parents[0]
+        data["base_model_relation"] = RELATIONS[recipe.method]
+    data.update({"library_name": "cardtool", "pipeline_tag": "text-to-image",
+                 "tags": ["cardtool", "diffusers", "wan", "flow-matching", recipe.method.replace("_", "-")]})
+    return data
+
+
+def _readme(card: Card, text_mask: bool) -> str:
+    from cardtool.core.cards.lineage import lineage
+
+    m, recipe = card.manifest, card.manifest.recipe
+    lines = ["---", yaml.safe_dump(front_matter(card), sort_keys=False).strip(), "---", "", f"# {m.id}", ""]
+    if m.description:
+        lines += [m.description, ""]
+    chain = lineage(card).chain()
+    if chain and len(chain) > 1:
+        lines += ["## Lineage", "", " → ".join(f"`{node.id}` ({node.method or 'not found'})" for node in chain), ""]
+    elif recipe.parents:
+        lines += ["## Lineage", "", f"Made by `{recipe.method}` from " + ", ".join(f"`{p}`" for p in recipe.parents),
+                  ""]
+    loop = m.loops.get("denoise")
+    if loop is not None:
+        settings = ", ".join(f"{k} {v}" for k, v in loop.defaults.items())
+        lines += ["## Sampling", "", f"The weights assume the `denoise` loop with {settings}.", ""]
+    lines += _metrics(recipe.metrics)
+    if recipe.command:
+        lines += ["## Reproduce", "", "```", recipe.command, "```", ""]
+    lines += ["## Use", "", "```python", "from diffusers import WanTransformer3DModel", "",
+              'transformer = WanTransformer3DModel.from_pretrained("PATH/TO/THIS/FOLDER", subfolder="transformer")',
+              "```", ""]
+    if text_mask:
+        lines += ["This transformer was trained with its cross-attention masking padded text tokens (`text_mask: "
+                  "true`), which diffusers' Wan attention cannot express: pass each prompt's text states without "
+                  "padding (one prompt per call, or prompts of equal token length) and it gives cardtool's "
+                  "velocities.", ""]
+    lines += ["The whole model (text encoder, VAE, sampling loop) runs with cardtool:", "", "```",
+              'cardtool generate PATH/TO/THIS/FOLDER -p "an ankle boot"', "```", ""]
+    return "\n".join(lines)
+
+
+def _metrics(metrics: dict) -> list[str]:
+    """The recorded eval at the card's defaults and the held-out judge, as a table."""
+    ev = metrics.get("eval") or {}
+    rows = ev.get("rows") or []
+    if not rows:
+        return []
+    lines = ["## Metrics", "", f"`cardtool eval`, judged by `{ev.get('judge')}` on {ev.get('platform')}, "
+             f"{ev.get('per_class')} images per class:", "",
+             "| steps | guidance | precision | class accuracy | FID-FMNIST | images/s |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['steps']} | {r['guidance']:g} | {r['precision']} | {r['class_accuracy']} | "
+                     f"{r['fid_fmnist']} | {r['images_per_second']} |")
+    held = metrics.get("held_out_judge")
+    if held:
+        lines += ["", f"Class accuracy under the held-out judge `{held['card']}`: {held['class_accuracy']}."]
+    return lines + [""]

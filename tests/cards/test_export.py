@@ -1,0 +1,105 @@
+"""`cardtool cards export --format hf`: diffusers loads the transformer with no missing or unexpected keys and gives
+cardtool's velocity; the front matter is YAML naming the parent; cardtool loads the export back and samples the
+same images."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from helpers import REPO
+from typer.testing import CliRunner
+
+from cardtool.backends.platform import Platform
+from cardtool.cli import app
+from cardtool.core.cards.loader import load_card
+from cardtool.core.sampling.denoise import DenoiseLoop, Request
+from cardtool.core.sampling.generate import LoadedCard
+from cardtool.core.sampling.instance import ModelInstance
+from cardtool.core.sampling.text_cache import TextFeatureCache
+
+diffusers = pytest.importorskip("diffusers")
+
+
+def export(card, out):
+    result = CliRunner().invoke(app, ["cards", "export", str(card), "--format", "hf", "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def velocities(card_folder, export_folder, prompts, unpadded=False):
+    card = load_card(card_folder)
+    loop = DenoiseLoop(ModelInstance(card, Platform("cpu", "generic"), "float32"), cache=TextFeatureCache(disk=False))
+    states = loop.init([Request(p, seed=i, guidance=1.0) for i, p in enumerate(prompts)])
+    x = torch.cat([s.latents for s in states])
+    t = torch.tensor([700.0, 250.0][:len(prompts)])
+    text, mask = torch.cat([s.cond[0] for s in states]), torch.cat([s.cond[1] for s in states])
+    with torch.no_grad():
+        ours = loop.instance.component("transformer")(x, t, text, mask)
+    theirs, info = diffusers.WanTransformer3DModel.from_pretrained(export_folder / "transformer",
+                                                                   output_loading_info=True)
+    with torch.no_grad():
+        if unpadded:  # one prompt per call, its text states cut to its tokens
+            rows = [theirs(x[i:i + 1], t[i:i + 1], text[i:i + 1, :int(mask[i].sum())], return_dict=False)[0]
+                    for i in range(len(prompts))]
+            out = torch.cat(rows)
+        else:
+            out = theirs(x, t, text, return_dict=False)[0]
+    return ours, out, info
+
+
+def test_diffusers_loads_the_exported_transformer_and_gives_cardtools_velocity(examples, tmp_path):
+    document = export(examples / "tiny-rl", tmp_path / "hf")
+    assert {"README.md", "card.yaml", "transformer/config.json",
+            "transformer/diffusion_pytorch_model.safetensors"} <= set(document["files"])
+    ours, theirs, info = velocities(examples / "tiny-rl", tmp_path / "hf", ["an ankle boot", "a bag"])
+    assert all(not info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert ours.abs().max() > 0.1 and (ours - theirs).abs().max().item() <= 1e-5
+
+    readme = (tmp_path / "hf" / "README.md").read_text()
+    _, front, body = readme.split("---\n", 2)
+    meta = yaml.safe_load(front)
+    assert meta["base_model"] == "tiny-base" and meta["base_model_relation"] == "finetune"
+    assert meta["pipeline_tag"] == "text-to-image" and meta["library_name"] == "cardtool"
+    assert "diffusion-nft" in meta["tags"] and "tiny-base" in body
+
+
+def test_cardtool_loads_the_export_back_and_samples_the_same_images(examples, tmp_path):
+    export(examples / "tiny-distilled", tmp_path / "hf")
+    exported = load_card(tmp_path / "hf", checksums=True)
+    assert exported.manifest.extends is None and exported.manifest.recipe.method == "dmd2"
+    assert yaml.safe_load((tmp_path / "hf" / "README.md").read_text().split("---\n")[1])["base_model"] == "tiny-rl"
+    a = LoadedCard(str(examples / "tiny-distilled")).generate(["a bag", "a coat"], num=2, out=tmp_path / "a")
+    b = LoadedCard(str(tmp_path / "hf")).generate(["a bag", "a coat"], num=2, out=tmp_path / "b")
+    from PIL import Image
+
+    for x, y in zip(a.images, b.images, strict=True):
+        assert np.array_equal(np.asarray(Image.open(x.path)), np.asarray(Image.open(y.path)))
+
+
+def test_a_masked_card_matches_diffusers_given_unpadded_text(tmp_path, monkeypatch):
+    from cardtool.core.cards import discovery
+
+    monkeypatch.setattr(discovery, "builtin_dir", lambda: REPO / "cards")
+    export("fashion-base-nft", tmp_path / "hf")
+    assert "text_mask: true" in (tmp_path / "hf" / "README.md").read_text()
+    ours, theirs, _ = velocities(REPO / "cards" / "fashion-base-nft", tmp_path / "hf", ["a bag", "an ankle boot"],
+                                 unpadded=True)
+    assert (ours - theirs).abs().max().item() <= 1e-5
+
+
+def test_export_refuses_a_card_without_a_transformer_and_an_existing_folder(examples, tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(app, ["cards", "export", str(examples / "tiny-judge"), "--out", str(tmp_path / "x"),
+                                 "--json"])
+    assert result.exit_code == 2 and "no wan-dit transformer" in json.loads(result.stdout)["error"]["message"]
+    (tmp_path / "taken").mkdir()
+    result = runner.invoke(app, ["cards", "export", str(examples / "tiny-base"), "--out", str(tmp_path / "taken"),
+                                 "--json"])
+    assert result.exit_code == 2 and "already exists" in json.loads(result.stdout)["error"]["message"]
+    result = runner.invoke(app, ["cards", "export", str(examples / "tiny-base"), "--format", "onnx", "--out",
+                                 str(tmp_path / "y"), "--json"])
+    assert result.exit_code == 2 and "unknown export format" in json.loads(result.stdout)["error"]["message"]
