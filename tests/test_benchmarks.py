@@ -89,3 +89,20 @@ def test_rl_efficiency_runs_both_methods_to_the_budget_and_writes_their_curves(t
     for result in report["results"]:
         assert [p["update"] for p in result["points"]] == [0, 1], "a start point, then stop at the budget"
         assert result["points"][1]["samples"] == 4 and 0 <= result["points"][1]["held_out_accuracy"] <= 1
+
+
+def test_best_of_n_benchmark_measures_plain_and_best_of_n_per_card(tmp_path, examples):
+    from helpers import write_idx_folder
+
+    out = tmp_path / "best.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "best_of_n.py"), "--card", "tiny-base", "--card",
+                    "tiny-distilled", "--reward", "tiny-judge", "--held-out-judge", "tiny-judge", "--n", "3",
+                    "--per-class", "1", "--data", str(write_idx_folder(tmp_path / "idx")), "--out", str(out)],
+                   check=True, capture_output=True, timeout=300, env={**os.environ, "CARDTOOL_PATH": str(examples)})
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["card"], r["mode"]) for r in rows] == [("tiny-base", "plain"), ("tiny-base", "best-of-3"),
+                                                      ("tiny-distilled", "plain"), ("tiny-distilled", "best-of-3")]
+    assert [r["model_evaluations_per_image"] for r in rows] == [60, 180, 4, 12]
+    for plain, best in (rows[:2], rows[2:]):
+        # candidate 0 is the plain image, so the best of three never scores lower on the reward
+        assert best["mean_reward"] >= plain["mean_reward"] and best["images"] == plain["images"] == 10

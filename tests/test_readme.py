@@ -57,3 +57,9 @@ def test_quick_tour_runs_as_written(tmp_path):
     tuned = (tmp_path / "outputs" / "tiny-nft" / "card.yaml").read_text()
     assert "method: diffusion_nft" in tuned and "- tiny-judge" in tuned
     assert "tiny-base-nft" in result.stdout and "tiny-judge (classifier)" in result.stdout, "lineage: base and reward"
+    assert "tiny-base-nft-1step (dmd2)\n└── tiny-base-nft (diffusion_nft)" in result.stdout, "the flywheel's chain"
+    best = [read_png_metadata(p) for p in sorted((tmp_path / "outputs" / "best").glob("*.png"))]
+    assert len(best) == 2 and all(m["best_of"] == "4" and m["reward"] == "tiny-judge" for m in best)
+    assert {p.parent.name for p in (tmp_path / "outputs" / "tiny-tour").glob("*/*.png")} == {
+        "draft", "refine", "compare", "pick"}
+    assert (tmp_path / "outputs" / "tiny-distilled-hf" / "transformer" / "config.json").is_file()
