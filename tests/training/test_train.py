@@ -63,12 +63,19 @@ def test_resume_after_a_kill_gives_the_same_final_weights(tmp_path, data):
         train(tiny("fashion-vae"), command="c", out=tmp_path / "b", run_dir=tmp_path / "rb", data=str(data),
               on_log=kill_after_step_4)
     assert not (tmp_path / "b").exists() and (tmp_path / "rb" / CHECKPOINT).exists()
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "rb" / CHECKPOINT), framework="pt") as f:
+        trained_before = float(f.metadata()["seconds"])
+    assert trained_before > 0
     with pytest.raises(BadInput, match="already holds a run"):
         train(tiny("fashion-vae"), command="c", out=tmp_path / "b", run_dir=tmp_path / "rb", data=str(data))
     resumed = train(tiny("fashion-vae"), command="c", out=tmp_path / "b", run_dir=tmp_path / "rb", data=str(data),
                     resume=True)
     a, b = weights(uninterrupted, "vae"), weights(resumed, "vae")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the card's training time counts the session the kill ended too
+    assert resumed.manifest.recipe.metrics["train_seconds"] >= round(trained_before, 1)
 
 
 def test_resume_with_another_recipe_is_refused(tmp_path, data):

@@ -117,3 +117,17 @@ def test_a_flywheel_recipe_with_a_stray_key_is_a_located_error(examples, tmp_pat
     assert result.exit_code == 1
     problem = json.loads(result.stdout)["error"]["problems"][0]
     assert problem["line"] == 4 and problem["field"] == "distil"
+
+
+def test_the_example_flywheel_recipe_spells_out_the_commands_defaults(examples):
+    from helpers import REPO
+
+    from cardtool.core.training.distill import distill_recipe
+    from cardtool.core.training.rl import rl_recipe
+
+    base, reward = str(examples / "tiny-base"), str(examples / "tiny-judge")
+    example = flywheel_recipe(base, reward, steps=2, path=REPO / "examples" / "recipes" / "fashion-flywheel.yaml")
+    assert example.rl == rl_recipe(base, reward, overrides=["card.id=tiny-base-nft"])
+    assert example.distill == distill_recipe(example.distill.parents[0], steps=2,
+                                             overrides=["card.id=tiny-base-nft-2step"])
+    assert example.distill.parents == ["cards/tiny-base-nft"]

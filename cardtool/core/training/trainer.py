@@ -120,13 +120,13 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
     checkpoint = run_dir / CHECKPOINT
     for stale in run_dir.glob(f".{CHECKPOINT}.*.tmp"):  # a write that a kill interrupted
         stale.unlink(missing_ok=True)
-    start, loss_value = 0, float("nan")
+    start, loss_value, before = 0, float("nan"), 0.0  # before: training seconds of the sessions a resume continues
     if checkpoint.exists() and not resume:
         raise BadInput(f"{run_dir} already holds a run; continue it with --resume, or remove the folder")
     if resume:
         if not checkpoint.exists():
             raise BadInput(f"nothing to resume: {checkpoint} does not exist")
-        start, loss_value = _load(checkpoint, recipe, modules, ema, optimizer, task)
+        start, loss_value, before = _load(checkpoint, recipe, modules, ema, optimizer, task)
     order = _Order(task.dataset_size(), o.batch_size, schedule.seed)
     started, seen = time.perf_counter(), 0
     for step in range(start, o.steps):
@@ -164,29 +164,32 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
             on_log({"step": done, "steps": o.steps, "loss": loss_value, "lr": _lr(recipe, step),
                     "samples_per_second": seen / elapsed if elapsed else 0.0, **metrics})
         if done % schedule.checkpoint_every == 0 or done == o.steps:
-            _save(checkpoint, recipe, done, loss_value, modules, ema, optimizer, task)
-    seconds = time.perf_counter() - started
+            _save(checkpoint, recipe, done, loss_value, before + time.perf_counter() - started, modules, ema,
+                  optimizer, task)
+    elapsed = time.perf_counter() - started
     final = ema if ema is not None else modules
     for m in final.values():
         m.eval()
-    return TrainResult(final, o.steps, loss_value, seconds, seen / seconds if seconds else 0.0)
+    return TrainResult(final, o.steps, loss_value, before + elapsed, seen / elapsed if elapsed else 0.0)
 
 
-def _save(path: Path, recipe: Recipe, step: int, loss: float, modules, ema, optimizer, task: Task) -> None:
+def _save(path: Path, recipe: Recipe, step: int, loss: float, seconds: float, modules, ema, optimizer,
+          task: Task) -> None:
     tensors = {f"model.{n}.{k}": v.detach().clone() for n, m in modules.items() for k, v in m.state_dict().items()}
     tensors.update({f"task.{k}": v.detach().clone() for k, v in task.state().items()})
     if ema is not None:
         tensors.update({f"ema.{n}.{k}": v.detach().clone() for n, m in ema.items() for k, v in m.state_dict().items()})
     optim, groups = optimizer_tensors(optimizer)
     tensors.update(optim)
-    metadata = {"step": str(step), "loss": repr(loss), "fingerprint": recipe.fingerprint(), "param_groups": groups}
+    metadata = {"step": str(step), "loss": repr(loss), "seconds": repr(seconds), "fingerprint": recipe.fingerprint(),
+                "param_groups": groups}
     with atomic_path(path) as temporary:
         save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(temporary), metadata=metadata)
 
 
-def _load(path: Path, recipe: Recipe, modules, ema, optimizer, task: Task) -> tuple[int, float]:
-    """Restore a checkpoint; the step it was taken after and that step's loss (what a run killed after its
-    last checkpoint reports as final)."""
+def _load(path: Path, recipe: Recipe, modules, ema, optimizer, task: Task) -> tuple[int, float, float]:
+    """Restore a checkpoint; the step it was taken after, that step's loss (what a run killed after its last
+    checkpoint reports as final) and the training seconds up to it."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
@@ -205,4 +208,4 @@ def _load(path: Path, recipe: Recipe, modules, ema, optimizer, task: Task) -> tu
     except (RuntimeError, ValueError, KeyError) as e:  # the same recipe, an older cardtool's training state
         raise BadInput(f"{path} does not fit this version's training state ({str(e).splitlines()[0][:160]}); "
                        "start the run again in a new --run-dir") from None
-    return int(json.loads(metadata["step"])), float(metadata.get("loss", "nan"))
+    return int(json.loads(metadata["step"])), float(metadata.get("loss", "nan")), float(metadata.get("seconds", "0"))
