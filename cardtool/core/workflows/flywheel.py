@@ -57,12 +57,11 @@ def flywheel_recipe(base: str, reward: str, *, steps: int | None = None, path: P
             raise BadInput(f"--set {item!r}: a flywheel override names its stage: rl.KEY=VALUE or distill.KEY=VALUE")
         split[stage].append(rest)
     prefix = prefix or (Path(base).name if base.startswith(".") or "/" in base else base)
-    rl_section = _with_id(sections.get("rl"), None)
-    method = rl_section.get("method", "diffusion_nft")
+    method = sections.get("rl", {}).get("method", "diffusion_nft")
     if method not in METHODS:
         raise BadInput(f"flywheel rl.method: unknown rl method '{method}'; choose one of: {', '.join(METHODS)}")
-    rl_section = _with_id(rl_section, f"{prefix}-{METHODS[method]}")
-    stage1 = rl_recipe(base, reward, None, None, split["rl"], section=rl_section)
+    stage1 = rl_recipe(base, reward, None, None, split["rl"],
+                       section=_with_id(sections.get("rl"), f"{prefix}-{METHODS[method]}"))
     teacher = str(Path(out_dir) / stage1.card.id)
     student_steps = steps if steps is not None else sections.get("distill", {}).get("loss", {}).get("student_steps")
     student_steps = student_steps if student_steps is not None else 2
@@ -93,13 +92,11 @@ def _read(path: Path) -> dict:
     return source.data
 
 
-def _with_id(section, card_id: str | None) -> dict:
-    if section is not None and not isinstance(section, dict):
-        raise BadInput("a flywheel stage section must be a mapping")
+def _with_id(section: dict | None, card_id: str) -> dict:
+    """The stage's section with the flywheel's card id, unless the section names its own."""
     out = dict(section or {})
-    if card_id is not None:
-        card = out.get("card") if isinstance(out.get("card"), dict) else {}
-        out["card"] = {"id": card_id, **card}  # the section may name its own card
+    card = out.get("card") if isinstance(out.get("card"), dict) else {}
+    out["card"] = {"id": card_id, **card}
     return out
 
 
