@@ -17,8 +17,6 @@ generator is pushed to look real to it (λ_G) — the critic's weights are held 
 
 from __future__ import annotations
 
-from typing import Literal
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -64,7 +62,6 @@ class DMD2Settings(LossSettings):
     gan_generator_weight: float = Field(3e-3, ge=0)  # λ_G
     gan_critic_weight: float = Field(1e-2, ge=0)  # λ_D
     gan_head_lr_scale: float = Field(50.0, gt=0)  # the fresh head's learning rate over the networks' (2e-5 → 1e-3)
-    gan_features: Literal["pooled", "tokens"] = "pooled"  # one logit of the token mean, or the mean of per-token logits
 
     @model_validator(mode="after")
     def _ranges(self):
@@ -97,18 +94,14 @@ def critic_loss(critic, x: torch.Tensor, t: torch.Tensor, noise: torch.Tensor, t
 
 
 class GANHead(torch.nn.Module):
-    """DMD2's classifier on the critic's last-block states: `pooled` scores their token mean; `tokens` scores each
-    token (a patch of the latent) and averages the logits, as a patch discriminator does."""
+    """DMD2's classifier on the critic's features: token-averaged last-block states → one real/fake logit."""
 
-    def __init__(self, dim: int, features: str = "pooled"):
+    def __init__(self, dim: int):
         super().__init__()
-        self.per_token = features == "tokens"
         self.net = torch.nn.Sequential(torch.nn.LayerNorm(dim), torch.nn.Linear(dim, dim), torch.nn.SiLU(),
                                        torch.nn.Linear(dim, 1))
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        if self.per_token:
-            return self.net(features.float()).squeeze(-1).mean(dim=1)
         return self.net(features.float().mean(dim=1)).squeeze(-1)
 
 
@@ -135,7 +128,7 @@ class DMD2Task(Task):
         if s.gan:
             if train is None:
                 raise BadInput("loss.gan needs the training images (Fashion-MNIST, or --data DIR)")
-            self.head = GANHead(self.config.dim, s.gan_features).to(self.device)
+            self.head = GANHead(self.config.dim).to(self.device)
             self.real_latents = latents(frozen.instance.component(frozen.loop.vae), train.images, self.device)[0]
             self.by_class = [np.flatnonzero(train.labels == c) for c in range(len(training_prompts()))]
             self.critic.blocks[-1].register_forward_hook(self._keep_features)
