@@ -48,6 +48,12 @@ def test_the_flywheel_chains_base_rl_and_student_and_reports_the_three(examples,
     for row in rows.values():
         assert 0 <= row["class_accuracy"] <= 1 and row["fid_fmnist"] > 0 and row["images_per_second"] > 0
     assert json.loads((tmp_path / "run" / "flywheel.json").read_text()) == report
+    for card in (tuned, student):  # the cards this run made keep their eval
+        assert load_card(card.folder).manifest.recipe.metrics["eval"]["rows"][0]["images"] == 20
+    recorded = (tmp_path / "cards" / "tiny-base-nft" / "card.yaml").read_bytes()
+    again = run(examples, tmp_path)
+    assert again.exit_code == 0 and [s["skipped"] for s in json.loads(again.stdout)["stages"]] == [True, True, False]
+    assert (tmp_path / "cards" / "tiny-base-nft" / "card.yaml").read_bytes() == recorded, "a skipped card is left be"
 
 
 def test_a_rerun_skips_finished_stages_and_a_changed_recipe_is_refused(examples, tmp_path):

@@ -162,9 +162,10 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
         student = stage("distill", recipe.distill, distill)
         if stop_after != "distill":
             started = time.perf_counter()
+            made = {Path(s["path"]).resolve() for s in report.stages if not s["skipped"]}  # skipped: keeps its eval
             _evaluate([str(locate(recipe.base)), str(tuned.folder), str(student.folder),
                        *(str(locate(c)) for c in compare)], report, device, data,
-                      record={str(tuned.folder), str(student.folder)})
+                      record={str(c.folder) for c in (tuned, student) if c.folder.resolve() in made})
             entry = {"stage": "eval", "card": None, "skipped": False,
                      "seconds": round(time.perf_counter() - started, 1)}
             report.stages.append(entry)
@@ -177,8 +178,8 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
 
 def _evaluate(folders: list[str], report: FlywheelReport, device: str | None, data: str | None,
               record: set[str]) -> None:
-    """Each card at its own loop defaults under the judge (accuracy, FID, speed) and the held-out judge; the
-    flywheel's own cards keep theirs (eval.json and the summary, as `cardtool eval --record`)."""
+    """Each card at its own loop defaults under the judge (accuracy, FID, speed) and the held-out judge; the cards
+    this run made (`record`) keep theirs (eval.json and the summary, as `cardtool eval --record`)."""
     from cardtool.core.cards.record import record_eval, record_metrics
     from cardtool.core.evaluation.evaluate import evaluate
 
