@@ -137,7 +137,7 @@ def test_the_flywheel_student_is_what_the_flywheel_recipe_makes_from_the_tuned_c
     command = shlex.split(m.recipe.command)
     assert command[:9] == ["cardtool", "flywheel", "fashion-base", "--reward", "fashion-classifier", "--steps", "2",
                            "--recipe", "examples/recipes/fashion-flywheel.yaml"]
-    recipe = flywheel_recipe("fashion-base", "fashion-classifier", steps=2, path=REPO / command[8])
+    recipe = flywheel_recipe("fashion-base", "fashion-classifier", steps=2, path=REPO / command[8], out_dir=CARDS)
     # both stages' fingerprints: the tuned card is the rl stage's, the student the distill stage's from it
     assert load_card("fashion-base-nft").manifest.recipe.fingerprint == recipe_fingerprint(recipe.rl)
     assert m.recipe.fingerprint == recipe_fingerprint(recipe.distill)

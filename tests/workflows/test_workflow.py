@@ -110,6 +110,11 @@ BAD = {
                             "      prompts: [a bag]\n", 8, "steps.a.best_of_n.reward", "is not a reward"),
     "two kinds": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x]}\n    chain: {input: a, card: EX/tiny-base}\n",
                   6, "steps.a", "exactly one kind"),
+    "self input": ("  a:\n    chain: {input: a, card: EX/tiny-base}\n", 6, "steps.a.chain.input", "a → a form a cycle"),
+    "too many images": ("  a:\n    best_of_n: {card: EX/tiny-base, reward: EX/tiny-judge, n: 1000, prompts: [a, b],"
+                        " num: 10}\n", 6, "steps.a.best_of_n", "at most 10,000"),
+    "prompts and input": ("  a:\n    parallel: {cards: [EX/tiny-base], prompts: [a], input: a}\n", 6,
+                          "steps.a.parallel", "either prompts or an input step"),
     "missing card": ("  a:\n    generate: {card: EX/no-such-card, prompts: [x]}\n", 6, "steps.a.generate.card",
                      "cannot be used"),
 }

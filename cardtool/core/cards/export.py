@@ -35,6 +35,8 @@ def export_card(card_ref: str, out: Path, *, fmt: str = "hf", overwrite: bool = 
     if fmt not in FORMATS:
         raise BadInput(f"unknown export format '{fmt}'; choose one of: {', '.join(FORMATS)}")
     card = load_card(locate(card_ref))
+    if Path(out).resolve() in {source.file.parent.resolve() for source in card.sources}:  # the files it reads
+        raise BadInput(f"--out {out} is the folder of '{card.id}' or of a card it extends; export to a new folder")
     m = card.manifest
     dits = [name for name, c in m.components.items() if c.kind == "dit" and c.impl == "wan-dit"]
     if len(dits) != 1 or m.components[dits[0]].weights is None:

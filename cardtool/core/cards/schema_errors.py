@@ -65,6 +65,8 @@ def _data_path(loc: tuple, data) -> FieldPath:
 
 
 def _value_message(e: dict) -> str:
+    if e["type"] == "value_error":  # a model's own rule: its message says what is wrong with the whole
+        return e["msg"].removeprefix("Value error, ")
     pattern = (e.get("ctx") or {}).get("pattern", "")
     if "0-9a-f" in pattern:
         message = "not a sha256 digest (64 lowercase hex characters)"

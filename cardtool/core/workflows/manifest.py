@@ -46,6 +46,10 @@ class _Prompted(_Sampling):
 class GenerateStep(_Prompted):
     card: str
 
+    @model_validator(mode="after")
+    def _bounded(self):
+        return _at_most(self, len(self.prompts) * self.num, "prompts × num")
+
 
 class ChainStep(_Sampling):
     """Refine another step's images with `card`: each is encoded, re-noised to σ = strength and denoised (SDEdit)."""
@@ -69,13 +73,24 @@ class ParallelStep(_Sampling):
     def _one_input(self):
         if (self.prompts is None) == (self.input is None):
             raise ValueError("a parallel step takes either prompts or an input step, not both or neither")
-        return self
+        return _at_most(self, len(self.cards) * len(self.prompts or [""]) * self.num, "cards × prompts × num")
 
 
 class BestOfNStep(_Prompted):
     card: str
     reward: str
     n: int = Field(ge=1, le=1024)
+
+    @model_validator(mode="after")
+    def _bounded(self):
+        return _at_most(self, len(self.prompts) * self.num * self.n, "prompts × num × n")
+
+
+def _at_most(step, count: int, what: str):
+    """A step samples at most MAX_IMAGES images: beyond that a planning mistake, not a job."""
+    if count > MAX_IMAGES:
+        raise ValueError(f"{what} = {count:,} images; a step samples at most {MAX_IMAGES:,}")
+    return step
 
 
 class Step(_Strict):
