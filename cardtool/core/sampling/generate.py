@@ -147,7 +147,7 @@ class LoadedCard:
                  guidance_interval: tuple[float, float] | None = None, precision: str | None = None,
                  out: str | Path = "outputs", grid: bool = False, strict: bool = False,
                  on_step: Callable[[int, int], None] | None = None, max_batch: int = 128, best_of: int = 1,
-                 reward: str | None = None, extra_metadata: dict[str, str] | None = None) -> GenerateReport:
+                 reward: str | None = None) -> GenerateReport:
         """Sample prompts × num images and write them; with `best_of` N > 1, each image is the best of N candidates
         under the reward card `reward`, and its metadata records every candidate's score."""
         if max_batch < 1:
@@ -180,7 +180,7 @@ class LoadedCard:
         seconds = time.perf_counter() - started
         images = []
         for request, image, path, extra in zip(requests, pixels, paths, extras, strict=True):
-            metadata = {**image_metadata(loop, request), **extra, **(extra_metadata or {})}
+            metadata = {**image_metadata(loop, request), **extra}
             save_image(path, image, metadata)
             images.append(GeneratedImage(path, metadata))
         grid_path = None
