@@ -137,3 +137,26 @@ def test_the_example_flywheel_recipe_spells_out_the_commands_defaults(examples):
     assert example.distill == distill_recipe(example.distill.parents[0], steps=2,
                                              overrides=["card.id=tiny-base-nft-2step"])
     assert example.distill.parents == ["cards/tiny-base-nft"]
+
+
+def test_a_fingerprint_names_parents_by_content_not_by_where_they_lie(examples, tmp_path):
+    import os
+    import shutil
+
+    from cardtool.core.training.distill import distill_recipe
+
+    teacher = tmp_path / "a" / "tiny-rl"
+    shutil.copytree(examples / "tiny-rl", teacher)
+    moved = tmp_path / "b" / "c" / "d" / "tiny-rl"
+    shutil.copytree(examples / "tiny-rl", moved)
+    for folder in (teacher, moved):  # the same card, extending tiny-base by a path that differs with its place
+        where = os.path.relpath(examples / "tiny-base", folder)
+        text = (folder / "card.toml").read_text().replace('extends = "tiny-base"', f'extends = "{where}"')
+        (folder / "card.toml").write_text(text)
+    assert load_card(teacher).weights_file("vae").resolve() == load_card(moved).weights_file("vae").resolve()
+    assert load_card(teacher).manifest.components["vae"].weights != load_card(moved).manifest.components["vae"].weights
+
+    def fingerprint(folder, lr="2e-5"):
+        return recipe_fingerprint(distill_recipe(str(folder), steps=1, overrides=["card.id=s", f"optim.lr={lr}"]))
+
+    assert fingerprint(teacher) == fingerprint(moved) != fingerprint(teacher, lr="3e-5")

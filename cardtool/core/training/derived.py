@@ -28,13 +28,17 @@ def extends_reference(parent: Card, out: Path) -> str:
 
 def recipe_fingerprint(recipe) -> str:
     """sha256 of the resolved recipe with each parent named by what it is — its id and the manifest parts that
-    decide a run (components with their weights' sha256, loops, adapters) — not by the path it was found at. Two
+    decide a run (components with their weights' sha256, loops, adapters) — not by where it or its files lie. Two
     runs with one fingerprint make the same card, so a re-run (the flywheel's stages) can skip it."""
     parents = []
     for ref in recipe.parents:
         manifest = load_card(locate(ref)).manifest
-        parents.append({"id": manifest.id, **manifest.model_dump(mode="json", include={"components", "loops",
-                                                                                        "adapters"})})
+        parts = manifest.model_dump(mode="json", include={"components", "loops", "adapters"})
+        for section in ("components", "adapters"):
+            for entry in parts[section].values():
+                if entry.get("sha256"):  # the content names the file; its path depends on where the cards lie
+                    entry.pop("weights", None)
+        parents.append({"id": manifest.id, **parts})
     document = {"recipe": recipe.model_dump(mode="json", exclude={"parents"}), "parents": parents}
     return hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()
 
