@@ -108,3 +108,19 @@ def test_export_refuses_a_card_without_a_transformer_and_an_existing_folder(exam
     result = runner.invoke(app, ["cards", "export", str(examples / "tiny-base"), "--format", "onnx", "--out",
                                  str(tmp_path / "y"), "--json"])
     assert result.exit_code == 2 and "unknown export format" in json.loads(result.stdout)["error"]["message"]
+
+
+@pytest.mark.parametrize("method, relation", [("dmd2", "finetune"), ("diffusion_nft", "finetune"),
+                                              ("flow_grpo", "finetune"), ("finetune", "finetune"),
+                                              ("lora", "adapter"), ("controlnet", "adapter"), ("pretrain", None)])
+def test_the_front_matter_names_the_parent_and_how_the_card_relates_to_it(examples, method, relation):
+    import dataclasses
+
+    from cardtool.core.cards.export import front_matter
+
+    card = load_card(examples / "tiny-distilled")
+    recipe = card.manifest.recipe.model_copy(update={"method": method})
+    meta = front_matter(dataclasses.replace(card, manifest=card.manifest.model_copy(update={"recipe": recipe})))
+    assert meta.get("base_model_relation") == relation
+    assert meta.get("base_model") == ("tiny-rl" if relation else None)
+    assert meta["pipeline_tag"] == "text-to-image" and method.replace("_", "-") in meta["tags"]
