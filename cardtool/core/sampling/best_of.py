@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 from collections.abc import Callable
 
 import numpy as np
@@ -33,6 +34,14 @@ class Picked:
     images: np.ndarray  # uint8 (B, H, W), the winners
     scores: list[list[float]]  # every candidate's reward, in candidate order
     chosen: list[int]  # the winner's candidate index
+    request_seeds: list[int]  # the seed each request asked for (candidate 0's)
+    reward: str  # the reward card's id
+
+    def metadata(self) -> list[dict[str, str]]:
+        """What each kept image's PNG records about its selection, beside its generation metadata."""
+        return [{"best_of": str(len(row)), "reward": self.reward, "request_seed": str(seed), "candidate": str(c),
+                 "scores": json.dumps([round(x, 6) for x in row])}
+                for seed, c, row in zip(self.request_seeds, self.chosen, self.scores, strict=True)]
 
 
 def best_of_n(loop: DenoiseLoop, reward, requests: list[Request], n: int, *, max_batch: int = 128,
@@ -48,4 +57,5 @@ def best_of_n(loop: DenoiseLoop, reward, requests: list[Request], n: int, *, max
     grouped = scores.reshape(len(requests), n)
     chosen = [int(np.argmax(np.where(np.isnan(row), -np.inf, row))) for row in grouped]  # a NaN score never wins
     rows = [k * n + c for k, c in enumerate(chosen)]
-    return Picked([candidates[i] for i in rows], images[rows], [[float(s) for s in row] for row in grouped], chosen)
+    return Picked([candidates[i] for i in rows], images[rows], [[float(s) for s in row] for row in grouped], chosen,
+                  [r.seed for r in requests], reward.card_id)

@@ -173,10 +173,7 @@ class LoadedCard:
             from cardtool.core.sampling.best_of import best_of_n
 
             picked = best_of_n(loop, judge, requests, best_of, max_batch=max_batch, on_step=on_step)
-            extras = [{"best_of": str(best_of), "reward": judge.card_id, "request_seed": str(r.seed),
-                       "candidate": str(c), "scores": json.dumps([round(x, 6) for x in row])}
-                      for r, c, row in zip(requests, picked.chosen, picked.scores, strict=True)]
-            requests, pixels = picked.requests, picked.images
+            extras, requests, pixels = picked.metadata(), picked.requests, picked.images
         seconds = time.perf_counter() - started
         images = []
         for request, image, path, extra in zip(requests, pixels, paths, extras, strict=True):

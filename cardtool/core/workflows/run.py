@@ -97,13 +97,8 @@ class _Runner:
         reward = loaded.reward(str(self.locate(body.reward)))
         picked = best_of_n(loop, reward, self._requests(loaded, body.prompts, body.num, body), body.n,
                            max_batch=self.max_batch)
-        return [Output(i, r.prompt, {**image_metadata(loop, r), "best_of": str(body.n), "reward": reward.card_id,
-                                     "candidate": str(c), "scores": _scores(row)})
-                for r, i, c, row in zip(picked.requests, picked.images, picked.chosen, picked.scores, strict=True)]
-
-
-def _scores(row: list[float]) -> str:
-    return "[" + ", ".join(f"{x:.6g}" for x in row) + "]"
+        return [Output(i, r.prompt, {**image_metadata(loop, r), **extra})
+                for r, i, extra in zip(picked.requests, picked.images, picked.metadata(), strict=True)]
 
 
 def run_workflow(workflow: Workflow, *, out: str | Path = "outputs", device: str | None = None,
@@ -140,7 +135,8 @@ def run_workflow(workflow: Workflow, *, out: str | Path = "outputs", device: str
     return report
 
 
-_REPORTED = ("card", "prompt", "seed", "steps", "strength", "input", "best_of", "reward", "candidate", "scores")
+_REPORTED = ("card", "prompt", "seed", "steps", "strength", "input", "best_of", "reward", "request_seed", "candidate",
+             "scores")
 
 
 def _write(folder: Path, produced: list[Output], workflow: str, step: str, kind: str) -> None:
