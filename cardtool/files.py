@@ -6,7 +6,7 @@ from __future__ import annotations
 import stat
 from pathlib import Path
 
-__all__ = ["is_regular_file", "read_small_file"]
+__all__ = ["is_regular_file", "read_small_file", "read_small_file_bytes"]
 
 
 def is_regular_file(path: Path) -> bool:
@@ -16,18 +16,27 @@ def is_regular_file(path: Path) -> bool:
         return False
 
 
-def read_small_file(path: Path, limit: int = 1 << 20) -> tuple[str, str]:
-    """(text, "") of a regular UTF-8 file of at most `limit` bytes, else ("", why not) — never blocking on a
-    FIFO or reading a device."""
+def read_small_file_bytes(path: Path, limit: int = 1 << 20) -> tuple[bytes, str]:
+    """(bytes, "") of a regular file of at most `limit` bytes, else (b"", why not) — never blocking on a FIFO or
+    reading a device."""
     if not is_regular_file(path):
-        return "", f"{path} is missing or not a regular file"
+        return b"", f"{path} is missing or not a regular file"
     try:
         with path.open("rb") as f:
             data = f.read(limit + 1)
     except OSError as e:
-        return "", f"cannot read {path}: {e.strerror}"
+        return b"", f"cannot read {path}: {e.strerror}"
     if len(data) > limit:
-        return "", f"{path} is larger than {limit} bytes"
+        return b"", f"{path} is larger than {limit} bytes"
+    return data, ""
+
+
+def read_small_file(path: Path, limit: int = 1 << 20) -> tuple[str, str]:
+    """(text, "") of a regular UTF-8 file of at most `limit` bytes, else ("", why not) — never blocking on a
+    FIFO or reading a device."""
+    data, reason = read_small_file_bytes(path, limit)
+    if reason:
+        return "", reason
     try:
         return data.decode("utf-8"), ""
     except UnicodeDecodeError:

@@ -15,8 +15,8 @@ from cardtool.backends.vae_config import ConvVAEConfig
 from cardtool.backends.wan_config import WanDiTConfig
 from cardtool.errors import BadInput
 
-__all__ = ["wan_dit_torch", "wan_dit_numpy", "conv_vae_torch", "conv_vae_numpy", "hf_encoder_torch",
-           "fashion_cnn_torch"]
+__all__ = ["wan_dit_torch", "wan_controlnet_torch", "wan_dit_numpy", "conv_vae_torch", "conv_vae_numpy",
+           "hf_encoder_torch", "fashion_cnn_torch"]
 
 
 def _torch_module(make, weights: Path | None, device: str, dtype: str):
@@ -67,6 +67,19 @@ def _round_products(module, precision: str):
         if isinstance(layer, (torch.nn.Linear, torch.nn.Conv3d)):
             layer.to(low)
     return module
+
+
+def wan_controlnet_torch(config: dict, weights: Path | None, base: dict, platform: Platform, precision: str):
+    """A ControlNet branch for the DiT whose config is `base`; `config.blocks` says how many blocks it copies."""
+    from cardtool.backends.controlnet import WanControlNet
+
+    settings = WanDiTConfig.from_card(base, "wan-dit")
+    depth = config.get("blocks", 2)
+    if not isinstance(depth, int) or isinstance(depth, bool) or not 1 <= depth <= settings.depth:
+        raise BadInput(f"controlnet config.blocks must be a whole number in 1…{settings.depth}, got {depth!r}")
+    module = _torch_module(lambda: WanControlNet(settings, depth, platform, kernel_variant(precision)), weights,
+                           platform.torch_device, weights_dtype(precision))
+    return _round_products(module, precision)
 
 
 def wan_dit_numpy(config: dict, weights: Path | None, source: Path | None, platform: Platform, precision: str):

@@ -9,6 +9,7 @@ timestep embedding, GELU) comes from the platform's kernel table, so a faster ke
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -18,9 +19,9 @@ from cardtool.backends.platform import Platform
 from cardtool.backends.registry import KERNELS
 from cardtool.backends.wan_config import WanDiTConfig
 
-__all__ = ["WanDiT", "Kernels"]
+__all__ = ["WanDiT", "Kernels", "TextContext", "name_linears"]
 
-OPS = ("attention", "rms_norm", "modulated_layer_norm", "rope_3d", "timestep_embedding", "gelu_tanh")
+OPS = ("attention", "rms_norm", "modulated_layer_norm", "rope_3d", "timestep_embedding", "gelu_tanh", "lora_bgmv")
 
 
 class Kernels:
@@ -54,8 +55,8 @@ class _MLP(nn.Module):
         super().__init__()
         self.linear_1, self.linear_2, self.activation = nn.Linear(d_in, d_out), nn.Linear(d_out, d_out), activation
 
-    def forward(self, x):
-        return self.linear_2(self.activation(self.linear_1(x)))
+    def forward(self, x, lora=None):
+        return _linear(self.linear_2, self.activation(_linear(self.linear_1, x, lora)), lora)
 
 
 class _ConditionEmbedder(nn.Module):
@@ -74,19 +75,21 @@ class _Attention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(c.dim, c.dim)])
         self.norm_q, self.norm_k = _Weight(c.dim), _Weight(c.dim)
 
-    def keys_values(self, source):
+    def keys_values(self, source, lora=None):
         """Keys (RMS-normed) and values of `source`, (B, H, L, Dh) each."""
-        k = self.ops.rms_norm(self.to_k(source), self.norm_k.weight, self.eps)
-        return tuple(t.unflatten(2, (self.heads, -1)).transpose(1, 2) for t in (k, self.to_v(source)))
+        k = self.ops.rms_norm(_linear(self.to_k, source, lora), self.norm_k.weight, self.eps)
+        v = _linear(self.to_v, source, lora)
+        return tuple(t.unflatten(2, (self.heads, -1)).transpose(1, 2) for t in (k, v))
 
-    def forward(self, x, kv=None, grid=None, mask=None):
+    def forward(self, x, kv=None, grid=None, mask=None, lora=None):
         """Self-attention with RoPE over `grid` when `kv` is None, else attention to the given keys and values."""
-        q = self.ops.rms_norm(self.to_q(x), self.norm_q.weight, self.eps).unflatten(2, (self.heads, -1)).transpose(1, 2)
-        k, v = self.keys_values(x) if kv is None else kv
+        q = self.ops.rms_norm(_linear(self.to_q, x, lora), self.norm_q.weight, self.eps)
+        q = q.unflatten(2, (self.heads, -1)).transpose(1, 2)
+        k, v = self.keys_values(x, lora) if kv is None else kv
         if grid is not None:
             q, k = self.ops.rope_3d(q, grid), self.ops.rope_3d(k, grid)
         out = self.ops.attention(q, k, v, None if mask is None else mask[:, None, None, :])
-        return self.to_out[0](out.transpose(1, 2).flatten(2))
+        return _linear(self.to_out[0], out.transpose(1, 2).flatten(2), lora)
 
 
 class _FeedForward(nn.Module):
@@ -97,8 +100,8 @@ class _FeedForward(nn.Module):
         up.proj = nn.Linear(c.dim, c.ffn_dim)
         self.net = nn.ModuleList([up, nn.Identity(), nn.Linear(c.ffn_dim, c.dim)])
 
-    def forward(self, x):
-        return self.net[2](self.ops.gelu_tanh(self.net[0].proj(x)))
+    def forward(self, x, lora=None):
+        return _linear(self.net[2], self.ops.gelu_tanh(_linear(self.net[0].proj, x, lora)), lora)
 
 
 class _Block(nn.Module):
@@ -110,21 +113,24 @@ class _Block(nn.Module):
         self.ffn = _FeedForward(c, ops)
         self.scale_shift_table = nn.Parameter(_random_table(6, c.dim))
 
-    def forward(self, x, text_kv, modulation, grid, text_mask):
+    def forward(self, x, text_kv, modulation, grid, text_mask, lora=None):
         shift, scale, gate, c_shift, c_scale, c_gate = (self.scale_shift_table + modulation).chunk(6, dim=1)
-        x = x + self.attn1(self.ops.modulated_layer_norm(x, shift, scale, self.eps), grid=grid) * gate
+        x = x + self.attn1(self.ops.modulated_layer_norm(x, shift, scale, self.eps), grid=grid, lora=lora) * gate
         # an affine LayerNorm is adaLN with shift = bias and scale = weight − 1
         normed = x if self.norm2 is None else \
             self.ops.modulated_layer_norm(x, self.norm2.bias, self.norm2.weight - 1, self.eps)
-        x = x + self.attn2(normed, text_kv, mask=text_mask)
-        return x + self.ffn(self.ops.modulated_layer_norm(x, c_shift, c_scale, self.eps)) * c_gate
+        x = x + self.attn2(normed, text_kv, mask=text_mask, lora=lora)
+        return x + self.ffn(self.ops.modulated_layer_norm(x, c_shift, c_scale, self.eps), lora) * c_gate
 
 
 class WanDiT(nn.Module):
     """Velocity model v(x_t, t, text): latents (B, C, F, H, W), timesteps t (B,) in [0, 1000], text states
     (B, Lt, text_dim) zero beyond each prompt, and the boolean mask (B, Lt) of real tokens — which cross-attention
     uses only when the config says `text_mask: true`; by default it attends to every token, as Wan2.1 does.
-    `text_context`, from `text_context(text)`, skips recomputing the text's keys and values."""
+    `text_context`, from `text_context(text)`, skips recomputing the text's keys and values.
+
+    Per-row adapters (DESIGN.md invariant 7): `lora`, a LoraPlan, adds each row's own LoRA delta to every linear
+    layer it names; `control`, a list of ControlRows, adds a ControlNet's residuals to the rows it conditions."""
 
     def __init__(self, config: WanDiTConfig, platform: Platform, variant: str = "default"):
         super().__init__()
@@ -137,27 +143,61 @@ class WanDiT(nn.Module):
         self.scale_shift_table = nn.Parameter(_random_table(2, c.dim))
         nn.init.zeros_(self.proj_out.weight)  # the head starts at zero: an untrained model predicts v = 0
         nn.init.zeros_(self.proj_out.bias)
+        name_linears(self)
 
-    def text_context(self, text):
-        """Every block's cross-attention keys and values for the text states (B, Lt, text_dim): they do not
-        change over a denoising run, so a sampler computes them once and passes them to each step's forward."""
-        context = self.condition_embedder.text_embedder(text)
-        return [block.attn2.keys_values(context) for block in self.blocks]
+    def text_context(self, text, lora=None) -> TextContext:
+        """The projected text states and every block's cross-attention keys and values for the text states
+        (B, Lt, text_dim): they do not change over a denoising run, so a sampler computes them once and passes
+        them to each step's forward."""
+        context = self.condition_embedder.text_embedder(text, lora)
+        return TextContext(context, [block.attn2.keys_values(context, lora) for block in self.blocks])
 
-    def forward(self, x, t, text, text_mask=None, text_context=None):
+    def embed(self, x, t, lora=None):
+        """Patch tokens (B, L, D) in (f, h, w) order, the time embedding (B, D) and the blocks' modulation
+        (B, 6, D)."""
+        c, embedder = self.config, self.condition_embedder
+        h = self.patch_embedding(x).flatten(2).transpose(1, 2)
+        freq = self.ops.timestep_embedding(t, c.freq_dim).to(embedder.time_embedder.linear_1.weight.dtype)
+        temb = embedder.time_embedder(freq, lora)
+        modulation = _linear(embedder.time_proj, F.silu(temb), lora).unflatten(1, (6, c.dim))
+        return h, temb, modulation
+
+    def grid(self, x) -> tuple[int, int, int]:
+        pt, ph, pw = self.config.patch
+        return x.shape[2] // pt, x.shape[3] // ph, x.shape[4] // pw
+
+    def forward(self, x, t, text, text_mask=None, text_context=None, lora=None, control=None):
         c = self.config
         text_mask = text_mask if c.text_mask else None  # Wan2.1 attends to every (zero-padded) token
         batch, _, frames, height, width = x.shape
         pt, ph, pw = c.patch
-        grid = (frames // pt, height // ph, width // pw)
-        h = self.patch_embedding(x).flatten(2).transpose(1, 2)  # (B, L, D), tokens in (f, h, w) order
-        embedder = self.condition_embedder
-        freq = self.ops.timestep_embedding(t, c.freq_dim).to(embedder.time_embedder.linear_1.weight.dtype)
-        temb = embedder.time_embedder(freq)  # (B, D)
-        modulation = embedder.time_proj(F.silu(temb)).unflatten(1, (6, c.dim))  # (B, 6, D)
-        for block, kv in zip(self.blocks, text_context or self.text_context(text), strict=True):
-            h = block(h, kv, modulation, grid, text_mask)
+        grid = self.grid(x)
+        h, temb, modulation = self.embed(x, t, lora)
+        text_context = text_context or self.text_context(text, lora)
+        residuals = [branch(h, modulation, text_context.context, grid, text_mask) for branch in control or ()]
+        for i, (block, kv) in enumerate(zip(self.blocks, text_context.keys_values, strict=True)):
+            h = block(h, kv, modulation, grid, text_mask, lora)
+            for rows, outputs in residuals:
+                if i < len(outputs):
+                    h = h.index_add(0, rows, outputs[i].to(h.dtype))
         shift, scale = (self.scale_shift_table + temb[:, None]).chunk(2, dim=1)
-        h = self.proj_out(self.ops.modulated_layer_norm(h, shift, scale, c.eps))
+        h = _linear(self.proj_out, self.ops.modulated_layer_norm(h, shift, scale, c.eps), lora)
         h = h.reshape(batch, *grid, pt, ph, pw, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
         return h.reshape(batch, -1, frames, height, width)
+
+
+class TextContext(NamedTuple):
+    context: torch.Tensor  # the projected text states (B, Lt, D)
+    keys_values: list  # each block's cross-attention (k, v)
+
+
+def name_linears(model: nn.Module) -> None:
+    """Give each linear layer its state-dict module name, the key a LoRA plan looks its weights up by."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            module.lora_name = name
+
+
+def _linear(layer: nn.Linear, x, lora):
+    y = layer(x)
+    return y if lora is None else lora(layer.lora_name, x, y)

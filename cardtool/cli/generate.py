@@ -33,6 +33,16 @@ def generate_command(
                                          "--reward card scores highest (all scores go in the metadata).")] = 1,
     reward: Annotated[str | None, typer.Option("--reward", help="The reward card that scores best-of-N candidates "
                                                "(fashion-classifier).")] = None,
+    adapter: Annotated[list[str] | None, typer.Option(
+        "--adapter", metavar="NAME[=SCALE]", help="An adapter the card declares, at SCALE (default 1); repeat to "
+        "compose LoRAs. Replaces the card's default stack; NAME=0 turns one off.")] = None,
+    fuse: Annotated[bool, typer.Option("--fuse", help="Merge the stack's LoRAs into the base weights for this run "
+                                       "(restored after); faster when every image shares the stack.")] = False,
+    control: Annotated[str | None, typer.Option(
+        "--control", metavar="IMAGE[:PREPROCESSOR]", help="A control image for the card's ControlNet; "
+        "PREPROCESSOR is silhouette, edges or none (default: the ControlNet's own).")] = None,
+    control_scale: Annotated[float | None, typer.Option(
+        "--control-scale", help="The ControlNet's conditioning scale (default 1).")] = None,
     max_batch: Annotated[int, typer.Option(
         "--max-batch", help="Model rows per forward (a guided request takes two); lower it to save memory.")] = 128,
     out: Annotated[Path, typer.Option("--out", help="Output folder, or NAME.png for one image.")] = Path("outputs"),
@@ -41,6 +51,8 @@ def generate_command(
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (see README).")] = False,
 ) -> None:
     """Generate images; each PNG carries its card, weights versions, prompt, seed and settings."""
+    from cardtool.core.sampling.adapters import parse_adapter
+    from cardtool.core.sampling.control import parse_control
     from cardtool.core.sampling.generate import generate, parse_interval, read_prompts_file
 
     with handled(json_):
@@ -48,11 +60,13 @@ def generate_command(
         progress = _LateProgress(enabled=not json_ and sys.stderr.isatty())
         try:
             interval = parse_interval(guidance_interval) if guidance_interval is not None else None
+            stack = [parse_adapter(a) for a in adapter] if adapter else None
+            image, preprocessor = parse_control(control) if control is not None else (None, None)
             report = generate(card, prompts, num=num, seed=seed, steps=steps, guidance=guidance, shift=shift,
                               solver=solver, guidance_interval=interval, device=device,
                               precision=precision, max_batch=max_batch, out=out, grid=grid, best_of=best_of,
-                              reward=reward,
-                              strict=strict, on_step=progress)
+                              reward=reward, adapters=stack, control=image, preprocessor=preprocessor,
+                              control_scale=control_scale, fuse=fuse, strict=strict, on_step=progress)
         finally:
             progress.stop()
     for warning in report.warnings:

@@ -14,7 +14,8 @@ from cardtool.cli.output import console, emit_json, handled
 
 def train_command(
     recipe: Annotated[Path, typer.Option("--recipe", help="A YAML recipe (see examples/recipes/).")],
-    method: Annotated[str | None, typer.Option("--method", help="vae, classifier, pretrain or finetune.")] = None,
+    method: Annotated[str | None, typer.Option(
+        "--method", help="vae, classifier, pretrain, finetune, lora or controlnet.")] = None,
     overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a value: optim.lr=3e-4.")] = None,
     out: Annotated[Path | None, typer.Option("--out", help="The card folder to write (default cards/ID).")] = None,
     run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Checkpoints (default runs/ID).")] = None,

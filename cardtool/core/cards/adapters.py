@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import re
 
+from cardtool.backends.lora_targets import DEFAULT_TARGETS, matching
 from cardtool.core.cards.weight_files import read_header
+from cardtool.core.sampling.control_names import PREPROCESSORS
 from cardtool.errors import Problem
 
-__all__ = ["adapter_problems"]
+__all__ = ["adapter_problems", "lora_reasons"]
 
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<part>[AB])\.weight$")
 
@@ -17,17 +19,27 @@ _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<part>[AB])\.weight$")
 def adapter_problems(card, facts: dict[str, dict]) -> list[Problem]:
     problems = []
     for name, adapter in card.manifest.adapters.items():
+        component = card.manifest.components.get(adapter.target)
+        if component is not None and component.kind != "dit":
+            problems.append(card.problem(("adapters", name, "target"), f"adapter '{name}' targets '{adapter.target}', "
+                                         f"a {component.kind}; adapters apply to a DiT", "target the card's DiT"))
+            continue
+        if adapter.kind == "controlnet" and adapter.control not in PREPROCESSORS:
+            problems.append(card.problem(("adapters", name, "control"), f"unknown control preprocessor "
+                                         f"'{adapter.control}'", f"use one of: {', '.join(PREPROCESSORS)}"))
         target = facts.get(adapter.target, {}).get("tensors")
         if adapter.kind != "lora" or target is None:  # an unsound target is reported as a component problem
             continue
         header, _ = read_header(card.folder / adapter.weights)
-        reasons = _lora_reasons(header, adapter.rank, target)
+        reasons = lora_reasons(header, adapter.rank, target, adapter.targets or DEFAULT_TARGETS)
         fix = "use a LoRA made for this component, with the manifest's rank"
         problems += [card.problem(("adapters", name, "weights"), reason, fix) for reason in reasons[:3]]
     return problems
 
 
-def _lora_reasons(header: dict, rank: int, target: dict[str, tuple[int, ...]]) -> list[str]:
+def lora_reasons(header: dict, rank: int, target: dict[str, tuple[int, ...]], targets) -> list[str]:
+    """Why a LoRA file (its header: tensor → (dtype, shape)) does not fit the target's tensors and the manifest's
+    rank and target patterns; empty when it does."""
     modules: dict[str, dict[str, tuple[int, ...]]] = {}
     reasons = []
     for tensor, (_, shape) in header.items():
@@ -44,6 +56,8 @@ def _lora_reasons(header: dict, rank: int, target: dict[str, tuple[int, ...]]) -
             reasons.append(f"'{module[:80]}' is not a linear layer of the target")
         elif set(parts) != {"A", "B"}:
             reasons.append(f"'{module[:80]}' has lora_{next(iter(parts))} without its pair")
+        elif not matching([module], targets):
+            reasons.append(f"'{module[:80]}' is not among the adapter's targets ({', '.join(targets)[:200]})")
         elif parts["A"] != (rank, base[1]) or parts["B"] != (base[0], rank):
             reasons.append(f"'{module[:80]}': lora_A {list(parts['A'])} and lora_B {list(parts['B'])} are not "
                            f"[{rank}, {base[1]}] and [{base[0]}, {rank}] (rank {rank} on a {list(base)} layer)")

@@ -125,6 +125,14 @@ def loop_problems(card, facts: dict[str, dict]) -> list[Problem]:
             continue
         problems += [card.problem(at + ("defaults", *where), message, fix)
                      for where, message, fix in config_problems(kind.defaults, loop.defaults)]
+        defaults = loop.defaults.get("adapters")
+        for adapter in defaults if isinstance(defaults, dict) else ():
+            spec = m.adapters.get(adapter)
+            if spec is None or spec.kind != "lora":
+                loras = ", ".join(n for n, a in m.adapters.items() if a.kind == "lora") or "none"
+                problems.append(card.problem(at + ("defaults", "adapters", str(adapter)),
+                                             f"default adapter '{adapter}' is not a LoRA the card declares",
+                                             f"name one of the card's LoRAs: {loras}"))
         used = [u for u in loop.uses if u in m.components]
         by_kind = {}
         for need in kind.needs:

@@ -87,11 +87,14 @@ def package_path(source: str) -> Path:
     return folder
 
 
-def load_card(ref: str | Path, *, checksums: bool = False, _chain: tuple[Path, ...] = ()) -> Card:
+def load_card(ref: str | Path, *, checksums: bool = False, adapters: bool = True,
+              _chain: tuple[Path, ...] = ()) -> Card:
     """Load and validate the card named by `ref` (a folder, a manifest file or an id).
 
     Raises CardValidationError listing every problem found; with `checksums`, every declared sha256 is
-    verified too (otherwise sums are checked when weights are loaded)."""
+    verified too (otherwise sums are checked when weights are loaded). Without `adapters`, the LoRA files are not
+    checked against their target here but when a request uses them (serving: one unfit adapter does not take the
+    card's other adapters, or the base, down with it)."""
     file = locate(str(ref)).resolve()
     source = read_source(file)
     problems = _own_path_problems(source)
@@ -117,7 +120,7 @@ def load_card(ref: str | Path, *, checksums: bool = False, _chain: tuple[Path, .
                 problems += found
     if not problems and files_ok:
         found, facts = component_problems(card)
-        problems += found + loop_problems(card, facts) + adapter_problems(card, facts)
+        problems += found + loop_problems(card, facts) + (adapter_problems(card, facts) if adapters else [])
     if problems:
         raise CardValidationError(problems)
     return card

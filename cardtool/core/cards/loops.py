@@ -26,6 +26,8 @@ class FlowDenoiseDefaults(BaseModel):
     solver: Literal[SOLVERS] = "euler"  # type: ignore[valid-type]
     # the σ range of the steps CFG applies to (Kynkäänniemi et al. 2024)
     guidance_interval: tuple[Annotated[Finite, Field(ge=0, le=1)], Annotated[Finite, Field(ge=0, le=1)]] = (0.0, 1.0)
+    # the adapter stack of a request that names none (a LoRA card applies its LoRA), adapter name → scale
+    adapters: dict[Annotated[str, Field(max_length=128)], Finite] = {}
 
     @model_validator(mode="after")
     def _ordered(self):

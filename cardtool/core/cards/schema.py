@@ -51,6 +51,8 @@ class LoraAdapter(_Strict):
     sha256: Sha256 | None = None
     rank: int = Field(ge=1)
     alpha: float = Field(gt=0)
+    targets: list[Annotated[str, Field(min_length=1, max_length=200)]] | None = None  # module globs; None: the
+    # attention q/k/v/o and FFN layers (backends/lora_targets.py)
 
 
 class ControlNetAdapter(_Strict):

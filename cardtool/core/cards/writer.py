@@ -17,11 +17,12 @@ __all__ = ["write_card"]
 
 
 def write_card(folder: Path, manifest: dict, weights: dict[str, dict], *, copies: dict[str, Path] | None = None,
-               storage: str = "float32", overwrite: bool = False) -> Card:
+               storage: str = "float32", overwrite: bool = False, metadata: dict[str, dict] | None = None) -> Card:
     """Write `manifest` (components/adapters naming files in `weights` or `copies`) into `folder`.
 
     `weights` maps a relative file name to a state dict of torch tensors, stored at `storage` precision
-    (floating tensors only); `copies` maps a relative name to an existing file copied as is."""
+    (floating tensors only), with the header `metadata` given for that name (a LoRA's rank and alpha); `copies` maps
+    a relative name to an existing file copied as is."""
     import torch
     from safetensors.torch import save_file
 
@@ -37,7 +38,7 @@ def write_card(folder: Path, manifest: dict, weights: dict[str, dict], *, copies
             (staging / rel).parent.mkdir(parents=True, exist_ok=True)
             stored = {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous().cpu()
                       for k, v in state.items()}
-            save_file(stored, str(staging / rel))
+            save_file(stored, str(staging / rel), metadata=(metadata or {}).get(rel))
             os.chmod(staging / rel, 0o644)  # safetensors writes 0600: a card shared on a team disk must be readable
         for rel, source in (copies or {}).items():
             (staging / rel).parent.mkdir(parents=True, exist_ok=True)

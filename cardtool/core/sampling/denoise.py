@@ -23,6 +23,7 @@ import numpy as np
 
 from cardtool.backends.registry import KERNELS
 from cardtool.core.cards.loops import MAX_STEPS, SOLVERS
+from cardtool.core.sampling.control import ControlImage
 from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.sampling.text_cache import TextFeatureCache, encode_prompts
 from cardtool.errors import BadInput
@@ -50,6 +51,8 @@ class Request:
     eta: float = 0.7  # the SDE's noise level (Flow-GRPO's a)
     guidance_interval: tuple[float, float] = (0.0, 1.0)  # the σ range (inclusive) of the steps CFG applies to
     strength: float = 1.0  # < 1: start from a given image re-noised to this σ, skipping the grid's noisier steps
+    adapters: tuple[tuple[str, float], ...] = ()  # the card's adapters this request uses, with their scales
+    control: ControlImage | None = None  # the control image of the ControlNet in `adapters`
 
     def check(self) -> None:
         if not 1 <= self.steps <= MAX_STEPS:
@@ -65,6 +68,9 @@ class Request:
             raise BadInput(f"seed must be in [0, 2⁶³), got {self.seed}")
         if not 0 < self.strength <= 1:
             raise BadInput(f"strength must be in (0, 1] (the σ an input image is re-noised to), got {self.strength}")
+        for name, scale in self.adapters:
+            if not isinstance(name, str) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+                raise BadInput(f"an adapter is NAME with a finite scale, got {name!r}={scale!r}")
         low, high = self.guidance_interval
         if not 0 <= low <= high <= 1:
             raise BadInput(f"guidance interval must be LO,HI with 0 ≤ LO ≤ HI ≤ 1 (a σ range), got {low:g},{high:g}")
@@ -117,6 +123,8 @@ class LoopState:
     uncond: tuple | None  # the negative prompt's, when guidance ≠ 1
     step: int = 0
     capture: Capture | None = None
+    adapters: tuple = ()  # the AdapterUses the request started with (its versions until it finishes)
+    control: object = None  # the control image's latent (1, C, F, H, W), when a ControlNet conditions it
 
     @property
     def done(self) -> bool:
@@ -156,6 +164,7 @@ class DenoiseLoop:
         self.renoise = KERNELS.resolve("flow_renoise_step", platform)[1]
         self.cfg = KERNELS.resolve("cfg_combine", platform)[1]
         self._text_rows = None
+        self.fused = None  # the LoRA stack merged into the base weights (see `fused`), whose rows add nothing
 
     def latent_shape(self) -> tuple[int, ...]:
         config = self.instance.component(self.vae).config
@@ -174,11 +183,13 @@ class DenoiseLoop:
         for request, source in zip(requests, sources, strict=True):
             if (request.strength < 1) != (source is not None):
                 raise BadInput("a request starts from an image exactly when its strength is below 1")
+        stacks = [self._stack(r) for r in requests]
+        controls = self._control_latents(requests)
         prompts = [r.prompt for r in requests] + [r.negative_prompt for r in requests if r.guidance != 1]
         features = iter(encode_prompts(self.instance, prompts, self.cache, self.text_encoder))
         conds = [next(features) for _ in requests]
         shape, states = self.latent_shape(), []
-        for request, cond, source in zip(requests, conds, sources, strict=True):
+        for request, cond, source, stack in zip(requests, conds, sources, stacks, strict=True):
             uncond = next(features) if request.guidance != 1 else None
             rng = np.random.default_rng(request.seed)
             latents = self.arrays.asarray(rng.standard_normal((1, *shape)))
@@ -188,11 +199,36 @@ class DenoiseLoop:
                 latents = (1 - sigmas[start]) * source + sigmas[start] * latents
             state = LoopState(request, sigmas, rng, latents, self._text(cond),
                               self._text(uncond) if uncond is not None else None, step=start,
-                              capture=Capture(sigmas) if capture else None)
+                              capture=Capture(sigmas) if capture else None, adapters=stack,
+                              control=controls.get(request.control.digest) if request.control else None)
             if state.capture is not None:
                 state.capture.latents.append(latents)
             states.append(state)
         return states
+
+    def _stack(self, request: Request) -> tuple:
+        """The request's adapters as loaded versions (a scale of 0 drops one), checked against its control image."""
+        stack = self.instance.adapters.resolve(request.adapters) if request.adapters else ()
+        declared = self.instance.card.manifest.adapters
+        nets = [name for name, _ in request.adapters if declared[name].kind == "controlnet"]
+        if nets and request.control is None:
+            raise BadInput(f"ControlNet '{nets[0]}' needs a control image (--control IMAGE)")
+        if request.control is not None and not nets:
+            raise BadInput("a control image needs a ControlNet in the request's adapters (--adapter NAME); card "
+                           f"'{self.instance.card.id}' declares: {self.instance.adapters.declared()}")
+        return stack
+
+    def _control_latents(self, requests: list[Request]) -> dict:
+        """The VAE latent of each distinct control image, by digest."""
+        images = {r.control.digest: r.control.image for r in requests if r.control is not None}
+        if not images:
+            return {}
+        size = self.instance.component(self.vae).config.image_size
+        for image in images.values():
+            if image.shape != (size, size):
+                raise BadInput(f"a control image for this card is {size}×{size}, got {image.shape[1]}×{image.shape[0]}")
+        latents = self.encode(np.stack(list(images.values())))
+        return dict(zip(images, latents, strict=True))
 
     def _text(self, feature):
         states, mask = feature
@@ -261,10 +297,11 @@ class DenoiseLoop:
         a = self.arrays
         rows = [s for s in active for _ in range(2 if s.guided else 1)]
         t = a.asarray(np.array([s.sigmas[s.step] * 1000.0 for s in rows]))
-        text, mask, context = self._batch_text(active)
+        text, mask, context, adapters = self._batch_text(active)
         transformer = self.instance.component(self.transformer)
         x = a.cat([s.latents for s in rows])
-        velocity = transformer(x, t, text, mask) if context is None else transformer(x, t, text, mask, context)
+        velocity = transformer(x, t, text, mask) if context is None else \
+            transformer(x, t, text, mask, context, **adapters)
         self.advance(active, a.to_state(velocity))  # CFG and the solver in the state's dtype, whatever the precision
 
     def _batch_text(self, states: list[LoopState]):
@@ -273,14 +310,50 @@ class DenoiseLoop:
         their guided steps change, not every step."""
         # states compared by identity, kept alive with the rows; a step with autograd on (a training rollout's
         # differentiated step) never reuses keys and values computed without it
-        key = (tuple((s, s.guided) for s in states), self.arrays.grad_enabled())
+        key = (tuple((s, s.guided) for s in states), self.arrays.grad_enabled(), self.fused)
         if self._text_rows is None or self._text_rows[0] != key:
             parts = [part for s in states for part in ((s.cond, s.uncond) if s.guided else (s.cond,))]
             a = self.arrays
             text, mask = a.cat([p[0] for p in parts]), a.cat([p[1] for p in parts])
-            encode = getattr(self.instance.component(self.transformer), "text_context", None)
-            self._text_rows = (key, text, mask, encode(text) if encode else None)
+            transformer = self.instance.component(self.transformer)
+            encode = getattr(transformer, "text_context", None)
+            adapters = self._adapter_rows([s for s in states for _ in range(2 if s.guided else 1)], transformer)
+            context = None if encode is None else encode(text, adapters["lora"]) if adapters else encode(text)
+            self._text_rows = (key, text, mask, context, adapters)
         return self._text_rows[1:]
+
+    def _adapter_rows(self, rows: list[LoopState], transformer) -> dict:
+        """The DiT's per-row adapter work for a batch whose model rows belong to `rows`: one LoRA plan for all the
+        stacks in it (rows of the fused stack, and rows without LoRA, add nothing) and each ControlNet's rows."""
+        if not any(s.adapters for s in rows):
+            return {}
+        import torch
+
+        from cardtool.backends.controlnet import ControlRows
+        from cardtool.backends.lora import LoraPlan
+
+        slots, stacks, index, nets = {}, [], [], {}
+        for row, state in enumerate(rows):
+            loras = tuple((u.adapter, u.scale) for u in state.adapters if u.adapter.kind == "lora")
+            if not loras or loras == self.fused:
+                index.append(-1)
+            else:
+                if loras not in slots:
+                    slots[loras] = len(stacks)
+                    stacks.append(tuple((adapter.value, scale) for adapter, scale in loras))
+                index.append(slots[loras])
+            for use in state.adapters:
+                if use.adapter.kind == "controlnet":
+                    nets.setdefault(use.adapter, []).append((row, state.control, use.scale))
+        device = self.instance.platform.torch_device
+        dtype = next(transformer.parameters()).dtype
+        lora = LoraPlan(stacks, index, transformer.ops.lora_bgmv, device, torch.float32 if dtype != torch.float64
+                        else dtype) if stacks else None
+        control = [ControlRows(adapter.value, torch.tensor([r for r, _, _ in uses], device=device),
+                               torch.cat([c for _, c, _ in uses]),
+                               torch.tensor([scale for _, _, scale in uses], device=device))
+                   for adapter, uses in nets.items()]
+        return {"lora": lora, "control": control or None}
 
     def encode(self, images: np.ndarray) -> list:
         """Latents (1, C, 1, H, W) of uint8 images (B, H, W) — the VAE's posterior mean, scaled as the DiT sees

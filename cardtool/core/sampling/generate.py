@@ -3,6 +3,7 @@ the denoise loop with step-level batching, and write PNGs carrying their generat
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import tempfile
@@ -15,6 +16,7 @@ from cardtool import __version__
 from cardtool.backends.platform import Platform
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.loops import FlowDenoiseDefaults
+from cardtool.core.sampling.control import ControlImage
 from cardtool.core.sampling.denoise import DenoiseLoop, Request
 from cardtool.core.sampling.images import grid_image, save_png
 from cardtool.core.sampling.instance import ModelInstance
@@ -67,10 +69,14 @@ def read_prompts_file(path: str | Path) -> list[str]:
 
 def plan_requests(card: Card, prompts: list[str], *, num: int = 1, seed: int = 0, steps: int | None = None,
                   guidance: float | None = None, shift: float | None = None, solver: str | None = None,
-                  guidance_interval: tuple[float, float] | None = None,
-                  strict: bool = False) -> tuple[list[Request], list[str]]:
+                  guidance_interval: tuple[float, float] | None = None, strict: bool = False,
+                  adapters: list[tuple[str, float]] | None = None, control: ControlImage | None = None,
+                  control_scale: float | None = None) -> tuple[list[Request], list[str]]:
     """Requests for prompts × seeds (seed, seed + 1, … for each prompt's images), the card's loop defaults
-    filling what is not given; and warnings (a card assuming a fixed step count sampled with another)."""
+    filling what is not given; and warnings (a card assuming a fixed step count sampled with another).
+
+    `adapters` (name, scale) replaces the loop's default stack; a `control` image joins the card's ControlNet to
+    the stack when none is named, at `control_scale` (default 1)."""
     if not prompts:
         raise BadInput("no prompts: give -p PROMPT or --prompts-file FILE")
     if not 1 <= num <= MAX_IMAGES or len(prompts) * num > MAX_IMAGES:
@@ -87,15 +93,40 @@ def plan_requests(card: Card, prompts: list[str], *, num: int = 1, seed: int = 0
         if strict:
             raise BadInput(message + " (--strict)")
         warnings.append(message)
+    stack = adapter_stack(card, list(defaults.adapters.items()) if adapters is None else adapters, control,
+                          control_scale)
     requests = [Request(prompt=p, seed=seed + j, steps=steps,
                         guidance=float(guidance if guidance is not None else defaults.guidance),
                         shift=float(shift if shift is not None else defaults.shift),
                         solver=solver or defaults.solver,
-                        guidance_interval=tuple(map(float, guidance_interval or defaults.guidance_interval)))
+                        guidance_interval=tuple(map(float, guidance_interval or defaults.guidance_interval)),
+                        adapters=stack, control=control)
                 for p in prompts for j in range(num)]
     for request in requests:
         request.check()
     return requests, warnings
+
+
+def adapter_stack(card: Card, stack: list[tuple[str, float]], control: ControlImage | None,
+                  control_scale: float | None) -> tuple[tuple[str, float], ...]:
+    """The request's stack, every name declared by the card; with a control image, its ControlNet in it."""
+    declared = card.manifest.adapters
+    for name, _ in stack:
+        if name not in declared:
+            raise BadInput(f"card '{card.id}' declares no adapter '{name}'; its adapters: "
+                           f"{', '.join(declared) or 'none'}")
+    nets = [name for name, _ in stack if declared[name].kind == "controlnet"]
+    if control_scale is not None and (control is None or nets):
+        raise BadInput("--control-scale sets the scale of the ControlNet --control adds; give it with --control, "
+                       "or write NAME=SCALE in --adapter" if control is None else
+                       f"give ControlNet '{nets[0]}' one scale: NAME=SCALE in --adapter, or --control-scale")
+    if control is not None and not nets:
+        available = [name for name, a in declared.items() if a.kind == "controlnet"]
+        if len(available) != 1:
+            raise BadInput(f"--control needs a ControlNet; card '{card.id}' declares "
+                           f"{'none' if not available else ', '.join(available) + ' (name one with --adapter)'}")
+        stack = stack + [(available[0], 1.0 if control_scale is None else control_scale)]
+    return tuple((name, float(scale)) for name, scale in stack)
 
 
 def parse_interval(text: str) -> tuple[float, float]:
@@ -114,7 +145,7 @@ class LoadedCard:
 
     def __init__(self, card_ref: str | Card, *, device: str | None = None, cache: TextFeatureCache | None = None,
                  precision: str | None = None):
-        self.card = card_ref if isinstance(card_ref, Card) else load_card(card_ref)
+        self.card = card_ref if isinstance(card_ref, Card) else load_card(card_ref, adapters=False)
         self.platform = Platform.detect(device)
         self.cache = cache or TextFeatureCache()
         self.precision = precision or self.card.manifest.recipe.assumes.precision
@@ -147,9 +178,16 @@ class LoadedCard:
                  guidance_interval: tuple[float, float] | None = None, precision: str | None = None,
                  out: str | Path = "outputs", grid: bool = False, strict: bool = False,
                  on_step: Callable[[int, int], None] | None = None, max_batch: int = 128, best_of: int = 1,
-                 reward: str | None = None) -> GenerateReport:
+                 reward: str | None = None, adapters: list[tuple[str, float]] | None = None,
+                 control=None, preprocessor: str | None = None, control_scale: float | None = None,
+                 fuse: bool = False) -> GenerateReport:
         """Sample prompts × num images and write them; with `best_of` N > 1, each image is the best of N candidates
-        under the reward card `reward`, and its metadata records every candidate's score."""
+        under the reward card `reward`, and its metadata records every candidate's score.
+
+        `adapters`: the stack of (name, scale) every image uses (default: the card's loop defaults); `control`: an
+        image file, a grey uint8 array or a ControlImage for the card's ControlNet, through `preprocessor` (default:
+        the ControlNet's own); `fuse`: merge the stack's LoRAs into the base weights for this call, then restore
+        them."""
         if max_batch < 1:
             raise BadInput(f"--max-batch must be at least 1, got {max_batch}")
         if best_of != 1 and reward is None:
@@ -159,21 +197,31 @@ class LoadedCard:
         card, platform = self.card, self.platform
         loop = self.loop(precision)
         instance = loop.instance
+        control = control_image(loop, control, preprocessor, adapters)
         requests, warnings = plan_requests(card, prompts, num=num, seed=seed, steps=steps, guidance=guidance,
                                            shift=shift, solver=solver, guidance_interval=guidance_interval,
-                                           strict=strict)
+                                           strict=strict, adapters=adapters, control=control,
+                                           control_scale=control_scale)
         warnings = instance.warnings + warnings
         paths = _output_paths(Path(out), card.id, requests)
         judge = self.reward(reward) if reward is not None else None
         started = time.perf_counter()
         extras = [{} for _ in requests]
-        if judge is None:
-            pixels = loop.finalize(sample(loop, requests, on_step=on_step, max_batch=max_batch))
-        else:
-            from cardtool.core.sampling.best_of import best_of_n
+        with _fusing(loop, requests[0].adapters if fuse else ()) as fused:
+            if fuse and fused is None:
+                raise BadInput("--fuse merges the LoRAs of the request's adapter stack; this one has none")
+            if judge is None:
+                states = sample(loop, requests, on_step=on_step, max_batch=max_batch)
+                pixels = loop.finalize(states)
+                extras = [adapter_metadata(s.adapters, s.request.control, fused is not None) for s in states]
+            else:
+                from cardtool.core.sampling.best_of import best_of_n
 
-            picked = best_of_n(loop, judge, requests, best_of, max_batch=max_batch, on_step=on_step)
-            extras, requests, pixels = picked.metadata(), picked.requests, picked.images
+                picked = best_of_n(loop, judge, requests, best_of, max_batch=max_batch, on_step=on_step)
+                extras, requests, pixels = picked.metadata(), picked.requests, picked.images
+                stacks = [loop.instance.adapters.resolve(r.adapters) if r.adapters else () for r in requests]
+                extras = [{**e, **adapter_metadata(st, r.control, fused is not None)}
+                          for e, st, r in zip(extras, stacks, requests, strict=True)]
         seconds = time.perf_counter() - started
         images = []
         for request, image, path, extra in zip(requests, pixels, paths, extras, strict=True):
@@ -187,6 +235,62 @@ class LoadedCard:
                     for p in dict.fromkeys(r.prompt for r in requests)]
             save_image(grid_path, grid_image(rows), {"card": card.id, "cardtool": __version__})
         return GenerateReport(card.id, f"{platform.device}/{platform.arch}", images, grid_path, warnings, seconds)
+
+
+def control_image(loop: DenoiseLoop, control, preprocessor: str | None, adapters) -> ControlImage | None:
+    """A request's control image from a file, an array or a ControlImage, preprocessed by `preprocessor` or by the
+    ControlNet's own (the one named in `adapters`, else the card's only one)."""
+    if control is None or isinstance(control, ControlImage):
+        if preprocessor is not None and control is None:
+            raise BadInput("a control preprocessor needs a control image (--control IMAGE:PREPROCESSOR)")
+        return control
+    from cardtool.core.sampling.control import read_control
+
+    declared = loop.instance.card.manifest.adapters
+    nets = [n for n, _ in adapters or () if n in declared and declared[n].kind == "controlnet"] or \
+        [n for n, a in declared.items() if a.kind == "controlnet"]
+    if preprocessor is None:
+        if not nets:
+            raise BadInput(f"--control needs a ControlNet; card '{loop.instance.card.id}' declares none")
+        preprocessor = declared[nets[0]].control
+    if isinstance(control, (str, Path)):
+        size = loop.instance.component(loop.vae).config.image_size
+        return ControlImage.make(read_control(Path(control), size), preprocessor, str(control))
+    return ControlImage.make(control, preprocessor)
+
+
+def adapter_metadata(stack, control: ControlImage | None, fused: bool) -> dict[str, str]:
+    """What a PNG records about its adapters: each one's name, version (sha256) and scale; the control image."""
+    from cardtool.core.sampling.adapters import stack_record
+
+    out = {}
+    if stack:
+        out["adapters"] = json.dumps(stack_record(stack))
+    if fused:
+        out["fused"] = "true"
+    if control is not None:
+        out["control"] = json.dumps({"sha256": control.digest, "preprocessor": control.preprocessor,
+                                     "source": control.source})
+    return out
+
+
+@contextlib.contextmanager
+def _fusing(loop: DenoiseLoop, stack: tuple):
+    """With a stack, its LoRAs merged into the DiT for the block (the loop then adds nothing for that stack's
+    rows), restored after; yields the merged (adapter, scale) pairs, or None when nothing was merged."""
+    loras = tuple((u.adapter, u.scale) for u in loop.instance.adapters.resolve(stack) if u.adapter.kind == "lora") \
+        if stack else ()
+    if not loras:
+        yield None
+        return
+    from cardtool.backends.lora import fused
+
+    with fused(loop.instance.component(loop.transformer), tuple((a.value, scale) for a, scale in loras)):
+        loop.fused = loras
+        try:
+            yield loras
+        finally:
+            loop.fused = None
 
 
 def generate(card_ref: str, prompts: list[str], *, device: str | None = None, cache: TextFeatureCache | None = None,

@@ -32,6 +32,7 @@ class ModelInstance:
         self._awake: dict[str, Any] = {}
         self._versions: dict[str, str] = {}
         self._arrays = None
+        self._adapters = None
 
     def __repr__(self) -> str:
         return f"ModelInstance({self.card.id} on {self.platform.device}/{self.platform.arch}, {self.precision})"
@@ -51,6 +52,15 @@ class ModelInstance:
         so the project's one loop samples exactly what is being trained. Its version is then `live`."""
         self._spec(name)
         self._awake[name], self._versions[name] = module, "live"
+
+    @property
+    def adapters(self):
+        """The card's adapters, loaded on first use and re-read when their files change (adapters.py)."""
+        if self._adapters is None:
+            from cardtool.core.sampling.adapters import AdapterStore
+
+            self._adapters = AdapterStore(self)
+        return self._adapters
 
     @property
     def arrays(self):

@@ -17,7 +17,7 @@ from cardtool.errors import BadInput, CardValidationError
 
 __all__ = ["Recipe", "LossSettings", "load_recipe", "apply_overrides"]
 
-TRAIN_METHODS = ("vae", "classifier", "pretrain", "finetune")  # `cardtool train`
+TRAIN_METHODS = ("vae", "classifier", "pretrain", "finetune", "lora", "controlnet")  # `cardtool train`
 DISTILL_METHODS = ("dmd2",)  # `cardtool distill`
 RL_METHODS = ("diffusion_nft", "flow_grpo")  # `cardtool rl`
 RUN_BY = {**{m: "cardtool distill TEACHER --recipe FILE" for m in DISTILL_METHODS},

@@ -11,6 +11,7 @@ from cardtool.core.cards.loader import Card
 from cardtool.core.cards.writer import write_card
 from cardtool.core.data import load_split
 from cardtool.core.prompts import TEXT_ENCODER
+from cardtool.core.training.derived import extends_reference
 from cardtool.core.training.recipes import RUN_BY, Recipe
 from cardtool.core.training.trainer import train_loop
 from cardtool.errors import BadInput
@@ -43,6 +44,10 @@ def train(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Pat
         from cardtool.core.training.methods.classifier import ClassifierTask
 
         task = ClassifierTask(recipe, platform, train_split, test_split)
+    elif method in ("lora", "controlnet"):
+        from cardtool.core.training.methods.adapters import adapter_task
+
+        task = adapter_task(recipe, platform, train_split, test_split)
     else:
         from cardtool.core.training.methods.flow_matching import FlowMatchingTask
 
@@ -54,7 +59,7 @@ def train(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Pat
     recipe_block = {"method": method, "parents": list(recipe.parents), "command": command,
                     "data": {"dataset": "fashion-mnist", "split": "train"},
                     "hyperparameters": recipe.model_dump(mode="json", exclude={"card", "method", "parents"})}
-    storage = recipe.card.storage
+    storage, metadata, extends = recipe.card.storage, None, {}
     if method == "vae":
         config, metrics = task.finish(result.modules["vae"])
         components = {"vae": {"kind": "vae", "impl": "conv-vae", "config": config.to_card(),
@@ -66,6 +71,16 @@ def train(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Pat
                                      "weights": "classifier.safetensors"},
                       "text_encoder": dict(TEXT_ENCODER)}
         weights, copies, loops = {"classifier.safetensors": result.modules["classifier"].state_dict()}, {}, {}
+    elif method in ("lora", "controlnet"):
+        [trained_adapter] = result.modules.values()
+        metrics = task.finish(trained_adapter)
+        adapters, weights, metadata = task.artifact(trained_adapter)
+        components, copies = {}, {}
+        # a LoRA card applies its LoRA unless a request names its own stack; a ControlNet joins with --control
+        loops = {"denoise": {"defaults": {"adapters": {name: 1.0 for name in adapters}}}} if method == "lora" else {}
+        extends = {"extends": extends_reference(task.parent, out), "adapters": adapters}
+        recipe_block["assumes"] = {"loop": "denoise"}
+        recipe_block["parents"] = [task.parent.id]
     else:
         metrics = task.finish(result.modules["transformer"])
         components = {"text_encoder": dict(TEXT_ENCODER), **task.card_components()}
@@ -74,6 +89,6 @@ def train(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Pat
         recipe_block["assumes"] = {"loop": "denoise"}
         recipe_block["parents"] = [task.parent.id]  # the id, also when the recipe named the parent by path
     manifest = {"schema": "cardtool/v1", "id": recipe.card.id, "description": recipe.card.description,
-                "components": components, **({"loops": loops} if loops else {}),
+                **({"components": components} if components else {}), **({"loops": loops} if loops else {}), **extends,
                 "recipe": {**recipe_block, "metrics": {**metrics, **trained}}, "parity": {"consistency": "C1"}}
-    return write_card(out, manifest, weights, copies=copies, storage=storage, overwrite=overwrite)
+    return write_card(out, manifest, weights, copies=copies, storage=storage, overwrite=overwrite, metadata=metadata)

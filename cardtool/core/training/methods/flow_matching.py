@@ -19,6 +19,7 @@ from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.training.methods.vae import latents
 from cardtool.core.training.recipes import Recipe
 from cardtool.core.training.trainer import Task
+from cardtool.core.transforms import transform
 from cardtool.errors import BadInput
 
 __all__ = ["FlowMatchingTask"]
@@ -41,7 +42,7 @@ class FlowMatchingTask(Task):
             if spec is None:
                 raise BadInput(f"finetune: parent card '{self.parent.id}' has no transformer to continue")
             changed = sorted(k for k, v in recipe.model.items() if spec.config.get(k) != v)
-            if changed:
+            if changed and recipe.method == "finetune":
                 raise BadInput(f"finetune keeps the architecture of '{self.parent.id}'; the recipe changes "
                                f"model.{', model.'.join(changed)} (leave model: empty)")
             self.config = WanDiTConfig.from_card(spec.config)
@@ -50,9 +51,11 @@ class FlowMatchingTask(Task):
         self.vae_name = next((n for n, c in self.parent.manifest.components.items() if c.kind == "vae"), None)
         if self.vae_name is None:
             raise BadInput(f"parent card '{self.parent.id}' has no VAE component")
-        vae = parent.component(self.vae_name)
-        self.mean, self.std = latents(vae, train.images, self.device)
-        self.test_mean, _ = latents(vae, test.images[:2000], self.device)
+        self.vae = vae = parent.component(self.vae_name)
+        self.images = transform(recipe.data.get("transform", "none"), train.images)
+        self.mean, self.std = latents(vae, self.images, self.device)
+        self.test_images = transform(recipe.data.get("transform", "none"), test.images[:2000])
+        self.test_mean, _ = latents(vae, self.test_images, self.device)
         self.labels, self.test_labels = torch.from_numpy(train.labels), torch.from_numpy(test.labels[:2000])
         self._text(platform)
         self.dropout = float(recipe.loss.get("condition_dropout", 0.1))
@@ -82,26 +85,31 @@ class FlowMatchingTask(Task):
         index = torch.where(drop, torch.full_like(index, self.empty), index).to(self.device)
         return self.text[index], self.mask[index]
 
-    def _loss(self, x0, labels, generator, dropout):
+    def _loss(self, x0, labels, generator, dropout, **adapters):
         text, mask = self._conditions(labels, generator, dropout)
         t = torch.sigmoid(torch.randn(len(x0), generator=generator)).to(self.device)  # logit-normal (SD3)
         noise = torch.randn(x0.shape, generator=generator).to(self.device)
         tb = t[:, None, None, None, None]
-        v = self.dit((1 - tb) * x0 + tb * noise, t * 1000, text, mask)
+        v = self.dit((1 - tb) * x0 + tb * noise, t * 1000, text, mask, **adapters)
         return (v.float() - (noise - x0)).pow(2).mean()
+
+    def adapters(self, idx, test: bool = False) -> dict:
+        """The adapter arguments of the DiT's forward for examples `idx` (an adapter method's own)."""
+        return {}
 
     def loss(self, indices, generator):
         idx = torch.from_numpy(indices)
         eps = torch.randn(self.mean[idx].shape, generator=generator).to(self.device)
         x0 = self.mean[idx] + self.std[idx] * eps  # a posterior sample, fresh each time
-        return self._loss(x0, self.labels[idx], generator, self.dropout), {}
+        return self._loss(x0, self.labels[idx], generator, self.dropout, **self.adapters(idx)), {}
 
     @torch.no_grad()
     def finish(self, dit) -> dict:
         """Flow-matching loss of the final (EMA) weights on 2,000 held-out test latents, fixed noise."""
         self.dit, trained = dit, self.dit
         generator = torch.Generator().manual_seed(12345)
-        losses = [float(self._loss(self.test_mean[i:i + 500], self.test_labels[i:i + 500], generator, 0.0))
+        losses = [float(self._loss(self.test_mean[i:i + 500], self.test_labels[i:i + 500], generator, 0.0,
+                                   **self.adapters(torch.arange(i, min(i + 500, len(self.test_mean))), test=True)))
                   for i in range(0, len(self.test_mean), 500)]
         self.dit = trained
         return {"test_flow_loss": round(float(np.mean(losses)), 5)}

@@ -1,0 +1,174 @@
+"""LoRA on the DiT's linear layers (Hu et al. 2021, arXiv 2106.09685): `h = W0·x + (α/r)·B·A·x`.
+
+Files use the PEFT / diffusers layout — `<module>.lora_A.weight` (r, in) and `<module>.lora_B.weight` (out, r),
+module names as in the model's state dict, rank and alpha in the safetensors header metadata — so a LoRA made
+here loads with diffusers' `load_lora_adapter` and one written with PEFT loads here.
+
+A batch whose requests carry different adapter stacks runs the base matmul once and adds every row's own
+delta in one gathered call (Punica's BGMV, the platform's `lora_bgmv`): each distinct stack is one slot whose A
+and B concatenate its LoRAs along the rank, the scales folded into B, so a composed stack is a single
+low-rank product equal to the sum of its scaled deltas.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from cardtool.backends.lora_targets import DEFAULT_TARGETS, matching
+
+__all__ = ["DEFAULT_TARGETS", "LoraWeights", "LoraPlan", "TrainableLora", "fused", "linear_names", "lora_file",
+           "read_lora", "write_lora", "matching"]
+
+def linear_names(model: nn.Module) -> dict[str, nn.Linear]:
+    """The model's linear layers by state-dict module name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
+@dataclass(frozen=True, eq=False)
+class LoraWeights:
+    """One loaded version of a LoRA: A (r, in) and B (out, r) per module, and its α/r."""
+
+    version: str  # the file's sha256
+    rank: int
+    alpha: float
+    a: dict[str, torch.Tensor]
+    b: dict[str, torch.Tensor]
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def delta(self, module: str, scale: float) -> torch.Tensor:
+        """scale·(α/r)·B·A, the change this LoRA makes to the module's weight."""
+        return (scale * self.scaling) * (self.b[module] @ self.a[module])
+
+
+def read_lora(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A LoRA file's tensors and header metadata (safetensors only)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+
+
+def lora_file(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rank: int,
+              alpha: float) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and header metadata of a LoRA file in the PEFT layout: rank and alpha as plain fields and as
+    diffusers' `lora_adapter_metadata` (its LoraConfig fields)."""
+    tensors = {}
+    for module in sorted(a):
+        tensors[f"{module}.lora_A.weight"] = a[module].detach().float().contiguous().cpu()
+        tensors[f"{module}.lora_B.weight"] = b[module].detach().float().contiguous().cpu()
+    config = {"r": rank, "lora_alpha": alpha, "target_modules": sorted(a)}
+    return tensors, {"format": "pt", "rank": str(rank), "alpha": repr(float(alpha)),
+                     "lora_adapter_metadata": json.dumps(config)}
+
+
+def write_lora(path: Path, a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rank: int, alpha: float) -> None:
+    """Write a LoRA file (`lora_file`) atomically."""
+    from safetensors.torch import save_file
+
+    from cardtool.atomic import atomic_path
+
+    tensors, metadata = lora_file(a, b, rank, alpha)
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
+
+
+class LoraPlan:
+    """One batch's LoRA work: for each module any stack touches, the slots' A (n, R, in) and B (n, out, R) —
+    zero-padded to the largest total rank, which changes nothing — and each row's slot (−1: none).
+
+    `stacks` is one entry per distinct stack: a tuple of (LoraWeights, scale); `rows` the slot of every row."""
+
+    def __init__(self, stacks: list[tuple], rows: list[int], kernel, device, dtype=torch.float32):
+        self.kernel, self.index = kernel, torch.tensor(rows, device=device)
+        self.scales = torch.ones(len(stacks), device=device, dtype=dtype)
+        modules = sorted({m for stack in stacks for lora, _ in stack for m in lora.a})
+        self.modules = {}
+        for module in modules:
+            parts = [[(lora.a[module], lora.b[module] * (scale * lora.scaling)) for lora, scale in stack
+                      if module in lora.a] for stack in stacks]
+            rank = max(sum(a.shape[0] for a, _ in part) for part in parts)
+            some = next(p for part in parts for p in part)
+            a = torch.zeros(len(stacks), rank, some[0].shape[1], device=device, dtype=dtype)
+            b = torch.zeros(len(stacks), some[1].shape[0], rank, device=device, dtype=dtype)
+            for slot, part in enumerate(parts):
+                r = 0
+                for pa, pb in part:
+                    a[slot, r:r + pa.shape[0]], b[slot, :, r:r + pa.shape[0]] = pa, pb
+                    r += pa.shape[0]
+            self.modules[module] = (a, b)
+
+    def __call__(self, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The base output `y` of linear `module` on input `x`, plus every row's own LoRA delta."""
+        weights = self.modules.get(module)
+        if weights is None:
+            return y
+        return self.kernel(x, y, weights[0], weights[1], self.scales, self.index)
+
+
+@contextlib.contextmanager
+def fused(model: nn.Module, stack: tuple):
+    """Merge one stack into the base weights (`W0 + Σ scale·(α/r)·B·A`) for a batch that shares it; on exit the
+    original weight tensors are put back — the same objects, so the base is restored bit for bit."""
+    layers = linear_names(model)
+    originals = {}
+    try:
+        for module in sorted({m for lora, _ in stack for m in lora.a}):
+            layer = layers[module]
+            originals[module] = layer.weight
+            with torch.no_grad():
+                merged = layer.weight.detach().clone()
+                for lora, scale in stack:
+                    if module in lora.a:
+                        merged += lora.delta(module, scale).to(merged)
+            layer.weight = nn.Parameter(merged, requires_grad=False)
+        yield model
+    finally:
+        for module, weight in originals.items():
+            layers[module].weight = weight
+
+
+class TrainableLora(nn.Module):
+    """Trainable A and B for the model's linear layers that match `targets`: A ~ U(±1/√in) as PEFT's Kaiming
+    init, B = 0, so at init the model is unchanged. Called as a plan: `lora(module, x, y)`."""
+
+    def __init__(self, model: nn.Module, targets, rank: int, alpha: float):
+        super().__init__()
+        layers = linear_names(model)
+        self.names = matching(sorted(layers), targets)
+        if not self.names:
+            raise ValueError(f"no linear layer matches the LoRA targets {list(targets)}")
+        self.rank, self.alpha = rank, float(alpha)
+        device = next(model.parameters()).device
+        self.lora_A = nn.ParameterDict()
+        self.lora_B = nn.ParameterDict()
+        for name in self.names:
+            layer = layers[name]
+            bound = 1 / layer.in_features**0.5
+            self.lora_A[_key(name)] = nn.Parameter(
+                torch.empty(rank, layer.in_features, device=device).uniform_(-bound, bound))
+            self.lora_B[_key(name)] = nn.Parameter(torch.zeros(layer.out_features, rank, device=device))
+
+    def forward(self, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        key = _key(module)
+        if key not in self.lora_A:
+            return y
+        a, b = self.lora_A[key], self.lora_B[key]
+        return y + (self.alpha / self.rank) * torch.nn.functional.linear(torch.nn.functional.linear(x, a.to(x.dtype)),
+                                                                         b.to(x.dtype))
+
+    def weights(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """A and B by module name, for `write_lora`."""
+        return ({n: self.lora_A[_key(n)] for n in self.names}, {n: self.lora_B[_key(n)] for n in self.names})
+
+
+def _key(module: str) -> str:
+    return module.replace(".", "__")  # ParameterDict keys cannot hold dots

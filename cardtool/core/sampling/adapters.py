@@ -1,0 +1,143 @@
+"""A card's adapters at serving time (DESIGN.md invariant 7): per-request stacks `NAME[=SCALE] …`, resolved to
+loaded adapter versions when a request starts, and turned into one batch's per-row work (a LoRA plan for the
+mixed batch, ControlNet rows).
+
+Hot-swap: an adapter file is re-read when its size, mtime or inode changes, so a new version on disk serves the
+next request without reloading the base; a request holds the version it started with until it finishes. A
+version is the file's sha256, which PNG metadata and cache keys record with the scale."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from cardtool.errors import BadInput
+
+__all__ = ["AdapterUse", "Loaded", "AdapterStore", "parse_adapter", "stack_record"]
+
+
+def parse_adapter(text: str) -> tuple[str, float]:
+    """`NAME[=SCALE]` as typed after --adapter; the scale defaults to 1."""
+    name, sep, raw = text.partition("=")
+    if not name:
+        raise BadInput(f"--adapter {text!r}: expected NAME or NAME=SCALE")
+    if not sep:
+        return name, 1.0
+    try:
+        scale = float(raw)
+    except ValueError:
+        raise BadInput(f"--adapter {text!r}: the scale '{raw}' is not a number") from None
+    if not math.isfinite(scale):
+        raise BadInput(f"--adapter {text!r}: the scale must be a finite number")
+    return name, scale
+
+
+@dataclass(frozen=True, eq=False)
+class Loaded:
+    """One version of one adapter, loaded: LoraWeights for a LoRA, a WanControlNet for a ControlNet."""
+
+    name: str
+    kind: str
+    version: str
+    value: object
+    control: str = ""  # a ControlNet's default preprocessor
+
+
+@dataclass(frozen=True, eq=False)
+class AdapterUse:
+    adapter: Loaded
+    scale: float
+
+
+def stack_record(stack: tuple[AdapterUse, ...]) -> list[dict]:
+    """The stack as PNG metadata and cache keys name it: names, versions, scales."""
+    return [{"name": u.adapter.name, "version": u.adapter.version, "scale": u.scale} for u in stack]
+
+
+class AdapterStore:
+    """The adapters of one ModelInstance's card, loaded on first use and re-read when their file changes."""
+
+    def __init__(self, instance):
+        self.instance = instance
+        self._loaded: dict[str, tuple[tuple, Loaded]] = {}
+
+    def declared(self) -> str:
+        return ", ".join(self.instance.card.manifest.adapters) or "none"
+
+    def get(self, name: str) -> Loaded:
+        card = self.instance.card
+        spec = card.manifest.adapters.get(name)
+        if spec is None:
+            raise BadInput(f"card '{card.id}' declares no adapter '{name}'; its adapters: {self.declared()}")
+        path = card.folder / spec.weights
+        try:
+            info = path.stat()
+        except OSError as e:
+            raise BadInput(f"adapter '{name}' of card '{card.id}': cannot read {path}: {e.strerror}") from None
+        stamp = (info.st_size, info.st_mtime_ns, info.st_ino)
+        held = self._loaded.get(name)
+        if held is None or held[0] != stamp:
+            held = (stamp, self._load(name, spec, card.weights_file(name)))  # verifies the declared sha256
+            self._loaded[name] = held
+        return held[1]
+
+    def resolve(self, stack) -> tuple[AdapterUse, ...]:
+        """A request's stack of (name, scale) as loaded versions; a scale of 0 is no adapter at all."""
+        uses = tuple(AdapterUse(self.get(name), float(scale)) for name, scale in stack if scale != 0)
+        if sum(u.adapter.kind == "controlnet" for u in uses) > 1:
+            raise BadInput("a request takes at most one ControlNet (one control image)")
+        return uses
+
+    def _load(self, name: str, spec, path: Path) -> Loaded:
+        from cardtool.core.cards.weight_files import sha256_file
+
+        instance = self.instance
+        if instance.platform.device == "numpy":
+            raise BadInput(f"adapters run on the torch platform; '{name}' cannot run with --device numpy")
+        target = instance.card.manifest.components[spec.target]
+        if target.kind != "dit":
+            raise BadInput(f"adapter '{name}' targets '{spec.target}', a {target.kind}; adapters apply to a DiT")
+        version = sha256_file(path)
+        if spec.kind == "lora":
+            return Loaded(name, "lora", version, _lora(name, spec, path, version, instance.component(spec.target),
+                                                       instance.precision))
+        from cardtool.backends.builders import wan_controlnet_torch
+
+        net = wan_controlnet_torch(spec.config, path, target.config, instance.platform, instance.precision)
+        return Loaded(name, "controlnet", version, net, spec.control)
+
+
+def _lora(name: str, spec, path: Path, version: str, model, precision: str):
+    """A LoRA file checked against the model it adapts (names, shapes, rank, targets, header metadata)."""
+    import torch
+
+    from cardtool.backends.lora import LoraWeights, linear_names, read_lora
+    from cardtool.backends.lora_targets import DEFAULT_TARGETS
+    from cardtool.backends.precision import weights_dtype
+    from cardtool.core.cards.adapters import lora_reasons
+
+    tensors, metadata = read_lora(path)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    header = {k: (str(v.dtype), tuple(v.shape)) for k, v in tensors.items()}
+    reasons = lora_reasons(header, spec.rank, shapes, spec.targets or DEFAULT_TARGETS)
+    for key, declared in (("rank", spec.rank), ("alpha", spec.alpha)):
+        if key in metadata and not _same(metadata[key], declared):
+            reasons.append(f"its header says {key} {metadata[key]}, the card {declared}")
+    if reasons:
+        raise BadInput(f"adapter '{name}' ({path}) does not fit: {'; '.join(reasons[:3])}")
+    layers = linear_names(model)
+    dtype = getattr(torch, weights_dtype(precision))
+    device = next(iter(layers.values())).weight.device
+    a, b = {}, {}
+    for key, value in tensors.items():
+        module, part = key.rsplit(".lora_", 1)
+        (a if part.startswith("A") else b)[module] = value.to(device=device, dtype=dtype)
+    return LoraWeights(version, spec.rank, float(spec.alpha), a, b)
+
+
+def _same(text: str, value: float) -> bool:
+    try:
+        return math.isclose(float(text), float(value), rel_tol=1e-6)
+    except ValueError:
+        return False

@@ -1,0 +1,104 @@
+"""Control images for ControlNet requests: read from disk, turned into the control signal by a preprocessor
+registered by name (numpy only, so a request's control is the same on every platform)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from cardtool.core.sampling.control_names import PREPROCESSORS as NAMES
+from cardtool.errors import BadInput
+from cardtool.files import read_small_file_bytes
+
+__all__ = ["PREPROCESSORS", "ControlImage", "silhouette", "edges", "read_control", "parse_control"]
+
+INK = 32  # a pixel brighter than this is garment, not background (Fashion-MNIST backgrounds are 0)
+
+
+def silhouette(image: np.ndarray) -> np.ndarray:
+    """The binarised shape of a garment (…, H, W): pixels above INK, with the holes enclosed by them filled (a dark
+    pattern on a shirt is still shirt), 255 inside and 0 outside."""
+    ink = image > INK
+    outside = np.zeros_like(ink)
+    for edge in ((..., 0, slice(None)), (..., -1, slice(None)), (..., slice(None), 0), (..., slice(None), -1)):
+        outside[edge] = ~ink[edge]
+    while True:  # flood the background from the border through 4-connected non-ink pixels
+        grown = outside.copy()
+        grown[..., 1:, :] |= outside[..., :-1, :]
+        grown[..., :-1, :] |= outside[..., 1:, :]
+        grown[..., :, 1:] |= outside[..., :, :-1]
+        grown[..., :, :-1] |= outside[..., :, 1:]
+        grown &= ~ink
+        if np.array_equal(grown, outside):
+            return np.where(outside, 0, 255).astype(np.uint8)
+        outside = grown
+
+
+def edges(image: np.ndarray) -> np.ndarray:
+    """Sobel gradient magnitude, thresholded at a quarter of its largest value: 255 on edges, 0 elsewhere."""
+    x = np.pad(image.astype(np.float64), 1, mode="edge")
+    gx = (x[:-2, 2:] + 2 * x[1:-1, 2:] + x[2:, 2:]) - (x[:-2, :-2] + 2 * x[1:-1, :-2] + x[2:, :-2])
+    gy = (x[2:, :-2] + 2 * x[2:, 1:-1] + x[2:, 2:]) - (x[:-2, :-2] + 2 * x[:-2, 1:-1] + x[:-2, 2:])
+    magnitude = np.hypot(gx, gy)
+    peak = magnitude.max()
+    return np.where(magnitude > 0.25 * peak, 255, 0).astype(np.uint8) if peak > 0 else np.zeros_like(image)
+
+
+PREPROCESSORS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "silhouette": silhouette, "edges": edges, "none": lambda image: image.astype(np.uint8)}
+assert tuple(PREPROCESSORS) == NAMES
+
+
+@dataclass(frozen=True)
+class ControlImage:
+    """A request's control: the preprocessed image (H, W) uint8, and its content hash (what caches and PNG
+    metadata name it by)."""
+
+    image: np.ndarray = field(compare=False, repr=False)
+    preprocessor: str
+    digest: str
+    source: str = ""
+
+    @classmethod
+    def make(cls, image: np.ndarray, preprocessor: str, source: str = "") -> ControlImage:
+        if preprocessor not in PREPROCESSORS:
+            raise BadInput(f"unknown control preprocessor '{preprocessor}'; choose one of: {', '.join(PREPROCESSORS)}")
+        image = np.asarray(image)
+        if image.ndim != 2 or image.dtype != np.uint8:
+            raise BadInput(f"a control image is a grey uint8 (H, W) array, got {image.dtype} {image.shape}")
+        processed = np.ascontiguousarray(PREPROCESSORS[preprocessor](image))
+        digest = hashlib.sha256(processed.tobytes() + str(processed.shape).encode()).hexdigest()
+        return cls(processed, preprocessor, digest, source)
+
+
+def read_control(path: Path, size: int) -> np.ndarray:
+    """A control image file as grey uint8 (size, size): any format Pillow reads, converted to grey and resized."""
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    data, reason = read_small_file_bytes(path, limit=64 << 20)
+    if reason:
+        raise BadInput(f"cannot read control image: {reason}")
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image = image.convert("L")
+            if image.size != (size, size):
+                image = image.resize((size, size), Image.BILINEAR)
+            return np.asarray(image, dtype=np.uint8).copy()
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+        raise BadInput(f"cannot read control image {path}: {type(e).__name__}: {str(e)[:200]}")
+
+
+def parse_control(text: str) -> tuple[Path, str | None]:
+    """`IMAGE[:PREPROCESSOR]` as typed after --control (the preprocessor defaults to the ControlNet's own)."""
+    path, sep, name = text.rpartition(":")
+    if sep and name in PREPROCESSORS:
+        return Path(path), name
+    if sep and "/" not in name and "." not in name and name:
+        raise BadInput(f"--control {text}: unknown preprocessor '{name}'; choose one of: {', '.join(PREPROCESSORS)}")
+    return Path(text), None

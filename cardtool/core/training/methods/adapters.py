@@ -1,0 +1,128 @@
+"""`--method lora | controlnet`: an adapter trained with the flow-matching loss on a frozen text-to-image card's
+DiT (ALGORITHMS.md, "LoRA and ControlNet for DiTs"). The data are the training images, optionally transformed
+(`data.transform`: the effect a LoRA learns); a ControlNet learns to follow each image's control (its
+`model.control` preprocessor, silhouette by default). Only the adapter's parameters train; the written card
+`extends` the base and adds the adapter."""
+
+from __future__ import annotations
+
+import torch
+
+from cardtool.backends.controlnet import ControlRows, WanControlNet
+from cardtool.backends.lora import TrainableLora, lora_file
+from cardtool.backends.lora_targets import DEFAULT_TARGETS
+from cardtool.core.sampling.control import PREPROCESSORS
+from cardtool.core.training.methods.flow_matching import FlowMatchingTask
+from cardtool.core.training.methods.vae import latents
+from cardtool.errors import BadInput
+
+__all__ = ["LoraTask", "ControlNetTask", "adapter_task"]
+
+
+def _setting(recipe, key, kind, default):
+    value = recipe.model.get(key, default)
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise BadInput(f"{recipe.method} recipe: model.{key} must be a whole number ≥ 1, got {value!r}")
+    if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+        raise BadInput(f"{recipe.method} recipe: model.{key} must be a positive number, got {value!r}")
+    return value
+
+
+class _AdapterTask(FlowMatchingTask):
+    KEYS: tuple[str, ...] = ()
+
+    def __init__(self, recipe, platform, train, test):
+        unknown = sorted(set(recipe.model) - set(self.KEYS))
+        if unknown:
+            raise BadInput(f"{recipe.method} recipe: unknown model.{', model.'.join(unknown)}; "
+                           f"its settings: {', '.join(self.KEYS)}")
+        super().__init__(recipe, platform, train, test)
+        self.dit.requires_grad_(False).eval()
+        self.name = recipe.model.get("adapter") or recipe.card.id
+        if self.parent.manifest.adapters.get(self.name) is not None:
+            raise BadInput(f"'{self.parent.id}' already declares an adapter '{self.name}'; set model.adapter")
+
+    def card_entry(self) -> dict:
+        raise NotImplementedError
+
+
+class LoraTask(_AdapterTask):
+    KEYS = ("adapter", "rank", "alpha", "targets")
+
+    def __init__(self, recipe, platform, train, test):
+        super().__init__(recipe, platform, train, test)
+        self.rank = _setting(recipe, "rank", int, 8)
+        self.alpha = _setting(recipe, "alpha", float, self.rank)
+        self.targets = list(recipe.model.get("targets") or DEFAULT_TARGETS)
+        torch.manual_seed(recipe.train.seed)
+        try:
+            self.lora = TrainableLora(self.dit, self.targets, self.rank, self.alpha)
+        except ValueError as e:
+            raise BadInput(f"lora recipe: model.targets: {e}") from None
+
+    def modules(self):
+        return {"lora": self.lora}
+
+    def adapters(self, idx, test=False):
+        return {"lora": self.lora}
+
+    @torch.no_grad()
+    def finish(self, lora) -> dict:
+        self.lora, trained = lora, self.lora
+        metrics = super().finish(self.dit)
+        self.lora = trained
+        return metrics
+
+    def artifact(self, lora) -> tuple[dict, dict, dict]:
+        """The card's adapter entry, its weights file and that file's header metadata."""
+        rel = f"adapters/{self.name}.safetensors"
+        tensors, metadata = lora_file(*lora.weights(), self.rank, self.alpha)
+        entry = {"kind": "lora", "target": "transformer", "weights": rel, "rank": self.rank, "alpha": self.alpha,
+                 **({"targets": self.targets} if self.targets != list(DEFAULT_TARGETS) else {})}
+        return {self.name: entry}, {rel: tensors}, {rel: metadata}
+
+
+class ControlNetTask(_AdapterTask):
+    KEYS = ("adapter", "blocks", "control")
+
+    def __init__(self, recipe, platform, train, test):
+        super().__init__(recipe, platform, train, test)
+        self.blocks = _setting(recipe, "blocks", int, 2)
+        if self.blocks > self.config.depth:
+            raise BadInput(f"controlnet recipe: model.blocks {self.blocks} exceeds the base's {self.config.depth} "
+                           "blocks")
+        self.control = recipe.model.get("control", "silhouette")
+        if self.control not in PREPROCESSORS or self.control == "none":
+            raise BadInput(f"controlnet recipe: model.control must be one of: "
+                           f"{', '.join(p for p in PREPROCESSORS if p != 'none')}")
+        torch.manual_seed(recipe.train.seed)
+        self.net = WanControlNet.from_base(self.dit, self.blocks, platform).train()
+        vae = self.vae
+        prepare = PREPROCESSORS[self.control]
+        self.controls, _ = latents(vae, prepare(self.images), self.device)
+        self.test_controls, _ = latents(vae, prepare(self.test_images), self.device)
+
+    def modules(self):
+        return {"controlnet": self.net}
+
+    def adapters(self, idx, test=False):
+        controls = (self.test_controls if test else self.controls)[idx]
+        rows = torch.arange(len(idx), device=self.device)
+        return {"control": [ControlRows(self.net, rows, controls, torch.ones(len(idx), device=self.device))]}
+
+    @torch.no_grad()
+    def finish(self, net) -> dict:
+        self.net, trained = net, self.net
+        metrics = super().finish(self.dit)
+        self.net = trained
+        return metrics
+
+    def artifact(self, net) -> tuple[dict, dict, dict]:
+        rel = f"adapters/{self.name}.safetensors"
+        entry = {"kind": "controlnet", "target": "transformer", "weights": rel, "control": self.control,
+                 "config": {"blocks": self.blocks}}
+        return {self.name: entry}, {rel: net.state_dict()}, {}
+
+
+def adapter_task(recipe, platform, train, test):
+    return (LoraTask if recipe.method == "lora" else ControlNetTask)(recipe, platform, train, test)

@@ -1,0 +1,269 @@
+"""The adapter plane: LoRA stacks and ControlNets per request, mixed-adapter batches equal to running alone,
+fuse/unfuse, hot-swap with versions in metadata and cache keys, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from helpers import EXAMPLE_CARDS
+from typer.testing import CliRunner
+
+from cardtool.backends.controlnet import WanControlNet
+from cardtool.backends.lora import LoraPlan, fused, linear_names, write_lora
+from cardtool.backends.platform import Platform
+from cardtool.backends.torch_ops import lora_bgmv
+from cardtool.cli import app
+from cardtool.core.cards.loader import load_card
+from cardtool.core.cards.weight_files import sha256_file
+from cardtool.core.sampling.control import ControlImage, edges, silhouette
+from cardtool.core.sampling.denoise import DenoiseLoop, Request
+from cardtool.core.sampling.generate import LoadedCard
+from cardtool.core.sampling.images import read_png_metadata, save_png
+from cardtool.core.sampling.instance import ModelInstance
+from cardtool.core.sampling.sampler import sample
+from cardtool.core.sampling.text_cache import TextFeatureCache
+from cardtool.errors import BadInput
+
+CPU = Platform("cpu", "generic")
+MANIFEST = """\
+schema: cardtool/v1
+id: tiny-adapters
+extends: {base}
+adapters:
+  a: {{kind: lora, target: transformer, weights: adapters/a.safetensors, rank: 2, alpha: 4}}
+  b: {{kind: lora, target: transformer, weights: adapters/b.safetensors, rank: 3, alpha: 3,
+      targets: ["blocks.*.attn1.*"]}}
+  ctl: {{kind: controlnet, target: transformer, weights: adapters/ctl.safetensors, control: silhouette,
+        config: {{blocks: 1}}}}
+recipe: {{method: lora, parents: [tiny-base]}}
+"""
+
+
+def lora_tensors(model, names, rank, seed):
+    generator = torch.Generator().manual_seed(seed)
+    layers = linear_names(model)
+    a = {n: torch.randn(rank, layers[n].in_features, generator=generator) / 4 for n in names}
+    b = {n: torch.randn(layers[n].out_features, rank, generator=generator) / 4 for n in names}
+    return a, b
+
+
+def write_lora_b(folder, model, seed):
+    names = [n for n in linear_names(model) if ".attn1." in n]
+    write_lora(folder / "adapters" / "b.safetensors", *lora_tensors(model, names, 3, seed), rank=3, alpha=3)
+
+
+@pytest.fixture
+def card(tmp_path):
+    base = load_card(EXAMPLE_CARDS / "tiny-base")
+    model = ModelInstance(base, CPU).component("transformer")
+    folder = tmp_path / "tiny-adapters"
+    folder.mkdir()
+    names = [n for n in linear_names(model) if n.startswith("blocks.") and (".attn" in n or ".ffn." in n)]
+    write_lora(folder / "adapters" / "a.safetensors", *lora_tensors(model, names, 2, 1), rank=2, alpha=4)
+    write_lora_b(folder, model, 2)
+    torch.manual_seed(3)
+    net = WanControlNet(model.config, 1, CPU)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn_like(p) * 0.1)
+    from safetensors.torch import save_file
+
+    save_file(net.state_dict(), str(folder / "adapters" / "ctl.safetensors"))
+    (folder / "card.yaml").write_text(MANIFEST.format(base=os.path.relpath(EXAMPLE_CARDS / "tiny-base", folder)))
+    return load_card(folder)
+
+
+@pytest.fixture
+def loop(card):
+    return DenoiseLoop(ModelInstance(card, CPU), cache=TextFeatureCache(disk=False))
+
+
+def control(seed, preprocessor="silhouette"):
+    rng = np.random.default_rng(seed)
+    image = np.zeros((28, 28), np.uint8)
+    top, left = rng.integers(2, 10, size=2)
+    image[top:top + 14, left:left + 12] = 200
+    return ControlImage.make(image, preprocessor)
+
+
+def run(loop, requests):
+    return [s.latents for s in sample(loop, requests)]
+
+
+def test_a_mixed_batch_equals_each_request_alone(loop):
+    requests = [Request("a bag", seed=1, steps=3),
+                Request("a bag", seed=1, steps=3, adapters=(("a", 1.0),)),
+                Request("a coat", seed=2, steps=2, guidance=1.0, adapters=(("a", 0.5),)),
+                Request("a bag", seed=1, steps=3, adapters=(("a", 1.0), ("b", 0.7))),
+                Request("a bag", seed=1, steps=3, adapters=(("b", -1.0),)),
+                Request("a shirt", seed=3, steps=3, adapters=(("ctl", 1.0),), control=control(0)),
+                Request("a shirt", seed=3, steps=3, adapters=(("ctl", 0.5), ("a", 1.0)), control=control(1)),
+                Request("a dress", seed=4, steps=4, guidance=2.0, adapters=(("ctl", 2.0),), control=control(2))]
+    together = run(loop, requests)
+    for request, mixed in zip(requests, together, strict=True):
+        [alone] = run(loop, [request])
+        assert (mixed - alone).abs().max() <= 1e-5, request
+    plain = together[0]
+    assert all((t - plain).abs().max() > 1e-3 for t in together[1:2] + together[3:5]), "each stack changes the image"
+    assert (together[3] - together[1]).abs().max() > 1e-3, "composing b onto a changes the image"
+
+
+def test_scale_zero_is_no_adapter_exactly(loop):
+    plain, zero, zeros = run(loop, [Request("a bag", seed=5, steps=3),
+                                    Request("a bag", seed=5, steps=3, adapters=(("a", 0.0),)),
+                                    Request("a bag", seed=5, steps=3, adapters=(("a", 0.0), ("b", 0.0)))])
+    assert torch.equal(plain, zero) and torch.equal(plain, zeros)
+
+
+def test_composed_loras_sum_their_scaled_deltas():
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 5, 6), torch.randn(4, 6)
+    from cardtool.backends.lora import LoraWeights
+
+    one = LoraWeights("v1", 2, 4.0, {"m": torch.randn(2, 6)}, {"m": torch.randn(4, 2)})
+    two = LoraWeights("v2", 3, 1.5, {"m": torch.randn(3, 6)}, {"m": torch.randn(4, 3)})
+    plan = LoraPlan([((one, 0.5), (two, -2.0)), ((two, 1.0),)], [0, -1, 1], lora_bgmv, "cpu")
+    y = x @ w.T
+    out = plan("m", x, y)
+    expected0 = x[0] @ (w + 0.5 * 2.0 * one.b["m"] @ one.a["m"] - 2.0 * 0.5 * two.b["m"] @ two.a["m"]).T
+    assert torch.allclose(out[0], expected0, atol=1e-5)
+    assert torch.equal(out[1], y[1]), "a row without a stack is the base output exactly"
+    assert torch.allclose(out[2], x[2] @ (w + 0.5 * two.b["m"] @ two.a["m"]).T, atol=1e-5)
+    assert torch.equal(plan("other", x, y), y)
+
+
+def test_one_forward_and_one_gathered_lora_call_per_layer_for_a_mixed_batch(loop, monkeypatch):
+    dit = loop.instance.component("transformer")
+    forwards, calls = [], []
+    original = type(dit).forward
+    monkeypatch.setattr(type(dit), "forward",
+                        lambda self, x, *a, **k: forwards.append(len(x)) or original(self, x, *a, **k))
+    kernel = dit.ops.lora_bgmv
+    monkeypatch.setattr(dit.ops, "lora_bgmv", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
+    requests = [Request("a bag", seed=i, steps=2, guidance=1.0, adapters=stack)
+                for i, stack in enumerate([(), (("a", 1.0),), (("a", 0.3),), (("b", 1.0),), (("a", 1.0), ("b", 1.0))])]
+    sample(loop, requests)
+    assert forwards == [5, 5], "one forward per step for all stacks"
+    layers = len([n for n in linear_names(dit) if n.startswith("blocks.") and (".attn" in n or ".ffn." in n)])
+    text = len([n for n in linear_names(dit) if ".attn2.to_k" in n or ".attn2.to_v" in n])
+    # the text's cross-attention keys and values are computed once per batch, not every step
+    assert len(calls) == 2 * layers - text and set(calls) == {5}, "one gathered call per adapted layer per forward"
+
+
+def test_fuse_matches_unfused_and_unfusing_restores_the_base_bit_for_bit(loop):
+    dit = loop.instance.component("transformer")
+    before = {k: (v, v.clone()) for k, v in dit.state_dict(keep_vars=True).items()}
+    stack = loop.instance.adapters.resolve((("a", 0.8), ("b", 0.5)))
+    with fused(dit, tuple((u.adapter.value, u.scale) for u in stack)):
+        loop.fused = tuple((u.adapter, u.scale) for u in stack)
+        [merged] = run(loop, [Request("a coat", seed=9, steps=3, adapters=(("a", 0.8), ("b", 0.5)))])
+        loop.fused = None
+        assert not torch.equal(dit.blocks[0].attn1.to_q.weight, before["blocks.0.attn1.to_q.weight"][1])
+    [unfused] = run(loop, [Request("a coat", seed=9, steps=3, adapters=(("a", 0.8), ("b", 0.5)))])
+    assert (merged - unfused).abs().max() <= 1e-5
+    after = dit.state_dict(keep_vars=True)
+    assert all(after[k] is obj and torch.equal(after[k], copy) for k, (obj, copy) in before.items())
+
+
+def test_generate_fuse_and_metadata_record_the_stack_with_versions(card, tmp_path):
+    loaded = LoadedCard(card, device="cpu")
+    plain = loaded.generate(["a bag"], steps=2, adapters=[("a", 0.5), ("b", 1.0)], out=tmp_path / "p")
+    merged = loaded.generate(["a bag"], steps=2, adapters=[("a", 0.5), ("b", 1.0)], fuse=True, out=tmp_path / "f")
+    record = json.loads(read_png_metadata(plain.images[0].path)["adapters"])
+    assert [(r["name"], r["scale"]) for r in record] == [("a", 0.5), ("b", 1.0)]
+    assert record[0]["version"] == sha256_file(card.folder / "adapters" / "a.safetensors")
+    assert read_png_metadata(merged.images[0].path)["fused"] == "true"
+    from PIL import Image
+
+    a, b = (np.asarray(Image.open(r.images[0].path), dtype=int) for r in (plain, merged))
+    assert np.abs(a - b).max() <= 1, "fused and unfused give the same picture"
+
+
+def test_hot_swap_serves_a_new_version_to_the_next_request_only(card, loop):
+    dit = loop.instance.component("transformer")
+    request = Request("a bag", seed=2, steps=3, adapters=(("b", 1.0),))
+    [first] = run(loop, [request])
+    in_flight = loop.init([request])
+    old = in_flight[0].adapters[0].adapter.version
+    write_lora_b(card.folder, dit, seed=99)  # a new version on disk, same name
+    while not in_flight[0].done:
+        with torch.inference_mode():
+            loop.step(in_flight)
+    assert torch.equal(in_flight[0].latents, first), "a request in flight finishes on the version it started with"
+    [after] = run(loop, [request])
+    assert (after - first).abs().max() > 1e-3, "the next request uses the new version"
+    assert loop.instance.component("transformer") is dit, "the base is not reloaded"
+    new = loop.instance.adapters.get("b").version
+    assert new != old and len(new) == 64
+
+
+def test_text_encoder_cache_entries_survive_an_adapter_change(card, tmp_path):
+    cache = TextFeatureCache(tmp_path / "cache")
+    loaded = LoadedCard(card, device="cpu", cache=cache)
+    loaded.generate(["a bag"], steps=1, out=tmp_path / "o1")
+    misses = cache.misses
+    loaded.generate(["a bag"], steps=1, adapters=[("a", 1.0)], out=tmp_path / "o2")
+    loaded.generate(["a bag"], steps=1, adapters=[("b", 0.5)], out=tmp_path / "o3")
+    assert cache.misses == misses and cache.hits >= 4
+
+
+def test_control_scale_zero_and_no_controlnet_are_the_same_image(loop):
+    plain, zero = run(loop, [Request("a bag", seed=1, steps=2),
+                             Request("a bag", seed=1, steps=2, adapters=(("ctl", 0.0),), control=control(0))])
+    assert torch.equal(plain, zero)
+
+
+def test_silhouette_fills_enclosed_holes_and_edges_trace_the_outline():
+    image = np.zeros((12, 12), np.uint8)
+    image[2:10, 2:10] = 200
+    image[4:8, 4:8] = 0  # a dark pattern inside the garment
+    shape = silhouette(image)
+    assert (shape[2:10, 2:10] == 255).all() and shape.sum() == 64 * 255
+    outline = edges(np.where(shape > 0, 255, 0).astype(np.uint8))
+    assert outline[5, 5] == 0 and outline[5, 2] == 255 and outline[0, 0] == 0
+    batch = silhouette(np.stack([image, 255 - image]))
+    assert np.array_equal(batch[0], shape)
+
+
+def test_cli_errors_exit_2(card, tmp_path):
+    runner = CliRunner()
+    base = ["generate", str(card.folder), "-p", "a bag", "--steps", "1", "--out", str(tmp_path / "o")]
+    bad_image = tmp_path / "bad.png"
+    bad_image.write_bytes(b"not a png")
+    for extra, message in [(["--adapter", "nope"], "declares no adapter 'nope'"),
+                           (["--adapter", "a=big"], "is not a number"),
+                           (["--adapter", "ctl"], "needs a control image"),
+                           (["--control", str(bad_image)], "cannot read control image"),
+                           (["--control", str(tmp_path / "missing.png")], "cannot read control image"),
+                           (["--fuse"], "has none")]:
+        result = runner.invoke(app, base + extra)
+        assert result.exit_code == 2 and message in result.output, (extra, result.output)
+
+
+def test_a_lora_file_that_does_not_fit_is_refused(card, loop):
+    torch.manual_seed(0)
+    write_lora(card.folder / "adapters" / "b.safetensors", {"blocks.0.attn1.to_q": torch.randn(3, 7)},
+               {"blocks.0.attn1.to_q": torch.randn(32, 3)}, rank=3, alpha=3)
+    with pytest.raises(BadInput, match="does not fit"):
+        loop.instance.adapters.get("b")
+    result = CliRunner().invoke(app, ["generate", str(card.folder), "-p", "a bag", "--adapter", "b"])
+    assert result.exit_code == 2 and "does not fit" in result.output
+    result = CliRunner().invoke(app, ["cards", "validate", str(card.folder)])
+    assert result.exit_code == 1 and "adapters.b.weights" in result.output, "the card's check reports it, located"
+
+
+def test_control_from_a_file_through_the_cli(card, tmp_path):
+    image = np.zeros((28, 28), np.uint8)
+    image[4:24, 8:20] = 180
+    save_png(tmp_path / "c.png", image)
+    result = CliRunner().invoke(app, ["generate", str(card.folder), "-p", "a bag", "--steps", "2", "--control",
+                                      f"{tmp_path / 'c.png'}:edges", "--control-scale", "0.5", "--json",
+                                      "--out", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    meta = json.loads(result.stdout)["images"][0]
+    assert meta["adapters"][0]["name"] == "ctl" and meta["adapters"][0]["scale"] == 0.5
+    assert meta["control"]["preprocessor"] == "edges"
