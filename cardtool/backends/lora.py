@@ -22,8 +22,8 @@ from torch import nn
 
 from cardtool.backends.lora_targets import DEFAULT_TARGETS, matching
 
-__all__ = ["DEFAULT_TARGETS", "LoraWeights", "LoraPlan", "TrainableLora", "fused", "linear_names", "lora_file",
-           "read_lora", "write_lora", "matching"]
+__all__ = ["DEFAULT_TARGETS", "LoraWeights", "LoraPlan", "LoraWrapped", "TrainableLora", "fused", "merge",
+           "linear_names", "lora_file", "read_lora", "write_lora", "matching"]
 
 def linear_names(model: nn.Module) -> dict[str, nn.Linear]:
     """The model's linear layers by state-dict module name."""
@@ -172,3 +172,32 @@ class TrainableLora(nn.Module):
 
 def _key(module: str) -> str:
     return module.replace(".", "__")  # ParameterDict keys cannot hold dots
+
+
+class LoraWrapped(nn.Module):
+    """A frozen DiT with a trainable LoRA, standing in for the DiT where a post-training method trains one
+    (`rl --lora`, `distill --lora`): the same calls, every forward through the LoRA; only A and B train."""
+
+    def __init__(self, base: nn.Module, lora: TrainableLora):
+        super().__init__()
+        self.base, self.lora = base.requires_grad_(False), lora
+        self.config, self.ops = base.config, base.ops
+
+    def forward(self, x, t, text, text_mask=None, text_context=None, lora=None, control=None):
+        return self.base(x, t, text, text_mask, text_context, lora=self.lora, control=control)
+
+    def text_context(self, text, lora=None):
+        return self.base.text_context(text, self.lora)
+
+    @property
+    def blocks(self):
+        return self.base.blocks
+
+
+def merge(model: nn.Module, stack) -> None:
+    """Add a stack's deltas to the model's weights in place (a frozen copy that serves a LoRA card as its loop does)."""
+    layers = linear_names(model)
+    with torch.no_grad():
+        for lora, scale in stack:
+            for module in lora.a:
+                layers[module].weight += lora.delta(module, scale).to(layers[module].weight)

@@ -18,6 +18,8 @@ def distill_command(
                                               "4).")] = None,
     recipe: Annotated[Path | None, typer.Option("--recipe", help="A dmd2 recipe (examples/recipes/fashion-dmd2."
                                                 "yaml holds the defaults).")] = None,
+    lora: Annotated[int | None, typer.Option("--lora", metavar="RANK", help="Train a rank-RANK LoRA on the frozen "
+                                             "transformer instead of the whole transformer (model.lora.rank).")] = None,
     overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a value: optim.steps=500.")] = None,
     out: Annotated[Path | None, typer.Option("--out", help="The student card folder (default cards/ID).")] = None,
     run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Checkpoints (default runs/ID).")] = None,
@@ -47,12 +49,14 @@ def distill_command(
                 say(f"eval at {row['steps']} steps: accuracy {row['class_accuracy']:.4f}  FID {row['fid_fmnist']:.3f}"
                     f"  {row['images_per_second']:.0f} img/s", stderr=True)
 
+    sets = [*(overrides or []), *([f"model.lora.rank={lora}"] if lora is not None else [])]
     with handled(json_):
-        loaded = distill_recipe(teacher, recipe, list(overrides or []), steps)
+        loaded = distill_recipe(teacher, recipe, sets, steps)
         typed = sys.argv[1:2] == ["distill"]
         command = shlex.join(["cardtool", *sys.argv[1:]] if typed else
                              ["cardtool", "distill", teacher, *(["--steps", str(steps)] if steps else []),
-                              *(["--recipe", str(recipe)] if recipe else []), *(f"--set={o}" for o in overrides or [])])
+                              *(["--recipe", str(recipe)] if recipe else []), *(f"--set={o}" for o in overrides or []),
+                              *(["--lora", str(lora)] if lora is not None else [])])
         card = distill(loaded, command=command, out=out, run_dir=run_dir, resume=resume, device=device, data=data,
                        force=force, evaluate=evaluate, judge=judge, on_log=log, on_eval=eval_line)
     metrics = card.manifest.recipe.metrics

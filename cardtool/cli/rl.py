@@ -23,6 +23,8 @@ def rl_command(
                                                  "the class prompts with their synonyms and templates).")] = None,
     recipe: Annotated[Path | None, typer.Option("--recipe", help="An rl recipe (examples/recipes/fashion-nft.yaml "
                                                 "and fashion-grpo.yaml hold the defaults).")] = None,
+    lora: Annotated[int | None, typer.Option("--lora", metavar="RANK", help="Train a rank-RANK LoRA on the frozen "
+                                             "transformer instead of the whole transformer (model.lora.rank).")] = None,
     overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a value: optim.steps=100.")] = None,
     out: Annotated[Path | None, typer.Option("--out", help="The tuned card folder (default cards/ID).")] = None,
     run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Checkpoints (default runs/ID).")] = None,
@@ -60,14 +62,16 @@ def rl_command(
                     f"{row['class_accuracy']:.4f}  FID {row['fid_fmnist']:.3f}  {row['images_per_second']:.0f} img/s",
                     stderr=True)
 
+    sets = [*(overrides or []), *([f"model.lora.rank={lora}"] if lora is not None else [])]
     with handled(json_):
-        loaded = rl_recipe(card, reward, method, recipe, list(overrides or []))
+        loaded = rl_recipe(card, reward, method, recipe, sets)
         chosen = read_prompts(prompts) if prompts is not None else None
         typed = sys.argv[1:2] == ["rl"]
         command = shlex.join(["cardtool", *sys.argv[1:]] if typed else
                              ["cardtool", "rl", card, "--reward", reward, *(["--method", method] if method else []),
                               *(["--prompts", str(prompts)] if prompts else []),
-                              *(["--recipe", str(recipe)] if recipe else []), *(f"--set={o}" for o in overrides or [])])
+                              *(["--recipe", str(recipe)] if recipe else []), *(f"--set={o}" for o in overrides or []),
+                              *(["--lora", str(lora)] if lora is not None else [])])
         tuned = rl(loaded, command=command, prompts=chosen, out=out, run_dir=run_dir, resume=resume, device=device,
                    data=data, force=force, evaluate=evaluate, judge=judge, held_out_judge=held_out_judge or None,
                    watch_every=watch_every, on_log=log, on_eval=eval_line)

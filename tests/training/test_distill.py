@@ -190,3 +190,36 @@ def test_the_gan_term_trains_a_head_on_the_critic_and_moves_the_generator(exampl
     assert groups[2]["lr"] == pytest.approx(50 * groups[0]["lr"])
     with pytest.raises(BadInput, match="needs the training images"):
         DMD2Task(gan, _platform(), load_card(teacher))
+
+
+def test_a_lora_student_trains_only_its_lora_and_serves_as_it_was_trained(examples, tmp_path):
+    teacher = examples / "tiny-base"
+    result = CliRunner().invoke(app, ["distill", str(teacher), "--steps", "2", "--lora", "4", "--no-eval",
+                                      "--out", str(examples / "tiny-lora-2step"), "--run-dir", str(tmp_path / "r"),
+                                      *(f"--set={o}" for o in TINY)])
+    assert result.exit_code == 0, result.output
+    card = load_card(examples / "tiny-lora-2step", checksums=True)
+    m = card.manifest
+    assert m.adapters["dmd2"].rank == 4 and m.loops["denoise"].defaults["adapters"] == {"dmd2": 1.0}
+    assert card.weights_file("transformer").resolve() == (teacher / "transformer.safetensors").resolve(), \
+        "the transformer is the teacher's, by reference"
+    assert "--lora 4" in m.recipe.command and m.recipe.hyperparameters["model"] == {"lora": {"rank": 4}}
+    lora = load_file(str(card.weights_file("dmd2")))
+    assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in lora.items()), "B moved from zero"
+    # train ≡ serve: the generator (frozen DiT + LoRA) rolls out what the card samples with its default stack
+    task = DMD2Task(recipe(teacher, extra=["model.lora.rank=4"]), _platform(), load_card(teacher))
+    a, b = (lambda w: ({k[:-len(".lora_A.weight")]: v for k, v in w.items() if k.endswith("lora_A.weight")},
+                       {k[:-len(".lora_B.weight")]: v for k, v in w.items() if k.endswith("lora_B.weight")}))(lora)
+    with torch.no_grad():
+        for module in a:
+            task.generator.lora.lora_A[module.replace(".", "__")].copy_(a[module])
+            task.generator.lora.lora_B[module.replace(".", "__")].copy_(b[module])
+        x0 = task.rollout(["a bag", "a coat"], [3, 4], depth=1, grad=False)[0]
+    served = DenoiseLoop(ModelInstance(card, _platform()), cache=TextFeatureCache(disk=False))
+    requests = [Request(p, seed=s, steps=2, guidance=1.0, solver="renoise", adapters=(("dmd2", 1.0),))
+                for p, s in (("a bag", 3), ("a coat", 4))]
+    latents = torch.cat([st.latents for st in sample(served, requests)])
+    assert float((x0 - latents).abs().max()) <= 1e-5
+    result = CliRunner().invoke(app, ["generate", str(examples / "tiny-lora-2step"), "-p", "a bag", "--json",
+                                      "--out", str(tmp_path / "o")])
+    assert json.loads(result.stdout)["images"][0]["adapters"][0]["name"] == "dmd2", "the card applies its LoRA"

@@ -253,3 +253,23 @@ def test_the_guided_reference_applies_cfg_on_the_guidance_interval_only():
     x, text = torch.zeros(2, 1, 1, 2, 2), torch.ones(2, 3, 2)
     v = guided(x, torch.tensor([0.2, 0.8]), text, torch.ones(2, 3, dtype=torch.bool))
     assert v[0].unique().tolist() == [4.0] and v[1].unique().tolist() == [1.0], "0 + 4·(1 − 0) inside, 1 outside"
+
+
+def test_rl_with_lora_trains_an_adapter_on_the_frozen_base(examples, tmp_path):
+    base = examples / "tiny-base"
+    result = CliRunner().invoke(app, ["rl", str(base), "--reward", str(examples / "tiny-judge"), "--no-eval",
+                                      "--lora", "2", "--out", str(examples / "tiny-nft-lora"), "--run-dir",
+                                      str(tmp_path / "r"), *(f"--set={o}" for o in [*TINY, "optim.steps=2",
+                                                                                    "optim.lr=1e-2"])])
+    assert result.exit_code == 0, result.output
+    card = load_card(examples / "tiny-nft-lora", checksums=True)
+    m = card.manifest
+    assert m.adapters["nft"].rank == 2 and m.loops["denoise"].defaults["adapters"] == {"nft": 1.0}
+    assert "invert" in m.adapters, "the base's adapters still fit: its transformer is unchanged"
+    assert card.weights_file("transformer").resolve() == (base / "transformer.safetensors").resolve()
+    lora = load_file(str(card.weights_file("nft")))
+    assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in lora.items())
+    loop = DenoiseLoop(ModelInstance(card, CPU), cache=TextFeatureCache(disk=False))
+    tuned, plain = sample(loop, [Request("a bag", seed=1, steps=3, guidance=1.0, adapters=(("nft", 1.0),)),
+                                 Request("a bag", seed=1, steps=3, guidance=1.0)])
+    assert (tuned.latents - plain.latents).abs().max() > 1e-4, "the LoRA changes what the card samples"

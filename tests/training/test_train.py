@@ -187,3 +187,41 @@ def test_judge_scores_prompts_by_class_names_and_free_text(tmp_path, data):
     assert np.allclose(probabilities.sum(1), 1, atol=1e-5)
     assert np.allclose(scores, probabilities[np.arange(4), [8, 4, 3, 7]])
     assert judge.features(images).shape == (4, 16)
+
+
+def test_lora_and_controlnet_training_write_adapter_cards_that_generate_serves(examples, tmp_path, data):
+    from safetensors import safe_open
+
+    common = ["optim.steps=2", "optim.batch_size=8", "train.precision=float32", "optim.lr=1e-2",
+              f"parents=[{examples / 'tiny-base'}]"]
+    lora = train(load_recipe(RECIPES / "fashion-bold.yaml", [*common, "card.id=tiny-bold", "model.rank=2"]),
+                 command="c", out=examples / "tiny-bold", run_dir=tmp_path / "r1", data=str(data))
+    m = lora.manifest
+    assert m.extends == "tiny-base" and m.recipe.method == "lora" and m.recipe.parents == ["tiny-base"]
+    assert (m.adapters["bold"].rank, m.adapters["bold"].alpha) == (2, 8), "alpha as the recipe sets it"
+    assert m.loops["denoise"].defaults["adapters"] == {"bold": 1.0} and "invert" in m.adapters
+    assert lora.weights_file("transformer").resolve() == (examples / "tiny-base" / "transformer.safetensors").resolve()
+    with safe_open(str(lora.weights_file("bold")), "pt") as f:
+        assert (f.metadata()["rank"], f.metadata()["alpha"]) == ("2", "8.0")
+        assert all(k.endswith((".lora_A.weight", ".lora_B.weight")) for k in f.keys())
+        assert any(f.get_tensor(k).abs().max() > 0 for k in f.keys() if k.endswith("lora_B.weight"))
+    net = train(load_recipe(RECIPES / "fashion-silhouette.yaml", [*common, "card.id=tiny-outline", "model.blocks=1",
+                                                                  "model.adapter=outline"]),
+                command="c", out=examples / "tiny-outline", run_dir=tmp_path / "r2", data=str(data))
+    spec = net.manifest.adapters["outline"]
+    assert spec.kind == "controlnet" and spec.control == "silhouette" and spec.config == {"blocks": 1}
+    weights = load_file(str(net.weights_file("outline")))
+    assert weights["controlnet_blocks.0.weight"].abs().max() > 0, "the zero-initialised output trained"
+    shape = np.zeros((28, 28), np.uint8)
+    shape[4:24, 6:22] = 255
+    from cardtool.core.sampling.images import save_png
+
+    save_png(tmp_path / "shape.png", shape)
+    result = CliRunner().invoke(app, ["generate", str(examples / "tiny-outline"), "-p", "a bag", "--steps", "2",
+                                      "--control", str(tmp_path / "shape.png"), "--json", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    image = json.loads(result.stdout)["images"][0]
+    assert image["adapters"][0]["name"] == "outline" and image["control"]["preprocessor"] == "silhouette"
+    with pytest.raises(BadInput, match="unknown model.rank"):
+        train(load_recipe(RECIPES / "fashion-silhouette.yaml", [*common, "model.rank=2"]), command="c",
+              out=tmp_path / "x", run_dir=tmp_path / "r3", data=str(data))

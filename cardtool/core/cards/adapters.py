@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from cardtool.backends.lora_targets import DEFAULT_TARGETS, matching
+from cardtool.backends.lora_targets import DEFAULT_TARGETS, matching, module_key, uses_prefix
 from cardtool.core.cards.weight_files import read_header
 from cardtool.core.sampling.control_names import PREPROCESSORS
 from cardtool.errors import Problem
@@ -42,8 +42,9 @@ def lora_reasons(header: dict, rank: int, target: dict[str, tuple[int, ...]], ta
     rank and target patterns; empty when it does."""
     modules: dict[str, dict[str, tuple[int, ...]]] = {}
     reasons = []
+    prefixed = uses_prefix(header)
     for tensor, (_, shape) in header.items():
-        match = _LORA.match(tensor)
+        match = _LORA.match(module_key(tensor, prefixed))
         if match is None:
             reasons.append(f"'{tensor[:80]}' is not named <module>.lora_A.weight or <module>.lora_B.weight")
             continue

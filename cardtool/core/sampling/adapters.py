@@ -113,7 +113,7 @@ def _lora(name: str, spec, path: Path, version: str, model, precision: str):
     import torch
 
     from cardtool.backends.lora import LoraWeights, linear_names, read_lora
-    from cardtool.backends.lora_targets import DEFAULT_TARGETS
+    from cardtool.backends.lora_targets import DEFAULT_TARGETS, module_key, rank_and_alpha, uses_prefix
     from cardtool.backends.precision import weights_dtype
     from cardtool.core.cards.adapters import lora_reasons
 
@@ -121,17 +121,19 @@ def _lora(name: str, spec, path: Path, version: str, model, precision: str):
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     header = {k: (str(v.dtype), tuple(v.shape)) for k, v in tensors.items()}
     reasons = lora_reasons(header, spec.rank, shapes, spec.targets or DEFAULT_TARGETS)
+    stated = rank_and_alpha(metadata)
     for key, declared in (("rank", spec.rank), ("alpha", spec.alpha)):
-        if key in metadata and not _same(metadata[key], declared):
-            reasons.append(f"its header says {key} {metadata[key]}, the card {declared}")
+        if key in stated and not _same(stated[key], declared):
+            reasons.append(f"its header says {key} {stated[key]}, the card {declared}")
     if reasons:
         raise BadInput(f"adapter '{name}' ({path}) does not fit: {'; '.join(reasons[:3])}")
     layers = linear_names(model)
     dtype = getattr(torch, weights_dtype(precision))
     device = next(iter(layers.values())).weight.device
     a, b = {}, {}
+    prefixed = uses_prefix(tensors)
     for key, value in tensors.items():
-        module, part = key.rsplit(".lora_", 1)
+        module, part = module_key(key, prefixed).rsplit(".lora_", 1)
         (a if part.startswith("A") else b)[module] = value.to(device=device, dtype=dtype)
     return LoraWeights(version, spec.rank, float(spec.alpha), a, b)
 

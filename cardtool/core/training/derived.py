@@ -12,7 +12,7 @@ from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.errors import BadInput, CardtoolError
 
-__all__ = ["extends_reference", "evaluate_output", "recipe_fingerprint"]
+__all__ = ["extends_reference", "evaluate_output", "recipe_fingerprint", "trained_parts"]
 
 
 def extends_reference(parent: Card, out: Path) -> str:
@@ -57,3 +57,26 @@ def evaluate_output(card: Card, judge: str, device: str | None, data: str | None
     if on_eval:
         on_eval(report)
     return load_card(card.folder)
+
+
+def trained_parts(module, name: str, lora, adapter: str, parent: Card) -> tuple[dict, dict, dict, dict]:
+    """What a post-training run made, as the new card's manifest parts, weight files, their header metadata and its
+    loop's default adapters: the whole transformer (it replaces the parent's, whose adapters then no longer apply)
+    or, with `lora`, a LoRA named `adapter` that the card adds and its loop applies by default."""
+    inherited = parent.manifest.adapters
+    defaults = parent.manifest.loops["denoise"].defaults.get("adapters") if "denoise" in parent.manifest.loops else None
+    if lora is None:
+        parts = {"components": {name: {"weights": "transformer.safetensors"}},
+                 **({"adapters": {n: None for n in inherited}} if inherited else {})}
+        return parts, {"transformer.safetensors": module.state_dict()}, {}, {"adapters": None} if defaults else {}
+    from cardtool.backends.lora import lora_file
+    from cardtool.backends.lora_targets import DEFAULT_TARGETS
+
+    if adapter in inherited:
+        raise BadInput(f"'{parent.id}' already declares an adapter '{adapter}'; the LoRA this run trains would "
+                       "replace it — train from a card without one")
+    rel = f"adapters/{adapter}.safetensors"
+    tensors, metadata = lora_file(*module.lora.weights(), lora.rank, lora.alpha)
+    entry = {"kind": "lora", "target": name, "weights": rel, "rank": lora.rank, "alpha": lora.alpha,
+             **({"targets": list(lora.targets)} if tuple(lora.targets) != DEFAULT_TARGETS else {})}
+    return {"adapters": {adapter: entry}}, {rel: tensors}, {rel: metadata}, {"adapters": {adapter: 1.0}}

@@ -12,7 +12,7 @@ from cardtool.backends.platform import Platform
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.writer import write_card
-from cardtool.core.training.derived import evaluate_output, extends_reference, recipe_fingerprint
+from cardtool.core.training.derived import evaluate_output, extends_reference, recipe_fingerprint, trained_parts
 from cardtool.core.training.recipes import Recipe
 from cardtool.core.training.trainer import train_loop
 from cardtool.errors import BadInput
@@ -79,22 +79,22 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
                "train_seconds": round(result.seconds, 1), "final_loss": round(result.final_loss, 6),
                "platform": f"{platform.device}/{platform.arch}"}
     steps = settings.student_steps
+    parts, weights, metadata, defaults = trained_parts(result.modules["transformer"], task.name, task.lora, "dmd2",
+                                                       teacher)
     manifest = {
         "schema": "cardtool/v1", "id": recipe.card.id,
         "description": recipe.card.description or f"{steps}-step DMD2 student of {teacher.id}",
         "extends": extends_reference(teacher, out),
-        "components": {task.name: {"weights": "transformer.safetensors"}},
+        **parts,
         "loops": {"denoise": {"defaults": {"steps": steps, "guidance": 1.0, "shift": settings.shift,
-                                           "solver": "renoise"}}},
-        **({"adapters": {name: None for name in teacher.manifest.adapters}} if teacher.manifest.adapters else {}),
+                                           "solver": "renoise", **defaults}}},
         "recipe": {"method": "dmd2", "parents": [teacher.id], "assumes": {"loop": "denoise", "steps": steps},
                    "command": command, "fingerprint": recipe_fingerprint(recipe),
                    "hyperparameters": recipe.model_dump(mode="json", exclude={"card", "method", "parents"}),
                    "metrics": metrics},
         "parity": {"consistency": "C1"},
     }
-    weights = {"transformer.safetensors": result.modules["transformer"].state_dict()}
-    card = write_card(out, manifest, weights, storage=recipe.card.storage, overwrite=force)
+    card = write_card(out, manifest, weights, storage=recipe.card.storage, overwrite=force, metadata=metadata)
     if evaluate:
         card = evaluate_output(card, judge, device, data, on_eval)
     return card

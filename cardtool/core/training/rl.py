@@ -19,7 +19,7 @@ from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.loops import FlowDenoiseDefaults
 from cardtool.core.cards.writer import write_card
 from cardtool.core.prompts import training_prompts
-from cardtool.core.training.derived import evaluate_output, extends_reference, recipe_fingerprint
+from cardtool.core.training.derived import evaluate_output, extends_reference, recipe_fingerprint, trained_parts
 from cardtool.core.training.recipes import Recipe
 from cardtool.core.training.trainer import train_loop
 from cardtool.errors import BadInput
@@ -179,9 +179,10 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
 
     run_dir.mkdir(parents=True, exist_ok=True)
     result = train_loop(task, recipe, platform, run_dir, resume=resume, on_log=log)
-    card = write_card(out, _manifest(recipe, task, base, reward.card_id, out, command, result, platform),
-                      {"transformer.safetensors": result.modules["transformer"].state_dict()},
-                      storage=recipe.card.storage, overwrite=force)
+    parts, weights, metadata, defaults = trained_parts(result.modules["transformer"], task.name, task.lora,
+                                                       METHODS[recipe.method], base)
+    manifest = _manifest(recipe, task, base, reward.card_id, out, command, result, platform, parts, defaults)
+    card = write_card(out, manifest, weights, storage=recipe.card.storage, overwrite=force, metadata=metadata)
     if evaluate:
         card = evaluate_output(card, judge, device, data, on_eval)
         if held_out_judge:
@@ -189,7 +190,8 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
     return card
 
 
-def _manifest(recipe: Recipe, task, base: Card, reward_id: str, out: Path, command: str, result, platform) -> dict:
+def _manifest(recipe: Recipe, task, base: Card, reward_id: str, out: Path, command: str, result, platform,
+              parts: dict, defaults: dict) -> dict:
     s = task.settings
     history = task.reward_history
     windows = np.array_split(np.asarray(history), min(len(history), 20)) if history else []
@@ -209,9 +211,8 @@ def _manifest(recipe: Recipe, task, base: Card, reward_id: str, out: Path, comma
         "description": recipe.card.description or f"{base.id} reward-tuned with {recipe.method} on {reward_id}; "
                                                    "samples without CFG",
         "extends": extends_reference(base, out),
-        "components": {task.name: {"weights": "transformer.safetensors"}},
-        "loops": {"denoise": {"defaults": {"steps": steps, "guidance": 1.0, "solver": "euler"}}},
-        **({"adapters": {name: None for name in base.manifest.adapters}} if base.manifest.adapters else {}),
+        **parts,
+        "loops": {"denoise": {"defaults": {"steps": steps, "guidance": 1.0, "solver": "euler", **defaults}}},
         "recipe": {"method": recipe.method, "parents": [base.id, reward_id],
                    "assumes": {"loop": "denoise", "steps": steps}, "command": command,
                    "fingerprint": recipe_fingerprint(recipe),

@@ -28,6 +28,7 @@ from cardtool.core.cards.loops import MAX_STEPS
 from cardtool.core.data import Split
 from cardtool.core.prompts import training_prompts
 from cardtool.core.sampling.denoise import Request
+from cardtool.core.training.lora_settings import lora_settings
 from cardtool.core.training.methods.frozen import FrozenCard
 from cardtool.core.training.methods.vae import latents
 from cardtool.core.training.recipes import LossSettings, Recipe
@@ -112,12 +113,11 @@ class DMD2Task(Task):
         self.settings = s = DMD2Settings.from_recipe(recipe.loss)
         self.teacher, self.device = teacher, platform.torch_device
         frozen = FrozenCard(teacher, platform, "teacher", "DMD2")
-        if recipe.model:
-            raise BadInput(f"the student keeps the architecture of '{teacher.id}'; leave the recipe's model: empty")
+        self.lora = lora_settings(recipe, "student", teacher.id)
         self.name, self.config, self.cache = frozen.name, frozen.config, frozen.cache
         self.real = frozen.module
         torch.manual_seed(recipe.train.seed)
-        self.generator, self.critic = frozen.copy(), frozen.copy()
+        self.generator, self.critic = frozen.copy(self.lora), frozen.copy()  # the fake score trains whole
         self.loop = frozen.serving(self.generator)
         # the teacher as its card serves it (or as the recipe guides it): CFG on the steps in the guidance interval
         self.real_velocity = frozen.guided(s.guidance, s.guidance_interval)

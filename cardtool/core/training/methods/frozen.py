@@ -16,6 +16,7 @@ from cardtool.core.cards.loops import FlowDenoiseDefaults
 from cardtool.core.sampling.denoise import DenoiseLoop
 from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.sampling.text_cache import TextFeatureCache, encode_prompts
+from cardtool.core.training.lora_settings import LoraSettings
 from cardtool.errors import BadInput
 
 __all__ = ["FrozenCard", "GuidedVelocity"]
@@ -38,12 +39,22 @@ class FrozenCard:
         self.module = self.instance.component(self.name)
         self.config = WanDiTConfig.from_card(spec.config)
         self.defaults = FlowDenoiseDefaults.model_validate(card.manifest.loops["denoise"].defaults)
+        if self.defaults.adapters:  # a LoRA card is its base with its LoRA: merge it, as its loop serves it
+            from cardtool.backends.lora import merge
 
-    def copy(self) -> WanDiT:
-        """A trainable module holding the card's transformer weights."""
+            stack = self.instance.adapters.resolve(tuple(self.defaults.adapters.items()))
+            merge(self.module, [(use.adapter.value, use.scale) for use in stack])
+
+    def copy(self, lora: LoraSettings | None = None) -> torch.nn.Module:
+        """A trainable module holding the card's transformer weights; with `lora`, the frozen weights and a new
+        LoRA (rank, alpha, targets) that alone trains."""
         module = WanDiT(self.config, self.platform).to(self.device)
         module.load_state_dict(self.module.state_dict())
-        return module
+        if lora is None:
+            return module
+        from cardtool.backends.lora import LoraWrapped, TrainableLora
+
+        return LoraWrapped(module, TrainableLora(module, lora.targets, lora.rank, lora.alpha))
 
     def serving(self, module: torch.nn.Module) -> DenoiseLoop:
         """The card's denoise loop with its transformer served from `module` (live training weights)."""

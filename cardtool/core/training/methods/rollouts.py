@@ -23,6 +23,7 @@ from cardtool.core.evaluation.reward import Reward
 from cardtool.core.sampling.denoise import LoopState, Request
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import encode_prompts
+from cardtool.core.training.lora_settings import lora_settings
 from cardtool.core.training.methods.frozen import FrozenCard
 from cardtool.core.training.recipes import LossSettings, Recipe
 from cardtool.core.training.trainer import Task
@@ -85,14 +86,13 @@ class RewardTask(Task):
         if not prompts:
             raise BadInput("no prompts to train on")
         frozen = FrozenCard(base, platform, "card", "reward fine-tuning")
-        if recipe.model:
-            raise BadInput(f"the tuned card keeps the architecture of '{base.id}'; leave the recipe's model: empty")
+        self.lora = lora_settings(recipe, "tuned", base.id)
         self.base, self.reward, self.prompts = base, reward, prompts
         self.device, self.name, self.cache = platform.torch_device, frozen.name, frozen.cache
         # the KL term's reference: the plain base (guidance 1), or the base as its card serves it (None)
         self.reference_velocity = frozen.guided(s.reference_guidance)
         torch.manual_seed(recipe.train.seed)
-        self.policy = frozen.copy()
+        self.policy = frozen.copy(self.lora)
         self.loop = frozen.serving(self.sampler())
         self.shift = s.shift if s.shift is not None else frozen.defaults.shift
         self.buffer: Rollouts | None = None

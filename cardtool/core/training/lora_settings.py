@@ -1,0 +1,40 @@
+"""`model.lora` of an rl or distill recipe (`--lora RANK`): train a LoRA on the frozen transformer instead of the
+whole transformer; the output card extends the parent and adds the LoRA, applied by its loop's defaults."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from cardtool.backends.lora_targets import DEFAULT_TARGETS
+from cardtool.errors import BadInput
+
+__all__ = ["LoraSettings", "lora_settings"]
+
+
+class LoraSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int = Field(ge=1, le=1024)
+    alpha: float | None = Field(None, gt=0)  # None: alpha = rank (α/r = 1)
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+
+    def model_post_init(self, _) -> None:
+        if self.alpha is None:
+            object.__setattr__(self, "alpha", float(self.rank))
+
+
+def lora_settings(recipe, method: str, parent: str) -> LoraSettings | None:
+    """The recipe's `model.lora`, validated; None when the whole transformer trains. Any other `model:` key is an
+    error (the tuned card keeps the parent's architecture)."""
+    model = dict(recipe.model)
+    section = model.pop("lora", None)
+    if model:
+        raise BadInput(f"the {method} card keeps the architecture of '{parent}'; the recipe's model: may only hold "
+                       f"lora: (got model.{', model.'.join(sorted(model))})")
+    if section is None:
+        return None
+    try:
+        return LoraSettings.model_validate(section)
+    except ValidationError as e:
+        problems = "; ".join(f"model.lora.{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        raise BadInput(f"{method} recipe: {problems}") from None
