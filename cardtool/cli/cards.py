@@ -1,4 +1,4 @@
-"""`cardtool cards list | show | validate | lineage`."""
+"""`cardtool cards list | show | validate | lineage | export | compose`."""
 
 from __future__ import annotations
 
@@ -179,3 +179,27 @@ def export_command(
         return
     console().print(f"exported {exported.id} ({fmt}) to {display_path(exported.folder)}: {', '.join(files)}",
                     markup=False)
+
+
+@app.command("compose")
+def compose_command(
+    base: CardArgument,
+    adapter_cards: Annotated[list[str], typer.Argument(help="Adapter cards that extend BASE (lora, controlnet).")],
+    card_id: Annotated[str, typer.Option("--id", help="The serving card's id.")],
+    out: Annotated[Path | None, typer.Option("--out", help="The card folder (default cards/ID).")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing card folder.")] = False,
+    json_: JsonOption = False,
+) -> None:
+    """One card serving the adapters of several adapter cards made on BASE, chosen per request with --adapter."""
+    from cardtool.core.cards.compose import compose_cards
+    from cardtool.core.cards.source import display_path
+
+    with handled(json_):
+        card = compose_cards(base, adapter_cards, card_id, out, overwrite)
+    adapters = sorted(card.manifest.adapters)
+    if json_:
+        emit_json({"card": card.id, "path": display_path(card.folder), "extends": card.manifest.extends,
+                   "adapters": adapters, "parents": card.manifest.recipe.parents})
+        return
+    console().print(f"wrote {card.id} to {display_path(card.folder)}: {', '.join(adapters)} on "
+                    f"{card.manifest.recipe.parents[0]}", markup=False)

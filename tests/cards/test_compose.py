@@ -1,0 +1,68 @@
+"""`cardtool cards compose`: one serving card for the adapters of several adapter cards made on one base."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from typer.testing import CliRunner
+
+from cardtool.backends.lora import linear_names, write_lora
+from cardtool.backends.platform import Platform
+from cardtool.cli import app
+from cardtool.core.cards.loader import load_card
+from cardtool.core.cards.weight_files import sha256_file
+from cardtool.core.sampling.instance import ModelInstance
+
+ADAPTER_CARD = """\
+schema: cardtool/v1
+id: {id}
+extends: {base}
+adapters:
+  {name}: {{kind: lora, target: transformer, weights: adapters/{name}.safetensors, rank: 2, alpha: 2}}
+recipe: {{method: lora, parents: [tiny-base]}}
+"""
+
+
+def adapter_card(root, base, card_id, name, seed):
+    dit = ModelInstance(load_card(root / base), Platform("cpu", "generic")).component("transformer")
+    layers = linear_names(dit)
+    generator = torch.Generator().manual_seed(seed)
+    names = ["blocks.0.attn1.to_q", "blocks.1.ffn.net.2"]
+    write_lora(root / card_id / "adapters" / f"{name}.safetensors",
+               {n: torch.randn(2, layers[n].in_features, generator=generator) for n in names},
+               {n: torch.randn(layers[n].out_features, 2, generator=generator) for n in names}, rank=2, alpha=2)
+    (root / card_id / "card.yaml").write_text(ADAPTER_CARD.format(id=card_id, base=base, name=name))
+
+
+def test_compose_serves_every_adapter_card_from_one_card(examples, tmp_path):
+    adapter_card(examples, "tiny-base", "tiny-a", "alpha", 1)
+    adapter_card(examples, "tiny-base", "tiny-b", "beta", 2)
+    result = CliRunner().invoke(app, ["cards", "compose", str(examples / "tiny-base"), str(examples / "tiny-a"),
+                                      str(examples / "tiny-b"), "--id", "tiny-served", "--out",
+                                      str(examples / "tiny-served"), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["adapters"] == ["alpha", "beta", "invert"]
+    card = load_card(examples / "tiny-served", checksums=True)
+    assert card.manifest.recipe.method == "import" and card.manifest.recipe.parents == ["tiny-base", "tiny-a", "tiny-b"]
+    assert set(card.manifest.adapters) == {"invert", "alpha", "beta"}, "the base's own adapters stay"
+    assert card.manifest.adapters["alpha"].sha256 == sha256_file(examples / "tiny-a" / "adapters" / "alpha.safetensors")
+    validate = CliRunner().invoke(app, ["cards", "validate", str(examples / "tiny-served")])
+    assert validate.exit_code == 0, validate.output
+    run = CliRunner().invoke(app, ["generate", str(examples / "tiny-served"), "-p", "a bag", "--steps", "1",
+                                   "--adapter", "alpha=0.5", "--adapter", "beta", "--json", "--out", str(tmp_path)])
+    assert run.exit_code == 0, run.output
+    assert [a["name"] for a in json.loads(run.stdout)["images"][0]["adapters"]] == ["alpha", "beta"]
+
+
+def test_compose_refuses_cards_made_on_another_base_and_clashing_names(examples, tmp_path):
+    adapter_card(examples, "tiny-base", "tiny-a", "alpha", 1)
+    adapter_card(examples, "tiny-base", "tiny-a2", "alpha", 3)
+    runner = CliRunner()
+    clash = runner.invoke(app, ["cards", "compose", str(examples / "tiny-base"), str(examples / "tiny-a"),
+                                str(examples / "tiny-a2"), "--id", "x", "--out", str(tmp_path / "x")])
+    assert clash.exit_code == 2 and "two adapter cards declare an adapter 'alpha'" in clash.output
+    other = runner.invoke(app, ["cards", "compose", str(examples / "tiny-rl"), str(examples / "tiny-a"), "--id", "y",
+                                "--out", str(tmp_path / "y")])
+    assert other.exit_code == 2 and "does not extend 'tiny-rl'" in other.output
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
