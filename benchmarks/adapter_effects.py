@@ -1,7 +1,9 @@
 """What the built-in adapters do, measured: each LoRA's effect at scales 0, 0.5 and 1 and two composed — mean
 intensity (invert) and ink area, the fraction of pixels above 127 (bold) — with class accuracy under the judge;
-and the ControlNet's adherence: the IoU between a held-out test image's silhouette, given as the control, and the
-silhouette of the image generated from it (prompted with that image's class), against the base without control.
+the same measures on the real test images with each LoRA's transform applied (raw, and through the card's VAE:
+what a LoRA in its latent space can reach at best); and the ControlNet's adherence: the IoU between a held-out test
+image's silhouette, given as the control, and the silhouette of the image generated from it (prompted with that
+image's class), against the base without control.
 
 Every row samples the class prompts × seeds 0…per_class−1 at the card's loop defaults. The ControlNet rows use the
 first `--control-images` test images (never trained on), seed i for image i.
@@ -29,6 +31,7 @@ from cardtool.core.sampling.denoise import Request
 from cardtool.core.sampling.generate import LoadedCard, plan_requests
 from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.sampling.sampler import sample
+from cardtool.core.transforms import transform
 
 STACKS = [[], [("invert", 0.5)], [("invert", 1.0)], [("bold", 0.5)], [("bold", 1.0)],
           [("invert", 1.0), ("bold", 1.0)], [("invert", 0.5), ("bold", 0.5)]]
@@ -38,6 +41,18 @@ def iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Per-image intersection over union of two boolean masks (B, H, W)."""
     union = (a | b).sum((1, 2))
     return np.where(union > 0, (a & b).sum((1, 2)) / np.maximum(union, 1), 1.0)
+
+
+def roundtrip(vae, images: np.ndarray) -> np.ndarray:
+    """Images encoded to the VAE's posterior mean and decoded."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for i in range(0, len(images), 500):
+            x = torch.from_numpy(images[i:i + 500].astype(np.float32)[:, None] / 127.5 - 1)
+            out.append(vae.decode(vae.encode(x)[0])[:, 0].float().numpy())
+    return np.clip(np.round((np.concatenate(out) + 1) * 127.5), 0, 255).astype(np.uint8)
 
 
 def main() -> None:
@@ -72,6 +87,24 @@ def main() -> None:
         print(json.dumps(row), flush=True)
 
     test = load_split("test", args.data)
+    data_rows = []
+    real, real_labels = test.images[:len(labels)], test.labels[:len(labels)]
+    vae = loop.instance.component(loop.vae)
+    for name in ("none", "invert", "bold", "invert+bold"):
+        images = real
+        for step in name.split("+"):
+            images = transform(step, images)
+        for how, pictures in (("real", images), ("through the VAE", roundtrip(vae, images))):
+            named = judge.probabilities(pictures).argmax(1)
+            row = {"data": f"test images, {name}, {how}", "images": len(pictures),
+                   "mean_intensity": round(float(pictures.mean()), 2),
+                   "ink_area": round(float((pictures > 127).mean()), 4),
+                   "class_accuracy": round(float((named == real_labels).mean()), 4)}
+            if "invert" in name:
+                turned = judge.probabilities(255 - pictures).argmax(1)
+                row["class_accuracy_uninverted"] = round(float((turned == real_labels).mean()), 4)
+            data_rows.append(row)
+            print(json.dumps(row), flush=True)
     images, classes = test.images[:args.control_images], test.labels[:args.control_images]
     shapes = silhouette(images)
     control_rows = []
@@ -92,7 +125,8 @@ def main() -> None:
         control_rows.append(row)
         print(json.dumps(row), flush=True)
     report = {"card": loaded.card.id, "judge": args.judge, "per_class": args.per_class,
-              "platform": f"{platform.device}/{platform.arch}", "lora": rows, "controlnet": control_rows,
+              "platform": f"{platform.device}/{platform.arch}", "lora": rows, "data": data_rows,
+              "controlnet": control_rows,
               "control_images": f"the first {len(images)} Fashion-MNIST test images"}
     write_atomic(args.out, (json.dumps(report, indent=2) + "\n").encode())
 

@@ -105,15 +105,18 @@ def main() -> None:
             "one shared LoRA, unfused": lambda: sample(loop, shared, max_batch=256),
             "one shared LoRA, fused": lambda: fused_run(shared),
         }
-        rows = []
-        for name, run in modes.items():
+        for run in modes.values():
             run()  # warm: adapter loading and first-call costs stay out of the timings
-            times = []
-            for _ in range(args.repeats):
+        # round robin, so a load change on a shared machine falls on every mode alike
+        times = {name: [] for name in modes}
+        for _ in range(args.repeats):
+            for name, run in modes.items():
                 started = time.perf_counter()
                 run()
-                times.append(time.perf_counter() - started)
-            median = statistics.median(times)
+                times[name].append(time.perf_counter() - started)
+        rows = []
+        for name, spent in times.items():
+            median = statistics.median(spent)
             rows.append({"mode": name, "images": args.batch, "median_s": round(median, 4),
                          "images_per_second": round(args.batch / median, 2)})
             print(json.dumps(rows[-1]), flush=True)

@@ -106,3 +106,26 @@ def test_best_of_n_benchmark_measures_plain_and_best_of_n_per_card(tmp_path, exa
     for plain, best in (rows[:2], rows[2:]):
         # candidate 0 is the plain image, so the best of three never scores lower on the reward
         assert best["mean_reward"] >= plain["mean_reward"] and best["images"] == plain["images"] == 10
+
+
+def test_adapter_throughput_benchmark_times_every_serving_mode(tmp_path, examples):
+    out = tmp_path / "adapters.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "adapters.py"), "--card", str(examples / "tiny-base"),
+                    "--batch", "4", "--adapters", "2", "--steps", "2", "--repeats", "1", "--out", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    report = json.loads(out.read_text())
+    assert [r["mode"] for r in report["rows"]] == [
+        "no adapter", "mixed 2 LoRAs, one batch", "2 groups one after another, unfused",
+        "2 groups one after another, each fused", "one shared LoRA, unfused", "one shared LoRA, fused"]
+    assert all(r["images_per_second"] > 0 for r in report["rows"]) and report["ratios"]["mixed / no adapter"] > 0
+
+
+def test_adapter_effects_benchmark_measures_the_built_in_adapters(tmp_path, fashion_mnist):
+    out = tmp_path / "effects.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "adapter_effects.py"), "--per-class", "1",
+                    "--control-images", "4", "--out", str(out)], check=True, capture_output=True, timeout=300)
+    report = json.loads(out.read_text())
+    assert [r["stack"] for r in report["lora"]][:3] == ["none", {"invert": 0.5}, {"invert": 1.0}]
+    assert all(r["images"] == 10 for r in report["lora"]) and len(report["data"]) == 8
+    assert [r["control_scale"] for r in report["controlnet"]] == ["no control (base)", 0.5, 1.0]
+    assert all(0 <= r["silhouette_iou"] <= 1 for r in report["controlnet"])

@@ -21,6 +21,7 @@ FAMILY = ("fashion-vae", "fashion-classifier", "fashion-referee", "fashion-base"
 STUDENTS = ("fashion-base-4step", "fashion-base-2step")
 TUNED = ("fashion-base-nft", "fashion-base-nft-2step", "fashion-base-nft-1step", "fashion-kl10-nft",
          "fashion-kl10-nft-2step")
+ADAPTERS = {"fashion-invert": "invert", "fashion-bold": "bold", "fashion-silhouette": "silhouette"}
 
 
 @pytest.fixture
@@ -30,7 +31,7 @@ def builtin(monkeypatch):
 
 def test_the_family_validates_with_checksums(builtin):
     results = validate_paths([str(CARDS)], checksums=True)
-    assert sorted(r.id for r in results) == sorted(FAMILY + STUDENTS + TUNED)
+    assert sorted(r.id for r in results) == sorted(FAMILY + STUDENTS + TUNED + (*ADAPTERS, "fashion-adapters"))
     assert all(not r.problems for r in results), [p for r in results for p in r.problems]
 
 
@@ -178,3 +179,76 @@ def test_the_fashion_workflow_example_runs(builtin, tmp_path):
     draft, refine = ([np.asarray(Image.open(i["path"]), dtype=float) for i in s["images"]] for s in report.steps[:2])
     # strength 0.4 keeps the draft's garment: the refined image stays near it (measured ≈ 12 of 255 on average)
     assert np.mean([np.abs(a - b).mean() for a, b in zip(draft, refine, strict=True)]) < 30
+
+
+@pytest.mark.parametrize("card_id", ADAPTERS)
+def test_each_adapter_card_records_its_train_command_and_fashion_adapters_serves_the_same_files(builtin, card_id):
+    card = load_card(card_id, checksums=True)
+    command = shlex.split(card.manifest.recipe.command)
+    train = command[command.index("cardtool"):][:4]  # after OMP_NUM_THREADS=1
+    assert train == ["cardtool", "train", "--recipe", f"examples/recipes/{card_id}.yaml"]
+    recipe = load_recipe(REPO / f"examples/recipes/{card_id}.yaml")
+    name = ADAPTERS[card_id]
+    assert card.manifest.recipe.method == recipe.method and card.manifest.recipe.parents == ["fashion-base"]
+    assert card.manifest.extends == "fashion-base" and card.manifest.adapters[name].kind == recipe.method
+    served = load_card("fashion-adapters", checksums=True)
+    assert served.manifest.adapters[name].sha256 == card.manifest.adapters[name].sha256
+    assert card_id in served.manifest.recipe.parents
+
+
+def test_the_built_in_adapters_do_what_they_were_trained_for(builtin, fashion_mnist):
+    """A small live check (the measured numbers are in benchmarks/results/adapter_effects.json): invert brightens
+    the image, bold adds ink, scale 0 is the base, and the silhouette ControlNet follows a test image's shape better
+    than the base does."""
+    import numpy as np
+
+    from cardtool.core.data import load_split
+    from cardtool.core.sampling.control import ControlImage, silhouette
+    from cardtool.core.sampling.generate import LoadedCard, plan_requests
+    from cardtool.core.sampling.sampler import sample
+
+    loaded = LoadedCard("fashion-adapters", device="cpu")
+    loop = loaded.loop()
+
+    def images(stack, prompts=("a dress", "a sneaker", "a bag", "a pair of trousers"), **options):
+        requests, _ = plan_requests(loaded.card, list(prompts), adapters=stack, **options)
+        return loop.finalize(sample(loop, requests))
+
+    base, zero = images([]), images([("invert", 0.0), ("bold", 0.0)])
+    assert np.array_equal(base, zero)
+    assert images([("invert", 1.0)]).mean() > base.mean() + 60
+    assert (images([("bold", 1.0)]) > 127).mean() > (base > 127).mean() + 0.03
+    test = load_split("test")
+    shapes, labels = silhouette(test.images[:8]), test.labels[:8]
+    from cardtool.core.prompts import class_prompt
+
+    def iou(control):
+        requests = []
+        for i, (shape, label) in enumerate(zip(shapes, labels, strict=True)):
+            [r], _ = plan_requests(loaded.card, [class_prompt(int(label))], seed=i, adapters=[],
+                                   control=ControlImage.make(shape, "none") if control else None)
+            requests.append(r)
+        made = silhouette(loop.finalize(sample(loop, requests))) > 0
+        truth = shapes > 0
+        return float(((made & truth).sum((1, 2)) / (made | truth).sum((1, 2))).mean())
+
+    assert iou(True) > iou(False) + 0.1
+
+
+def test_the_readme_adapter_commands_run(builtin, fashion_mnist, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from cardtool.cli import app
+    from cardtool.core.data import load_split
+    from cardtool.core.sampling.images import save_png
+
+    monkeypatch.chdir(tmp_path)
+    save_png(tmp_path / "coat.png", load_split("test").images[list(load_split("test").labels).index(4)])
+    runner = CliRunner()
+    for command in (["generate", "fashion-adapters", "-p", "a dress", "--adapter", "invert", "--adapter", "bold=0.5"],
+                    ["generate", "fashion-adapters", "-p", "a coat", "--control", "coat.png"],
+                    ["generate", "fashion-invert", "-p", "a dress"]):
+        result = runner.invoke(app, [*command, "--json"])
+        assert result.exit_code == 0, result.output
+        [image] = json.loads(result.stdout)["images"]
+        assert image["adapters"], "every one of them uses an adapter"

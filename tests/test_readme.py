@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -52,6 +53,8 @@ def test_quick_tour_runs_as_written(tmp_path):
     assert result.stdout.count("ok ") >= 3, "validate --checksums reports each example card ok"
     assert len(list((tmp_path / "outputs").glob("tiny-base-*.png"))) == 4 + 1, "four images and the grid"
     assert read_png_metadata(tmp_path / "outputs" / "bag-bf16.png")["precision"] == "bfloat16"
+    stack = json.loads(read_png_metadata(tmp_path / "outputs" / "bag-invert.png")["adapters"])
+    assert [(a["name"], a["scale"]) for a in stack] == [("invert", 0.5)] and len(stack[0]["version"]) == 64
     student = read_png_metadata(tmp_path / "outputs" / "student.png")
     assert (student["card"], student["steps"], student["solver"]) == ("tiny-base-2step", "2", "renoise")
     tuned = (tmp_path / "outputs" / "tiny-nft" / "card.yaml").read_text()

@@ -49,5 +49,5 @@ def lora_bgmv(x, y, lora_a, lora_b, scales, index):
     """Mixed-adapter LoRA with the two low-rank products in bfloat16, added to the base output in its dtype."""
     bf16 = torch.bfloat16
     delta = torch_ops.lora_bgmv(x.to(bf16), torch.zeros_like(y, dtype=bf16), lora_a.to(bf16), lora_b.to(bf16),
-                                scales, index)
+                                scales if scales is None else scales.to(bf16), index)
     return y + delta.to(y.dtype)

@@ -20,10 +20,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from cardtool.backends.lora_targets import DEFAULT_TARGETS, matching
+from cardtool.backends.lora_targets import matching
 
-__all__ = ["DEFAULT_TARGETS", "LoraWeights", "LoraPlan", "LoraWrapped", "TrainableLora", "fused", "merge",
-           "linear_names", "lora_file", "read_lora", "write_lora", "matching"]
+__all__ = ["LoraWeights", "LoraPlan", "LoraWrapped", "TrainableLora", "fused", "merge", "linear_names", "lora_file",
+           "read_lora", "write_lora"]
+
 
 def linear_names(model: nn.Module) -> dict[str, nn.Linear]:
     """The model's linear layers by state-dict module name."""
@@ -82,36 +83,52 @@ def write_lora(path: Path, a: dict[str, torch.Tensor], b: dict[str, torch.Tensor
 
 
 class LoraPlan:
-    """One batch's LoRA work: for each module any stack touches, the slots' A (n, R, in) and B (n, out, R) —
-    zero-padded to the largest total rank, which changes nothing — and each row's slot (−1: none).
+    """One batch's LoRA work: for each module any stack touches, every row's A (N, R, in) and B (N, out, R) —
+    its slot's, zero-padded to the largest total rank (which changes nothing); zero for a row without one.
 
-    `stacks` is one entry per distinct stack: a tuple of (LoraWeights, scale); `rows` the slot of every row."""
+    `stacks` is one entry per distinct stack: a tuple of (LoraWeights, scale); `rows` the slot of every row (−1:
+    none). The slots are gathered per row once, when the plan is made, not in each of the many calls a batch's
+    denoising makes (the plan lives as long as its batch)."""
 
     def __init__(self, stacks: list[tuple], rows: list[int], kernel, device, dtype=torch.float32):
-        self.kernel, self.index = kernel, torch.tensor(rows, device=device)
-        self.scales = torch.ones(len(stacks), device=device, dtype=dtype)
-        modules = sorted({m for stack in stacks for lora, _ in stack for m in lora.a})
+        self.kernel = kernel
+        index = torch.tensor(rows, device=device)
+        picked, used = index.clamp(min=0), (index >= 0).to(dtype)[:, None, None]
         self.modules = {}
-        for module in modules:
-            parts = [[(lora.a[module], lora.b[module] * (scale * lora.scaling)) for lora, scale in stack
-                      if module in lora.a] for stack in stacks]
-            rank = max(sum(a.shape[0] for a, _ in part) for part in parts)
-            some = next(p for part in parts for p in part)
-            a = torch.zeros(len(stacks), rank, some[0].shape[1], device=device, dtype=dtype)
-            b = torch.zeros(len(stacks), some[1].shape[0], rank, device=device, dtype=dtype)
-            for slot, part in enumerate(parts):
-                r = 0
-                for pa, pb in part:
-                    a[slot, r:r + pa.shape[0]], b[slot, :, r:r + pa.shape[0]] = pa, pb
-                    r += pa.shape[0]
-            self.modules[module] = (a, b)
+        for module in sorted({m for stack in stacks for lora, _ in stack for m in lora.a}):
+            a, b = _slots(module, stacks, device, dtype)
+            self.modules[module] = (a[picked], b[picked] * used)
 
     def __call__(self, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The base output `y` of linear `module` on input `x`, plus every row's own LoRA delta."""
         weights = self.modules.get(module)
         if weights is None:
             return y
-        return self.kernel(x, y, weights[0], weights[1], self.scales, self.index)
+        return self.kernel(x, y, weights[0], weights[1], None, None)
+
+
+def _slots(module: str, stacks: list[tuple], device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every slot's A (S, R, in) and B (S, out, R) for one module: its stack's LoRAs concatenated along the rank,
+    each B times scale·α/r, zero-padded to the largest total rank R (a slot whose stack skips the module is zero).
+    Built with a few batched operations, not one per slot: a plan is made for every new batch."""
+    parts = [[(lora.a[module], lora.b[module], scale * lora.scaling) for lora, scale in stack if module in lora.a]
+             for stack in stacks]
+    d_in, d_out = next((p[0].shape[1], p[1].shape[0]) for part in parts for p in part)
+    rank = max(sum(a.shape[0] for a, _, _ in part) for part in parts)
+    a_slots, b_slots, coefficients = [], [], []
+    for part in parts:
+        if len(part) == 1 and part[0][0].shape[0] == rank:  # the common case: one LoRA, scaled below in one go
+            a_slots.append(part[0][0])
+            b_slots.append(part[0][1])
+            coefficients.append(part[0][2])
+            continue
+        a = torch.cat([a for a, _, _ in part]) if part else torch.zeros(0, d_in, device=device)
+        b = torch.cat([b * c for _, b, c in part], dim=1) if part else torch.zeros(d_out, 0, device=device)
+        a_slots.append(torch.nn.functional.pad(a, (0, 0, 0, rank - a.shape[0])))
+        b_slots.append(torch.nn.functional.pad(b, (0, rank - b.shape[1])))
+        coefficients.append(1.0)
+    scale = torch.tensor(coefficients, device=device, dtype=dtype)[:, None, None]
+    return torch.stack(a_slots).to(dtype), torch.stack(b_slots).to(dtype) * scale
 
 
 @contextlib.contextmanager

@@ -154,7 +154,10 @@ def _lora_bgmv(rng):
                  {"index": np.array([0, -1, 2, 1, 0])}),
             Case("4x16 → 8, 2 adapters r=2", dict(x=n((4, 16)), y=n((4, 8)), lora_a=n((2, 2, 16)) / 4,
                                                   lora_b=n((2, 8, 2)) / 2**0.5, scales=np.array([1.0, 0.25])),
-                 {"index": np.array([-1, -1, 1, 0])})]
+                 {"index": np.array([-1, -1, 1, 0])}),
+            Case("3x4x16 → 24, gathered per sample r=3", dict(x=n((3, 4, 16)), y=n((3, 4, 24)),
+                                                          lora_a=n((3, 3, 16)) / 4, lora_b=n((3, 24, 3)) / 3**0.5,
+                                                          scales=np.array([1.0, 0.0, 0.5])), {"index": None})]
 
 
 _CASES = {"flow_match_step": _flow_match_step, "flow_sde_step": _flow_sde_step,

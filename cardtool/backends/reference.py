@@ -127,9 +127,12 @@ def lora_bgmv(x, y, lora_a, lora_b, scales, index):
     """Mixed-adapter LoRA (Punica BGMV): y[i] + scale_a·x[i]·A_aᵀ·B_aᵀ with a = index[i], −1 = no adapter.
 
     x (N, …, Din), y (N, …, Dout) the base output, lora_a (n, r, Din), lora_b (n, Dout, r), scales (n,).
-    Adapters of smaller rank are zero-padded to r, which changes nothing."""
+    Adapters of smaller rank are zero-padded to r, which changes nothing. With `index` None, sample i uses
+    adapter i (weights gathered once for many calls); `scales` None means 1."""
     out = y.copy()
-    for i, a in enumerate(np.asarray(index)):
+    rows = range(len(x)) if index is None else np.asarray(index)
+    for i, a in enumerate(rows):
         if a >= 0:
-            out[i] = out[i] + scales[a] * ((x[i] @ lora_a[a].T) @ lora_b[a].T)
+            scale = 1.0 if scales is None else scales[a]
+            out[i] = out[i] + scale * ((x[i] @ lora_a[a].T) @ lora_b[a].T)
     return out

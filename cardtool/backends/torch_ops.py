@@ -153,13 +153,17 @@ def timestep_embedding(t, dim, max_period=10000.0):
 
 
 def lora_bgmv(x, y, lora_a, lora_b, scales, index):
-    """Mixed-adapter LoRA in one batched call: gather each sample's A, B and scale by index (−1 = none)."""
+    """Mixed-adapter LoRA in one batched call: gather each sample's A, B and scale by index (−1 = none); with
+    `index` None the weights are already one per sample (a plan gathered them once for many calls). The scale is
+    folded into B and the delta accumulated into the base output by one batched multiply-add."""
     if lora_a.shape[0] == 0:
         return y
-    index = torch.as_tensor(index, device=x.device)
-    picked = index.clamp(min=0)
-    n = x.shape[0]
-    h = torch.bmm(x.reshape(n, -1, x.shape[-1]), lora_a[picked].transpose(1, 2))  # (N, L, r)
-    delta = torch.bmm(h, lora_b[picked].transpose(1, 2))  # (N, L, Dout)
-    weight = torch.where(index >= 0, scales[picked], torch.zeros((), dtype=scales.dtype, device=x.device))
-    return y + (weight.to(delta.dtype)[:, None, None] * delta).reshape(y.shape)
+    n, d_out = x.shape[0], y.shape[-1]
+    if index is not None:
+        index = torch.as_tensor(index, device=x.device)
+        picked = index.clamp(min=0)
+        scales = torch.where(index >= 0, scales[picked], torch.zeros((), dtype=scales.dtype, device=x.device))
+        lora_a, lora_b = lora_a[picked], lora_b[picked]
+    b = lora_b if scales is None else lora_b * scales.to(lora_b.dtype)[:, None, None]
+    h = torch.bmm(x.reshape(n, -1, x.shape[-1]), lora_a.transpose(1, 2).to(x.dtype))  # (N, L, r)
+    return torch.baddbmm(y.reshape(n, -1, d_out), h.to(y.dtype), b.transpose(1, 2).to(y.dtype)).reshape(y.shape)

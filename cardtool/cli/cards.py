@@ -79,10 +79,12 @@ def show_command(card: CardArgument, json_: JsonOption = False) -> None:
         out.print(table)
     if m.adapters:
         table = Table(title="adapters", title_justify="left")
-        for column in ("name", "kind", "target", "weights"):
+        for column in ("name", "kind", "target", "settings", "weights"):
             table.add_column(column, overflow="fold")
         for name, a in m.adapters.items():
-            table.add_row(*map(escape, (name, a.kind, a.target, a.weights)))
+            settings = f"rank {a.rank}, alpha {a.alpha:g}" if a.kind == "lora" else \
+                f"control {a.control}, {a.config.get('blocks', 2)} blocks"
+            table.add_row(*map(escape, (name, a.kind, a.target, settings, a.weights)))
         out.print(table)
     r = m.recipe
     out.print(f"recipe: method={r.method} parents=[{', '.join(r.parents)}] assumes: loop={r.assumes.loop} "

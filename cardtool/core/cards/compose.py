@@ -46,7 +46,7 @@ def compose_cards(base_ref: str, adapter_refs: list[str], card_id: str, out: Pat
                 "description": f"{base.id} serving the adapters of {', '.join(parents[1:])}",
                 "extends": extends_reference(base, out),
                 "adapters": adapters,
-                "recipe": {"method": "import", "parents": parents,
+                "recipe": {"method": "import", "parents": parents, "assumes": {"loop": "denoise"},
                            "command": command or shlex.join(["cardtool", "cards", "compose", base_ref, *adapter_refs,
                                                              "--id", card_id])},
                 "parity": {"consistency": "C1"}}
