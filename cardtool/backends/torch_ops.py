@@ -155,7 +155,8 @@ def timestep_embedding(t, dim, max_period=10000.0):
 def lora_bgmv(x, y, lora_a, lora_b, scales, index):
     """Mixed-adapter LoRA in one batched call: gather each sample's A, B and scale by index (−1 = none); with
     `index` None the weights are already one per sample (a plan gathered them once for many calls). The scale is
-    folded into B and the delta accumulated into the base output by one batched multiply-add."""
+    folded into B and the delta accumulated into the base output by one batched multiply-add — in place under
+    inference mode, where `y` is the caller's temporary (a linear layer's output)."""
     if lora_a.shape[0] == 0:
         return y
     n, d_out = x.shape[0], y.shape[-1]
@@ -166,4 +167,7 @@ def lora_bgmv(x, y, lora_a, lora_b, scales, index):
         lora_a, lora_b = lora_a[picked], lora_b[picked]
     b = lora_b if scales is None else lora_b * scales.to(lora_b.dtype)[:, None, None]
     h = torch.bmm(x.reshape(n, -1, x.shape[-1]), lora_a.transpose(1, 2).to(x.dtype))  # (N, L, r)
-    return torch.baddbmm(y.reshape(n, -1, d_out), h.to(y.dtype), b.transpose(1, 2).to(y.dtype)).reshape(y.shape)
+    rows = y.reshape(n, -1, d_out)
+    if torch.is_inference_mode_enabled() and y.is_inference():  # a sampler's temporary: add in place, no copy
+        return rows.baddbmm_(h.to(y.dtype), b.transpose(1, 2).to(y.dtype)).reshape(y.shape)
+    return torch.baddbmm(rows, h.to(y.dtype), b.transpose(1, 2).to(y.dtype)).reshape(y.shape)
