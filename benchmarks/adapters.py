@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from adapters_forward import serving_ratios  # benchmarks/, this script's folder
 
 from cardtool.atomic import write_atomic
 from cardtool.backends.lora import fused, linear_names, write_lora
@@ -120,12 +121,7 @@ def main() -> None:
             rows.append({"mode": name, "images": args.batch, "median_s": round(median, 4),
                          "images_per_second": round(args.batch / median, 2)})
             print(json.dumps(rows[-1]), flush=True)
-    speed = {r["mode"]: r["images_per_second"] for r in rows}
-    names = list(modes)
-    ratios = {"mixed / no adapter": round(speed[names[1]] / speed[names[0]], 3),
-              "mixed / groups unfused": round(speed[names[1]] / speed[names[2]], 3),
-              "mixed / groups fused": round(speed[names[1]] / speed[names[3]], 3),
-              "fused / unfused (one shared LoRA)": round(speed[names[5]] / speed[names[4]], 3)}
+    ratios = serving_ratios(rows)
     report = {"card": base.id, "batch": args.batch, "adapters": args.adapters, "rank": args.rank,
               "steps": mixed[0].steps, "group_size": group, "platform": loop.instance.platform.device + "/"
               + loop.instance.platform.arch, "threads": torch.get_num_threads(), "repeats": args.repeats,

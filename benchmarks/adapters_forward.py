@@ -26,6 +26,16 @@ from cardtool.backends.lora_targets import DEFAULT_TARGETS, matching
 from cardtool.backends.platform import Platform
 
 
+def serving_ratios(rows: list[dict]) -> dict[str, float]:
+    """The ratios the issue sets targets for, from rows in the order no adapter, mixed, groups unfused, groups fused,
+    shared unfused, shared fused."""
+    speed = [r["images_per_second"] for r in rows]
+    return {"mixed / no adapter": round(speed[1] / speed[0], 3),
+            "mixed / groups unfused": round(speed[1] / speed[2], 3),
+            "mixed / groups fused": round(speed[1] / speed[3], 3),
+            "fused / unfused (one shared LoRA)": round(speed[5] / speed[4], 3)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--card", type=Path, default=Path("cards/fashion-base"), help="A card folder.")
@@ -108,12 +118,7 @@ def main() -> None:
         rows.append({"mode": name, "median_s": round(median, 5), "batches_per_second": round(1 / median, 3),
                      "images_per_second": round(args.batch / median, 1)})
         print(json.dumps(rows[-1]), flush=True)
-    speed = {r["mode"]: r["images_per_second"] for r in rows}
-    keys = list(modes)
-    ratios = {"mixed / no adapter": round(speed[keys[1]] / speed[keys[0]], 3),
-              "mixed / groups unfused": round(speed[keys[1]] / speed[keys[2]], 3),
-              "mixed / groups fused": round(speed[keys[1]] / speed[keys[3]], 3),
-              "fused / unfused (one shared LoRA)": round(speed[keys[5]] / speed[keys[4]], 3)}
+    ratios = serving_ratios(rows)
     name = torch.cuda.get_device_name() if device == "cuda" else f"{platform.device}/{platform.arch}"
     report = {"card": str(args.card), "device": name, "precision": args.precision, "batch": args.batch,
               "adapters": args.adapters, "rank": args.rank, "forwards": args.forwards, "repeats": args.repeats,

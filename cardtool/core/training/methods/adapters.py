@@ -29,7 +29,8 @@ def _setting(recipe, key, kind, default):
 
 
 class _AdapterTask(FlowMatchingTask):
-    KEYS: tuple[str, ...] = ()
+    KEYS: tuple[str, ...] = ()  # the recipe's model: settings
+    HOLDS = ""  # the attribute holding the adapter that trains
 
     def __init__(self, recipe, platform, train, test):
         unknown = sorted(set(recipe.model) - set(self.KEYS))
@@ -42,12 +43,18 @@ class _AdapterTask(FlowMatchingTask):
         if self.parent.manifest.adapters.get(self.name) is not None:
             raise BadInput(f"'{self.parent.id}' already declares an adapter '{self.name}'; set model.adapter")
 
-    def card_entry(self) -> dict:
-        raise NotImplementedError
+    @torch.no_grad()
+    def finish(self, adapter) -> dict:
+        """The held-out flow loss of the frozen DiT with the final (EMA) adapter in place of the trained one."""
+        trained = getattr(self, self.HOLDS)
+        setattr(self, self.HOLDS, adapter)
+        metrics = super().finish(self.dit)
+        setattr(self, self.HOLDS, trained)
+        return metrics
 
 
 class LoraTask(_AdapterTask):
-    KEYS = ("adapter", "rank", "alpha", "targets")
+    KEYS, HOLDS = ("adapter", "rank", "alpha", "targets"), "lora"
 
     def __init__(self, recipe, platform, train, test):
         super().__init__(recipe, platform, train, test)
@@ -66,13 +73,6 @@ class LoraTask(_AdapterTask):
     def adapters(self, idx, test=False):
         return {"lora": self.lora}
 
-    @torch.no_grad()
-    def finish(self, lora) -> dict:
-        self.lora, trained = lora, self.lora
-        metrics = super().finish(self.dit)
-        self.lora = trained
-        return metrics
-
     def artifact(self, lora) -> tuple[dict, dict, dict]:
         """The card's adapter entry, its weights file and that file's header metadata."""
         rel = f"adapters/{self.name}.safetensors"
@@ -83,7 +83,7 @@ class LoraTask(_AdapterTask):
 
 
 class ControlNetTask(_AdapterTask):
-    KEYS = ("adapter", "blocks", "control")
+    KEYS, HOLDS = ("adapter", "blocks", "control"), "net"
 
     def __init__(self, recipe, platform, train, test):
         super().__init__(recipe, platform, train, test)
@@ -109,13 +109,6 @@ class ControlNetTask(_AdapterTask):
         controls = (self.test_controls if test else self.controls)[idx]
         rows = torch.arange(len(idx), device=self.device)
         return {"control": [ControlRows(self.net, rows, controls, torch.ones(len(idx), device=self.device))]}
-
-    @torch.no_grad()
-    def finish(self, net) -> dict:
-        self.net, trained = net, self.net
-        metrics = super().finish(self.dit)
-        self.net = trained
-        return metrics
 
     def artifact(self, net) -> tuple[dict, dict, dict]:
         rel = f"adapters/{self.name}.safetensors"
