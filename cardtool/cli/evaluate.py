@@ -24,6 +24,9 @@ def eval_command(
     data: Annotated[str | None, typer.Option("--data", help="An IDX folder (default: Fashion-MNIST).")] = None,
     precision: Annotated[list[str] | None, typer.Option(
         "--precision", help="Sampling precision (float32, bfloat16, float16); repeat for several.")] = None,
+    adapter: Annotated[list[str] | None, typer.Option(
+        "--adapter", metavar="NAME[=SCALE]", help="Evaluate with this adapter stack (repeat to compose) instead "
+        "of the card's default one.")] = None,
     record: Annotated[bool, typer.Option(
         "--record", help="Write the report beside the card (eval.json), its summary into the recipe.")] = False,
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (see README).")] = False,
@@ -43,10 +46,15 @@ def eval_command(
                       markup=False)
 
     with handled(json_):
+        from cardtool.core.sampling.adapters import parse_adapter
+        from cardtool.errors import BadInput
+
+        if adapter and record:
+            raise BadInput("--record keeps the eval of the card as it serves by default; drop --adapter to record")
         interval = parse_interval(guidance_interval) if guidance_interval is not None else None
         report = evaluate(card, judge=judge, steps=steps, guidance=guidance, guidance_interval=interval,
                           per_class=per_class, seed=seed, device=device, data=data, precision=precision,
-                          on_row=progress)
+                          on_row=progress, adapters=[parse_adapter(a) for a in adapter] if adapter else None)
         if record:
             from cardtool.core.cards.record import record_eval
 
@@ -57,8 +65,10 @@ def eval_command(
     from rich import box
     from rich.table import Table
 
-    table = Table(box=box.SIMPLE_HEAD, title=f"{report.card} judged by {report.judge} on {report.platform}, "
-                                             f"{report.per_class} images per class", title_justify="left")
+    stack = ", ".join(f"{a['name']}={a['scale']:g}" for a in report.adapters)
+    title = f"{report.card}{f' with {stack}' if stack else ''} judged by {report.judge} on {report.platform}, " \
+            f"{report.per_class} images per class"
+    table = Table(box=box.SIMPLE_HEAD, title=title, title_justify="left")
     for column in ("precision", "steps", "guidance", "class accuracy", "FID-FMNIST", "KID×1000", "mean reward",
                    "images/s"):
         table.add_column(column, justify="right")

@@ -267,3 +267,19 @@ def test_control_from_a_file_through_the_cli(card, tmp_path):
     meta = json.loads(result.stdout)["images"][0]
     assert meta["adapters"][0]["name"] == "ctl" and meta["adapters"][0]["scale"] == 0.5
     assert meta["control"]["preprocessor"] == "edges"
+
+
+def test_eval_takes_an_adapter_stack_and_names_it_in_the_report(card, tmp_path):
+    from helpers import write_idx_folder
+
+    data = write_idx_folder(tmp_path / "idx")
+    base = ["eval", str(card.folder), "--judge", str(EXAMPLE_CARDS / "tiny-judge"), "--per-class", "1", "--steps", "1",
+            "--data", str(data), "--json"]
+    result = CliRunner().invoke(app, [*base, "--adapter", "a=0.5", "--adapter", "b"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["adapters"] == [{"name": "a", "scale": 0.5}, {"name": "b", "scale": 1.0}]
+    plain = json.loads(CliRunner().invoke(app, base).stdout)
+    assert plain["adapters"] == [] and plain["rows"][0]["fid_fmnist"] != report["rows"][0]["fid_fmnist"]
+    refused = CliRunner().invoke(app, [*base, "--adapter", "a", "--record"])
+    assert refused.exit_code == 2 and "--record" in refused.output

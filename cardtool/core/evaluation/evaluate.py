@@ -60,9 +60,11 @@ class EvalReport:
     floors: dict[str, float] = field(default_factory=dict)
     kid_floors: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    adapters: list[dict] = field(default_factory=list)  # the stack every image used: name, scale
 
     def to_json(self) -> dict:
         return {"card": self.card, "judge": self.judge, "platform": self.platform, "per_class": self.per_class,
+                "adapters": self.adapters,
                 "floors": self.floors, "kid_floors": self.kid_floors, "rows": [_finite(asdict(r)) for r in self.rows],
                 "warnings": self.warnings}
 
@@ -75,7 +77,9 @@ def _finite(row: dict) -> dict:
 def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[int] | None = None,
              guidance: list[float] | None = None, guidance_interval: tuple[float, float] | None = None,
              per_class: int = 100, seed: int = 0, device: str | None = None, data: str | None = None,
-             precision: list[str] | None = None, on_row: Callable[[EvalRow], None] | None = None) -> EvalReport:
+             precision: list[str] | None = None, on_row: Callable[[EvalRow], None] | None = None,
+             adapters: list[tuple[str, float]] | None = None) -> EvalReport:
+    """`adapters`: the stack every image uses instead of the card's default one (see Adapters in the README)."""
     if per_class < 1:
         raise BadInput(f"--per-class must be at least 1, got {per_class}")
     card = load_card(card_ref)
@@ -107,7 +111,8 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     # None: the card's loop default for steps and guidance
     for (p, loop), g, k in itertools.product(loops.items(), guidance or [None], steps or [None]):
         requests, _ = plan_requests(card, prompts, num=per_class, seed=seed, steps=k, guidance=g,
-                                    guidance_interval=guidance_interval)
+                                    guidance_interval=guidance_interval, adapters=adapters)
+        report.adapters = [{"name": name, "scale": scale} for name, scale in requests[0].adapters]
         started = time.perf_counter()
         images = loop.finalize(sample(loop, requests, max_batch=256))
         seconds = time.perf_counter() - started
