@@ -142,3 +142,21 @@ def test_a_toml_workflow_and_a_set_override(examples, tmp_path):
     assert [i["seed"] for i in json.loads(result.stdout)["steps"][0]["images"]] == ["0", "1", "2"]
     bad = run(path, tmp_path, "--set", "steps.one.generate.num=0")
     assert bad.exit_code == 1 and json.loads(bad.stdout)["error"]["problems"][0]["field"] == "steps.one.generate.num"
+
+
+def test_a_step_takes_an_adapter_stack_and_its_images_record_it(tmp_path, examples):
+    steps = """  plain:
+    generate: {card: EX/tiny-base, prompts: ["a bag"], steps: 2}
+  tuned:
+    generate: {card: EX/tiny-base, prompts: ["a bag"], steps: 2, adapters: {invert: 0.5}}
+"""
+    result = run(write(tmp_path, examples, steps), tmp_path)
+    assert result.exit_code == 0, result.output
+    plain, tuned = (json.loads(result.stdout)["steps"][i]["images"][0] for i in (0, 1))
+    (a, _), (b, text) = pixels(plain["path"]), pixels(tuned["path"])
+    assert [(x["name"], x["scale"]) for x in json.loads(text["adapters"])] == [("invert", 0.5)]
+    assert not np.array_equal(a, b)
+    bad = write(tmp_path, examples, steps.replace("invert: 0.5", "outline: 1"), name="bad.yaml")
+    checked = CliRunner().invoke(app, ["workflow", "validate", str(bad)])
+    assert checked.exit_code == 1 and "steps.tuned.generate.adapters.outline" in checked.output
+    assert "declares no LoRA 'outline'" in checked.output

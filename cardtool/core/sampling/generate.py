@@ -219,9 +219,7 @@ class LoadedCard:
 
                 picked = best_of_n(loop, judge, requests, best_of, max_batch=max_batch, on_step=on_step)
                 extras, requests, pixels = picked.metadata(), picked.requests, picked.images
-                stacks = [loop.instance.adapters.resolve(r.adapters) if r.adapters else () for r in requests]
-                extras = [{**e, **adapter_metadata(st, r.control, fused is not None)}
-                          for e, st, r in zip(extras, stacks, requests, strict=True)]
+                extras = [{**e, **({"fused": "true"} if fused is not None else {})} for e in extras]
         seconds = time.perf_counter() - started
         images = []
         for request, image, path, extra in zip(requests, pixels, paths, extras, strict=True):
@@ -332,6 +330,8 @@ def image_metadata(loop: DenoiseLoop, request: Request) -> dict[str, str]:
                 "precision": instance.precision}
     if request.strength < 1:
         metadata["strength"] = repr(request.strength)
+    if request.adapters:  # the versions now on disk; `generate` records those its states held
+        metadata.update(adapter_metadata(instance.adapters.resolve(request.adapters), request.control, False))
     return metadata
 
 

@@ -36,6 +36,7 @@ class _Sampling(_Strict):
     shift: float | None = Field(None, gt=0)
     solver: str | None = None
     seed: int = Field(0, ge=0)
+    adapters: dict[Name, float] | None = None  # the stack (adapter → scale) instead of the card's default one
 
 
 class _Prompted(_Sampling):
@@ -222,4 +223,12 @@ def _card_problems(workflow: Workflow) -> list[Problem]:
             elif field != "reward" and "denoise" not in card.manifest.loops:
                 problems.append(workflow.source.problem(at, f"card '{card.id}' has no denoise loop to sample with",
                                                         "name a text-to-image card"))
+            elif field != "reward":
+                declared = card.manifest.adapters
+                for adapter in body.adapters or {}:
+                    if adapter not in declared or declared[adapter].kind != "lora":
+                        loras = ", ".join(n for n, a in declared.items() if a.kind == "lora") or "none"
+                        problems.append(workflow.source.problem(
+                            ("steps", name, step.kind, "adapters", adapter),
+                            f"card '{card.id}' declares no LoRA '{adapter}'", f"name one of its LoRAs: {loras}"))
     return problems
