@@ -308,9 +308,11 @@ class DenoiseLoop:
         """The text rows of a batch and, from a transformer that offers `text_context`, what its
         cross-attention derives from them (Wan: every block's keys and values) — rebuilt only when the states or
         their guided steps change, not every step."""
-        # states compared by identity, kept alive with the rows; a step with autograd on (a training rollout's
+        # states compared by identity, kept alive with the rows, and by the adapter versions and scales they hold
+        # (what the transformer computes here depends on them); a step with autograd on (a training rollout's
         # differentiated step) never reuses keys and values computed without it
-        key = (tuple((s, s.guided) for s in states), self.arrays.grad_enabled(), self.fused)
+        key = (tuple((s, s.guided, tuple((u.adapter.version, u.scale) for u in s.adapters)) for s in states),
+               self.arrays.grad_enabled(), self.fused)
         if self._text_rows is None or self._text_rows[0] != key:
             parts = [part for s in states for part in ((s.cond, s.uncond) if s.guided else (s.cond,))]
             a = self.arrays
