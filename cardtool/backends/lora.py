@@ -23,7 +23,7 @@ from torch import nn
 from cardtool.backends.lora_targets import matching
 
 __all__ = ["LoraWeights", "LoraPlan", "LoraWrapped", "TrainableLora", "fused", "merge", "linear_names", "lora_file",
-           "read_lora", "write_lora"]
+           "lora_weights", "read_lora", "write_lora"]
 
 
 def linear_names(model: nn.Module) -> dict[str, nn.Linear]:
@@ -56,6 +56,21 @@ def read_lora(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
 
     with safe_open(str(path), framework="pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+
+
+def lora_weights(tensors: dict[str, torch.Tensor], version: str, rank: int, alpha: float, model: nn.Module,
+                 precision: str) -> LoraWeights:
+    """A checked LoRA file's tensors as LoraWeights on the model's device, at the precision's weight dtype; names
+    relative to the model (diffusers' `transformer.` pipeline prefix removed)."""
+    from cardtool.backends.lora_targets import module_key, uses_prefix
+    from cardtool.backends.precision import weights_dtype
+
+    device, dtype = next(model.parameters()).device, getattr(torch, weights_dtype(precision))
+    a, b, prefixed = {}, {}, uses_prefix(tensors)
+    for key, value in tensors.items():
+        module, part = module_key(key, prefixed).rsplit(".lora_", 1)
+        (a if part.startswith("A") else b)[module] = value.to(device=device, dtype=dtype)
+    return LoraWeights(version, rank, alpha, a, b)
 
 
 def lora_file(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rank: int,

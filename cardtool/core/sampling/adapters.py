@@ -110,11 +110,8 @@ class AdapterStore:
 
 def _lora(name: str, spec, path: Path, version: str, model, precision: str):
     """A LoRA file checked against the model it adapts (names, shapes, rank, targets, header metadata)."""
-    import torch
-
-    from cardtool.backends.lora import LoraWeights, linear_names, read_lora
-    from cardtool.backends.lora_targets import DEFAULT_TARGETS, module_key, rank_and_alpha, uses_prefix
-    from cardtool.backends.precision import weights_dtype
+    from cardtool.backends.lora import lora_weights, read_lora
+    from cardtool.backends.lora_targets import DEFAULT_TARGETS, rank_and_alpha
     from cardtool.core.cards.adapters import lora_reasons
 
     tensors, metadata = read_lora(path)
@@ -127,15 +124,7 @@ def _lora(name: str, spec, path: Path, version: str, model, precision: str):
             reasons.append(f"its header says {key} {stated[key]}, the card {declared}")
     if reasons:
         raise BadInput(f"adapter '{name}' ({path}) does not fit: {'; '.join(reasons[:3])}")
-    layers = linear_names(model)
-    dtype = getattr(torch, weights_dtype(precision))
-    device = next(iter(layers.values())).weight.device
-    a, b = {}, {}
-    prefixed = uses_prefix(tensors)
-    for key, value in tensors.items():
-        module, part = module_key(key, prefixed).rsplit(".lora_", 1)
-        (a if part.startswith("A") else b)[module] = value.to(device=device, dtype=dtype)
-    return LoraWeights(version, spec.rank, float(spec.alpha), a, b)
+    return lora_weights(tensors, version, spec.rank, float(spec.alpha), model, precision)
 
 
 def _same(text: str, value: float) -> bool:

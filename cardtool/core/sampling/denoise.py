@@ -329,10 +329,7 @@ class DenoiseLoop:
         stacks in it (rows of the fused stack, and rows without LoRA, add nothing) and each ControlNet's rows."""
         if not any(s.adapters for s in rows):
             return {}
-        import torch
-
-        from cardtool.backends.controlnet import ControlRows
-        from cardtool.backends.lora import LoraPlan
+        from cardtool.backends.adapter_rows import adapter_arguments
 
         slots, stacks, index, nets = {}, [], [], {}
         for row, state in enumerate(rows):
@@ -346,16 +343,8 @@ class DenoiseLoop:
                 index.append(slots[loras])
             for use in state.adapters:
                 if use.adapter.kind == "controlnet":
-                    nets.setdefault(use.adapter, []).append((row, state.control, use.scale))
-        device = self.instance.platform.torch_device
-        dtype = next(transformer.parameters()).dtype
-        lora = LoraPlan(stacks, index, transformer.ops.lora_bgmv, device, torch.float32 if dtype != torch.float64
-                        else dtype) if stacks else None
-        control = [ControlRows(adapter.value, torch.tensor([r for r, _, _ in uses], device=device),
-                               torch.cat([c for _, c, _ in uses]),
-                               torch.tensor([scale for _, _, scale in uses], device=device))
-                   for adapter, uses in nets.items()]
-        return {"lora": lora, "control": control or None}
+                    nets.setdefault(use.adapter.value, []).append((row, state.control, use.scale))
+        return adapter_arguments(transformer, self.instance.platform.torch_device, stacks, index, nets)
 
     def encode(self, images: np.ndarray) -> list:
         """Latents (1, C, 1, H, W) of uint8 images (B, H, W) — the VAE's posterior mean, scaled as the DiT sees
