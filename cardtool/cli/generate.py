@@ -69,6 +69,8 @@ def generate_command(
                               control_scale=control_scale, fuse=fuse, strict=strict, on_step=progress)
         finally:
             progress.stop()
+    if report.rank != 0:  # under torchrun rank 0 reports for every rank
+        return
     for warning in report.warnings:
         warn(warning)
     if json_:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from cardtool import __version__
 from cardtool.backends.platform import Platform
+from cardtool.core import distributed
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.loops import FlowDenoiseDefaults
 from cardtool.core.sampling.control import ControlImage
@@ -49,6 +50,7 @@ class GenerateReport:
     grid: Path | None = None
     warnings: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    rank: int = 0  # under torchrun, the process this report is from: rank 0 has every image, the others none
 
     def to_json(self) -> dict:
         return {"card": self.card, "platform": self.platform, "images": [i.to_json() for i in self.images],
@@ -173,6 +175,19 @@ class LoadedCard:
             self._rewards[ref] = load_reward(ref, self.platform)
         return self._rewards[ref]
 
+    def _make(self, requests: list[Request], loop: DenoiseLoop, judge, best_of: int, max_batch: int, on_step,
+              fused) -> tuple[list[Request], list, list[dict]]:
+        """Requests, their images and each image's extra metadata (best-of-N's selection, the adapters it used)."""
+        if judge is None:
+            states = sample(loop, requests, on_step=on_step, max_batch=max_batch)
+            return requests, list(loop.finalize(states)), [adapter_metadata(s.adapters, s.request.control,
+                                                                            fused is not None) for s in states]
+        from cardtool.core.sampling.best_of import best_of_n
+
+        picked = best_of_n(loop, judge, requests, best_of, max_batch=max_batch, on_step=on_step)
+        return picked.requests, list(picked.images), [{**e, **({"fused": "true"} if fused is not None else {})}
+                                                      for e in picked.metadata()]
+
     def generate(self, prompts: list[str], *, num: int = 1, seed: int = 0, steps: int | None = None,
                  guidance: float | None = None, shift: float | None = None, solver: str | None = None,
                  guidance_interval: tuple[float, float] | None = None, precision: str | None = None,
@@ -206,21 +221,20 @@ class LoadedCard:
         paths = _output_paths(Path(out), card.id, requests)
         judge = self.reward(reward) if reward is not None else None
         started = time.perf_counter()
-        extras = [{} for _ in requests]
+        ranks = distributed.ranks(platform.device)  # under torchrun each rank makes its share; rank 0 writes
+        mine = ranks.shard(requests)
         with _fusing(loop, requests[0].adapters if fuse else ()) as fused:
             if fuse and fused is None:
                 raise BadInput("--fuse merges the LoRAs of the request's adapter stack; this one has none")
-            if judge is None:
-                states = sample(loop, requests, on_step=on_step, max_batch=max_batch)
-                pixels = loop.finalize(states)
-                extras = [adapter_metadata(s.adapters, s.request.control, fused is not None) for s in states]
-            else:
-                from cardtool.core.sampling.best_of import best_of_n
-
-                picked = best_of_n(loop, judge, requests, best_of, max_batch=max_batch, on_step=on_step)
-                extras, requests, pixels = picked.metadata(), picked.requests, picked.images
-                extras = [{**e, **({"fused": "true"} if fused is not None else {})} for e in extras]
+            made = self._make([requests[i] for i in mine], loop, judge, best_of, max_batch, on_step, fused) \
+                if mine else ([], [], [])
+        shares = ranks.gather([(i, *item) for i, item in zip(mine, zip(*made, strict=True), strict=True)])
         seconds = time.perf_counter() - started
+        if not ranks.main:
+            return GenerateReport(card.id, f"{platform.device}/{platform.arch}", [], None, warnings, seconds,
+                                  rank=ranks.rank)
+        done = sorted((item for share in shares for item in share), key=lambda item: item[0])
+        requests, pixels, extras = [r for _, r, _, _ in done], [p for _, _, p, _ in done], [e for *_, e in done]
         images = []
         for request, image, path, extra in zip(requests, pixels, paths, extras, strict=True):
             metadata = {**image_metadata(loop, request), **extra}

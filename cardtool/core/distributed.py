@@ -1,0 +1,78 @@
+"""Running under `torchrun` (torch.distributed): the one piece every command uses to run unchanged on P processes.
+
+torchrun starts each process with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; `ranks()` joins the
+process group on first use (`nccl` on CUDA, each process on its LOCAL_RANK's device; `gloo` on the CPU) and says
+where this process stands. Work is split by rank (`shard`), results come back to rank 0 (`gather`), and only rank 0
+writes. Without WORLD_SIZE > 1 nothing is initialised and every call is the one-process identity.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+from cardtool.errors import BadInput
+
+__all__ = ["Ranks", "ranks"]
+
+LAUNCH = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+TIMEOUT = timedelta(minutes=30)  # a rank that died is reported by its peers' collectives within this
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int = 0
+    world: int = 1
+    local: int = 0
+
+    @property
+    def main(self) -> bool:
+        """Whether this process writes (cards, checkpoints, images, reports)."""
+        return self.rank == 0
+
+    def shard(self, items: list) -> list[int]:
+        """The indices of `items` this rank works on: every world-th one, from its rank."""
+        return list(range(self.rank, len(items), self.world))
+
+    def gather(self, value) -> list | None:
+        """Every rank's `value`, in rank order, on rank 0 (None elsewhere); [value] in one process."""
+        if self.world == 1:
+            return [value]
+        import torch.distributed as dist
+
+        out = [None] * self.world if self.main else None
+        dist.gather_object(value, out, dst=0)
+        return out
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+
+def ranks(device: str = "cpu") -> Ranks:
+    """This process's place among the processes torchrun launched (joining their group the first time)."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    if not world.isdigit() or int(world) < 1:
+        raise BadInput(f"WORLD_SIZE must be a positive whole number, got {world!r}")
+    if int(world) == 1:
+        return Ranks()
+    missing = [name for name in LAUNCH if not os.environ.get(name)]
+    if missing:
+        raise BadInput(f"WORLD_SIZE={world}, but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: "
+                       "launch with torchrun (torchrun --nproc-per-node P -m cardtool …), which sets them all")
+    import torch
+    import torch.distributed as dist
+
+    local = int(os.environ["LOCAL_RANK"])
+    if not dist.is_initialized():
+        if device == "cuda":
+            torch.cuda.set_device(local)
+        try:
+            dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=TIMEOUT)
+        except (RuntimeError, ValueError) as e:
+            raise BadInput(f"cannot join the torchrun process group ({os.environ['MASTER_ADDR']}:"
+                           f"{os.environ['MASTER_PORT']}, rank {os.environ['RANK']} of {world}): {e}") from None
+    return Ranks(dist.get_rank(), dist.get_world_size(), local)

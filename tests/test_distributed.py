@@ -1,0 +1,46 @@
+"""Under torchrun: the same command on two processes (gloo) makes the same files as on one, rank 0 writing them;
+a misconfigured launch is a clear error."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from helpers import EXAMPLE_CARDS
+from typer.testing import CliRunner
+
+from cardtool.cli import app
+
+GENERATE = ["generate", "tiny-base", "-p", "a bag", "-p", "a coat", "-n", "3", "--steps", "4", "--grid", "--json"]
+
+
+def torchrun(args: list[str], cwd, processes: int = 2) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CARDTOOL_PATH": str(EXAMPLE_CARDS), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(processes), "-m", "cardtool", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_generate_on_two_processes_writes_the_same_pngs_as_on_one(tmp_path, monkeypatch):
+    result = torchrun([*GENERATE, "--out", "two"], tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)  # rank 0 alone reports, once
+    assert len(report["images"]) == 6 and report["grid"]
+    monkeypatch.setenv("CARDTOOL_PATH", str(EXAMPLE_CARDS))
+    single = CliRunner().invoke(app, [*GENERATE, "--out", str(tmp_path / "one")])
+    assert single.exit_code == 0, single.output
+    one, two = sorted((tmp_path / "one").glob("*.png")), sorted((tmp_path / "two").glob("*.png"))
+    assert [p.name for p in one] == [p.name for p in two] and len(one) == 7
+    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(one, two, strict=True)), "bit-identical PNGs"
+
+
+def test_a_launch_without_torchrun_variables_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("CARDTOOL_PATH", str(EXAMPLE_CARDS))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    result = CliRunner().invoke(app, [*GENERATE, "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "launch with torchrun" in result.output
+    assert "RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT are not set" in result.output
