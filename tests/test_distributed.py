@@ -44,3 +44,12 @@ def test_a_launch_without_torchrun_variables_is_a_clear_error(tmp_path, monkeypa
     result = CliRunner().invoke(app, [*GENERATE, "--out", str(tmp_path / "o")])
     assert result.exit_code == 2 and "launch with torchrun" in result.output
     assert "RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT are not set" in result.output
+
+
+def test_commands_that_do_not_split_their_work_yet_refuse_several_processes(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for args in (["train", "--recipe", "r.yaml"], ["distill", "tiny-base"], ["rl", "tiny-base", "--reward", "x"],
+                 ["eval", "tiny-base"], ["flywheel", "tiny-base", "--reward", "x"], ["workflow", "run", "w.yaml"]):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2 and "does not run under torchrun yet" in result.output, (args, result.output)
+    assert not list(tmp_path.iterdir()), "nothing was written"

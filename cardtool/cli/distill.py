@@ -51,6 +51,9 @@ def distill_command(
 
     sets = [*(overrides or []), *([f"model.lora.rank={lora}"] if lora is not None else [])]
     with handled(json_):
+        from cardtool.core.distributed import single_process
+
+        single_process("distill")
         loaded = distill_recipe(teacher, recipe, sets, steps)
         typed = sys.argv[1:2] == ["distill"]
         command = shlex.join(["cardtool", *sys.argv[1:]] if typed else

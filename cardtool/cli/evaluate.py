@@ -46,6 +46,9 @@ def eval_command(
                       markup=False)
 
     with handled(json_):
+        from cardtool.core.distributed import single_process
+
+        single_process("eval")
         from cardtool.core.sampling.adapters import parse_adapter
         from cardtool.errors import BadInput
 

@@ -55,6 +55,9 @@ def flywheel_command(
             say(f"stage {entry['stage']}{' → ' + entry['card'] if entry['card'] else ''}: {done}", stderr=True)
 
     with handled(json_):
+        from cardtool.core.distributed import single_process
+
+        single_process("flywheel")
         loaded = flywheel_recipe(card, reward, steps=steps, path=recipe, overrides=list(overrides or []),
                                  prefix=out_prefix, out_dir=out_dir)
         command = shlex.join(["cardtool", *sys.argv[1:]] if sys.argv[1:2] == ["flywheel"] else

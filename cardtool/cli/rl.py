@@ -64,6 +64,9 @@ def rl_command(
 
     sets = [*(overrides or []), *([f"model.lora.rank={lora}"] if lora is not None else [])]
     with handled(json_):
+        from cardtool.core.distributed import single_process
+
+        single_process("rl")
         loaded = rl_recipe(card, reward, method, recipe, sets)
         chosen = read_prompts(prompts) if prompts is not None else None
         typed = sys.argv[1:2] == ["rl"]

@@ -42,6 +42,9 @@ def train_command(
                   f"{entry['samples_per_second']:.0f} samples/s  {extras}", markup=False, highlight=False)
 
     with handled(json_):
+        from cardtool.core.distributed import single_process
+
+        single_process("train")
         loaded = load_recipe(recipe, overrides or [], method)
         # the command as typed (console script or python -m cardtool); rebuilt when called from Python
         typed = sys.argv[1:2] == ["train"]

@@ -53,6 +53,9 @@ def run_command(
                 stderr=True)
 
     with handled(json_):
+        from cardtool.core.distributed import single_process
+
+        single_process("workflow run")
         workflow = load_workflow(file, list(overrides or []))
         report = run_workflow(workflow, out=out, device=device, max_batch=max_batch, on_step=progress)
     if json_:

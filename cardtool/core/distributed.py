@@ -14,7 +14,7 @@ from datetime import timedelta
 
 from cardtool.errors import BadInput
 
-__all__ = ["Ranks", "ranks"]
+__all__ = ["Ranks", "ranks", "single_process"]
 
 LAUNCH = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 TIMEOUT = timedelta(minutes=30)  # a rank that died is reported by its peers' collectives within this
@@ -76,3 +76,12 @@ def ranks(device: str = "cpu") -> Ranks:
             raise BadInput(f"cannot join the torchrun process group ({os.environ['MASTER_ADDR']}:"
                            f"{os.environ['MASTER_PORT']}, rank {os.environ['RANK']} of {world}): {e}") from None
     return Ranks(dist.get_rank(), dist.get_world_size(), local)
+
+
+def single_process(command: str) -> None:
+    """Refuse to run `command` on several processes until it splits its work by rank: P processes would each run
+    the whole job and race to write the same files."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world not in ("", "1"):
+        raise BadInput(f"`cardtool {command}` does not run under torchrun yet (WORLD_SIZE={world}); run it as one "
+                       "process. Under torchrun: generate")
