@@ -49,7 +49,24 @@ def test_a_launch_without_torchrun_variables_is_a_clear_error(tmp_path, monkeypa
 def test_commands_that_do_not_split_their_work_yet_refuse_several_processes(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     for args in (["train", "--recipe", "r.yaml"], ["distill", "tiny-base"], ["rl", "tiny-base", "--reward", "x"],
-                 ["eval", "tiny-base"], ["flywheel", "tiny-base", "--reward", "x"], ["workflow", "run", "w.yaml"]):
+                 ["flywheel", "tiny-base", "--reward", "x"], ["workflow", "run", "w.yaml"]):
         result = CliRunner().invoke(app, args)
         assert result.exit_code == 2 and "does not run under torchrun yet" in result.output, (args, result.output)
     assert not list(tmp_path.iterdir()), "nothing was written"
+
+
+def test_eval_on_two_processes_measures_what_one_process_measures(tmp_path, monkeypatch):
+    from helpers import write_idx_folder
+
+    data = write_idx_folder(tmp_path / "idx")
+    args = ["eval", "tiny-base", "--judge", "tiny-judge", "--per-class", "2", "--steps", "2", "--steps", "3",
+            "--data", str(data), "--json"]
+    result = torchrun(args, tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    two = json.loads(result.stdout)["rows"]
+    monkeypatch.setenv("CARDTOOL_PATH", str(EXAMPLE_CARDS))
+    one = json.loads(CliRunner().invoke(app, args).stdout)["rows"]
+    assert [r["steps"] for r in two] == [2, 3] and all(r["images"] == 20 for r in two)
+    for a, b in zip(one, two, strict=True):
+        assert {k: v for k, v in a.items() if k != "images_per_second"} == \
+            {k: v for k, v in b.items() if k != "images_per_second"}

@@ -46,9 +46,6 @@ def eval_command(
                       markup=False)
 
     with handled(json_):
-        from cardtool.core.distributed import single_process
-
-        single_process("eval")
         from cardtool.core.sampling.adapters import parse_adapter
         from cardtool.errors import BadInput
 
@@ -58,10 +55,12 @@ def eval_command(
         report = evaluate(card, judge=judge, steps=steps, guidance=guidance, guidance_interval=interval,
                           per_class=per_class, seed=seed, device=device, data=data, precision=precision,
                           on_row=progress, adapters=[parse_adapter(a) for a in adapter] if adapter else None)
-        if record:
+        if record and report.rank == 0:
             from cardtool.core.cards.record import record_eval
 
             record_eval(card, report.to_json())
+    if report.rank != 0:  # under torchrun rank 0 reports for every rank
+        return
     if json_:
         emit_json(report.to_json())
         return

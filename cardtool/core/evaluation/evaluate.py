@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from cardtool.backends.platform import Platform
+from cardtool.core import distributed
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import load_card
 from cardtool.core.data import CLASS_NAMES, load_split
@@ -61,6 +62,7 @@ class EvalReport:
     kid_floors: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     adapters: list[dict] = field(default_factory=list)  # the stack every image used: name, scale
+    rank: int = 0  # under torchrun, the process this report is from: rank 0 holds the rows, the others none
 
     def to_json(self) -> dict:
         return {"card": self.card, "judge": self.judge, "platform": self.platform, "per_class": self.per_class,
@@ -84,6 +86,7 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
         raise BadInput(f"--per-class must be at least 1, got {per_class}")
     card = load_card(card_ref)
     platform = Platform.detect(device)
+    ranks = distributed.ranks(platform.device)
     cache = TextFeatureCache()
     loops = {p: DenoiseLoop(ModelInstance(card, platform, p), cache=cache)
              for p in precision or [card.manifest.recipe.assumes.precision]}
@@ -93,7 +96,8 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     test, train = load_split("test", data), load_split("train", data)
     real = referee.features(test.images)
     count = per_class * len(CLASS_NAMES)
-    report = EvalReport(card.id, judge_instance.card.id, f"{platform.device}/{platform.arch}", per_class)
+    report = EvalReport(card.id, judge_instance.card.id, f"{platform.device}/{platform.arch}", per_class,
+                        rank=ranks.rank)
     if count > len(train):
         raise BadInput(f"--per-class {per_class} asks for {count} images, more than the {len(train)} training images "
                        "the floors are measured on")
@@ -114,7 +118,13 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
                                     guidance_interval=guidance_interval, adapters=adapters)
         report.adapters = [{"name": name, "scale": scale} for name, scale in requests[0].adapters]
         started = time.perf_counter()
-        images = loop.finalize(sample(loop, requests, max_batch=256))
+        mine = ranks.shard(requests)  # under torchrun each rank samples its share and rank 0 measures them all
+        made = loop.finalize(sample(loop, [requests[i] for i in mine], max_batch=256)) if mine else []
+        shares = ranks.gather(list(zip(mine, made, strict=True)))
+        if not ranks.main:
+            continue
+        images = np.stack([image for _, image in sorted((item for share in shares for item in share),
+                                                         key=lambda item: item[0])])
         seconds = time.perf_counter() - started
         probabilities = referee.probabilities(images)
         accuracy = float((probabilities.argmax(1) == labels).mean())
