@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -23,6 +24,9 @@ def train_command(
     data: Annotated[str | None, typer.Option("--data", help="An IDX folder (default: Fashion-MNIST).")] = None,
     device: Annotated[str | None, typer.Option("--device", help="Override the device (cuda, cpu).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing card folder.")] = False,
+    micro_batches: Annotated[int, typer.Option(
+        "--micro-batches", help="Split each step's batch into M micro-batches (gradient accumulation); under "
+        "torchrun each process takes M of the P·M, and P processes equal one with --micro-batches P·M.")] = 1,
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (see README).")] = False,
 ) -> None:
     """Train a card: the recipe's method, its data and hyperparameters; checkpoints, resume, a card at the end."""
@@ -34,7 +38,7 @@ def train_command(
     quiet = json_
 
     def log(entry: dict) -> None:
-        if quiet:
+        if quiet or os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 logs the global batch
             return
         extras = " ".join(f"{k} {v:.4g}" for k, v in entry.items()
                           if k not in ("step", "steps", "loss", "lr", "samples_per_second"))
@@ -42,9 +46,6 @@ def train_command(
                   f"{entry['samples_per_second']:.0f} samples/s  {extras}", markup=False, highlight=False)
 
     with handled(json_):
-        from cardtool.core.distributed import single_process
-
-        single_process("train")
         loaded = load_recipe(recipe, overrides or [], method)
         # the command as typed (console script or python -m cardtool); rebuilt when called from Python
         typed = sys.argv[1:2] == ["train"]
@@ -52,7 +53,11 @@ def train_command(
                              ["cardtool", "train", "--recipe", str(recipe), *(f"--set={o}" for o in overrides or []),
                               *(["--method", method] if method else [])])
         card = train(loaded, command=command, out=out, run_dir=run_dir, resume=resume, data=data, device=device,
-                     overwrite=overwrite, on_log=log)
+                     overwrite=overwrite, on_log=log, micro_batches=micro_batches)
+    from cardtool.core.distributed import ranks
+
+    if not ranks(device or "cpu").main:  # rank 0 reports for every rank
+        return
     metrics = card.manifest.recipe.metrics
     if json_:
         emit_json({"card": card.id, "path": display_path(card.folder), "metrics": metrics})

@@ -7,7 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cardtool.backends.platform import Platform
-from cardtool.core.cards.loader import Card
+from cardtool.core import distributed
+from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.writer import write_card
 from cardtool.core.data import load_split
 from cardtool.core.prompts import TEXT_ENCODER
@@ -21,7 +22,9 @@ __all__ = ["train"]
 
 def train(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Path | None = None, resume: bool = False,
           data: str | None = None, device: str | None = None, overwrite: bool = False,
-          on_log: Callable[[dict], None] | None = None) -> Card:
+          on_log: Callable[[dict], None] | None = None, micro_batches: int = 1) -> Card:
+    """Run the recipe and write its card. Under torchrun every rank trains its share of each batch (see
+    `train_loop`) and rank 0 writes the checkpoints and the card, which the other ranks then load."""
     if recipe.method in RUN_BY:
         raise BadInput(f"{recipe.method} is not a `cardtool train` method: `{RUN_BY[recipe.method]}` runs it")
     platform = Platform.detect(device)
@@ -52,7 +55,7 @@ def train(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Pat
         from cardtool.core.training.methods.flow_matching import FlowMatchingTask
 
         task = FlowMatchingTask(recipe, platform, train_split, test_split)
-    result = train_loop(task, recipe, platform, run_dir, resume=resume, on_log=on_log)
+    result = train_loop(task, recipe, platform, run_dir, resume=resume, on_log=on_log, micro_batches=micro_batches)
     trained = {"steps": result.steps, "final_loss": round(result.final_loss, 6),
                "train_seconds": round(result.seconds, 1), "samples_per_second": round(result.samples_per_second, 1),
                "platform": f"{platform.device}/{platform.arch}"}
@@ -91,4 +94,9 @@ def train(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Pat
     manifest = {"schema": "cardtool/v1", "id": recipe.card.id, "description": recipe.card.description,
                 **({"components": components} if components else {}), **({"loops": loops} if loops else {}), **extends,
                 "recipe": {**recipe_block, "metrics": {**metrics, **trained}}, "parity": {"consistency": "C1"}}
-    return write_card(out, manifest, weights, copies=copies, storage=storage, overwrite=overwrite, metadata=metadata)
+    ranks = distributed.ranks(platform.device)
+    if ranks.main:
+        card = write_card(out, manifest, weights, copies=copies, storage=storage, overwrite=overwrite,
+                          metadata=metadata)
+    ranks.barrier()  # the card is in place (written atomically) before any rank returns it
+    return card if ranks.main else load_card(out)

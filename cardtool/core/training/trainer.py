@@ -21,6 +21,7 @@ from cardtool.atomic import atomic_path
 from cardtool.backends.platform import Platform
 from cardtool.backends.precision import autocast
 from cardtool.backends.training import load_optimizer_tensors, optimizer_tensors
+from cardtool.core import distributed
 from cardtool.core.training.recipes import Recipe
 from cardtool.errors import BadInput, CardtoolError
 
@@ -107,8 +108,23 @@ def _lr(recipe: Recipe, step: int) -> float:
     return o.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))  # cosine down to 10%
 
 
+def _micro_seed(step_seed: int, part: int, parts: int) -> int:
+    """The seed of micro-batch `part` of a step split into `parts`: the step's own seed when it is not split, so a
+    one-process run draws exactly what it always drew."""
+    return step_seed if parts == 1 else (step_seed * 1_000_033 + part + 1) % 2**63
+
+
 def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *, resume: bool = False,
-               on_log: Callable[[dict], None] | None = None) -> TrainResult:
+               on_log: Callable[[dict], None] | None = None, micro_batches: int = 1) -> TrainResult:
+    """Train `task` by `recipe`. The global batch is split into P × `micro_batches` micro-batches (P processes under
+    torchrun), micro-batch j taking every (P·M)-th example from j with its own seed (step, j): each rank accumulates
+    its M micro-batches' gradients and the ranks average theirs, so P processes × M equal one process with P·M
+    micro-batches, up to the order of the floating-point sums. Rank 0 alone writes checkpoints."""
+    ranks = distributed.ranks(platform.device)
+    parts = ranks.world * micro_batches
+    if micro_batches < 1 or recipe.optim.batch_size % parts:
+        raise BadInput(f"optim.batch_size {recipe.optim.batch_size} must split into {ranks.world} process(es) × "
+                       f"{micro_batches} micro-batch(es)")
     modules = task.modules()
     groups = [[p for p in m.parameters() if p.requires_grad] for m in modules.values()]
     o, schedule = recipe.optim, recipe.train
@@ -126,29 +142,33 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
     if resume:
         if not checkpoint.exists():
             raise BadInput(f"nothing to resume: {checkpoint} does not exist")
-        start, loss_value, before = _load(checkpoint, recipe, modules, ema, optimizer, task)
+        start, loss_value, before = _load(checkpoint, recipe, modules, ema, optimizer, task, parts)
     order = _Order(task.dataset_size(), o.batch_size, schedule.seed)
     started, seen = time.perf_counter(), 0
     for step in range(start, o.steps):
         for group in optimizer.param_groups:
             group["lr"] = _lr(recipe, step) * group.get("lr_scale", 1.0)
         step_seed = schedule.seed * 1_000_003 + step
-        generator = torch.Generator().manual_seed(step_seed)
-        # anything drawing from torch's global RNG (dropout) becomes a function of the step too, so a resumed
-        # run draws what the uninterrupted one drew; the checkpoint then holds every piece of state
-        torch.manual_seed(step_seed)
         for m in modules.values():
             m.train()
         task.prepare(step)
-        with autocast(platform, schedule.precision):
-            loss, metrics = task.loss(order(step), generator)
-        loss_value = float(loss.detach())
+        optimizer.zero_grad(set_to_none=True)
+        batch, loss_value = order(step), 0.0
+        for part in range(ranks.rank * micro_batches, (ranks.rank + 1) * micro_batches):
+            seed = _micro_seed(step_seed, part, parts)
+            generator = torch.Generator().manual_seed(seed)
+            # anything drawing from torch's global RNG (dropout) becomes a function of the step too, so a resumed
+            # run draws what the uninterrupted one drew; the checkpoint then holds every piece of state
+            torch.manual_seed(seed)
+            with autocast(platform, schedule.precision):
+                loss, metrics = task.loss(batch[part::parts], generator)
+            (loss if parts == 1 else loss / parts).backward()
+            loss_value += float(loss.detach()) / parts
+        loss_value = _average(ranks, groups, loss_value)
         if not math.isfinite(loss_value):
             kept = f"the last good checkpoint is {checkpoint}" if checkpoint.exists() else "none was written yet"
             raise TrainingDiverged(f"loss became {loss_value} at step {step}; {kept}. Lower optim.lr or raise "
                                    "optim.warmup, then --resume")
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
         for group in groups:  # per module: a critic's large gradient must not shrink the generator's
             torch.nn.utils.clip_grad_norm_(group, o.grad_clip)
         optimizer.step()
@@ -163,9 +183,9 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
             elapsed = time.perf_counter() - started
             on_log({"step": done, "steps": o.steps, "loss": loss_value, "lr": _lr(recipe, step),
                     "samples_per_second": seen / elapsed if elapsed else 0.0, **metrics})
-        if done % schedule.checkpoint_every == 0 or done == o.steps:
+        if ranks.main and (done % schedule.checkpoint_every == 0 or done == o.steps):
             _save(checkpoint, recipe, done, loss_value, before + time.perf_counter() - started, modules, ema,
-                  optimizer, task)
+                  optimizer, task, parts)
     elapsed = time.perf_counter() - started
     final = ema if ema is not None else modules
     for m in final.values():
@@ -173,8 +193,25 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
     return TrainResult(final, o.steps, loss_value, before + elapsed, seen / elapsed if elapsed else 0.0)
 
 
+def _average(ranks, groups, loss: float) -> float:
+    """Sum the ranks' gradients (each already divided by the number of micro-batches) and their losses: what one
+    process computing every micro-batch would hold. One process: nothing to do."""
+    if ranks.world == 1:
+        return loss
+    import torch.distributed as dist
+
+    for group in groups:
+        for p in group:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+    total = torch.tensor([loss], dtype=torch.float64)
+    dist.all_reduce(total)
+    return float(total)
+
+
 def _save(path: Path, recipe: Recipe, step: int, loss: float, seconds: float, modules, ema, optimizer,
-          task: Task) -> None:
+          task: Task, parts: int = 1) -> None:
     tensors = {f"model.{n}.{k}": v.detach().clone() for n, m in modules.items() for k, v in m.state_dict().items()}
     tensors.update({f"task.{k}": v.detach().clone() for k, v in task.state().items()})
     if ema is not None:
@@ -182,12 +219,12 @@ def _save(path: Path, recipe: Recipe, step: int, loss: float, seconds: float, mo
     optim, groups = optimizer_tensors(optimizer)
     tensors.update(optim)
     metadata = {"step": str(step), "loss": repr(loss), "seconds": repr(seconds), "fingerprint": recipe.fingerprint(),
-                "param_groups": groups}
+                "param_groups": groups, "micro_batches": str(parts)}
     with atomic_path(path) as temporary:
         save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(temporary), metadata=metadata)
 
 
-def _load(path: Path, recipe: Recipe, modules, ema, optimizer, task: Task) -> tuple[int, float, float]:
+def _load(path: Path, recipe: Recipe, modules, ema, optimizer, task: Task, parts: int = 1) -> tuple[int, float, float]:
     """Restore a checkpoint; the step it was taken after, that step's loss (what a run killed after its last
     checkpoint reports as final) and the training seconds up to it."""
     from safetensors import safe_open
@@ -196,6 +233,10 @@ def _load(path: Path, recipe: Recipe, modules, ema, optimizer, task: Task) -> tu
         metadata = f.metadata()
     if metadata.get("fingerprint") != recipe.fingerprint():
         raise BadInput(f"{path} was made by a different recipe; resume with the same recipe and overrides")
+    made = int(metadata.get("micro_batches", "1"))
+    if made != parts:  # the randomness of a step depends on how it was split
+        raise BadInput(f"{path} was trained with each step split into {made} micro-batch(es) (processes × "
+                       f"--micro-batches); resume with the same product, not {parts}")
     tensors = load_file(str(path))
     try:
         for prefix, group in (("model", modules), ("ema", ema or {})):
