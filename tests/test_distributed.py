@@ -48,8 +48,7 @@ def test_a_launch_without_torchrun_variables_is_a_clear_error(tmp_path, monkeypa
 
 def test_commands_that_do_not_split_their_work_yet_refuse_several_processes(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    for args in (["distill", "tiny-base"], ["rl", "tiny-base", "--reward", "x"],
-                 ["flywheel", "tiny-base", "--reward", "x"], ["workflow", "run", "w.yaml"]):
+    for args in (["flywheel", "tiny-base", "--reward", "x"], ["workflow", "run", "w.yaml"]):
         result = CliRunner().invoke(app, args)
         assert result.exit_code == 2 and "does not run under torchrun yet" in result.output, (args, result.output)
     assert not list(tmp_path.iterdir()), "nothing was written"
@@ -96,3 +95,39 @@ def test_train_on_two_processes_equals_one_process_with_two_micro_batches(tmp_pa
     resumed = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "three"), "--run-dir", str(tmp_path / "r1"),
                                        "--resume", "--overwrite"])
     assert resumed.exit_code == 2 and "split into 2 micro-batch(es)" in resumed.output
+
+
+def test_distill_on_two_processes_equals_one_process_with_two_micro_batches(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    sets = ["optim.steps=6", "optim.batch_size=4", "train.precision=float32", "train.checkpoint_every=3",
+            "card.storage=float32", "optim.lr=1e-3"]
+    args = ["distill", "tiny-base", "--steps", "2", "--no-eval", *(f"--set={s}" for s in sets)]
+    result = torchrun([*args, "--out", "two", "--run-dir", "r2"], tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    monkeypatch.setenv("CARDTOOL_PATH", str(EXAMPLE_CARDS))
+    single = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "one"), "--run-dir", str(tmp_path / "r1"),
+                                      "--micro-batches", "2"])
+    assert single.exit_code == 0, single.output
+    one, two = (load_file(str(tmp_path / name / "transformer.safetensors")) for name in ("one", "two"))
+    base = load_file(str(EXAMPLE_CARDS / "tiny-base" / "transformer.safetensors"))
+    assert max(float((one[k] - base[k].float()).abs().max()) for k in one) > 1e-4, "the student moved"
+    assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
+
+
+def test_rl_on_two_processes_equals_one_process_with_two_micro_batches(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    sets = ["optim.steps=2", "optim.batch_size=2", "loss.group_size=4", "loss.rollout_steps=3", "optim.lr=1e-2",
+            "train.precision=float32", "card.storage=float32"]
+    args = ["rl", "tiny-base", "--reward", "tiny-judge", "--no-eval", *(f"--set={s}" for s in sets)]
+    result = torchrun([*args, "--out", "two", "--run-dir", "r2"], tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    monkeypatch.setenv("CARDTOOL_PATH", str(EXAMPLE_CARDS))
+    single = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "one"), "--run-dir", str(tmp_path / "r1"),
+                                      "--micro-batches", "2"])
+    assert single.exit_code == 0, single.output
+    one, two = (load_file(str(tmp_path / name / "transformer.safetensors")) for name in ("one", "two"))
+    base = load_file(str(EXAMPLE_CARDS / "tiny-base" / "transformer.safetensors"))
+    assert max(float((one[k] - base[k].float()).abs().max()) for k in one) > 1e-4, "the policy moved"
+    assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -18,6 +19,9 @@ def distill_command(
                                               "4).")] = None,
     recipe: Annotated[Path | None, typer.Option("--recipe", help="A dmd2 recipe (examples/recipes/fashion-dmd2."
                                                 "yaml holds the defaults).")] = None,
+    micro_batches: Annotated[int, typer.Option(
+        "--micro-batches", help="Split each iteration's batch into M micro-batches; under torchrun each process takes "
+        "M of the P·M, and P processes equal one with --micro-batches P·M.")] = 1,
     lora: Annotated[int | None, typer.Option("--lora", metavar="RANK", help="Train a rank-RANK LoRA on the frozen "
                                              "transformer instead of the whole transformer (model.lora.rank).")] = None,
     overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a value: optim.steps=500.")] = None,
@@ -38,7 +42,7 @@ def distill_command(
     from cardtool.core.training.distill import distill, distill_recipe
 
     def log(entry: dict) -> None:
-        if not json_:
+        if not json_ and os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 logs the global batch
             extras = "  ".join(f"{k} {v:.4g}" for k, v in entry.items() if k not in ("step", "steps", "loss", "lr"))
             say(f"iteration {entry['step']}/{entry['steps']}  loss {entry['loss']:.4f}  lr {entry['lr']:.2e}  {extras}",
                 stderr=True)
@@ -51,9 +55,6 @@ def distill_command(
 
     sets = [*(overrides or []), *([f"model.lora.rank={lora}"] if lora is not None else [])]
     with handled(json_):
-        from cardtool.core.distributed import single_process
-
-        single_process("distill")
         loaded = distill_recipe(teacher, recipe, sets, steps)
         typed = sys.argv[1:2] == ["distill"]
         command = shlex.join(["cardtool", *sys.argv[1:]] if typed else
@@ -61,7 +62,10 @@ def distill_command(
                               *(["--recipe", str(recipe)] if recipe else []), *(f"--set={o}" for o in overrides or []),
                               *(["--lora", str(lora)] if lora is not None else [])])
         card = distill(loaded, command=command, out=out, run_dir=run_dir, resume=resume, device=device, data=data,
-                       force=force, evaluate=evaluate, judge=judge, on_log=log, on_eval=eval_line)
+                       force=force, evaluate=evaluate, judge=judge, on_log=log, on_eval=eval_line,
+                       micro_batches=micro_batches)
+    if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 reports for every rank
+        return
     metrics = card.manifest.recipe.metrics
     if json_:
         emit_json({"card": card.id, "path": display_path(card.folder), "extends": card.manifest.extends,

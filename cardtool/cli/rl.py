@@ -3,6 +3,7 @@ fine-tuning into a card that samples without CFG."""
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -23,6 +24,9 @@ def rl_command(
                                                  "the class prompts with their synonyms and templates).")] = None,
     recipe: Annotated[Path | None, typer.Option("--recipe", help="An rl recipe (examples/recipes/fashion-nft.yaml "
                                                 "and fashion-grpo.yaml hold the defaults).")] = None,
+    micro_batches: Annotated[int, typer.Option(
+        "--micro-batches", help="Split each update's batch into M micro-batches; under torchrun each process takes "
+        "M of the P·M, and P processes equal one with --micro-batches P·M.")] = 1,
     lora: Annotated[int | None, typer.Option("--lora", metavar="RANK", help="Train a rank-RANK LoRA on the frozen "
                                              "transformer instead of the whole transformer (model.lora.rank).")] = None,
     overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a value: optim.steps=100.")] = None,
@@ -49,7 +53,7 @@ def rl_command(
     from cardtool.core.training.rl import read_prompts, rl, rl_recipe
 
     def log(entry: dict) -> None:
-        if not json_:
+        if not json_ and os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 logs the global batch
             extras = "  ".join(f"{k} {v:.4g}" for k, v in entry.items()
                                if k not in ("step", "steps", "loss", "lr", "samples_per_second"))
             say(f"update {entry['step']}/{entry['steps']}  loss {entry['loss']:.4f}  lr {entry['lr']:.2e}  {extras}",
@@ -64,9 +68,6 @@ def rl_command(
 
     sets = [*(overrides or []), *([f"model.lora.rank={lora}"] if lora is not None else [])]
     with handled(json_):
-        from cardtool.core.distributed import single_process
-
-        single_process("rl")
         loaded = rl_recipe(card, reward, method, recipe, sets)
         chosen = read_prompts(prompts) if prompts is not None else None
         typed = sys.argv[1:2] == ["rl"]
@@ -77,7 +78,9 @@ def rl_command(
                               *(["--lora", str(lora)] if lora is not None else [])])
         tuned = rl(loaded, command=command, prompts=chosen, out=out, run_dir=run_dir, resume=resume, device=device,
                    data=data, force=force, evaluate=evaluate, judge=judge, held_out_judge=held_out_judge or None,
-                   watch_every=watch_every, on_log=log, on_eval=eval_line)
+                   watch_every=watch_every, on_log=log, on_eval=eval_line, micro_batches=micro_batches)
+    if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 reports for every rank
+        return
     recipe_block = tuned.manifest.recipe
     if json_:
         emit_json({"card": tuned.id, "path": display_path(tuned.folder), "extends": tuned.manifest.extends,

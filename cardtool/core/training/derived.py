@@ -8,11 +8,12 @@ import json
 import os
 from pathlib import Path
 
+from cardtool.core import distributed
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.errors import BadInput, CardtoolError
 
-__all__ = ["extends_reference", "evaluate_output", "recipe_fingerprint", "trained_parts"]
+__all__ = ["extends_reference", "evaluate_output", "recipe_fingerprint", "trained_parts", "write_output"]
 
 
 def extends_reference(parent: Card, out: Path) -> str:
@@ -49,14 +50,26 @@ def evaluate_output(card: Card, judge: str, device: str | None, data: str | None
     from cardtool.core.evaluation.evaluate import evaluate
 
     try:
-        report = evaluate(str(card.folder), judge=judge, device=device, data=data).to_json()
+        evaluated = evaluate(str(card.folder), judge=judge, device=device, data=data)
     except CardtoolError as e:
         raise BadInput(f"the card {card.folder} was written, but its eval failed: {e}; run "
                        f"`cardtool eval {card.folder} --record` once it can") from None
-    record_eval(str(card.folder), report)
-    if on_eval:
-        on_eval(report)
+    if evaluated.rank == 0:  # under torchrun every rank samples its share, rank 0 records
+        record_eval(str(card.folder), evaluated.to_json())
+        if on_eval:
+            on_eval(evaluated.to_json())
+    distributed.ranks().barrier()
     return load_card(card.folder)
+
+
+def write_output(folder: Path, manifest: dict, weights: dict, **options) -> Card:
+    """`write_card` on rank 0 (every process when there is one); the other ranks load the card once it is in place."""
+    from cardtool.core.cards.writer import write_card
+
+    ranks = distributed.ranks()
+    card = write_card(folder, manifest, weights, **options) if ranks.main else None
+    ranks.barrier()
+    return card if ranks.main else load_card(folder)
 
 
 def trained_parts(module, name: str, lora, adapter: str, parent: Card) -> tuple[dict, dict, dict, dict]:

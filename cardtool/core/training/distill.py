@@ -11,8 +11,13 @@ from pathlib import Path
 from cardtool.backends.platform import Platform
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import Card, load_card
-from cardtool.core.cards.writer import write_card
-from cardtool.core.training.derived import evaluate_output, extends_reference, recipe_fingerprint, trained_parts
+from cardtool.core.training.derived import (
+    evaluate_output,
+    extends_reference,
+    recipe_fingerprint,
+    trained_parts,
+    write_output,
+)
 from cardtool.core.training.recipes import Recipe
 from cardtool.core.training.trainer import train_loop
 from cardtool.errors import BadInput
@@ -50,7 +55,7 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
             resume: bool = False, device: str | None = None, data: str | None = None, force: bool = False,
             evaluate: bool = True,
             judge: str = "fashion-classifier", on_log: Callable[[dict], None] | None = None,
-            on_eval: Callable[[dict], None] | None = None) -> Card:
+            on_eval: Callable[[dict], None] | None = None, micro_batches: int = 1) -> Card:
     from cardtool.core.training.methods.dmd2 import DMD2Settings, DMD2Task
 
     if recipe.method != "dmd2" or len(recipe.parents) != 1:
@@ -73,7 +78,7 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
         train = load_split("train", data or recipe.data.get("folder"))
     task = DMD2Task(recipe, platform, teacher, train)
     run_dir.mkdir(parents=True, exist_ok=True)
-    result = train_loop(task, recipe, platform, run_dir, resume=resume, on_log=on_log)
+    result = train_loop(task, recipe, platform, run_dir, resume=resume, on_log=on_log, micro_batches=micro_batches)
     settings = task.settings
     metrics = {"iterations": result.steps, "generator_updates": -(-result.steps // settings.generator_every),
                "train_seconds": round(result.seconds, 1), "final_loss": round(result.final_loss, 6),
@@ -94,7 +99,7 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
                    "metrics": metrics},
         "parity": {"consistency": "C1"},
     }
-    card = write_card(out, manifest, weights, storage=recipe.card.storage, overwrite=force, metadata=metadata)
+    card = write_output(out, manifest, weights, storage=recipe.card.storage, overwrite=force, metadata=metadata)
     if evaluate:
         card = evaluate_output(card, judge, device, data, on_eval)
     return card

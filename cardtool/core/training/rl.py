@@ -14,12 +14,18 @@ from pathlib import Path
 import numpy as np
 
 from cardtool.backends.platform import Platform
+from cardtool.core import distributed
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.loops import FlowDenoiseDefaults
-from cardtool.core.cards.writer import write_card
 from cardtool.core.prompts import training_prompts
-from cardtool.core.training.derived import evaluate_output, extends_reference, recipe_fingerprint, trained_parts
+from cardtool.core.training.derived import (
+    evaluate_output,
+    extends_reference,
+    recipe_fingerprint,
+    trained_parts,
+    write_output,
+)
 from cardtool.core.training.recipes import Recipe
 from cardtool.core.training.trainer import train_loop
 from cardtool.errors import BadInput
@@ -143,7 +149,8 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
        run_dir: Path | None = None, resume: bool = False, device: str | None = None, data: str | None = None,
        force: bool = False, evaluate: bool = True, judge: str = "fashion-classifier",
        held_out_judge: str | None = "fashion-referee", watch_every: int = 0,
-       on_log: Callable[[dict], None] | None = None, on_eval: Callable[[dict], None] | None = None) -> Card:
+       on_log: Callable[[dict], None] | None = None, on_eval: Callable[[dict], None] | None = None,
+       micro_batches: int = 1) -> Card:
     from cardtool.core.evaluation.reward import load_reward
 
     if recipe.method not in METHODS or len(recipe.parents) != 2:
@@ -178,11 +185,11 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
             on_log(entry)
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    result = train_loop(task, recipe, platform, run_dir, resume=resume, on_log=log)
+    result = train_loop(task, recipe, platform, run_dir, resume=resume, on_log=log, micro_batches=micro_batches)
     parts, weights, metadata, defaults = trained_parts(result.modules["transformer"], task.name, task.lora,
                                                        METHODS[recipe.method], base)
     manifest = _manifest(recipe, task, base, reward.card_id, out, command, result, platform, parts, defaults)
-    card = write_card(out, manifest, weights, storage=recipe.card.storage, overwrite=force, metadata=metadata)
+    card = write_output(out, manifest, weights, storage=recipe.card.storage, overwrite=force, metadata=metadata)
     if evaluate:
         card = evaluate_output(card, judge, device, data, on_eval)
         if held_out_judge:
@@ -227,10 +234,13 @@ def _held_out(card: Card, judge: str, device: str | None, data: str | None, on_e
     from cardtool.core.cards.record import record_metrics
     from cardtool.core.evaluation.evaluate import evaluate
 
-    report = evaluate(str(card.folder), judge=judge, device=device, data=data).to_json()
-    row = report["rows"][0]
-    record_metrics(str(card.folder), {"held_out_judge": {"card": report["judge"], "images": row["images"],
-                                                         "class_accuracy": row["class_accuracy"]}})
-    if on_eval:
-        on_eval(report)
+    evaluated = evaluate(str(card.folder), judge=judge, device=device, data=data)
+    if evaluated.rank == 0:  # under torchrun every rank samples its share, rank 0 records
+        report = evaluated.to_json()
+        row = report["rows"][0]
+        record_metrics(str(card.folder), {"held_out_judge": {"card": report["judge"], "images": row["images"],
+                                                             "class_accuracy": row["class_accuracy"]}})
+        if on_eval:
+            on_eval(report)
+    distributed.ranks().barrier()
     return load_card(card.folder)

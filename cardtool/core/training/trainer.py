@@ -202,9 +202,8 @@ def _average(ranks, groups, loss: float) -> float:
 
     for group in groups:
         for p in group:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad)
+            if p.grad is not None:  # None on every rank alike (the same step's turn): AdamW then leaves it alone
+                dist.all_reduce(p.grad)
     total = torch.tensor([loss], dtype=torch.float64)
     dist.all_reduce(total)
     return float(total)
