@@ -91,6 +91,23 @@ def test_train_on_two_processes_equals_one_process_with_two_micro_batches(tmp_pa
     assert max(float((one[k] - base[k].float()).abs().max()) for k in one) > 1e-3, "training moved the weights"
     # measured: 0.0 (gloo sums two ranks' gradients in the order one process accumulates them)
     assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-6
+    # a 1-process run with 2 micro-batches, killed after its step-2 checkpoint, resumes on 2 processes to the same weights
+    from cardtool.core.training.recipes import load_recipe
+    from cardtool.core.training.train import train
+
+    def kill_at_step_3(entry):
+        if entry["step"] == 3:
+            raise KeyboardInterrupt
+
+    try:
+        train(load_recipe(REPO / "examples" / "recipes" / "fashion-base.yaml", sets), command="c",
+              out=tmp_path / "killed", run_dir=tmp_path / "rk", data=str(data), micro_batches=2, on_log=kill_at_step_3)
+    except KeyboardInterrupt:
+        pass
+    result = torchrun([*args, "--out", "resumed", "--run-dir", "rk", "--resume"], tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    resumed = load_file(str(tmp_path / "resumed" / "transformer.safetensors"))
+    assert max(float((one[k] - resumed[k]).abs().max()) for k in one) <= 1e-6
     # a run split one way resumes only split the same way: the randomness of a step depends on the split
     resumed = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "three"), "--run-dir", str(tmp_path / "r1"),
                                        "--resume", "--overwrite"])
