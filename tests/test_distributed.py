@@ -91,7 +91,7 @@ def test_train_on_two_processes_equals_one_process_with_two_micro_batches(tmp_pa
     assert max(float((one[k] - base[k].float()).abs().max()) for k in one) > 1e-3, "training moved the weights"
     # measured: 0.0 (gloo sums two ranks' gradients in the order one process accumulates them)
     assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-6
-    # a 1-process run with 2 micro-batches, killed after its step-2 checkpoint, resumes on 2 processes to the same weights
+    # one process with 2 micro-batches, killed after its step-2 checkpoint, resumes on 2 processes to the same weights
     from cardtool.core.training.recipes import load_recipe
     from cardtool.core.training.train import train
 
@@ -114,37 +114,32 @@ def test_train_on_two_processes_equals_one_process_with_two_micro_batches(tmp_pa
     assert resumed.exit_code == 2 and "split into 2 micro-batch(es)" in resumed.output
 
 
-def test_distill_on_two_processes_equals_one_process_with_two_micro_batches(tmp_path, monkeypatch):
+def two_processes_against_one(tmp_path, monkeypatch, args: list[str]) -> float:
+    """Run `args` on 2 gloo processes and on 1 process with --micro-batches 2; the largest difference of the written
+    transformers (after checking that training moved them)."""
     from safetensors.torch import load_file
 
+    result = torchrun([*args, "--out", "two", "--run-dir", "r2"], tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    monkeypatch.setenv("CARDTOOL_PATH", str(EXAMPLE_CARDS))
+    single = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "one"), "--run-dir", str(tmp_path / "r1"),
+                                      "--micro-batches", "2"])
+    assert single.exit_code == 0, single.output
+    one, two = (load_file(str(tmp_path / name / "transformer.safetensors")) for name in ("one", "two"))
+    base = load_file(str(EXAMPLE_CARDS / "tiny-base" / "transformer.safetensors"))
+    assert max(float((one[k] - base[k].float()).abs().max()) for k in one) > 1e-4, "training moved the weights"
+    return max(float((one[k] - two[k]).abs().max()) for k in one)
+
+
+def test_distill_on_two_processes_equals_one_process_with_two_micro_batches(tmp_path, monkeypatch):
     sets = ["optim.steps=6", "optim.batch_size=4", "train.precision=float32", "train.checkpoint_every=3",
             "card.storage=float32", "optim.lr=1e-3"]
     args = ["distill", "tiny-base", "--steps", "2", "--no-eval", *(f"--set={s}" for s in sets)]
-    result = torchrun([*args, "--out", "two", "--run-dir", "r2"], tmp_path)
-    assert result.returncode == 0, result.stderr[-2000:]
-    monkeypatch.setenv("CARDTOOL_PATH", str(EXAMPLE_CARDS))
-    single = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "one"), "--run-dir", str(tmp_path / "r1"),
-                                      "--micro-batches", "2"])
-    assert single.exit_code == 0, single.output
-    one, two = (load_file(str(tmp_path / name / "transformer.safetensors")) for name in ("one", "two"))
-    base = load_file(str(EXAMPLE_CARDS / "tiny-base" / "transformer.safetensors"))
-    assert max(float((one[k] - base[k].float()).abs().max()) for k in one) > 1e-4, "the student moved"
-    assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
+    assert two_processes_against_one(tmp_path, monkeypatch, args) <= 1e-5
 
 
 def test_rl_on_two_processes_equals_one_process_with_two_micro_batches(tmp_path, monkeypatch):
-    from safetensors.torch import load_file
-
     sets = ["optim.steps=2", "optim.batch_size=2", "loss.group_size=4", "loss.rollout_steps=3", "optim.lr=1e-2",
             "train.precision=float32", "card.storage=float32"]
     args = ["rl", "tiny-base", "--reward", "tiny-judge", "--no-eval", *(f"--set={s}" for s in sets)]
-    result = torchrun([*args, "--out", "two", "--run-dir", "r2"], tmp_path)
-    assert result.returncode == 0, result.stderr[-2000:]
-    monkeypatch.setenv("CARDTOOL_PATH", str(EXAMPLE_CARDS))
-    single = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "one"), "--run-dir", str(tmp_path / "r1"),
-                                      "--micro-batches", "2"])
-    assert single.exit_code == 0, single.output
-    one, two = (load_file(str(tmp_path / name / "transformer.safetensors")) for name in ("one", "two"))
-    base = load_file(str(EXAMPLE_CARDS / "tiny-base" / "transformer.safetensors"))
-    assert max(float((one[k] - base[k].float()).abs().max()) for k in one) > 1e-4, "the policy moved"
-    assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
+    assert two_processes_against_one(tmp_path, monkeypatch, args) <= 1e-5
