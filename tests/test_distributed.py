@@ -48,7 +48,7 @@ def test_a_launch_without_torchrun_variables_is_a_clear_error(tmp_path, monkeypa
 
 def test_commands_that_do_not_split_their_work_yet_refuse_several_processes(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    for args in (["flywheel", "tiny-base", "--reward", "x"], ["workflow", "run", "w.yaml"]):
+    for args in (["workflow", "run", "w.yaml"],):
         result = CliRunner().invoke(app, args)
         assert result.exit_code == 2 and "does not run under torchrun yet" in result.output, (args, result.output)
     assert not list(tmp_path.iterdir()), "nothing was written"
@@ -143,3 +143,23 @@ def test_rl_on_two_processes_equals_one_process_with_two_micro_batches(tmp_path,
             "train.precision=float32", "card.storage=float32"]
     args = ["rl", "tiny-base", "--reward", "tiny-judge", "--no-eval", *(f"--set={s}" for s in sets)]
     assert two_processes_against_one(tmp_path, monkeypatch, args) <= 1e-5
+
+
+def test_the_flywheel_on_two_processes_makes_the_cards_one_process_makes(tmp_path, monkeypatch):
+    sets = ["rl.optim.steps=2", "rl.optim.batch_size=2", "rl.loss.group_size=4", "rl.train.precision=float32",
+            "rl.card.storage=float32", "distill.optim.steps=2", "distill.optim.batch_size=4",
+            "distill.train.precision=float32", "distill.card.storage=float32"]
+    args = ["flywheel", "tiny-base", "--reward", "tiny-judge", "--steps", "1", "--stop-after", "distill",
+            "--judge", "tiny-judge", "--held-out-judge", "", *(f"--set={s}" for s in sets)]
+    result = torchrun([*args, "--out-dir", "two", "--run-dir", "r2"], tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    monkeypatch.setenv("CARDTOOL_PATH", str(EXAMPLE_CARDS))
+    single = CliRunner().invoke(app, [*args, "--out-dir", str(tmp_path / "one"), "--run-dir", str(tmp_path / "r1"),
+                                      "--micro-batches", "2"])
+    assert single.exit_code == 0, single.output
+    from safetensors.torch import load_file
+
+    for card in ("tiny-base-nft", "tiny-base-nft-1step"):
+        one, two = (load_file(str(tmp_path / side / card / "transformer.safetensors")) for side in ("one", "two"))
+        assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5, card
+    assert (tmp_path / "r2" / "flywheel.json").is_file()

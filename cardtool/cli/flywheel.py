@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -37,27 +38,29 @@ def flywheel_command(
                                                 "none).")] = "fashion-referee",
     device: Annotated[str | None, typer.Option("--device", help="Override the device (cuda, cpu).")] = None,
     data: Annotated[str | None, typer.Option("--data", help="An IDX folder (default: Fashion-MNIST).")] = None,
+    micro_batches: Annotated[int, typer.Option(
+        "--micro-batches", help="Split each stage's batches into M micro-batches; under torchrun each process takes "
+        "M of the P·M.")] = 1,
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (see README).")] = False,
 ) -> None:
     """RL CARD on a reward, distil the RL'd card into an N-step student, evaluate the three side by side."""
     from cardtool.core.workflows.flywheel import flywheel, flywheel_recipe
 
+    main = os.environ.get("RANK", "0") == "0"  # under torchrun rank 0 logs and reports for every rank
+
     def log(stage: str, entry: dict) -> None:
-        if not json_:
+        if not json_ and main:
             extras = "  ".join(f"{k} {v:.4g}" for k, v in entry.items()
                                if k not in ("step", "steps", "loss", "lr", "samples_per_second"))
             say(f"{stage} {entry['step']}/{entry['steps']}  loss {entry['loss']:.4f}  {extras}", stderr=True)
 
     def stage_line(entry: dict) -> None:
-        if not json_:
+        if not json_ and main:
             done = "skipped: its card exists with this recipe's fingerprint" if entry["skipped"] else \
                 f"done in {entry['seconds']:.0f}s"
             say(f"stage {entry['stage']}{' → ' + entry['card'] if entry['card'] else ''}: {done}", stderr=True)
 
     with handled(json_):
-        from cardtool.core.distributed import single_process
-
-        single_process("flywheel")
         loaded = flywheel_recipe(card, reward, steps=steps, path=recipe, overrides=list(overrides or []),
                                  prefix=out_prefix, out_dir=out_dir)
         command = shlex.join(["cardtool", *sys.argv[1:]] if sys.argv[1:2] == ["flywheel"] else
@@ -65,7 +68,9 @@ def flywheel_command(
         report = flywheel(loaded, command=command, out_dir=out_dir, run_dir=run_dir, resume=resume, force=force,
                           device=device, data=data, judge=judge, held_out_judge=held_out_judge or None,
                           per_class=per_class, compare=list(compare or []), stop_after=stop_after, on_log=log,
-                          on_stage=stage_line)
+                          on_stage=stage_line, micro_batches=micro_batches)
+    if not main:
+        return
     if json_:
         emit_json(report.to_json())
         return

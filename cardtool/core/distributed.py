@@ -84,4 +84,4 @@ def single_process(command: str) -> None:
     world = os.environ.get("WORLD_SIZE", "1")
     if world not in ("", "1"):
         raise BadInput(f"`cardtool {command}` does not run under torchrun yet (WORLD_SIZE={world}); run it as one "
-                       "process. Under torchrun: generate, eval, train, distill, rl")
+                       "process. Under torchrun: generate, eval, train, distill, rl, flywheel")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cardtool.atomic import write_atomic
+from cardtool.core import distributed
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.source import read_source
@@ -119,9 +120,10 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
              judge: str = "fashion-classifier", held_out_judge: str | None = "fashion-referee", per_class: int = 100,
              compare: list[str] = (), stop_after: str | None = None,
              on_log: Callable[[str, dict], None] | None = None,
-             on_stage: Callable[[dict], None] | None = None) -> FlywheelReport:
+             on_stage: Callable[[dict], None] | None = None, micro_batches: int = 1) -> FlywheelReport:
     """Run the stages in order (up to `stop_after`); the report has each stage and, after the eval stage, each
-    card's accuracy under both judges, FID-FMNIST, model evaluations per image and images/s."""
+    card's accuracy under both judges, FID-FMNIST, model evaluations per image and images/s. Under torchrun every
+    stage splits its work by rank (`micro_batches` as in `train_loop`) and rank 0 writes the cards and the report."""
     from cardtool.core.training.distill import distill
     from cardtool.core.training.rl import rl
 
@@ -133,7 +135,7 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
         locate(ref)  # before hours of training, not after
     run_dir = Path(run_dir or Path("runs") / f"{recipe.rl.card.id}-flywheel")
     report = FlywheelReport(judge=judge, held_out_judge=held_out_judge, per_class=per_class)
-    common = {"device": device, "data": data}
+    common = {"device": device, "data": data, "micro_batches": micro_batches}
 
     def stage(name: str, stage_recipe: Recipe, run) -> Card:
         out = Path(out_dir) / stage_recipe.card.id
@@ -171,8 +173,9 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
             report.stages.append(entry)
             if on_stage:
                 on_stage(entry)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(run_dir / REPORT, (json.dumps(report.to_json(), indent=1) + "\n").encode())
+    if distributed.ranks().main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(run_dir / REPORT, (json.dumps(report.to_json(), indent=1) + "\n").encode())
     return report
 
 
@@ -187,10 +190,13 @@ def _evaluate(folders: list[str], report: FlywheelReport, device: str | None, da
     for folder in folders:
         card = load_card(folder)
         measured = evaluate(folder, judge=judge, per_class=report.per_class, device=device, data=data)
+        other = evaluate(folder, judge=held_out_judge, per_class=report.per_class, device=device, data=data) \
+            if held_out_judge else None
+        if measured.rank != 0:  # under torchrun every rank samples its share of each eval, rank 0 measures
+            continue
         report.platform, report.judge, first = measured.platform, measured.judge, measured.rows[0]
         held_out = None
-        if held_out_judge:
-            other = evaluate(folder, judge=held_out_judge, per_class=report.per_class, device=device, data=data)
+        if other is not None:
             report.held_out_judge, held_out = other.judge, other.rows[0].class_accuracy
         if folder in record:
             record_eval(folder, measured.to_json())
