@@ -46,14 +46,6 @@ def test_a_launch_without_torchrun_variables_is_a_clear_error(tmp_path, monkeypa
     assert "RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT are not set" in result.output
 
 
-def test_commands_that_do_not_split_their_work_yet_refuse_several_processes(tmp_path, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    for args in (["workflow", "run", "w.yaml"],):
-        result = CliRunner().invoke(app, args)
-        assert result.exit_code == 2 and "does not run under torchrun yet" in result.output, (args, result.output)
-    assert not list(tmp_path.iterdir()), "nothing was written"
-
-
 def test_eval_on_two_processes_measures_what_one_process_measures(tmp_path, monkeypatch):
     from helpers import write_idx_folder
 
@@ -163,3 +155,18 @@ def test_the_flywheel_on_two_processes_makes_the_cards_one_process_makes(tmp_pat
         one, two = (load_file(str(tmp_path / side / card / "transformer.safetensors")) for side in ("one", "two"))
         assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5, card
     assert (tmp_path / "r2" / "flywheel.json").is_file()
+
+
+def test_a_workflow_on_two_processes_writes_the_files_of_one(tmp_path, monkeypatch):
+    from helpers import REPO
+
+    workflow = str(REPO / "examples" / "workflows" / "tiny-tour.yaml")
+    result = torchrun(["workflow", "run", workflow, "--out", "two", "--json"], tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert [s["step"] for s in json.loads(result.stdout)["steps"]] == ["draft", "refine", "compare", "pick"]
+    monkeypatch.setenv("CARDTOOL_PATH", str(EXAMPLE_CARDS))
+    single = CliRunner().invoke(app, ["workflow", "run", workflow, "--out", str(tmp_path / "one")])
+    assert single.exit_code == 0, single.output
+    one, two = sorted((tmp_path / "one").rglob("*.png")), sorted((tmp_path / "two").rglob("*.png"))
+    assert [p.relative_to(tmp_path / "one") for p in one] == [p.relative_to(tmp_path / "two") for p in two]
+    assert len(one) == 7 and all(a.read_bytes() == b.read_bytes() for a, b in zip(one, two, strict=True))

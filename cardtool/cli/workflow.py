@@ -3,6 +3,7 @@ parallel and best-of-N steps over cards."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -48,16 +49,15 @@ def run_command(
     from cardtool.core.workflows.run import run_workflow
 
     def progress(entry: dict) -> None:
-        if not json_:
+        if not json_ and os.environ.get("RANK", "0") == "0":
             say(f"step {entry['step']} ({entry['kind']}): {len(entry['images'])} images in {entry['seconds']:.2f}s",
                 stderr=True)
 
     with handled(json_):
-        from cardtool.core.distributed import single_process
-
-        single_process("workflow run")
         workflow = load_workflow(file, list(overrides or []))
         report = run_workflow(workflow, out=out, device=device, max_batch=max_batch, on_step=progress)
+    if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 reports for every rank
+        return
     if json_:
         emit_json(report.to_json())
         return

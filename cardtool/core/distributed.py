@@ -14,7 +14,7 @@ from datetime import timedelta
 
 from cardtool.errors import BadInput
 
-__all__ = ["Ranks", "ranks", "single_process"]
+__all__ = ["Ranks", "ranks"]
 
 LAUNCH = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 TIMEOUT = timedelta(minutes=30)  # a rank that died is reported by its peers' collectives within this
@@ -44,6 +44,24 @@ class Ranks:
         out = [None] * self.world if self.main else None
         dist.gather_object(value, out, dst=0)
         return out
+
+    def all_gather(self, value) -> list:
+        """Every rank's `value`, in rank order, on every rank; [value] in one process."""
+        if self.world == 1:
+            return [value]
+        import torch.distributed as dist
+
+        out = [None] * self.world
+        dist.all_gather_object(out, value)
+        return out
+
+    def spread(self, items: list, work) -> list:
+        """`work(chosen items)` → one result per item, run on this rank's share; every rank gets all the results,
+        in the items' order."""
+        mine = self.shard(items)
+        done = work([items[i] for i in mine]) if mine else []
+        parts = self.all_gather(list(zip(mine, done, strict=True)))
+        return [result for _, result in sorted((pair for part in parts for pair in part), key=lambda pair: pair[0])]
 
     def barrier(self) -> None:
         if self.world > 1:
@@ -77,11 +95,3 @@ def ranks(device: str = "cpu") -> Ranks:
                            f"{os.environ['MASTER_PORT']}, rank {os.environ['RANK']} of {world}): {e}") from None
     return Ranks(dist.get_rank(), dist.get_world_size(), local)
 
-
-def single_process(command: str) -> None:
-    """Refuse to run `command` on several processes until it splits its work by rank: P processes would each run
-    the whole job and race to write the same files."""
-    world = os.environ.get("WORLD_SIZE", "1")
-    if world not in ("", "1"):
-        raise BadInput(f"`cardtool {command}` does not run under torchrun yet (WORLD_SIZE={world}); run it as one "
-                       "process. Under torchrun: generate, eval, train, distill, rl, flywheel")

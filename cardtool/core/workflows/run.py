@@ -1,6 +1,6 @@
-"""Running a workflow manifest in one process: each card is loaded once on one platform (generators and rewards
-side by side), steps run in dependency order, every step's images are written as PNGs whose metadata names the
-workflow and the step, and the report lists them (with best-of-N's scores)."""
+"""Running a workflow manifest (in one process, or split by rank under torchrun): each card is loaded once on one
+platform (generators and rewards side by side), steps run in dependency order, every step's images are written as
+PNGs whose metadata names the workflow and the step, and the report lists them (with best-of-N's scores)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from cardtool.backends.platform import Platform
+from cardtool.core import distributed
 from cardtool.core.sampling.generate import LoadedCard, image_metadata, plan_requests, save_image
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache
@@ -50,6 +51,7 @@ class _Runner:
         self.device = device
         self.cache = TextFeatureCache()  # keyed by card and weights version: safe to share between cards
         self.cards: dict[str, LoadedCard] = {}
+        self.ranks = distributed.ranks(self.platform.device)  # under torchrun each step's images are split by rank
 
     def locate(self, ref: str) -> Path:
         from cardtool.core.cards.discovery import locate
@@ -71,7 +73,8 @@ class _Runner:
         loaded = self.card(ref)
         loop = loaded.loop()
         requests = self._requests(loaded, prompts, num, body)
-        images = loop.finalize(sample(loop, requests, max_batch=self.max_batch))
+        images = self.ranks.spread(requests, lambda chosen: list(loop.finalize(sample(loop, chosen,
+                                                                                       max_batch=self.max_batch))))
         return [Output(i, r.prompt, image_metadata(loop, r)) for r, i in zip(requests, images, strict=True)]
 
     def refine(self, ref: str, inputs: list[Output], body, source: str) -> list[Output]:
@@ -84,9 +87,14 @@ class _Runner:
             requests.append(dataclasses.replace(request, strength=body.strength))
         if not inputs:
             return []
-        # strength 1 re-noises all the way: the input is forgotten, the step is plain sampling of its prompts
-        sources = loop.encode(np.stack([item.image for item in inputs])) if body.strength < 1 else None
-        images = loop.finalize(sample(loop, requests, max_batch=self.max_batch, sources=sources))
+
+        def work(chosen):
+            # strength 1 re-noises all the way: the input is forgotten, the step is plain sampling of its prompts
+            sources = loop.encode(np.stack([inputs[k].image for k, _ in chosen])) if body.strength < 1 else None
+            requests = [r for _, r in chosen]
+            return list(loop.finalize(sample(loop, requests, max_batch=self.max_batch, sources=sources)))
+
+        images = self.ranks.spread(list(enumerate(requests)), work)
         return [Output(i, r.prompt, {**image_metadata(loop, r), "input": f"{source}/{k}"})
                 for k, (r, i) in enumerate(zip(requests, images, strict=True))]
 
@@ -96,10 +104,12 @@ class _Runner:
         loaded = self.card(body.card)
         loop = loaded.loop()
         reward = loaded.reward(str(self.locate(body.reward)))
-        picked = best_of_n(loop, reward, self._requests(loaded, body.prompts, body.num, body), body.n,
-                           max_batch=self.max_batch)
-        return [Output(i, r.prompt, {**image_metadata(loop, r), **extra})
-                for r, i, extra in zip(picked.requests, picked.images, picked.metadata(), strict=True)]
+        def work(chosen):
+            picked = best_of_n(loop, reward, chosen, body.n, max_batch=self.max_batch)
+            return list(zip(picked.requests, picked.images, picked.metadata(), strict=True))
+
+        made = self.ranks.spread(self._requests(loaded, body.prompts, body.num, body), work)
+        return [Output(i, r.prompt, {**image_metadata(loop, r), **extra}) for r, i, extra in made]
 
 
 def run_workflow(workflow: Workflow, *, out: str | Path = "outputs", device: str | None = None,
@@ -125,7 +135,7 @@ def run_workflow(workflow: Workflow, *, out: str | Path = "outputs", device: str
                         for o in (runner.generate(ref, body.prompts, body.num, body) if body.input is None
                                   else runner.refine(ref, outputs[body.input], body, body.input))]
         outputs[name] = produced
-        _write(folder / name, produced, manifest.id, name, step.kind)
+        _write(folder / name, produced, manifest.id, name, step.kind, runner.ranks.main)
         entry = {"step": name, "kind": step.kind, "seconds": round(time.perf_counter() - begun, 3),
                  "images": [{"path": str(o.path), **{k: json.loads(o.metadata[k]) if k == "scores" else o.metadata[k]
                                                      for k in _REPORTED if k in o.metadata}} for o in produced]}
@@ -140,7 +150,8 @@ _REPORTED = ("card", "prompt", "seed", "steps", "strength", "input", "best_of", 
              "scores")
 
 
-def _write(folder: Path, produced: list[Output], workflow: str, step: str, kind: str) -> None:
+def _write(folder: Path, produced: list[Output], workflow: str, step: str, kind: str, main: bool = True) -> None:
+    """Name each image and write it (rank 0 only: under torchrun the other ranks hold the same outputs)."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -149,4 +160,5 @@ def _write(folder: Path, produced: list[Output], workflow: str, step: str, kind:
         slug = re.sub(r"[^a-z0-9]+", "-", item.prompt.lower()).strip("-")[:40] or "unconditional"
         item.path = folder / f"{k:03d}-{item.metadata['card']}-{slug}.png"
         item.metadata = {**item.metadata, "workflow": workflow, "step": step, "step_kind": kind}
-        save_image(item.path, item.image, item.metadata)
+        if main:
+            save_image(item.path, item.image, item.metadata)
