@@ -8,6 +8,7 @@ writes. Without WORLD_SIZE > 1 nothing is initialised and every call is the one-
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -70,6 +71,19 @@ class Ranks:
             dist.barrier()
 
 
+def _leave() -> None:
+    """At exit, wait for every rank, then close the group: a rank that tore its connections down while a peer still
+    used them would abort that peer."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+            dist.destroy_process_group()
+        except RuntimeError:  # a peer already gone: torchrun reports the failure
+            pass
+
+
 def ranks(device: str = "cpu") -> Ranks:
     """This process's place among the processes torchrun launched (joining their group the first time)."""
     world = os.environ.get("WORLD_SIZE", "1")
@@ -93,5 +107,6 @@ def ranks(device: str = "cpu") -> Ranks:
         except (RuntimeError, ValueError) as e:
             raise BadInput(f"cannot join the torchrun process group ({os.environ['MASTER_ADDR']}:"
                            f"{os.environ['MASTER_PORT']}, rank {os.environ['RANK']} of {world}): {e}") from None
+        atexit.register(_leave)
     return Ranks(dist.get_rank(), dist.get_world_size(), local)
 
