@@ -273,3 +273,16 @@ def test_rl_with_lora_trains_an_adapter_on_the_frozen_base(examples, tmp_path):
     tuned, plain = sample(loop, [Request("a bag", seed=1, steps=3, guidance=1.0, adapters=(("nft", 1.0),)),
                                  Request("a bag", seed=1, steps=3, guidance=1.0)])
     assert (tuned.latents - plain.latents).abs().max() > 1e-4, "the LoRA changes what the card samples"
+    # a LoRA card as the base of another run is served as its loop serves it: its LoRA merged into the frozen DiT
+    from cardtool.backends.lora import LoraPlan
+    from cardtool.core.training.methods.frozen import FrozenCard
+
+    frozen = FrozenCard(card, CPU, "card", "test")
+    instance = ModelInstance(card, CPU)
+    plain_dit, lora = instance.component("transformer"), instance.adapters.get("nft").value
+    generator = torch.Generator().manual_seed(0)
+    x, t, text = torch.randn(2, 4, 1, 8, 8, generator=generator), torch.tensor([500.0, 90.0]), torch.randn(2, 16, 384)
+    with torch.no_grad():
+        served = plain_dit(x, t, text, lora=LoraPlan([((lora, 1.0),)], [0, 0], plain_dit.ops.lora_bgmv, "cpu"))
+        assert (frozen.module(x, t, text) - served).abs().max() <= 1e-5
+        assert (plain_dit(x, t, text) - served).abs().max() > 1e-5
