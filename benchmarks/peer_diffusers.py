@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -50,7 +49,10 @@ from cardtool.core.sampling.text_cache import encode_prompts
 
 PROMPT = "an ankle boot"
 # the console script as users run it; the module where no script is on PATH
-CARDTOOL = [shutil.which("cardtool")] if shutil.which("cardtool") else [sys.executable, "-m", "cardtool"]
+# the console script pip installed beside this interpreter — what a venv puts on PATH; not a version manager's shim
+# on PATH (pyenv's adds 0.1–0.25 s of shell to every start), which `python -c` below would not pay either
+_SCRIPT = Path(sys.executable).with_name("cardtool")
+CARDTOOL = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "cardtool"]
 METHODS = ("generate warm", "generate cold", "command", "loop", "bare forward", "diffusers loop", "WanPipeline")
 
 
@@ -145,7 +147,14 @@ class Peers:
 
 
 def startup(card_ref: str, repeats: int) -> dict:
-    """Medians of a one-step one-image command and of importing torch, interleaved, in fresh processes."""
+    """Medians of a one-step one-image command and of importing torch, interleaved, in fresh processes. cardtool's
+    bytecode is compiled first, as `pip install` does (torch's is, being installed): a checkout run with
+    PYTHONDONTWRITEBYTECODE set would otherwise compile every module on every start."""
+    import compileall
+
+    import cardtool
+
+    compileall.compile_dir(Path(cardtool.__file__).parent, quiet=1)
     out = Path(tempfile.mkdtemp(prefix="cardtool-startup-")) / "one.png"
     commands = {"cardtool generate -n 1 --steps 1": [*CARDTOOL, "generate", card_ref, "-p", PROMPT, "-n", "1",
                                                      "--steps", "1", "--out", str(out)],
@@ -157,7 +166,7 @@ def startup(card_ref: str, repeats: int) -> dict:
             subprocess.run(command, check=True, capture_output=True)
             times[name].append(time.perf_counter() - started)
     medians = {name: statistics.median(t) for name, t in times.items()}
-    return {"median_s": medians, "runs_s": times,
+    return {"median_s": medians, "runs_s": times, "launcher": CARDTOOL,
             "ratio": medians["cardtool generate -n 1 --steps 1"] / medians["python -c 'import torch'"]}
 
 

@@ -148,3 +148,39 @@ def test_validate_a_folder_of_cards_and_bad_paths(tmp_path, monkeypatch):
     (tmp_path / "void").mkdir()
     with pytest.raises(BadInput, match="holds no card"):
         validate_paths(["void"])
+
+
+def test_peek_id_reads_what_the_full_parse_reads(tmp_path):
+    """Finding a card by id reads each manifest only up to its id: the id the full read gives (text, else None)
+    for every manifest the full read accepts."""
+    from cardtool.core.cards.source import peek_id, read_source
+
+    texts = ["id: a\nx: 1\n", "x: {a: [1, 2]}\nid: b\n", "x:\n  id: inner\nid: outer\n", "id: 12\n", "id: '12'\n",
+             "id: !!str 12\n", "id:\n  - x\n", "x: [a, {id: q}]\nid: z\n", "a: 1\n", "id: null\n", "id: yes\n",
+             "id: &x a\ny: *x\n", "? [a]\n: b\nid: c\n", "id: |\n  block\n", "x: {id: q}\n", "id: \"é\"\n"]
+    for n, text in enumerate(texts):
+        file = tmp_path / str(n) / "card.yaml"
+        file.parent.mkdir()
+        file.write_text(text)
+        try:
+            full = read_source(file).data.get("id")
+        except CardValidationError:
+            continue  # aliases, complex keys: refused by the full read, which peek_id falls back to
+        assert peek_id(file) == (full if isinstance(full, str) else None), text
+    for text in ("- a\n", "just text\n", "id: a\nid: b\n", "id: [unclosed\n"):
+        file = tmp_path / "odd" / "card.yaml"
+        file.parent.mkdir(exist_ok=True)
+        file.write_text(text)
+        try:
+            peek_id(file)
+        except CardValidationError:
+            pass  # the full read's located error: what locate would have reported
+
+
+def test_a_broken_card_found_by_id_shows_its_own_error(tmp_path, builtin):
+    write_card(builtin / "broken", "id: broken\nschema: cardtool/v1\ncomponents: {x: [unclosed\n")
+    file = locate("broken")
+    assert file == builtin / "broken" / "card.yaml"
+    with pytest.raises(CardValidationError) as info:
+        load_card(file)
+    assert info.value.problems[0].message.startswith("YAML: did not find expected")

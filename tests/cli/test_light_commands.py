@@ -64,3 +64,18 @@ def test_help_shows_flags_as_flags_and_values_as_words():
     assert "<bool>" not in text and "list[str]" not in text and "{card}" not in text.lower(), text
     grid = next(line for line in text.splitlines() if "--grid" in line)
     assert grid.split("--grid", 1)[1].split()[0] == "Also", "a flag takes no value, so no metavar follows it"
+
+
+def test_a_heavy_command_imports_torch_once_with_the_collector_paused(tmp_path, monkeypatch):
+    """torch's first import (arrays.py) runs without garbage collection and freezes what it made, so later full
+    collections skip it; the collector is running again afterwards (a training run must still free cycles)."""
+    monkeypatch.setenv("CARDTOOL_PATH", str(EXAMPLE_CARDS))
+    out = tmp_path / "probe.json"
+    code = PROBE.replace("OUT", repr(str(out))).replace(
+        '"heavy": heavy}', '"heavy": heavy, "gc": __import__("gc").isenabled(), '
+                           '"frozen": __import__("gc").get_freeze_count()}')
+    args = ["generate", "tiny-base", "-p", "a shirt", "--steps", "1", "--out", str(tmp_path / "one.png")]
+    subprocess.run([sys.executable, "-c", code, json.dumps(args)], check=True, capture_output=True, timeout=120)
+    report = json.loads(out.read_text())
+    assert report["code"] in (0, None) and "torch" in report["heavy"]
+    assert report["gc"] is True and report["frozen"] > 100_000

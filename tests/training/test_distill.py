@@ -192,6 +192,34 @@ def test_the_gan_term_trains_a_head_on_the_critic_and_moves_the_generator(exampl
         DMD2Task(gan, _platform(), load_card(teacher))
 
 
+def test_the_regression_term_pairs_noise_with_the_teachers_own_samples(examples, tmp_path):
+    """DMD's regression loss: each pair is what `generate` makes from the teacher at its defaults for that seed, and
+    the term is the MSE of the student's first clean estimate from the same noise against it."""
+    import torch.nn.functional as F
+
+    from cardtool.core.training.methods.dmd2 import PAIR_SEEDS
+    from cardtool.core.training.trainer import train_loop
+
+    teacher = examples / "tiny-base"
+    reg = recipe(teacher, extra=["loss.regression=0.5", "loss.regression_pairs=3", "loss.generator_every=1",
+                                 "optim.steps=2"])
+    task = DMD2Task(reg, _platform(), load_card(teacher))
+    prompts, seeds, targets = task.pairs
+    assert seeds == [PAIR_SEEDS, PAIR_SEEDS + 1, PAIR_SEEDS + 2] and prompts == task.prompts[:3]
+    loop = DenoiseLoop(ModelInstance(load_card(teacher), _platform(), "float32"), cache=TextFeatureCache(disk=False))
+    d = load_card(teacher).manifest.loops["denoise"].defaults
+    served = sample(loop, [Request(prompts[1], seed=seeds[1], steps=d["steps"], guidance=d["guidance"],
+                                   guidance_interval=tuple(d.get("guidance_interval", (0.0, 1.0))))])
+    assert torch.allclose(targets[1:2], served[0].latents, atol=1e-6)
+    generator = torch.Generator().manual_seed(0)
+    picks = torch.randint(0, 3, (4,), generator=torch.Generator().manual_seed(0)).tolist()
+    x, _, _ = task.rollout([prompts[i] for i in picks], [seeds[i] for i in picks], 0, grad=False)
+    assert float(task._regression(4, generator).detach()) == pytest.approx(float(F.mse_loss(x, targets[picks])), rel=1e-5)
+    logged = []
+    train_loop(task, reg, _platform(), tmp_path / "run", on_log=logged.append)
+    assert all(entry["reg_loss"] > 0 for entry in logged)
+
+
 def test_a_lora_student_trains_only_its_lora_and_serves_as_it_was_trained(examples, tmp_path):
     teacher = examples / "tiny-base"
     result = CliRunner().invoke(app, ["distill", str(teacher), "--steps", "2", "--lora", "4", "--no-eval",

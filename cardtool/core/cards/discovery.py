@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from cardtool.core.cards.source import MANIFEST_NAMES, display_path, read_source
+from cardtool.core.cards.source import MANIFEST_NAMES, display_path, peek_id, read_source
 from cardtool.errors import AmbiguousCard, BadInput, CardNotFound, CardValidationError
 
 __all__ = ["Root", "Entry", "builtin_dir", "search_roots", "scan", "manifest_in", "locate"]
@@ -67,8 +67,10 @@ def manifest_in(folder: Path) -> Path | None:
     return found[0] if found else None
 
 
-def scan(roots: list[Root]) -> list[Entry]:
-    """Every card folder directly below the roots, in search order; a folder reached twice counts once."""
+def scan(roots: list[Root], *, ids_only: bool = False) -> list[Entry]:
+    """Every card folder directly below the roots, in search order; a folder reached twice counts once. With
+    `ids_only` each manifest is read only as far as its id (`peek_id`): finding one card by id need not parse them
+    all."""
     entries: list[Entry] = []
     seen: set[Path] = set()
     for root in roots:
@@ -83,8 +85,10 @@ def scan(roots: list[Root]) -> list[Entry]:
                 if file is None:
                     continue
                 seen.add(folder.resolve())
-                data = read_source(file).data
-                card_id = data.get("id")
+                if ids_only:
+                    card_id = peek_id(file)
+                else:
+                    card_id = read_source(file).data.get("id")
                 entries.append(Entry(card_id if isinstance(card_id, str) else None, file, root.origin))
             except CardValidationError as e:
                 seen.add(folder.resolve())
@@ -116,7 +120,7 @@ def locate(name: str, near: Path | None = None) -> Path:
     if file is not None:
         return file
     roots = search_roots(near)
-    matches = [e for e in scan(roots) if e.id == name]
+    matches = [e for e in scan(roots, ids_only=True) if e.id == name]
     if not matches:
         searched = ", ".join(f"{display_path(r.path)} ({r.origin})" for r in roots) or "nothing"
         raise CardNotFound(f"no card with id '{name}'; searched {searched}. "

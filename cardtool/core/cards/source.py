@@ -13,7 +13,7 @@ from pathlib import Path
 
 from cardtool.errors import CardValidationError, Problem
 
-__all__ = ["MANIFEST_NAMES", "Source", "display_path", "read_source"]
+__all__ = ["MANIFEST_NAMES", "Source", "display_path", "peek_id", "read_source"]
 
 MANIFEST_NAMES = ("card.yaml", "card.toml")
 
@@ -237,6 +237,61 @@ def _walk_yaml(node, path: FieldPath, source: Source, duplicates: list[Problem])
             sub = path + (str(i),)
             source.keys[sub] = source.values[sub] = (item.start_mark.line + 1, item.start_mark.column + 1)
             _walk_yaml(item, sub, source, duplicates)
+
+
+def peek_id(file: Path) -> str | None:
+    """The `id` a manifest declares (None if it declares none, or not as text), read for finding a card by id: from
+    a YAML file's event stream up to its top-level `id` key — a few events of a card that opens with its id — rather
+    than a full parse; the full read (read_source) for TOML and anything unusual (aliases, complex keys, large or
+    unreadable files), which raises its located error."""
+    if file.suffix == ".yaml":
+        import yaml
+
+        try:
+            if 0 < file.stat().st_size <= MAX_BYTES:
+                return _peek_yaml_id(file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError, _Unsure):
+            pass
+    card_id = read_source(file).data.get("id")
+    return card_id if isinstance(card_id, str) else None
+
+
+class _Unsure(Exception):
+    """The event stream holds something only the full read judges."""
+
+
+def _peek_yaml_id(text: str) -> str | None:
+    import yaml
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    depth, key = 0, None  # depth 1: the top-level mapping; key: the top-level key whose value comes next
+    for event in yaml.parse(text, Loader=loader):
+        if isinstance(event, yaml.AliasEvent):
+            raise _Unsure
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            if depth == 0 and not isinstance(event, yaml.MappingStartEvent):
+                return None
+            if depth == 1 and key is None:
+                raise _Unsure  # a complex key
+            depth += 1
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
+            if depth == 1:
+                key = None  # a nested value ended: the next event is a top-level key
+            elif depth == 0:
+                return None
+        elif isinstance(event, yaml.ScalarEvent) and depth == 1:
+            if key is None:
+                key = event.value
+                continue
+            if key == "id":
+                plain = event.implicit[0] and event.tag is None
+                tag = loader.resolve(loader, yaml.ScalarNode, event.value, (True, False)) if plain else event.tag
+                return event.value if tag in (None, "!", "tag:yaml.org,2002:str") else None
+            key = None
+        elif isinstance(event, yaml.ScalarEvent) and depth == 0:
+            return None
+    return None
 
 
 # --- TOML --------------------------------------------------------------------------------------------

@@ -145,6 +145,7 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
         start, loss_value, before = _load(checkpoint, recipe, modules, ema, optimizer, task, parts)
     order = _Order(task.dataset_size(), o.batch_size, schedule.seed)
     started, seen = time.perf_counter(), 0
+    window: dict[str, list[float]] = {}  # the task's metrics since the last progress line
     for step in range(start, o.steps):
         for group in optimizer.param_groups:
             group["lr"] = _lr(recipe, step) * group.get("lr_scale", 1.0)
@@ -179,10 +180,16 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
                         e.lerp_(p, 1 - schedule.ema)
         seen += o.batch_size
         done = step + 1
+        for key, value in metrics.items():
+            window.setdefault(key, []).append(value)
         if on_log and (done % schedule.log_every == 0 or done == o.steps):
             elapsed = time.perf_counter() - started
+            # each metric averaged over the iterations that reported it: a generator's loss that only some
+            # iterations compute (DMD2's two time-scale rule) shows even when the logged iteration is the critic's
+            means = {key: sum(values) / len(values) for key, values in window.items()}
+            window.clear()
             on_log({"step": done, "steps": o.steps, "loss": loss_value, "lr": _lr(recipe, step),
-                    "samples_per_second": seen / elapsed if elapsed else 0.0, **metrics})
+                    "samples_per_second": seen / elapsed if elapsed else 0.0, **means})
         if ranks.main and (done % schedule.checkpoint_every == 0 or done == o.steps):
             _save(checkpoint, recipe, done, loss_value, before + time.perf_counter() - started, modules, ema,
                   optimizer, task, parts)

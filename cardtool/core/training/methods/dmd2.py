@@ -13,6 +13,13 @@ Two time-scale updates: the critic every iteration, the generator every `generat
 `gan: true` adds DMD2's GAN term: a classifier head on the critic's last-block features, trained to tell noised
 real latents (the data, the prompt's class) from noised generator samples (softplus losses, weight λ_D), while the
 generator is pushed to look real to it (λ_G) — the critic's weights are held fixed for that term.
+
+`regression: λ > 0` adds DMD's regression loss (Yin et al. 2023, "One-step Diffusion with Distribution Matching
+Distillation", arXiv 2311.18828, eq. 9): a fixed set of (noise, teacher output) pairs — the teacher's own sampler,
+at its card's loop defaults, from each pair's seed — and on the generator's turn λ·‖G(z) − y‖² between the
+student's first clean estimate from that noise and the teacher's image. DMD2 dropped it; it anchors the student
+to the distribution the teacher's *sampler* makes, where interval-guided CFG is not the guided marginals the
+distribution-matching gradient follows.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from cardtool.core.cards.loops import MAX_STEPS
 from cardtool.core.data import Split
 from cardtool.core.prompts import training_prompts
 from cardtool.core.sampling.denoise import Request
+from cardtool.core.sampling.sampler import sample
 from cardtool.core.training.lora_settings import lora_settings
 from cardtool.core.training.methods.frozen import FrozenCard
 from cardtool.core.training.methods.vae import latents
@@ -63,6 +71,8 @@ class DMD2Settings(LossSettings):
     gan_generator_weight: float = Field(3e-3, ge=0)  # λ_G
     gan_critic_weight: float = Field(1e-2, ge=0)  # λ_D
     gan_head_lr_scale: float = Field(50.0, gt=0)  # the fresh head's learning rate over the networks' (2e-5 → 1e-3)
+    regression: float = Field(0.0, ge=0)  # DMD's λ_reg on (noise, teacher sample) pairs; 0: DMD2 as published
+    regression_pairs: int = Field(2048, ge=1, le=1 << 20)  # how many pairs the teacher samples at the start
 
     @model_validator(mode="after")
     def _ranges(self):
@@ -132,6 +142,8 @@ class DMD2Task(Task):
             self.real_latents = latents(frozen.instance.component(frozen.loop.vae), train.images, self.device)[0]
             self.by_class = [np.flatnonzero(train.labels == c) for c in range(len(training_prompts()))]
             self.critic.blocks[-1].register_forward_hook(self._keep_features)
+        if s.regression > 0:
+            self.pairs = regression_pairs(frozen, self.prompts, s.regression_pairs)
 
     def _keep_features(self, module, inputs, output) -> None:
         self._features = output
@@ -208,7 +220,19 @@ class DMD2Task(Task):
                     g_loss = F.softplus(-self.head(self._features)).mean()
                 loss = loss + s.gan_generator_weight * g_loss
                 metrics["g_loss"] = float(g_loss.detach())
+            if s.regression > 0:
+                reg = self._regression(n, generator)
+                loss = loss + s.regression * reg
+                metrics["reg_loss"] = float(reg.detach())
         return loss, metrics
+
+    def _regression(self, n: int, generator) -> torch.Tensor:
+        """‖G(z) − y‖² on n pairs: the student's first clean estimate from each pair's noise against the teacher's
+        sample from the same noise."""
+        prompts, seeds, targets = self.pairs
+        picks = torch.randint(0, len(seeds), (n,), generator=generator).tolist()
+        x, _, _ = self.rollout([prompts[i] for i in picks], [seeds[i] for i in picks], 0, grad=True)
+        return F.mse_loss(x.float(), targets[picks].to(x.device))
 
     def _real(self, indices, t, generator) -> torch.Tensor:
         """Training latents of each row's class, noised to that row's t."""
@@ -217,6 +241,21 @@ class DMD2Task(Task):
         x0 = self.real_latents[rows]
         tb = t.reshape(-1, 1, 1, 1, 1)
         return (1 - tb) * x0 + tb * torch.randn(x0.shape, generator=generator).to(self.device)
+
+
+PAIR_SEEDS = 1 << 40  # the pairs' seeds start here, far from the seeds eval samples (0, 1, …)
+
+
+def regression_pairs(frozen: FrozenCard, prompts: list[str], count: int) -> tuple[list[str], list[int], torch.Tensor]:
+    """`count` (prompt, seed, teacher latent) triples: the prompts in turn, seeds PAIR_SEEDS + i, each sampled
+    by the teacher's loop at its card's defaults (deterministic, so a resumed run rebuilds the same pairs)."""
+    d = frozen.defaults
+    chosen = [prompts[i % len(prompts)] for i in range(count)]
+    seeds = [PAIR_SEEDS + i for i in range(count)]
+    requests = [Request(p, seed=seed, steps=d.steps, guidance=d.guidance, shift=d.shift, solver=d.solver,
+                        guidance_interval=d.guidance_interval) for p, seed in zip(chosen, seeds, strict=True)]
+    states = sample(frozen.loop, requests)
+    return chosen, seeds, torch.cat([torch.as_tensor(st.latents) for st in states]).float()
 
 
 class _frozen:
