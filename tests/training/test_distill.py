@@ -201,7 +201,7 @@ def test_the_regression_term_pairs_noise_with_the_teachers_own_samples(examples,
     from cardtool.core.training.trainer import train_loop
 
     teacher = examples / "tiny-base"
-    reg = recipe(teacher, extra=["loss.regression=0.5", "loss.regression_pairs=3", "loss.generator_every=1",
+    reg = recipe(teacher, extra=["loss.regression=0.5", "loss.teacher_samples=3", "loss.generator_every=1",
                                  "optim.steps=2"])
     task = DMD2Task(reg, _platform(), load_card(teacher))
     prompts, seeds, targets = task.pairs
@@ -214,10 +214,34 @@ def test_the_regression_term_pairs_noise_with_the_teachers_own_samples(examples,
     generator = torch.Generator().manual_seed(0)
     picks = torch.randint(0, 3, (4,), generator=torch.Generator().manual_seed(0)).tolist()
     x, _, _ = task.rollout([prompts[i] for i in picks], [seeds[i] for i in picks], 0, grad=False)
-    assert float(task._regression(4, generator).detach()) == pytest.approx(float(F.mse_loss(x, targets[picks])), rel=1e-5)
+    expected = float(F.mse_loss(x, targets[picks]))
+    assert float(task._regression(4, generator).detach()) == pytest.approx(expected, rel=1e-5)
     logged = []
     train_loop(task, reg, _platform(), tmp_path / "run", on_log=logged.append)
     assert all(entry["reg_loss"] > 0 for entry in logged)
+
+
+def test_a_real_score_fit_to_the_teachers_samples_trains_beside_the_critic(examples, tmp_path):
+    """`real: sampler`: the real score is a third network, initialised from the teacher (its conditional velocity,
+    no CFG) and trained on the teacher's samples; the DM gradient reads it."""
+    from cardtool.core.training.trainer import train_loop
+
+    teacher = examples / "tiny-base"
+    real = recipe(teacher, extra=["loss.real=sampler", "loss.teacher_samples=4", "loss.generator_every=1",
+                                  "optim.steps=2"])
+    task = DMD2Task(real, _platform(), load_card(teacher))
+    assert set(task.modules()) == {"transformer", "critic", "real_critic"}
+    x, t = torch.randn(2, *task.pairs[2].shape[1:]), torch.tensor([0.3, 0.7])
+    text, mask = (a[:2] for a in task.pair_text)
+    with torch.no_grad():
+        assert torch.equal(task.real_velocity(x, t, text, mask), task.real(x, t * 1000, text, mask))
+    before = {k: v.clone() for k, v in task.real_critic.state_dict().items()}
+    logged = []
+    train_loop(task, real, _platform(), tmp_path / "run", on_log=logged.append)
+    assert all(entry["real_critic_loss"] > 0 and "dm_loss" in entry for entry in logged)
+    assert any(not torch.equal(v, task.real_critic.state_dict()[k]) for k, v in before.items())
+    with torch.no_grad():
+        assert not torch.equal(task.real_velocity(x, t, text, mask), task.real(x, t * 1000, text, mask))
 
 
 def test_a_lora_student_trains_only_its_lora_and_serves_as_it_was_trained(examples, tmp_path):

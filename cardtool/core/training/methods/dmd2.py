@@ -14,6 +14,11 @@ Two time-scale updates: the critic every iteration, the generator every `generat
 real latents (the data, the prompt's class) from noised generator samples (softplus losses, weight λ_D), while the
 generator is pushed to look real to it (λ_G) — the critic's weights are held fixed for that term.
 
+`real: sampler` replaces the guided teacher as the real score by a second critic (initialised from the teacher and
+trained like the fake one, with the flow-matching loss) on samples of the teacher's own sampler at its card's loop
+defaults: the distribution matched is then exactly what `cardtool generate TEACHER` makes — with interval-guided
+CFG that is neither the guided nor the unguided model's marginals, which the DM gradient otherwise follows.
+
 `regression: λ > 0` adds DMD's regression loss (Yin et al. 2023, "One-step Diffusion with Distribution Matching
 Distillation", arXiv 2311.18828, eq. 9): a fixed set of (noise, teacher output) pairs — the teacher's own sampler,
 at its card's loop defaults, from each pair's seed — and on the generator's turn λ·‖G(z) − y‖² between the
@@ -23,6 +28,8 @@ distribution-matching gradient follows.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import numpy as np
 import torch
@@ -36,6 +43,7 @@ from cardtool.core.data import Split
 from cardtool.core.prompts import training_prompts
 from cardtool.core.sampling.denoise import Request
 from cardtool.core.sampling.sampler import sample
+from cardtool.core.sampling.text_cache import encode_prompts
 from cardtool.core.training.lora_settings import lora_settings
 from cardtool.core.training.methods.frozen import FrozenCard
 from cardtool.core.training.methods.vae import latents
@@ -71,8 +79,10 @@ class DMD2Settings(LossSettings):
     gan_generator_weight: float = Field(3e-3, ge=0)  # λ_G
     gan_critic_weight: float = Field(1e-2, ge=0)  # λ_D
     gan_head_lr_scale: float = Field(50.0, gt=0)  # the fresh head's learning rate over the networks' (2e-5 → 1e-3)
+    real: Literal["guided", "sampler"] = "guided"  # the real score: the teacher with CFG, or fit to its samples
+    real_lr_scale: float = Field(10.0, gt=0)  # the real critic's learning rate over the networks' (it fits fixed data)
     regression: float = Field(0.0, ge=0)  # DMD's λ_reg on (noise, teacher sample) pairs; 0: DMD2 as published
-    regression_pairs: int = Field(2048, ge=1, le=1 << 20)  # how many pairs the teacher samples at the start
+    teacher_samples: int = Field(2048, ge=1, le=1 << 20)  # (noise, sample) pairs the teacher makes at the start
 
     @model_validator(mode="after")
     def _ranges(self):
@@ -142,21 +152,31 @@ class DMD2Task(Task):
             self.real_latents = latents(frozen.instance.component(frozen.loop.vae), train.images, self.device)[0]
             self.by_class = [np.flatnonzero(train.labels == c) for c in range(len(training_prompts()))]
             self.critic.blocks[-1].register_forward_hook(self._keep_features)
-        if s.regression > 0:
-            self.pairs = regression_pairs(frozen, self.prompts, s.regression_pairs)
+        self.real_critic = None
+        if s.regression > 0 or s.real == "sampler":
+            self.pairs = teacher_samples(frozen, self.prompts, s.teacher_samples)
+        if s.real == "sampler":
+            self.real_critic = frozen.copy()
+            self.real_velocity = lambda x_t, t, text, mask: self.real_critic(x_t, t * 1000, text, mask)
+            prompts = self.pairs[0]
+            text = encode_prompts(frozen.instance, sorted(set(prompts)), self.cache, frozen.loop.text_encoder)
+            rows = dict(zip(sorted(set(prompts)), text, strict=True))
+            self.pair_text = tuple(torch.as_tensor(np.stack([rows[p][i] for p in prompts])).to(self.device)
+                                   for i in (0, 1))
 
     def _keep_features(self, module, inputs, output) -> None:
         self._features = output
 
     def modules(self):
         heads = {"gan_head": self.head} if self.head is not None else {}
-        return {"transformer": self.generator, "critic": self.critic, **heads}
+        real = {"real_critic": self.real_critic} if self.real_critic is not None else {}
+        return {"transformer": self.generator, "critic": self.critic, **real, **heads}
 
     def dataset_size(self) -> int:
         return len(self.prompts)
 
     def lr_scales(self) -> dict[str, float]:
-        return {"gan_head": self.settings.gan_head_lr_scale}
+        return {"gan_head": self.settings.gan_head_lr_scale, "real_critic": self.settings.real_lr_scale}
 
     def prepare(self, step: int) -> None:
         self.turn = generator_turn(step, self.settings.generator_every)
@@ -197,6 +217,10 @@ class DMD2Task(Task):
         critic_noise = torch.randn(x.shape, generator=generator).to(self.device)
         loss = critic_loss(self.critic, x, critic_t, critic_noise, text, mask)
         metrics = {"critic_loss": float(loss.detach())}
+        if self.real_critic is not None:  # the real score keeps fitting the teacher's samples, at the critic's pace
+            real_loss = self._real_critic_loss(n, generator)
+            loss = loss + real_loss
+            metrics["real_critic_loss"] = float(real_loss.detach())
         if self.head is not None:
             fake_logit = self.head(self._features)  # the critic loss's forward saw the noised fake samples
             real = self._real(indices, critic_t, generator)
@@ -226,6 +250,16 @@ class DMD2Task(Task):
                 metrics["reg_loss"] = float(reg.detach())
         return loss, metrics
 
+    def _real_critic_loss(self, n: int, generator) -> torch.Tensor:
+        """The flow-matching loss of the real critic on n of the teacher's samples, with their prompts' text."""
+        low, high = self.settings.t_range
+        picks = torch.randint(0, len(self.pairs[1]), (n,), generator=generator)
+        x = self.pairs[2][picks].to(self.device)
+        t = (low + (high - low) * torch.rand(n, generator=generator)).to(self.device)
+        noise = torch.randn(x.shape, generator=generator).to(self.device)
+        text, mask = (a[picks.to(a.device)] for a in self.pair_text)
+        return critic_loss(self.real_critic, x, t, noise, text, mask)
+
     def _regression(self, n: int, generator) -> torch.Tensor:
         """‖G(z) − y‖² on n pairs: the student's first clean estimate from each pair's noise against the teacher's
         sample from the same noise."""
@@ -246,7 +280,7 @@ class DMD2Task(Task):
 PAIR_SEEDS = 1 << 40  # the pairs' seeds start here, far from the seeds eval samples (0, 1, …)
 
 
-def regression_pairs(frozen: FrozenCard, prompts: list[str], count: int) -> tuple[list[str], list[int], torch.Tensor]:
+def teacher_samples(frozen: FrozenCard, prompts: list[str], count: int) -> tuple[list[str], list[int], torch.Tensor]:
     """`count` (prompt, seed, teacher latent) triples: the prompts in turn, seeds PAIR_SEEDS + i, each sampled
     by the teacher's loop at its card's defaults (deterministic, so a resumed run rebuilds the same pairs)."""
     d = frozen.defaults
