@@ -123,10 +123,20 @@ def test_distill_on_two_processes_equals_one_process_with_two_micro_batches(tmp_
 
 
 def test_rl_on_two_processes_equals_one_process_with_two_micro_batches(tmp_path, monkeypatch):
-    sets = ["optim.steps=2", "optim.batch_size=2", "loss.group_size=4", "loss.rollout_steps=3", "optim.lr=1e-2",
-            "train.precision=float32", "card.storage=float32"]
+    """The ranks share each rollout's sampling and every rank holds the whole buffer: a rollout from the same
+    weights is the one-process run's, whatever the split; each update's rows are split between the micro-batches."""
+    import yaml
+
+    sets = ["optim.steps=4", "optim.batch_size=2", "loss.group_size=4", "loss.rollout_steps=3", "optim.lr=1e-2",
+            "loss.updates_per_rollout=2", "train.precision=float32", "card.storage=float32"]
     args = ["rl", "tiny-base", "--reward", "tiny-judge", "--no-eval", *(f"--set={s}" for s in sets)]
     assert two_processes_against_one(tmp_path, monkeypatch, args)[0] <= 1e-5
+    single = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "whole"), "--run-dir", str(tmp_path / "rw")])
+    assert single.exit_code == 0, single.output
+    curves = [yaml.safe_load((tmp_path / name / "card.yaml").read_text())["recipe"]["metrics"]["reward_curve"]
+              for name in ("two", "one", "whole")]
+    # the first rollout is the unsplit run's exactly; later ones follow weights that the split's draws moved
+    assert len(curves[0]) == 2 and curves[0] == curves[1] and curves[0][0] == curves[2][0]
 
 
 def test_the_flywheel_on_two_processes_makes_the_cards_one_process_makes(tmp_path, monkeypatch):
@@ -162,3 +172,49 @@ def test_a_workflow_on_two_processes_writes_the_files_of_one(tmp_path, monkeypat
     one, two = sorted((tmp_path / "one").rglob("*.png")), sorted((tmp_path / "two").rglob("*.png"))
     assert [p.relative_to(tmp_path / "one") for p in one] == [p.relative_to(tmp_path / "two") for p in two]
     assert len(one) == 7 and all(a.read_bytes() == b.read_bytes() for a, b in zip(one, two, strict=True))
+
+
+def test_a_rank_killed_mid_run_leaves_no_card_and_a_checkpoint_that_resumes(tmp_path, monkeypatch):
+    """SIGKILL one rank of a 2-process distill: torchrun fails the job, no output card appears (rank 0 writes it
+    only at the end, atomically), and the last checkpoint resumes on one process with 2 micro-batches."""
+    import signal
+    import time
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    sets = ["optim.steps=40", "optim.batch_size=4", "train.precision=float32", "train.checkpoint_every=2",
+            "card.storage=float32", "optim.lr=1e-3"]
+    args = ["distill", "tiny-base", "--steps", "2", "--no-eval", *(f"--set={s}" for s in sets)]
+    env = {**os.environ, "CARDTOOL_PATH": str(EXAMPLE_CARDS), "OMP_NUM_THREADS": "1"}
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            "-m", "cardtool", *args, "--out", "card", "--run-dir", "run"], cwd=tmp_path, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    checkpoint = tmp_path / "run" / "checkpoint.safetensors"
+    deadline = time.monotonic() + 120
+    while not checkpoint.exists() and time.monotonic() < deadline and job.poll() is None:
+        time.sleep(0.05)
+    assert checkpoint.exists(), "the run wrote no checkpoint"
+
+    def rank(pid: int) -> str | None:
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            return None
+        return next((e[5:].decode() for e in env if e.startswith(b"RANK=")), None)
+
+    children = [int(p) for p in Path(f"/proc/{job.pid}/task/{job.pid}/children").read_text().split()]
+    [victim] = [pid for pid in children if rank(pid) == "1"]
+    os.kill(victim, signal.SIGKILL)
+    _, stderr = job.communicate(timeout=180)
+    assert job.returncode != 0
+    assert "exitcode" in stderr and "-9" in stderr  # torchrun names the rank that died and how
+    assert not (tmp_path / "card").exists()
+    with safe_open(str(checkpoint), framework="pt") as f:
+        step = int(f.metadata()["step"])
+    assert 2 <= step < 40 and step % 2 == 0
+    monkeypatch.setenv("CARDTOOL_PATH", str(EXAMPLE_CARDS))
+    monkeypatch.chdir(tmp_path)
+    resumed = CliRunner().invoke(app, [*args, "--out", "card", "--run-dir", "run", "--resume", "--micro-batches", "2"])
+    assert resumed.exit_code == 0, resumed.output
+    assert (tmp_path / "card" / "card.yaml").exists()

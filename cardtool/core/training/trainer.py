@@ -58,6 +58,12 @@ class Task(ABC):
         reads the step here."""
         return None
 
+    def micro_batch(self, part: int, parts: int, batch: np.ndarray, shared: torch.Generator) -> None:
+        """Called before each micro-batch's loss: it is micro-batch `part` of the step's `parts` (P processes × M),
+        `batch` is the whole step's, and `shared` draws alike on every rank — for a method that makes the step's
+        data once for all its micro-batches (RL's rollouts, sampled across the ranks)."""
+        return None
+
     def state(self) -> dict[str, torch.Tensor]:
         """Tensors besides the trainable modules that a resumed run needs (RL's old policy, a rollout buffer);
         saved in every checkpoint."""
@@ -161,7 +167,10 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
             # anything drawing from torch's global RNG (dropout) becomes a function of the step too, so a resumed
             # run draws what the uninterrupted one drew; the checkpoint then holds every piece of state
             torch.manual_seed(seed)
+            # the step's shared draws: the one-process run's own generator, so any split shares what it drew
+            shared = generator if parts == 1 else torch.Generator().manual_seed(step_seed)
             with autocast(platform, schedule.precision):
+                task.micro_batch(part, parts, batch, shared)
                 loss, metrics = task.loss(batch[part::parts], generator)
             (loss if parts == 1 else loss / parts).backward()
             loss_value += float(loss.detach()) / parts

@@ -13,7 +13,7 @@ import torch
 from pydantic import Field
 
 from cardtool.core.sampling.denoise import LoopState, shifted_sigmas
-from cardtool.core.training.methods.rollouts import RewardTask, RolloutSettings, group_advantages, stack_captured
+from cardtool.core.training.methods.rollouts import RewardTask, RolloutSettings, group_advantages
 
 __all__ = ["GRPO_DEFAULTS", "GRPOSettings", "GRPOTask", "clipped_objective", "transition_log_probs"]
 
@@ -70,8 +70,8 @@ class GRPOTask(RewardTask):
         s = self.settings
         return np.clip(group_advantages(rewards, global_std=False), -s.advantage_clip, s.advantage_clip)
 
-    def captured_log_probs(self, states: list[LoopState]) -> torch.Tensor:
-        return stack_captured([st.capture.log_probs for st in states])
+    def captured_log_probs(self, state: LoopState) -> list:
+        return state.capture.log_probs
 
     def reference_model(self, x, timesteps, text, mask):
         """The reference velocity with the model's call signature (timesteps σ·1000)."""
@@ -79,7 +79,7 @@ class GRPOTask(RewardTask):
 
     def loss(self, indices, generator):
         s = self.settings
-        buffer, rows = self.batch(indices, generator)
+        buffer, rows = self.batch()
         sigmas = shifted_sigmas(s.rollout_steps, self.shift)
         count = s.train_timesteps or s.rollout_steps
         steps = sorted(torch.randperm(s.rollout_steps, generator=generator)[:count].tolist())

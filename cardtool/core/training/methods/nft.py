@@ -94,7 +94,7 @@ class NFTTask(RewardTask):
 
     def loss(self, indices, generator):
         s = self.settings
-        buffer, rows = self.batch(indices, generator)
+        buffer, rows = self.batch()
         x0 = buffer.latents[-1][rows].to(self.device)
         text, mask = self.text(buffer.prompts[rows])
         advantages = buffer.advantages[rows].to(self.device, torch.float32)

@@ -4,8 +4,11 @@ advantages, and a rollout buffer that `updates_per_rollout` optimiser steps shar
 
 One trainer step is one optimiser update. On every `updates_per_rollout`-th step the task samples the trainer's
 batch of prompts K times each (RL runs without CFG: guidance 1), scores the decoded images, and keeps what its
-method trains on; each update takes its share of the buffer's rows. The buffer is part of the checkpoint, so a
-run resumed between two updates continues on the same samples."""
+method trains on; each update takes its share of the buffer's rows, and each micro-batch its share of those. The
+buffer is the whole step's, sampled once for all micro-batches: under torchrun each rank samples and scores its
+share of the requests and every rank receives all of them, so advantages are normalised over the global batch and
+the buffer is the one a single process makes. It is part of the checkpoint, so a run resumed between two updates
+continues on the same samples."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import torch
 from pydantic import Field
 
 from cardtool.backends.platform import Platform
+from cardtool.core import distributed
 from cardtool.core.cards.loader import Card
 from cardtool.core.cards.loops import MAX_STEPS
 from cardtool.core.evaluation.reward import Reward
@@ -97,6 +101,7 @@ class RewardTask(Task):
         self.shift = s.shift if s.shift is not None else frozen.defaults.shift
         self.buffer: Rollouts | None = None
         self.update, self.rollout_count = 0, 0
+        self.platform, self.part, self.parts, self.fresh = platform, 0, 1, True
         self.reward_history: list[float] = []
 
     def sampler(self) -> torch.nn.Module:
@@ -112,6 +117,13 @@ class RewardTask(Task):
     def prepare(self, step: int) -> None:
         self.update = step % self.settings.updates_per_rollout
         self.rollout_count = step // self.settings.updates_per_rollout
+        self.fresh = True
+
+    def micro_batch(self, part: int, parts: int, batch: np.ndarray, shared: torch.Generator) -> None:
+        """On a rollout step's first micro-batch, sample the buffer for the whole step's batch."""
+        if self.fresh and (self.update == 0 or self.buffer is None):
+            self.buffer = self.collect(batch, shared)
+        self.fresh, self.part, self.parts = False, part, parts
 
     def requests(self, indices: np.ndarray, generator: torch.Generator) -> list[Request]:
         s, k = self.settings, self.settings.group_size
@@ -124,12 +136,12 @@ class RewardTask(Task):
         return {}
 
     def collect(self, indices: np.ndarray, generator: torch.Generator) -> Rollouts:
-        """Sample each prompt of `indices` K times with the sampler module, score the images, and keep the capture."""
+        """Sample each prompt of `indices` K times with the sampler module, score the images, and keep the capture;
+        under torchrun the ranks share the sampling (every request owns its seed, so the samples are the same)."""
         requests = self.requests(indices, generator)
-        with torch.no_grad():
-            states = sample(self.loop, requests, capture=True, max_batch=256)
-            images = self.loop.finalize(states)
-        rewards = np.asarray(self.reward.score(images, [r.prompt for r in requests]), dtype=np.float64)
+        made = distributed.ranks(self.platform.device).spread(requests, self._sample)
+        latents, log_probs, rewards = zip(*made, strict=True)
+        rewards = np.asarray(rewards, dtype=np.float64)
         if not np.isfinite(rewards).all():
             raise BadInput(f"reward '{self.reward.card_id}' returned a non-finite score")
         grouped = rewards.reshape(len(indices), self.settings.group_size)
@@ -137,21 +149,30 @@ class RewardTask(Task):
         self.reward_history.append(float(rewards.mean()))
         order = torch.randperm(len(requests), generator=generator)
         return Rollouts(torch.as_tensor(np.repeat(indices, self.settings.group_size)), torch.as_tensor(rewards),
-                        torch.as_tensor(advantages), stack_captured([st.capture.latents for st in states]),
-                        self.captured_log_probs(states), order)
+                        torch.as_tensor(advantages), stack_captured(latents),
+                        stack_captured(log_probs) if log_probs[0] is not None else None, order)
+
+    def _sample(self, requests: list[Request]) -> list[tuple]:
+        """Each request's captured latents, captured log-probabilities (None without them) and reward."""
+        with torch.no_grad():
+            states = sample(self.loop, requests, capture=True, max_batch=256)
+            images = self.loop.finalize(states)
+        rewards = self.reward.score(images, [r.prompt for r in requests])
+        return [(st.capture.latents, self.captured_log_probs(st), float(reward))
+                for st, reward in zip(states, rewards, strict=True)]
 
     @abstractmethod
     def advantages(self, rewards: np.ndarray) -> np.ndarray:
         """Advantages (P, K) of rewards (P, K), normalised as the method's paper does."""
 
-    def captured_log_probs(self, states: list[LoopState]) -> torch.Tensor | None:
+    def captured_log_probs(self, state: LoopState) -> list | None:
+        """The per-step log-probabilities a method keeps from a rollout's capture (None: it keeps none)."""
         return None
 
-    def batch(self, indices: np.ndarray, generator: torch.Generator) -> tuple[Rollouts, torch.Tensor]:
-        """The buffer (collected on the first update of a rollout) and the rows this update trains on."""
-        if self.update == 0 or self.buffer is None:
-            self.buffer = self.collect(indices, generator)
-        return self.buffer, self.buffer.rows(self.update, self.settings.updates_per_rollout)
+    def batch(self) -> tuple[Rollouts, torch.Tensor]:
+        """The buffer and the rows this micro-batch of this update trains on."""
+        rows = self.buffer.rows(self.update, self.settings.updates_per_rollout)
+        return self.buffer, rows[self.part::self.parts]
 
     def text(self, prompt_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached text states and masks of the buffer's prompts (each prompt encoded once per run)."""
