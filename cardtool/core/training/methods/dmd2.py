@@ -16,7 +16,7 @@ generator is pushed to look real to it (λ_G) — the critic's weights are held 
 
 `real: sampler` replaces the guided teacher as the real score by a second critic (initialised from the teacher and
 trained like the fake one, with the flow-matching loss) on samples of the teacher's own sampler at its card's loop
-defaults: the distribution matched is then exactly what `cardtool generate TEACHER` makes — with interval-guided
+defaults: the distribution it approximates is then what `cardtool generate TEACHER` makes — with interval-guided
 CFG that is neither the guided nor the unguided model's marginals, which the DM gradient otherwise follows.
 
 `regression: λ > 0` adds DMD's regression loss (Yin et al. 2023, "One-step Diffusion with Distribution Matching
