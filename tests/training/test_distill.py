@@ -244,6 +244,20 @@ def test_a_real_score_fit_to_the_teachers_samples_trains_beside_the_critic(examp
         assert not torch.equal(task.real_velocity(x, t, text, mask), task.real(x, t * 1000, text, mask))
 
 
+def test_progress_lines_average_the_generators_losses_over_the_window(examples, tmp_path):
+    """With the generator moving every 2nd iteration and a line every 2nd, each logged iteration is the critic's
+    own; the line still shows the generator's loss, the mean over the window's iterations that computed it."""
+    from cardtool.core.training.trainer import train_loop
+
+    teacher = examples / "tiny-base"
+    spaced = recipe(teacher, extra=["loss.generator_every=2", "train.log_every=2", "optim.steps=4"])
+    logged = []
+    train_loop(DMD2Task(spaced, _platform(), load_card(teacher)), spaced, _platform(), tmp_path / "run",
+               on_log=logged.append)
+    assert [entry["step"] for entry in logged] == [2, 4]
+    assert all(entry["dm_loss"] > 0 and entry["critic_loss"] > 0 for entry in logged)
+
+
 def test_a_lora_student_trains_only_its_lora_and_serves_as_it_was_trained(examples, tmp_path):
     teacher = examples / "tiny-base"
     result = CliRunner().invoke(app, ["distill", str(teacher), "--steps", "2", "--lora", "4", "--no-eval",
