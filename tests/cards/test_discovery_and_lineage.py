@@ -167,14 +167,18 @@ def test_peek_id_reads_what_the_full_parse_reads(tmp_path):
         except CardValidationError:
             continue  # aliases, complex keys: refused by the full read, which peek_id falls back to
         assert peek_id(file) == (full if isinstance(full, str) else None), text
-    for text in ("- a\n", "just text\n", "id: a\nid: b\n", "id: [unclosed\n"):
+    # manifests the full read refuses: not a mapping (no id), a duplicate key (the first id names the card, whose
+    # load then reports the duplicate), broken YAML before the id (the full read's located error)
+    for text, expected in (("- a\n", None), ("just text\n", None), ("id: a\nid: b\n", "a"),
+                           ("id: [unclosed\n", CardValidationError)):
         file = tmp_path / "odd" / "card.yaml"
         file.parent.mkdir(exist_ok=True)
         file.write_text(text)
-        try:
-            peek_id(file)
-        except CardValidationError:
-            pass  # the full read's located error: what locate would have reported
+        if expected is CardValidationError:
+            with pytest.raises(CardValidationError):
+                peek_id(file)
+        else:
+            assert peek_id(file) == expected, text
 
 
 def test_a_broken_card_found_by_id_shows_its_own_error(tmp_path, builtin):
