@@ -114,6 +114,10 @@ class _Block(nn.Module):
         self.scale_shift_table = nn.Parameter(_random_table(6, c.dim))
 
     def forward(self, x, text_kv, modulation, grid, text_mask, lora=None):
+        """`text_kv`: the cross-attention's (keys, values), or the projected text states to compute them from here
+        (inside the block's own forward, where a sharded block has its weights gathered)."""
+        if not isinstance(text_kv, tuple):
+            text_kv = self.attn2.keys_values(text_kv, lora)
         shift, scale, gate, c_shift, c_scale, c_gate = (self.scale_shift_table + modulation).chunk(6, dim=1)
         x = x + self.attn1(self.ops.modulated_layer_norm(x, shift, scale, self.eps), grid=grid, lora=lora) * gate
         # an affine LayerNorm is adaLN with shift = bias and scale = weight − 1
@@ -173,7 +177,9 @@ class WanDiT(nn.Module):
         pt, ph, pw = c.patch
         grid = self.grid(x)
         h, temb, modulation = self.embed(x, t, lora)
-        text_context = text_context or self.text_context(text, lora)
+        if text_context is None:  # each block computes its own keys and values from the projected text
+            context = self.condition_embedder.text_embedder(text, lora)
+            text_context = TextContext(context, [context] * len(self.blocks))
         residuals = [branch(h, modulation, text_context.context, grid, text_mask) for branch in control or ()]
         for i, (block, kv) in enumerate(zip(self.blocks, text_context.keys_values, strict=True)):
             h = block(h, kv, modulation, grid, text_mask, lora)

@@ -65,6 +65,8 @@ class Schedule(_Strict):
     ema: float = Field(0.0, ge=0, lt=1)  # 0 = no EMA
     checkpoint_every: int = Field(200, ge=1)
     log_every: int = Field(50, ge=1)
+    # under torchrun: gradients averaged by DistributedDataParallel, or modules sharded by FSDP2 (parallel.py)
+    parallel: Literal["ddp", "fsdp"] = "ddp"
 
 
 class Recipe(_Strict):
@@ -78,8 +80,10 @@ class Recipe(_Strict):
     train: Schedule = Schedule()
 
     def fingerprint(self) -> str:
-        """A hash of everything that shapes the run; a resumed run must match it."""
-        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
+        """A hash of everything that shapes the run; a resumed run must match it. How the ranks share the work
+        (`train.parallel`) does not shape it: a run resumes under either."""
+        shaping = self.model_dump(mode="json", exclude={"train": {"parallel"}})
+        return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:

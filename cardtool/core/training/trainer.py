@@ -4,7 +4,6 @@ bit-for-bit, and a stop with a clear error on a NaN/inf loss that keeps the last
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import time
@@ -22,6 +21,7 @@ from cardtool.backends.platform import Platform
 from cardtool.backends.precision import autocast
 from cardtool.backends.training import load_optimizer_tensors, optimizer_tensors
 from cardtool.core import distributed
+from cardtool.core.training.parallel import Parallel
 from cardtool.core.training.recipes import Recipe
 from cardtool.errors import BadInput, CardtoolError
 
@@ -36,6 +36,11 @@ class TrainingDiverged(CardtoolError):
 
 class Task(ABC):
     """What a method trains: its modules, its data, the loss of a batch."""
+
+    # some steps leave a trainable module out of the graph (DMD2's generator between its turns)
+    modules_take_turns: bool = False
+    # each trainable module runs its own forward, as often on every rank (what FSDP2's sharding needs)
+    shardable: bool = True
 
     @abstractmethod
     def modules(self) -> dict[str, torch.nn.Module]:
@@ -132,13 +137,14 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
         raise BadInput(f"optim.batch_size {recipe.optim.batch_size} must split into {ranks.world} process(es) × "
                        f"{micro_batches} micro-batch(es)")
     modules = task.modules()
+    parallel = Parallel(recipe.train.parallel, ranks, task, modules, platform.device)
     groups = [[p for p in m.parameters() if p.requires_grad] for m in modules.values()]
     o, schedule = recipe.optim, recipe.train
     scales = task.lr_scales()
     optimizer = torch.optim.AdamW([{"params": group, "lr_scale": scales.get(name, 1.0)}
                                    for name, group in zip(modules, groups, strict=True) if group],
                                   lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
-    ema = {name: copy.deepcopy(m).requires_grad_(False) for name, m in modules.items()} if schedule.ema else None
+    ema = {name: parallel.shard_copy(m).requires_grad_(False) for name, m in modules.items()} if schedule.ema else None
     checkpoint = run_dir / CHECKPOINT
     for stale in run_dir.glob(f".{CHECKPOINT}.*.tmp"):  # a write that a kill interrupted
         stale.unlink(missing_ok=True)
@@ -148,7 +154,7 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
     if resume:
         if not checkpoint.exists():
             raise BadInput(f"nothing to resume: {checkpoint} does not exist")
-        start, loss_value, before = _load(checkpoint, recipe, modules, ema, optimizer, task, parts)
+        start, loss_value, before = _load(checkpoint, recipe, modules, ema, optimizer, task, parts, parallel)
     order = _Order(task.dataset_size(), o.batch_size, schedule.seed)
     started, seen = time.perf_counter(), 0
     window: dict[str, list[float]] = {}  # the task's metrics since the last progress line
@@ -161,7 +167,8 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
         task.prepare(step)
         optimizer.zero_grad(set_to_none=True)
         batch, loss_value = order(step), 0.0
-        for part in range(ranks.rank * micro_batches, (ranks.rank + 1) * micro_batches):
+        mine = range(ranks.rank * micro_batches, (ranks.rank + 1) * micro_batches)
+        for part in mine:
             seed = _micro_seed(step_seed, part, parts)
             generator = torch.Generator().manual_seed(seed)
             # anything drawing from torch's global RNG (dropout) becomes a function of the step too, so a resumed
@@ -171,10 +178,11 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
             shared = generator if parts == 1 else torch.Generator().manual_seed(step_seed)
             with autocast(platform, schedule.precision):
                 task.micro_batch(part, parts, batch, shared)
-                loss, metrics = task.loss(batch[part::parts], generator)
-            (loss if parts == 1 else loss / parts).backward()
+                loss, metrics = parallel.loss(batch[part::parts], generator, sync=part == mine[-1])
+            # the ranks average their gradients: each rank's is the mean over its own micro-batches
+            (loss if micro_batches == 1 else loss / micro_batches).backward()
             loss_value += float(loss.detach()) / parts
-        loss_value = _average(ranks, groups, loss_value)
+        loss_value = _sum(ranks, loss_value)
         if not math.isfinite(loss_value):
             kept = f"the last good checkpoint is {checkpoint}" if checkpoint.exists() else "none was written yet"
             raise TrainingDiverged(f"loss became {loss_value} at step {step}; {kept}. Lower optim.lr or raise "
@@ -195,51 +203,64 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
             elapsed = time.perf_counter() - started
             # each metric averaged over the iterations that reported it: a generator's loss that only some
             # iterations compute (DMD2's two time-scale rule) shows even when the logged iteration is the critic's
-            means = {key: sum(values) / len(values) for key, values in window.items()}
+            means = _mean_over_ranks(ranks, {key: sum(values) / len(values) for key, values in window.items()})
             window.clear()
             on_log({"step": done, "steps": o.steps, "loss": loss_value, "lr": _lr(recipe, step),
                     "samples_per_second": seen / elapsed if elapsed else 0.0, **means})
-        if ranks.main and (done % schedule.checkpoint_every == 0 or done == o.steps):
+        if done % schedule.checkpoint_every == 0 or done == o.steps:  # every rank: shards are gathered
             _save(checkpoint, recipe, done, loss_value, before + time.perf_counter() - started, modules, ema,
-                  optimizer, task, parts)
+                  optimizer, task, parts, parallel, ranks.main)
     elapsed = time.perf_counter() - started
-    final = ema if ema is not None else modules
+    final = parallel.plain(ema if ema is not None else modules)
     for m in final.values():
         m.eval()
     return TrainResult(final, o.steps, loss_value, before + elapsed, seen / elapsed if elapsed else 0.0)
 
 
-def _average(ranks, groups, loss: float) -> float:
-    """Sum the ranks' gradients (each already divided by the number of micro-batches) and their losses: what one
-    process computing every micro-batch would hold. One process: nothing to do."""
+def _sum(ranks, loss: float) -> float:
+    """The step's loss summed over the ranks (each holding its micro-batches' share): one process's loss."""
     if ranks.world == 1:
         return loss
     import torch.distributed as dist
 
-    for group in groups:
-        for p in group:
-            if p.grad is not None:  # None on every rank alike (the same step's turn): AdamW then leaves it alone
-                dist.all_reduce(p.grad)
     total = torch.tensor([loss], dtype=torch.float64)
     dist.all_reduce(total)
     return float(total)
 
 
+def _mean_over_ranks(ranks, metrics: dict[str, float]) -> dict[str, float]:
+    """Each logged metric averaged over the ranks (every rank logs the same keys: the step's turn is shared)."""
+    if ranks.world == 1 or not metrics:
+        return metrics
+    import torch.distributed as dist
+
+    keys = sorted(metrics)
+    values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(values)
+    return dict(zip(keys, (values / ranks.world).tolist(), strict=True))
+
+
 def _save(path: Path, recipe: Recipe, step: int, loss: float, seconds: float, modules, ema, optimizer,
-          task: Task, parts: int = 1) -> None:
-    tensors = {f"model.{n}.{k}": v.detach().clone() for n, m in modules.items() for k, v in m.state_dict().items()}
+          task: Task, parts: int, parallel: Parallel, main: bool) -> None:
+    """Write the checkpoint from the main rank, in the one-process layout (full tensors, under any mode)."""
+    if not (main or parallel.sharded):
+        return
+    tensors = {f"model.{n}.{k}": v for n, m in modules.items() for k, v in parallel.full_state(m).items()}
     tensors.update({f"task.{k}": v.detach().clone() for k, v in task.state().items()})
     if ema is not None:
-        tensors.update({f"ema.{n}.{k}": v.detach().clone() for n, m in ema.items() for k, v in m.state_dict().items()})
+        tensors.update({f"ema.{n}.{k}": v for n, m in ema.items() for k, v in parallel.full_state(m).items()})
     optim, groups = optimizer_tensors(optimizer)
-    tensors.update(optim)
+    tensors.update(parallel.full_optimizer(optim))
+    if not main:
+        return
     metadata = {"step": str(step), "loss": repr(loss), "seconds": repr(seconds), "fingerprint": recipe.fingerprint(),
                 "param_groups": groups, "micro_batches": str(parts)}
     with atomic_path(path) as temporary:
         save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(temporary), metadata=metadata)
 
 
-def _load(path: Path, recipe: Recipe, modules, ema, optimizer, task: Task, parts: int = 1) -> tuple[int, float, float]:
+def _load(path: Path, recipe: Recipe, modules, ema, optimizer, task: Task, parts: int,
+          parallel: Parallel) -> tuple[int, float, float]:
     """Restore a checkpoint; the step it was taken after, that step's loss (what a run killed after its last
     checkpoint reports as final) and the training seconds up to it."""
     from safetensors import safe_open
@@ -258,8 +279,8 @@ def _load(path: Path, recipe: Recipe, modules, ema, optimizer, task: Task, parts
             for name, module in group.items():
                 state = {k[len(f"{prefix}.{name}."):]: v for k, v in tensors.items()
                          if k.startswith(f"{prefix}.{name}.")}
-                module.load_state_dict(state)
-        load_optimizer_tensors(optimizer, tensors, metadata["param_groups"])
+                parallel.load_full(module, state)
+        load_optimizer_tensors(optimizer, parallel.local_optimizer(tensors, optimizer), metadata["param_groups"])
         task.load_state({k[len("task."):]: v for k, v in tensors.items() if k.startswith("task.")})
     except (RuntimeError, ValueError, KeyError) as e:  # the same recipe, an older cardtool's training state
         raise BadInput(f"{path} does not fit this version's training state ({str(e).splitlines()[0][:160]}); "

@@ -31,6 +31,7 @@ def _setting(recipe, key, kind, default):
 class _AdapterTask(FlowMatchingTask):
     KEYS: tuple[str, ...] = ()  # the recipe's model: settings
     HOLDS = ""  # the attribute holding the adapter that trains
+    shardable = False  # a LoRA's weights are used inside the frozen DiT's forward; adapters are small anyway
 
     def __init__(self, recipe, platform, train, test):
         unknown = sorted(set(recipe.model) - set(self.KEYS))

@@ -129,6 +129,9 @@ class GANHead(torch.nn.Module):
 class DMD2Task(Task):
     """Generator (`transformer`, written to the student card) and critic, trained against the frozen teacher."""
 
+    modules_take_turns = True  # the generator joins every generator_every-th step
+    shardable = False  # a micro-batch's rollout depth, and so its generator forwards, differ between ranks
+
     def __init__(self, recipe: Recipe, platform: Platform, teacher: Card, train: Split | None = None):
         self.settings = s = DMD2Settings.from_recipe(recipe.loss)
         self.teacher, self.device = teacher, platform.torch_device

@@ -84,6 +84,7 @@ class RewardTask(Task):
 
     solver = "euler"
     settings_type = RolloutSettings
+    shardable = False  # each rank samples its share of a rollout: shares, and so policy forwards, may differ
 
     def __init__(self, recipe: Recipe, platform: Platform, base: Card, reward: Reward, prompts: list[str]):
         self.settings = s = self.settings_type.from_recipe(recipe.loss)
