@@ -88,7 +88,7 @@ def test_the_student_records_its_distill_command_recipe_and_eval(builtin, steps)
     assert command[:7] == ["cardtool", "distill", "fashion-base", "--steps", str(steps), "--recipe",
                            "examples/recipes/fashion-dmd2.yaml"]
     recipe = distill_recipe("fashion-base", REPO / command[6], [], steps)
-    assert m.recipe.hyperparameters == recipe.model_dump(mode="json", exclude={"card", "method", "parents"})
+    assert m.recipe.hyperparameters == recipe.hyperparameters()
     assert m.extends == "fashion-base" and m.recipe.method == "dmd2" and m.recipe.parents == ["fashion-base"]
     assert m.loops["denoise"].defaults["steps"] == m.recipe.assumes.steps == steps
     assert m.loops["denoise"].defaults["solver"] == "renoise" and m.loops["denoise"].defaults["guidance"] == 1.0
@@ -112,7 +112,7 @@ def test_the_tuned_card_records_its_rl_command_recipe_lineage_and_both_judges(bu
     assert command[:7] == ["cardtool", "rl", "fashion-base", "--reward", "fashion-classifier", "--recipe",
                            "examples/recipes/fashion-nft.yaml"]
     recipe = rl_recipe("fashion-base", "fashion-classifier", None, REPO / command[6])
-    assert m.recipe.hyperparameters == recipe.model_dump(mode="json", exclude={"card", "method", "parents"})
+    assert m.recipe.hyperparameters == recipe.hyperparameters()
     assert m.extends == "fashion-base" and m.recipe.method == "diffusion_nft"
     assert m.recipe.parents == ["fashion-base", "fashion-classifier"]
     assert {node.id for node in lineage(card).parents} == {"fashion-base", "fashion-classifier"}

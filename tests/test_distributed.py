@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from helpers import EXAMPLE_CARDS
 from typer.testing import CliRunner
 
@@ -135,12 +136,33 @@ def test_fsdp_training_equals_one_process_and_its_checkpoints_cross_modes(tmp_pa
     assert max(float((one[k] - resumed[k]).abs().max()) for k in one) <= 1e-6
 
 
-def test_fsdp_is_refused_for_a_method_whose_forwards_differ_between_ranks(tmp_path):
+@pytest.mark.parametrize("command", ["distill", "diffusion_nft", "flow_grpo"])
+def test_fsdp_distill_and_rl_equal_one_process(tmp_path, monkeypatch, command):
+    """Ranks that run the sharded networks a different number of times (DMD2's rollout depths, RL's rollout shares)
+    gather each block once a step: the weights still equal one process's."""
+    if command == "distill":
+        sets = ["optim.steps=6", "optim.batch_size=4", "optim.lr=1e-3", "loss.generator_every=2", "train.ema=0.5"]
+        args = ["distill", "tiny-base", "--steps", "2"]
+    else:
+        sets = ["optim.steps=4", "optim.batch_size=2", "loss.group_size=4", "loss.rollout_steps=3", "optim.lr=1e-2",
+                "loss.updates_per_rollout=2", "train.ema=0.5"]
+        args = ["rl", "tiny-base", "--reward", "tiny-judge", "--method", command]
+    sets += ["train.precision=float32", "card.storage=float32", "train.parallel=fsdp"]
+    args += ["--no-eval", *(f"--set={s}" for s in sets)]
+    assert two_processes_against_one(tmp_path, monkeypatch, args)[0] <= 1e-5
+
+
+@pytest.mark.parametrize("option, reason", [(["--lora", "4"], "an adapter's weights are used inside the frozen"),
+                                            (["--set=loss.gan=true"], "loss.gan's generator term")])
+def test_fsdp_is_refused_where_it_cannot_shard(tmp_path, option, reason):
+    from helpers import write_idx_folder
+
+    option = [*option, "--data", str(write_idx_folder(tmp_path / "idx"))]  # the GAN's real images: a small set
     sets = ["optim.steps=2", "optim.batch_size=4", "train.precision=float32", "train.parallel=fsdp"]
-    result = torchrun(["distill", "tiny-base", "--steps", "2", "--no-eval", *(f"--set={s}" for s in sets),
+    result = torchrun(["distill", "tiny-base", "--steps", "2", *option, "--no-eval", *(f"--set={s}" for s in sets),
                        "--out", "card", "--run-dir", "run"], tmp_path)
-    assert result.returncode != 0 and "use train.parallel ddp" in result.stderr + result.stdout
-    assert not (tmp_path / "card").exists()
+    assert result.returncode != 0 and reason in result.stderr + result.stdout  # torchrun exits 1 for a rank's 2
+    assert "use train.parallel ddp" in result.stderr + result.stdout and not (tmp_path / "card").exists()
 
 
 def two_processes_against_one(tmp_path, monkeypatch, args: list[str], moved: float = 1e-4) -> tuple[float, dict]:

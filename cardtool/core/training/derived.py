@@ -40,7 +40,7 @@ def recipe_fingerprint(recipe) -> str:
                 if entry.get("sha256"):  # the content names the file; its path depends on where the cards lie
                     entry.pop("weights", None)
         parents.append({"id": manifest.id, **parts})
-    document = {"recipe": recipe.model_dump(mode="json", exclude={"parents"}), "parents": parents}
+    document = {"recipe": recipe.shaping(("parents",)), "parents": parents}
     return hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()
 
 

@@ -95,7 +95,7 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
                                            "solver": "renoise", **defaults}}},
         "recipe": {"method": "dmd2", "parents": [teacher.id], "assumes": {"loop": "denoise", "steps": steps},
                    "command": command, "fingerprint": recipe_fingerprint(recipe),
-                   "hyperparameters": recipe.model_dump(mode="json", exclude={"card", "method", "parents"}),
+                   "hyperparameters": recipe.hyperparameters(),
                    "metrics": metrics},
         "parity": {"consistency": "C1"},
     }

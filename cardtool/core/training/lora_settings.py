@@ -8,7 +8,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from cardtool.backends.lora_targets import DEFAULT_TARGETS
 from cardtool.errors import BadInput
 
-__all__ = ["LoraSettings", "lora_settings"]
+__all__ = ["LoraSettings", "lora_settings", "LORA_UNSHARDABLE"]
+
+# why a LoRA run takes DDP, not FSDP2 (Task.unshardable)
+LORA_UNSHARDABLE = "an adapter's weights are used inside the frozen base's forward (and are small)"
 
 
 class LoraSettings(BaseModel):

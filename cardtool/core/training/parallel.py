@@ -6,8 +6,9 @@
   guided velocity), every trainable gradient is averaged across the ranks, in buckets that overlap the backward.
 - `fsdp`: FSDP2's `fully_shard` (Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling Fully Sharded Data
   Parallel") on each trainable module and on each of its blocks: parameters, gradients, optimizer state and EMA
-  sharded across the ranks, a block's weights gathered for its forward and backward and freed after — for a model
-  that does not fit on one device.
+  sharded across the ranks, a block's weights gathered for its forward and backward and freed after (for methods
+  whose ranks run their networks unevenly, kept from the first forward to the backward) — for a model that does
+  not fit on one device.
 
 Either way the gradients are the average over ranks, each rank's loss being the mean of its M micro-batches', so P
 processes × M micro-batches compute what one process with P·M does. Checkpoints hold full tensors in the one-process
@@ -25,7 +26,7 @@ from torch import nn
 from cardtool.core.distributed import Ranks
 from cardtool.errors import BadInput
 
-__all__ = ["Parallel", "MODES"]
+__all__ = ["Parallel", "MODES", "whole"]
 
 MODES = ("ddp", "fsdp")
 
@@ -60,14 +61,13 @@ class Parallel:
                                                 device_ids=[ranks.local] if device == "cuda" else None,
                                                 find_unused_parameters=task.modules_take_turns)
         elif self.mode == "fsdp":
-            if not task.shardable:
-                raise BadInput(f"train.parallel fsdp shards modules that run their own forward, the same number of "
-                               f"times on every rank; {type(task).__name__} does not (its trainable weights are "
-                               "used inside another module's forward, or its rollouts differ per rank): use "
-                               "train.parallel ddp")
+            if task.unshardable:
+                raise BadInput(f"train.parallel fsdp cannot shard this run: {task.unshardable}; use train.parallel "
+                               "ddp")
+            task.sharded = True
             for name, module in modules.items():
-                self._skeletons[name] = copy.deepcopy(module).to("meta")
-                _shard(module)
+                self._skeletons[name] = _copy(module).to("meta")
+                _shard(module, task.even_forwards)
 
     @property
     def sharded(self) -> bool:
@@ -77,10 +77,10 @@ class Parallel:
     def shard_copy(self, module: nn.Module) -> nn.Module:
         """A copy of `module` (an EMA) sharded as `module` is, so their local shards pair up."""
         if self.mode != "fsdp":
-            return copy.deepcopy(module)
+            return _copy(module)
         name = next(n for n, m in self.modules.items() if m is module)
         twin = copy.deepcopy(self._skeletons[name]).to_empty(device=_device(module))
-        _shard(twin)
+        _shard(twin, True)
         twin.load_state_dict(module.state_dict())
         return twin
 
@@ -95,9 +95,20 @@ class Parallel:
                 module.set_requires_gradient_sync(sync)
         return self.task.loss(indices, generator)
 
+    def end_step(self) -> None:
+        """Shard again whatever stayed whole through the step (a module the step ran without a backward), so the
+        weights the optimizer updated are gathered afresh and the EMA pairs shard with shard."""
+        if self.mode == "fsdp":
+            from torch.distributed.fsdp import FSDPModule
+
+            for module in self.modules.values():
+                for unit in module.modules():
+                    if isinstance(unit, FSDPModule):
+                        unit.reshard()
+
     def full_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """`module`'s state with full tensors (gathered from the ranks' shards under fsdp: every rank must call)."""
-        return {k: _full(v).detach().clone() for k, v in module.state_dict().items()}
+        return {k: whole(v).detach().clone() for k, v in module.state_dict().items()}
 
     def load_full(self, module: nn.Module, state: dict[str, torch.Tensor]) -> None:
         """Load full tensors into `module`, each rank keeping its own shard under fsdp."""
@@ -107,7 +118,7 @@ class Parallel:
         module.load_state_dict(state)
 
     def full_optimizer(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: _full(v) for k, v in tensors.items()}
+        return {k: whole(v) for k, v in tensors.items()}
 
     def local_optimizer(self, tensors: dict[str, torch.Tensor], optimizer) -> dict[str, torch.Tensor]:
         """Full optimizer-state tensors (`optim.INDEX.NAME`) as this rank's shards of the parameters they belong to."""
@@ -135,19 +146,39 @@ class Parallel:
         return out
 
 
-def _shard(module: nn.Module) -> None:
-    """fully_shard each block of a block list (a DiT's), then the module: one block's weights whole at a time."""
+def _copy(module: nn.Module) -> nn.Module:
+    """A deep copy without forward hooks: a hook is often a method of the task (DMD2 keeps the critic's features),
+    and copying it would copy the task with every module it holds."""
+    hooks = [(m, m._forward_hooks) for m in module.modules()]
+    for m, _ in hooks:
+        m._forward_hooks = type(m._forward_hooks)()
+    try:
+        return copy.deepcopy(module)
+    finally:
+        for m, kept in hooks:
+            m._forward_hooks = kept
+
+
+def _shard(module: nn.Module, reshard: bool) -> None:
+    """fully_shard each block of a block list (a DiT's), then the module: one block's weights whole at a time.
+
+    A sharded unit's weights are gathered by its forward: when ranks run a module a different number of times
+    (`reshard` False), each unit's stay whole from its first forward to its backward, so every rank gathers once.
+    The sampler's text-context shortcut reads block weights outside their forwards, so a sharded module hides it
+    (the sampler then hands the text to each forward)."""
     from torch.distributed.fsdp import fully_shard
 
     for child in module.children():
         if isinstance(child, nn.ModuleList):
             for block in child:
                 if any(p.requires_grad for p in block.parameters()):
-                    fully_shard(block)
-    fully_shard(module)
+                    fully_shard(block, reshard_after_forward=reshard)
+    fully_shard(module, reshard_after_forward=reshard)
+    module.text_context = None
 
 
-def _full(value):
+def whole(value):
+    """A tensor whole: gathered from the ranks' shards if FSDP sharded it (every rank must call), else itself."""
     from torch.distributed.tensor import DTensor
 
     return value.full_tensor() if isinstance(value, DTensor) else value

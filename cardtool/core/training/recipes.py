@@ -79,11 +79,18 @@ class Recipe(_Strict):
     optim: Optim = Optim()
     train: Schedule = Schedule()
 
+    def shaping(self, exclude: tuple[str, ...] = ()) -> dict:
+        """Every setting that shapes the run, less the sections `exclude` names: not how the ranks share the work
+        (`train.parallel`), which changes the result only by the order of floating-point sums."""
+        return self.model_dump(mode="json", exclude={**dict.fromkeys(exclude, True), "train": {"parallel"}})
+
+    def hyperparameters(self) -> dict:
+        """What a card's recipe records besides its id, method and parents."""
+        return self.shaping(("card", "method", "parents"))
+
     def fingerprint(self) -> str:
-        """A hash of everything that shapes the run; a resumed run must match it. How the ranks share the work
-        (`train.parallel`) does not shape it: a run resumes under either."""
-        shaping = self.model_dump(mode="json", exclude={"train": {"parallel"}})
-        return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
+        """A hash of everything that shapes the run; a resumed run must match it (under either train.parallel)."""
+        return hashlib.sha256(json.dumps(self.shaping(), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:

@@ -223,7 +223,7 @@ def _manifest(recipe: Recipe, task, base: Card, reward_id: str, out: Path, comma
         "recipe": {"method": recipe.method, "parents": [base.id, reward_id],
                    "assumes": {"loop": "denoise", "steps": steps}, "command": command,
                    "fingerprint": recipe_fingerprint(recipe),
-                   "hyperparameters": recipe.model_dump(mode="json", exclude={"card", "method", "parents"}),
+                   "hyperparameters": recipe.hyperparameters(),
                    "metrics": metrics},
         "parity": {"consistency": "C1"},
     }

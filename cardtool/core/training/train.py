@@ -61,7 +61,7 @@ def train(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Pat
                "platform": f"{platform.device}/{platform.arch}"}
     recipe_block = {"method": method, "parents": list(recipe.parents), "command": command,
                     "data": {"dataset": "fashion-mnist", "split": "train"},
-                    "hyperparameters": recipe.model_dump(mode="json", exclude={"card", "method", "parents"})}
+                    "hyperparameters": recipe.hyperparameters()}
     storage, metadata, extends = recipe.card.storage, None, {}
     if method == "vae":
         config, metrics = task.finish(result.modules["vae"])

@@ -39,8 +39,12 @@ class Task(ABC):
 
     # some steps leave a trainable module out of the graph (DMD2's generator between its turns)
     modules_take_turns: bool = False
-    # each trainable module runs its own forward, as often on every rank (what FSDP2's sharding needs)
-    shardable: bool = True
+    # why FSDP2 cannot shard the trainable modules (it gathers a module's weights in that module's own forward), if so
+    unshardable: str | None = None
+    # every rank runs each trainable module as often in a step; else (rollouts that differ between ranks) a sharded
+    # module's weights, gathered at its first forward, stay whole until its backward (or the step's end)
+    even_forwards: bool = True
+    sharded: bool = False  # set when FSDP2 has sharded the trainable modules
 
     @abstractmethod
     def modules(self) -> dict[str, torch.nn.Module]:
@@ -190,6 +194,7 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
         for group in groups:  # per module: a critic's large gradient must not shrink the generator's
             torch.nn.utils.clip_grad_norm_(group, o.grad_clip)
         optimizer.step()
+        parallel.end_step()
         if ema is not None:
             with torch.no_grad():
                 for name, m in modules.items():

@@ -12,6 +12,7 @@ from cardtool.backends.controlnet import ControlRows, WanControlNet
 from cardtool.backends.lora import TrainableLora, lora_file
 from cardtool.backends.lora_targets import DEFAULT_TARGETS
 from cardtool.core.sampling.control import PREPROCESSORS
+from cardtool.core.training.lora_settings import LORA_UNSHARDABLE
 from cardtool.core.training.methods.flow_matching import FlowMatchingTask
 from cardtool.core.training.methods.vae import latents
 from cardtool.errors import BadInput
@@ -31,7 +32,7 @@ def _setting(recipe, key, kind, default):
 class _AdapterTask(FlowMatchingTask):
     KEYS: tuple[str, ...] = ()  # the recipe's model: settings
     HOLDS = ""  # the attribute holding the adapter that trains
-    shardable = False  # a LoRA's weights are used inside the frozen DiT's forward; adapters are small anyway
+    unshardable = LORA_UNSHARDABLE
 
     def __init__(self, recipe, platform, train, test):
         unknown = sorted(set(recipe.model) - set(self.KEYS))

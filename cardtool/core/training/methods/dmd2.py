@@ -44,7 +44,7 @@ from cardtool.core.prompts import training_prompts
 from cardtool.core.sampling.denoise import Request
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import encode_prompts
-from cardtool.core.training.lora_settings import lora_settings
+from cardtool.core.training.lora_settings import LORA_UNSHARDABLE, lora_settings
 from cardtool.core.training.methods.frozen import FrozenCard
 from cardtool.core.training.methods.vae import latents
 from cardtool.core.training.recipes import LossSettings, Recipe
@@ -130,13 +130,18 @@ class DMD2Task(Task):
     """Generator (`transformer`, written to the student card) and critic, trained against the frozen teacher."""
 
     modules_take_turns = True  # the generator joins every generator_every-th step
-    shardable = False  # a micro-batch's rollout depth, and so its generator forwards, differ between ranks
+    even_forwards = False  # a micro-batch's rollout depth, and so its generator forwards, differ between ranks
 
     def __init__(self, recipe: Recipe, platform: Platform, teacher: Card, train: Split | None = None):
         self.settings = s = DMD2Settings.from_recipe(recipe.loss)
         self.teacher, self.device = teacher, platform.torch_device
         frozen = FrozenCard(teacher, platform, "teacher", "DMD2")
         self.lora = lora_settings(recipe, "student", teacher.id)
+        if self.lora is not None:
+            self.unshardable = LORA_UNSHARDABLE
+        elif s.gan:
+            self.unshardable = ("loss.gan's generator term freezes the critic's weights in place mid-step, which "
+                                "FSDP2's gathered copies do not follow")
         self.name, self.config, self.cache = frozen.name, frozen.config, frozen.cache
         self.real = frozen.module
         torch.manual_seed(recipe.train.seed)

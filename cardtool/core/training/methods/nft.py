@@ -23,6 +23,7 @@ import torch
 from pydantic import Field
 
 from cardtool.core.training.methods.rollouts import RewardTask, RolloutSettings, group_advantages
+from cardtool.core.training.parallel import whole
 
 __all__ = ["NFT_DEFAULTS", "NFTSettings", "NFTTask", "nft_loss", "old_policy_decay"]
 
@@ -90,7 +91,7 @@ class NFTTask(RewardTask):
             d = old_policy_decay(self.rollout_count - 1, s.decay_rate, s.decay_max)
             with torch.no_grad():
                 for old, new in zip(self.old.parameters(), self.policy.parameters(), strict=True):
-                    old.lerp_(new, 1 - d)
+                    old.lerp_(whole(new), 1 - d)  # the old policy is whole on every rank, for its rollouts
 
     def loss(self, indices, generator):
         s = self.settings

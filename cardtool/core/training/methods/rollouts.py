@@ -27,7 +27,7 @@ from cardtool.core.evaluation.reward import Reward
 from cardtool.core.sampling.denoise import LoopState, Request
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import encode_prompts
-from cardtool.core.training.lora_settings import lora_settings
+from cardtool.core.training.lora_settings import LORA_UNSHARDABLE, lora_settings
 from cardtool.core.training.methods.frozen import FrozenCard
 from cardtool.core.training.recipes import LossSettings, Recipe
 from cardtool.core.training.trainer import Task
@@ -84,7 +84,7 @@ class RewardTask(Task):
 
     solver = "euler"
     settings_type = RolloutSettings
-    shardable = False  # each rank samples its share of a rollout: shares, and so policy forwards, may differ
+    even_forwards = False  # each rank samples its share of a rollout: shares, and so policy forwards, may differ
 
     def __init__(self, recipe: Recipe, platform: Platform, base: Card, reward: Reward, prompts: list[str]):
         self.settings = s = self.settings_type.from_recipe(recipe.loss)
@@ -92,6 +92,8 @@ class RewardTask(Task):
             raise BadInput("no prompts to train on")
         frozen = FrozenCard(base, platform, "card", "reward fine-tuning")
         self.lora = lora_settings(recipe, "tuned", base.id)
+        if self.lora is not None:
+            self.unshardable = LORA_UNSHARDABLE
         self.base, self.reward, self.prompts = base, reward, prompts
         self.device, self.name, self.cache = platform.torch_device, frozen.name, frozen.cache
         # the KL term's reference: the plain base (guidance 1), or the base as its card serves it (None)
@@ -156,7 +158,8 @@ class RewardTask(Task):
     def _sample(self, requests: list[Request]) -> list[tuple]:
         """Each request's captured latents, captured log-probabilities (None without them) and reward."""
         with torch.no_grad():
-            states = sample(self.loop, requests, capture=True, max_batch=256)
+            # not inference mode for a sharded policy: the weights FSDP2 gathers here serve the backward to come
+            states = sample(self.loop, requests, capture=True, max_batch=256, grad=self.sharded)
             images = self.loop.finalize(states)
         rewards = self.reward.score(images, [r.prompt for r in requests])
         return [(st.capture.latents, self.captured_log_probs(st), float(reward))
