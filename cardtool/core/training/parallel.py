@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 
 import torch
 from torch import nn
@@ -179,9 +180,8 @@ def _shard(module: nn.Module, reshard: bool) -> None:
 
 def whole(value):
     """A tensor whole: gathered from the ranks' shards if FSDP sharded it (every rank must call), else itself."""
-    from torch.distributed.tensor import DTensor
-
-    return value.full_tensor() if isinstance(value, DTensor) else value
+    dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: nothing is sharded (one process pays nothing)
+    return value.full_tensor() if dtensor is not None and isinstance(value, dtensor.DTensor) else value
 
 
 def _like(full: torch.Tensor, reference):
