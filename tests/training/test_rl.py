@@ -286,3 +286,23 @@ def test_rl_with_lora_trains_an_adapter_on_the_frozen_base(examples, tmp_path):
         served = plain_dit(x, t, text, lora=LoraPlan([((lora, 1.0),)], [0, 0], plain_dit.ops.lora_bgmv, "cpu"))
         assert (frozen.module(x, t, text) - served).abs().max() <= 1e-5
         assert (plain_dit(x, t, text) - served).abs().max() > 1e-5
+
+
+@pytest.mark.parametrize("method", ["diffusion_nft", "flow_grpo"])
+def test_a_rising_kl_weight_moves_linearly_from_kl_start_to_kl_and_weighs_the_term(examples, method):
+    base = examples / "tiny-base"
+    r = recipe(base, method, ["optim.steps=5", "loss.kl_start=1", "loss.kl=3"], reward=examples / "tiny-judge")
+    task = make_task(r, CPU, load_card(base), Brightness(), ["a bag", "a coat"])
+    weights = []
+    for step in range(5):
+        task.prepare(step)
+        weights.append(task.kl)
+    assert weights == pytest.approx([1.0, 1.5, 2.0, 2.5, 3.0])
+    task.micro_batch(0, 1, np.arange(2), torch.Generator().manual_seed(0))
+    losses = {}
+    for kl in (1.0, 3.0):
+        task.kl = kl
+        loss, metrics = task.loss(np.arange(2), torch.Generator().manual_seed(1))
+        losses[kl] = (float(loss), metrics["kl"])
+    assert losses[1.0][1] > 0 and losses[3.0][1] == pytest.approx(losses[1.0][1])
+    assert losses[3.0][0] - losses[1.0][0] == pytest.approx(2.0 * losses[1.0][1], abs=1e-6)  # float32 losses ~1

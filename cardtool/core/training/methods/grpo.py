@@ -92,12 +92,12 @@ class GRPOTask(RewardTask):
         loss, ratio = clipped_objective(log_probs, old, advantages, s.clip_range)
         metrics = {"ratio_deviation": float((ratio.detach() - 1).abs().max()),
                    "clip_fraction": float(((ratio.detach() - 1).abs() > s.clip_range).float().mean())}
-        if s.kl:
+        if self.kl:
             with torch.no_grad():
                 _, mean_ref, _ = transition_log_probs(self.loop.sde, self.reference_model, latents, sigmas, steps,
                                                       text, mask, s.eta)
             dims = tuple(range(1, mean.ndim))
             kl = ((mean - mean_ref).pow(2).mean(dim=dims) / (2 * std.pow(2))).mean()
-            loss = loss + s.kl * kl
+            loss = loss + self.kl * kl
             metrics["kl"] = float(kl.detach())
         return loss, {**metrics, **self.metrics(buffer)}

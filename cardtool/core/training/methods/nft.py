@@ -109,11 +109,11 @@ class NFTTask(RewardTask):
         v = self.policy(x_t, t * 1000, text, mask).float()
         with torch.no_grad():
             v_old = self.old(x_t, t * 1000, text, mask).float()
-            v_ref = self.reference_velocity(x_t, t, text, mask).float() if s.kl else None
+            v_ref = self.reference_velocity(x_t, t, text, mask).float() if self.kl else None
         loss, metrics = nft_loss(v, v_old, x_t, x0, t, advantages, beta=s.beta, clip=s.advantage_clip)
         if v_ref is not None:
             kl = (v - v_ref).pow(2).mean()
-            loss = loss + s.kl * kl
+            loss = loss + self.kl * kl
             metrics["kl"] = float(kl.detach())
         return loss, {**metrics, **self.metrics(buffer)}
 

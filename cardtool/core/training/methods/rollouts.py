@@ -43,7 +43,8 @@ class RolloutSettings(LossSettings):
     rollout_steps: int = Field(10, ge=1, le=MAX_STEPS)  # the sampler's steps in training (both papers: 10)
     shift: float | None = Field(None, gt=0)  # None: the base card's loop default
     updates_per_rollout: int = Field(1, ge=1)  # optimiser steps sharing one rollout buffer
-    kl: float = Field(0.0, ge=0)  # weight of the KL term to the frozen reference
+    kl: float = Field(0.0, ge=0)  # weight of the KL term to the frozen reference (at the last update)
+    kl_start: float | None = Field(None, ge=0)  # the weight at the first update, moving linearly to `kl`; None: `kl`
     # the reference's CFG scale in that term: 1 is the base's conditional velocity alone; None is the base as its card
     # serves it (its loop's guidance and interval), so the tuned policy is held near the guided sampler
     reference_guidance: float | None = Field(1.0, ge=1)
@@ -95,6 +96,7 @@ class RewardTask(Task):
         if self.lora is not None:
             self.unshardable = LORA_UNSHARDABLE
         self.base, self.reward, self.prompts = base, reward, prompts
+        self.updates, self.kl = recipe.optim.steps, s.kl  # self.kl: this update's KL weight (`prepare`)
         self.device, self.name, self.cache = platform.torch_device, frozen.name, frozen.cache
         # the KL term's reference: the plain base (guidance 1), or the base as its card serves it (None)
         self.reference_velocity = frozen.guided(s.reference_guidance)
@@ -118,6 +120,9 @@ class RewardTask(Task):
         return len(self.prompts)
 
     def prepare(self, step: int) -> None:
+        s = self.settings
+        if s.kl_start is not None:
+            self.kl = s.kl_start + (s.kl - s.kl_start) * step / max(1, self.updates - 1)
         self.update = step % self.settings.updates_per_rollout
         self.rollout_count = step // self.settings.updates_per_rollout
         self.fresh = True
