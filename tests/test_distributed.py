@@ -64,19 +64,23 @@ def test_eval_on_two_processes_measures_what_one_process_measures(tmp_path, monk
             {k: v for k, v in b.items() if k != "images_per_second"}
 
 
-def test_train_on_two_processes_equals_one_process_with_two_micro_batches(tmp_path, monkeypatch):
+FINETUNE = ["method=finetune", f"parents=[{EXAMPLE_CARDS / 'tiny-base'}]", "card.id=tiny-tuned", "model={}",
+            "optim.steps=3", "optim.batch_size=8", "optim.lr=1e-2", "optim.warmup=0", "train.precision=float32",
+            "train.checkpoint_every=2", "card.storage=float32"]
+
+
+def finetune_args(tmp_path, sets: list[str]) -> list[str]:
     from helpers import REPO, write_idx_folder
+
+    return ["train", "--recipe", str(REPO / "examples" / "recipes" / "fashion-base.yaml"), "--data",
+            str(write_idx_folder(tmp_path / "idx")), *(f"--set={s}" for s in sets)]
+
+
+def killed_then_resumed_on_two(tmp_path, sets: list[str], args: list[str]) -> dict:
+    """One process with 2 micro-batches, killed after its step-2 checkpoint, resumed on 2 processes: its weights."""
+    from helpers import REPO
     from safetensors.torch import load_file
 
-    data = write_idx_folder(tmp_path / "idx")
-    sets = ["method=finetune", f"parents=[{EXAMPLE_CARDS / 'tiny-base'}]", "card.id=tiny-tuned", "model={}",
-            "optim.steps=3", "optim.batch_size=8", "optim.lr=1e-2", "optim.warmup=0", "train.precision=float32",
-            "train.ema=0", "train.checkpoint_every=2", "card.storage=float32"]
-    args = ["train", "--recipe", str(REPO / "examples" / "recipes" / "fashion-base.yaml"), "--data", str(data),
-            *(f"--set={s}" for s in sets)]
-    difference, one = two_processes_against_one(tmp_path, monkeypatch, args, moved=1e-3)
-    assert difference <= 1e-6  # measured: 0.0 (gloo sums two ranks' gradients in the order one process adds them)
-    # one process with 2 micro-batches, killed after its step-2 checkpoint, resumes on 2 processes to the same weights
     from cardtool.core.training.recipes import load_recipe
     from cardtool.core.training.train import train
 
@@ -86,12 +90,21 @@ def test_train_on_two_processes_equals_one_process_with_two_micro_batches(tmp_pa
 
     try:
         train(load_recipe(REPO / "examples" / "recipes" / "fashion-base.yaml", sets), command="c",
-              out=tmp_path / "killed", run_dir=tmp_path / "rk", data=str(data), micro_batches=2, on_log=kill_at_step_3)
+              out=tmp_path / "killed", run_dir=tmp_path / "rk", data=str(tmp_path / "idx"), micro_batches=2,
+              on_log=kill_at_step_3)
     except KeyboardInterrupt:
         pass
     result = torchrun([*args, "--out", "resumed", "--run-dir", "rk", "--resume"], tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
-    resumed = load_file(str(tmp_path / "resumed" / "transformer.safetensors"))
+    return load_file(str(tmp_path / "resumed" / "transformer.safetensors"))
+
+
+def test_train_on_two_processes_equals_one_process_with_two_micro_batches(tmp_path, monkeypatch):
+    sets = [*FINETUNE, "train.ema=0"]
+    args = finetune_args(tmp_path, sets)
+    difference, one = two_processes_against_one(tmp_path, monkeypatch, args, moved=1e-3)
+    assert difference <= 1e-6  # measured: 0.0 (gloo sums two ranks' gradients in the order one process adds them)
+    resumed = killed_then_resumed_on_two(tmp_path, sets, args)
     assert max(float((one[k] - resumed[k]).abs().max()) for k in one) <= 1e-6
     # a run split one way resumes only split the same way: the randomness of a step depends on the split
     resumed = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "three"), "--run-dir", str(tmp_path / "r1"),
@@ -103,36 +116,16 @@ def test_fsdp_training_equals_one_process_and_its_checkpoints_cross_modes(tmp_pa
     """train.parallel fsdp: FSDP2 shards the DiT (each block, then the model), its optimizer state and its EMA over
     two ranks. The weights equal one process's; the checkpoint holds full tensors in the one-process layout, and a
     one-process checkpoint resumes sharded to the same weights."""
-    from helpers import REPO, write_idx_folder
     from safetensors.torch import load_file
 
-    from cardtool.core.training.recipes import load_recipe
-    from cardtool.core.training.train import train
-
-    data = write_idx_folder(tmp_path / "idx")
-    sets = ["method=finetune", f"parents=[{EXAMPLE_CARDS / 'tiny-base'}]", "card.id=tiny-tuned", "model={}",
-            "optim.steps=3", "optim.batch_size=8", "optim.lr=1e-2", "optim.warmup=0", "train.precision=float32",
-            "train.ema=0.5", "train.checkpoint_every=2", "card.storage=float32", "train.parallel=fsdp"]
-    args = ["train", "--recipe", str(REPO / "examples" / "recipes" / "fashion-base.yaml"), "--data", str(data),
-            *(f"--set={s}" for s in sets)]
+    sets = [*FINETUNE, "train.ema=0.5", "train.parallel=fsdp"]
+    args = finetune_args(tmp_path, sets)
     difference, one = two_processes_against_one(tmp_path, monkeypatch, args, moved=1e-3)
     assert difference <= 1e-5  # measured: 7.5e-7 (the reduce-scatter sums the ranks' gradients in its own order)
     sharded, whole = (load_file(str(tmp_path / run / "checkpoint.safetensors")) for run in ("r2", "r1"))
     assert sharded.keys() == whole.keys() and any(k.startswith("ema.") for k in whole)
     assert max(float((sharded[k].double() - whole[k].double()).abs().max()) for k in whole) <= 1e-6
-
-    def kill_at_step_3(entry):
-        if entry["step"] == 3:
-            raise KeyboardInterrupt
-
-    try:
-        train(load_recipe(REPO / "examples" / "recipes" / "fashion-base.yaml", sets), command="c",
-              out=tmp_path / "killed", run_dir=tmp_path / "rk", data=str(data), micro_batches=2, on_log=kill_at_step_3)
-    except KeyboardInterrupt:
-        pass
-    result = torchrun([*args, "--out", "resumed", "--run-dir", "rk", "--resume"], tmp_path)
-    assert result.returncode == 0, result.stderr[-2000:]
-    resumed = load_file(str(tmp_path / "resumed" / "transformer.safetensors"))
+    resumed = killed_then_resumed_on_two(tmp_path, sets, args)
     assert max(float((one[k] - resumed[k]).abs().max()) for k in one) <= 1e-6
 
 
