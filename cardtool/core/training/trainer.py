@@ -1,6 +1,7 @@
 """The training loop every method shares: deterministic data order and noise, AdamW with warmup and cosine
 decay, optional EMA, bf16 autocast through the platform, atomic checkpoints that a `--resume` continues
-bit-for-bit, and a stop with a clear error on a NaN/inf loss that keeps the last good checkpoint."""
+bit-for-bit, a stop with a clear error on a NaN/inf loss that keeps the last good checkpoint, and under torchrun
+data parallelism by DDP or FSDP2 (parallel.py)."""
 
 from __future__ import annotations
 
@@ -133,8 +134,8 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
                on_log: Callable[[dict], None] | None = None, micro_batches: int = 1) -> TrainResult:
     """Train `task` by `recipe`. The global batch is split into P × `micro_batches` micro-batches (P processes under
     torchrun), micro-batch j taking every (P·M)-th example from j with its own seed (step, j): each rank accumulates
-    its M micro-batches' gradients and the ranks average theirs, so P processes × M equal one process with P·M
-    micro-batches, up to the order of the floating-point sums. Rank 0 alone writes checkpoints."""
+    its M micro-batches' gradients and the ranks average theirs (recipe.train.parallel), so P processes × M equal one
+    process with P·M micro-batches, up to the order of the floating-point sums. Rank 0 alone writes checkpoints."""
     ranks = distributed.ranks(platform.device)
     parts = ranks.world * micro_batches
     if micro_batches < 1 or recipe.optim.batch_size % parts:
