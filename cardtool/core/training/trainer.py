@@ -205,14 +205,15 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
         done = step + 1
         for key, value in metrics.items():
             window.setdefault(key, []).append(value)
-        if on_log and (done % schedule.log_every == 0 or done == o.steps):
+        if done % schedule.log_every == 0 or done == o.steps:  # on every rank (a collective), with on_log or not
             elapsed = time.perf_counter() - started
             # each metric averaged over the iterations that reported it: a generator's loss that only some
             # iterations compute (DMD2's two time-scale rule) shows even when the logged iteration is the critic's
             means = _mean_over_ranks(ranks, {key: sum(values) / len(values) for key, values in window.items()})
             window.clear()
-            on_log({"step": done, "steps": o.steps, "loss": loss_value, "lr": _lr(recipe, step),
-                    "samples_per_second": seen / elapsed if elapsed else 0.0, **means})
+            if on_log:
+                on_log({"step": done, "steps": o.steps, "loss": loss_value, "lr": _lr(recipe, step),
+                        "samples_per_second": seen / elapsed if elapsed else 0.0, **means})
         if done % schedule.checkpoint_every == 0 or done == o.steps:  # every rank: shards are gathered
             _save(checkpoint, recipe, done, loss_value, before + time.perf_counter() - started, modules, ema,
                   optimizer, task, parts, parallel, ranks.main)
