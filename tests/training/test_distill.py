@@ -188,6 +188,12 @@ def test_the_gan_term_trains_a_head_on_the_critic_and_moves_the_generator(exampl
         groups = json.loads(f.metadata()["param_groups"])
     assert [g["lr_scale"] for g in groups] == [1.0, 1.0, 50.0], "the fresh head learns 50x faster"
     assert groups[2]["lr"] == pytest.approx(50 * groups[0]["lr"])
+    # FSDP2 cannot follow the critic frozen in place mid-step: refused with the reason, before any collective
+    from cardtool.core.distributed import Ranks
+    from cardtool.core.training.parallel import Parallel
+
+    with pytest.raises(BadInput, match="loss.gan's generator term .* use train.parallel ddp"):
+        Parallel("fsdp", Ranks(0, 2, 0), task, task.modules(), "cpu")
     with pytest.raises(BadInput, match="needs the training images"):
         DMD2Task(gan, _platform(), load_card(teacher))
 

@@ -303,6 +303,6 @@ def test_a_rising_kl_weight_moves_linearly_from_kl_start_to_kl_and_weighs_the_te
     for kl in (1.0, 3.0):
         task.kl = kl
         loss, metrics = task.loss(np.arange(2), torch.Generator().manual_seed(1))
-        losses[kl] = (float(loss), metrics["kl"])
+        losses[kl] = (float(loss.detach()), metrics["kl"])
     assert losses[1.0][1] > 0 and losses[3.0][1] == pytest.approx(losses[1.0][1])
     assert losses[3.0][0] - losses[1.0][0] == pytest.approx(2.0 * losses[1.0][1], abs=1e-6)  # float32 losses ~1
