@@ -27,9 +27,7 @@ from torch import nn
 from cardtool.core.distributed import Ranks
 from cardtool.errors import BadInput
 
-__all__ = ["Parallel", "MODES", "whole"]
-
-MODES = ("ddp", "fsdp")
+__all__ = ["Parallel", "whole"]
 
 
 class _Step(nn.Module):
@@ -49,10 +47,8 @@ class Parallel:
     """The trainable modules of one run and how its ranks share them; in one process, the modules as they are."""
 
     def __init__(self, mode: str, ranks: Ranks, task, modules: dict[str, nn.Module], device: str):
-        if mode not in MODES:
-            raise BadInput(f"train.parallel must be one of {', '.join(MODES)}, got {mode!r}")
-        self.mode = mode if ranks.world > 1 else "none"
-        self.ranks, self.task, self.modules, self._ddp, self._skeletons = ranks, task, modules, None, {}
+        self.mode = mode if ranks.world > 1 else "none"  # `mode`: the recipe's train.parallel, ddp or fsdp
+        self.task, self.modules, self._ddp, self._skeletons = task, modules, None, {}
         if self.mode == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
@@ -75,11 +71,11 @@ class Parallel:
         """Whether full tensors are gathered from every rank's shards (a collective each rank must join)."""
         return self.mode == "fsdp"
 
-    def shard_copy(self, module: nn.Module) -> nn.Module:
-        """A copy of `module` (an EMA) sharded as `module` is, so their local shards pair up."""
+    def shard_copy(self, name: str) -> nn.Module:
+        """A copy of module `name` (an EMA) sharded as the module is, so their local shards pair up."""
+        module = self.modules[name]
         if self.mode != "fsdp":
             return _copy(module)
-        name = next(n for n, m in self.modules.items() if m is module)
         twin = copy.deepcopy(self._skeletons[name]).to_empty(device=_device(module))
         _shard(twin, True)
         twin.load_state_dict(module.state_dict())

@@ -149,7 +149,7 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
     optimizer = torch.optim.AdamW([{"params": group, "lr_scale": scales.get(name, 1.0)}
                                    for name, group in zip(modules, groups, strict=True) if group],
                                   lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
-    ema = {name: parallel.shard_copy(m).requires_grad_(False) for name, m in modules.items()} if schedule.ema else None
+    ema = {name: parallel.shard_copy(name).requires_grad_(False) for name in modules} if schedule.ema else None
     checkpoint = run_dir / CHECKPOINT
     for stale in run_dir.glob(f".{CHECKPOINT}.*.tmp"):  # a write that a kill interrupted
         stale.unlink(missing_ok=True)
