@@ -8,7 +8,7 @@ __all__ = ["OPS", "COMPONENT_IMPLS", "register"]
 
 OPS = ("flow_match_step", "flow_sde_step", "flow_renoise_step", "cfg_combine",
        "attention", "rms_norm", "modulated_layer_norm",
-       "rope_3d", "timestep_embedding", "lora_bgmv", "gelu_tanh")
+       "rope_3d", "timestep_embedding", "lora_bgmv", "gelu_tanh", "linear")
 
 
 _B = "cardtool.backends.builders"
@@ -45,6 +45,6 @@ def register(components, kernels) -> None:
                          requires=("torch",))
         kernels.register(op, "cuda", "generic", "default", target=f"cardtool.backends.torch_ops:{op}",
                          requires=("torch",), dtypes=("float64", "float32", "float16", "bfloat16"))
-    for op in ("attention", "lora_bgmv", "gelu_tanh", "modulated_layer_norm", "rms_norm"):
+    for op in ("attention", "lora_bgmv", "gelu_tanh", "linear", "modulated_layer_norm", "rms_norm"):
         kernels.register(op, "cpu", "avx512_bf16", "bf16", target=f"cardtool.backends.cpu_bf16:{op}",
                          requires=("torch",), dtypes=("float32",))

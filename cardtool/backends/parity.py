@@ -124,6 +124,14 @@ def _gelu_tanh(rng):
             Case("2x3x33 around the knee", dict(x=np.linspace(-4, 4, 198).reshape(2, 3, 33)), {})]
 
 
+def _linear(rng):
+    n = rng.standard_normal
+    return [Case("2x16x32 → 48, bias", dict(x=n((2, 16, 32)), weight=n((48, 32)) / 32**0.5, bias=n(48)), {}),
+            Case("3x32 → 24, no bias", dict(x=n((3, 32)), weight=n((24, 32)) / 32**0.5), {}),
+            Case("2x8x32 → 64, bias, gelu_tanh", dict(x=n((2, 8, 32)), weight=n((64, 32)) / 32**0.5, bias=n(64)),
+                 {"activation": "gelu_tanh"})]
+
+
 def _rms_norm(rng):
     n = rng.standard_normal
     return [Case("2x16x32, weight", dict(x=n((2, 16, 32)), weight=1 + 0.1 * n(32)), {}),
@@ -164,7 +172,7 @@ _CASES = {"flow_match_step": _flow_match_step, "flow_sde_step": _flow_sde_step,
           "flow_renoise_step": _flow_renoise_step, "cfg_combine": _cfg_combine,
           "attention": _attention, "rms_norm": _rms_norm, "modulated_layer_norm": _modulated_layer_norm,
           "rope_3d": _rope_3d, "timestep_embedding": _timestep_embedding, "lora_bgmv": _lora_bgmv,
-          "gelu_tanh": _gelu_tanh}
+          "gelu_tanh": _gelu_tanh, "linear": _linear}
 
 
 def run_parity(platform: Platform, op: str | None = None) -> list[ParityRow]:

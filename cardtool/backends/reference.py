@@ -14,7 +14,10 @@ import numpy as np
 
 __all__ = ["flow_match_step", "flow_sde_step", "flow_renoise_step",
            "cfg_combine", "attention", "rms_norm", "modulated_layer_norm",
-           "rope_3d", "rope_angles", "timestep_embedding", "lora_bgmv", "gelu_tanh"]
+           "rope_3d", "rope_angles", "timestep_embedding", "lora_bgmv", "gelu_tanh", "linear"]
+
+
+ACTIVATIONS = (None, "gelu_tanh")  # what a `linear` may apply after its product
 
 
 def _per_sample(value, x: np.ndarray) -> np.ndarray:
@@ -60,6 +63,14 @@ def gelu_tanh(x):
     """GELU in its tanh form (Hendrycks & Gimpel 2016, eq. 3), the FFN activation of Wan2.1:
     ½·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))."""
     return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+
+
+def linear(x, weight, bias=None, activation=None):
+    """A linear layer x·Wᵀ + b (W: (out, in)), then `activation`: None, or "gelu_tanh" (the FFN's first layer)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; one of {ACTIVATIONS}")
+    y = x @ np.swapaxes(weight, -1, -2) + (0 if bias is None else bias)
+    return y if activation is None else gelu_tanh(y)
 
 
 def attention(q, k, v, mask=None):

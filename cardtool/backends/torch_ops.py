@@ -12,11 +12,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from cardtool.backends.reference import rope_angles
+from cardtool.backends.reference import ACTIVATIONS, rope_angles
 
 __all__ = ["flow_match_step", "flow_sde_step", "flow_renoise_step",
            "cfg_combine", "attention", "rms_norm", "modulated_layer_norm",
-           "rope_3d", "timestep_embedding", "lora_bgmv", "gelu_tanh"]
+           "rope_3d", "timestep_embedding", "lora_bgmv", "gelu_tanh", "linear"]
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -72,6 +72,31 @@ def cfg_combine(v_uncond, v_cond, scale):
 def gelu_tanh(x):
     """GELU in its tanh form (the reference's formula)."""
     return F.gelu(x, approximate="tanh")
+
+
+def linear(x, weight, bias=None, activation=None):
+    """x·Wᵀ + b, then `activation`. On a CPU, with nothing to differentiate, the tanh-GELU runs in oneDNN's
+    product epilogue: ATen's own is the slowest op of a float32 DiT forward (~3 ms for a 2048×512 activation on
+    the 2-core avx512 machine, against ~0.4 ms fused)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; one of {ACTIVATIONS}")
+    if activation is not None and fusable_on_cpu(x, weight, bias):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "gelu", [], "tanh")
+    y = F.linear(x, weight, bias)
+    return y if activation is None else gelu_tanh(y)
+
+
+def fusable_on_cpu(x, weight, bias=None) -> bool:
+    """Whether oneDNN's fused linear can compute this product: a CPU tensor in weight's dtype, outside autocast
+    (which would change the dtype) and with no gradient to take (the fused op has no backward)."""
+    return x.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in (torch.float32, torch.bfloat16) \
+        and not torch.is_autocast_enabled("cpu") and has_onednn_linear() and not (torch.is_grad_enabled() and (
+            x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)))
+
+
+@functools.cache
+def has_onednn_linear() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def _short_on_cpu_training(q, k, v) -> bool:

@@ -21,7 +21,8 @@ from cardtool.backends.wan_config import WanDiTConfig
 
 __all__ = ["WanDiT", "Kernels", "TextContext", "name_linears"]
 
-OPS = ("attention", "rms_norm", "modulated_layer_norm", "rope_3d", "timestep_embedding", "gelu_tanh", "lora_bgmv")
+OPS = ("attention", "rms_norm", "modulated_layer_norm", "rope_3d", "timestep_embedding", "gelu_tanh", "lora_bgmv",
+       "linear")
 
 
 class Kernels:
@@ -51,20 +52,21 @@ class _Weight(nn.Module):
 class _MLP(nn.Module):
     """linear_1 → activation → linear_2 (diffusers' TimestepEmbedding and PixArtAlphaTextProjection)."""
 
-    def __init__(self, d_in: int, d_out: int, activation):
+    def __init__(self, d_in: int, d_out: int, activation, ops: Kernels):
         super().__init__()
         self.linear_1, self.linear_2, self.activation = nn.Linear(d_in, d_out), nn.Linear(d_out, d_out), activation
+        self.ops = ops
 
     def forward(self, x, lora=None):
-        return _linear(self.linear_2, self.activation(_linear(self.linear_1, x, lora)), lora)
+        return _linear(self.ops, self.linear_2, self.activation(_linear(self.ops, self.linear_1, x, lora)), lora)
 
 
 class _ConditionEmbedder(nn.Module):
     def __init__(self, c: WanDiTConfig, ops: Kernels):
         super().__init__()
-        self.time_embedder = _MLP(c.freq_dim, c.dim, F.silu)
+        self.time_embedder = _MLP(c.freq_dim, c.dim, F.silu, ops)
         self.time_proj = nn.Linear(c.dim, 6 * c.dim)
-        self.text_embedder = _MLP(c.text_dim, c.dim, ops.gelu_tanh)
+        self.text_embedder = _MLP(c.text_dim, c.dim, ops.gelu_tanh, ops)
 
 
 class _Attention(nn.Module):
@@ -77,19 +79,19 @@ class _Attention(nn.Module):
 
     def keys_values(self, source, lora=None):
         """Keys (RMS-normed) and values of `source`, (B, H, L, Dh) each."""
-        k = self.ops.rms_norm(_linear(self.to_k, source, lora), self.norm_k.weight, self.eps)
-        v = _linear(self.to_v, source, lora)
+        k = self.ops.rms_norm(_linear(self.ops, self.to_k, source, lora), self.norm_k.weight, self.eps)
+        v = _linear(self.ops, self.to_v, source, lora)
         return tuple(t.unflatten(2, (self.heads, -1)).transpose(1, 2) for t in (k, v))
 
     def forward(self, x, kv=None, grid=None, mask=None, lora=None):
         """Self-attention with RoPE over `grid` when `kv` is None, else attention to the given keys and values."""
-        q = self.ops.rms_norm(_linear(self.to_q, x, lora), self.norm_q.weight, self.eps)
+        q = self.ops.rms_norm(_linear(self.ops, self.to_q, x, lora), self.norm_q.weight, self.eps)
         q = q.unflatten(2, (self.heads, -1)).transpose(1, 2)
         k, v = self.keys_values(x, lora) if kv is None else kv
         if grid is not None:
             q, k = self.ops.rope_3d(q, grid), self.ops.rope_3d(k, grid)
         out = self.ops.attention(q, k, v, None if mask is None else mask[:, None, None, :])
-        return _linear(self.to_out[0], out.transpose(1, 2).flatten(2), lora)
+        return _linear(self.ops, self.to_out[0], out.transpose(1, 2).flatten(2), lora)
 
 
 class _FeedForward(nn.Module):
@@ -101,7 +103,8 @@ class _FeedForward(nn.Module):
         self.net = nn.ModuleList([up, nn.Identity(), nn.Linear(c.ffn_dim, c.dim)])
 
     def forward(self, x, lora=None):
-        return _linear(self.net[2], self.ops.gelu_tanh(_linear(self.net[0].proj, x, lora)), lora)
+        hidden = _linear(self.ops, self.net[0].proj, x, lora, activation="gelu_tanh")
+        return _linear(self.ops, self.net[2], hidden, lora)
 
 
 class _Block(nn.Module):
@@ -163,7 +166,7 @@ class WanDiT(nn.Module):
         h = self.patch_embedding(x).flatten(2).transpose(1, 2)
         freq = self.ops.timestep_embedding(t, c.freq_dim).to(embedder.time_embedder.linear_1.weight.dtype)
         temb = embedder.time_embedder(freq, lora)
-        modulation = _linear(embedder.time_proj, F.silu(temb), lora).unflatten(1, (6, c.dim))
+        modulation = _linear(self.ops, embedder.time_proj, F.silu(temb), lora).unflatten(1, (6, c.dim))
         return h, temb, modulation
 
     def grid(self, x) -> tuple[int, int, int]:
@@ -187,7 +190,7 @@ class WanDiT(nn.Module):
                 if i < len(outputs):
                     h = h.index_add(0, rows, outputs[i].to(h.dtype))
         shift, scale = (self.scale_shift_table + temb[:, None]).chunk(2, dim=1)
-        h = _linear(self.proj_out, self.ops.modulated_layer_norm(h, shift, scale, c.eps), lora)
+        h = _linear(self.ops, self.proj_out, self.ops.modulated_layer_norm(h, shift, scale, c.eps), lora)
         h = h.reshape(batch, *grid, pt, ph, pw, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
         return h.reshape(batch, -1, frames, height, width)
 
@@ -204,6 +207,9 @@ def name_linears(model: nn.Module) -> None:
             module.lora_name = name
 
 
-def _linear(layer: nn.Linear, x, lora):
-    y = layer(x)
-    return y if lora is None else lora(layer.lora_name, x, y)
+def _linear(ops: Kernels, layer: nn.Linear, x, lora, activation=None):
+    """`layer` through the kernel table's linear, with each row's LoRA delta added before the activation."""
+    if lora is None:
+        return ops.linear(x, layer.weight, layer.bias, activation)
+    y = lora(layer.lora_name, x, ops.linear(x, layer.weight, layer.bias))
+    return y if activation is None else ops.gelu_tanh(y)

@@ -144,3 +144,20 @@ def test_torch_ops_are_differentiable(op):
     }
     fn, inputs = calls[op]
     assert torch.autograd.gradcheck(fn, inputs)
+
+
+def test_linear_with_gelu_fused_for_inference_equals_the_differentiable_path():
+    """On a CPU the tanh-GELU runs in oneDNN's epilogue when nothing needs a gradient; with one to take the op
+    falls back to the autograd path, and both give the reference within float32 rounding."""
+    torch.manual_seed(0)
+    x, w, b = torch.randn(3, 5, 16), torch.randn(24, 16) / 4, torch.randn(24)
+    expected = ref.linear(x.double().numpy(), w.double().numpy(), b.double().numpy(), "gelu_tanh")
+    with torch.inference_mode():
+        fused = torch_ops.linear(x, w, b, "gelu_tanh")
+    trained = torch_ops.linear(x, w.requires_grad_(), b, "gelu_tanh")
+    trained.sum().backward()
+    assert trained.grad_fn is not None and w.grad is not None and w.grad.abs().sum() > 0
+    np.testing.assert_allclose(fused.numpy(), expected, atol=1e-5)
+    np.testing.assert_allclose(trained.detach().numpy(), expected, atol=1e-5)
+    with pytest.raises(ValueError, match="unknown activation"):
+        torch_ops.linear(x, w, b, "relu")
