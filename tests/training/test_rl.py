@@ -306,3 +306,20 @@ def test_a_rising_kl_weight_moves_linearly_from_kl_start_to_kl_and_weighs_the_te
         losses[kl] = (float(loss.detach()), metrics["kl"])
     assert losses[1.0][1] > 0 and losses[3.0][1] == pytest.approx(losses[1.0][1])
     assert losses[3.0][0] - losses[1.0][0] == pytest.approx(2.0 * losses[1.0][1], abs=1e-6)  # float32 losses ~1
+
+
+def test_a_reward_cap_levels_the_advantages_of_samples_rated_above_it(examples):
+    base = examples / "tiny-base"
+    plain = make_task(recipe(base, extra=["loss.kl=0"]), CPU, load_card(base), Brightness(), ["a bag", "a coat"])
+    rewards = plain.collect(np.array([0, 1]), torch.Generator().manual_seed(0)).rewards.numpy()
+    cap = float(np.median(rewards))
+    capped = make_task(recipe(base, extra=["loss.kl=0", f"loss.reward_cap={cap}"]), CPU, load_card(base),
+                       Brightness(), ["a bag", "a coat"])
+    buffer = capped.collect(np.array([0, 1]), torch.Generator().manual_seed(0))
+    np.testing.assert_array_equal(buffer.rewards.numpy(), rewards)  # recorded as scored
+    advantages = buffer.advantages.numpy().reshape(2, 8)
+    np.testing.assert_allclose(advantages, group_advantages(np.minimum(rewards, cap).reshape(2, 8), global_std=True))
+    above = rewards.reshape(2, 8) >= cap
+    for group in range(2):
+        assert np.ptp(advantages[group][above[group]]) == 0, "every sample at or above the cap is as good"
+        assert above[group].any() and not above[group].all()

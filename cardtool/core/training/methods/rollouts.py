@@ -49,6 +49,9 @@ class RolloutSettings(LossSettings):
     # serves it (its loop's guidance and interval), so the tuned policy is held near the guided sampler
     reference_guidance: float | None = Field(1.0, ge=1)
     advantage_clip: float = Field(5.0, gt=0)
+    # rewards above the cap count as the cap in the advantages: samples the reward already rates that high are
+    # equally good, so the policy is pushed away from the poorly rated ones, not toward the reward's mode
+    reward_cap: float | None = None
 
 
 def group_advantages(rewards: np.ndarray, *, global_std: bool) -> np.ndarray:
@@ -153,6 +156,8 @@ class RewardTask(Task):
         if not np.isfinite(rewards).all():
             raise BadInput(f"reward '{self.reward.card_id}' returned a non-finite score")
         grouped = rewards.reshape(len(indices), self.settings.group_size)
+        if self.settings.reward_cap is not None:
+            grouped = np.minimum(grouped, self.settings.reward_cap)
         advantages = self.advantages(grouped).reshape(-1)
         self.reward_history.append(float(rewards.mean()))
         order = torch.randperm(len(requests), generator=generator)
