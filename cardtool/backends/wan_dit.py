@@ -17,6 +17,7 @@ from torch import nn
 
 from cardtool.backends.platform import Platform
 from cardtool.backends.registry import KERNELS
+from cardtool.backends.torch_ops import fusable_on_cpu
 from cardtool.backends.wan_config import WanDiTConfig
 
 __all__ = ["WanDiT", "Kernels", "TextContext", "name_linears"]
@@ -211,5 +212,10 @@ def _linear(ops: Kernels, layer: nn.Linear, x, lora, activation=None):
     """`layer` through the kernel table's linear, with each row's LoRA delta added before the activation."""
     if lora is None:
         return ops.linear(x, layer.weight, layer.bias, activation)
+    if activation is not None and hasattr(lora, "activated") and fusable_on_cpu(x, layer.weight, layer.bias) \
+            and x.dtype == torch.float32:  # where the activation fuses into the product (bf16 gains nothing there)
+        y = lora.activated(layer.lora_name, x, layer, ops.linear, activation)
+        if y is not None:
+            return y
     y = lora(layer.lora_name, x, ops.linear(x, layer.weight, layer.bias))
     return y if activation is None else ops.gelu_tanh(y)

@@ -136,6 +136,25 @@ def test_composed_loras_sum_their_scaled_deltas():
     assert torch.equal(plan("other", x, y), y)
 
 
+def test_an_activated_layer_takes_each_rows_lora_in_one_augmented_product():
+    """activation(W0·x + b + Δ_row·x) as one product of [x, mask ⊙ x·Aᵀ] with [W0, B]: each row gets its own
+    stack's delta (composed stacks summed, none for a row without one) before the activation."""
+    torch.manual_seed(0)
+    from cardtool.backends.lora import LoraWeights
+    from cardtool.backends.torch_ops import gelu_tanh, linear
+
+    x, layer = torch.randn(3, 5, 6), torch.nn.Linear(6, 4)
+    one = LoraWeights("v1", 2, 4.0, {"m": torch.randn(2, 6)}, {"m": torch.randn(4, 2)})
+    two = LoraWeights("v2", 3, 1.5, {"m": torch.randn(3, 6)}, {"m": torch.randn(4, 3)})
+    plan = LoraPlan([((one, 0.5), (two, -2.0)), ((two, 1.0),)], [0, -1, 1], lora_bgmv, "cpu")
+    with torch.inference_mode():
+        out = plan.activated("m", x, layer, linear, "gelu_tanh")
+        expected = gelu_tanh(plan("m", x, layer(x)))
+        assert plan.activated("other", x, layer, linear, "gelu_tanh") is None
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(out[1], gelu_tanh(layer(x[1])), atol=1e-6), "a row without a stack: the base layer"
+
+
 def test_one_forward_and_one_gathered_lora_call_per_layer_for_a_mixed_batch(loop, monkeypatch):
     dit = loop.instance.component("transformer")
     forwards, calls = [], []
@@ -144,14 +163,20 @@ def test_one_forward_and_one_gathered_lora_call_per_layer_for_a_mixed_batch(loop
                         lambda self, x, *a, **k: forwards.append(len(x)) or original(self, x, *a, **k))
     kernel = dit.ops.lora_bgmv
     monkeypatch.setattr(dit.ops, "lora_bgmv", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
+    activated, augmented = LoraPlan.activated, []
+    monkeypatch.setattr(LoraPlan, "activated", lambda self, m, x, *a: augmented.append(x.shape[0]) or
+                        activated(self, m, x, *a))
     requests = [Request("a bag", seed=i, steps=2, guidance=1.0, adapters=stack)
                 for i, stack in enumerate([(), (("a", 1.0),), (("a", 0.3),), (("b", 1.0),), (("a", 1.0), ("b", 1.0))])]
     sample(loop, requests)
     assert forwards == [5, 5], "one forward per step for all stacks"
     layers = len([n for n in linear_names(dit) if n.startswith("blocks.") and (".attn" in n or ".ffn." in n)])
     text = len([n for n in linear_names(dit) if ".attn2.to_k" in n or ".attn2.to_v" in n])
-    # the text's cross-attention keys and values are computed once per batch, not every step
-    assert len(calls) == 2 * layers - text and set(calls) == {5}, "one gathered call per adapted layer per forward"
+    ffn_up = len([n for n in linear_names(dit) if n.endswith(".ffn.net.0.proj")])
+    # the text's cross-attention keys and values are computed once per batch, not every step; the FFN's first
+    # layer (its GELU fused into the product, float32 on a CPU) takes its LoRA inside one augmented product
+    assert len(calls) == 2 * (layers - ffn_up) - text and set(calls) == {5}, "one gathered call per adapted layer"
+    assert augmented == [5] * 2 * ffn_up
 
 
 def test_fuse_matches_unfused_and_unfusing_restores_the_base_bit_for_bit(loop):
