@@ -48,8 +48,8 @@ def gelu_tanh(x):
 
 def linear(x, weight, bias=None, activation=None):
     """The product in bfloat16 (autocast's rounding; the weights were rounded once at load), then this tier's
-    GELU. oneDNN's fused product-and-GELU, which float32 gains 13% of a generation from, measured no faster
-    here."""
+    GELU. oneDNN's fused product-and-GELU, 2.6× faster than float32's unfused tanh GELU layer, measured no faster
+    than this in bfloat16."""
     y = F.linear(x, weight, bias)
     return y if activation is None else gelu_tanh(y)
 
