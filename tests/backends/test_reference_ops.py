@@ -153,6 +153,7 @@ def test_linear_with_gelu_fused_for_inference_equals_the_differentiable_path():
     x, w, b = torch.randn(3, 5, 16), torch.randn(24, 16) / 4, torch.randn(24)
     expected = ref.linear(x.double().numpy(), w.double().numpy(), b.double().numpy(), "gelu_tanh")
     with torch.inference_mode():
+        assert torch_ops.fusable_on_cpu(x, w, b) == torch_ops.has_onednn_linear()
         fused = torch_ops.linear(x, w, b, "gelu_tanh")
     trained = torch_ops.linear(x, w.requires_grad_(), b, "gelu_tanh")
     trained.sum().backward()
