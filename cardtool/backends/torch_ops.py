@@ -88,15 +88,23 @@ def linear(x, weight, bias=None, activation=None):
 
 def fusable_on_cpu(x, weight, bias=None) -> bool:
     """Whether oneDNN's fused linear can compute this product: a CPU tensor in weight's dtype, outside autocast
-    (which would change the dtype) and with no gradient to take (the fused op has no backward)."""
-    return x.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in (torch.float32, torch.bfloat16) \
-        and not torch.is_autocast_enabled("cpu") and has_onednn_linear() and not (torch.is_grad_enabled() and (
+    (which would change the dtype) and with no gradient to take (the fused op has no backward). bfloat16 only
+    where oneDNN has bf16 kernels for this CPU (avx512_bf16 / AMX): elsewhere it cannot build the primitive."""
+    return x.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in _onednn_linear_dtypes() \
+        and not torch.is_autocast_enabled("cpu") and not (torch.is_grad_enabled() and (
             x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)))
 
 
 @functools.cache
 def has_onednn_linear() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+@functools.cache
+def _onednn_linear_dtypes() -> tuple:
+    if not has_onednn_linear():
+        return ()
+    return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
 
 
 def _short_on_cpu_training(q, k, v) -> bool:

@@ -170,6 +170,17 @@ def test_train_cli(tmp_path, data):
     assert bad.exit_code == 2 and "optim.lrr" in bad.stderr
 
 
+def test_bfloat16_training_is_refused_where_the_platform_has_no_bf16_compute(tmp_path, data, monkeypatch):
+    from cardtool.backends.platform import Platform
+
+    monkeypatch.setattr(Platform, "supports_bf16", property(lambda self: False))
+    sets = [arg for override in [*TINY_VAE, "train.precision=bfloat16"] for arg in ("--set", override)]
+    result = CliRunner().invoke(app, ["train", "--recipe", str(RECIPES / "fashion-vae.yaml"), *sets, "--data",
+                                      str(data), "--out", str(tmp_path / "vae"), "--run-dir", str(tmp_path / "run")])
+    assert result.exit_code == 2 and "train.precision=float32" in result.stderr
+    assert not (tmp_path / "vae").exists() and not (tmp_path / "run" / CHECKPOINT).exists()
+
+
 def test_judge_scores_prompts_by_class_names_and_free_text(tmp_path, data):
     train(tiny("fashion-classifier", ["model.width=8", "model.features=16", "optim.steps=2", "optim.batch_size=8",
                                       "train.precision=float32"]),

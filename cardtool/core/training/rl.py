@@ -158,9 +158,6 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
     if watch_every < 0:
         raise BadInput(f"--watch-every must be 0 (off) or positive, got {watch_every}")
     platform = Platform.detect(device)
-    if recipe.train.precision == "bfloat16" and not platform.supports_bf16:
-        raise BadInput(f"train.precision bfloat16 needs bf16 compute, which {platform.device}/{platform.arch} "
-                       "lacks; use --set train.precision=float32")
     base = load_card(locate(recipe.parents[0]))
     reward = load_reward(recipe.parents[1], platform)
     out = Path(out or Path("cards") / recipe.card.id)

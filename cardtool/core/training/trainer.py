@@ -136,6 +136,9 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
     torchrun), micro-batch j taking every (P·M)-th example from j with its own seed (step, j): each rank accumulates
     its M micro-batches' gradients and the ranks average theirs (recipe.train.parallel), so P processes × M equal one
     process with P·M micro-batches, up to the order of the floating-point sums. Rank 0 alone writes checkpoints."""
+    if recipe.train.precision == "bfloat16" and not platform.supports_bf16:  # after each command checked its input
+        raise BadInput(f"train.precision bfloat16 needs bf16 compute, which {platform.device}/{platform.arch} "
+                       "lacks; use --set train.precision=float32")
     ranks = distributed.ranks(platform.device)
     parts = ranks.world * micro_batches
     if micro_batches < 1 or recipe.optim.batch_size % parts:
