@@ -125,7 +125,10 @@ def test_adapter_effects_benchmark_measures_the_built_in_adapters(tmp_path, fash
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "adapter_effects.py"), "--per-class", "1",
                     "--control-images", "4", "--out", str(out)], check=True, capture_output=True, timeout=300)
     report = json.loads(out.read_text())
-    assert [r["stack"] for r in report["lora"]][:3] == ["none", {"invert": 0.5}, {"invert": 1.0}]
-    assert all(r["images"] == 10 for r in report["lora"]) and len(report["data"]) == 8
+    assert [r["stack"] for r in report["lora"]][:3] == ["none", {"mirror": 0.5}, {"mirror": 1.0}]
+    assert all(r["images"] == 10 for r in report["lora"]) and len(report["data"]) == 10
+    mirrored = {r["data"]: r["shoes_pointing_right"] for r in report["data"]}
+    # mirroring an image reverses which of the class mean and its mirror it is nearer
+    assert mirrored["test images, mirror, real"] == pytest.approx(1 - mirrored["test images, none, real"], abs=1e-3)
     assert [r["control_scale"] for r in report["controlnet"]] == ["no control (base)", 0.5, 1.0]
     assert all(0 <= r["silhouette_iou"] <= 1 for r in report["controlnet"])

@@ -21,7 +21,8 @@ FAMILY = ("fashion-vae", "fashion-classifier", "fashion-referee", "fashion-base"
 STUDENTS = ("fashion-base-4step", "fashion-base-2step")
 TUNED = ("fashion-base-nft", "fashion-base-nft-2step", "fashion-base-nft-1step", "fashion-kl10-nft",
          "fashion-kl10-nft-2step")
-ADAPTERS = {"fashion-invert": "invert", "fashion-bold": "bold", "fashion-silhouette": "silhouette"}
+ADAPTERS = {"fashion-mirror": "mirror", "fashion-bold": "bold", "fashion-invert": "invert",
+            "fashion-silhouette": "silhouette"}
 
 
 @pytest.fixture
@@ -197,9 +198,9 @@ def test_each_adapter_card_records_its_train_command_and_fashion_adapters_serves
 
 
 def test_the_built_in_adapters_do_what_they_were_trained_for(builtin, fashion_mnist):
-    """A small live check (the measured numbers are in benchmarks/results/adapter_effects.json): invert brightens
-    the image, bold adds ink, scale 0 is the base, and the silhouette ControlNet follows a test image's shape better
-    than the base does."""
+    """A small live check (the measured numbers are in benchmarks/results/adapter_effects.json): mirror turns a
+    sneaker to point the other way, bold adds ink, invert brightens the image, scale 0 is the base, and the
+    silhouette ControlNet follows a test image's shape better than the base does."""
     import numpy as np
 
     from cardtool.core.data import load_split
@@ -214,8 +215,16 @@ def test_the_built_in_adapters_do_what_they_were_trained_for(builtin, fashion_mn
         requests, _ = plan_requests(loaded.card, list(prompts), adapters=stack, **options)
         return loop.finalize(sample(loop, requests))
 
-    base, zero = images([]), images([("invert", 0.0), ("bold", 0.0)])
+    base, zero = images([]), images([("mirror", 0.0), ("bold", 0.0), ("invert", 0.0)])
     assert np.array_equal(base, zero)
+    sneakers = images([], prompts=["a sneaker"] * 4).astype(np.float32)
+    turned = images([("mirror", 1.0)], prompts=["a sneaker"] * 4).astype(np.float32)
+
+    def similarity(a, b):
+        a, b = a - a.mean((1, 2), keepdims=True), b - b.mean((1, 2), keepdims=True)
+        return (a * b).sum((1, 2)) / np.sqrt((a * a).sum((1, 2)) * (b * b).sum((1, 2)))
+
+    assert (similarity(turned, sneakers[..., ::-1]) > similarity(turned, sneakers)).all()
     assert images([("invert", 1.0)]).mean() > base.mean() + 60
     assert (images([("bold", 1.0)]) > 127).mean() > (base > 127).mean() + 0.03
     test = load_split("test")
@@ -245,9 +254,9 @@ def test_the_readme_adapter_commands_run(builtin, fashion_mnist, tmp_path, monke
     monkeypatch.chdir(tmp_path)
     save_png(tmp_path / "coat.png", load_split("test").images[list(load_split("test").labels).index(4)])
     runner = CliRunner()
-    for command in (["generate", "fashion-adapters", "-p", "a dress", "--adapter", "invert", "--adapter", "bold=0.5"],
+    for command in (["generate", "fashion-adapters", "-p", "a sneaker", "--adapter", "mirror", "--adapter", "bold=0.5"],
                     ["generate", "fashion-adapters", "-p", "a coat", "--control", "coat.png"],
-                    ["generate", "fashion-invert", "-p", "a dress"]):
+                    ["generate", "fashion-mirror", "-p", "a sneaker"]):
         result = runner.invoke(app, [*command, "--json"])
         assert result.exit_code == 0, result.output
         [image] = json.loads(result.stdout)["images"]

@@ -1,0 +1,26 @@
+"""The image transforms the built-in LoRAs learn (`data.transform`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cardtool.core.transforms import transform
+from cardtool.errors import BadInput
+
+
+def test_bold_grows_a_stroke_by_a_pixel_each_way_but_not_diagonally():
+    image = np.zeros((1, 5, 5), np.uint8)
+    image[0, 2, 2] = 200
+    bold = transform("bold", image)[0]
+    assert bold[2, 2] == bold[1, 2] == bold[3, 2] == bold[2, 1] == bold[2, 3] == 200
+    assert bold[1, 1] == bold[3, 3] == 0 and bold.sum() == 5 * 200 and bold.dtype == np.uint8
+
+
+def test_mirror_and_invert():
+    image = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
+    assert np.array_equal(transform("mirror", image)[:, :, 0], image[:, :, 3])
+    assert np.array_equal(transform("mirror", transform("mirror", image)), image)
+    assert np.array_equal(transform("invert", image), 255 - image)
+    with pytest.raises(BadInput, match="choose one of: none, invert, bold, mirror"):
+        transform("flip", image)
