@@ -1,5 +1,5 @@
 """cardtool's own registrations: every op's numpy reference, its device-generic torch implementation on
-cpu and cuda, the bfloat16 variants on the avx512_bf16 CPU tier; and the
+cpu and cuda, the bfloat16 variants on the avx512_bf16 CPU tier and their float32 emulations on the avx2 tier; and the
 components (keyed by the implementation name a card's `impl` gives) in torch and, where one exists, numpy."""
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ __all__ = ["OPS", "COMPONENT_IMPLS", "register"]
 OPS = ("flow_match_step", "flow_sde_step", "flow_renoise_step", "cfg_combine",
        "attention", "rms_norm", "modulated_layer_norm",
        "rope_3d", "timestep_embedding", "lora_bgmv", "gelu_tanh", "linear")
+# the ops with bfloat16 variants on the CPU tiers: avx512_bf16 computes in bf16, avx2 emulates it in float32
+BF16_OPS = ("attention", "lora_bgmv", "gelu_tanh", "linear", "modulated_layer_norm", "rms_norm")
 
 
 _B = "cardtool.backends.builders"
@@ -45,6 +47,8 @@ def register(components, kernels) -> None:
                          requires=("torch",))
         kernels.register(op, "cuda", "generic", "default", target=f"cardtool.backends.torch_ops:{op}",
                          requires=("torch",), dtypes=("float64", "float32", "float16", "bfloat16"))
-    for op in ("attention", "lora_bgmv", "gelu_tanh", "linear", "modulated_layer_norm", "rms_norm"):
+    for op in BF16_OPS:
         kernels.register(op, "cpu", "avx512_bf16", "bf16", target=f"cardtool.backends.cpu_bf16:{op}",
+                         requires=("torch",), dtypes=("float32",))
+        kernels.register(op, "cpu", "avx2", "bf16", target=f"cardtool.backends.cpu_bf16_emulated:{op}",
                          requires=("torch",), dtypes=("float32",))

@@ -3,10 +3,10 @@
 float64 and float32 run the components at that dtype. bfloat16 and float16 are mixed precision, as in
 training (Micikevicius et al. 2018, "Mixed Precision Training"): the latents, the solver, norms and modulation
 stay float32 while the matrix products run in the low dtype under torch autocast, and the platform's
-kernel cells of the matching variant are picked (cpu_bf16.py on the avx512_bf16 CPU tier; the dtype-generic
-torch ops on CUDA). The DiT's linear and convolution weights are rounded to the low dtype once at load — the
-rounding autocast applies to them on every call — so a low-precision run differs from float32 only by its
-products.
+kernel cells of the matching variant are picked (cpu_bf16.py on the avx512_bf16 CPU tier, its float32
+emulation cpu_bf16_emulated.py on avx2; the dtype-generic torch ops on CUDA). The DiT's linear and convolution
+weights are rounded to the low dtype once at load — the rounding autocast applies to them on every call — so a
+low-precision run differs from float32 only by its products.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def check_precision(platform: Platform, precision: str) -> list[str]:
     warnings = []
     if precision == "bfloat16" and not platform.supports_bf16:
         warnings.append(f"{platform.device}/{platform.arch} has no fast bfloat16 (avx512_bf16 or CUDA sm80+): "
-                        "bfloat16 runs emulated and is likely slower than float32")
+                        "bfloat16 runs emulated, at best as fast as float32")
     if precision == "float16" and platform.device != "cuda":
         warnings.append("float16 on a CPU is emulated and likely slower than float32; bfloat16 is the CPU's low "
                         "precision")

@@ -71,7 +71,8 @@ def test_without_torch_the_torch_cells_give_reasons_and_numpy_serves(kernels, mo
 
 def test_variant_falls_back_to_default_when_the_tier_lacks_it(kernels):
     assert kernels.resolve("attention", AVX512, "bf16")[0].name == "attention/cpu/avx512_bf16/bf16"
-    assert kernels.resolve("attention", AVX2, "bf16")[0].name == "attention/cpu/generic/default"
+    assert kernels.resolve("attention", AVX2, "bf16")[0].name == "attention/cpu/avx2/bf16"  # emulated in float32
+    assert kernels.resolve("cfg_combine", AVX2, "bf16")[0].name == "cfg_combine/cpu/generic/default"
 
 
 def test_when_nothing_resolves_every_candidate_and_its_reasons_are_listed(kernels):

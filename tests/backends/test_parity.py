@@ -24,16 +24,37 @@ def test_every_torch_cell_passes_at_float64_float32_bfloat16():
     assert all(len(r.shapes) >= 1 for r in rows)
 
 
-@pytest.mark.skipif(HERE.arch != "avx512_bf16", reason="the bf16 variants live on the avx512_bf16 tier")
+@pytest.mark.skipif(HERE.arch not in ("avx512_bf16", "avx2"), reason="the bf16 variants live on the CPU tiers")
 def test_bf16_variants_are_held_to_bf16_tolerances_against_float32():
-    rows = {r.cell: r for r in run_parity(HERE) if r.cell.endswith("/bf16")}
+    """This machine's tier: avx512_bf16 computes in bf16, avx2 emulates it in float32 (and an avx512_bf16 machine
+    may run the avx2 cells too, further down its chain)."""
+    rows = {r.cell: r for r in run_parity(HERE) if r.cell.endswith(f"/{HERE.arch}/bf16")}
     lowered = ("attention", "lora_bgmv", "gelu_tanh", "linear", "modulated_layer_norm")
-    assert set(rows) == {f"{op}/cpu/avx512_bf16/bf16" for op in lowered + ("rms_norm",)}
+    assert set(rows) == {f"{op}/cpu/{HERE.arch}/bf16" for op in lowered + ("rms_norm",)}
     for row in rows.values():
         assert row.passed and row.dtype == "float32" and row.against.endswith("in float32") and row.atol >= 1e-2
     for op in lowered:
-        assert rows[f"{op}/cpu/avx512_bf16/bf16"].max_abs_err > 1e-4, "bf16 compute is really lower precision"
-    assert rows["rms_norm/cpu/avx512_bf16/bf16"].max_abs_err == 0, "computed and handed on in float32"
+        assert rows[f"{op}/cpu/{HERE.arch}/bf16"].max_abs_err > 1e-4, "bf16 accuracy is really lower precision"
+    assert rows[f"rms_norm/cpu/{HERE.arch}/bf16"].max_abs_err == 0, "computed and handed on in float32"
+
+
+def test_the_avx2_bf16_emulation_rounds_as_a_bf16_product_does():
+    """Products of bf16-rounded operands summed in float32, rounded once: what a bf16 GEMM gives, up to the order
+    of the float32 sums; and no slower path than float32's (no bf16 matmul)."""
+    import torch
+
+    from cardtool.backends import cpu_bf16_emulated
+
+    torch.manual_seed(0)
+    x, w, b = torch.randn(4, 7, 32), torch.randn(24, 32).bfloat16(), torch.randn(24).bfloat16()
+    y = cpu_bf16_emulated.linear(x, w, b)
+    exact = x.bfloat16().double() @ w.double().T + b.double()
+    half_step = 2.0 ** -8  # bfloat16 keeps 8 significant bits: rounding to nearest moves a value by at most this
+    assert y.dtype == torch.bfloat16
+    assert ((y.double() - exact).abs() <= half_step * exact.abs() + 1e-5).all()
+    gelu = cpu_bf16_emulated.linear(x, w, b, "gelu_tanh")
+    expected = torch.nn.functional.gelu(exact, approximate="tanh")
+    assert ((gelu.double() - expected).abs() <= half_step * expected.abs() + 5e-4).all()  # erf form: ≤ 4.7e-4 off
 
 
 def test_numpy_platform_has_nothing_to_compare():
