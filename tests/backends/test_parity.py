@@ -40,7 +40,7 @@ def test_bf16_variants_are_held_to_bf16_tolerances_against_float32():
 
 def test_the_avx2_bf16_emulation_rounds_as_a_bf16_product_does():
     """Products of bf16-rounded operands summed in float32, rounded once: what a bf16 GEMM gives, up to the order
-    of the float32 sums; and no slower path than float32's (no bf16 matmul)."""
+    of the float32 sums."""
     import torch
 
     from cardtool.backends import cpu_bf16_emulated
