@@ -1,6 +1,6 @@
 """bfloat16 variants for CPUs without bf16 compute (the avx2 tier), for a sampler running at bfloat16 precision:
 there ATen's bfloat16 matrix products take a slow generic path — 4.1 ms against float32's 0.38 ms for the DiT's
-linears on a 2-core AVX2 EPYC, which made a bf16 generation 5× slower than float32. These compute the product of the
+linears on a 2-core AVX2 EPYC, which made a bf16 generation 4.6× slower than float32. These compute the product of the
 bf16-rounded operands in float32 — every product of two bf16 numbers is exact in float32 and the sums run in float32,
 as a bf16 GEMM accumulates — and round the result to bfloat16, as autocast's product would be. The other ops reuse
 the avx512_bf16 tier's variants, which compute in float32 with bf16 roundings and run at float32 speed here."""
