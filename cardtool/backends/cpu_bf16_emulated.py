@@ -3,7 +3,9 @@ there ATen's bfloat16 matrix products take a slow generic path — 4.1 ms agains
 linears on a 2-core AVX2 EPYC, which made a bf16 generation 4.6× slower than float32. These compute the product of the
 bf16-rounded operands in float32 — every product of two bf16 numbers is exact in float32 and the sums run in float32,
 as a bf16 GEMM accumulates — and round the result to bfloat16, as autocast's product would be. The other ops reuse
-the avx512_bf16 tier's variants, which compute in float32 with bf16 roundings and run at float32 speed here."""
+the avx512_bf16 tier's variants: the norms in float32, attention in float32 below 56 keys (every sequence of the
+built-in cards) but in bf16 above, and the GELU in bf16 — correct here, though not emulated (not measured here
+against float32)."""
 
 from __future__ import annotations
 
