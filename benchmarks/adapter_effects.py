@@ -1,9 +1,9 @@
 """What the built-in adapters do, measured: each LoRA's effect at scales 0, 0.5 and 1 and two composed — the
 fraction of shoes pointing right (mirror), ink area, the fraction of pixels above 127 (bold), mean intensity
-(invert) — with class accuracy under the judge; the same measures on the real test images with each LoRA's transform
-applied (raw, and through the card's VAE: what a LoRA in its latent space can reach at best); and the ControlNet's
-adherence: the IoU between a held-out test image's silhouette, given as the control, and the silhouette of the image
-generated from it (prompted with that image's class), against the base without control.
+(bright, invert) — with class accuracy under the judge; the same measures on the real test images with each LoRA's
+transform applied (raw, and through the card's VAE: what a LoRA in its latent space can reach at best); and the
+ControlNet's adherence: the IoU between a held-out test image's silhouette, given as the control, and the silhouette
+of the image generated from it (prompted with that image's class), against the base without control.
 
 Every row samples the class prompts × seeds 0…per_class−1 at the card's loop defaults. The ControlNet rows use the
 first `--control-images` test images (never trained on), seed i for image i.
@@ -33,7 +33,8 @@ from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.transforms import transform
 
-STACKS = [[], [("mirror", 0.5)], [("mirror", 1.0)], [("bold", 0.5)], [("bold", 1.0)],
+STACKS = [[], [("mirror", 0.5)], [("mirror", 1.0)], [("bright", 0.5)], [("bright", 1.0)],
+          [("mirror", 1.0), ("bright", 1.0)], [("mirror", 0.5), ("bright", 0.5)], [("bold", 0.5)], [("bold", 1.0)],
           [("mirror", 1.0), ("bold", 1.0)], [("mirror", 0.5), ("bold", 0.5)], [("invert", 1.0)]]
 FOOTWEAR = [CLASS_NAMES.index(name) for name in ("sandal", "sneaker", "ankle boot")]
 
@@ -110,7 +111,7 @@ def main() -> None:
     data_rows = []
     real, real_labels = test.images[:len(labels)], test.labels[:len(labels)]
     vae = loop.instance.component(loop.vae)
-    for name in ("none", "mirror", "bold", "mirror+bold", "invert"):
+    for name in ("none", "mirror", "bright", "mirror+bright", "bold", "mirror+bold", "invert"):
         images = real
         for step in name.split("+"):
             images = transform(step, images)

@@ -21,8 +21,8 @@ FAMILY = ("fashion-vae", "fashion-classifier", "fashion-referee", "fashion-base"
 STUDENTS = ("fashion-base-4step", "fashion-base-2step")
 TUNED = ("fashion-base-nft", "fashion-base-nft-2step", "fashion-base-nft-1step", "fashion-kl10-nft",
          "fashion-kl10-nft-2step")
-ADAPTERS = {"fashion-mirror": "mirror", "fashion-bold": "bold", "fashion-invert": "invert",
-            "fashion-silhouette": "silhouette"}
+ADAPTERS = {"fashion-mirror": "mirror", "fashion-bright": "bright", "fashion-bold": "bold",
+            "fashion-invert": "invert", "fashion-silhouette": "silhouette"}
 
 
 @pytest.fixture
@@ -199,8 +199,8 @@ def test_each_adapter_card_records_its_train_command_and_fashion_adapters_serves
 
 def test_the_built_in_adapters_do_what_they_were_trained_for(builtin, fashion_mnist):
     """A small live check (the measured numbers are in benchmarks/results/adapter_effects.json): mirror turns a
-    sneaker to point the other way, bold adds ink, invert brightens the image, scale 0 is the base, and the
-    silhouette ControlNet follows a test image's shape better than the base does."""
+    sneaker to point the other way, bright lifts the mid-greys, bold adds ink, invert brightens the image, scale 0 is
+    the base, and the silhouette ControlNet follows a test image's shape better than the base does."""
     import numpy as np
 
     from cardtool.core.data import load_split
@@ -215,7 +215,7 @@ def test_the_built_in_adapters_do_what_they_were_trained_for(builtin, fashion_mn
         requests, _ = plan_requests(loaded.card, list(prompts), adapters=stack, **options)
         return loop.finalize(sample(loop, requests))
 
-    base, zero = images([]), images([("mirror", 0.0), ("bold", 0.0), ("invert", 0.0)])
+    base, zero = images([]), images([("mirror", 0.0), ("bright", 0.0), ("bold", 0.0), ("invert", 0.0)])
     assert np.array_equal(base, zero)
     sneakers = images([], prompts=["a sneaker"] * 4).astype(np.float32)
     turned = images([("mirror", 1.0)], prompts=["a sneaker"] * 4).astype(np.float32)
@@ -227,6 +227,7 @@ def test_the_built_in_adapters_do_what_they_were_trained_for(builtin, fashion_mn
     assert (similarity(turned, sneakers[..., ::-1]) > similarity(turned, sneakers)).all()
     assert images([("invert", 1.0)]).mean() > base.mean() + 60
     assert (images([("bold", 1.0)]) > 127).mean() > (base > 127).mean() + 0.03
+    assert images([("bright", 1.0)]).mean() > base.mean() + 10
     test = load_split("test")
     shapes, labels = silhouette(test.images[:8]), test.labels[:8]
     from cardtool.core.prompts import class_prompt
@@ -254,7 +255,8 @@ def test_the_readme_adapter_commands_run(builtin, fashion_mnist, tmp_path, monke
     monkeypatch.chdir(tmp_path)
     save_png(tmp_path / "coat.png", load_split("test").images[list(load_split("test").labels).index(4)])
     runner = CliRunner()
-    for command in (["generate", "fashion-adapters", "-p", "a sneaker", "--adapter", "mirror", "--adapter", "bold=0.5"],
+    for command in (["generate", "fashion-adapters", "-p", "a sneaker", "--adapter", "mirror",
+                     "--adapter", "bright=0.5"],
                     ["generate", "fashion-adapters", "-p", "a coat", "--control", "coat.png"],
                     ["generate", "fashion-mirror", "-p", "a sneaker"]):
         result = runner.invoke(app, [*command, "--json"])

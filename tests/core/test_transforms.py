@@ -22,5 +22,13 @@ def test_mirror_and_invert():
     assert np.array_equal(transform("mirror", image)[:, :, 0], image[:, :, 3])
     assert np.array_equal(transform("mirror", transform("mirror", image)), image)
     assert np.array_equal(transform("invert", image), 255 - image)
-    with pytest.raises(BadInput, match="choose one of: none, invert, bold, mirror"):
+    with pytest.raises(BadInput, match="choose one of: none, invert, bold, mirror, bright"):
         transform("flip", image)
+
+
+def test_bright_lifts_the_mid_greys_with_gamma_one_half_and_keeps_black_and_white():
+    image = np.array([[[0, 64, 128, 255]]], np.uint8)
+    bright = transform("bright", image)
+    assert bright.tolist() == [[[0, 128, 181, 255]]] and bright.dtype == np.uint8
+    every = np.arange(256, dtype=np.uint8)
+    assert np.all(np.diff(transform("bright", every).astype(int)) >= 0)  # monotone: the order of greys is kept
