@@ -126,7 +126,7 @@ def test_adapter_effects_benchmark_measures_the_built_in_adapters(tmp_path, fash
                     "--control-images", "4", "--out", str(out)], check=True, capture_output=True, timeout=300)
     report = json.loads(out.read_text())
     assert [r["stack"] for r in report["lora"]][:3] == ["none", {"mirror": 0.5}, {"mirror": 1.0}]
-    assert all(r["images"] == 10 for r in report["lora"]) and len(report["data"]) == 10
+    assert all(r["images"] == 10 for r in report["lora"]) and len(report["data"]) == 14
     mirrored = {r["data"]: r["shoes_pointing_right"] for r in report["data"]}
     # mirroring an image reverses which of the class mean and its mirror it is nearer
     assert mirrored["test images, mirror, real"] == pytest.approx(1 - mirrored["test images, none, real"], abs=1e-3)
