@@ -39,7 +39,8 @@ def main() -> None:
 
     with safe_open(str(args.run_dir / CHECKPOINT), framework="pt") as f:
         iteration = int(f.metadata()["step"])
-        prefix = "model.transformer."
+        # with train.ema the card gets the averaged weights, so the curve follows them too
+        prefix = "ema.transformer." if any(k.startswith("ema.transformer.") for k in f.keys()) else "model.transformer."
         weights = {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
     teacher = load_card(locate(args.teacher))
     with tempfile.TemporaryDirectory() as tmp:
@@ -53,8 +54,9 @@ def main() -> None:
                    {"transformer.safetensors": weights})
         started = time.perf_counter()
         [row] = evaluate(str(folder), judge=args.judge, per_class=args.per_class, data=args.data).to_json()["rows"]
-    entry = {"iteration": iteration, "steps": args.steps, "class_accuracy": row["class_accuracy"],
-             "fid_fmnist": row["fid_fmnist"], "kid": row["kid"], "images": row["images"],
+    entry = {"iteration": iteration, "steps": args.steps, "weights": prefix.split(".")[0],
+             "class_accuracy": row["class_accuracy"], "fid_fmnist": row["fid_fmnist"], "kid": row["kid"],
+             "images": row["images"],
              "eval_seconds": round(time.perf_counter() - started, 1)}
     curve = json.loads(args.out.read_text()) if args.out.exists() else []
     curve = [c for c in curve if c["iteration"] != iteration] + [entry]

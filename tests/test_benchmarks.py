@@ -59,10 +59,13 @@ def test_distill_quality_counts_model_evaluations_and_reads_recorded_evals(tmp_p
     assert not plot or (tmp_path / "q.png").stat().st_size > 0
 
 
-def test_distill_checkpoint_evaluates_a_runs_generator(tmp_path, examples, fashion_mnist):
+@pytest.mark.parametrize("ema", [0.0, 0.5])
+def test_distill_checkpoint_evaluates_a_runs_generator(tmp_path, examples, fashion_mnist, ema):
+    """The generator the card would get: its moving average when the run keeps one."""
     from cardtool.core.training.distill import distill, distill_recipe
 
-    sets = ["optim.steps=2", "optim.batch_size=2", "train.precision=float32", "train.checkpoint_every=2"]
+    sets = ["optim.steps=2", "optim.batch_size=2", "train.precision=float32", "train.checkpoint_every=2",
+            f"train.ema={ema}"]
     distill(distill_recipe(str(examples / "tiny-base"), None, sets, 2), command="c", out=tmp_path / "s",
             run_dir=tmp_path / "run", evaluate=False)
     out = tmp_path / "curve.json"
@@ -71,6 +74,7 @@ def test_distill_checkpoint_evaluates_a_runs_generator(tmp_path, examples, fashi
                    check=True, capture_output=True, timeout=300)
     [entry] = json.loads(out.read_text())
     assert entry["iteration"] == 2 and entry["steps"] == 2 and entry["images"] == 10
+    assert entry["weights"] == ("ema" if ema else "model")
     assert 0 <= entry["class_accuracy"] <= 1
 
 
