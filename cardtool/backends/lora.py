@@ -213,13 +213,20 @@ class TrainableLora(nn.Module):
                 torch.empty(rank, layer.in_features, device=device).uniform_(-bound, bound))
             self.lora_B[_key(name)] = nn.Parameter(torch.zeros(layer.out_features, rank, device=device))
 
-    def forward(self, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def forward(self, module: str, x: torch.Tensor, y: torch.Tensor, scales=None) -> torch.Tensor:
+        """y + (α/r)·B·A·x, times each batch row's own scale where `scales` (N,) is given."""
         key = _key(module)
         if key not in self.lora_A:
             return y
         a, b = self.lora_A[key], self.lora_B[key]
-        return y + (self.alpha / self.rank) * torch.nn.functional.linear(torch.nn.functional.linear(x, a.to(x.dtype)),
-                                                                         b.to(x.dtype))
+        delta = torch.nn.functional.linear(torch.nn.functional.linear(x, a.to(x.dtype)), b.to(x.dtype))
+        if scales is not None:
+            delta = delta * scales.to(delta.dtype).reshape(-1, *(1,) * (delta.ndim - 1))
+        return y + (self.alpha / self.rank) * delta
+
+    def at(self, scales: torch.Tensor):
+        """This LoRA as a plan that applies it at a scale per batch row."""
+        return lambda module, x, y: self(module, x, y, scales)
 
     def weights(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """A and B by module name, for `write_lora`."""

@@ -236,3 +236,38 @@ def test_lora_and_controlnet_training_write_adapter_cards_that_generate_serves(e
     with pytest.raises(BadInput, match="unknown model.rank"):
         train(load_recipe(RECIPES / "fashion-silhouette.yaml", [*common, "model.rank=2"]), command="c",
               out=tmp_path / "x", run_dir=tmp_path / "r3", data=str(data))
+
+
+def test_lora_scales_train_each_row_at_its_own_scale_on_a_mixture(examples, tmp_path, data):
+    """`loss.scales`: a row at scale s adds s times the LoRA's delta (0 adds nothing), and a run drawing its rows'
+    scales from the list trains a LoRA card as usual."""
+    from cardtool.backends.lora import TrainableLora
+    from cardtool.backends.platform import Platform
+    from cardtool.backends.wan_config import WanDiTConfig
+    from cardtool.backends.wan_dit import WanDiT
+
+    torch.manual_seed(0)
+    config = WanDiTConfig(dim=16, depth=1, heads=2, ffn_dim=32, text_dim=8, freq_dim=16)
+    dit = WanDiT(config, Platform("cpu", "generic"))
+    lora = TrainableLora(dit, ["blocks.0.attn1.to_q"], 2, 4.0)
+    torch.nn.init.normal_(lora.lora_B["blocks__0__attn1__to_q"])
+    x, y = torch.randn(3, 5, 16), torch.randn(3, 5, 16)
+    delta = lora("blocks.0.attn1.to_q", x, y) - y
+    scaled = lora.at(torch.tensor([0.0, 0.5, 1.0]))("blocks.0.attn1.to_q", x, y)
+    assert torch.equal(scaled[0], y[0])
+    torch.testing.assert_close(scaled[1] - y[1], 0.5 * delta[1])
+    torch.testing.assert_close(scaled[2], y[2] + delta[2])
+
+    common = ["optim.steps=2", "optim.batch_size=8", "train.precision=float32", "optim.lr=1e-2", "model.rank=2",
+              f"parents=[{examples / 'tiny-base'}]", "card.id=tiny-mirror"]
+    card = train(load_recipe(RECIPES / "fashion-mirror.yaml", [*common, "loss.scales=[0.5, 1]"]),
+                 command="c", out=tmp_path / "tiny-mirror", run_dir=tmp_path / "r", data=str(data))
+    assert card.manifest.recipe.hyperparameters["loss"]["scales"] == [0.5, 1]
+    assert any(t.abs().max() > 0 for k, t in weights(card, "mirror").items() if k.endswith("lora_B.weight"))
+    for bad in ("loss.scales=[0]", "loss.scales=[1.5]", "loss.scales=oops", "loss.scales=[]"):
+        with pytest.raises(BadInput, match="loss.scales"):
+            train(load_recipe(RECIPES / "fashion-mirror.yaml", [*common, bad]), command="c",
+                  out=tmp_path / "x", run_dir=tmp_path / "r2", data=str(data))
+    with pytest.raises(BadInput, match="set data.transform"):
+        train(load_recipe(RECIPES / "fashion-mirror.yaml", [*common, "loss.scales=[0.5]", "data.transform=none"]),
+              command="c", out=tmp_path / "x", run_dir=tmp_path / "r3", data=str(data))

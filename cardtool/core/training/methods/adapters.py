@@ -29,6 +29,19 @@ def _setting(recipe, key, kind, default):
     return value
 
 
+def _scales(recipe) -> torch.Tensor | None:
+    """`loss.scales`: the adapter scales a LoRA trains at, each in (0, 1]; None (scale 1 only) when unset."""
+    value = recipe.loss.get("scales")
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value or any(
+            isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1 for v in value):
+        raise BadInput(f"lora recipe: loss.scales must be a list of numbers in (0, 1], got {value!r}")
+    if recipe.data.get("transform", "none") == "none":
+        raise BadInput("lora recipe: loss.scales mixes transformed and plain images; set data.transform")
+    return torch.tensor([float(v) for v in value])
+
+
 class _AdapterTask(FlowMatchingTask):
     KEYS: tuple[str, ...] = ()  # the recipe's model: settings
     HOLDS = ""  # the attribute holding the adapter that trains
@@ -68,12 +81,30 @@ class LoraTask(_AdapterTask):
             self.lora = TrainableLora(self.dit, self.targets, self.rank, self.alpha)
         except ValueError as e:
             raise BadInput(f"lora recipe: model.targets: {e}") from None
+        self.scales = _scales(recipe)
+        if self.scales is not None:  # the untransformed images too: a row at scale s keeps its own with 1 − s
+            self.plain_mean, self.plain_std = latents(self.vae, train.images, self.device)
 
     def modules(self):
         return {"lora": self.lora}
 
     def adapters(self, idx, test=False):
         return {"lora": self.lora}
+
+    def loss(self, indices, generator):
+        """With `loss.scales`, each example trains the LoRA at a scale s drawn from the list, on its image
+        transformed with probability s: at scale s the adapter then samples the mixture (1 − s)·base + s·effect.
+        For an all-or-nothing effect (a mirror) that is what a partial scale can mean; without it, half the
+        delta learned for scale 1 draws half-turned garments."""
+        if self.scales is None:
+            return super().loss(indices, generator)
+        idx = torch.from_numpy(indices)
+        scales = self.scales[torch.randint(len(self.scales), (len(idx),), generator=generator)]
+        moved = (torch.rand(len(idx), generator=generator) < scales).reshape(-1, 1, 1, 1, 1)
+        mean = torch.where(moved, self.mean[idx], self.plain_mean[idx])
+        std = torch.where(moved, self.std[idx], self.plain_std[idx])
+        x0 = mean + std * torch.randn(mean.shape, generator=generator).to(self.device)
+        return self._loss(x0, self.labels[idx], generator, self.dropout, lora=self.lora.at(scales.to(self.device))), {}
 
     def artifact(self, lora) -> tuple[dict, dict, dict]:
         """The card's adapter entry, its weights file and that file's header metadata."""
