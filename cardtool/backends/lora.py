@@ -103,20 +103,21 @@ class LoraPlan:
 
     `stacks` is one entry per distinct stack: a tuple of (LoraWeights, scale); `rows` the slot of every row (−1:
     none). The slots are gathered per row once, when the plan is made, not in each of the many calls a batch's
-    denoising makes (the plan lives as long as its batch)."""
+    denoising makes (the plan lives as long as its batch); the slots themselves are built once per set of stacks
+    (`slot_weights`), not once per plan — a guided sampling run alone makes two plans (its guided and unguided
+    steps batch different rows)."""
 
     def __init__(self, stacks: list[tuple], rows: list[int], kernel, device, dtype=torch.float32):
         self.kernel = kernel
         index = torch.tensor(rows, device=device)
-        picked, used = index.clamp(min=0), (index >= 0).to(dtype)[:, None, None]
-        self.modules, self.slots, self.augmented = {}, {}, {}
-        for module in sorted({m for stack in stacks for lora, _ in stack for m in lora.a}):
-            a, b = _slots(module, stacks, device, dtype)
-            self.slots[module] = (a, b)
-            # stored transposed and contiguous, passed as transposed views: the kernel's batched products then
-            # read their right-hand sides contiguously (20–45% faster here than strided)
-            a, b = a[picked].transpose(1, 2).contiguous(), (b[picked] * used).transpose(1, 2).contiguous()
-            self.modules[module] = (a.transpose(1, 2), b.transpose(1, 2))
+        self.augmented = {}
+        slots = slot_weights(stacks, device, dtype)
+        gather = torch.where(index >= 0, index, len(stacks))  # −1 → the all-zero slot after the stacks'
+        # A and B are stored transposed and contiguous, passed as transposed views: the kernel's batched products
+        # then read their right-hand sides contiguously (20–45% faster here than strided)
+        self.modules = {module: (a_t[gather].transpose(1, 2), b_t[gather].transpose(1, 2))
+                        for module, (_, _, a_t, b_t) in slots.items()}
+        self.slots = {module: (a, b) for module, (a, b, _, _) in slots.items()}
         self.rows = index
 
     def __call__(self, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -144,6 +145,33 @@ class LoraPlan:
         a_all, weight, own = self.augmented[module]
         hidden = torch.nn.functional.linear(x, a_all) * own.reshape(x.shape[0], *(1,) * (x.ndim - 2), -1)
         return linear(torch.cat([x, hidden], dim=-1), weight, layer.bias, activation)
+
+
+_SLOT_CACHE: dict = {}  # the few most recent sets of stacks' slot weights, by the LoRAs' identity and scales
+_SLOT_CACHE_SIZE = 8
+
+
+def slot_weights(stacks: list[tuple], device, dtype) -> dict[str, tuple[torch.Tensor, ...]]:
+    """Per module any stack touches: every slot's A (S, R, in) and B (S, out, R) (`_slots`), and the same
+    transposed and contiguous with an all-zero slot appended — A (S + 1, in, R), B (S + 1, R, out) — the form a
+    plan gathers rows from. Cached by the LoraWeights objects themselves (an entry holds them, so their ids stay
+    theirs) and the scales: a hot-swapped file loads as a new object, a new key. Built outside inference mode, so
+    that a grad-enabled forward may use them too."""
+    key = (tuple(tuple((id(lora), float(scale)) for lora, scale in stack) for stack in stacks), str(device), dtype)
+    entry = _SLOT_CACHE.pop(key, None)
+    if entry is None:
+        slots = {}
+        with torch.inference_mode(False), torch.no_grad():
+            for module in sorted({m for stack in stacks for lora, _ in stack for m in lora.a}):
+                a, b = _slots(module, stacks, device, dtype)
+                a_t = torch.cat([a, torch.zeros_like(a[:1])]).transpose(1, 2).contiguous()
+                b_t = torch.cat([b, torch.zeros_like(b[:1])]).transpose(1, 2).contiguous()
+                slots[module] = (a, b, a_t, b_t)
+        entry = (tuple(stacks), slots)
+        while len(_SLOT_CACHE) >= _SLOT_CACHE_SIZE:
+            _SLOT_CACHE.pop(next(iter(_SLOT_CACHE)))
+    _SLOT_CACHE[key] = entry  # most recent last
+    return entry[1]
 
 
 def _slots(module: str, stacks: list[tuple], device, dtype) -> tuple[torch.Tensor, torch.Tensor]:

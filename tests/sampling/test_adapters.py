@@ -136,6 +136,29 @@ def test_composed_loras_sum_their_scaled_deltas():
     assert torch.equal(plan("other", x, y), y)
 
 
+def test_plans_share_their_stacks_slot_weights_and_a_new_version_gets_its_own():
+    """Two plans over the same stacks (a guided run's guided and unguided rows) build the slot weights once;
+    built under inference mode, they still serve a forward that takes a gradient; a new LoraWeights object (a
+    hot-swapped file) is a new entry even with the same version string."""
+    from cardtool.backends.lora import LoraWeights, slot_weights
+
+    torch.manual_seed(0)
+    one = LoraWeights("v", 2, 2.0, {"m": torch.randn(2, 6)}, {"m": torch.randn(4, 2)})
+    with torch.inference_mode():
+        first = slot_weights([((one, 1.0),)], "cpu", torch.float32)
+        LoraPlan([((one, 1.0),)], [0, 0], lora_bgmv, "cpu")
+    assert slot_weights([((one, 1.0),)], "cpu", torch.float32) is first
+    assert slot_weights([((one, 0.5),)], "cpu", torch.float32) is not first
+    x = torch.randn(2, 5, 6, requires_grad=True)
+    out = LoraPlan([((one, 1.0),)], [0, -1], lora_bgmv, "cpu")("m", x, torch.zeros(2, 5, 4))
+    out.sum().backward()
+    torch.testing.assert_close(out[0], x[0].detach() @ (one.b["m"] @ one.a["m"]).T)
+    assert torch.equal(out[1], torch.zeros(5, 4)) and x.grad[1].abs().max() == 0
+    swapped = LoraWeights("v", 2, 2.0, {"m": torch.randn(2, 6)}, {"m": torch.randn(4, 2)})
+    again = LoraPlan([((swapped, 1.0),)], [0], lora_bgmv, "cpu")("m", x[:1].detach(), torch.zeros(1, 5, 4))
+    torch.testing.assert_close(again[0], x[0].detach() @ (swapped.b["m"] @ swapped.a["m"]).T)
+
+
 def test_an_activated_layer_takes_each_rows_lora_in_one_augmented_product():
     """activation(W0·x + b + Δ_row·x) as one product of [x, mask ⊙ x·Aᵀ] with [W0, B]: each row gets its own
     stack's delta (composed stacks summed, none for a row without one) before the activation."""
