@@ -100,7 +100,7 @@ class LoraTask(_AdapterTask):
             return super().loss(indices, generator)
         idx = torch.from_numpy(indices)
         scales = self.scales[torch.randint(len(self.scales), (len(idx),), generator=generator)]
-        moved = (torch.rand(len(idx), generator=generator) < scales).reshape(-1, 1, 1, 1, 1)
+        moved = (torch.rand(len(idx), generator=generator) < scales).reshape(-1, 1, 1, 1, 1).to(self.device)
         mean = torch.where(moved, self.mean[idx], self.plain_mean[idx])
         std = torch.where(moved, self.std[idx], self.plain_std[idx])
         x0 = mean + std * torch.randn(mean.shape, generator=generator).to(self.device)
