@@ -13,6 +13,7 @@ low-rank product equal to the sum of its scaled deltas.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -254,7 +255,7 @@ class TrainableLora(nn.Module):
 
     def at(self, scales: torch.Tensor):
         """This LoRA as a plan that applies it at a scale per batch row."""
-        return lambda module, x, y: self(module, x, y, scales)
+        return functools.partial(self, scales=scales)
 
     def weights(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """A and B by module name, for `write_lora`."""

@@ -264,6 +264,24 @@ def test_lora_scales_train_each_row_at_its_own_scale_on_a_mixture(examples, tmp_
                  command="c", out=tmp_path / "tiny-mirror", run_dir=tmp_path / "r", data=str(data))
     assert card.manifest.recipe.hyperparameters["loss"]["scales"] == [0.5, 1]
     assert any(t.abs().max() > 0 for k, t in weights(card, "mirror").items() if k.endswith("lora_B.weight"))
+    # each row trains on its transformed image with probability s, the plain one otherwise, at scale s
+    from cardtool.core.data import load_split
+    from cardtool.core.training.methods.adapters import LoraTask
+
+    recipe = load_recipe(RECIPES / "fashion-mirror.yaml", [*common, "loss.scales=[0.25, 1]", "data.transform=invert"])
+    task = LoraTask(recipe, Platform.detect("cpu"), load_split("train", str(data)), load_split("test", str(data)))
+    seen = []
+    task._loss = lambda x0, labels, generator, dropout, lora: seen.append((x0, lora)) or torch.zeros(())
+    indices = np.arange(64)
+    task.loss(indices, torch.Generator().manual_seed(0))
+    x0, lora = seen[0]
+    nearer = ((x0 - task.mean[indices]).abs().mean((1, 2, 3, 4))
+              < (x0 - task.plain_mean[indices]).abs().mean((1, 2, 3, 4)))
+    row_scales = lora.keywords["scales"]
+    assert set(row_scales.tolist()) == {0.25, 1.0}
+    assert nearer[row_scales == 1].all(), "every row at scale 1 trains on its transformed image"
+    low = nearer[row_scales == 0.25].float()
+    assert 0 < low.mean() < 0.6, "rows at scale 0.25 mostly keep the plain image"
     for bad in ("loss.scales=[0]", "loss.scales=[1.5]", "loss.scales=oops", "loss.scales=[]"):
         with pytest.raises(BadInput, match="loss.scales"):
             train(load_recipe(RECIPES / "fashion-mirror.yaml", [*common, bad]), command="c",
