@@ -289,3 +289,23 @@ def test_lora_scales_train_each_row_at_its_own_scale_on_a_mixture(examples, tmp_
     with pytest.raises(BadInput, match="set data.transform"):
         train(load_recipe(RECIPES / "fashion-mirror.yaml", [*common, "loss.scales=[0.5]", "data.transform=none"]),
               command="c", out=tmp_path / "x", run_dir=tmp_path / "r3", data=str(data))
+
+
+@pytest.mark.parametrize("recipe_name, override, message", [
+    ("fashion-bold", "loss.condition_droput=0.2", "unknown loss.condition_droput; its settings: condition_dropout, sc"),
+    ("fashion-silhouette", "loss.scales=[0.5]", "unknown loss.scales; its settings: condition_dropout"),
+    ("fashion-bold", "loss.condition_dropout=2", r"loss.condition_dropout must be a number in \[0, 1\]"),
+    ("fashion-vae", "loss.kl_wieght=1", "unknown loss.kl_wieght; its settings: kl_weight"),
+    ("fashion-vae", "loss.kl_weight=much", "loss.kl_weight must be a number"),
+    ("fashion-classifier", "loss.label_smoothing=0.1", "unknown loss.label_smoothing; its settings: none"),
+    ("fashion-bold", "data.transfrom=mirror", "unknown data.transfrom; its settings: folder, transform, loop"),
+    ("fashion-vae", "data.transform=mirror", "unknown data.transform; its settings: folder"),
+])
+def test_a_loss_or_data_key_the_method_does_not_read_is_refused(examples, tmp_path, data, recipe_name, override,
+                                                                 message):
+    """A misspelt or foreign loss: or data: key would otherwise train with the default, silently."""
+    extra = [f"parents=[{examples / 'tiny-base'}]"] if recipe_name in ("fashion-bold", "fashion-silhouette") else []
+    recipe = tiny(recipe_name, [*extra, override])
+    with pytest.raises(BadInput, match=message):
+        train(recipe, command="c", out=tmp_path / "x", run_dir=tmp_path / "r", data=str(data))
+    assert not (tmp_path / "x").exists()

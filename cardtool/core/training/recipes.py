@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from cardtool.core.cards.source import read_source
 from cardtool.errors import BadInput, CardValidationError
 
-__all__ = ["Recipe", "LossSettings", "load_recipe", "apply_overrides"]
+__all__ = ["Recipe", "LossSettings", "load_recipe", "apply_overrides", "loss_number", "only_keys"]
 
 TRAIN_METHODS = ("vae", "classifier", "pretrain", "finetune", "lora", "controlnet")  # `cardtool train`
 DISTILL_METHODS = ("dmd2",)  # `cardtool distill`
@@ -41,6 +41,23 @@ class LossSettings(_Strict):
             problems = "; ".join(f"loss.{'.'.join(map(str, err['loc']))}: {err['msg']}".replace("loss.: ", "loss: ")
                                  for err in e.errors())
             raise BadInput(f"{cls.method} recipe: {problems}") from None
+
+
+def only_keys(recipe: Recipe, section: str, allowed: tuple[str, ...]) -> None:
+    """Refuse keys of a free-form section (`loss:`, `data:`) the method does not read: a misspelt setting would
+    otherwise train with the default."""
+    unknown = sorted(set(getattr(recipe, section)) - set(allowed))
+    if unknown:
+        raise BadInput(f"{recipe.method} recipe: unknown {section}.{f', {section}.'.join(unknown)}; its settings: "
+                       f"{', '.join(allowed) or 'none'}")
+
+
+def loss_number(recipe: Recipe, key: str, default: float, low: float, high: float) -> float:
+    """A number in [low, high] from the recipe's `loss:` section."""
+    value = recipe.loss.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise BadInput(f"{recipe.method} recipe: loss.{key} must be a number in [{low:g}, {high:g}], got {value!r}")
+    return float(value)
 
 
 class CardSpec(_Strict):

@@ -70,6 +70,7 @@ class _AdapterTask(FlowMatchingTask):
 
 class LoraTask(_AdapterTask):
     KEYS, HOLDS = ("adapter", "rank", "alpha", "targets"), "lora"
+    LOSS_KEYS = ("condition_dropout", "scales")
 
     def __init__(self, recipe, platform, train, test):
         super().__init__(recipe, platform, train, test)

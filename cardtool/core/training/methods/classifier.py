@@ -11,7 +11,7 @@ from cardtool.backends.platform import Platform
 from cardtool.backends.training import FashionCNN
 from cardtool.core.data import Split
 from cardtool.core.training.methods.vae import to_unit
-from cardtool.core.training.recipes import Recipe
+from cardtool.core.training.recipes import Recipe, only_keys
 from cardtool.core.training.trainer import Task
 
 __all__ = ["ClassifierTask"]
@@ -19,6 +19,8 @@ __all__ = ["ClassifierTask"]
 
 class ClassifierTask(Task):
     def __init__(self, recipe: Recipe, platform: Platform, train: Split, test: Split):
+        only_keys(recipe, "loss", ())
+        only_keys(recipe, "data", ("folder",))
         self.device = platform.torch_device
         torch.manual_seed(recipe.train.seed)
         self.model = FashionCNN(**FashionCNNConfig.from_card(recipe.model, "fashion-cnn").model_dump()).to(self.device)

@@ -17,7 +17,7 @@ from cardtool.core.data import Split
 from cardtool.core.prompts import TEXT_ENCODER, training_prompts
 from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.training.methods.vae import latents
-from cardtool.core.training.recipes import Recipe
+from cardtool.core.training.recipes import Recipe, loss_number, only_keys
 from cardtool.core.training.trainer import Task
 from cardtool.core.transforms import transform
 from cardtool.errors import BadInput
@@ -26,7 +26,12 @@ __all__ = ["FlowMatchingTask"]
 
 
 class FlowMatchingTask(Task):
+    LOSS_KEYS: tuple[str, ...] = ("condition_dropout",)  # the recipe's loss: settings
+
     def __init__(self, recipe: Recipe, platform: Platform, train: Split, test: Split):
+        only_keys(recipe, "loss", self.LOSS_KEYS)
+        only_keys(recipe, "data", ("folder", "transform", "loop"))
+        self.dropout = loss_number(recipe, "condition_dropout", 0.1, 0.0, 1.0)
         if len(recipe.parents) != 1:
             raise BadInput(f"{recipe.method} needs exactly one parent card (a VAE card to pretrain beside, or the "
                            "text-to-image card to fine-tune); set parents: [CARD]")
@@ -58,7 +63,6 @@ class FlowMatchingTask(Task):
         self.test_mean, _ = latents(vae, self.test_images, self.device)
         self.labels, self.test_labels = torch.from_numpy(train.labels), torch.from_numpy(test.labels[:2000])
         self._text(platform)
-        self.dropout = float(recipe.loss.get("condition_dropout", 0.1))
 
     def _text(self, platform: Platform) -> None:
         """Features of every training prompt (and the empty prompt), made by the text encoder component

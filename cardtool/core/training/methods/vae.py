@@ -10,7 +10,7 @@ from cardtool.backends.conv_vae import ConvVAE
 from cardtool.backends.platform import Platform
 from cardtool.backends.vae_config import ConvVAEConfig
 from cardtool.core.data import Split
-from cardtool.core.training.recipes import Recipe
+from cardtool.core.training.recipes import Recipe, loss_number, only_keys
 from cardtool.core.training.trainer import Task
 
 __all__ = ["VAETask", "to_unit", "psnr", "latents"]
@@ -46,7 +46,9 @@ class VAETask(Task):
         torch.manual_seed(recipe.train.seed)
         self.vae = ConvVAE(self.config).to(self.device)
         self.images, self.test = to_unit(train.images), to_unit(test.images)
-        self.kl_weight = float(recipe.loss.get("kl_weight", 1e-4))
+        only_keys(recipe, "loss", ("kl_weight",))
+        only_keys(recipe, "data", ("folder",))
+        self.kl_weight = loss_number(recipe, "kl_weight", 1e-4, 0.0, float("inf"))
 
     def modules(self):
         return {"vae": self.vae}
