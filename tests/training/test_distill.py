@@ -142,6 +142,7 @@ def test_the_example_recipe_spells_out_the_defaults():
     (["--steps", "0"], "--steps must be at least 1"),
     (["--set", "loss.no_such_knob=1"], "loss.no_such_knob"),
     (["--set", "optim.nope=1"], "optim.nope"),
+    (["--set", "data.foldr=x"], "unknown data.foldr; its settings: folder"),
 ])
 def test_bad_input_is_a_clear_error(examples, tmp_path, args, message):
     result = CliRunner().invoke(app, ["distill", str(examples / "tiny-base"), "--no-eval", *args,

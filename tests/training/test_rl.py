@@ -200,6 +200,7 @@ def test_the_example_recipes_spell_out_the_defaults():
     (["--prompts", "missing.txt"], "no such prompts file"),
     (["--prompts", "/dev/zero"], "must be a regular file"),
     (["--prompts", "latin1.txt"], "cannot read prompts"),
+    (["--set", "data.folder=x"], "unknown data.folder; its settings: none"),
 ])
 def test_bad_input_is_a_clear_error(examples, tmp_path, args, message):
     (tmp_path / "empty.txt").write_text("\n# only a comment\n   \n")

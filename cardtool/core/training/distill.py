@@ -18,7 +18,7 @@ from cardtool.core.training.derived import (
     trained_parts,
     write_output,
 )
-from cardtool.core.training.recipes import Recipe
+from cardtool.core.training.recipes import Recipe, only_keys
 from cardtool.core.training.trainer import train_loop
 from cardtool.errors import BadInput
 
@@ -60,6 +60,7 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
 
     if recipe.method != "dmd2" or len(recipe.parents) != 1:
         raise BadInput("distill runs a dmd2 recipe with exactly one parent, the teacher")
+    only_keys(recipe, "data", ("folder",))
     platform = Platform.detect(device)
     teacher = load_card(locate(recipe.parents[0]))
     out = Path(out or Path("cards") / recipe.card.id)

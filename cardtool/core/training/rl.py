@@ -26,7 +26,7 @@ from cardtool.core.training.derived import (
     trained_parts,
     write_output,
 )
-from cardtool.core.training.recipes import Recipe
+from cardtool.core.training.recipes import Recipe, only_keys
 from cardtool.core.training.trainer import train_loop
 from cardtool.errors import BadInput
 
@@ -157,6 +157,7 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
         raise BadInput("rl runs a diffusion_nft or flow_grpo recipe whose parents are [BASE, REWARD_CARD]")
     if watch_every < 0:
         raise BadInput(f"--watch-every must be 0 (off) or positive, got {watch_every}")
+    only_keys(recipe, "data", ())  # the data come from --data; a data: section would change nothing
     platform = Platform.detect(device)
     base = load_card(locate(recipe.parents[0]))
     reward = load_reward(recipe.parents[1], platform)
