@@ -146,7 +146,6 @@ def test_plans_share_their_stacks_slot_weights_and_a_new_version_gets_its_own():
     one = LoraWeights("v", 2, 2.0, {"m": torch.randn(2, 6)}, {"m": torch.randn(4, 2)})
     with torch.inference_mode():
         first = slot_weights([((one, 1.0),)], "cpu", torch.float32)
-        LoraPlan([((one, 1.0),)], [0, 0], lora_bgmv, "cpu")
     assert slot_weights([((one, 1.0),)], "cpu", torch.float32) is first
     assert slot_weights([((one, 0.5),)], "cpu", torch.float32) is not first
     x = torch.randn(2, 5, 6, requires_grad=True)
