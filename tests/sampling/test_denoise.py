@@ -145,6 +145,10 @@ def test_guidance_interval_guides_only_the_steps_inside_it(loop):
     (Request("x", seed=-1), "seed must be in"),
     (Request("x", guidance_interval=(0.6, 0.2)), "0 ≤ LO ≤ HI ≤ 1"),
     (Request("x", guidance_interval=(0.0, 1.5)), "0 ≤ LO ≤ HI ≤ 1"),
+    (Request("a \udcff shirt"), r"the prompt holds \\udcff, which is not a character"),  # bytes not UTF-8
+    (Request("x", negative_prompt="\ud800"), "the negative prompt holds"),
+    (Request("x" * 70_000), "the prompt is 70,000 characters; at most 65,536"),
+    (Request(None), "the prompt must be text, got NoneType"),
 ])
 def test_bad_requests_are_refused(loop, request_, message):
     with pytest.raises(BadInput, match=message):

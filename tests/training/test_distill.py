@@ -143,6 +143,9 @@ def test_the_example_recipe_spells_out_the_defaults():
     (["--set", "loss.no_such_knob=1"], "loss.no_such_knob"),
     (["--set", "optim.nope=1"], "optim.nope"),
     (["--set", "data.foldr=x"], "unknown data.foldr; its settings: folder"),
+    (["--set", "loss.gan_generator_weight=.nan"], "loss.gan_generator_weight: a non-finite number (nan)"),
+    (["--set", "loss.gan_t_range=[0.3, 0.1]"], "gan_t_range must be [LO, HI]"),
+    (["--set", "loss.gan_real=noise"], "loss.gan_real"),
 ])
 def test_bad_input_is_a_clear_error(examples, tmp_path, args, message):
     result = CliRunner().invoke(app, ["distill", str(examples / "tiny-base"), "--no-eval", *args,
@@ -197,6 +200,36 @@ def test_the_gan_term_trains_a_head_on_the_critic_and_moves_the_generator(exampl
         Parallel("fsdp", Ranks(0, 2, 0), task, task.modules(), "cpu")
     with pytest.raises(BadInput, match="needs the training images"):
         DMD2Task(gan, _platform(), load_card(teacher))
+
+
+def test_the_gan_term_can_call_the_teachers_samples_of_the_same_prompt_real(examples, tmp_path):
+    """`gan_real: teacher`: no training images needed; each row's real latent is one of the teacher's samples for
+    that row's own prompt, noised to its t."""
+    teacher = examples / "tiny-base"
+    gan = recipe(teacher, extra=["loss.gan=true", "loss.gan_real=teacher", "loss.teacher_samples=140",
+                                 "loss.generator_every=1", "optim.steps=2", "loss.t_range=[0.9, 0.98]",
+                                 "loss.gan_t_range=[0.02, 0.3]"])
+    task = DMD2Task(gan, _platform(), load_card(teacher))
+    prompts, _, samples = task.pairs
+    n = len(task.prompts)
+    assert [list(r) for r in task.real_rows[:12]] == [[i, i + n] if i < 140 - n else [i] for i in range(12)]
+    assert all(prompts[j] == task.prompts[i] for i, rows in enumerate(task.real_rows) for j in rows)
+    assert all(len(rows) for rows in task.real_rows), "a prompt phrased twice still finds its samples"
+    noised = task._real([11, 11], torch.zeros(2), torch.Generator().manual_seed(0))  # t = 0: its one sample
+    assert torch.equal(noised, samples[[11, 11]])
+    from cardtool.core.training.trainer import train_loop
+
+    timesteps = []
+    task.critic.register_forward_pre_hook(lambda module, args: timesteps.append(args[1].clone()))
+    logged = []
+    train_loop(task, gan, _platform(), tmp_path / "run", on_log=logged.append)
+    assert all({"d_loss", "g_loss"} <= set(entry) for entry in logged)
+    # per iteration: the critic's loss and the DM term at t ≥ 0.9; the head's fake, real and generator terms ≤ 0.3
+    assert [bool((t <= 300).all()) for t in timesteps] == [False, True, True, False, True] * 2
+    assert all(bool((t >= 900).all()) or bool(((t >= 20) & (t <= 300)).all()) for t in timesteps)
+    few = recipe(teacher, extra=["loss.gan=true", "loss.gan_real=teacher", f"loss.teacher_samples={n - 1}"])
+    with pytest.raises(BadInput, match="teacher_samples ≥"):
+        DMD2Task(few, _platform(), load_card(teacher))
 
 
 def test_the_regression_term_pairs_noise_with_the_teachers_own_samples(examples, tmp_path):

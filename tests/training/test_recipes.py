@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from helpers import REPO
 
-from cardtool.core.training.recipes import apply_overrides, load_recipe
+from cardtool.core.training.lora_settings import lora_settings
+from cardtool.core.training.recipes import apply_overrides, load_recipe, loss_number
 from cardtool.errors import BadInput
 
 
@@ -26,10 +29,27 @@ def test_shipped_recipes_load():
     ("optim.lr=-1", "optim.lr: Input should be greater than 0"),
     ("optim.lr", "expected KEY.PATH=VALUE"),
     ("train.precision=float8", "train.precision"),
+    ("optim.weight_decay=.inf", r"optim.weight_decay: a non-finite number \(inf\)"),  # trains to NaN
+    # what the card it makes could not record is refused before the run, not when the card is written after it
+    ("loss.kl_weight=100000000000000000000", "loss.kl_weight: an integer of 67 bits, beyond 64"),
+    ("data.extra=[1, .inf]", r"data.extra.1: a non-finite number \(inf\)"),
+    ("data.when=2026-12-01", "data.when: a date value"),
 ])
 def test_bad_overrides_name_the_field(override, message):
     with pytest.raises(BadInput, match=message):
         load_recipe(REPO / "examples" / "recipes" / "fashion-vae.yaml", [override])
+
+
+def test_a_recipe_given_as_data_refuses_non_finite_settings():
+    """The Python API's recipe sections skip the manifest reader; the schema itself refuses inf and NaN."""
+    with pytest.raises(BadInput, match="optim.weight_decay: Input should be a finite number"):
+        load_recipe(None, section={"method": "vae", "card": {"id": "x"}, "optim": {"weight_decay": math.inf}})
+    with pytest.raises(BadInput, match="model.lora.alpha: Input should be a finite number"):
+        lora_settings(load_recipe(None, section={"method": "lora", "card": {"id": "x"}, "model": {"lora": {
+            "rank": 4, "alpha": math.nan}}}), "x", "base")
+    vae = load_recipe(None, section={"method": "vae", "card": {"id": "x"}, "loss": {"kl_weight": math.inf}})
+    with pytest.raises(BadInput, match="loss.kl_weight must be a finite number in"):
+        loss_number(vae, "kl_weight", 1e-4, 0.0, math.inf)
 
 
 def test_method_flag_must_agree_with_the_recipe():

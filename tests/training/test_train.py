@@ -198,6 +198,11 @@ def test_judge_scores_prompts_by_class_names_and_free_text(tmp_path, data):
     assert np.allclose(probabilities.sum(1), 1, atol=1e-5)
     assert np.allclose(scores, probabilities[np.arange(4), [8, 4, 3, 7]])
     assert judge.features(images).shape == (4, 16)
+    bare = FashionJudge(ModelInstance(load_card(REPO / "examples" / "cards" / "tiny-judge"),
+                                      Platform("cpu", "generic")))
+    assert bare.prompt_classes(["a bag", "a pair of jeans"]).tolist() == [8, 1], "class words need no text encoder"
+    with pytest.raises(BadInput, match="cannot tell which class 'something warm' asks for: the prompt names"):
+        bare.prompt_classes(["a bag", "something warm", "something warm"])
 
 
 def test_lora_and_controlnet_training_write_adapter_cards_that_generate_serves(examples, tmp_path, data):
@@ -294,9 +299,9 @@ def test_lora_scales_train_each_row_at_its_own_scale_on_a_mixture(examples, tmp_
 @pytest.mark.parametrize("recipe_name, override, message", [
     ("fashion-bold", "loss.condition_droput=0.2", "unknown loss.condition_droput; its settings: condition_dropout, sc"),
     ("fashion-silhouette", "loss.scales=[0.5]", "unknown loss.scales; its settings: condition_dropout"),
-    ("fashion-bold", "loss.condition_dropout=2", r"loss.condition_dropout must be a number in \[0, 1\]"),
+    ("fashion-bold", "loss.condition_dropout=2", r"loss.condition_dropout must be a finite number in \[0, 1\]"),
     ("fashion-vae", "loss.kl_wieght=1", "unknown loss.kl_wieght; its settings: kl_weight"),
-    ("fashion-vae", "loss.kl_weight=much", "loss.kl_weight must be a number"),
+    ("fashion-vae", "loss.kl_weight=much", "loss.kl_weight must be a finite number"),
     ("fashion-classifier", "loss.label_smoothing=0.1", "unknown loss.label_smoothing; its settings: none"),
     ("fashion-bold", "data.transfrom=mirror", "unknown data.transfrom; its settings: folder, transform, loop"),
     ("fashion-vae", "data.transform=mirror", "unknown data.transform; its settings: folder"),

@@ -117,6 +117,14 @@ BAD = {
                           "steps.a.parallel", "either prompts or an input step"),
     "missing card": ("  a:\n    generate: {card: EX/no-such-card, prompts: [x]}\n", 6, "steps.a.generate.card",
                      "cannot be used"),
+    # caught before any step runs, not after the steps before it
+    "steps beyond the loop's": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], steps: 100000}\n", 6,
+                                "steps.a.generate.steps", "less than or equal to 1000"),
+    "unknown solver": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], solver: heun}\n", 6,
+                       "steps.a.generate.solver", "'euler', 'sde' or 'renoise'"),
+    "a class the reward cannot read": ("  a:\n    best_of_n:\n      card: EX/tiny-base\n      reward: EX/tiny-judge\n"
+                                       "      n: 2\n      prompts: [a bag, something warm]\n", 10,
+                                       "steps.a.best_of_n.prompts.1", "'something warm' names no class"),
 }
 
 

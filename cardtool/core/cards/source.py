@@ -13,7 +13,7 @@ from pathlib import Path
 
 from cardtool.errors import CardValidationError, Problem
 
-__all__ = ["MANIFEST_NAMES", "Source", "display_path", "peek_id", "read_source"]
+__all__ = ["MANIFEST_NAMES", "Source", "display_path", "peek_id", "plain_value_problems", "read_source"]
 
 MANIFEST_NAMES = ("card.yaml", "card.toml")
 
@@ -90,6 +90,13 @@ def read_source(file: Path) -> Source:
         raise CardValidationError(problems[:20])
     _cache[key] = source
     return source
+
+
+def plain_value_problems(value, dotted: str) -> list[str]:
+    """Why `value`, given on a command line for field `dotted`, could not stand in a manifest (the rules below):
+    a recipe's settings are written into the card it makes, so refuse them before the run, not after it."""
+    path = tuple(dotted.split("."))
+    return [f"{p.field}: {p.message} (fix: {p.fix})" for p in _value_problems(Source(Path(), {}), value, path)]
 
 
 def _value_problems(source: Source, value, path: FieldPath) -> list[Problem]:

@@ -18,7 +18,7 @@ from cardtool.core.prompts import SYNONYMS, class_prompt
 from cardtool.core.sampling.instance import ModelInstance
 from cardtool.errors import BadInput
 
-__all__ = ["FashionJudge", "Reward", "REWARD_KINDS", "load_reward"]
+__all__ = ["FashionJudge", "Reward", "REWARD_KINDS", "load_reward", "named_class"]
 
 
 class Reward(Protocol):
@@ -30,6 +30,16 @@ class Reward(Protocol):
         """Rewards (B,) of uint8 images (B, H, W) made for `prompts`; higher is better."""
 
 
+_WORDS = sorted(((w.lower(), label) for label, name in enumerate(CLASS_NAMES) for w in (name, *SYNONYMS[name])),
+                key=lambda item: -len(item[0]))
+
+
+def named_class(prompt: str) -> int | None:
+    """The class whose name or synonym the prompt holds (the longest match wins); None if it names none."""
+    text = prompt.lower()
+    return next((label for word, label in _WORDS if re.search(rf"\b{re.escape(word)}\b", text)), None)
+
+
 class FashionJudge:
     def __init__(self, instance: ModelInstance):
         components = instance.card.manifest.components
@@ -38,8 +48,6 @@ class FashionJudge:
             raise BadInput(f"card '{instance.card.id}' has no classifier component to judge with")
         self.instance, self.card_id = instance, instance.card.id
         self._class_embeddings = None
-        words = [(w.lower(), label) for label, name in enumerate(CLASS_NAMES) for w in (name, *SYNONYMS[name])]
-        self._words = sorted(words, key=lambda item: -len(item[0]))
 
     def _model(self):
         return self.instance.component(self.classifier_name)
@@ -67,8 +75,7 @@ class FashionJudge:
     def prompt_classes(self, prompts: list[str]) -> np.ndarray:
         labels, unmatched = [], []
         for i, prompt in enumerate(prompts):
-            text = prompt.lower()
-            match = next((label for word, label in self._words if re.search(rf"\b{re.escape(word)}\b", text)), None)
+            match = named_class(prompt)
             labels.append(match)
             if match is None:
                 unmatched.append(i)
@@ -79,6 +86,12 @@ class FashionJudge:
         return np.array(labels, dtype=np.int64)
 
     def _nearest(self, prompts: list[str]) -> np.ndarray:
+        if "text_encoder" not in self.instance.card.manifest.components:
+            unique = list(dict.fromkeys(prompts))
+            shown = ", ".join(repr(p[:60]) for p in unique[:3]) + (" …" if len(unique) > 3 else "")
+            raise BadInput(f"reward card '{self.instance.card.id}' cannot tell which class {shown} asks for: the "
+                           f"prompt names none ({', '.join(CLASS_NAMES)}) and the card has no text encoder to find "
+                           "the nearest; name the garment in the prompt, or use a reward card with a text encoder")
         if self._class_embeddings is None:
             self._class_embeddings = self._embed([class_prompt(label) for label in range(len(CLASS_NAMES))])
         return (self._embed(prompts) @ self._class_embeddings.T).argmax(1)

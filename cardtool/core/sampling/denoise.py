@@ -37,6 +37,22 @@ def shifted_sigmas(steps: int, shift: float) -> np.ndarray:
     return shift * t / (1 + (shift - 1) * t)
 
 
+MAX_PROMPT_CHARS = 1 << 16  # the text encoder reads a few dozen tokens; more is a mistake, not a prompt
+
+
+def _check_text(name: str, text) -> None:
+    """A prompt is text the encoder and the PNG metadata can hold: a str, valid UTF-8, of bounded length."""
+    if not isinstance(text, str):
+        raise BadInput(f"the {name} must be text, got {type(text).__name__}")
+    if len(text) > MAX_PROMPT_CHARS:
+        raise BadInput(f"the {name} is {len(text):,} characters; at most {MAX_PROMPT_CHARS:,}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadInput(f"the {name} holds {text[e.start:e.end].encode('utf-8', 'backslashreplace').decode()!s}, "
+                       "which is not a character (a lone surrogate: the input was not valid UTF-8)") from None
+
+
 @dataclass(frozen=True)
 class Request:
     """One image to make: everything that decides it, and nothing shared with other requests."""
@@ -55,6 +71,8 @@ class Request:
     control: ControlImage | None = None  # the control image of the ControlNet in `adapters`
 
     def check(self) -> None:
+        for name in ("prompt", "negative_prompt"):
+            _check_text(name.replace("_", " "), getattr(self, name))
         if not 1 <= self.steps <= MAX_STEPS:
             raise BadInput(f"steps must be in 1…{MAX_STEPS}, got {self.steps}")
         for name in ("guidance", "shift", "eta"):

@@ -15,7 +15,7 @@ LORA_UNSHARDABLE = "an adapter's weights are used inside the frozen base's forwa
 
 
 class LoraSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     rank: int = Field(ge=1, le=1024)
     alpha: float | None = Field(None, gt=0)  # None: alpha = rank (α/r = 1)

@@ -6,13 +6,14 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from cardtool.core.cards.source import read_source
+from cardtool.core.cards.source import plain_value_problems, read_source
 from cardtool.errors import BadInput, CardValidationError
 
 __all__ = ["Recipe", "LossSettings", "load_recipe", "apply_overrides", "loss_number", "only_keys"]
@@ -25,7 +26,7 @@ RUN_BY = {**{m: "cardtool distill TEACHER --recipe FILE" for m in DISTILL_METHOD
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # inf weight decay trains to NaN
 
 
 class LossSettings(_Strict):
@@ -53,10 +54,12 @@ def only_keys(recipe: Recipe, section: str, allowed: tuple[str, ...]) -> None:
 
 
 def loss_number(recipe: Recipe, key: str, default: float, low: float, high: float) -> float:
-    """A number in [low, high] from the recipe's `loss:` section."""
+    """A finite number in [low, high] from the recipe's `loss:` section."""
     value = recipe.loss.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise BadInput(f"{recipe.method} recipe: loss.{key} must be a number in [{low:g}, {high:g}], got {value!r}")
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or not low <= value <= high):
+        raise BadInput(f"{recipe.method} recipe: loss.{key} must be a finite number in [{low:g}, {high:g}], "
+                       f"got {value!r}")
     return float(value)
 
 
@@ -134,6 +137,9 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
                 value = float(raw)
             except ValueError:
                 pass
+        problems = plain_value_problems(value, key)
+        if problems:
+            raise BadInput(f"--set {item[:200]!r}: {'; '.join(problems)}")
         node[parts[-1]] = value
     return out
 

@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from cardtool.core.cards.loops import MAX_STEPS, SOLVERS
 from cardtool.core.cards.schema import Name
 from cardtool.core.cards.schema_errors import schema_problems
 from cardtool.core.cards.source import Source, read_source
@@ -31,10 +32,10 @@ class _Strict(BaseModel):
 class _Sampling(_Strict):
     """Loop settings a step may set; the card's loop defaults fill the rest."""
 
-    steps: int | None = Field(None, ge=1)
+    steps: int | None = Field(None, ge=1, le=MAX_STEPS)
     guidance: float | None = None
     shift: float | None = Field(None, gt=0)
-    solver: str | None = None
+    solver: Literal[SOLVERS] | None = None  # type: ignore[valid-type]
     seed: int = Field(0, ge=0)
     adapters: dict[Name, float] | None = None  # the stack (adapter → scale) instead of the card's default one
 
@@ -200,7 +201,8 @@ def _card_problems(workflow: Workflow) -> list[Problem]:
     """Every card can be found and loaded; a `reward` is a reward card; a step that samples has a denoise loop."""
     from cardtool.core.cards.discovery import locate
     from cardtool.core.cards.loader import load_card
-    from cardtool.core.evaluation.reward import REWARD_KINDS
+    from cardtool.core.data import CLASS_NAMES
+    from cardtool.core.evaluation.reward import REWARD_KINDS, named_class
 
     problems = []
     for name, step in workflow.manifest.steps.items():
@@ -220,6 +222,13 @@ def _card_problems(workflow: Workflow) -> list[Problem]:
                 problems.append(workflow.source.problem(
                     at, f"card '{card.id}' is not a reward: it serves no component of kind {', '.join(REWARD_KINDS)}",
                     "name a reward card such as fashion-classifier"))
+            elif field == "reward" and "text_encoder" not in card.manifest.components:  # it reads class names only
+                for i, prompt in enumerate(body.prompts):
+                    if named_class(prompt) is None:
+                        problems.append(workflow.source.problem(
+                            ("steps", name, step.kind, "prompts", str(i)),
+                            f"prompt {prompt[:60]!r} names no class, and reward card '{card.id}' has no text encoder "
+                            "to find the nearest", f"name the garment ({', '.join(CLASS_NAMES)})"))
             elif field != "reward" and "denoise" not in card.manifest.loops:
                 problems.append(workflow.source.problem(at, f"card '{card.id}' has no denoise loop to sample with",
                                                         "name a text-to-image card"))

@@ -12,7 +12,8 @@ Two time-scale updates: the critic every iteration, the generator every `generat
 
 `gan: true` adds DMD2's GAN term: a classifier head on the critic's last-block features, trained to tell noised
 real latents (the data, the prompt's class) from noised generator samples (softplus losses, weight λ_D), while the
-generator is pushed to look real to it (λ_G) — the critic's weights are held fixed for that term.
+generator is pushed to look real to it (λ_G) — the critic's weights are held fixed for that term. `gan_real:
+teacher` calls the teacher sampler's outputs for the same prompt real instead of the data.
 
 `real: sampler` replaces the guided teacher as the real score by a second critic (initialised from the teacher and
 trained like the fake one, with the flow-matching loss) on samples of the teacher's own sampler at its card's loop
@@ -79,6 +80,8 @@ class DMD2Settings(LossSettings):
     gan_generator_weight: float = Field(3e-3, ge=0)  # λ_G
     gan_critic_weight: float = Field(1e-2, ge=0)  # λ_D
     gan_head_lr_scale: float = Field(50.0, gt=0)  # the fresh head's learning rate over the networks' (2e-5 → 1e-3)
+    gan_real: Literal["data", "teacher"] = "data"  # what the head calls real: training images or teacher samples
+    gan_t_range: tuple[float, float] | None = None  # the GAN term's noise levels (None: the critic's t, DMD2's)
     real: Literal["guided", "sampler"] = "guided"  # the real score: the teacher with CFG, or fit to its samples
     real_lr_scale: float = Field(10.0, gt=0)  # the real critic's learning rate over the networks' (it fits fixed data)
     regression: float = Field(0.0, ge=0)  # DMD's λ_reg on (noise, teacher sample) pairs; 0: DMD2 as published
@@ -86,7 +89,7 @@ class DMD2Settings(LossSettings):
 
     @model_validator(mode="after")
     def _ranges(self):
-        for name in ("guidance_interval", "t_range"):
+        for name in ("guidance_interval", "t_range", "gan_t_range"):
             value = getattr(self, name)
             if value is not None and not 0 <= value[0] <= value[1] <= 1:
                 raise ValueError(f"{name} must be [LO, HI] with 0 ≤ LO ≤ HI ≤ 1, got {list(value)}")
@@ -153,16 +156,26 @@ class DMD2Task(Task):
         self.turn = True
         self.per_class = len(training_prompts()[0])
         self.head = None
-        if s.gan:
-            if train is None:
-                raise BadInput("loss.gan needs the training images (Fashion-MNIST, or --data DIR)")
-            self.head = GANHead(self.config.dim).to(self.device)
-            self.real_latents = latents(frozen.instance.component(frozen.loop.vae), train.images, self.device)[0]
-            self.by_class = [np.flatnonzero(train.labels == c) for c in range(len(training_prompts()))]
-            self.critic.blocks[-1].register_forward_hook(self._keep_features)
         self.real_critic = None
-        if s.regression > 0 or s.real == "sampler":
+        if s.regression > 0 or s.real == "sampler" or (s.gan and s.gan_real == "teacher"):
             self.pairs = teacher_samples(frozen, self.prompts, s.teacher_samples)
+        if s.gan:
+            self.head = GANHead(self.config.dim).to(self.device)
+            self.critic.blocks[-1].register_forward_hook(self._keep_features)
+            if s.gan_real == "teacher":  # each row's real: a teacher sample of the same prompt
+                if s.teacher_samples < len(self.prompts):
+                    raise BadInput(f"loss.gan_real=teacher needs loss.teacher_samples ≥ {len(self.prompts)} (one "
+                                   f"sample per training prompt), got {s.teacher_samples}")
+                self.real_latents = self.pairs[2].to(self.device)
+                owner = np.array(self.pairs[0])
+                self.real_rows = [np.flatnonzero(owner == p) for p in self.prompts]
+            else:  # each row's real: a training image of the prompt's class
+                if train is None:
+                    raise BadInput("loss.gan needs the training images (Fashion-MNIST, or --data DIR)")
+                self.real_latents = latents(frozen.instance.component(frozen.loop.vae), train.images,
+                                            self.device)[0]
+                by_class = [np.flatnonzero(train.labels == c) for c in range(len(training_prompts()))]
+                self.real_rows = [by_class[i // self.per_class] for i in range(len(self.prompts))]
         if s.real == "sampler":
             self.real_critic = frozen.copy()
             self.real_velocity = lambda x_t, t, text, mask: self.real_critic(x_t, t * 1000, text, mask)
@@ -230,9 +243,13 @@ class DMD2Task(Task):
             loss = loss + real_loss
             metrics["real_critic_loss"] = float(real_loss.detach())
         if self.head is not None:
-            fake_logit = self.head(self._features)  # the critic loss's forward saw the noised fake samples
-            real = self._real(indices, critic_t, generator)
-            self.critic(real, critic_t * 1000, text, mask)
+            gan_t, gan_noise = critic_t, critic_noise
+            if s.gan_t_range is not None:  # its own noise levels: one more critic forward on the fake samples
+                gan_t, gan_noise = self._gan_noise(x.shape, generator)
+                self.critic(self._noised(x.detach(), gan_t, gan_noise), gan_t * 1000, text, mask)
+            fake_logit = self.head(self._features)  # the last critic forward saw the noised fake samples
+            real = self._real(indices, gan_t, generator)
+            self.critic(real, gan_t * 1000, text, mask)
             d_loss = F.softplus(fake_logit).mean() + F.softplus(-self.head(self._features)).mean()
             loss = loss + s.gan_critic_weight * d_loss
             metrics["d_loss"] = float(d_loss.detach())
@@ -248,7 +265,8 @@ class DMD2Task(Task):
             metrics["dm_loss"] = float(dm.detach())
             if self.head is not None:
                 with _frozen(self.critic, self.head):  # the generator's term moves the generator alone
-                    self.critic((1 - tb) * x + tb * noise, t * 1000, text, mask)
+                    gan_t, gan_noise = (t, noise) if s.gan_t_range is None else self._gan_noise(x.shape, generator)
+                    self.critic(self._noised(x, gan_t, gan_noise), gan_t * 1000, text, mask)
                     g_loss = F.softplus(-self.head(self._features)).mean()
                 loss = loss + s.gan_generator_weight * g_loss
                 metrics["g_loss"] = float(g_loss.detach())
@@ -257,6 +275,17 @@ class DMD2Task(Task):
                 loss = loss + s.regression * reg
                 metrics["reg_loss"] = float(reg.detach())
         return loss, metrics
+
+    def _gan_noise(self, shape, generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """A t in `gan_t_range` and a noise draw for each row of a batch of latents of this shape."""
+        low, high = self.settings.gan_t_range
+        t = (low + (high - low) * torch.rand(shape[0], generator=generator)).to(self.device)
+        return t, torch.randn(shape, generator=generator).to(self.device)
+
+    @staticmethod
+    def _noised(x: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        tb = t.reshape(-1, *(1,) * (x.ndim - 1))
+        return (1 - tb) * x + tb * noise
 
     def _real_critic_loss(self, n: int, generator) -> torch.Tensor:
         """The flow-matching loss of the real critic on n of the teacher's samples, with their prompts' text."""
@@ -277,12 +306,11 @@ class DMD2Task(Task):
         return F.mse_loss(x.float(), targets[picks].to(x.device))
 
     def _real(self, indices, t, generator) -> torch.Tensor:
-        """Training latents of each row's class, noised to that row's t."""
-        picks = [self.by_class[i // self.per_class] for i in indices]
+        """Real latents for each row's prompt (`gan_real`), noised to that row's t."""
+        picks = [self.real_rows[i] for i in indices]
         rows = [int(p[int(torch.randint(0, len(p), (1,), generator=generator))]) for p in picks]
         x0 = self.real_latents[rows]
-        tb = t.reshape(-1, 1, 1, 1, 1)
-        return (1 - tb) * x0 + tb * torch.randn(x0.shape, generator=generator).to(self.device)
+        return self._noised(x0, t, torch.randn(x0.shape, generator=generator).to(self.device))
 
 
 PAIR_SEEDS = 1 << 40  # the pairs' seeds start here, far from the seeds eval samples (0, 1, …)
