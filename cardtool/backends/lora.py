@@ -106,14 +106,19 @@ class LoraPlan:
     none). The slots are gathered per row once, when the plan is made, not in each of the many calls a batch's
     denoising makes (the plan lives as long as its batch); the slots themselves are built once per set of stacks
     (`slot_weights`), not once per plan — a guided sampling run alone makes two plans (its guided and unguided
-    steps batch different rows)."""
+    steps batch different rows). Rows in equally long runs of one slot (`equal_runs`: `sample` orders a batch by
+    stack) take one product per run instead of one per row: 8 runs of 16 images, not 128 products of one."""
 
     def __init__(self, stacks: list[tuple], rows: list[int], kernel, device, dtype=torch.float32):
         self.kernel = kernel
         index = torch.tensor(rows, device=device)
         self.augmented = {}
         slots = slot_weights(stacks, device, dtype)
-        gather = torch.where(index >= 0, index, len(stacks))  # −1 → the all-zero slot after the stacks'
+        self.runs = equal_runs(rows)
+        if self.runs is not None:  # rows come in equal runs of one slot: one batched product per run, not per row
+            gather = torch.tensor([len(stacks) if s < 0 else s for s in self.runs[2]], device=device)
+        else:
+            gather = torch.where(index >= 0, index, len(stacks))  # −1 → the all-zero slot after the stacks'
         # A and B are stored transposed and contiguous, passed as transposed views: the kernel's batched products
         # then read their right-hand sides contiguously (20–45% faster here than strided); index_select copies whole
         # rows, 2.5–3× faster than advanced indexing for these gathers
@@ -127,7 +132,13 @@ class LoraPlan:
         weights = self.modules.get(module)
         if weights is None:
             return y
-        return self.kernel(x, y, weights[0], weights[1], None, None)
+        if self.runs is None:
+            return self.kernel(x, y, weights[0], weights[1], None, None)
+        low, high, slots = self.runs  # the kernel's "rows" are then the runs, each a (run length · tokens) block
+        block = self.kernel(x[low:high].reshape(len(slots), -1, x.shape[-1]),
+                            y[low:high].reshape(len(slots), -1, y.shape[-1]), weights[0], weights[1], None, None)
+        block = block.reshape(y[low:high].shape)
+        return block if (low, high) == (0, len(y)) else torch.cat([y[:low], block, y[high:]])
 
     def activated(self, module: str, x: torch.Tensor, layer: nn.Linear, linear, activation: str):
         """The whole layer `activation(W0·x + b + Δ_row·x)` as one product of the kernel table's `linear`, for a
@@ -147,6 +158,20 @@ class LoraPlan:
         a_all, weight, own = self.augmented[module]
         hidden = torch.nn.functional.linear(x, a_all) * own.reshape(x.shape[0], *(1,) * (x.ndim - 2), -1)
         return linear(torch.cat([x, hidden], dim=-1), weight, layer.bias, activation)
+
+
+def equal_runs(rows: list[int]) -> tuple[int, int, list[int]] | None:
+    """(low, high, slot of each run) when rows[low:high] is a sequence of equally long runs of one slot each and
+    every row outside it has none (−1) — a batch sorted by stack, as `sample` makes it; None otherwise."""
+    low = next((i for i, s in enumerate(rows) if s >= 0), len(rows))
+    high = len(rows) - next((i for i, s in enumerate(reversed(rows)) if s >= 0), len(rows))
+    if low == high:
+        return None
+    starts = [low] + [i for i in range(low + 1, high) if rows[i] != rows[i - 1]]
+    length = (high - low) // len(starts)
+    if length < 2 or any(b - a != length for a, b in zip(starts, [*starts[1:], high], strict=True)):
+        return None
+    return low, high, [rows[i] for i in starts]
 
 
 _SLOT_CACHE: dict = {}  # the few most recent sets of stacks' slot weights, by the LoRAs' identity and scales

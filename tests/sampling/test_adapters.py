@@ -201,6 +201,56 @@ def test_one_forward_and_one_gathered_lora_call_per_layer_for_a_mixed_batch(loop
     assert augmented == [5] * 2 * ffn_up
 
 
+def test_equal_runs_finds_a_batch_sorted_by_stack():
+    from cardtool.backends.lora import equal_runs
+
+    assert equal_runs([0, 0, 1, 1, 2, 2]) == (0, 6, [0, 1, 2])
+    assert equal_runs([-1, 0, 0, -1, -1, 1, 1, -1]) == (1, 7, [0, -1, 1]), "none inside: a run of the zero slot"
+    assert equal_runs([0, 0, 0, 0]) == (0, 4, [0])
+    assert equal_runs([0, 0, 1, 1, 0, 0]) == (0, 6, [0, 1, 0])
+    for uneven in ([0, 0, 0, 1], [0, 1, 0, 1], [0, 1], [-1, -1], []):
+        assert equal_runs(uneven) is None, uneven
+
+
+def test_rows_in_equal_runs_take_one_product_per_run_with_each_rows_own_delta():
+    """A plan over rows sorted by stack hands the kernel one block per run; every row still gets exactly its own
+    stack's delta (none outside the runs), with and without autograd."""
+    from cardtool.backends.lora import LoraWeights
+
+    torch.manual_seed(0)
+    one = LoraWeights("v1", 2, 4.0, {"m": torch.randn(2, 6)}, {"m": torch.randn(4, 2)})
+    two = LoraWeights("v2", 3, 1.5, {"m": torch.randn(3, 6)}, {"m": torch.randn(4, 3)})
+    stacks, rows = [((one, 0.5), (two, -2.0)), ((two, 1.0),)], [-1, 0, 0, 1, 1, -1]
+    deltas = {-1: torch.zeros(4, 6), 0: 0.5 * 2.0 * one.b["m"] @ one.a["m"] - 2.0 * 0.5 * two.b["m"] @ two.a["m"],
+              1: 0.5 * two.b["m"] @ two.a["m"]}
+    x, w = torch.randn(6, 5, 6), torch.randn(4, 6)
+    blocks = []
+    plan = LoraPlan(stacks, rows, lambda x, *a: blocks.append(x.shape) or lora_bgmv(x, *a), "cpu")
+    assert plan.runs == (1, 5, [0, 1])
+    out = plan("m", x, x @ w.T)
+    with torch.inference_mode():
+        in_place = plan("m", x, x @ w.T)
+    assert blocks == [(2, 10, 6)] * 2, "two runs of two rows × five tokens"
+    for i, slot in enumerate(rows):
+        expected = x[i] @ (w + deltas[slot]).T
+        torch.testing.assert_close(out[i], expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(in_place[i], expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[0], x[0] @ w.T) and torch.equal(out[5], x[5] @ w.T)
+
+
+def test_sample_orders_a_batch_by_stack_and_returns_each_request_its_own_image(loop, monkeypatch):
+    dit = loop.instance.component("transformer")
+    kernel, calls = dit.ops.lora_bgmv, []
+    monkeypatch.setattr(dit.ops, "lora_bgmv", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
+    requests = [Request("a bag", seed=i, steps=2, guidance=1.0, adapters=(("ab"[i % 2], 1.0),)) for i in range(6)]
+    together = run(loop, requests)
+    assert set(calls) == {2}, "interleaved a, b, a, b, …: two runs of three"
+    for request, mixed in zip(requests, together, strict=True):
+        [alone] = run(loop, [request])
+        assert (mixed - alone).abs().max() <= 1e-5, request
+    assert (together[0] - together[1]).abs().max() > 1e-3
+
+
 def test_fuse_matches_unfused_and_unfusing_restores_the_base_bit_for_bit(loop):
     dit = loop.instance.component("transformer")
     before = {k: (v, v.clone()) for k, v in dit.state_dict(keep_vars=True).items()}
