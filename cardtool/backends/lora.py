@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -161,17 +162,17 @@ class LoraPlan:
 
 
 def equal_runs(rows: list[int]) -> tuple[int, int, list[int]] | None:
-    """(low, high, slot of each run) when rows[low:high] is a sequence of equally long runs of one slot each and
-    every row outside it has none (−1) — a batch sorted by stack, as `sample` makes it; None otherwise."""
+    """(low, high, slot of each run) splitting rows[low:high] into equally long runs of one slot each — the
+    greatest common divisor of its runs' lengths, at least 2 — where every row outside it has none (−1): a batch
+    sorted by stack, as `sample` makes it. None where the runs share no such length."""
     low = next((i for i, s in enumerate(rows) if s >= 0), len(rows))
     high = len(rows) - next((i for i, s in enumerate(reversed(rows)) if s >= 0), len(rows))
-    if low == high:
-        return None
     starts = [low] + [i for i in range(low + 1, high) if rows[i] != rows[i - 1]]
-    length = (high - low) // len(starts)
-    if length < 2 or any(b - a != length for a, b in zip(starts, [*starts[1:], high], strict=True)):
+    lengths = [b - a for a, b in zip(starts, [*starts[1:], high], strict=True)]
+    length = math.gcd(*lengths) if low < high else 0
+    if length < 2:
         return None
-    return low, high, [rows[i] for i in starts]
+    return low, high, [rows[a] for a, n in zip(starts, lengths, strict=True) for _ in range(n // length)]
 
 
 _SLOT_CACHE: dict = {}  # the few most recent sets of stacks' slot weights, by the LoRAs' identity and scales

@@ -208,7 +208,8 @@ def test_equal_runs_finds_a_batch_sorted_by_stack():
     assert equal_runs([-1, 0, 0, -1, -1, 1, 1, -1]) == (1, 7, [0, -1, 1]), "none inside: a run of the zero slot"
     assert equal_runs([0, 0, 0, 0]) == (0, 4, [0])
     assert equal_runs([0, 0, 1, 1, 0, 0]) == (0, 6, [0, 1, 0])
-    for uneven in ([0, 0, 0, 1], [0, 1, 0, 1], [0, 1], [-1, -1], []):
+    assert equal_runs([0, 0, 0, 0, 1, 1, -1, -1, 2, 2, 2, 2]) == (0, 12, [0, 0, 1, -1, 2, 2]), "split by the gcd"
+    for uneven in ([0, 0, 0, 1], [0, 1, 0, 1], [0, 0, 1, 1, 1], [0, 1], [-1, -1], []):
         assert equal_runs(uneven) is None, uneven
 
 
