@@ -97,6 +97,7 @@ def main() -> None:
                     loop.fused = None
 
         groups = [mixed[i::args.adapters] for i in range(args.adapters)]
+        plain_groups = [plain[i::args.adapters] for i in range(args.adapters)]
         modes = {
             "no adapter": lambda: sample(loop, plain, max_batch=256),
             f"mixed {args.adapters} LoRAs, one batch": lambda: sample(loop, mixed, max_batch=256),
@@ -105,6 +106,9 @@ def main() -> None:
             f"{args.adapters} groups one after another, each fused": lambda: [fused_run(g) for g in groups],
             "one shared LoRA, unfused": lambda: sample(loop, shared, max_batch=256),
             "one shared LoRA, fused": lambda: fused_run(shared),
+            # the ceiling of mixed / groups: no adapter anywhere, the same groups one after another
+            f"no adapter, {args.adapters} groups one after another": lambda: [sample(loop, g, max_batch=256)
+                                                                            for g in plain_groups],
         }
         for run in modes.values():
             run()  # warm: adapter loading and first-call costs stay out of the timings

@@ -120,8 +120,10 @@ def test_adapter_throughput_benchmark_times_every_serving_mode(tmp_path, example
     report = json.loads(out.read_text())
     assert [r["mode"] for r in report["rows"]] == [
         "no adapter", "mixed 2 LoRAs, one batch", "2 groups one after another, unfused",
-        "2 groups one after another, each fused", "one shared LoRA, unfused", "one shared LoRA, fused"]
+        "2 groups one after another, each fused", "one shared LoRA, unfused", "one shared LoRA, fused",
+        "no adapter, 2 groups one after another"]
     assert all(r["images_per_second"] > 0 for r in report["rows"]) and report["ratios"]["mixed / no adapter"] > 0
+    assert report["ratios"]["no adapter: one batch / its groups one after another"] > 0
 
 
 def test_adapter_effects_benchmark_measures_the_built_in_adapters(tmp_path, fashion_mnist):
