@@ -177,7 +177,7 @@ def test_the_gan_term_trains_a_head_on_the_critic_and_moves_the_generator(exampl
     from cardtool.core.training.trainer import train_loop
 
     teacher = examples / "tiny-base"
-    gan = recipe(teacher, extra=["loss.gan=true", "loss.generator_every=1", "optim.steps=3"])
+    gan = recipe(teacher, extra=["loss.gan=true", "loss.generator_every=1", "optim.steps=3", "loss.critic_lr_scale=3"])
     task = DMD2Task(gan, _platform(), load_card(teacher), load_split("train", write_idx_folder(tmp_path / "idx")))
     head = {k: v.clone() for k, v in task.head.state_dict().items()}
     logged = []
@@ -190,7 +190,7 @@ def test_the_gan_term_trains_a_head_on_the_critic_and_moves_the_generator(exampl
 
     with safe_open(str(tmp_path / "run" / CHECKPOINT), framework="pt") as f:
         groups = json.loads(f.metadata()["param_groups"])
-    assert [g["lr_scale"] for g in groups] == [1.0, 1.0, 50.0], "the fresh head learns 50x faster"
+    assert [g["lr_scale"] for g in groups] == [1.0, 3.0, 50.0], "the critic at its scale, the fresh head 50x"
     assert groups[2]["lr"] == pytest.approx(50 * groups[0]["lr"])
     # FSDP2 cannot follow the critic frozen in place mid-step: refused with the reason, before any collective
     from cardtool.core.distributed import Ranks

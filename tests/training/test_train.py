@@ -303,13 +303,23 @@ def test_lora_scales_train_each_row_at_its_own_scale_on_a_mixture(examples, tmp_
     ("fashion-vae", "loss.kl_wieght=1", "unknown loss.kl_wieght; its settings: kl_weight"),
     ("fashion-vae", "loss.kl_weight=much", "loss.kl_weight must be a finite number"),
     ("fashion-classifier", "loss.label_smoothing=0.1", "unknown loss.label_smoothing; its settings: none"),
-    ("fashion-bold", "data.transfrom=mirror", "unknown data.transfrom; its settings: folder, transform, loop"),
+    ("fashion-bold", "data.transfrom=mirror", "unknown data.transfrom; its settings: folder, transform"),
+    ("fashion-bold", "data.loop={steps: 2}", "unknown data.loop"),  # an adapter card keeps its base's loop
     ("fashion-vae", "data.transform=mirror", "unknown data.transform; its settings: folder"),
+    # what would fail only when the card is written, or in the first step: refused before any training
+    ("fashion-base", "data.loop.steps=0", "data.loop.steps: Input should be greater than or equal to 1"),
+    ("fashion-base", "data.loop=0.5", "data.loop must map loop settings"),
+    ("fashion-base", "model.text_dim=32", "model.text_dim is 32, but the text encoder gives 384-wide token states"),
+    ("fashion-base", "model.out_channels=7", "model.out_channels is 7, but the VAE of 'fashion-vae' makes 4-channel"),
+    ("fashion-base", "model.patch=[2, 2, 2]", r"model.patch \[2, 2, 2\] does not tile the VAE's latents"),
 ])
-def test_a_loss_or_data_key_the_method_does_not_read_is_refused(examples, tmp_path, data, recipe_name, override,
-                                                                 message):
-    """A misspelt or foreign loss: or data: key would otherwise train with the default, silently."""
+def test_a_recipe_the_method_cannot_run_is_refused_before_training(examples, tmp_path, data, recipe_name, override,
+                                                                   message):
+    """A misspelt or foreign loss: or data: key would otherwise train with the default, silently; a loop default
+    or a DiT shape that cannot work would otherwise cost the run."""
     extra = [f"parents=[{examples / 'tiny-base'}]"] if recipe_name in ("fashion-bold", "fashion-silhouette") else []
+    if recipe_name == "fashion-base":
+        extra = [f"parents=[{REPO / 'cards' / 'fashion-vae'}]", "model.dim=32", "model.heads=2", "model.depth=1"]
     recipe = tiny(recipe_name, [*extra, override])
     with pytest.raises(BadInput, match=message):
         train(recipe, command="c", out=tmp_path / "x", run_dir=tmp_path / "r", data=str(data))

@@ -43,6 +43,7 @@ def _scales(recipe) -> torch.Tensor | None:
 
 
 class _AdapterTask(FlowMatchingTask):
+    DATA_KEYS = ("folder", "transform")  # an adapter card keeps its base's loop
     KEYS: tuple[str, ...] = ()  # the recipe's model: settings
     HOLDS = ""  # the attribute holding the adapter that trains
     unshardable = LORA_UNSHARDABLE

@@ -75,6 +75,7 @@ class DMD2Settings(LossSettings):
     guidance: float | None = Field(None, ge=1)  # the teacher's CFG scale (None: its card's loop default)
     guidance_interval: tuple[float, float] | None = None  # the σ range it guides (None: the card's)
     generator_every: int = Field(5, ge=1)  # two time-scale update rule: critic steps per generator step
+    critic_lr_scale: float = Field(1.0, gt=0)  # the critic's learning rate over the generator's (DMD2: the same)
     t_range: tuple[float, float] = (0.02, 0.98)  # where the DM loss and the critic are evaluated (DMD2's 2%…98%)
     gan: bool = False  # the GAN head on the critic's features (needs the training images)
     gan_generator_weight: float = Field(3e-3, ge=0)  # λ_G
@@ -197,7 +198,8 @@ class DMD2Task(Task):
         return len(self.prompts)
 
     def lr_scales(self) -> dict[str, float]:
-        return {"gan_head": self.settings.gan_head_lr_scale, "real_critic": self.settings.real_lr_scale}
+        s = self.settings
+        return {"critic": s.critic_lr_scale, "gan_head": s.gan_head_lr_scale, "real_critic": s.real_lr_scale}
 
     def prepare(self, step: int) -> None:
         self.turn = generator_turn(step, self.settings.generator_every)

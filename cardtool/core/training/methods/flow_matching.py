@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from pydantic import ValidationError
 
 from cardtool.backends.platform import Platform
 from cardtool.backends.wan_config import WanDiTConfig
 from cardtool.backends.wan_dit import WanDiT
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import load_card, package_path
+from cardtool.core.cards.loops import FlowDenoiseDefaults
 from cardtool.core.data import Split
 from cardtool.core.prompts import TEXT_ENCODER, training_prompts
 from cardtool.core.sampling.instance import ModelInstance
@@ -27,11 +29,13 @@ __all__ = ["FlowMatchingTask"]
 
 class FlowMatchingTask(Task):
     LOSS_KEYS: tuple[str, ...] = ("condition_dropout",)  # the recipe's loss: settings
+    DATA_KEYS: tuple[str, ...] = ("folder", "transform", "loop")  # and data: settings (loop: the card's defaults)
 
     def __init__(self, recipe: Recipe, platform: Platform, train: Split, test: Split):
         only_keys(recipe, "loss", self.LOSS_KEYS)
-        only_keys(recipe, "data", ("folder", "transform", "loop"))
+        only_keys(recipe, "data", self.DATA_KEYS)
         self.dropout = loss_number(recipe, "condition_dropout", 0.1, 0.0, 1.0)
+        self.loop_defaults = loop_defaults(recipe) if "loop" in self.DATA_KEYS else None
         if len(recipe.parents) != 1:
             raise BadInput(f"{recipe.method} needs exactly one parent card (a VAE card to pretrain beside, or the "
                            "text-to-image card to fine-tune); set parents: [CARD]")
@@ -57,12 +61,24 @@ class FlowMatchingTask(Task):
         if self.vae_name is None:
             raise BadInput(f"parent card '{self.parent.id}' has no VAE component")
         self.vae = vae = parent.component(self.vae_name)
+        self._check_latent_shape(latents(vae, train.images[:1], self.device)[0].shape[1:])
+        self._text(platform)  # before the latents: it checks model.text_dim
         self.images = transform(recipe.data.get("transform", "none"), train.images)
         self.mean, self.std = latents(vae, self.images, self.device)
         self.test_images = transform(recipe.data.get("transform", "none"), test.images[:2000])
         self.test_mean, _ = latents(vae, self.test_images, self.device)
         self.labels, self.test_labels = torch.from_numpy(train.labels), torch.from_numpy(test.labels[:2000])
-        self._text(platform)
+
+    def _check_latent_shape(self, shape) -> None:
+        """The DiT fits the VAE's latents (C, frames, H, W): it reads and predicts C channels, its patch tiles them."""
+        c = self.config
+        for name in ("in_channels", "out_channels"):
+            if getattr(c, name) != shape[0]:
+                raise BadInput(f"model.{name} is {getattr(c, name)}, but the VAE of '{self.parent.id}' makes "
+                               f"{shape[0]}-channel latents; set model.{name}={shape[0]}")
+        if any(size % p for size, p in zip(shape[1:], c.patch, strict=True)):
+            raise BadInput(f"model.patch {list(c.patch)} does not tile the VAE's latents (frames, height, width = "
+                           f"{', '.join(map(str, shape[1:]))}); each must divide its size, e.g. [1, 2, 2]")
 
     def _text(self, platform: Platform) -> None:
         """Features of every training prompt (and the empty prompt), made by the text encoder component
@@ -74,6 +90,9 @@ class FlowMatchingTask(Task):
         build = COMPONENTS.resolve(TEXT_ENCODER["impl"], platform)[1]
         encoder = build(TEXT_ENCODER["config"], None, package_path(TEXT_ENCODER["source"]), platform, "float32")
         self.text, self.mask = encoder(flat)
+        if self.text.shape[-1] != self.config.text_dim:
+            raise BadInput(f"model.text_dim is {self.config.text_dim}, but the text encoder gives "
+                           f"{self.text.shape[-1]}-wide token states; set model.text_dim={self.text.shape[-1]}")
         self.per_class, self.empty = len(prompts[0]), len(flat) - 1
 
     def modules(self):
@@ -128,5 +147,21 @@ class FlowMatchingTask(Task):
         return {"vae.safetensors": self.parent.weights_file(self.vae_name)}
 
     def card_loop(self) -> dict:
-        defaults = {"steps": 20, "guidance": 4.0, "shift": 1.0, "solver": "euler", **self.recipe.data.get("loop", {})}
-        return {"kind": "flow_denoise", "uses": ["text_encoder", "vae", "transformer"], "defaults": defaults}
+        return {"kind": "flow_denoise", "uses": ["text_encoder", "vae", "transformer"], "defaults": self.loop_defaults}
+
+
+def loop_defaults(recipe: Recipe) -> dict:
+    """The card's denoise-loop defaults: `data.loop` over the built-in ones, checked against the loop's schema now —
+    found only when the card is written, a mistake would cost the whole run."""
+    loop = recipe.data.get("loop", {})
+    if not isinstance(loop, dict):
+        raise BadInput(f"{recipe.method} recipe: data.loop must map loop settings (steps, guidance, …) to values, "
+                       f"got {loop!r}")
+    defaults = {"steps": 20, "guidance": 4.0, "shift": 1.0, "solver": "euler", **loop}
+    try:
+        FlowDenoiseDefaults.model_validate(defaults)
+    except ValidationError as e:
+        problems = "; ".join(f"data.loop.{'.'.join(map(str, err['loc']))}: {err['msg']}".replace("loop.: ", "loop: ")
+                             for err in e.errors())
+        raise BadInput(f"{recipe.method} recipe: {problems}") from None
+    return defaults
