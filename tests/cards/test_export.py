@@ -110,6 +110,26 @@ def test_export_refuses_a_card_without_a_transformer_and_an_existing_folder(exam
     assert result.exit_code == 2 and "unknown export format" in json.loads(result.stdout)["error"]["message"]
 
 
+def test_overwriting_replaces_a_card_folder_never_another_folder_or_file(examples, tmp_path):
+    """--overwrite (and train/distill/rl's --force) swap the new card in for the old; a folder that holds no card,
+    or a file, at --out is refused and left as it was — the swap would have deleted it."""
+    runner = CliRunner()
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "thesis.txt").write_text("precious")
+    (tmp_path / "file").write_text("precious")
+    for taken, message in (("work", "is not a card folder"), ("file", "is not a folder")):
+        result = runner.invoke(app, ["cards", "export", str(examples / "tiny-base"), "--out", str(tmp_path / taken),
+                                     "--overwrite", "--json"])
+        assert result.exit_code == 2 and message in json.loads(result.stdout)["error"]["message"]
+    assert (tmp_path / "work" / "thesis.txt").read_text() == (tmp_path / "file").read_text() == "precious"
+    (tmp_path / "empty").mkdir()
+    for _ in range(2):  # an empty folder, then the card written there
+        result = runner.invoke(app, ["cards", "export", str(examples / "tiny-base"), "--out", str(tmp_path / "empty"),
+                                     "--overwrite", "--json"])
+        assert result.exit_code == 0, result.output
+    assert load_card(tmp_path / "empty").id == "tiny-base"
+
+
 @pytest.mark.parametrize("method, relation", [("dmd2", "finetune"), ("diffusion_nft", "finetune"),
                                               ("flow_grpo", "finetune"), ("finetune", "finetune"),
                                               ("lora", "adapter"), ("controlnet", "adapter"), ("pretrain", None)])

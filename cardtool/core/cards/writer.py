@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 
 from cardtool.core.cards.loader import Card, load_card
+from cardtool.core.cards.source import MANIFEST_NAMES
 from cardtool.core.cards.weight_files import sha256_file
 from cardtool.errors import BadInput
 
@@ -27,8 +28,10 @@ def write_card(folder: Path, manifest: dict, weights: dict[str, dict], *, copies
     from safetensors.torch import save_file
 
     folder = Path(folder)
-    if folder.exists() and not overwrite:
-        raise BadInput(f"{folder} already exists; choose another card id or --out, or pass --overwrite")
+    if folder.exists() or folder.is_symlink():
+        if not overwrite:
+            raise BadInput(f"{folder} already exists; choose another card id or --out, or pass --overwrite")
+        _replaceable(folder)
     staging = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -53,6 +56,17 @@ def write_card(folder: Path, manifest: dict, weights: dict[str, dict], *, copies
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return load_card(folder)
+
+
+def _replaceable(folder: Path) -> None:
+    """Overwriting replaces a card (a folder holding its manifest) or an empty folder — never any other folder or
+    file that happens to stand at the output path, whose contents the swap would delete."""
+    if folder.is_symlink() or not folder.is_dir():
+        raise BadInput(f"{folder} exists and is not a folder; overwriting replaces a card folder only — choose "
+                       "another --out")
+    if any(folder.iterdir()) and not any((folder / name).is_file() for name in MANIFEST_NAMES):
+        raise BadInput(f"{folder} is not a card folder (no card.yaml or card.toml in it); overwriting replaces a card "
+                       "folder only, never another folder and what it holds — choose another --out")
 
 
 def _swap(staging: Path, folder: Path) -> None:
