@@ -110,10 +110,15 @@ def test_a_killed_stage_resumes_from_its_checkpoint(examples, tmp_path):
     (["--set", "optim.steps=3"], "names its stage"),
     (["--stop-after", "train"], "--stop-after must be one of"),
     (["--per-class", "0"], "--per-class"),
+    # the distill stage's recipe is checked before the rl stage runs, not after its hours
+    (["--set", "distill.loss.gan_t_range=[0.5, 0.1]"], "gan_t_range must be [LO, HI]"),
+    (["--set", "distill.data.bogus=1"], "unknown data.bogus"),
+    (["--set", "rl.loss.beta=0"], "loss.beta: Input should be greater than 0"),
 ])
 def test_bad_input_is_a_clear_error(examples, tmp_path, args, message):
     result = run(examples, tmp_path, *args)
     assert result.exit_code == 2 and message in json.loads(result.stdout)["error"]["message"]
+    assert not (tmp_path / "cards").exists() or not any((tmp_path / "cards").iterdir()), "no stage ran"
 
 
 def test_a_flywheel_recipe_with_a_stray_key_is_a_located_error(examples, tmp_path):

@@ -22,7 +22,20 @@ from cardtool.core.training.recipes import Recipe, only_keys
 from cardtool.core.training.trainer import train_loop
 from cardtool.errors import BadInput
 
-__all__ = ["distill", "distill_recipe", "student_id"]
+__all__ = ["check_recipe", "distill", "distill_recipe", "student_id"]
+
+
+def check_recipe(recipe: Recipe) -> None:
+    """What `distill` refuses in a recipe, found without loading a card or data — so a run scheduled after another
+    (the flywheel's distill stage) fails before the first one, not after it."""
+    from cardtool.core.training.lora_settings import lora_settings
+    from cardtool.core.training.methods.dmd2 import DMD2Settings
+
+    if recipe.method != "dmd2" or len(recipe.parents) != 1:
+        raise BadInput("distill runs a dmd2 recipe with exactly one parent, the teacher")
+    only_keys(recipe, "data", ("folder",))
+    DMD2Settings.from_recipe(recipe.loss)
+    lora_settings(recipe, "student", recipe.parents[0])
 
 
 def student_id(teacher: str, steps) -> str:
@@ -58,9 +71,7 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
             on_eval: Callable[[dict], None] | None = None, micro_batches: int = 1) -> Card:
     from cardtool.core.training.methods.dmd2 import DMD2Settings, DMD2Task
 
-    if recipe.method != "dmd2" or len(recipe.parents) != 1:
-        raise BadInput("distill runs a dmd2 recipe with exactly one parent, the teacher")
-    only_keys(recipe, "data", ("folder",))
+    check_recipe(recipe)
     platform = Platform.detect(device)
     teacher = load_card(locate(recipe.parents[0]))
     out = Path(out or Path("cards") / recipe.card.id)

@@ -30,7 +30,7 @@ from cardtool.core.training.recipes import Recipe, only_keys
 from cardtool.core.training.trainer import train_loop
 from cardtool.errors import BadInput
 
-__all__ = ["METHODS", "rl", "rl_recipe", "read_prompts", "default_prompts", "make_task", "Watch"]
+__all__ = ["METHODS", "check_recipe", "rl", "rl_recipe", "read_prompts", "default_prompts", "make_task", "Watch"]
 
 METHODS = {"diffusion_nft": "nft", "flow_grpo": "grpo"}  # method → the suffix of the tuned card's id
 MAX_PROMPTS_BYTES = 1 << 20
@@ -96,6 +96,19 @@ def rl_recipe(base: str, reward: str, method: str | None = None, path: Path | No
     return load_recipe(path, list(overrides), method, defaults=_defaults(method), complete=complete, section=section)
 
 
+def check_recipe(recipe: Recipe) -> None:
+    """What `rl` refuses in a recipe, found without loading a card — before a run that precedes it (the flywheel)."""
+    from cardtool.core.training.lora_settings import lora_settings
+    from cardtool.core.training.methods.grpo import GRPOSettings
+    from cardtool.core.training.methods.nft import NFTSettings
+
+    if recipe.method not in METHODS or len(recipe.parents) != 2:
+        raise BadInput("rl runs a diffusion_nft or flow_grpo recipe whose parents are [BASE, REWARD_CARD]")
+    only_keys(recipe, "data", ())  # the data come from --data; a data: section would change nothing
+    (GRPOSettings if recipe.method == "flow_grpo" else NFTSettings).from_recipe(recipe.loss)
+    lora_settings(recipe, "tuned", recipe.parents[0])
+
+
 def make_task(recipe: Recipe, platform: Platform, base: Card, reward, prompts: list[str]):
     if recipe.method == "flow_grpo":
         from cardtool.core.training.methods.grpo import GRPOTask
@@ -153,11 +166,9 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
        micro_batches: int = 1) -> Card:
     from cardtool.core.evaluation.reward import load_reward
 
-    if recipe.method not in METHODS or len(recipe.parents) != 2:
-        raise BadInput("rl runs a diffusion_nft or flow_grpo recipe whose parents are [BASE, REWARD_CARD]")
+    check_recipe(recipe)
     if watch_every < 0:
         raise BadInput(f"--watch-every must be 0 (off) or positive, got {watch_every}")
-    only_keys(recipe, "data", ())  # the data come from --data; a data: section would change nothing
     platform = Platform.detect(device)
     base = load_card(locate(recipe.parents[0]))
     reward = load_reward(recipe.parents[1], platform)

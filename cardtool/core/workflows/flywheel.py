@@ -47,6 +47,7 @@ def flywheel_recipe(base: str, reward: str, *, steps: int | None = None, path: P
     defaults), `--set rl.KEY=V` / `distill.KEY=V` applied to its stage, `--steps` the student's step count. Cards:
     `PREFIX-nft` (or -grpo) and `PREFIX-nft-Nstep`, PREFIX the base's name unless given; the student's teacher is
     the RL'd card in `out_dir`."""
+    from cardtool.core.training import distill, rl
     from cardtool.core.training.distill import distill_recipe
     from cardtool.core.training.rl import METHODS, rl_recipe
 
@@ -68,6 +69,8 @@ def flywheel_recipe(base: str, reward: str, *, steps: int | None = None, path: P
     student_steps = student_steps if student_steps is not None else 2
     stage2 = distill_recipe(teacher, None, split["distill"], student_steps,
                             section=_with_id(sections.get("distill"), f"{stage1.card.id}-{student_steps}step"))
+    rl.check_recipe(stage1)  # both stages now: a mistake in the distill section found after the rl stage's hours
+    distill.check_recipe(stage2)
     return FlywheelRecipe(base, reward, stage1, stage2)
 
 
