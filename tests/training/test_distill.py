@@ -227,6 +227,12 @@ def test_the_gan_term_can_call_the_teachers_samples_of_the_same_prompt_real(exam
     # per iteration: the critic's loss and the DM term at t ≥ 0.9; the head's fake, real and generator terms ≤ 0.3
     assert [bool((t <= 300).all()) for t in timesteps] == [False, True, True, False, True] * 2
     assert all(bool((t >= 900).all()) or bool(((t >= 20) & (t <= 300)).all()) for t in timesteps)
+    sets = ["loss.gan=true", "loss.gan_real=teacher", f"loss.teacher_samples={n}", "optim.steps=1",
+            "optim.batch_size=4"]
+    result = CliRunner().invoke(app, ["distill", str(teacher), "--no-eval", "--data", str(tmp_path / "no-data"),
+                                      *[a for o in sets for a in ("--set", o)], "--out", str(tmp_path / "s"),
+                                      "--run-dir", str(tmp_path / "r")])
+    assert result.exit_code == 0, "teacher samples as the real side read no training images"
     few = recipe(teacher, extra=["loss.gan=true", "loss.gan_real=teacher", f"loss.teacher_samples={n - 1}"])
     with pytest.raises(BadInput, match="teacher_samples ≥"):
         DMD2Task(few, _platform(), load_card(teacher))

@@ -81,7 +81,8 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
     if evaluate:
         locate(judge)  # before hours of training, not after
     train = None
-    if DMD2Settings.from_recipe(recipe.loss).gan:  # a bad loss: section fails here, before the data is read
+    settings = DMD2Settings.from_recipe(recipe.loss)
+    if settings.gan and settings.gan_real == "data":  # the GAN term's real images; teacher samples need none
         from cardtool.core.data import load_split
 
         train = load_split("train", data or recipe.data.get("folder"))
