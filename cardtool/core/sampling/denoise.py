@@ -49,7 +49,7 @@ def _check_text(name: str, text) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise BadInput(f"the {name} holds {text[e.start:e.end].encode('utf-8', 'backslashreplace').decode()!s}, "
+        raise BadInput(f"the {name} holds {text[e.start:e.end].encode('utf-8', 'backslashreplace').decode()}, "
                        "which is not a character (a lone surrogate: the input was not valid UTF-8)") from None
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cardtool.backends.lora_targets import DEFAULT_TARGETS
+from cardtool.core.training.recipes import field_problems
 from cardtool.errors import BadInput
 
 __all__ = ["LoraSettings", "lora_settings", "LORA_UNSHARDABLE"]
@@ -39,5 +40,4 @@ def lora_settings(recipe, method: str, parent: str) -> LoraSettings | None:
     try:
         return LoraSettings.model_validate(section)
     except ValidationError as e:
-        problems = "; ".join(f"model.lora.{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
-        raise BadInput(f"{method} recipe: {problems}") from None
+        raise BadInput(f"{method} recipe: {field_problems(e, 'model.lora')}") from None

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from cardtool.core.cards.source import plain_value_problems, read_source
 from cardtool.errors import BadInput, CardValidationError
 
-__all__ = ["Recipe", "LossSettings", "load_recipe", "apply_overrides", "loss_number", "only_keys"]
+__all__ = ["Recipe", "LossSettings", "load_recipe", "apply_overrides", "field_problems", "loss_number", "only_keys"]
 
 TRAIN_METHODS = ("vae", "classifier", "pretrain", "finetune", "lora", "controlnet")  # `cardtool train`
 DISTILL_METHODS = ("dmd2",)  # `cardtool distill`
@@ -39,9 +39,13 @@ class LossSettings(_Strict):
         try:
             return cls.model_validate(section)
         except ValidationError as e:
-            problems = "; ".join(f"loss.{'.'.join(map(str, err['loc']))}: {err['msg']}".replace("loss.: ", "loss: ")
-                                 for err in e.errors())
-            raise BadInput(f"{cls.method} recipe: {problems}") from None
+            raise BadInput(f"{cls.method} recipe: {field_problems(e, 'loss')}") from None
+
+
+def field_problems(error: ValidationError, section: str = "") -> str:
+    """A validation error's problems on one line, each named by its dotted field under `section`."""
+    return "; ".join(".".join(map(str, (*filter(None, [section]), *err["loc"]))) + f": {err['msg']}"
+                     for err in error.errors())
 
 
 def only_keys(recipe: Recipe, section: str, allowed: tuple[str, ...]) -> None:
@@ -169,8 +173,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), method: str 
     try:
         return Recipe.model_validate(data)
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
-        raise BadInput(f"recipe {path or '(defaults and --set)'}: {problems}")
+        raise BadInput(f"recipe {path or '(defaults and --set)'}: {field_problems(e)}")
 
 
 def _under(defaults: dict, data: dict) -> dict:

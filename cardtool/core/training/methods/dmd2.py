@@ -113,9 +113,14 @@ def critic_loss(critic, x: torch.Tensor, t: torch.Tensor, noise: torch.Tensor, t
     """The fake score's ordinary flow-matching loss on the generator's samples x (held constant):
     ‖v(x_t, t) − (ε − x)‖² at x_t = (1 − t)·x + t·ε."""
     x = x.detach()
-    tb = t.reshape(-1, *(1,) * (x.ndim - 1))
-    v = critic((1 - tb) * x + tb * noise, t * 1000, text, mask)
+    v = critic(noised(x, t, noise), t * 1000, text, mask)
     return (v.float() - (noise - x)).pow(2).mean()
+
+
+def noised(x: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """x_t = (1 − t)·x + t·ε, one t per row."""
+    tb = t.reshape(-1, *(1,) * (x.ndim - 1))
+    return (1 - tb) * x + tb * noise
 
 
 class GANHead(torch.nn.Module):
@@ -248,7 +253,7 @@ class DMD2Task(Task):
             gan_t, gan_noise = critic_t, critic_noise
             if s.gan_t_range is not None:  # its own noise levels: one more critic forward on the fake samples
                 gan_t, gan_noise = self._gan_noise(x.shape, generator)
-                self.critic(self._noised(x.detach(), gan_t, gan_noise), gan_t * 1000, text, mask)
+                self.critic(noised(x.detach(), gan_t, gan_noise), gan_t * 1000, text, mask)
             fake_logit = self.head(self._features)  # the last critic forward saw the noised fake samples
             real = self._real(indices, gan_t, generator)
             self.critic(real, gan_t * 1000, text, mask)
@@ -258,7 +263,7 @@ class DMD2Task(Task):
         if self.turn:
             tb = t.reshape(-1, 1, 1, 1, 1)
             with torch.no_grad():
-                x_t = (1 - tb) * x + tb * noise
+                x_t = noised(x, t, noise)
                 x0_real = x_t - tb * self.real_velocity(x_t, t, text, mask).float()
                 x0_fake = x_t - tb * self.critic(x_t, t * 1000, text, mask).float()
                 g = dm_gradient(x, x0_real, x0_fake)
@@ -268,7 +273,7 @@ class DMD2Task(Task):
             if self.head is not None:
                 with _frozen(self.critic, self.head):  # the generator's term moves the generator alone
                     gan_t, gan_noise = (t, noise) if s.gan_t_range is None else self._gan_noise(x.shape, generator)
-                    self.critic(self._noised(x, gan_t, gan_noise), gan_t * 1000, text, mask)
+                    self.critic(noised(x, gan_t, gan_noise), gan_t * 1000, text, mask)
                     g_loss = F.softplus(-self.head(self._features)).mean()
                 loss = loss + s.gan_generator_weight * g_loss
                 metrics["g_loss"] = float(g_loss.detach())
@@ -283,11 +288,6 @@ class DMD2Task(Task):
         low, high = self.settings.gan_t_range
         t = (low + (high - low) * torch.rand(shape[0], generator=generator)).to(self.device)
         return t, torch.randn(shape, generator=generator).to(self.device)
-
-    @staticmethod
-    def _noised(x: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-        tb = t.reshape(-1, *(1,) * (x.ndim - 1))
-        return (1 - tb) * x + tb * noise
 
     def _real_critic_loss(self, n: int, generator) -> torch.Tensor:
         """The flow-matching loss of the real critic on n of the teacher's samples, with their prompts' text."""
@@ -312,7 +312,7 @@ class DMD2Task(Task):
         picks = [self.real_rows[i] for i in indices]
         rows = [int(p[int(torch.randint(0, len(p), (1,), generator=generator))]) for p in picks]
         x0 = self.real_latents[rows]
-        return self._noised(x0, t, torch.randn(x0.shape, generator=generator).to(self.device))
+        return noised(x0, t, torch.randn(x0.shape, generator=generator).to(self.device))
 
 
 PAIR_SEEDS = 1 << 40  # the pairs' seeds start here, far from the seeds eval samples (0, 1, …)

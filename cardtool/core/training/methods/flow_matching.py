@@ -19,7 +19,7 @@ from cardtool.core.data import Split
 from cardtool.core.prompts import TEXT_ENCODER, training_prompts
 from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.training.methods.vae import latents
-from cardtool.core.training.recipes import Recipe, loss_number, only_keys
+from cardtool.core.training.recipes import Recipe, field_problems, loss_number, only_keys
 from cardtool.core.training.trainer import Task
 from cardtool.core.transforms import transform
 from cardtool.errors import BadInput
@@ -161,7 +161,5 @@ def loop_defaults(recipe: Recipe) -> dict:
     try:
         FlowDenoiseDefaults.model_validate(defaults)
     except ValidationError as e:
-        problems = "; ".join(f"data.loop.{'.'.join(map(str, err['loc']))}: {err['msg']}".replace("loop.: ", "loop: ")
-                             for err in e.errors())
-        raise BadInput(f"{recipe.method} recipe: {problems}") from None
+        raise BadInput(f"{recipe.method} recipe: {field_problems(e, 'data.loop')}") from None
     return defaults
