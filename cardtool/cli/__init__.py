@@ -3,11 +3,35 @@
 from __future__ import annotations
 
 import typer
+from typer.core import TyperGroup
 
 from cardtool import __version__
 from cardtool.cli import cards, distill, evaluate, flywheel, generate, parity, platform, rl, train, workflow
 
+_UsageError = typer.BadParameter.__base__  # click's UsageError, from the click that typer carries
+
+
+class _Root(TyperGroup):
+    """The root group: a usage error (an unknown option, a value of the wrong type, a missing argument) under
+    `--json` also prints the JSON error document, so a script reading stdout always gets one."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        self._argv = list(args)
+        return super().make_context(info_name, args, parent=parent, **extra)
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except _UsageError as error:
+            if "--json" in getattr(self, "_argv", ()):
+                from cardtool.cli.output import emit_json
+
+                emit_json({"error": {"kind": "bad_input", "message": error.format_message(), "problems": []}})
+            raise  # and the usual message on stderr, exit 2
+
+
 app = typer.Typer(
+    cls=_Root,
     name="cardtool",
     help="Diffusion model cards: the recipe and the runtime as one versioned object, and the tool that runs them.",
     no_args_is_help=True,

@@ -7,6 +7,7 @@ dimensions, then one big-endian uint32 per dimension, then the data. Files may b
 from __future__ import annotations
 
 import gzip
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -16,9 +17,10 @@ import numpy as np
 
 from cardtool.errors import BadInput
 
-__all__ = ["CLASS_NAMES", "DEFAULT_DATA", "Split", "data_dir", "load_split", "read_idx"]
+__all__ = ["CLASS_NAMES", "DEFAULT_DATA", "IMAGE_SIZE", "Split", "data_dir", "load_split", "read_idx"]
 
 DEFAULT_DATA = Path("/usr/share/datasets/fashion-mnist")  # Debian's dataset-fashion-mnist
+IMAGE_SIZE = 28  # Fashion-MNIST's: what the judge's classifier and the family's VAE take
 CLASS_NAMES = ("T-shirt/top", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag",
                "ankle boot")
 _FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
@@ -57,22 +59,26 @@ def read_idx(path: Path) -> np.ndarray:
                 raise BadInput(f"{path} is not an unsigned-byte IDX file (bad magic {header.hex()}): {_HOW}")
             ndim = header[3]
             shape = struct.unpack(f">{ndim}I", f.read(4 * ndim))
-            data = f.read()
+            data = f.read(math.prod(shape) + 1)  # no further: a small gzip can inflate to gigabytes
     except (OSError, EOFError, struct.error) as e:
         raise BadInput(f"cannot read {path}: {e}: {_HOW}")
-    if len(data) != int(np.prod(shape)):
-        raise BadInput(f"{path} is truncated: {len(data)} bytes of data for shape {shape}: {_HOW}")
+    if len(data) != math.prod(shape):
+        state = "is truncated" if len(data) < math.prod(shape) else "holds more bytes than its shape"
+        raise BadInput(f"{path} {state}: {len(data):,} bytes of data for shape {shape}: {_HOW}")
     return np.frombuffer(data, dtype=np.uint8).reshape(shape)
 
 
-def load_split(split: str = "train", folder: str | Path | None = None) -> Split:
-    """The `train` or `test` split of the IDX folder (Fashion-MNIST by default)."""
+def load_split(split: str = "train", folder: str | Path | None = None, image_size: int = IMAGE_SIZE) -> Split:
+    """The `train` or `test` split of the IDX folder (Fashion-MNIST by default): square images of `image_size`."""
     if split not in _FILES:
         raise BadInput(f"unknown split '{split}'; choose train or test")
     root = data_dir(folder)
     images, labels = (read_idx(_find(root, stem)) for stem in _FILES[split])
     if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
         raise BadInput(f"{root}: {split} images {images.shape} and labels {labels.shape} do not match: {_HOW}")
+    if images.shape[1:] != (image_size, image_size):
+        raise BadInput(f"{root}: {split} images are {images.shape[1]}×{images.shape[2]} pixels; the components take "
+                       f"{image_size}×{image_size}" + (" (Fashion-MNIST's size)" if image_size == IMAGE_SIZE else ""))
     if labels.max(initial=0) >= len(CLASS_NAMES):
         raise BadInput(f"{root}: {split} labels go up to {labels.max()}, Fashion-MNIST has {len(CLASS_NAMES)} classes")
     return Split(images, labels.astype(np.int64))

@@ -68,6 +68,27 @@ def test_show_unknown_card_json_error_document():
     assert json.loads(result.stdout)["error"]["kind"] == "bad_input"
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (("generate", "tiny-base", "--steps", "x", "--json"), "'x' is not a valid integer"),
+    (("cards", "show", "--json"), "Missing argument 'CARD'"),
+    (("cards", "list", "--json", "--bogus"), "No such option: --bogus"),
+    (("bogus", "--json"), "No such command 'bogus'"),
+])
+def test_usage_errors_under_json_print_the_error_document(args, message):
+    """Click's own usage errors (a value of the wrong type, a missing argument) happen before any command code
+    runs; a script reading stdout under --json still gets one document, and people the usual message."""
+    result = run(*args)
+    assert result.exit_code == 2
+    error = json.loads(result.stdout)["error"]
+    assert error["kind"] == "bad_input" and message in error["message"]
+    assert message in result.stderr
+
+
+def test_usage_error_without_json_prints_no_document():
+    result = run("cards", "show")
+    assert result.exit_code == 2 and result.stdout == "" and "Missing argument 'CARD'" in result.stderr
+
+
 def test_show_invalid_card_exits_1_with_located_problems(examples):
     bad = examples / "tiny-base" / "card.yaml"
     bad.write_text(bad.read_text().replace("frozen: true", "frozen: yes please"))

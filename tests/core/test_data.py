@@ -71,3 +71,33 @@ def test_missing_file_bad_magic_and_truncation_are_clear(tmp_path):
 def test_unknown_split(tmp_path):
     with pytest.raises(BadInput, match="unknown split"):
         load_split("validation", make_folder(tmp_path / "idx"))
+
+
+def test_a_file_that_inflates_past_its_shape_is_refused_without_reading_it_all(tmp_path, monkeypatch):
+    """A small gzip can hold gigabytes: the reader stops one byte past the declared shape."""
+    path = tmp_path / "train-images-idx3-ubyte.gz"
+    with gzip.open(path, "wb") as f:
+        f.write(b"\0\0\x08\x03" + struct.pack(">3I", 2, 28, 28) + bytes(10 * 2 * 28 * 28))
+    asked = []
+    real_open = gzip.open
+
+    def spying_open(*args, **kwargs):
+        handle = real_open(*args, **kwargs)
+        read = handle.read
+        handle.read = lambda n=-1: asked.append(n) or read(n)
+        return handle
+
+    monkeypatch.setattr(gzip, "open", spying_open)
+    with pytest.raises(BadInput, match="holds more bytes than its shape"):
+        read_idx(path)
+    assert -1 not in asked and max(asked) == 2 * 28 * 28 + 1
+
+
+def test_images_of_another_size_are_bad_input(tmp_path):
+    folder = tmp_path / "idx"
+    folder.mkdir()
+    for stem in ("train", "t10k"):
+        write_idx(folder / f"{stem}-images-idx3-ubyte", np.zeros((3, 10, 12), dtype=np.uint8))
+        write_idx(folder / f"{stem}-labels-idx1-ubyte", np.arange(3, dtype=np.uint8))
+    with pytest.raises(BadInput, match="10×12 pixels; the components take 28×28"):
+        load_split("train", folder)

@@ -85,6 +85,28 @@ def test_resume_with_another_recipe_is_refused(tmp_path, data):
               data=str(data), resume=True)
 
 
+def test_a_damaged_checkpoint_is_bad_input_on_resume(tmp_path, data):
+    """Checkpoints are written atomically, but a disk or a hand can still damage one: --resume then says what is
+    wrong and what to do, never a traceback."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    train(tiny("fashion-vae"), command="c", out=tmp_path / "a", run_dir=tmp_path / "r", data=str(data))
+    checkpoint = tmp_path / "r" / CHECKPOINT
+    whole = checkpoint.read_bytes()
+    with safe_open(str(checkpoint), framework="pt") as f:
+        metadata = f.metadata()
+    damaged = {"truncated": whole[: len(whole) // 2], "header bytes": whole[:8] + b"\xff" * 8 + whole[16:]}
+    for step in ("-3", "many", "999"):
+        save_file(load_file(str(checkpoint)), str(tmp_path / "x"), metadata={**metadata, "step": step})
+        damaged[f"step {step}"] = (tmp_path / "x").read_bytes()
+    for name, content in damaged.items():
+        checkpoint.write_bytes(content)
+        with pytest.raises(BadInput, match="is not a checkpoint this run can read"):
+            train(tiny("fashion-vae"), command="c", out=tmp_path / name, run_dir=tmp_path / "r", data=str(data),
+                  resume=True)
+
+
 def test_a_nan_loss_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(tmp_path, data, monkeypatch):
     from cardtool.core.training.methods.vae import VAETask
 
@@ -312,6 +334,7 @@ def test_lora_scales_train_each_row_at_its_own_scale_on_a_mixture(examples, tmp_
     ("fashion-base", "model.text_dim=32", "model.text_dim is 32, but the text encoder gives 384-wide token states"),
     ("fashion-base", "model.out_channels=7", "model.out_channels is 7, but the VAE of 'fashion-vae' makes 4-channel"),
     ("fashion-base", "model.patch=[2, 2, 2]", r"model.patch \[2, 2, 2\] does not tile the VAE's latents"),
+    ("fashion-vae", "model.image_size=24", "train images are 28×28 pixels; the components take 24×24"),
 ])
 def test_a_recipe_the_method_cannot_run_is_refused_before_training(examples, tmp_path, data, recipe_name, override,
                                                                    message):

@@ -30,7 +30,7 @@ def write_card(folder: Path, manifest: dict, weights: dict[str, dict], *, copies
     folder = Path(folder)
     if folder.exists() or folder.is_symlink():
         if not overwrite:
-            raise BadInput(f"{folder} already exists; choose another card id or --out, or pass --overwrite")
+            raise BadInput(f"{folder} already exists; choose another --out, or pass --overwrite to replace it")
         _replaceable(folder)
     staging = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)

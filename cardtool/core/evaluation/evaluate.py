@@ -85,6 +85,11 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     if per_class < 1:
         raise BadInput(f"--per-class must be at least 1, got {per_class}")
     card = load_card(card_ref)
+    prompts = [class_prompt(label) for label in range(len(CLASS_NAMES))]
+    # every row's requests, planned (and so checked: steps, guidance, seeds, adapters) before any model loads
+    plans = {(g, k): plan_requests(card, prompts, num=per_class, seed=seed, steps=k, guidance=g,
+                                   guidance_interval=guidance_interval, adapters=adapters)[0]
+             for g, k in itertools.product(guidance or [None], steps or [None])}
     platform = Platform.detect(device)
     ranks = distributed.ranks(platform.device)
     cache = TextFeatureCache()
@@ -110,12 +115,10 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     warning = fid_warning(count, real.shape[1])
     report.warnings += [warning] if warning else []
     report.warnings += [w for loop in loops.values() for w in loop.instance.warnings]
-    prompts = [class_prompt(label) for label in range(len(CLASS_NAMES))]
     labels = np.repeat(np.arange(len(CLASS_NAMES)), per_class)  # plan_requests orders prompts × seeds
     # None: the card's loop default for steps and guidance
     for (p, loop), g, k in itertools.product(loops.items(), guidance or [None], steps or [None]):
-        requests, _ = plan_requests(card, prompts, num=per_class, seed=seed, steps=k, guidance=g,
-                                    guidance_interval=guidance_interval, adapters=adapters)
+        requests = plans[(g, k)]
         report.adapters = [{"name": name, "scale": scale} for name, scale in requests[0].adapters]
         started = time.perf_counter()
         mine = ranks.shard(requests)  # under torchrun each rank samples its share and rank 0 measures them all

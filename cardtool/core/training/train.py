@@ -10,7 +10,7 @@ from cardtool.backends.platform import Platform
 from cardtool.core import distributed
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.writer import write_card
-from cardtool.core.data import load_split
+from cardtool.core.data import IMAGE_SIZE, load_split
 from cardtool.core.prompts import TEXT_ENCODER
 from cardtool.core.training.derived import extends_reference
 from cardtool.core.training.recipes import RUN_BY, Recipe
@@ -34,8 +34,13 @@ def train(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Pat
         raise BadInput(f"{out} already exists; choose another card id or --out, or pass --overwrite")
     run_dir.mkdir(parents=True, exist_ok=True)
     folder = data or recipe.data.get("folder")
-    train_split, test_split = load_split("train", folder), load_split("test", folder)
     method = recipe.method
+    size = IMAGE_SIZE
+    if method == "vae":  # the one component whose image size a recipe sets
+        from cardtool.backends.vae_config import ConvVAEConfig
+
+        size = ConvVAEConfig.from_card(recipe.model).image_size
+    train_split, test_split = load_split("train", folder, size), load_split("test", folder, size)
     if method == "vae":
         from cardtool.core.training.methods.vae import VAETask
 

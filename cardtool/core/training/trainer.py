@@ -5,7 +5,6 @@ data parallelism by DDP or FSDP2 (parallel.py)."""
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from abc import ABC, abstractmethod
@@ -273,17 +272,28 @@ def _load(path: Path, recipe: Recipe, modules, ema, optimizer, task: Task, parts
           parallel: Parallel) -> tuple[int, float, float]:
     """Restore a checkpoint; the step it was taken after, that step's loss (what a run killed after its last
     checkpoint reports as final) and the training seconds up to it."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(str(path), framework="pt") as f:
-        metadata = f.metadata()
+    unreadable = (f"{path} is not a checkpoint this run can read ({{}}); start the run again in a new --run-dir, or "
+                  "remove the file to start over in this one")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError) as e:  # damaged on disk: the trainer itself writes atomically
+        raise BadInput(unreadable.format(str(e).splitlines()[0][:160])) from None
     if metadata.get("fingerprint") != recipe.fingerprint():
         raise BadInput(f"{path} was made by a different recipe; resume with the same recipe and overrides")
-    made = int(metadata.get("micro_batches", "1"))
+    try:
+        step, made = int(metadata["step"]), int(metadata.get("micro_batches", "1"))
+        loss, seconds = float(metadata.get("loss", "nan")), float(metadata.get("seconds", "0"))
+    except (KeyError, ValueError) as e:
+        raise BadInput(unreadable.format(f"its step record: {e}")) from None
+    if not 0 <= step <= recipe.optim.steps or not math.isfinite(seconds) or seconds < 0:
+        raise BadInput(unreadable.format(f"step {step} of {recipe.optim.steps}, {seconds} s"))
     if made != parts:  # the randomness of a step depends on how it was split
         raise BadInput(f"{path} was trained with each step split into {made} micro-batch(es) (processes × "
                        f"--micro-batches); resume with the same product, not {parts}")
-    tensors = load_file(str(path))
     try:
         for prefix, group in (("model", modules), ("ema", ema or {})):
             for name, module in group.items():
@@ -295,4 +305,4 @@ def _load(path: Path, recipe: Recipe, modules, ema, optimizer, task: Task, parts
     except (RuntimeError, ValueError, KeyError) as e:  # the same recipe, an older cardtool's training state
         raise BadInput(f"{path} does not fit this version's training state ({str(e).splitlines()[0][:160]}); "
                        "start the run again in a new --run-dir") from None
-    return int(json.loads(metadata["step"])), float(metadata.get("loss", "nan")), float(metadata.get("seconds", "0"))
+    return step, loss, seconds

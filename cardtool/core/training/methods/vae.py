@@ -12,6 +12,7 @@ from cardtool.backends.vae_config import ConvVAEConfig
 from cardtool.core.data import Split
 from cardtool.core.training.recipes import Recipe, loss_number, only_keys
 from cardtool.core.training.trainer import Task
+from cardtool.errors import BadInput
 
 __all__ = ["VAETask", "to_unit", "psnr", "latents"]
 
@@ -25,6 +26,9 @@ def to_unit(images: np.ndarray) -> torch.Tensor:
 def latents(vae, images: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The posterior mean and standard deviation of uint8 images as the denoise loop's latents (scaled by the VAE's
     scaling factor), (N, C, 1, H, W): one-frame videos, in batches of 1,000."""
+    size = vae.config.image_size
+    if images.shape[1:] != (size, size):
+        raise BadInput(f"the VAE takes {size}×{size} images, the data are {images.shape[1]}×{images.shape[2]}")
     scale, means, stds = vae.config.scaling_factor, [], []
     for i in range(0, len(images), 1000):
         mean, logvar = vae.encode(to_unit(images[i:i + 1000]).to(device))

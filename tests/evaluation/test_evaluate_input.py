@@ -1,0 +1,26 @@
+"""`cardtool eval`'s settings are checked before the data, the floors or any model load."""
+
+from __future__ import annotations
+
+import pytest
+
+from cardtool.core.evaluation import evaluate as evaluate_module
+from cardtool.errors import BadInput
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"seed": -1}, r"seed must be in \[0, 2⁶³\), got -1"),
+    ({"seed": 2**63 - 1, "per_class": 2}, r"seed must be in \[0, 2⁶³\)"),  # the second image's seed is past it
+    ({"guidance": [2.0, float("nan")]}, "guidance must be a finite number"),
+    ({"steps": [2, 1001]}, "steps"),
+    ({"adapters": [("nope", 1.0)]}, "nope"),
+])
+def test_bad_settings_are_refused_before_anything_loads(examples, monkeypatch, settings, message):
+    def never(*args, **kwargs):
+        raise AssertionError("loaded before the settings were checked")
+
+    monkeypatch.setattr(evaluate_module, "load_split", never)
+    monkeypatch.setattr(evaluate_module, "ModelInstance", never)
+    with pytest.raises(BadInput, match=message):
+        evaluate_module.evaluate(str(examples / "tiny-base"), judge=str(examples / "tiny-judge"),
+                                 **{"per_class": 1, **settings})
