@@ -136,6 +136,29 @@ def test_a_loaded_card_generates_many_times_and_gives_the_one_shot_images(on_pat
     assert all((p == pixels[0]).all() for p in pixels), "the same request gives the same image however it is run"
 
 
+def test_the_python_api_takes_one_prompt_as_a_string_and_refuses_wrong_types(on_path, tmp_path):
+    """What the command line's parser guarantees, the API checks: a wrong type is BadInput naming the argument,
+    never a TypeError deep in the loop, nor a string sampled as one image per character."""
+    from cardtool.core.sampling.generate import LoadedCard
+    from cardtool.errors import BadInput
+
+    loaded = LoadedCard("tiny-base")
+    one = loaded.generate("a bag", steps=1, out=tmp_path / "one")
+    assert [image.metadata["prompt"] for image in one.images] == ["a bag"]
+    for arguments, message in [({"num": 2.5}, "num must be a whole number"), ({"seed": 1.5}, "seed must be a whole"),
+                               ({"steps": "3"}, "steps must be a whole number"), ({"steps": True}, "steps must be"),
+                               ({"guidance": "2"}, "guidance must be a number"),
+                               ({"best_of": 2.0, "reward": "tiny-judge"}, "best_of must be a whole number"),
+                               ({"guidance_interval": "0,1"}, "guidance_interval must be two numbers"),
+                               ({"adapters": {"invert": 1.0}}, r"adapters must be \(name, scale\) pairs"),
+                               ({"adapters": [("invert",)]}, r"adapters must be \(name, scale\) pairs")]:
+        with pytest.raises(BadInput, match=message):
+            loaded.generate(["a bag"], out=tmp_path / "bad", **arguments)
+    with pytest.raises(BadInput, match="prompts must be a list of strings"):
+        loaded.generate(None, out=tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+
+
 def read_png_pixels(path):
     import numpy as np
     from PIL import Image

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import numbers
 import re
 import tempfile
 import time
@@ -79,6 +80,10 @@ def plan_requests(card: Card, prompts: list[str], *, num: int = 1, seed: int = 0
 
     `adapters` (name, scale) replaces the loop's default stack; a `control` image joins the card's ControlNet to
     the stack when none is named, at `control_scale` (default 1)."""
+    if isinstance(prompts, str):  # one prompt, as diffusers' pipelines take it: not one image per character
+        prompts = [prompts]
+    _check_types(prompts, num=num, seed=seed, steps=steps, guidance=guidance, shift=shift,
+                 guidance_interval=guidance_interval, adapters=adapters, control_scale=control_scale)
     if not prompts:
         raise BadInput("no prompts: give -p PROMPT or --prompts-file FILE")
     if not 1 <= num <= MAX_IMAGES or len(prompts) * num > MAX_IMAGES:
@@ -107,6 +112,27 @@ def plan_requests(card: Card, prompts: list[str], *, num: int = 1, seed: int = 0
     for request in requests:
         request.check()
     return requests, warnings
+
+
+def _check_types(prompts, *, guidance_interval, adapters, **values) -> None:
+    """The Python API's arguments have the types the command line's parser guarantees: a wrong one is BadInput
+    naming it, not a TypeError deep in the loop or a value silently coerced."""
+    if not isinstance(prompts, (list, tuple)):
+        raise BadInput(f"prompts must be a list of strings (or one string), got {type(prompts).__name__}")
+    for name, value in values.items():
+        whole = name in ("num", "seed", "steps", "best_of", "max_batch")
+        kind = numbers.Integral if whole else numbers.Real
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            raise BadInput(f"{name} must be {'a whole number' if whole else 'a number'}, got {value!r}")
+    if guidance_interval is not None and not (
+            isinstance(guidance_interval, (list, tuple)) and len(guidance_interval) == 2
+            and all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in guidance_interval)):
+        raise BadInput(f"guidance_interval must be two numbers (LO, HI), got {guidance_interval!r}")
+    if adapters is not None and not (
+            isinstance(adapters, (list, tuple))
+            and all(isinstance(a, (list, tuple)) and len(a) == 2 and isinstance(a[0], str)
+                    and isinstance(a[1], numbers.Real) and not isinstance(a[1], bool) for a in adapters)):
+        raise BadInput(f"adapters must be (name, scale) pairs, e.g. [('mirror', 0.5)], got {adapters!r}"[:300])
 
 
 def adapter_stack(card: Card, stack: list[tuple[str, float]], control: ControlImage | None,
@@ -188,7 +214,7 @@ class LoadedCard:
         return picked.requests, list(picked.images), [{**e, **({"fused": "true"} if fused is not None else {})}
                                                       for e in picked.metadata()]
 
-    def generate(self, prompts: list[str], *, num: int = 1, seed: int = 0, steps: int | None = None,
+    def generate(self, prompts: str | list[str], *, num: int = 1, seed: int = 0, steps: int | None = None,
                  guidance: float | None = None, shift: float | None = None, solver: str | None = None,
                  guidance_interval: tuple[float, float] | None = None, precision: str | None = None,
                  out: str | Path = "outputs", grid: bool = False, strict: bool = False,
@@ -203,6 +229,11 @@ class LoadedCard:
         image file, a grey uint8 array or a ControlImage for the card's ControlNet, through `preprocessor` (default:
         the ControlNet's own); `fuse`: merge the stack's LoRAs into the base weights for this call, then restore
         them."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        _check_types(prompts, num=num, seed=seed, steps=steps, guidance=guidance, shift=shift, best_of=best_of,
+                     max_batch=max_batch, guidance_interval=guidance_interval, adapters=adapters,
+                     control_scale=control_scale)
         if max_batch < 1:
             raise BadInput(f"--max-batch must be at least 1, got {max_batch}")
         if best_of != 1 and reward is None:
@@ -305,8 +336,8 @@ def _fusing(loop: DenoiseLoop, stack: tuple):
             loop.fused = None
 
 
-def generate(card_ref: str, prompts: list[str], *, device: str | None = None, cache: TextFeatureCache | None = None,
-             precision: str | None = None, **options) -> GenerateReport:
+def generate(card_ref: str, prompts: str | list[str], *, device: str | None = None,
+             cache: TextFeatureCache | None = None, precision: str | None = None, **options) -> GenerateReport:
     """One call: load the card, generate (options as `LoadedCard.generate`), done."""
     return LoadedCard(card_ref, device=device, cache=cache, precision=precision).generate(prompts, **options)
 
