@@ -27,6 +27,7 @@ from cardtool.core.training.methods.nft import NFT_DEFAULTS, nft_loss, old_polic
 from cardtool.core.training.methods.rollouts import group_advantages
 from cardtool.core.training.rl import make_task, rl, rl_recipe
 from cardtool.core.training.trainer import CHECKPOINT, train_loop
+from cardtool.errors import BadInput
 
 TINY = ["optim.batch_size=2", "loss.group_size=8", "loss.rollout_steps=3", "train.precision=float32",
         "train.checkpoint_every=2", "train.log_every=1", "card.storage=float32"]
@@ -254,6 +255,20 @@ def test_the_guided_reference_applies_cfg_on_the_guidance_interval_only():
     x, text = torch.zeros(2, 1, 1, 2, 2), torch.ones(2, 3, 2)
     v = guided(x, torch.tensor([0.2, 0.8]), text, torch.ones(2, 3, dtype=torch.bool))
     assert v[0].unique().tolist() == [4.0] and v[1].unique().tolist() == [1.0], "0 + 4·(1 − 0) inside, 1 outside"
+
+
+def test_the_reference_takes_its_own_scale_and_interval_or_the_cards(examples):
+    base = examples / "tiny-base"
+    card = load_card(base)
+    chosen = make_task(recipe(base, extra=["loss.reference_guidance=6", "loss.reference_interval=[0, 0.3]"]), CPU,
+                       card, Brightness(), ["a bag"]).reference_velocity
+    assert (chosen.guidance, tuple(chosen.interval)) == (6.0, (0.0, 0.3))
+    served = make_task(recipe(base, extra=["loss.reference_guidance=null"]), CPU, card, Brightness(),
+                       ["a bag"]).reference_velocity
+    defaults = card.manifest.loops["denoise"].defaults
+    assert (served.guidance, tuple(served.interval)) == (defaults["guidance"], (0.0, 1.0))
+    with pytest.raises(BadInput, match="reference_interval must be"):
+        make_task(recipe(base, extra=["loss.reference_interval=[0.5, 0.1]"]), CPU, card, Brightness(), ["a bag"])
 
 
 def test_rl_with_lora_trains_an_adapter_on_the_frozen_base(examples, tmp_path):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from cardtool.backends.platform import Platform
 from cardtool.core import distributed
@@ -48,10 +48,18 @@ class RolloutSettings(LossSettings):
     # the reference's CFG scale in that term: 1 is the base's conditional velocity alone; None is the base as its card
     # serves it (its loop's guidance and interval), so the tuned policy is held near the guided sampler
     reference_guidance: float | None = Field(1.0, ge=1)
+    reference_interval: tuple[float, float] | None = None  # the σ range that scale guides (None: the card's)
     advantage_clip: float = Field(5.0, gt=0)
     # rewards above the cap count as the cap in the advantages: samples the reward already rates that high are
     # equally good, so the policy is pushed away from the poorly rated ones, not toward the reward's mode
     reward_cap: float | None = None
+
+    @model_validator(mode="after")
+    def _interval(self):
+        value = self.reference_interval
+        if value is not None and not 0 <= value[0] <= value[1] <= 1:
+            raise ValueError(f"reference_interval must be [LO, HI] with 0 ≤ LO ≤ HI ≤ 1, got {list(value)}")
+        return self
 
 
 def group_advantages(rewards: np.ndarray, *, global_std: bool) -> np.ndarray:
@@ -102,7 +110,7 @@ class RewardTask(Task):
         self.updates, self.kl = recipe.optim.steps, s.kl  # self.kl: this update's KL weight (`prepare`)
         self.device, self.name, self.cache = platform.torch_device, frozen.name, frozen.cache
         # the KL term's reference: the plain base (guidance 1), or the base as its card serves it (None)
-        self.reference_velocity = frozen.guided(s.reference_guidance)
+        self.reference_velocity = frozen.guided(s.reference_guidance, s.reference_interval)
         torch.manual_seed(recipe.train.seed)
         self.policy = frozen.copy(self.lora)
         self.loop = frozen.serving(self.sampler())
