@@ -65,7 +65,8 @@ def read_source(file: Path) -> Source:
     try:
         info = file.stat()
         if not stat.S_ISREG(info.st_mode):
-            raise CardValidationError.at(shown, 1, 1, "", "not a regular file", "give a card.yaml or card.toml file")
+            raise CardValidationError.at(shown, 1, 1, "", "not a regular file",
+                                         "give a YAML or TOML file (a card, a recipe, a workflow)")
         if info.st_size > MAX_BYTES:
             raise CardValidationError.at(shown, 1, 1, "", f"{info.st_size} bytes: larger than the {MAX_BYTES}-byte "
                                          "limit for a manifest", "keep large results in files beside the card")
@@ -181,7 +182,7 @@ def _check_events(yaml, text: str, shown: str, loader_class) -> None:
         if isinstance(event, yaml.AliasEvent):
             mark = event.start_mark
             raise CardValidationError.at(shown, mark.line + 1, mark.column + 1, "",
-                                         f"YAML alias *{event.anchor}: aliases are not allowed in manifests",
+                                         f"YAML alias *{event.anchor}: aliases are not allowed",
                                          "write the value out (a card derives from another with extends)")
         if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
             depth += 1
@@ -203,7 +204,7 @@ def _check_scalars(yaml, loader, node, shown: str) -> None:
         if node.tag not in _PLAIN_TAGS:
             name = node.tag.rsplit(":", 1)[-1]
             raise CardValidationError.at(shown, mark.line + 1, mark.column + 1, "",
-                                         f"YAML type {name!r} is not allowed in manifests",
+                                         f"YAML type {name!r} is not allowed",
                                          "use text, numbers, booleans, lists and mappings (quote dates)")
         if isinstance(node, yaml.ScalarNode):
             implicit = loader.resolve(yaml.ScalarNode, node.value, (True, False))
