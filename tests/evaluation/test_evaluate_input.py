@@ -14,6 +14,8 @@ from cardtool.errors import BadInput
     ({"guidance": [2.0, float("nan")]}, "guidance must be a finite number"),
     ({"steps": [2, 1001]}, "steps"),
     ({"adapters": [("nope", 1.0)]}, "nope"),
+    ({"per_class": 2.5}, "--per-class must be a whole number"),
+    ({"per_class": 0}, "--per-class must be a whole number, at least 1"),
 ])
 def test_bad_settings_are_refused_before_anything_loads(examples, monkeypatch, settings, message):
     def never(*args, **kwargs):

@@ -82,8 +82,8 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
              precision: list[str] | None = None, on_row: Callable[[EvalRow], None] | None = None,
              adapters: list[tuple[str, float]] | None = None) -> EvalReport:
     """`adapters`: the stack every image uses instead of the card's default one (see Adapters in the README)."""
-    if per_class < 1:
-        raise BadInput(f"--per-class must be at least 1, got {per_class}")
+    if not isinstance(per_class, int) or isinstance(per_class, bool) or per_class < 1:
+        raise BadInput(f"--per-class must be a whole number, at least 1, got {per_class!r}")
     card = load_card(card_ref)
     prompts = [class_prompt(label) for label in range(len(CLASS_NAMES))]
     # every row's requests, planned (and so checked: steps, guidance, seeds, adapters) before any model loads
