@@ -11,7 +11,7 @@ from pydantic import Field, model_validator
 from cardtool.backends.component_config import ComponentConfig, Count, FiniteFloat, Size
 from cardtool.errors import BadInput
 
-__all__ = ["WanDiTConfig"]
+__all__ = ["WanDiTConfig", "from_diffusers"]
 
 PatchSize = Annotated[int, Field(strict=True, ge=1, le=16)]
 
@@ -81,6 +81,44 @@ class WanDiTConfig(ComponentConfig):
                 "in_channels": self.in_channels, "out_channels": self.out_channels, "text_dim": self.text_dim,
                 "freq_dim": self.freq_dim, "ffn_dim": self.ffn_dim, "num_layers": self.depth,
                 "cross_attn_norm": self.cross_attn_norm, "qk_norm": "rms_norm_across_heads", "eps": self.eps}
+
+
+# diffusers' WanTransformer3DModel arguments that wan-dit has no part for (image-to-video conditioning); each must be
+# null in a config.json it imports. rope_max_seq_len only bounds the positions its table holds: ours are computed.
+_DIFFUSERS_UNSUPPORTED = ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len")
+_DIFFUSERS_KNOWN = {"patch_size", "num_attention_heads", "attention_head_dim", "in_channels", "out_channels",
+                    "text_dim", "freq_dim", "ffn_dim", "num_layers", "cross_attn_norm", "qk_norm", "eps",
+                    "rope_max_seq_len", *_DIFFUSERS_UNSUPPORTED}
+
+
+def from_diffusers(config: dict) -> WanDiTConfig:
+    """The wan-dit config of a diffusers `WanTransformer3DModel` config.json (the inverse of `to_diffusers`): Wan2.1
+    semantics, so `text_mask` is false. Keys starting with `_` are diffusers' bookkeeping; any other key this
+    mapping does not know, or an image-to-video part, is BadInput rather than a model silently built without it."""
+    unknown = sorted(k for k in config if not k.startswith("_") and k not in _DIFFUSERS_KNOWN)
+    if unknown:
+        raise BadInput(f"config.json sets {', '.join(unknown)}, which a wan-dit does not know; it cannot be the same "
+                       "model")
+    present = [k for k in _DIFFUSERS_UNSUPPORTED if config.get(k) is not None]
+    if present:
+        raise BadInput(f"config.json sets {', '.join(present)}: image-to-video conditioning, which a wan-dit (text to "
+                       "image or video) does not have")
+    if config.get("qk_norm", "rms_norm_across_heads") != "rms_norm_across_heads":
+        raise BadInput(f"config.json's qk_norm is {config['qk_norm']!r}; a wan-dit normalises q and k with "
+                       "rms_norm_across_heads (Wan2.1's)")
+    defaults = WanDiTConfig()
+    heads = config.get("num_attention_heads", 40)
+    head_dim = config.get("attention_head_dim", 128)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (heads, head_dim)):
+        raise BadInput(f"config.json: num_attention_heads and attention_head_dim must be whole numbers, got {heads!r}, "
+                       f"{head_dim!r}")
+    card = {"dim": heads * head_dim, "heads": heads, "depth": config.get("num_layers", 40),
+            "ffn_dim": config.get("ffn_dim", 13824), "in_channels": config.get("in_channels", 16),
+            "out_channels": config.get("out_channels", 16), "text_dim": config.get("text_dim", 4096),
+            "freq_dim": config.get("freq_dim", 256), "patch": config.get("patch_size", [1, 2, 2]),
+            "eps": config.get("eps", defaults.eps), "cross_attn_norm": config.get("cross_attn_norm", True),
+            "text_mask": False}
+    return WanDiTConfig.from_card(card, "wan-dit (from config.json)")
 
 
 def _linear(name: str, d_in: int, d_out: int) -> dict[str, tuple[int, ...]]:

@@ -205,3 +205,28 @@ def compose_command(
         return
     console().print(f"wrote {card.id} to {display_path(card.folder)}: {', '.join(adapters)} on "
                     f"{card.manifest.recipe.parents[0]}", markup=False)
+
+
+@app.command("import")
+def import_command(
+    source: Annotated[Path, typer.Argument(help="A diffusers WanTransformer3DModel folder (config.json + "
+                                           "safetensors), or a model folder with one in transformer/.")],
+    base: Annotated[str, typer.Option("--base", help="The card whose text encoder, VAE and loop it uses.")],
+    card_id: Annotated[str, typer.Option("--id", help="The new card's id.")],
+    out: Annotated[Path | None, typer.Option("--out", help="The card folder (default cards/ID).")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing card folder.")] = False,
+    json_: JsonOption = False,
+) -> None:
+    """A card from a transformer in diffusers' layout, on another card's text encoder and VAE."""
+    from cardtool.core.cards.diffusers_import import import_diffusers
+    from cardtool.core.cards.source import display_path
+
+    with handled(json_):
+        card = import_diffusers(source, base, card_id, out, overwrite=overwrite)
+    config = card.manifest.components["transformer"].config
+    if json_:
+        emit_json({"card": card.id, "path": display_path(card.folder), "extends": card.manifest.extends,
+                   "transformer": config})
+        return
+    console().print(f"wrote {card.id} to {display_path(card.folder)}: a wan-dit of {config['depth']} blocks, "
+                    f"width {config['dim']}, on {card.manifest.recipe.parents[0]}", markup=False)

@@ -1,0 +1,131 @@
+"""`cardtool cards import SOURCE --base CARD --id ID`: a transformer in diffusers' layout — a `WanTransformer3DModel`
+folder (`config.json` and `diffusion_pytorch_model.safetensors`, or its shards with their `.index.json`), or a model
+folder holding one under `transformer/` (a pipeline, or a `cards export`) — as a card. The card extends BASE, whose
+text encoder, VAE and loop it uses, and replaces the transformer; BASE's adapters, made for BASE's transformer, are
+not carried over. Weights are read with safetensors only; a pickle checkpoint is refused."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+from cardtool.core.cards.discovery import locate
+from cardtool.core.cards.loader import Card, load_card
+from cardtool.errors import BadInput
+from cardtool.files import is_regular_file, read_small_file
+
+__all__ = ["import_diffusers"]
+
+DIFFUSERS_CLASS = "WanTransformer3DModel"
+WEIGHTS = "diffusion_pytorch_model.safetensors"
+STORAGE = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
+
+
+def import_diffusers(source: Path, base_ref: str, card_id: str, out: Path | None = None, *, overwrite: bool = False,
+                     command: str | None = None) -> Card:
+    """Write the card for the diffusers transformer at `source` on `base_ref`'s other components."""
+    from cardtool.backends.wan_config import from_diffusers
+    from cardtool.core.cards.writer import write_card
+    from cardtool.core.training.derived import extends_reference
+
+    folder = _transformer_folder(Path(source))
+    text, reason = read_small_file(folder / "config.json")
+    if reason:
+        raise BadInput(f"cannot read the transformer's config: {reason}")
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadInput(f"{folder / 'config.json'} is not JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise BadInput(f"{folder / 'config.json'} is not a JSON object")
+    if config.get("_class_name", DIFFUSERS_CLASS) != DIFFUSERS_CLASS:
+        raise BadInput(f"{folder} holds a {config['_class_name']}; cardtool imports a {DIFFUSERS_CLASS} (Wan2.1's DiT)")
+    dit = from_diffusers(config)
+    state = _weights(folder)
+    expected = dit.tensors()
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise BadInput(f"the weights do not fit config.json: missing {_few(missing)}; unexpected {_few(unexpected)}")
+    wrong = [k for k, shape in expected.items() if tuple(state[k].shape) != shape]
+    if wrong:
+        k = wrong[0]
+        raise BadInput(f"the weights do not fit config.json: {k} is {tuple(state[k].shape)}, not {expected[k]} "
+                       f"({len(wrong)} tensors differ)")
+    dtypes = {str(v.dtype) for v in state.values()}
+    if len(dtypes) != 1 or not dtypes <= set(STORAGE):
+        raise BadInput(f"the weights are {', '.join(sorted(dtypes))}; a card stores one of float32, float16, bfloat16")
+
+    base = load_card(locate(base_ref))
+    dits = [n for n, c in base.manifest.components.items() if c.kind == "dit"]
+    if dits != ["transformer"] or "denoise" not in base.manifest.loops:
+        raise BadInput(f"base '{base.id}' has no denoise loop over a `transformer` DiT for the import to replace")
+    out = Path(out or Path("cards") / card_id)
+    loop_defaults = base.manifest.loops["denoise"].defaults
+    manifest = {
+        "schema": "cardtool/v1", "id": card_id,
+        "description": f"{DIFFUSERS_CLASS} imported from {folder.name}, on {base.id}'s text encoder and VAE",
+        "extends": extends_reference(base, out),
+        "components": {"transformer": {"kind": "dit", "impl": "wan-dit", "config": dit.to_card(),
+                                       "weights": "transformer.safetensors"}},
+        # the base's adapters fit the base's transformer, not this one
+        **({"adapters": {name: None for name in base.manifest.adapters}} if base.manifest.adapters else {}),
+        **({"loops": {"denoise": {"defaults": {"adapters": None}}}} if loop_defaults.get("adapters") else {}),
+        "recipe": {"method": "import", "parents": [base.id], "assumes": {"loop": "denoise"},
+                   "command": command or shlex.join(["cardtool", "cards", "import", str(source), "--base", base_ref,
+                                                     "--id", card_id])},
+        "parity": {"consistency": "C1"}}
+    return write_card(out, manifest, {"transformer.safetensors": state}, storage=STORAGE[dtypes.pop()],
+                      overwrite=overwrite)
+
+
+def _transformer_folder(source: Path) -> Path:
+    for folder in (source, source / "transformer"):
+        if is_regular_file(folder / "config.json") and (
+                is_regular_file(folder / WEIGHTS) or is_regular_file(folder / f"{WEIGHTS}.index.json")):
+            return folder
+    pickled = [p.name for p in (source.glob("*.bin") if source.is_dir() else [])]
+    if pickled:
+        raise BadInput(f"{source} holds {', '.join(pickled)}: pickle checkpoints are never loaded; save the model with "
+                       "safetensors (save_pretrained(..., safe_serialization=True))")
+    raise BadInput(f"{source} is not a diffusers transformer folder: no config.json with {WEIGHTS} (or its "
+                   "shards' .index.json) in it or in its transformer/ folder")
+
+
+def _weights(folder: Path) -> dict:
+    """The state dict, from one file or from the shards an index names (each inside the folder)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    index = folder / f"{WEIGHTS}.index.json"
+    if is_regular_file(folder / WEIGHTS):
+        files = [folder / WEIGHTS]
+    else:
+        text, reason = read_small_file(index, limit=16 << 20)
+        try:
+            weight_map = json.loads(text)["weight_map"] if not reason else None
+        except (json.JSONDecodeError, KeyError, TypeError):
+            weight_map = None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise BadInput(f"{index}: {reason or 'not a safetensors index (no weight_map of file names)'}")
+        files = []
+        for name in sorted(set(weight_map.values())):
+            shard = (folder / name).resolve()
+            if shard.parent != folder.resolve() or not is_regular_file(shard):
+                raise BadInput(f"{index} names {name!r}, which is not a file in {folder}")
+            files.append(shard)
+    state = {}
+    for file in files:
+        try:
+            tensors = load_file(str(file))
+        except (SafetensorError, OSError) as e:
+            raise BadInput(f"{file} is not a readable safetensors file: {str(e).splitlines()[0][:160]}") from None
+        twice = sorted(tensors.keys() & state.keys())
+        if twice:
+            raise BadInput(f"{_few(twice)} in two shards")
+        state.update(tensors)
+    return state
+
+
+def _few(names: list[str]) -> str:
+    return (", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")) or "none"

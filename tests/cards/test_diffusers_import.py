@@ -1,0 +1,112 @@
+"""`cardtool cards import`: a diffusers WanTransformer3DModel folder (one file or shards) becomes a card on another
+card's text encoder and VAE, and gives diffusers' velocity; what cannot be the same model is refused (exit 2)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from cardtool.backends.platform import Platform
+from cardtool.cli import app
+from cardtool.core.cards.loader import load_card
+from cardtool.core.sampling.denoise import DenoiseLoop, Request
+from cardtool.core.sampling.instance import ModelInstance
+from cardtool.core.sampling.text_cache import TextFeatureCache
+
+diffusers = pytest.importorskip("diffusers")
+
+TINY = {"patch_size": (1, 2, 2), "num_attention_heads": 2, "attention_head_dim": 16, "in_channels": 4,
+        "out_channels": 4, "text_dim": 384, "freq_dim": 64, "ffn_dim": 64, "num_layers": 2}
+
+
+def peer(**changes):
+    torch.manual_seed(0)
+    return diffusers.WanTransformer3DModel(**{**TINY, **changes}).eval()
+
+
+def run_import(source, base, out, *extra):
+    return CliRunner().invoke(app, ["cards", "import", str(source), "--base", str(base), "--id", "imported",
+                                    "--out", str(out), "--json", *extra])
+
+
+def velocity_gap(card_folder, model) -> tuple[float, float]:
+    loop = DenoiseLoop(ModelInstance(load_card(card_folder), Platform("cpu", "generic"), "float32"),
+                       cache=TextFeatureCache(disk=False))
+    states = loop.init([Request(p, seed=i, guidance=1.0) for i, p in enumerate(["an ankle boot", "a bag"])])
+    x = torch.cat([s.latents for s in states])
+    t = torch.tensor([700.0, 250.0])
+    text, mask = torch.cat([s.cond[0] for s in states]), torch.cat([s.cond[1] for s in states])
+    with torch.no_grad():
+        ours = loop.instance.component("transformer")(x, t, text, mask)
+        theirs = model(x, t, text, return_dict=False)[0]
+    return float(ours.abs().max()), float((ours - theirs).abs().max())
+
+
+@pytest.mark.parametrize("shards", [None, "40KB"])
+def test_a_diffusers_transformer_imports_as_a_card_with_diffusers_velocity(examples, tmp_path, shards):
+    model = peer()
+    model.save_pretrained(tmp_path / "dm", **({"max_shard_size": shards} if shards else {}))
+    if shards:
+        assert len(list((tmp_path / "dm").glob("*.safetensors"))) > 1
+    result = run_import(tmp_path / "dm", examples / "tiny-base", tmp_path / "card")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["transformer"]["dim"] == 32
+    card = load_card(tmp_path / "card", checksums=True)
+    m = card.manifest
+    assert m.recipe.method == "import" and m.recipe.parents == ["tiny-base"]
+    assert m.components["transformer"].config["text_mask"] is False, "diffusers' semantics: no text mask"
+    assert not m.adapters, "tiny-base's LoRA was made for tiny-base's transformer"
+    size, gap = velocity_gap(tmp_path / "card", model)
+    assert size > 0.1 and gap <= 1e-5
+
+
+def test_an_export_imports_back_as_the_same_transformer(examples, tmp_path):
+    exported = CliRunner().invoke(app, ["cards", "export", str(examples / "tiny-rl"), "--out", str(tmp_path / "hf")])
+    assert exported.exit_code == 0, exported.output
+    assert run_import(tmp_path / "hf", examples / "tiny-base", tmp_path / "back").exit_code == 0
+    model = diffusers.WanTransformer3DModel.from_pretrained(tmp_path / "hf" / "transformer").eval()
+    assert velocity_gap(tmp_path / "back", model)[1] <= 1e-5
+
+
+@pytest.mark.parametrize(("case", "message"), [
+    ("image_to_video", "image_dim: image-to-video conditioning"),
+    ("unknown_key", "sets future_option, which a wan-dit does not know"),
+    ("wrong_shapes", "the weights do not fit config.json"),
+    ("pickle", "pickle checkpoints are never loaded"),
+    ("not_json", "is not JSON"),
+    ("escaping_shard", "which is not a file in"),
+    ("another_class", "holds a UNet2DModel"),
+    ("empty", "is not a diffusers transformer folder"),
+])
+def test_what_cannot_be_the_same_model_is_refused(examples, tmp_path, case, message):
+    source = tmp_path / "dm"
+    model = peer(image_dim=32) if case == "image_to_video" else peer()
+    model.save_pretrained(source, safe_serialization=case != "pickle",
+                          **({"max_shard_size": "40KB"} if case == "escaping_shard" else {}))
+    config_file = source / "config.json"
+    config = json.loads(config_file.read_text())
+    if case == "unknown_key":
+        config["future_option"] = 1
+    elif case == "wrong_shapes":
+        config["ffn_dim"] = 96
+    elif case == "another_class":
+        config["_class_name"] = "UNet2DModel"
+    config_file.write_text(json.dumps(config))
+    if case == "not_json":
+        config_file.write_text("{not json")
+    elif case == "escaping_shard":
+        index = source / "diffusion_pytorch_model.safetensors.index.json"
+        data = json.loads(index.read_text())
+        first = next(iter(data["weight_map"]))
+        data["weight_map"][first] = "../elsewhere.safetensors"
+        index.write_text(json.dumps(data))
+    elif case == "empty":
+        source = tmp_path / "nothing"
+        source.mkdir()
+    result = run_import(source, examples / "tiny-base", tmp_path / "card")
+    assert result.exit_code == 2, result.output
+    assert message in json.loads(result.stdout)["error"]["message"] and "Traceback" not in result.output
+    assert not (tmp_path / "card").exists()
