@@ -214,6 +214,8 @@ def import_command(
     base: Annotated[str, typer.Option("--base", help="The card whose text encoder, VAE and loop it uses.")],
     card_id: Annotated[str, typer.Option("--id", help="The new card's id.")],
     out: Annotated[Path | None, typer.Option("--out", help="The card folder (default cards/ID).")] = None,
+    variant: Annotated[str | None, typer.Option("--variant", help="diffusers' weights variant, e.g. fp16 "
+                                                "(diffusion_pytorch_model.fp16.safetensors).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing card folder.")] = False,
     json_: JsonOption = False,
 ) -> None:
@@ -222,7 +224,7 @@ def import_command(
     from cardtool.core.cards.source import display_path
 
     with handled(json_):
-        card = import_diffusers(source, base, card_id, out, overwrite=overwrite)
+        card = import_diffusers(source, base, card_id, out, variant=variant, overwrite=overwrite)
     config = card.manifest.components["transformer"].config
     if json_:
         emit_json({"card": card.id, "path": display_path(card.folder), "extends": card.manifest.extends,

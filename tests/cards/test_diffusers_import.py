@@ -71,6 +71,26 @@ def test_an_export_imports_back_as_the_same_transformer(examples, tmp_path):
     assert velocity_gap(tmp_path / "back", model)[1] <= 1e-5
 
 
+def test_a_bf16_checkpoint_with_float32_norms_and_a_variant_import_losslessly(examples, tmp_path):
+    """diffusers keeps a bf16 model's norms and modulation in float32: the card stores the widest precision."""
+    peer().save_pretrained(tmp_path / "f32")
+    mixed = diffusers.WanTransformer3DModel.from_pretrained(tmp_path / "f32", torch_dtype=torch.bfloat16)
+    mixed.save_pretrained(tmp_path / "mixed", variant="bf16")
+    result = run_import(tmp_path / "mixed", examples / "tiny-base", tmp_path / "card")
+    assert result.exit_code == 2 and "holds the variant(s) bf16: pass --variant" in json.loads(result.stdout)[
+        "error"]["message"]
+    assert run_import(tmp_path / "mixed", examples / "tiny-base", tmp_path / "card", "--variant", "bf16").exit_code == 0
+    from safetensors.torch import load_file
+
+    stored = load_file(str(tmp_path / "card" / "transformer.safetensors"))
+    original = {k: v.float() for k, v in mixed.state_dict().items()}
+    assert {v.dtype for v in stored.values()} == {torch.float32}
+    assert all(torch.equal(stored[k], original[k]) for k in original), "bf16 values kept exactly"
+    upcast = diffusers.WanTransformer3DModel.from_pretrained(tmp_path / "mixed", variant="bf16",
+                                                             torch_dtype=torch.float32).eval()
+    assert velocity_gap(tmp_path / "card", upcast)[1] <= 1e-5
+
+
 @pytest.mark.parametrize(("case", "message"), [
     ("image_to_video", "image_dim: image-to-video conditioning"),
     ("unknown_key", "sets future_option, which a wan-dit does not know"),

@@ -7,6 +7,7 @@ not carried over. Weights are read with safetensors only; a pickle checkpoint is
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from pathlib import Path
 
@@ -22,14 +23,18 @@ WEIGHTS = "diffusion_pytorch_model.safetensors"
 STORAGE = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
 
 
-def import_diffusers(source: Path, base_ref: str, card_id: str, out: Path | None = None, *, overwrite: bool = False,
-                     command: str | None = None) -> Card:
-    """Write the card for the diffusers transformer at `source` on `base_ref`'s other components."""
+def import_diffusers(source: Path, base_ref: str, card_id: str, out: Path | None = None, *, variant: str | None = None,
+                     overwrite: bool = False, command: str | None = None) -> Card:
+    """Write the card for the diffusers transformer at `source` on `base_ref`'s other components; `variant` picks
+    diffusers' `diffusion_pytorch_model.VARIANT.safetensors` files."""
     from cardtool.backends.wan_config import from_diffusers
     from cardtool.core.cards.writer import write_card
     from cardtool.core.training.derived import extends_reference
 
-    folder = _transformer_folder(Path(source))
+    if variant is not None and not re.fullmatch(r"[A-Za-z0-9_-]{1,32}", variant):
+        raise BadInput(f"--variant {variant!r}: a variant is a short name such as fp16")
+    weights = f"diffusion_pytorch_model.{variant}.safetensors" if variant else WEIGHTS
+    folder = _transformer_folder(Path(source), weights)
     text, reason = read_small_file(folder / "config.json")
     if reason:
         raise BadInput(f"cannot read the transformer's config: {reason}")
@@ -42,7 +47,7 @@ def import_diffusers(source: Path, base_ref: str, card_id: str, out: Path | None
     if config.get("_class_name", DIFFUSERS_CLASS) != DIFFUSERS_CLASS:
         raise BadInput(f"{folder} holds a {config['_class_name']}; cardtool imports a {DIFFUSERS_CLASS} (Wan2.1's DiT)")
     dit = from_diffusers(config)
-    state = _weights(folder)
+    state = _weights(folder, weights)
     expected = dit.tensors()
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
@@ -53,8 +58,10 @@ def import_diffusers(source: Path, base_ref: str, card_id: str, out: Path | None
         raise BadInput(f"the weights do not fit config.json: {k} is {tuple(state[k].shape)}, not {expected[k]} "
                        f"({len(wrong)} tensors differ)")
     dtypes = {str(v.dtype) for v in state.values()}
-    if len(dtypes) != 1 or not dtypes <= set(STORAGE):
-        raise BadInput(f"the weights are {', '.join(sorted(dtypes))}; a card stores one of float32, float16, bfloat16")
+    if not dtypes <= set(STORAGE):
+        raise BadInput(f"the weights are {', '.join(sorted(dtypes))}; a card stores float32, float16 or bfloat16")
+    # one precision for the file, losing nothing: diffusers keeps norms and modulation float32 in a bf16 model
+    storage = STORAGE[dtypes.pop()] if len(dtypes) == 1 else "float32"
 
     base = load_card(locate(base_ref))
     dits = [n for n, c in base.manifest.components.items() if c.kind == "dit"]
@@ -73,33 +80,36 @@ def import_diffusers(source: Path, base_ref: str, card_id: str, out: Path | None
         **({"loops": {"denoise": {"defaults": {"adapters": None}}}} if loop_defaults.get("adapters") else {}),
         "recipe": {"method": "import", "parents": [base.id], "assumes": {"loop": "denoise"},
                    "command": command or shlex.join(["cardtool", "cards", "import", str(source), "--base", base_ref,
-                                                     "--id", card_id])},
+                                                     "--id", card_id, *(["--variant", variant] if variant else [])])},
         "parity": {"consistency": "C1"}}
-    return write_card(out, manifest, {"transformer.safetensors": state}, storage=STORAGE[dtypes.pop()],
-                      overwrite=overwrite)
+    return write_card(out, manifest, {"transformer.safetensors": state}, storage=storage, overwrite=overwrite)
 
 
-def _transformer_folder(source: Path) -> Path:
+def _transformer_folder(source: Path, weights: str) -> Path:
     for folder in (source, source / "transformer"):
         if is_regular_file(folder / "config.json") and (
-                is_regular_file(folder / WEIGHTS) or is_regular_file(folder / f"{WEIGHTS}.index.json")):
+                is_regular_file(folder / weights) or is_regular_file(folder / f"{weights}.index.json")):
             return folder
-    pickled = [p.name for p in (source.glob("*.bin") if source.is_dir() else [])]
+    names = [p.name for folder in (source, source / "transformer") if folder.is_dir() for p in folder.iterdir()]
+    pickled = [n for n in names if n.endswith(".bin")]
     if pickled:
         raise BadInput(f"{source} holds {', '.join(pickled)}: pickle checkpoints are never loaded; save the model with "
                        "safetensors (save_pretrained(..., safe_serialization=True))")
-    raise BadInput(f"{source} is not a diffusers transformer folder: no config.json with {WEIGHTS} (or its "
-                   "shards' .index.json) in it or in its transformer/ folder")
+    variants = sorted({m[1] for n in names if (m := re.fullmatch(r"diffusion_pytorch_model\.([^.]+)\.safetensors"
+                                                                  r"(?:\.index\.json)?", n))})
+    raise BadInput(f"{source} is not a diffusers transformer folder: no config.json with {weights} (or its "
+                   "shards' .index.json) in it or in its transformer/ folder"
+                   + (f"; it holds the variant(s) {', '.join(variants)}: pass --variant" if variants else ""))
 
 
-def _weights(folder: Path) -> dict:
+def _weights(folder: Path, weights: str) -> dict:
     """The state dict, from one file or from the shards an index names (each inside the folder)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    index = folder / f"{WEIGHTS}.index.json"
-    if is_regular_file(folder / WEIGHTS):
-        files = [folder / WEIGHTS]
+    index = folder / f"{weights}.index.json"
+    if is_regular_file(folder / weights):
+        files = [folder / weights]
     else:
         text, reason = read_small_file(index, limit=16 << 20)
         try:
