@@ -156,6 +156,8 @@ def test_the_python_api_takes_one_prompt_as_a_string_and_refuses_wrong_types(on_
             loaded.generate(["a bag"], out=tmp_path / "bad", **arguments)
     with pytest.raises(BadInput, match="prompts must be a list of strings"):
         loaded.generate(None, out=tmp_path / "bad")
+    with pytest.raises(BadInput, match="steps must be a whole number"):  # one prompt as a string: checked alike
+        loaded.generate("a bag", steps="3", out=tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
 
 

@@ -80,10 +80,8 @@ def plan_requests(card: Card, prompts: list[str], *, num: int = 1, seed: int = 0
 
     `adapters` (name, scale) replaces the loop's default stack; a `control` image joins the card's ControlNet to
     the stack when none is named, at `control_scale` (default 1)."""
-    if isinstance(prompts, str):  # one prompt, as diffusers' pipelines take it: not one image per character
-        prompts = [prompts]
-    _check_types(prompts, num=num, seed=seed, steps=steps, guidance=guidance, shift=shift,
-                 guidance_interval=guidance_interval, adapters=adapters, control_scale=control_scale)
+    prompts = _checked(prompts, num=num, seed=seed, steps=steps, guidance=guidance, shift=shift,
+                       guidance_interval=guidance_interval, adapters=adapters, control_scale=control_scale)
     if not prompts:
         raise BadInput("no prompts: give -p PROMPT or --prompts-file FILE")
     if not 1 <= num <= MAX_IMAGES or len(prompts) * num > MAX_IMAGES:
@@ -114,9 +112,11 @@ def plan_requests(card: Card, prompts: list[str], *, num: int = 1, seed: int = 0
     return requests, warnings
 
 
-def _check_types(prompts, *, guidance_interval, adapters, **values) -> None:
-    """The Python API's arguments have the types the command line's parser guarantees: a wrong one is BadInput
-    naming it, not a TypeError deep in the loop or a value silently coerced."""
+def _checked(prompts, *, guidance_interval, adapters, **values) -> list[str] | tuple[str, ...]:
+    """The prompts — one string is one prompt, as diffusers' pipelines take it, not one image per character — once
+    the Python API's arguments have the types the command line's parser guarantees: a wrong one is BadInput naming
+    it, not a TypeError deep in the loop or a value silently coerced."""
+    prompts = [prompts] if isinstance(prompts, str) else prompts
     if not isinstance(prompts, (list, tuple)):
         raise BadInput(f"prompts must be a list of strings (or one string), got {type(prompts).__name__}")
     for name, value in values.items():
@@ -133,6 +133,7 @@ def _check_types(prompts, *, guidance_interval, adapters, **values) -> None:
             and all(isinstance(a, (list, tuple)) and len(a) == 2 and isinstance(a[0], str)
                     and isinstance(a[1], numbers.Real) and not isinstance(a[1], bool) for a in adapters)):
         raise BadInput(f"adapters must be (name, scale) pairs, e.g. [('mirror', 0.5)], got {adapters!r}"[:300])
+    return prompts
 
 
 def adapter_stack(card: Card, stack: list[tuple[str, float]], control: ControlImage | None,
@@ -229,11 +230,9 @@ class LoadedCard:
         image file, a grey uint8 array or a ControlImage for the card's ControlNet, through `preprocessor` (default:
         the ControlNet's own); `fuse`: merge the stack's LoRAs into the base weights for this call, then restore
         them."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        _check_types(prompts, num=num, seed=seed, steps=steps, guidance=guidance, shift=shift, best_of=best_of,
-                     max_batch=max_batch, guidance_interval=guidance_interval, adapters=adapters,
-                     control_scale=control_scale)
+        prompts = _checked(prompts, num=num, seed=seed, steps=steps, guidance=guidance, shift=shift, best_of=best_of,
+                           max_batch=max_batch, guidance_interval=guidance_interval, adapters=adapters,
+                           control_scale=control_scale)
         if max_batch < 1:
             raise BadInput(f"--max-batch must be at least 1, got {max_batch}")
         if best_of != 1 and reward is None:
