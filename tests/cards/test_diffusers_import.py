@@ -100,6 +100,7 @@ def test_a_bf16_checkpoint_with_float32_norms_and_a_variant_import_losslessly(ex
     ("escaping_shard", "which is not a file in"),
     ("another_class", "holds a UNet2DModel"),
     ("empty", "is not a diffusers transformer folder"),
+    ("judge_as_base", "has no denoise loop over a `transformer` DiT"),
 ])
 def test_what_cannot_be_the_same_model_is_refused(examples, tmp_path, case, message):
     source = tmp_path / "dm"
@@ -126,7 +127,8 @@ def test_what_cannot_be_the_same_model_is_refused(examples, tmp_path, case, mess
     elif case == "empty":
         source = tmp_path / "nothing"
         source.mkdir()
-    result = run_import(source, examples / "tiny-base", tmp_path / "card")
+    base = examples / ("tiny-judge" if case == "judge_as_base" else "tiny-base")
+    result = run_import(source, base, tmp_path / "card")
     assert result.exit_code == 2, result.output
     assert message in json.loads(result.stdout)["error"]["message"] and "Traceback" not in result.output
     assert not (tmp_path / "card").exists()

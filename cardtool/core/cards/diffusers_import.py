@@ -31,6 +31,10 @@ def import_diffusers(source: Path, base_ref: str, card_id: str, out: Path | None
     from cardtool.core.cards.writer import write_card
     from cardtool.core.training.derived import extends_reference
 
+    base = load_card(locate(base_ref))
+    dits = [n for n, c in base.manifest.components.items() if c.kind == "dit"]
+    if dits != ["transformer"] or "denoise" not in base.manifest.loops:
+        raise BadInput(f"base '{base.id}' has no denoise loop over a `transformer` DiT for the import to replace")
     if variant is not None and not re.fullmatch(r"[A-Za-z0-9_-]{1,32}", variant):
         raise BadInput(f"--variant {variant!r}: a variant is a short name such as fp16")
     weights = f"diffusion_pytorch_model.{variant}.safetensors" if variant else WEIGHTS
@@ -63,10 +67,6 @@ def import_diffusers(source: Path, base_ref: str, card_id: str, out: Path | None
     # one precision for the file, losing nothing: diffusers keeps norms and modulation float32 in a bf16 model
     storage = STORAGE[dtypes.pop()] if len(dtypes) == 1 else "float32"
 
-    base = load_card(locate(base_ref))
-    dits = [n for n, c in base.manifest.components.items() if c.kind == "dit"]
-    if dits != ["transformer"] or "denoise" not in base.manifest.loops:
-        raise BadInput(f"base '{base.id}' has no denoise loop over a `transformer` DiT for the import to replace")
     out = Path(out or Path("cards") / card_id)
     loop_defaults = base.manifest.loops["denoise"].defaults
     manifest = {
