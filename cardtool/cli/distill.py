@@ -42,16 +42,15 @@ def distill_command(
     from cardtool.core.training.distill import distill, distill_recipe
 
     def log(entry: dict) -> None:
-        if not json_ and os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 logs the global batch
+        if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 logs the global batch (on stderr, as always)
             extras = "  ".join(f"{k} {v:.4g}" for k, v in entry.items() if k not in ("step", "steps", "loss", "lr"))
             say(f"iteration {entry['step']}/{entry['steps']}  loss {entry['loss']:.4f}  lr {entry['lr']:.2e}  {extras}",
                 stderr=True)
 
     def eval_line(report: dict) -> None:
-        if not json_:
-            for row in report["rows"]:
-                say(f"eval at {row['steps']} steps: accuracy {row['class_accuracy']:.4f}  FID {row['fid_fmnist']:.3f}"
-                    f"  {row['images_per_second']:.0f} img/s", stderr=True)
+        for row in report["rows"]:
+            say(f"eval at {row['steps']} steps: accuracy {row['class_accuracy']:.4f}  FID {row['fid_fmnist']:.3f}"
+                f"  {row['images_per_second']:.0f} img/s", stderr=True)
 
     sets = [*(overrides or []), *([f"model.lora.rank={lora}"] if lora is not None else [])]
     with handled(json_):

@@ -37,13 +37,12 @@ def eval_command(
 
     err = console(stderr=True)
 
-    def progress(row) -> None:
-        if not json_:
-            err.print(f"{row.precision} steps {row.steps} guidance {row.guidance:g}{_interval(row)}: "
-                      f"accuracy {row.class_accuracy:.4f}  FID {row.fid_fmnist:.3f}  "
-                      f"KID×1000 {1000 * row.kid:.2f} ± {1000 * row.kid_std:.2f}  reward {row.mean_reward:.4f}  "
-                      f"{row.images_per_second:.0f} img/s",
-                      markup=False)
+    def progress(row) -> None:  # on stderr, also under --json
+        err.print(f"{row.precision} steps {row.steps} guidance {row.guidance:g}{_interval(row)}: "
+                  f"accuracy {row.class_accuracy:.4f}  FID {row.fid_fmnist:.3f}  "
+                  f"KID×1000 {1000 * row.kid:.2f} ± {1000 * row.kid_std:.2f}  reward {row.mean_reward:.4f}  "
+                  f"{row.images_per_second:.0f} img/s",
+                  markup=False)
 
     with handled(json_):
         from cardtool.core.sampling.adapters import parse_adapter

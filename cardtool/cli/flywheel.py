@@ -48,14 +48,14 @@ def flywheel_command(
 
     main = os.environ.get("RANK", "0") == "0"  # under torchrun rank 0 logs and reports for every rank
 
-    def log(stage: str, entry: dict) -> None:
-        if not json_ and main:
+    def log(stage: str, entry: dict) -> None:  # on stderr, also under --json: the stages take minutes
+        if main:
             extras = "  ".join(f"{k} {v:.4g}" for k, v in entry.items()
                                if k not in ("step", "steps", "loss", "lr", "samples_per_second"))
             say(f"{stage} {entry['step']}/{entry['steps']}  loss {entry['loss']:.4f}  {extras}", stderr=True)
 
     def stage_line(entry: dict) -> None:
-        if not json_ and main:
+        if main:
             done = "skipped: its card exists with this recipe's fingerprint" if entry["skipped"] else \
                 f"done in {entry['seconds']:.0f}s"
             say(f"stage {entry['stage']}{' → ' + entry['card'] if entry['card'] else ''}: {done}", stderr=True)

@@ -53,18 +53,17 @@ def rl_command(
     from cardtool.core.training.rl import read_prompts, rl, rl_recipe
 
     def log(entry: dict) -> None:
-        if not json_ and os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 logs the global batch
+        if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 logs the global batch (on stderr, as always)
             extras = "  ".join(f"{k} {v:.4g}" for k, v in entry.items()
                                if k not in ("step", "steps", "loss", "lr", "samples_per_second"))
             say(f"update {entry['step']}/{entry['steps']}  loss {entry['loss']:.4f}  lr {entry['lr']:.2e}  {extras}",
                 stderr=True)
 
     def eval_line(report: dict) -> None:
-        if not json_:
-            for row in report["rows"]:
-                say(f"eval ({report['judge']}) at {row['steps']} steps, guidance {row['guidance']:g}: accuracy "
-                    f"{row['class_accuracy']:.4f}  FID {row['fid_fmnist']:.3f}  {row['images_per_second']:.0f} img/s",
-                    stderr=True)
+        for row in report["rows"]:
+            say(f"eval ({report['judge']}) at {row['steps']} steps, guidance {row['guidance']:g}: accuracy "
+                f"{row['class_accuracy']:.4f}  FID {row['fid_fmnist']:.3f}  {row['images_per_second']:.0f} img/s",
+                stderr=True)
 
     sets = [*(overrides or []), *([f"model.lora.rank={lora}"] if lora is not None else [])]
     with handled(json_):

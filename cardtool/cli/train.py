@@ -35,10 +35,9 @@ def train_command(
     from cardtool.core.training.train import train
 
     err = console(stderr=True)
-    quiet = json_
 
-    def log(entry: dict) -> None:
-        if quiet or os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 logs the global batch
+    def log(entry: dict) -> None:  # on stderr, also under --json: a long run shows its progress to whoever watches
+        if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 logs the global batch
             return
         extras = " ".join(f"{k} {v:.4g}" for k, v in entry.items()
                           if k not in ("step", "steps", "loss", "lr", "samples_per_second"))

@@ -49,7 +49,7 @@ def run_command(
     from cardtool.core.workflows.run import run_workflow
 
     def progress(entry: dict) -> None:
-        if not json_ and os.environ.get("RANK", "0") == "0":
+        if os.environ.get("RANK", "0") == "0":  # on stderr, also under --json
             say(f"step {entry['step']} ({entry['kind']}): {len(entry['images'])} images in {entry['seconds']:.2f}s",
                 stderr=True)
 

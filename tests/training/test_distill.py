@@ -131,6 +131,7 @@ def test_the_cli_writes_the_student_and_reports_json(examples, tmp_path):
     report = json.loads(result.stdout)
     assert report["card"] == "tiny-base-1step" and report["steps"] == 1
     assert "cardtool distill" in load_card(tmp_path / "s1").manifest.recipe.command
+    assert "iteration 1/" in result.stderr, "a script's stdout holds the document, a person still sees progress"
 
 
 def test_the_example_recipe_spells_out_the_defaults():
