@@ -15,7 +15,7 @@ from cardtool.core.cards.loops import LOOP_KINDS
 from cardtool.core.cards.weight_files import FLOAT_DTYPES, read_header
 from cardtool.errors import BadInput, Problem
 
-__all__ = ["component_problems", "loop_problems"]
+__all__ = ["component_problems", "few", "loop_problems"]
 
 
 def component_problems(card) -> tuple[list[Problem], dict[str, dict]]:
@@ -92,22 +92,23 @@ def _tensor_problems(card, at, path, expected: dict[str, tuple[int, ...]]) -> li
     missing, extra = sorted(set(expected) - set(header)), sorted(set(header) - set(expected))
     problems = []
     if missing:
-        problems.append(card.problem(where, f"{len(missing)} tensors the config implies are missing: {_few(missing)}",
+        problems.append(card.problem(where, f"{len(missing)} tensors the config implies are missing: {few(missing)}",
                                      fix))
     if extra:
-        problems.append(card.problem(where, f"{len(extra)} tensors the config does not imply: {_few(extra)}", fix))
+        problems.append(card.problem(where, f"{len(extra)} tensors the config does not imply: {few(extra)}", fix))
     shaped = [f"{k} is {list(header[k][1])}, the config implies {list(v)}" for k, v in expected.items()
               if k in header and header[k][1] != v]
     if shaped:
-        problems.append(card.problem(where, f"{len(shaped)} tensors have other shapes: {_few(shaped)}", fix))
+        problems.append(card.problem(where, f"{len(shaped)} tensors have other shapes: {few(shaped)}", fix))
     typed = sorted(k for k in header if header[k][0] not in FLOAT_DTYPES)
     if typed:
         problems.append(card.problem(where, f"tensors that are not floating point ({header[typed[0]][0]}): "
-                                     f"{_few(typed)}", "store weights as F32, F16, BF16 or F64"))
+                                     f"{few(typed)}", "store weights as F32, F16, BF16 or F64"))
     return problems
 
 
-def _few(items: list[str], n: int = 3) -> str:
+def few(items: list[str], n: int = 3) -> str:
+    """The first n items, and how many more."""
     shown = ", ".join(i if len(i) <= 120 else i[:117] + "..." for i in items[:n])
     return shown + (f" (and {len(items) - n} more)" if len(items) > n else "")
 

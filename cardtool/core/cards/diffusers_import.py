@@ -11,6 +11,7 @@ import re
 import shlex
 from pathlib import Path
 
+from cardtool.core.cards.components import few
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.errors import BadInput
@@ -55,7 +56,8 @@ def import_diffusers(source: Path, base_ref: str, card_id: str, out: Path | None
     expected = dit.tensors()
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise BadInput(f"the weights do not fit config.json: missing {_few(missing)}; unexpected {_few(unexpected)}")
+        parts = [f"{what} {few(names)}" for what, names in (("missing", missing), ("unexpected", unexpected)) if names]
+        raise BadInput(f"the weights do not fit config.json: {'; '.join(parts)}")
     wrong = [k for k, shape in expected.items() if tuple(state[k].shape) != shape]
     if wrong:
         k = wrong[0]
@@ -132,10 +134,7 @@ def _weights(folder: Path, weights: str) -> dict:
             raise BadInput(f"{file} is not a readable safetensors file: {str(e).splitlines()[0][:160]}") from None
         twice = sorted(tensors.keys() & state.keys())
         if twice:
-            raise BadInput(f"{_few(twice)} in two shards")
+            raise BadInput(f"{few(twice)} in two shards")
         state.update(tensors)
     return state
 
-
-def _few(names: list[str]) -> str:
-    return (", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")) or "none"

@@ -57,6 +57,15 @@ def only_keys(recipe: Recipe, section: str, allowed: tuple[str, ...]) -> None:
                        f"{', '.join(allowed) or 'none'}")
 
 
+def check_unit_intervals(settings, *names: str) -> None:
+    """Each named [LO, HI] setting (None: unset) is a σ or t range, 0 ≤ LO ≤ HI ≤ 1 — a ValueError naming it if not,
+    for a `loss:` section's model validator."""
+    for name in names:
+        value = getattr(settings, name)
+        if value is not None and not 0 <= value[0] <= value[1] <= 1:
+            raise ValueError(f"{name} must be [LO, HI] with 0 ≤ LO ≤ HI ≤ 1, got {list(value)}")
+
+
 def loss_number(recipe: Recipe, key: str, default: float, low: float, high: float) -> float:
     """A finite number in [low, high] from the recipe's `loss:` section."""
     value = recipe.loss.get(key, default)

@@ -48,7 +48,7 @@ from cardtool.core.sampling.text_cache import encode_prompts
 from cardtool.core.training.lora_settings import LORA_UNSHARDABLE, lora_settings
 from cardtool.core.training.methods.frozen import FrozenCard
 from cardtool.core.training.methods.vae import latents
-from cardtool.core.training.recipes import LossSettings, Recipe
+from cardtool.core.training.recipes import LossSettings, Recipe, check_unit_intervals
 from cardtool.core.training.trainer import Task
 from cardtool.errors import BadInput
 
@@ -90,10 +90,7 @@ class DMD2Settings(LossSettings):
 
     @model_validator(mode="after")
     def _ranges(self):
-        for name in ("guidance_interval", "t_range", "gan_t_range"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value[0] <= value[1] <= 1:
-                raise ValueError(f"{name} must be [LO, HI] with 0 ≤ LO ≤ HI ≤ 1, got {list(value)}")
+        check_unit_intervals(self, "guidance_interval", "t_range", "gan_t_range")
         return self
 
 

@@ -29,7 +29,7 @@ from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import encode_prompts
 from cardtool.core.training.lora_settings import LORA_UNSHARDABLE, lora_settings
 from cardtool.core.training.methods.frozen import FrozenCard
-from cardtool.core.training.recipes import LossSettings, Recipe
+from cardtool.core.training.recipes import LossSettings, Recipe, check_unit_intervals
 from cardtool.core.training.trainer import Task
 from cardtool.errors import BadInput
 
@@ -56,9 +56,7 @@ class RolloutSettings(LossSettings):
 
     @model_validator(mode="after")
     def _interval(self):
-        value = self.reference_interval
-        if value is not None and not 0 <= value[0] <= value[1] <= 1:
-            raise ValueError(f"reference_interval must be [LO, HI] with 0 ≤ LO ≤ HI ≤ 1, got {list(value)}")
+        check_unit_intervals(self, "reference_interval")
         return self
 
 
