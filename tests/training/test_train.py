@@ -347,3 +347,15 @@ def test_a_recipe_the_method_cannot_run_is_refused_before_training(examples, tmp
     with pytest.raises(BadInput, match=message):
         train(recipe, command="c", out=tmp_path / "x", run_dir=tmp_path / "r", data=str(data))
     assert not (tmp_path / "x").exists()
+
+
+def test_latents_refuse_images_of_another_size_than_the_vae_takes():
+    """A hand-made VAE card of another image size under a pretrain on Fashion-MNIST: a clear error, not a conv one."""
+    from cardtool.backends.conv_vae import ConvVAE
+    from cardtool.backends.vae_config import ConvVAEConfig
+    from cardtool.core.training.methods.vae import latents
+
+    vae = ConvVAE(ConvVAEConfig(image_size=24, channels=(8, 16, 32)))
+    with pytest.raises(BadInput, match="the VAE takes 24×24 images, the data are 28×28"):
+        latents(vae, np.zeros((2, 28, 28), dtype=np.uint8), "cpu")
+    assert latents(vae, np.zeros((2, 24, 24), dtype=np.uint8), "cpu")[0].shape == (2, 4, 1, 8, 8)
