@@ -2,8 +2,9 @@
 `generate` → `parity --card`, in process, with counts by outcome.
 
 Outcomes: `rejected` (validation refused it with a clean error), `ran` (it validated, and show, generate and
-parity all succeeded), `check_failed` (it ran, and parity reported a numeric mismatch — e.g. weights holding
-NaN: validation reads headers, not values), `validated_then_error` (it validated, then a command exited with a
+parity all succeeded), `check_failed` (it ran, and parity reported a numeric mismatch or generate found the images
+NaN or inf — e.g. weights of 1e30 that overflow; weights holding NaN or inf themselves `--checksums` rejects),
+`validated_then_error` (it validated, then a command exited with a
 clean error — a gap in validation), and the failures the target is zero of: `traceback`, `hang` (a command ran ≥ 20 s),
 `invalid_json` (a --json command printed anything but one strict JSON document).
 
@@ -274,6 +275,11 @@ def _strict_json(text: str) -> bool:
         return False
 
 
+def _error_kind(stdout: str) -> str | None:
+    error = json.loads(stdout).get("error")
+    return error.get("kind") if isinstance(error, dict) else None
+
+
 def run_case(runner, app, card: Path, out: Path) -> tuple[str, str]:
     """(outcome, detail) of one mutated card through the four commands."""
     commands = [["cards", "validate", "--checksums", "--json", str(card)], ["cards", "show", "--json", str(card)],
@@ -300,6 +306,8 @@ def run_case(runner, app, card: Path, out: Path) -> tuple[str, str]:
         elif args[0] == "parity" and result.exit_code == 1 and "error" not in json.loads(result.stdout):
             checks.append("parity: " + ", ".join(r["cell"] for r in json.loads(result.stdout)["rows"]
                                                  if not r["passed"]))
+        elif args[0] == "generate" and result.exit_code == 1 and _error_kind(result.stdout) == "failed":
+            checks.append(f"generate: {json.loads(result.stdout)['error']['message'][:200]}")
         elif result.exit_code != 0:
             errors.append(f"{args[0]}: {result.stdout[:300]}")
     if not valid:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["atomic_path", "write_atomic"]
+__all__ = ["atomic_path", "write_atomic", "writable_folder"]
 
 
 @contextmanager
@@ -28,3 +28,23 @@ def atomic_path(target: Path | str) -> Iterator[Path]:
 def write_atomic(target: Path | str, data: bytes) -> None:
     with atomic_path(target) as temporary:
         temporary.write_bytes(data)
+
+
+def writable_folder(folder: Path | str, what: str) -> Path:
+    """Make `folder` (and its parents) and prove a file can be created in it, before any work whose result goes
+    there: BadInput naming it as `what` ("the output folder") otherwise. A real write, not os.access: root passes
+    access checks on /proc and on read-only mounts."""
+    import tempfile
+
+    from cardtool.errors import BadInput
+
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise BadInput(f"cannot write to {what} {folder}: it is a file, not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".cardtool-probe-"):
+            pass
+    except OSError as e:
+        raise BadInput(f"cannot write to {what} {folder}: {e.strerror or e}") from None
+    return folder

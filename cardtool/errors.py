@@ -5,13 +5,22 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["CardtoolError", "BadInput", "CardNotFound", "AmbiguousCard", "Problem", "CardValidationError"]
+__all__ = ["CardtoolError", "BadInput", "RunFailed", "CardNotFound", "AmbiguousCard", "Problem", "CardValidationError"]
 
 
 class CardtoolError(Exception):
     """Base of every error cardtool raises on purpose; the CLI turns these into messages, not tracebacks."""
 
     exit_code = 2
+    kind = "bad_input"  # the `--json` error document's kind
+
+
+class RunFailed(CardtoolError):
+    """The input was accepted, but the work did not produce a result (exit code 1): a training run diverged, a
+    model sampled NaN."""
+
+    exit_code = 1
+    kind = "failed"
 
 
 class BadInput(CardtoolError):

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import typer
 
-from cardtool.errors import CardtoolError, CardValidationError
+from cardtool.errors import CardtoolError, CardValidationError, RunFailed
 
 __all__ = ["console", "emit_json", "handled", "say", "warn"]
 
@@ -62,7 +62,7 @@ def error_json(error: CardtoolError) -> dict:
     if isinstance(error, CardValidationError):
         return {"error": {"kind": "validation", "message": "card validation failed",
                           "problems": [p.to_json() for p in error.problems]}}
-    return {"error": {"kind": "bad_input", "message": str(error), "problems": []}}
+    return {"error": {"kind": error.kind, "message": str(error), "problems": []}}
 
 
 @contextmanager
@@ -80,3 +80,7 @@ def handled(json_mode: bool) -> Iterator[None]:
         for line in lines:
             err.print(f"[red]error[/red] {escape(str(line))}")
         raise typer.Exit(error.exit_code) from None
+    except OSError as error:  # the disk, not cardtool: full, read-only, a path that vanished mid-run
+        where = f"{error.filename}: " if error.filename else ""
+        with handled(json_mode):
+            raise RunFailed(f"{where}{error.strerror or error}") from None

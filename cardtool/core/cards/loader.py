@@ -15,12 +15,12 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from cardtool.core.cards.adapters import adapter_problems
-from cardtool.core.cards.components import component_problems, loop_problems
+from cardtool.core.cards.components import component_problems, few, loop_problems
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.schema import CardManifest
 from cardtool.core.cards.schema_errors import locate_problem, schema_problems
 from cardtool.core.cards.source import FieldPath, Source, display_path, read_source
-from cardtool.core.cards.weight_files import PICKLE_SUFFIXES, format_problem, sha256_file
+from cardtool.core.cards.weight_files import PICKLE_SUFFIXES, format_problem, non_finite_tensors, sha256_file
 from cardtool.errors import BadInput, CardValidationError, Problem
 from cardtool.files import is_regular_file
 
@@ -260,6 +260,11 @@ def _file_problems(card: Card, at: FieldPath, rel: str, sha256: str | None, chec
         if actual != sha256:
             return [card.problem(at + ("sha256",), f"sha256 of '{rel}' is {actual}, the manifest declares {sha256}",
                                  "restore the original file, or update sha256 if the new weights are intended")]
+    if checksums:  # reading every byte anyway: weights holding NaN or inf would only ever sample noise
+        broken = non_finite_tensors(path)
+        if broken:
+            return [card.problem(weights_at, f"'{rel}' holds NaN or inf in {few(broken)}",
+                                 "restore the weights from a good checkpoint")]
     return []
 
 

@@ -13,7 +13,8 @@ from cardtool.atomic import write_atomic
 from cardtool.cache import cache_dir
 from cardtool.files import read_small_file
 
-__all__ = ["PICKLE_SUFFIXES", "FLOAT_DTYPES", "format_problem", "read_header", "sha256_file", "tensor_digest"]
+__all__ = ["PICKLE_SUFFIXES", "FLOAT_DTYPES", "format_problem", "non_finite_tensors", "read_header", "sha256_file",
+           "tensor_digest"]
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle")
 
@@ -127,6 +128,36 @@ def _count(value) -> bool:
 
 def _short(text: str) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+# an IEEE float is NaN or ±inf exactly when its exponent bits are all ones: (unsigned view, exponent mask)
+_EXPONENTS = {"F64": ("<u8", 0x7FF0_0000_0000_0000), "F32": ("<u4", 0x7F80_0000), "F16": ("<u2", 0x7C00),
+              "BF16": ("<u2", 0x7F80)}
+
+
+def non_finite_tensors(path: Path) -> list[str]:
+    """The floating tensors of a sound safetensors file (`read_header` found no problem) holding NaN or inf, read
+    from the raw bytes a chunk at a time, so any dtype (bf16 too) is checked without a framework."""
+    import numpy as np
+
+    header, _ = read_header(path)
+    found = []
+    with path.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        offsets = {k: v["data_offsets"] for k, v in json.loads(f.read(length)).items() if k != "__metadata__"}
+        for name, (dtype, _shape) in header.items():
+            if dtype not in _EXPONENTS:
+                continue
+            view, mask = _EXPONENTS[dtype]
+            begin, end = offsets[name]
+            f.seek(8 + length + begin)
+            step = (1 << 24) - (1 << 24) % DTYPE_SIZES[dtype]
+            for at in range(begin, end, step):
+                bits = np.frombuffer(f.read(min(step, end - at)), dtype=view)
+                if np.any((bits & np.array(mask, dtype=view)) == mask):
+                    found.append(name)
+                    break
+    return found
 
 
 def tensor_digest(path: Path) -> str:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import yaml
 
+from cardtool.atomic import writable_folder
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.source import MANIFEST_NAMES
 from cardtool.core.cards.weight_files import sha256_file
@@ -32,7 +33,7 @@ def write_card(folder: Path, manifest: dict, weights: dict[str, dict], *, copies
         if not overwrite:
             raise BadInput(f"{folder} already exists; choose another --out, or pass --overwrite to replace it")
         _replaceable(folder)
-    staging = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
+    staging = writable_folder(folder.parent, "the card's folder") / f".{folder.name}.tmp-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:

@@ -25,7 +25,7 @@ from cardtool.core.data import CLASS_NAMES, load_split
 from cardtool.core.evaluation.metrics import fid_warning, frechet_distance, kernel_distance
 from cardtool.core.evaluation.reward import FashionJudge
 from cardtool.core.prompts import class_prompt
-from cardtool.core.sampling.denoise import DenoiseLoop
+from cardtool.core.sampling.denoise import DenoiseLoop, NonFiniteImages
 from cardtool.core.sampling.generate import plan_requests
 from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.sampling.sampler import sample
@@ -122,16 +122,31 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
         report.adapters = [{"name": name, "scale": scale} for name, scale in requests[0].adapters]
         started = time.perf_counter()
         mine = ranks.shard(requests)  # under torchrun each rank samples its share and rank 0 measures them all
-        made = loop.finalize(sample(loop, [requests[i] for i in mine], max_batch=256)) if mine else []
+        broken = None
+        try:
+            made = loop.finalize(sample(loop, [requests[i] for i in mine], max_batch=256)) if mine else []
+        except NonFiniteImages as e:  # this row measures nothing; the others still do
+            made, broken = [None] * len(mine), str(e)
         shares = ranks.gather(list(zip(mine, made, strict=True)))
         if not ranks.main:
             continue
-        images = np.stack([image for _, image in sorted((item for share in shares for item in share),
-                                                         key=lambda item: item[0])])
+        made = [image for _, image in sorted((item for share in shares for item in share), key=lambda item: item[0])]
         seconds = time.perf_counter() - started
+        first = requests[0]
+        if any(image is None for image in made):
+            nan = math.nan
+            row = EvalRow(first.steps, first.guidance, list(first.guidance_interval), p, count, nan, nan, nan, nan,
+                          nan, nan, first.model_evaluations())
+            report.rows.append(row)
+            report.warnings.append(f"{p}, {first.steps} steps, guidance {first.guidance:g}: no measurement, "
+                                   f"{broken or 'another rank made NaN or inf images'}")
+            if on_row:
+                on_row(row)
+            continue
+        images = np.stack(made)
         probabilities = referee.probabilities(images)
         accuracy = float((probabilities.argmax(1) == labels).mean())
-        first, features = requests[0], referee.features(images)
+        features = referee.features(images)
         kid, kid_std = kernel_distance(features, real)
         row = EvalRow(first.steps, first.guidance, list(first.guidance_interval), p, count, round(accuracy, 4),
                       round(frechet_distance(features, real), 4), round(kid, 6), round(kid_std, 6),

@@ -26,9 +26,24 @@ from cardtool.core.cards.loops import MAX_STEPS, SOLVERS
 from cardtool.core.sampling.control import ControlImage
 from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.sampling.text_cache import TextFeatureCache, encode_prompts
-from cardtool.errors import BadInput
+from cardtool.errors import BadInput, RunFailed
 
-__all__ = ["SOLVERS", "Request", "Capture", "LoopState", "DenoiseLoop", "shifted_sigmas"]
+__all__ = ["SOLVERS", "Request", "Capture", "LoopState", "DenoiseLoop", "NonFiniteImages", "shifted_sigmas"]
+
+
+class NonFiniteImages(RunFailed):
+    """The model made NaN or inf where an image should be: nothing is written for such a batch."""
+
+    def __init__(self, card: str, requests: list, total: int):
+        self.images = [(r.prompt, r.seed) for r in requests]  # (prompt, seed) of each broken image
+        shown = ", ".join(f"{p[:40]!r} seed {s}" for p, s in self.images[:3])
+        more = f" and {len(requests) - 3} more" if len(requests) > 3 else ""
+        stack = {a for r in requests for a in r.adapters}
+        cause = "its weights, the adapters' (" + ", ".join(f"{n}={v:g}" for n, v in sorted(stack)) + ")" if stack \
+            else "its weights"
+        super().__init__(f"'{card}' made NaN or inf for {len(requests)} of {total} images ({shown}{more}): check "
+                         f"{cause}, the settings (guidance, shift), or a precision that overflows (try --precision "
+                         "float32)")
 
 
 def shifted_sigmas(steps: int, shift: float) -> np.ndarray:
@@ -382,5 +397,8 @@ class DenoiseLoop:
         vae = self.instance.component(self.vae)
         latents = self.arrays.cat([s.latents for s in states])[:, :, 0] / vae.config.scaling_factor
         with self.arrays.inference():
-            images = self.arrays.to_numpy(vae.decode(latents))[:, 0]
-        return np.clip(np.round((images.astype(np.float64) + 1) * 127.5), 0, 255).astype(np.uint8)
+            images = self.arrays.to_numpy(vae.decode(latents))[:, 0].astype(np.float64)
+        broken = [s.request for s, ok in zip(states, np.isfinite(images).all(axis=(1, 2)), strict=True) if not ok]
+        if broken:  # cast to uint8, NaN would be written as an arbitrary image
+            raise NonFiniteImages(self.instance.card.id, broken, len(states))
+        return np.clip(np.round((images + 1) * 127.5), 0, 255).astype(np.uint8)

@@ -7,13 +7,13 @@ import contextlib
 import json
 import numbers
 import re
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cardtool import __version__
+from cardtool.atomic import writable_folder
 from cardtool.backends.platform import Platform
 from cardtool.core import distributed
 from cardtool.core.cards.loader import Card, load_card
@@ -351,13 +351,7 @@ def _output_paths(out: Path, card_id: str, requests: list[Request]) -> list[Path
     else:
         folder = out
         paths = [out / f"{card_id}-{i:03d}-{_slug(r.prompt)}-seed{r.seed}.png" for i, r in enumerate(requests)]
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        # a real write, not os.access: root passes access checks on /proc and read-only mounts
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".cardtool-probe-"):
-            pass
-    except OSError as e:
-        raise BadInput(f"cannot write to the output folder {folder}: {e.strerror or e}")
+    writable_folder(folder, "the output folder")
     return paths
 
 

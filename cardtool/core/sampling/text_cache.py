@@ -43,8 +43,10 @@ class TextFeatureCache:
                 try:
                     with np.load(path, allow_pickle=False) as f:  # never unpickle from a cache
                         found = (f["states"], f["mask"])
-                except (OSError, ValueError, KeyError):
+                except (OSError, ValueError, KeyError, EOFError):
                     found = None  # a damaged entry is a miss, rewritten below
+                if found is not None and not _well_formed(*found):
+                    found = None
                 if found is not None:
                     self._memory[key] = found
         if found is None:
@@ -61,8 +63,17 @@ class TextFeatureCache:
         if self.root is not None:
             buffer = io.BytesIO()
             np.savez(buffer, states=entry[0], mask=entry[1])
-            write_atomic(self.root / key[:2] / f"{key}.npz", buffer.getvalue())
+            try:
+                write_atomic(self.root / key[:2] / f"{key}.npz", buffer.getvalue())
+            except OSError:  # an unwritable cache costs a later process the encoding, never this one its run
+                self.root = None
         return entry
+
+
+def _well_formed(states: np.ndarray, mask: np.ndarray) -> bool:
+    """Whether a cache file's arrays can be an entry: states (L, d) floating and finite, mask (L,) boolean."""
+    return states.ndim == 2 and mask.ndim == 1 and len(states) == len(mask) and mask.dtype == bool \
+        and states.dtype in (np.float32, np.float64) and bool(np.isfinite(states).all())
 
 
 def encode_prompts(instance, prompts: list[str], cache: TextFeatureCache, component: str = "text_encoder"):

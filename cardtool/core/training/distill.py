@@ -19,7 +19,7 @@ from cardtool.core.training.derived import (
     write_output,
 )
 from cardtool.core.training.recipes import Recipe, only_keys
-from cardtool.core.training.trainer import train_loop
+from cardtool.core.training.trainer import train_loop, writable_outputs
 from cardtool.errors import BadInput
 
 __all__ = ["check_recipe", "distill", "distill_recipe", "student_id"]
@@ -78,6 +78,7 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
     run_dir = Path(run_dir or Path("runs") / recipe.card.id)
     if out.exists() and not force:
         raise BadInput(f"{out} already exists; choose another --out, or pass --force to replace it")
+    writable_outputs(out, run_dir)
     if evaluate:
         locate(judge)  # before hours of training, not after
     train = None
@@ -87,7 +88,6 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
 
         train = load_split("train", data or recipe.data.get("folder"))
     task = DMD2Task(recipe, platform, teacher, train)
-    run_dir.mkdir(parents=True, exist_ok=True)
     result = train_loop(task, recipe, platform, run_dir, resume=resume, on_log=on_log, micro_batches=micro_batches)
     settings = task.settings
     metrics = {"iterations": result.steps, "generator_updates": -(-result.steps // settings.generator_every),

@@ -27,7 +27,7 @@ from cardtool.core.training.derived import (
     write_output,
 )
 from cardtool.core.training.recipes import Recipe, only_keys
-from cardtool.core.training.trainer import train_loop
+from cardtool.core.training.trainer import train_loop, writable_outputs
 from cardtool.errors import BadInput
 
 __all__ = ["METHODS", "check_recipe", "rl", "rl_recipe", "read_prompts", "default_prompts", "make_task", "Watch"]
@@ -176,6 +176,7 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
     run_dir = Path(run_dir or Path("runs") / recipe.card.id)
     if out.exists() and not force:
         raise BadInput(f"{out} already exists; choose another --out, or pass --force to replace it")
+    writable_outputs(out, run_dir)
     judges = [judge, *([held_out_judge] if held_out_judge else [])]
     if evaluate or watch_every:
         for name in judges:
@@ -193,7 +194,6 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
         if on_log:
             on_log(entry)
 
-    run_dir.mkdir(parents=True, exist_ok=True)
     result = train_loop(task, recipe, platform, run_dir, resume=resume, on_log=log, micro_batches=micro_batches)
     parts, weights, metadata, defaults = trained_parts(result.modules["transformer"], task.name, task.lora,
                                                        METHODS[recipe.method], base)

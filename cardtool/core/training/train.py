@@ -14,7 +14,7 @@ from cardtool.core.data import IMAGE_SIZE, load_split
 from cardtool.core.prompts import TEXT_ENCODER
 from cardtool.core.training.derived import extends_reference
 from cardtool.core.training.recipes import RUN_BY, Recipe
-from cardtool.core.training.trainer import train_loop
+from cardtool.core.training.trainer import train_loop, writable_outputs
 from cardtool.errors import BadInput
 
 __all__ = ["train"]
@@ -32,7 +32,7 @@ def train(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Pat
     run_dir = Path(run_dir or Path("runs") / recipe.card.id)
     if out.exists() and not overwrite:
         raise BadInput(f"{out} already exists; choose another card id or --out, or pass --overwrite")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    writable_outputs(out, run_dir)
     folder = data or recipe.data.get("folder")
     method = recipe.method
     size = IMAGE_SIZE

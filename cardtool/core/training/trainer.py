@@ -16,22 +16,23 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from cardtool.atomic import atomic_path
+from cardtool.atomic import atomic_path, writable_folder
 from cardtool.backends.platform import Platform
 from cardtool.backends.precision import autocast
 from cardtool.backends.training import load_optimizer_tensors, optimizer_tensors
 from cardtool.core import distributed
+from cardtool.core.sampling.denoise import NonFiniteImages
 from cardtool.core.training.parallel import Parallel
 from cardtool.core.training.recipes import Recipe
-from cardtool.errors import BadInput, CardtoolError
+from cardtool.errors import BadInput, RunFailed
 
-__all__ = ["Task", "TrainingDiverged", "TrainResult", "train_loop", "CHECKPOINT"]
+__all__ = ["Task", "TrainingDiverged", "TrainResult", "train_loop", "writable_outputs", "CHECKPOINT"]
 
 CHECKPOINT = "checkpoint.safetensors"
 
 
-class TrainingDiverged(CardtoolError):
-    exit_code = 1
+class TrainingDiverged(RunFailed):
+    """The loss became NaN or inf; the last good checkpoint stays."""
 
 
 class Task(ABC):
@@ -184,16 +185,17 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
             # the step's shared draws: the one-process run's own generator, so any split shares what it drew
             shared = generator if parts == 1 else torch.Generator().manual_seed(step_seed)
             with autocast(platform, schedule.precision):
-                task.micro_batch(part, parts, batch, shared)
+                try:  # an RL task samples its rollouts here: a policy gone NaN shows first in its images
+                    task.micro_batch(part, parts, batch, shared)
+                except NonFiniteImages as e:
+                    raise _diverged(step, checkpoint, "the model sampled NaN or inf") from e
                 loss, metrics = parallel.loss(batch[part::parts], generator, sync=part == mine[-1])
             # the ranks average their gradients: each rank's is the mean over its own micro-batches
             (loss if micro_batches == 1 else loss / micro_batches).backward()
             loss_value += float(loss.detach()) / parts
         loss_value = _sum(ranks, loss_value)
         if not math.isfinite(loss_value):
-            kept = f"the last good checkpoint is {checkpoint}" if checkpoint.exists() else "none was written yet"
-            raise TrainingDiverged(f"loss became {loss_value} at step {step}; {kept}. Lower optim.lr or raise "
-                                   "optim.warmup, then --resume")
+            raise _diverged(step, checkpoint, f"loss became {loss_value}")
         for group in groups:  # per module: a critic's large gradient must not shrink the generator's
             torch.nn.utils.clip_grad_norm_(group, o.grad_clip)
         optimizer.step()
@@ -224,6 +226,17 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
     for m in final.values():
         m.eval()
     return TrainResult(final, o.steps, loss_value, before + elapsed, seen / elapsed if elapsed else 0.0)
+
+
+def writable_outputs(out: Path, run_dir: Path) -> None:
+    """The folder the card goes in and the run folder, proven writable before training, not after it."""
+    writable_folder(out.parent, "the card's folder")
+    writable_folder(run_dir, "the run folder")
+
+
+def _diverged(step: int, checkpoint: Path, what: str) -> TrainingDiverged:
+    kept = f"the last good checkpoint is {checkpoint}" if checkpoint.exists() else "none was written yet"
+    return TrainingDiverged(f"{what} at step {step}; {kept}. Lower optim.lr or raise optim.warmup, then --resume")
 
 
 def _sum(ranks, loss: float) -> float:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cardtool.atomic import write_atomic
+from cardtool.atomic import writable_folder, write_atomic
 from cardtool.core import distributed
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import Card, load_card
@@ -137,6 +137,8 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
     for ref in [recipe.base, recipe.reward, judge, *([held_out_judge] if held_out_judge else []), *compare]:
         locate(ref)  # before hours of training, not after
     run_dir = Path(run_dir or Path("runs") / f"{recipe.rl.card.id}-flywheel")
+    writable_folder(Path(out_dir), "the cards' folder")  # before the first stage, not after it
+    writable_folder(run_dir, "the run folder")
     report = FlywheelReport(judge=judge, held_out_judge=held_out_judge, per_class=per_class)
     common = {"device": device, "data": data, "micro_batches": micro_batches}
 
@@ -177,7 +179,6 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
             if on_stage:
                 on_stage(entry)
     if distributed.ranks().main:
-        run_dir.mkdir(parents=True, exist_ok=True)
         write_atomic(run_dir / REPORT, (json.dumps(report.to_json(), indent=1) + "\n").encode())
     return report
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cardtool.atomic import writable_folder
 from cardtool.backends.platform import Platform
 from cardtool.core import distributed
 from cardtool.core.sampling.generate import LoadedCard, image_metadata, plan_requests, save_image
@@ -117,7 +118,7 @@ def run_workflow(workflow: Workflow, *, out: str | Path = "outputs", device: str
     """Run every step; images go to OUT/WORKFLOW_ID/STEP/NNN-….png."""
     runner = _Runner(workflow, device, max_batch)
     manifest = workflow.manifest
-    folder = Path(out) / manifest.id
+    folder = writable_folder(Path(out) / manifest.id, "the output folder")  # before the first step, not after
     report = WorkflowReport(manifest.id, f"{runner.platform.device}/{runner.platform.arch}")
     outputs: dict[str, list[Output]] = {}
     started = time.perf_counter()

@@ -1,0 +1,84 @@
+"""Where results cannot be written, cardtool says so before the work (exit 2), and a disk failing mid-run is a
+message (exit 1, error kind `failed`), never a traceback."""
+
+from __future__ import annotations
+
+import errno
+import json
+
+import pytest
+from helpers import REPO, write_idx_folder
+from typer.testing import CliRunner
+
+from cardtool.cli import app
+
+TINY_TRAIN = ["train", "--recipe", str(REPO / "examples" / "recipes" / "fashion-base.yaml"),
+              "--set", f"parents=[{REPO / 'examples' / 'cards' / 'tiny-base'}]", "--set", "model.dim=8",
+              "--set", "model.heads=1", "--set", "model.ffn_dim=8", "--set", "model.depth=1", "--set", "optim.steps=1",
+              "--set", "optim.batch_size=2", "--set", "train.precision=float32"]
+
+
+@pytest.mark.parametrize(("where", "message"), [
+    ("run", "cannot write to the run folder"),
+    ("out", "cannot write to the card's folder"),
+])
+def test_training_refuses_an_unwritable_folder_before_it_trains(tmp_path, monkeypatch, where, message):
+    from cardtool.core.training import trainer
+
+    def never(*args, **kwargs):
+        raise AssertionError("trained before the folders were checked")
+
+    monkeypatch.setattr(trainer, "train_loop", never)
+    (tmp_path / "a-file").write_text("")
+    folders = {"run": tmp_path / "runs", "out": tmp_path / "cards" / "x"}
+    folders[where] = tmp_path / "a-file" / where
+    result = CliRunner().invoke(app, [*TINY_TRAIN, "--data", str(write_idx_folder(tmp_path / "idx")), "--run-dir",
+                                      str(folders["run"]), "--out", str(folders["out"]), "--json"])
+    assert result.exit_code == 2, result.output
+    assert message in json.loads(result.stdout)["error"]["message"]
+
+
+def test_an_output_folder_that_is_a_file_is_named(tmp_path):
+    (tmp_path / "taken").write_text("")
+    result = CliRunner().invoke(app, ["generate", str(REPO / "examples" / "cards" / "tiny-base"), "-p", "a bag",
+                                      "--steps", "1", "--out", str(tmp_path / "taken")])
+    assert result.exit_code == 2 and "it is a file, not a folder" in result.output
+
+
+def test_a_disk_failing_mid_run_is_a_message_not_a_traceback(tmp_path, monkeypatch):
+    from cardtool.core.sampling import generate
+
+    def full(path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(generate, "save_image", full)
+    result = CliRunner().invoke(app, ["generate", str(REPO / "examples" / "cards" / "tiny-base"), "-p", "a bag",
+                                      "--steps", "1", "--out", str(tmp_path / "out"), "--json"])
+    assert result.exit_code == 1, result.output
+    error = json.loads(result.stdout)["error"]
+    assert error["kind"] == "failed" and "No space left on device" in error["message"] and "out" in error["message"]
+
+
+def test_an_unwritable_feature_cache_costs_nothing_but_its_reuse(tmp_path, monkeypatch):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("CARDTOOL_CACHE", str(tmp_path / "a-file"))
+    result = CliRunner().invoke(app, ["generate", str(REPO / "examples" / "cards" / "tiny-base"), "-p", "a bag",
+                                      "--steps", "1", "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert len(list((tmp_path / "out").glob("*.png"))) == 1
+
+
+def test_a_malformed_cache_entry_is_a_miss(tmp_path):
+    import numpy as np
+
+    from cardtool.core.sampling.text_cache import TextFeatureCache
+
+    cache = TextFeatureCache(tmp_path)
+    states, mask = np.ones((4, 3), np.float32), np.ones(4, bool)
+    cache.put("ab" + "0" * 62, states, mask)
+    fresh = TextFeatureCache(tmp_path)
+    assert np.array_equal(fresh.get("ab" + "0" * 62)[0], states)
+    for bad in ({"states": np.ones((4, 3)), "mask": np.ones(5, bool)}, {"states": np.ones(4), "mask": np.ones(4, bool)},
+                {"states": np.full((4, 3), np.nan), "mask": np.ones(4, bool)}, {"states": states, "mask": np.ones(4)}):
+        np.savez(tmp_path / "text" / "ab" / ("ab" + "0" * 62 + ".npz"), **bad)
+        assert TextFeatureCache(tmp_path).get("ab" + "0" * 62) is None
