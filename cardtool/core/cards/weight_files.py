@@ -135,9 +135,21 @@ _EXPONENTS = {"F64": ("<u8", 0x7FF0_0000_0000_0000), "F32": ("<u4", 0x7F80_0000)
               "BF16": ("<u2", 0x7F80)}
 
 
+_scanned: dict[tuple[str, int, int], list[str]] = {}
+
+
 def non_finite_tensors(path: Path) -> list[str]:
     """The floating tensors of a sound safetensors file (`read_header` found no problem) holding NaN or inf, read
-    from the raw bytes a chunk at a time, so any dtype (bf16 too) is checked without a framework."""
+    from the raw bytes a chunk at a time, so any dtype (bf16 too) is checked without a framework. Remembered per
+    (path, size, mtime), as `sha256_file`: a parent's weights are checked once, not once per card extending it."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _scanned:
+        _scanned[key] = _non_finite(path)
+    return _scanned[key]
+
+
+def _non_finite(path: Path) -> list[str]:
     import numpy as np
 
     header, _ = read_header(path)
