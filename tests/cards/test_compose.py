@@ -66,3 +66,13 @@ def test_compose_refuses_cards_made_on_another_base_and_clashing_names(examples,
                                 "--out", str(tmp_path / "y")])
     assert other.exit_code == 2 and "does not extend 'tiny-rl'" in other.output
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_a_card_that_would_not_validate_is_located_in_the_folder_asked_for(examples, tmp_path):
+    adapter_card(examples, "tiny-base", "tiny-a", "alpha", 1)
+    result = CliRunner().invoke(app, ["cards", "compose", str(examples / "tiny-base"), str(examples / "tiny-a"),
+                                      "--id", "../up", "--out", str(tmp_path / "served"), "--json"])
+    assert result.exit_code == 1, result.output
+    problem = json.loads(result.stdout)["error"]["problems"][0]
+    assert problem["file"].endswith("served/card.yaml") and ".tmp" not in problem["file"] and problem["field"] == "id"
+    assert not (tmp_path / "served").exists() and not list(tmp_path.glob(".served*"))

@@ -3,6 +3,7 @@ the whole folder validated before it is renamed into place (DESIGN.md invariant 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -13,7 +14,7 @@ from cardtool.atomic import writable_folder
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.source import MANIFEST_NAMES
 from cardtool.core.cards.weight_files import sha256_file
-from cardtool.errors import BadInput
+from cardtool.errors import BadInput, CardValidationError
 
 __all__ = ["write_card"]
 
@@ -52,7 +53,11 @@ def write_card(folder: Path, manifest: dict, weights: dict[str, dict], *, copies
                 if entry and entry.get("weights"):  # an inherited entry set to null is removed
                     entry["sha256"] = sha256_file(staging / entry["weights"])
         (staging / "card.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False, allow_unicode=True, width=110))
-        load_card(staging, checksums=True)  # a card that would not load is never put in place
+        try:  # a card that would not load is never put in place
+            load_card(staging, checksums=True)
+        except CardValidationError as e:  # located in the folder the user named, not the staging one
+            raise CardValidationError([dataclasses.replace(p, file=p.file.replace(staging.name, folder.name))
+                                       for p in e.problems]) from None
         _swap(staging, folder)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
