@@ -1,10 +1,13 @@
-"""cardtool train on tiny configs: cards written atomically, resume equals an uninterrupted run, a NaN
-stops the run keeping the last good checkpoint, and what pretraining writes is served by generate."""
+"""cardtool train on tiny configs: cards written atomically, resume equals an uninterrupted run (after a kill, or
+after Ctrl-C / SIGTERM, which checkpoint first), a NaN stops the run keeping the last good checkpoint, and what
+pretraining writes is served by generate."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -15,6 +18,7 @@ from typer.testing import CliRunner
 
 from cardtool.cli import app
 from cardtool.core.cards.loader import load_card
+from cardtool.core.training.interrupt import TrainingInterrupted
 from cardtool.core.training.recipes import load_recipe
 from cardtool.core.training.train import train
 from cardtool.core.training.trainer import CHECKPOINT, TrainingDiverged
@@ -76,6 +80,51 @@ def test_resume_after_a_kill_gives_the_same_final_weights(tmp_path, data):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # the card's training time counts the session the kill ended too
     assert resumed.manifest.recipe.metrics["train_seconds"] >= round(trained_before, 1)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_checkpoints_the_finished_steps_and_a_resume_continues_them(tmp_path, data, signum):
+    from safetensors import safe_open
+
+    uninterrupted = train(tiny("fashion-vae"), command="c", out=tmp_path / "a", run_dir=tmp_path / "ra",
+                          data=str(data))
+    previous = signal.getsignal(signum)
+
+    def signal_at_step_4(entry):
+        if entry["step"] == 4:  # checkpoint_every is 3: the periodic checkpoint holds step 3 only
+            os.kill(os.getpid(), signum)
+
+    with pytest.raises(TrainingInterrupted, match="after step 4 of 6") as stopped:
+        train(tiny("fashion-vae"), command="c", out=tmp_path / "b", run_dir=tmp_path / "rb", data=str(data),
+              on_log=signal_at_step_4)
+    assert stopped.value.exit_code == 128 + signum and signal.getsignal(signum) is previous
+    with safe_open(str(tmp_path / "rb" / CHECKPOINT), framework="pt") as f:
+        assert f.metadata()["step"] == "4"
+    resumed = train(tiny("fashion-vae"), command="c", out=tmp_path / "b", run_dir=tmp_path / "rb", data=str(data),
+                    resume=True)
+    a, b = weights(uninterrupted, "vae"), weights(resumed, "vae")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_an_interrupted_run_says_so_in_its_exit_code_and_json(tmp_path, data, monkeypatch):
+    from cardtool.core.training import trainer
+
+    real_save, pressed = trainer._save, []
+
+    def save_then_ctrl_c(*args, **kwargs):  # the first periodic checkpoint, then the user presses Ctrl-C once
+        real_save(*args, **kwargs)
+        if not pressed:
+            pressed.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(trainer, "_save", save_then_ctrl_c)
+    result = CliRunner().invoke(app, ["train", "--recipe", str(RECIPES / "fashion-vae.yaml"),
+                                      *(f"--set={s}" for s in TINY_VAE), "--data", str(data), "--out",
+                                      str(tmp_path / "v"), "--run-dir", str(tmp_path / "r"), "--json"])
+    assert result.exit_code == 130, result.output
+    error = json.loads(result.stdout)["error"]
+    assert error["kind"] == "interrupted" and "SIGINT after step 4 of 6" in error["message"]
+    assert "--resume" in error["message"] and not (tmp_path / "v").exists()
 
 
 def test_resume_with_another_recipe_is_refused(tmp_path, data):

@@ -1,11 +1,12 @@
 """The training loop every method shares: deterministic data order and noise, AdamW with warmup and cosine
 decay, optional EMA, bf16 autocast through the platform, atomic checkpoints that a `--resume` continues
-bit-for-bit, a stop with a clear error on a NaN/inf loss that keeps the last good checkpoint, and under torchrun
-data parallelism by DDP or FSDP2 (parallel.py)."""
+bit-for-bit, a stop with a clear error on a NaN/inf loss that keeps the last good checkpoint, a checkpoint on
+Ctrl-C or SIGTERM before stopping (interrupt.py), and under torchrun data parallelism by DDP or FSDP2 (parallel.py)."""
 
 from __future__ import annotations
 
 import math
+import signal
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from cardtool.backends.precision import autocast
 from cardtool.backends.training import load_optimizer_tensors, optimizer_tensors
 from cardtool.core import distributed
 from cardtool.core.sampling.denoise import NonFiniteImages
+from cardtool.core.training.interrupt import TrainingInterrupted, stop_requests
 from cardtool.core.training.parallel import Parallel
 from cardtool.core.training.recipes import Recipe
 from cardtool.errors import BadInput, RunFailed
@@ -166,61 +168,67 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
     order = _Order(task.dataset_size(), o.batch_size, schedule.seed)
     started, seen = time.perf_counter(), 0
     window: dict[str, list[float]] = {}  # the task's metrics since the last progress line
-    for step in range(start, o.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = _lr(recipe, step) * group.get("lr_scale", 1.0)
-        step_seed = schedule.seed * 1_000_003 + step
-        for m in modules.values():
-            m.train()
-        task.prepare(step)
-        optimizer.zero_grad(set_to_none=True)
-        batch, loss_value = order(step), 0.0
-        mine = range(ranks.rank * micro_batches, (ranks.rank + 1) * micro_batches)
-        for part in mine:
-            seed = _micro_seed(step_seed, part, parts)
-            generator = torch.Generator().manual_seed(seed)
-            # anything drawing from torch's global RNG (dropout) becomes a function of the step too, so a resumed
-            # run draws what the uninterrupted one drew; the checkpoint then holds every piece of state
-            torch.manual_seed(seed)
-            # the step's shared draws: the one-process run's own generator, so any split shares what it drew
-            shared = generator if parts == 1 else torch.Generator().manual_seed(step_seed)
-            with autocast(platform, schedule.precision):
-                try:  # an RL task samples its rollouts here: a policy gone NaN shows first in its images
-                    task.micro_batch(part, parts, batch, shared)
-                except NonFiniteImages as e:
-                    raise _diverged(step, checkpoint, "the model sampled NaN or inf") from e
-                loss, metrics = parallel.loss(batch[part::parts], generator, sync=part == mine[-1])
-            # the ranks average their gradients: each rank's is the mean over its own micro-batches
-            (loss if micro_batches == 1 else loss / micro_batches).backward()
-            loss_value += float(loss.detach()) / parts
-        loss_value = _sum(ranks, loss_value)
-        if not math.isfinite(loss_value):
-            raise _diverged(step, checkpoint, f"loss became {loss_value}")
-        for group in groups:  # per module: a critic's large gradient must not shrink the generator's
-            torch.nn.utils.clip_grad_norm_(group, o.grad_clip)
-        optimizer.step()
-        parallel.end_step()
-        if ema is not None:
-            with torch.no_grad():
-                for name, m in modules.items():
-                    for e, p in zip(ema[name].parameters(), m.parameters(), strict=True):
-                        e.lerp_(p, 1 - schedule.ema)
-        seen += o.batch_size
-        done = step + 1
-        for key, value in metrics.items():
-            window.setdefault(key, []).append(value)
-        if done % schedule.log_every == 0 or done == o.steps:  # on every rank (a collective), with on_log or not
-            elapsed = time.perf_counter() - started
-            # each metric averaged over the iterations that reported it: a generator's loss that only some
-            # iterations compute (DMD2's two time-scale rule) shows even when the logged iteration is the critic's
-            means = _mean_over_ranks(ranks, {key: sum(values) / len(values) for key, values in window.items()})
-            window.clear()
-            if on_log:
-                on_log({"step": done, "steps": o.steps, "loss": loss_value, "lr": _lr(recipe, step),
-                        "samples_per_second": seen / elapsed if elapsed else 0.0, **means})
-        if done % schedule.checkpoint_every == 0 or done == o.steps:  # every rank: shards are gathered
-            _save(checkpoint, recipe, done, loss_value, before + time.perf_counter() - started, modules, ema,
-                  optimizer, task, parts, parallel, ranks.main)
+    with stop_requests(ranks.world == 1) as caught:  # under torchrun the ranks must stop together: not there
+        for step in range(start, o.steps):
+            for group in optimizer.param_groups:
+                group["lr"] = _lr(recipe, step) * group.get("lr_scale", 1.0)
+            step_seed = schedule.seed * 1_000_003 + step
+            for m in modules.values():
+                m.train()
+            task.prepare(step)
+            optimizer.zero_grad(set_to_none=True)
+            batch, loss_value = order(step), 0.0
+            mine = range(ranks.rank * micro_batches, (ranks.rank + 1) * micro_batches)
+            for part in mine:
+                seed = _micro_seed(step_seed, part, parts)
+                generator = torch.Generator().manual_seed(seed)
+                # anything drawing from torch's global RNG (dropout) becomes a function of the step too, so a resumed
+                # run draws what the uninterrupted one drew; the checkpoint then holds every piece of state
+                torch.manual_seed(seed)
+                # the step's shared draws: the one-process run's own generator, so any split shares what it drew
+                shared = generator if parts == 1 else torch.Generator().manual_seed(step_seed)
+                with autocast(platform, schedule.precision):
+                    try:  # an RL task samples its rollouts here: a policy gone NaN shows first in its images
+                        task.micro_batch(part, parts, batch, shared)
+                    except NonFiniteImages as e:
+                        raise _diverged(step, checkpoint, "the model sampled NaN or inf") from e
+                    loss, metrics = parallel.loss(batch[part::parts], generator, sync=part == mine[-1])
+                # the ranks average their gradients: each rank's is the mean over its own micro-batches
+                (loss if micro_batches == 1 else loss / micro_batches).backward()
+                loss_value += float(loss.detach()) / parts
+            loss_value = _sum(ranks, loss_value)
+            if not math.isfinite(loss_value):
+                raise _diverged(step, checkpoint, f"loss became {loss_value}")
+            for group in groups:  # per module: a critic's large gradient must not shrink the generator's
+                torch.nn.utils.clip_grad_norm_(group, o.grad_clip)
+            optimizer.step()
+            parallel.end_step()
+            if ema is not None:
+                with torch.no_grad():
+                    for name, m in modules.items():
+                        for e, p in zip(ema[name].parameters(), m.parameters(), strict=True):
+                            e.lerp_(p, 1 - schedule.ema)
+            seen += o.batch_size
+            done = step + 1
+            for key, value in metrics.items():
+                window.setdefault(key, []).append(value)
+            if done % schedule.log_every == 0 or done == o.steps:  # on every rank (a collective), with on_log or not
+                elapsed = time.perf_counter() - started
+                # each metric averaged over the iterations that reported it: a generator's loss that only some
+                # iterations compute (DMD2's two time-scale rule) shows even when the logged iteration is the critic's
+                means = _mean_over_ranks(ranks, {key: sum(values) / len(values) for key, values in window.items()})
+                window.clear()
+                if on_log:
+                    on_log({"step": done, "steps": o.steps, "loss": loss_value, "lr": _lr(recipe, step),
+                            "samples_per_second": seen / elapsed if elapsed else 0.0, **means})
+            stopping = bool(caught) and done < o.steps
+            if done % schedule.checkpoint_every == 0 or done == o.steps or stopping:  # every rank: shards are gathered
+                _save(checkpoint, recipe, done, loss_value, before + time.perf_counter() - started, modules, ema,
+                      optimizer, task, parts, parallel, ranks.main)
+            if stopping:
+                name = signal.Signals(caught[0]).name
+                raise TrainingInterrupted(f"{name} after step {done} of {o.steps}: {checkpoint} holds every finished "
+                                          "step; continue with --resume", caught[0])
     elapsed = time.perf_counter() - started
     final = parallel.plain(ema if ema is not None else modules)
     for m in final.values():

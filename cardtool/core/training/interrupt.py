@@ -1,0 +1,51 @@
+"""Ctrl-C and SIGTERM during a training run: the step in flight finishes, a checkpoint is written, and the run
+stops resumable (exit 128 + the signal), instead of losing the steps since the last periodic checkpoint."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from cardtool.errors import RunFailed
+
+__all__ = ["TrainingInterrupted", "stop_requests"]
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class TrainingInterrupted(RunFailed):
+    """A signal stopped the run between two steps; its checkpoint holds every finished step."""
+
+    kind = "interrupted"
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum  # what a shell reports for a process the signal ended
+
+
+@contextmanager
+def stop_requests(enabled: bool = True) -> Iterator[list[int]]:
+    """A list that receives the number of a SIGINT or SIGTERM that arrives inside the block, for the loop to act on
+    at its next step boundary. The first signal only asks: a second one acts at once, as it would have without
+    this (the handlers in place before are restored on the first). Off the main thread, where Python cannot
+    install handlers, or with `enabled` false (under torchrun, whose ranks must stop together), nothing changes."""
+    caught: list[int] = []
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield caught
+        return
+    previous = {s: signal.getsignal(s) for s in SIGNALS}
+
+    def ask(signum, frame):
+        caught.append(signum)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+    for s in SIGNALS:
+        signal.signal(s, ask)
+    try:
+        yield caught
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
