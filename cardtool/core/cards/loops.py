@@ -8,10 +8,12 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["SOLVERS", "LOOP_KINDS", "LoopKind", "FlowDenoiseDefaults", "MAX_STEPS"]
+__all__ = ["SOLVERS", "LOOP_KINDS", "LoopKind", "FlowDenoiseDefaults", "MAX_STEPS", "MAX_GUIDANCE", "SHIFTS"]
 
 SOLVERS = ("euler", "sde", "renoise")
 MAX_STEPS = 1000
+MAX_GUIDANCE = 100  # |w|: far past any useful CFG scale, short of overflowing float32 velocities
+SHIFTS = (0.01, 100)  # the σ-grid shift's range: beyond it the grid collapses onto σ = 0 or 1
 Finite = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # an int is a float too
 
 
@@ -21,8 +23,8 @@ class FlowDenoiseDefaults(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     steps: Annotated[int, Field(strict=True, ge=1, le=MAX_STEPS)] = 30
-    guidance: Annotated[Finite, Field(ge=-100, le=100)] = 4.0
-    shift: Annotated[Finite, Field(gt=0, le=100)] = 1.0
+    guidance: Annotated[Finite, Field(ge=-MAX_GUIDANCE, le=MAX_GUIDANCE)] = 4.0
+    shift: Annotated[Finite, Field(ge=SHIFTS[0], le=SHIFTS[1])] = 1.0
     solver: Literal[SOLVERS] = "euler"  # type: ignore[valid-type]
     # the σ range of the steps CFG applies to (Kynkäänniemi et al. 2024)
     guidance_interval: tuple[Annotated[Finite, Field(ge=0, le=1)], Annotated[Finite, Field(ge=0, le=1)]] = (0.0, 1.0)

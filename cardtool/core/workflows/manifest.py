@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from cardtool.core.cards.loops import MAX_STEPS, SOLVERS
+from cardtool.core.cards.loops import MAX_GUIDANCE, MAX_STEPS, SHIFTS, SOLVERS
 from cardtool.core.cards.schema import Name
 from cardtool.core.cards.schema_errors import schema_problems
 from cardtool.core.cards.source import Source, read_source
@@ -33,8 +33,8 @@ class _Sampling(_Strict):
     """Loop settings a step may set; the card's loop defaults fill the rest."""
 
     steps: int | None = Field(None, ge=1, le=MAX_STEPS)
-    guidance: float | None = None
-    shift: float | None = Field(None, gt=0)
+    guidance: float | None = Field(None, ge=-MAX_GUIDANCE, le=MAX_GUIDANCE)
+    shift: float | None = Field(None, ge=SHIFTS[0], le=SHIFTS[1])
     solver: Literal[SOLVERS] | None = None  # type: ignore[valid-type]
     seed: int = Field(0, ge=0)
     adapters: dict[Name, float] | None = None  # the stack (adapter → scale) instead of the card's default one

@@ -39,7 +39,7 @@ from pydantic import Field, model_validator
 
 from cardtool.backends.platform import Platform
 from cardtool.core.cards.loader import Card
-from cardtool.core.cards.loops import MAX_STEPS
+from cardtool.core.cards.loops import MAX_GUIDANCE, MAX_STEPS, SHIFTS
 from cardtool.core.data import Split
 from cardtool.core.prompts import training_prompts
 from cardtool.core.sampling.denoise import Request
@@ -71,8 +71,8 @@ class DMD2Settings(LossSettings):
 
     method = "dmd2"
     student_steps: int = Field(4, ge=1, le=MAX_STEPS)  # the student's grid: shifted_sigmas(steps, shift)
-    shift: float = Field(1.0, gt=0)
-    guidance: float | None = Field(None, ge=1)  # the teacher's CFG scale (None: its card's loop default)
+    shift: float = Field(1.0, ge=SHIFTS[0], le=SHIFTS[1])
+    guidance: float | None = Field(None, ge=1, le=MAX_GUIDANCE)  # the teacher's CFG scale (None: its card's)
     guidance_interval: tuple[float, float] | None = None  # the σ range it guides (None: the card's)
     generator_every: int = Field(5, ge=1)  # two time-scale update rule: critic steps per generator step
     critic_lr_scale: float = Field(1.0, gt=0)  # the critic's learning rate over the generator's (DMD2: the same)

@@ -22,7 +22,7 @@ from pydantic import Field, model_validator
 from cardtool.backends.platform import Platform
 from cardtool.core import distributed
 from cardtool.core.cards.loader import Card
-from cardtool.core.cards.loops import MAX_STEPS
+from cardtool.core.cards.loops import MAX_GUIDANCE, MAX_STEPS, SHIFTS
 from cardtool.core.evaluation.reward import Reward
 from cardtool.core.sampling.denoise import LoopState, Request
 from cardtool.core.sampling.sampler import sample
@@ -41,13 +41,13 @@ class RolloutSettings(LossSettings):
 
     group_size: int = Field(16, ge=2)  # K samples per prompt; advantages compare within a group
     rollout_steps: int = Field(10, ge=1, le=MAX_STEPS)  # the sampler's steps in training (both papers: 10)
-    shift: float | None = Field(None, gt=0)  # None: the base card's loop default
+    shift: float | None = Field(None, ge=SHIFTS[0], le=SHIFTS[1])  # None: the base card's loop default
     updates_per_rollout: int = Field(1, ge=1)  # optimiser steps sharing one rollout buffer
     kl: float = Field(0.0, ge=0)  # weight of the KL term to the frozen reference (at the last update)
     kl_start: float | None = Field(None, ge=0)  # the weight at the first update, moving linearly to `kl`; None: `kl`
     # the reference's CFG scale in that term: 1 is the base's conditional velocity alone; None is the base as its card
     # serves it (its loop's guidance and interval), so the tuned policy is held near the guided sampler
-    reference_guidance: float | None = Field(1.0, ge=1)
+    reference_guidance: float | None = Field(1.0, ge=1, le=MAX_GUIDANCE)
     reference_interval: tuple[float, float] | None = None  # the σ range that scale guides (None: the card's)
     advantage_clip: float = Field(5.0, gt=0)
     # rewards above the cap count as the cap in the advantages: samples the reward already rates that high are
