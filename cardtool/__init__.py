@@ -1,3 +1,46 @@
-"""cardtool: a diffusion model's recipe and runtime as one versioned card, and the tool that runs it."""
+"""cardtool: a diffusion model's recipe and runtime as one versioned card, and the tool that runs it.
+
+The Python API, for scripts (each name is imported on first use, so `import cardtool` stays light):
+
+    import cardtool
+
+    card = cardtool.LoadedCard("fashion-base")        # load once, generate many times
+    report = card.generate(["a sneaker", "a bag"], num=4, adapters=[("mirror", 0.5)], out="outputs")
+    for image in report.images:
+        print(image.path, image.metadata["seed"])
+    cardtool.generate("fashion-base", "a dress")       # one call: load, generate, done
+    cardtool.evaluate("fashion-base", steps=[20], per_class=10).rows
+    cardtool.load_card("fashion-base").manifest.recipe.parents
+
+Errors the caller can act on are `cardtool.BadInput` (the request), `cardtool.CardValidationError` (the card,
+with located `problems`) and `cardtool.RunFailed` (the work), all `cardtool.CardtoolError`.
+"""
 
 __version__ = "0.1.0"
+
+_API = {
+    "LoadedCard": "cardtool.core.sampling.generate",
+    "generate": "cardtool.core.sampling.generate",
+    "evaluate": "cardtool.core.evaluation.evaluate",
+    "load_card": "cardtool.core.cards.loader",
+    "CardtoolError": "cardtool.errors",
+    "BadInput": "cardtool.errors",
+    "CardValidationError": "cardtool.errors",
+    "RunFailed": "cardtool.errors",
+}
+
+__all__ = ["__version__", *_API]
+
+
+def __getattr__(name: str):
+    if name not in _API:
+        raise AttributeError(f"module 'cardtool' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_API[name]), name)
+    globals()[name] = value  # later uses skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_API})

@@ -1,0 +1,52 @@
+"""The Python API at the package's top level: the names resolve to the modules' own objects, importing cardtool
+stays light, and examples/python_api.py runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from helpers import REPO
+from PIL import Image
+
+import cardtool
+
+
+def test_the_api_names_are_the_modules_own_objects():
+    from cardtool.core.cards.loader import load_card
+    from cardtool.core.evaluation.evaluate import evaluate
+    from cardtool.core.sampling.generate import LoadedCard, generate
+    from cardtool.errors import BadInput, CardtoolError, CardValidationError, RunFailed
+
+    assert (cardtool.LoadedCard, cardtool.generate, cardtool.evaluate, cardtool.load_card) == \
+        (LoadedCard, generate, evaluate, load_card)
+    assert all(issubclass(e, CardtoolError) for e in (BadInput, CardValidationError, RunFailed))
+    assert cardtool.BadInput is BadInput and set(cardtool.__all__) <= set(dir(cardtool))
+    with pytest.raises(AttributeError, match="no attribute 'generator'"):
+        cardtool.generator  # noqa: B018
+
+
+def test_importing_cardtool_and_loading_a_card_import_no_torch():
+    probe = ("import sys, cardtool; cardtool.load_card(sys.argv[1]); "
+             "print([m for m in ('torch', 'transformers') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", probe, str(REPO / "examples" / "cards" / "tiny-base")],
+                         capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_python_api_example_runs(tmp_path):
+    result = subprocess.run([sys.executable, str(REPO / "examples" / "python_api.py"), str(tmp_path / "out")],
+                            capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    records = [json.loads(line) for line in lines[:-1]]
+    assert [(r["prompt"], r["seed"]) for r in records] == [("a sneaker", "0"), ("a sneaker", "1"), ("a bag", "0"),
+                                                           ("a bag", "1"), ("a sneaker", "0"), ("a sneaker", "1")]
+    assert [a["scale"] for a in records[4]["adapters"]] == [0.5] and records[0]["adapters"] == []
+    plain, inverted = (np.asarray(Image.open(records[i]["path"]), dtype=int) for i in (0, 4))
+    assert np.abs(plain - inverted).max() > 0, "the adapter changed the same seed's image"
+    assert lines[-1].startswith("refused: card 'tiny-base' declares no adapter 'no-such-adapter'")
+    assert not (tmp_path / "out" / "never").exists()
