@@ -144,6 +144,7 @@ def test_guidance_interval_guides_only_the_steps_inside_it(loop):
     (Request("x", shift=0), "shift must be in 0.01…100, got 0"),
     (Request("x", shift=1e-300), "shift must be in 0.01…100"),
     (Request("x", guidance=1e308), "guidance must be in -100…100"),
+    (Request("x", solver="sde", eta=-0.5), "eta .the SDE's noise level. must be in 0…10"),
     (Request("x", seed=-1), "seed must be in"),
     (Request("x", guidance_interval=(0.6, 0.2)), "0 ≤ LO ≤ HI ≤ 1"),
     (Request("x", guidance_interval=(0.0, 1.5)), "0 ≤ LO ≤ HI ≤ 1"),

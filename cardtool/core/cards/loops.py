@@ -8,12 +8,14 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["SOLVERS", "LOOP_KINDS", "LoopKind", "FlowDenoiseDefaults", "MAX_STEPS", "MAX_GUIDANCE", "SHIFTS"]
+__all__ = ["SOLVERS", "LOOP_KINDS", "LoopKind", "FlowDenoiseDefaults", "MAX_STEPS", "MAX_GUIDANCE", "SHIFTS",
+           "MAX_ETA"]
 
 SOLVERS = ("euler", "sde", "renoise")
 MAX_STEPS = 1000
 MAX_GUIDANCE = 100  # |w|: far past any useful CFG scale, short of overflowing float32 velocities
 SHIFTS = (0.01, 100)  # the σ-grid shift's range: beyond it the grid collapses onto σ = 0 or 1
+MAX_ETA = 10  # the SDE solver's noise level a (Flow-GRPO: 0.7); far beyond it the step's noise overflows
 Finite = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # an int is a float too
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cardtool.backends.registry import KERNELS
-from cardtool.core.cards.loops import MAX_GUIDANCE, MAX_STEPS, SHIFTS, SOLVERS
+from cardtool.core.cards.loops import MAX_ETA, MAX_GUIDANCE, MAX_STEPS, SHIFTS, SOLVERS
 from cardtool.core.sampling.control import ControlImage
 from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.sampling.text_cache import TextFeatureCache, encode_prompts
@@ -99,6 +99,8 @@ class Request:
             raise BadInput(f"guidance must be in -{MAX_GUIDANCE}…{MAX_GUIDANCE}, got {self.guidance:g}")
         if not SHIFTS[0] <= self.shift <= SHIFTS[1]:
             raise BadInput(f"shift must be in {SHIFTS[0]:g}…{SHIFTS[1]:g}, got {self.shift:g}")
+        if not 0 <= self.eta <= MAX_ETA:
+            raise BadInput(f"eta (the SDE's noise level) must be in 0…{MAX_ETA}, got {self.eta:g}")
         if not 0 <= self.seed < 2**63:
             raise BadInput(f"seed must be in [0, 2⁶³), got {self.seed}")
         if not 0 < self.strength <= 1:

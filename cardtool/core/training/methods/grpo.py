@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
+from cardtool.core.cards.loops import MAX_ETA
 from cardtool.core.sampling.denoise import LoopState, shifted_sigmas
 from cardtool.core.training.methods.rollouts import RewardTask, RolloutSettings, group_advantages
 
@@ -31,7 +32,7 @@ GRPO_DEFAULTS = {
 
 class GRPOSettings(RolloutSettings):
     method = "flow_grpo"
-    eta: float = Field(0.7, gt=0)  # the SDE's noise level a
+    eta: float = Field(0.7, gt=0, le=MAX_ETA)  # the SDE's noise level a
     clip_range: float = Field(1e-4, gt=0)  # ε
     train_timesteps: int | None = Field(None, ge=1)  # trajectory steps trained per update (None: all of them)
 
