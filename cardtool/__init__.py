@@ -4,7 +4,7 @@ The Python API, for scripts (each name is imported on first use, so `import card
 
     import cardtool
 
-    card = cardtool.LoadedCard("fashion-base")        # load once, generate many times
+    card = cardtool.LoadedCard("fashion-adapters")    # load once, generate many times
     report = card.generate(["a sneaker", "a bag"], num=4, adapters=[("mirror", 0.5)], out="outputs")
     for image in report.images:
         print(image.path, image.metadata["seed"])
