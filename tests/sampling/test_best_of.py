@@ -69,3 +69,29 @@ def test_bad_best_of_requests_are_clear_errors(examples, tmp_path, args, message
     result = CliRunner().invoke(app, ["generate", str(examples / "tiny-base"), "-p", "a bag", "--steps", "2",
                                       "--out", str(tmp_path / "x"), "--json", *args])
     assert result.exit_code == 2 and message in json.loads(result.stdout)["error"]["message"]
+
+
+def test_a_candidate_sampled_as_nan_is_never_kept_and_a_request_of_only_such_fails(examples, monkeypatch):
+    from cardtool.core.sampling.denoise import DenoiseLoop, NonFiniteImages
+
+    loaded = LoadedCard(str(examples / "tiny-base"))
+    requests, _ = plan_requests(loaded.card, ["a bag", "a sneaker"], steps=3)
+    reward = load_reward(str(examples / "tiny-judge"))
+    clean = best_of_n(loaded.loop(), reward, requests, 3)
+    decode, broken = DenoiseLoop.decode, set()
+
+    def with_broken(self, states):  # as if these candidates (request k's candidate c: row 3k + c) overflowed
+        images, finite = decode(self, states)
+        finite[sorted(broken)] = False
+        return images, finite
+
+    monkeypatch.setattr(DenoiseLoop, "decode", with_broken)
+    broken.update(3 * k + c for k, c in enumerate(clean.chosen))  # each request's winner
+    picked = best_of_n(loaded.loop(), reward, requests, 3)
+    for k, row in enumerate(picked.scores):
+        assert row[clean.chosen[k]] is None and picked.chosen[k] != clean.chosen[k]
+        assert row[picked.chosen[k]] == max(s for s in row if s is not None)
+    assert json.loads(picked.metadata()[0]["scores"])[clean.chosen[0]] is None
+    broken.update({3, 4, 5})  # every candidate of the second request
+    with pytest.raises(NonFiniteImages, match="made NaN or inf for 1 of 2 images \\('a sneaker' seed 0\\)"):
+        best_of_n(loaded.loop(), reward, requests, 3)

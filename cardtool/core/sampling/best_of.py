@@ -1,7 +1,8 @@
 """Best-of-N: N candidates per request sampled together by the denoise loop, scored by a reward card in one batch,
 the highest kept (ties go to the earlier candidate). Candidate 0 is the request itself, so best-of-N never scores
 below plain sampling on the reward; candidate i's seed is derived from (seed, i), so every candidate — the winner
-included — is reproduced by plain sampling at its own seed."""
+included — is reproduced by plain sampling at its own seed. A candidate sampled as NaN or inf has no score and is
+never kept; a request whose every candidate is one fails as plain sampling would."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from cardtool.core.sampling.denoise import DenoiseLoop, Request
+from cardtool.core.sampling.denoise import DenoiseLoop, NonFiniteImages, Request
 from cardtool.core.sampling.sampler import sample
 from cardtool.errors import BadInput
 
@@ -32,7 +33,7 @@ def candidate_seed(seed: int, i: int) -> int:
 class Picked:
     requests: list[Request]  # the winning candidate of each request (its seed reproduces the image)
     images: np.ndarray  # uint8 (B, H, W), the winners
-    scores: list[list[float]]  # every candidate's reward, in candidate order
+    scores: list[list[float | None]]  # every candidate's reward, in candidate order (None: it sampled NaN)
     chosen: list[int]  # the winner's candidate index
     request_seeds: list[int]  # the seed each request asked for (candidate 0's)
     reward: str  # the reward card's id
@@ -40,7 +41,7 @@ class Picked:
     def metadata(self) -> list[dict[str, str]]:
         """What each kept image's PNG records about its selection, beside its generation metadata."""
         return [{"best_of": str(len(row)), "reward": self.reward, "request_seed": str(seed), "candidate": str(c),
-                 "scores": json.dumps([round(x, 6) for x in row])}
+                 "scores": json.dumps([None if x is None else round(x, 6) for x in row])}
                 for seed, c, row in zip(self.request_seeds, self.chosen, self.scores, strict=True)]
 
 
@@ -50,12 +51,17 @@ def best_of_n(loop: DenoiseLoop, reward, requests: list[Request], n: int, *, max
     if not 1 <= n <= MAX_CANDIDATES:
         raise BadInput(f"best-of N must be in 1…{MAX_CANDIDATES}, got {n}")
     candidates = [dataclasses.replace(r, seed=candidate_seed(r.seed, i)) for r in requests for i in range(n)]
-    images = loop.finalize(sample(loop, candidates, max_batch=max_batch, on_step=on_step))
+    images, finite = loop.decode(sample(loop, candidates, max_batch=max_batch, on_step=on_step))
     scores = np.asarray(reward.score(images, [c.prompt for c in candidates]), dtype=np.float64)
     if scores.shape != (len(candidates),):
         raise BadInput(f"reward '{reward.card_id}' gave {scores.shape} scores for {len(candidates)} images")
+    scores[~finite] = np.nan  # a candidate sampled as NaN or inf is not an image: it has no score and never wins
     grouped = scores.reshape(len(requests), n)
-    chosen = [int(np.argmax(np.where(np.isnan(row), -np.inf, row))) for row in grouped]  # a NaN score never wins
+    lost = [r for r, row in zip(requests, grouped, strict=True) if np.isnan(row).all()]
+    if lost:
+        raise NonFiniteImages(loop.instance.card.id, lost, len(requests))
+    chosen = [int(np.argmax(np.where(np.isnan(row), -np.inf, row))) for row in grouped]
     rows = [k * n + c for k, c in enumerate(chosen)]
-    return Picked([candidates[i] for i in rows], images[rows], [[float(s) for s in row] for row in grouped], chosen,
+    return Picked([candidates[i] for i in rows], images[rows],
+                  [[None if np.isnan(s) else float(s) for s in row] for row in grouped], chosen,
                   [r.seed for r in requests], reward.card_id)

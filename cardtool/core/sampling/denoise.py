@@ -397,12 +397,19 @@ class DenoiseLoop:
         return [latents[i:i + 1] for i in range(len(images))]
 
     def finalize(self, states: list[LoopState]) -> np.ndarray:
-        """Decode finished states to uint8 images (B, H, W)."""
+        """Decode finished states to uint8 images (B, H, W); NonFiniteImages if any is NaN or inf."""
+        images, finite = self.decode(states)
+        if not finite.all():  # cast to uint8, NaN would be written as an arbitrary image
+            broken = [s.request for s, ok in zip(states, finite, strict=True) if not ok]
+            raise NonFiniteImages(self.instance.card.id, broken, len(states))
+        return images
+
+    def decode(self, states: list[LoopState]) -> tuple[np.ndarray, np.ndarray]:
+        """uint8 images (B, H, W) of finished states, and which of them are finite (the others are black)."""
         vae = self.instance.component(self.vae)
         latents = self.arrays.cat([s.latents for s in states])[:, :, 0] / vae.config.scaling_factor
         with self.arrays.inference():
             images = self.arrays.to_numpy(vae.decode(latents))[:, 0].astype(np.float64)
-        broken = [s.request for s, ok in zip(states, np.isfinite(images).all(axis=(1, 2)), strict=True) if not ok]
-        if broken:  # cast to uint8, NaN would be written as an arbitrary image
-            raise NonFiniteImages(self.instance.card.id, broken, len(states))
-        return np.clip(np.round((images + 1) * 127.5), 0, 255).astype(np.uint8)
+        finite = np.isfinite(images).all(axis=(1, 2))
+        images[~finite] = -1.0
+        return np.clip(np.round((images + 1) * 127.5), 0, 255).astype(np.uint8), finite
