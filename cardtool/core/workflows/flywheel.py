@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cardtool.atomic import writable_folder, write_atomic
+from cardtool.atomic import write_atomic
 from cardtool.core import distributed
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import Card, load_card
@@ -129,6 +129,7 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
     stage splits its work by rank (`micro_batches` as in `train_loop`) and rank 0 writes the cards and the report."""
     from cardtool.core.training.distill import distill
     from cardtool.core.training.rl import rl
+    from cardtool.core.training.trainer import writable_outputs
 
     if stop_after is not None and stop_after not in STAGES:
         raise BadInput(f"--stop-after must be one of {', '.join(STAGES)}, got '{stop_after}'")
@@ -137,8 +138,7 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
     for ref in [recipe.base, recipe.reward, judge, *([held_out_judge] if held_out_judge else []), *compare]:
         locate(ref)  # before hours of training, not after
     run_dir = Path(run_dir or Path("runs") / f"{recipe.rl.card.id}-flywheel")
-    writable_folder(Path(out_dir), "the cards' folder")  # before the first stage, not after it
-    writable_folder(run_dir, "the run folder")
+    writable_outputs(Path(out_dir) / recipe.rl.card.id, run_dir)  # before the first stage, not after it
     report = FlywheelReport(judge=judge, held_out_judge=held_out_judge, per_class=per_class)
     common = {"device": device, "data": data, "micro_batches": micro_batches}
 

@@ -20,7 +20,6 @@ from cardtool.core.sampling.generate import LoadedCard, image_metadata, plan_req
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache
 from cardtool.core.workflows.manifest import Workflow
-from cardtool.errors import BadInput
 
 __all__ = ["Output", "WorkflowReport", "run_workflow"]
 
@@ -153,10 +152,7 @@ _REPORTED = ("card", "prompt", "seed", "steps", "strength", "input", "best_of", 
 
 def _write(folder: Path, produced: list[Output], workflow: str, step: str, kind: str, main: bool = True) -> None:
     """Name each image and write it (rank 0 only: under torchrun the other ranks hold the same outputs)."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise BadInput(f"cannot write to the output folder {folder}: {e.strerror or e}") from None
+    writable_folder(folder, "the output folder")
     for k, item in enumerate(produced):
         slug = re.sub(r"[^a-z0-9]+", "-", item.prompt.lower()).strip("-")[:40] or "unconditional"
         item.path = folder / f"{k:03d}-{item.metadata['card']}-{slug}.png"
