@@ -23,12 +23,12 @@ TINY_TRAIN = ["train", "--recipe", str(REPO / "examples" / "recipes" / "fashion-
     ("out", "cannot write to the card's folder"),
 ])
 def test_training_refuses_an_unwritable_folder_before_it_trains(tmp_path, monkeypatch, where, message):
-    from cardtool.core.training import trainer
+    from cardtool.core.training import train
 
     def never(*args, **kwargs):
         raise AssertionError("trained before the folders were checked")
 
-    monkeypatch.setattr(trainer, "train_loop", never)
+    monkeypatch.setattr(train, "train_loop", never)  # the name train() calls
     (tmp_path / "a-file").write_text("")
     folders = {"run": tmp_path / "runs", "out": tmp_path / "cards" / "x"}
     folders[where] = tmp_path / "a-file" / where
