@@ -16,6 +16,11 @@ from cardtool.errors import BadInput
     ({"adapters": [("nope", 1.0)]}, "nope"),
     ({"per_class": 2.5}, "--per-class must be a whole number"),
     ({"per_class": 0}, "--per-class must be a whole number, at least 1"),
+    ({"per_class": None}, "--per-class must be a whole number"),
+    ({"judge": 3}, "judge must be a reward card's id or folder"),
+    ({"steps": {2}}, "steps must be a list of values"),
+    ({"steps": 1001}, "steps"),  # one value alone is a list of one, checked alike
+    ({"precision": "float8"}, "unknown precision 'float8'"),  # one name, not its characters
 ])
 def test_bad_settings_are_refused_before_anything_loads(examples, monkeypatch, settings, message):
     def never(*args, **kwargs):
@@ -24,5 +29,5 @@ def test_bad_settings_are_refused_before_anything_loads(examples, monkeypatch, s
     monkeypatch.setattr(evaluate_module, "load_split", never)
     monkeypatch.setattr(evaluate_module, "ModelInstance", never)
     with pytest.raises(BadInput, match=message):
-        evaluate_module.evaluate(str(examples / "tiny-base"), judge=str(examples / "tiny-judge"),
-                                 **{"per_class": 1, **settings})
+        evaluate_module.evaluate(str(examples / "tiny-base"),
+                                 **{"judge": str(examples / "tiny-judge"), "per_class": 1, **settings})

@@ -151,14 +151,26 @@ def test_the_python_api_takes_one_prompt_as_a_string_and_refuses_wrong_types(on_
                                ({"best_of": 2.0, "reward": "tiny-judge"}, "best_of must be a whole number"),
                                ({"guidance_interval": "0,1"}, "guidance_interval must be two numbers"),
                                ({"adapters": {"invert": 1.0}}, r"adapters must be \(name, scale\) pairs"),
-                               ({"adapters": [("invert",)]}, r"adapters must be \(name, scale\) pairs")]:
+                               ({"adapters": [("invert",)]}, r"adapters must be \(name, scale\) pairs"),
+                               ({"num": None}, "num must be a whole number"), ({"seed": None}, "seed must be"),
+                               ({"out": None}, "out must be a path"), ({"solver": 3}, "solver must be a name"),
+                               ({"best_of": 2, "reward": 3}, "reward must be a name"),
+                               ({"on_step": 3}, "on_step must be a function")]:
         with pytest.raises(BadInput, match=message):
-            loaded.generate(["a bag"], out=tmp_path / "bad", **arguments)
+            loaded.generate(["a bag"], **{"out": tmp_path / "bad", **arguments})
     with pytest.raises(BadInput, match="prompts must be a list of strings"):
         loaded.generate(None, out=tmp_path / "bad")
     with pytest.raises(BadInput, match="steps must be a whole number"):  # one prompt as a string: checked alike
         loaded.generate("a bag", steps="3", out=tmp_path / "bad")
+    with pytest.raises(BadInput, match="cache must be a TextFeatureCache"):
+        LoadedCard("tiny-base", cache={})
+    with pytest.raises(BadInput, match="a card is named by its id, folder or manifest file, got None"):
+        LoadedCard(None)
     assert not (tmp_path / "bad").exists()
+    import numpy as np  # numpy's scalars are numbers like Python's
+
+    report = loaded.generate("a bag", num=np.int64(2), seed=np.int64(3), steps=np.int32(1), out=tmp_path / "np")
+    assert [image.metadata["seed"] for image in report.images] == ["3", "4"]
 
 
 def read_png_pixels(path):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -18,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from cardtool.backends.platform import Platform
+from cardtool.backends.precision import check_precision
 from cardtool.core import distributed
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import load_card
@@ -71,6 +74,17 @@ class EvalReport:
                 "warnings": self.warnings}
 
 
+def _listed(name: str, value) -> list | None:
+    """A list parameter of `evaluate` as a list: one value alone is a list of one (not a string's characters)."""
+    if value is None:
+        return None
+    if isinstance(value, (str, numbers.Real)) and not isinstance(value, bool):
+        value = [value]
+    if isinstance(value, (list, tuple)):  # numpy scalars as Python's, so that the report stays JSON
+        return [v.item() if isinstance(v, np.generic) else v for v in value]
+    raise BadInput(f"{name} must be a list of values (or one value), got {value!r}")
+
+
 def _finite(row: dict) -> dict:
     """A measurement that is not finite (a card sampling NaN) is null: strict JSON has no NaN."""
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
@@ -81,9 +95,15 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
              per_class: int = 100, seed: int = 0, device: str | None = None, data: str | None = None,
              precision: list[str] | None = None, on_row: Callable[[EvalRow], None] | None = None,
              adapters: list[tuple[str, float]] | None = None) -> EvalReport:
-    """`adapters`: the stack every image uses instead of the card's default one (see Adapters in the README)."""
-    if not isinstance(per_class, int) or isinstance(per_class, bool) or per_class < 1:
+    """`adapters`: the stack every image uses instead of the card's default one (see Adapters in the README);
+    `steps`, `guidance` and `precision` each a list of values (one value is a list of one), a row per combination."""
+    if not isinstance(per_class, numbers.Integral) or isinstance(per_class, bool) or per_class < 1:
         raise BadInput(f"--per-class must be a whole number, at least 1, got {per_class!r}")
+    per_class = int(per_class)
+    if not isinstance(judge, (str, os.PathLike)):
+        raise BadInput(f"judge must be a reward card's id or folder, got {judge!r}")
+    steps, guidance, precision = (_listed(name, value) for name, value in
+                                  (("steps", steps), ("guidance", guidance), ("precision", precision)))
     card = load_card(card_ref)
     prompts = [class_prompt(label) for label in range(len(CLASS_NAMES))]
     # every row's requests, planned (and so checked: steps, guidance, seeds, adapters) before any model loads
@@ -91,6 +111,8 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
                                    guidance_interval=guidance_interval, adapters=adapters)[0]
              for g, k in itertools.product(guidance or [None], steps or [None])}
     platform = Platform.detect(device)
+    for name in precision or []:
+        check_precision(platform, name)
     ranks = distributed.ranks(platform.device)
     cache = TextFeatureCache()
     loops = {p: DenoiseLoop(ModelInstance(card, platform, p), cache=cache)

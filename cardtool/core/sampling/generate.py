@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import numbers
+import os
 import re
 import time
 from collections.abc import Callable
@@ -81,7 +82,8 @@ def plan_requests(card: Card, prompts: list[str], *, num: int = 1, seed: int = 0
     `adapters` (name, scale) replaces the loop's default stack; a `control` image joins the card's ControlNet to
     the stack when none is named, at `control_scale` (default 1)."""
     prompts = _checked(prompts, num=num, seed=seed, steps=steps, guidance=guidance, shift=shift,
-                       guidance_interval=guidance_interval, adapters=adapters, control_scale=control_scale)
+                       guidance_interval=guidance_interval, adapters=adapters, control_scale=control_scale,
+                       texts={"solver": solver})
     if not prompts:
         raise BadInput("no prompts: give -p PROMPT or --prompts-file FILE")
     if not 1 <= num <= MAX_IMAGES or len(prompts) * num > MAX_IMAGES:
@@ -112,7 +114,8 @@ def plan_requests(card: Card, prompts: list[str], *, num: int = 1, seed: int = 0
     return requests, warnings
 
 
-def _checked(prompts, *, guidance_interval, adapters, **values) -> list[str] | tuple[str, ...]:
+def _checked(prompts, *, guidance_interval, adapters, out="", texts=None, on_step=None,
+             **values) -> list[str] | tuple[str, ...]:
     """The prompts — one string is one prompt, as diffusers' pipelines take it, not one image per character — once
     the Python API's arguments have the types the command line's parser guarantees: a wrong one is BadInput naming
     it, not a TypeError deep in the loop or a value silently coerced."""
@@ -122,8 +125,16 @@ def _checked(prompts, *, guidance_interval, adapters, **values) -> list[str] | t
     for name, value in values.items():
         whole = name in ("num", "seed", "steps", "best_of", "max_batch")
         kind = numbers.Integral if whole else numbers.Real
-        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+        required = name in ("num", "seed", "best_of", "max_batch")  # the rest take None as the card's default
+        if (value is not None or required) and (not isinstance(value, kind) or isinstance(value, bool)):
             raise BadInput(f"{name} must be {'a whole number' if whole else 'a number'}, got {value!r}")
+    if not isinstance(out, (str, os.PathLike)):
+        raise BadInput(f"out must be a path, got {out!r}")
+    for name, value in (texts or {}).items():
+        if value is not None and not isinstance(value, str):
+            raise BadInput(f"{name} must be a name (text), got {value!r}")
+    if on_step is not None and not callable(on_step):
+        raise BadInput(f"on_step must be a function of (step, steps), got {on_step!r}")
     if guidance_interval is not None and not (
             isinstance(guidance_interval, (list, tuple)) and len(guidance_interval) == 2
             and all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in guidance_interval)):
@@ -174,6 +185,8 @@ class LoadedCard:
 
     def __init__(self, card_ref: str | Card, *, device: str | None = None, cache: TextFeatureCache | None = None,
                  precision: str | None = None):
+        if cache is not None and not isinstance(cache, TextFeatureCache):
+            raise BadInput(f"cache must be a TextFeatureCache, got {cache!r}")
         self.card = card_ref if isinstance(card_ref, Card) else load_card(card_ref, adapters=False)
         self.platform = Platform.detect(device)
         self.cache = cache or TextFeatureCache()
@@ -232,7 +245,9 @@ class LoadedCard:
         them."""
         prompts = _checked(prompts, num=num, seed=seed, steps=steps, guidance=guidance, shift=shift, best_of=best_of,
                            max_batch=max_batch, guidance_interval=guidance_interval, adapters=adapters,
-                           control_scale=control_scale)
+                           control_scale=control_scale, out=out, on_step=on_step,
+                           texts={"reward": reward, "solver": solver, "precision": precision,
+                                  "preprocessor": preprocessor})
         if max_batch < 1:
             raise BadInput(f"--max-batch must be at least 1, got {max_batch}")
         if best_of != 1 and reward is None:
