@@ -408,3 +408,30 @@ def test_latents_refuse_images_of_another_size_than_the_vae_takes():
     with pytest.raises(BadInput, match="the VAE takes 24×24 images, the data are 28×28"):
         latents(vae, np.zeros((2, 28, 28), dtype=np.uint8), "cpu")
     assert latents(vae, np.zeros((2, 24, 24), dtype=np.uint8), "cpu")[0].shape == (2, 4, 1, 8, 8)
+
+
+def test_a_run_folder_another_process_is_training_in_is_refused_until_that_process_ends(tmp_path, data):
+    """Two runs on one folder would interleave their checkpoints: the second is refused, naming the first's process;
+    the lock goes with its process, so a run killed with -9 leaves nothing to clear by hand."""
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from cardtool.core.training.run_lock import run_claimed; "
+         "held = run_claimed(sys.argv[1]); held.__enter__(); print('held', flush=True); sys.stdin.read()",
+         str(tmp_path / "r")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        command = ["train", "--recipe", str(RECIPES / "fashion-vae.yaml"), *(f"--set={s}" for s in TINY_VAE),
+                   "--data", str(data), "--out", str(tmp_path / "v"), "--run-dir", str(tmp_path / "r"), "--json"]
+        result = CliRunner().invoke(app, command)
+        assert result.exit_code == 2, result.output
+        message = json.loads(result.stdout)["error"]["message"]
+        assert f"is in use by another run (process {holder.pid})" in message
+        assert not (tmp_path / "r" / CHECKPOINT).exists() and not (tmp_path / "v").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    result = CliRunner().invoke(app, command)
+    assert result.exit_code == 0, result.output
+    assert load_card(tmp_path / "v").id == "fashion-vae"

@@ -26,6 +26,7 @@ from cardtool.core.sampling.denoise import NonFiniteImages
 from cardtool.core.training.interrupt import TrainingInterrupted, stop_requests
 from cardtool.core.training.parallel import Parallel
 from cardtool.core.training.recipes import Recipe
+from cardtool.core.training.run_lock import run_claimed
 from cardtool.errors import BadInput, RunFailed
 
 __all__ = ["Task", "TrainingDiverged", "TrainResult", "train_loop", "writable_outputs", "CHECKPOINT"]
@@ -137,7 +138,14 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
     """Train `task` by `recipe`. The global batch is split into P × `micro_batches` micro-batches (P processes under
     torchrun), micro-batch j taking every (P·M)-th example from j with its own seed (step, j): each rank accumulates
     its M micro-batches' gradients and the ranks average theirs (recipe.train.parallel), so P processes × M equal one
-    process with P·M micro-batches, up to the order of the floating-point sums. Rank 0 alone writes checkpoints."""
+    process with P·M micro-batches, up to the order of the floating-point sums. Rank 0 alone writes checkpoints, and
+    holds the run folder while it trains (`run_claimed`): a second run started on it is refused."""
+    with run_claimed(run_dir, distributed.ranks(platform.device).main):
+        return _train(task, recipe, platform, run_dir, resume, on_log, micro_batches)
+
+
+def _train(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, resume: bool,
+           on_log: Callable[[dict], None] | None, micro_batches: int) -> TrainResult:
     if recipe.train.precision == "bfloat16" and not platform.supports_bf16:  # after each command checked its input
         raise BadInput(f"train.precision bfloat16 needs bf16 compute, which {platform.device}/{platform.arch} "
                        "lacks; use --set train.precision=float32")

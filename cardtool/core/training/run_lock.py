@@ -1,0 +1,45 @@
+"""One run folder, one run at a time: a second `train`/`distill`/`rl` (or `--resume`) started on a folder a run is
+still using would interleave its checkpoints with the first's. The lock is an advisory `flock` on `RUN/.lock`, which
+the kernel drops when its process ends, however it ends — a kill -9 leaves no stale lock to clear by hand. Where
+there is no `fcntl` (Windows) runs are not locked."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from cardtool.errors import BadInput
+
+__all__ = ["LOCK", "run_claimed"]
+
+LOCK = ".lock"
+
+
+@contextlib.contextmanager
+def run_claimed(run_dir: Path, claim: bool = True) -> Iterator[None]:
+    """Hold `run_dir` for this process (only where `claim`: under torchrun, rank 0 claims it for every rank);
+    BadInput naming the holder's process id if another process holds it."""
+    try:
+        import fcntl
+    except ImportError:  # no flock here: nothing to hold
+        fcntl = None
+    if not claim or fcntl is None:
+        yield
+        return
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    path = Path(run_dir) / LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise BadInput(f"{run_dir} is in use by another run (process {holder}); wait for it to finish, or "
+                           "give this run another --run-dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
