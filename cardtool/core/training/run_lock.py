@@ -38,8 +38,11 @@ def run_claimed(run_dir: Path, claim: bool = True) -> Iterator[None]:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             raise BadInput(f"{run_dir} is in use by another run (process {holder}); wait for it to finish, or "
                            "give this run another --run-dir") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError:  # a file system without flock (some NFS mounts): train unlocked rather than not at all
+            pass
+        else:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
     finally:
         os.close(fd)  # closing the descriptor releases the lock
