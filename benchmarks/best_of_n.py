@@ -62,7 +62,7 @@ def main() -> None:
             if n == 1:
                 images = loop.finalize(sample(loop, requests, max_batch=256))
             else:
-                images = best_of_n(loop, reward, requests, n, max_batch=256).images
+                images = best_of_n(loop, reward, requests, n, max_batch=256).checked(loaded.card.id).images
             seconds = time.perf_counter() - started
             accuracies = [float((j.probabilities(images).argmax(1) == labels).mean()) for j in judges]
             rewards = reward.score(images, [r.prompt for r in requests])

@@ -71,7 +71,7 @@ def test_bad_best_of_requests_are_clear_errors(examples, tmp_path, args, message
     assert result.exit_code == 2 and message in json.loads(result.stdout)["error"]["message"]
 
 
-def test_a_candidate_sampled_as_nan_is_never_kept_and_a_request_of_only_such_fails(examples, monkeypatch):
+def test_a_candidate_sampled_as_nan_is_never_kept_and_a_request_of_only_such_fails(examples, monkeypatch, tmp_path):
     from cardtool.core.sampling.denoise import DenoiseLoop, NonFiniteImages
 
     loaded = LoadedCard(str(examples / "tiny-base"))
@@ -93,5 +93,11 @@ def test_a_candidate_sampled_as_nan_is_never_kept_and_a_request_of_only_such_fai
         assert row[picked.chosen[k]] == max(s for s in row if s is not None)
     assert json.loads(picked.metadata()[0]["scores"])[clean.chosen[0]] is None
     broken.update({3, 4, 5})  # every candidate of the second request
+    lost = best_of_n(loaded.loop(), reward, requests, 3)
+    assert lost.finite.tolist() == [True, False] and lost.scores[1] == [None] * 3
     with pytest.raises(NonFiniteImages, match="made NaN or inf for 1 of 2 images \\('a sneaker' seed 0\\)"):
-        best_of_n(loaded.loop(), reward, requests, 3)
+        lost.checked("tiny-base")
+    with pytest.raises(NonFiniteImages, match=r"1 of 2 images \('a sneaker' seed 0\); the other 1 are written"):
+        loaded.generate(["a bag", "a sneaker"], steps=3, best_of=3, reward=str(examples / "tiny-judge"),
+                        out=tmp_path)
+    assert [p.name for p in tmp_path.glob("*.png")] == ["tiny-base-000-a-bag-seed0.png"], "the finite one is kept"

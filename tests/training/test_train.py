@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from cardtool.cli import app
 from cardtool.core.cards.loader import load_card
-from cardtool.core.training.interrupt import TrainingInterrupted
+from cardtool.core.interrupt import Interrupted
 from cardtool.core.training.recipes import load_recipe
 from cardtool.core.training.train import train
 from cardtool.core.training.trainer import CHECKPOINT, TrainingDiverged
@@ -94,7 +94,7 @@ def test_ctrl_c_or_sigterm_checkpoints_the_finished_steps_and_a_resume_continues
         if entry["step"] == 4:  # checkpoint_every is 3: the periodic checkpoint holds step 3 only
             os.kill(os.getpid(), signum)
 
-    with pytest.raises(TrainingInterrupted, match="after step 4 of 6") as stopped:
+    with pytest.raises(Interrupted, match="after step 4 of 6") as stopped:
         train(tiny("fashion-vae"), command="c", out=tmp_path / "b", run_dir=tmp_path / "rb", data=str(data),
               on_log=signal_at_step_4)
     assert stopped.value.exit_code == 128 + signum and signal.getsignal(signum) is previous

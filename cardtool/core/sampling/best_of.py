@@ -2,7 +2,7 @@
 the highest kept (ties go to the earlier candidate). Candidate 0 is the request itself, so best-of-N never scores
 below plain sampling on the reward; candidate i's seed is derived from (seed, i), so every candidate — the winner
 included — is reproduced by plain sampling at its own seed. A candidate sampled as NaN or inf has no score and is
-never kept; a request whose every candidate is one fails as plain sampling would."""
+never kept; a request whose every candidate is one is broken as a plain sample would be (`Picked.finite`)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,14 @@ class Picked:
     chosen: list[int]  # the winner's candidate index
     request_seeds: list[int]  # the seed each request asked for (candidate 0's)
     reward: str  # the reward card's id
+    finite: np.ndarray  # per request: whether any candidate was an image (a request without one has a black image)
+
+    def checked(self, card: str) -> Picked:
+        """These picks, or NonFiniteImages naming the requests whose every candidate sampled NaN or inf."""
+        lost = [r for r, ok in zip(self.requests, self.finite, strict=True) if not ok]
+        if lost:
+            raise NonFiniteImages(card, lost, len(self.requests))
+        return self
 
     def metadata(self) -> list[dict[str, str]]:
         """What each kept image's PNG records about its selection, beside its generation metadata."""
@@ -57,11 +65,8 @@ def best_of_n(loop: DenoiseLoop, reward, requests: list[Request], n: int, *, max
         raise BadInput(f"reward '{reward.card_id}' gave {scores.shape} scores for {len(candidates)} images")
     scores[~finite] = np.nan  # a candidate sampled as NaN or inf is not an image: it has no score and never wins
     grouped = scores.reshape(len(requests), n)
-    lost = [r for r, row in zip(requests, grouped, strict=True) if np.isnan(row).all()]
-    if lost:
-        raise NonFiniteImages(loop.instance.card.id, lost, len(requests))
     chosen = [int(np.argmax(np.where(np.isnan(row), -np.inf, row))) for row in grouped]
     rows = [k * n + c for k, c in enumerate(chosen)]
     return Picked([candidates[i] for i in rows], images[rows],
                   [[None if np.isnan(s) else float(s) for s in row] for row in grouped], chosen,
-                  [r.seed for r in requests], reward.card_id)
+                  [r.seed for r in requests], reward.card_id, finite[rows])

@@ -32,16 +32,18 @@ __all__ = ["SOLVERS", "Request", "Capture", "LoopState", "DenoiseLoop", "NonFini
 
 
 class NonFiniteImages(RunFailed):
-    """The model made NaN or inf where an image should be: nothing is written for such a batch."""
+    """The model made NaN or inf where an image should be: no such image is written (`written`: how many of the
+    others were, where a command writes the finite ones)."""
 
-    def __init__(self, card: str, requests: list, total: int):
+    def __init__(self, card: str, requests: list, total: int, written: int | None = None):
         self.images = [(r.prompt, r.seed) for r in requests]  # (prompt, seed) of each broken image
         shown = ", ".join(f"{p[:40]!r} seed {s}" for p, s in self.images[:3])
         more = f" and {len(requests) - 3} more" if len(requests) > 3 else ""
         stack = {a for r in requests for a in r.adapters}
         cause = "its weights, the adapters' (" + ", ".join(f"{n}={v:g}" for n, v in sorted(stack)) + ")" if stack \
             else "its weights"
-        super().__init__(f"'{card}' made NaN or inf for {len(requests)} of {total} images ({shown}{more}): check "
+        kept = f"; the other {written} are written" if written else ""
+        super().__init__(f"'{card}' made NaN or inf for {len(requests)} of {total} images ({shown}{more}){kept}: check "
                          f"{cause}, the settings (guidance, shift), or a precision that overflows (try --precision "
                          "float32)")
 

@@ -8,6 +8,7 @@ import json
 import numbers
 import os
 import re
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,8 +20,9 @@ from cardtool.backends.platform import Platform
 from cardtool.core import distributed
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.loops import FlowDenoiseDefaults
+from cardtool.core.interrupt import Interrupted, stop_requests
 from cardtool.core.sampling.control import ControlImage
-from cardtool.core.sampling.denoise import DenoiseLoop, Request
+from cardtool.core.sampling.denoise import DenoiseLoop, NonFiniteImages, Request
 from cardtool.core.sampling.images import grid_image, save_png
 from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.sampling.sampler import sample
@@ -216,17 +218,19 @@ class LoadedCard:
         return self._rewards[ref]
 
     def _make(self, requests: list[Request], loop: DenoiseLoop, judge, best_of: int, max_batch: int, on_step,
-              fused) -> tuple[list[Request], list, list[dict]]:
-        """Requests, their images and each image's extra metadata (best-of-N's selection, the adapters it used)."""
+              fused) -> list[tuple]:
+        """(request, image, extra metadata, finite) per request: best-of-N's selection and the adapters used go in
+        the metadata; an image sampled as NaN or inf (best-of: every candidate so) is not finite."""
         if judge is None:
             states = sample(loop, requests, on_step=on_step, max_batch=max_batch)
-            return requests, list(loop.finalize(states)), [adapter_metadata(s.adapters, s.request.control,
-                                                                            fused is not None) for s in states]
+            images, finite = loop.decode(states)
+            extras = [adapter_metadata(s.adapters, s.request.control, fused is not None) for s in states]
+            return list(zip(requests, images, extras, finite, strict=True))
         from cardtool.core.sampling.best_of import best_of_n
 
         picked = best_of_n(loop, judge, requests, best_of, max_batch=max_batch, on_step=on_step)
-        return picked.requests, list(picked.images), [{**e, **({"fused": "true"} if fused is not None else {})}
-                                                      for e in picked.metadata()]
+        extras = [{**e, **({"fused": "true"} if fused is not None else {})} for e in picked.metadata()]
+        return list(zip(picked.requests, picked.images, extras, picked.finite, strict=True))
 
     def generate(self, prompts: str | list[str], *, num: int = 1, seed: int = 0, steps: int | None = None,
                  guidance: float | None = None, shift: float | None = None, solver: str | None = None,
@@ -266,32 +270,51 @@ class LoadedCard:
         paths = _output_paths(Path(out), card.id, requests)
         judge = self.reward(reward) if reward is not None else None
         started = time.perf_counter()
-        ranks = distributed.ranks(platform.device)  # under torchrun each rank makes its share; rank 0 writes
-        mine = ranks.shard(requests)
-        with _fusing(loop, requests[0].adapters if fuse else ()) as fused:
+        ranks = distributed.ranks(platform.device)
+        # one process makes the requests in waves of a forward's worth, each written when done, so an interrupted or
+        # failing run keeps what it finished; under torchrun each rank makes its share, which rank 0 gathers and writes
+        size = max(1, max_batch // best_of)
+        waves = [ranks.shard(requests)] if ranks.world > 1 else \
+            [range(i, min(i + size, len(requests))) for i in range(0, len(requests), size)]
+        total = sum(requests[i].steps for wave in waves for i in wave) * best_of
+        images, broken, done = [], [], 0
+        with _fusing(loop, requests[0].adapters if fuse else ()) as fused, stop_requests(ranks.world == 1) as caught:
             if fuse and fused is None:
                 raise BadInput("--fuse merges the LoRAs of the request's adapter stack; this one has none")
-            made = self._make([requests[i] for i in mine], loop, judge, best_of, max_batch, on_step, fused) \
-                if mine else ([], [], [])
-        shares = ranks.gather([(i, *item) for i, item in zip(mine, zip(*made, strict=True), strict=True)])
+            for number, wave in enumerate(waves):
+                progress = (lambda d, t, before=done: on_step(before + d, total)) if on_step else None
+                made = self._make([requests[i] for i in wave], loop, judge, best_of, max_batch, progress, fused) \
+                    if wave else []
+                done += sum(requests[i].steps for i in wave) * best_of
+                shares = ranks.gather([(i, *item) for i, item in zip(wave, made, strict=True)])
+                if not ranks.main:
+                    continue
+                for i, request, image, extra, finite in sorted((item for share in shares for item in share),
+                                                               key=lambda item: item[0]):
+                    if not finite:
+                        broken.append(request)
+                        continue
+                    metadata = {**image_metadata(loop, request), **extra}
+                    save_image(paths[i], image, metadata)
+                    images.append((GeneratedImage(paths[i], metadata), request, image))
+                if caught and number < len(waves) - 1:
+                    signal_name = signal.Signals(caught[0]).name
+                    raise Interrupted(f"{signal_name} after {len(images)} of {len(requests)} images: those are "
+                                      f"written in {paths[0].parent}; the rest are not", caught[0])
         seconds = time.perf_counter() - started
         if not ranks.main:
             return GenerateReport(card.id, f"{platform.device}/{platform.arch}", [], None, warnings, seconds,
                                   rank=ranks.rank)
-        done = sorted((item for share in shares for item in share), key=lambda item: item[0])
-        requests, pixels, extras = [r for _, r, _, _ in done], [p for _, _, p, _ in done], [e for *_, e in done]
-        images = []
-        for request, image, path, extra in zip(requests, pixels, paths, extras, strict=True):
-            metadata = {**image_metadata(loop, request), **extra}
-            save_image(path, image, metadata)
-            images.append(GeneratedImage(path, metadata))
+        if broken:
+            raise NonFiniteImages(card.id, broken, len(requests), written=len(images))
         grid_path = None
         if grid:
             grid_path = paths[0].parent / f"{card.id}-grid.png"
-            rows = [(p, [img for r, img in zip(requests, pixels, strict=True) if r.prompt == p])
+            rows = [(p, [pixels for _, r, pixels in images if r.prompt == p])
                     for p in dict.fromkeys(r.prompt for r in requests)]
             save_image(grid_path, grid_image(rows), {"card": card.id, "cardtool": __version__})
-        return GenerateReport(card.id, f"{platform.device}/{platform.arch}", images, grid_path, warnings, seconds)
+        return GenerateReport(card.id, f"{platform.device}/{platform.arch}", [image for image, _, _ in images],
+                              grid_path, warnings, seconds)
 
 
 def control_image(loop: DenoiseLoop, control, preprocessor: str | None, adapters) -> ControlImage | None:

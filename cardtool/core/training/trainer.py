@@ -1,7 +1,8 @@
 """The training loop every method shares: deterministic data order and noise, AdamW with warmup and cosine
 decay, optional EMA, bf16 autocast through the platform, atomic checkpoints that a `--resume` continues
 bit-for-bit, a stop with a clear error on a NaN/inf loss that keeps the last good checkpoint, a checkpoint on
-Ctrl-C or SIGTERM before stopping (interrupt.py), and under torchrun data parallelism by DDP or FSDP2 (parallel.py)."""
+Ctrl-C or SIGTERM before stopping (core/interrupt.py), and under torchrun data parallelism by DDP or FSDP2
+(parallel.py)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ from cardtool.backends.platform import Platform
 from cardtool.backends.precision import autocast
 from cardtool.backends.training import load_optimizer_tensors, optimizer_tensors
 from cardtool.core import distributed
+from cardtool.core.interrupt import Interrupted, stop_requests
 from cardtool.core.sampling.denoise import NonFiniteImages
-from cardtool.core.training.interrupt import TrainingInterrupted, stop_requests
 from cardtool.core.training.parallel import Parallel
 from cardtool.core.training.recipes import Recipe
 from cardtool.core.training.run_lock import run_claimed
@@ -235,7 +236,7 @@ def _train(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, resume
                       optimizer, task, parts, parallel, ranks.main)
             if stopping:
                 name = signal.Signals(caught[0]).name
-                raise TrainingInterrupted(f"{name} after step {done} of {o.steps}: {checkpoint} holds every finished "
+                raise Interrupted(f"{name} after step {done} of {o.steps}: {checkpoint} holds every finished "
                                           "step; continue with --resume", caught[0])
     elapsed = time.perf_counter() - started
     final = parallel.plain(ema if ema is not None else modules)

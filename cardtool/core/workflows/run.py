@@ -105,7 +105,7 @@ class _Runner:
         loop = loaded.loop()
         reward = loaded.reward(str(self.locate(body.reward)))
         def work(chosen):
-            picked = best_of_n(loop, reward, chosen, body.n, max_batch=self.max_batch)
+            picked = best_of_n(loop, reward, chosen, body.n, max_batch=self.max_batch).checked(loop.instance.card.id)
             return list(zip(picked.requests, picked.images, picked.metadata(), strict=True))
 
         made = self.ranks.spread(self._requests(loaded, body.prompts, body.num, body), work)

@@ -1,5 +1,6 @@
-"""Ctrl-C and SIGTERM during a training run: the step in flight finishes, a checkpoint is written, and the run
-stops resumable (exit 128 + the signal), instead of losing the steps since the last periodic checkpoint."""
+"""Ctrl-C and SIGTERM during long work: the unit in flight finishes and is kept — a training step and its checkpoint,
+a generation wave and its PNGs — and the command stops with exit 128 + the signal, instead of losing everything since
+the last thing it saved."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ from contextlib import contextmanager
 
 from cardtool.errors import RunFailed
 
-__all__ = ["TrainingInterrupted", "stop_requests"]
+__all__ = ["Interrupted", "stop_requests"]
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-class TrainingInterrupted(RunFailed):
-    """A signal stopped the run between two steps; its checkpoint holds every finished step."""
+class Interrupted(RunFailed):
+    """A signal stopped the work between two units; what the finished ones made is kept (the message says where)."""
 
     kind = "interrupted"
 
@@ -28,8 +29,8 @@ class TrainingInterrupted(RunFailed):
 @contextmanager
 def stop_requests(enabled: bool = True) -> Iterator[list[int]]:
     """A list that receives the number of a SIGINT or SIGTERM that arrives inside the block, for the loop to act on
-    at its next step boundary. The first signal only asks: a second one acts at once, as it would have without
-    this (the handlers in place before are restored on the first). Off the main thread, where Python cannot
+    at its next boundary (a step, a wave). The first signal only asks: a second one acts at once, as it would have
+    without this (the handlers in place before are restored on the first). Off the main thread, where Python cannot
     install handlers, or with `enabled` false (under torchrun, whose ranks must stop together), nothing changes."""
     caught: list[int] = []
     if not enabled or threading.current_thread() is not threading.main_thread():
