@@ -60,8 +60,10 @@ def test_distill_quality_counts_model_evaluations_and_reads_recorded_evals(tmp_p
 
 
 @pytest.mark.parametrize("ema", [0.0, 0.5])
-def test_distill_checkpoint_evaluates_a_runs_generator(tmp_path, examples, fashion_mnist, ema):
+def test_distill_checkpoint_evaluates_a_runs_generator(tmp_path, examples, ema):
     """The generator the card would get: its moving average when the run keeps one."""
+    from helpers import write_idx_folder
+
     from cardtool.core.training.distill import distill, distill_recipe
 
     sets = ["optim.steps=2", "optim.batch_size=2", "train.precision=float32", "train.checkpoint_every=2",
@@ -70,7 +72,8 @@ def test_distill_checkpoint_evaluates_a_runs_generator(tmp_path, examples, fashi
             run_dir=tmp_path / "run", evaluate=False)
     out = tmp_path / "curve.json"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "distill_checkpoint.py"), str(tmp_path / "run"),
-                    "--teacher", str(examples / "tiny-base"), "--steps", "2", "--per-class", "1", "--out", str(out)],
+                    "--teacher", str(examples / "tiny-base"), "--steps", "2", "--per-class", "1", "--out", str(out),
+                    "--data", str(write_idx_folder(tmp_path / "idx"))],
                    check=True, capture_output=True, timeout=300)
     [entry] = json.loads(out.read_text())
     assert entry["iteration"] == 2 and entry["steps"] == 2 and entry["images"] == 10
