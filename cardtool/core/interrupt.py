@@ -21,9 +21,10 @@ class Interrupted(RunFailed):
 
     kind = "interrupted"
 
-    def __init__(self, message: str, signum: int):
+    def __init__(self, message: str, signum: int, partial: dict | None = None):
         super().__init__(message)
         self.exit_code = 128 + signum  # what a shell reports for a process the signal ended
+        self.partial = partial  # what the finished units made, for `--json` (an eval's rows, the images written)
 
 
 @contextmanager

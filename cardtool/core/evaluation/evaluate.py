@@ -13,6 +13,7 @@ import itertools
 import math
 import numbers
 import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -27,6 +28,7 @@ from cardtool.core.cards.loader import load_card
 from cardtool.core.data import CLASS_NAMES, load_split
 from cardtool.core.evaluation.metrics import fid_warning, frechet_distance, kernel_distance
 from cardtool.core.evaluation.reward import FashionJudge
+from cardtool.core.interrupt import Interrupted, stop_requests
 from cardtool.core.prompts import class_prompt
 from cardtool.core.sampling.denoise import DenoiseLoop, NonFiniteImages
 from cardtool.core.sampling.generate import plan_requests
@@ -139,32 +141,41 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     report.warnings += [w for loop in loops.values() for w in loop.instance.warnings]
     labels = np.repeat(np.arange(len(CLASS_NAMES)), per_class)  # plan_requests orders prompts × seeds
     # None: the card's loop default for steps and guidance
-    for (p, loop), g, k in itertools.product(loops.items(), guidance or [None], steps or [None]):
-        requests = plans[(g, k)]
-        report.adapters = [{"name": name, "scale": scale} for name, scale in requests[0].adapters]
-        started = time.perf_counter()
-        mine = ranks.shard(requests)  # under torchrun each rank samples its share and rank 0 measures them all
-        broken = None
-        try:
-            made = loop.finalize(sample(loop, [requests[i] for i in mine], max_batch=256)) if mine else []
-        except NonFiniteImages as e:  # this row measures nothing; the others still do
-            made, broken = [None] * len(mine), str(e)
-        shares = ranks.gather(list(zip(mine, made, strict=True)))
-        if not ranks.main:
-            continue
-        made = [image for _, image in sorted((item for share in shares for item in share), key=lambda item: item[0])]
-        seconds = time.perf_counter() - started
-        first = requests[0]
-        if any(image is None for image in made):
-            nan = math.nan
-            row = EvalRow(first.steps, first.guidance, list(first.guidance_interval), p, count, nan, nan, nan, nan,
-                          nan, nan, first.model_evaluations())
-            report.rows.append(row)
-            report.warnings.append(f"{p}, {first.steps} steps, guidance {first.guidance:g}: no measurement, "
-                                   f"{broken or 'another rank made NaN or inf images'}")
-            if on_row:
-                on_row(row)
-            continue
+    cells = list(itertools.product(loops.items(), guidance or [None], steps or [None]))
+    with stop_requests(ranks.world == 1) as caught:  # Ctrl-C / SIGTERM: the row in flight finishes, then a stop
+        for number, ((p, loop), g, k) in enumerate(cells):
+            _measure_row(report, referee, real, labels, count, ranks, p, loop, plans[(g, k)], on_row)
+            if caught and number < len(cells) - 1:
+                raise Interrupted(f"{signal.Signals(caught[0]).name} after {number + 1} of {len(cells)} rows",
+                                  caught[0], report.to_json())
+    return report
+
+
+def _measure_row(report: EvalReport, referee: FashionJudge, real: np.ndarray, labels: np.ndarray, count: int, ranks,
+                 p: str, loop: DenoiseLoop, requests: list, on_row) -> None:
+    """Sample one row's images at precision `p` and add its measurements to `report` (on rank 0; under torchrun each
+    rank samples its share and rank 0 measures them all)."""
+    report.adapters = [{"name": name, "scale": scale} for name, scale in requests[0].adapters]
+    started = time.perf_counter()
+    mine = ranks.shard(requests)
+    broken = None
+    try:
+        made = loop.finalize(sample(loop, [requests[i] for i in mine], max_batch=256)) if mine else []
+    except NonFiniteImages as e:  # this row measures nothing; the others still do
+        made, broken = [None] * len(mine), str(e)
+    shares = ranks.gather(list(zip(mine, made, strict=True)))
+    if not ranks.main:
+        return
+    made = [image for _, image in sorted((item for share in shares for item in share), key=lambda item: item[0])]
+    seconds = time.perf_counter() - started
+    first = requests[0]
+    if any(image is None for image in made):
+        nan = math.nan
+        row = EvalRow(first.steps, first.guidance, list(first.guidance_interval), p, count, nan, nan, nan, nan,
+                      nan, nan, first.model_evaluations())
+        report.warnings.append(f"{p}, {first.steps} steps, guidance {first.guidance:g}: no measurement, "
+                               f"{broken or 'another rank made NaN or inf images'}")
+    else:
         images = np.stack(made)
         probabilities = referee.probabilities(images)
         accuracy = float((probabilities.argmax(1) == labels).mean())
@@ -174,10 +185,9 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
                       round(frechet_distance(features, real), 4), round(kid, 6), round(kid_std, 6),
                       round(float(probabilities[np.arange(count), labels].mean()), 4), round(count / seconds, 1),
                       first.model_evaluations())
-        report.rows.append(row)
-        if on_row:
-            on_row(row)
-    return report
+    report.rows.append(row)
+    if on_row:
+        on_row(row)
 
 
 def _reconstruct(instance: ModelInstance, vae_name: str, images: np.ndarray) -> np.ndarray:

@@ -300,7 +300,8 @@ class LoadedCard:
                 if caught and number < len(waves) - 1:
                     signal_name = signal.Signals(caught[0]).name
                     raise Interrupted(f"{signal_name} after {len(images)} of {len(requests)} images: those are "
-                                      f"written in {paths[0].parent}; the rest are not", caught[0])
+                                      f"written in {paths[0].parent}; the rest are not", caught[0],
+                                      {"images": [image.to_json() for image, _, _ in images]})
         seconds = time.perf_counter() - started
         if not ranks.main:
             return GenerateReport(card.id, f"{platform.device}/{platform.arch}", [], None, warnings, seconds,

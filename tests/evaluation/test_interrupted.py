@@ -1,0 +1,54 @@
+"""Ctrl-C or SIGTERM during long measurement or generation: the unit in flight finishes, the command stops with exit
+128 + the signal and kind `interrupted`, and `--json` carries what the finished units made under `partial`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+from helpers import EXAMPLE_CARDS, write_idx_folder
+from typer.testing import CliRunner
+
+from cardtool.cli import app
+from cardtool.core.evaluation import evaluate as evaluate_module
+
+
+def test_an_interrupted_eval_reports_its_finished_rows(tmp_path, monkeypatch):
+    measure = evaluate_module._measure_row
+
+    def measure_then_sigint(*args, **kwargs):  # the user presses Ctrl-C while the first row is being measured
+        measure(*args, **kwargs)
+        if len(args[0].rows) == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(evaluate_module, "_measure_row", measure_then_sigint)
+    result = CliRunner().invoke(app, ["eval", str(EXAMPLE_CARDS / "tiny-base"), "--judge",
+                                      str(EXAMPLE_CARDS / "tiny-judge"), "--per-class", "1", "--steps", "1", "--steps",
+                                      "2", "--steps", "3", "--data", str(write_idx_folder(tmp_path / "idx")), "--json"])
+    assert result.exit_code == 130, result.output
+    error = json.loads(result.stdout)["error"]
+    assert error["kind"] == "interrupted" and error["message"] == "SIGINT after 1 of 3 rows"
+    assert [row["steps"] for row in error["partial"]["rows"]] == [1]
+    assert 0 <= error["partial"]["rows"][0]["class_accuracy"] <= 1 and error["partial"]["floors"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "Python's own handler is back"
+
+
+def test_an_interrupted_generate_lists_the_images_it_wrote(tmp_path, monkeypatch):
+    from cardtool.core.sampling import generate as generate_module
+
+    save = generate_module.save_image
+
+    def save_then_sigterm(path, *args):  # a scheduler preempts the run as the first wave's last image is written
+        save(path, *args)
+        if path.name.startswith("tiny-base-001-"):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(generate_module, "save_image", save_then_sigterm)
+    result = CliRunner().invoke(app, ["generate", str(EXAMPLE_CARDS / "tiny-base"), "-p", "a bag", "-n", "5",
+                                      "--steps", "1", "--max-batch", "2", "--out", str(tmp_path), "--json"])
+    assert result.exit_code == 143, result.output
+    error = json.loads(result.stdout)["error"]
+    assert error["kind"] == "interrupted" and error["message"].startswith("SIGTERM after 2 of 5 images")
+    written = [image["path"] for image in error["partial"]["images"]]
+    assert written == sorted(str(p) for p in tmp_path.glob("*.png")) and len(written) == 2
