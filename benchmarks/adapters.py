@@ -126,12 +126,18 @@ def main() -> None:
                          "images_per_second": round(args.batch / median, 2)})
             print(json.dumps(rows[-1]), flush=True)
     ratios = serving_ratios(rows)
+    # the same ratio within each round of the round robin: how far a shared machine's load moves it
+    plain_times, mixed_times = times["no adapter"], times[f"mixed {args.adapters} LoRAs, one batch"]
+    paired = sorted(a / b for a, b in zip(plain_times, mixed_times, strict=True))
+    spread = {"mixed / no adapter, per round": {"min": round(paired[0], 3),
+                                                "median": round(statistics.median(paired), 3),
+                                                "max": round(paired[-1], 3)}}
     report = {"card": base.id, "batch": args.batch, "adapters": args.adapters, "rank": args.rank,
               "steps": mixed[0].steps, "group_size": group, "platform": loop.instance.platform.device + "/"
               + loop.instance.platform.arch, "threads": torch.get_num_threads(), "repeats": args.repeats,
-              "rows": rows, "ratios": ratios}
+              "rows": rows, "ratios": ratios, "spread": spread}
     write_atomic(args.out, (json.dumps(report, indent=2) + "\n").encode())
-    print(json.dumps(ratios, indent=2))
+    print(json.dumps({**ratios, **spread}, indent=2))
     if args.plot:
         import matplotlib
 

@@ -127,6 +127,8 @@ def test_adapter_throughput_benchmark_times_every_serving_mode(tmp_path, example
         "no adapter, 2 groups one after another"]
     assert all(r["images_per_second"] > 0 for r in report["rows"]) and report["ratios"]["mixed / no adapter"] > 0
     assert report["ratios"]["no adapter: one batch / its groups one after another"] > 0
+    round_ratios = report["spread"]["mixed / no adapter, per round"]
+    assert 0 < round_ratios["min"] <= round_ratios["median"] <= round_ratios["max"]
 
 
 def test_adapter_effects_benchmark_measures_the_built_in_adapters(tmp_path, fashion_mnist):
