@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ import numpy as np
 from cardtool.atomic import writable_folder
 from cardtool.backends.platform import Platform
 from cardtool.core import distributed
+from cardtool.core.interrupt import Interrupted, stop_requests
 from cardtool.core.sampling.generate import LoadedCard, image_metadata, plan_requests, save_image
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache
@@ -114,36 +116,47 @@ class _Runner:
 
 def run_workflow(workflow: Workflow, *, out: str | Path = "outputs", device: str | None = None,
                  max_batch: int = 128, on_step=None) -> WorkflowReport:
-    """Run every step; images go to OUT/WORKFLOW_ID/STEP/NNN-….png."""
+    """Run every step; images go to OUT/WORKFLOW_ID/STEP/NNN-….png, each step's as it finishes."""
     runner = _Runner(workflow, device, max_batch)
     manifest = workflow.manifest
     folder = writable_folder(Path(out) / manifest.id, "the output folder")  # before the first step, not after
     report = WorkflowReport(manifest.id, f"{runner.platform.device}/{runner.platform.arch}")
     outputs: dict[str, list[Output]] = {}
     started = time.perf_counter()
-    for name in workflow.order:
-        step = manifest.steps[name]
-        body, begun = step.body, time.perf_counter()
-        if step.kind == "generate":
-            produced = runner.generate(body.card, body.prompts, body.num, body)
-        elif step.kind == "chain":
-            produced = runner.refine(body.card, outputs[body.input], body, body.input)
-        elif step.kind == "best_of_n":
-            produced = runner.best_of_n(body)
-        else:  # parallel: every card in order, merged card by card
-            produced = [o for ref in body.cards
-                        for o in (runner.generate(ref, body.prompts, body.num, body) if body.input is None
-                                  else runner.refine(ref, outputs[body.input], body, body.input))]
-        outputs[name] = produced
-        _write(folder / name, produced, manifest.id, name, step.kind, runner.ranks.main)
-        entry = {"step": name, "kind": step.kind, "seconds": round(time.perf_counter() - begun, 3),
-                 "images": [{"path": str(o.path), **{k: json.loads(o.metadata[k]) if k == "scores" else o.metadata[k]
-                                                     for k in _REPORTED if k in o.metadata}} for o in produced]}
-        report.steps.append(entry)
-        if on_step:
-            on_step(entry)
+    with stop_requests(runner.ranks.world == 1) as caught:  # Ctrl-C / SIGTERM: the step in flight finishes first
+        for number, name in enumerate(workflow.order):
+            _run_step(runner, workflow, name, outputs, folder, report, on_step)
+            if caught and number < len(workflow.order) - 1:
+                raise Interrupted(f"{signal.Signals(caught[0]).name} after {number + 1} of {len(workflow.order)} "
+                                  f"steps: their images are written in {folder}", caught[0], report.to_json())
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _run_step(runner: _Runner, workflow: Workflow, name: str, outputs: dict[str, list[Output]], folder: Path,
+              report: WorkflowReport, on_step) -> None:
+    """Run step `name` on the earlier steps' `outputs`, write its images and add it to `report`."""
+    manifest = workflow.manifest
+    step = manifest.steps[name]
+    body, begun = step.body, time.perf_counter()
+    if step.kind == "generate":
+        produced = runner.generate(body.card, body.prompts, body.num, body)
+    elif step.kind == "chain":
+        produced = runner.refine(body.card, outputs[body.input], body, body.input)
+    elif step.kind == "best_of_n":
+        produced = runner.best_of_n(body)
+    else:  # parallel: every card in order, merged card by card
+        produced = [o for ref in body.cards
+                    for o in (runner.generate(ref, body.prompts, body.num, body) if body.input is None
+                              else runner.refine(ref, outputs[body.input], body, body.input))]
+    outputs[name] = produced
+    _write(folder / name, produced, manifest.id, name, step.kind, runner.ranks.main)
+    entry = {"step": name, "kind": step.kind, "seconds": round(time.perf_counter() - begun, 3),
+             "images": [{"path": str(o.path), **{k: json.loads(o.metadata[k]) if k == "scores" else o.metadata[k]
+                                                 for k in _REPORTED if k in o.metadata}} for o in produced]}
+    report.steps.append(entry)
+    if on_step:
+        on_step(entry)
 
 
 _REPORTED = ("card", "prompt", "seed", "steps", "strength", "input", "best_of", "reward", "request_seed", "candidate",

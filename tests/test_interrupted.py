@@ -1,5 +1,6 @@
-"""Ctrl-C or SIGTERM during long measurement or generation: the unit in flight finishes, the command stops with exit
-128 + the signal and kind `interrupted`, and `--json` carries what the finished units made under `partial`."""
+"""Ctrl-C or SIGTERM during an eval, a generation or a workflow: the unit in flight (a row, a wave, a step) finishes,
+the command stops with exit 128 + the signal and kind `interrupted`, and `--json` carries what the finished units made
+under `partial`."""
 
 from __future__ import annotations
 
@@ -52,3 +53,25 @@ def test_an_interrupted_generate_lists_the_images_it_wrote(tmp_path, monkeypatch
     assert error["kind"] == "interrupted" and error["message"].startswith("SIGTERM after 2 of 5 images")
     written = [image["path"] for image in error["partial"]["images"]]
     assert written == sorted(str(p) for p in tmp_path.glob("*.png")) and len(written) == 2
+
+
+def test_an_interrupted_workflow_keeps_its_finished_steps(tmp_path, monkeypatch):
+    from helpers import REPO
+
+    from cardtool.core.workflows import run as run_module
+
+    step = run_module._run_step
+
+    def step_then_sigterm(runner, workflow, name, *args):  # preempted while the first step ("draft") runs
+        step(runner, workflow, name, *args)
+        if name == "draft":
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(run_module, "_run_step", step_then_sigterm)
+    result = CliRunner().invoke(app, ["workflow", "run", str(REPO / "examples" / "workflows" / "tiny-tour.yaml"),
+                                      "--out", str(tmp_path / "out"), "--json"])
+    assert result.exit_code == 143, result.output
+    error = json.loads(result.stdout)["error"]
+    assert error["kind"] == "interrupted" and error["message"].startswith("SIGTERM after 1 of 4 steps")
+    assert [s["step"] for s in error["partial"]["steps"]] == ["draft"]
+    assert sorted(p.parent.name for p in (tmp_path / "out" / "tiny-tour").glob("*/*.png")) == ["draft", "draft"]
