@@ -63,3 +63,17 @@ def fashion_mnist():
         return data_dir()
     except BadInput:
         pytest.skip("needs Fashion-MNIST: apt-get install -y dataset-fashion-mnist (or set CARDTOOL_DATA)")
+
+
+@pytest.fixture
+def interactive_signals():
+    """SIGINT and SIGTERM handled as in a terminal's foreground process — Python's KeyboardInterrupt and the default
+    exit — even where the test runner ignores them (pytest-xdist's workers ignore SIGINT); restored after."""
+    import signal
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    for s, handler in before.items():
+        signal.signal(s, handler)

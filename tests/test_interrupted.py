@@ -15,7 +15,7 @@ from cardtool.cli import app
 from cardtool.core.evaluation import evaluate as evaluate_module
 
 
-def test_an_interrupted_eval_reports_its_finished_rows(tmp_path, monkeypatch):
+def test_an_interrupted_eval_reports_its_finished_rows(tmp_path, monkeypatch, interactive_signals):
     measure = evaluate_module._measure_row
 
     def measure_then_sigint(*args, **kwargs):  # the user presses Ctrl-C while the first row is being measured
@@ -24,6 +24,7 @@ def test_an_interrupted_eval_reports_its_finished_rows(tmp_path, monkeypatch):
             os.kill(os.getpid(), signal.SIGINT)
 
     monkeypatch.setattr(evaluate_module, "_measure_row", measure_then_sigint)
+    before = signal.getsignal(signal.SIGINT)
     result = CliRunner().invoke(app, ["eval", str(EXAMPLE_CARDS / "tiny-base"), "--judge",
                                       str(EXAMPLE_CARDS / "tiny-judge"), "--per-class", "1", "--steps", "1", "--steps",
                                       "2", "--steps", "3", "--data", str(write_idx_folder(tmp_path / "idx")), "--json"])
@@ -32,10 +33,10 @@ def test_an_interrupted_eval_reports_its_finished_rows(tmp_path, monkeypatch):
     assert error["kind"] == "interrupted" and error["message"] == "SIGINT after 1 of 3 rows"
     assert [row["steps"] for row in error["partial"]["rows"]] == [1]
     assert 0 <= error["partial"]["rows"][0]["class_accuracy"] <= 1 and error["partial"]["floors"]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "Python's own handler is back"
+    assert signal.getsignal(signal.SIGINT) is before, "the handler in place before is back"
 
 
-def test_an_interrupted_generate_lists_the_images_it_wrote(tmp_path, monkeypatch):
+def test_an_interrupted_generate_lists_the_images_it_wrote(tmp_path, monkeypatch, interactive_signals):
     from cardtool.core.sampling import generate as generate_module
 
     save = generate_module.save_image
@@ -55,7 +56,7 @@ def test_an_interrupted_generate_lists_the_images_it_wrote(tmp_path, monkeypatch
     assert written == sorted(str(p) for p in tmp_path.glob("*.png")) and len(written) == 2
 
 
-def test_an_interrupted_workflow_keeps_its_finished_steps(tmp_path, monkeypatch):
+def test_an_interrupted_workflow_keeps_its_finished_steps(tmp_path, monkeypatch, interactive_signals):
     from helpers import REPO
 
     from cardtool.core.workflows import run as run_module
@@ -75,3 +76,15 @@ def test_an_interrupted_workflow_keeps_its_finished_steps(tmp_path, monkeypatch)
     assert error["kind"] == "interrupted" and error["message"].startswith("SIGTERM after 1 of 4 steps")
     assert [s["step"] for s in error["partial"]["steps"]] == ["draft"]
     assert sorted(p.parent.name for p in (tmp_path / "out" / "tiny-tour").glob("*/*.png")) == ["draft", "draft"]
+
+
+def test_a_signal_the_process_was_told_to_ignore_stays_ignored(interactive_signals):
+    """A shell starts a background job with SIGINT ignored: a stray Ctrl-C must not stop it through our handler."""
+    from cardtool.core.interrupt import stop_requests
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with stop_requests() as caught:
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert caught == [signal.SIGTERM] and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

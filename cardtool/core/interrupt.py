@@ -1,6 +1,6 @@
 """Ctrl-C and SIGTERM during long work: the unit in flight finishes and is kept — a training step and its checkpoint,
-a generation wave and its PNGs — and the command stops with exit 128 + the signal, instead of losing everything since
-the last thing it saved."""
+a generation wave and its PNGs, an eval row, a workflow step — and the command stops with exit 128 + the signal,
+instead of losing everything since the last thing it saved."""
 
 from __future__ import annotations
 
@@ -24,27 +24,28 @@ class Interrupted(RunFailed):
     def __init__(self, message: str, signum: int, partial: dict | None = None):
         super().__init__(message)
         self.exit_code = 128 + signum  # what a shell reports for a process the signal ended
-        self.partial = partial  # what the finished units made, for `--json` (an eval's rows, the images written)
+        self.partial = partial  # what the finished units made, for `--json`: rows, images, steps
 
 
 @contextmanager
 def stop_requests(enabled: bool = True) -> Iterator[list[int]]:
     """A list that receives the number of a SIGINT or SIGTERM that arrives inside the block, for the loop to act on
-    at its next boundary (a step, a wave). The first signal only asks: a second one acts at once, as it would have
-    without this (the handlers in place before are restored on the first). Off the main thread, where Python cannot
+    at its next boundary (a step, a wave, a row). The first signal only asks: a second one acts at once, as it would
+    have without this (the handlers in place before are restored on the first). Off the main thread, where Python cannot
     install handlers, or with `enabled` false (under torchrun, whose ranks must stop together), nothing changes."""
     caught: list[int] = []
     if not enabled or threading.current_thread() is not threading.main_thread():
         yield caught
         return
-    previous = {s: signal.getsignal(s) for s in SIGNALS}
+    # a signal the process was told to ignore (SIGINT in a shell's background job) stays ignored
+    previous = {s: h for s in SIGNALS if (h := signal.getsignal(s)) is not signal.SIG_IGN}
 
     def ask(signum, frame):
         caught.append(signum)
         for s, handler in previous.items():
             signal.signal(s, handler)
 
-    for s in SIGNALS:
+    for s in previous:
         signal.signal(s, ask)
     try:
         yield caught

@@ -180,7 +180,8 @@ def read_png_pixels(path):
     return np.asarray(Image.open(path))
 
 
-def test_a_long_generation_writes_its_images_wave_by_wave_and_a_signal_keeps_the_finished_ones(on_path, tmp_path):
+def test_a_long_generation_writes_its_images_wave_by_wave_and_a_signal_keeps_the_finished_ones(on_path, tmp_path,
+                                                                                               interactive_signals):
     """Requests are made in waves of --max-batch, each written when done: SIGTERM (a scheduler's preemption) or
     Ctrl-C lets the wave in flight finish and be written, then stops with exit 143 / 130 and kind `interrupted`;
     the waves give the images one batch gives, and progress counts across them."""
@@ -205,9 +206,10 @@ def test_a_long_generation_writes_its_images_wave_by_wave_and_a_signal_keeps_the
         if done == 8:  # the first wave of 4 requests has made its 2 steps
             os.kill(os.getpid(), signal.SIGTERM)
 
+    before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(Interrupted) as stopped:
         loaded.generate(prompts, num=2, steps=2, max_batch=4, out=tmp_path / "cut", on_step=stop_after_the_first_wave)
     assert stopped.value.kind == "interrupted" and stopped.value.exit_code == 143
     assert "SIGTERM after 4 of 6 images: those are written in" in str(stopped.value)
     assert sorted(p.name for p in (tmp_path / "cut").glob("*.png")) == sorted(i.path.name for i in whole.images[:4])
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, "the handler in place before is back"
+    assert signal.getsignal(signal.SIGTERM) is before, "the handler in place before is back"

@@ -83,7 +83,8 @@ def test_resume_after_a_kill_gives_the_same_final_weights(tmp_path, data):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_ctrl_c_or_sigterm_checkpoints_the_finished_steps_and_a_resume_continues_them(tmp_path, data, signum):
+def test_ctrl_c_or_sigterm_checkpoints_the_finished_steps_and_a_resume_continues_them(tmp_path, data, signum,
+                                                                                        interactive_signals):
     from safetensors import safe_open
 
     uninterrupted = train(tiny("fashion-vae"), command="c", out=tmp_path / "a", run_dir=tmp_path / "ra",
@@ -106,7 +107,7 @@ def test_ctrl_c_or_sigterm_checkpoints_the_finished_steps_and_a_resume_continues
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_an_interrupted_run_says_so_in_its_exit_code_and_json(tmp_path, data, monkeypatch):
+def test_an_interrupted_run_says_so_in_its_exit_code_and_json(tmp_path, data, monkeypatch, interactive_signals):
     from cardtool.core.training import trainer
 
     real_save, pressed = trainer._save, []
