@@ -18,6 +18,9 @@ def eval_command(
     guidance: Annotated[list[float] | None, typer.Option("--guidance", help="CFG scales; repeat.")] = None,
     guidance_interval: Annotated[str | None, typer.Option(
         "--guidance-interval", metavar="LO,HI", help="σ range whose steps use CFG (default: the card's).")] = None,
+    shift: Annotated[float | None, typer.Option("--shift", help="σ-grid shift (default: the card's).")] = None,
+    solver: Annotated[str | None, typer.Option(
+        "--solver", help="euler, sde or renoise (default: the card's).")] = None,
     per_class: Annotated[int, typer.Option("--per-class", help="Images per class (10 classes).")] = 100,
     seed: Annotated[int, typer.Option("--seed", help="First seed of each class.")] = 0,
     device: Annotated[str | None, typer.Option("--device", help="Override the device (cuda, cpu).")] = None,
@@ -48,12 +51,14 @@ def eval_command(
         from cardtool.core.sampling.adapters import parse_adapter
         from cardtool.errors import BadInput
 
-        if adapter and record:
-            raise BadInput("--record keeps the eval of the card as it serves by default; drop --adapter to record")
+        if record and (adapter or shift is not None or solver is not None):
+            raise BadInput("--record keeps the eval of the card as it serves by default; drop --adapter, --shift and "
+                           "--solver to record")
         interval = parse_interval(guidance_interval) if guidance_interval is not None else None
         report = evaluate(card, judge=judge, steps=steps, guidance=guidance, guidance_interval=interval,
                           per_class=per_class, seed=seed, device=device, data=data, precision=precision,
-                          on_row=progress, adapters=[parse_adapter(a) for a in adapter] if adapter else None)
+                          on_row=progress, adapters=[parse_adapter(a) for a in adapter] if adapter else None,
+                          shift=shift, solver=solver)
         if record and report.rank == 0:
             from cardtool.core.cards.record import record_eval
 
@@ -67,8 +72,9 @@ def eval_command(
     from rich.table import Table
 
     stack = ", ".join(f"{a['name']}={a['scale']:g}" for a in report.adapters)
+    sampler = f", {report.rows[0].solver} on shift {report.rows[0].shift:g}" if report.rows else ""
     title = f"{report.card}{f' with {stack}' if stack else ''} judged by {report.judge} on {report.platform}, " \
-            f"{report.per_class} images per class"
+            f"{report.per_class} images per class{sampler}"
     table = Table(box=box.SIMPLE_HEAD, title=title, title_justify="left")
     for column in ("precision", "steps", "guidance", "class accuracy", "FID-FMNIST", "KID×1000", "mean reward",
                    "images/s"):

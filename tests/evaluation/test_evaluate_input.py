@@ -21,6 +21,8 @@ from cardtool.errors import BadInput
     ({"steps": {2}}, "steps must be a list of values"),
     ({"steps": 1001}, "steps"),  # one value alone is a list of one, checked alike
     ({"precision": "float8"}, "unknown precision 'float8'"),  # one name, not its characters
+    ({"solver": "nope"}, "unknown solver 'nope'"),
+    ({"shift": 0}, "shift must be in 0.01…100"),
 ])
 def test_bad_settings_are_refused_before_anything_loads(examples, monkeypatch, settings, message):
     def never(*args, **kwargs):
@@ -31,3 +33,25 @@ def test_bad_settings_are_refused_before_anything_loads(examples, monkeypatch, s
     with pytest.raises(BadInput, match=message):
         evaluate_module.evaluate(str(examples / "tiny-base"),
                                  **{"judge": str(examples / "tiny-judge"), "per_class": 1, **settings})
+
+
+def test_eval_samples_with_the_shift_and_solver_asked_for_and_its_rows_say_so(examples, tmp_path):
+    import json
+
+    from helpers import write_idx_folder
+    from typer.testing import CliRunner
+
+    from cardtool.cli import app
+
+    args = ["eval", str(examples / "tiny-base"), "--judge", str(examples / "tiny-judge"), "--per-class", "1",
+            "--steps", "3", "--data", str(write_idx_folder(tmp_path / "idx")), "--json"]
+    rows = {}
+    for name, extra in (("default", []), ("asked", ["--shift", "3", "--solver", "sde"])):
+        result = CliRunner().invoke(app, [*args, *extra])
+        assert result.exit_code == 0, result.output
+        [rows[name]] = json.loads(result.stdout)["rows"]
+    assert (rows["default"]["shift"], rows["default"]["solver"]) == (1.0, "euler")
+    assert (rows["asked"]["shift"], rows["asked"]["solver"]) == (3.0, "sde")
+    assert rows["asked"]["kid"] != rows["default"]["kid"], "other images were sampled"
+    refused = CliRunner().invoke(app, [*args, "--shift", "3", "--record"])
+    assert refused.exit_code == 2 and "drop --adapter, --shift and --solver to record" in refused.stdout

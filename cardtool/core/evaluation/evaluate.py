@@ -54,6 +54,8 @@ class EvalRow:
     mean_reward: float
     images_per_second: float
     model_evaluations: int = 0  # transformer evaluations per image: two on each guided step
+    shift: float = 1.0  # the σ grid's shift
+    solver: str = "euler"
 
 
 @dataclass
@@ -96,9 +98,11 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
              guidance: list[float] | None = None, guidance_interval: tuple[float, float] | None = None,
              per_class: int = 100, seed: int = 0, device: str | None = None, data: str | None = None,
              precision: list[str] | None = None, on_row: Callable[[EvalRow], None] | None = None,
-             adapters: list[tuple[str, float]] | None = None) -> EvalReport:
+             adapters: list[tuple[str, float]] | None = None, shift: float | None = None,
+             solver: str | None = None) -> EvalReport:
     """`adapters`: the stack every image uses instead of the card's default one (see Adapters in the README);
-    `steps`, `guidance` and `precision` each a list of values (one value is a list of one), a row per combination."""
+    `steps`, `guidance` and `precision` each a list of values (one value is a list of one), a row per combination;
+    `shift` and `solver` for every row (default: the card's loop)."""
     if not isinstance(per_class, numbers.Integral) or isinstance(per_class, bool) or per_class < 1:
         raise BadInput(f"--per-class must be a whole number, at least 1, got {per_class!r}")
     per_class = int(per_class)
@@ -110,7 +114,8 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     prompts = [class_prompt(label) for label in range(len(CLASS_NAMES))]
     # every row's requests, planned (and so checked: steps, guidance, seeds, adapters) before any model loads
     plans = {(g, k): plan_requests(card, prompts, num=per_class, seed=seed, steps=k, guidance=g,
-                                   guidance_interval=guidance_interval, adapters=adapters)[0]
+                                   guidance_interval=guidance_interval, adapters=adapters, shift=shift,
+                                   solver=solver)[0]
              for g, k in itertools.product(guidance or [None], steps or [None])}
     platform = Platform.detect(device)
     for name in precision or []:
@@ -172,7 +177,7 @@ def _measure_row(report: EvalReport, referee: FashionJudge, real: np.ndarray, la
     if any(image is None for image in made):
         nan = math.nan
         row = EvalRow(first.steps, first.guidance, list(first.guidance_interval), p, count, nan, nan, nan, nan,
-                      nan, nan, first.model_evaluations())
+                      nan, nan, first.model_evaluations(), first.shift, first.solver)
         report.warnings.append(f"{p}, {first.steps} steps, guidance {first.guidance:g}: no measurement, "
                                f"{broken or 'another rank made NaN or inf images'}")
     else:
@@ -184,7 +189,7 @@ def _measure_row(report: EvalReport, referee: FashionJudge, real: np.ndarray, la
         row = EvalRow(first.steps, first.guidance, list(first.guidance_interval), p, count, round(accuracy, 4),
                       round(frechet_distance(features, real), 4), round(kid, 6), round(kid_std, 6),
                       round(float(probabilities[np.arange(count), labels].mean()), 4), round(count / seconds, 1),
-                      first.model_evaluations())
+                      first.model_evaluations(), first.shift, first.solver)
     report.rows.append(row)
     if on_row:
         on_row(row)
