@@ -213,3 +213,14 @@ def test_a_long_generation_writes_its_images_wave_by_wave_and_a_signal_keeps_the
     assert "SIGTERM after 4 of 6 images: those are written in" in str(stopped.value)
     assert sorted(p.name for p in (tmp_path / "cut").glob("*.png")) == sorted(i.path.name for i in whole.images[:4])
     assert signal.getsignal(signal.SIGTERM) is before, "the handler in place before is back"
+
+
+def test_file_names_tell_prompts_apart_in_any_script(on_path, tmp_path):
+    from cardtool.core.sampling.generate import LoadedCard, prompt_slug
+
+    assert prompt_slug("An ankle boot!") == "an-ankle-boot" and prompt_slug(" ") == "unconditional"
+    assert prompt_slug("连衣裙") != prompt_slug("运动鞋") and prompt_slug("连衣裙").startswith("prompt-")
+    first = LoadedCard("tiny-base").generate("连衣裙", steps=1, out=tmp_path)
+    second = LoadedCard("tiny-base").generate("运动鞋", steps=1, out=tmp_path)
+    assert first.images[0].path != second.images[0].path, "a second prompt in another script does not overwrite"
+    assert len(list(tmp_path.glob("*.png"))) == 2

@@ -389,7 +389,7 @@ def _output_paths(out: Path, card_id: str, requests: list[Request]) -> list[Path
         paths, folder = [out], out.parent
     else:
         folder = out
-        paths = [out / f"{card_id}-{i:03d}-{_slug(r.prompt)}-seed{r.seed}.png" for i, r in enumerate(requests)]
+        paths = [out / f"{card_id}-{i:03d}-{prompt_slug(r.prompt)}-seed{r.seed}.png" for i, r in enumerate(requests)]
     writable_folder(folder, "the output folder")
     return paths
 
@@ -419,8 +419,15 @@ def save_image(path: Path, pixels, metadata: dict) -> None:
         raise BadInput(f"cannot write {path}: {e.strerror or e}")
 
 
-def _slug(prompt: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", prompt.lower()).strip("-")[:40] or "unconditional"
+def prompt_slug(prompt: str) -> str:
+    """A file-name part for a prompt: its ASCII words, or — for a prompt with none (another script, only symbols) — a
+    short hash of it, so such prompts stay told apart; `unconditional` for the empty prompt alone."""
+    import hashlib
+
+    words = re.sub(r"[^a-z0-9]+", "-", prompt.lower()).strip("-")[:40]
+    if words or not prompt.strip():
+        return words or "unconditional"
+    return "prompt-" + hashlib.sha256(prompt.encode("utf-8", "surrogatepass")).hexdigest()[:8]
 
 
 def _json_value(value: str):

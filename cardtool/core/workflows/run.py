@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import signal
 import time
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ from cardtool.atomic import writable_folder
 from cardtool.backends.platform import Platform
 from cardtool.core import distributed
 from cardtool.core.interrupt import Interrupted, stop_requests
-from cardtool.core.sampling.generate import LoadedCard, image_metadata, plan_requests, save_image
+from cardtool.core.sampling.generate import LoadedCard, image_metadata, plan_requests, prompt_slug, save_image
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache
 from cardtool.core.workflows.manifest import Workflow
@@ -167,8 +166,7 @@ def _write(folder: Path, produced: list[Output], workflow: str, step: str, kind:
     """Name each image and write it (rank 0 only: under torchrun the other ranks hold the same outputs)."""
     writable_folder(folder, "the output folder")
     for k, item in enumerate(produced):
-        slug = re.sub(r"[^a-z0-9]+", "-", item.prompt.lower()).strip("-")[:40] or "unconditional"
-        item.path = folder / f"{k:03d}-{item.metadata['card']}-{slug}.png"
+        item.path = folder / f"{k:03d}-{item.metadata['card']}-{prompt_slug(item.prompt)}.png"
         item.metadata = {**item.metadata, "workflow": workflow, "step": step, "step_kind": kind}
         if main:
             save_image(item.path, item.image, item.metadata)
