@@ -25,7 +25,7 @@ def torchrun(args: list[str], cwd, processes: int = 2) -> subprocess.CompletedPr
 
 
 def test_generate_on_two_processes_writes_the_same_pngs_as_on_one(tmp_path, monkeypatch):
-    result = torchrun([*GENERATE, "--out", "two"], tmp_path)
+    result = torchrun([*GENERATE, "--out", "two", "--max-batch", "2"], tmp_path)  # two waves, the last split 1 + 1
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout)  # rank 0 alone reports, once
     assert len(report["images"]) == 6 and report["grid"]

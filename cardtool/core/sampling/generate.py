@@ -271,11 +271,12 @@ class LoadedCard:
         judge = self.reward(reward) if reward is not None else None
         started = time.perf_counter()
         ranks = distributed.ranks(platform.device)
-        # one process makes the requests in waves of a forward's worth, each written when done, so an interrupted or
-        # failing run keeps what it finished; under torchrun each rank makes its share, which rank 0 gathers and writes
-        size = max(1, max_batch // best_of)
-        waves = [ranks.shard(requests)] if ranks.world > 1 else \
-            [range(i, min(i + size, len(requests))) for i in range(0, len(requests), size)]
+        # requests are made in waves of a forward's worth a process, each written when done, so an interrupted or
+        # failing run keeps what it finished; under torchrun each rank makes its share of a wave, gathered to rank 0,
+        # which writes them all
+        size = max(1, max_batch // best_of) * ranks.world
+        waves = [[i + j for j in ranks.shard(range(i, min(i + size, len(requests))))]
+                 for i in range(0, len(requests), size)]
         total = sum(requests[i].steps for wave in waves for i in wave) * best_of
         images, broken, done = [], [], 0
         with _fusing(loop, requests[0].adapters if fuse else ()) as fused, stop_requests(ranks.world == 1) as caught:
