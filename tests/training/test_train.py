@@ -126,6 +126,7 @@ def test_an_interrupted_run_says_so_in_its_exit_code_and_json(tmp_path, data, mo
     error = json.loads(result.stdout)["error"]
     assert error["kind"] == "interrupted" and "SIGINT after step 4 of 6" in error["message"]
     assert "--resume" in error["message"] and not (tmp_path / "v").exists()
+    assert error["partial"] == {"step": 4, "steps": 6, "checkpoint": str(tmp_path / "r" / CHECKPOINT)}
 
 
 def test_resume_with_another_recipe_is_refused(tmp_path, data):

@@ -237,7 +237,8 @@ def _train(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, resume
             if stopping:
                 name = signal.Signals(caught[0]).name
                 raise Interrupted(f"{name} after step {done} of {o.steps}: {checkpoint} holds every finished "
-                                          "step; continue with --resume", caught[0])
+                                  "step; continue with --resume", caught[0],
+                                  {"step": done, "steps": o.steps, "checkpoint": str(checkpoint)})
     elapsed = time.perf_counter() - started
     final = parallel.plain(ema if ema is not None else modules)
     for m in final.values():
