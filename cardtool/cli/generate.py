@@ -44,7 +44,8 @@ def generate_command(
     control_scale: Annotated[float | None, typer.Option(
         "--control-scale", help="The ControlNet's conditioning scale (default 1).")] = None,
     max_batch: Annotated[int, typer.Option(
-        "--max-batch", help="Model rows per forward (a guided request takes two); lower it to save memory.")] = 128,
+        "--max-batch", help="Model rows per forward (a guided request takes two), and requests per written wave; "
+        "lower it to save memory.")] = 128,
     out: Annotated[Path, typer.Option("--out", help="Output folder, or NAME.png for one image.")] = Path("outputs"),
     grid: Annotated[bool, typer.Option("--grid", help="Also write a labelled grid of all images.")] = False,
     strict: Annotated[bool, typer.Option("--strict", help="Refuse a step count the card does not assume.")] = False,
