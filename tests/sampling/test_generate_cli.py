@@ -224,3 +224,11 @@ def test_file_names_tell_prompts_apart_in_any_script(on_path, tmp_path):
     second = LoadedCard("tiny-base").generate("运动鞋", steps=1, out=tmp_path)
     assert first.images[0].path != second.images[0].path, "a second prompt in another script does not overwrite"
     assert len(list(tmp_path.glob("*.png"))) == 2
+
+
+def test_an_existing_folder_named_like_a_png_is_written_into(on_path, tmp_path):
+    (tmp_path / "shots.png").mkdir()
+    folder = tmp_path / "shots.png"
+    result = run("generate", "tiny-base", "-p", "a bag", "-n", "2", "--steps", "1", "--out", str(folder))
+    assert result.exit_code == 0, result.output
+    assert len(list(folder.glob("tiny-base-*.png"))) == 2

@@ -384,7 +384,7 @@ def generate(card_ref: str, prompts: str | list[str], *, device: str | None = No
 def _output_paths(out: Path, card_id: str, requests: list[Request]) -> list[Path]:
     """A file for a single image given as NAME.png, else numbered files in the folder `out`; checked
     writable before any work is done."""
-    if out.suffix.lower() == ".png":
+    if out.suffix.lower() == ".png" and not out.is_dir():  # an existing folder named like a PNG is a folder
         if len(requests) != 1:
             raise BadInput(f"--out {out} names one file, but {len(requests)} images are asked for; give a folder")
         paths, folder = [out], out.parent
