@@ -158,6 +158,9 @@ def _read_yaml(file: Path, text: str) -> Source:
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
+        if "nesting depth" in str(e.problem):  # PyYAML ≥ 6.0.4's own limit, met while it scans ahead of our check
+            raise CardValidationError.at(shown, line, col, "", f"nested deeper than {MAX_DEPTH} levels",
+                                         "flatten the structure") from None
         raise CardValidationError.at(shown, line, col, "", f"YAML: {e.problem or e.context}",
                                      "fix the YAML syntax at this position")
     except CardValidationError:
