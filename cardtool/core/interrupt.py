@@ -26,6 +26,11 @@ class Interrupted(RunFailed):
         self.exit_code = 128 + signum  # what a shell reports for a process the signal ended
         self.partial = partial  # what the finished units made, for `--json`: rows, images, steps
 
+    @classmethod
+    def after(cls, signum: int, done: str, partial: dict | None = None) -> Interrupted:
+        """The stop a caught signal asked for, once `done` (e.g. "2 of 5 rows") is finished and kept."""
+        return cls(f"{signal.Signals(signum).name} after {done}", signum, partial)
+
 
 @contextmanager
 def stop_requests(enabled: bool = True) -> Iterator[list[int]]:

@@ -13,7 +13,6 @@ import itertools
 import math
 import numbers
 import os
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -151,8 +150,7 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
         for number, ((p, loop), g, k) in enumerate(cells):
             _measure_row(report, referee, real, labels, count, ranks, p, loop, plans[(g, k)], on_row)
             if caught and number < len(cells) - 1:
-                raise Interrupted(f"{signal.Signals(caught[0]).name} after {number + 1} of {len(cells)} rows",
-                                  caught[0], report.to_json())
+                raise Interrupted.after(caught[0], f"{number + 1} of {len(cells)} rows", report.to_json())
     return report
 
 

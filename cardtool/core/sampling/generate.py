@@ -8,7 +8,6 @@ import json
 import numbers
 import os
 import re
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -299,10 +298,9 @@ class LoadedCard:
                     save_image(paths[i], image, metadata)
                     images.append((GeneratedImage(paths[i], metadata), request, image))
                 if caught and number < len(waves) - 1:
-                    signal_name = signal.Signals(caught[0]).name
-                    raise Interrupted(f"{signal_name} after {len(images)} of {len(requests)} images: those are "
-                                      f"written in {paths[0].parent}; the rest are not", caught[0],
-                                      {"images": [image.to_json() for image, _, _ in images]})
+                    raise Interrupted.after(caught[0], f"{len(images)} of {len(requests)} images: those are written "
+                                            f"in {paths[0].parent}; the rest are not",
+                                            {"images": [image.to_json() for image, _, _ in images]})
         seconds = time.perf_counter() - started
         if not ranks.main:
             return GenerateReport(card.id, f"{platform.device}/{platform.arch}", [], None, warnings, seconds,

@@ -7,7 +7,6 @@ Ctrl-C or SIGTERM before stopping (core/interrupt.py), and under torchrun data p
 from __future__ import annotations
 
 import math
-import signal
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -235,10 +234,9 @@ def _train(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, resume
                 _save(checkpoint, recipe, done, loss_value, before + time.perf_counter() - started, modules, ema,
                       optimizer, task, parts, parallel, ranks.main)
             if stopping:
-                name = signal.Signals(caught[0]).name
-                raise Interrupted(f"{name} after step {done} of {o.steps}: {checkpoint} holds every finished "
-                                  "step; continue with --resume", caught[0],
-                                  {"step": done, "steps": o.steps, "checkpoint": str(checkpoint)})
+                raise Interrupted.after(caught[0], f"step {done} of {o.steps}: {checkpoint} holds every finished "
+                                        "step; continue with --resume",
+                                        {"step": done, "steps": o.steps, "checkpoint": str(checkpoint)})
     elapsed = time.perf_counter() - started
     final = parallel.plain(ema if ema is not None else modules)
     for m in final.values():

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,8 +125,8 @@ def run_workflow(workflow: Workflow, *, out: str | Path = "outputs", device: str
         for number, name in enumerate(workflow.order):
             _run_step(runner, workflow, name, outputs, folder, report, on_step)
             if caught and number < len(workflow.order) - 1:
-                raise Interrupted(f"{signal.Signals(caught[0]).name} after {number + 1} of {len(workflow.order)} "
-                                  f"steps: their images are written in {folder}", caught[0], report.to_json())
+                raise Interrupted.after(caught[0], f"{number + 1} of {len(workflow.order)} steps: their images are "
+                                        f"written in {folder}", report.to_json())
     report.seconds = time.perf_counter() - started
     return report
 
