@@ -84,7 +84,8 @@ def generate_command(
     if report.grid:
         say(f"{report.grid}  (grid)")
     rate = len(report.images) / report.seconds if report.seconds else float("nan")
-    say(f"{len(report.images)} images from {report.card} on {report.platform} in {report.seconds:.2f}s "
+    count = f"{len(report.images)} image{'' if len(report.images) == 1 else 's'}"
+    say(f"{count} from {report.card} on {report.platform} in {report.seconds:.2f}s "
         f"({rate:.1f} images/s)", stderr=True)
 
 

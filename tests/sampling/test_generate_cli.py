@@ -232,3 +232,18 @@ def test_an_existing_folder_named_like_a_png_is_written_into(on_path, tmp_path):
     result = run("generate", "tiny-base", "-p", "a bag", "-n", "2", "--steps", "1", "--out", str(folder))
     assert result.exit_code == 0, result.output
     assert len(list(folder.glob("tiny-base-*.png"))) == 2
+
+
+def test_a_run_with_other_settings_never_overwrites_an_earlier_image(on_path, tmp_path):
+    from cardtool.core.sampling.generate import LoadedCard
+
+    loaded = LoadedCard("tiny-base")
+    runs = [dict(steps=2), dict(steps=3), dict(steps=2, guidance=2.0), dict(steps=2, shift=2.0),
+            dict(steps=2, precision="bfloat16"), dict(steps=2, best_of=2, reward=str(on_path / "tiny-judge"))]
+    made = [loaded.generate("a bag", out=tmp_path, **settings).images[0] for settings in runs]
+    assert len({image.path for image in made}) == len(runs), "each setting is in the file name's tag"
+    assert sorted(tmp_path.glob("*.png")) == sorted(image.path for image in made), "every earlier image is kept"
+    for image in made:
+        assert read_png_metadata(image.path)["steps"] == image.metadata["steps"], "each file holds its own run"
+    again = loaded.generate("a bag", out=tmp_path, steps=2).images[0]
+    assert again.path == made[0].path and len(list(tmp_path.glob("*.png"))) == len(runs), "the same call, same file"

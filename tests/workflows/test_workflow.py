@@ -148,6 +148,9 @@ def test_a_toml_workflow_and_a_set_override(examples, tmp_path):
     result = run(path, tmp_path, "--set", "steps.one.generate.num=3")
     assert result.exit_code == 0, result.output
     assert [i["seed"] for i in json.loads(result.stdout)["steps"][0]["images"]] == ["0", "1", "2"]
+    other = run(path, tmp_path, "--set", "steps.one.generate.steps=3")
+    assert other.exit_code == 0, other.output
+    assert len(list((tmp_path / "out" / "t" / "one").glob("*.png"))) == 4, "a run with other settings keeps the first's"
     bad = run(path, tmp_path, "--set", "steps.one.generate.num=0")
     assert bad.exit_code == 1 and json.loads(bad.stdout)["error"]["problems"][0]["field"] == "steps.one.generate.num"
 

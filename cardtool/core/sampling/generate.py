@@ -266,8 +266,10 @@ class LoadedCard:
                                            strict=strict, adapters=adapters, control=control,
                                            control_scale=control_scale)
         warnings = instance.warnings + warnings
-        paths = _output_paths(Path(out), card.id, requests)
         judge = self.reward(reward) if reward is not None else None
+        selection = _selection(judge, best_of, fuse)
+        paths = _output_paths(Path(out), card.id, requests,
+                              [settings_tag({**image_metadata(loop, r), **selection}) for r in requests])
         started = time.perf_counter()
         ranks = distributed.ranks(platform.device)
         # requests are made in waves of a forward's worth a process, each written when done, so an interrupted or
@@ -309,7 +311,7 @@ class LoadedCard:
             raise NonFiniteImages(card.id, broken, len(requests), written=len(images))
         grid_path = None
         if grid:
-            grid_path = paths[0].parent / f"{card.id}-grid.png"
+            grid_path = paths[0].parent / f"{card.id}-grid-{settings_tag([p.name for p in paths])}.png"
             rows = [(p, [pixels for _, r, pixels in images if r.prompt == p])
                     for p in dict.fromkeys(r.prompt for r in requests)]
             save_image(grid_path, grid_image(rows), {"card": card.id, "cardtool": __version__})
@@ -379,18 +381,39 @@ def generate(card_ref: str, prompts: str | list[str], *, device: str | None = No
     return LoadedCard(card_ref, device=device, cache=cache, precision=precision).generate(prompts, **options)
 
 
-def _output_paths(out: Path, card_id: str, requests: list[Request]) -> list[Path]:
-    """A file for a single image given as NAME.png, else numbered files in the folder `out`; checked
-    writable before any work is done."""
+def _output_paths(out: Path, card_id: str, requests: list[Request], tags: list[str]) -> list[Path]:
+    """A file for a single image given as NAME.png, else numbered files in the folder `out`, each name ending in
+    its request's settings tag; checked writable before any work is done."""
     if out.suffix.lower() == ".png" and not out.is_dir():  # an existing folder named like a PNG is a folder
         if len(requests) != 1:
             raise BadInput(f"--out {out} names one file, but {len(requests)} images are asked for; give a folder")
         paths, folder = [out], out.parent
     else:
         folder = out
-        paths = [out / f"{card_id}-{i:03d}-{prompt_slug(r.prompt)}-seed{r.seed}.png" for i, r in enumerate(requests)]
+        paths = [out / f"{card_id}-{i:03d}-{prompt_slug(r.prompt)}-seed{r.seed}-{tag}.png"
+                 for i, (r, tag) in enumerate(zip(requests, tags, strict=True))]
     writable_folder(folder, "the output folder")
     return paths
+
+
+def settings_tag(settings) -> str:
+    """Eight hex digits of a hash of everything that decides an image (its metadata: card, weights versions,
+    prompt, seed, every setting, adapters, platform, precision): the end of its file name, so a run with other
+    settings never overwrites an earlier image, while the same command again rewrites its files with the same bits."""
+    import hashlib
+
+    text = json.dumps(settings, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+
+
+def _selection(judge, best_of: int, fuse: bool) -> dict[str, str]:
+    """What else decides a call's images: best-of-N's count and reward (by its weights), and fusing."""
+    selection = {"fused": "true"} if fuse else {}
+    if judge is not None:
+        instance = getattr(judge, "instance", None)
+        version = instance.weights_version(judge.classifier_name) if instance is not None else ""
+        selection.update(best_of=str(best_of), reward=f"{judge.card_id}@{version}")
+    return selection
 
 
 def image_metadata(loop: DenoiseLoop, request: Request) -> dict[str, str]:

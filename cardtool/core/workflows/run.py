@@ -16,7 +16,14 @@ from cardtool.atomic import writable_folder
 from cardtool.backends.platform import Platform
 from cardtool.core import distributed
 from cardtool.core.interrupt import Interrupted, stop_requests
-from cardtool.core.sampling.generate import LoadedCard, image_metadata, plan_requests, prompt_slug, save_image
+from cardtool.core.sampling.generate import (
+    LoadedCard,
+    image_metadata,
+    plan_requests,
+    prompt_slug,
+    save_image,
+    settings_tag,
+)
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache
 from cardtool.core.workflows.manifest import Workflow
@@ -165,7 +172,8 @@ def _write(folder: Path, produced: list[Output], workflow: str, step: str, kind:
     """Name each image and write it (rank 0 only: under torchrun the other ranks hold the same outputs)."""
     writable_folder(folder, "the output folder")
     for k, item in enumerate(produced):
-        item.path = folder / f"{k:03d}-{item.metadata['card']}-{prompt_slug(item.prompt)}.png"
+        tag = settings_tag(item.metadata)  # a run with other settings keeps this one's images
+        item.path = folder / f"{k:03d}-{item.metadata['card']}-{prompt_slug(item.prompt)}-{tag}.png"
         item.metadata = {**item.metadata, "workflow": workflow, "step": step, "step_kind": kind}
         if main:
             save_image(item.path, item.image, item.metadata)
