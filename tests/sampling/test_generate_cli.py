@@ -98,6 +98,7 @@ def test_a_card_assuming_fixed_steps_warns_and_strict_refuses(on_path, tmp_path)
     (["tiny-base", "-p", "x", "--solver", "heun"], "unknown solver"),
     (["tiny-base", "-p", "x", "-n", "0"], "--num must be at least 1"),
     (["tiny-base", "-p", "x", "--max-batch", "0"], "--max-batch must be at least 1"),
+    (["tiny-base", "-p", "x", "-p", "y", "-n", "60000"], "got 2 prompts × 60,000 images; split the run"),
     (["tiny-base", "-p", "x", "-p", "y", "--out", "one.png"], "names one file"),
     (["tiny-base", "-p", "x", "--out", "/proc/no/such"], "cannot write to the output folder"),
     (["tiny-base", "-p", "x", "--out", "/proc/x.png"], "cannot write to the output folder /proc"),

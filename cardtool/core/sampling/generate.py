@@ -255,8 +255,11 @@ class LoadedCard:
             raise BadInput(f"--max-batch must be at least 1, got {max_batch}")
         if best_of != 1 and reward is None:
             raise BadInput("--best-of N needs --reward REWARD_CARD, the card that scores the candidates")
-        if best_of < 1 or best_of * num * max(1, len(prompts)) > MAX_IMAGES:
-            raise BadInput(f"--best-of must be at least 1 and best-of × images at most {MAX_IMAGES:,}, got {best_of}")
+        if best_of < 1:
+            raise BadInput(f"--best-of must be at least 1, got {best_of}")
+        if best_of * num * max(1, len(prompts)) > MAX_IMAGES:
+            asked = f"{len(prompts):,} prompts × {num:,} images" + (f" × {best_of:,} candidates" if best_of > 1 else "")
+            raise BadInput(f"at most {MAX_IMAGES:,} images a call (candidates counted), got {asked}; split the run")
         card, platform = self.card, self.platform
         loop = self.loop(precision)
         instance = loop.instance
