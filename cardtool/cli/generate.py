@@ -15,7 +15,8 @@ from cardtool.cli.output import console, emit_json, handled, say, warn
 def generate_command(
     card: Annotated[str, typer.Argument(help="A card id, card folder or manifest file.")],
     prompt: Annotated[list[str] | None, typer.Option("-p", "--prompt", help="A prompt; repeat for more.")] = None,
-    prompts_file: Annotated[Path | None, typer.Option("--prompts-file", help="One prompt a line.")] = None,
+    prompts_file: Annotated[Path | None, typer.Option("--prompts-file",
+                                                      help="One prompt a line; - reads standard input.")] = None,
     num: Annotated[int, typer.Option("-n", "--num", help="Images per prompt (seeds seed, seed+1, …).")] = 1,
     seed: Annotated[int, typer.Option("--seed", help="The first seed.")] = 0,
     steps: Annotated[int | None, typer.Option("--steps", help="Sampling steps (default: the card's).")] = None,

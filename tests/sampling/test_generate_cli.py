@@ -83,6 +83,15 @@ def test_a_single_named_file_and_a_prompts_file(on_path, tmp_path):
     assert str(tmp_path / "one.png") in result.stdout
 
 
+def test_prompts_piped_on_standard_input_with_a_byte_order_mark(on_path, tmp_path):
+    piped = CliRunner().invoke(app, ["generate", "tiny-base", "--prompts-file", "-", "--steps", "1", "--out",
+                                     str(tmp_path), "--json"], input="\ufeffa bag\n# not one\na coat\n".encode())
+    assert piped.exit_code == 0, piped.output
+    assert [i["prompt"] for i in json.loads(piped.stdout)["images"]] == ["a bag", "a coat"]
+    latin = CliRunner().invoke(app, ["generate", "tiny-base", "--prompts-file", "-"], input=b"caf\xe9\n")
+    assert latin.exit_code == 2 and "standard input is not UTF-8 text" in latin.stderr
+
+
 def test_a_card_assuming_fixed_steps_warns_and_strict_refuses(on_path, tmp_path):
     result = run("generate", "tiny-distilled", "-p", "a bag", "--steps", "6", "--out", str(tmp_path))
     assert result.exit_code == 0 and "assumes 4 steps; sampling with 6" in result.stderr

@@ -64,11 +64,23 @@ class GenerateReport:
 
 def read_prompts_file(path: str | Path) -> list[str]:
     """One prompt a line; blank lines and lines starting with # are skipped. A regular UTF-8 file of at most
-    16 MiB (never a FIFO or a device, which could block or never end)."""
-    text, reason = read_small_file(Path(path), limit=16 << 20)
+    16 MiB (never a FIFO or a device, which could block or never end), or `-`: standard input, as piped."""
+    limit = 16 << 20
+    if str(path) == "-":
+        import sys
+
+        data = sys.stdin.buffer.read(limit + 1) if sys.stdin is not None else b""
+        text, reason = "", f"standard input is larger than {limit} bytes" if len(data) > limit else ""
+        if not reason:
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError:
+                reason = "standard input is not UTF-8 text"
+    else:
+        text, reason = read_small_file(Path(path), limit=limit)
     if reason:
         raise BadInput(f"cannot read prompts file: {reason}")
-    lines = text.splitlines()
+    lines = text.removeprefix("\ufeff").splitlines()  # a byte-order mark, as some editors write, is not a prompt
     return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
 
 
