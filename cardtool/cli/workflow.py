@@ -31,7 +31,8 @@ def validate_command(
     if json_:
         emit_json({"workflow": workflow.manifest.id, "ok": True, "order": workflow.order, "steps": steps})
         return
-    say(f"ok      {workflow.manifest.id}  ({len(steps)} steps: {', '.join(f'{n} ({k})' for n, k in steps.items())})")
+    count = f"{len(steps)} step{'' if len(steps) == 1 else 's'}"
+    say(f"ok      {workflow.manifest.id}  ({count}: {', '.join(f'{n} ({k})' for n, k in steps.items())})")
 
 
 @app.command("run")
@@ -50,8 +51,8 @@ def run_command(
 
     def progress(entry: dict) -> None:
         if os.environ.get("RANK", "0") == "0":  # on stderr, also under --json
-            say(f"step {entry['step']} ({entry['kind']}): {len(entry['images'])} images in {entry['seconds']:.2f}s",
-                stderr=True)
+            count = f"{len(entry['images'])} image{'' if len(entry['images']) == 1 else 's'}"
+            say(f"step {entry['step']} ({entry['kind']}): {count} in {entry['seconds']:.2f}s", stderr=True)
 
     with handled(json_):
         workflow = load_workflow(file, list(overrides or []))

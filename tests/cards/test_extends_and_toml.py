@@ -54,6 +54,20 @@ def test_toml_and_yaml_manifests_are_the_same_card(examples, tmp_path):
     assert load_card(twin, checksums=True).manifest == load_card(examples / "tiny-base").manifest
 
 
+def test_a_byte_order_mark_is_no_content_in_toml_or_yaml(examples, tmp_path):
+    original = (examples / "tiny-base" / "card.yaml").read_text()
+    for name, text in (("card.toml", _to_toml(yaml.safe_load(original))), ("card.yaml", original)):
+        twin = tmp_path / name
+        shutil.copytree(examples / "tiny-base", twin)
+        (twin / "card.yaml").unlink()
+        (twin / name).write_bytes(b"\xef\xbb\xbf" + text.encode())  # as Windows editors save UTF-8
+        assert load_card(twin).manifest == load_card(examples / "tiny-base").manifest
+    broken = write_card(tmp_path / "t", '\ufeffschema = "cardtool/v1"\nid = \n', name="card.toml")
+    with pytest.raises(CardValidationError) as info:
+        load_card(broken)
+    assert str(info.value).startswith("t/card.toml:2:6: TOML: "), "columns count what an editor shows"
+
+
 def test_toml_errors_are_located_too(tmp_path):
     folder = write_card(tmp_path / "t", """
         schema = "cardtool/v1"

@@ -76,7 +76,7 @@ def read_source(file: Path) -> Source:
         key = (str(file), hashlib.blake2b(raw, digest_size=16).digest())
         if key in _cache:
             return _cache[key]
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark (some editors write one) is no content
     except UnicodeDecodeError as e:
         raise CardValidationError.at(shown, 1, 1, "", f"not UTF-8 text ({e.reason})", "save it as UTF-8")
     except OSError as e:
