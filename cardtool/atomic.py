@@ -8,26 +8,47 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["atomic_path", "write_atomic", "writable_folder"]
+__all__ = ["atomic_path", "synced", "write_atomic", "writable_folder"]
 
 
 @contextmanager
-def atomic_path(target: Path | str) -> Iterator[Path]:
-    """Yield a temporary path beside `target`; on success it replaces `target`, on error it is removed."""
+def atomic_path(target: Path | str, *, durable: bool = False) -> Iterator[Path]:
+    """Yield a temporary path beside `target`; on success it replaces `target`, on error it is removed.
+
+    `durable`: the file's data reaches the disk before the rename and the rename before returning (`synced`), so
+    a power loss leaves the old file or the new one, never an empty one where the data had not been written yet —
+    for what hours of work went into (checkpoints, cards); images and caches skip the cost."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         yield temporary
         os.chmod(temporary, 0o644)
+        if durable:
+            synced(temporary)
         os.replace(temporary, target)
+        if durable:
+            synced(target.parent)
     finally:
         temporary.unlink(missing_ok=True)
 
 
-def write_atomic(target: Path | str, data: bytes) -> None:
-    with atomic_path(target) as temporary:
+def write_atomic(target: Path | str, data: bytes, *, durable: bool = False) -> None:
+    with atomic_path(target, durable=durable) as temporary:
         temporary.write_bytes(data)
+
+
+def synced(path: Path | str) -> None:
+    """fsync a file, or a folder (which makes the renames in it durable); a file system that cannot sync a
+    folder (some network ones refuse) is left as it is."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        if not os.path.isdir(path):
+            raise
+    finally:
+        os.close(descriptor)
 
 
 def writable_folder(folder: Path | str, what: str) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -96,3 +97,11 @@ def write_idx_folder(folder: Path, train: int = 64, test: int = 32, seed: int = 
             header = b"\0\0\x08" + bytes([array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
             (folder / f"{stem}-{kind}-ubyte.gz").write_bytes(gzip.compress(header + array.tobytes()))
     return folder
+
+
+def fsynced(monkeypatch) -> list[str]:
+    """Record what each os.fsync flushed, by the path its descriptor names."""
+    flushed, real = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (flushed.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd)))
+    return flushed
+

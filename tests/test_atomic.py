@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from helpers import fsynced
 
 from cardtool.atomic import atomic_path, write_atomic
 
@@ -24,3 +27,12 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_nothing(tmp_path):
             raise RuntimeError("killed mid-write")
     assert target.read_bytes() == b"good"
     assert [p.name for p in tmp_path.iterdir()] == ["a.bin"]
+
+
+def test_a_durable_write_flushes_the_data_before_the_rename_and_the_rename_after(tmp_path, monkeypatch):
+    flushed = fsynced(monkeypatch)
+    write_atomic(tmp_path / "image.png", b"cheap to make again")
+    assert flushed == [], "images and caches skip the cost"
+    write_atomic(tmp_path / "last.safetensors", b"hours of training", durable=True)
+    assert [p.rsplit("/", 1)[-1] for p in flushed] == [f".last.safetensors.{os.getpid()}.tmp", tmp_path.name]
+

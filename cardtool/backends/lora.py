@@ -95,7 +95,7 @@ def write_lora(path: Path, a: dict[str, torch.Tensor], b: dict[str, torch.Tensor
     from cardtool.atomic import atomic_path
 
     tensors, metadata = lora_file(a, b, rank, alpha)
-    with atomic_path(path) as tmp:
+    with atomic_path(path, durable=True) as tmp:
         save_file(tensors, str(tmp), metadata=metadata)
 
 

@@ -12,7 +12,7 @@ import signal
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, write_idx_folder
+from helpers import REPO, fsynced, write_idx_folder
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -53,6 +53,16 @@ def test_vae_card_is_written_with_recipe_command_and_metrics(tmp_path, data):
     assert load_card(tmp_path / "vae", checksums=True).id == "fashion-vae"
     assert weights(card, "vae")["encoder.conv_in.weight"].dtype == torch.float16, "the recipe stores float16"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no staging folder is left"
+
+
+def test_the_checkpoint_and_the_card_reach_the_disk_before_they_are_renamed_into_place(tmp_path, data, monkeypatch):
+    flushed = fsynced(monkeypatch)
+    train(tiny("fashion-vae"), command="c", out=tmp_path / "vae", run_dir=tmp_path / "run", data=str(data))
+    names = [p.rsplit("/", 1)[-1] for p in flushed]
+    assert f".{CHECKPOINT}.{os.getpid()}.tmp" in names and "run" in names, "each checkpoint, then its rename"
+    staged = f".vae.tmp-{os.getpid()}"
+    assert any(p.endswith(f"{staged}/card.yaml") for p in flushed) and staged in names, "the card's files and folder"
+    assert flushed[-1] == str(tmp_path), "and the rename that puts the card in place"
 
 
 def test_resume_after_a_kill_gives_the_same_final_weights(tmp_path, data):

@@ -26,11 +26,12 @@ def record_metrics(card_ref: str, metrics: dict) -> None:
     data = yaml.safe_load(card.file.read_text(encoding="utf-8"))
     data.setdefault("recipe", {}).setdefault("metrics", {}).update(metrics)
     before = card.file.read_bytes()
-    write_atomic(card.file, yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=110).encode())
+    write_atomic(card.file, yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=110).encode(),
+                 durable=True)
     try:
         load_card(card.file, checksums=True)
     except Exception:
-        write_atomic(card.file, before)  # never leave a card that does not load
+        write_atomic(card.file, before, durable=True)  # never leave a card that does not load
         raise
 
 
@@ -43,7 +44,7 @@ def record_eval(card_ref: str, report: dict) -> None:
     data = (json.dumps(report, indent=1) + "\n").encode()
     path = card.folder / EVAL_REPORT
     before = path.read_bytes() if path.is_file() else None
-    write_atomic(path, data)
+    write_atomic(path, data, durable=True)
     loop = card.manifest.loops.get("denoise")
     defaults = FlowDenoiseDefaults.model_validate(loop.defaults if loop else {})
     try:
@@ -52,7 +53,7 @@ def record_eval(card_ref: str, report: dict) -> None:
         if before is None:
             path.unlink(missing_ok=True)
         else:
-            write_atomic(path, before)
+            write_atomic(path, before, durable=True)
         raise
 
 

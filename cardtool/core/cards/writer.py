@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from cardtool.atomic import writable_folder
+from cardtool.atomic import synced, writable_folder
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.source import MANIFEST_NAMES
 from cardtool.core.cards.weight_files import sha256_file
@@ -58,7 +58,11 @@ def write_card(folder: Path, manifest: dict, weights: dict[str, dict], *, copies
         except CardValidationError as e:  # located in the folder the user named, not the staging one
             raise CardValidationError([dataclasses.replace(p, file=p.file.replace(staging.name, folder.name))
                                        for p in e.problems]) from None
+        for path in sorted(staging.rglob("*"), reverse=True):  # files, then the folders holding them
+            synced(path)
+        synced(staging)
         _swap(staging, folder)
+        synced(folder.parent)  # a power loss after this leaves the whole new card, not a folder of empty files
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return load_card(folder)

@@ -293,7 +293,7 @@ def _save(path: Path, recipe: Recipe, step: int, loss: float, seconds: float, mo
         return
     metadata = {"step": str(step), "loss": repr(loss), "seconds": repr(seconds), "fingerprint": recipe.fingerprint(),
                 "param_groups": groups, "micro_batches": str(parts)}
-    with atomic_path(path) as temporary:
+    with atomic_path(path, durable=True) as temporary:
         save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(temporary), metadata=metadata)
 
 
