@@ -69,6 +69,14 @@ def test_the_same_folder_reached_twice_is_one_card(tmp_path, builtin, monkeypatc
     assert len(list_cards()) == 1
 
 
+def test_a_staging_folder_a_killed_run_left_is_not_a_second_card(tmp_path, builtin, monkeypatch):
+    make(tmp_path / "cards", "vae", "vae")
+    shutil.copytree(tmp_path / "cards" / "vae", tmp_path / "cards" / ".vae.tmp-4242")  # killed while writing
+    shutil.copytree(tmp_path / "cards" / "vae", tmp_path / "cards" / ".vae.old-4243")  # killed while swapping
+    assert locate("vae").parent.name == "vae", "not 'declared twice'"
+    assert [c.id for c in list_cards()] == ["vae"]
+
+
 def test_unknown_id_lists_what_was_searched(builtin):
     with pytest.raises(CardNotFound) as info:
         locate("nope")

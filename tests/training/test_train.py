@@ -65,6 +65,28 @@ def test_the_checkpoint_and_the_card_reach_the_disk_before_they_are_renamed_into
     assert flushed[-1] == str(tmp_path), "and the rename that puts the card in place"
 
 
+def test_what_a_run_killed_while_writing_its_card_left_is_cleared_and_the_swapped_out_card_put_back(tmp_path, data):
+    import shutil
+    import subprocess
+
+    from cardtool.core.cards.writer import _recover
+
+    child = subprocess.Popen(["true"])
+    child.wait()
+    dead = child.pid  # a process that has ended: its leftovers are nobody's
+    card = train(tiny("fashion-vae"), command="c", out=tmp_path / "vae", run_dir=tmp_path / "run", data=str(data))
+    shutil.copytree(card.folder, tmp_path / f".vae.tmp-{dead}")
+    os.replace(card.folder, tmp_path / f".vae.old-{dead}")  # killed between the swap's two renames
+    shutil.copytree(tmp_path / f".vae.old-{dead}", tmp_path / f".vae.tmp-{os.getpid()}x")  # not a leftover's name
+    _recover(tmp_path / "vae")
+    assert load_card(tmp_path / "vae", checksums=True).id == "fashion-vae", "the card is back in place"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".vae")) == [f".vae.tmp-{os.getpid()}x"]
+    shutil.copytree(card.folder, tmp_path / f".vae.tmp-{dead}")
+    train(tiny("fashion-vae"), command="c", out=tmp_path / "vae", run_dir=tmp_path / "run2", data=str(data),
+          overwrite=True)
+    assert not (tmp_path / f".vae.tmp-{dead}").exists(), "the next card written there clears it"
+
+
 def test_resume_after_a_kill_gives_the_same_final_weights(tmp_path, data):
     uninterrupted = train(tiny("fashion-vae"), command="c", out=tmp_path / "a", run_dir=tmp_path / "ra",
                           data=str(data))

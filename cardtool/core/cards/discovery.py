@@ -68,7 +68,9 @@ def manifest_in(folder: Path) -> Path | None:
 
 
 def scan(roots: list[Root], *, ids_only: bool = False) -> list[Entry]:
-    """Every card folder directly below the roots, in search order; a folder reached twice counts once. With
+    """Every card folder directly below the roots, in search order; a folder reached twice counts once. Hidden
+    folders are not cards: among them the staging and swapped-out folders (`.ID.tmp-PID`, `.ID.old-PID`) that a run
+    killed while writing its card leaves, which would otherwise declare the card's id a second time. With
     `ids_only` each manifest is read only as far as its id (`peek_id`): finding one card by id need not parse them
     all."""
     entries: list[Entry] = []
@@ -76,7 +78,7 @@ def scan(roots: list[Root], *, ids_only: bool = False) -> list[Entry]:
     for root in roots:
         if not root.path.is_dir():
             continue
-        for folder in sorted(p for p in root.path.iterdir() if p.is_dir()):
+        for folder in sorted(p for p in root.path.iterdir() if p.is_dir() and not p.name.startswith(".")):
             if folder.resolve() in seen:
                 continue
             file = None

@@ -35,6 +35,7 @@ def write_card(folder: Path, manifest: dict, weights: dict[str, dict], *, copies
             raise BadInput(f"{folder} already exists; choose another --out, or pass --overwrite to replace it")
         _replaceable(folder)
     staging = writable_folder(folder.parent, "the card's folder") / f".{folder.name}.tmp-{os.getpid()}"
+    _recover(folder)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
@@ -66,6 +67,33 @@ def write_card(folder: Path, manifest: dict, weights: dict[str, dict], *, copies
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return load_card(folder)
+
+
+def _recover(folder: Path) -> None:
+    """Clear what a run killed while writing this card left beside it: its staging folder (`.ID.tmp-PID`) and the
+    card it was swapping out (`.ID.old-PID`) — put back in place if the kill fell between the swap's two renames,
+    so the card is not lost. Leftovers of a process still running are its own."""
+    import glob
+    import re
+
+    for leftover in folder.parent.glob(f".{glob.escape(folder.name)}.*-*"):
+        match = re.fullmatch(rf"\.{re.escape(folder.name)}\.(tmp|old)-(\d+)", leftover.name)
+        if match is None or not leftover.is_dir() or _running(int(match[2])):
+            continue
+        if match[1] == "old" and not folder.exists():
+            os.replace(leftover, folder)
+        else:
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # another user's process (or no such pid number): leave it
+    return True
 
 
 def _replaceable(folder: Path) -> None:
