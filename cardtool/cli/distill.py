@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from cardtool.cli.output import emit_json, handled, say
+from cardtool.cli.output import emit_json, handled, progress_line, say
 
 
 def distill_command(
@@ -43,9 +43,7 @@ def distill_command(
 
     def log(entry: dict) -> None:
         if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 logs the global batch (on stderr, as always)
-            extras = "  ".join(f"{k} {v:.4g}" for k, v in entry.items() if k not in ("step", "steps", "loss", "lr"))
-            say(f"iteration {entry['step']}/{entry['steps']}  loss {entry['loss']:.4f}  lr {entry['lr']:.2e}  {extras}",
-                stderr=True)
+            say(progress_line("iteration", entry), stderr=True)
 
     def eval_line(report: dict) -> None:
         for row in report["rows"]:

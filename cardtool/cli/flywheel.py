@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from cardtool.cli.output import console, emit_json, handled, say
+from cardtool.cli.output import console, emit_json, handled, progress_line, say
 
 
 def flywheel_command(
@@ -50,9 +50,7 @@ def flywheel_command(
 
     def log(stage: str, entry: dict) -> None:  # on stderr, also under --json: the stages take minutes
         if main:
-            extras = "  ".join(f"{k} {v:.4g}" for k, v in entry.items()
-                               if k not in ("step", "steps", "loss", "lr", "samples_per_second"))
-            say(f"{stage} {entry['step']}/{entry['steps']}  loss {entry['loss']:.4f}  {extras}", stderr=True)
+            say(progress_line(stage, entry), stderr=True)
 
     def stage_line(entry: dict) -> None:
         if main:

@@ -33,6 +33,25 @@ def say(line: str, *, stderr: bool = False) -> None:
     stream.flush()
 
 
+def progress_line(what: str, entry: dict) -> str:
+    """A training run's progress line (train, distill, rl and each flywheel stage): `what step/steps`, the loss, the
+    learning rate, samples/s, each method's own metrics, then the time spent and left (from this process's pace)."""
+    fixed = ("step", "steps", "loss", "lr", "samples_per_second", "elapsed_seconds", "eta_seconds")
+    parts = [f"{what} {entry['step']}/{entry['steps']}", f"loss {entry['loss']:.4f}", f"lr {entry['lr']:.2e}",
+             f"{entry['samples_per_second']:.0f} samples/s",
+             *(f"{k} {v:.4g}" for k, v in entry.items() if k not in fixed)]
+    if "elapsed_seconds" in entry:
+        parts.append(f"{clock(entry['elapsed_seconds'])} elapsed, {clock(entry['eta_seconds'])} left")
+    return "  ".join(parts)
+
+
+def clock(seconds: float) -> str:
+    """H:MM:SS (M:SS under an hour)."""
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
 def warn(message: str) -> None:
     """A warning on stderr, yellow on a terminal."""
     if sys.stderr.isatty() and not os.environ.get("NO_COLOR"):

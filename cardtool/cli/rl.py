@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from cardtool.cli.output import emit_json, handled, say
+from cardtool.cli.output import emit_json, handled, progress_line, say
 
 
 def rl_command(
@@ -54,10 +54,7 @@ def rl_command(
 
     def log(entry: dict) -> None:
         if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 logs the global batch (on stderr, as always)
-            extras = "  ".join(f"{k} {v:.4g}" for k, v in entry.items()
-                               if k not in ("step", "steps", "loss", "lr", "samples_per_second"))
-            say(f"update {entry['step']}/{entry['steps']}  loss {entry['loss']:.4f}  lr {entry['lr']:.2e}  {extras}",
-                stderr=True)
+            say(progress_line("update", entry), stderr=True)
 
     def eval_line(report: dict) -> None:
         for row in report["rows"]:

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from cardtool.cli.output import console, emit_json, handled
+from cardtool.cli.output import console, emit_json, handled, progress_line
 
 
 def train_command(
@@ -39,10 +39,7 @@ def train_command(
     def log(entry: dict) -> None:  # on stderr, also under --json: a long run shows its progress to whoever watches
         if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 logs the global batch
             return
-        extras = " ".join(f"{k} {v:.4g}" for k, v in entry.items()
-                          if k not in ("step", "steps", "loss", "lr", "samples_per_second"))
-        err.print(f"step {entry['step']}/{entry['steps']}  loss {entry['loss']:.4f}  lr {entry['lr']:.2e}  "
-                  f"{entry['samples_per_second']:.0f} samples/s  {extras}", markup=False, highlight=False)
+        err.print(progress_line("step", entry), markup=False, highlight=False)
 
     with handled(json_):
         loaded = load_recipe(recipe, overrides or [], method)

@@ -87,6 +87,22 @@ def test_what_a_run_killed_while_writing_its_card_left_is_cleared_and_the_swappe
     assert not (tmp_path / f".vae.tmp-{dead}").exists(), "the next card written there clears it"
 
 
+def test_progress_lines_say_the_time_spent_and_left(tmp_path, data):
+    from cardtool.cli.output import clock, progress_line
+
+    entries = []
+    train(tiny("fashion-vae"), command="c", out=tmp_path / "vae", run_dir=tmp_path / "run", data=str(data),
+          on_log=entries.append)
+    assert [e["step"] for e in entries] == [1, 2, 3, 4, 5, 6]
+    elapsed = [e["elapsed_seconds"] for e in entries]
+    assert elapsed == sorted(elapsed) and entries[-1]["eta_seconds"] == 0
+    pace = elapsed[2] / 3  # the time left is the steps left at the pace so far
+    assert entries[2]["eta_seconds"] == pytest.approx(3 * pace, rel=0.05)
+    line = progress_line("step", {**entries[2], "elapsed_seconds": 3725.4, "eta_seconds": 59.6})
+    assert line.startswith("step 3/6  loss ") and line.endswith("1:02:05 elapsed, 1:00 left"), line
+    assert "mse " in line and clock(0) == "0:00"
+
+
 def test_resume_after_a_kill_gives_the_same_final_weights(tmp_path, data):
     uninterrupted = train(tiny("fashion-vae"), command="c", out=tmp_path / "a", run_dir=tmp_path / "ra",
                           data=str(data))

@@ -226,9 +226,11 @@ def _train(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, resume
                 # iterations compute (DMD2's two time-scale rule) shows even when the logged iteration is the critic's
                 means = _mean_over_ranks(ranks, {key: sum(values) / len(values) for key, values in window.items()})
                 window.clear()
-                if on_log:
+                if on_log:  # the time left at this process's own pace (a resumed run's earlier pace may differ)
                     on_log({"step": done, "steps": o.steps, "loss": loss_value, "lr": _lr(recipe, step),
-                            "samples_per_second": seen / elapsed if elapsed else 0.0, **means})
+                            "samples_per_second": seen / elapsed if elapsed else 0.0, **means,
+                            "elapsed_seconds": before + elapsed,
+                            "eta_seconds": elapsed / (done - start) * (o.steps - done)})
             stopping = bool(caught) and done < o.steps
             if done % schedule.checkpoint_every == 0 or done == o.steps or stopping:  # every rank: shards are gathered
                 _save(checkpoint, recipe, done, loss_value, before + time.perf_counter() - started, modules, ema,
