@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["atomic_path", "synced", "write_atomic", "writable_folder"]
+__all__ = ["atomic_path", "save_tensors", "synced", "write_atomic", "writable_folder"]
 
 
 @contextmanager
@@ -29,6 +29,10 @@ def atomic_path(target: Path | str, *, durable: bool = False) -> Iterator[Path]:
         os.replace(temporary, target)
         if durable:
             synced(target.parent)
+    except OSError as e:  # a full disk, say: named by the file the user knows, not by our temporary one
+        if e.filename != str(temporary):
+            raise
+        raise OSError(e.errno, e.strerror, str(target)) from None
     finally:
         temporary.unlink(missing_ok=True)
 
@@ -36,6 +40,23 @@ def atomic_path(target: Path | str, *, durable: bool = False) -> Iterator[Path]:
 def write_atomic(target: Path | str, data: bytes, *, durable: bool = False) -> None:
     with atomic_path(target, durable=durable) as temporary:
         temporary.write_bytes(data)
+
+
+def save_tensors(path: Path | str, tensors: dict, metadata: dict | None = None) -> None:
+    """safetensors' `save_file`, a failing disk raised as the OSError it is: the Rust writer raises its own error
+    type, which would otherwise reach the user as a traceback instead of "No space left on device"."""
+    import re
+
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as e:
+        code = re.search(r"os error (\d+)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from None
 
 
 def synced(path: Path | str) -> None:

@@ -36,3 +36,20 @@ def test_a_durable_write_flushes_the_data_before_the_rename_and_the_rename_after
     write_atomic(tmp_path / "last.safetensors", b"hours of training", durable=True)
     assert [p.rsplit("/", 1)[-1] for p in flushed] == [f".last.safetensors.{os.getpid()}.tmp", tmp_path.name]
 
+
+
+def test_a_failing_disk_under_safetensors_is_the_oserror_it_is(tmp_path):
+    import errno
+
+    import torch
+
+    from cardtool.atomic import save_tensors
+
+    with pytest.raises(OSError) as info:  # the Rust writer's own error type, which no handler knew
+        save_tensors(tmp_path / "missing-folder" / "w.safetensors", {"w": torch.zeros(2)})
+    assert info.value.errno == errno.ENOENT and info.value.filename.endswith("w.safetensors")
+    with pytest.raises(OSError) as info:
+        with atomic_path(tmp_path / "gone" / "x.bin") as temporary:
+            temporary.parent.rmdir()
+            temporary.write_bytes(b"x")
+    assert info.value.filename == str(tmp_path / "gone" / "x.bin"), "named by the target, not the temporary file"

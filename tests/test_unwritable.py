@@ -45,18 +45,26 @@ def test_an_output_folder_that_is_a_file_is_named(tmp_path):
     assert result.exit_code == 2 and "it is a file, not a folder" in result.output
 
 
-def test_a_disk_failing_mid_run_is_a_message_not_a_traceback(tmp_path, monkeypatch):
+def test_a_disk_failing_mid_run_is_a_message_not_a_traceback_and_keeps_what_was_written(tmp_path, monkeypatch):
     from cardtool.core.sampling import generate
 
-    def full(path, *args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    written, real = [], generate.save_png
 
-    monkeypatch.setattr(generate, "save_image", full)
+    def full_after_two(path, *args, **kwargs):
+        if len(written) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        written.append(path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(generate, "save_png", full_after_two)
     result = CliRunner().invoke(app, ["generate", str(REPO / "examples" / "cards" / "tiny-base"), "-p", "a bag",
-                                      "--steps", "1", "--out", str(tmp_path / "out"), "--json"])
+                                      "-n", "4", "--steps", "1", "--out", str(tmp_path / "out"), "--json"])
     assert result.exit_code == 1, result.output
     error = json.loads(result.stdout)["error"]
     assert error["kind"] == "failed" and "No space left on device" in error["message"] and "out" in error["message"]
+    assert "the 2 images written before it are kept" in error["message"]
+    assert [image["path"] for image in error["partial"]["images"]] == [str(p) for p in written]
+    assert all(p.is_file() for p in written)
 
 
 def test_an_unwritable_feature_cache_costs_nothing_but_its_reuse(tmp_path, monkeypatch):

@@ -90,13 +90,11 @@ def lora_file(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rank: int,
 
 def write_lora(path: Path, a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rank: int, alpha: float) -> None:
     """Write a LoRA file (`lora_file`) atomically."""
-    from safetensors.torch import save_file
-
-    from cardtool.atomic import atomic_path
+    from cardtool.atomic import atomic_path, save_tensors
 
     tensors, metadata = lora_file(a, b, rank, alpha)
     with atomic_path(path, durable=True) as tmp:
-        save_file(tensors, str(tmp), metadata=metadata)
+        save_tensors(tmp, tensors, metadata)
 
 
 class LoraPlan:

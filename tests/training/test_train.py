@@ -22,7 +22,7 @@ from cardtool.core.interrupt import Interrupted
 from cardtool.core.training.recipes import load_recipe
 from cardtool.core.training.train import train
 from cardtool.core.training.trainer import CHECKPOINT, TrainingDiverged
-from cardtool.errors import BadInput
+from cardtool.errors import BadInput, RunFailed
 
 RECIPES = REPO / "examples" / "recipes"
 TINY_VAE = ["model.channels=[8, 16, 32]", "optim.steps=6", "optim.batch_size=8", "optim.warmup=2",
@@ -101,6 +101,38 @@ def test_progress_lines_say_the_time_spent_and_left(tmp_path, data):
     line = progress_line("step", {**entries[2], "elapsed_seconds": 3725.4, "eta_seconds": 59.6})
     assert line.startswith("step 3/6  loss ") and line.endswith("1:02:05 elapsed, 1:00 left"), line
     assert "mse " in line and clock(0) == "0:00"
+
+
+def test_a_full_disk_loses_no_finished_work(tmp_path, data, monkeypatch):
+    import errno
+
+    from cardtool.atomic import save_tensors
+    from cardtool.core.cards import writer
+    from cardtool.core.training import trainer
+
+    def full_after(calls):
+        def save(path, *args):
+            calls.append(path)
+            if len(calls) > 1:
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            return save_tensors(path, *args)
+        return save
+
+    monkeypatch.setattr(trainer, "save_tensors", full_after([]))  # the checkpoint at step 3 fits, step 6's not
+    with pytest.raises(RunFailed, match=r"checkpoint of step 6 .*No space left on device; the previous checkpoint is "
+                                        r"kept — free the space and continue with --resume"):
+        train(tiny("fashion-vae"), command="c", out=tmp_path / "vae", run_dir=tmp_path / "run", data=str(data))
+    monkeypatch.setattr(trainer, "save_tensors", save_tensors)
+    monkeypatch.setattr(writer, "save_tensors", full_after([None]))  # now the card does not fit
+    with pytest.raises(RunFailed, match=r"cannot write the card to .*vae: No space left on device; the trained "
+                                        r"weights are in .*checkpoint.safetensors — .* --resume to write the card"):
+        train(tiny("fashion-vae"), command="c", out=tmp_path / "vae", run_dir=tmp_path / "run", data=str(data),
+              resume=True)
+    assert not (tmp_path / "vae").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".vae")]
+    monkeypatch.setattr(writer, "save_tensors", save_tensors)
+    card = train(tiny("fashion-vae"), command="c", out=tmp_path / "vae", run_dir=tmp_path / "run", data=str(data),
+                 resume=True)
+    assert card.manifest.recipe.metrics["steps"] == 6 and card.manifest.recipe.metrics["samples_per_second"] > 0
 
 
 def test_resume_after_a_kill_gives_the_same_final_weights(tmp_path, data):

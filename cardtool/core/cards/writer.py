@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from cardtool.atomic import synced, writable_folder
+from cardtool.atomic import save_tensors, synced, writable_folder
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.source import MANIFEST_NAMES
 from cardtool.core.cards.weight_files import sha256_file
@@ -27,7 +27,6 @@ def write_card(folder: Path, manifest: dict, weights: dict[str, dict], *, copies
     (floating tensors only), with the header `metadata` given for that name (a LoRA's rank and alpha); `copies` maps
     a relative name to an existing file copied as is."""
     import torch
-    from safetensors.torch import save_file
 
     folder = Path(folder)
     if folder.exists() or folder.is_symlink():
@@ -44,7 +43,7 @@ def write_card(folder: Path, manifest: dict, weights: dict[str, dict], *, copies
             (staging / rel).parent.mkdir(parents=True, exist_ok=True)
             stored = {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous().cpu()
                       for k, v in state.items()}
-            save_file(stored, str(staging / rel), metadata=(metadata or {}).get(rel))
+            save_tensors(staging / rel, stored, (metadata or {}).get(rel))
             os.chmod(staging / rel, 0o644)  # safetensors writes 0600: a card shared on a team disk must be readable
         for rel, source in (copies or {}).items():
             (staging / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -64,6 +63,8 @@ def write_card(folder: Path, manifest: dict, weights: dict[str, dict], *, copies
         synced(staging)
         _swap(staging, folder)
         synced(folder.parent)  # a power loss after this leaves the whole new card, not a folder of empty files
+    except OSError as e:  # a full disk, say: named by the card folder asked for, not by the staging one
+        raise OSError(e.errno, e.strerror, str(folder)) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return load_card(folder)

@@ -26,7 +26,7 @@ from cardtool.core.sampling.images import grid_image, save_png
 from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache
-from cardtool.errors import BadInput
+from cardtool.errors import BadInput, RunFailed
 from cardtool.files import read_small_file
 
 __all__ = ["GeneratedImage", "GenerateReport", "LoadedCard", "generate", "image_metadata", "parse_interval",
@@ -312,7 +312,12 @@ class LoadedCard:
                         broken.append(request)
                         continue
                     metadata = {**image_metadata(loop, request), **extra}
-                    save_image(paths[i], image, metadata)
+                    try:
+                        save_image(paths[i], image, metadata)
+                    except RunFailed as failed:  # the images written before it are kept, and listed
+                        failed.args = (f"{failed}; the {len(images)} images written before it are kept",)
+                        failed.partial = {"images": [image.to_json() for image, _, _ in images]}
+                        raise
                     images.append((GeneratedImage(paths[i], metadata), request, image))
                 if caught and number < len(waves) - 1:
                     raise Interrupted.after(caught[0], f"{len(images)} of {len(requests)} images: those are written "
@@ -450,10 +455,14 @@ def image_metadata(loop: DenoiseLoop, request: Request) -> dict[str, str]:
 
 
 def save_image(path: Path, pixels, metadata: dict) -> None:
+    """Write one PNG: a name the file system refuses is bad input, a disk that fails (full, gone) fails the run."""
+    import errno
+
     try:
         save_png(path, pixels, metadata)
     except OSError as e:  # the folder passed the probe, so a full disk or a file system that refuses the name
-        raise BadInput(f"cannot write {path}: {e.strerror or e}")
+        error = BadInput if e.errno in (errno.ENAMETOOLONG, errno.EINVAL, errno.EILSEQ) else RunFailed
+        raise error(f"cannot write {path}: {e.strerror or e}") from None
 
 
 def prompt_slug(prompt: str) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 from cardtool.core import distributed
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import Card, load_card
-from cardtool.errors import BadInput, CardtoolError
+from cardtool.errors import BadInput, CardtoolError, RunFailed
 
 __all__ = ["extends_reference", "evaluate_output", "recipe_fingerprint", "trained_parts", "write_output"]
 
@@ -62,12 +62,20 @@ def evaluate_output(card: Card, judge: str, device: str | None, data: str | None
     return load_card(card.folder)
 
 
-def write_output(folder: Path, manifest: dict, weights: dict, **options) -> Card:
-    """`write_card` on rank 0 (every process when there is one); the other ranks load the card once it is in place."""
+def write_output(folder: Path, manifest: dict, weights: dict, run_dir: Path, **options) -> Card:
+    """`write_card` on rank 0 (every process when there is one); the other ranks load the card once it is in place.
+    A disk that fails here loses nothing: the run's last checkpoint holds the trained weights, and `--resume` on it
+    only writes the card."""
     from cardtool.core.cards.writer import write_card
+    from cardtool.core.training.trainer import CHECKPOINT
 
     ranks = distributed.ranks()
-    card = write_card(folder, manifest, weights, **options) if ranks.main else None
+    try:
+        card = write_card(folder, manifest, weights, **options) if ranks.main else None
+    except OSError as e:
+        raise RunFailed(f"cannot write the card to {folder}: {e.strerror or e}; the trained weights are in "
+                        f"{Path(run_dir) / CHECKPOINT} — free the space and run the same command with --resume to "
+                        "write the card") from None
     ranks.barrier()
     return card if ranks.main else load_card(folder)
 

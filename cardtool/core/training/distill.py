@@ -109,7 +109,8 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
                    "metrics": metrics},
         "parity": {"consistency": "C1"},
     }
-    card = write_output(out, manifest, weights, storage=recipe.card.storage, overwrite=force, metadata=metadata)
+    card = write_output(out, manifest, weights, run_dir, storage=recipe.card.storage, overwrite=force,
+                        metadata=metadata)
     if evaluate:
         card = evaluate_output(card, judge, device, data, on_eval)
     return card

@@ -198,7 +198,8 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
     parts, weights, metadata, defaults = trained_parts(result.modules["transformer"], task.name, task.lora,
                                                        METHODS[recipe.method], base)
     manifest = _manifest(recipe, task, base, reward.card_id, out, command, result, platform, parts, defaults)
-    card = write_output(out, manifest, weights, storage=recipe.card.storage, overwrite=force, metadata=metadata)
+    card = write_output(out, manifest, weights, run_dir, storage=recipe.card.storage, overwrite=force,
+                        metadata=metadata)
     if evaluate:
         card = evaluate_output(card, judge, device, data, on_eval)
         if held_out_judge:

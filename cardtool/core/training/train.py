@@ -7,12 +7,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cardtool.backends.platform import Platform
-from cardtool.core import distributed
-from cardtool.core.cards.loader import Card, load_card
-from cardtool.core.cards.writer import write_card
+from cardtool.core.cards.loader import Card
 from cardtool.core.data import IMAGE_SIZE, load_split
 from cardtool.core.prompts import TEXT_ENCODER
-from cardtool.core.training.derived import extends_reference
+from cardtool.core.training.derived import extends_reference, write_output
 from cardtool.core.training.recipes import RUN_BY, Recipe
 from cardtool.core.training.trainer import train_loop, writable_outputs
 from cardtool.errors import BadInput
@@ -96,9 +94,5 @@ def train(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Pat
     manifest = {"schema": "cardtool/v1", "id": recipe.card.id, "description": recipe.card.description,
                 **({"components": components} if components else {}), **({"loops": loops} if loops else {}), **extends,
                 "recipe": {**recipe_block, "metrics": {**metrics, **trained}}, "parity": {"consistency": "C1"}}
-    ranks = distributed.ranks(platform.device)
-    if ranks.main:
-        card = write_card(out, manifest, weights, copies=copies, storage=storage, overwrite=overwrite,
-                          metadata=metadata)
-    ranks.barrier()  # the card is in place (written atomically) before any rank returns it
-    return card if ranks.main else load_card(out)
+    return write_output(out, manifest, weights, run_dir, copies=copies, storage=storage, overwrite=overwrite,
+                        metadata=metadata)

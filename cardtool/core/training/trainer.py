@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from cardtool.atomic import atomic_path, writable_folder
+from cardtool.atomic import atomic_path, save_tensors, writable_folder
 from cardtool.backends.platform import Platform
 from cardtool.backends.precision import autocast
 from cardtool.backends.training import load_optimizer_tensors, optimizer_tensors
@@ -243,7 +243,8 @@ def _train(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, resume
     final = parallel.plain(ema if ema is not None else modules)
     for m in final.values():
         m.eval()
-    return TrainResult(final, o.steps, loss_value, before + elapsed, seen / elapsed if elapsed else 0.0)
+    total = before + elapsed  # over the whole run, also when a resume only wrote its card: not this process's share
+    return TrainResult(final, o.steps, loss_value, total, o.steps * o.batch_size / total if total else 0.0)
 
 
 def writable_outputs(out: Path, run_dir: Path) -> None:
@@ -295,8 +296,13 @@ def _save(path: Path, recipe: Recipe, step: int, loss: float, seconds: float, mo
         return
     metadata = {"step": str(step), "loss": repr(loss), "seconds": repr(seconds), "fingerprint": recipe.fingerprint(),
                 "param_groups": groups, "micro_batches": str(parts)}
-    with atomic_path(path, durable=True) as temporary:
-        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(temporary), metadata=metadata)
+    try:
+        with atomic_path(path, durable=True) as temporary:
+            save_tensors(temporary, {k: v.contiguous().cpu() for k, v in tensors.items()}, metadata)
+    except OSError as e:  # the temporary is gone: the checkpoint before this one is intact
+        kept = "the previous checkpoint is kept — free the space and continue with --resume" if path.is_file() \
+            else "there is no earlier checkpoint — free the space and start the run again"
+        raise RunFailed(f"cannot write the checkpoint of step {step} to {path}: {e.strerror or e}; {kept}") from None
 
 
 def _load(path: Path, recipe: Recipe, modules, ema, optimizer, task: Task, parts: int,
