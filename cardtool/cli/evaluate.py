@@ -49,11 +49,15 @@ def eval_command(
 
     with handled(json_):
         from cardtool.core.sampling.adapters import parse_adapter
-        from cardtool.errors import BadInput
+        from cardtool.errors import BadInput, RunFailed
 
         if record and (adapter or shift is not None or solver is not None):
             raise BadInput("--record keeps the eval of the card as it serves by default; drop --adapter, --shift and "
                            "--solver to record")
+        if record:
+            from cardtool.core.cards.record import recordable
+
+            recordable(card)
         interval = parse_interval(guidance_interval) if guidance_interval is not None else None
         report = evaluate(card, judge=judge, steps=steps, guidance=guidance, guidance_interval=interval,
                           per_class=per_class, seed=seed, device=device, data=data, precision=precision,
@@ -62,7 +66,13 @@ def eval_command(
         if record and report.rank == 0:
             from cardtool.core.cards.record import record_eval
 
-            record_eval(card, report.to_json())
+            try:
+                record_eval(card, report.to_json())
+            except OSError as e:  # a full disk: the measured rows are not lost with the record
+                failed = RunFailed(f"the eval ran, but recording it failed: {e.filename or card}: "
+                                   f"{e.strerror or e}; its report is under 'partial' (--json)")
+                failed.partial = report.to_json()
+                raise failed from None
     if report.rank != 0:  # under torchrun rank 0 reports for every rank
         return
     if json_:

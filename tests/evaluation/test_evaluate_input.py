@@ -55,3 +55,32 @@ def test_eval_samples_with_the_shift_and_solver_asked_for_and_its_rows_say_so(ex
     assert rows["asked"]["kid"] != rows["default"]["kid"], "other images were sampled"
     refused = CliRunner().invoke(app, [*args, "--shift", "3", "--record"])
     assert refused.exit_code == 2 and "drop --adapter, --shift and --solver to record" in refused.stdout
+
+
+def test_a_record_that_cannot_be_made_is_refused_before_the_eval_or_keeps_its_rows(examples, tmp_path, monkeypatch):
+    import errno
+    import json
+
+    from helpers import write_idx_folder
+    from typer.testing import CliRunner
+
+    from cardtool.cli import app
+    from cardtool.core.cards import record
+
+    toml = examples / "tiny-rl"  # a TOML manifest: nothing can be recorded in it
+    monkeypatch.setattr(evaluate_module, "ModelInstance", lambda *a, **k: pytest.fail("evaluated before refusing"))
+    refused = CliRunner().invoke(app, ["eval", str(toml), "--per-class", "1", "--record"])
+    assert refused.exit_code == 2 and "--record writes YAML manifests" in refused.output
+    monkeypatch.undo()
+
+    def full(path, data, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(record, "write_atomic", full)
+    result = CliRunner().invoke(app, ["eval", str(examples / "tiny-base"), "--judge", str(examples / "tiny-judge"),
+                                      "--per-class", "1", "--steps", "2", "--data",
+                                      str(write_idx_folder(tmp_path / "idx")), "--record", "--json"])
+    assert result.exit_code == 1, result.output
+    error = json.loads(result.stdout)["error"]
+    assert "recording it failed" in error["message"] and "No space left on device" in error["message"]
+    assert [row["steps"] for row in error["partial"]["rows"]] == [2], "the measured rows are not lost"

@@ -13,16 +13,22 @@ from cardtool.core.cards.loader import load_card
 from cardtool.core.cards.loops import FlowDenoiseDefaults
 from cardtool.errors import BadInput
 
-__all__ = ["EVAL_REPORT", "eval_summary", "record_eval", "record_metrics"]
+__all__ = ["EVAL_REPORT", "eval_summary", "record_eval", "record_metrics", "recordable"]
 
 EVAL_REPORT = "eval.json"
 
 
-def record_metrics(card_ref: str, metrics: dict) -> None:
-    """Merge `metrics` into recipe.metrics of the card's own manifest (YAML cards) and re-validate."""
+def recordable(card_ref: str):
+    """The card, if results can be recorded in its manifest (a YAML one): checked before the work, not after it."""
     card = load_card(card_ref)
     if card.file.suffix != ".yaml":
         raise BadInput(f"--record writes YAML manifests; {card.file} is TOML")
+    return card
+
+
+def record_metrics(card_ref: str, metrics: dict) -> None:
+    """Merge `metrics` into recipe.metrics of the card's own manifest (YAML cards) and re-validate."""
+    card = recordable(card_ref)
     data = yaml.safe_load(card.file.read_text(encoding="utf-8"))
     data.setdefault("recipe", {}).setdefault("metrics", {}).update(metrics)
     before = card.file.read_bytes()
@@ -38,9 +44,7 @@ def record_metrics(card_ref: str, metrics: dict) -> None:
 def record_eval(card_ref: str, report: dict) -> None:
     """The whole report as `eval.json` beside the manifest, and its summary as recipe.metrics.eval: a large
     table stays out of the manifest every generate call parses."""
-    card = load_card(card_ref)
-    if card.file.suffix != ".yaml":
-        raise BadInput(f"--record writes YAML manifests; {card.file} is TOML")
+    card = recordable(card_ref)
     data = (json.dumps(report, indent=1) + "\n").encode()
     path = card.folder / EVAL_REPORT
     before = path.read_bytes() if path.is_file() else None
