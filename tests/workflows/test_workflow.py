@@ -4,6 +4,7 @@ SDEdit refinement, and bad workflows as located errors (never tracebacks)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -171,3 +172,29 @@ def test_a_step_takes_an_adapter_stack_and_its_images_record_it(tmp_path, exampl
     checked = CliRunner().invoke(app, ["workflow", "validate", str(bad)])
     assert checked.exit_code == 1 and "steps.tuned.generate.adapters.outline" in checked.output
     assert "declares no LoRA 'outline'" in checked.output
+
+
+def test_a_disk_failing_at_a_later_step_keeps_the_finished_steps_listed(examples, tmp_path, monkeypatch):
+    import errno
+
+    from cardtool.core.sampling import generate
+
+    real = generate.save_png
+
+    def full_at_step_two(path, *args, **kwargs):
+        if "/two/" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(generate, "save_png", full_at_step_two)
+    path = write(tmp_path, examples, """  one:
+    generate: {card: EX/tiny-base, prompts: ["a bag"], steps: 2}
+  two:
+    chain: {input: one, card: EX/tiny-base, strength: 0.5, steps: 2}
+""")
+    result = run(path, tmp_path)
+    assert result.exit_code == 1, result.output
+    error = json.loads(result.stdout)["error"]
+    assert error["kind"] == "failed" and "No space left on device" in error["message"]
+    [finished] = error["partial"]["steps"]
+    assert finished["step"] == "one" and all(Path(i["path"]).is_file() for i in finished["images"])

@@ -27,6 +27,7 @@ from cardtool.core.sampling.generate import (
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache
 from cardtool.core.workflows.manifest import Workflow
+from cardtool.errors import RunFailed
 
 __all__ = ["Output", "WorkflowReport", "run_workflow"]
 
@@ -130,7 +131,12 @@ def run_workflow(workflow: Workflow, *, out: str | Path = "outputs", device: str
     started = time.perf_counter()
     with stop_requests(runner.ranks.world == 1) as caught:  # Ctrl-C / SIGTERM: the step in flight finishes first
         for number, name in enumerate(workflow.order):
-            _run_step(runner, workflow, name, outputs, folder, report, on_step)
+            try:
+                _run_step(runner, workflow, name, outputs, folder, report, on_step)
+            except RunFailed as failed:  # a full disk, NaN images: the finished steps stay listed
+                if report.steps and getattr(failed, "partial", None) is None:
+                    failed.partial = report.to_json()
+                raise
             if caught and number < len(workflow.order) - 1:
                 raise Interrupted.after(caught[0], f"{number + 1} of {len(workflow.order)} steps: their images are "
                                         f"written in {folder}", report.to_json())
