@@ -21,7 +21,12 @@ class _Root(TyperGroup):
 
     def invoke(self, ctx):
         try:
-            return super().invoke(ctx)
+            try:
+                return super().invoke(ctx)
+            except ValueError as error:  # a NUL byte in an argument a path option stats (only a caller, not a shell,
+                if "null byte" not in str(error):  # can pass one)
+                    raise
+                raise _UsageError(f"an argument holds a NUL byte: {error}", ctx) from None
         except _UsageError as error:
             if "--json" in getattr(self, "_argv", ()):
                 from cardtool.cli.output import emit_json

@@ -73,6 +73,7 @@ def test_show_unknown_card_json_error_document():
     (("cards", "show", "--json"), "Missing argument 'CARD'"),
     (("cards", "list", "--json", "--bogus"), "No such option: --bogus"),
     (("bogus", "--json"), "No such command 'bogus'"),
+    (("workflow", "validate", "a\x00b", "--json"), "an argument holds a NUL byte"),  # as only a caller passes one
 ])
 def test_usage_errors_under_json_print_the_error_document(args, message):
     """Click's own usage errors (a value of the wrong type, a missing argument) happen before any command code
