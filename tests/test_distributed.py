@@ -35,6 +35,13 @@ def test_generate_on_two_processes_writes_the_same_pngs_as_on_one(tmp_path, monk
     one, two = sorted((tmp_path / "one").glob("*.png")), sorted((tmp_path / "two").glob("*.png"))
     assert [p.name for p in one] == [p.name for p in two] and len(one) == 7
     assert all(a.read_bytes() == b.read_bytes() for a, b in zip(one, two, strict=True)), "bit-identical PNGs"
+    for gone in (two[1], two[4]):  # an interrupted run's: rank 0's folder decides what every rank skips
+        gone.unlink()
+    resumed = torchrun([*GENERATE, "--out", "two", "--max-batch", "2", "--skip-existing"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert json.loads(resumed.stdout)["skipped"] == 4
+    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(one, sorted((tmp_path / "two").glob("*.png")),
+                                                                  strict=True))
 
 
 def test_a_launch_without_torchrun_variables_is_a_clear_error(tmp_path, monkeypatch):

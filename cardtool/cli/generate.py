@@ -50,6 +50,9 @@ def generate_command(
     out: Annotated[Path, typer.Option("--out", help="Output folder, or NAME.png for one image.")] = Path("outputs"),
     grid: Annotated[bool, typer.Option("--grid", help="Also write a labelled grid of all images.")] = False,
     strict: Annotated[bool, typer.Option("--strict", help="Refuse a step count the card does not assume.")] = False,
+    skip_existing: Annotated[bool, typer.Option(
+        "--skip-existing", help="Keep each image already in --out with this call's settings (an interrupted run's) "
+        "and make only the others.")] = False,
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (see README).")] = False,
 ) -> None:
     """Generate images; each PNG carries its card, weights versions, prompt, seed and settings."""
@@ -68,7 +71,8 @@ def generate_command(
                               solver=solver, guidance_interval=interval, device=device,
                               precision=precision, max_batch=max_batch, out=out, grid=grid, best_of=best_of,
                               reward=reward, adapters=stack, control=image, preprocessor=preprocessor,
-                              control_scale=control_scale, fuse=fuse, strict=strict, on_step=progress)
+                              control_scale=control_scale, fuse=fuse, strict=strict, on_step=progress,
+                              skip_existing=skip_existing)
         finally:
             progress.stop()
     if report.rank != 0:  # under torchrun rank 0 reports for every rank
@@ -84,8 +88,9 @@ def generate_command(
         say(f"{image.path}  ({image.metadata['prompt']!r}, seed {image.metadata['seed']}{scored})")
     if report.grid:
         say(f"{report.grid}  (grid)")
-    rate = len(report.images) / report.seconds if report.seconds else float("nan")
-    count = f"{len(report.images)} image{'' if len(report.images) == 1 else 's'}"
+    count = f"{len(report.images)} image{'' if len(report.images) == 1 else 's'}" + \
+        (f" ({report.skipped} already there)" if report.skipped else "")
+    rate = (len(report.images) - report.skipped) / report.seconds if report.seconds else float("nan")
     say(f"{count} from {report.card} on {report.platform} in {report.seconds:.2f}s "
         f"({rate:.1f} images/s)", stderr=True)
 

@@ -257,3 +257,23 @@ def test_a_run_with_other_settings_never_overwrites_an_earlier_image(on_path, tm
         assert read_png_metadata(image.path)["steps"] == image.metadata["steps"], "each file holds its own run"
     again = loaded.generate("a bag", out=tmp_path, steps=2).images[0]
     assert again.path == made[0].path and len(list(tmp_path.glob("*.png"))) == len(runs), "the same call, same file"
+
+
+def test_skip_existing_makes_only_the_images_an_earlier_run_did_not_leave(on_path, tmp_path):
+    from cardtool.core.sampling.generate import LoadedCard
+
+    loaded = LoadedCard("tiny-base")
+    first = loaded.generate(["a bag", "a coat"], num=2, steps=2, out=tmp_path)
+    paths = [image.path for image in first.images]
+    original = {p: p.read_bytes() for p in paths}
+    paths[1].unlink()  # an interrupted run never wrote it
+    paths[2].write_bytes(b"not a png")  # nor this one, whole
+    stamps = {p: p.stat().st_mtime_ns for p in (paths[0], paths[3])}
+    again = loaded.generate(["a bag", "a coat"], num=2, steps=2, out=tmp_path, skip_existing=True, grid=True)
+    assert [image.path for image in again.images] == paths and again.skipped == 2
+    assert {p: p.read_bytes() for p in paths} == original, "the two made again are the images they were"
+    assert {p: p.stat().st_mtime_ns for p in (paths[0], paths[3])} == stamps, "the two kept are not rewritten"
+    assert again.images[0].metadata == first.images[0].metadata, "a kept image is reported with its metadata"
+    other = loaded.generate(["a bag"], num=1, steps=3, out=tmp_path, skip_existing=True)
+    assert other.skipped == 0 and other.images[0].path not in paths, "other settings are other images"
+    assert json.loads(json.dumps(again.to_json()))["skipped"] == 2

@@ -54,12 +54,14 @@ class GenerateReport:
     warnings: list[str] = field(default_factory=list)
     seconds: float = 0.0
     rank: int = 0  # under torchrun, the process this report is from: rank 0 has every image, the others none
+    skipped: int = 0  # images kept from an earlier run (skip_existing), listed with the others
 
     def to_json(self) -> dict:
         return {"card": self.card, "platform": self.platform, "images": [i.to_json() for i in self.images],
                 "grid": str(self.grid) if self.grid else None, "warnings": self.warnings,
-                "seconds": round(self.seconds, 3),
-                "images_per_second": round(len(self.images) / self.seconds, 3) if self.seconds else None}
+                "seconds": round(self.seconds, 3), "skipped": self.skipped,
+                "images_per_second": round((len(self.images) - self.skipped) / self.seconds, 3) if self.seconds
+                else None}
 
 
 def read_prompts_file(path: str | Path) -> list[str]:
@@ -250,14 +252,15 @@ class LoadedCard:
                  on_step: Callable[[int, int], None] | None = None, max_batch: int = 128, best_of: int = 1,
                  reward: str | None = None, adapters: list[tuple[str, float]] | None = None,
                  control=None, preprocessor: str | None = None, control_scale: float | None = None,
-                 fuse: bool = False) -> GenerateReport:
+                 fuse: bool = False, skip_existing: bool = False) -> GenerateReport:
         """Sample prompts × num images and write them; with `best_of` N > 1, each image is the best of N candidates
         under the reward card `reward`, and its metadata records every candidate's score.
 
         `adapters`: the stack of (name, scale) every image uses (default: the card's loop defaults); `control`: an
         image file, a grey uint8 array or a ControlImage for the card's ControlNet, through `preprocessor` (default:
         the ControlNet's own); `fuse`: merge the stack's LoRAs into the base weights for this call, then restore
-        them."""
+        them; `skip_existing`: keep each image whose file is already there with this request's settings tag (an
+        earlier run of the same call, interrupted, say) and make only the others."""
         prompts = _checked(prompts, num=num, seed=seed, steps=steps, guidance=guidance, shift=shift, best_of=best_of,
                            max_batch=max_batch, guidance_interval=guidance_interval, adapters=adapters,
                            control_scale=control_scale, out=out, on_step=on_step,
@@ -283,18 +286,19 @@ class LoadedCard:
         warnings = instance.warnings + warnings
         judge = self.reward(reward) if reward is not None else None
         selection = _selection(judge, best_of, fuse)
-        paths = _output_paths(Path(out), card.id, requests,
-                              [settings_tag({**image_metadata(loop, r), **selection}) for r in requests])
+        tags = [settings_tag({**image_metadata(loop, r), **selection}) for r in requests]
+        paths = _output_paths(Path(out), card.id, requests, tags)
         started = time.perf_counter()
         ranks = distributed.ranks(platform.device)
+        kept = _already_made(paths, tags, requests, ranks, grid) if skip_existing else {}
+        todo = [i for i in range(len(requests)) if i not in kept]
         # requests are made in waves of a forward's worth a process, each written when done, so an interrupted or
         # failing run keeps what it finished; under torchrun each rank makes its share of a wave, gathered to rank 0,
         # which writes them all
         size = max(1, max_batch // best_of) * ranks.world
-        waves = [[i + j for j in ranks.shard(range(i, min(i + size, len(requests))))]
-                 for i in range(0, len(requests), size)]
+        waves = [[todo[k + j] for j in ranks.shard(todo[k:k + size])] for k in range(0, len(todo), size)]
         total = sum(requests[i].steps for wave in waves for i in wave) * best_of
-        images, broken, done = [], [], 0
+        images, order, broken, done = [], [], [], 0  # order: each written image's index
         with _fusing(loop, requests[0].adapters if fuse else ()) as fused, stop_requests(ranks.world == 1) as caught:
             if fuse and fused is None:
                 raise BadInput("--fuse merges the LoRAs of the request's adapter stack; this one has none")
@@ -311,7 +315,7 @@ class LoadedCard:
                     if not finite:
                         broken.append(request)
                         continue
-                    metadata = {**image_metadata(loop, request), **extra}
+                    metadata = {**image_metadata(loop, request), **extra, "tag": tags[i]}
                     try:
                         save_image(paths[i], image, metadata)
                     except RunFailed as failed:  # the images written before it are kept, and listed
@@ -319,9 +323,11 @@ class LoadedCard:
                         failed.partial = {"images": [image.to_json() for image, _, _ in images]}
                         raise
                     images.append((GeneratedImage(paths[i], metadata), request, image))
+                    order.append(i)
                 if caught and number < len(waves) - 1:
-                    raise Interrupted.after(caught[0], f"{len(images)} of {len(requests)} images: those are written "
-                                            f"in {paths[0].parent}; the rest are not",
+                    raise Interrupted.after(caught[0], f"{len(images) + len(kept)} of {len(requests)} images: those "
+                                            f"are written in {paths[0].parent}; the same command with "
+                                            "--skip-existing makes the rest",
                                             {"images": [image.to_json() for image, _, _ in images]})
         seconds = time.perf_counter() - started
         if not ranks.main:
@@ -329,6 +335,9 @@ class LoadedCard:
                                   rank=ranks.rank)
         if broken:
             raise NonFiniteImages(card.id, broken, len(requests), written=len(images))
+        if kept:  # in the order asked for, as if made now
+            made = dict(zip(order, images, strict=True))
+            images = [kept.get(i) or made[i] for i in range(len(requests))]
         grid_path = None
         if grid:
             grid_path = paths[0].parent / f"{card.id}-grid-{settings_tag([p.name for p in paths])}.png"
@@ -336,7 +345,28 @@ class LoadedCard:
                     for p in dict.fromkeys(r.prompt for r in requests)]
             save_image(grid_path, grid_image(rows), {"card": card.id, "cardtool": __version__})
         return GenerateReport(card.id, f"{platform.device}/{platform.arch}", [image for image, _, _ in images],
-                              grid_path, warnings, seconds)
+                              grid_path, warnings, seconds, skipped=len(kept))
+
+
+def _already_made(paths: list[Path], tags: list[str], requests: list[Request], ranks, pixels: bool) -> dict[int, tuple]:
+    """The images already on disk as this call would make them — a file at the request's path whose metadata holds
+    the request's settings tag — as (GeneratedImage, request, its pixels where a grid needs them), by index. Rank
+    0's folder decides: it writes every image."""
+    from cardtool.core.sampling.images import read_png
+
+    found = {}
+    if ranks.main:
+        for i, path in enumerate(paths):
+            if not path.is_file():
+                continue
+            try:
+                image, metadata = read_png(path, pixels)
+            except (OSError, ValueError, SyntaxError):  # not a PNG we can read: made again
+                continue
+            if metadata.get("tag") == tags[i]:
+                found[i] = (GeneratedImage(path, metadata), requests[i], image)
+    indices = ranks.all_gather(sorted(found))[0] if ranks.world > 1 else sorted(found)
+    return found if ranks.main else dict.fromkeys(indices)
 
 
 def control_image(loop: DenoiseLoop, control, preprocessor: str | None, adapters) -> ControlImage | None:

@@ -10,7 +10,7 @@ import numpy as np
 
 from cardtool.atomic import write_atomic
 
-__all__ = ["png_bytes", "read_png_metadata", "save_png", "grid_image"]
+__all__ = ["png_bytes", "read_png", "read_png_metadata", "save_png", "grid_image"]
 
 
 def png_bytes(pixels: np.ndarray, metadata: dict[str, str] | None = None) -> bytes:
@@ -41,10 +41,15 @@ def save_png(path: Path, pixels: np.ndarray, metadata: dict[str, str] | None = N
 
 
 def read_png_metadata(path: Path) -> dict[str, str]:
+    return read_png(path, pixels=False)[1]
+
+
+def read_png(path: Path, pixels: bool = True) -> tuple[np.ndarray | None, dict[str, str]]:
+    """A PNG's grey pixels (None unless `pixels`) and its text chunks."""
     from PIL import Image
 
     with Image.open(path) as image:
-        return dict(image.text)
+        return (np.asarray(image.convert("L")).copy() if pixels else None), dict(image.text)
 
 
 def grid_image(rows: list[tuple[str, list[np.ndarray]]], scale: int = 3) -> np.ndarray:
