@@ -97,7 +97,8 @@ def test_a_candidate_sampled_as_nan_is_never_kept_and_a_request_of_only_such_fai
     assert lost.finite.tolist() == [True, False] and lost.scores[1] == [None] * 3
     with pytest.raises(NonFiniteImages, match="made NaN or inf for 1 of 2 images \\('a sneaker' seed 0\\)"):
         lost.checked("tiny-base")
-    with pytest.raises(NonFiniteImages, match=r"1 of 2 images \('a sneaker' seed 0\); the other 1 are written"):
+    with pytest.raises(NonFiniteImages, match=r"1 of 2 images \('a sneaker' seed 0\); the other 1 are written") as info:
         loaded.generate(["a bag", "a sneaker"], steps=3, best_of=3, reward=str(examples / "tiny-judge"),
                         out=tmp_path)
     assert [p.name[:25] for p in tmp_path.glob("*.png")] == ["tiny-base-000-a-bag-seed0"], "the finite one is kept"
+    assert [image["path"] for image in info.value.partial["images"]] == [str(p) for p in tmp_path.glob("*.png")]

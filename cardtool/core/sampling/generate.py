@@ -333,8 +333,10 @@ class LoadedCard:
         if not ranks.main:
             return GenerateReport(card.id, f"{platform.device}/{platform.arch}", [], None, warnings, seconds,
                                   rank=ranks.rank)
-        if broken:
-            raise NonFiniteImages(card.id, broken, len(requests), written=len(images))
+        if broken:  # the finite images are written, and listed
+            failed = NonFiniteImages(card.id, broken, len(requests), written=len(images))
+            failed.partial = {"images": [image.to_json() for image, _, _ in images]}
+            raise failed
         if kept:  # in the order asked for, as if made now
             made = dict(zip(order, images, strict=True))
             images = [kept.get(i) or made[i] for i in range(len(requests))]
