@@ -56,6 +56,25 @@ def test_the_flywheel_chains_base_rl_and_student_and_reports_the_three(examples,
     assert (tmp_path / "cards" / "tiny-base-nft" / "card.yaml").read_bytes() == recorded, "a skipped card is left be"
 
 
+
+def test_a_report_the_disk_cannot_take_is_not_lost(examples, tmp_path, monkeypatch):
+    import errno
+
+    from cardtool.core.workflows import flywheel
+
+    assert run(examples, tmp_path, "--stop-after", "distill").exit_code == 0
+
+    def full(path, data, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(flywheel, "write_atomic", full)
+    result = run(examples, tmp_path)
+    assert result.exit_code == 1, result.output
+    error = json.loads(result.stdout)["error"]
+    assert "report could not be written" in error["message"] and "No space left on device" in error["message"]
+    assert [row["card"] for row in error["partial"]["cards"]] == ["tiny-base", "tiny-base-nft", "tiny-base-nft-1step"]
+
+
 def test_a_rerun_skips_finished_stages_and_a_changed_recipe_is_refused(examples, tmp_path):
     assert run(examples, tmp_path, "--stop-after", "distill").exit_code == 0
     weights = (tmp_path / "cards" / "tiny-base-nft-1step" / "transformer.safetensors").read_bytes()

@@ -23,7 +23,7 @@ from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.source import read_source
 from cardtool.core.training.derived import recipe_fingerprint
 from cardtool.core.training.recipes import Recipe
-from cardtool.errors import BadInput, CardtoolError, CardValidationError
+from cardtool.errors import BadInput, CardtoolError, CardValidationError, RunFailed
 
 __all__ = ["STAGES", "FlywheelRecipe", "FlywheelReport", "flywheel", "flywheel_recipe"]
 
@@ -179,7 +179,13 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
             if on_stage:
                 on_stage(entry)
     if distributed.ranks().main:
-        write_atomic(run_dir / REPORT, (json.dumps(report.to_json(), indent=1) + "\n").encode())
+        try:
+            write_atomic(run_dir / REPORT, (json.dumps(report.to_json(), indent=1) + "\n").encode())
+        except OSError as e:  # a full disk: the cards are written, and the table is not lost with the file
+            failed = RunFailed(f"the flywheel ran, but its report could not be written to {run_dir / REPORT}: "
+                               f"{e.strerror or e}; the report is under 'partial' (--json)")
+            failed.partial = report.to_json()
+            raise failed from None
     return report
 
 
