@@ -38,6 +38,21 @@ def test_training_refuses_an_unwritable_folder_before_it_trains(tmp_path, monkey
     assert message in json.loads(result.stdout)["error"]["message"]
 
 
+@pytest.mark.parametrize(("out", "run_dir", "message"), [
+    ("same", "same", "is the card folder"),
+    ("card", "card/run", "is inside the card folder"),
+])
+def test_a_run_folder_at_or_inside_the_card_folder_is_refused_before_training(tmp_path, monkeypatch, out, run_dir,
+                                                                             message):
+    from cardtool.core.training import train
+
+    monkeypatch.setattr(train, "train_loop", lambda *a, **k: pytest.fail("trained before the folders were checked"))
+    result = CliRunner().invoke(app, [*TINY_TRAIN, "--data", str(write_idx_folder(tmp_path / "idx")), "--run-dir",
+                                      str(tmp_path / run_dir), "--out", str(tmp_path / out), "--json"])
+    assert result.exit_code == 2, result.output  # before: it trained, then could not write its card there
+    assert message in json.loads(result.stdout)["error"]["message"]
+
+
 def test_an_output_folder_that_is_a_file_is_named(tmp_path):
     (tmp_path / "taken").write_text("")
     result = CliRunner().invoke(app, ["generate", str(REPO / "examples" / "cards" / "tiny-base"), "-p", "a bag",

@@ -248,7 +248,12 @@ def _train(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, resume
 
 
 def writable_outputs(out: Path, run_dir: Path) -> None:
-    """The folder the card goes in and the run folder, proven writable before training, not after it."""
+    """The folder the card goes in and the run folder, proven writable before training, not after it — and apart:
+    a card is written as a whole new folder, so a run folder at or inside it would stop the card at the end."""
+    card, run = Path(out).resolve(), Path(run_dir).resolve()
+    if run == card or card in run.parents:
+        raise BadInput(f"--run-dir {run_dir} is {'the card folder' if run == card else 'inside the card folder'} "
+                       f"{out}: the card is written as a new folder of its own; give a --run-dir outside it")
     writable_folder(out.parent, "the card's folder")
     writable_folder(run_dir, "the run folder")
 
