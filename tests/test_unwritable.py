@@ -38,17 +38,20 @@ def test_training_refuses_an_unwritable_folder_before_it_trains(tmp_path, monkey
     assert message in json.loads(result.stdout)["error"]["message"]
 
 
-@pytest.mark.parametrize(("out", "run_dir", "message"), [
-    ("same", "same", "is the card folder"),
-    ("card", "card/run", "is inside the card folder"),
+@pytest.mark.parametrize(("out", "run_dir", "extra", "message"), [
+    ("same", "same", [], "is the card folder"),
+    ("card", "card/run", [], "is inside the card folder"),
+    ("notes", "runs", ["--overwrite"], "is not a card folder"),  # a folder --overwrite would not replace
 ])
-def test_a_run_folder_at_or_inside_the_card_folder_is_refused_before_training(tmp_path, monkeypatch, out, run_dir,
-                                                                             message):
+def test_an_output_the_card_could_not_be_written_to_is_refused_before_training(tmp_path, monkeypatch, out, run_dir,
+                                                                              extra, message):
     from cardtool.core.training import train
 
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
     monkeypatch.setattr(train, "train_loop", lambda *a, **k: pytest.fail("trained before the folders were checked"))
     result = CliRunner().invoke(app, [*TINY_TRAIN, "--data", str(write_idx_folder(tmp_path / "idx")), "--run-dir",
-                                      str(tmp_path / run_dir), "--out", str(tmp_path / out), "--json"])
+                                      str(tmp_path / run_dir), "--out", str(tmp_path / out), "--json", *extra])
     assert result.exit_code == 2, result.output  # before: it trained, then could not write its card there
     assert message in json.loads(result.stdout)["error"]["message"]
 

@@ -16,7 +16,7 @@ from cardtool.core.cards.source import MANIFEST_NAMES
 from cardtool.core.cards.weight_files import sha256_file
 from cardtool.errors import BadInput, CardValidationError
 
-__all__ = ["write_card"]
+__all__ = ["replaceable", "write_card"]
 
 
 def write_card(folder: Path, manifest: dict, weights: dict[str, dict], *, copies: dict[str, Path] | None = None,
@@ -32,7 +32,7 @@ def write_card(folder: Path, manifest: dict, weights: dict[str, dict], *, copies
     if folder.exists() or folder.is_symlink():
         if not overwrite:
             raise BadInput(f"{folder} already exists; choose another --out, or pass --overwrite to replace it")
-        _replaceable(folder)
+        replaceable(folder)
     staging = writable_folder(folder.parent, "the card's folder") / f".{folder.name}.tmp-{os.getpid()}"
     _recover(folder)
     shutil.rmtree(staging, ignore_errors=True)
@@ -97,7 +97,7 @@ def _running(pid: int) -> bool:
     return True
 
 
-def _replaceable(folder: Path) -> None:
+def replaceable(folder: Path) -> None:
     """Overwriting replaces a card (a folder holding its manifest) or an empty folder — never any other folder or
     file that happens to stand at the output path, whose contents the swap would delete."""
     if folder.is_symlink() or not folder.is_dir():

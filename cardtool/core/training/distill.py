@@ -76,9 +76,7 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
     teacher = load_card(locate(recipe.parents[0]))
     out = Path(out or Path("cards") / recipe.card.id)
     run_dir = Path(run_dir or Path("runs") / recipe.card.id)
-    if out.exists() and not force:
-        raise BadInput(f"{out} already exists; choose another --out, or pass --force to replace it")
-    writable_outputs(out, run_dir)
+    writable_outputs(out, run_dir, replace=force, flag="--force")
     if evaluate:
         locate(judge)  # before hours of training, not after
     train = None

@@ -174,9 +174,7 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
     reward = load_reward(recipe.parents[1], platform)
     out = Path(out or Path("cards") / recipe.card.id)
     run_dir = Path(run_dir or Path("runs") / recipe.card.id)
-    if out.exists() and not force:
-        raise BadInput(f"{out} already exists; choose another --out, or pass --force to replace it")
-    writable_outputs(out, run_dir)
+    writable_outputs(out, run_dir, replace=force, flag="--force")
     judges = [judge, *([held_out_judge] if held_out_judge else [])]
     if evaluate or watch_every:
         for name in judges:

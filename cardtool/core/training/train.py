@@ -28,9 +28,7 @@ def train(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Pat
     platform = Platform.detect(device)
     out = Path(out or Path("cards") / recipe.card.id)
     run_dir = Path(run_dir or Path("runs") / recipe.card.id)
-    if out.exists() and not overwrite:
-        raise BadInput(f"{out} already exists; choose another card id or --out, or pass --overwrite")
-    writable_outputs(out, run_dir)
+    writable_outputs(out, run_dir, replace=overwrite, flag="--overwrite")
     folder = data or recipe.data.get("folder")
     method = recipe.method
     size = IMAGE_SIZE

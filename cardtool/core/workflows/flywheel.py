@@ -138,7 +138,8 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
     for ref in [recipe.base, recipe.reward, judge, *([held_out_judge] if held_out_judge else []), *compare]:
         locate(ref)  # before hours of training, not after
     run_dir = Path(run_dir or Path("runs") / f"{recipe.rl.card.id}-flywheel")
-    writable_outputs(Path(out_dir) / recipe.rl.card.id, run_dir)  # before the first stage, not after it
+    # before the first stage, not after it; an existing stage card is the stage's to skip or (--force) replace
+    writable_outputs(Path(out_dir) / recipe.rl.card.id, run_dir, replace=True, flag="--force")
     report = FlywheelReport(judge=judge, held_out_judge=held_out_judge, per_class=per_class)
     common = {"device": device, "data": data, "micro_batches": micro_batches}
 
