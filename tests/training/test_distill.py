@@ -162,6 +162,9 @@ def test_a_teacher_without_a_denoise_loop_and_an_existing_output_are_refused(exa
     result = CliRunner().invoke(app, ["distill", str(examples / "tiny-base"), "--no-eval", "--out",
                                       str(tmp_path / "taken")])
     assert result.exit_code == 2 and "already exists" in result.output and "--force" in result.output
+    result = CliRunner().invoke(app, ["distill", str(examples / "tiny-base"), "--judge", str(examples / "tiny-base"),
+                                      "--out", str(tmp_path / "s")])
+    assert result.exit_code == 2 and "is not a reward" in result.output, "the judge is checked before the training"
 
 
 def _platform():

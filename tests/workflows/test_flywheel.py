@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import write_idx_folder
+from helpers import EXAMPLE_CARDS, write_idx_folder
 from typer.testing import CliRunner
 
 from cardtool.cli import app
@@ -133,6 +133,7 @@ def test_a_killed_stage_resumes_from_its_checkpoint(examples, tmp_path):
     (["--set", "distill.loss.gan_t_range=[0.5, 0.1]"], "gan_t_range must be [LO, HI]"),
     (["--set", "distill.data.bogus=1"], "unknown data.bogus"),
     (["--set", "rl.loss.beta=0"], "loss.beta: Input should be greater than 0"),
+    (["--held-out-judge", str(EXAMPLE_CARDS / "tiny-base")], "card 'tiny-base' is not a reward"),  # not at the end
 ])
 def test_bad_input_is_a_clear_error(examples, tmp_path, args, message):
     result = run(examples, tmp_path, *args)

@@ -18,7 +18,7 @@ from cardtool.core.prompts import SYNONYMS, class_prompt
 from cardtool.core.sampling.instance import ModelInstance
 from cardtool.errors import BadInput
 
-__all__ = ["FashionJudge", "Reward", "REWARD_KINDS", "load_reward", "named_class"]
+__all__ = ["FashionJudge", "Reward", "REWARD_KINDS", "load_reward", "named_class", "reward_card"]
 
 
 class Reward(Protocol):
@@ -117,13 +117,20 @@ REWARD_KINDS = {"classifier": FashionJudge}  # component kind → the reward ser
 def load_reward(ref: str, platform=None) -> Reward:
     """The reward card `ref` (an id, folder or manifest) on `platform`, in float32; a clear error for a card that
     serves no reward."""
+    card, kind = reward_card(ref)
+    return REWARD_KINDS[kind](ModelInstance(card, platform, "float32"))
+
+
+def reward_card(ref: str):
+    """The card `ref` and the kind of the component its reward is served from, or a clear error for a card that serves
+    none — from its manifest alone, so a command checks its judges before hours of training, not after."""
     from cardtool.core.cards.discovery import locate
     from cardtool.core.cards.loader import load_card
 
     card = load_card(locate(ref))
     kinds = {spec.kind for spec in card.manifest.components.values()}
-    for kind, make in REWARD_KINDS.items():
+    for kind in REWARD_KINDS:
         if kind in kinds:
-            return make(ModelInstance(card, platform, "float32"))
+            return card, kind
     raise BadInput(f"card '{card.id}' is not a reward: a reward card serves a component of kind "
-                   f"{' or '.join(REWARD_KINDS)}, and it has {', '.join(sorted(kinds))}")
+                   f"{' or '.join(REWARD_KINDS)}, and it has {', '.join(sorted(kinds)) or 'none'}")

@@ -78,7 +78,9 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
     run_dir = Path(run_dir or Path("runs") / recipe.card.id)
     writable_outputs(out, run_dir, replace=force, flag="--force")
     if evaluate:
-        locate(judge)  # before hours of training, not after
+        from cardtool.core.evaluation.reward import reward_card
+
+        reward_card(judge)  # before hours of training, not after
     train = None
     settings = DMD2Settings.from_recipe(recipe.loss)
     if settings.gan and settings.gan_real == "data":  # the GAN term's real images; teacher samples need none

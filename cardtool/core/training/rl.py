@@ -164,7 +164,7 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
        held_out_judge: str | None = "fashion-referee", watch_every: int = 0,
        on_log: Callable[[dict], None] | None = None, on_eval: Callable[[dict], None] | None = None,
        micro_batches: int = 1) -> Card:
-    from cardtool.core.evaluation.reward import load_reward
+    from cardtool.core.evaluation.reward import load_reward, reward_card
 
     check_recipe(recipe)
     if watch_every < 0:
@@ -178,7 +178,7 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
     judges = [judge, *([held_out_judge] if held_out_judge else [])]
     if evaluate or watch_every:
         for name in judges:
-            locate(name)  # before the run, not after
+            reward_card(name)  # before the run, not after
     task = make_task(recipe, platform, base, reward, prompts or default_prompts())
     watch = Watch(task, judges, platform, recipe.train.precision, data=data) if watch_every else None
 

@@ -127,6 +127,7 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
     """Run the stages in order (up to `stop_after`); the report has each stage and, after the eval stage, each
     card's accuracy under both judges, FID-FMNIST, model evaluations per image and images/s. Under torchrun every
     stage splits its work by rank (`micro_batches` as in `train_loop`) and rank 0 writes the cards and the report."""
+    from cardtool.core.evaluation.reward import reward_card
     from cardtool.core.training.distill import distill
     from cardtool.core.training.rl import rl
     from cardtool.core.training.trainer import writable_outputs
@@ -135,8 +136,10 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
         raise BadInput(f"--stop-after must be one of {', '.join(STAGES)}, got '{stop_after}'")
     if per_class < 1:
         raise BadInput(f"--per-class must be at least 1, got {per_class}")
-    for ref in [recipe.base, recipe.reward, judge, *([held_out_judge] if held_out_judge else []), *compare]:
+    for ref in [recipe.base, *compare]:
         locate(ref)  # before hours of training, not after
+    for ref in [recipe.reward, judge, *([held_out_judge] if held_out_judge else [])]:
+        reward_card(ref)
     run_dir = Path(run_dir or Path("runs") / f"{recipe.rl.card.id}-flywheel")
     # before the first stage, not after it; an existing stage card is the stage's to skip or (--force) replace
     writable_outputs(Path(out_dir) / recipe.rl.card.id, run_dir, replace=True, flag="--force")
