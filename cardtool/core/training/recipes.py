@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from cardtool.core.cards.schema import Name
 from cardtool.core.cards.source import plain_value_problems, read_source
 from cardtool.errors import BadInput, CardValidationError
 
@@ -77,7 +78,7 @@ def loss_number(recipe: Recipe, key: str, default: float, low: float, high: floa
 
 
 class CardSpec(_Strict):
-    id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    id: Name  # as the card it makes will be validated: refused before training, not after
     description: str = ""
     storage: Literal["float32", "float16", "bfloat16"] = "float32"  # dtype of the weights written
 
