@@ -339,3 +339,21 @@ def test_a_lora_student_trains_only_its_lora_and_serves_as_it_was_trained(exampl
     result = CliRunner().invoke(app, ["generate", str(examples / "tiny-lora-2step"), "-p", "a bag", "--json",
                                       "--out", str(tmp_path / "o")])
     assert json.loads(result.stdout)["images"][0]["adapters"][0]["name"] == "dmd2", "the card applies its LoRA"
+
+
+def test_an_eval_that_fails_after_the_card_is_written_keeps_its_kind(examples, monkeypatch):
+    from cardtool.core.evaluation import evaluate as evaluate_module
+    from cardtool.core.sampling.denoise import NonFiniteImages
+    from cardtool.core.training.derived import evaluate_output
+    from cardtool.errors import RunFailed
+
+    card = load_card(examples / "tiny-base")
+    for raised, kind in ((NonFiniteImages("tiny-base", [Request("a bag")], 1), RunFailed),
+                         (BadInput("no such judge"), BadInput)):
+        def failing(*args, error=raised, **kwargs):
+            raise error
+
+        monkeypatch.setattr(evaluate_module, "evaluate", failing)
+        with pytest.raises(kind, match="was written, but its eval failed") as info:
+            evaluate_output(card, "tiny-judge", None)
+        assert type(info.value) is kind, "a run that failed is not reported as bad input, nor the other way"
