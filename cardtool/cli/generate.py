@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from cardtool.cli.output import console, emit_json, handled, say, warn
+from cardtool.cli.output import console, counted, emit_json, handled, say, warn
 
 
 def generate_command(
@@ -88,8 +88,7 @@ def generate_command(
         say(f"{image.path}  ({image.metadata['prompt']!r}, seed {image.metadata['seed']}{scored})")
     if report.grid:
         say(f"{report.grid}  (grid)")
-    count = f"{len(report.images)} image{'' if len(report.images) == 1 else 's'}" + \
-        (f" ({report.skipped} already there)" if report.skipped else "")
+    count = counted(len(report.images), "image") + (f" ({report.skipped} already there)" if report.skipped else "")
     rate = (len(report.images) - report.skipped) / report.seconds if report.seconds else float("nan")
     say(f"{count} from {report.card} on {report.platform} in {report.seconds:.2f}s "
         f"({rate:.1f} images/s)", stderr=True)

@@ -45,6 +45,11 @@ def progress_line(what: str, entry: dict) -> str:
     return "  ".join(parts)
 
 
+def counted(number: int, noun: str) -> str:
+    """'1 image', '2 images'."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
 def clock(seconds: float) -> str:
     """H:MM:SS (M:SS under an hour)."""
     minutes, secs = divmod(round(seconds), 60)

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from cardtool.cli.output import emit_json, handled, say
+from cardtool.cli.output import counted, emit_json, handled, say
 
 app = typer.Typer(help="Workflow manifests: generate, chain, parallel and best-of-N steps over cards.",
                   no_args_is_help=True)
@@ -31,8 +31,8 @@ def validate_command(
     if json_:
         emit_json({"workflow": workflow.manifest.id, "ok": True, "order": workflow.order, "steps": steps})
         return
-    count = f"{len(steps)} step{'' if len(steps) == 1 else 's'}"
-    say(f"ok      {workflow.manifest.id}  ({count}: {', '.join(f'{n} ({k})' for n, k in steps.items())})")
+    say(f"ok      {workflow.manifest.id}  ({counted(len(steps), 'step')}: "
+        f"{', '.join(f'{n} ({k})' for n, k in steps.items())})")
 
 
 @app.command("run")
@@ -51,8 +51,8 @@ def run_command(
 
     def progress(entry: dict) -> None:
         if os.environ.get("RANK", "0") == "0":  # on stderr, also under --json
-            count = f"{len(entry['images'])} image{'' if len(entry['images']) == 1 else 's'}"
-            say(f"step {entry['step']} ({entry['kind']}): {count} in {entry['seconds']:.2f}s", stderr=True)
+            say(f"step {entry['step']} ({entry['kind']}): {counted(len(entry['images']), 'image')} in "
+                f"{entry['seconds']:.2f}s", stderr=True)
 
     with handled(json_):
         workflow = load_workflow(file, list(overrides or []))
