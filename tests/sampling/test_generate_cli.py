@@ -277,3 +277,17 @@ def test_skip_existing_makes_only_the_images_an_earlier_run_did_not_leave(on_pat
     other = loaded.generate(["a bag"], num=1, steps=3, out=tmp_path, skip_existing=True)
     assert other.skipped == 0 and other.images[0].path not in paths, "other settings are other images"
     assert json.loads(json.dumps(again.to_json()))["skipped"] == 2
+
+
+def test_a_grid_of_many_images_shows_a_bounded_part_of_them(on_path, tmp_path, monkeypatch):
+    from cardtool.core.sampling import generate
+    from cardtool.core.sampling.generate import LoadedCard
+
+    monkeypatch.setattr(generate, "GRID_SIDE", 2)
+    shown = []
+    real = generate.grid_image
+    monkeypatch.setattr(generate, "grid_image", lambda rows: (shown.extend(rows), real(rows))[1])
+    report = LoadedCard("tiny-base").generate(["a bag", "a coat", "a dress"], num=3, steps=1, out=tmp_path, grid=True)
+    assert len(report.images) == 9, "every image is written"
+    assert [(prompt, len(row)) for prompt, row in shown] == [("a bag", 2), ("a coat", 2)]
+    assert any("the grid shows at most 2 images of each of the first 2 prompts" in w for w in report.warnings)

@@ -34,6 +34,7 @@ __all__ = ["GeneratedImage", "GenerateReport", "LoadedCard", "generate", "image_
 
 LOOP = "denoise"
 MAX_IMAGES = 100_000  # one command; beyond this a planning mistake, not a job (script several runs)
+GRID_SIDE = 64  # prompts (rows) and images a prompt (columns) a --grid shows
 
 
 @dataclass
@@ -343,8 +344,14 @@ class LoadedCard:
         grid_path = None
         if grid:
             grid_path = paths[0].parent / f"{card.id}-grid-{settings_tag([p.name for p in paths])}.png"
-            rows = [(p, [pixels for _, r, pixels in images if r.prompt == p])
-                    for p in dict.fromkeys(r.prompt for r in requests)]
+            by_prompt: dict[str, list] = {}
+            for _, request, pixels in images:
+                by_prompt.setdefault(request.prompt, []).append(pixels)
+            rows = list(by_prompt.items())
+            if len(rows) > GRID_SIDE or any(len(row) > GRID_SIDE for _, row in rows):  # a picture, not a memory bomb
+                warnings = [*warnings, f"the grid shows at most {GRID_SIDE} images of each of the first {GRID_SIDE} "
+                                       "prompts; every image is written"]
+                rows = [(prompt, row[:GRID_SIDE]) for prompt, row in rows[:GRID_SIDE]]
             save_image(grid_path, grid_image(rows), {"card": card.id, "cardtool": __version__})
         return GenerateReport(card.id, f"{platform.device}/{platform.arch}", [image for image, _, _ in images],
                               grid_path, warnings, seconds, skipped=len(kept))
