@@ -329,7 +329,7 @@ class LoadedCard:
                     raise Interrupted.after(caught[0], f"{len(images) + len(kept)} of {len(requests)} images: those "
                                             f"are written in {paths[0].parent}; the same command with "
                                             "--skip-existing makes the rest",
-                                            {"images": [image.to_json() for image, _, _ in images]})
+                                            {"images": [image.to_json() for image, _, _ in [*kept.values(), *images]]})
         seconds = time.perf_counter() - started
         if not ranks.main:
             return GenerateReport(card.id, f"{platform.device}/{platform.arch}", [], None, warnings, seconds,
