@@ -13,6 +13,7 @@ class CardtoolError(Exception):
 
     exit_code = 2
     kind = "bad_input"  # the `--json` error document's kind
+    partial: dict | None = None  # the finished work a failed or interrupted command keeps, for `--json`
 
 
 class RunFailed(CardtoolError):
@@ -21,6 +22,10 @@ class RunFailed(CardtoolError):
 
     exit_code = 1
     kind = "failed"
+
+    def __init__(self, message: str, partial: dict | None = None):
+        super().__init__(message)
+        self.partial = partial
 
 
 class BadInput(CardtoolError):

@@ -69,10 +69,8 @@ def eval_command(
             try:
                 record_eval(card, report.to_json())
             except OSError as e:  # a full disk: the measured rows are not lost with the record
-                failed = RunFailed(f"the eval ran, but recording it failed: {e.filename or card}: "
-                                   f"{e.strerror or e}; its report is under 'partial' (--json)")
-                failed.partial = report.to_json()
-                raise failed from None
+                raise RunFailed(f"the eval ran, but recording it failed: {e.filename or card}: {e.strerror or e}; "
+                                "its report is under 'partial' (--json)", report.to_json()) from None
     if report.rank != 0:  # under torchrun rank 0 reports for every rank
         return
     if json_:

@@ -86,9 +86,8 @@ def error_json(error: CardtoolError) -> dict:
     if isinstance(error, CardValidationError):
         return {"error": {"kind": "validation", "message": "card validation failed",
                           "problems": [p.to_json() for p in error.problems]}}
-    partial = getattr(error, "partial", None)  # an interrupted command's finished work
     return {"error": {"kind": error.kind, "message": str(error), "problems": [],
-                      **({"partial": partial} if partial is not None else {})}}
+                      **({"partial": error.partial} if error.partial is not None else {})}}
 
 
 @contextmanager

@@ -22,9 +22,8 @@ class Interrupted(RunFailed):
     kind = "interrupted"
 
     def __init__(self, message: str, signum: int, partial: dict | None = None):
-        super().__init__(message)
+        super().__init__(message, partial)  # what the finished units made, for `--json`: rows, images, steps
         self.exit_code = 128 + signum  # what a shell reports for a process the signal ended
-        self.partial = partial  # what the finished units made, for `--json`: rows, images, steps
 
     @classmethod
     def after(cls, signum: int, done: str, partial: dict | None = None) -> Interrupted:

@@ -35,7 +35,8 @@ class NonFiniteImages(RunFailed):
     """The model made NaN or inf where an image should be: no such image is written (`written`: how many of the
     others were, where a command writes the finite ones)."""
 
-    def __init__(self, card: str, requests: list, total: int, written: int | None = None):
+    def __init__(self, card: str, requests: list, total: int, written: int | None = None,
+                 partial: dict | None = None):
         self.images = [(r.prompt, r.seed) for r in requests]  # (prompt, seed) of each broken image
         shown = ", ".join(f"{p[:40]!r} seed {s}" for p, s in self.images[:3])
         more = f" and {len(requests) - 3} more" if len(requests) > 3 else ""
@@ -45,7 +46,7 @@ class NonFiniteImages(RunFailed):
         kept = f"; the other {written} are written" if written else ""
         super().__init__(f"'{card}' made NaN or inf for {len(requests)} of {total} images ({shown}{more}){kept}: check "
                          f"{cause}, the settings (guidance, shift), or a precision that overflows (try --precision "
-                         "float32)")
+                         "float32)", partial)
 
 
 def shifted_sigmas(steps: int, shift: float) -> np.ndarray:

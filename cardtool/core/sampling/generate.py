@@ -320,9 +320,8 @@ class LoadedCard:
                     try:
                         save_image(paths[i], image, metadata)
                     except RunFailed as failed:  # the images written before it are kept, and listed
-                        failed.args = (f"{failed}; the {len(images)} images written before it are kept",)
-                        failed.partial = {"images": [image.to_json() for image, _, _ in images]}
-                        raise
+                        raise RunFailed(f"{failed}; the {len(images)} images written before it are kept",
+                                        {"images": [image.to_json() for image, _, _ in images]}) from None
                     images.append((GeneratedImage(paths[i], metadata), request, image))
                     order.append(i)
                 if caught and number < len(waves) - 1:
@@ -335,9 +334,8 @@ class LoadedCard:
             return GenerateReport(card.id, f"{platform.device}/{platform.arch}", [], None, warnings, seconds,
                                   rank=ranks.rank)
         if broken:  # the finite images are written, and listed
-            failed = NonFiniteImages(card.id, broken, len(requests), written=len(images))
-            failed.partial = {"images": [image.to_json() for image, _, _ in images]}
-            raise failed
+            raise NonFiniteImages(card.id, broken, len(requests), written=len(images),
+                                  partial={"images": [image.to_json() for image, _, _ in images]})
         if kept:  # in the order asked for, as if made now
             made = dict(zip(order, images, strict=True))
             images = [kept.get(i) or made[i] for i in range(len(requests))]

@@ -186,10 +186,8 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
         try:
             write_atomic(run_dir / REPORT, (json.dumps(report.to_json(), indent=1) + "\n").encode())
         except OSError as e:  # a full disk: the cards are written, and the table is not lost with the file
-            failed = RunFailed(f"the flywheel ran, but its report could not be written to {run_dir / REPORT}: "
-                               f"{e.strerror or e}; the report is under 'partial' (--json)")
-            failed.partial = report.to_json()
-            raise failed from None
+            raise RunFailed(f"the flywheel ran, but its report could not be written to {run_dir / REPORT}: "
+                            f"{e.strerror or e}; the report is under 'partial' (--json)", report.to_json()) from None
     return report
 
 

@@ -134,7 +134,7 @@ def run_workflow(workflow: Workflow, *, out: str | Path = "outputs", device: str
             try:
                 _run_step(runner, workflow, name, outputs, folder, report, on_step)
             except RunFailed as failed:  # a full disk, NaN images: the finished steps stay listed
-                if report.steps and getattr(failed, "partial", None) is None:
+                if report.steps and failed.partial is None:
                     failed.partial = report.to_json()
                 raise
             if caught and number < len(workflow.order) - 1:
