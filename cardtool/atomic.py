@@ -4,11 +4,18 @@ so a reader never sees half a file and a killed run never leaves one."""
 from __future__ import annotations
 
 import os
+import re
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["atomic_path", "save_tensors", "synced", "write_atomic", "writable_folder"]
+__all__ = ["atomic_path", "running", "save_tensors", "synced", "write_atomic", "writable_folder"]
+
+# a killed writer's temporary is left alone this long after its last write: on a folder shared between machines a
+# pid means nothing here, and a writer elsewhere still writing touches its file far more often than this
+ABANDONED_SECONDS = 60
+_swept: set[Path] = set()
 
 
 @contextmanager
@@ -20,6 +27,7 @@ def atomic_path(target: Path | str, *, durable: bool = False) -> Iterator[Path]:
     for what hours of work went into (checkpoints, cards); images and caches skip the cost."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
+    _sweep(target.parent)
     temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         yield temporary
@@ -35,6 +43,41 @@ def atomic_path(target: Path | str, *, durable: bool = False) -> Iterator[Path]:
         raise OSError(e.errno, e.strerror, str(target)) from None
     finally:
         temporary.unlink(missing_ok=True)
+
+
+def _sweep(folder: Path) -> None:
+    """Remove the temporaries writers killed mid-write left in `folder` (kill -9, the OOM killer, a power loss: their
+    cleanup never ran) — a checkpoint's can be gigabytes. Once per folder and process (one listing, not one per
+    image); only a file whose pid is not running here and that nothing has written for a minute."""
+    key = folder.resolve()
+    if key in _swept:
+        return
+    _swept.add(key)
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    now = time.time()
+    for entry in entries:
+        match = re.fullmatch(r"\..+\.(\d+)\.tmp", entry.name)
+        if match is None or int(match[1]) == os.getpid() or running(int(match[1])):
+            continue
+        try:
+            if entry.is_file(follow_symlinks=False) and now - entry.stat().st_mtime > ABANDONED_SECONDS:
+                os.unlink(entry.path)
+        except OSError:
+            pass  # gone already, or not ours to remove
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` exists here (another user's counts: its files are not ours to judge)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
 
 
 def write_atomic(target: Path | str, data: bytes, *, durable: bool = False) -> None:

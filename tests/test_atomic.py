@@ -37,6 +37,32 @@ def test_a_durable_write_flushes_the_data_before_the_rename_and_the_rename_after
     assert [p.rsplit("/", 1)[-1] for p in flushed] == [f".last.safetensors.{os.getpid()}.tmp", tmp_path.name]
 
 
+def test_a_writer_killed_mid_write_leaves_a_temporary_the_next_write_into_its_folder_removes(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    writer = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\nfrom cardtool.atomic import atomic_path\n"
+        f"with atomic_path({str(tmp_path / 'step-000100.safetensors')!r}) as t:\n"
+        "    t.write_bytes(b'half a checkpoint')\n    print('written', flush=True)\n    time.sleep(60)\n")],
+        stdout=subprocess.PIPE, text=True)
+    assert writer.stdout.readline() == "written\n"
+    writer.send_signal(signal.SIGKILL)  # its cleanup never runs
+    writer.wait()
+    leftover = tmp_path / f".step-000100.safetensors.{writer.pid}.tmp"
+    assert leftover.exists()
+    live = tmp_path / f".image.png.{os.getppid()}.tmp"  # a running writer's (our parent's pid stands for it)
+    live.write_bytes(b"still being written")
+    recent = tmp_path / ".other.png.999999999.tmp"  # no such process, but written just now: perhaps on another host
+    recent.write_bytes(b"x")
+    old = time.time() - 3600
+    for path in (leftover, live):
+        os.utime(path, (old, old))
+    write_atomic(tmp_path / "step-000200.safetensors", b"next")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, recent.name, "step-000200.safetensors"])
+
 
 def test_a_failing_disk_under_safetensors_is_the_oserror_it_is(tmp_path):
     import errno

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from cardtool.atomic import save_tensors, synced, writable_folder
+from cardtool.atomic import running, save_tensors, synced, writable_folder
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.source import MANIFEST_NAMES
 from cardtool.core.cards.weight_files import sha256_file
@@ -79,22 +79,12 @@ def _recover(folder: Path) -> None:
 
     for leftover in folder.parent.glob(f".{glob.escape(folder.name)}.*-*"):
         match = re.fullmatch(rf"\.{re.escape(folder.name)}\.(tmp|old)-(\d+)", leftover.name)
-        if match is None or not leftover.is_dir() or _running(int(match[2])):
+        if match is None or not leftover.is_dir() or running(int(match[2])):
             continue
         if match[1] == "old" and not folder.exists():
             os.replace(leftover, folder)
         else:
             shutil.rmtree(leftover, ignore_errors=True)
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True  # another user's process (or no such pid number): leave it
-    return True
 
 
 def replaceable(folder: Path) -> None:
