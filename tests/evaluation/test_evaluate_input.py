@@ -23,6 +23,8 @@ from cardtool.errors import BadInput
     ({"precision": "float8"}, "unknown precision 'float8'"),  # one name, not its characters
     ({"solver": "nope"}, "unknown solver 'nope'"),
     ({"shift": 0}, "shift must be in 0.01…100"),
+    ({"data": ["/usr/share/datasets"]}, "data must be a folder"),
+    ({"on_row": "print"}, "on_row must be a function"),  # else found only after the first row's sampling
 ])
 def test_bad_settings_are_refused_before_anything_loads(examples, monkeypatch, settings, message):
     def never(*args, **kwargs):

@@ -118,6 +118,9 @@ def _as_path(name: str) -> Path | None:
 
 def locate(name: str, near: Path | None = None) -> Path:
     """The manifest file of the card named `name` (a path, or an id searched for on the roots)."""
+    if not isinstance(name, (str, os.PathLike)):  # the Python API's callers: a BadInput, not a TypeError
+        raise BadInput(f"a card is named by its id, folder or manifest file, got {name!r}"[:300])
+    name = os.fspath(name)
     file = _as_path(name)
     if file is not None:
         return file

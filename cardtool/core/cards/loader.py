@@ -95,9 +95,7 @@ def load_card(ref: str | Path, *, checksums: bool = False, adapters: bool = True
     verified too (otherwise sums are checked when weights are loaded). Without `adapters`, the LoRA files are not
     checked against their target here but when a request uses them (serving: one unfit adapter does not take the
     card's other adapters, or the base, down with it)."""
-    if not isinstance(ref, (str, os.PathLike)):
-        raise BadInput(f"a card is named by its id, folder or manifest file, got {ref!r}")
-    file = locate(str(ref)).resolve()
+    file = locate(ref).resolve()
     source = read_source(file)
     problems = _own_path_problems(source)
     data, sources = source.data, (source,)

@@ -107,6 +107,10 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     per_class = int(per_class)
     if not isinstance(judge, (str, os.PathLike)):
         raise BadInput(f"judge must be a reward card's id or folder, got {judge!r}")
+    if data is not None and not isinstance(data, (str, os.PathLike)):
+        raise BadInput(f"data must be a folder of Fashion-MNIST files, got {data!r}"[:300])
+    if on_row is not None and not callable(on_row):  # found after the first row's work otherwise
+        raise BadInput(f"on_row must be a function of one row, got {on_row!r}"[:300])
     steps, guidance, precision = (_listed(name, value) for name, value in
                                   (("steps", steps), ("guidance", guidance), ("precision", precision)))
     card = load_card(card_ref)
