@@ -101,10 +101,14 @@ def test_a_bf16_checkpoint_with_float32_norms_and_a_variant_import_losslessly(ex
     ("another_class", "holds a UNet2DModel"),
     ("empty", "is not a diffusers transformer folder"),
     ("judge_as_base", "has no denoise loop over a `transformer` DiT"),
+    ("nan_weights", "holds NaN or inf in blocks.0.attn1.to_q.weight"),  # said of the source, not of the card
 ])
 def test_what_cannot_be_the_same_model_is_refused(examples, tmp_path, case, message):
     source = tmp_path / "dm"
     model = peer(image_dim=32) if case == "image_to_video" else peer()
+    if case == "nan_weights":
+        with torch.no_grad():
+            model.blocks[0].attn1.to_q.weight[0, 0] = float("nan")
     model.save_pretrained(source, safe_serialization=case != "pickle",
                           **({"max_shard_size": "40KB"} if case == "escaping_shard" else {}))
     config_file = source / "config.json"

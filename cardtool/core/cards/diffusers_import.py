@@ -66,6 +66,9 @@ def import_diffusers(source: Path, base_ref: str, card_id: str, out: Path | None
     dtypes = {str(v.dtype) for v in state.values()}
     if not dtypes <= set(STORAGE):
         raise BadInput(f"the weights are {', '.join(sorted(dtypes))}; a card stores float32, float16 or bfloat16")
+    broken = [k for k, v in state.items() if not bool(v.isfinite().all())]
+    if broken:  # the source's fault, said of the source: not of the card it would have become
+        raise BadInput(f"{folder} holds NaN or inf in {few(broken)}; a card's weights must be finite")
     # one precision for the file, losing nothing: diffusers keeps norms and modulation float32 in a bf16 model
     storage = STORAGE[dtypes.pop()] if len(dtypes) == 1 else "float32"
 
