@@ -354,6 +354,34 @@ def test_a_lora_file_that_does_not_fit_is_refused(card, loop):
     assert result.exit_code == 1 and "adapters.b.weights" in result.output, "the card's check reports it, located"
 
 
+@pytest.mark.parametrize(("change", "message"), [
+    ("header_rank", "its header says rank 5, the card 3"),
+    ("header_alpha", "its header says alpha 6.0, the card 3"),
+    ("integer", "is I32; LoRA weights are floating point"),
+])
+def test_a_lora_whose_header_or_dtype_disagrees_fails_validation_not_only_the_request(card, change, message):
+    """`cards validate` checks what a request would: a card that validates must serve its adapters."""
+    from safetensors.torch import load_file, save_file
+
+    path = card.folder / "adapters" / "b.safetensors"
+    tensors = load_file(str(path))
+    metadata = {"rank": "3", "alpha": "3.0"}
+    if change == "header_rank":
+        metadata["rank"] = "5"
+    elif change == "header_alpha":
+        metadata["alpha"] = "6.0"
+    else:
+        first = sorted(tensors)[0]
+        tensors[first] = (tensors[first] * 100).to(torch.int32)
+    save_file(tensors, str(path), metadata=metadata)
+    validated = CliRunner().invoke(app, ["cards", "validate", str(card.folder), "--json"])
+    [problem] = [p for c in json.loads(validated.stdout)["results"] for p in c["problems"]]
+    assert validated.exit_code == 1 and message in problem["message"] and problem["field"] == "adapters.b.weights"
+    served = CliRunner().invoke(app, ["generate", str(card.folder), "-p", "a bag", "--steps", "1", "--adapter", "b",
+                                      "--out", str(card.folder.parent / "o"), "--json"])
+    assert served.exit_code == 2 and message in json.loads(served.stdout)["error"]["message"]
+
+
 def test_control_from_a_file_through_the_cli(card, tmp_path):
     image = np.zeros((28, 28), np.uint8)
     image[4:24, 8:20] = 180

@@ -4,10 +4,11 @@ exist in the target with those in/out sizes. Reads headers only."""
 
 from __future__ import annotations
 
+import math
 import re
 
-from cardtool.backends.lora_targets import DEFAULT_TARGETS, matching, module_key, uses_prefix
-from cardtool.core.cards.weight_files import read_header
+from cardtool.backends.lora_targets import DEFAULT_TARGETS, matching, module_key, rank_and_alpha, uses_prefix
+from cardtool.core.cards.weight_files import FLOAT_DTYPES, read_header, read_metadata
 from cardtool.core.sampling.control_names import PREPROCESSORS
 from cardtool.errors import Problem
 
@@ -30,25 +31,34 @@ def adapter_problems(card, facts: dict[str, dict]) -> list[Problem]:
         target = facts.get(adapter.target, {}).get("tensors")
         if adapter.kind != "lora" or target is None:  # an unsound target is reported as a component problem
             continue
-        header, _ = read_header(card.folder / adapter.weights)
-        reasons = lora_reasons(header, adapter.rank, target, adapter.targets or DEFAULT_TARGETS)
+        path = card.folder / adapter.weights
+        header, unreadable = read_header(path)
+        metadata = {} if unreadable else read_metadata(path)
+        reasons = lora_reasons(header, metadata, adapter, target)
         fix = "use a LoRA made for this component, with the manifest's rank"
         problems += [card.problem(("adapters", name, "weights"), reason, fix) for reason in reasons[:3]]
     return problems
 
 
-def lora_reasons(header: dict, rank: int, target: dict[str, tuple[int, ...]], targets) -> list[str]:
-    """Why a LoRA file (its header: tensor → (dtype, shape)) does not fit the target's tensors and the manifest's
-    rank and target patterns; empty when it does."""
+def lora_reasons(header: dict, metadata: dict[str, str], adapter, target: dict[str, tuple[int, ...]]) -> list[str]:
+    """Why a LoRA file (its header: tensor → (safetensors dtype, shape), and its header metadata) does not fit the
+    target's tensors and the manifest's rank, alpha and target patterns; empty when it does."""
+    rank, targets = adapter.rank, adapter.targets or DEFAULT_TARGETS
     modules: dict[str, dict[str, tuple[int, ...]]] = {}
     reasons = []
     prefixed = uses_prefix(header)
-    for tensor, (_, shape) in header.items():
+    for tensor, (dtype, shape) in header.items():
         match = _LORA.match(module_key(tensor, prefixed))
         if match is None:
             reasons.append(f"'{tensor[:80]}' is not named <module>.lora_A.weight or <module>.lora_B.weight")
             continue
+        if dtype not in FLOAT_DTYPES:
+            reasons.append(f"'{tensor[:80]}' is {dtype}; LoRA weights are floating point ({', '.join(FLOAT_DTYPES)})")
         modules.setdefault(match["module"], {})[match["part"]] = shape
+    stated = rank_and_alpha(metadata)  # a header that disagrees with the card: one of the two is wrong
+    for key, declared in (("rank", rank), ("alpha", adapter.alpha)):
+        if key in stated and not _same(stated[key], declared):
+            reasons.append(f"its header says {key} {stated[key]}, the card {declared}")
     if not modules and not reasons:
         reasons.append("the file holds no LoRA tensors")
     for module, parts in sorted(modules.items()):
@@ -63,3 +73,10 @@ def lora_reasons(header: dict, rank: int, target: dict[str, tuple[int, ...]], ta
             reasons.append(f"'{module[:80]}': lora_A {list(parts['A'])} and lora_B {list(parts['B'])} are not "
                            f"[{rank}, {base[1]}] and [{base[0]}, {rank}] (rank {rank} on a {list(base)} layer)")
     return reasons
+
+
+def _same(text: str, value: float) -> bool:
+    try:
+        return math.isclose(float(text), float(value), rel_tol=1e-6)
+    except ValueError:
+        return False

@@ -13,8 +13,8 @@ from cardtool.atomic import write_atomic
 from cardtool.cache import cache_dir
 from cardtool.files import read_small_file
 
-__all__ = ["PICKLE_SUFFIXES", "FLOAT_DTYPES", "format_problem", "non_finite_tensors", "read_header", "sha256_file",
-           "tensor_digest"]
+__all__ = ["PICKLE_SUFFIXES", "FLOAT_DTYPES", "format_problem", "non_finite_tensors", "read_header", "read_metadata",
+           "sha256_file", "tensor_digest"]
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle")
 
@@ -105,6 +105,15 @@ def _parse_header(path: Path, size: int) -> tuple[Header, str | None]:
     if 8 + length + position != size:
         return {}, f"'{name}' holds {size - 8 - length} data bytes but its header declares {position} (truncated?)"
     return header, None
+
+
+def read_metadata(path: Path) -> dict[str, str]:
+    """The `__metadata__` strings of a sound safetensors file's header (`read_header` found no problem): a LoRA's
+    rank and alpha, say; {} when it has none."""
+    with path.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        metadata = json.loads(f.read(length)).get("__metadata__")
+    return {k: v for k, v in metadata.items() if isinstance(v, str)} if isinstance(metadata, dict) else {}
 
 
 def _entry_problem(tensor: str, entry) -> str | None:

@@ -111,24 +111,12 @@ class AdapterStore:
 def _lora(name: str, spec, path: Path, version: str, model, precision: str):
     """A LoRA file checked against the model it adapts (names, shapes, rank, targets, header metadata)."""
     from cardtool.backends.lora import lora_weights, read_lora
-    from cardtool.backends.lora_targets import DEFAULT_TARGETS, rank_and_alpha
     from cardtool.core.cards.adapters import lora_reasons
+    from cardtool.core.cards.weight_files import read_header
 
     tensors, metadata = read_lora(path)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    header = {k: (str(v.dtype), tuple(v.shape)) for k, v in tensors.items()}
-    reasons = lora_reasons(header, spec.rank, shapes, spec.targets or DEFAULT_TARGETS)
-    stated = rank_and_alpha(metadata)
-    for key, declared in (("rank", spec.rank), ("alpha", spec.alpha)):
-        if key in stated and not _same(stated[key], declared):
-            reasons.append(f"its header says {key} {stated[key]}, the card {declared}")
+    reasons = lora_reasons(read_header(path)[0], metadata, spec, shapes)
     if reasons:
         raise BadInput(f"adapter '{name}' ({path}) does not fit: {'; '.join(reasons[:3])}")
     return lora_weights(tensors, version, spec.rank, float(spec.alpha), model, precision)
-
-
-def _same(text: str, value: float) -> bool:
-    try:
-        return math.isclose(float(text), float(value), rel_tol=1e-6)
-    except ValueError:
-        return False
