@@ -111,8 +111,10 @@ def test_validate_catches_a_changed_weight_file_only_with_checksums(examples):
     assert run("cards", "validate", str(examples / "tiny-rl")).exit_code == 0
     result = run("cards", "validate", "--checksums", str(examples / "tiny-rl"), "--json")
     assert result.exit_code == 1
-    [problem] = json.loads(result.stdout)["results"][0]["problems"]
+    [found] = json.loads(result.stdout)["results"]
+    [problem] = found["problems"]
     assert (problem["line"], problem["field"]) == (10, "components.transformer.sha256")
+    assert (found["id"], found["valid"]) == ("tiny-rl", False), "the invalid card is named by the id it declares"
 
 
 def test_validate_missing_path_is_bad_input():

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cardtool.core.cards.discovery import Entry, locate, scan, search_roots
+from cardtool.core.cards.discovery import Entry, locate, manifest_in, scan, search_roots
 from cardtool.core.cards.lineage import lineage, missing_parent_problems
 from cardtool.core.cards.loader import Card, load_card
-from cardtool.core.cards.source import MANIFEST_NAMES, display_path
+from cardtool.core.cards.source import MANIFEST_NAMES, display_path, peek_id
 from cardtool.errors import BadInput, CardValidationError, Problem
 
 __all__ = ["CardSummary", "ValidationResult", "list_cards", "validate_paths"]
@@ -80,8 +80,17 @@ def validate_paths(paths: list[str], *, checksums: bool = False) -> list[Validat
             problems = missing_parent_problems(card, lineage(card))
             results.append(ValidationResult(display_path(target), card.id, problems))
         except CardValidationError as e:
-            results.append(ValidationResult(display_path(target), None, e.problems))
+            results.append(ValidationResult(display_path(target), _declared_id(target), e.problems))
     return results
+
+
+def _declared_id(target: Path) -> str | None:
+    """The id an invalid card's manifest declares, when it can be read: a script then knows which card failed."""
+    try:
+        file = target if target.is_file() else manifest_in(target)
+        return peek_id(file) if file is not None else None
+    except (CardValidationError, OSError):
+        return None
 
 
 def _expand(paths: list[str]) -> list[Path]:
