@@ -1,5 +1,5 @@
-"""Fuzz cards: mutated manifests, weights and files run through `cards validate --checksums` → `cards show` →
-`generate` → `parity --card`, in process, with counts by outcome.
+"""Fuzz cards: mutated manifests, weights (LoRA headers too) and files run through `cards validate --checksums` →
+`cards show` → `generate` → `parity --card` → `generate --adapter` for each LoRA, in process, with counts by outcome.
 
 Outcomes: `rejected` (validation refused it with a clean error), `ran` (it validated, and show, generate and
 parity all succeeded), `check_failed` (it ran, and parity reported a numeric mismatch or generate found the images
@@ -196,8 +196,8 @@ def _mutate_weights(rng: random.Random, card: Path) -> str:
         return "none"
     path = rng.choice(files)
     how = rng.choice(["drop", "extra", "reshape", "dtype", "truncate", "header", "length", "offsets", "empty",
-                      "nan"])
-    if how in ("drop", "extra", "reshape", "dtype", "nan"):
+                      "nan", "metadata"])
+    if how in ("drop", "extra", "reshape", "dtype", "nan", "metadata"):
         try:
             tensors = load_file(str(path))
         except Exception:  # noqa: BLE001 - an earlier mutation broke the file already
@@ -211,9 +211,13 @@ def _mutate_weights(rng: random.Random, card: Path) -> str:
             tensors[name] = np.zeros(tensors[name].shape[::-1] + (1,) if rng.random() < 0.5 else (3,), np.float32)
         elif how == "dtype":
             tensors[name] = tensors[name].astype(rng.choice([np.int32, np.float16, np.float64, np.uint8]))
-        else:
+        elif how == "nan":
             tensors[name] = np.full(tensors[name].shape, rng.choice([np.nan, np.inf, 1e30]), np.float32)
-        save_file(tensors, str(path))
+        # a LoRA's header states its rank and alpha (ours, or PEFT's config as diffusers writes it)
+        metadata = ({rng.choice(["rank", "alpha", "lora_adapter_metadata"]): rng.choice(
+            ["4", "4.0", "2", "nan", "-1", "x", "", '{"r": 4, "lora_alpha": 8}', '{"r": "4"}', "[1]"])}
+            if how == "metadata" else None)
+        save_file(tensors, str(path), metadata=metadata)
     else:
         data = bytearray(path.read_bytes())
         if how == "truncate":
@@ -264,6 +268,13 @@ def _mutate_file(rng: random.Random, card: Path) -> str:
     return f"{how} {path.name}"
 
 
+def _lora_names(card: Path) -> list[str]:
+    data = _parsed(card / "card.yaml") if (card / "card.yaml").exists() else None
+    adapters = data.get("adapters") if isinstance(data, dict) else None
+    return [str(name) for name, entry in adapters.items() if isinstance(entry, dict) and entry.get("kind") == "lora"
+            ][:2] if isinstance(adapters, dict) else []
+
+
 def _strict_json(text: str) -> bool:
     def refuse(name):
         raise ValueError(name)
@@ -281,10 +292,13 @@ def _error_kind(stdout: str) -> str | None:
 
 
 def run_case(runner, app, card: Path, out: Path) -> tuple[str, str]:
-    """(outcome, detail) of one mutated card through the four commands."""
+    """(outcome, detail) of one mutated card through the commands: validate, show, generate, parity, and generate
+    with each LoRA it declares."""
     commands = [["cards", "validate", "--checksums", "--json", str(card)], ["cards", "show", "--json", str(card)],
                 ["generate", str(card), "-p", "a bag", "--steps", "2", "--json", "--out", str(out)],
                 ["parity", "--card", str(card), "--op", "cfg_combine", "--json"]]
+    commands += [["generate", str(card), "-p", "a bag", "--steps", "2", "--adapter", name, "--json", "--out", str(out)]
+                 for name in _lora_names(card)]  # a card that validates must serve every adapter it declares
     valid, errors, checks = None, [], []
     for i, args in enumerate(commands):
         if i >= 2 and not valid:
