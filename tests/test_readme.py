@@ -56,6 +56,8 @@ def test_quick_tour_runs_as_written(tmp_path):
     assert read_png_metadata(tmp_path / "outputs" / "bag-bf16.png")["precision"] == "bfloat16"
     stack = json.loads(read_png_metadata(tmp_path / "outputs" / "bag-invert.png")["adapters"])
     assert [(a["name"], a["scale"]) for a in stack] == [("invert", 0.5)] and len(stack[0]["version"]) == 64
+    like = read_png_metadata(tmp_path / "outputs" / "bag-invert-seed1.png")
+    assert (like["seed"], like["steps"], json.loads(like["adapters"])) == ("1", "8", stack), "--like: a new seed only"
     student = read_png_metadata(tmp_path / "outputs" / "student.png")
     assert (student["card"], student["steps"], student["solver"]) == ("tiny-base-2step", "2", "renoise")
     tuned = (tmp_path / "outputs" / "tiny-nft" / "card.yaml").read_text()

@@ -10,15 +10,17 @@ from typing import Annotated
 import typer
 
 from cardtool.cli.output import console, counted, emit_json, handled, say, warn
+from cardtool.errors import BadInput
 
 
 def generate_command(
-    card: Annotated[str, typer.Argument(help="A card id, card folder or manifest file.")],
+    card: Annotated[str | None, typer.Argument(
+        help="A card id, card folder or manifest file (default with --like: the image's card).")] = None,
     prompt: Annotated[list[str] | None, typer.Option("-p", "--prompt", help="A prompt; repeat for more.")] = None,
     prompts_file: Annotated[Path | None, typer.Option("--prompts-file",
                                                       help="One prompt a line; - reads standard input.")] = None,
     num: Annotated[int, typer.Option("-n", "--num", help="Images per prompt (seeds seed, seed+1, …).")] = 1,
-    seed: Annotated[int, typer.Option("--seed", help="The first seed.")] = 0,
+    seed: Annotated[int | None, typer.Option("--seed", help="The first seed (default 0).")] = None,
     steps: Annotated[int | None, typer.Option("--steps", help="Sampling steps (default: the card's).")] = None,
     guidance: Annotated[float | None, typer.Option("--guidance", help="CFG scale; 1 turns CFG off.")] = None,
     guidance_interval: Annotated[str | None, typer.Option(
@@ -30,8 +32,9 @@ def generate_command(
     precision: Annotated[str | None, typer.Option(
         "--precision", help="float32, bfloat16 or float16 (mixed: float32 weights, low-precision products), "
         "float64 (default: the card's).")] = None,
-    best_of: Annotated[int, typer.Option("--best-of", help="Sample N candidates per image and keep the one the "
-                                         "--reward card scores highest (all scores go in the metadata).")] = 1,
+    best_of: Annotated[int | None, typer.Option("--best-of", help="Sample N candidates per image and keep the one "
+                                                "the --reward card scores highest (all scores go in the metadata).")
+                       ] = None,
     reward: Annotated[str | None, typer.Option("--reward", help="The reward card that scores best-of-N candidates "
                                                "(fashion-classifier).")] = None,
     adapter: Annotated[list[str] | None, typer.Option(
@@ -50,6 +53,9 @@ def generate_command(
     out: Annotated[Path, typer.Option("--out", help="Output folder, or NAME.png for one image.")] = Path("outputs"),
     grid: Annotated[bool, typer.Option("--grid", help="Also write a labelled grid of all images.")] = False,
     strict: Annotated[bool, typer.Option("--strict", help="Refuse a step count the card does not assume.")] = False,
+    like: Annotated[Path | None, typer.Option(
+        "--like", metavar="IMAGE", help="Make an image cardtool made again: its card, prompt, seed and settings, "
+        "each option given here changing one (--seed, -p …); another CARD keeps only the prompt and seed.")] = None,
     skip_existing: Annotated[bool, typer.Option(
         "--skip-existing", help="Keep each image already in --out with this call's settings (an interrupted run's) "
         "and make only the others.")] = False,
@@ -64,19 +70,33 @@ def generate_command(
         prompts = list(prompt or []) + (read_prompts_file(prompts_file) if prompts_file else [])
         progress = _LateProgress(enabled=not json_ and sys.stderr.isatty())
         try:
-            interval = parse_interval(guidance_interval) if guidance_interval is not None else None
-            stack = [parse_adapter(a) for a in adapter] if adapter else None
+            asked = {"seed": seed, "steps": steps, "guidance": guidance, "shift": shift, "solver": solver,
+                     "precision": precision, "best_of": best_of, "reward": reward,
+                     "guidance_interval": parse_interval(guidance_interval) if guidance_interval is not None else None,
+                     "adapters": [parse_adapter(a) for a in adapter] if adapter else None}
             image, preprocessor = parse_control(control) if control is not None else (None, None)
-            report = generate(card, prompts, num=num, seed=seed, steps=steps, guidance=guidance, shift=shift,
-                              solver=solver, guidance_interval=interval, device=device,
-                              precision=precision, max_batch=max_batch, out=out, grid=grid, best_of=best_of,
-                              reward=reward, adapters=stack, control=image, preprocessor=preprocessor,
-                              control_scale=control_scale, fuse=fuse, strict=strict, on_step=progress,
-                              skip_existing=skip_existing)
+            model = None
+            if like is not None:
+                model, card, prompts, recorded, image, preprocessor = _like(like, card, prompts, image, preprocessor)
+                asked = {**recorded, **{k: v for k, v in asked.items() if v is not None}}
+                fuse = fuse or asked.pop("fuse", False)
+            if card is None:
+                raise BadInput("give a CARD to generate with (or --like IMAGE, whose card it reuses)")
+            report = generate(card, prompts, num=num, device=device, max_batch=max_batch, out=out, grid=grid,
+                              control=image, preprocessor=preprocessor, control_scale=control_scale, fuse=fuse,
+                              strict=strict, on_step=progress, skip_existing=skip_existing,
+                              **{**_DEFAULTS, **{k: v for k, v in asked.items() if v is not None}})
         finally:
             progress.stop()
     if report.rank != 0:  # under torchrun rank 0 reports for every rank
         return
+    if model is not None and report.images and report.card == model.card:
+        from cardtool.core.sampling.like import unlike
+
+        differ = [d for d in unlike(model, report.images[0].metadata) if d != "control" or control is None]
+        if differ:
+            report.warnings.append(f"{model.path.name} was made with other {', '.join(differ)} than this run's: "
+                                   "its image is not made again bit for bit")
     for warning in report.warnings:
         warn(warning)
     if json_:
@@ -92,6 +112,26 @@ def generate_command(
     rate = (len(report.images) - report.skipped) / report.seconds if report.seconds else float("nan")
     say(f"{count} from {report.card} on {report.platform} in {report.seconds:.2f}s "
         f"({rate:.1f} images/s)", stderr=True)
+
+
+_DEFAULTS = {"seed": 0, "best_of": 1}  # None above means "not given" (for --like); these are the defaults
+
+
+def _like(path: Path, card, prompts, image, preprocessor):
+    """The --like image's request, and what it gives where the command gives nothing: the card, the prompt, the
+    seed, and — on its own card only — the settings and control image (another card samples with its own)."""
+    from cardtool.core.cards.loader import load_card
+    from cardtool.core.sampling.like import read_like
+
+    model = read_like(path)
+    same = card is None or load_card(card).id == model.card
+    recorded = {"seed": model.seed, **(model.settings if same else {})}
+    if same and image is None and model.control is not None:
+        image, preprocessor = model.control
+        if not image.is_file():
+            raise BadInput(f"{path.name} was made with the control image {image}, which is not there; give it "
+                           "with --control IMAGE")
+    return model, card or model.card, prompts or [model.prompt], recorded, image, preprocessor
 
 
 class _LateProgress:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -393,6 +394,11 @@ def test_control_from_a_file_through_the_cli(card, tmp_path):
     meta = json.loads(result.stdout)["images"][0]
     assert meta["adapters"][0]["name"] == "ctl" and meta["adapters"][0]["scale"] == 0.5
     assert meta["control"]["preprocessor"] == "edges"
+    made = Path(meta["path"])  # made again from its metadata: the control image, preprocessor and scale with it
+    result = CliRunner().invoke(app, ["generate", str(card.folder), "--like", str(made), "--json",
+                                      "--out", str(tmp_path / "again")])
+    again = Path(json.loads(result.stdout)["images"][0]["path"])
+    assert again.name == made.name and again.read_bytes() == made.read_bytes()
 
 
 def test_eval_takes_an_adapter_stack_and_names_it_in_the_report(card, tmp_path):

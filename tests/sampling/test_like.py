@@ -1,0 +1,107 @@
+"""`generate --like IMAGE`: an image cardtool made is made again from its metadata, bit for bit; options given change
+one thing; another card keeps only the prompt and seed; what is not such an image is a clear error."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cardtool.cli import app
+from cardtool.core.sampling.images import png_bytes, read_png, read_png_metadata
+
+
+def run(*args):
+    result = CliRunner().invoke(app, [*map(str, args), "--json"])
+    return result, (json.loads(result.stdout) if result.stdout.strip() else None)
+
+
+@pytest.fixture
+def on_path(examples, monkeypatch):
+    monkeypatch.setenv("CARDTOOL_PATH", str(examples))
+    return examples
+
+
+@pytest.fixture
+def made(on_path, tmp_path) -> Path:
+    result, report = run("generate", "tiny-base", "-p", "a bag", "--seed", "7", "--steps", "3", "--guidance", "2",
+                         "--adapter", "invert=0.5", "--out", tmp_path / "a")
+    assert result.exit_code == 0, result.output
+    return Path(report["images"][0]["path"])
+
+
+def test_an_image_is_made_again_bit_for_bit_under_the_same_name(made, tmp_path):
+    result, report = run("generate", "--like", made, "--out", tmp_path / "b")
+    assert result.exit_code == 0, result.output
+    again = Path(report["images"][0]["path"])
+    assert again.name == made.name and again.read_bytes() == made.read_bytes()
+    assert report["warnings"] == []
+
+
+def test_options_given_change_one_thing_and_keep_the_rest(made, tmp_path):
+    result, report = run("generate", "--like", made, "--seed", "20", "-n", "2", "--out", tmp_path / "c")
+    assert result.exit_code == 0, result.output
+    metadata = [read_png_metadata(image["path"]) for image in report["images"]]
+    assert [m["seed"] for m in metadata] == ["20", "21"]
+    assert {(m["prompt"], m["steps"], m["guidance"]) for m in metadata} == {("a bag", "3", "2.0")}
+    assert all(json.loads(m["adapters"])[0]["scale"] == 0.5 for m in metadata)
+    result, report = run("generate", "--like", made, "-p", "a coat", "--steps", "2", "--out", tmp_path / "d")
+    [metadata] = [read_png_metadata(image["path"]) for image in report["images"]]
+    assert [metadata[k] for k in ("prompt", "seed", "steps", "guidance")] == ["a coat", "7", "2", "2.0"]
+
+
+def test_another_card_keeps_only_the_prompt_and_seed(made, tmp_path):
+    result, report = run("generate", "tiny-distilled", "--like", made, "--out", tmp_path / "e")
+    assert result.exit_code == 0, result.output
+    metadata = read_png_metadata(report["images"][0]["path"])
+    assert (metadata["card"], metadata["prompt"], metadata["seed"]) == ("tiny-distilled", "a bag", "7")
+    assert (metadata["steps"], metadata["guidance"]) == ("4", "1.0"), "the student's own defaults, not the image's"
+    assert "adapters" not in metadata
+
+
+def test_an_image_made_elsewhere_is_remade_with_a_warning_naming_why_it_differs(made, tmp_path):
+    pixels, metadata = read_png(made)
+    weights = json.loads(metadata["weights"])
+    weights["transformer"] = "0" * 64
+    moved = tmp_path / "elsewhere.png"
+    moved.write_bytes(png_bytes(pixels, {**metadata, "platform": "cuda/sm90", "weights": json.dumps(weights)}))
+    result, report = run("generate", "--like", moved, "--out", tmp_path / "f")
+    assert result.exit_code == 0, result.output
+    [warning] = report["warnings"]
+    assert "made with other weights of transformer, platform" in warning and "not made again bit for bit" in warning
+
+
+def test_best_of_n_is_made_again_from_the_request_seed(on_path, tmp_path):
+    result, report = run("generate", "tiny-base", "-p", "a bag", "--seed", "3", "--steps", "2", "--best-of", "3",
+                         "--reward", "tiny-judge", "--out", tmp_path / "a")
+    assert result.exit_code == 0, result.output
+    made = Path(report["images"][0]["path"])
+    result, report = run("generate", "--like", made, "--out", tmp_path / "b")
+    assert result.exit_code == 0, result.output
+    again = Path(report["images"][0]["path"])
+    assert again.name == made.name and again.read_bytes() == made.read_bytes()
+
+
+def test_what_is_not_an_image_cardtool_made_is_refused(made, on_path, tmp_path):
+    pixels, metadata = read_png(made)
+    cases = {"no-metadata.png": png_bytes(pixels), "text.png": b"not an image",
+             "workflow.png": png_bytes(pixels, {**metadata, "workflow": "wf", "step": "refine"}),
+             "bad-steps.png": png_bytes(pixels, {**metadata, "steps": "many"}),
+             "bad-adapters.png": png_bytes(pixels, {**metadata, "adapters": "[{"}),
+             "lost-control.png": png_bytes(pixels, {**metadata, "control": json.dumps(
+                 {"sha256": "0", "preprocessor": "silhouette", "source": str(tmp_path / "gone.png")})})}
+    messages = {"no-metadata.png": "not an image cardtool made", "text.png": "not an image",
+                "workflow.png": "made by step 'refine' of workflow 'wf'", "bad-steps.png": "'steps' field is malformed",
+                "bad-adapters.png": "'adapters' field is malformed",
+                "lost-control.png": "gone.png, which is not there; give it with --control"}
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+        result, report = run("generate", "--like", tmp_path / name, "--out", tmp_path / "x")
+        assert result.exit_code == 2 and messages[name] in report["error"]["message"], (name, result.output)
+    for args, message in ((["--like", tmp_path], "not a regular file"),
+                          ([], "give a CARD to generate with (or --like IMAGE")):
+        result, report = run("generate", *args, "--out", tmp_path / "x")
+        assert result.exit_code == 2 and message in report["error"]["message"], result.output
+    assert not (tmp_path / "x").exists()
