@@ -19,6 +19,9 @@ def generate_command(
     prompt: Annotated[list[str] | None, typer.Option("-p", "--prompt", help="A prompt; repeat for more.")] = None,
     prompts_file: Annotated[Path | None, typer.Option("--prompts-file",
                                                       help="One prompt a line; - reads standard input.")] = None,
+    negative_prompt: Annotated[str | None, typer.Option(
+        "--negative-prompt", help="What the images should not be: CFG steers away from it instead of from the "
+        "empty prompt.")] = None,
     num: Annotated[int, typer.Option("-n", "--num", help="Images per prompt (seeds seed, seed+1, …).")] = 1,
     seed: Annotated[int | None, typer.Option("--seed", help="The first seed (default 0).")] = None,
     steps: Annotated[int | None, typer.Option("--steps", help="Sampling steps (default: the card's).")] = None,
@@ -70,8 +73,8 @@ def generate_command(
         prompts = list(prompt or []) + (read_prompts_file(prompts_file) if prompts_file else [])
         progress = _LateProgress(enabled=not json_ and sys.stderr.isatty())
         try:
-            asked = {"seed": seed, "steps": steps, "guidance": guidance, "shift": shift, "solver": solver,
-                     "precision": precision, "best_of": best_of, "reward": reward,
+            asked = {"seed": seed, "negative_prompt": negative_prompt, "steps": steps, "guidance": guidance,
+                     "shift": shift, "solver": solver, "precision": precision, "best_of": best_of, "reward": reward,
                      "guidance_interval": parse_interval(guidance_interval) if guidance_interval is not None else None,
                      "adapters": [parse_adapter(a) for a in adapter] if adapter else None}
             image, preprocessor = parse_control(control) if control is not None else (None, None)
@@ -118,14 +121,14 @@ _DEFAULTS = {"seed": 0, "best_of": 1}  # None above means "not given" (for --lik
 
 
 def _like(path: Path, card, prompts, image, preprocessor):
-    """The --like image's request, and what it gives where the command gives nothing: the card, the prompt, the
+    """The --like image's request, and what it gives where the command gives nothing: the card, the prompts, the
     seed, and — on its own card only — the settings and control image (another card samples with its own)."""
     from cardtool.core.cards.loader import load_card
     from cardtool.core.sampling.like import read_like
 
     model = read_like(path)
     same = card is None or load_card(card).id == model.card
-    recorded = {"seed": model.seed, **(model.settings if same else {})}
+    recorded = {"seed": model.seed, "negative_prompt": model.negative_prompt, **(model.settings if same else {})}
     if same and image is None and model.control is not None:
         image, preprocessor = model.control
         if not image.is_file():

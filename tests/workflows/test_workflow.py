@@ -51,15 +51,15 @@ def test_the_example_workflow_runs_every_step_kind_and_names_workflow_and_step(t
 
 def test_parallel_merges_card_by_card_in_order_each_as_its_own_generate(examples, tmp_path):
     path = write(tmp_path, examples, "  fan:\n    parallel: {cards: [EX/tiny-rl, EX/tiny-base], "
-                                     "prompts: [a bag, a coat], steps: 3, seed: 5}\n")
+                                     "prompts: [a bag, a coat], steps: 3, seed: 5, negative_prompt: a shirt}\n")
     result = run(path, tmp_path)
     assert result.exit_code == 0, result.output
     images = json.loads(result.stdout)["steps"][0]["images"]
     assert [(i["card"], i["prompt"]) for i in images] == [("tiny-rl", "a bag"), ("tiny-rl", "a coat"),
                                                           ("tiny-base", "a bag"), ("tiny-base", "a coat")]
     for image in images:
-        alone = LoadedCard(str(examples / image["card"])).generate([image["prompt"]], seed=5, steps=3,
-                                                                   out=tmp_path / "alone.png")
+        alone = LoadedCard(str(examples / image["card"])).generate(
+            [image["prompt"]], seed=5, steps=3, negative_prompt="a shirt", out=tmp_path / "alone.png")
         assert np.array_equal(pixels(alone.images[0].path)[0], pixels(image["path"])[0])
 
 

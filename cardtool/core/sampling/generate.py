@@ -91,15 +91,16 @@ def plan_requests(card: Card, prompts: list[str], *, num: int = 1, seed: int = 0
                   guidance: float | None = None, shift: float | None = None, solver: str | None = None,
                   guidance_interval: tuple[float, float] | None = None, strict: bool = False,
                   adapters: list[tuple[str, float]] | None = None, control: ControlImage | None = None,
-                  control_scale: float | None = None) -> tuple[list[Request], list[str]]:
+                  control_scale: float | None = None, negative_prompt: str = "") -> tuple[list[Request], list[str]]:
     """Requests for prompts × seeds (seed, seed + 1, … for each prompt's images), the card's loop defaults
     filling what is not given; and warnings (a card assuming a fixed step count sampled with another).
 
     `adapters` (name, scale) replaces the loop's default stack; a `control` image joins the card's ControlNet to
-    the stack when none is named, at `control_scale` (default 1)."""
+    the stack when none is named, at `control_scale` (default 1); `negative_prompt` is what CFG's unconditional
+    branch is conditioned on instead of the empty prompt (the null condition): what the images should not be."""
     prompts = _checked(prompts, num=num, seed=seed, steps=steps, guidance=guidance, shift=shift,
                        guidance_interval=guidance_interval, adapters=adapters, control_scale=control_scale,
-                       texts={"solver": solver})
+                       texts={"solver": solver, "negative_prompt": negative_prompt})
     if not prompts:
         raise BadInput("no prompts: give -p PROMPT or --prompts-file FILE")
     if not 1 <= num <= MAX_IMAGES or len(prompts) * num > MAX_IMAGES:
@@ -123,10 +124,13 @@ def plan_requests(card: Card, prompts: list[str], *, num: int = 1, seed: int = 0
                         shift=float(shift if shift is not None else defaults.shift),
                         solver=solver or defaults.solver,
                         guidance_interval=tuple(map(float, guidance_interval or defaults.guidance_interval)),
-                        adapters=stack, control=control)
+                        adapters=stack, control=control, negative_prompt=negative_prompt or "")
                 for p in prompts for j in range(num)]
     for request in requests:
         request.check()
+    if negative_prompt and not any(r.guidance != 1 for r in requests):
+        warnings.append("a negative prompt conditions CFG's unconditional branch; with guidance 1 (no CFG) it "
+                        "changes nothing")
     return requests, warnings
 
 
@@ -253,7 +257,7 @@ class LoadedCard:
                  on_step: Callable[[int, int], None] | None = None, max_batch: int = 128, best_of: int = 1,
                  reward: str | None = None, adapters: list[tuple[str, float]] | None = None,
                  control=None, preprocessor: str | None = None, control_scale: float | None = None,
-                 fuse: bool = False, skip_existing: bool = False) -> GenerateReport:
+                 fuse: bool = False, skip_existing: bool = False, negative_prompt: str = "") -> GenerateReport:
         """Sample prompts × num images and write them; with `best_of` N > 1, each image is the best of N candidates
         under the reward card `reward`, and its metadata records every candidate's score.
 
@@ -261,12 +265,13 @@ class LoadedCard:
         image file, a grey uint8 array or a ControlImage for the card's ControlNet, through `preprocessor` (default:
         the ControlNet's own); `fuse`: merge the stack's LoRAs into the base weights for this call, then restore
         them; `skip_existing`: keep each image whose file is already there with this request's settings tag (an
-        earlier run of the same call, interrupted, say) and make only the others."""
+        earlier run of the same call, interrupted, say) and make only the others; `negative_prompt`: what CFG steers
+        away from (default: the empty prompt, the null condition)."""
         prompts = _checked(prompts, num=num, seed=seed, steps=steps, guidance=guidance, shift=shift, best_of=best_of,
                            max_batch=max_batch, guidance_interval=guidance_interval, adapters=adapters,
                            control_scale=control_scale, out=out, on_step=on_step,
                            texts={"reward": reward, "solver": solver, "precision": precision,
-                                  "preprocessor": preprocessor})
+                                  "preprocessor": preprocessor, "negative_prompt": negative_prompt})
         if max_batch < 1:
             raise BadInput(f"--max-batch must be at least 1, got {max_batch}")
         if best_of != 1 and reward is None:
@@ -283,7 +288,7 @@ class LoadedCard:
         requests, warnings = plan_requests(card, prompts, num=num, seed=seed, steps=steps, guidance=guidance,
                                            shift=shift, solver=solver, guidance_interval=guidance_interval,
                                            strict=strict, adapters=adapters, control=control,
-                                           control_scale=control_scale)
+                                           control_scale=control_scale, negative_prompt=negative_prompt)
         warnings = instance.warnings + warnings
         judge = self.reward(reward) if reward is not None else None
         selection = _selection(judge, best_of, fuse)

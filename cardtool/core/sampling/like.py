@@ -18,12 +18,13 @@ PROVENANCE = ("cardtool", "weights", "platform", "control")
 
 @dataclass
 class Like:
-    """An image's request: its card id, prompt and seed, and its settings as `LoadedCard.generate`'s keywords (steps,
+    """An image's request: its card id, prompts and seed, and its settings as `LoadedCard.generate`'s keywords (steps,
     guidance, solver, precision, adapters, best-of …), which belong to its card: another card has its own."""
 
     path: Path
     card: str
     prompt: str
+    negative_prompt: str
     seed: int | None
     settings: dict = field(default_factory=dict)
     control: tuple[Path, str] | None = None  # the control image file as it was given, and its preprocessor
@@ -62,7 +63,8 @@ def read_like(path: Path | str) -> Like:
     if "best_of" in metadata:
         settings |= {"best_of": text.whole("best_of"), "reward": text.name("reward")}
     seed = text.whole("request_seed" if "best_of" in metadata else "seed")  # best-of: the request's, not the pick's
-    return Like(path, text.name("card"), metadata.get("prompt", ""), seed, settings, text.control(), metadata)
+    return Like(path, text.name("card"), metadata.get("prompt", ""), metadata.get("negative_prompt", ""), seed,
+                settings, text.control(), metadata)
 
 
 def unlike(like: Like, made: dict[str, str]) -> list[str]:

@@ -38,6 +38,7 @@ class _Sampling(_Strict):
     solver: Literal[SOLVERS] | None = None  # type: ignore[valid-type]
     seed: int = Field(0, ge=0)
     adapters: dict[Name, float] | None = None  # the stack (adapter → scale) instead of the card's default one
+    negative_prompt: str = ""  # what CFG steers away from, instead of the empty prompt
 
 
 class _Prompted(_Sampling):

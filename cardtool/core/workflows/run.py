@@ -74,7 +74,8 @@ class _Runner:
     def _requests(self, loaded: LoadedCard, prompts: list[str], num: int, body):
         adapters = list(body.adapters.items()) if body.adapters is not None else None
         requests, _ = plan_requests(loaded.card, prompts, num=num, seed=body.seed, steps=body.steps,
-                                    guidance=body.guidance, shift=body.shift, solver=body.solver, adapters=adapters)
+                                    guidance=body.guidance, shift=body.shift, solver=body.solver, adapters=adapters,
+                                    negative_prompt=body.negative_prompt)
         return requests
 
     def generate(self, ref: str, prompts: list[str], num: int, body) -> list[Output]:
