@@ -47,6 +47,7 @@ def list_command(json_: JsonOption = False) -> None:
 def show_command(card: CardArgument, json_: JsonOption = False) -> None:
     """Show a card's manifest with `extends` resolved: components, loops, adapters, recipe."""
     from cardtool.core.cards.loader import load_card
+    from cardtool.core.cards.schema import LADDER
     from cardtool.core.cards.source import display_path
 
     with handled(json_):
@@ -88,7 +89,8 @@ def show_command(card: CardArgument, json_: JsonOption = False) -> None:
         out.print(table)
     r = m.recipe
     out.print(f"recipe: method={r.method} parents=[{', '.join(r.parents)}] assumes: loop={r.assumes.loop} "
-              f"steps={r.assumes.steps} precision={r.assumes.precision}; parity {m.parity.consistency}", markup=False)
+              f"steps={r.assumes.steps} precision={r.assumes.precision}", markup=False)
+    out.print(f"parity: {m.parity.consistency} — {LADDER[m.parity.consistency]}", markup=False)
     if r.command:
         out.print(f"made by: {r.command}", markup=False)
     if r.metrics:

@@ -47,7 +47,8 @@ def parity_command(
         for r in rows:
             op_name, rest = r.cell.split("/", 1)
             verdict = "[green]pass[/green]" if r.passed else f"[red]FAIL[/red] {escape(r.error)}".rstrip()
-            against = "numpy" if r.against.startswith("numpy") else "f32"
+            against = "numpy" if r.against.startswith("numpy") else r.against if op_name.startswith("contract:") \
+                else "f32"
             table.add_row(op_name, escape(rest), r.dtype, against, str(len(r.shapes)), f"{r.max_abs_err:.1e}",
                           f"{r.max_rel_err:.1e}", f"{r.atol:.0e}/{r.rtol:.0e}", verdict)
         out = console()

@@ -90,8 +90,19 @@ class Recipe(_Strict):
     metrics: dict[str, Any] = {}
 
 
+# what each level of `parity.consistency` promises (each includes the ones below); `parity --card` checks it
+LADDER = {
+    "C0": "nothing beyond running",
+    "C1": "deterministic: the same request gives the same bits, run to run and process to process, on one platform "
+          "and precision",
+    "C2": "C1, and batch-invariant: a request's image does not depend on the other requests batched with it",
+    "C3": "C2, and the generation matches the numpy reference forward within the precision's tolerance",
+    "C4": "C3, and the same bits on every device (CPU and CUDA)",
+}
+
+
 class Parity(_Strict):
-    """The consistency level (C0 … C4) of the parity ladder this card guarantees."""
+    """The consistency level (C0 … C4, LADDER) this card guarantees."""
 
     consistency: Literal["C0", "C1", "C2", "C3", "C4"] = "C0"
 

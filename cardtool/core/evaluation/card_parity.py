@@ -1,8 +1,11 @@
 """Parity of a card: each component with a numpy forward, run by torch and by numpy on the card's weights;
-and a short generation through the denoise loop on the torch platform and on the numpy platform,
-comparing the final latents (the same loop, the same seeds, the same cached text features)."""
+a short generation through the denoise loop on the torch platform and on the numpy platform, comparing the final
+latents (the same loop, the same seeds, the same cached text features); and the consistency the card's manifest
+promises (`parity.consistency`, a level of the schema's LADDER), checked on this platform."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -15,7 +18,8 @@ from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache
 
-__all__ = ["card_parity", "generation_rows"]
+__all__ = ["card_parity", "contract_rows", "generation_rows"]
+
 
 # one CFG request on the ODE, one unguided request on the SDE with a shifted grid, one on the re-noising rule
 PARITY_REQUESTS = (Request("an ankle boot", seed=0, steps=3, guidance=3.0, guidance_interval=(0.0, 0.7)),
@@ -28,7 +32,38 @@ def card_parity(card: Card, platform: Platform) -> list[ParityRow]:
     for name, component in card.manifest.components.items():
         if component.weights:
             rows += component_rows(name, component.impl, component.config, card.weights_file(name), platform)
-    return rows + generation_rows(card, platform)
+    return rows + generation_rows(card, platform) + contract_rows(card, platform)
+
+
+def contract_rows(card: Card, platform: Platform, loop: str = "denoise") -> list[ParityRow]:
+    """The card's promised consistency (LADDER), checked here at its precision on PARITY_REQUESTS: C1 two fresh
+    loads (separate instances and text caches) giving the same bits; C2 each request alone giving the bits it gets
+    in the batch; C3 is the generation rows against numpy; C4 needs a second device and fails as unverifiable."""
+    level = int(card.manifest.parity.consistency[1])
+    if level == 0 or loop not in card.manifest.loops:
+        return []
+    precision = card.manifest.recipe.assumes.precision
+    name = f"contract:{card.manifest.parity.consistency}/{platform.device}/{platform.arch}"
+
+    def row(what: str, actual: np.ndarray, expected: np.ndarray) -> ParityRow:
+        result = ParityRow(name, precision, what, [f"{len(PARITY_REQUESTS)} requests × 3 steps"], 0.0, 0.0, 0.0, 0.0,
+                           True)
+        result.max_abs_err, result.max_rel_err, result.passed = compare_arrays(actual, expected, 0.0, 0.0)
+        return result
+
+    def fresh() -> DenoiseLoop:
+        return DenoiseLoop(ModelInstance(card, platform, precision), loop, TextFeatureCache(disk=False))
+
+    first = fresh()
+    batched = _sampled(first, list(PARITY_REQUESTS))
+    rows = [row("a 2nd load", _sampled(fresh(), list(PARITY_REQUESTS)), batched)]
+    if level >= 2:
+        alone = np.concatenate([_sampled(first, [request]) for request in PARITY_REQUESTS])
+        rows.append(row("alone", alone, batched))
+    if level >= 4:
+        rows.append(ParityRow(name, precision, "another device", [], math.inf, math.inf, 0.0,
+                              0.0, False, "needs a second device to compare with; not verifiable on one machine"))
+    return rows
 
 
 def generation_rows(card: Card, platform: Platform, loop: str = "denoise") -> list[ParityRow]:
@@ -61,5 +96,9 @@ def generation_rows(card: Card, platform: Platform, loop: str = "denoise") -> li
 
 
 def _latents(instance: ModelInstance, loop: str, cache: TextFeatureCache, requests: list[Request]) -> np.ndarray:
-    states = sample(DenoiseLoop(instance, loop, cache), requests)
-    return np.concatenate([instance.arrays.to_numpy(s.latents).astype(np.float64) for s in states])
+    return _sampled(DenoiseLoop(instance, loop, cache), requests)
+
+
+def _sampled(loop: DenoiseLoop, requests: list[Request]) -> np.ndarray:
+    states = sample(loop, requests)
+    return np.concatenate([loop.instance.arrays.to_numpy(s.latents).astype(np.float64) for s in states])
