@@ -105,3 +105,14 @@ def test_what_is_not_an_image_cardtool_made_is_refused(made, on_path, tmp_path):
         result, report = run("generate", *args, "--out", tmp_path / "x")
         assert result.exit_code == 2 and message in report["error"]["message"], result.output
     assert not (tmp_path / "x").exists()
+
+
+def test_unlike_names_what_differs_whatever_the_recorded_weights_hold(made):
+    from cardtool.core.sampling.like import read_like, unlike
+
+    like = read_like(made)
+    assert unlike(like, like.metadata) == []
+    for recorded, expected in (('[{"a": 1}]', ["weights"]), ("not json", ["weights"]),
+                               ('{"vae": "0"}', ["weights of text_encoder, transformer, vae"])):
+        like.metadata["weights"] = recorded
+        assert unlike(like, read_like(made).metadata) == expected

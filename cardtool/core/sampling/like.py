@@ -71,13 +71,14 @@ def unlike(like: Like, made: dict[str, str]) -> list[str]:
     """What differs between the image asked to be like and one made from its settings, beyond the options the
     command changed: its weights, platform, cardtool version or control image — a reason the image is not the same."""
     differ = [key for key in PROVENANCE if like.metadata.get(key) != made.get(key)]
-    if "weights" in differ:
+    if "weights" in differ:  # which components' weights: named when both records are maps of versions
         try:
             old, new = json.loads(like.metadata.get("weights", "{}")), json.loads(made.get("weights", "{}"))
-            differ[differ.index("weights")] = "weights of " + ", ".join(
-                sorted(k for k in {*old, *new} if old.get(k) != new.get(k)))
-        except (ValueError, AttributeError):
-            pass
+        except ValueError:
+            old = new = None
+        if isinstance(old, dict) and isinstance(new, dict):
+            changed = sorted(str(k) for k in {*old, *new} if old.get(k) != new.get(k))
+            differ[differ.index("weights")] = "weights of " + ", ".join(changed)
     return differ
 
 
