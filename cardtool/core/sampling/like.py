@@ -83,64 +83,56 @@ def unlike(like: Like, made: dict[str, str]) -> list[str]:
 
 
 class _Fields:
-    """The metadata's text fields as typed values, a malformed one a BadInput naming the field."""
+    """The metadata's text fields as typed values (None where absent), a malformed one a BadInput naming it."""
 
     def __init__(self, path: Path, metadata: dict[str, str]):
         self.path, self.metadata = path, metadata
 
-    def _bad(self, key: str) -> BadInput:
-        return BadInput(f"--like {self.path}: its '{key}' field is malformed: {self.metadata.get(key)!r}"[:300])
+    def _typed(self, key: str, convert):
+        if key not in self.metadata:
+            return None
+        try:
+            return convert(self.metadata[key])
+        except (ValueError, TypeError, KeyError, BadInput):
+            raise BadInput(f"--like {self.path}: its '{key}' field is malformed: {self.metadata[key]!r}"[:300]) \
+                from None
 
     def name(self, key: str) -> str | None:
-        value = self.metadata.get(key)
-        return value or None
+        return self.metadata.get(key) or None
 
     def whole(self, key: str) -> int | None:
-        if key not in self.metadata:
-            return None
-        try:
-            return int(self.metadata[key])
-        except ValueError:
-            raise self._bad(key) from None
+        return self._typed(key, int)
 
     def number(self, key: str) -> float | None:
-        if key not in self.metadata:
-            return None
-        try:
-            value = float(self.metadata[key])
-        except ValueError:
-            raise self._bad(key) from None
-        if not math.isfinite(value):
-            raise self._bad(key)
-        return value
+        return self._typed(key, _finite)
 
     def interval(self, key: str) -> tuple[float, float] | None:
-        if key not in self.metadata:
-            return None
         from cardtool.core.sampling.generate import parse_interval
 
-        try:
-            return parse_interval(self.metadata[key])
-        except BadInput:
-            raise self._bad(key) from None
+        return self._typed(key, parse_interval)
 
     def adapters(self) -> list[tuple[str, float]]:
-        """The stack as (name, scale); [] for an image made without one (the card's default stack may differ)."""
-        if "adapters" not in self.metadata:
-            return []
-        try:
-            stack = [(entry["name"], float(entry["scale"])) for entry in json.loads(self.metadata["adapters"])]
-        except (ValueError, TypeError, KeyError):
-            raise self._bad("adapters") from None
-        if not all(isinstance(name, str) and math.isfinite(scale) for name, scale in stack):
-            raise self._bad("adapters")
-        return stack  # a ControlNet's entry too: with the control image, it is the same request
+        """The stack as (name, scale), a ControlNet's entry too (with the control image, it is the same request);
+        [] for an image made without one (the card's default stack may differ)."""
+        def stack(text: str) -> list[tuple[str, float]]:
+            entries = [(entry["name"], _finite(entry["scale"])) for entry in json.loads(text)]
+            if not all(isinstance(name, str) for name, _ in entries):
+                raise ValueError("an adapter's name is not text")
+            return entries
+
+        return self._typed("adapters", stack) or []
 
     def control(self) -> tuple[Path, str] | None:
-        if "control" not in self.metadata:
-            return None
-        try:
-            record = json.loads(self.metadata["control"])
-            return Path(record["source"]), str(record["preprocessor"])
-        except (ValueError, TypeError, KeyError):
-            raise self._bad("control") from None
+        """The control image's file as it was given, and its preprocessor."""
+        def record(text: str) -> tuple[Path, str]:
+            fields = json.loads(text)
+            return Path(fields["source"]), str(fields["preprocessor"])
+
+        return self._typed("control", record)
+
+
+def _finite(value) -> float:
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{number} is not finite")
+    return number
