@@ -87,13 +87,14 @@ def test_best_of_n_is_made_again_from_the_request_seed(on_path, tmp_path):
 def test_what_is_not_an_image_cardtool_made_is_refused(made, on_path, tmp_path):
     pixels, metadata = read_png(made)
     cases = {"no-metadata.png": png_bytes(pixels), "text.png": b"not an image",
-             "workflow.png": png_bytes(pixels, {**metadata, "workflow": "wf", "step": "refine"}),
+             "workflow.png": png_bytes(pixels, {**metadata, "workflow": "wf", "step": "refine", "input": "draft/0"}),
              "bad-steps.png": png_bytes(pixels, {**metadata, "steps": "many"}),
              "bad-adapters.png": png_bytes(pixels, {**metadata, "adapters": "[{"}),
              "lost-control.png": png_bytes(pixels, {**metadata, "control": json.dumps(
                  {"sha256": "0", "preprocessor": "silhouette", "source": str(tmp_path / "gone.png")})})}
     messages = {"no-metadata.png": "not an image cardtool made", "text.png": "not an image",
-                "workflow.png": "made by step 'refine' of workflow 'wf'", "bad-steps.png": "'steps' field is malformed",
+                "workflow.png": "made by refining an image of step 'draft' in workflow 'wf'",
+                "bad-steps.png": "'steps' field is malformed",
                 "bad-adapters.png": "'adapters' field is malformed",
                 "lost-control.png": "gone.png, which is not there; give it with --control"}
     for name, data in cases.items():

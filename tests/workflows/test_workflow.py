@@ -33,7 +33,7 @@ def pixels(path):
         return np.asarray(image), dict(image.text)
 
 
-def test_the_example_workflow_runs_every_step_kind_and_names_workflow_and_step(tmp_path):
+def test_the_example_workflow_runs_every_step_kind_and_names_workflow_and_step(tmp_path, monkeypatch):
     from helpers import REPO
 
     result = run(REPO / "examples" / "workflows" / "tiny-tour.yaml", tmp_path)
@@ -47,6 +47,16 @@ def test_the_example_workflow_runs_every_step_kind_and_names_workflow_and_step(t
             assert text["workflow"] == "tiny-tour" and text["step"] == step["step"]
             assert text["step_kind"] == step["kind"]
     assert [i["input"] for i in report["steps"][1]["images"]] == ["draft/0", "draft/1"]
+    # generate --like makes a sampled step's image again; a refined one needs its input: the workflow
+    monkeypatch.setenv("CARDTOOL_PATH", str(REPO / "examples" / "cards"))
+    for step, image in ((s["step"], s["images"][0]) for s in report["steps"]):
+        again = CliRunner().invoke(app, ["generate", "--like", image["path"], "--out", str(tmp_path / step), "--json"])
+        if step == "refine":
+            assert again.exit_code == 2 and "made by refining an image of step 'draft'" in again.stdout
+        else:
+            assert again.exit_code == 0, again.output
+            made = json.loads(again.stdout)["images"][0]["path"]
+            assert np.array_equal(pixels(made)[0], pixels(image["path"])[0]), step
 
 
 def test_parallel_merges_card_by_card_in_order_each_as_its_own_generate(examples, tmp_path):

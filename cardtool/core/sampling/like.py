@@ -52,9 +52,9 @@ def read_like(path: Path | str) -> Like:
         raise BadInput(f"--like {path}: not a readable image ({type(e).__name__}: {e})"[:300]) from None
     if "cardtool" not in metadata or "card" not in metadata:
         raise BadInput(f"--like {path}: not an image cardtool made (its PNG records no card and settings)")
-    if "workflow" in metadata:
-        raise BadInput(f"--like {path}: made by step '{metadata.get('step', '?')}' of workflow "
-                       f"'{metadata['workflow']}'; run the workflow again (cardtool workflow run)")
+    if "input" in metadata:  # a workflow's chain: sampled from another step's image, which generate does not take
+        raise BadInput(f"--like {path}: made by refining an image of step '{metadata['input'].split('/')[0]}' in "
+                       f"workflow '{metadata.get('workflow', '?')}'; run the workflow again (cardtool workflow run)")
     text = _Fields(path, metadata)
     settings = {"steps": text.whole("steps"), "guidance": text.number("guidance"), "shift": text.number("shift"),
                 "guidance_interval": text.interval("guidance_interval"), "solver": text.name("solver"),
