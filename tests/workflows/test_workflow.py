@@ -208,3 +208,21 @@ def test_a_disk_failing_at_a_later_step_keeps_the_finished_steps_listed(examples
     assert error["kind"] == "failed" and "No space left on device" in error["message"]
     [finished] = error["partial"]["steps"]
     assert finished["step"] == "one" and all(Path(i["path"]).is_file() for i in finished["images"])
+
+
+def test_a_rerun_whose_input_step_changed_writes_its_refined_images_beside_the_old_ones(examples, tmp_path):
+    """A chain's image is named by a tag that takes its input's: other drafts are other refinements, not overwrites."""
+    steps = """  draft:
+    generate: {card: EX/tiny-base, prompts: ["a bag", "a coat"], steps: 2, seed: SEED}
+  refine:
+    chain: {input: draft, card: EX/tiny-base, strength: 0.5, steps: 2}
+"""
+    reports = []
+    for seed in (0, 1):
+        result = run(write(tmp_path, examples, steps.replace("SEED", str(seed))), tmp_path)
+        assert result.exit_code == 0, result.output
+        reports.append(json.loads(result.stdout)["steps"])
+    for draft, refine in reports:
+        for source, refined in zip(draft["images"], refine["images"], strict=True):
+            assert pixels(refined["path"])[1]["input_tag"] == pixels(source["path"])[1]["tag"]
+    assert len(list((tmp_path / "out" / "w" / "refine").glob("*.png"))) == 4, "both runs' refinements are kept"

@@ -104,7 +104,9 @@ class _Runner:
             return list(loop.finalize(sample(loop, requests, max_batch=self.max_batch, sources=sources)))
 
         images = self.ranks.spread(list(enumerate(requests)), work)
-        return [Output(i, r.prompt, {**image_metadata(loop, r), "input": f"{source}/{k}"})
+        # the input's own tag makes this image's: a rerun whose input step changed writes beside, never over, it
+        return [Output(i, r.prompt, {**image_metadata(loop, r), "input": f"{source}/{k}",
+                                     "input_tag": inputs[k].metadata.get("tag", "")})
                 for k, (r, i) in enumerate(zip(requests, images, strict=True))]
 
     def best_of_n(self, body) -> list[Output]:
@@ -181,6 +183,6 @@ def _write(folder: Path, produced: list[Output], workflow: str, step: str, kind:
     for k, item in enumerate(produced):
         tag = settings_tag(item.metadata)  # a run with other settings keeps this one's images
         item.path = folder / f"{k:03d}-{item.metadata['card']}-{prompt_slug(item.prompt)}-{tag}.png"
-        item.metadata = {**item.metadata, "workflow": workflow, "step": step, "step_kind": kind}
+        item.metadata = {**item.metadata, "workflow": workflow, "step": step, "step_kind": kind, "tag": tag}
         if main:
             save_image(item.path, item.image, item.metadata)
