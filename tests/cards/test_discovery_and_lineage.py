@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -52,6 +53,15 @@ def test_search_order_is_path_then_cwd_cards_then_cardtool_path_then_builtin(tmp
     # an explicit path wins over any id, even a folder named like a card id
     make(tmp_path, "only-builtin", "explicit")
     assert load_card("only-builtin").id == "explicit"
+
+
+def test_unusable_search_path_entries_are_searched_as_empty(tmp_path, builtin, monkeypatch):
+    make(tmp_path / "extra", "b", "on-path")
+    (tmp_path / "a-file").write_text("not a folder")
+    unusable = ["", "x" * 5000, str(tmp_path / "missing"), str(tmp_path / "a-file"), "/dev/null"]  # 5000: ENAMETOOLONG
+    monkeypatch.setenv("CARDTOOL_PATH", os.pathsep.join([*unusable, str(tmp_path / "extra")]))
+    assert locate("on-path") == tmp_path / "extra" / "b" / "card.yaml"
+    assert [s.id for s in list_cards()] == ["on-path"]
 
 
 def test_two_cards_with_one_id_is_an_error_naming_both(tmp_path, builtin, monkeypatch):

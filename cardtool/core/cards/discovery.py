@@ -76,9 +76,11 @@ def scan(roots: list[Root], *, ids_only: bool = False) -> list[Entry]:
     entries: list[Entry] = []
     seen: set[Path] = set()
     for root in roots:
-        if not root.path.is_dir():
+        try:  # a root that is missing, not a folder, unreadable or not even a usable name is searched as empty
+            folders = sorted(p for p in root.path.iterdir() if p.is_dir() and not p.name.startswith("."))
+        except (OSError, ValueError):
             continue
-        for folder in sorted(p for p in root.path.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        for folder in folders:
             if folder.resolve() in seen:
                 continue
             file = None
