@@ -21,6 +21,7 @@ __all__ = ["CLASS_NAMES", "DEFAULT_DATA", "IMAGE_SIZE", "Split", "data_dir", "lo
 
 DEFAULT_DATA = Path("/usr/share/datasets/fashion-mnist")  # Debian's dataset-fashion-mnist
 IMAGE_SIZE = 28  # Fashion-MNIST's: what the judge's classifier and the family's VAE take
+MAX_IDX_BYTES = 1 << 32  # Fashion-MNIST's training images are 47 MB; EMNIST's largest split under 1 GB
 CLASS_NAMES = ("T-shirt/top", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag",
                "ankle boot")
 _FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
@@ -59,13 +60,29 @@ def read_idx(path: Path) -> np.ndarray:
                 raise BadInput(f"{path} is not an unsigned-byte IDX file (bad magic {header.hex()}): {_HOW}")
             ndim = header[3]
             shape = struct.unpack(f">{ndim}I", f.read(4 * ndim))
-            data = f.read(math.prod(shape) + 1)  # no further: a small gzip can inflate to gigabytes
+            if math.prod(shape) > MAX_IDX_BYTES:
+                raise BadInput(f"{path} declares shape {shape}, {math.prod(shape):,} bytes: more than the "
+                               f"{MAX_IDX_BYTES:,} an IDX file read here may hold: {_HOW}")
+            data = _read_at_most(f, math.prod(shape) + 1)  # no further: a small gzip can inflate to gigabytes
     except (OSError, EOFError, struct.error) as e:
         raise BadInput(f"cannot read {path}: {e}: {_HOW}")
     if len(data) != math.prod(shape):
         state = "is truncated" if len(data) < math.prod(shape) else "holds more bytes than its shape"
         raise BadInput(f"{path} {state}: {len(data):,} bytes of data for shape {shape}: {_HOW}")
     return np.frombuffer(data, dtype=np.uint8).reshape(shape)
+
+
+def _read_at_most(f, size: int, chunk: int = 16 << 20) -> bytes:
+    """Up to `size` bytes, read in chunks: a header declaring gigabytes over a short file costs what the file holds,
+    not an allocation of what it declares (one read of `size` asks for it all at once)."""
+    parts, left = [], size
+    while left > 0:
+        part = f.read(min(chunk, left))
+        if not part:
+            break
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
 
 
 def load_split(split: str = "train", folder: str | Path | None = None, image_size: int = IMAGE_SIZE) -> Split:

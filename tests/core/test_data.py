@@ -93,6 +93,21 @@ def test_a_file_that_inflates_past_its_shape_is_refused_without_reading_it_all(t
     assert -1 not in asked and max(asked) == 2 * 28 * 28 + 1
 
 
+@pytest.mark.parametrize(("shape", "message"), [((2**31, 28, 28), "declares shape"),  # past the cap
+                                                 ((3_000_000, 28, 28), "is truncated")])  # 2.4 GB under it
+def test_a_header_declaring_gigabytes_over_a_short_file_allocates_what_the_file_holds(tmp_path, shape, message):
+    path = tmp_path / "t10k-images-idx3-ubyte.gz"
+    path.write_bytes(gzip.compress(b"\0\0\x08\x03" + struct.pack(">3I", *shape) + bytes(5 * 28 * 28)))
+    import tracemalloc
+
+    tracemalloc.start()
+    with pytest.raises(BadInput, match=message):  # was a MemoryError (or gigabytes taken) for one read of it all
+        read_idx(path)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 64 << 20
+
+
 def test_images_of_another_size_are_bad_input(tmp_path):
     folder = tmp_path / "idx"
     folder.mkdir()
