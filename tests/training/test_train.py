@@ -265,6 +265,32 @@ def test_an_existing_card_is_not_overwritten_unless_asked(tmp_path, data):
         train(tiny("fashion-vae"), command="c", out=tmp_path / "vae", run_dir=tmp_path / "run", data=str(data))
 
 
+def test_a_card_id_another_card_on_the_search_path_holds_is_refused_before_training(examples, tmp_path, data,
+                                                                                    monkeypatch):
+    """`distill fashion-base` run outside this repository wrote cards/fashion-base-2step beside the built-in one:
+    every later lookup of the id was ambiguous, the new card's own lineage included."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from cardtool.cli import app
+    from cardtool.core.cards import discovery
+
+    monkeypatch.setattr(discovery, "builtin_dir", lambda: examples)  # built-in cards: tiny-base, tiny-rl, …
+    monkeypatch.chdir(tmp_path)  # ./cards is searched: a card written there joins the search path
+    recipe = tiny("fashion-vae", ["card.id=tiny-base"])
+    with pytest.raises(BadInput, match=r"card id 'tiny-base' is already the id of .*tiny-base \(builtin\).*"
+                                       r"another id \(--set card.id=NAME\)"):
+        train(recipe, command="c", run_dir=tmp_path / "run", data=str(data))
+    assert not (tmp_path / "cards").exists() and not (tmp_path / "run").exists(), "refused before any work"
+    result = CliRunner().invoke(app, ["cards", "export", "tiny-distilled", "--format", "hf", "--out",
+                                      "cards/tiny-distilled-hf", "--json"])  # the export's manifest keeps its id
+    assert result.exit_code == 2 and "already the id of" in json.loads(result.stdout)["error"]["message"]
+    assert not (tmp_path / "cards").exists()
+    card = train(recipe, command="c", out=tmp_path / "mine" / "vae", run_dir=tmp_path / "run", data=str(data))
+    assert card.id == "tiny-base", "off the search path the id is the user's to choose"
+
+
 def test_classifier_pretrain_and_generate_from_what_training_wrote(tmp_path, data, monkeypatch):
     """The whole family on tiny configs: VAE → classifier → pretrained text-to-image card → generate."""
     monkeypatch.chdir(tmp_path)

@@ -12,11 +12,11 @@ import yaml
 
 from cardtool.atomic import running, save_tensors, synced, writable_folder
 from cardtool.core.cards.loader import Card, load_card
-from cardtool.core.cards.source import MANIFEST_NAMES
+from cardtool.core.cards.source import MANIFEST_NAMES, display_path
 from cardtool.core.cards.weight_files import sha256_file
 from cardtool.errors import BadInput, CardValidationError
 
-__all__ = ["replaceable", "write_card"]
+__all__ = ["replaceable", "unclaimed_id", "write_card"]
 
 
 def write_card(folder: Path, manifest: dict, weights: dict[str, dict], *, copies: dict[str, Path] | None = None,
@@ -33,6 +33,7 @@ def write_card(folder: Path, manifest: dict, weights: dict[str, dict], *, copies
         if not overwrite:
             raise BadInput(f"{folder} already exists; choose another --out, or pass --overwrite to replace it")
         replaceable(folder)
+    unclaimed_id(str(manifest.get("id")), folder)
     staging = writable_folder(folder.parent, "the card's folder") / f".{folder.name}.tmp-{os.getpid()}"
     _recover(folder)
     shutil.rmtree(staging, ignore_errors=True)
@@ -85,6 +86,32 @@ def _recover(folder: Path) -> None:
             os.replace(leftover, folder)
         else:
             shutil.rmtree(leftover, ignore_errors=True)
+
+
+def unclaimed_id(card_id: str, folder: Path,
+                 fix: str = "give the new card another id, or write it off the card search path (--out)") -> None:
+    """A card written into a folder the card search covers (./cards, CARDTOOL_PATH, the built-in cards) may not take
+    the id of another card found there: every later lookup of that id — `generate ID`, a child's `extends`, a
+    lineage — would fail as ambiguous. (`distill fashion-base` run outside this repository would otherwise write a
+    second `fashion-base-2step` beside the built-in one.) Replacing the very card that holds the id is fine."""
+    from cardtool.core.cards.discovery import scan, search_roots
+
+    folder = Path(folder).resolve()
+    roots = search_roots()
+    if not any(_same_folder(root.path, folder.parent) for root in roots):
+        return  # a folder of the user's own choosing, off the search path
+    for entry in scan(roots, ids_only=True):
+        if entry.id == card_id and not _same_folder(entry.folder, folder):
+            raise BadInput(f"card id '{card_id}' is already the id of {display_path(entry.folder)} ({entry.origin}); "
+                           f"a second card with it in {display_path(folder.parent)} would make every lookup of the "
+                           f"id ambiguous: {fix}")
+
+
+def _same_folder(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
 
 
 def replaceable(folder: Path) -> None:

@@ -28,7 +28,7 @@ def train(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Pat
     platform = Platform.detect(device)
     out = Path(out or Path("cards") / recipe.card.id)
     run_dir = Path(run_dir or Path("runs") / recipe.card.id)
-    writable_outputs(out, run_dir, replace=overwrite, flag="--overwrite")
+    writable_outputs(out, run_dir, replace=overwrite, flag="--overwrite", card_id=recipe.card.id)
     folder = data or recipe.data.get("folder")
     method = recipe.method
     size = IMAGE_SIZE

@@ -247,16 +247,20 @@ def _train(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, resume
     return TrainResult(final, o.steps, loss_value, total, o.steps * o.batch_size / total if total else 0.0)
 
 
-def writable_outputs(out: Path, run_dir: Path, *, replace: bool, flag: str) -> None:
+def writable_outputs(out: Path, run_dir: Path, *, replace: bool, flag: str, card_id: str,
+                     rename: str = "--set card.id=NAME", relocate: str = "--out") -> None:
     """The folder the card goes in and the run folder, proven usable before training, not after it: writable, apart
-    (a card is written as a whole new folder, so a run folder at or inside it would stop the card at the end), and no
-    folder at `out` unless `replace` (the command's `flag`) — and then one `write_card` may replace."""
-    from cardtool.core.cards.writer import replaceable
+    (a card is written as a whole new folder, so a run folder at or inside it would stop the card at the end), no
+    folder at `out` unless `replace` (the command's `flag`) — and then one `write_card` may replace — and `card_id`
+    not another card's on the search path `out` is in."""
+    from cardtool.core.cards.writer import replaceable, unclaimed_id
 
     if out.exists() or out.is_symlink():
         if not replace:
             raise BadInput(f"{out} already exists; choose another --out, or pass {flag} to replace it")
         replaceable(out)
+    unclaimed_id(card_id, out, f"give the new card another id ({rename}), or write it off the card search path "
+                               f"({relocate})")
     card, run = Path(out).resolve(), Path(run_dir).resolve()
     if run == card or card in run.parents:
         raise BadInput(f"--run-dir {run_dir} is {'the card folder' if run == card else 'inside the card folder'} "

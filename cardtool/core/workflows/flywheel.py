@@ -142,7 +142,11 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
         reward_card(ref)
     run_dir = Path(run_dir or Path("runs") / f"{recipe.rl.card.id}-flywheel")
     # before the first stage, not after it; an existing stage card is the stage's to skip or (--force) replace
-    writable_outputs(Path(out_dir) / recipe.rl.card.id, run_dir, replace=True, flag="--force")
+    elsewhere = {"rename": "--out-prefix NAME", "relocate": "--out-dir"}
+    writable_outputs(Path(out_dir) / recipe.rl.card.id, run_dir, replace=True, flag="--force",
+                     card_id=recipe.rl.card.id, **elsewhere)
+    writable_outputs(Path(out_dir) / recipe.distill.card.id, run_dir, replace=True, flag="--force",
+                     card_id=recipe.distill.card.id, **elsewhere)
     report = FlywheelReport(judge=judge, held_out_judge=held_out_judge, per_class=per_class)
     common = {"device": device, "data": data, "micro_batches": micro_batches}
 
