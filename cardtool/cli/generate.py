@@ -112,9 +112,9 @@ def generate_command(
     if report.grid:
         say(f"{report.grid}  (grid)")
     count = counted(len(report.images), "image") + (f" ({report.skipped} already there)" if report.skipped else "")
-    rate = (len(report.images) - report.skipped) / report.seconds if report.seconds else float("nan")
-    say(f"{count} from {report.card} on {report.platform} in {report.seconds:.2f}s "
-        f"({rate:.1f} images/s)", stderr=True)
+    made = len(report.images) - report.skipped
+    rate = f"{made / report.seconds:.1f} images/s" if made and report.seconds else "none made"
+    say(f"{count} from {report.card} on {report.platform} in {report.seconds:.2f}s ({rate})", stderr=True)
 
 
 _DEFAULTS = {"seed": 0, "best_of": 1}  # None above means "not given" (for --like); these are the defaults
