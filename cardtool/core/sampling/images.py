@@ -45,11 +45,19 @@ def read_png_metadata(path: Path) -> dict[str, str]:
 
 
 def read_png(path: Path, pixels: bool = True) -> tuple[np.ndarray | None, dict[str, str]]:
-    """A PNG's grey pixels (None unless `pixels`) and its text chunks."""
+    """A PNG's grey pixels (None unless `pixels`) and its text chunks. Read as a regular file of bounded size (never
+    blocking on a FIFO that stands where an image should); OSError when it is not one."""
+    import io
+
     from PIL import Image
 
-    with Image.open(path) as image:
-        return (np.asarray(image.convert("L")).copy() if pixels else None), dict(image.text)
+    from cardtool.files import read_small_file_bytes
+
+    data, reason = read_small_file_bytes(Path(path), limit=64 << 20)
+    if reason:
+        raise OSError(reason)
+    with Image.open(io.BytesIO(data)) as image:
+        return (np.asarray(image.convert("L")).copy() if pixels else None), dict(getattr(image, "text", {}))
 
 
 def grid_image(rows: list[tuple[str, list[np.ndarray]]], scale: int = 3) -> np.ndarray:

@@ -33,19 +33,13 @@ class Like:
 
 def read_like(path: Path | str) -> Like:
     """The request recorded in PNG `path`; BadInput for a file that is not an image cardtool's generate made."""
-    import io
-
     from PIL import Image
 
-    from cardtool.files import read_small_file_bytes
+    from cardtool.core.sampling.images import read_png_metadata
 
     path = Path(path)
-    data, reason = read_small_file_bytes(path, limit=64 << 20)  # never blocking on a FIFO or reading a device
-    if reason:
-        raise BadInput(f"--like: {reason}")
     try:
-        with Image.open(io.BytesIO(data)) as image:
-            metadata = dict(getattr(image, "text", {}))
+        metadata = read_png_metadata(path)
     except Image.UnidentifiedImageError:
         raise BadInput(f"--like {path}: not an image") from None
     except Exception as e:  # noqa: BLE001 - PIL's many errors for a damaged image
