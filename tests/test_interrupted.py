@@ -76,6 +76,22 @@ def test_an_interrupted_workflow_keeps_its_finished_steps(tmp_path, monkeypatch,
     assert error["kind"] == "interrupted" and error["message"].startswith("SIGTERM after 1 of 4 steps")
     assert [s["step"] for s in error["partial"]["steps"]] == ["draft"]
     assert sorted(p.parent.name for p in (tmp_path / "out" / "tiny-tour").glob("*/*.png")) == ["draft", "draft"]
+    assert "the same command with --skip-existing makes the rest" in error["message"]
+
+    # resumed, it keeps the draft and makes the rest: the images an uninterrupted run makes, under the same names
+    monkeypatch.setattr(run_module, "_run_step", step)
+    resumed = CliRunner().invoke(app, ["workflow", "run", str(REPO / "examples" / "workflows" / "tiny-tour.yaml"),
+                                       "--out", str(tmp_path / "out"), "--json", "--skip-existing"])
+    assert resumed.exit_code == 0, resumed.output
+    assert [s["kept"] for s in json.loads(resumed.stdout)["steps"]] == [2, 0, 0, 0]
+    whole = CliRunner().invoke(app, ["workflow", "run", str(REPO / "examples" / "workflows" / "tiny-tour.yaml"),
+                                     "--out", str(tmp_path / "whole")])
+    assert whole.exit_code == 0, whole.output
+    made = sorted((tmp_path / "out" / "tiny-tour").glob("*/*.png"))
+    assert [p.relative_to(tmp_path / "out") for p in made] == \
+        [p.relative_to(tmp_path / "whole") for p in sorted((tmp_path / "whole" / "tiny-tour").glob("*/*.png"))]
+    for path in made:
+        assert path.read_bytes() == (tmp_path / "whole" / path.relative_to(tmp_path / "out")).read_bytes(), path
 
 
 def test_a_signal_the_process_was_told_to_ignore_stays_ignored(interactive_signals):

@@ -43,6 +43,9 @@ def run_command(
     out: Annotated[Path, typer.Option("--out", help="Images go to OUT/WORKFLOW_ID/STEP/.")] = Path("outputs"),
     device: Annotated[str | None, typer.Option("--device", help="Override the device (cuda, cpu).")] = None,
     max_batch: Annotated[int, typer.Option("--max-batch", help="Model rows per forward.")] = 128,
+    skip_existing: Annotated[bool, typer.Option(
+        "--skip-existing", help="Keep each image already in --out with the settings this run would make it with (a "
+        "stopped run's) and make only the others.")] = False,
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")] = False,
 ) -> None:
     """Run a workflow: its steps in dependency order in one process, each card loaded once."""
@@ -51,12 +54,14 @@ def run_command(
 
     def progress(entry: dict) -> None:
         if os.environ.get("RANK", "0") == "0":  # on stderr, also under --json
-            say(f"step {entry['step']} ({entry['kind']}): {counted(len(entry['images']), 'image')} in "
+            kept = f" ({entry['kept']} already there)" if entry["kept"] else ""
+            say(f"step {entry['step']} ({entry['kind']}): {counted(len(entry['images']), 'image')}{kept} in "
                 f"{entry['seconds']:.2f}s", stderr=True)
 
     with handled(json_):
         workflow = load_workflow(file, list(overrides or []))
-        report = run_workflow(workflow, out=out, device=device, max_batch=max_batch, on_step=progress)
+        report = run_workflow(workflow, out=out, device=device, max_batch=max_batch, on_step=progress,
+                              skip_existing=skip_existing)
     if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 reports for every rank
         return
     if json_:

@@ -226,3 +226,36 @@ def test_a_rerun_whose_input_step_changed_writes_its_refined_images_beside_the_o
         for source, refined in zip(draft["images"], refine["images"], strict=True):
             assert pixels(refined["path"])[1]["input_tag"] == pixels(source["path"])[1]["tag"]
     assert len(list((tmp_path / "out" / "w" / "refine").glob("*.png"))) == 4, "both runs' refinements are kept"
+
+
+def test_skip_existing_keeps_each_image_written_with_its_settings_and_makes_only_the_others(examples, tmp_path):
+    """A best-of image is named by its request, N and reward, not by its pick: known before sampling, so kept too."""
+    path = write(tmp_path, examples, """  draft:
+    generate: {card: EX/tiny-base, prompts: ["a bag", "a coat"], steps: 2}
+  refine:
+    chain: {input: draft, card: EX/tiny-base, strength: 0.5, steps: 2}
+  pick:
+    best_of_n: {card: EX/tiny-base, reward: EX/tiny-judge, n: 3, prompts: ["a sneaker", "a dress"], steps: 2}
+""")
+    first = json.loads(run(path, tmp_path).stdout)["steps"]
+    files = {s["step"]: [Path(i["path"]) for i in s["images"]] for s in first}
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for paths in files.values() for p in paths}
+    files["refine"][1].unlink()
+    files["pick"][0].unlink()
+    files["draft"][0].write_bytes(files["draft"][1].read_bytes())  # another image under its name: not kept
+    again = run(path, tmp_path, "--skip-existing")
+    assert again.exit_code == 0, again.output
+    steps = json.loads(again.stdout)["steps"]
+    assert [s["kept"] for s in steps] == [1, 1, 1]
+    assert steps == [{**s, "seconds": a["seconds"], "kept": a["kept"]} for s, a in zip(first, steps, strict=True)]
+    for p, (data, _) in before.items():
+        assert p.read_bytes() == data, p
+    kept = [files["draft"][1], files["refine"][0], files["pick"][1]]
+    assert all(p.stat().st_mtime_ns == before[p][1] for p in kept), "kept images are not written again"
+
+    # the draft made again under other settings: its refinements are other images; n is part of best-of's name
+    other = run(path, tmp_path, "--skip-existing", "--set", "steps.draft.generate.seed=5",
+                "--set", "steps.pick.best_of_n.n=2")
+    assert [s["kept"] for s in json.loads(other.stdout)["steps"]] == [0, 0, 0]
+    plain = run(path, tmp_path)
+    assert [s["kept"] for s in json.loads(plain.stdout)["steps"]] == [0, 0, 0], "without the flag all are made"

@@ -1,10 +1,16 @@
 """Running a workflow manifest (in one process, or split by rank under torchrun): each card is loaded once on one
 platform (generators and rewards side by side), steps run in dependency order, every step's images are written as
-PNGs whose metadata names the workflow and the step, and the report lists them (with best-of-N's scores)."""
+PNGs whose metadata names the workflow and the step, and the report lists them (with best-of-N's scores).
+
+Each image is planned before anything is sampled, and its file name ends in a tag of what decides it (card, weights,
+request; for a chain its input's tag; for best-of-N the N and the reward's weights, not the pick): with
+`skip_existing` an image already written under its name is read back instead of made again, so a run that was
+stopped resumes where it stopped."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import time
 from dataclasses import dataclass, field
@@ -16,6 +22,7 @@ from cardtool.atomic import writable_folder
 from cardtool.backends.platform import Platform
 from cardtool.core import distributed
 from cardtool.core.interrupt import Interrupted, stop_requests
+from cardtool.core.sampling.denoise import Request
 from cardtool.core.sampling.generate import (
     LoadedCard,
     image_metadata,
@@ -38,6 +45,23 @@ class Output:
     prompt: str
     metadata: dict[str, str]
     path: Path | None = None
+
+
+@dataclass
+class _Job:
+    """One image of a step, as planned: its card (as the workflow names it), how it is made (`sample`, `refine`
+    from `source`, `best_of`), its request and the metadata it is named by."""
+
+    ref: str
+    how: str
+    request: Request
+    metadata: dict[str, str]
+    source: Output | None = None
+    selection: dict[str, str] = field(default_factory=dict)  # best-of-N's N and reward: in the tag only
+
+    @property
+    def tag(self) -> str:
+        return settings_tag({**self.metadata, **self.selection})
 
 
 @dataclass
@@ -71,61 +95,82 @@ class _Runner:
             self.cards[ref] = LoadedCard(str(self.locate(ref)), device=self.device, cache=self.cache)
         return self.cards[ref]
 
-    def _requests(self, loaded: LoadedCard, prompts: list[str], num: int, body):
+    def _requests(self, ref: str, prompts: list[str], num: int, body) -> list[Request]:
         adapters = list(body.adapters.items()) if body.adapters is not None else None
-        requests, _ = plan_requests(loaded.card, prompts, num=num, seed=body.seed, steps=body.steps,
+        requests, _ = plan_requests(self.card(ref).card, prompts, num=num, seed=body.seed, steps=body.steps,
                                     guidance=body.guidance, shift=body.shift, solver=body.solver, adapters=adapters,
                                     negative_prompt=body.negative_prompt)
         return requests
 
-    def generate(self, ref: str, prompts: list[str], num: int, body) -> list[Output]:
-        loaded = self.card(ref)
-        loop = loaded.loop()
-        requests = self._requests(loaded, prompts, num, body)
-        images = self.ranks.spread(requests, lambda chosen: list(loop.finalize(sample(loop, chosen,
-                                                                                       max_batch=self.max_batch))))
-        return [Output(i, r.prompt, image_metadata(loop, r)) for r, i in zip(requests, images, strict=True)]
+    def sampled(self, ref: str, prompts: list[str], num: int, body) -> list[_Job]:
+        loop = self.card(ref).loop()
+        return [_Job(ref, "sample", r, image_metadata(loop, r)) for r in self._requests(ref, prompts, num, body)]
 
-    def refine(self, ref: str, inputs: list[Output], body, source: str) -> list[Output]:
-        """SDEdit with card `ref`: each input re-noised to σ = strength with seed body.seed + k, then denoised."""
-        loaded = self.card(ref)
-        loop = loaded.loop()
-        requests = []
+    def refined(self, ref: str, inputs: list[Output], body, source: str) -> list[_Job]:
+        """SDEdit with card `ref`: each input re-noised to σ = strength with seed body.seed + k, then denoised. The
+        input's tag is part of the image's: a rerun whose input step changed writes beside, never over, it."""
+        loop = self.card(ref).loop()
+        jobs = []
         for k, item in enumerate(inputs):
-            (request,) = self._requests(loaded, [item.prompt], 1, body.model_copy(update={"seed": body.seed + k}))
-            requests.append(dataclasses.replace(request, strength=body.strength))
-        if not inputs:
-            return []
+            (request,) = self._requests(ref, [item.prompt], 1, body.model_copy(update={"seed": body.seed + k}))
+            request = dataclasses.replace(request, strength=body.strength)
+            jobs.append(_Job(ref, "refine", request, {**image_metadata(loop, request), "input": f"{source}/{k}",
+                                                      "input_tag": item.metadata.get("tag", "")}, item))
+        return jobs
 
-        def work(chosen):
+    def picked(self, body) -> list[_Job]:
+        reward = self.card(body.card).reward(str(self.locate(body.reward)))
+        selection = {"best_of": str(body.n),
+                     "reward": f"{reward.card_id}@{reward.instance.weights_version(reward.classifier_name)}"}
+        return [dataclasses.replace(job, how="best_of", selection=selection)
+                for job in self.sampled(body.card, body.prompts, body.num, body)]
+
+    def make(self, jobs: list[_Job], body) -> list[Output]:
+        """Make `jobs` (one card's, one kind), split across ranks; every rank gets every output, in order."""
+        loaded = self.card(jobs[0].ref)
+        loop, how = loaded.loop(), jobs[0].how
+
+        def work(chosen: list[_Job]) -> list[Output]:
+            requests = [job.request for job in chosen]
+            if how == "best_of":
+                from cardtool.core.sampling.best_of import best_of_n
+
+                reward = loaded.reward(str(self.locate(body.reward)))
+                picked = best_of_n(loop, reward, requests, body.n, max_batch=self.max_batch).checked(loaded.card.id)
+                return [Output(image, r.prompt, {**image_metadata(loop, r), **extra})
+                        for r, image, extra in zip(picked.requests, picked.images, picked.metadata(), strict=True)]
             # strength 1 re-noises all the way: the input is forgotten, the step is plain sampling of its prompts
-            sources = loop.encode(np.stack([inputs[k].image for k, _ in chosen])) if body.strength < 1 else None
-            requests = [r for _, r in chosen]
-            return list(loop.finalize(sample(loop, requests, max_batch=self.max_batch, sources=sources)))
+            sources = loop.encode(np.stack([job.source.image for job in chosen])) \
+                if how == "refine" and body.strength < 1 else None
+            images = loop.finalize(sample(loop, requests, max_batch=self.max_batch, sources=sources))
+            return [Output(image, job.request.prompt, job.metadata) for job, image in zip(chosen, images, strict=True)]
 
-        images = self.ranks.spread(list(enumerate(requests)), work)
-        # the input's own tag makes this image's: a rerun whose input step changed writes beside, never over, it
-        return [Output(i, r.prompt, {**image_metadata(loop, r), "input": f"{source}/{k}",
-                                     "input_tag": inputs[k].metadata.get("tag", "")})
-                for k, (r, i) in enumerate(zip(requests, images, strict=True))]
+        return self.ranks.spread(jobs, work)
 
-    def best_of_n(self, body) -> list[Output]:
-        from cardtool.core.sampling.best_of import best_of_n
+    def already_made(self, jobs: list[_Job], paths: list[Path]) -> dict[int, Output]:
+        """The images on disk as these jobs would make them — a PNG at the job's path whose metadata holds its tag
+        and whose size is the card's — by index. Rank 0's folder decides (it writes every image); under torchrun
+        every rank gets its outputs, which later steps read."""
+        from cardtool.core.sampling.images import read_png
 
-        loaded = self.card(body.card)
-        loop = loaded.loop()
-        reward = loaded.reward(str(self.locate(body.reward)))
-        def work(chosen):
-            picked = best_of_n(loop, reward, chosen, body.n, max_batch=self.max_batch).checked(loop.instance.card.id)
-            return list(zip(picked.requests, picked.images, picked.metadata(), strict=True))
-
-        made = self.ranks.spread(self._requests(loaded, body.prompts, body.num, body), work)
-        return [Output(i, r.prompt, {**image_metadata(loop, r), **extra}) for r, i, extra in made]
+        found = {}
+        if self.ranks.main:
+            for k, (job, path) in enumerate(zip(jobs, paths, strict=True)):
+                try:
+                    image, metadata = read_png(path) if path.is_file() else (None, {})
+                except (OSError, ValueError, SyntaxError):  # not a PNG we can read: made again
+                    continue
+                loop = self.card(job.ref).loop()
+                size = loop.instance.component(loop.vae).config.image_size
+                if metadata.get("tag") == job.tag and image.shape == (size, size):
+                    found[k] = Output(image, job.request.prompt, metadata, path)
+        return self.ranks.all_gather(found)[0]
 
 
 def run_workflow(workflow: Workflow, *, out: str | Path = "outputs", device: str | None = None,
-                 max_batch: int = 128, on_step=None) -> WorkflowReport:
-    """Run every step; images go to OUT/WORKFLOW_ID/STEP/NNN-….png, each step's as it finishes."""
+                 max_batch: int = 128, on_step=None, skip_existing: bool = False) -> WorkflowReport:
+    """Run every step; images go to OUT/WORKFLOW_ID/STEP/NNN-….png, each step's as it finishes. `skip_existing`:
+    keep each image already written there with the settings it would be made with, and make only the others."""
     runner = _Runner(workflow, device, max_batch)
     manifest = workflow.manifest
     folder = writable_folder(Path(out) / manifest.id, "the output folder")  # before the first step, not after
@@ -135,39 +180,59 @@ def run_workflow(workflow: Workflow, *, out: str | Path = "outputs", device: str
     with stop_requests(runner.ranks.world == 1) as caught:  # Ctrl-C / SIGTERM: the step in flight finishes first
         for number, name in enumerate(workflow.order):
             try:
-                _run_step(runner, workflow, name, outputs, folder, report, on_step)
+                _run_step(runner, workflow, name, outputs, folder, report, on_step, skip_existing)
             except RunFailed as failed:  # a full disk, NaN images: the finished steps stay listed
                 if report.steps and failed.partial is None:
                     failed.partial = report.to_json()
                 raise
             if caught and number < len(workflow.order) - 1:
                 raise Interrupted.after(caught[0], f"{number + 1} of {len(workflow.order)} steps: their images are "
-                                        f"written in {folder}", report.to_json())
+                                        f"written in {folder}; the same command with --skip-existing makes the rest",
+                                        report.to_json())
     report.seconds = time.perf_counter() - started
     return report
 
 
+def _jobs(runner: _Runner, step, outputs: dict[str, list[Output]]) -> list[_Job]:
+    body = step.body
+    if step.kind == "generate":
+        return runner.sampled(body.card, body.prompts, body.num, body)
+    if step.kind == "chain":
+        return runner.refined(body.card, outputs[body.input], body, body.input)
+    if step.kind == "best_of_n":
+        return runner.picked(body)
+    # parallel: every card in order, merged card by card
+    return [job for ref in body.cards
+            for job in (runner.sampled(ref, body.prompts, body.num, body) if body.input is None
+                        else runner.refined(ref, outputs[body.input], body, body.input))]
+
+
 def _run_step(runner: _Runner, workflow: Workflow, name: str, outputs: dict[str, list[Output]], folder: Path,
-              report: WorkflowReport, on_step) -> None:
-    """Run step `name` on the earlier steps' `outputs`, write its images and add it to `report`."""
+              report: WorkflowReport, on_step, skip_existing: bool) -> None:
+    """Run step `name` on the earlier steps' `outputs`, write its images (card by card) and add it to `report`."""
     manifest = workflow.manifest
     step = manifest.steps[name]
-    body, begun = step.body, time.perf_counter()
-    if step.kind == "generate":
-        produced = runner.generate(body.card, body.prompts, body.num, body)
-    elif step.kind == "chain":
-        produced = runner.refine(body.card, outputs[body.input], body, body.input)
-    elif step.kind == "best_of_n":
-        produced = runner.best_of_n(body)
-    else:  # parallel: every card in order, merged card by card
-        produced = [o for ref in body.cards
-                    for o in (runner.generate(ref, body.prompts, body.num, body) if body.input is None
-                              else runner.refine(ref, outputs[body.input], body, body.input))]
-    outputs[name] = produced
-    _write(folder / name, produced, manifest.id, name, step.kind, runner.ranks.main)
-    entry = {"step": name, "kind": step.kind, "seconds": round(time.perf_counter() - begun, 3),
+    begun = time.perf_counter()
+    jobs = _jobs(runner, step, outputs)
+    writable_folder(folder / name, "the output folder")
+    paths = [folder / name / f"{k:03d}-{job.metadata['card']}-{prompt_slug(job.request.prompt)}-{job.tag}.png"
+             for k, job in enumerate(jobs)]
+    produced = runner.already_made(jobs, paths) if skip_existing else {}
+    kept = len(produced)
+    todo = [k for k in range(len(jobs)) if k not in produced]
+    for _, group in itertools.groupby(todo, key=lambda k: jobs[k].ref):
+        group = list(group)
+        for k, item in zip(group, runner.make([jobs[k] for k in group], step.body), strict=True):
+            item.path = paths[k]
+            item.metadata = {**item.metadata, "workflow": manifest.id, "step": name, "step_kind": step.kind,
+                             "tag": jobs[k].tag}
+            if runner.ranks.main:  # under torchrun the other ranks hold the same outputs
+                save_image(item.path, item.image, item.metadata)
+            produced[k] = item
+    outputs[name] = [produced[k] for k in range(len(jobs))]
+    entry = {"step": name, "kind": step.kind, "seconds": round(time.perf_counter() - begun, 3), "kept": kept,
              "images": [{"path": str(o.path), **{k: json.loads(o.metadata[k]) if k == "scores" else o.metadata[k]
-                                                 for k in _REPORTED if k in o.metadata}} for o in produced]}
+                                                 for k in _REPORTED if k in o.metadata}} for o in outputs[name]]}
     report.steps.append(entry)
     if on_step:
         on_step(entry)
@@ -175,14 +240,3 @@ def _run_step(runner: _Runner, workflow: Workflow, name: str, outputs: dict[str,
 
 _REPORTED = ("card", "prompt", "seed", "steps", "strength", "input", "best_of", "reward", "request_seed", "candidate",
              "scores")
-
-
-def _write(folder: Path, produced: list[Output], workflow: str, step: str, kind: str, main: bool = True) -> None:
-    """Name each image and write it (rank 0 only: under torchrun the other ranks hold the same outputs)."""
-    writable_folder(folder, "the output folder")
-    for k, item in enumerate(produced):
-        tag = settings_tag(item.metadata)  # a run with other settings keeps this one's images
-        item.path = folder / f"{k:03d}-{item.metadata['card']}-{prompt_slug(item.prompt)}-{tag}.png"
-        item.metadata = {**item.metadata, "workflow": workflow, "step": step, "step_kind": kind, "tag": tag}
-        if main:
-            save_image(item.path, item.image, item.metadata)
