@@ -261,6 +261,28 @@ def test_a_run_with_other_settings_never_overwrites_an_earlier_image(on_path, tm
     assert again.path == made[0].path and len(list(tmp_path.glob("*.png"))) == len(runs), "the same call, same file"
 
 
+def huge_png_header(tag: str) -> bytes:
+    """A PNG of 60,000 × 60,000 pixels in a few hundred bytes: its header, a text chunk and a short IDAT."""
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 60_000, 60_000, 8, 0, 0, 0, 0))
+            + chunk(b"tEXt", b"tag\0" + tag.encode()) + chunk(b"IDAT", zlib.compress(bytes(1000)))
+            + chunk(b"IEND", b""))
+
+
+def test_a_png_declaring_billions_of_pixels_is_refused_as_a_value_error(tmp_path):
+    from cardtool.core.sampling.images import read_png
+
+    (tmp_path / "huge.png").write_bytes(huge_png_header("x"))
+    for pixels in (True, False):
+        with pytest.raises(ValueError, match="pixels"):
+            read_png(tmp_path / "huge.png", pixels)
+
+
 def test_skip_existing_makes_only_the_images_an_earlier_run_did_not_leave(on_path, tmp_path):
     from cardtool.core.sampling.generate import LoadedCard
 
@@ -274,11 +296,15 @@ def test_skip_existing_makes_only_the_images_an_earlier_run_did_not_leave(on_pat
     again = loaded.generate(["a bag", "a coat"], num=2, steps=2, out=tmp_path, skip_existing=True, grid=True)
     assert [image.path for image in again.images] == paths and again.skipped == 2
     assert {p: p.read_bytes() for p in paths} == original, "the two made again are the images they were"
+    paths[1].write_bytes(huge_png_header(first.images[1].metadata["tag"]))  # a small file declaring 3.6 G pixels
+    again = loaded.generate(["a bag", "a coat"], num=2, steps=2, out=tmp_path, skip_existing=True, grid=True)
+    assert [image.path for image in again.images] == paths and again.skipped == 3
+    assert {p: p.read_bytes() for p in paths} == original, "the two made again are the images they were"
     assert {p: p.stat().st_mtime_ns for p in (paths[0], paths[3])} == stamps, "the two kept are not rewritten"
     assert again.images[0].metadata == first.images[0].metadata, "a kept image is reported with its metadata"
     other = loaded.generate(["a bag"], num=1, steps=3, out=tmp_path, skip_existing=True)
     assert other.skipped == 0 and other.images[0].path not in paths, "other settings are other images"
-    assert json.loads(json.dumps(again.to_json()))["skipped"] == 2
+    assert json.loads(json.dumps(again.to_json()))["skipped"] == 3
 
 
 def test_a_grid_of_many_images_shows_a_bounded_part_of_them(on_path, tmp_path, monkeypatch):

@@ -10,7 +10,9 @@ import numpy as np
 
 from cardtool.atomic import write_atomic
 
-__all__ = ["png_bytes", "read_png", "read_png_metadata", "save_png", "grid_image"]
+__all__ = ["MAX_PIXELS", "png_bytes", "read_png", "read_png_metadata", "save_png", "grid_image"]
+
+MAX_PIXELS = 1 << 24  # an image or a grid cardtool writes is far smaller
 
 
 def png_bytes(pixels: np.ndarray, metadata: dict[str, str] | None = None) -> bytes:
@@ -46,8 +48,10 @@ def read_png_metadata(path: Path) -> dict[str, str]:
 
 def read_png(path: Path, pixels: bool = True) -> tuple[np.ndarray | None, dict[str, str]]:
     """A PNG's grey pixels (None unless `pixels`) and its text chunks. Read as a regular file of bounded size (never
-    blocking on a FIFO that stands where an image should); OSError when it is not one."""
+    blocking on a FIFO that stands where an image should); OSError when it is not one, ValueError when it declares
+    more than MAX_PIXELS (a small file can declare billions: Pillow's bomb check is an exception of its own)."""
     import io
+    import warnings
 
     from PIL import Image
 
@@ -56,8 +60,15 @@ def read_png(path: Path, pixels: bool = True) -> tuple[np.ndarray | None, dict[s
     data, reason = read_small_file_bytes(Path(path), limit=64 << 20)
     if reason:
         raise OSError(reason)
-    with Image.open(io.BytesIO(data)) as image:
-        return (np.asarray(image.convert("L")).copy() if pixels else None), dict(getattr(image, "text", {}))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as image:
+                if image.width * image.height > MAX_PIXELS:
+                    raise ValueError(f"{image.width} × {image.height} pixels, more than {MAX_PIXELS:,}")
+                return (np.asarray(image.convert("L")).copy() if pixels else None), dict(getattr(image, "text", {}))
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise ValueError(str(e)) from None
 
 
 def grid_image(rows: list[tuple[str, list[np.ndarray]]], scale: int = 3) -> np.ndarray:
