@@ -104,3 +104,41 @@ def test_a_signal_the_process_was_told_to_ignore_stays_ignored(interactive_signa
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGTERM)
     assert caught == [signal.SIGTERM] and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_workflow_stopped_inside_a_step_keeps_its_finished_waves_and_resumes_from_them(tmp_path, monkeypatch,
+                                                                                         interactive_signals):
+    """A long step is not all-or-nothing: the wave in flight finishes, is written, and is kept on --skip-existing."""
+    from cardtool.core.workflows import run as run_module
+
+    workflow = tmp_path / "w.yaml"
+    workflow.write_text(f"""schema: cardtool/v1
+kind: workflow
+id: w
+steps:
+  draft:
+    generate: {{card: {EXAMPLE_CARDS / 'tiny-base'}, prompts: ["a bag"], num: 3, steps: 1}}
+  refine:
+    chain: {{input: draft, card: {EXAMPLE_CARDS / 'tiny-base'}, steps: 2}}
+""")
+    save = run_module.save_image
+
+    def save_then_sigterm(path, *args):  # preempted as the first wave (one image at --max-batch 1) is written
+        save(path, *args)
+        if path.name.startswith("000-"):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(run_module, "save_image", save_then_sigterm)
+    command = ["workflow", "run", str(workflow), "--out", str(tmp_path / "out"), "--max-batch", "1", "--json"]
+    result = CliRunner().invoke(app, command)
+    assert result.exit_code == 143, result.output
+    error = json.loads(result.stdout)["error"]
+    assert error["message"].startswith("SIGTERM after 0 of 2 steps and 1 of 3 images of step 'draft'")
+    [draft] = error["partial"]["steps"]
+    assert [image["seed"] for image in draft["images"]] == ["0"] and len(list(tmp_path.glob("out/w/*/*.png"))) == 1
+
+    monkeypatch.setattr(run_module, "save_image", save)
+    resumed = CliRunner().invoke(app, [*command, "--skip-existing"])
+    assert resumed.exit_code == 0, resumed.output
+    assert [(s["step"], s["kept"], len(s["images"])) for s in json.loads(resumed.stdout)["steps"]] == [
+        ("draft", 1, 3), ("refine", 0, 3)]

@@ -169,28 +169,42 @@ class _Runner:
 
 def run_workflow(workflow: Workflow, *, out: str | Path = "outputs", device: str | None = None,
                  max_batch: int = 128, on_step=None, skip_existing: bool = False) -> WorkflowReport:
-    """Run every step; images go to OUT/WORKFLOW_ID/STEP/NNN-….png, each step's as it finishes. `skip_existing`:
-    keep each image already written there with the settings it would be made with, and make only the others."""
+    """Run every step; images go to OUT/WORKFLOW_ID/STEP/NNN-….png, written a forward's worth at a time.
+    `skip_existing`: keep each image already written there with the settings it would be made with, and make only
+    the others."""
     runner = _Runner(workflow, device, max_batch)
     manifest = workflow.manifest
     folder = writable_folder(Path(out) / manifest.id, "the output folder")  # before the first step, not after
     report = WorkflowReport(manifest.id, f"{runner.platform.device}/{runner.platform.arch}")
     outputs: dict[str, list[Output]] = {}
     started = time.perf_counter()
-    with stop_requests(runner.ranks.world == 1) as caught:  # Ctrl-C / SIGTERM: the step in flight finishes first
+    resume = f"their images are written in {folder}; the same command with --skip-existing makes the rest"
+    with stop_requests(runner.ranks.world == 1) as caught:  # Ctrl-C / SIGTERM: the wave in flight finishes first
         for number, name in enumerate(workflow.order):
             try:
-                _run_step(runner, workflow, name, outputs, folder, report, on_step, skip_existing)
+                _run_step(runner, workflow, name, outputs, folder, report, on_step, skip_existing, caught)
+            except _Stopped as stop:
+                report.steps.append(stop.entry)
+                done = f"{number} of {len(workflow.order)} steps and {len(stop.entry['images'])} of {stop.images} " \
+                       f"images of step '{name}'"
+                raise Interrupted.after(caught[0], f"{done}: {resume}", report.to_json()) from None
             except RunFailed as failed:  # a full disk, NaN images: the finished steps stay listed
                 if report.steps and failed.partial is None:
                     failed.partial = report.to_json()
                 raise
             if caught and number < len(workflow.order) - 1:
-                raise Interrupted.after(caught[0], f"{number + 1} of {len(workflow.order)} steps: their images are "
-                                        f"written in {folder}; the same command with --skip-existing makes the rest",
+                raise Interrupted.after(caught[0], f"{number + 1} of {len(workflow.order)} steps: {resume}",
                                         report.to_json())
     report.seconds = time.perf_counter() - started
     return report
+
+
+class _Stopped(Exception):
+    """A signal stopped a step between two waves; `entry` lists the images it has (kept or written)."""
+
+    def __init__(self, entry: dict, images: int):
+        super().__init__()
+        self.entry, self.images = entry, images
 
 
 def _jobs(runner: _Runner, step, outputs: dict[str, list[Output]]) -> list[_Job]:
@@ -208,8 +222,10 @@ def _jobs(runner: _Runner, step, outputs: dict[str, list[Output]]) -> list[_Job]
 
 
 def _run_step(runner: _Runner, workflow: Workflow, name: str, outputs: dict[str, list[Output]], folder: Path,
-              report: WorkflowReport, on_step, skip_existing: bool) -> None:
-    """Run step `name` on the earlier steps' `outputs`, write its images (card by card) and add it to `report`."""
+              report: WorkflowReport, on_step, skip_existing: bool, caught: list[int] = ()) -> None:
+    """Run step `name` on the earlier steps' `outputs` and add it to `report`: its images are made card by card in
+    waves of a forward's worth (split across ranks), each wave written when done; a signal in `caught` stops the
+    step after the wave in flight (`_Stopped`)."""
     manifest = workflow.manifest
     step = manifest.steps[name]
     begun = time.perf_counter()
@@ -220,22 +236,30 @@ def _run_step(runner: _Runner, workflow: Workflow, name: str, outputs: dict[str,
     produced = runner.already_made(jobs, paths) if skip_existing else {}
     kept = len(produced)
     todo = [k for k in range(len(jobs)) if k not in produced]
-    for _, group in itertools.groupby(todo, key=lambda k: jobs[k].ref):
-        group = list(group)
-        for k, item in zip(group, runner.make([jobs[k] for k in group], step.body), strict=True):
+    size = max(1, runner.max_batch // (step.body.n if step.kind == "best_of_n" else 1)) * runner.ranks.world
+    groups = [list(group) for _, group in itertools.groupby(todo, key=lambda k: jobs[k].ref)]
+    waves = [group[i:i + size] for group in groups for i in range(0, len(group), size)]
+
+    def entry() -> dict:
+        return {"step": name, "kind": step.kind, "seconds": round(time.perf_counter() - begun, 3), "kept": kept,
+                "images": [{"path": str(o.path), **{k: json.loads(o.metadata[k]) if k == "scores" else o.metadata[k]
+                                                    for k in _REPORTED if k in o.metadata}}
+                           for o in (produced[k] for k in range(len(jobs)) if k in produced)]}
+
+    for number, wave in enumerate(waves):
+        for k, item in zip(wave, runner.make([jobs[k] for k in wave], step.body), strict=True):
             item.path = paths[k]
             item.metadata = {**item.metadata, "workflow": manifest.id, "step": name, "step_kind": step.kind,
                              "tag": jobs[k].tag}
             if runner.ranks.main:  # under torchrun the other ranks hold the same outputs
                 save_image(item.path, item.image, item.metadata)
             produced[k] = item
+        if caught and number < len(waves) - 1:
+            raise _Stopped(entry(), len(jobs))
     outputs[name] = [produced[k] for k in range(len(jobs))]
-    entry = {"step": name, "kind": step.kind, "seconds": round(time.perf_counter() - begun, 3), "kept": kept,
-             "images": [{"path": str(o.path), **{k: json.loads(o.metadata[k]) if k == "scores" else o.metadata[k]
-                                                 for k in _REPORTED if k in o.metadata}} for o in outputs[name]]}
-    report.steps.append(entry)
+    report.steps.append(entry())
     if on_step:
-        on_step(entry)
+        on_step(report.steps[-1])
 
 
 _REPORTED = ("card", "prompt", "seed", "steps", "strength", "input", "best_of", "reward", "request_seed", "candidate",
