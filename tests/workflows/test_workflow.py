@@ -209,6 +209,21 @@ def test_a_disk_failing_at_a_later_step_keeps_the_finished_steps_listed(examples
     [finished] = error["partial"]["steps"]
     assert finished["step"] == "one" and all(Path(i["path"]).is_file() for i in finished["images"])
 
+    # failing inside a step, after a wave: the images it wrote are listed
+    written = []
+
+    def full_after_one(path, *args, **kwargs):
+        if written:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        written.append(path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(generate, "save_png", full_after_one)
+    result = run(path, tmp_path / "again", "--max-batch", "1", "--set", "steps.one.generate.num=2")
+    assert result.exit_code == 1, result.output
+    [stopped] = json.loads(result.stdout)["error"]["partial"]["steps"]
+    assert [Path(i["path"]) for i in stopped["images"]] == written
+
 
 def test_a_rerun_whose_input_step_changed_writes_its_refined_images_beside_the_old_ones(examples, tmp_path):
     """A chain's image is named by a tag that takes its input's: other drafts are other refinements, not overwrites."""

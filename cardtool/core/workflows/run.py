@@ -247,13 +247,18 @@ def _run_step(runner: _Runner, workflow: Workflow, name: str, outputs: dict[str,
                            for o in (produced[k] for k in range(len(jobs)) if k in produced)]}
 
     for number, wave in enumerate(waves):
-        for k, item in zip(wave, runner.make([jobs[k] for k in wave], step.body), strict=True):
-            item.path = paths[k]
-            item.metadata = {**item.metadata, "workflow": manifest.id, "step": name, "step_kind": step.kind,
-                             "tag": jobs[k].tag}
-            if runner.ranks.main:  # under torchrun the other ranks hold the same outputs
-                save_image(item.path, item.image, item.metadata)
-            produced[k] = item
+        try:
+            for k, item in zip(wave, runner.make([jobs[k] for k in wave], step.body), strict=True):
+                item.path = paths[k]
+                item.metadata = {**item.metadata, "workflow": manifest.id, "step": name, "step_kind": step.kind,
+                                 "tag": jobs[k].tag}
+                if runner.ranks.main:  # under torchrun the other ranks hold the same outputs
+                    save_image(item.path, item.image, item.metadata)
+                produced[k] = item
+        except RunFailed:  # a full disk, NaN images: what this step wrote before is listed too
+            if produced:
+                report.steps.append(entry())
+            raise
         if caught and number < len(waves) - 1:
             raise _Stopped(entry(), len(jobs))
     outputs[name] = [produced[k] for k in range(len(jobs))]
