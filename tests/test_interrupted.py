@@ -142,3 +142,4 @@ steps:
     assert resumed.exit_code == 0, resumed.output
     assert [(s["step"], s["kept"], len(s["images"])) for s in json.loads(resumed.stdout)["steps"]] == [
         ("draft", 1, 3), ("refine", 0, 3)]
+    assert "step draft: 2 of 3 images\n" in resumed.stderr and "step refine: 1 of 3 images\n" in resumed.stderr

@@ -42,7 +42,8 @@ def run_command(
                                                         "steps.draft.generate.num=4.")] = None,
     out: Annotated[Path, typer.Option("--out", help="Images go to OUT/WORKFLOW_ID/STEP/.")] = Path("outputs"),
     device: Annotated[str | None, typer.Option("--device", help="Override the device (cuda, cpu).")] = None,
-    max_batch: Annotated[int, typer.Option("--max-batch", help="Model rows per forward.")] = 128,
+    max_batch: Annotated[int, typer.Option("--max-batch", help="Model rows per forward (a guided request takes "
+                                           "two), and images per written wave.")] = 128,
     skip_existing: Annotated[bool, typer.Option(
         "--skip-existing", help="Keep each image already in --out with the settings this run would make it with (a "
         "stopped run's) and make only the others.")] = False,
@@ -58,9 +59,13 @@ def run_command(
             say(f"step {entry['step']} ({entry['kind']}): {counted(len(entry['images']), 'image')}{kept} in "
                 f"{entry['seconds']:.2f}s", stderr=True)
 
+    def wave(step: str, done: int, total: int) -> None:
+        if os.environ.get("RANK", "0") == "0":
+            say(f"step {step}: {done:,} of {counted(total, 'image')}", stderr=True)
+
     with handled(json_):
         workflow = load_workflow(file, list(overrides or []))
-        report = run_workflow(workflow, out=out, device=device, max_batch=max_batch, on_step=progress,
+        report = run_workflow(workflow, out=out, device=device, max_batch=max_batch, on_step=progress, on_wave=wave,
                               skip_existing=skip_existing)
     if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 reports for every rank
         return

@@ -168,10 +168,11 @@ class _Runner:
 
 
 def run_workflow(workflow: Workflow, *, out: str | Path = "outputs", device: str | None = None,
-                 max_batch: int = 128, on_step=None, skip_existing: bool = False) -> WorkflowReport:
+                 max_batch: int = 128, on_step=None, on_wave=None, skip_existing: bool = False) -> WorkflowReport:
     """Run every step; images go to OUT/WORKFLOW_ID/STEP/NNN-….png, written a forward's worth at a time.
-    `skip_existing`: keep each image already written there with the settings it would be made with, and make only
-    the others."""
+    `on_step(entry)` after each step, `on_wave(step, images it has, images it makes)` after each wave of a step
+    that takes several; `skip_existing`: keep each image already written there with the settings it would be made
+    with, and make only the others."""
     runner = _Runner(workflow, device, max_batch)
     manifest = workflow.manifest
     folder = writable_folder(Path(out) / manifest.id, "the output folder")  # before the first step, not after
@@ -182,7 +183,7 @@ def run_workflow(workflow: Workflow, *, out: str | Path = "outputs", device: str
     with stop_requests(runner.ranks.world == 1) as caught:  # Ctrl-C / SIGTERM: the wave in flight finishes first
         for number, name in enumerate(workflow.order):
             try:
-                _run_step(runner, workflow, name, outputs, folder, report, on_step, skip_existing, caught)
+                _run_step(runner, workflow, name, outputs, folder, report, (on_step, on_wave), skip_existing, caught)
             except _Stopped as stop:
                 report.steps.append(stop.entry)
                 done = f"{number} of {len(workflow.order)} steps and {len(stop.entry['images'])} of {stop.images} " \
@@ -222,13 +223,13 @@ def _jobs(runner: _Runner, step, outputs: dict[str, list[Output]]) -> list[_Job]
 
 
 def _run_step(runner: _Runner, workflow: Workflow, name: str, outputs: dict[str, list[Output]], folder: Path,
-              report: WorkflowReport, on_step, skip_existing: bool, caught: list[int] = ()) -> None:
+              report: WorkflowReport, callbacks, skip_existing: bool, caught: list[int] = ()) -> None:
     """Run step `name` on the earlier steps' `outputs` and add it to `report`: its images are made card by card in
     waves of a forward's worth (split across ranks), each wave written when done; a signal in `caught` stops the
     step after the wave in flight (`_Stopped`)."""
     manifest = workflow.manifest
     step = manifest.steps[name]
-    begun = time.perf_counter()
+    begun, (on_step, on_wave) = time.perf_counter(), callbacks
     jobs = _jobs(runner, step, outputs)
     writable_folder(folder / name, "the output folder")
     paths = [folder / name / f"{k:03d}-{job.metadata['card']}-{prompt_slug(job.request.prompt)}-{job.tag}.png"
@@ -259,8 +260,11 @@ def _run_step(runner: _Runner, workflow: Workflow, name: str, outputs: dict[str,
             if produced:
                 report.steps.append(entry())
             raise
-        if caught and number < len(waves) - 1:
-            raise _Stopped(entry(), len(jobs))
+        if number < len(waves) - 1:
+            if caught:
+                raise _Stopped(entry(), len(jobs))
+            if on_wave:
+                on_wave(name, len(produced), len(jobs))
     outputs[name] = [produced[k] for k in range(len(jobs))]
     report.steps.append(entry())
     if on_step:
