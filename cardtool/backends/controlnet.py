@@ -13,7 +13,7 @@ from torch import nn
 
 from cardtool.backends.platform import Platform
 from cardtool.backends.wan_config import WanDiTConfig
-from cardtool.backends.wan_dit import Kernels, WanDiT, _Block, name_linears
+from cardtool.backends.wan_dit import Kernels, WanDiT, _Block, name_linears, patchify
 
 __all__ = ["WanControlNet", "ControlRows"]
 
@@ -47,7 +47,7 @@ class WanControlNet(nn.Module):
 
     def forward(self, h, control, modulation, context, grid, text_mask):
         """The residual after each branch block, (B, L, D) each, for base tokens `h` and control latents."""
-        h = h + self.control_embedding(control.to(h.dtype)).flatten(2).transpose(1, 2)
+        h = h + patchify(self.blocks[0].ops, self.control_embedding, control.to(h.dtype))
         outputs = []
         for block, out in zip(self.blocks, self.controlnet_blocks, strict=True):
             h = block(h, block.attn2.keys_values(context), modulation, grid, text_mask)

@@ -20,7 +20,7 @@ from cardtool.backends.registry import KERNELS
 from cardtool.backends.torch_ops import fusable_on_cpu
 from cardtool.backends.wan_config import WanDiTConfig
 
-__all__ = ["WanDiT", "Kernels", "TextContext", "name_linears"]
+__all__ = ["MIN_ROWS", "WanDiT", "Kernels", "TextContext", "name_linears", "patchify", "product"]
 
 OPS = ("attention", "rms_norm", "modulated_layer_norm", "rope_3d", "timestep_embedding", "gelu_tanh", "lora_bgmv",
        "linear")
@@ -164,7 +164,7 @@ class WanDiT(nn.Module):
         """Patch tokens (B, L, D) in (f, h, w) order, the time embedding (B, D) and the blocks' modulation
         (B, 6, D)."""
         c, embedder = self.config, self.condition_embedder
-        h = self.patch_embedding(x).flatten(2).transpose(1, 2)
+        h = patchify(self.ops, self.patch_embedding, x)
         freq = self.ops.timestep_embedding(t, c.freq_dim).to(embedder.time_embedder.linear_1.weight.dtype)
         temb = embedder.time_embedder(freq, lora)
         modulation = _linear(self.ops, embedder.time_proj, F.silu(temb), lora).unflatten(1, (6, c.dim))
@@ -208,10 +208,36 @@ def name_linears(model: nn.Module) -> None:
             module.lora_name = name
 
 
+MIN_ROWS = 16
+
+
+def product(ops: Kernels, x, weight, bias=None, activation=None):
+    """The kernel table's linear, batch-invariant where the BLAS is for large products: one of fewer than MIN_ROWS
+    rows (the time embedding of a few requests) is zero-padded to MIN_ROWS, since BLAS libraries compute small
+    products with other kernels (GEMV, small-M paths) that round differently — without it a request's modulation,
+    and so its image, depends on how many requests share its forward (the parity ladder's C2)."""
+    rows = x.numel() // x.shape[-1]
+    if rows >= MIN_ROWS:
+        return ops.linear(x, weight, bias, activation)
+    padded = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, MIN_ROWS - rows))
+    return ops.linear(padded, weight, bias, activation)[:rows].reshape(*x.shape[:-1], weight.shape[0])
+
+
+def patchify(ops: Kernels, conv: nn.Conv3d, x):
+    """Tokens (B, L, D) in (f, h, w) order of a Conv3d whose kernel is its stride (the patch embedding), computed
+    as one product over the patches: the convolution's value, but oneDNN's convolution rounds differently for
+    different batch sizes and the product does not (C2)."""
+    b, channels, f, h, w = x.shape
+    pt, ph, pw = conv.kernel_size
+    patches = x.reshape(b, channels, f // pt, pt, h // ph, ph, w // pw, pw).permute(0, 2, 4, 6, 1, 3, 5, 7)
+    return product(ops, patches.reshape(b, -1, channels * pt * ph * pw), conv.weight.reshape(conv.out_channels, -1),
+                   conv.bias)
+
+
 def _linear(ops: Kernels, layer: nn.Linear, x, lora, activation=None):
     """`layer` through the kernel table's linear, with each row's LoRA delta added before the activation."""
     if lora is None:
-        return ops.linear(x, layer.weight, layer.bias, activation)
+        return product(ops, x, layer.weight, layer.bias, activation)
     if activation is not None and hasattr(lora, "activated") and fusable_on_cpu(x, layer.weight, layer.bias) \
             and x.dtype == torch.float32:  # where the activation fuses into the product (bf16 gains nothing there)
         y = lora.activated(layer.lora_name, x, layer, ops.linear, activation)

@@ -148,8 +148,8 @@ def test_parity_checks_the_consistency_the_card_promises(examples, level):
     checks = {"C1": ["a 2nd load"], "C2": ["a 2nd load", "alone"], "C4": ["a 2nd load", "alone", "another device"]}
     assert [row["against"] for row in contract] == checks[level]
     assert contract[0]["passed"] and contract[0]["max_abs_err"] == 0, "C1 holds here, bit for bit"
-    # batch invariance is judged bit for bit too (a float32 CPU batch of mixed requests differs from each alone
-    # by ~2e-7 here: C2 is not promised by any card this platform serves)
+    # batch invariance is judged bit for bit too (it holds where the platform's products round alike at every
+    # batch size: test_batch_invariance)
     assert all(row["passed"] == (row["max_abs_err"] == 0) for row in contract if row["against"] == "alone")
     assert result.exit_code == (0 if all(row["passed"] for row in contract) else 1)
     if level == "C4":

@@ -36,9 +36,10 @@ def card_parity(card: Card, platform: Platform) -> list[ParityRow]:
 
 
 def contract_rows(card: Card, platform: Platform, loop: str = "denoise") -> list[ParityRow]:
-    """The card's promised consistency (LADDER), checked here at its precision on PARITY_REQUESTS: C1 two fresh
-    loads (separate instances and text caches) giving the same bits; C2 each request alone giving the bits it gets
-    in the batch; C3 is the generation rows against numpy; C4 needs a second device and fails as unverifiable."""
+    """The card's promised consistency (LADDER), checked here at its precision on PARITY_REQUESTS — final latents
+    and decoded images: C1 two fresh loads (separate instances and text caches) giving the same bits; C2 each request
+    alone (its prompt encoded alone) giving the bits it gets in the batch; C3 is the generation rows against numpy;
+    C4 needs a second device and fails as unverifiable."""
     level = int(card.manifest.parity.consistency[1])
     if level == 0 or loop not in card.manifest.loops:
         return []
@@ -51,14 +52,15 @@ def contract_rows(card: Card, platform: Platform, loop: str = "denoise") -> list
         result.max_abs_err, result.max_rel_err, result.passed = compare_arrays(actual, expected, 0.0, 0.0)
         return result
 
-    def fresh() -> DenoiseLoop:
-        return DenoiseLoop(ModelInstance(card, platform, precision), loop, TextFeatureCache(disk=False))
+    def fresh(instance: ModelInstance | None = None) -> DenoiseLoop:
+        instance = instance or ModelInstance(card, platform, precision)
+        return DenoiseLoop(instance, loop, TextFeatureCache(disk=False))
 
     first = fresh()
     batched = _sampled(first, list(PARITY_REQUESTS))
     rows = [row("a 2nd load", _sampled(fresh(), list(PARITY_REQUESTS)), batched)]
-    if level >= 2:
-        alone = np.concatenate([_sampled(first, [request]) for request in PARITY_REQUESTS])
+    if level >= 2:  # each alone with a cache of its own: its prompt encoded alone too
+        alone = np.concatenate([_sampled(fresh(first.instance), [request]) for request in PARITY_REQUESTS])
         rows.append(row("alone", alone, batched))
     if level >= 4:
         rows.append(ParityRow(name, precision, "another device", [], math.inf, math.inf, 0.0,
@@ -96,9 +98,13 @@ def generation_rows(card: Card, platform: Platform, loop: str = "denoise") -> li
 
 
 def _latents(instance: ModelInstance, loop: str, cache: TextFeatureCache, requests: list[Request]) -> np.ndarray:
-    return _sampled(DenoiseLoop(instance, loop, cache), requests)
+    states = sample(DenoiseLoop(instance, loop, cache), requests)
+    return np.concatenate([instance.arrays.to_numpy(s.latents).astype(np.float64) for s in states])
 
 
 def _sampled(loop: DenoiseLoop, requests: list[Request]) -> np.ndarray:
+    """Each request's final latents and decoded image (its uint8 pixels), one row per request."""
     states = sample(loop, requests)
-    return np.concatenate([loop.instance.arrays.to_numpy(s.latents).astype(np.float64) for s in states])
+    latents = np.concatenate([loop.instance.arrays.to_numpy(s.latents).astype(np.float64) for s in states])
+    images, _ = loop.decode(states)
+    return np.concatenate([latents.reshape(len(states), -1), images.reshape(len(states), -1)], axis=1)

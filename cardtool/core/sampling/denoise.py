@@ -30,6 +30,8 @@ from cardtool.errors import BadInput, RunFailed
 
 __all__ = ["SOLVERS", "Request", "Capture", "LoopState", "DenoiseLoop", "NonFiniteImages", "shifted_sigmas"]
 
+VAE_GROUP = 4  # images a VAE call decodes or encodes while sampling (DenoiseLoop._grouped)
+
 
 class NonFiniteImages(RunFailed):
     """The model made NaN or inf where an image should be: no such image is written (`written`: how many of the
@@ -395,7 +397,7 @@ class DenoiseLoop:
                            "starting from an image needs the torch platform")
         x = self.arrays.asarray(images.astype(np.float64)[:, None] / 127.5 - 1.0)
         with self.arrays.inference():
-            latents = vae.encode(x)[0] * vae.config.scaling_factor
+            latents = self._grouped(lambda group: vae.encode(group)[0], x) * vae.config.scaling_factor
         latents = self.arrays.to_state(latents)[:, :, None]
         return [latents[i:i + 1] for i in range(len(images))]
 
@@ -412,7 +414,20 @@ class DenoiseLoop:
         vae = self.instance.component(self.vae)
         latents = self.arrays.cat([s.latents for s in states])[:, :, 0] / vae.config.scaling_factor
         with self.arrays.inference():
-            images = self.arrays.to_numpy(vae.decode(latents))[:, 0].astype(np.float64)
+            images = self.arrays.to_numpy(self._grouped(vae.decode, latents))[:, 0].astype(np.float64)
         finite = np.isfinite(images).all(axis=(1, 2))
         images[~finite] = -1.0
         return np.clip(np.round((images + 1) * 127.5), 0, 255).astype(np.uint8), finite
+
+    def _grouped(self, vae_call, x):
+        """`vae_call` on x in groups of exactly VAE_GROUP images (the last padded with zeros) off CUDA: oneDNN's
+        convolutions round differently for different batch sizes, so an image decoded with others would depend on
+        them (the parity ladder's C2); in fixed groups it does not, for ~3% of a 64-image generation on the CPU."""
+        if self.instance.platform.device == "cuda" or len(x) == 0:
+            return vae_call(x)
+        out = []
+        for i in range(0, len(x), VAE_GROUP):
+            group = x[i:i + VAE_GROUP]
+            short = VAE_GROUP - len(group)
+            out.append(vae_call(self.arrays.cat([group, *[x[:1] * 0] * short]) if short else group)[:len(group)])
+        return self.arrays.cat(out)

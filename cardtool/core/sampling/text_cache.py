@@ -32,7 +32,7 @@ class TextFeatureCache:
             prompt: str) -> str:
         fields = {"card": card, "component": component, "weights_version": weights_version, "config": config,
                   "adapters": list(adapters), "precision": precision,
-                  "prompt": hashlib.sha256(prompt.encode()).hexdigest()}
+                  "prompt": hashlib.sha256(prompt.encode()).hexdigest(), "encoded": "alone"}
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
     def get(self, key: str):
@@ -77,7 +77,9 @@ def _well_formed(states: np.ndarray, mask: np.ndarray) -> bool:
 
 
 def encode_prompts(instance, prompts: list[str], cache: TextFeatureCache, component: str = "text_encoder"):
-    """Features for each prompt, from the cache or encoded in one batch; the encoder is built only on a miss."""
+    """Features for each prompt, from the cache or encoded; the encoder is built only on a miss. Each prompt is
+    encoded alone: an encoder's batched products round differently with the batch (~2e-6 here), so features
+    encoded beside other prompts would make an image's bits depend on what the cache held when it was made."""
     spec = instance.card.manifest.components[component]
     common = dict(card=instance.card.id, component=component, weights_version=instance.weights_version(component),
                   config=spec.config, adapters=(), precision=instance.precision)
@@ -86,9 +88,8 @@ def encode_prompts(instance, prompts: list[str], cache: TextFeatureCache, compon
     missing = [k for k, v in found.items() if v is None]
     if missing:
         first = {k: p for k, p in zip(keys, prompts, strict=True) if k in missing}
-        encoder = instance.component(component)
-        states, mask = encoder([first[k] for k in missing])
-        arrays = instance.arrays
-        for i, k in enumerate(missing):
-            found[k] = cache.put(k, arrays.to_numpy(states[i]), arrays.to_numpy(mask[i]))
+        encoder, arrays = instance.component(component), instance.arrays
+        for k in missing:
+            states, mask = encoder([first[k]])
+            found[k] = cache.put(k, arrays.to_numpy(states[0]), arrays.to_numpy(mask[0]))
     return [found[k] for k in keys]
