@@ -11,6 +11,7 @@ The Python API, for scripts (each name is imported on first use, so `import card
     cardtool.generate("fashion-base", "a dress")       # one call: load, generate, done
     cardtool.evaluate("fashion-base", steps=[20], per_class=10).rows
     cardtool.load_card("fashion-base").manifest.recipe.parents
+    cardtool.run_workflow("examples/workflows/tiny-tour.yaml", out="outputs", skip_existing=True).steps
 
 Errors the caller can act on are `cardtool.BadInput` (the request), `cardtool.CardValidationError` (the card,
 with located `problems`) and `cardtool.RunFailed` (the work), all `cardtool.CardtoolError`.
@@ -23,6 +24,7 @@ _API = {
     "generate": "cardtool.core.sampling.generate",
     "evaluate": "cardtool.core.evaluation.evaluate",
     "load_card": "cardtool.core.cards.loader",
+    "run_workflow": "cardtool.core.workflows.run",
     "CardtoolError": "cardtool.errors",
     "BadInput": "cardtool.errors",
     "CardValidationError": "cardtool.errors",

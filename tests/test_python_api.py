@@ -19,10 +19,11 @@ def test_the_api_names_are_the_modules_own_objects():
     from cardtool.core.cards.loader import load_card
     from cardtool.core.evaluation.evaluate import evaluate
     from cardtool.core.sampling.generate import LoadedCard, generate
+    from cardtool.core.workflows.run import run_workflow
     from cardtool.errors import BadInput, CardtoolError, CardValidationError, RunFailed
 
-    assert (cardtool.LoadedCard, cardtool.generate, cardtool.evaluate, cardtool.load_card) == \
-        (LoadedCard, generate, evaluate, load_card)
+    assert (cardtool.LoadedCard, cardtool.generate, cardtool.evaluate, cardtool.load_card, cardtool.run_workflow) == \
+        (LoadedCard, generate, evaluate, load_card, run_workflow)
     assert all(issubclass(e, CardtoolError) for e in (BadInput, CardValidationError, RunFailed))
     assert cardtool.BadInput is BadInput and set(cardtool.__all__) <= set(dir(cardtool))
     with pytest.raises(AttributeError, match="no attribute 'generator'"):
@@ -50,3 +51,24 @@ def test_the_python_api_example_runs(tmp_path):
     assert np.abs(plain - inverted).max() > 0, "the adapter changed the same seed's image"
     assert lines[-1].startswith("refused: card 'tiny-base' declares no adapter 'no-such-adapter'")
     assert not (tmp_path / "out" / "never").exists()
+
+
+def test_a_workflow_runs_from_its_file_with_overrides_and_resumes(tmp_path):
+    tour = REPO / "examples" / "workflows" / "tiny-tour.yaml"
+    waves = []
+    report = cardtool.run_workflow(tour, overrides=["steps.draft.generate.num=2"], out=tmp_path, max_batch=2,
+                                   on_wave=lambda *args: waves.append(args))
+    assert [(s["step"], len(s["images"])) for s in report.steps] == [("draft", 4), ("refine", 4), ("compare", 2),
+                                                                     ("pick", 1)]
+    assert ("draft", 2, 4) in waves
+    again = cardtool.run_workflow(str(tour), overrides=("steps.draft.generate.num=2",), out=tmp_path,
+                                  skip_existing=True)
+    assert [s["kept"] for s in again.steps] == [4, 4, 2, 1]
+    for bad, message in (({"max_batch": 0}, "--max-batch must be at least 1"), ({"out": 3}, "out must be a path"),
+                         ({"overrides": "a=1"}, "overrides are a list"), ({"on_step": 1}, "on_step must be a")):
+        with pytest.raises(cardtool.BadInput, match=message):
+            cardtool.run_workflow(tour, **bad)
+    with pytest.raises(cardtool.BadInput, match="a workflow is a manifest file"):
+        cardtool.run_workflow(None)
+    with pytest.raises(cardtool.CardValidationError):
+        cardtool.run_workflow(tour, overrides=["steps.draft.generate.num=0"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,8 +34,8 @@ from cardtool.core.sampling.generate import (
 )
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache
-from cardtool.core.workflows.manifest import Workflow
-from cardtool.errors import RunFailed
+from cardtool.core.workflows.manifest import Workflow, load_workflow
+from cardtool.errors import BadInput, RunFailed
 
 __all__ = ["Output", "WorkflowReport", "run_workflow"]
 
@@ -167,12 +168,28 @@ class _Runner:
         return self.ranks.all_gather(found)[0]
 
 
-def run_workflow(workflow: Workflow, *, out: str | Path = "outputs", device: str | None = None,
-                 max_batch: int = 128, on_step=None, on_wave=None, skip_existing: bool = False) -> WorkflowReport:
-    """Run every step; images go to OUT/WORKFLOW_ID/STEP/NNN-….png, written a forward's worth at a time.
-    `on_step(entry)` after each step, `on_wave(step, images it has, images it makes)` after each wave of a step
-    that takes several; `skip_existing`: keep each image already written there with the settings it would be made
-    with, and make only the others."""
+def run_workflow(workflow: Workflow | str | os.PathLike, *, overrides: list[str] = (), out: str | Path = "outputs",
+                 device: str | None = None, max_batch: int = 128, on_step=None, on_wave=None,
+                 skip_existing: bool = False) -> WorkflowReport:
+    """Run every step of a workflow (a loaded one, or its file with `--set` style `overrides`); images go to
+    OUT/WORKFLOW_ID/STEP/NNN-….png, written a forward's worth at a time. `on_step(entry)` after each step,
+    `on_wave(step, images it has, images it makes)` after each wave of a step that takes several; `skip_existing`:
+    keep each image already written there with the settings it would be made with, and make only the others."""
+    if not isinstance(out, (str, os.PathLike)):
+        raise BadInput(f"out must be a path, got {out!r}"[:300])
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise BadInput(f"--max-batch must be at least 1, got {max_batch!r}")
+    for name, callback in (("on_step", on_step), ("on_wave", on_wave)):
+        if callback is not None and not callable(callback):
+            raise BadInput(f"{name} must be a function, got {callback!r}"[:300])
+    if not isinstance(workflow, Workflow):
+        if not isinstance(workflow, (str, os.PathLike)):
+            raise BadInput(f"a workflow is a manifest file or a loaded Workflow, got {workflow!r}"[:300])
+        if isinstance(overrides, str) or not all(isinstance(o, str) for o in overrides):
+            raise BadInput(f"overrides are a list of KEY=VALUE strings, got {overrides!r}"[:300])
+        workflow = load_workflow(workflow, list(overrides))
+    elif overrides:
+        raise BadInput("overrides apply when the workflow is loaded: give its file, or load it with them")
     runner = _Runner(workflow, device, max_batch)
     manifest = workflow.manifest
     folder = writable_folder(Path(out) / manifest.id, "the output folder")  # before the first step, not after
