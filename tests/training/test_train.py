@@ -347,6 +347,10 @@ def test_train_cli(tmp_path, data):
     assert json.loads(result.stdout)["card"] == "fashion-vae"
     bad = CliRunner().invoke(app, ["train", "--recipe", str(RECIPES / "fashion-vae.yaml"), "--set", "optim.lrr=1"])
     assert bad.exit_code == 2 and "optim.lrr" in bad.stderr
+    for parts in ("0", "-1"):
+        bad = CliRunner().invoke(app, ["train", "--recipe", str(RECIPES / "fashion-vae.yaml"), *sets, "--data",
+                                       str(data), "--micro-batches", parts, "--run-dir", str(tmp_path / "never")])
+        assert bad.exit_code == 2 and f"--micro-batches must be at least 1, got {parts}" in bad.stderr
 
 
 def test_bfloat16_training_is_refused_where_the_platform_has_no_bf16_compute(tmp_path, data, monkeypatch):

@@ -151,7 +151,9 @@ def _train(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, resume
                        "lacks; use --set train.precision=float32")
     ranks = distributed.ranks(platform.device)
     parts = ranks.world * micro_batches
-    if micro_batches < 1 or recipe.optim.batch_size % parts:
+    if micro_batches < 1:
+        raise BadInput(f"--micro-batches must be at least 1, got {micro_batches}")
+    if recipe.optim.batch_size % parts:
         raise BadInput(f"optim.batch_size {recipe.optim.batch_size} must split into {ranks.world} process(es) × "
                        f"{micro_batches} micro-batch(es)")
     modules = task.modules()
