@@ -8,7 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
+from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from cardtool.cli import app
@@ -133,6 +135,18 @@ BAD = {
                                 "steps.a.generate.steps", "less than or equal to 1000"),
     "unknown solver": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], solver: heun}\n", 6,
                        "steps.a.generate.solver", "'euler', 'sde' or 'renoise'"),
+    "an interval out of order": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], guidance_interval: [0.5, 0.2]}"
+                                 "\n", 6, "steps.a.generate", "must be [LO, HI] with 0 ≤ LO ≤ HI ≤ 1"),
+    "an unknown precision": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], precision: int8}\n", 6,
+                             "steps.a.generate.precision", "'float64', 'float32', 'bfloat16' or 'float16'"),
+    "control without a ControlNet": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], control: w.yaml}\n", 6,
+                                     "steps.a.generate.control", "has no ControlNet"),
+    "control from no input": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], control: input}\n", 6,
+                              "steps.a.generate.control", "has no input image to take as its control"),
+    "a control image not there": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], control: gone.png}\n", 6,
+                                  "steps.a.generate.control", "gone.png is not a file"),
+    "an unknown preprocessor": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], control: 'w.yaml:blur'}\n", 6,
+                                "steps.a.generate.control", "unknown preprocessor 'blur'"),
     "a class the reward cannot read": ("  a:\n    best_of_n:\n      card: EX/tiny-base\n      reward: EX/tiny-judge\n"
                                        "      n: 2\n      prompts: [a bag, something warm]\n", 10,
                                        "steps.a.best_of_n.prompts.1", "'something warm' names no class"),
@@ -147,8 +161,8 @@ def test_bad_workflows_are_located_errors_not_tracebacks(examples, tmp_path, cas
         result = CliRunner().invoke(app, command)
         assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
         problems = json.loads(result.stdout)["error"]["problems"]
-        hit = next((p for p in problems if p["field"] == field), None)
-        assert hit is not None and message in hit["message"], problems
+        hit = next((p for p in problems if p["field"] == field and message in p["message"]), None)
+        assert hit is not None, problems
         assert hit["file"].endswith("w.yaml") and hit["line"] == line
 
 
@@ -274,3 +288,57 @@ def test_skip_existing_keeps_each_image_written_with_its_settings_and_makes_only
     assert [s["kept"] for s in json.loads(other.stdout)["steps"]] == [0, 0, 0]
     plain = run(path, tmp_path)
     assert [s["kept"] for s in json.loads(plain.stdout)["steps"]] == [0, 0, 0], "without the flag all are made"
+
+
+def test_a_step_samples_as_generate_does_with_a_precision_an_interval_and_a_control_image(examples, tmp_path):
+    """A ControlNet card in a workflow: a control image beside the workflow, or each input image (its silhouette) as
+    the control of its own output — the draft's shape kept, the rest sampled anew (strength 1)."""
+    from cardtool.backends.controlnet import WanControlNet
+    from cardtool.backends.platform import Platform
+    from cardtool.core.cards.loader import load_card
+    from cardtool.core.sampling.control import ControlImage
+    from cardtool.core.sampling.images import save_png
+    from cardtool.core.sampling.instance import ModelInstance
+
+    base = ModelInstance(load_card(examples / "tiny-base"), Platform("cpu", "generic")).component("transformer")
+    torch.manual_seed(3)
+    net = WanControlNet(base.config, 1, Platform("cpu", "generic"))
+    with torch.no_grad():
+        for parameter in net.parameters():
+            parameter.copy_(torch.randn_like(parameter) * 0.1)
+    card = tmp_path / "tiny-control"
+    (card / "adapters").mkdir(parents=True)
+    save_file(net.state_dict(), str(card / "adapters" / "ctl.safetensors"))
+    (card / "card.yaml").write_text(f"""schema: cardtool/v1
+id: tiny-control
+extends: {examples / 'tiny-base'}
+adapters:
+  ctl: {{kind: controlnet, target: transformer, weights: adapters/ctl.safetensors, control: silhouette,
+        config: {{blocks: 1}}}}
+recipe: {{method: controlnet, parents: [tiny-base]}}
+""")
+    shape = np.zeros((28, 28), np.uint8)
+    shape[4:24, 8:20] = 200
+    save_png(tmp_path / "shape.png", shape)
+    steps = f"""  draft:
+    generate: {{card: EX/tiny-base, prompts: ["a bag"], num: 2, steps: 2, precision: bfloat16,
+                guidance_interval: [0, 0.5]}}
+  shaped:
+    generate: {{card: {card}, prompts: ["a coat"], steps: 2, control: shape.png, control_scale: 0.5}}
+  unshaped:
+    generate: {{card: {card}, prompts: ["a coat"], steps: 2, control: shape.png, control_scale: 0}}
+  restyled:
+    chain: {{input: draft, card: {card}, steps: 2, strength: 1, control: "input:edges"}}
+"""
+    result = run(write(tmp_path, examples, steps), tmp_path)
+    assert result.exit_code == 0, result.output
+    made = {s["step"]: [pixels(i["path"]) for i in s["images"]] for s in json.loads(result.stdout)["steps"]}
+    draft = made["draft"]
+    assert [(m["precision"], m["guidance_interval"]) for _, m in draft] == [("bfloat16", "0.0,0.5")] * 2
+    control = json.loads(made["shaped"][0][1]["control"])
+    assert control["sha256"] == ControlImage.make(shape, "silhouette").digest
+    assert json.loads(made["shaped"][0][1]["adapters"])[0]["scale"] == 0.5
+    assert not np.array_equal(made["shaped"][0][0], made["unshaped"][0][0]), "the control image changed the image"
+    for (source, _), (_, metadata) in zip(draft, made["restyled"], strict=True):
+        control = json.loads(metadata["control"])
+        assert (control["preprocessor"], control["sha256"]) == ("edges", ControlImage.make(source, "edges").digest)

@@ -12,7 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from cardtool.core.cards.loops import MAX_GUIDANCE, MAX_STEPS, SHIFTS, SOLVERS
+from cardtool.backends.precision import PRECISIONS
+from cardtool.core.cards.loops import MAX_GUIDANCE, MAX_STEPS, SHIFTS, SOLVERS, Finite
 from cardtool.core.cards.schema import Name
 from cardtool.core.cards.schema_errors import schema_problems
 from cardtool.core.cards.source import Source, read_source
@@ -30,15 +31,29 @@ class _Strict(BaseModel):
 
 
 class _Sampling(_Strict):
-    """Loop settings a step may set; the card's loop defaults fill the rest."""
+    """Loop settings a step may set, as `generate` takes them; the card's loop defaults fill the rest."""
 
     steps: int | None = Field(None, ge=1, le=MAX_STEPS)
     guidance: float | None = Field(None, ge=-MAX_GUIDANCE, le=MAX_GUIDANCE)
+    guidance_interval: list[Finite] | None = Field(None, min_length=2, max_length=2)  # [LO, HI]: σ range CFG acts on
     shift: float | None = Field(None, ge=SHIFTS[0], le=SHIFTS[1])
     solver: Literal[SOLVERS] | None = None  # type: ignore[valid-type]
+    precision: Literal[PRECISIONS] | None = None  # type: ignore[valid-type]
     seed: int = Field(0, ge=0)
     adapters: dict[Name, float] | None = None  # the stack (adapter → scale) instead of the card's default one
     negative_prompt: str = ""  # what CFG steers away from, instead of the empty prompt
+    # the card's ControlNet's control image: IMAGE[:PREPROCESSOR] (a path relative to the workflow), or, for a step
+    # with an input, input[:PREPROCESSOR] — each input image the control of its own output
+    control: str | None = Field(None, min_length=1)
+    control_scale: Finite | None = None
+
+    @model_validator(mode="after")
+    def _interval(self):
+        if self.guidance_interval is not None:
+            low, high = self.guidance_interval
+            if not 0 <= low <= high <= 1:
+                raise ValueError(f"guidance_interval [{low:g}, {high:g}] must be [LO, HI] with 0 ≤ LO ≤ HI ≤ 1")
+        return self
 
 
 class _Prompted(_Sampling):
@@ -241,4 +256,33 @@ def _card_problems(workflow: Workflow) -> list[Problem]:
                         problems.append(workflow.source.problem(
                             ("steps", name, step.kind, "adapters", adapter),
                             f"card '{card.id}' declares no LoRA '{adapter}'", f"name one of its LoRAs: {loras}"))
+                if body.control is not None and not any(a.kind == "controlnet" for a in declared.values()):
+                    problems.append(workflow.source.problem(
+                        ("steps", name, step.kind, "control"), f"card '{card.id}' has no ControlNet to take a "
+                        "control image", "name a card that declares one (fashion-silhouette), or drop control"))
+        if body.control is not None:
+            problems += _control_problems(workflow, name, step)
     return problems
+
+
+def _control_problems(workflow: Workflow, name: str, step: Step) -> list[Problem]:
+    """A step's control: an image file beside the workflow, or `input` where the step has one; a known
+    preprocessor."""
+    from cardtool.core.sampling.control import parse_control
+    from cardtool.files import is_regular_file
+
+    at = ("steps", name, step.kind, "control")
+    try:
+        path, _ = parse_control(step.body.control)
+    except CardtoolError as e:
+        return [workflow.source.problem(at, str(e).replace("--control ", "control ", 1),
+                                        "write IMAGE[:PREPROCESSOR] or input[:PREPROCESSOR]")]
+    if str(path) == "input":
+        if not _inputs(step):
+            return [workflow.source.problem(at, f"step '{name}' has no input image to take as its control",
+                                            "give a control image file, or an input step")]
+        return []
+    if not is_regular_file(workflow.folder / path):
+        return [workflow.source.problem(at, f"control image {path} is not a file (paths are relative to the workflow)",
+                                        "give an image file, or input[:PREPROCESSOR] for a step with an input")]
+    return []

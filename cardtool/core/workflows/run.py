@@ -51,11 +51,12 @@ class Output:
 @dataclass
 class _Job:
     """One image of a step, as planned: its card (as the workflow names it), how it is made (`sample`, `refine`
-    from `source`, `best_of`), its request and the metadata it is named by."""
+    from `source`, `best_of`), its request, the precision it is sampled at and the metadata it is named by."""
 
     ref: str
     how: str
     request: Request
+    precision: str | None
     metadata: dict[str, str]
     source: Output | None = None
     selection: dict[str, str] = field(default_factory=dict)  # best-of-N's N and reward: in the tag only
@@ -96,27 +97,44 @@ class _Runner:
             self.cards[ref] = LoadedCard(str(self.locate(ref)), device=self.device, cache=self.cache)
         return self.cards[ref]
 
-    def _requests(self, ref: str, prompts: list[str], num: int, body) -> list[Request]:
+    def _requests(self, ref: str, prompts: list[str], num: int, body, control=None) -> list[Request]:
         adapters = list(body.adapters.items()) if body.adapters is not None else None
+        interval = tuple(body.guidance_interval) if body.guidance_interval is not None else None
         requests, _ = plan_requests(self.card(ref).card, prompts, num=num, seed=body.seed, steps=body.steps,
-                                    guidance=body.guidance, shift=body.shift, solver=body.solver, adapters=adapters,
-                                    negative_prompt=body.negative_prompt)
+                                    guidance=body.guidance, guidance_interval=interval, shift=body.shift,
+                                    solver=body.solver, adapters=adapters, negative_prompt=body.negative_prompt,
+                                    control=control, control_scale=body.control_scale)
         return requests
 
+    def _control(self, ref: str, body, image=None):
+        """The step's ControlImage for card `ref`: its file, or `image` (an input) where it says `input`."""
+        from cardtool.core.sampling.control import parse_control
+        from cardtool.core.sampling.generate import control_image
+
+        if body.control is None:
+            return None
+        path, preprocessor = parse_control(body.control)
+        adapters = list(body.adapters.items()) if body.adapters is not None else None
+        source = image if str(path) == "input" else str(self.workflow.folder / path)
+        return control_image(self.card(ref).loop(body.precision), source, preprocessor, adapters)
+
     def sampled(self, ref: str, prompts: list[str], num: int, body) -> list[_Job]:
-        loop = self.card(ref).loop()
-        return [_Job(ref, "sample", r, image_metadata(loop, r)) for r in self._requests(ref, prompts, num, body)]
+        loop = self.card(ref).loop(body.precision)
+        requests = self._requests(ref, prompts, num, body, self._control(ref, body))
+        return [_Job(ref, "sample", r, body.precision, image_metadata(loop, r)) for r in requests]
 
     def refined(self, ref: str, inputs: list[Output], body, source: str) -> list[_Job]:
         """SDEdit with card `ref`: each input re-noised to σ = strength with seed body.seed + k, then denoised. The
         input's tag is part of the image's: a rerun whose input step changed writes beside, never over, it."""
-        loop = self.card(ref).loop()
+        loop = self.card(ref).loop(body.precision)
         jobs = []
         for k, item in enumerate(inputs):
-            (request,) = self._requests(ref, [item.prompt], 1, body.model_copy(update={"seed": body.seed + k}))
+            (request,) = self._requests(ref, [item.prompt], 1, body.model_copy(update={"seed": body.seed + k}),
+                                        self._control(ref, body, item.image))
             request = dataclasses.replace(request, strength=body.strength)
-            jobs.append(_Job(ref, "refine", request, {**image_metadata(loop, request), "input": f"{source}/{k}",
-                                                      "input_tag": item.metadata.get("tag", "")}, item))
+            jobs.append(_Job(ref, "refine", request, body.precision, {
+                **image_metadata(loop, request), "input": f"{source}/{k}", "input_tag": item.metadata.get("tag", "")},
+                item))
         return jobs
 
     def picked(self, body) -> list[_Job]:
@@ -129,7 +147,7 @@ class _Runner:
     def make(self, jobs: list[_Job], body) -> list[Output]:
         """Make `jobs` (one card's, one kind), split across ranks; every rank gets every output, in order."""
         loaded = self.card(jobs[0].ref)
-        loop, how = loaded.loop(), jobs[0].how
+        loop, how = loaded.loop(jobs[0].precision), jobs[0].how
 
         def work(chosen: list[_Job]) -> list[Output]:
             requests = [job.request for job in chosen]
@@ -161,7 +179,7 @@ class _Runner:
                     image, metadata = read_png(path) if path.is_file() else (None, {})
                 except (OSError, ValueError, SyntaxError):  # not a PNG we can read: made again
                     continue
-                loop = self.card(job.ref).loop()
+                loop = self.card(job.ref).loop(job.precision)
                 size = loop.instance.component(loop.vae).config.image_size
                 if metadata.get("tag") == job.tag and image.shape == (size, size):
                     found[k] = Output(image, job.request.prompt, metadata, path)
