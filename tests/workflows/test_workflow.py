@@ -137,6 +137,8 @@ BAD = {
                        "steps.a.generate.solver", "'euler', 'sde' or 'renoise'"),
     "an interval out of order": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], guidance_interval: [0.5, 0.2]}"
                                  "\n", 6, "steps.a.generate", "must be [LO, HI] with 0 ≤ LO ≤ HI ≤ 1"),
+    "a control scale without control": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], control_scale: 0.5}\n",
+                                        6, "steps.a.generate", "give control too"),
     "an unknown precision": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], precision: int8}\n", 6,
                              "steps.a.generate.precision", "'float64', 'float32', 'bfloat16' or 'float16'"),
     "control without a ControlNet": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], control: w.yaml}\n", 6,

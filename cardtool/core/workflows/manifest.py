@@ -48,7 +48,9 @@ class _Sampling(_Strict):
     control_scale: Finite | None = None
 
     @model_validator(mode="after")
-    def _interval(self):
+    def _consistent(self):
+        if self.control_scale is not None and self.control is None:
+            raise ValueError("control_scale sets the scale of the ControlNet a control image adds; give control too")
         if self.guidance_interval is not None:
             low, high = self.guidance_interval
             if not 0 <= low <= high <= 1:
