@@ -126,6 +126,10 @@ class LoraPlan:
         self.slots = {module: (a, b) for module, (a, b, _, _) in slots.items()}
         self.rows = index
 
+    def touches(self, module: str) -> bool:
+        """Whether any row's stack has a LoRA on linear `module` (the others take the plain product)."""
+        return module in self.modules
+
     def __call__(self, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The base output `y` of linear `module` on input `x`, plus every row's own LoRA delta."""
         weights = self.modules.get(module)

@@ -236,7 +236,7 @@ def patchify(ops: Kernels, conv: nn.Conv3d, x):
 
 def _linear(ops: Kernels, layer: nn.Linear, x, lora, activation=None):
     """`layer` through the kernel table's linear, with each row's LoRA delta added before the activation."""
-    if lora is None:
+    if lora is None or not getattr(lora, "touches", lambda _: True)(layer.lora_name):
         return product(ops, x, layer.weight, layer.bias, activation)
     if activation is not None and hasattr(lora, "activated") and fusable_on_cpu(x, layer.weight, layer.bias) \
             and x.dtype == torch.float32:  # where the activation fuses into the product (bf16 gains nothing there)
