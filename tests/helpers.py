@@ -105,3 +105,22 @@ def fsynced(monkeypatch) -> list[str]:
     monkeypatch.setattr(os, "fsync", lambda fd: (flushed.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd)))
     return flushed
 
+
+
+def rows_are_independent() -> bool:
+    """Whether a product and a convolution of one fixed shape give a row the same bits whatever the other rows hold
+    (true of the BLAS and oneDNN builds measured; where it is not, no padding or grouping makes sampling
+    batch-invariant, the parity ladder's C2)."""
+    import torch
+    import torch.nn.functional as F
+
+    from cardtool.backends.wan_dit import MIN_ROWS
+    from cardtool.core.sampling.denoise import VAE_GROUP
+
+    torch.manual_seed(0)
+    weight, x, y = torch.randn(128, 512), torch.randn(MIN_ROWS, 512), torch.randn(MIN_ROWS, 512)
+    y[:3] = x[:3]
+    conv, a, b = torch.nn.Conv2d(8, 8, 3, padding=1), torch.randn(VAE_GROUP, 8, 7, 7), torch.randn(VAE_GROUP, 8, 7, 7)
+    b[0] = a[0]
+    with torch.no_grad():
+        return torch.equal(F.linear(x, weight)[:3], F.linear(y, weight)[:3]) and torch.equal(conv(a)[0], conv(b)[0])

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import rows_are_independent
 from typer.testing import CliRunner
 
 from cardtool.backends.platform import Platform
@@ -36,18 +37,6 @@ def products_round_alike() -> bool:
     weight, x = torch.randn(64, 96), torch.randn(200, 96)
     full = F.linear(x, weight)
     return all(torch.equal(F.linear(x[:rows], weight), full[:rows]) for rows in (MIN_ROWS, 17, 40, 100))
-
-
-def rows_are_independent() -> bool:
-    """Whether a product and a convolution of one fixed shape give a row the same bits whatever the other rows hold
-    (true of the BLAS and oneDNN builds measured; where it is not, no padding or grouping can give C2)."""
-    torch.manual_seed(0)
-    weight, x, y = torch.randn(128, 512), torch.randn(MIN_ROWS, 512), torch.randn(MIN_ROWS, 512)
-    y[:3] = x[:3]
-    conv, a, b = torch.nn.Conv2d(8, 8, 3, padding=1), torch.randn(VAE_GROUP, 8, 7, 7), torch.randn(VAE_GROUP, 8, 7, 7)
-    b[0] = a[0]
-    with torch.no_grad():
-        return torch.equal(F.linear(x, weight)[:3], F.linear(y, weight)[:3]) and torch.equal(conv(a)[0], conv(b)[0])
 
 
 independent_rows = pytest.mark.skipif(not rows_are_independent(), reason="this CPU's fixed-shape products depend on "

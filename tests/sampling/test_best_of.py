@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from helpers import rows_are_independent
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -36,9 +37,10 @@ def test_the_kept_image_is_the_argmax_of_the_recorded_scores_and_reproduces_at_i
         again = runner.invoke(app, ["generate", str(examples / "tiny-base"), "-p", image["prompt"], "--seed",
                                     image["seed"], "--steps", "4", "--out", str(tmp_path / "plain.png")])
         assert again.exit_code == 0, again.output
-        # alone it runs at another batch size, which some CPUs' matmul kernels round differently
+        # alone it runs at another batch size: the same bits where sampling is batch-invariant (C2), else within
+        # a grey level where the CPU's kernels round differently per batch size
         difference = np.abs(pixels(tmp_path / "plain.png").astype(int) - pixels(image["path"]).astype(int))
-        assert difference.max() <= 1 and difference.mean() < 0.01
+        assert difference.max() <= (0 if rows_are_independent() else 1) and difference.mean() < 0.01
 
 
 def test_candidates_are_scored_in_one_batch_and_candidate_zero_is_the_plain_request(examples):
