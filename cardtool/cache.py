@@ -1,11 +1,16 @@
-"""Where cardtool keeps what it can recompute: encoded prompts, weights digests."""
+"""Where cardtool keeps what it can recompute — encoded prompts (`text/`) and weights digests (`digests.json`) — and
+what it holds, and clearing it. Only cardtool's own files are counted or removed, whatever else shares the folder."""
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
-__all__ = ["cache_dir"]
+__all__ = ["cache_dir", "clear", "usage"]
+
+_TEXT_ENTRY = re.compile(r"[0-9a-f]{64}\.npz")
+_TEMPORARY = re.compile(r"\..+\.\d+\.tmp")  # atomic writes' temporaries (`cardtool.atomic`)
 
 
 def cache_dir() -> Path:
@@ -13,3 +18,76 @@ def cache_dir() -> Path:
     if os.environ.get("CARDTOOL_CACHE"):
         return Path(os.environ["CARDTOOL_CACHE"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cardtool"
+
+
+def _files(root: Path) -> dict[str, list[os.DirEntry]]:
+    """cardtool's files in the cache by kind, symlinks never followed: `text` the encoded prompts (text/XX/KEY.npz),
+    `digests` the weights digests, `temporary` what interrupted writes left."""
+    found: dict[str, list[os.DirEntry]] = {"text": [], "digests": [], "temporary": []}
+
+    def scan(folder: Path) -> list[os.DirEntry]:
+        try:
+            with os.scandir(folder) as entries:
+                return list(entries)
+        except OSError:  # not there, not a folder, not readable: nothing of ours
+            return []
+
+    for entry in scan(root):
+        if entry.name == "digests.json" and entry.is_file(follow_symlinks=False):
+            found["digests"].append(entry)
+        elif _TEMPORARY.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+            found["temporary"].append(entry)
+    for shard in scan(root / "text"):
+        if re.fullmatch(r"[0-9a-f]{2}", shard.name) and shard.is_dir(follow_symlinks=False):
+            for entry in scan(Path(shard.path)):
+                if entry.is_file(follow_symlinks=False):
+                    kind = "text" if _TEXT_ENTRY.fullmatch(entry.name) else \
+                        "temporary" if _TEMPORARY.fullmatch(entry.name) else None
+                    if kind:
+                        found[kind].append(entry)
+    return found
+
+
+def _size(entry: os.DirEntry) -> int:
+    try:
+        return entry.stat(follow_symlinks=False).st_size
+    except OSError:  # removed meanwhile
+        return 0
+
+
+def usage() -> dict:
+    """The cache's folder and, per kind, how many files of cardtool's it holds and their bytes."""
+    root = cache_dir()
+    return {"path": str(root), **{kind: {"files": len(entries), "bytes": sum(_size(e) for e in entries)}
+                                  for kind, entries in _files(root).items()}}
+
+
+def clear() -> dict:
+    """Remove cardtool's files from the cache (and the text shards they leave empty); `usage()` of what was removed.
+    A process using the cache meanwhile only recomputes what it misses."""
+    from cardtool.errors import RunFailed
+
+    root = cache_dir()
+    removed, refused = {}, []
+    for kind, entries in _files(root).items():
+        files = size = 0
+        for entry in entries:
+            bytes_ = _size(entry)
+            try:
+                os.unlink(entry.path)
+            except FileNotFoundError:  # another process cleared it first
+                continue
+            except OSError as e:
+                refused.append(f"{entry.path}: {e.strerror or e}")
+                continue
+            files, size = files + 1, size + bytes_
+        removed[kind] = {"files": files, "bytes": size}
+    for shard in sorted((root / "text").glob("[0-9a-f][0-9a-f]")) if (root / "text").is_dir() else []:
+        try:
+            shard.rmdir()  # only when empty
+        except OSError:
+            pass
+    if refused:
+        raise RunFailed(f"{len(refused)} of cardtool's cache files could not be removed, e.g. {refused[0]}",
+                        {"path": str(root), **removed})
+    return {"path": str(root), **removed}

@@ -6,7 +6,7 @@ import typer
 from typer.core import TyperGroup
 
 from cardtool import __version__
-from cardtool.cli import cards, distill, evaluate, flywheel, generate, parity, platform, rl, train, workflow
+from cardtool.cli import cache, cards, distill, evaluate, flywheel, generate, parity, platform, rl, train, workflow
 
 _UsageError = typer.BadParameter.__base__  # click's UsageError, from the click that typer carries
 
@@ -46,6 +46,7 @@ app = typer.Typer(
 app.add_typer(cards.app, name="cards")
 app.add_typer(platform.app, name="platform")
 app.add_typer(workflow.app, name="workflow")
+app.add_typer(cache.app, name="cache")
 app.command("generate")(generate.generate_command)
 app.command("train")(train.train_command)
 app.command("distill")(distill.distill_command)

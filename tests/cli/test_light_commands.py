@@ -41,6 +41,8 @@ COMMANDS = [
     ["generate", "--help"],
     ["train", "--help"],
     ["eval", "--help"],
+    ["cache", "info"],
+    ["cache", "info", "--json"],
 ]
 
 

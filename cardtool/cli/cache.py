@@ -1,0 +1,57 @@
+"""`cardtool cache info | clear` — light: what cardtool keeps to recompute faster (encoded prompts, weights
+digests), where, and clearing it."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from cardtool.cli.output import counted, emit_json, handled, say
+
+app = typer.Typer(help="cardtool's cache of encoded prompts and weights digests: where it is, its size, clearing it.",
+                  no_args_is_help=True)
+
+JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (see README).")]
+_KINDS = {"text": "encoded prompts", "digests": "weights digests", "temporary": "left by interrupted writes"}
+
+
+def _size(count: int) -> str:
+    for unit in ("bytes", "KB", "MB", "GB"):
+        if count < 1000 or unit == "GB":
+            return f"{count} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
+        count /= 1000
+    return ""  # not reached
+
+
+def _lines(report: dict, verb: str) -> None:
+    say(f"{verb} {report['path']}")
+    for kind, what in _KINDS.items():
+        if report[kind]["files"] or kind != "temporary":
+            say(f"  {what:<26} {counted(report[kind]['files'], 'file'):>12}  {_size(report[kind]['bytes'])}")
+
+
+@app.command("info")
+def info_command(json_: JsonOption = False) -> None:
+    """Where the cache is (CARDTOOL_CACHE, else $XDG_CACHE_HOME/cardtool, else ~/.cache/cardtool) and what it holds."""
+    from cardtool.cache import usage
+
+    with handled(json_):
+        report = usage()
+    if json_:
+        emit_json(report)
+        return
+    _lines(report, "cache")
+
+
+@app.command("clear")
+def clear_command(json_: JsonOption = False) -> None:
+    """Remove cardtool's files from the cache (nothing else in its folder); everything in it is recomputed on use."""
+    from cardtool.cache import clear
+
+    with handled(json_):
+        report = clear()
+    if json_:
+        emit_json({"cleared": report})
+        return
+    _lines(report, "cleared")

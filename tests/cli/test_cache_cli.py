@@ -1,0 +1,62 @@
+"""`cardtool cache info | clear`: what cardtool keeps (encoded prompts, weights digests) is counted and removed —
+only cardtool's own files, whatever else shares the folder — and is recomputed on the next use."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from helpers import EXAMPLE_CARDS
+from typer.testing import CliRunner
+
+from cardtool.cli import app
+
+
+def cache(*args):
+    result = CliRunner().invoke(app, ["cache", *args, "--json"])
+    return result, json.loads(result.stdout)
+
+
+def test_info_counts_and_clear_removes_only_cardtools_files(tmp_path, monkeypatch):
+    root = tmp_path / "cache"
+    monkeypatch.setenv("CARDTOOL_CACHE", str(root))
+    made = CliRunner().invoke(app, ["generate", str(EXAMPLE_CARDS / "tiny-base"), "-p", "a bag", "--steps", "1",
+                                    "--out", str(tmp_path / "a.png")])
+    assert made.exit_code == 0, made.output
+    result, info = cache("info")
+    assert result.exit_code == 0 and info["path"] == str(root)
+    assert info["text"]["files"] == 2, "the prompt and the empty prompt (CFG's null condition)"
+    assert info["text"]["bytes"] > 0 and info["digests"]["files"] == 1
+    foreign = [root / "notes.txt", root / "text" / "zz" / ("0" * 64 + ".npz"), root / "text" / "ab" / "mine.npz"]
+    for path in foreign:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("not cardtool's")
+    os.symlink(tmp_path / "a.png", root / "text" / "ab" / ("1" * 64 + ".npz"))  # never followed, never removed
+    (root / ".digests.json.999999.tmp").write_text("{")
+    result, cleared = cache("clear")
+    assert result.exit_code == 0
+    assert (cleared["cleared"]["text"]["files"], cleared["cleared"]["temporary"]["files"]) == (2, 1)
+    assert all(path.exists() for path in foreign) and (tmp_path / "a.png").exists()
+    assert [(k, v["files"]) for k, v in cache("info")[1].items() if k != "path"] == [
+        ("text", 0), ("digests", 0), ("temporary", 0)]
+    again = CliRunner().invoke(app, ["generate", str(EXAMPLE_CARDS / "tiny-base"), "-p", "a bag", "--steps", "1",
+                                     "--out", str(tmp_path / "b.png")])
+    assert again.exit_code == 0 and (tmp_path / "a.png").read_bytes() == (tmp_path / "b.png").read_bytes()
+    assert cache("info")[1]["text"]["files"] == 2
+
+
+def test_a_cache_that_is_not_there_is_empty_and_a_file_that_cannot_be_removed_fails(tmp_path, monkeypatch):
+    monkeypatch.setenv("CARDTOOL_CACHE", str(tmp_path / "nowhere"))
+    result, info = cache("info")
+    assert result.exit_code == 0 and info["text"] == {"files": 0, "bytes": 0}
+    assert cache("clear")[0].exit_code == 0
+    monkeypatch.setenv("CARDTOOL_CACHE", str(tmp_path))
+    (tmp_path / "digests.json").write_text("{}")
+
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(os, "unlink", refuse)
+    result, report = cache("clear")
+    assert result.exit_code == 1 and report["error"]["kind"] == "failed"
+    assert "could not be removed" in report["error"]["message"] and "Permission denied" in report["error"]["message"]
