@@ -68,4 +68,6 @@ def test_quick_tour_runs_as_written(tmp_path):
     assert len(best) == 2 and all(m["best_of"] == "4" and m["reward"] == "tiny-judge" for m in best)
     assert {p.parent.name for p in (tmp_path / "outputs" / "tiny-tour").glob("*/*.png")} == {
         "draft", "refine", "compare", "pick"}
+    assert "step pick (best_of_n): 1 image (1 already there)" in result.stderr, "the workflow resumed makes none"
+    assert f"cache {tmp_path / 'cache'}" in result.stdout and "encoded prompts" in result.stdout
     assert (tmp_path / "outputs" / "tiny-distilled-hf" / "transformer" / "config.json").is_file()
