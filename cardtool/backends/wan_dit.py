@@ -24,6 +24,7 @@ __all__ = ["MIN_ROWS", "WanDiT", "Kernels", "TextContext", "name_linears", "patc
 
 OPS = ("attention", "rms_norm", "modulated_layer_norm", "rope_3d", "timestep_embedding", "gelu_tanh", "lora_bgmv",
        "linear")
+MIN_ROWS = 16  # the fewest rows a product is computed with (`product`)
 
 
 class Kernels:
@@ -206,9 +207,6 @@ def name_linears(model: nn.Module) -> None:
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
             module.lora_name = name
-
-
-MIN_ROWS = 16
 
 
 def product(ops: Kernels, x, weight, bias=None, activation=None):
