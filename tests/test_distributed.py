@@ -241,6 +241,13 @@ def test_a_workflow_on_two_processes_writes_the_files_of_one(tmp_path, monkeypat
     one, two = sorted((tmp_path / "one").rglob("*.png")), sorted((tmp_path / "two").rglob("*.png"))
     assert [p.relative_to(tmp_path / "one") for p in one] == [p.relative_to(tmp_path / "two") for p in two]
     assert len(one) == 7 and all(a.read_bytes() == b.read_bytes() for a, b in zip(one, two, strict=True))
+    # resumed on two processes: rank 0's files decide what is kept, and every rank refines the kept draft
+    for gone in (*sorted((tmp_path / "two").glob("*/draft/*.png"))[:1], *(tmp_path / "two").glob("*/pick/*.png")):
+        gone.unlink()
+    resumed = torchrun(["workflow", "run", workflow, "--out", "two", "--json", "--skip-existing"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert [s["kept"] for s in json.loads(resumed.stdout)["steps"]] == [1, 2, 2, 0]
+    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(one, two, strict=True))
 
 
 def test_a_rank_killed_mid_run_leaves_no_card_and_a_checkpoint_that_resumes(tmp_path, monkeypatch):
