@@ -17,11 +17,17 @@ __all__ = ["console", "emit_json", "handled", "say", "warn"]
 
 def console(*, stderr: bool = False):
     """A Rich console; when not a terminal (a log, a pipe) it is 160 columns wide, not Rich's 80, so
-    tables stay readable. COLUMNS overrides both."""
+    tables stay readable. COLUMNS overrides both when it is a width (at least 80); Rich would render nothing at 0."""
+    import shutil
+
     from rich.console import Console
 
     stream = sys.stderr if stderr else sys.stdout
-    width = None if stream.isatty() or os.environ.get("COLUMNS") else 160
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        width = max(int(columns), 80)
+    else:
+        width = shutil.get_terminal_size((160, 24)).columns if stream.isatty() else 160
     return Console(stderr=stderr, highlight=False, soft_wrap=stderr, width=width)
 
 

@@ -41,6 +41,12 @@ def test_list_table(on_path):
     assert "tiny-distilled" in result.stdout and "dmd2" in result.stdout
 
 
+@pytest.mark.parametrize("columns", ["0", "-3", "wide", "7"])
+def test_a_columns_that_is_no_width_still_shows_the_table(on_path, columns):
+    result = CliRunner().invoke(app, ["cards", "list"], env={"COLUMNS": columns})  # Rich drew nothing at 0
+    assert result.exit_code == 0 and "tiny-distilled" in result.stdout
+
+
 def test_show_json_has_the_resolved_manifest(on_path):
     result = run("cards", "show", "tiny-distilled", "--json")
     assert result.exit_code == 0
