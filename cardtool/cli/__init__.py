@@ -71,4 +71,9 @@ def root(
 
 
 def main() -> None:
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):  # an encoding that cannot show a prompt's é or an arrow escapes it
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     app()

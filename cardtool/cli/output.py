@@ -85,6 +85,10 @@ def emit_json(document: dict) -> None:
         text = json.dumps({"error": {"kind": "internal", "message": message, "problems": []}}, indent=2)
         sys.stdout.write(text + "\n")
         raise typer.Exit(1)
+    try:
+        text.encode(getattr(sys.stdout, "encoding", None) or "utf-8")
+    except (UnicodeEncodeError, LookupError):  # a stdout that cannot hold a prompt's é (PYTHONIOENCODING=ascii)
+        text = json.dumps(document, indent=2, ensure_ascii=True, allow_nan=False)
     sys.stdout.write(text + "\n")
 
 

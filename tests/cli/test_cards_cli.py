@@ -147,3 +147,24 @@ def test_lineage_json_and_missing_parent_exit_1(on_path):
     assert report["complete"] is False
     assert report["lineage"]["parents"][0]["parents"][0] == {"id": "lost-base", "method": None, "path": None,
                                                              "missing": True, "parents": []}
+
+
+def test_an_ascii_only_stdout_gets_escapes_not_a_traceback(examples, tmp_path):
+    """PYTHONIOENCODING=ascii: the lineage's arrows and a prompt's é are escaped for people and JSON stays valid."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONIOENCODING": "ascii", "CARDTOOL_PATH": str(examples)}
+
+    def cardtool(*args):
+        return subprocess.run([sys.executable, "-m", "cardtool", *args], capture_output=True, text=True, env=env,
+                              timeout=120, encoding="ascii", errors="strict")
+
+    lineage = cardtool("cards", "lineage", "tiny-distilled")
+    assert lineage.returncode == 0 and "tiny-base (pretrain) \\u2192 tiny-rl" in lineage.stdout, lineage.stderr
+    made = cardtool("generate", "tiny-base", "-p", "café ☕", "--steps", "1", "--out", str(tmp_path), "--json")
+    assert made.returncode == 0, made.stderr
+    assert json.loads(made.stdout)["images"][0]["prompt"] == "café ☕"
+    missing = cardtool("cards", "show", "no-such-é")
+    assert missing.returncode == 2 and "no-such-\\xe9" in missing.stderr and "Traceback" not in missing.stderr
