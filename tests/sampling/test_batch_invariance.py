@@ -43,10 +43,19 @@ independent_rows = pytest.mark.skipif(not rows_are_independent(), reason="this C
                                       "the other rows: batch invariance cannot hold here")
 
 
-def test_a_prompt_has_the_same_features_whatever_else_the_call_encodes(loop):
+def test_a_prompt_has_the_same_features_whatever_else_the_call_encodes(loop, monkeypatch):
+    """Each prompt is encoded alone (an encoder batch rounds ~2e-6 differently for the built-in encoder)."""
     instance = loop.instance
+    encoder, component, batches = instance.component("text_encoder"), instance.component, []
+
+    def recording(prompts):
+        batches.append(list(prompts))
+        return encoder(prompts)
+
+    monkeypatch.setattr(instance, "component", lambda name: recording if name == "text_encoder" else component(name))
     [alone] = encode_prompts(instance, ["a bag"], TextFeatureCache(disk=False))
     mixed = encode_prompts(instance, ["a coat", "a bag", ""], TextFeatureCache(disk=False))
+    assert batches == [["a bag"], ["a coat"], ["a bag"], [""]]
     assert np.array_equal(alone[0], mixed[1][0]) and np.array_equal(alone[1], mixed[1][1])
 
 
@@ -72,13 +81,19 @@ def test_the_patch_embedding_as_a_product_is_the_convolution():
 
 
 @independent_rows
-def test_an_image_decodes_to_the_same_pixels_alone_and_in_a_batch(loop):
+def test_an_image_decodes_to_the_same_pixels_alone_and_in_a_batch(loop, monkeypatch):
+    """The VAE always sees exactly VAE_GROUP latents (the fashion VAE's convolutions round ~1.7e-6 differently at
+    other batch sizes), so an image's pixels are the same alone and among others."""
     requests = [Request(p, seed=s, steps=2, guidance=3.0) for s, p in enumerate(["a bag", "a coat", "a dress"] * 2)]
     states = sample(loop, requests)
     assert len(states) > VAE_GROUP
+    vae = loop.instance.component(loop.vae)
+    decode, sizes = vae.decode, []
+    monkeypatch.setattr(vae, "decode", lambda latents: sizes.append(len(latents)) or decode(latents))
     together, _ = loop.decode(states)
     for k, state in enumerate(states):
         assert np.array_equal(loop.decode([state])[0][0], together[k]), k
+    assert set(sizes) == {VAE_GROUP}
 
 
 @independent_rows
