@@ -17,11 +17,11 @@ _KINDS = {"text": "encoded prompts", "digests": "weights digests", "temporary": 
 
 
 def _size(count: int) -> str:
-    for unit in ("bytes", "KB", "MB", "GB"):
-        if count < 1000 or unit == "GB":
-            return f"{count} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
-        count /= 1000
-    return ""  # not reached
+    """'512 bytes', '26.4 KB', '16.2 MB', '1.3 GB' (decimal units)."""
+    if count < 1000:
+        return f"{count} bytes"
+    exponent = min(3, (len(str(count)) - 1) // 3)
+    return f"{count / 1000 ** exponent:.1f} {('KB', 'MB', 'GB')[exponent - 1]}"
 
 
 def _lines(report: dict, verb: str) -> None:
