@@ -24,14 +24,15 @@ class HFTextEncoder:
 
         self.max_length, self.device = max_length, device
         self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        self.model = AutoModel.from_pretrained(folder, local_files_only=True, use_safetensors=True,
-                                               dtype=dtype).to(device).eval().requires_grad_(False)
+        # feed-forward chunking changes memory, not values, and needs max_length to be a multiple of its chunk
+        self.model = AutoModel.from_pretrained(folder, local_files_only=True, use_safetensors=True, dtype=dtype,
+                                               chunk_size_feed_forward=0).to(device).eval().requires_grad_(False)
         self.dim = self.model.config.hidden_size
 
     @torch.no_grad()
     def __call__(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = self.tokenizer(list(prompts), padding="max_length", truncation=True, max_length=self.max_length,
                                 return_tensors="pt").to(self.device)
-        states = self.model(**tokens).last_hidden_state
+        states = self.model(**tokens, return_dict=True).last_hidden_state
         mask = tokens["attention_mask"].bool()
         return states * mask[..., None].to(states.dtype), mask

