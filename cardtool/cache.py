@@ -7,8 +7,11 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["cache_dir", "clear", "usage"]
+__all__ = ["DEFAULT_LIMIT", "cache_dir", "clear", "limit", "parse_size", "prune", "usage"]
 
+DEFAULT_LIMIT = 5 * 10**9  # bytes of encoded prompts kept; the least recently used go beyond it (as ccache does)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
+          "GIB": 2**30, "TIB": 2**40}
 _TEXT_ENTRY = re.compile(r"[0-9a-f]{64}\.npz")
 _TEMPORARY = re.compile(r"\..+\.\d+\.tmp")  # atomic writes' temporaries (`cardtool.atomic`)
 
@@ -18,6 +21,29 @@ def cache_dir() -> Path:
     if os.environ.get("CARDTOOL_CACHE"):
         return Path(os.environ["CARDTOOL_CACHE"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cardtool"
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size such as `5GB`, `500 MB`, `2GiB` or `123456` (decimal units, binary with an i)."""
+    from cardtool.errors import BadInput
+
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not match or match[2].upper() not in _UNITS:
+        raise BadInput(f"{text!r} is not a size (for example 5GB, 500MB, 2GiB or a number of bytes)")
+    return int(float(match[1]) * _UNITS[match[2].upper()])
+
+
+def limit() -> int:
+    """CARDTOOL_CACHE_MAX (a size; 0 keeps no encoded prompt on disk), else DEFAULT_LIMIT."""
+    from cardtool.errors import BadInput
+
+    text = os.environ.get("CARDTOOL_CACHE_MAX", "")
+    if not text:
+        return DEFAULT_LIMIT
+    try:
+        return parse_size(text)
+    except BadInput as e:
+        raise BadInput(f"CARDTOOL_CACHE_MAX: {e}") from None
 
 
 def _files(root: Path) -> dict[str, list[os.DirEntry]]:
@@ -55,11 +81,42 @@ def _size(entry: os.DirEntry) -> int:
         return 0
 
 
+def _used(entry: os.DirEntry) -> float:
+    """When an entry was last written or read (a hit touches it)."""
+    try:
+        return entry.stat(follow_symlinks=False).st_mtime
+    except OSError:
+        return 0.0
+
+
 def usage() -> dict:
     """The cache's folder and, per kind, how many files of cardtool's it holds and their bytes."""
     root = cache_dir()
-    return {"path": str(root), **{kind: {"files": len(entries), "bytes": sum(_size(e) for e in entries)}
-                                  for kind, entries in _files(root).items()}}
+    return {"path": str(root), "limit": limit(),
+            **{kind: {"files": len(entries), "bytes": sum(_size(e) for e in entries)}
+               for kind, entries in _files(root).items()}}
+
+
+def prune(to: int | None = None, root: Path | None = None) -> dict:
+    """Remove the least recently used encoded prompts in the cache (`root`, default `cache_dir()`) until those left
+    take at most `to` bytes (default: `limit()`); what was removed and what is left. Entries another process removes
+    meanwhile are skipped."""
+    root = cache_dir() if root is None else root
+    to = limit() if to is None else to
+    entries = sorted(((_used(e), _size(e), e.path) for e in _files(root)["text"]), reverse=True)  # newest first
+    kept = files = removed = 0
+    for _, size, path in entries:
+        if kept + size <= to:
+            kept += size
+            continue
+        try:
+            os.unlink(path)
+        except OSError:  # gone already, or not ours to remove: it stays counted as kept
+            kept += size
+            continue
+        files, removed = files + 1, removed + size
+    return {"path": str(root), "limit": to, "removed": {"files": files, "bytes": removed},
+            "text": {"files": len(entries) - files, "bytes": kept}}
 
 
 def clear() -> dict:

@@ -25,7 +25,8 @@ def _size(count: int) -> str:
 
 
 def _lines(report: dict, verb: str) -> None:
-    say(f"{verb} {report['path']}")
+    say(f"{verb} {report['path']}" + (f"  (encoded prompts kept up to {_size(report['limit'])}; CARDTOOL_CACHE_MAX)"
+                                      if "limit" in report else ""))
     for kind, what in _KINDS.items():
         if report[kind]["files"] or kind != "temporary":
             say(f"  {what:<26} {counted(report[kind]['files'], 'file'):>12}  {_size(report[kind]['bytes'])}")
@@ -55,3 +56,23 @@ def clear_command(json_: JsonOption = False) -> None:
         emit_json({"cleared": report})
         return
     _lines(report, "cleared")
+
+
+@app.command("prune")
+def prune_command(
+    max_size: Annotated[str | None, typer.Option(
+        "--max-size", help="Keep at most this much of encoded prompts, the most recently used (e.g. 500MB; default: "
+        "CARDTOOL_CACHE_MAX, else 5GB, which every run also holds the cache to).")] = None,
+    json_: JsonOption = False,
+) -> None:
+    """Remove the least recently used encoded prompts until the rest fit in --max-size."""
+    from cardtool.cache import parse_size, prune
+
+    with handled(json_):
+        report = prune(None if max_size is None else parse_size(max_size))
+    if json_:
+        emit_json({"pruned": report})
+        return
+    say(f"pruned {report['path']} to {_size(report['limit'])}: removed {counted(report['removed']['files'], 'file')} "
+        f"({_size(report['removed']['bytes'])}), kept {counted(report['text']['files'], 'file')} "
+        f"({_size(report['text']['bytes'])})")

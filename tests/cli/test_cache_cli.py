@@ -37,7 +37,7 @@ def test_info_counts_and_clear_removes_only_cardtools_files(tmp_path, monkeypatc
     assert result.exit_code == 0
     assert (cleared["cleared"]["text"]["files"], cleared["cleared"]["temporary"]["files"]) == (2, 1)
     assert all(path.exists() for path in foreign) and (tmp_path / "a.png").exists()
-    assert [(k, v["files"]) for k, v in cache("info")[1].items() if k != "path"] == [
+    assert [(k, v["files"]) for k, v in cache("info")[1].items() if k not in ("path", "limit")] == [
         ("text", 0), ("digests", 0), ("temporary", 0)]
     again = CliRunner().invoke(app, ["generate", str(EXAMPLE_CARDS / "tiny-base"), "-p", "a bag", "--steps", "1",
                                      "--out", str(tmp_path / "b.png")])
@@ -60,3 +60,26 @@ def test_a_cache_that_is_not_there_is_empty_and_a_file_that_cannot_be_removed_fa
     result, report = cache("clear")
     assert result.exit_code == 1 and report["error"]["kind"] == "failed"
     assert "could not be removed" in report["error"]["message"] and "Permission denied" in report["error"]["message"]
+
+
+def test_prune_keeps_the_most_recently_used_within_the_size(tmp_path, monkeypatch):
+    root = tmp_path / "cache"
+    monkeypatch.setenv("CARDTOOL_CACHE", str(root))
+    for i in range(4):
+        path = root / "text" / f"{i}{i}" / (f"{i}" * 64 + ".npz")
+        path.parent.mkdir(parents=True)
+        path.write_bytes(b"x" * 1000)
+        os.utime(path, (1e9 + i, 1e9 + i))
+    (root / "text" / "00" / "notes.txt").write_bytes(b"y" * 5000)  # not cardtool's: never counted or removed
+    result, report = cache("prune", "--max-size", "2.5KB")
+    assert result.exit_code == 0 and report["pruned"]["limit"] == 2500
+    assert report["pruned"]["removed"] == {"files": 2, "bytes": 2000}
+    assert sorted(p.name[0] for p in root.glob("text/*/*.npz")) == ["2", "3"]
+    assert (root / "text" / "00" / "notes.txt").exists()
+    assert cache("info")[1]["limit"] == 5 * 10**9
+    for bad in (["prune", "--max-size", "5XB"], ["prune", "--max-size", "-1"]):
+        result, report = cache(*bad)
+        assert result.exit_code == 2 and "is not a size" in report["error"]["message"]
+    monkeypatch.setenv("CARDTOOL_CACHE_MAX", "lots")
+    result, report = cache("info")
+    assert result.exit_code == 2 and "CARDTOOL_CACHE_MAX" in report["error"]["message"]

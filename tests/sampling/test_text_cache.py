@@ -77,3 +77,28 @@ def test_cache_dir_honours_cardtool_cache(monkeypatch, tmp_path):
     monkeypatch.delenv("CARDTOOL_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cache_dir() == tmp_path / "xdg" / "cardtool"
+
+
+def test_the_disk_cache_is_held_to_its_limit_dropping_the_least_recently_used(examples, tmp_path, monkeypatch):
+    """CARDTOOL_CACHE_MAX bounds the encoded prompts on disk: a run that writes past it removes the entries used
+    longest ago (a hit counts as a use), never the one it just wrote; 0 keeps none on disk."""
+    import os
+
+    root = tmp_path / "c"
+    encode(examples / "tiny-base", ["a bag", "a coat", "a shirt"], TextFeatureCache(root))
+    files = sorted((root / "text").glob("*/*.npz"))
+    for age, path in enumerate(files):  # make the order of last use explicit: older mtime, used longer ago
+        os.utime(path, (1e9 + age, 1e9 + age))
+    oldest = files[0]
+    encode(examples / "tiny-base", ["a bag", "a coat", "a shirt"], TextFeatureCache(root))  # hits touch all three
+    os.utime(files[1], (1e9 + 0.5, 1e9 + 0.5))  # ...then one of them is the least recently used
+    entry = files[0].stat().st_size
+    monkeypatch.setenv("CARDTOOL_CACHE_MAX", str(int(6.5 * entry)))  # room for six of the seven entries
+    encode(examples / "tiny-base", [f"a sock {i}" for i in range(4)], TextFeatureCache(root))
+    left = set((root / "text").glob("*/*.npz"))
+    assert oldest in left and files[1] not in left, "the least recently used went first, not the oldest written"
+    assert len(left) == 6 and sum(p.stat().st_size for p in left) <= 6.5 * entry
+    monkeypatch.setenv("CARDTOOL_CACHE_MAX", "0")
+    cache = TextFeatureCache(tmp_path / "none")
+    encode(examples / "tiny-base", ["a bag"], cache)
+    assert cache.misses == 1 and not (tmp_path / "none").exists()

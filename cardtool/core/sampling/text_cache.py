@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from cardtool.atomic import write_atomic
-from cardtool.cache import cache_dir
+from cardtool.cache import cache_dir, limit, prune
 
 __all__ = ["TextFeatureCache", "cache_dir", "encode_prompts"]
 
@@ -23,9 +23,11 @@ class TextFeatureCache:
     `disk=False` keeps it in memory only."""
 
     def __init__(self, root: Path | None = None, *, disk: bool = True):
-        self.root = (root or cache_dir()) / "text" if disk else None
+        self.limit = limit() if disk else 0
+        self.root = (root or cache_dir()) / "text" if disk and self.limit > 0 else None
         self._memory: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self.hits = self.misses = 0
+        self._written = 0  # bytes put on disk since the cache was last held to its limit
 
     @staticmethod
     def key(*, card: str, component: str, weights_version: str, config: dict, adapters: tuple, precision: str,
@@ -49,6 +51,7 @@ class TextFeatureCache:
                     found = None
                 if found is not None:
                     self._memory[key] = found
+                    _touch(path)  # recently used: the last to be pruned
         if found is None:
             self.misses += 1
         else:
@@ -67,7 +70,19 @@ class TextFeatureCache:
                 write_atomic(self.root / key[:2] / f"{key}.npz", buffer.getvalue())
             except OSError:  # an unwritable cache costs a later process the encoding, never this one its run
                 self.root = None
+                return entry
+            self._written += buffer.tell()
+            if self._written > self.limit // 20:  # a twentieth of the limit new: hold the folder to it again
+                self._written = 0
+                prune(self.limit, self.root.parent)
         return entry
+
+
+def _touch(path: Path) -> None:
+    try:
+        path.touch()
+    except OSError:  # a read-only cache still serves hits
+        pass
 
 
 def _well_formed(states: np.ndarray, mask: np.ndarray) -> bool:
