@@ -36,6 +36,44 @@ def test_an_interrupted_eval_reports_its_finished_rows(tmp_path, monkeypatch, in
     assert signal.getsignal(signal.SIGINT) is before, "the handler in place before is back"
 
 
+def test_an_interrupted_eval_with_out_resumes_measuring_only_the_rest(tmp_path, monkeypatch, interactive_signals):
+    """--out holds every finished row; --resume keeps them (the same numbers, not measured again) and measures the
+    others; a report of another evaluation is refused, not mixed in."""
+    measure = evaluate_module._measure_row
+    measured = []
+
+    def measure_then_sigint(*args, **kwargs):
+        measure(*args, **kwargs)
+        measured.append(args[0].rows[-1].steps)
+        if len(measured) == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(evaluate_module, "_measure_row", measure_then_sigint)
+    report = tmp_path / "eval.json"
+    args = ["eval", str(EXAMPLE_CARDS / "tiny-base"), "--judge", str(EXAMPLE_CARDS / "tiny-judge"), "--per-class", "1",
+            "--steps", "1", "--steps", "2", "--steps", "3", "--data", str(write_idx_folder(tmp_path / "idx")),
+            "--out", str(report), "--json"]
+    stopped = CliRunner().invoke(app, args)
+    assert stopped.exit_code == 130 and "--resume measures the rest" in json.loads(stopped.stdout)["error"]["message"]
+    on_disk = json.loads(report.read_text())
+    assert [row["steps"] for row in on_disk["rows"]] == [1] and on_disk["identity"]["per_class"] == 1
+    resumed = CliRunner().invoke(app, [*args, "--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    document = json.loads(resumed.stdout)
+    assert measured == [1, 2, 3] and document["kept_rows"] == 1
+    assert [row["steps"] for row in document["rows"]] == [1, 2, 3] and document["rows"][0] == on_disk["rows"][0]
+    assert json.loads(report.read_text())["rows"] == document["rows"]
+    again = CliRunner().invoke(app, [*args, "--resume"])
+    assert measured == [1, 2, 3] and json.loads(again.stdout)["kept_rows"] == 3, "nothing left to measure"
+    other = CliRunner().invoke(app, [*args[:5], "2", *args[6:], "--resume"])  # --per-class 2
+    assert other.exit_code == 2 and "measured with other per_class" in json.loads(other.stdout)["error"]["message"]
+    report.write_text("[1, 2]")
+    broken = CliRunner().invoke(app, [*args, "--resume"])
+    assert broken.exit_code == 2 and "not an eval report" in json.loads(broken.stdout)["error"]["message"]
+    no_out = CliRunner().invoke(app, [*args[:-3], "--resume", "--json"])
+    assert no_out.exit_code == 2 and "give --out" in json.loads(no_out.stdout)["error"]["message"]
+
+
 def test_an_interrupted_generate_lists_the_images_it_wrote(tmp_path, monkeypatch, interactive_signals):
     from cardtool.core.sampling import generate as generate_module
 

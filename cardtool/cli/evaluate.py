@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -30,6 +31,11 @@ def eval_command(
     adapter: Annotated[list[str] | None, typer.Option(
         "--adapter", metavar="NAME[=SCALE]", help="Evaluate with this adapter stack (repeat to compose) instead "
         "of the card's default one.")] = None,
+    out: Annotated[Path | None, typer.Option(
+        "--out", help="Write the report (JSON) to this file after every row.")] = None,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Keep the rows --out already holds for this evaluation (a stopped sweep) and measure the "
+        "rest.")] = False,
     record: Annotated[bool, typer.Option(
         "--record", help="Write the report beside the card (eval.json), its summary into the recipe.")] = False,
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (see README).")] = False,
@@ -62,7 +68,7 @@ def eval_command(
         report = evaluate(card, judge=judge, steps=steps, guidance=guidance, guidance_interval=interval,
                           per_class=per_class, seed=seed, device=device, data=data, precision=precision,
                           on_row=progress, adapters=[parse_adapter(a) for a in adapter] if adapter else None,
-                          shift=shift, solver=solver)
+                          shift=shift, solver=solver, out=out, resume=resume)
         if record and report.rank == 0:
             from cardtool.core.cards.record import record_eval
 
@@ -92,14 +98,16 @@ def eval_command(
                       f"{r.fid_fmnist:.3f}",
                       f"{1000 * r.kid:.2f} ± {1000 * r.kid_std:.2f}", f"{r.mean_reward:.4f}",
                       f"{r.images_per_second:.0f}")
-    out = console()
-    out.print(table)
+    shown = console()
+    shown.print(table)
     floors, kid = report.floors, report.kid_floors
-    out.print(f"floors: real train vs test FID {floors['train_vs_test']:.3f} / KID×1000 "
+    shown.print(f"floors: real train vs test FID {floors['train_vs_test']:.3f} / KID×1000 "
               f"{1000 * kid['train_vs_test']:.2f}; VAE reconstructions vs test FID "
               f"{floors['vae_reconstruction']:.3f} / KID×1000 {1000 * kid['vae_reconstruction']:.2f}", markup=False)
     for warning in report.warnings:
         warn(warning)
+    if report.kept_rows:
+        err.print(f"{report.kept_rows} of {len(report.rows)} rows kept from {out} (measured before)", markup=False)
 
 
 def _interval(row) -> str:

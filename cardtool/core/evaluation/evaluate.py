@@ -10,12 +10,14 @@ scale: N real train images vs the test set, and N VAE reconstructions of train i
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import numbers
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 
 import numpy as np
 
@@ -24,8 +26,9 @@ from cardtool.backends.precision import check_precision
 from cardtool.core import distributed
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import load_card
-from cardtool.core.data import CLASS_NAMES, load_split
+from cardtool.core.data import CLASS_NAMES, data_dir, load_split
 from cardtool.core.evaluation.metrics import fid_warning, frechet_distance, kernel_distance
+from cardtool.core.evaluation.resume import ROW_SETTINGS, identity, previous_rows, write_report
 from cardtool.core.evaluation.reward import FashionJudge
 from cardtool.core.interrupt import Interrupted, stop_requests
 from cardtool.core.prompts import class_prompt
@@ -37,6 +40,8 @@ from cardtool.core.sampling.text_cache import TextFeatureCache
 from cardtool.errors import BadInput
 
 __all__ = ["EvalRow", "EvalReport", "evaluate"]
+
+_FLOORS = ("train_vs_test", "vae_reconstruction")
 
 
 @dataclass
@@ -69,12 +74,13 @@ class EvalReport:
     warnings: list[str] = field(default_factory=list)
     adapters: list[dict] = field(default_factory=list)  # the stack every image used: name, scale
     rank: int = 0  # under torchrun, the process this report is from: rank 0 holds the rows, the others none
+    kept_rows: int = 0  # rows read back from --out (--resume), not measured again
 
     def to_json(self) -> dict:
         return {"card": self.card, "judge": self.judge, "platform": self.platform, "per_class": self.per_class,
                 "adapters": self.adapters,
                 "floors": self.floors, "kid_floors": self.kid_floors, "rows": [_finite(asdict(r)) for r in self.rows],
-                "warnings": self.warnings}
+                "kept_rows": self.kept_rows, "warnings": self.warnings}
 
 
 def _listed(name: str, value) -> list | None:
@@ -84,7 +90,11 @@ def _listed(name: str, value) -> list | None:
     if isinstance(value, (str, numbers.Real)) and not isinstance(value, bool):
         value = [value]
     if isinstance(value, (list, tuple)):  # numpy scalars as Python's, so that the report stays JSON
-        return [v.item() if isinstance(v, np.generic) else v for v in value]
+        values = [v.item() if isinstance(v, np.generic) else v for v in value]
+        try:
+            return list(dict.fromkeys(values))  # a repeated value is one row
+        except TypeError:  # an unhashable value, refused with the others when the rows are planned
+            return values
     raise BadInput(f"{name} must be a list of values (or one value), got {value!r}")
 
 
@@ -98,10 +108,12 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
              per_class: int = 100, seed: int = 0, device: str | None = None, data: str | None = None,
              precision: list[str] | None = None, on_row: Callable[[EvalRow], None] | None = None,
              adapters: list[tuple[str, float]] | None = None, shift: float | None = None,
-             solver: str | None = None) -> EvalReport:
+             solver: str | None = None, out: str | os.PathLike | None = None, resume: bool = False) -> EvalReport:
     """`adapters`: the stack every image uses instead of the card's default one (see Adapters in the README);
     `steps`, `guidance` and `precision` each a list of values (one value is a list of one), a row per combination;
-    `shift` and `solver` for every row (default: the card's loop)."""
+    `shift` and `solver` for every row (default: the card's loop). `out`: a JSON file the report is written to after
+    every row; with `resume`, the rows (and floors) it already holds for this evaluation are kept, not measured
+    again."""
     if not isinstance(per_class, numbers.Integral) or isinstance(per_class, bool) or per_class < 1:
         raise BadInput(f"--per-class must be a whole number, at least 1, got {per_class!r}")
     per_class = int(per_class)
@@ -111,6 +123,9 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
         raise BadInput(f"data must be a folder of Fashion-MNIST files, got {data!r}"[:300])
     if on_row is not None and not callable(on_row):  # found after the first row's work otherwise
         raise BadInput(f"on_row must be a function of one row, got {on_row!r}"[:300])
+    if resume and out is None:
+        raise BadInput("--resume continues the report in --out FILE; give --out")
+    out = Path(out) if out is not None else None
     steps, guidance, precision = (_listed(name, value) for name, value in
                                   (("steps", steps), ("guidance", guidance), ("precision", precision)))
     card = load_card(card_ref)
@@ -138,31 +153,59 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     if count > len(train):
         raise BadInput(f"--per-class {per_class} asks for {count} images, more than the {len(train)} training images "
                        "the floors are measured on")
-    picked = np.random.default_rng(seed).choice(len(train), count, replace=False)
-    floors = {"train_vs_test": referee.features(train.images[picked]),
-              "vae_reconstruction": referee.features(_reconstruct(first.instance, first.vae, train.images[picked]))}
-    for name, features in floors.items():
-        report.floors[name] = round(frechet_distance(features, real), 4)
-        report.kid_floors[name] = round(kernel_distance(features, real)[0], 6)
+    stack = [{"name": name, "scale": scale} for name, scale in next(iter(plans.values()))[0].adapters]
+    ident = identity(first.instance, judge_instance, per_class, seed, data_dir(data), stack, report.platform)
+    kept_floors, kept_rows = previous_rows(out, ident) if resume else ({}, [])
+    if set(kept_floors.get("floors", {})) == set(kept_floors.get("kid_floors", {})) == set(_FLOORS):
+        report.floors, report.kid_floors = kept_floors["floors"], kept_floors["kid_floors"]
+    else:
+        picked = np.random.default_rng(seed).choice(len(train), count, replace=False)
+        floors = {"train_vs_test": referee.features(train.images[picked]),
+                  "vae_reconstruction": referee.features(_reconstruct(first.instance, first.vae,
+                                                                      train.images[picked]))}
+        for name, features in floors.items():
+            report.floors[name] = round(frechet_distance(features, real), 4)
+            report.kid_floors[name] = round(kernel_distance(features, real)[0], 6)
     warning = fid_warning(count, real.shape[1])
     report.warnings += [warning] if warning else []
     report.warnings += [w for loop in loops.values() for w in loop.instance.warnings]
     labels = np.repeat(np.arange(len(CLASS_NAMES)), per_class)  # plan_requests orders prompts × seeds
     # None: the card's loop default for steps and guidance
     cells = list(itertools.product(loops.items(), guidance or [None], steps or [None]))
+    saved = {tuple(json.dumps(row[k]) for k in ROW_SETTINGS): row for row in kept_rows}
+    report.adapters = stack
+    if out is not None and ranks.main:
+        write_report(out, report.to_json(), ident)
     with stop_requests(ranks.world == 1) as caught:  # Ctrl-C / SIGTERM: the row in flight finishes, then a stop
         for number, ((p, loop), g, k) in enumerate(cells):
-            _measure_row(report, referee, real, labels, count, ranks, p, loop, plans[(g, k)], on_row)
+            requests = plans[(g, k)]
+            row = saved.get(_settings(p, requests[0]))
+            if row is not None:  # measured before under the same identity: kept as it was measured
+                report.rows.append(EvalRow(**{f.name: row[f.name] for f in fields(EvalRow) if f.name in row}))
+                report.kept_rows += 1
+                if on_row:
+                    on_row(report.rows[-1])
+            else:
+                _measure_row(report, referee, real, labels, count, ranks, p, loop, requests, on_row)
+            if out is not None and ranks.main:
+                write_report(out, report.to_json(), ident)
             if caught and number < len(cells) - 1:
-                raise Interrupted.after(caught[0], f"{number + 1} of {len(cells)} rows", report.to_json())
+                hint = f"; the same command with --resume measures the rest (rows so far in {out})" if out else ""
+                raise Interrupted.after(caught[0], f"{number + 1} of {len(cells)} rows{hint}", report.to_json())
     return report
+
+
+def _settings(precision: str, request) -> tuple[str, ...]:
+    """A row's settings (ROW_SETTINGS) as a report on disk holds them."""
+    values = {"precision": precision, "steps": request.steps, "guidance": request.guidance,
+              "guidance_interval": list(request.guidance_interval), "shift": request.shift, "solver": request.solver}
+    return tuple(json.dumps(values[k]) for k in ROW_SETTINGS)
 
 
 def _measure_row(report: EvalReport, referee: FashionJudge, real: np.ndarray, labels: np.ndarray, count: int, ranks,
                  p: str, loop: DenoiseLoop, requests: list, on_row) -> None:
     """Sample one row's images at precision `p` and add its measurements to `report` (on rank 0; under torchrun each
     rank samples its share and rank 0 measures them all)."""
-    report.adapters = [{"name": name, "scale": scale} for name, scale in requests[0].adapters]
     started = time.perf_counter()
     mine = ranks.shard(requests)
     broken = None

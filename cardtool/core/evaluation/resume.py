@@ -1,0 +1,57 @@
+"""An eval's report on disk (`eval --out FILE`), rewritten after every row, and read back by `--resume`: rows measured
+under the same identity — the card's and the judge's weights, images per class, seeds, data, adapters, platform — are
+kept, so a sweep stopped after hours loses at most the row in flight."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from cardtool.atomic import write_atomic
+from cardtool.errors import BadInput
+
+__all__ = ["ROW_SETTINGS", "identity", "previous_rows", "write_report"]
+
+ROW_SETTINGS = ("precision", "steps", "guidance", "guidance_interval", "shift", "solver")  # what tells rows apart
+_MEASURED = ("class_accuracy", "fid_fmnist", "kid", "kid_std", "mean_reward", "images_per_second")
+
+
+def identity(instance, judge_instance, per_class: int, seed: int, data: Path, adapters: list, platform: str) -> dict:
+    """What every row of a report shares: a row measured under another identity measures something else."""
+    def versions(inst):
+        return {name: inst.weights_version(name) for name in sorted(inst.card.manifest.components)}
+
+    files = sorted(p for p in data.iterdir() if p.is_file())
+    return {"card": instance.card.id, "card_weights": versions(instance), "judge": judge_instance.card.id,
+            "judge_weights": versions(judge_instance), "per_class": per_class, "seed": seed,
+            "data": {"folder": str(data.resolve()), "files": {p.name: p.stat().st_size for p in files}},
+            "adapters": adapters, "platform": platform}
+
+
+def previous_rows(path: Path, expected: dict) -> tuple[dict, list[dict]]:
+    """(floors document, rows) of the report at `path` if it was measured under `expected`; ({}, []) where there is no
+    file yet. A file that is not such a report, or one of another identity, is a BadInput naming what differs."""
+    if not path.exists():
+        return {}, []
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise BadInput(f"cannot resume from {path}: {getattr(e, 'strerror', None) or e}") from None
+    if not isinstance(report, dict) or not isinstance(report.get("identity"), dict) \
+            or not isinstance(report.get("rows"), list):
+        raise BadInput(f"cannot resume from {path}: it is not an eval report written by eval --out")
+    found = report["identity"]
+    differ = [key for key in expected if found.get(key) != expected[key]]
+    if differ:
+        raise BadInput(f"cannot resume from {path}: it was measured with other {', '.join(differ)}; drop --resume to "
+                       "measure again from the start, or choose another --out")
+    rows = [row for row in report["rows"] if isinstance(row, dict) and all(k in row for k in ROW_SETTINGS)
+            and all(isinstance(row.get(k), (int, float)) and math.isfinite(row[k]) for k in _MEASURED)]
+    floors = {k: report[k] for k in ("floors", "kid_floors") if isinstance(report.get(k), dict)}
+    return floors, rows
+
+
+def write_report(path: Path, document: dict, ident: dict) -> None:
+    """The report so far, with its identity, atomically: the file always holds every finished row."""
+    write_atomic(path, (json.dumps({**document, "identity": ident}, indent=2) + "\n").encode())
