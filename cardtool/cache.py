@@ -30,7 +30,9 @@ def parse_size(text: str) -> int:
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
     if not match or match[2].upper() not in _UNITS:
         raise BadInput(f"{text!r} is not a size (for example 5GB, 500MB, 2GiB or a number of bytes)")
-    return int(float(match[1]) * _UNITS[match[2].upper()])
+    from fractions import Fraction
+
+    return int(Fraction(match[1]) * _UNITS[match[2].upper()])  # exact for any length of digits
 
 
 def limit() -> int:

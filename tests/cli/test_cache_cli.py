@@ -77,7 +77,8 @@ def test_prune_keeps_the_most_recently_used_within_the_size(tmp_path, monkeypatc
     assert sorted(p.name[0] for p in root.glob("text/*/*.npz")) == ["2", "3"]
     assert (root / "text" / "00" / "notes.txt").exists()
     assert cache("info")[1]["limit"] == 5 * 10**9
-    for bad in (["prune", "--max-size", "5XB"], ["prune", "--max-size", "-1"]):
+    assert cache("prune", "--max-size", "9" * 400)[1]["pruned"]["limit"] == int("9" * 400), "exact, never a float"
+    for bad in (["prune", "--max-size", "5XB"], ["prune", "--max-size", "-1"], ["prune", "--max-size", "1e9"]):
         result, report = cache(*bad)
         assert result.exit_code == 2 and "is not a size" in report["error"]["message"]
     monkeypatch.setenv("CARDTOOL_CACHE_MAX", "lots")

@@ -25,6 +25,9 @@ from cardtool.errors import BadInput
     ({"shift": 0}, "shift must be in 0.01…100"),
     ({"data": ["/usr/share/datasets"]}, "data must be a folder"),
     ({"on_row": "print"}, "on_row must be a function"),  # else found only after the first row's sampling
+    ({"resume": True}, "give --out"),
+    ({"out": "/"}, "--out / is a folder"),
+    ({"out": "/proc/nope/eval.json"}, "cannot write to the report's folder /proc/nope"),
 ])
 def test_bad_settings_are_refused_before_anything_loads(examples, monkeypatch, settings, message):
     def never(*args, **kwargs):

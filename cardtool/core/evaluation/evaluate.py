@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cardtool.atomic import writable_folder
 from cardtool.backends.platform import Platform
 from cardtool.backends.precision import check_precision
 from cardtool.core import distributed
@@ -125,7 +126,11 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
         raise BadInput(f"on_row must be a function of one row, got {on_row!r}"[:300])
     if resume and out is None:
         raise BadInput("--resume continues the report in --out FILE; give --out")
-    out = Path(out) if out is not None else None
+    if out is not None:
+        out = Path(out)
+        if out.is_dir():
+            raise BadInput(f"--out {out} is a folder; give the report's file name")
+        writable_folder(out.parent, "the report's folder")  # found now, not after the first row
     steps, guidance, precision = (_listed(name, value) for name, value in
                                   (("steps", steps), ("guidance", guidance), ("precision", precision)))
     card = load_card(card_ref)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from cardtool.atomic import write_atomic
 from cardtool.errors import BadInput
+from cardtool.files import read_small_file
 
 __all__ = ["ROW_SETTINGS", "identity", "previous_rows", "write_report"]
 
@@ -32,12 +33,15 @@ def identity(instance, judge_instance, per_class: int, seed: int, data: Path, ad
 def previous_rows(path: Path, expected: dict) -> tuple[dict, list[dict]]:
     """(floors document, rows) of the report at `path` if it was measured under `expected`; ({}, []) where there is no
     file yet. A file that is not such a report, or one of another identity, is a BadInput naming what differs."""
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         return {}, []
+    text, reason = read_small_file(path, limit=1 << 26)  # never blocking on a FIFO
     try:
-        report = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise BadInput(f"cannot resume from {path}: {getattr(e, 'strerror', None) or e}") from None
+        report = json.loads(text) if not reason else None
+    except ValueError as e:
+        reason = f"it is not JSON ({e})"
+    if reason:
+        raise BadInput(f"cannot resume from {path}: {reason}")
     if not isinstance(report, dict) or not isinstance(report.get("identity"), dict) \
             or not isinstance(report.get("rows"), list):
         raise BadInput(f"cannot resume from {path}: it is not an eval report written by eval --out")
