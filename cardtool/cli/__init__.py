@@ -70,10 +70,44 @@ def root(
     """Diffusion model cards: the recipe and the runtime as one versioned object."""
 
 
+class _ReaderMayLeave:
+    """stdout for a reader that may stop reading (`cardtool generate … | head -1`): once the pipe is closed, the rest
+    goes to /dev/null and the command finishes its work and its exit status as if it had been read — not exit 1 with
+    the summary on stderr lost, as click makes of the broken pipe."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _gone(self) -> None:
+        import os
+
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self._stream.fileno())
+        os.close(devnull)
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._gone()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._gone()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
 def main() -> None:
     import sys
 
     for stream in (sys.stdout, sys.stderr):  # an encoding that cannot show a prompt's é or an arrow escapes it
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
+    if hasattr(sys.stdout, "fileno"):
+        sys.stdout = _ReaderMayLeave(sys.stdout)
     app()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -81,3 +82,17 @@ def test_a_heavy_command_imports_torch_once_with_the_collector_paused(tmp_path, 
     report = json.loads(out.read_text())
     assert report["code"] in (0, None) and "torch" in report["heavy"]
     assert report["gc"] is True and report["frozen"] > 100_000
+
+
+def test_a_reader_that_stops_reading_is_not_a_failure(tmp_path):
+    """`cardtool … | head -1`: once the pipe closes, the command finishes as if it had been read (exit 0, its summary
+    on stderr), not exit 1 as click makes of the broken pipe."""
+    for args, summary in ((["cards", "list", "--json"], ""),
+                          (["generate", str(EXAMPLE_CARDS / "tiny-base"), "-p", "a bag", "-n", "30", "--steps", "1",
+                            "--out", str(tmp_path / "out")], "30 images from tiny-base")):
+        process = subprocess.Popen([sys.executable, "-m", "cardtool", *args], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, env={**os.environ, "CARDTOOL_CACHE": str(tmp_path / "c")})
+        process.stdout.close()  # before the command writes anything: its every write meets a closed pipe
+        errors = process.stderr.read().decode()
+        assert process.wait(timeout=120) == 0 and "Traceback" not in errors and summary in errors, errors
+    assert len(list((tmp_path / "out").glob("*.png"))) == 30
