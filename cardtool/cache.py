@@ -29,10 +29,13 @@ def parse_size(text: str) -> int:
 
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
     if not match or match[2].upper() not in _UNITS:
-        raise BadInput(f"{text!r} is not a size (for example 5GB, 500MB, 2GiB or a number of bytes)")
+        raise BadInput(f"{text!r} is not a size (for example 5GB, 500MB, 2GiB or a number of bytes)"[:300])
     from fractions import Fraction
 
-    return int(Fraction(match[1]) * _UNITS[match[2].upper()])  # exact for any length of digits
+    size = int(Fraction(match[1]) * _UNITS[match[2].upper()])  # exact for any length of digits
+    if size >= 2**63:
+        raise BadInput(f"{text[:40]!r} is more bytes than a file system holds (at most 2⁶³ − 1)")
+    return size
 
 
 def limit() -> int:

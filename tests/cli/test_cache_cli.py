@@ -77,10 +77,13 @@ def test_prune_keeps_the_most_recently_used_within_the_size(tmp_path, monkeypatc
     assert sorted(p.name[0] for p in root.glob("text/*/*.npz")) == ["2", "3"]
     assert (root / "text" / "00" / "notes.txt").exists()
     assert cache("info")[1]["limit"] == 5 * 10**9
-    assert cache("prune", "--max-size", "9" * 400)[1]["pruned"]["limit"] == int("9" * 400), "exact, never a float"
-    for bad in (["prune", "--max-size", "5XB"], ["prune", "--max-size", "-1"], ["prune", "--max-size", "1e9"]):
+    assert cache("prune", "--max-size", "9" * 18)[1]["pruned"]["limit"] == int("9" * 18), "exact, never a float"
+    for bad, message in ((["prune", "--max-size", "5XB"], "is not a size"), (["prune", "--max-size", "-1"], "is not"),
+                         (["prune", "--max-size", "1e9"], "is not a size"),
+                         (["prune", "--max-size", "9" * 400], "more bytes than a file system holds")):
         result, report = cache(*bad)
-        assert result.exit_code == 2 and "is not a size" in report["error"]["message"]
+        assert result.exit_code == 2 and message in report["error"]["message"]
+    assert CliRunner().invoke(app, ["cache", "prune", "--max-size", "9" * 400]).exit_code == 2
     monkeypatch.setenv("CARDTOOL_CACHE_MAX", "lots")
     result, report = cache("info")
     assert result.exit_code == 2 and "CARDTOOL_CACHE_MAX" in report["error"]["message"]
