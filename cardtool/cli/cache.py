@@ -17,11 +17,11 @@ _KINDS = {"text": "encoded prompts", "digests": "weights digests", "temporary": 
 
 
 def _size(count: int) -> str:
-    """'512 bytes', '26.4 KB', '16.2 MB', '1.3 GB' (decimal units)."""
+    """'512 bytes', '26.4 KB', '16.2 MB', '1.3 GB', '2.0 TB' (decimal units)."""
     if count < 1000:
         return f"{count} bytes"
-    exponent = min(3, (len(str(count)) - 1) // 3)
-    return f"{count / 1000 ** exponent:.1f} {('KB', 'MB', 'GB')[exponent - 1]}"
+    exponent = min(6, (len(str(count)) - 1) // 3)
+    return f"{count / 1000 ** exponent:.1f} {('KB', 'MB', 'GB', 'TB', 'PB', 'EB')[exponent - 1]}"
 
 
 def _lines(report: dict, verb: str) -> None:
