@@ -27,6 +27,7 @@ from cardtool.errors import BadInput
     ({"on_row": "print"}, "on_row must be a function"),  # else found only after the first row's sampling
     ({"resume": True}, "give --out"),
     ({"out": "/"}, "--out / is a folder"),
+    ({"out": 3}, "out must be the report's file name"),
     ({"out": "/proc/nope/eval.json"}, "cannot write to the report's folder /proc/nope"),
 ])
 def test_bad_settings_are_refused_before_anything_loads(examples, monkeypatch, settings, message):

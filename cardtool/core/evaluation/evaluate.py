@@ -127,6 +127,8 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     if resume and out is None:
         raise BadInput("--resume continues the report in --out FILE; give --out")
     if out is not None:
+        if not isinstance(out, (str, os.PathLike)) or str(out) == "":
+            raise BadInput(f"out must be the report's file name, got {out!r}"[:300])
         out = Path(out)
         if out.is_dir():
             raise BadInput(f"--out {out} is a folder; give the report's file name")
