@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import EXAMPLE_CARDS
+from helpers import EXAMPLE_CARDS, rows_are_independent
 from typer.testing import CliRunner
 
 from cardtool.backends.controlnet import WanControlNet
@@ -83,6 +83,11 @@ def loop(card):
     return DenoiseLoop(ModelInstance(card, CPU), cache=TextFeatureCache(disk=False))
 
 
+# a mixed batch gives each request the bits it gets alone wherever this CPU's products are row-independent (probed):
+# stacks are runs of rows, each run's LoRA product and the base product blind to the other rows
+MIXED_TOLERANCE = 0.0 if rows_are_independent() else 1e-5
+
+
 def control(seed, preprocessor="silhouette"):
     rng = np.random.default_rng(seed)
     image = np.zeros((28, 28), np.uint8)
@@ -107,7 +112,7 @@ def test_a_mixed_batch_equals_each_request_alone(loop):
     together = run(loop, requests)
     for request, mixed in zip(requests, together, strict=True):
         [alone] = run(loop, [request])
-        assert (mixed - alone).abs().max() <= 1e-5, request
+        assert (mixed - alone).abs().max() <= MIXED_TOLERANCE, request
     plain = together[0]
     assert all((t - plain).abs().max() > 1e-3 for t in together[1:2] + together[3:5]), "each stack changes the image"
     assert (together[3] - together[1]).abs().max() > 1e-3, "composing b onto a changes the image"
@@ -249,7 +254,7 @@ def test_sample_orders_a_batch_by_stack_and_returns_each_request_its_own_image(l
     assert set(calls) == {2}, "interleaved a, b, a, b, …: two runs of three"
     for request, mixed in zip(requests, together, strict=True):
         [alone] = run(loop, [request])
-        assert (mixed - alone).abs().max() <= 1e-5, request
+        assert (mixed - alone).abs().max() <= MIXED_TOLERANCE, request
     assert (together[0] - together[1]).abs().max() > 1e-3
 
 
