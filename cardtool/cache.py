@@ -110,8 +110,10 @@ def prune(to: int | None = None, root: Path | None = None) -> dict:
     to = limit() if to is None else to
     entries = sorted(((_used(e), _size(e), e.path) for e in _files(root)["text"]), reverse=True)  # newest first
     kept = files = removed = 0
+    full = False  # once an entry does not fit, every older one goes too: the order of use decides, not the sizes
     for _, size, path in entries:
-        if kept + size <= to:
+        full = full or kept + size > to
+        if not full:
             kept += size
             continue
         try:
