@@ -8,7 +8,7 @@ installed transformers' own annotations.
 
 from __future__ import annotations
 
-__all__ = ["ACTIVATIONS", "FAMILY", "field_problems", "positions", "tokenizer_problems"]
+__all__ = ["ACTIVATIONS", "FAMILY", "FIELDS", "field_problems", "positions", "tokenizer_problems"]
 
 # model_type values whose AutoModel is a BERT-style encoder that returns last_hidden_state from input_ids and
 # attention_mask (and token_type_ids), all configured by BertConfig's fields
