@@ -48,9 +48,10 @@ def test_the_field_table_is_the_one_transformers_checks(model_type):
 
 
 def test_the_activations_are_transformers_own():
+    """Never one transformers lacks (validated, then failing at load); one it adds later is refused until listed."""
     from transformers.activations import ACT2CLS
 
-    assert set(ACTIVATIONS) == set(ACT2CLS)
+    assert set(ACTIVATIONS) <= set(ACT2CLS) and {"gelu", "gelu_new", "relu", "silu"} <= set(ACTIVATIONS)
 
 
 def _source(tmp_path, **changes):
