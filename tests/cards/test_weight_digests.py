@@ -29,3 +29,14 @@ def test_a_digest_is_read_back_in_a_new_process_and_recomputed_when_the_file_cha
     memo_file.write_text("not json")
     monkeypatch.setattr(weight_files, "_memo", None)
     assert tensor_digest(path) == changed, "an unreadable memo is only a cache miss"
+
+
+def test_a_process_that_moves_its_cache_reads_and_writes_the_new_one(tmp_path, monkeypatch):
+    path = tmp_path / "w.safetensors"
+    save_file({"a": torch.ones(3)}, str(path))
+    monkeypatch.setenv("CARDTOOL_CACHE", str(tmp_path / "first"))
+    digest = tensor_digest(path)
+    monkeypatch.setenv("CARDTOOL_CACHE", str(tmp_path / "second"))
+    assert tensor_digest(path) == digest
+    memo = json.loads((tmp_path / "second" / "digests.json").read_text())
+    assert memo[str(path.resolve())][-1] == digest, "remembered where the process now keeps its cache"

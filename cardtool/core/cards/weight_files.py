@@ -211,20 +211,21 @@ def tensor_digest(path: Path) -> str:
 
 
 _MEMO_FILE, _MEMO_ENTRIES = "digests.json", 1000
-_memo: dict | None = None
+_memo: tuple[Path, dict] | None = None  # the cache folder the remembered digests were read from, and them
 
 
 def _digest_memo() -> dict:
-    """The remembered digests (per process, read once); an unreadable or foreign file counts as empty."""
+    """The remembered digests (per process, read once per cache folder: a process that moves CARDTOOL_CACHE reads and
+    writes the new one's); an unreadable or foreign file counts as empty."""
     global _memo
-    if _memo is None:
+    if _memo is None or _memo[0] != cache_dir():
         text, problem = read_small_file(cache_dir() / _MEMO_FILE, limit=4 << 20)
         try:
-            _memo = json.loads(text) if not problem else {}
+            memo = json.loads(text) if not problem else {}
         except ValueError:
-            _memo = {}
-        _memo = _memo if isinstance(_memo, dict) else {}
-    return _memo
+            memo = {}
+        _memo = (cache_dir(), memo if isinstance(memo, dict) else {})
+    return _memo[1]
 
 
 def _save_digest_memo(memo: dict) -> None:
