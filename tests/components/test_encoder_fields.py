@@ -10,6 +10,7 @@ import typing
 
 import pytest
 import torch
+from helpers import copy_encoder
 
 from cardtool.backends.hf_encoder import HFTextEncoder
 from cardtool.backends.hf_encoder_config import HFEncoderConfig
@@ -55,14 +56,7 @@ def test_the_activations_are_transformers_own():
 
 
 def _source(tmp_path, **changes):
-    folder = tmp_path / "encoder"
-    folder.mkdir(exist_ok=True)
-    for file in MINILM.iterdir():
-        if file.suffix == ".safetensors":
-            (folder / file.name).unlink(missing_ok=True)
-            (folder / file.name).symlink_to(file)
-        elif file.is_file():
-            shutil.copy(file, folder / file.name)
+    folder = copy_encoder(tmp_path / "encoder")
     config = json.loads((MINILM / "config.json").read_text())
     for key, value in changes.items():
         if value is ...:
