@@ -44,12 +44,14 @@ COMMANDS = [
     ["eval", "--help"],
     ["cache", "info"],
     ["cache", "info", "--json"],
+    ["cache", "prune", "--max-size", "1GB", "--json"],
 ]
 
 
 @pytest.mark.parametrize("args", COMMANDS, ids=" ".join)
 def test_light_command_imports_no_torch(args, tmp_path, monkeypatch):
     monkeypatch.setenv("CARDTOOL_PATH", str(EXAMPLE_CARDS))
+    monkeypatch.setenv("CARDTOOL_CACHE", str(tmp_path / "cache"))  # prune removes nothing of the user's
     out = tmp_path / "probe.json"
     code = PROBE.replace("OUT", repr(str(out)))
     subprocess.run([sys.executable, "-c", code, json.dumps(args)], check=True, capture_output=True, timeout=60)
@@ -73,6 +75,7 @@ def test_a_heavy_command_imports_torch_once_with_the_collector_paused(tmp_path, 
     """torch's first import (arrays.py) runs without garbage collection and freezes what it made, so later full
     collections skip it; the collector is running again afterwards (a training run must still free cycles)."""
     monkeypatch.setenv("CARDTOOL_PATH", str(EXAMPLE_CARDS))
+    monkeypatch.setenv("CARDTOOL_CACHE", str(tmp_path / "cache"))  # prune removes nothing of the user's
     out = tmp_path / "probe.json"
     code = PROBE.replace("OUT", repr(str(out))).replace(
         '"heavy": heavy}', '"heavy": heavy, "gc": __import__("gc").isenabled(), '
