@@ -102,3 +102,30 @@ def test_the_disk_cache_is_held_to_its_limit_dropping_the_least_recently_used(ex
     cache = TextFeatureCache(tmp_path / "none")
     encode(examples / "tiny-base", ["a bag"], cache)
     assert cache.misses == 1 and not (tmp_path / "none").exists()
+
+
+def test_memory_holds_at_most_its_limit_and_a_dropped_entry_comes_back_the_same(examples, tmp_path):
+    """A process serving many distinct prompts keeps the most recently used within memory_limit; a dropped entry is
+    read back from disk (or encoded again without one) with the same bits."""
+    entry = 16 * 384 * 4 + 16  # one prompt's float32 states at max_length 16 and its mask
+    for disk in (True, False):
+        cache = TextFeatureCache(tmp_path / "c", disk=disk, memory_limit=3 * entry)
+        _, first = encode(examples / "tiny-base", ["a bag", "a coat", "a shirt", "a dress"], cache)
+        assert len(cache._memory) == 3 and cache._memory_bytes == 3 * entry, "the first prompt was dropped"
+        encode(examples / "tiny-base", ["a coat"], cache)  # a hit: now the most recently used
+        encode(examples / "tiny-base", ["a sock"], cache)
+        assert "a coat" in _prompts(cache, examples) and "a shirt" not in _prompts(cache, examples)
+        misses = cache.misses
+        _, [again] = encode(examples / "tiny-base", ["a bag"], cache)
+        assert np.array_equal(again[0], first[0][0]) and np.array_equal(again[1], first[0][1])
+        assert cache.misses == misses + (0 if disk else 1), "read back from disk; without one, encoded again"
+
+
+def _prompts(cache, examples) -> set[str]:
+    """The prompts whose entries the cache holds in memory (keys are hashes: match them against candidates)."""
+    instance = ModelInstance(load_card(examples / "tiny-base"), CPU)
+    spec = instance.card.manifest.components["text_encoder"]
+    common = dict(card=instance.card.id, component="text_encoder", weights_version=instance.weights_version(
+        "text_encoder"), config=spec.config, adapters=(), precision=instance.precision)
+    return {p for p in ("a bag", "a coat", "a shirt", "a dress", "a sock")
+            if TextFeatureCache.key(**common, prompt=p) in cache._memory}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -18,14 +19,20 @@ from cardtool.cache import cache_dir, limit, prune
 __all__ = ["TextFeatureCache", "cache_dir", "encode_prompts"]
 
 
+MEMORY_LIMIT = 256 * 2**20  # bytes of entries a process keeps in memory, the least recently used dropped beyond
+
+
 class TextFeatureCache:
     """(states (L, d), mask (L,) bool) per key — states in float64 at float64 precision, else float32;
-    `disk=False` keeps it in memory only."""
+    `disk=False` keeps it in memory only. In memory it holds at most `memory_limit` bytes (a process serving many
+    distinct prompts would grow without end otherwise); a dropped entry is read back from disk, or encoded again —
+    the same bits either way."""
 
-    def __init__(self, root: Path | None = None, *, disk: bool = True):
+    def __init__(self, root: Path | None = None, *, disk: bool = True, memory_limit: int = MEMORY_LIMIT):
         self.limit = limit() if disk else 0
         self.root = (root or cache_dir()) / "text" if disk and self.limit > 0 else None
-        self._memory: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._memory: OrderedDict[str, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._memory_bytes, self.memory_limit = 0, memory_limit
         self.hits = self.misses = 0
         self._written = 0  # bytes put on disk since the cache was last held to its limit
 
@@ -39,7 +46,9 @@ class TextFeatureCache:
 
     def get(self, key: str):
         found = self._memory.get(key)
-        if found is None and self.root is not None:
+        if found is not None:
+            self._memory.move_to_end(key)
+        elif self.root is not None:
             path = self.root / key[:2] / f"{key}.npz"
             if path.is_file():
                 try:
@@ -50,7 +59,7 @@ class TextFeatureCache:
                 if found is not None and not _well_formed(*found):
                     found = None
                 if found is not None:
-                    self._memory[key] = found
+                    self._remember(key, found)
                     _touch(path)  # recently used: the last to be pruned
         if found is None:
             self.misses += 1
@@ -62,7 +71,7 @@ class TextFeatureCache:
         """Store an entry and return it as stored, so a first use sees exactly what later hits will."""
         states = np.asarray(states)
         entry = (states.astype(np.float64 if states.dtype == np.float64 else np.float32), np.asarray(mask, dtype=bool))
-        self._memory[key] = entry
+        self._remember(key, entry)
         if self.root is not None:
             buffer = io.BytesIO()
             np.savez(buffer, states=entry[0], mask=entry[1])
@@ -76,6 +85,18 @@ class TextFeatureCache:
                 self._written = 0
                 prune(self.limit, self.root.parent)
         return entry
+
+    def _remember(self, key: str, entry: tuple[np.ndarray, np.ndarray]) -> None:
+        previous = self._memory.pop(key, None)
+        self._memory_bytes += _nbytes(entry) - (_nbytes(previous) if previous is not None else 0)
+        self._memory[key] = entry
+        while self._memory_bytes > self.memory_limit and len(self._memory) > 1:  # never the entry just put
+            _, dropped = self._memory.popitem(last=False)
+            self._memory_bytes -= _nbytes(dropped)
+
+
+def _nbytes(entry: tuple[np.ndarray, np.ndarray]) -> int:
+    return entry[0].nbytes + entry[1].nbytes
 
 
 def _touch(path: Path) -> None:
