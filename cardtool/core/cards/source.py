@@ -55,6 +55,7 @@ MAX_BYTES = 1 << 20  # a manifest is a page of settings, not a data file
 MAX_DEPTH = 32  # nesting of mappings and lists
 _JSON_SCALARS = (str, int, float, bool, type(None))
 _cache: dict[tuple[str, bytes], Source] = {}
+_CACHE_ENTRIES = 256  # the most recently used manifests a process keeps parsed (one that writes cards parses new ones)
 
 
 def read_source(file: Path) -> Source:
@@ -75,6 +76,7 @@ def read_source(file: Path) -> Source:
         # keyed by content, not mtime: a manifest rewritten within one clock tick must not parse as its old self
         key = (str(file), hashlib.blake2b(raw, digest_size=16).digest())
         if key in _cache:
+            _cache[key] = _cache.pop(key)  # the most recently used last
             return _cache[key]
         text = raw.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark (some editors write one) is no content
     except UnicodeDecodeError as e:
@@ -89,6 +91,8 @@ def read_source(file: Path) -> Source:
     problems = _value_problems(source, source.data, ())
     if problems:
         raise CardValidationError(problems[:20])
+    while len(_cache) >= _CACHE_ENTRIES:
+        _cache.pop(next(iter(_cache)))  # the least recently used
     _cache[key] = source
     return source
 
