@@ -102,8 +102,8 @@ def eval_command(
     shown.print(table)
     floors, kid = report.floors, report.kid_floors
     shown.print(f"floors: real train vs test FID {floors['train_vs_test']:.3f} / KID×1000 "
-              f"{1000 * kid['train_vs_test']:.2f}; VAE reconstructions vs test FID "
-              f"{floors['vae_reconstruction']:.3f} / KID×1000 {1000 * kid['vae_reconstruction']:.2f}", markup=False)
+                f"{1000 * kid['train_vs_test']:.2f}; VAE reconstructions vs test FID "
+                f"{floors['vae_reconstruction']:.3f} / KID×1000 {1000 * kid['vae_reconstruction']:.2f}", markup=False)
     for warning in report.warnings:
         warn(warning)
     if report.kept_rows:
