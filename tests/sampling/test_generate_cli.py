@@ -319,3 +319,17 @@ def test_a_grid_of_many_images_shows_a_bounded_part_of_them(on_path, tmp_path, m
     assert len(report.images) == 9, "every image is written"
     assert [(prompt, len(row)) for prompt, row in shown] == [("a bag", 2), ("a coat", 2)]
     assert any("the grid shows at most 2 images of each of the first 2 prompts" in w for w in report.warnings)
+
+
+def test_off_a_terminal_a_long_run_logs_progress_lines(on_path, tmp_path, monkeypatch):
+    """A log or CI gets a line every LINE_EVERY seconds (here every step's report) with what is done and left; the
+    --json document on stdout stays one document."""
+    from cardtool.cli import generate as generate_cli
+
+    monkeypatch.setattr(generate_cli._LateProgress, "LINE_EVERY", 0.0)
+    result = run("generate", "tiny-base", "-p", "a bag", "-n", "3", "--steps", "4", "--max-batch", "2",
+                 "--out", str(tmp_path / "out"), "--json")
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.stderr.splitlines() if line.startswith("denoising ")]
+    assert lines and all("of 12 request-steps" in line and "elapsed" in line and "left" in line for line in lines)
+    assert len(json.loads(result.stdout)["images"]) == 3
