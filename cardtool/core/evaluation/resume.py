@@ -1,6 +1,6 @@
 """An eval's report on disk (`eval --out FILE`), rewritten after every row, and read back by `--resume`: rows measured
-under the same identity — the card's and the judge's weights, images per class, seeds, data, adapters, platform — are
-kept, so a sweep stopped after hours loses at most the row in flight."""
+under the same identity — cardtool's version, the card's and the judge's weights, images per class, seeds, data,
+adapters, platform — are kept, so a sweep stopped after hours loses at most the row in flight."""
 
 from __future__ import annotations
 
@@ -23,10 +23,12 @@ def identity(instance, judge_instance, per_class: int, seed: int, data: Path, ad
     def versions(inst):
         return {name: inst.weights_version(name) for name in sorted(inst.card.manifest.components)}
 
+    from cardtool import __version__
+
     files = sorted(p for p in data.iterdir() if p.is_file())
-    return {"card": instance.card.id, "card_weights": versions(instance), "judge": judge_instance.card.id,
-            "judge_weights": versions(judge_instance), "per_class": per_class, "seed": seed,
-            "data": {"folder": str(data.resolve()), "files": {p.name: p.stat().st_size for p in files}},
+    return {"cardtool": __version__, "card": instance.card.id, "card_weights": versions(instance),
+            "judge": judge_instance.card.id, "judge_weights": versions(judge_instance), "per_class": per_class,
+            "seed": seed, "data": {"folder": str(data.resolve()), "files": {p.name: p.stat().st_size for p in files}},
             "adapters": adapters, "platform": platform}
 
 
