@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from cardtool.cli.output import console, emit_json, handled, warn
+from cardtool.cli.output import LateProgress, console, emit_json, handled, warn
 
 
 def eval_command(
@@ -65,10 +66,11 @@ def eval_command(
 
             recordable(card)
         interval = parse_interval(guidance_interval) if guidance_interval is not None else None
+        steps_done = LateProgress(enabled=not sys.stderr.isatty(), terminal=False, what="this row:")
         report = evaluate(card, judge=judge, steps=steps, guidance=guidance, guidance_interval=interval,
                           per_class=per_class, seed=seed, device=device, data=data, precision=precision,
                           on_row=progress, adapters=[parse_adapter(a) for a in adapter] if adapter else None,
-                          shift=shift, solver=solver, out=out, resume=resume)
+                          shift=shift, solver=solver, out=out, resume=resume, on_step=steps_done)
         if record and report.rank == 0:
             from cardtool.core.cards.record import record_eval
 

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from cardtool.cli.output import clock, console, counted, emit_json, handled, say, warn
+from cardtool.cli.output import LateProgress, counted, emit_json, handled, say, warn
 from cardtool.errors import BadInput
 
 
@@ -71,7 +70,7 @@ def generate_command(
 
     with handled(json_):
         prompts = list(prompt or []) + (read_prompts_file(prompts_file) if prompts_file else [])
-        progress = _LateProgress(enabled=not json_ or not sys.stderr.isatty(), terminal=sys.stderr.isatty())
+        progress = LateProgress(enabled=not json_ or not sys.stderr.isatty(), terminal=sys.stderr.isatty())
         try:
             asked = {"seed": seed, "negative_prompt": negative_prompt, "steps": steps, "guidance": guidance,
                      "shift": shift, "solver": solver, "precision": precision, "best_of": best_of, "reward": reward,
@@ -135,40 +134,3 @@ def _like(path: Path, card, prompts, image, preprocessor):
             raise BadInput(f"{path.name} was made with the control image {image}, which is not there; give it "
                            "with --control IMAGE")
     return model, card or model.card, prompts or [model.prompt], recorded, image, preprocessor
-
-
-class _LateProgress:
-    """Progress on stderr once work has run for a while: on a terminal a Rich bar after a second; elsewhere (a log, CI)
-    a line every LINE_EVERY seconds — a long run's log shows it moving without a line per step."""
-
-    LINE_EVERY = 10.0
-
-    def __init__(self, enabled: bool, terminal: bool = True):
-        self.enabled, self.terminal = enabled, terminal
-        self.started = self.last_line = time.perf_counter()
-        self.bar = self.task = None
-
-    def __call__(self, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        if not self.terminal:
-            now = time.perf_counter()
-            if now - self.last_line >= self.LINE_EVERY and 0 < done < total:
-                self.last_line, spent = now, now - self.started
-                say(f"denoising {done:,} of {total:,} request-steps ({100 * done // total}%), {clock(spent)} elapsed, "
-                    f"{clock(spent * (total - done) / done)} left", stderr=True)
-            return
-        if self.bar is None:
-            if time.perf_counter() - self.started < 1.0:
-                return
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.bar = Progress(TextColumn("denoising"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                                console=console(stderr=True), transient=True)
-            self.bar.start()
-            self.task = self.bar.add_task("denoise", total=total)
-        self.bar.update(self.task, completed=done)
-
-    def stop(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -12,7 +13,7 @@ import typer
 
 from cardtool.errors import CardtoolError, CardValidationError, RunFailed
 
-__all__ = ["console", "emit_json", "handled", "say", "warn"]
+__all__ = ["LateProgress", "console", "emit_json", "handled", "say", "warn"]
 
 
 def console(*, stderr: bool = False):
@@ -119,3 +120,48 @@ def handled(json_mode: bool) -> Iterator[None]:
         where = f"{error.filename}: " if error.filename else ""
         with handled(json_mode):
             raise RunFailed(f"{where}{error.strerror or error}") from None
+
+
+class LateProgress:
+    """Progress on stderr once work has run for a while: on a terminal a Rich bar after a second; elsewhere (a log, CI)
+    a line every LINE_EVERY seconds with the time left at the pace since the first report — a long run's log shows it
+    moving without a line per step. A count that goes back (an eval's next row) starts a new run of reports."""
+
+    LINE_EVERY = 10.0
+
+    def __init__(self, enabled: bool, terminal: bool = True, what: str = "denoising"):
+        self.enabled, self.terminal, self.what = enabled, terminal, what
+        self.started = time.perf_counter()
+        self.first: tuple[float, int] | None = None  # (when, done) of this run's first report
+        self.last_line, self.previous = self.started, 0
+        self.bar = self.task = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if not self.terminal:
+            now = time.perf_counter()
+            if self.first is None or done < self.previous:
+                self.first, self.last_line = (now, done), now
+            self.previous = done
+            since, first_done = self.first
+            if now - self.last_line >= self.LINE_EVERY and first_done < done < total:
+                self.last_line, spent = now, now - since
+                left = clock(spent * (total - done) / (done - first_done))
+                say(f"{self.what} {done:,} of {total:,} request-steps ({100 * done // total}%), {clock(spent)} "
+                    f"elapsed, {left} left", stderr=True)
+            return
+        if self.bar is None:
+            if time.perf_counter() - self.started < 1.0:
+                return
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(TextColumn(self.what), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                                console=console(stderr=True), transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task("denoise", total=total)
+        self.bar.update(self.task, completed=done)
+
+    def stop(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()

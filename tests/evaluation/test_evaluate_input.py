@@ -24,7 +24,8 @@ from cardtool.errors import BadInput
     ({"solver": "nope"}, "unknown solver 'nope'"),
     ({"shift": 0}, "shift must be in 0.01…100"),
     ({"data": ["/usr/share/datasets"]}, "data must be a folder"),
-    ({"on_row": "print"}, "on_row must be a function"),  # else found only after the first row's sampling
+    ({"on_row": "print"}, "on_row must be a function"),
+    ({"on_step": 3}, "on_step must be a function"),  # else found only after the first row's sampling
     ({"resume": True}, "give --out"),
     ({"out": "/"}, "--out / is a folder"),
     ({"out": 3}, "out must be the report's file name"),
@@ -90,3 +91,22 @@ def test_a_record_that_cannot_be_made_is_refused_before_the_eval_or_keeps_its_ro
     error = json.loads(result.stdout)["error"]
     assert "recording it failed" in error["message"] and "No space left on device" in error["message"]
     assert [row["steps"] for row in error["partial"]["rows"]] == [2], "the measured rows are not lost"
+
+
+def test_off_a_terminal_each_row_logs_progress_lines(examples, tmp_path, monkeypatch):
+    """A log gets lines inside a row (a 10,000-image row takes minutes), each with the row's own count and the time left
+    at the row's pace; a new row starts its count again."""
+    from helpers import write_idx_folder
+    from typer.testing import CliRunner
+
+    from cardtool.cli import app
+    from cardtool.cli.output import LateProgress
+
+    monkeypatch.setattr(LateProgress, "LINE_EVERY", 0.0)
+    result = CliRunner().invoke(app, ["eval", str(examples / "tiny-base"), "--judge", str(examples / "tiny-judge"),
+                                      "--per-class", "1", "--steps", "3", "--steps", "4",
+                                      "--data", str(write_idx_folder(tmp_path / "idx")), "--json"])
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.stderr.splitlines() if line.startswith("this row: ")]
+    assert any("of 30 request-steps" in line for line in lines) and any("of 40 request-steps" in line for line in lines)
+    assert all("elapsed" in line and "left" in line for line in lines)

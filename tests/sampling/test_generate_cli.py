@@ -324,9 +324,9 @@ def test_a_grid_of_many_images_shows_a_bounded_part_of_them(on_path, tmp_path, m
 def test_off_a_terminal_a_long_run_logs_progress_lines(on_path, tmp_path, monkeypatch):
     """A log or CI gets a line every LINE_EVERY seconds (here every step's report) with what is done and left; the
     --json document on stdout stays one document."""
-    from cardtool.cli import generate as generate_cli
+    from cardtool.cli.output import LateProgress
 
-    monkeypatch.setattr(generate_cli._LateProgress, "LINE_EVERY", 0.0)
+    monkeypatch.setattr(LateProgress, "LINE_EVERY", 0.0)
     result = run("generate", "tiny-base", "-p", "a bag", "-n", "3", "--steps", "4", "--max-batch", "2",
                  "--out", str(tmp_path / "out"), "--json")
     assert result.exit_code == 0, result.output

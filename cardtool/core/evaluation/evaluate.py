@@ -109,12 +109,13 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
              per_class: int = 100, seed: int = 0, device: str | None = None, data: str | None = None,
              precision: list[str] | None = None, on_row: Callable[[EvalRow], None] | None = None,
              adapters: list[tuple[str, float]] | None = None, shift: float | None = None,
-             solver: str | None = None, out: str | os.PathLike | None = None, resume: bool = False) -> EvalReport:
+             solver: str | None = None, out: str | os.PathLike | None = None, resume: bool = False,
+             on_step: Callable[[int, int], None] | None = None) -> EvalReport:
     """`adapters`: the stack every image uses instead of the card's default one (see Adapters in the README);
     `steps`, `guidance` and `precision` each a list of values (one value is a list of one), a row per combination;
     `shift` and `solver` for every row (default: the card's loop). `out`: a JSON file the report is written to after
     every row; with `resume`, the rows (and floors) it already holds for this evaluation are kept, not measured
-    again."""
+    again. `on_step(done, total)`: progress inside each row, in request-steps (this process's share)."""
     if not isinstance(per_class, numbers.Integral) or isinstance(per_class, bool) or per_class < 1:
         raise BadInput(f"--per-class must be a whole number, at least 1, got {per_class!r}")
     per_class = int(per_class)
@@ -122,8 +123,9 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
         raise BadInput(f"judge must be a reward card's id or folder, got {judge!r}")
     if data is not None and not isinstance(data, (str, os.PathLike)):
         raise BadInput(f"data must be a folder of Fashion-MNIST files, got {data!r}"[:300])
-    if on_row is not None and not callable(on_row):  # found after the first row's work otherwise
-        raise BadInput(f"on_row must be a function of one row, got {on_row!r}"[:300])
+    for name, callback in (("on_row", on_row), ("on_step", on_step)):  # found after a row's work otherwise
+        if callback is not None and not callable(callback):
+            raise BadInput(f"{name} must be a function, got {callback!r}"[:300])
     if resume and out is None:
         raise BadInput("--resume continues the report in --out FILE; give --out")
     if out is not None:
@@ -193,7 +195,7 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
                 if on_row:
                     on_row(report.rows[-1])
             else:
-                _measure_row(report, referee, real, labels, count, ranks, p, loop, requests, on_row)
+                _measure_row(report, referee, real, labels, count, ranks, p, loop, requests, on_row, on_step=on_step)
             if out is not None and ranks.main:
                 write_report(out, report.to_json(), ident)
             if caught and number < len(cells) - 1:
@@ -210,14 +212,14 @@ def _settings(precision: str, request) -> tuple[str, ...]:
 
 
 def _measure_row(report: EvalReport, referee: FashionJudge, real: np.ndarray, labels: np.ndarray, count: int, ranks,
-                 p: str, loop: DenoiseLoop, requests: list, on_row) -> None:
+                 p: str, loop: DenoiseLoop, requests: list, on_row, on_step=None) -> None:
     """Sample one row's images at precision `p` and add its measurements to `report` (on rank 0; under torchrun each
     rank samples its share and rank 0 measures them all)."""
     started = time.perf_counter()
     mine = ranks.shard(requests)
     broken = None
     try:
-        made = loop.finalize(sample(loop, [requests[i] for i in mine], max_batch=256)) if mine else []
+        made = loop.finalize(sample(loop, [requests[i] for i in mine], max_batch=256, on_step=on_step)) if mine else []
     except NonFiniteImages as e:  # this row measures nothing; the others still do
         made, broken = [None] * len(mine), str(e)
     shares = ranks.gather(list(zip(mine, made, strict=True)))
