@@ -146,7 +146,11 @@ def clear() -> dict:
                 continue
             files, size = files + 1, size + bytes_
         removed[kind] = {"files": files, "bytes": size}
-    for shard in sorted((root / "text").glob("[0-9a-f][0-9a-f]")) if (root / "text").is_dir() else []:
+    try:
+        shards = sorted((root / "text").glob("[0-9a-f][0-9a-f]")) if (root / "text").is_dir() else []
+    except OSError:  # a folder that cannot be there (a name too long) holds nothing to tidy
+        shards = []
+    for shard in shards:
         try:
             shard.rmdir()  # only when empty
         except OSError:

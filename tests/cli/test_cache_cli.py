@@ -87,3 +87,16 @@ def test_prune_keeps_the_most_recently_used_within_the_size(tmp_path, monkeypatc
     monkeypatch.setenv("CARDTOOL_CACHE_MAX", "lots")
     result, report = cache("info")
     assert result.exit_code == 2 and "CARDTOOL_CACHE_MAX" in report["error"]["message"]
+
+
+def test_a_cache_folder_that_cannot_exist_costs_the_encoding_not_the_run(tmp_path, monkeypatch):
+    """A name past the file system's limit (ENAMETOOLONG on every use): generate still makes its image, and info,
+    prune and clear report an empty cache."""
+    monkeypatch.setenv("CARDTOOL_CACHE", str(tmp_path / ("x" * 300)))
+    made = CliRunner().invoke(app, ["generate", str(EXAMPLE_CARDS / "tiny-base"), "-p", "a bag", "--steps", "1",
+                                    "--out", str(tmp_path / "a.png")])
+    assert made.exit_code == 0 and (tmp_path / "a.png").is_file(), made.output
+    for command in ("info", "prune", "clear"):
+        result, report = cache(command)
+        assert result.exit_code == 0, (command, result.output)
+    assert cache("info")[1]["text"] == {"files": 0, "bytes": 0}

@@ -50,7 +50,7 @@ class TextFeatureCache:
             self._memory.move_to_end(key)
         elif self.root is not None:
             path = self.root / key[:2] / f"{key}.npz"
-            if path.is_file():
+            if _is_file(path):
                 try:
                     with np.load(path, allow_pickle=False) as f:  # never unpickle from a cache
                         found = (f["states"], f["mask"])
@@ -97,6 +97,13 @@ class TextFeatureCache:
 
 def _nbytes(entry: tuple[np.ndarray, np.ndarray]) -> int:
     return entry[0].nbytes + entry[1].nbytes
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # a cache folder whose name is too long, or not readable: a miss, never a failed run
+        return False
 
 
 def _touch(path: Path) -> None:
