@@ -25,8 +25,13 @@ class HFTextEncoder:
         self.max_length, self.device = max_length, device
         self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         # feed-forward chunking changes memory, not values, and needs max_length to be a multiple of its chunk
-        self.model = AutoModel.from_pretrained(folder, local_files_only=True, use_safetensors=True, dtype=dtype,
-                                               chunk_size_feed_forward=0).to(device).eval().requires_grad_(False)
+        model, loading = AutoModel.from_pretrained(folder, local_files_only=True, use_safetensors=True, dtype=dtype,
+                                                   chunk_size_feed_forward=0, output_loading_info=True)
+        if loading["missing_keys"]:  # transformers would initialise them at random: an encoder that is not the file's
+            missing = sorted(loading["missing_keys"])
+            raise ValueError(f"model.safetensors lacks {len(missing)} tensors the {model.config.model_type} encoder "
+                             f"config.json describes needs (e.g. {', '.join(missing[:3])})")
+        self.model = model.to(device).eval().requires_grad_(False)
         self.dim = self.model.config.hidden_size
 
     @torch.no_grad()

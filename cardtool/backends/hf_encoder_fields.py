@@ -8,11 +8,16 @@ installed transformers' own annotations.
 
 from __future__ import annotations
 
-__all__ = ["ACTIVATIONS", "FAMILY", "FIELDS", "field_problems", "positions", "tokenizer_problems"]
+__all__ = ["ACTIVATIONS", "ENCODERS", "FAMILY", "FIELDS", "field_problems", "positions", "tokenizer_problems"]
 
 # model_type values whose AutoModel is a BERT-style encoder that returns last_hidden_state from input_ids and
-# attention_mask (and token_type_ids), all configured by BertConfig's fields
+# attention_mask (and token_type_ids), all configured by BertConfig's fields: checked field by field
 FAMILY = ("bert", "roberta", "xlm-roberta", "camembert")
+# every encoder loaded (each tested loading a tiny random model); the others' own fields are left to transformers
+ENCODERS = (*FAMILY, "mpnet", "electra", "deberta-v2", "albert")
+_OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert", "mpnet")  # positions counted from the padding id + 1
+_GENERIC = ("output_hidden_states", "id2label", "auto_map", "is_decoder", "add_cross_attention", "pad_token_id",
+            "vocab_size")  # fields every encoder's config reads alike
 # transformers' activation names (ACT2CLS)
 ACTIVATIONS = ("gelu", "gelu_10", "gelu_accurate", "gelu_fast", "gelu_new", "gelu_python", "gelu_python_tanh",
                "gelu_pytorch_tanh", "hardswish", "laplace", "leaky_relu", "linear", "mish", "prelu", "quick_gelu",
@@ -56,28 +61,29 @@ def field_problems(settings: dict) -> list[str]:
     """Why transformers would refuse `settings` (a parsed config.json) or build another model from it than a frozen
     encoder of the weights; empty when it loads as one."""
     model_type = settings.get("model_type")
-    if model_type not in FAMILY:
-        return [f"config.json's model_type is {model_type!r}; cardtool loads the encoders {', '.join(FAMILY)}"]
+    if model_type not in ENCODERS:
+        return [f"config.json's model_type is {model_type!r}; cardtool loads the encoders {', '.join(ENCODERS)}"]
+    checked = FIELDS if model_type in FAMILY else {k: FIELDS[k] for k in _GENERIC}
     problems = []
-    for key, kinds in FIELDS.items():
+    for key, kinds in checked.items():
         if key in settings and not _fits(settings[key], kinds):
             wanted = " or ".join(k if k != _NONE else "null" for k in kinds)
             problems.append(f"config.json's {key} is {settings[key]!r}; transformers wants {wanted}")
     if problems:
         return problems[:3]
     for key in _SIZES:
-        if key in settings and settings[key] < 1:
+        if key in checked and key in settings and settings[key] < 1:
             problems.append(f"config.json's {key} is {settings[key]}; it must be at least 1")
-    if settings.get("hidden_act", "gelu") not in ACTIVATIONS:
+    if model_type in FAMILY and settings.get("hidden_act", "gelu") not in ACTIVATIONS:
         problems.append(f"config.json's hidden_act {settings['hidden_act']!r} is not an activation transformers has "
                         f"({', '.join(ACTIVATIONS)})")
     for key in ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"):
-        if settings.get(key) is not None and not 0 <= settings[key] <= 1:
+        if key in checked and settings.get(key) is not None and not 0 <= settings[key] <= 1:
             problems.append(f"config.json's {key} is {settings[key]}; a dropout probability is between 0 and 1")
-    if "layer_norm_eps" in settings and not 0 < settings["layer_norm_eps"] < 1:
+    if "layer_norm_eps" in checked and "layer_norm_eps" in settings and not 0 < settings["layer_norm_eps"] < 1:
         problems.append(f"config.json's layer_norm_eps is {settings['layer_norm_eps']}; it must lie in (0, 1)")
     vocab = settings.get("vocab_size")
-    for key in ("pad_token_id", "bos_token_id"):
+    for key in ("pad_token_id", "bos_token_id") if model_type in FAMILY else ("pad_token_id",):
         if isinstance(settings.get(key), int) and isinstance(vocab, int) and not 0 <= settings[key] < vocab:
             problems.append(f"config.json's {key} {settings[key]} is not a token of its {vocab}-token vocabulary")
     for key in ("is_decoder", "add_cross_attention"):
@@ -87,7 +93,7 @@ def field_problems(settings: dict) -> list[str]:
         if isinstance(settings.get(key), str) and settings[key] not in _DTYPES:
             problems.append(f"config.json's {key} {settings[key]!r} is not one of {', '.join(_DTYPES)}")
     # transformers before 5 build relative-distance weights for the others, randomly initialised if the file lacks them
-    if settings.get("position_embedding_type", "absolute") != "absolute":
+    if model_type in FAMILY and settings.get("position_embedding_type", "absolute") != "absolute":
         problems.append(f"config.json's position_embedding_type is {settings['position_embedding_type']!r}; "
                         "cardtool loads absolute position embeddings")
     return problems[:3]
@@ -98,7 +104,7 @@ def positions(settings: dict) -> int | None:
     limit = settings.get("max_position_embeddings")
     if not isinstance(limit, int):
         return None
-    if settings.get("model_type") == "bert":
+    if settings.get("model_type") not in _OFFSET_POSITIONS:
         return limit
     pad = settings.get("pad_token_id")
     return limit - (pad if isinstance(pad, int) else 1) - 1

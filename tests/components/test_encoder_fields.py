@@ -14,7 +14,7 @@ from helpers import copy_encoder
 
 from cardtool.backends.hf_encoder import HFTextEncoder
 from cardtool.backends.hf_encoder_config import HFEncoderConfig
-from cardtool.backends.hf_encoder_fields import ACTIVATIONS, FAMILY, FIELDS, field_problems
+from cardtool.backends.hf_encoder_fields import ACTIVATIONS, ENCODERS, FAMILY, FIELDS, field_problems
 from cardtool.core.cards.loader import package_path
 
 torch.set_num_threads(1)
@@ -69,6 +69,8 @@ def _source(tmp_path, **changes):
 
 @pytest.mark.parametrize(("change", "message"), [
     ({"model_type": "t5"}, "model_type is 't5'; cardtool loads the encoders bert, roberta"),
+    ({"model_type": "electra", "is_decoder": True}, "is_decoder is true"),  # another encoder: the common fields
+    ({"model_type": "mpnet", "output_hidden_states": "t5"}, "output_hidden_states is 't5'"),
     ({"model_type": ...}, "model_type is None"),
     ({"hidden_act": 512}, "hidden_act is 512; transformers wants str"),
     ({"hidden_act": "nope"}, "hidden_act 'nope' is not an activation transformers has"),
@@ -99,20 +101,22 @@ def test_config_values_that_change_nothing_the_encoder_returns_validate_and_load
     assert torch.equal(HFTextEncoder(folder, 16, "cpu", torch.float32)(["a bag"])[0], reference)
 
 
-@pytest.mark.parametrize("model_type", FAMILY)
-def test_every_family_loads_up_to_the_positions_validation_allows(tmp_path, model_type):
-    """RoBERTa's family numbers positions from the padding id + 1: validation allows max_length to where it runs."""
+@pytest.mark.parametrize("model_type", ENCODERS)
+def test_every_encoder_loads_up_to_the_positions_validation_allows(tmp_path, model_type):
+    """RoBERTa's family and MPNet number positions from the padding id + 1: validation allows max_length to where it
+    runs, for every encoder type it accepts."""
     from transformers import AutoConfig, AutoModel
 
     config = AutoConfig.for_model(model_type, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
-                                  intermediate_size=16, vocab_size=30522, max_position_embeddings=20)
+                                  intermediate_size=16, vocab_size=30522, max_position_embeddings=20,
+                                  **({"embedding_size": 8} if model_type in ("electra", "albert") else {}))
     torch.manual_seed(0)
     folder = tmp_path / model_type
     AutoModel.from_config(config).save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
         shutil.copy(MINILM / name, folder / name)
     assert field_problems(json.loads((folder / "config.json").read_text())) == []
-    limit = 20 if model_type == "bert" else 18
+    limit = 18 if model_type in ("roberta", "xlm-roberta", "camembert", "mpnet") else 20
     assert HFEncoderConfig(max_length=limit).source_problems(folder) == []
     assert any("beyond the encoder's" in p for p in HFEncoderConfig(max_length=limit + 1).source_problems(folder))
     states, mask = HFTextEncoder(folder, limit, "cpu", torch.float32)(["a bag " * 30, "x"])
@@ -133,3 +137,11 @@ def test_a_tokenizer_config_transformers_refuses_fails_validation(tmp_path, chan
     path.write_text("{" if change is None else json.dumps({**json.loads(path.read_text()), **change}))
     problems = HFEncoderConfig(max_length=16).source_problems(folder)
     assert any(message in p for p in problems), problems
+
+
+def test_weights_that_lack_what_the_config_builds_are_refused_at_load(tmp_path):
+    """An albert config over BERT weights validates (its own fields are transformers' to check) but would load with
+    its layers initialised at random: the load refuses it, naming the missing tensors."""
+    folder = _source(tmp_path, model_type="albert", embedding_size=384)
+    with pytest.raises(ValueError, match="model.safetensors lacks .* tensors the albert encoder"):
+        HFTextEncoder(folder, 16, "cpu", torch.float32)
