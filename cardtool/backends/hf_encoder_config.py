@@ -90,24 +90,24 @@ def _tokenizer_settings_problems(source: Path) -> list[str]:
     path = source / "tokenizer_config.json"
     if not path.exists():
         return []
-    text, reason = read_small_file(path)
-    try:
-        settings = json.loads(text) if not reason else None
-    except ValueError as e:
-        reason = f"{path} is not JSON: {e}"
-    if not reason and not isinstance(settings, dict):
-        reason = f"{path} is not a JSON object"
+    settings, reason = _json_object(path)
     return [reason] if reason else tokenizer_problems(settings)
 
 
-def _encoder_settings(source: Path) -> tuple[dict, str]:
-    text, reason = read_small_file(source / "config.json")
+def _json_object(path: Path) -> tuple[dict, str]:
+    """A small JSON file's object, or ({}, why not)."""
+    text, reason = read_small_file(path)
     if reason:
         return {}, reason
     try:
         settings = json.loads(text)
     except ValueError as e:
-        return {}, f"{source / 'config.json'} is not JSON: {e}"
-    if not isinstance(settings, dict) or not isinstance(settings.get("hidden_size"), int):
-        return {}, f"{source / 'config.json'} does not give the encoder's hidden_size"
-    return settings, ""
+        return {}, f"{path} is not JSON: {e}"
+    return (settings, "") if isinstance(settings, dict) else ({}, f"{path} is not a JSON object")
+
+
+def _encoder_settings(source: Path) -> tuple[dict, str]:
+    settings, reason = _json_object(source / "config.json")
+    if not reason and not isinstance(settings.get("hidden_size"), int):
+        reason = f"{source / 'config.json'} does not give the encoder's hidden_size"
+    return ({}, reason) if reason else (settings, "")

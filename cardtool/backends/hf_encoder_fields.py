@@ -1,9 +1,9 @@
 """What an `hf-encoder` source's config.json may hold, checked without importing transformers (validation stays light):
-the encoder families cardtool loads and the JSON type of every field their transformers config declares — so that
-a config transformers would refuse (a string where it wants a number, an int where it wants a float), or one that
-builds something other than the encoder in the weights (a decoder, cross-attention layers the weights lack), fails
-`cards validate` rather than the first `generate`. `tests/components/test_encoder_fields.py` holds the table to the
-installed transformers' own annotations.
+the encoder types cardtool loads, the JSON type of every field the BERT family's transformers config declares, and
+the fields every encoder reads alike — so that a config transformers would refuse (a string where it wants a number,
+an int where it wants a float), or one that builds something other than the encoder in the weights (a decoder,
+cross-attention layers the weights lack), fails `cards validate` rather than the first `generate`.
+`tests/components/test_encoder_fields.py` holds the table to the installed transformers' own annotations.
 """
 
 from __future__ import annotations
@@ -67,8 +67,7 @@ def field_problems(settings: dict) -> list[str]:
     problems = []
     for key, kinds in checked.items():
         if key in settings and not _fits(settings[key], kinds):
-            wanted = " or ".join(k if k != _NONE else "null" for k in kinds)
-            problems.append(f"config.json's {key} is {settings[key]!r}; transformers wants {wanted}")
+            problems.append(f"config.json's {key} is {settings[key]!r}; transformers wants {' or '.join(kinds)}")
     if problems:
         return problems[:3]
     for key in _SIZES:
@@ -100,7 +99,7 @@ def field_problems(settings: dict) -> list[str]:
 
 
 def positions(settings: dict) -> int | None:
-    """How many tokens the encoder can take: RoBERTa's family numbers positions from its padding token's id + 1."""
+    """How many tokens the encoder can take: RoBERTa's family and MPNet number positions from the padding id + 1."""
     limit = settings.get("max_position_embeddings")
     if not isinstance(limit, int):
         return None
