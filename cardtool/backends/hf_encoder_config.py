@@ -50,22 +50,38 @@ class HFEncoderConfig(ComponentConfig):
 
 
 _LAYER = re.compile(r"(?:^|\.)(?:layer|layers|h|block|blocks)\.(\d+)\.")
-# tensor name ending → the config sizes its (rows, columns) are, in the Hugging Face encoders' naming
-_SHAPED = {"word_embeddings.weight": ("vocab_size", "hidden_size"),
-           "embed_tokens.weight": ("vocab_size", "hidden_size"),
-           "position_embeddings.weight": ("max_position_embeddings", "hidden_size"),
-           "token_type_embeddings.weight": ("type_vocab_size", "hidden_size"),
+# tensor name ending → the config sizes its (rows, columns) are, in the Hugging Face encoders' naming; "width" is the
+# embeddings' width: hidden_size, or embedding_size where the type projects narrower embeddings up to the layers
+_SHAPED = {"word_embeddings.weight": ("vocab_size", "width"),
+           "embed_tokens.weight": ("vocab_size", "width"),
+           "position_embeddings.weight": ("max_position_embeddings", "width"),
+           "token_type_embeddings.weight": ("type_vocab_size", "width"),
            "intermediate.dense.weight": ("intermediate_size", "hidden_size")}
+_FACTORED = ("electra", "albert")  # embeddings embedding_size wide (transformers' default 128)
+# the ending of layer 0's query weight, by model_type (the others name it as BERT does): another type's weights lack it
+_QUERY = {"mpnet": "layer.0.attention.attn.q.weight", "deberta-v2": "layer.0.attention.self.query_proj.weight",
+          "albert": "albert_layers.0.attention.query.weight"}
+_BERT_QUERY = "layer.0.attention.self.query.weight"
 
 
 def _config_against_weights(source: Path, settings: dict) -> list[str]:
     """Where config.json disagrees with model.safetensors' header — found here, from the header alone, rather than
-    when transformers builds the model the config describes: 100,000 layers took 23 GB and minutes to fail."""
+    when transformers builds the model the config describes: 100,000 layers took 23 GB and minutes to fail, weights
+    of another encoder type fail to load."""
     from cardtool.core.cards.weight_files import read_header
 
     header, reason = read_header(source / "model.safetensors")
     if reason:
         return []  # reported as the source's weights problem
+    model_type = settings.get("model_type")
+    query = _QUERY.get(model_type, _BERT_QUERY)
+    if not any(name.endswith(query) for name in header):
+        return [f"config.json's model_type is {model_type!r}, but model.safetensors holds no …{query}: the weights "
+                "are not that encoder's"]
+    width = "embedding_size" if model_type in _FACTORED else "hidden_size"
+    sizes = {**settings, "width": settings.get(width, 128)}
+    if not isinstance(sizes["width"], int) or isinstance(sizes["width"], bool) or sizes["width"] < 1:
+        return [f"config.json's {width} is {sizes['width']!r}; it is a whole number of at least 1"]
     problems = []
     heads = settings.get("num_attention_heads")
     if isinstance(heads, int) and (heads < 1 or settings["hidden_size"] % heads):
@@ -77,13 +93,15 @@ def _config_against_weights(source: Path, settings: dict) -> list[str]:
         problems.append(f"config.json's num_hidden_layers is {declared}; model.safetensors holds {len(layers)} layers")
     reported: set[str] = set()
     for name, (_, shape) in sorted(header.items()):
-        sizes = next((sizes for ending, sizes in _SHAPED.items() if name.endswith(ending)), None)
-        if sizes is None or len(shape) != 2:
+        keys = next((keys for ending, keys in _SHAPED.items() if name.endswith(ending)), None)
+        if keys is None or len(shape) != 2:
             continue
-        for key, size in zip(sizes, shape, strict=True):
-            if isinstance(settings.get(key), int) and settings[key] != size and key not in reported:
+        for key, size in zip(keys, shape, strict=True):
+            if isinstance(sizes.get(key), int) and sizes[key] != size and key not in reported:
                 reported.add(key)  # once, with the first tensor that shows it: not once per layer
-                problems.append(f"config.json's {key} is {settings[key]}; model.safetensors' {name} is "
+                named = width if key == "width" else key
+                problems.append(f"config.json's {named} is {sizes[key]}"
+                                f"{' (its default)' if named not in settings else ''}; model.safetensors' {name} is "
                                 f"{list(shape)}")
     return problems[:3]
 

@@ -17,7 +17,8 @@ FAMILY = ("bert", "roberta", "xlm-roberta", "camembert")
 ENCODERS = (*FAMILY, "mpnet", "electra", "deberta-v2", "albert")
 _OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert", "mpnet")  # positions counted from the padding id + 1
 _GENERIC = ("output_hidden_states", "id2label", "auto_map", "is_decoder", "add_cross_attention", "pad_token_id",
-            "vocab_size")  # fields every encoder's config reads alike
+            "vocab_size", "num_labels", "attn_implementation", "_attn_implementation", "base_model_tp_plan",
+            "layer_types")  # fields every encoder's config reads alike
 # transformers' activation names (ACT2CLS)
 ACTIVATIONS = ("gelu", "gelu_10", "gelu_accurate", "gelu_fast", "gelu_new", "gelu_python", "gelu_python_tanh",
                "gelu_pytorch_tanh", "hardswish", "laplace", "leaky_relu", "linear", "mish", "prelu", "quick_gelu",
@@ -34,8 +35,11 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "use_cache": (_BOOL,), "is_decoder": (_BOOL,), "add_cross_attention": (_BOOL,), "tie_word_embeddings": (_BOOL,),
     # the fields every config has (PreTrainedConfig) are not checked by type in transformers; these few fail on load
     "output_hidden_states": (_BOOL, _INT, _NONE), "id2label": ("dict", _NONE), "auto_map": ("dict", _STR, "list"),
-    "position_embedding_type": (_STR,),
+    "position_embedding_type": (_STR,), "num_labels": (_INT,), "attn_implementation": (_STR, _NONE),
+    "_attn_implementation": (_STR, _NONE), "base_model_tp_plan": ("dict", _NONE),
+    "layer_types": (_NONE,),  # a per-layer attention kind: the encoders loaded here have none
 }
+_ATTENTION = ("eager", "sdpa")  # the attention implementations transformers runs on any machine
 _SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
           "max_position_embeddings", "type_vocab_size")
 _DTYPES = ("float32", "float16", "bfloat16", "float64")  # a string dtype names a torch float type
@@ -55,6 +59,14 @@ def _fits(value, kinds: tuple[str, ...]) -> bool:
     if isinstance(value, list):
         return "list" in kinds or any(k.startswith("list[") and all(_kind(v) == k[5:-1] for v in value) for k in kinds)
     return _kind(value) in kinds
+
+
+def _whole(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
 
 
 def field_problems(settings: dict) -> list[str]:
@@ -88,8 +100,13 @@ def field_problems(settings: dict) -> list[str]:
     for key in ("is_decoder", "add_cross_attention"):
         if settings.get(key):  # a causal mask, or layers the encoder's weights do not hold (randomly initialised)
             problems.append(f"config.json's {key} is true; a text encoder is an encoder alone")
+    for key in ("attn_implementation", "_attn_implementation"):
+        if isinstance(settings.get(key), str) and settings[key] not in _ATTENTION:
+            problems.append(f"config.json's {key} {settings[key]!r} is not one of {', '.join(_ATTENTION)}")
+    if isinstance(settings.get("id2label"), dict) and not all(_whole(key) for key in settings["id2label"]):
+        problems.append(f"config.json's id2label {settings['id2label']!r} is not keyed by label numbers")
     for key in ("dtype", "torch_dtype"):
-        if isinstance(settings.get(key), str) and settings[key] not in _DTYPES:
+        if isinstance(settings.get(key), (str, list)) and settings[key] not in _DTYPES:  # a list fails when printed
             problems.append(f"config.json's {key} {settings[key]!r} is not one of {', '.join(_DTYPES)}")
     # transformers before 5 build relative-distance weights for the others, randomly initialised if the file lacks them
     if model_type in FAMILY and settings.get("position_embedding_type", "absolute") != "absolute":

@@ -83,6 +83,13 @@ def _source(tmp_path, **changes):
     ({"is_decoder": True}, "is_decoder is true; a text encoder is an encoder alone"),
     ({"add_cross_attention": True}, "add_cross_attention is true"),
     ({"dtype": "x"}, "dtype 'x' is not one of float32"),
+    ({"torch_dtype": ["float32"]}, "torch_dtype ['float32'] is not one of float32"),
+    ({"num_labels": None}, "num_labels is None; transformers wants int"),
+    ({"model_type": "mpnet", "attn_implementation": "x"}, "attn_implementation 'x' is not one of eager, sdpa"),
+    ({"_attn_implementation": 0}, "_attn_implementation is 0"),
+    ({"base_model_tp_plan": "x"}, "base_model_tp_plan is 'x'"),
+    ({"layer_types": []}, "layer_types is []"),
+    ({"id2label": {"x": 1}}, "id2label {'x': 1} is not keyed by label numbers"),
     ({"eos_token_id": [1, "x"]}, "eos_token_id is [1, 'x']"),
     ({"position_embedding_type": "relative_key"}, "cardtool loads absolute position embeddings"),
     ({"type_vocab_size": 5}, "type_vocab_size is 5; model.safetensors' embeddings.token_type_embeddings.weight"),
@@ -104,10 +111,10 @@ def test_config_values_that_change_nothing_the_encoder_returns_validate_and_load
 @pytest.mark.parametrize("model_type", ENCODERS)
 def test_every_encoder_loads_up_to_the_positions_validation_allows(tmp_path, model_type):
     """RoBERTa's family and MPNet number positions from the padding id + 1: validation allows max_length to where it
-    runs, for every encoder type it accepts."""
+    runs, for every encoder type it accepts (ELECTRA's and ALBERT's embeddings narrower than their layers)."""
     from transformers import AutoConfig, AutoModel
 
-    config = AutoConfig.for_model(model_type, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+    config = AutoConfig.for_model(model_type, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                   intermediate_size=16, vocab_size=30522, max_position_embeddings=20,
                                   **({"embedding_size": 8} if model_type in ("electra", "albert") else {}))
     torch.manual_seed(0)
@@ -120,7 +127,7 @@ def test_every_encoder_loads_up_to_the_positions_validation_allows(tmp_path, mod
     assert HFEncoderConfig(max_length=limit).source_problems(folder) == []
     assert any("beyond the encoder's" in p for p in HFEncoderConfig(max_length=limit + 1).source_problems(folder))
     states, mask = HFTextEncoder(folder, limit, "cpu", torch.float32)(["a bag " * 30, "x"])
-    assert states.shape == (2, limit, 8) and mask[0].all() and torch.isfinite(states).all()
+    assert states.shape == (2, limit, 16) and mask[0].all() and torch.isfinite(states).all()
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -140,8 +147,24 @@ def test_a_tokenizer_config_transformers_refuses_fails_validation(tmp_path, chan
 
 
 def test_weights_that_lack_what_the_config_builds_are_refused_at_load(tmp_path):
-    """An albert config over BERT weights validates (its own fields are transformers' to check) but would load with
-    its layers initialised at random: the load refuses it, naming the missing tensors."""
+    """An albert config over BERT weights would load with its layers initialised at random: validation refuses it
+    (the weights hold no ALBERT layer), and so does the load behind it, naming the missing tensors."""
     folder = _source(tmp_path, model_type="albert", embedding_size=384)
     with pytest.raises(ValueError, match="model.safetensors lacks .* tensors the albert encoder"):
+        HFTextEncoder(folder, 16, "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("model_type", ENCODERS)
+def test_weights_of_another_encoder_type_fail_validation_where_they_fail_to_load(tmp_path, model_type):
+    """BERT's weights under each model_type: RoBERTa's family builds the same tensors and loads them; the others
+    build other tensors (MPNet's, DeBERTa's, ALBERT's layers, ELECTRA's 128-wide embeddings) and fail to load."""
+    folder = _source(tmp_path, model_type=model_type)
+    problems = HFEncoderConfig(max_length=16).source_problems(folder)
+    if model_type in FAMILY:
+        assert problems == []
+        assert HFTextEncoder(folder, 16, "cpu", torch.float32)(["a bag"])[0].shape == (1, 16, 384)
+        return
+    assert any("the weights are not that encoder's" in p or "embedding_size is 128 (its default)" in p
+               for p in problems), problems
+    with pytest.raises((ValueError, RuntimeError)):
         HFTextEncoder(folder, 16, "cpu", torch.float32)
