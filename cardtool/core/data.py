@@ -93,6 +93,8 @@ def load_split(split: str = "train", folder: str | Path | None = None, image_siz
     images, labels = (read_idx(_find(root, stem)) for stem in _FILES[split])
     if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
         raise BadInput(f"{root}: {split} images {images.shape} and labels {labels.shape} do not match: {_HOW}")
+    if len(images) == 0:
+        raise BadInput(f"{root}: the {split} split holds no images: {_HOW}")
     if images.shape[1:] != (image_size, image_size):
         raise BadInput(f"{root}: {split} images are {images.shape[1]}×{images.shape[2]} pixels; the components take "
                        f"{image_size}×{image_size}" + (" (Fashion-MNIST's size)" if image_size == IMAGE_SIZE else ""))

@@ -116,3 +116,14 @@ def test_images_of_another_size_are_bad_input(tmp_path):
         write_idx(folder / f"{stem}-labels-idx1-ubyte", np.arange(3, dtype=np.uint8))
     with pytest.raises(BadInput, match="10×12 pixels; the components take 28×28"):
         load_split("train", folder)
+
+
+def test_a_split_without_images_is_bad_input(tmp_path):
+    """Every command reading a split needs its images: an empty one is said so, not a failure deep in training."""
+    folder = tmp_path / "idx"
+    folder.mkdir()
+    for stem in ("train", "t10k"):
+        write_idx(folder / f"{stem}-images-idx3-ubyte", np.zeros((0, 28, 28), dtype=np.uint8))
+        write_idx(folder / f"{stem}-labels-idx1-ubyte", np.zeros(0, dtype=np.uint8))
+    with pytest.raises(BadInput, match="the test split holds no images"):
+        load_split("test", folder)

@@ -204,6 +204,9 @@ def test_the_gan_term_trains_a_head_on_the_critic_and_moves_the_generator(exampl
         Parallel("fsdp", Ranks(0, 2, 0), task, task.modules(), "cpu")
     with pytest.raises(BadInput, match="needs the training images"):
         DMD2Task(gan, _platform(), load_card(teacher))
+    few = load_split("train", write_idx_folder(tmp_path / "few", train=8))  # classes 0…7: no bag, no ankle boot
+    with pytest.raises(BadInput, match="the training images hold none of: bag, ankle boot"):
+        DMD2Task(gan, _platform(), load_card(teacher), few)
 
 
 def test_the_gan_term_can_call_the_teachers_samples_of_the_same_prompt_real(examples, tmp_path):

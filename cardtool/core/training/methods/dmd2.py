@@ -178,6 +178,10 @@ class DMD2Task(Task):
                 self.real_latents = latents(frozen.instance.component(frozen.loop.vae), train.images,
                                             self.device)[0]
                 by_class = [np.flatnonzero(train.labels == c) for c in range(len(training_prompts()))]
+                if not all(len(rows) for rows in by_class):
+                    missing = [train.class_names[c] for c, rows in enumerate(by_class) if not len(rows)]
+                    raise BadInput(f"loss.gan takes each prompt's real images from its class, and the training "
+                                   f"images hold none of: {', '.join(missing)}")
                 self.real_rows = [by_class[i // self.per_class] for i in range(len(self.prompts))]
         if s.real == "sampler":
             self.real_critic = frozen.copy()
