@@ -27,6 +27,7 @@ from cardtool.errors import BadInput
     ({"on_row": "print"}, "on_row must be a function"),
     ({"on_step": 3}, "on_step must be a function"),  # else found only after the first row's sampling
     ({"resume": True}, "give --out"),
+    ({"resume": "no", "out": "report.json"}, "resume must be True or False"),  # a non-empty string is truthy
     ({"out": "/"}, "--out / is a folder"),
     ({"out": 3}, "out must be the report's file name"),
     ({"out": "/proc/nope/eval.json"}, "cannot write to the report's folder /proc/nope"),

@@ -165,7 +165,9 @@ def test_the_python_api_takes_one_prompt_as_a_string_and_refuses_wrong_types(on_
                                ({"num": None}, "num must be a whole number"), ({"seed": None}, "seed must be"),
                                ({"out": None}, "out must be a path"), ({"solver": 3}, "solver must be a name"),
                                ({"best_of": 2, "reward": 3}, "reward must be a name"),
-                               ({"on_step": 3}, "on_step must be a function")]:
+                               ({"on_step": 3}, "on_step must be a function"),
+                               ({"fuse": __import__("numpy").zeros(2)}, "fuse must be True or False"),
+                               ({"grid": "yes"}, "grid must be True or False")]:
         with pytest.raises(BadInput, match=message):
             loaded.generate(["a bag"], **{"out": tmp_path / "bad", **arguments})
     with pytest.raises(BadInput, match="prompts must be a list of strings"):

@@ -126,6 +126,8 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     for name, callback in (("on_row", on_row), ("on_step", on_step)):  # found after a row's work otherwise
         if callback is not None and not callable(callback):
             raise BadInput(f"{name} must be a function, got {callback!r}"[:300])
+    if not isinstance(resume, bool):
+        raise BadInput(f"resume must be True or False, got {resume!r}"[:300])
     if resume and out is None:
         raise BadInput("--resume continues the report in --out FILE; give --out")
     if out is not None:

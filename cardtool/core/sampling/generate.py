@@ -134,7 +134,7 @@ def plan_requests(card: Card, prompts: list[str], *, num: int = 1, seed: int = 0
     return requests, warnings
 
 
-def _checked(prompts, *, guidance_interval, adapters, out="", texts=None, on_step=None,
+def _checked(prompts, *, guidance_interval, adapters, out="", texts=None, on_step=None, switches=None,
              **values) -> list[str] | tuple[str, ...]:
     """The prompts — one string is one prompt, as diffusers' pipelines take it, not one image per character — once
     the Python API's arguments have the types the command line's parser guarantees: a wrong one is BadInput naming
@@ -153,6 +153,9 @@ def _checked(prompts, *, guidance_interval, adapters, out="", texts=None, on_ste
     for name, value in (texts or {}).items():
         if value is not None and not isinstance(value, str):
             raise BadInput(f"{name} must be a name (text), got {value!r}")
+    for name, value in (switches or {}).items():
+        if not isinstance(value, bool):
+            raise BadInput(f"{name} must be True or False, got {value!r}"[:300])
     if on_step is not None and not callable(on_step):
         raise BadInput(f"on_step must be a function of (step, steps), got {on_step!r}")
     if guidance_interval is not None and not (
@@ -270,6 +273,7 @@ class LoadedCard:
         prompts = _checked(prompts, num=num, seed=seed, steps=steps, guidance=guidance, shift=shift, best_of=best_of,
                            max_batch=max_batch, guidance_interval=guidance_interval, adapters=adapters,
                            control_scale=control_scale, out=out, on_step=on_step,
+                           switches={"grid": grid, "strict": strict, "fuse": fuse, "skip_existing": skip_existing},
                            texts={"reward": reward, "solver": solver, "precision": precision,
                                   "preprocessor": preprocessor, "negative_prompt": negative_prompt})
         if max_batch < 1:

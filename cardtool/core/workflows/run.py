@@ -197,6 +197,8 @@ def run_workflow(workflow: Workflow | str | os.PathLike, *, overrides: list[str]
         raise BadInput(f"out must be a path, got {out!r}"[:300])
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
         raise BadInput(f"--max-batch must be at least 1, got {max_batch!r}")
+    if not isinstance(skip_existing, bool):
+        raise BadInput(f"skip_existing must be True or False, got {skip_existing!r}"[:300])
     for name, callback in (("on_step", on_step), ("on_wave", on_wave)):
         if callback is not None and not callable(callback):
             raise BadInput(f"{name} must be a function, got {callback!r}"[:300])
