@@ -178,6 +178,8 @@ def test_the_python_api_takes_one_prompt_as_a_string_and_refuses_wrong_types(on_
         LoadedCard("tiny-base", cache={})
     with pytest.raises(BadInput, match="a card is named by its id, folder or manifest file, got None"):
         LoadedCard(None)
+    with pytest.raises(BadInput, match="checksums and adapters are True or False, got False and 'no'"):
+        __import__("cardtool").load_card("tiny-base", adapters="no")
     with pytest.raises(BadInput, match="a card is named by its id, folder or manifest file, got 5"):
         loaded.reward(5)  # a reward named by something that is not a name: the same message, not a TypeError
     assert not (tmp_path / "bad").exists()

@@ -95,6 +95,8 @@ def load_card(ref: str | Path, *, checksums: bool = False, adapters: bool = True
     verified too (otherwise sums are checked when weights are loaded). Without `adapters`, the LoRA files are not
     checked against their target here but when a request uses them (serving: one unfit adapter does not take the
     card's other adapters, or the base, down with it)."""
+    if not isinstance(checksums, bool) or not isinstance(adapters, bool):
+        raise BadInput(f"checksums and adapters are True or False, got {checksums!r} and {adapters!r}"[:300])
     file = locate(ref).resolve()
     source = read_source(file)
     problems = _own_path_problems(source)
