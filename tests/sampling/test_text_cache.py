@@ -66,9 +66,11 @@ def test_entries_are_atomic_npz_files_and_a_damaged_one_is_rewritten(tmp_path):
     cache.put("ab" + "0" * 62, np.ones((4, 3)), np.array([1, 1, 0, 0]))
     [path] = list((tmp_path / "c" / "text").rglob("*.npz"))
     assert not list(path.parent.glob(".*tmp")), "no temporary files remain"
-    path.write_bytes(b"garbage")
-    fresh = TextFeatureCache(tmp_path / "c")
-    assert fresh.get("ab" + "0" * 62) is None and fresh.misses == 1
+    whole = path.read_bytes()
+    for damage in (b"garbage", whole[: len(whole) // 2], whole[:-30], b""):  # a truncated zip is no OSError
+        path.write_bytes(damage)
+        fresh = TextFeatureCache(tmp_path / "c")
+        assert fresh.get("ab" + "0" * 62) is None and fresh.misses == 1
 
 
 def test_cache_dir_honours_cardtool_cache(monkeypatch, tmp_path):

@@ -54,8 +54,8 @@ class TextFeatureCache:
                 try:
                     with np.load(path, allow_pickle=False) as f:  # never unpickle from a cache
                         found = (f["states"], f["mask"])
-                except (OSError, ValueError, KeyError, EOFError):
-                    found = None  # a damaged entry is a miss, rewritten below
+                except Exception:  # noqa: BLE001 - numpy's and zipfile's many errors: any damaged entry is a miss
+                    found = None  # (rewritten below), never a failed run
                 if found is not None and not _well_formed(*found):
                     found = None
                 if found is not None:
