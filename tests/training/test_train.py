@@ -231,11 +231,17 @@ def test_a_damaged_checkpoint_is_bad_input_on_resume(tmp_path, data):
     for step in ("-3", "many", "999"):
         save_file(load_file(str(checkpoint)), str(tmp_path / "x"), metadata={**metadata, "step": step})
         damaged[f"step {step}"] = (tmp_path / "x").read_bytes()
+    tensors = load_file(str(checkpoint))
+    name = next(k for k in tensors if k.startswith("model."))
+    save_file({**tensors, name: tensors[name] * float("nan")}, str(tmp_path / "x"), metadata=metadata)
+    damaged["NaN"] = (tmp_path / "x").read_bytes()  # resumed, a finished run would write a card of NaN weights
     for name, content in damaged.items():
         checkpoint.write_bytes(content)
-        with pytest.raises(BadInput, match="is not a checkpoint this run can read"):
+        with pytest.raises(BadInput, match="is not a checkpoint this run can read") as error:
             train(tiny("fashion-vae"), command="c", out=tmp_path / name, run_dir=tmp_path / "r", data=str(data),
                   resume=True)
+        assert name != "NaN" or "holds NaN or inf in model." in str(error.value)
+        assert not (tmp_path / name).exists()
 
 
 def test_a_nan_loss_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(tmp_path, data, monkeypatch):

@@ -339,6 +339,10 @@ def _load(path: Path, recipe: Recipe, modules, ema, optimizer, task: Task, parts
         raise BadInput(unreadable.format(str(e).splitlines()[0][:160])) from None
     if metadata.get("fingerprint") != recipe.fingerprint():
         raise BadInput(f"{path} was made by a different recipe; resume with the same recipe and overrides")
+    broken = sorted(k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all()))
+    if broken:  # this trainer stops before saving a step gone NaN: a file altered since would make a NaN card
+        raise BadInput(unreadable.format(f"it holds NaN or inf in {', '.join(broken[:3])}"
+                                         f"{f' and {len(broken) - 3} more' if len(broken) > 3 else ''}"))
     try:
         step, made = int(metadata["step"]), int(metadata.get("micro_batches", "1"))
         loss, seconds = float(metadata.get("loss", "nan")), float(metadata.get("seconds", "0"))
