@@ -241,6 +241,10 @@ def test_watching_logs_both_judges_accuracy_and_fid_of_the_live_policy(examples,
     watched = entries[1]
     assert 0 <= watched["watch_accuracy"] <= 1 and 0 <= watched["watch_accuracy_tiny-referee"] <= 1
     assert np.isfinite(watched["watch_fid"])
+    with pytest.raises(BadInput, match="measures FID against the test images, and there is 1"):
+        rl(recipe(examples / "tiny-base", extra=["optim.steps=4"], reward=judge), command="cardtool rl …",
+           out=examples / "watched-1", run_dir=tmp_path / "run-1", evaluate=False, judge=str(judge),
+           held_out_judge=None, watch_every=3, data=str(write_idx_folder(tmp_path / "one", test=1)))
 
 
 def test_the_guided_reference_applies_cfg_on_the_guidance_interval_only():

@@ -136,7 +136,11 @@ class Watch:
         instance.use(task.name, task.policy)
         self.loop = DenoiseLoop(instance, cache=task.cache)
         self.judges = [FashionJudge(ModelInstance(load_card(locate(j)), platform, "float32")) for j in judges]
-        self.real = self.judges[0].features(load_split("test", data).images)
+        test = load_split("test", data)
+        if len(test) < 2:  # FID's covariance of one image is undefined: every watch would log NaN
+            raise BadInput(f"--watch-every measures FID against the test images, and there is {len(test)}; give a "
+                           "data folder with more")
+        self.real = self.judges[0].features(test.images)
         d = FlowDenoiseDefaults.model_validate(task.base.manifest.loops["denoise"].defaults)
         self.requests = [Request(class_prompt(c), seed=i, steps=d.steps, guidance=1.0, shift=d.shift, solver=d.solver)
                          for c in range(len(CLASS_NAMES)) for i in range(per_class)]
