@@ -199,3 +199,16 @@ def test_an_id_past_the_embeddings_is_a_clear_failure_not_an_index_error(tmp_pat
     encoder(["a bag"])
     with pytest.raises(RunFailed, match=r"gives token id 30522 \('<new>'\); the encoder's embeddings hold 30522"):
         encoder(["a <new> bag"])
+
+
+def test_a_sentencepiece_model_alone_needs_the_package_that_reads_it(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("sentencepiece") is not None:
+        pytest.skip("sentencepiece is installed here: transformers can convert the model")
+    folder = copy_encoder(tmp_path / "encoder")
+    for name in ("tokenizer.json", "vocab.txt"):
+        (folder / name).unlink()
+    (folder / "spiece.model").write_bytes(b"a sentencepiece model")
+    problems = HFEncoderConfig(max_length=16).source_problems(folder)
+    assert any("holds a sentencepiece model alone" in p for p in problems), problems
