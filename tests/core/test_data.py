@@ -108,22 +108,22 @@ def test_a_header_declaring_gigabytes_over_a_short_file_allocates_what_the_file_
     assert peak < 64 << 20
 
 
-def test_images_of_another_size_are_bad_input(tmp_path):
+def _folder_of(tmp_path, images: np.ndarray):
+    """An IDX folder whose two splits hold `images`, labelled 0, 1, 2, …"""
     folder = tmp_path / "idx"
     folder.mkdir()
     for stem in ("train", "t10k"):
-        write_idx(folder / f"{stem}-images-idx3-ubyte", np.zeros((3, 10, 12), dtype=np.uint8))
-        write_idx(folder / f"{stem}-labels-idx1-ubyte", np.arange(3, dtype=np.uint8))
+        write_idx(folder / f"{stem}-images-idx3-ubyte", images)
+        write_idx(folder / f"{stem}-labels-idx1-ubyte", np.arange(len(images), dtype=np.uint8))
+    return folder
+
+
+def test_images_of_another_size_are_bad_input(tmp_path):
     with pytest.raises(BadInput, match="10×12 pixels; the components take 28×28"):
-        load_split("train", folder)
+        load_split("train", _folder_of(tmp_path, np.zeros((3, 10, 12), dtype=np.uint8)))
 
 
 def test_a_split_without_images_is_bad_input(tmp_path):
     """Every command reading a split needs its images: an empty one is said so, not a failure deep in training."""
-    folder = tmp_path / "idx"
-    folder.mkdir()
-    for stem in ("train", "t10k"):
-        write_idx(folder / f"{stem}-images-idx3-ubyte", np.zeros((0, 28, 28), dtype=np.uint8))
-        write_idx(folder / f"{stem}-labels-idx1-ubyte", np.zeros(0, dtype=np.uint8))
     with pytest.raises(BadInput, match="the test split holds no images"):
-        load_split("test", folder)
+        load_split("test", _folder_of(tmp_path, np.zeros((0, 28, 28), dtype=np.uint8)))
