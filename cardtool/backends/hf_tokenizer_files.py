@@ -39,7 +39,7 @@ _TOKENIZER_FIELDS: dict[str, tuple[str, ...]] = {
     "strip_accents": (_BOOL, _NONE), "tokenizer_class": (_STR, _NONE),
     **dict.fromkeys(_STANDARD, (_STR, "dict", _NONE)),
 }
-_LIMIT = 256 << 20  # a tokenizer.json of 250,000 sentencepiece tokens is ~17 MB
+_LIMIT = 64 << 20  # XLM-R's 250,000-token tokenizer.json is ~17 MB, Gemma's 256,000 ~34 MB
 
 
 def tokenizer_problems(settings: dict, file: str = "tokenizer_config.json") -> list[str]:
