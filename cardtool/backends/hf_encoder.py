@@ -36,6 +36,8 @@ class HFTextEncoder:
         self.model = model.to(device).eval().requires_grad_(False)
         self.dim = self.model.config.hidden_size
         self.folder, self.rows = folder, self.model.get_input_embeddings().num_embeddings
+        types = getattr(getattr(self.model, "embeddings", None), "token_type_embeddings", None)
+        self.types = types.num_embeddings if isinstance(types, torch.nn.Embedding) else None
 
     @torch.no_grad()
     def __call__(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,6 +53,10 @@ class HFTextEncoder:
             raise RunFailed(f"the text encoder's tokenizer in {self.folder} gives token id {token} "
                             f"({self.tokenizer.convert_ids_to_tokens(token)!r}); the encoder's embeddings hold "
                             f"{self.rows}")
+        types = tokens.get("token_type_ids")
+        if self.types is not None and types is not None and bool((types >= self.types).any()):
+            raise RunFailed(f"the text encoder's tokenizer in {self.folder} gives token type "
+                            f"{int(types.max())}; the encoder's embeddings hold {self.types}")
         states = self.model(**tokens, return_dict=True).last_hidden_state
         mask = tokens["attention_mask"].bool()
         return states * mask[..., None].to(states.dtype), mask

@@ -89,7 +89,7 @@ def _checked(source: str, versions: tuple, model_type, vocab_size, tokenizer_con
     if problems:
         return tuple(problems)
     if is_regular_file(folder / "tokenizer.json"):
-        vocab, problems = _tokenizer_json(folder / "tokenizer.json", kind)
+        vocab, problems = _tokenizer_json(folder / "tokenizer.json", kind, vocab_size)
     elif is_regular_file(folder / "vocab.txt"):
         vocab, problems = _vocab_txt(folder / "vocab.txt", kind, special.get("unk_token", config.get("unk_token")))
     else:
@@ -133,8 +133,10 @@ def _class_reads(config: dict, model_type) -> tuple[str | None, list[str]]:
     return CLASSES[family], []
 
 
-def _tokenizer_json(path: Path, kind: str | None) -> tuple[dict, list[str]]:
-    """tokenizer.json's vocabulary (token → id, added tokens included), or why transformers could not use it."""
+def _tokenizer_json(path: Path, kind: str | None, vocab_size: int | None) -> tuple[dict, list[str]]:
+    """tokenizer.json's vocabulary (token → id, added tokens included), or why transformers could not use it: its
+    pipeline as the file gives it (what the generic classes run; transformers sets padding and truncation itself)
+    must encode text into ids the encoder has embeddings for."""
     from tokenizers import Tokenizer
 
     text, reason = read_small_file(path, limit=_LIMIT)
@@ -152,10 +154,16 @@ def _tokenizer_json(path: Path, kind: str | None) -> tuple[dict, list[str]]:
     if model in ("WordPiece", "WordLevel") and tokenizer.model.token_to_id(str(unknown)) is None:
         return {}, [f"{path}'s {model} model has no unknown token {unknown!r} in its vocabulary: a word it cannot "
                     "split would fail to encode"]
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
     try:
-        tokenizer.encode_batch(list(PROBES))
+        encodings = tokenizer.encode_batch(list(PROBES))
     except Exception as e:  # noqa: BLE001 - as above
         return {}, [f"{path} cannot encode text such as {PROBES[1]!r}: {str(e)[:200]}"]
+    top = max(max(e.ids, default=0) for e in encodings)
+    if vocab_size is not None and top >= vocab_size:  # its post-processor's special tokens, say
+        return {}, [f"{path} encodes text into id {top}; the encoder's embeddings hold {vocab_size} (config.json's "
+                    "vocab_size)"]
     return tokenizer.get_vocab(with_added_tokens=True), []
 
 

@@ -149,6 +149,9 @@ REFUSED = [
      "fails"),
     ({"tokenizer.json": None, "vocab.txt": lambda t: t + "".join(f"extra{i}\n" for i in range(3))},
      "the tokenizer has token id 30524 ('extra2'); the encoder's embeddings hold 30522", "past"),
+    ({"tokenizer.json": lambda t: t.replace('"ids":[101]', '"ids":[50000]'),
+      "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast"}},  # the generic class runs the file's
+     "tokenizer.json encodes text into id 50000; the encoder's embeddings hold 30522", "past"),  # post-processor
     ({"tokenizer.json": None, "tokenizer_config.json": {"tokenizer_class": "RobertaTokenizer"}},
      "has no tokenizer.json, and its tokenizer class reads BPE", "lost"),
 ]
@@ -182,6 +185,7 @@ def test_a_tokenizer_transformers_would_fail_with_fails_validation(tmp_path, cha
                                  "additional_special_tokens": ["[MASK]"], "add_bos_token": True, "foo_token": 5}},
     {"tokenizer_config.json": {"model_input_names": ["input_ids"], "added_tokens_decoder": {"7": {"content": "[PAD]"}},
                                "auto_map": {}}},  # the mask is asked for, whatever the names
+    {"tokenizer.json": lambda t: t.replace('"pad_id":0', '"pad_id":99999')},  # transformers pads with its own id
 ])
 def test_tokenizers_that_validate_encode(tmp_path, changes):
     folder = copy_encoder(tmp_path / "encoder")
@@ -199,6 +203,9 @@ def test_an_id_past_the_embeddings_is_a_clear_failure_not_an_index_error(tmp_pat
     encoder(["a bag"])
     with pytest.raises(RunFailed, match=r"gives token id 30522 \('<new>'\); the encoder's embeddings hold 30522"):
         encoder(["a <new> bag"])
+    encoder.types = 0  # as if the token-type embeddings held none: the type every token gets is past them
+    with pytest.raises(RunFailed, match="gives token type 0; the encoder's embeddings hold 0"):
+        encoder(["a bag"])
 
 
 def test_a_sentencepiece_model_alone_needs_the_package_that_reads_it(tmp_path):
