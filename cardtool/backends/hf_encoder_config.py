@@ -11,7 +11,7 @@ from pydantic import Field
 
 from cardtool.backends.component_config import ComponentConfig
 from cardtool.backends.hf_encoder_fields import field_problems, positions
-from cardtool.backends.hf_tokenizer_files import tokenizer_files_problems, tokenizer_problems
+from cardtool.backends.hf_tokenizer_files import tokenizer_files_problems
 from cardtool.files import is_regular_file, read_json_object
 
 __all__ = ["HFEncoderConfig"]
@@ -35,7 +35,7 @@ class HFEncoderConfig(ComponentConfig):
         if not any(is_regular_file(source / name) for name in TOKENIZER_FILES):
             problems.append(f"{source} holds no tokenizer ({', '.join(TOKENIZER_FILES)})")
         if not problems:
-            problems += _tokenizer_problems(source, settings)
+            problems += tokenizer_files_problems(source, settings)
         limit = positions(settings)
         if limit is not None and self.max_length > limit:
             problems.append(f"max_length {self.max_length} is beyond the encoder's {limit} positions")
@@ -104,16 +104,6 @@ def _config_against_weights(source: Path, settings: dict) -> list[str]:
                                 f"{' (its default)' if named not in settings else ''}; model.safetensors' {name} is "
                                 f"{list(shape)}")
     return problems[:3]
-
-
-def _tokenizer_problems(source: Path, settings: dict) -> list[str]:
-    """tokenizer_config.json's settings, then the tokenizer files, for the encoder config.json `settings` describes."""
-    path, config = source / "tokenizer_config.json", {}
-    if path.exists():
-        config, reason = read_json_object(path)
-        if reason:
-            return [reason]
-    return tokenizer_problems(config) or tokenizer_files_problems(source, settings, config)
 
 
 def _encoder_settings(source: Path) -> tuple[dict, str]:

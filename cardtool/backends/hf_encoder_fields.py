@@ -8,7 +8,8 @@ cross-attention layers the weights lack), fails `cards validate` rather than the
 
 from __future__ import annotations
 
-__all__ = ["ACTIVATIONS", "ENCODERS", "FAMILY", "FIELDS", "field_problems", "positions"]
+__all__ = ["ACTIVATIONS", "BOOL", "ENCODERS", "FAMILY", "FIELDS", "FLOAT", "INT", "NONE", "STR", "field_problems",
+           "fits", "positions"]
 
 # model_type values whose AutoModel is a BERT-style encoder that returns last_hidden_state from input_ids and
 # attention_mask (and token_type_ids), all configured by BertConfig's fields: checked field by field
@@ -24,20 +25,20 @@ ACTIVATIONS = ("gelu", "gelu_10", "gelu_accurate", "gelu_fast", "gelu_new", "gel
                "gelu_pytorch_tanh", "hardswish", "laplace", "leaky_relu", "linear", "mish", "prelu", "quick_gelu",
                "relu", "relu2", "relu6", "sigmoid", "silu", "sqrtsoftplus", "swish", "tanh", "xielu")
 
-_INT, _FLOAT, _BOOL, _STR, _NONE = "int", "float", "bool", "str", "null"
+INT, FLOAT, BOOL, STR, NONE = "int", "float", "bool", "str", "null"
 # field → the JSON types it may take (bool is not an int here, as in transformers' strict configs)
 FIELDS: dict[str, tuple[str, ...]] = {
-    "vocab_size": (_INT,), "hidden_size": (_INT,), "num_hidden_layers": (_INT,), "num_attention_heads": (_INT,),
-    "intermediate_size": (_INT,), "max_position_embeddings": (_INT,), "type_vocab_size": (_INT,),
-    "hidden_act": (_STR,), "hidden_dropout_prob": (_FLOAT, _INT), "attention_probs_dropout_prob": (_FLOAT, _INT),
-    "initializer_range": (_FLOAT,), "layer_norm_eps": (_FLOAT,), "classifier_dropout": (_FLOAT, _INT, _NONE),
-    "pad_token_id": (_INT, _NONE), "bos_token_id": (_INT, _NONE), "eos_token_id": (_INT, "list[int]", _NONE),
-    "use_cache": (_BOOL,), "is_decoder": (_BOOL,), "add_cross_attention": (_BOOL,), "tie_word_embeddings": (_BOOL,),
+    "vocab_size": (INT,), "hidden_size": (INT,), "num_hidden_layers": (INT,), "num_attention_heads": (INT,),
+    "intermediate_size": (INT,), "max_position_embeddings": (INT,), "type_vocab_size": (INT,),
+    "hidden_act": (STR,), "hidden_dropout_prob": (FLOAT, INT), "attention_probs_dropout_prob": (FLOAT, INT),
+    "initializer_range": (FLOAT,), "layer_norm_eps": (FLOAT,), "classifier_dropout": (FLOAT, INT, NONE),
+    "pad_token_id": (INT, NONE), "bos_token_id": (INT, NONE), "eos_token_id": (INT, "list[int]", NONE),
+    "use_cache": (BOOL,), "is_decoder": (BOOL,), "add_cross_attention": (BOOL,), "tie_word_embeddings": (BOOL,),
     # the fields every config has (PreTrainedConfig) are not checked by type in transformers; these few fail on load
-    "output_hidden_states": (_BOOL, _INT, _NONE), "id2label": ("dict", _NONE), "auto_map": ("dict", _STR, "list"),
-    "position_embedding_type": (_STR,), "num_labels": (_INT,), "attn_implementation": (_STR, _NONE),
-    "_attn_implementation": (_STR, _NONE), "base_model_tp_plan": ("dict", _NONE),
-    "layer_types": (_NONE,),  # a per-layer attention kind: the encoders loaded here have none
+    "output_hidden_states": (BOOL, INT, NONE), "id2label": ("dict", NONE), "auto_map": ("dict", STR, "list"),
+    "position_embedding_type": (STR,), "num_labels": (INT,), "attn_implementation": (STR, NONE),
+    "_attn_implementation": (STR, NONE), "base_model_tp_plan": ("dict", NONE),
+    "layer_types": (NONE,),  # a per-layer attention kind: the encoders loaded here have none
 }
 _ATTENTION = ("eager", "sdpa")  # the attention implementations transformers runs on any machine
 _SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
@@ -47,14 +48,14 @@ _DTYPES = ("float32", "float16", "bfloat16", "float64")  # a string dtype names 
 
 def _kind(value) -> str:
     if value is None:
-        return _NONE
-    for kind, types in ((_BOOL, bool), (_INT, int), (_FLOAT, float), (_STR, str), ("dict", dict)):
+        return NONE
+    for kind, types in ((BOOL, bool), (INT, int), (FLOAT, float), (STR, str), ("dict", dict)):
         if isinstance(value, types):
             return kind
     return type(value).__name__
 
 
-def _fits(value, kinds: tuple[str, ...]) -> bool:
+def fits(value, kinds: tuple[str, ...]) -> bool:
     """Whether `value` is of one of `kinds`; "list[int]" is a list of ints, "list" any list."""
     if isinstance(value, list):
         return "list" in kinds or any(k.startswith("list[") and all(_kind(v) == k[5:-1] for v in value) for k in kinds)
@@ -78,7 +79,7 @@ def field_problems(settings: dict) -> list[str]:
     checked = FIELDS if model_type in FAMILY else {k: FIELDS[k] for k in _GENERIC}
     problems = []
     for key, kinds in checked.items():
-        if key in settings and not _fits(settings[key], kinds):
+        if key in settings and not fits(settings[key], kinds):
             problems.append(f"config.json's {key} is {settings[key]!r}; transformers wants {' or '.join(kinds)}")
     if problems:
         return problems[:3]

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import json
 from pathlib import Path
 
-from cardtool.backends.hf_encoder_fields import _BOOL, _NONE, _STR, _fits
+from cardtool.backends.hf_encoder_fields import BOOL, NONE, STR, fits
 from cardtool.files import is_regular_file, read_json_object, read_small_file
 
 __all__ = ["CLASSES", "GENERIC", "MODEL_CLASSES", "PROBES", "tokenizer_problems", "tokenizer_files_problems"]
@@ -34,10 +33,10 @@ _LISTS = ("additional_special_tokens", "extra_special_tokens")
 _FLAGS = ("special", "lstrip", "rstrip", "normalized", "single_word")  # an added token's switches
 _TOKENIZER_FIELDS: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("do_lower_case", "tokenize_chinese_chars", "do_basic_tokenize", "add_prefix_space",
-                     "clean_up_tokenization_spaces", "split_special_tokens"), (_BOOL,)),
+                     "clean_up_tokenization_spaces", "split_special_tokens"), (BOOL,)),
     "model_input_names": ("list[str]",),
-    "strip_accents": (_BOOL, _NONE), "tokenizer_class": (_STR, _NONE),
-    **dict.fromkeys(_STANDARD, (_STR, "dict", _NONE)),
+    "strip_accents": (BOOL, NONE), "tokenizer_class": (STR, NONE),
+    **dict.fromkeys(_STANDARD, (STR, "dict", NONE)),
 }
 _LIMIT = 64 << 20  # XLM-R's 250,000-token tokenizer.json is ~17 MB, Gemma's 256,000 ~34 MB
 
@@ -47,7 +46,7 @@ def tokenizer_problems(settings: dict, file: str = "tokenizer_config.json") -> l
     as the same settings): its switches must be booleans, its sides left or right, its tokens text."""
     problems = [f"{file}'s {key} is {settings[key]!r}; transformers wants "
                 + " or ".join(kinds) for key, kinds in _TOKENIZER_FIELDS.items()
-                if key in settings and not _fits(settings[key], kinds)]
+                if key in settings and not fits(settings[key], kinds)]
     problems += [f"{file}'s {key} is {settings[key]!r}; it is left or right"
                  for key in ("padding_side", "truncation_side") if settings.get(key, "right") not in ("left", "right")]
     if file == "tokenizer_config.json":  # read from this file alone: the tokenizer's class arguments, its code
@@ -59,16 +58,15 @@ def tokenizer_problems(settings: dict, file: str = "tokenizer_config.json") -> l
     return problems[:3]
 
 
-def tokenizer_files_problems(source: Path, settings: dict, tokenizer_config: dict) -> list[str]:
+def tokenizer_files_problems(source: Path, settings: dict) -> list[str]:
     """Why the tokenizer in `source` would fail to tokenize a prompt for the encoder config.json `settings`
-    describes (tokenizer_config.json parsed as `tokenizer_config`); empty when it will not. Remembered per folder
+    describes — tokenizer_config.json's settings first, then the files; empty when it will not. Remembered per folder
     and file versions: every card on the built-in encoder shares one check."""
     names = ("tokenizer.json", "vocab.txt", "special_tokens_map.json", "tokenizer_config.json")
     versions = tuple(_version(source / name) for name in names)
     model_type, vocab_size = settings.get("model_type"), settings.get("vocab_size")
     return list(_checked(str(source), versions, model_type if isinstance(model_type, str) else None,
-                         vocab_size if isinstance(vocab_size, int) else None,
-                         json.dumps(tokenizer_config, sort_keys=True, default=str)))
+                         vocab_size if isinstance(vocab_size, int) else None))
 
 
 def _version(path: Path) -> tuple | None:
@@ -80,9 +78,10 @@ def _version(path: Path) -> tuple | None:
 
 
 @functools.lru_cache(maxsize=32)
-def _checked(source: str, versions: tuple, model_type, vocab_size, tokenizer_config: str) -> tuple[str, ...]:
-    folder, config = Path(source), json.loads(tokenizer_config)
-    special, reason = _special_tokens_map(folder / "special_tokens_map.json")
+def _checked(source: str, versions: tuple, model_type, vocab_size) -> tuple[str, ...]:
+    folder = Path(source)
+    config, reason = _settings(folder / "tokenizer_config.json")
+    special, reason = (config, reason) if reason else _settings(folder / "special_tokens_map.json")
     if reason:
         return (reason,)
     kind, problems = _class_reads(config, model_type)
@@ -110,12 +109,14 @@ def _checked(source: str, versions: tuple, model_type, vocab_size, tokenizer_con
     return tuple(problems[:3])
 
 
-def _special_tokens_map(path: Path) -> tuple[dict, str]:
+def _settings(path: Path) -> tuple[dict, str]:
+    """tokenizer_config.json or special_tokens_map.json (transformers takes both as the tokenizer's settings): the
+    object, or the first reason transformers would refuse it; an absent file is no settings."""
     if not path.exists():
         return {}, ""
-    tokens, reason = read_json_object(path)
-    problems = [reason] if reason else tokenizer_problems(tokens, path.name)
-    return ({}, problems[0]) if problems else (tokens, "")
+    settings, reason = read_json_object(path)
+    problems = [reason] if reason else tokenizer_problems(settings, path.name)
+    return ({}, problems[0]) if problems else (settings, "")
 
 
 def _class_reads(config: dict, model_type) -> tuple[str | None, list[str]]:

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -166,7 +167,7 @@ def test_the_python_api_takes_one_prompt_as_a_string_and_refuses_wrong_types(on_
                                ({"out": None}, "out must be a path"), ({"solver": 3}, "solver must be a name"),
                                ({"best_of": 2, "reward": 3}, "reward must be a name"),
                                ({"on_step": 3}, "on_step must be a function"),
-                               ({"fuse": __import__("numpy").zeros(2)}, "fuse must be True or False"),
+                               ({"fuse": np.zeros(2)}, "fuse must be True or False"),
                                ({"grid": "yes"}, "grid must be True or False")]:
         with pytest.raises(BadInput, match=message):
             loaded.generate(["a bag"], **{"out": tmp_path / "bad", **arguments})
@@ -179,18 +180,16 @@ def test_the_python_api_takes_one_prompt_as_a_string_and_refuses_wrong_types(on_
     with pytest.raises(BadInput, match="a card is named by its id, folder or manifest file, got None"):
         LoadedCard(None)
     with pytest.raises(BadInput, match="checksums and adapters are True or False, got False and 'no'"):
-        __import__("cardtool").load_card("tiny-base", adapters="no")
+        load_card("tiny-base", adapters="no")
     with pytest.raises(BadInput, match="a card is named by its id, folder or manifest file, got 5"):
         loaded.reward(5)  # a reward named by something that is not a name: the same message, not a TypeError
     assert not (tmp_path / "bad").exists()
-    import numpy as np  # numpy's scalars are numbers like Python's
-
+    # numpy's scalars are numbers like Python's
     report = loaded.generate("a bag", num=np.int64(2), seed=np.int64(3), steps=np.int32(1), out=tmp_path / "np")
     assert [image.metadata["seed"] for image in report.images] == ["3", "4"]
 
 
 def read_png_pixels(path):
-    import numpy as np
     from PIL import Image
 
     return np.asarray(Image.open(path))

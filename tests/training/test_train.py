@@ -232,8 +232,8 @@ def test_a_damaged_checkpoint_is_bad_input_on_resume(tmp_path, data):
         save_file(load_file(str(checkpoint)), str(tmp_path / "x"), metadata={**metadata, "step": step})
         damaged[f"step {step}"] = (tmp_path / "x").read_bytes()
     tensors = load_file(str(checkpoint))
-    name = next(k for k in tensors if k.startswith("model."))
-    save_file({**tensors, name: tensors[name] * float("nan")}, str(tmp_path / "x"), metadata=metadata)
+    weight = next(k for k in tensors if k.startswith("model."))
+    save_file({**tensors, weight: tensors[weight] * float("nan")}, str(tmp_path / "x"), metadata=metadata)
     damaged["NaN"] = (tmp_path / "x").read_bytes()  # resumed, a finished run would write a card of NaN weights
     for name, content in damaged.items():
         checkpoint.write_bytes(content)
