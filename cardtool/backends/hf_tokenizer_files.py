@@ -38,7 +38,7 @@ _TOKENIZER_FIELDS: dict[str, tuple[str, ...]] = {
     "strip_accents": (BOOL, NONE), "tokenizer_class": (STR, NONE),
     **dict.fromkeys(_STANDARD, (STR, "dict", NONE)),
 }
-_LIMIT = 64 << 20  # XLM-R's 250,000-token tokenizer.json is ~17 MB, Gemma's 256,000 ~34 MB
+_LIMIT = 64 << 20  # real tokenizer.json files, even of 250,000-token vocabularies, are tens of megabytes at most
 
 
 def tokenizer_problems(settings: dict, file: str = "tokenizer_config.json") -> list[str]:
