@@ -1,6 +1,7 @@
 """cardtool's own registrations: every op's numpy reference, its device-generic torch implementation on
-cpu and cuda, the bfloat16 variants on the avx512_bf16 CPU tier and their float32 emulations on the avx2 tier; and the
-components (keyed by the implementation name a card's `impl` gives) in torch and, where one exists, numpy."""
+cpu and cuda, float32 variants by CPU tier, the bfloat16 variants on the avx512_bf16 CPU tier and their float32
+emulations on the avx2 tier; and the components (keyed by the implementation name a card's `impl` gives) in torch
+and, where one exists, numpy."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ OPS = ("flow_match_step", "flow_sde_step", "flow_renoise_step", "cfg_combine",
        "rope_3d", "timestep_embedding", "lora_bgmv", "gelu_tanh", "linear")
 # the ops with bfloat16 variants on the CPU tiers: avx512_bf16 computes in bf16, avx2 emulates it in float32
 BF16_OPS = ("attention", "lora_bgmv", "gelu_tanh", "linear", "modulated_layer_norm", "rms_norm")
+AVX2_OPS = ("linear", "lora_bgmv")  # the float32 ops the avx2 tier computes its own way
 
 
 _B = "cardtool.backends.builders"
@@ -47,6 +49,12 @@ def register(components, kernels) -> None:
                          requires=("torch",))
         kernels.register(op, "cuda", "generic", "default", target=f"cardtool.backends.torch_ops:{op}",
                          requires=("torch",), dtypes=("float64", "float32", "float16", "bfloat16"))
+    # float32 by CPU tier: the avx2 tier's own linear (its GELU apart from the product) and LoRA layout, the generic
+    # ones again on avx512_bf16, which would otherwise inherit avx2's cells down its chain
+    for op in AVX2_OPS:
+        kernels.register(op, "cpu", "avx2", "default", target=f"cardtool.backends.cpu_avx2:{op}", requires=("torch",))
+        kernels.register(op, "cpu", "avx512_bf16", "default", target=f"cardtool.backends.torch_ops:{op}",
+                         requires=("torch",))
     for op in BF16_OPS:
         kernels.register(op, "cpu", "avx512_bf16", "bf16", target=f"cardtool.backends.cpu_bf16:{op}",
                          requires=("torch",), dtypes=("float32",))

@@ -98,69 +98,73 @@ def write_lora(path: Path, a: dict[str, torch.Tensor], b: dict[str, torch.Tensor
 
 
 class LoraPlan:
-    """One batch's LoRA work: for each module any stack touches, every row's A (N, R, in) and B (N, out, R) —
-    its slot's, zero-padded to the largest total rank (which changes nothing); zero for a row without one.
+    """One batch's LoRA work: for each module any stack touches, every row's A (N, r, in) and B (N, out, r) — its
+    slot's; zero for a row without one.
 
     `stacks` is one entry per distinct stack: a tuple of (LoraWeights, scale); `rows` the slot of every row (−1:
     none). The slots are gathered per row once, when the plan is made, not in each of the many calls a batch's
     denoising makes (the plan lives as long as its batch); the slots themselves are built once per set of stacks
     (`slot_weights`), not once per plan — a guided sampling run alone makes two plans (its guided and unguided
     steps batch different rows). Rows in equally long runs of one slot (`equal_runs`: `sample` orders a batch by
-    stack) take one product per run instead of one per row: 8 runs of 16 images, not 128 products of one."""
+    stack) take one product per run instead of one per row: 8 runs of 16 images, not 128 products of one. Each slot's
+    rank is zero-padded to a multiple of RANK_STEP, never to another slot's: padding a rank-2 stack to a batch-mate's
+    5 is the same sum but not the same rounding (BLAS blocks a sum by its length), and a row gets the bits it gets
+    alone (C2). Slots of different padded ranks on a module take one call each: one for the usual mix of ranks ≤ 8."""
 
     def __init__(self, stacks: list[tuple], rows: list[int], kernel, device, dtype=torch.float32):
         self.kernel = kernel
-        index = torch.tensor(rows, device=device)
-        self.augmented = {}
         slots = slot_weights(stacks, device, dtype)
         self.runs = equal_runs(rows)
-        if self.runs is not None:  # rows come in equal runs of one slot: one batched product per run, not per row
-            gather = torch.tensor([len(stacks) if s < 0 else s for s in self.runs[2]], device=device)
-        else:
-            gather = torch.where(index >= 0, index, len(stacks))  # −1 → the all-zero slot after the stacks'
+        # the kernel's rows: the runs, each a (run length · tokens) block, or the batch's rows themselves
+        units = self.runs[2] if self.runs is not None else rows
         # A and B are stored transposed and contiguous, passed as transposed views: the kernel's batched products
-        # then read their right-hand sides contiguously (20–45% faster here than strided); index_select copies whole
-        # rows, 2.5–3× faster than advanced indexing for these gathers
-        self.modules = {module: tuple(w.index_select(0, gather).transpose(1, 2) for w in (a_t, b_t))
-                        for module, (_, _, a_t, b_t) in slots.items()}
-        self.slots = {module: (a, b) for module, (a, b, _, _) in slots.items()}
-        self.rows = index
+        # then read their right-hand sides contiguously (20–45% faster on the avx512 Xeon than strided; the avx2
+        # tier's kernel lays A out again); index_select copies whole rows, 2.5–3× faster than advanced indexing
+        self.modules, self.plain = {}, {}
+        for module, (a_t, b_t) in slots.items():
+            ranks = [_padded(sum(lora.a[module].shape[0] for lora, _ in stack if module in lora.a))
+                     for stack in stacks]
+            unit_ranks = [ranks[s] if s >= 0 else 0 for s in units]
+            groups = []
+            for rank in sorted(set(unit_ranks) - {0}):
+                members = None if len(set(unit_ranks) - {0}) == 1 else \
+                    torch.tensor([i for i, r in enumerate(unit_ranks) if r == rank], device=device)
+                gather = torch.tensor([s if s >= 0 and ranks[s] == rank else len(stacks) for s in units],
+                                      device=device)  # the rows of other ranks and none: the all-zero slot
+                if members is not None:
+                    gather = gather.index_select(0, members)
+                groups.append((members, a_t.index_select(0, gather)[..., :rank].contiguous().transpose(1, 2),
+                               b_t.index_select(0, gather)[:, :rank].transpose(1, 2)))
+            self.modules[module] = groups
+            plain = [i for i, s in enumerate(rows) if s < 0 or ranks[s] == 0]
+            if plain:
+                self.plain[module] = torch.tensor(plain, device=device)
 
     def touches(self, module: str) -> bool:
         """Whether any row's stack has a LoRA on linear `module` (the others take the plain product)."""
         return module in self.modules
 
+    def plain_rows(self, module: str) -> torch.Tensor | None:
+        """The rows whose stack has no LoRA on `module` where some other row's has (None: there are none)."""
+        return self.plain.get(module)
+
     def __call__(self, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The base output `y` of linear `module` on input `x`, plus every row's own LoRA delta."""
-        weights = self.modules.get(module)
-        if weights is None:
+        groups = self.modules.get(module)
+        if groups is None:
             return y
-        if self.runs is None:
-            return self.kernel(x, y, weights[0], weights[1], None, None)
-        low, high, slots = self.runs  # the kernel's "rows" are then the runs, each a (run length · tokens) block
-        block = self.kernel(x[low:high].reshape(len(slots), -1, x.shape[-1]),
-                            y[low:high].reshape(len(slots), -1, y.shape[-1]), weights[0], weights[1], None, None)
+        low, high = (0, len(y)) if self.runs is None else self.runs[:2]
+        units = len(y) if self.runs is None else len(self.runs[2])
+        xs = x[low:high].reshape(units, -1, x.shape[-1])
+        block = y[low:high].reshape(units, -1, y.shape[-1])
+        for members, a, b in groups:
+            if members is None:
+                block = self.kernel(xs, block, a, b, None, None)
+            else:
+                block = block.index_copy(0, members, self.kernel(xs.index_select(0, members),
+                                                                 block.index_select(0, members), a, b, None, None))
         block = block.reshape(y[low:high].shape)
         return block if (low, high) == (0, len(y)) else torch.cat([y[:low], block, y[high:]])
-
-    def activated(self, module: str, x: torch.Tensor, layer: nn.Linear, linear, activation: str):
-        """The whole layer `activation(W0·x + b + Δ_row·x)` as one product of the kernel table's `linear`, for a
-        linear that fuses its activation into the product (a float32 CPU forward: the tanh GELU computed apart
-        costs more than the product) — the input augmented by every slot's A·x, kept only in the row's own slot,
-        and W0 by every slot's B: [x, mask ⊙ (x·Aᵀ)]·[W0, B]ᵀ. None where the layer has no LoRA."""
-        if module not in self.slots:
-            return None
-        a, b = self.slots[module]  # (S, R, in), (S, out, R)
-        slots, rank = a.shape[:2]
-        if module not in self.augmented:  # built once per plan: its batch's forwards all reuse it
-            own = torch.nn.functional.one_hot(self.rows.clamp(min=0), slots) * (self.rows >= 0)[:, None]
-            self.augmented[module] = (
-                a.reshape(slots * rank, -1).to(x.dtype),
-                torch.cat([layer.weight, b.permute(1, 0, 2).reshape(b.shape[1], -1).to(layer.weight.dtype)], dim=1),
-                own.repeat_interleave(rank, dim=1).to(x.dtype))  # each row's slot, over the slot's rank
-        a_all, weight, own = self.augmented[module]
-        hidden = torch.nn.functional.linear(x, a_all) * own.reshape(x.shape[0], *(1,) * (x.ndim - 2), -1)
-        return linear(torch.cat([x, hidden], dim=-1), weight, layer.bias, activation)
 
 
 def equal_runs(rows: list[int]) -> tuple[int, int, list[int]] | None:
@@ -182,11 +186,11 @@ _SLOT_CACHE_SIZE = 8
 
 
 def slot_weights(stacks: list[tuple], device, dtype) -> dict[str, tuple[torch.Tensor, ...]]:
-    """Per module any stack touches: every slot's A (S, R, in) and B (S, out, R) (`_slots`), and the same
-    transposed and contiguous with an all-zero slot appended — A (S + 1, in, R), B (S + 1, R, out) — the form a
-    plan gathers rows from. Cached by the LoraWeights objects themselves (an entry holds them, so their ids stay
-    theirs) and the scales: a hot-swapped file loads as a new object, a new key. Built outside inference mode, so
-    that a grad-enabled forward may use them too."""
+    """Per module any stack touches: every slot's A and B (`_slots`) with an all-zero slot appended, transposed
+    and contiguous — A (S + 1, in, R), B (S + 1, R, out) — the form a plan gathers rows from. Cached by the
+    LoraWeights objects themselves (an entry holds them, so their ids stay theirs) and the scales: a hot-swapped
+    file loads as a new object, a new key. Built outside inference mode, so that a grad-enabled forward may use
+    them too."""
     key = (tuple(tuple((id(lora), float(scale)) for lora, scale in stack) for stack in stacks), str(device), dtype)
     entry = _SLOT_CACHE.pop(key, None)
     if entry is None:
@@ -194,9 +198,8 @@ def slot_weights(stacks: list[tuple], device, dtype) -> dict[str, tuple[torch.Te
         with torch.inference_mode(False), torch.no_grad():
             for module in sorted({m for stack in stacks for lora, _ in stack for m in lora.a}):
                 a, b = _slots(module, stacks, device, dtype)
-                a_t = torch.cat([a, torch.zeros_like(a[:1])]).transpose(1, 2).contiguous()
-                b_t = torch.cat([b, torch.zeros_like(b[:1])]).transpose(1, 2).contiguous()
-                slots[module] = (a, b, a_t, b_t)
+                slots[module] = tuple(torch.cat([w, torch.zeros_like(w[:1])]).transpose(1, 2).contiguous()
+                                      for w in (a, b))
         entry = (tuple(stacks), slots)
         while len(_SLOT_CACHE) >= _SLOT_CACHE_SIZE:
             _SLOT_CACHE.pop(next(iter(_SLOT_CACHE)))
@@ -204,14 +207,22 @@ def slot_weights(stacks: list[tuple], device, dtype) -> dict[str, tuple[torch.Te
     return entry[1]
 
 
+RANK_STEP = 8  # a slot's rank is zero-padded to a multiple of this, whatever its batch-mates' (LoraPlan)
+
+
+def _padded(rank: int) -> int:
+    return -(-rank // RANK_STEP) * RANK_STEP
+
+
 def _slots(module: str, stacks: list[tuple], device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Every slot's A (S, R, in) and B (S, out, R) for one module: its stack's LoRAs concatenated along the rank,
-    each B times scale·α/r, zero-padded to the largest total rank R (a slot whose stack skips the module is zero).
-    Built with a few batched operations, not one per slot: a plan is made for every new batch."""
+    each B times scale·α/r, zero-padded to R, the largest total rank padded to a multiple of RANK_STEP (a slot
+    whose stack skips the module is zero). Built with a few batched operations, not one per slot: a plan is made
+    for every new batch."""
     parts = [[(lora.a[module], lora.b[module], scale * lora.scaling) for lora, scale in stack if module in lora.a]
              for stack in stacks]
     d_in, d_out = next((p[0].shape[1], p[1].shape[0]) for part in parts for p in part)
-    rank = max(sum(a.shape[0] for a, _, _ in part) for part in parts)
+    rank = _padded(max(sum(a.shape[0] for a, _, _ in part) for part in parts))
     a_slots, b_slots, coefficients = [], [], []
     for part in parts:
         if len(part) == 1 and part[0][0].shape[0] == rank:  # the common case: one LoRA, scaled below in one go

@@ -17,7 +17,6 @@ from torch import nn
 
 from cardtool.backends.platform import Platform
 from cardtool.backends.registry import KERNELS
-from cardtool.backends.torch_ops import fusable_on_cpu
 from cardtool.backends.wan_config import WanDiTConfig
 
 __all__ = ["MIN_ROWS", "WanDiT", "Kernels", "TextContext", "name_linears", "patchify", "product"]
@@ -233,13 +232,15 @@ def patchify(ops: Kernels, conv: nn.Conv3d, x):
 
 
 def _linear(ops: Kernels, layer: nn.Linear, x, lora, activation=None):
-    """`layer` through the kernel table's linear, with each row's LoRA delta added before the activation."""
+    """`layer` through the kernel table's linear, with each row's LoRA delta added before the activation. A row
+    whose stack has no LoRA here gets the bits it gets in a batch with none (C2): the table's linear may fuse the
+    activation into its product, which rounds differently from the activation apart."""
     if lora is None or not getattr(lora, "touches", lambda _: True)(layer.lora_name):
         return product(ops, x, layer.weight, layer.bias, activation)
-    if activation is not None and hasattr(lora, "activated") and fusable_on_cpu(x, layer.weight, layer.bias) \
-            and x.dtype == torch.float32:  # where the activation fuses into the product (bf16 gains nothing there)
-        y = lora.activated(layer.lora_name, x, layer, ops.linear, activation)
-        if y is not None:
-            return y
-    y = lora(layer.lora_name, x, ops.linear(x, layer.weight, layer.bias))
-    return y if activation is None else ops.gelu_tanh(y)
+    y = lora(layer.lora_name, x, product(ops, x, layer.weight, layer.bias))
+    if activation is None:
+        return y
+    y, plain = ops.gelu_tanh(y), getattr(lora, "plain_rows", lambda _: None)(layer.lora_name)
+    if plain is None:
+        return y
+    return y.index_copy(0, plain, product(ops, x.index_select(0, plain), layer.weight, layer.bias, activation))

@@ -75,6 +75,17 @@ def test_variant_falls_back_to_default_when_the_tier_lacks_it(kernels):
     assert kernels.resolve("cfg_combine", AVX2, "bf16")[0].name == "cfg_combine/cpu/generic/default"
 
 
+def test_the_avx2_tier_has_its_own_float32_linear_and_lora_and_avx512_does_not_inherit_them(kernels):
+    """avx2 computes the FFN's GELU apart from its product and lays LoRA A out for its BLAS; the avx512_bf16 tier,
+    whose chain runs through avx2, keeps the generic cells (oneDNN's fused GELU is fast there)."""
+    from cardtool.backends import cpu_avx2, torch_ops
+
+    for op in ("linear", "lora_bgmv"):
+        assert kernels.resolve(op, AVX2)[1] is getattr(cpu_avx2, op)
+        assert kernels.resolve(op, AVX512)[1] is getattr(torch_ops, op)
+        assert kernels.resolve(op, Platform("cpu", "generic"))[1] is getattr(torch_ops, op)
+
+
 def test_when_nothing_resolves_every_candidate_and_its_reasons_are_listed(kernels):
     kernels.register("only_on_hopper", "cuda", "sm90a", "default", target="x:y")
     kernels.register("only_on_hopper", "cuda", "generic", "default", target="x:y", requires=("no_such_triton",))

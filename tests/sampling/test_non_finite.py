@@ -97,7 +97,8 @@ def test_an_eval_row_of_nan_images_is_null_and_the_others_are_measured(examples,
 
 def test_an_rl_run_whose_policy_samples_nan_stops_as_diverged(examples, tmp_path):
     _poison(examples / "tiny-base", "transformer.safetensors", "proj_out.bias", OVERFLOWING)
-    settings = ["optim.batch_size=2", "loss.group_size=2", "loss.rollout_steps=2", "optim.steps=1"]
+    settings = ["optim.batch_size=2", "loss.group_size=2", "loss.rollout_steps=2", "optim.steps=1",
+                "train.precision=float32"]  # rl's default bfloat16 is refused where the CPU lacks bf16 compute
     result = CliRunner().invoke(app, ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
                                       "--no-eval", "--out", str(tmp_path / "o"), "--run-dir", str(tmp_path / "r"),
                                       "--json", *(f"--set={s}" for s in settings)])

@@ -1,0 +1,27 @@
+"""float32 variants for the AVX2 CPU tier: the same values, computed the way that is fastest there."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from cardtool.backends import torch_ops
+from cardtool.backends.reference import ACTIVATIONS
+
+__all__ = ["linear", "lora_bgmv"]
+
+
+def linear(x, weight, bias=None, activation=None):
+    """x·Wᵀ + b, then `activation` apart from the product: oneDNN's fused GELU epilogue, a third of the generic
+    `linear`'s cost on the avx512 tiers, here costs twice the product it follows (the DiT's FFN 128 → 512 on 2,048
+    rows: 4.9 ms fused against 1.8 ms for the product alone and 1.4 ms for `gelu_tanh` apart, 2-core AVX2 EPYC)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; one of {ACTIVATIONS}")
+    y = F.linear(x, weight, bias)
+    return y if activation is None else torch_ops.gelu_tanh(y)
+
+
+def lora_bgmv(x, y, lora_a, lora_b, scales, index):
+    """The generic kernel with A laid out as (N, r, in), rows along the input, whatever layout it came in: its
+    down-projection x·Aᵀ is then 2× faster here (99 against 197 µs for 8 blocks of 256 × 128 → 8) than from Aᵀ
+    contiguous, the layout the avx512 Xeon prefers by 20–45% and a plan stores; the copy costs a few µs."""
+    return torch_ops.lora_bgmv(x, y, lora_a.contiguous(), lora_b, scales, index)
