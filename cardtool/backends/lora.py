@@ -118,8 +118,10 @@ class LoraPlan:
         # the kernel's rows: the runs, each a (run length · tokens) block, or the batch's rows themselves
         units = self.runs[2] if self.runs is not None else rows
         # A and B are stored transposed and contiguous, passed as transposed views: the kernel's batched products
-        # then read their right-hand sides contiguously (20–45% faster on the avx512 Xeon than strided; the avx2
-        # tier's kernel lays A out again); index_select copies whole rows, 2.5–3× faster than advanced indexing
+        # then read their right-hand sides contiguously (20–45% faster on the avx512 Xeon than strided) — A as it
+        # is, (N, r, in), for a kernel that reads it by rows (`a_by_rows`, the avx2 tier's); index_select copies
+        # whole rows, 2.5–3× faster than advanced indexing for these gathers
+        by_rows = getattr(kernel, "a_by_rows", False)
         self.modules, self.plain = {}, {}
         for module, (a_t, b_t) in slots.items():
             ranks = [_padded(sum(lora.a[module].shape[0] for lora, _ in stack if module in lora.a))
@@ -133,7 +135,8 @@ class LoraPlan:
                                       device=device)  # the rows of other ranks and none: the all-zero slot
                 if members is not None:
                     gather = gather.index_select(0, members)
-                groups.append((members, a_t.index_select(0, gather)[..., :rank].contiguous().transpose(1, 2),
+                a = a_t.index_select(0, gather)[..., :rank]
+                groups.append((members, a.transpose(1, 2).contiguous() if by_rows else a.contiguous().transpose(1, 2),
                                b_t.index_select(0, gather)[:, :rank].transpose(1, 2)))
             self.modules[module] = groups
             plain = [i for i, s in enumerate(rows) if s < 0 or ranks[s] == 0]
