@@ -189,23 +189,31 @@ def test_an_activated_layer_gives_a_row_without_a_lora_there_the_product_it_gets
     assert plan.plain_rows("up").tolist() == [1, 2] and plan.plain_rows("down").tolist() == [0, 1, 3]
 
 
-def test_a_row_gets_the_bits_it_gets_alone_whatever_the_ranks_batched_with_it():
+@pytest.mark.parametrize("tier", ["generic", "avx2"])
+def test_a_row_gets_the_bits_it_gets_alone_whatever_the_ranks_batched_with_it(tier):
     """A slot's rank is padded to a multiple of RANK_STEP, never to a batch-mate's (zero-padding a sum changes how
-    BLAS blocks it, and so its rounding); slots padded to different ranks take one kernel call each."""
+    BLAS blocks it, and so its rounding); slots padded to different ranks take one kernel call each. The avx2
+    tier's kernel, which a plan hands A by rows, gives the same deltas (pure torch: it runs on any CPU)."""
+    from cardtool.backends import cpu_avx2
     from cardtool.backends.lora import LoraWeights
 
+    bgmv, calls = cpu_avx2.lora_bgmv if tier == "avx2" else lora_bgmv, []
+
+    def kernel(x, *a):
+        calls.append(x.shape[0])
+        return bgmv(x, *a)
+
+    kernel.a_by_rows = getattr(bgmv, "a_by_rows", False)
     torch.manual_seed(0)
     loras = [LoraWeights(f"v{r}", r, float(r), {"m": torch.randn(r, 32)}, {"m": torch.randn(32, r)})
              for r in (2, 5, 12)]
     x, w = torch.randn(6, 16, 32), torch.randn(32, 32)
-    calls = []
-    kernel = lambda x, *a: calls.append(x.shape[0]) or lora_bgmv(x, *a)  # noqa: E731
     with torch.inference_mode():
         mixed = LoraPlan([((lora, 1.0),) for lora in loras], [0, 0, 1, 1, 2, 2], kernel, "cpu")("m", x, x @ w.T)
         assert calls == [2, 1], "ranks 2 and 5 padded to 8 in one call, 12 to 16 in another"
         for slot, lora in enumerate(loras):
             rows = slice(2 * slot, 2 * slot + 2)
-            alone = LoraPlan([((lora, 1.0),)], [0, 0], lora_bgmv, "cpu")("m", x[rows], x[rows] @ w.T)
+            alone = LoraPlan([((lora, 1.0),)], [0, 0], bgmv, "cpu")("m", x[rows], x[rows] @ w.T)
             assert (mixed[rows] - alone).abs().max() <= MIXED_TOLERANCE, lora.rank
             torch.testing.assert_close(alone, x[rows] @ (w + lora.delta("m", 1.0)).T, atol=1e-4, rtol=1e-5)
 
