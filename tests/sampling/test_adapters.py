@@ -450,3 +450,38 @@ def test_eval_takes_an_adapter_stack_and_names_it_in_the_report(card, tmp_path):
     assert plain["adapters"] == [] and plain["rows"][0]["fid_fmnist"] != report["rows"][0]["fid_fmnist"]
     refused = CliRunner().invoke(app, [*base, "--adapter", "a", "--record"])
     assert refused.exit_code == 2 and "--record" in refused.output
+
+
+def test_random_plans_give_every_row_its_own_stacks_delta_and_leave_the_others_bit_for_bit():
+    """Random stacks (1–4 LoRAs of ranks 1–17, some skipping a module, scales ±), rows sorted by stack or not, with
+    rows of none, through either CPU tier's kernel, with and without inference mode: each row gets x·(W0 + Σ its
+    deltas)ᵀ, and a row without a LoRA on the module keeps the base output's bits."""
+    import random
+
+    from cardtool.backends import cpu_avx2
+    from cardtool.backends.lora import LoraWeights
+
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    for case in range(150):
+        loras = []
+        for i in range(rng.randint(1, 4)):
+            r, on = rng.choice([1, 2, 3, 5, 8, 12, 17]), [m for m in ("m", "n") if rng.random() < 0.7] or ["m"]
+            loras.append(LoraWeights(f"{case}.{i}", r, rng.choice([1.0, float(r)]),
+                                     {m: torch.randn(r, 12) for m in on}, {m: torch.randn(12, r) for m in on}))
+        stacks = [tuple((lora, rng.choice([1.0, 0.5, -2.0])) for lora in rng.sample(loras, rng.randint(1, len(loras))))
+                  for _ in range(rng.randint(1, 4))]
+        rows = [rng.randrange(-1, len(stacks)) for _ in range(rng.randint(1, 9))]
+        rows = sorted(rows) if rng.random() < 0.5 else rows
+        x, w = torch.randn(len(rows), 3, 12), torch.randn(12, 12)
+        base = x @ w.T
+        for module in ("m", "n"):
+            plan = LoraPlan(stacks, rows, rng.choice([lora_bgmv, cpu_avx2.lora_bgmv]), "cpu")
+            with torch.inference_mode(rng.random() < 0.5):
+                out = plan(module, x, base.clone())
+            for i, slot in enumerate(rows):
+                deltas = [lora.delta(module, s) for lora, s in (stacks[slot] if slot >= 0 else ()) if module in lora.a]
+                if not deltas:
+                    assert torch.equal(out[i], base[i]), (case, module, rows, i)
+                    continue
+                torch.testing.assert_close(out[i], x[i] @ (w + sum(deltas)).T, atol=1e-4, rtol=1e-5)
