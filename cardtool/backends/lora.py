@@ -127,9 +127,9 @@ class LoraPlan:
             ranks = [_padded(sum(lora.a[module].shape[0] for lora, _ in stack if module in lora.a))
                      for stack in stacks]
             unit_ranks = [ranks[s] if s >= 0 else 0 for s in units]
-            groups = []
-            for rank in sorted(set(unit_ranks) - {0}):
-                members = None if len(set(unit_ranks) - {0}) == 1 else \
+            present, groups = sorted(set(unit_ranks) - {0}), []
+            for rank in present:
+                members = None if len(present) == 1 else \
                     torch.tensor([i for i, r in enumerate(unit_ranks) if r == rank], device=device)
                 gather = torch.tensor([s if s >= 0 and ranks[s] == rank else len(stacks) for s in units],
                                       device=device)  # the rows of other ranks and none: the all-zero slot
