@@ -125,7 +125,9 @@ def _short_on_cpu_training(q, k, v) -> bool:
         (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
-def _attention_matmul(q, k, v, mask):
+def attention_matmul(q, k, v, mask=None):
+    """Attention written out: softmax(q·kᵀ/√d, masked)·v, in float32 for low-precision inputs; rows with nothing to
+    attend to give zeros."""
     scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
@@ -139,7 +141,7 @@ def attention(q, k, v, mask=None):
     if mask is not None:
         mask = torch.as_tensor(mask, device=q.device, dtype=torch.bool)
     if _short_on_cpu_training(q, k, v):
-        return _attention_matmul(q, k, v, mask)
+        return attention_matmul(q, k, v, mask)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

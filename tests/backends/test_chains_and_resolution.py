@@ -20,6 +20,8 @@ def test_chains_are_explicit_and_never_reach_a_newer_arch():
     assert kernel_chain("cuda", "sm80") == [("cuda", "sm80"), ("cuda", "generic")]
     assert kernel_chain("cpu", "avx512_bf16") == [("cpu", "avx512_bf16"), ("cpu", "avx2"), ("cpu", "generic"),
                                                   ("numpy", "generic")]
+    assert kernel_chain("cpu", "zen4") == [("cpu", "zen4"), ("cpu", "avx512_bf16"), ("cpu", "avx2"),
+                                           ("cpu", "generic"), ("numpy", "generic")]
     assert kernel_chain("cpu", "avx2") == [("cpu", "avx2"), ("cpu", "generic"), ("numpy", "generic")]
     assert kernel_chain("numpy", "generic") == [("numpy", "generic")]
     # an arch cardtool does not know yet gets only portable tiers

@@ -79,6 +79,10 @@ def test_cpu_tier_from_flags():
     assert cpu_tier("fpu sse avx2 avx512f avx512_bf16") == ("avx512_bf16", "include avx512_bf16")
     assert cpu_tier("fpu sse avx2") == ("avx2", "include avx2")
     assert cpu_tier("fpu sse") == ("generic", "have neither avx512_bf16 nor avx2")
+    amd = "fpu sse avx2 avx512f avx512_bf16"
+    assert cpu_tier(amd, "AuthenticAMD") == ("zen4", "include avx512_bf16 on an AMD CPU (AuthenticAMD)")
+    assert cpu_tier(amd, "GenuineIntel")[0] == "avx512_bf16"
+    assert cpu_tier("fpu sse avx2", "AuthenticAMD")[0] == "avx2", "an AMD CPU without AVX-512 is an avx2 one"
 
 
 def test_detect_on_this_machine_is_torch_on_the_cpu(monkeypatch):

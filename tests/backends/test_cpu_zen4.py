@@ -1,0 +1,83 @@
+"""The zen4 tier (AMD's AVX-512 cores): its own linear and attention in float32 and for bfloat16, the rest of the
+avx512_bf16 tier's cells, and values the generic cells give (runs on any CPU: the tier can be forced)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cardtool.backends import cpu_bf16, cpu_zen4, torch_ops
+from cardtool.backends.parity import run_parity
+from cardtool.backends.platform import Platform
+from cardtool.backends.registry import KERNELS
+
+ZEN4 = Platform("cpu", "zen4")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    torch.set_num_threads(1)
+
+
+def test_zen4_resolves_its_own_linear_and_attention_and_the_avx512_tiers_other_cells():
+    for op in ("linear", "attention"):
+        assert KERNELS.resolve(op, ZEN4)[1] is getattr(cpu_zen4, op)
+        assert KERNELS.resolve(op, ZEN4, "bf16")[1] is getattr(cpu_zen4, f"{op}_bf16")
+    assert KERNELS.resolve("rms_norm", ZEN4, "bf16")[1] is cpu_bf16.rms_norm
+    assert KERNELS.resolve("lora_bgmv", ZEN4)[1] is torch_ops.lora_bgmv, "not the avx2 tier's layout"
+    assert ZEN4.supports_bf16
+
+
+def test_every_zen4_cell_passes_parity_here():
+    rows = run_parity(ZEN4)
+    zen4 = [r for r in rows if "/zen4/" in r.cell]
+    assert {r.cell for r in zen4} == {f"{op}/cpu/zen4/{v}" for op in ("linear", "attention") for v in ("default",
+                                                                                                       "bf16")}
+    assert all(r.passed for r in zen4), [(r.cell, r.dtype, r.max_abs_err) for r in zen4 if not r.passed]
+
+
+@pytest.mark.parametrize("activation", [None, "gelu_tanh"])
+def test_linear_gives_the_generic_values_and_keeps_its_gradient(activation):
+    torch.manual_seed(0)
+    x, w, b = torch.randn(3, 16, 64), torch.randn(96, 64) / 8, torch.randn(96)
+    expected = torch_ops.linear(x.double(), w.double(), b.double(), activation)
+    with torch.inference_mode():
+        y = cpu_zen4.linear(x, w, b, activation)
+    assert y.dtype == torch.float32 and (y.double() - expected).abs().max() < 2e-5
+    w.requires_grad_(True)
+    trained = cpu_zen4.linear(x, w, b, activation)  # oneDNN's product has no backward: the generic one
+    trained.sum().backward()
+    assert w.grad is not None and (trained.double() - expected).abs().max() < 2e-5
+    with pytest.raises(ValueError, match="unknown activation"):
+        cpu_zen4.linear(x, w, b, "relu")
+
+
+def test_bf16_linear_is_a_bfloat16_product_under_autocast_with_the_tanh_gelu():
+    torch.manual_seed(1)
+    x, w, b = torch.randn(2, 16, 64), (torch.randn(96, 64) / 8).bfloat16(), torch.randn(96).bfloat16()
+    exact = x.bfloat16().double() @ w.double().T + b.double()
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        plain, gelu = cpu_zen4.linear_bf16(x, w, b), cpu_zen4.linear_bf16(x, w, b, "gelu_tanh")
+        float_bias = cpu_zen4.linear_bf16(x, w, b.float())  # a bias not rounded at load: autocast's product
+    assert plain.dtype == gelu.dtype == torch.bfloat16
+    step = 2.0 ** -8  # one bfloat16 rounding, relative
+    assert ((plain.double() - exact).abs() <= step * exact.abs() + 1e-2).all()
+    tanh_gelu = torch.nn.functional.gelu(exact, approximate="tanh")
+    assert ((gelu.double() - tanh_gelu).abs() <= step * tanh_gelu.abs() + 1e-2).all()
+    assert float_bias.dtype == torch.bfloat16
+    assert ((float_bias.double() - exact).abs() <= step * exact.abs() + 1e-2).all()
+
+
+@pytest.mark.parametrize(("keys", "bf16_error"), [(7, 1e-5), (90, 2e-2)])  # 16 × 7 written out in float32; 80 × 90
+def test_attention_gives_the_generic_values_and_zeros_where_nothing_is_attended(keys, bf16_error):  # > 4,096: fused
+    torch.manual_seed(2)
+    queries = 16 if keys < 64 else 80
+    q, k, v = torch.randn(2, 3, queries, 8), torch.randn(2, 3, keys, 8), torch.randn(2, 3, keys, 8)
+    mask = torch.rand(2, 1, 1, keys) > 0.4
+    mask[1] = False  # the second sample attends to nothing
+    expected = torch_ops.attention(q.double(), k.double(), v.double(), mask)
+    with torch.inference_mode():
+        for out, error in ((cpu_zen4.attention(q, k, v, mask), 1e-5), (cpu_zen4.attention_bf16(q, k, v, mask),
+                                                                          bf16_error)):
+            assert out.dtype == torch.float32 and (out.double() - expected).abs().max() < error
+            assert (out[1] == 0).all()
