@@ -131,7 +131,8 @@ def test_fsdp_training_equals_one_process_and_its_checkpoints_cross_modes(tmp_pa
     assert difference <= 1e-5  # measured: 7.5e-7 (the reduce-scatter sums the ranks' gradients in its own order)
     sharded, whole = (load_file(str(tmp_path / run / "checkpoint.safetensors")) for run in ("r2", "r1"))
     assert sharded.keys() == whole.keys() and any(k.startswith("ema.") for k in whole)
-    assert max(float((sharded[k].double() - whole[k].double()).abs().max()) for k in whole) <= 1e-6
+    # the same reduction-order bound as the weights': 1.7e-6 measured on a Zen 5 EPYC
+    assert max(float((sharded[k].double() - whole[k].double()).abs().max()) for k in whole) <= 1e-5
     resumed = killed_then_resumed_on_two(tmp_path, sets, args)
     assert max(float((one[k] - resumed[k]).abs().max()) for k in one) <= 1e-6
 
