@@ -1,7 +1,7 @@
 """cardtool's own registrations: every op's numpy reference, its device-generic torch implementation on
 cpu and cuda, float32 variants by CPU tier, the bfloat16 variants on the avx512_bf16 CPU tier and their float32
-emulations on the avx2 tier, attention in both on AMD's AVX-512 cores (zen4); and the components (keyed by the
-implementation name a card's `impl` gives) in torch and, where one exists, numpy."""
+emulations on the avx2 tier, linear and attention in both on AMD's AVX-512 cores (zen4); and the components (keyed
+by the implementation name a card's `impl` gives) in torch and, where one exists, numpy."""
 
 from __future__ import annotations
 

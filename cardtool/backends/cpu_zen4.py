@@ -5,10 +5,13 @@ Intel's takes its AVX2 code, while oneDNN picks its kernels by instruction set a
 Measured on a 2-core Zen 5 EPYC (fashion-base's shapes: 2,048 rows, medians of 100 calls): a float32 linear
 128 → 512 takes 1.33 ms through `F.linear` and 0.61 ms through oneDNN; in bfloat16, the product and the FFN's tanh
 GELU fused by oneDNN take 0.52 ms against 1.67 ms for the product and ATen's GELU apart. Attention over fashion-base's
-16 tokens written out as two batched products and a softmax takes about half the fused (flash) kernel's time, whose
-small per-block products go through the same BLAS: for a few dozen tokens the score matrix is a few kilobytes a
-head, so the fused kernel saves no memory. The Intel avx512_bf16 machines measured the reverse there (the fused
-kernel 2.5–3.6× faster in float32), so these cells stay off that tier.
+16 tokens written out as two batched products and a softmax: a 64-image loop of 0.40–0.46 s against 0.51–0.59 s with
+the fused (flash) kernel in float32, 0.33–0.34 against 0.42–0.43 s in bfloat16 (processes of one precision, the other
+cells these) — for a few dozen tokens the score matrix is a few kilobytes a head, so the fused kernel saves no memory.
+The Intel avx512_bf16 machines measured the reverse (the fused kernel 2.5–3.6× faster in float32), so these cells stay
+off that tier. oneDNN costs more per call than MKL on small products (16 against 9.7 µs for 32 rows of 128 → 128), so
+a one-image loop is 10–20% slower with these cells; choosing MKL for small batches would give a request other bits
+alone than in a batch (C2).
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ def attention(q, k, v, mask=None):
 
 def attention_bf16(q, k, v, mask=None):
     """Attention at bfloat16 accuracy: short sequences written out in float32 (exact, and as fast here as with the
-    products in bfloat16: 0.342 against 0.339 s a loop), longer ones as the avx512_bf16 tier computes them."""
+    products in bfloat16: 0.342 against 0.339 s a 64-image loop), longer ones as the avx512_bf16 tier's cell."""
     if not _short(q, k):
         return cpu_bf16.attention(q, k, v, mask)
     with torch.autocast("cpu", enabled=False):  # autocast would run the products in bfloat16
