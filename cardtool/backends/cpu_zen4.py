@@ -35,12 +35,39 @@ def _check(activation):
         raise ValueError(f"unknown activation {activation!r}; one of {torch_ops.ACTIVATIONS}")
 
 
+class _Product(torch.autograd.Function):
+    """x·Wᵀ + b through oneDNN, with a backward (oneDNN's op has none): the input's gradient g·W through oneDNN too,
+    the weight's gᵀ·x and the bias's by ATen — oneDNN would need both of gᵀ·x's operands copied transposed first.
+    A fashion-base forward and backward on 64 images in float32: 63 against 80 ms with ATen's products."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _onednn(x, weight, bias, None)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad = grad.contiguous()
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_x = _onednn(grad, weight.t().contiguous(), None, None) if ctx.needs_input_grad[0] else None
+        grad_w = rows.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+        grad_b = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
+
+
 def linear(x, weight, bias=None, activation=None):
-    """x·Wᵀ + b, then `activation`, through oneDNN wherever it can compute it (no gradient to take: it has no
-    backward); elsewhere the generic cell."""
+    """x·Wᵀ + b, then `activation`, through oneDNN wherever it can compute it: fused with the GELU where there is no
+    gradient to take, else the product with its own backward (float32 outside autocast; autocast's bfloat16
+    products are oneDNN's already); elsewhere the generic cell."""
     _check(activation)
     if torch_ops.fusable_on_cpu(x, weight, bias):
         return _onednn(x, weight, bias, activation)
+    if x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and torch_ops.has_onednn_linear() and \
+            (bias is None or bias.dtype == torch.float32) and not torch.is_autocast_enabled("cpu"):
+        y = _Product.apply(x, weight, bias)
+        return y if activation is None else torch_ops.gelu_tanh(y)
     return torch_ops.linear(x, weight, bias, activation)
 
 

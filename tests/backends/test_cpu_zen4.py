@@ -44,10 +44,18 @@ def test_linear_gives_the_generic_values_and_keeps_its_gradient(activation):
     with torch.inference_mode():
         y = cpu_zen4.linear(x, w, b, activation)
     assert y.dtype == torch.float32 and (y.double() - expected).abs().max() < 2e-5
-    w.requires_grad_(True)
-    trained = cpu_zen4.linear(x, w, b, activation)  # oneDNN's product has no backward: the generic one
-    trained.sum().backward()
-    assert w.grad is not None and (trained.double() - expected).abs().max() < 2e-5
+    grads = []
+    for cell in (cpu_zen4.linear, torch_ops.linear):  # with a gradient to take: oneDNN's product with its backward
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, b)]
+        trained = cell(*leaves, activation)
+        assert (trained.double() - expected).abs().max() < 2e-5
+        (trained * torch.linspace(-1, 1, 96)).sum().backward()
+        grads.append([t.grad for t in leaves])
+    for mine, generic in zip(*grads, strict=True):
+        assert (mine - generic).abs().max() < 1e-4 * max(1.0, float(generic.abs().max()))
+    frozen = cpu_zen4.linear(x.requires_grad_(True), w, b)  # frozen weights (a LoRA's base): the input's gradient only
+    frozen.sum().backward()
+    assert torch.allclose(x.grad, w.sum(0).expand_as(x), atol=1e-5)
     with pytest.raises(ValueError, match="unknown activation"):
         cpu_zen4.linear(x, w, b, "relu")
 
