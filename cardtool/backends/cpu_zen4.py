@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from cardtool.backends import cpu_bf16, torch_ops
+from cardtool.backends.reference import check_activation
 
 __all__ = ["attention", "attention_bf16", "linear", "linear_bf16"]
 
@@ -28,11 +29,6 @@ SHORT = 4096  # query × key tokens at most (64 × 64): where the score matrix i
 def _onednn(x, weight, bias, activation):
     mode = ("gelu", [], "tanh") if activation == "gelu_tanh" else ("none", [], "")
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, *mode)
-
-
-def _check(activation):
-    if activation not in torch_ops.ACTIVATIONS:
-        raise ValueError(f"unknown activation {activation!r}; one of {torch_ops.ACTIVATIONS}")
 
 
 class _Product(torch.autograd.Function):
@@ -61,11 +57,10 @@ def linear(x, weight, bias=None, activation=None):
     """x·Wᵀ + b, then `activation`, through oneDNN wherever it can compute it: fused with the GELU where there is no
     gradient to take, else the product with its own backward (float32 outside autocast; autocast's bfloat16
     products are oneDNN's already); elsewhere the generic cell."""
-    _check(activation)
+    check_activation(activation)
     if torch_ops.fusable_on_cpu(x, weight, bias):
         return _onednn(x, weight, bias, activation)
-    if x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and torch_ops.has_onednn_linear() and \
-            (bias is None or bias.dtype == torch.float32) and not torch.is_autocast_enabled("cpu"):
+    if x.dtype == torch.float32 and torch_ops.onednn_can_compute(x, weight) and (bias is None or bias.dtype == x.dtype):
         y = _Product.apply(x, weight, bias)
         return y if activation is None else torch_ops.gelu_tanh(y)
     return torch_ops.linear(x, weight, bias, activation)
@@ -74,7 +69,7 @@ def linear(x, weight, bias=None, activation=None):
 def linear_bf16(x, weight, bias=None, activation=None):
     """The product in bfloat16 (the weights were rounded once at load; x rounded as autocast would), with the tanh
     GELU in oneDNN's epilogue, handing on bfloat16 as autocast's product does."""
-    _check(activation)
+    check_activation(activation)
     if weight.dtype != torch.bfloat16 or (bias is not None and bias.dtype != torch.bfloat16):
         return cpu_bf16.linear(x, weight, bias, activation)
     with torch.autocast("cpu", enabled=False):  # autocast would make oneDNN's inputs float32 again

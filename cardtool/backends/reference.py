@@ -65,10 +65,15 @@ def gelu_tanh(x):
     return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
 
 
-def linear(x, weight, bias=None, activation=None):
-    """A linear layer x·Wᵀ + b (W: (out, in)), then `activation`: None, or "gelu_tanh" (the FFN's first layer)."""
+def check_activation(activation) -> None:
+    """Refuse an activation a `linear` cell does not apply (every cell takes the same ones)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}; one of {ACTIVATIONS}")
+
+
+def linear(x, weight, bias=None, activation=None):
+    """A linear layer x·Wᵀ + b (W: (out, in)), then `activation`: None, or "gelu_tanh" (the FFN's first layer)."""
+    check_activation(activation)
     y = x @ np.swapaxes(weight, -1, -2) + (0 if bias is None else bias)
     return y if activation is None else gelu_tanh(y)
 

@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from cardtool.backends.reference import ACTIVATIONS, rope_angles
+from cardtool.backends.reference import check_activation, rope_angles
 
 __all__ = ["flow_match_step", "flow_sde_step", "flow_renoise_step",
            "cfg_combine", "attention", "rms_norm", "modulated_layer_norm",
@@ -88,21 +88,26 @@ def linear(x, weight, bias=None, activation=None):
     """x·Wᵀ + b, then `activation`. On a CPU, with nothing to differentiate, the tanh-GELU runs in oneDNN's
     product epilogue: ATen's own is the slowest op of a float32 DiT forward (~3 ms for a 2048×512 activation on
     the 2-core avx512 machine, against ~0.4 ms fused). Not on the AVX2 tier (`cpu_avx2.linear`)."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"unknown activation {activation!r}; one of {ACTIVATIONS}")
+    check_activation(activation)
     if activation is not None and fusable_on_cpu(x, weight, bias):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "gelu", [], "tanh")
     y = F.linear(x, weight, bias)
     return y if activation is None else gelu_tanh(y)
 
 
-def fusable_on_cpu(x, weight, bias=None) -> bool:
-    """Whether oneDNN's fused linear can compute this product: a CPU tensor in weight's dtype, outside autocast
-    (which would change the dtype) and with no gradient to take (the fused op has no backward). bfloat16 only
-    where oneDNN has bf16 kernels for this CPU (avx512_bf16 / AMX): elsewhere it cannot build the primitive."""
+def onednn_can_compute(x, weight) -> bool:
+    """Whether oneDNN's linear can compute this product: a CPU tensor in weight's dtype, outside autocast (which
+    would change the dtype). bfloat16 only where oneDNN has bf16 kernels for this CPU (avx512_bf16 / AMX):
+    elsewhere it cannot build the primitive."""
     return x.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in _onednn_linear_dtypes() \
-        and not torch.is_autocast_enabled("cpu") and not (torch.is_grad_enabled() and (
-            x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)))
+        and not torch.is_autocast_enabled("cpu")
+
+
+def fusable_on_cpu(x, weight, bias=None) -> bool:
+    """Whether oneDNN's fused linear can compute this product (`onednn_can_compute`) with no gradient to take: the
+    fused op has no backward."""
+    return onednn_can_compute(x, weight) and not (torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)))
 
 
 @functools.cache
