@@ -9,6 +9,7 @@ from pathlib import Path
 
 from cardtool.backends.cnn_config import FashionCNNConfig
 from cardtool.backends.hf_encoder_config import HFEncoderConfig
+from cardtool.backends.host_allocator import keep_freed_memory
 from cardtool.backends.platform import Platform
 from cardtool.backends.precision import LOW_PRECISIONS, kernel_variant, weights_dtype
 from cardtool.backends.vae_config import ConvVAEConfig
@@ -21,10 +22,13 @@ __all__ = ["wan_dit_torch", "wan_controlnet_torch", "wan_dit_numpy", "conv_vae_t
 
 def _torch_module(make, weights: Path | None, device: str, dtype: str):
     """`make()` with the weights in `weights`: built on the meta device and given the loaded tensors
-    (`assign=True`), so no throw-away random init is computed; without weights, a fresh random init."""
+    (`assign=True`), so no throw-away random init is computed; without weights, a fresh random init. On the CPU,
+    glibc's allocator is first set to keep freed memory (`host_allocator`)."""
     import torch
     from safetensors.torch import load_file
 
+    if device == "cpu":
+        keep_freed_memory()
     if weights is None:
         return make()
     state = load_file(str(weights), device=device)

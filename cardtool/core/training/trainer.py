@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from cardtool.atomic import atomic_path, save_tensors, writable_folder
+from cardtool.backends.host_allocator import keep_freed_memory
 from cardtool.backends.platform import Platform
 from cardtool.backends.precision import autocast
 from cardtool.backends.training import load_optimizer_tensors, optimizer_tensors
@@ -156,6 +157,8 @@ def _train(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, resume
     if recipe.optim.batch_size % parts:
         raise BadInput(f"optim.batch_size {recipe.optim.batch_size} must split into {ranks.world} process(es) × "
                        f"{micro_batches} micro-batch(es)")
+    if platform.torch_device == "cpu":
+        keep_freed_memory()
     modules = task.modules()
     parallel = Parallel(recipe.train.parallel, ranks, task, modules, platform.device)
     groups = [[p for p in m.parameters() if p.requires_grad] for m in modules.values()]
