@@ -9,9 +9,12 @@ GELU fused by oneDNN take 0.52 ms against 1.67 ms for the product and ATen's GEL
 the fused (flash) kernel in float32, 0.33–0.34 against 0.42–0.43 s in bfloat16 (processes of one precision, the other
 cells these) — for a few dozen tokens the score matrix is a few kilobytes a head, so the fused kernel saves no memory.
 The Intel avx512_bf16 machines measured the reverse (the fused kernel 2.5–3.6× faster in float32), so these cells stay
-off that tier. oneDNN costs more per call than MKL on small products (16 against 9.7 µs for 32 rows of 128 → 128), so
-a one-image loop is 10–20% slower with these cells; choosing MKL for small batches would give a request other bits
-alone than in a batch (C2).
+off that tier. oneDNN costs more per call than MKL on small products (17.8 against 10.1 µs for 32 rows of 128 → 128;
+MKL is faster up to about 8,192 outputs), which made a one-image loop 10–20% slower with these cells. A small product
+goes to MKL where that gives oneDNN's bits — tried once per shape: so for every product of at most 128 inputs on the
+Zen 5, never for 256 or more, which the two libraries block differently — so a request alone still gets the bits it
+gets in a batch (C2): a one-image float32 loop 0.045–0.055 s against 0.051–0.065 (minima of 15 runs, four alternated
+pairs of processes).
 """
 
 from __future__ import annotations
@@ -53,12 +56,37 @@ class _Product(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
+SMALL = 8192  # rows × outputs up to which oneDNN's cost per call outweighs its faster code (module docstring)
+_SAME_BITS: dict[tuple, bool] = {}  # per product shape: whether MKL gives oneDNN's bits for it on this machine
+
+
+def _mkl_gives_its_bits(x, weight, bias) -> bool:
+    """Whether this small product may go to MKL: where its sum is blocked as oneDNN's (every product of at most 128
+    inputs here; none of 256 or more), the two give the same bits, so which library computed a row cannot show and a
+    request alone still gets the bits it gets in a batch (C2). Tried once per shape, layout and thread count, on
+    seeded numbers: the kernels either library picks depend on those, not on the values."""
+    key = (tuple(x.shape), x.stride(), x.data_ptr() % 64, tuple(weight.shape), weight.stride(), bias is not None,
+           torch.get_num_threads())
+    same = _SAME_BITS.get(key)
+    if same is None:
+        generator = torch.Generator().manual_seed(0)
+        probe = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype).normal_(generator=generator)
+        same = probe.data_ptr() % 64 == key[2] and torch.equal(
+            torch.nn.functional.linear(probe, weight, bias), _onednn(probe, weight, bias, None))
+        _SAME_BITS[key] = same
+    return same
+
+
 def linear(x, weight, bias=None, activation=None):
     """x·Wᵀ + b, then `activation`, through oneDNN wherever it can compute it: fused with the GELU where there is no
     gradient to take, else the product with its own backward (float32 outside autocast; autocast's bfloat16
-    products are oneDNN's already); elsewhere the generic cell."""
+    products are oneDNN's already); elsewhere the generic cell. A small float32 product with nothing to fuse goes to
+    MKL where MKL gives oneDNN's bits for it (`_mkl_gives_its_bits`)."""
     check_activation(activation)
     if torch_ops.fusable_on_cpu(x, weight, bias):
+        if (activation is None and x.dtype == torch.float32 and x.numel() // x.shape[-1] * weight.shape[0] <= SMALL
+                and _mkl_gives_its_bits(x, weight, bias)):
+            return torch.nn.functional.linear(x, weight, bias)
         return _onednn(x, weight, bias, activation)
     if x.dtype == torch.float32 and torch_ops.onednn_can_compute(x, weight) and (bias is None or bias.dtype == x.dtype):
         y = _Product.apply(x, weight, bias)

@@ -60,6 +60,24 @@ def test_linear_gives_the_generic_values_and_keeps_its_gradient(activation):
         cpu_zen4.linear(x, w, b, "relu")
 
 
+@pytest.mark.parametrize("inputs", [16, 128, 256, 512])
+def test_a_small_product_gets_the_bits_its_rows_get_in_a_large_one(inputs):
+    """C2: a request alone makes products of a few dozen rows, which may go to MKL; in a batch, of thousands, which
+    always go to oneDNN. Either way a row gets the same bits (on this machine's MKL, the products of 256 and 512
+    inputs are blocked differently and stay on oneDNN)."""
+    torch.manual_seed(3)
+    w, b = torch.randn(128, inputs) / inputs**0.5, torch.randn(128)
+    with torch.inference_mode():
+        for rows in (16, 32, 64):
+            x = torch.randn(rows, inputs)
+            batch = torch.cat([x, torch.randn(2048, inputs)])
+            assert torch.equal(cpu_zen4.linear(x, w, b), cpu_zen4.linear(batch, w, b)[:rows])
+            assert torch.equal(cpu_zen4.linear(x, w, None), cpu_zen4._onednn(x, w, None, None))
+    shapes = {(key[0], key[3]) for key in cpu_zen4._SAME_BITS}
+    assert {((rows, inputs), (128, inputs)) for rows in (16, 32, 64)} <= shapes  # each small shape tried once
+    assert ((2048 + 16, inputs), (128, inputs)) not in shapes  # a large product goes to oneDNN untried
+
+
 def test_bf16_linear_is_a_bfloat16_product_under_autocast_with_the_tanh_gelu():
     torch.manual_seed(1)
     x, w, b = torch.randn(2, 16, 64), (torch.randn(96, 64) / 8).bfloat16(), torch.randn(96).bfloat16()
