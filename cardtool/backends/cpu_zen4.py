@@ -64,14 +64,17 @@ def _mkl_gives_its_bits(x, weight, bias) -> bool:
     """Whether this small product may go to MKL: where its sum is blocked as oneDNN's (every product of at most 128
     inputs here; none of 256 or more), the two give the same bits, so which library computed a row cannot show and a
     request alone still gets the bits it gets in a batch (C2). Tried once per shape, layout and thread count, on
-    seeded numbers: the kernels either library picks depend on those, not on the values."""
-    key = (tuple(x.shape), x.stride(), x.data_ptr() % 64, tuple(weight.shape), weight.stride(), bias is not None,
+    seeded numbers: the kernels either library picks depend on those, not on the values. Only for a contiguous
+    input (a strided one, an expanded one, may take other kernels)."""
+    if not x.is_contiguous():
+        return False
+    key = (tuple(x.shape), x.data_ptr() % 64, tuple(weight.shape), weight.stride(), bias is not None,
            torch.get_num_threads())
     same = _SAME_BITS.get(key)
     if same is None:
         generator = torch.Generator().manual_seed(0)
-        probe = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype).normal_(generator=generator)
-        same = probe.data_ptr() % 64 == key[2] and torch.equal(
+        probe = torch.empty(x.shape, dtype=x.dtype).normal_(generator=generator)
+        same = probe.data_ptr() % 64 == key[1] and torch.equal(
             torch.nn.functional.linear(probe, weight, bias), _onednn(probe, weight, bias, None))
         _SAME_BITS[key] = same
     return same

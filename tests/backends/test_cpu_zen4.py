@@ -73,7 +73,9 @@ def test_a_small_product_gets_the_bits_its_rows_get_in_a_large_one(inputs):
             batch = torch.cat([x, torch.randn(2048, inputs)])
             assert torch.equal(cpu_zen4.linear(x, w, b), cpu_zen4.linear(batch, w, b)[:rows])
             assert torch.equal(cpu_zen4.linear(x, w, None), cpu_zen4._onednn(x, w, None, None))
-    shapes = {(key[0], key[3]) for key in cpu_zen4._SAME_BITS}
+        expanded = torch.randn(1, inputs).expand(16, inputs)  # rows sharing memory: never tried, oneDNN's
+        assert torch.equal(cpu_zen4.linear(expanded, w, b), cpu_zen4._onednn(expanded, w, b, None))
+    shapes = {(key[0], key[2]) for key in cpu_zen4._SAME_BITS}
     assert {((rows, inputs), (128, inputs)) for rows in (16, 32, 64)} <= shapes  # each small shape tried once
     assert ((2048 + 16, inputs), (128, inputs)) not in shapes  # a large product goes to oneDNN untried
 
