@@ -56,15 +56,19 @@ def test_a_cpu_component_build_keeps_freed_memory_for_the_next_tensors():
     assert system["kept_mib"] < 10, system
 
 
-def test_a_dataset_is_encoded_in_batches_whose_activations_stay_on_the_heap():
-    """Training turns the whole dataset into latents once; a batch whose activations pass the mmap threshold would be
-    mapped and handed back on every VAE call (batches of 1,000: 11 million page faults for Fashion-MNIST)."""
+def test_datasets_go_through_the_vae_and_the_judge_in_batches_whose_activations_stay_on_the_heap():
+    """Training turns the whole dataset into latents, and every eval runs the judge over the 10,000 test images; a
+    batch whose activations pass the mmap threshold would be mapped and handed back on every call (batches of 1,000:
+    11 million page faults for Fashion-MNIST's latents, 3 million for the judge's test features)."""
     import yaml
 
     from cardtool.backends.host_allocator import MMAP_THRESHOLD
+    from cardtool.core.evaluation.reward import JUDGE_BATCH
     from cardtool.core.training.methods.vae import ENCODE_BATCH
 
-    card = Path(__file__).parents[2] / "cards" / "fashion-base" / "card.yaml"
-    vae = yaml.safe_load(card.read_text())["components"]["vae"]["config"]
+    cards = Path(__file__).parents[2] / "cards"
+    vae = yaml.safe_load((cards / "fashion-base" / "card.yaml").read_text())["components"]["vae"]["config"]
     widest = max(width * (vae["padded_size"] // 2**level) ** 2 for level, width in enumerate(vae["channels"]))
     assert ENCODE_BATCH * widest * 4 <= MMAP_THRESHOLD
+    judge = yaml.safe_load((cards / "fashion-classifier" / "card.yaml").read_text())["components"]["classifier"]
+    assert JUDGE_BATCH * judge["config"]["width"] * 28 * 28 * 4 <= MMAP_THRESHOLD  # its first two layers' output

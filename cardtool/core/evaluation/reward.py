@@ -30,6 +30,11 @@ class Reward(Protocol):
         """Rewards (B,) of uint8 images (B, H, W) made for `prompts`; higher is better."""
 
 
+# Images the judge classifies per call: at 1,000 the fashion CNN's first activations are 100 MB, which glibc maps fresh
+# and hands back on every call (3 million page faults for the 10,000 test images FID compares with); at 128, 13 MB.
+# The same features, bit for bit, in 2.7 instead of 7.7 s on the 2-core Zen 5 EPYC.
+JUDGE_BATCH = 128
+
 _WORDS = sorted(((w.lower(), label) for label, name in enumerate(CLASS_NAMES) for w in (name, *SYNONYMS[name])),
                 key=lambda item: -len(item[0]))
 
@@ -52,7 +57,7 @@ class FashionJudge:
     def _model(self):
         return self.instance.component(self.classifier_name)
 
-    def _batches(self, images: np.ndarray, fn, size: int = 1000) -> np.ndarray:
+    def _batches(self, images: np.ndarray, fn, size: int = JUDGE_BATCH) -> np.ndarray:
         """Run fn over uint8 images (B, 28, 28) in batches; returns stacked numpy results."""
         import torch
 

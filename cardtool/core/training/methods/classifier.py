@@ -10,6 +10,7 @@ from cardtool.backends.cnn_config import FashionCNNConfig
 from cardtool.backends.platform import Platform
 from cardtool.backends.training import FashionCNN
 from cardtool.core.data import Split
+from cardtool.core.evaluation.reward import JUDGE_BATCH
 from cardtool.core.training.methods.vae import to_unit
 from cardtool.core.training.recipes import Recipe, only_keys
 from cardtool.core.training.trainer import Task
@@ -46,6 +47,7 @@ class ClassifierTask(Task):
 
     @torch.no_grad()
     def finish(self, model: FashionCNN) -> dict:
-        predictions = torch.cat([model(self.test_images[i:i + 1000].to(self.device)).argmax(1).cpu()
-                                 for i in range(0, len(self.test_images), 1000)])
+        n = JUDGE_BATCH
+        predictions = torch.cat([model(self.test_images[i:i + n].to(self.device)).argmax(1).cpu()
+                                 for i in range(0, len(self.test_images), n)])
         return {"test_accuracy": round(float((predictions == self.test_labels).float().mean()), 4)}
