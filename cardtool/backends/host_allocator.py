@@ -10,8 +10,8 @@ the no-adapter forward 0.31 → 0.24 s in one benchmark run (`benchmarks/adapter
 guide recommends a caching allocator (jemalloc, tcmalloc) preloaded for the same reason; this needs no preload.
 
 The thresholds are fixed (fixing them also stops glibc's own adjustment): blocks up to 32 MiB, the most glibc allows,
-come from the heap, and up to 256 MiB may lie free at its top. A process that builds a torch component on the CPU sets
-them once (`builders`); `CARDTOOL_HOST_ALLOCATOR=system` leaves glibc's defaults.
+come from the heap, and up to 256 MiB may lie free at its top. A process that builds a torch component on the CPU
+(`builders`) or trains there (`trainer`) sets them once; `CARDTOOL_HOST_ALLOCATOR=system` leaves glibc's defaults.
 """
 
 from __future__ import annotations
