@@ -63,7 +63,7 @@ def test_linear_gives_the_generic_values_and_keeps_its_gradient(activation):
 @pytest.mark.parametrize("inputs", [16, 128, 256, 512])
 def test_a_small_product_gets_the_bits_its_rows_get_in_a_large_one(inputs):
     """C2: a request alone makes products of a few dozen rows, which may go to MKL; in a batch, of thousands, which
-    always go to oneDNN. Either way a row gets the same bits (on this machine's MKL, the products of 256 and 512
+    always go to oneDNN. Either way a row gets the same bits (on the Zen 5, the products of 256 and 512
     inputs are blocked differently and stay on oneDNN)."""
     torch.manual_seed(3)
     w, b = torch.randn(128, inputs) / inputs**0.5, torch.randn(128)
