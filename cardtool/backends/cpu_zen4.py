@@ -117,10 +117,11 @@ def lora_bgmv(x, y, lora_a, lora_b, scales, index):
     (N, r, in), the layout a LoraPlan stores for this kernel (`a_by_rows`)."""
     if lora_a.shape[0] == 0:
         return y
-    lora_a, b = torch_ops.lora_per_row(lora_a, lora_b, scales, index, x.device)
+    if index is not None or scales is not None:
+        lora_a, lora_b = torch_ops.lora_per_row(lora_a, lora_b, scales, index, x.device)
     tokens = x.reshape(x.shape[0], -1, x.shape[-1])
-    h = torch.bmm(lora_a.to(x.dtype).contiguous(), tokens.transpose(1, 2)).transpose(1, 2)  # (N, L, r), a view
-    return torch_ops.add_lora_delta(y, h, b)
+    h = torch.bmm(torch_ops.as_dtype(lora_a, x.dtype), tokens.transpose(1, 2)).transpose(1, 2)  # (N, L, r), a view
+    return torch_ops.add_lora_delta(y, h, lora_b)
 
 
 lora_bgmv.a_by_rows = True

@@ -28,7 +28,8 @@ def _compute(x: torch.Tensor) -> torch.dtype:
     return torch.float32 if x.dtype in _LOW else x.dtype
 
 
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in `dtype`, without a call where it is already (a cost per call in the hot loop)."""
     return t if t.dtype == dtype else t.to(dtype)
 
 
@@ -168,14 +169,14 @@ def rms_norm(x, weight=None, eps=1e-6):
     if x.dtype in _LOW:
         return rms_norm(x.float(), weight, eps).to(x.dtype)
     out = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return out if weight is None else out * _as(weight, out.dtype)
+    return out if weight is None else out * as_dtype(weight, out.dtype)
 
 
 def modulated_layer_norm(x, shift, scale, eps=1e-6):
     """adaLN: LayerNorm without affine, then ·(1 + scale) + shift."""
     if x.dtype in _LOW:
         return modulated_layer_norm(x.float(), shift, scale, eps).to(x.dtype)
-    return torch.addcmul(_as(shift, x.dtype), F.layer_norm(x, x.shape[-1:], eps=eps), 1 + _as(scale, x.dtype))
+    return torch.addcmul(as_dtype(shift, x.dtype), F.layer_norm(x, x.shape[-1:], eps=eps), 1 + as_dtype(scale, x.dtype))
 
 
 @functools.lru_cache(maxsize=64)
@@ -235,7 +236,7 @@ def lora_per_row(lora_a, lora_b, scales, index, device):
 def add_lora_delta(y, h, lora_b):
     """y + h·Bᵀ per row, h (N, L, r) the down-projected input: in place on a sampler's temporary (inference mode),
     else a new tensor that autograd can differentiate."""
-    rows, b = y.reshape(h.shape[0], -1, y.shape[-1]), lora_b.transpose(1, 2).to(y.dtype)
+    rows, h, b = y.reshape(h.shape[0], -1, y.shape[-1]), as_dtype(h, y.dtype), as_dtype(lora_b.transpose(1, 2), y.dtype)
     if torch.is_inference_mode_enabled() and y.is_inference():
-        return rows.baddbmm_(h.to(y.dtype), b).reshape(y.shape)
-    return torch.baddbmm(rows, h.to(y.dtype), b).reshape(y.shape)
+        return rows.baddbmm_(h, b).reshape(y.shape)
+    return torch.baddbmm(rows, h, b).reshape(y.shape)
