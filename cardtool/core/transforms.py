@@ -37,6 +37,6 @@ TRANSFORMS = {"none": lambda images: images, "invert": lambda images: 255 - imag
 
 
 def transform(name: str, images: np.ndarray) -> np.ndarray:
-    if name not in TRANSFORMS:
-        raise BadInput(f"unknown data.transform '{name}'; choose one of: {', '.join(TRANSFORMS)}")
+    if not isinstance(name, str) or name not in TRANSFORMS:
+        raise BadInput(f"unknown data.transform {name!r}; choose one of: {', '.join(TRANSFORMS)}")
     return TRANSFORMS[name](images).astype(np.uint8)

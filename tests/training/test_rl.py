@@ -202,10 +202,13 @@ def test_the_example_recipes_spell_out_the_defaults():
     (["--prompts", "/dev/zero"], "must be a regular file"),
     (["--prompts", "latin1.txt"], "cannot read prompts"),
     (["--set", "data.folder=x"], "unknown data.folder; its settings: none"),
+    (["--recipe", "listed.yaml"], "unknown rl method ['diffusion_nft']"),  # a list where the method's name goes
 ])
 def test_bad_input_is_a_clear_error(examples, tmp_path, args, message):
     (tmp_path / "empty.txt").write_text("\n# only a comment\n   \n")
+    (tmp_path / "listed.yaml").write_text("method: [diffusion_nft]\n")
     (tmp_path / "latin1.txt").write_bytes("a béret".encode("latin-1"))
+    args = [str(tmp_path / a) if a.endswith(".yaml") else a for a in args]
     result = CliRunner().invoke(app, ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
                                       "--no-eval", *args, "--out", str(tmp_path / "o"), "--run-dir",
                                       str(tmp_path / "r")])

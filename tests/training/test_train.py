@@ -502,6 +502,11 @@ def test_lora_scales_train_each_row_at_its_own_scale_on_a_mixture(examples, tmp_
     ("fashion-base", "model.out_channels=7", "model.out_channels is 7, but the VAE of 'fashion-vae' makes 4-channel"),
     ("fashion-base", "model.patch=[2, 2, 2]", r"model.patch \[2, 2, 2\] does not tile the VAE's latents"),
     ("fashion-vae", "model.image_size=24", "train images are 28×28 pixels; the components take 24×24"),
+    ("fashion-bold", "model.adapter=1e-3", "model.adapter: Input should be a valid string"),  # a key the card refuses
+    ("fashion-bold", "model.targets=true", "model.targets: Input should be a valid tuple"),
+    ("fashion-silhouette", "model.control=[edges]", "model.control: Input should be a valid string"),
+    ("fashion-silhouette", "model.blocks=0", "model.blocks: Input should be greater than or equal to 1"),
+    ("fashion-base", "data.transform=[1, 0]", r"unknown data.transform \[1, 0\]"),
 ])
 def test_a_recipe_the_method_cannot_run_is_refused_before_training(examples, tmp_path, data, recipe_name, override,
                                                                    message):

@@ -87,7 +87,8 @@ def read_source(file: Path) -> Source:
     if not isinstance(source.data, dict):
         kind = type(source.data).__name__ if source.data is not None else "an empty document"
         raise CardValidationError.at(shown, 1, 1, "", f"a manifest is a mapping of fields, got {kind}",
-                                     "start from examples/cards/tiny-base/card.yaml")
+                                     "start from an example: examples/cards/tiny-base/card.yaml (a card), "
+                                     "examples/recipes/ (a recipe), examples/workflows/ (a workflow)")
     problems = _value_problems(source, source.data, ())
     if problems:
         raise CardValidationError(problems[:20])

@@ -8,7 +8,7 @@ import hashlib
 import json
 import math
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -83,10 +83,13 @@ class CardSpec(_Strict):
     storage: Literal["float32", "float16", "bfloat16"] = "float32"  # dtype of the weights written
 
 
+_Beta = Annotated[float, Field(ge=0, lt=1)]
+
+
 class Optim(_Strict):
     lr: float = Field(3e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[_Beta, _Beta] = (0.9, 0.999)  # AdamW's moment decays: a 1 would never forget, AdamW refuses it
     warmup: int = Field(0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     batch_size: int = Field(128, ge=1)
@@ -175,7 +178,8 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), method: str 
         if data.get("method") not in (None, method):
             raise BadInput(f"recipe {path or 'defaults'} is for method '{data['method']}', not '{method}'")
         data["method"] = method
-    if method is None and data.get("method") in RUN_BY:  # `cardtool train`, given another command's recipe
+    # `cardtool train`, given another command's recipe (a method that is not a string the schema refuses below)
+    if method is None and isinstance(data.get("method"), str) and data["method"] in RUN_BY:
         raise BadInput(f"recipe {path} is for {data['method']}, which `cardtool train` does not run: "
                        f"`{RUN_BY[data['method']]}` does")
     if complete is not None:

@@ -84,8 +84,8 @@ def rl_recipe(base: str, reward: str, method: str | None = None, path: Path | No
         except CardValidationError as e:
             raise BadInput(f"cannot read recipe: {e}") from None
     method = method or (section or {}).get("method") or "diffusion_nft"
-    if method not in METHODS:
-        raise BadInput(f"unknown rl method '{method}'; choose one of: {', '.join(METHODS)}")
+    if not isinstance(method, str) or method not in METHODS:
+        raise BadInput(f"unknown rl method {method!r}; choose one of: {', '.join(METHODS)}")
 
     def complete(data: dict) -> None:
         data["parents"] = [base, reward]

@@ -7,26 +7,36 @@ DiT (ALGORITHMS.md, "LoRA and ControlNet for DiTs"). The data are the training i
 from __future__ import annotations
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cardtool.backends.controlnet import ControlRows, WanControlNet
 from cardtool.backends.lora import TrainableLora, lora_file
 from cardtool.backends.lora_targets import DEFAULT_TARGETS
+from cardtool.core.cards.schema import Name
 from cardtool.core.sampling.control import PREPROCESSORS
-from cardtool.core.training.lora_settings import LORA_UNSHARDABLE
+from cardtool.core.training.lora_settings import LORA_UNSHARDABLE, LoraSettings
 from cardtool.core.training.methods.flow_matching import FlowMatchingTask
 from cardtool.core.training.methods.vae import latents
+from cardtool.core.training.recipes import field_problems
 from cardtool.errors import BadInput
 
 __all__ = ["LoraTask", "ControlNetTask", "adapter_task"]
 
 
-def _setting(recipe, key, kind, default):
-    value = recipe.model.get(key, default)
-    if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise BadInput(f"{recipe.method} recipe: model.{key} must be a whole number ≥ 1, got {value!r}")
-    if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-        raise BadInput(f"{recipe.method} recipe: model.{key} must be a positive number, got {value!r}")
-    return value
+class _LoraModel(LoraSettings):
+    """A lora recipe's `model:`: the adapter's name in the card (default: the card id) and its LoRA."""
+
+    adapter: Name | None = None
+    rank: int = Field(8, ge=1, le=1024)
+
+
+class _ControlNetModel(BaseModel):
+    """A controlnet recipe's `model:`: the adapter's name, the base blocks it copies and its control preprocessor."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    adapter: Name | None = None
+    blocks: int = Field(2, ge=1)
+    control: str = "silhouette"
 
 
 def _scales(recipe) -> torch.Tensor | None:
@@ -45,6 +55,7 @@ def _scales(recipe) -> torch.Tensor | None:
 class _AdapterTask(FlowMatchingTask):
     DATA_KEYS = ("folder", "transform")  # an adapter card keeps its base's loop
     KEYS: tuple[str, ...] = ()  # the recipe's model: settings
+    MODEL: type[BaseModel]  # their schema
     HOLDS = ""  # the attribute holding the adapter that trains
     unshardable = LORA_UNSHARDABLE
 
@@ -53,9 +64,13 @@ class _AdapterTask(FlowMatchingTask):
         if unknown:
             raise BadInput(f"{recipe.method} recipe: unknown model.{', model.'.join(unknown)}; "
                            f"its settings: {', '.join(self.KEYS)}")
+        try:  # before the base is loaded, let alone trained on: the card written at the end must validate
+            self.settings = self.MODEL.model_validate(recipe.model)
+        except ValidationError as e:
+            raise BadInput(f"{recipe.method} recipe: {field_problems(e, 'model')}") from None
         super().__init__(recipe, platform, train, test)
         self.dit.requires_grad_(False).eval()
-        self.name = recipe.model.get("adapter") or recipe.card.id
+        self.name = self.settings.adapter or recipe.card.id
         if self.parent.manifest.adapters.get(self.name) is not None:
             raise BadInput(f"'{self.parent.id}' already declares an adapter '{self.name}'; set model.adapter")
 
@@ -70,14 +85,13 @@ class _AdapterTask(FlowMatchingTask):
 
 
 class LoraTask(_AdapterTask):
-    KEYS, HOLDS = ("adapter", "rank", "alpha", "targets"), "lora"
+    KEYS, HOLDS, MODEL = ("adapter", "rank", "alpha", "targets"), "lora", _LoraModel
     LOSS_KEYS = ("condition_dropout", "scales")
 
     def __init__(self, recipe, platform, train, test):
         super().__init__(recipe, platform, train, test)
-        self.rank = _setting(recipe, "rank", int, 8)
-        self.alpha = _setting(recipe, "alpha", float, self.rank)
-        self.targets = list(recipe.model.get("targets") or DEFAULT_TARGETS)
+        self.rank, self.alpha = self.settings.rank, self.settings.alpha
+        self.targets = list(self.settings.targets or DEFAULT_TARGETS)
         torch.manual_seed(recipe.train.seed)
         try:
             self.lora = TrainableLora(self.dit, self.targets, self.rank, self.alpha)
@@ -118,15 +132,14 @@ class LoraTask(_AdapterTask):
 
 
 class ControlNetTask(_AdapterTask):
-    KEYS, HOLDS = ("adapter", "blocks", "control"), "net"
+    KEYS, HOLDS, MODEL = ("adapter", "blocks", "control"), "net", _ControlNetModel
 
     def __init__(self, recipe, platform, train, test):
         super().__init__(recipe, platform, train, test)
-        self.blocks = _setting(recipe, "blocks", int, 2)
+        self.blocks, self.control = self.settings.blocks, self.settings.control
         if self.blocks > self.config.depth:
             raise BadInput(f"controlnet recipe: model.blocks {self.blocks} exceeds the base's {self.config.depth} "
                            "blocks")
-        self.control = recipe.model.get("control", "silhouette")
         if self.control not in PREPROCESSORS or self.control == "none":
             raise BadInput(f"controlnet recipe: model.control must be one of: "
                            f"{', '.join(p for p in PREPROCESSORS if p != 'none')}")
