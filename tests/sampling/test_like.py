@@ -90,12 +90,15 @@ def test_what_is_not_an_image_cardtool_made_is_refused(made, on_path, tmp_path):
              "workflow.png": png_bytes(pixels, {**metadata, "workflow": "wf", "step": "refine", "input": "draft/0"}),
              "bad-steps.png": png_bytes(pixels, {**metadata, "steps": "many"}),
              "bad-adapters.png": png_bytes(pixels, {**metadata, "adapters": "[{"}),
+             # a card is recorded by its id: a path in a PNG from elsewhere would load whatever it points at
+             "path-card.png": png_bytes(pixels, {**metadata, "card": "../../etc/passwd"}),
              "lost-control.png": png_bytes(pixels, {**metadata, "control": json.dumps(
                  {"sha256": "0", "preprocessor": "silhouette", "source": str(tmp_path / "gone.png")})})}
     messages = {"no-metadata.png": "not an image cardtool made", "text.png": "not an image",
                 "workflow.png": "made by refining an image of step 'draft' in workflow 'wf'",
                 "bad-steps.png": "'steps' field is malformed",
                 "bad-adapters.png": "'adapters' field is malformed",
+                "path-card.png": "'card' field is malformed",
                 "lost-control.png": "gone.png, which is not there; give it with --control"}
     for name, data in cases.items():
         (tmp_path / name).write_bytes(data)

@@ -55,9 +55,9 @@ def read_like(path: Path | str) -> Like:
                 "precision": text.name("precision"), "adapters": text.adapters(),
                 "fuse": metadata.get("fused") == "true"}
     if "best_of" in metadata:
-        settings |= {"best_of": text.whole("best_of"), "reward": text.name("reward")}
+        settings |= {"best_of": text.whole("best_of"), "reward": text.card_id("reward")}
     seed = text.whole("request_seed" if "best_of" in metadata else "seed")  # best-of: the request's, not the pick's
-    return Like(path, text.name("card"), metadata.get("prompt", ""), metadata.get("negative_prompt", ""), seed,
+    return Like(path, text.card_id("card"), metadata.get("prompt", ""), metadata.get("negative_prompt", ""), seed,
                 settings, text.control(), metadata)
 
 
@@ -93,6 +93,14 @@ class _Fields:
 
     def name(self, key: str) -> str | None:
         return self.metadata.get(key) or None
+
+    def card_id(self, key: str) -> str | None:
+        """A card's id, as a manifest spells it: never a path, which a PNG from elsewhere could point anywhere."""
+        from pydantic import TypeAdapter
+
+        from cardtool.core.cards.schema import Name
+
+        return self._typed(key, TypeAdapter(Name).validate_python)  # its ValidationError is a ValueError
 
     def whole(self, key: str) -> int | None:
         return self._typed(key, int)
