@@ -94,9 +94,12 @@ def emit_json(document: dict) -> None:
 
 
 def error_json(error: CardtoolError) -> dict:
-    if isinstance(error, CardValidationError):
-        return {"error": {"kind": "validation", "message": "card validation failed",
-                          "problems": [p.to_json() for p in error.problems]}}
+    if isinstance(error, CardValidationError):  # a card's, a workflow's or a recipe's manifest: named by its files
+        files = list(dict.fromkeys(str(p.file) for p in error.problems)) or ["the manifest"]
+        count = len(error.problems)
+        message = f"{', '.join(files[:3])}{' …' if len(files) > 3 else ''} failed validation " \
+                  f"({count} problem{'s' if count != 1 else ''})"
+        return {"error": {"kind": "validation", "message": message, "problems": [p.to_json() for p in error.problems]}}
     return {"error": {"kind": error.kind, "message": str(error), "problems": [],
                       **({"partial": error.partial} if error.partial is not None else {})}}
 

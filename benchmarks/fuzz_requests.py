@@ -1,0 +1,361 @@
+"""Fuzz requests: what users and scripts hand cardtool besides cards — `generate`'s options, the PNG metadata that
+`generate --like` reads back, recipes through `--set` for `train`, `distill` and `rl`, `eval`'s options and workflow
+manifests — mutated and run in process on the tiny example cards and a tiny IDX folder, counted by outcome per surface.
+
+Outcomes: `ok` (exit 0), `refused` (exit 2: bad input, said so; or exit 1 with located validation problems — a
+workflow manifest's, as a card's), `failed` (exit 1 with another JSON error: work that could not finish, e.g. a loss
+that overflowed — its messages are kept for reading), and the failures the target is zero of:
+`traceback`, `hang` (a command ran ≥ 120 s), `invalid_json` (anything but one strict JSON document on stdout) and
+`other_exit` (an exit code that is none of 0, 1, 2).
+
+    python benchmarks/fuzz_requests.py --cases 2000 --seed 0 [--surfaces generate like recipes train eval workflow]
+        [--out benchmarks/results/fuzz-requests.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import copy
+import functools
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+from fuzz_cards import VALUES, Hang, _alarm, _strict_json  # benchmarks/, this script's folder
+
+REPO = Path(__file__).resolve().parents[1]
+HANG_SECONDS = 120
+BAD = ("traceback", "hang", "invalid_json", "other_exit")
+NUMBERS = ["0", "-1", "1", "2", "3", "7", "64", "129", "1000000", "99999999999999999999", "nan", "inf", "1e9", "0.5",
+           "x", ""]
+FLOATS = ["0", "-1", "1", "1.5", "4", "nan", "inf", "-inf", "1e308", "1e-320", "x", "", "-0"]
+# recipe values: mostly plausible ones (so that some runs get past validation), then hostile ones
+PLAUSIBLE = ["0", "1", "2", "3", "4", "8", "0.5", "0.1", "1e-3", "1e-6", "10", "100", "[0, 1]", "[0.2, 0.4]",
+             "[1, 2, 2]", "[0.9, 1.0]", "[1, 1]", "null", "true", "false", "0.999", "invert", "mirror", "edges",
+             "silhouette", "none", "euler", "sde", "renoise", "[to_q]", "['*attn1*']", "[]", "[0.5, 1]", "float16",
+             "bfloat16", "lora", "teacher", "sampler", "guided"]
+HOSTILE = ["-1", "1e308", ".nan", ".inf", "x", "''", "{}", "[a, b]", "99999999999999999999", "../x", "a/b", "2.5",
+           "[1, 0]", "{a: 1}"]
+
+
+class Env:
+    """A scratch folder with copies of the example cards, a tiny IDX data folder, control images and a PNG made by
+    generate (whose metadata the `like` surface mutates)."""
+
+    def __init__(self, root: Path, runner, app):
+        import numpy as np
+        from PIL import Image
+
+        sys.path.insert(0, str(REPO / "tests"))
+        from helpers import write_idx_folder
+
+        self.root, self.cards = root, root / "cards"
+        shutil.copytree(REPO / "examples" / "cards", self.cards, ignore=shutil.ignore_patterns("*.py"))
+        self.data = write_idx_folder(root / "idx")
+        rng = np.random.default_rng(0)
+        Image.fromarray((rng.random((28, 28)) * 255).astype("uint8")).save(root / "control.png")
+        Image.fromarray((rng.random((8, 8, 4)) * 255).astype("uint8")).save(root / "rgba.png")
+        (root / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(100)))
+        (root / "prompts.txt").write_text("a bag\n\n" + "x" * 10000 + "\n")
+        made = runner.invoke(app, ["generate", str(self.cards / "tiny-base"), "-p", "a bag", "--steps", "2",
+                                   "--adapter", "invert=0.5", "--out", str(root / "made.png"), "--json"])
+        assert made.exit_code == 0, made.stdout
+        from cardtool.core.sampling.images import read_png
+
+        self.pixels, self.metadata = read_png(root / "made.png")
+        self.workflow = __import__("yaml").safe_load((REPO / "examples" / "workflows" / "tiny-tour.yaml").read_text())
+
+    def card(self, name: str) -> str:
+        return str(self.cards / name)
+
+
+def _generate(rng: random.Random, env: Env, out: Path) -> list[str]:
+    r = str(env.root)
+    options = {
+        "-p": ["a bag", "", "x" * 100000, "\x00", "ünïcode 👜", "--json"],
+        "--prompts-file": [f"{r}/prompts.txt", "/dev/null", "/nonexistent", r],
+        "--negative-prompt": ["a dress", "", "x" * 5000], "-n": NUMBERS, "--seed": NUMBERS, "--steps": NUMBERS,
+        "--guidance": FLOATS, "--shift": FLOATS, "--control-scale": FLOATS, "--max-batch": NUMBERS,
+        "--guidance-interval": ["0,1", "1,0", "0.2,0.4", "nan,1", "0", "a,b", "0,1,2", "", "-1,2"],
+        "--solver": ["euler", "sde", "renoise", "x"], "--device": ["cpu", "numpy", "cuda", "tpu", ""],
+        "--precision": ["float32", "bfloat16", "float16", "float64", "int8"], "--best-of": NUMBERS,
+        "--reward": [env.card("tiny-judge"), env.card("tiny-base"), "nope"],
+        "--adapter": ["invert", "invert=0.5", "invert=nan", "invert=x", "nope", "=1", "invert=1e308", ""],
+        "--control": [f"{r}/control.png", f"{r}/broken.png", f"{r}/rgba.png:edges", f"{r}/control.png:nope",
+                      "/nonexistent.png", r],
+        "--out": [str(out), str(out / "one.png"), "/dev/null", f"{r}/control.png", str(out / "a.jpg")],
+        "--like": [f"{r}/made.png", f"{r}/control.png", "/nonexistent"],
+        "--fuse": None, "--grid": None, "--strict": None, "--skip-existing": None}
+    args = ["generate", env.card(rng.choice(["tiny-base", "tiny-distilled", "tiny-rl", "tiny-judge"])), "--json"]
+    args += ["-p", "a bag"] if rng.random() < 0.8 else []
+    args += ["--steps", rng.choice(["1", "2", "4"])] if rng.random() < 0.7 else []
+    for option in rng.sample(sorted(options), rng.choice([1, 2, 3, 4])):
+        args += [option] if options[option] is None else [option, rng.choice(options[option])]
+    return args if "--out" in args else [*args, "--out", str(out)]
+
+
+def _like(rng: random.Random, env: Env, out: Path) -> list[str]:
+    """A PNG whose recorded request has fields changed, dropped or added (an image from elsewhere)."""
+    from cardtool.core.sampling.images import png_bytes
+
+    values = ["", "x", "-1", "0", "2", "nan", "inf", "1e308", "99999999999999999999", "[]", "{}", "null", "true",
+              "euler", "renoise", "0,1", "1,0", "0.2,0.4,0.6", "tiny-base", "tiny-rl", "../../etc/passwd", "/dev/zero",
+              env.card("tiny-rl"), "tiny-judge", "a" * 100000, "bfloat16", "int8",
+              '[{"name": "invert", "scale": 0.5}]', '[{"name": "nope", "scale": 1}]', '[{"name": "invert"}]',
+              '[{"name": "invert", "scale": 1e308}]', "[1]", '{"source": "/nonexistent", "preprocessor": "edges"}']
+    metadata = dict(env.metadata)
+    for _ in range(rng.choice([1, 1, 2, 3])):
+        key = rng.choice([*env.metadata, "strength", "control", "best_of", "reward", "request_seed", "input"])
+        if rng.random() < 0.15:
+            metadata.pop(key, None)
+        else:
+            metadata[key] = rng.choice(values)
+    image = out / "like.png"
+    image.write_bytes(png_bytes(env.pixels, metadata))
+    args = ["generate", "--like", str(image), "--json", "--out", str(out)]
+    args += ["--seed", "3"] if rng.random() < 0.3 else []
+    args += ["-p", "a dress"] if rng.random() < 0.2 else []
+    return args + ([env.card("tiny-rl")] if rng.random() < 0.1 else [])
+
+
+def _recipe_sets(rng: random.Random, keys: list[str]) -> list[str]:
+    sets = []
+    for _ in range(rng.choice([1, 1, 2, 3])):
+        sets += ["--set", f"{rng.choice(keys)}={rng.choice(PLAUSIBLE if rng.random() < 0.75 else HOSTILE)}"]
+    return sets
+
+
+COMMON_KEYS = ["optim.lr", "optim.weight_decay", "optim.betas", "optim.warmup", "optim.grad_clip", "optim.batch_size",
+               "optim.steps", "train.seed", "train.ema", "train.checkpoint_every", "train.log_every", "train.precision",
+               "train.parallel", "card.id", "card.storage", "card.description", "parents", "data", "model", "method",
+               "x.y"]
+
+
+def _recipes(rng: random.Random, env: Env, out: Path) -> list[str]:
+    """distill and rl (DiffusionNFT, Flow-GRPO) on the tiny cards, a few of their settings changed."""
+    common = ["--set", "train.precision=float32", "--no-eval", "--json", "--out", str(out / "card"), "--run-dir",
+              str(out / "run")]
+    if rng.random() < 0.4:
+        loss = ["student_steps", "shift", "guidance", "guidance_interval", "generator_every", "critic_lr_scale",
+                "t_range", "gan", "gan_generator_weight", "gan_critic_weight", "gan_head_lr_scale", "gan_real",
+                "gan_t_range", "real", "real_lr_scale", "regression", "teacher_samples"]
+        args = ["distill", env.card("tiny-base"), "--steps", rng.choice(["1", "2", "2", "4", "0"]), "--set",
+                "optim.steps=2", "--set", "optim.batch_size=4", *common]
+    else:
+        loss = ["group_size", "rollout_steps", "shift", "updates_per_rollout", "kl", "kl_start", "reference_guidance",
+                "reference_interval", "advantage_clip", "reward_cap", "beta", "timesteps", "t_range", "decay_rate",
+                "decay_max", "eta", "clip_range", "train_timesteps"]
+        args = ["rl", env.card("tiny-base"), "--reward", env.card("tiny-judge"), "--set", "optim.steps=2", "--set",
+                "optim.batch_size=2", "--set", "loss.group_size=4", *common]
+        args += ["--method", "flow_grpo"] if rng.random() < 0.4 else []
+    args += ["--lora", rng.choice(["4", "0", "-2", "x", "100000"])] if rng.random() < 0.15 else []
+    return args + _recipe_sets(rng, [f"loss.{k}" for k in loss] + COMMON_KEYS + ["model.lora.rank", "model.lora.alpha",
+                                                                                   "model.lora.targets"])
+
+
+def _train(rng: random.Random, env: Env, out: Path) -> list[str]:
+    """`cardtool train` of each method on the tiny IDX folder, a few settings changed."""
+    tiny = ["optim.steps=2", "optim.batch_size=8", "train.precision=float32"]
+    adapter = [*tiny, f"parents=[{env.card('tiny-base')}]"]
+    recipes = {"fashion-vae": [*tiny, "model.channels=[8, 16, 32]"],
+               "fashion-classifier": [*tiny, "model.width=8", "model.features=16"],
+               "fashion-bold": [*adapter, "model.rank=2"], "fashion-mirror": [*adapter, "model.rank=2"],
+               "fashion-silhouette": [*adapter, "model.blocks=1"],
+               "fashion-base": [*tiny, "model.dim=32", "model.depth=1", "model.heads=2", "model.ffn_dim=64",
+                                "parents=[fashion-vae]"]}
+    name = rng.choice(sorted(recipes))
+    args = ["train", "--recipe", str(REPO / "examples" / "recipes" / f"{name}.yaml"), "--data", str(env.data),
+            "--json", "--out", str(out / "card"), "--run-dir", str(out / "run")]
+    for setting in recipes[name]:
+        args += ["--set", setting]
+    keys = COMMON_KEYS + ["model.rank", "model.alpha", "model.targets", "model.blocks", "model.control",
+                          "model.adapter", "model.channels", "model.width", "model.dim", "model.depth", "model.heads",
+                          "model.patch", "model.text_mask", "loss.condition_dropout", "loss.kl_weight", "loss.scales",
+                          "data.transform", "data.folder", "data.loop", "data.loop.steps", "data.loop.solver",
+                          "data.loop.guidance_interval"]
+    args += _recipe_sets(rng, keys)
+    args += ["--micro-batches", rng.choice(["2", "0", "3", "16"])] if rng.random() < 0.1 else []
+    return args + (["--method", rng.choice(["lora", "vae", "x"])] if rng.random() < 0.05 else [])
+
+
+def _eval(rng: random.Random, env: Env, out: Path) -> list[str]:
+    options = {"--judge": [env.card("tiny-judge"), env.card("tiny-base"), "nope"], "--steps": NUMBERS,
+               "--guidance": FLOATS, "--guidance-interval": ["0,1", "1,0", "0.2,0.4", "nan,1", "x"],
+               "--shift": FLOATS, "--solver": ["euler", "sde", "renoise", "x"], "--per-class": ["0", "1", "2", "x"],
+               "--seed": NUMBERS, "--device": ["cpu", "numpy", "cuda", "x"],
+               "--data": [str(env.data), str(env.root), "/nonexistent", "/dev/zero"],
+               "--precision": ["float32", "bfloat16", "float16", "float64", "int8"],
+               "--adapter": ["invert", "invert=0.5", "nope", "invert=x"],
+               "--out": [str(out / "r.json"), "/dev/null", str(env.root / "made.png"), str(out)], "--resume": None}
+    args = ["eval", env.card(rng.choice(["tiny-base", "tiny-distilled", "tiny-rl", "tiny-judge"])), "--json",
+            "--judge", env.card("tiny-judge"), "--data", str(env.data), "--per-class", "1", "--steps", "2"]
+    for option in rng.sample(sorted(options), rng.choice([1, 2, 3])):
+        args += [option] if options[option] is None else [option, rng.choice(options[option])]
+    return args
+
+
+def _paths(node, prefix=()):
+    yield prefix
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _paths(value, (*prefix, key))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _paths(value, (*prefix, i))
+
+
+def _workflow(rng: random.Random, env: Env, out: Path) -> list[str]:
+    """The tour's workflow with values changed, keys dropped or added, as YAML or TOML."""
+    import yaml
+
+    data = copy.deepcopy(env.workflow)
+    extra = [f"{env.cards}/tiny-judge", f"{env.cards}/tiny-base", "draft", "refine", "pick", "nope", -3, 0, 1, 10**5,
+             1e9, 0.0, 2.0, -0.5, ["a"], [""], ["x" * 5000], [], {"generate": {}}, {"chain": {"input": "pick"}}]
+    for _ in range(rng.choice([1, 1, 1, 2, 3])):
+        path = rng.choice([p for p in _paths(data) if p])
+        parent = data
+        for key in path[:-1]:
+            parent = parent[key]
+        roll = rng.random()
+        if roll < 0.15 and isinstance(parent, dict):
+            del parent[path[-1]]
+        elif roll < 0.25 and isinstance(parent, dict):
+            parent[rng.choice(["input", "card", "cards", "reward", "n", "strength", "prompts", "seed", "steps",
+                               "guidance", "adapters", "precision", "num"])] = rng.choice(VALUES + extra)
+        else:
+            parent[path[-1]] = rng.choice(VALUES + extra)
+    # relative card paths resolve from the manifest's folder: put it where the tour's sits relative to its cards
+    (env.root / "workflows").mkdir(exist_ok=True)
+    file = env.root / "workflows" / f"w{out.name}.yaml"
+    text = yaml.safe_dump(data)
+    if rng.random() < 0.2:
+        try:
+            import tomli_w
+
+            file, text = file.with_suffix(".toml"), tomli_w.dumps(data)
+        except (ImportError, TypeError, ValueError):  # no TOML writer here, or a value TOML cannot hold
+            pass
+    file.write_text(text)
+    return ["workflow", "run", "--json", str(file), "--out", str(out)]
+
+
+SURFACES = {"generate": _generate, "like": _like, "recipes": _recipes, "train": _train, "eval": _eval,
+            "workflow": _workflow}
+
+
+def run_case(runner, app, args: list[str]) -> tuple[str, str]:
+    """(outcome, detail) of one command."""
+    signal.alarm(HANG_SECONDS)
+    try:
+        result = runner.invoke(app, args)
+    except Hang:
+        return "hang", ""
+    finally:
+        signal.alarm(0)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        return "traceback", "".join(traceback.format_exception(result.exception))[-1500:]
+    if not _strict_json(result.stdout):
+        return "invalid_json", result.stdout[-300:]
+    kind = {0: "ok", 2: "refused"}.get(result.exit_code)
+    if kind is not None:
+        return kind, ""
+    error = json.loads(result.stdout).get("error")
+    if not isinstance(error, dict):
+        return "other_exit", f"exit {result.exit_code} without an error document"
+    if result.exit_code == 1 and error.get("kind") == "validation" and error.get("problems"):
+        return "refused", ""
+    message = error.get("message", "")
+    outcome = "failed" if result.exit_code == 1 and message else "other_exit"
+    return outcome, f"exit {result.exit_code}: {message}"[:300]
+
+
+@contextlib.contextmanager
+def _environment(saved: dict):
+    """Put the variables back as they were (a test process runs other tests after this one)."""
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def fuzz(cases: int, seed: int, surfaces: list[str], on_case=None) -> dict:
+    """`cases` requests spread over `surfaces` in turn; the counts by surface and outcome, and up to 20 details of
+    each outcome that is not ok or refused."""
+    import typer.testing
+    from typer.testing import CliRunner
+
+    from cardtool.cli import app
+
+    typer.testing._get_command = functools.lru_cache(maxsize=1)(typer.testing._get_command)  # built once, not per call
+    rng, runner = random.Random(seed), CliRunner()
+    counts = {s: collections.Counter() for s in surfaces}
+    details = collections.defaultdict(list)
+    signal.signal(signal.SIGALRM, _alarm)
+    started = time.perf_counter()
+    saved = {key: os.environ.get(key) for key in ("CARDTOOL_CACHE", "CARDTOOL_PATH")}
+    with tempfile.TemporaryDirectory() as tmp, _environment(saved):
+        os.environ.setdefault("CARDTOOL_CACHE", str(Path(tmp) / "cache"))
+        os.environ["CARDTOOL_PATH"] = str(Path(tmp) / "env" / "cards")  # what --like finds a card id in
+        env = Env(Path(tmp) / "env", runner, app)
+        for case in range(cases):
+            surface = surfaces[case % len(surfaces)]
+            out = Path(tmp) / f"case{case}"
+            out.mkdir()
+            args = SURFACES[surface](rng, env, out)
+            outcome, detail = run_case(runner, app, args)
+            counts[surface][outcome] += 1
+            if outcome not in ("ok", "refused"):
+                shown = [a if len(a) < 100 else a[:40] + "…" for a in args]
+                print(f"case {case} {surface} {outcome}: {shown} → {detail}", file=sys.stderr, flush=True)
+                if len(details[outcome]) < 20:
+                    details[outcome].append({"surface": surface, "args": shown, "detail": detail})
+            shutil.rmtree(out, ignore_errors=True)
+            if on_case:
+                on_case(case + 1, counts)
+    totals = collections.Counter()
+    for counted in counts.values():
+        totals.update(counted)
+    return {"cases": cases, "seed": seed, "seconds": round(time.perf_counter() - started, 1),
+            "counts": dict(totals), "by_surface": {s: dict(c) for s, c in counts.items()}, "details": dict(details)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", type=int, default=600)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--surfaces", nargs="+", choices=sorted(SURFACES), default=list(SURFACES))
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+
+    def progress(done, counts):
+        if done % 100 == 0:
+            print(f"{done}/{args.cases} {json.dumps({s: dict(c) for s, c in counts.items()})}", file=sys.stderr,
+                  flush=True)
+
+    report = fuzz(args.cases, args.seed, args.surfaces, progress)
+    print(json.dumps(report, indent=2))
+    if args.out:
+        from cardtool.atomic import write_atomic
+
+        write_atomic(args.out, (json.dumps(report, indent=2) + "\n").encode())
+    sys.exit(1 if any(report["counts"].get(k) for k in BAD) else 0)
+
+
+if __name__ == "__main__":
+    main()
