@@ -140,26 +140,43 @@ COMMON_KEYS = ["optim.lr", "optim.weight_decay", "optim.betas", "optim.warmup", 
                "x.y"]
 
 
-def _recipes(rng: random.Random, env: Env, out: Path) -> list[str]:
-    """distill and rl (DiffusionNFT, Flow-GRPO) on the tiny cards, a few of their settings changed."""
-    common = ["--set", "train.precision=float32", "--no-eval", "--json", "--out", str(out / "card"), "--run-dir",
-              str(out / "run")]
-    if rng.random() < 0.4:
-        loss = ["student_steps", "shift", "guidance", "guidance_interval", "generator_every", "critic_lr_scale",
+DISTILL_LOSS = ["student_steps", "shift", "guidance", "guidance_interval", "generator_every", "critic_lr_scale",
                 "t_range", "gan", "gan_generator_weight", "gan_critic_weight", "gan_head_lr_scale", "gan_real",
                 "gan_t_range", "real", "real_lr_scale", "regression", "teacher_samples"]
+RL_LOSS = ["group_size", "rollout_steps", "shift", "updates_per_rollout", "kl", "kl_start", "reference_guidance",
+           "reference_interval", "advantage_clip", "reward_cap", "beta", "timesteps", "t_range", "decay_rate",
+           "decay_max", "eta", "clip_range", "train_timesteps"]
+LORA_KEYS = ["model.lora.rank", "model.lora.alpha", "model.lora.targets"]
+
+
+def _recipes(rng: random.Random, env: Env, out: Path) -> list[str]:
+    """distill, rl (DiffusionNFT, Flow-GRPO) and the flywheel of both on the tiny cards, a few settings changed."""
+    common = ["--set", "train.precision=float32", "--no-eval", "--json", "--out", str(out / "card"), "--run-dir",
+              str(out / "run")]
+    distill_keys = [f"loss.{k}" for k in DISTILL_LOSS] + COMMON_KEYS + LORA_KEYS
+    rl_keys = [f"loss.{k}" for k in RL_LOSS] + COMMON_KEYS + LORA_KEYS
+    roll = rng.random()
+    if roll < 0.2:
+        tiny = ["rl.optim.steps=2", "rl.optim.batch_size=2", "rl.loss.group_size=4", "rl.train.precision=float32",
+                "distill.optim.steps=2", "distill.optim.batch_size=4", "distill.train.precision=float32"]
+        args = ["flywheel", env.card("tiny-base"), "--reward", env.card("tiny-judge"), "--steps",
+                rng.choice(["1", "2", "0"]), "--stop-after", rng.choice(["rl", "distill", "x"]), "--json",
+                "--out-dir", str(out / "cards"), "--run-dir", str(out / "runs")]
+        for setting in tiny:
+            args += ["--set", setting]
+        return args + _recipe_sets(rng, [f"rl.{k}" for k in rl_keys] + [f"distill.{k}" for k in distill_keys]
+                                   + ["rl", "distill", "eval.per_class", "x.y"])
+    if roll < 0.5:
         args = ["distill", env.card("tiny-base"), "--steps", rng.choice(["1", "2", "2", "4", "0"]), "--set",
                 "optim.steps=2", "--set", "optim.batch_size=4", *common]
+        keys = distill_keys
     else:
-        loss = ["group_size", "rollout_steps", "shift", "updates_per_rollout", "kl", "kl_start", "reference_guidance",
-                "reference_interval", "advantage_clip", "reward_cap", "beta", "timesteps", "t_range", "decay_rate",
-                "decay_max", "eta", "clip_range", "train_timesteps"]
         args = ["rl", env.card("tiny-base"), "--reward", env.card("tiny-judge"), "--set", "optim.steps=2", "--set",
                 "optim.batch_size=2", "--set", "loss.group_size=4", *common]
         args += ["--method", "flow_grpo"] if rng.random() < 0.4 else []
+        keys = rl_keys
     args += ["--lora", rng.choice(["4", "0", "-2", "x", "100000"])] if rng.random() < 0.15 else []
-    return args + _recipe_sets(rng, [f"loss.{k}" for k in loss] + COMMON_KEYS + ["model.lora.rank", "model.lora.alpha",
-                                                                                   "model.lora.targets"])
+    return args + _recipe_sets(rng, keys)
 
 
 def _train(rng: random.Random, env: Env, out: Path) -> list[str]:

@@ -3,14 +3,17 @@ so a reader never sees half a file and a killed run never leaves one."""
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["atomic_path", "running", "save_tensors", "synced", "write_atomic", "writable_folder"]
+__all__ = ["atomic_path", "replaceable_file", "running", "save_tensors", "synced", "write_atomic",
+           "writable_folder"]
 
 # a killed writer's temporary is left alone this long after its last write: on a folder shared between machines a
 # pid means nothing here, and a writer elsewhere still writing touches its file far more often than this
@@ -26,6 +29,9 @@ def atomic_path(target: Path | str, *, durable: bool = False) -> Iterator[Path]:
     a power loss leaves the old file or the new one, never an empty one where the data had not been written yet —
     for what hours of work went into (checkpoints, cards); images and caches skip the cost."""
     target = Path(target)
+    if _special(target):  # the rename would swap it for a file: as root, /dev/null itself
+        raise OSError(errno.EINVAL, "not a regular file (a device, a pipe, a folder); only a file is replaced",
+                      str(target))
     target.parent.mkdir(parents=True, exist_ok=True)
     _sweep(target.parent)
     temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
@@ -43,6 +49,27 @@ def atomic_path(target: Path | str, *, durable: bool = False) -> Iterator[Path]:
         raise OSError(e.errno, e.strerror, str(target)) from None
     finally:
         temporary.unlink(missing_ok=True)
+
+
+def replaceable_file(path: Path | str, what: str) -> Path:
+    """`path`, where writing it atomically replaces at most a file: BadInput naming it as `what` ("--out") where a
+    device such as /dev/null, a pipe or a folder stands — found before the work whose result it is to hold."""
+    from cardtool.errors import BadInput
+
+    path = Path(path)
+    if _special(path):
+        raise BadInput(f"{what} {path} is not a regular file (a folder, a device such as /dev/null, a pipe); "
+                       "give a file name")
+    return path
+
+
+def _special(path: Path) -> bool:
+    """Whether something other than a file (or a link, which a rename replaces, not its target) stands at `path`."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISLNK(mode))
 
 
 def _sweep(folder: Path) -> None:

@@ -29,6 +29,23 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_nothing(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["a.bin"]
 
 
+def test_what_is_not_a_file_is_never_replaced(tmp_path):
+    """A rename over a device would swap it for a file — as root, /dev/null itself (an `eval --out /dev/null` did)."""
+    from cardtool.atomic import replaceable_file
+    from cardtool.errors import BadInput
+
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    with pytest.raises(OSError, match="not a regular file"):
+        write_atomic(pipe, b"report")
+    with pytest.raises(BadInput, match="--out .*pipe is not a regular file"):
+        replaceable_file(pipe, "--out")
+    assert pipe.is_fifo() and sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]
+    (tmp_path / "link").symlink_to(pipe)  # a link is replaced itself, its target untouched
+    write_atomic(tmp_path / "link", b"report")
+    assert (tmp_path / "link").read_bytes() == b"report" and pipe.is_fifo()
+
+
 def test_a_durable_write_flushes_the_data_before_the_rename_and_the_rename_after(tmp_path, monkeypatch):
     flushed = fsynced(monkeypatch)
     write_atomic(tmp_path / "image.png", b"cheap to make again")

@@ -29,6 +29,7 @@ from cardtool.errors import BadInput
     ({"resume": True}, "give --out"),
     ({"resume": "no", "out": "report.json"}, "resume must be True or False"),  # a non-empty string is truthy
     ({"out": "/"}, "--out / is a folder"),
+    ({"out": "/dev/null"}, "--out /dev/null is not a regular file"),  # a rename would swap the device for a file
     ({"out": 3}, "out must be the report's file name"),
     ({"out": "/proc/nope/eval.json"}, "cannot write to the report's folder /proc/nope"),
 ])

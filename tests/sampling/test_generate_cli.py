@@ -122,6 +122,14 @@ def test_bad_input_is_a_clear_message_and_exit_2(on_path, args, message):
     assert result.exit_code == 2 and message in result.stderr and "Traceback" not in result.output
 
 
+def test_a_pipe_named_as_the_one_image_is_refused_and_kept(on_path, tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "pipe.png")
+    result = run("generate", "tiny-base", "-p", "x", "--steps", "2", "--out", str(tmp_path / "pipe.png"))
+    assert result.exit_code == 2 and "is not a regular file" in result.stderr and (tmp_path / "pipe.png").is_fifo()
+
+
 def test_numpy_device_generates_from_cached_text_features(on_path, tmp_path):
     args = ["generate", "tiny-base", "-p", "a bag", "--steps", "2", "--guidance", "1", "--json"]
     torch_run = json.loads(run(*args, "--out", str(tmp_path / "t")).stdout)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cardtool.atomic import writable_folder
+from cardtool.atomic import replaceable_file, writable_folder
 from cardtool.backends.platform import Platform
 from cardtool.backends.precision import check_precision
 from cardtool.core import distributed
@@ -136,6 +136,7 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
         out = Path(out)
         if out.is_dir():
             raise BadInput(f"--out {out} is a folder; give the report's file name")
+        replaceable_file(out, "--out")
         writable_folder(out.parent, "the report's folder")  # found now, not after the first row
     steps, guidance, precision = (_listed(name, value) for name, value in
                                   (("steps", steps), ("guidance", guidance), ("precision", precision)))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cardtool import __version__
-from cardtool.atomic import writable_folder
+from cardtool.atomic import replaceable_file, writable_folder
 from cardtool.backends.platform import Platform
 from cardtool.core import distributed
 from cardtool.core.cards.loader import Card, load_card
@@ -453,7 +453,7 @@ def _output_paths(out: Path, card_id: str, requests: list[Request], tags: list[s
     if out.suffix.lower() == ".png" and not out.is_dir():  # an existing folder named like a PNG is a folder
         if len(requests) != 1:
             raise BadInput(f"--out {out} names one file, but {len(requests)} images are asked for; give a folder")
-        paths, folder = [out], out.parent
+        paths, folder = [replaceable_file(out, "--out")], out.parent
     else:
         folder = out
         paths = [out / f"{card_id}-{i:03d}-{prompt_slug(r.prompt)}-seed{r.seed}-{tag}.png"
