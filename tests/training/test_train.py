@@ -263,6 +263,10 @@ def test_a_nan_loss_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(
 
     with safe_open(str(tmp_path / "run" / CHECKPOINT), framework="pt") as f:
         assert f.metadata()["step"] == "3"
+    calls.clear()
+    calls.extend([1] * 4)  # the first loss is NaN: no update has been made, so the learning rate is not to blame
+    with pytest.raises(TrainingDiverged, match="at step 0, before any update; none was written yet. The starting"):
+        train(tiny("fashion-vae"), command="c", out=tmp_path / "vae", run_dir=tmp_path / "run0", data=str(data))
 
 
 def test_an_existing_card_is_not_overwritten_unless_asked(tmp_path, data):

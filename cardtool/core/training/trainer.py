@@ -276,6 +276,9 @@ def writable_outputs(out: Path, run_dir: Path, *, replace: bool, flag: str, card
 
 def _diverged(step: int, checkpoint: Path, what: str) -> TrainingDiverged:
     kept = f"the last good checkpoint is {checkpoint}" if checkpoint.exists() else "none was written yet"
+    if step == 0:  # before the first update the learning rate cannot be the cause
+        return TrainingDiverged(f"{what} at step 0, before any update; {kept}. The starting weights or the recipe's "
+                                "loss: settings give it (a weight too large, say)")
     return TrainingDiverged(f"{what} at step {step}; {kept}. Lower optim.lr or raise optim.warmup, then --resume")
 
 
