@@ -231,9 +231,20 @@ def _paths(node, prefix=()):
 
 
 def _workflow(rng: random.Random, env: Env, out: Path) -> list[str]:
-    """The tour's workflow with values changed, keys dropped or added, as YAML or TOML."""
+    """The tour's workflow with values changed, keys dropped or added, as YAML or TOML — or as it is, changed by
+    `--set`."""
     import yaml
 
+    if rng.random() < 0.3:
+        paths = [".".join(map(str, p)) for p in _paths(env.workflow) if p and all(isinstance(k, str) for k in p)]
+        sets = []
+        for _ in range(rng.choice([1, 2])):
+            key = rng.choice([*paths, "steps.nope.generate.card", "steps.pick.best_of_n.nn", "x", "steps"])
+            sets += ["--set", f"{key}={rng.choice(PLAUSIBLE if rng.random() < 0.6 else HOSTILE)}"]
+        tour = REPO / "examples" / "workflows" / "tiny-tour.yaml"
+        (env.root / "workflows").mkdir(exist_ok=True)
+        shutil.copy(tour, env.root / "workflows" / tour.name)  # beside the copied cards, as in examples/
+        return ["workflow", "run", "--json", str(env.root / "workflows" / tour.name), "--out", str(out), *sets]
     data = copy.deepcopy(env.workflow)
     extra = [f"{env.cards}/tiny-judge", f"{env.cards}/tiny-base", "draft", "refine", "pick", "nope", -3, 0, 1, 10**5,
              1e9, 0.0, 2.0, -0.5, ["a"], [""], ["x" * 5000], [], {"generate": {}}, {"chain": {"input": "pick"}}]
