@@ -81,7 +81,7 @@ def generate_command(
             if like is not None:
                 model, card, prompts, recorded, image, preprocessor = _like(like, card, prompts, image, preprocessor)
                 asked = {**recorded, **{k: v for k, v in asked.items() if v is not None}}
-                fuse = fuse or asked.pop("fuse", False)
+                fuse = asked.pop("fuse", False) or fuse  # popped whatever --fuse says: passed once below
             if card is None:
                 raise BadInput("give a CARD to generate with (or --like IMAGE, whose card it reuses)")
             report = generate(card, prompts, num=num, device=device, max_batch=max_batch, out=out, grid=grid,

@@ -52,6 +52,14 @@ def test_options_given_change_one_thing_and_keep_the_rest(made, tmp_path):
     assert [metadata[k] for k in ("prompt", "seed", "steps", "guidance")] == ["a coat", "7", "2", "2.0"]
 
 
+def test_fuse_given_with_like_fuses_the_recorded_stack(made, tmp_path):
+    """--fuse on an image made unfused: the recorded `fused` is replaced, not passed twice (it raised a TypeError)."""
+    result, report = run("generate", "--like", made, "--fuse", "--out", tmp_path / "f")
+    assert result.exit_code == 0, result.output
+    [metadata] = [read_png_metadata(image["path"]) for image in report["images"]]
+    assert metadata["fused"] == "true" and json.loads(metadata["adapters"])[0]["scale"] == 0.5
+
+
 def test_another_card_keeps_only_the_prompt_and_seed(made, tmp_path):
     result, report = run("generate", "tiny-distilled", "--like", made, "--out", tmp_path / "e")
     assert result.exit_code == 0, result.output
