@@ -1,6 +1,7 @@
 """Fuzz requests: what users and scripts hand cardtool besides cards — `generate`'s options, the PNG metadata that
-`generate --like` reads back, recipes through `--set` for `train`, `distill` and `rl`, `eval`'s options and workflow
-manifests — mutated and run in process on the tiny example cards and a tiny IDX folder, counted by outcome per surface.
+`generate --like` reads back, recipes through `--set` for `train`, `distill` and `rl`, `eval`'s options, workflow
+manifests and the Python API's `LoadedCard.generate` keywords — mutated and run in process on the tiny example cards
+and a tiny IDX folder, counted by outcome per surface.
 
 Outcomes: `ok` (exit 0), `refused` (exit 2: bad input, said so; or exit 1 with located validation problems — a
 workflow manifest's, as a card's), `failed` (exit 1 with another JSON error: work that could not finish, e.g. a loss
@@ -8,7 +9,7 @@ that overflowed — its messages are kept for reading), and the failures the tar
 `traceback`, `hang` (a command ran ≥ 120 s), `invalid_json` (anything but one strict JSON document on stdout) and
 `other_exit` (an exit code that is none of 0, 1, 2).
 
-    python benchmarks/fuzz_requests.py --cases 2000 --seed 0 [--surfaces generate like recipes train eval workflow]
+    python benchmarks/fuzz_requests.py --cases 2000 --seed 0 [--surfaces generate like recipes train eval workflow api]
         [--out benchmarks/results/fuzz-requests.json]
 """
 
@@ -276,17 +277,58 @@ def _workflow(rng: random.Random, env: Env, out: Path) -> list[str]:
     return ["workflow", "run", "--json", str(file), "--out", str(out)]
 
 
+class ApiCall:
+    """A Python API call instead of a command: `LoadedCard.generate` with keywords of any type a script might pass."""
+
+    def __init__(self, env: Env, prompts, options: dict):
+        self.env, self.prompts, self.options = env, prompts, options
+
+    def __call__(self):
+        import cardtool
+
+        if getattr(self.env, "loaded", None) is None:  # loaded once, as a script would
+            self.env.loaded = cardtool.LoadedCard(self.env.card("tiny-base"))
+        return self.env.loaded.generate(self.prompts, **self.options)
+
+    def shown(self) -> list[str]:
+        return ["LoadedCard.generate", repr(self.prompts)[:60], *(f"{k}={v!r}"[:60] for k, v in self.options.items())]
+
+
+def _api(rng: random.Random, env: Env, out: Path) -> ApiCall:
+    values = [None, 0, -1, 1, 2, 2.5, float("nan"), float("inf"), True, "", "x", "2", [], [1], ["a"], {}, (0, 1),
+              (1, 0), (0.2, 0.4), [("invert", 0.5)], [("invert", "x")], [("nope", 1)], [("invert",)], "invert", b"x",
+              10**30, "euler", "renoise", "bfloat16", "float64", env.card("tiny-judge"), str(env.root / "control.png"),
+              lambda *a: None]
+    keywords = ["num", "seed", "steps", "guidance", "shift", "solver", "guidance_interval", "precision", "grid",
+                "strict", "on_step", "max_batch", "best_of", "reward", "adapters", "control", "preprocessor",
+                "control_scale", "fuse", "skip_existing", "negative_prompt", "out"]
+    options = {k: rng.choice(values) for k in rng.sample(keywords, rng.choice([1, 2, 3]))}
+    if isinstance(options.get("out"), str) or "out" not in options:  # never a folder of the working directory
+        options["out"] = out
+    options.setdefault("steps", 2)
+    return ApiCall(env, rng.choice(["a bag", ["a bag", "a dress"], [], [1], None, "", ["x" * 70000], 3]), options)
+
+
 SURFACES = {"generate": _generate, "like": _like, "recipes": _recipes, "train": _train, "eval": _eval,
-            "workflow": _workflow}
+            "workflow": _workflow, "api": _api}
 
 
-def run_case(runner, app, args: list[str]) -> tuple[str, str]:
-    """(outcome, detail) of one command."""
+def run_case(runner, app, args) -> tuple[str, str]:
+    """(outcome, detail) of one command, or of one API call: ok, or refused with a CardtoolError."""
+    from cardtool.errors import CardtoolError
+
     signal.alarm(HANG_SECONDS)
     try:
+        if isinstance(args, ApiCall):
+            args()
+            return "ok", ""
         result = runner.invoke(app, args)
+    except CardtoolError:
+        return "refused", ""
     except Hang:
         return "hang", ""
+    except Exception as e:  # noqa: BLE001 - what an API call must never raise
+        return "traceback", "".join(traceback.format_exception(e))[-1500:]
     finally:
         signal.alarm(0)
     if result.exception is not None and not isinstance(result.exception, SystemExit):
@@ -346,7 +388,8 @@ def fuzz(cases: int, seed: int, surfaces: list[str], on_case=None) -> dict:
             outcome, detail = run_case(runner, app, args)
             counts[surface][outcome] += 1
             if outcome not in ("ok", "refused"):
-                shown = [a if len(a) < 100 else a[:40] + "…" for a in args]
+                shown = args.shown() if isinstance(args, ApiCall) else \
+                    [a if len(a) < 100 else a[:40] + "…" for a in args]
                 print(f"case {case} {surface} {outcome}: {shown} → {detail}", file=sys.stderr, flush=True)
                 if len(details[outcome]) < 20:
                     details[outcome].append({"surface": surface, "args": shown, "detail": detail})
