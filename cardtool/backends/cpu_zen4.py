@@ -112,7 +112,7 @@ def linear_bf16(x, weight, bias=None, activation=None):
 
 def lora_bgmv(x, y, lora_a, lora_b, scales, index):
     """The generic kernel's LoRA with the down-projection computed transposed, A·xᵀ (r × tokens per row): MKL, which
-    runs its AVX2 code on AMD's cores, is 1.3–2.4× faster at that than at x·Aᵀ, whose rank-wide output it computes
+    runs its AVX2 code on AMD's cores, is 1.4–1.6× faster at that than at x·Aᵀ, whose rank-wide output it computes
     with a skinny kernel (2-core Zen 5, 8 rows of 128–256 tokens, 128 or 512 inputs → rank 8). A is read by rows,
     (N, r, in), the layout a LoraPlan stores for this kernel (`a_by_rows`)."""
     if lora_a.shape[0] == 0:
