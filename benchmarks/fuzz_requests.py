@@ -31,7 +31,7 @@ import time
 import traceback
 from pathlib import Path
 
-from fuzz_cards import VALUES, Hang, _alarm, _strict_json  # benchmarks/, this script's folder
+from fuzz_cards import VALUES, Hang, _alarm, _paths, _strict_json  # benchmarks/, this script's folder
 
 REPO = Path(__file__).resolve().parents[1]
 HANG_SECONDS = 120
@@ -54,6 +54,7 @@ class Env:
 
     def __init__(self, root: Path, runner, app):
         import numpy as np
+        import yaml
         from PIL import Image
 
         sys.path.insert(0, str(REPO / "tests"))
@@ -73,7 +74,7 @@ class Env:
         from cardtool.core.sampling.images import read_png
 
         self.pixels, self.metadata = read_png(root / "made.png")
-        self.workflow = __import__("yaml").safe_load((REPO / "examples" / "workflows" / "tiny-tour.yaml").read_text())
+        self.workflow = yaml.safe_load((REPO / "examples" / "workflows" / "tiny-tour.yaml").read_text())
 
     def card(self, name: str) -> str:
         return str(self.cards / name)
@@ -219,16 +220,6 @@ def _eval(rng: random.Random, env: Env, out: Path) -> list[str]:
     for option in rng.sample(sorted(options), rng.choice([1, 2, 3])):
         args += [option] if options[option] is None else [option, rng.choice(options[option])]
     return args
-
-
-def _paths(node, prefix=()):
-    yield prefix
-    if isinstance(node, dict):
-        for key, value in node.items():
-            yield from _paths(value, (*prefix, key))
-    elif isinstance(node, list):
-        for i, value in enumerate(node):
-            yield from _paths(value, (*prefix, i))
 
 
 def _workflow(rng: random.Random, env: Env, out: Path) -> list[str]:
