@@ -1,5 +1,6 @@
 """Atomic writes (DESIGN.md invariant 8): write a temporary file beside the target, then rename over it,
-so a reader never sees half a file and a killed run never leaves one."""
+so a reader never sees half a file and a killed run never leaves one — and never over what is not a file (a device
+such as /dev/null, a pipe, a folder), which the rename would replace."""
 
 from __future__ import annotations
 
