@@ -185,6 +185,8 @@ def test_the_python_api_takes_one_prompt_as_a_string_and_refuses_wrong_types(on_
         loaded.generate("a bag", steps="3", out=tmp_path / "bad")
     with pytest.raises(BadInput, match="cache must be a TextFeatureCache"):
         LoadedCard("tiny-base", cache={})
+    with pytest.raises(BadInput, match="precision must be a name"):
+        LoadedCard("tiny-base", precision=["bfloat16"])
     with pytest.raises(BadInput, match="a card is named by its id, folder or manifest file, got None"):
         LoadedCard(None)
     with pytest.raises(BadInput, match="checksums and adapters are True or False, got False and 'no'"):

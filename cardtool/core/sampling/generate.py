@@ -210,6 +210,8 @@ class LoadedCard:
                  precision: str | None = None):
         if cache is not None and not isinstance(cache, TextFeatureCache):
             raise BadInput(f"cache must be a TextFeatureCache, got {cache!r}")
+        if precision is not None and not isinstance(precision, str):
+            raise BadInput(f"precision must be a name (float32, bfloat16, float16), got {precision!r}"[:300])
         self.card = card_ref if isinstance(card_ref, Card) else load_card(card_ref, adapters=False)
         self.platform = Platform.detect(device)
         self.cache = cache or TextFeatureCache()

@@ -202,11 +202,11 @@ def run_workflow(workflow: Workflow | str | os.PathLike, *, overrides: list[str]
     for name, callback in (("on_step", on_step), ("on_wave", on_wave)):
         if callback is not None and not callable(callback):
             raise BadInput(f"{name} must be a function, got {callback!r}"[:300])
+    if not isinstance(overrides, (list, tuple)) or not all(isinstance(o, str) for o in overrides):
+        raise BadInput(f"overrides are a list of KEY=VALUE strings, got {overrides!r}"[:300])
     if not isinstance(workflow, Workflow):
         if not isinstance(workflow, (str, os.PathLike)):
             raise BadInput(f"a workflow is a manifest file or a loaded Workflow, got {workflow!r}"[:300])
-        if isinstance(overrides, str) or not all(isinstance(o, str) for o in overrides):
-            raise BadInput(f"overrides are a list of KEY=VALUE strings, got {overrides!r}"[:300])
         workflow = load_workflow(workflow, list(overrides))
     elif overrides:
         raise BadInput("overrides apply when the workflow is loaded: give its file, or load it with them")
