@@ -91,7 +91,10 @@ def test_unknown_id_lists_what_was_searched(builtin):
     with pytest.raises(CardNotFound) as info:
         locate("nope")
     assert "no card with id 'nope'; searched cards (./cards)" in str(info.value)
-    assert "(builtin)" in str(info.value)
+    assert "(builtin)" in str(info.value) and "did you mean" not in str(info.value)
+    make(builtin, "a", "fashion-base")
+    with pytest.raises(CardNotFound, match="did you mean 'fashion-base'"):  # a typo of a card that is there
+        locate("fashion-bsae")
 
 
 def test_path_like_names_that_do_not_exist_are_bad_input(tmp_path):

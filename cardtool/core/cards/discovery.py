@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,10 +128,13 @@ def locate(name: str, near: Path | None = None) -> Path:
     if file is not None:
         return file
     roots = search_roots(near)
-    matches = [e for e in scan(roots, ids_only=True) if e.id == name]
+    entries = scan(roots, ids_only=True)
+    matches = [e for e in entries if e.id == name]
     if not matches:
         searched = ", ".join(f"{display_path(r.path)} ({r.origin})" for r in roots) or "nothing"
-        raise CardNotFound(f"no card with id '{name}'; searched {searched}. "
+        close = difflib.get_close_matches(name, sorted({e.id for e in entries if e.id}), n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise CardNotFound(f"no card with id '{name}'; searched {searched}. {hint}"
                            "Give a card folder, or add its parent folder to CARDTOOL_PATH")
     if len(matches) > 1:
         places = " and ".join(f"{display_path(e.folder)} ({e.origin})" for e in matches)
