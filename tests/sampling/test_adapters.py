@@ -23,7 +23,7 @@ from cardtool.core.cards.weight_files import sha256_file
 from cardtool.core.sampling.control import ControlImage, edges, silhouette
 from cardtool.core.sampling.denoise import DenoiseLoop, Request
 from cardtool.core.sampling.generate import LoadedCard
-from cardtool.core.sampling.images import read_png_metadata, save_png
+from cardtool.core.sampling.images import png_bytes, read_png_metadata, save_png
 from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache
@@ -368,11 +368,14 @@ def test_cli_errors_exit_2(card, tmp_path):
     base = ["generate", str(card.folder), "-p", "a bag", "--steps", "1", "--out", str(tmp_path / "o")]
     bad_image = tmp_path / "bad.png"
     bad_image.write_bytes(b"not a png")
+    bomb = tmp_path / "bomb.png"  # 4,097 × 4,097 black pixels in a few kilobytes: refused before decoding
+    bomb.write_bytes(png_bytes(np.zeros((4097, 4097), np.uint8), {}))
     for extra, message in [(["--adapter", "nope"], "declares no adapter 'nope'"),
                            (["--adapter", "a=big"], "is not a number"),
                            (["--adapter", "ctl"], "needs a control image"),
                            (["--control", str(bad_image)], "cannot read control image"),
                            (["--control", str(tmp_path / "missing.png")], "cannot read control image"),
+                           (["--control", f"{bomb}:silhouette", "--adapter", "ctl"], "4097 × 4097 pixels, more than"),
                            (["--fuse"], "has none")]:
         result = runner.invoke(app, base + extra)
         assert result.exit_code == 2 and message in result.output, (extra, result.output)

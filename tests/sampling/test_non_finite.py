@@ -104,4 +104,5 @@ def test_an_rl_run_whose_policy_samples_nan_stops_as_diverged(examples, tmp_path
                                       "--json", *(f"--set={s}" for s in settings)])
     assert result.exit_code == 1, result.output
     error = json.loads(result.stdout)["error"]
-    assert error["kind"] == "failed" and "sampled NaN or inf at step 0, before any update; none was written yet" in error["message"]
+    assert error["kind"] == "failed"
+    assert "sampled NaN or inf at step 0, before any update; none was written yet" in error["message"]

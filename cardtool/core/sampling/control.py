@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from cardtool.core.sampling.control_names import PREPROCESSORS as NAMES
+from cardtool.core.sampling.images import MAX_PIXELS
 from cardtool.errors import BadInput
 from cardtool.files import read_small_file_bytes
 
@@ -78,6 +79,7 @@ class ControlImage:
 def read_control(path: Path, size: int) -> np.ndarray:
     """A control image file as grey uint8 (size, size): any format Pillow reads, converted to grey and resized."""
     import io
+    import warnings
 
     from PIL import Image, UnidentifiedImageError
 
@@ -85,7 +87,14 @@ def read_control(path: Path, size: int) -> np.ndarray:
     if reason:
         raise BadInput(f"cannot read control image: {reason}")
     try:
-        with Image.open(io.BytesIO(data)) as image:
+        with warnings.catch_warnings():
+            # Pillow warns of a bomb at open; the size check below refuses any image it would warn of
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+        with image:
+            if image.width * image.height > MAX_PIXELS:  # before decoding: a small file can declare billions
+                raise BadInput(f"cannot read control image {path}: {image.width} × {image.height} pixels, more than "
+                               f"{MAX_PIXELS:,}")
             image = image.convert("L")
             if image.size != (size, size):
                 image = image.resize((size, size), Image.BILINEAR)
