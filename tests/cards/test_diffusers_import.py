@@ -98,6 +98,7 @@ def test_a_bf16_checkpoint_with_float32_norms_and_a_variant_import_losslessly(ex
     ("pickle", "pickle checkpoints are never loaded"),
     ("not_json", "is not JSON"),
     ("escaping_shard", "which is not a file in"),
+    ("nul_in_shard", "'a\\x00b', which is not a file in"),  # not "an argument holds a NUL byte"
     ("another_class", "holds a UNet2DModel"),
     ("empty", "is not a diffusers transformer folder"),
     ("judge_as_base", "has no denoise loop over a `transformer` DiT"),
@@ -110,7 +111,7 @@ def test_what_cannot_be_the_same_model_is_refused(examples, tmp_path, case, mess
         with torch.no_grad():
             model.blocks[0].attn1.to_q.weight[0, 0] = float("nan")
     model.save_pretrained(source, safe_serialization=case != "pickle",
-                          **({"max_shard_size": "40KB"} if case == "escaping_shard" else {}))
+                          **({"max_shard_size": "40KB"} if case in ("escaping_shard", "nul_in_shard") else {}))
     config_file = source / "config.json"
     config = json.loads(config_file.read_text())
     if case == "unknown_key":
@@ -122,11 +123,11 @@ def test_what_cannot_be_the_same_model_is_refused(examples, tmp_path, case, mess
     config_file.write_text(json.dumps(config))
     if case == "not_json":
         config_file.write_text("{not json")
-    elif case == "escaping_shard":
+    elif case in ("escaping_shard", "nul_in_shard"):
         index = source / "diffusion_pytorch_model.safetensors.index.json"
         data = json.loads(index.read_text())
         first = next(iter(data["weight_map"]))
-        data["weight_map"][first] = "../elsewhere.safetensors"
+        data["weight_map"][first] = "../elsewhere.safetensors" if case == "escaping_shard" else "a\x00b"
         index.write_text(json.dumps(data))
     elif case == "empty":
         source = tmp_path / "nothing"

@@ -125,8 +125,8 @@ def _weights(folder: Path, weights: str) -> dict:
             raise BadInput(f"{index}: {reason or 'not a safetensors index (no weight_map of file names)'}")
         files = []
         for name in sorted(set(weight_map.values())):
-            shard = (folder / name).resolve()
-            if shard.parent != folder.resolve() or not is_regular_file(shard):
+            shard = None if "\x00" in name else (folder / name).resolve()  # a path can hold no NUL
+            if shard is None or shard.parent != folder.resolve() or not is_regular_file(shard):
                 raise BadInput(f"{index} names {name!r}, which is not a file in {folder}")
             files.append(shard)
     state = {}
