@@ -1,7 +1,8 @@
 """Fuzz requests: what users and scripts hand cardtool besides cards — `generate`'s options, the PNG metadata that
 `generate --like` reads back, recipes through `--set` for `train`, `distill` and `rl`, `eval`'s options, workflow
-manifests and the Python API's `LoadedCard.generate` keywords — mutated and run in process on the tiny example cards
-and a tiny IDX folder, counted by outcome per surface.
+manifests, diffusers folders for `cards import` (config.json and the shard index), and the Python API's arguments
+(`LoadedCard` and its `generate`, `evaluate`, `run_workflow`, `load_card`) — mutated and run in process on the tiny
+example cards and a tiny IDX folder, counted by outcome per surface.
 
 Outcomes: `ok` (exit 0), `refused` (exit 2: bad input, said so; or exit 1 with located validation problems — a
 workflow manifest's, as a card's), `failed` (exit 1 with another JSON error: work that could not finish, e.g. a loss
@@ -9,8 +10,8 @@ that overflowed — its messages are kept for reading), and the failures the tar
 `traceback`, `hang` (a command ran ≥ 120 s), `invalid_json` (anything but one strict JSON document on stdout) and
 `other_exit` (an exit code that is none of 0, 1, 2).
 
-    python benchmarks/fuzz_requests.py --cases 2000 --seed 0 [--surfaces generate like recipes train eval workflow api]
-        [--out benchmarks/results/fuzz-requests.json]
+    python benchmarks/fuzz_requests.py --cases 2000 --seed 0 [--out benchmarks/results/fuzz-requests.json]
+        [--surfaces generate like recipes train eval workflow import api]
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ PLAUSIBLE = ["0", "1", "2", "3", "4", "8", "0.5", "0.1", "1e-3", "1e-6", "10", "
              "silhouette", "none", "euler", "sde", "renoise", "[to_q]", "['*attn1*']", "[]", "[0.5, 1]", "float16",
              "bfloat16", "lora", "teacher", "sampler", "guided"]
 HOSTILE = ["-1", "1e308", ".nan", ".inf", "x", "''", "{}", "[a, b]", "99999999999999999999", "../x", "a/b", "2.5",
-           "[1, 0]", "{a: 1}"]
+           "[1, 0]", "{a: 1}", "3.5e+38", "1e30", "1e-320"]
 
 
 class Env:
@@ -68,6 +69,9 @@ class Env:
         Image.fromarray((rng.random((8, 8, 4)) * 255).astype("uint8")).save(root / "rgba.png")
         (root / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(100)))
         (root / "prompts.txt").write_text("a bag\n\n" + "x" * 10000 + "\n")
+        from cardtool.core.sampling.images import png_bytes
+
+        (root / "bomb.png").write_bytes(png_bytes(np.zeros((5000, 5000), np.uint8)))  # 25 M pixels in ~25 KB
         made = runner.invoke(app, ["generate", str(self.cards / "tiny-base"), "-p", "a bag", "--steps", "2",
                                    "--adapter", "invert=0.5", "--out", str(root / "made.png"), "--json"])
         assert made.exit_code == 0, made.stdout
@@ -75,6 +79,7 @@ class Env:
 
         self.pixels, self.metadata = read_png(root / "made.png")
         self.workflow = yaml.safe_load((REPO / "examples" / "workflows" / "tiny-tour.yaml").read_text())
+        self.export = _sharded_export(runner, app, self.cards / "tiny-rl", root / "export")
 
     def card(self, name: str) -> str:
         return str(self.cards / name)
@@ -93,7 +98,7 @@ def _generate(rng: random.Random, env: Env, out: Path) -> list[str]:
         "--reward": [env.card("tiny-judge"), env.card("tiny-base"), "nope"],
         "--adapter": ["invert", "invert=0.5", "invert=nan", "invert=x", "nope", "=1", "invert=1e308", ""],
         "--control": [f"{r}/control.png", f"{r}/broken.png", f"{r}/rgba.png:edges", f"{r}/control.png:nope",
-                      "/nonexistent.png", r],
+                      "/nonexistent.png", r, f"{r}/bomb.png"],
         "--out": [str(out), str(out / "one.png"), "/dev/null", f"{r}/control.png", str(out / "a.jpg")],
         "--like": [f"{r}/made.png", f"{r}/control.png", "/nonexistent"],
         "--fuse": None, "--grid": None, "--strict": None, "--skip-existing": None}
@@ -268,40 +273,116 @@ def _workflow(rng: random.Random, env: Env, out: Path) -> list[str]:
     return ["workflow", "run", "--json", str(file), "--out", str(out)]
 
 
-class ApiCall:
-    """A Python API call instead of a command: `LoadedCard.generate` with keywords of any type a script might pass."""
+def _sharded_export(runner, app, card: Path, folder: Path) -> Path:
+    """`cards export` of `card`, its transformer split into two shards with an index, as a large diffusers model's."""
+    from safetensors.numpy import load_file, save_file
 
-    def __init__(self, env: Env, prompts, options: dict):
-        self.env, self.prompts, self.options = env, prompts, options
+    made = runner.invoke(app, ["cards", "export", str(card), "--out", str(folder), "--json"])
+    assert made.exit_code == 0, made.stdout
+    transformer = folder / "transformer"
+    whole = transformer / "diffusion_pytorch_model.safetensors"
+    tensors, weight_map = load_file(str(whole)), {}
+    keys = sorted(tensors)
+    for number, part in enumerate((keys[: len(keys) // 2], keys[len(keys) // 2:]), start=1):
+        name = f"diffusion_pytorch_model-0000{number}-of-00002.safetensors"
+        save_file({k: tensors[k] for k in part}, str(transformer / name))
+        weight_map.update(dict.fromkeys(part, name))
+    (transformer / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    whole.unlink()
+    return folder
+
+
+def _import(rng: random.Random, env: Env, out: Path) -> list[str]:
+    """`cards import` of a diffusers folder whose config.json or shard index has values changed, keys dropped or
+    added, or whose text is cut short."""
+    source = out / "source"
+    shutil.copytree(env.export, source)
+    transformer = source / "transformer"
+    file = transformer / rng.choice(["config.json", "diffusion_pytorch_model.safetensors.index.json"])
+    data = json.loads(file.read_text())
+    extra = ["/etc/passwd", "../x.safetensors", "a\x00b", "diffusion_pytorch_model-00001-of-00002.safetensors",
+             "rms_norm", "rms_norm_across_heads", "WanTransformer3DModel", "UNet2DModel", [1, 2, 2], [0, 2, 2], 2**40]
+    for _ in range(rng.choice([1, 1, 2])):
+        added = [("image_dim",), ("added_kv_proj_dim",), ("rope_max_seq_len",)]  # keys diffusers' configs may hold
+        path = rng.choice([p for p in _paths(data) if p] + added)
+        parent = data
+        for key in path[:-1]:
+            parent = parent[key]
+        if rng.random() < 0.15 and isinstance(parent, dict):
+            parent.pop(path[-1], None)
+        else:
+            parent[path[-1]] = rng.choice(VALUES + extra)
+    text = json.dumps(data)
+    file.write_text(text[: rng.randrange(len(text))] if rng.random() < 0.1 else text)
+    target = rng.choice([source, transformer])
+    return ["cards", "import", str(target), "--base", env.card("tiny-base"), "--id", f"imported-{out.name}", "--out",
+            str(out / "card"), "--json"]
+
+
+class ApiCall:
+    """A Python API call instead of a command: one of the API's entry points with arguments of any type a script
+    might pass."""
+
+    def __init__(self, env: Env, function: str, args: list, options: dict):
+        self.env, self.function, self.args, self.options = env, function, args, options
 
     def __call__(self):
         import cardtool
 
+        if self.function != "LoadedCard.generate":
+            return getattr(cardtool, self.function)(*self.args, **self.options)
         if getattr(self.env, "loaded", None) is None:  # loaded once, as a script would
             self.env.loaded = cardtool.LoadedCard(self.env.card("tiny-base"))
-        return self.env.loaded.generate(self.prompts, **self.options)
+        return self.env.loaded.generate(*self.args, **self.options)
 
     def shown(self) -> list[str]:
-        return ["LoadedCard.generate", repr(self.prompts)[:60], *(f"{k}={v!r}"[:60] for k, v in self.options.items())]
+        return [self.function, *(repr(a)[:60] for a in self.args),
+                *(f"{k}={v!r}"[:60] for k, v in self.options.items())]
 
 
 def _api(rng: random.Random, env: Env, out: Path) -> ApiCall:
+    """`LoadedCard.generate` most often; else `LoadedCard`, `evaluate`, `run_workflow` or `load_card`, each with a
+    few arguments of any type and the rest plausible, so that some calls run."""
     values = [None, 0, -1, 1, 2, 2.5, float("nan"), float("inf"), True, "", "x", "2", [], [1], ["a"], {}, (0, 1),
               (1, 0), (0.2, 0.4), [("invert", 0.5)], [("invert", "x")], [("nope", 1)], [("invert",)], "invert", b"x",
               10**30, "euler", "renoise", "bfloat16", "float64", env.card("tiny-judge"), str(env.root / "control.png"),
-              lambda *a: None]
-    keywords = ["num", "seed", "steps", "guidance", "shift", "solver", "guidance_interval", "precision", "grid",
-                "strict", "on_step", "max_batch", "best_of", "reward", "adapters", "control", "preprocessor",
-                "control_scale", "fuse", "skip_existing", "negative_prompt", "out"]
-    options = {k: rng.choice(values) for k in rng.sample(keywords, rng.choice([1, 2, 3]))}
-    if isinstance(options.get("out"), str) or "out" not in options:  # never a folder of the working directory
-        options["out"] = out
-    options.setdefault("steps", 2)
-    return ApiCall(env, rng.choice(["a bag", ["a bag", "a dress"], [], [1], None, "", ["x" * 70000], 3]), options)
+              lambda *a: None, ["bfloat16"], [2], [0.5, 4.0], ["a=1"], ("steps.draft.generate.num=2",), object()]
+
+    def hostile(keywords, plausible):
+        chosen = {k: rng.choice(values) for k in rng.sample(keywords, rng.choice([1, 1, 2]))}
+        return {**plausible, **chosen}
+
+    function = rng.choice(["LoadedCard.generate"] * 5 + ["LoadedCard", "evaluate", "run_workflow", "load_card"])
+    if function == "LoadedCard.generate":
+        keywords = ["num", "seed", "steps", "guidance", "shift", "solver", "guidance_interval", "precision", "grid",
+                    "strict", "on_step", "max_batch", "best_of", "reward", "adapters", "control", "preprocessor",
+                    "control_scale", "fuse", "skip_existing", "negative_prompt", "out"]
+        options = hostile(keywords, {"steps": 2})
+        prompts = rng.choice(["a bag", ["a bag", "a dress"], [], [1], None, "", ["x" * 70000], 3])
+        args = [prompts]
+    elif function == "LoadedCard":
+        args = [rng.choice([env.card("tiny-base")] * 3 + values)]
+        options = hostile(["device", "cache", "precision"], {})
+    elif function == "evaluate":
+        keywords = ["judge", "steps", "guidance", "guidance_interval", "per_class", "seed", "device", "data",
+                    "precision", "on_row", "adapters", "shift", "solver", "out", "resume", "on_step"]
+        args = [env.card("tiny-base")]
+        options = hostile(keywords, {"judge": env.card("tiny-judge"), "steps": [2], "per_class": 1,
+                                     "data": str(env.data)})
+    elif function == "run_workflow":
+        keywords = ["overrides", "out", "device", "max_batch", "on_step", "on_wave", "skip_existing"]
+        args = [str(REPO / "examples" / "workflows" / "tiny-tour.yaml")]
+        options = hostile(keywords, {"overrides": ["steps.draft.generate.num=1"]})
+    else:
+        args, options = [rng.choice([env.card("tiny-base")] * 3 + values)], hostile(["checksums", "adapters"], {})
+    if function in ("LoadedCard.generate", "run_workflow", "evaluate") and (
+            isinstance(options.get("out"), str) or "out" not in options):  # never into the working directory
+        options["out"] = out / "report.json" if function == "evaluate" else out
+    return ApiCall(env, function, args, options)
 
 
 SURFACES = {"generate": _generate, "like": _like, "recipes": _recipes, "train": _train, "eval": _eval,
-            "workflow": _workflow, "api": _api}
+            "workflow": _workflow, "import": _import, "api": _api}
 
 
 def run_case(runner, app, args) -> tuple[str, str]:

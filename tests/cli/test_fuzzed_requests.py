@@ -1,5 +1,6 @@
 """A small run of the request fuzzer (benchmarks/fuzz_requests.py): generate's options, --like metadata, recipes
-through --set, train, eval and workflow manifests, mutated — none may crash, hang or print anything but JSON."""
+through --set, train, eval, workflow manifests, cards import's diffusers folders and the Python API's arguments,
+mutated — none may crash, hang or print anything but JSON (or raise anything but a CardtoolError)."""
 
 from __future__ import annotations
 

@@ -37,6 +37,9 @@ def test_shipped_recipes_load():
     ("data.extra=[1, .inf]", r"data.extra.1: a non-finite number \(inf\)"),
     ("card.id=" + "a" * 129, "card.id: String should have at most 128 characters"),
     ("data.when=2026-12-01", "data.when: a date value"),
+    # a scalar torch cannot convert to the float32 tensors it meets (AdamW's lr raised a RuntimeError)
+    ("optim.lr=1e308", r"optim.lr = 1e\+308: beyond float32's range"),
+    ("model.channels=[16, -3.5e+38]", r"model.channels.1 = -3.5e\+38: beyond float32's range"),
 ])
 def test_bad_overrides_name_the_field(override, message):
     with pytest.raises(BadInput, match=message):

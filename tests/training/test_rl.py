@@ -194,6 +194,7 @@ def test_the_example_recipes_spell_out_the_defaults():
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--set", "loss.group_size=1"], "loss.group_size"),
+    (["--set", "loss.advantage_clip=1e308"], "loss.advantage_clip"),  # was a RuntimeError in torch's clamp
     (["--method", "ppo"], "unknown rl method 'ppo'"),
     (["--set", "loss.no_such_knob=1"], "loss.no_such_knob"),
     (["--method", "flow_grpo", "--set", "loss.beta=1"], "loss.beta"),

@@ -184,10 +184,31 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), method: str 
                        f"`{RUN_BY[data['method']]}` does")
     if complete is not None:
         complete(data)
+    too_large = _beyond_float32(data)
+    if too_large:
+        raise BadInput(f"recipe {path or '(defaults and --set)'}: {too_large}: beyond float32's range (±3.4e38), "
+                       "which training computes in (torch refuses such a learning rate or clip as a scalar); use a "
+                       "smaller number")
     try:
         return Recipe.model_validate(data)
     except ValidationError as e:
         raise BadInput(f"recipe {path or '(defaults and --set)'}: {field_problems(e)}")
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _beyond_float32(value, path: str = "") -> str | None:
+    """The first setting, as KEY.PATH = VALUE, whose finite number a float32 cannot hold, or None (inf and NaN are
+    the schema's to refuse)."""
+    if isinstance(value, dict):
+        return next((found for key, item in value.items()
+                     if (found := _beyond_float32(item, f"{path}.{key}" if path else str(key)))), None)
+    if isinstance(value, list):
+        return next((found for i, item in enumerate(value) if (found := _beyond_float32(item, f"{path}.{i}"))), None)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and FLOAT32_MAX < abs(value) < math.inf:
+        return f"{path} = {value:g}"
+    return None
 
 
 def _under(defaults: dict, data: dict) -> dict:
