@@ -135,6 +135,20 @@ def test_a_full_disk_loses_no_finished_work(tmp_path, data, monkeypatch):
     assert card.manifest.recipe.metrics["steps"] == 6 and card.manifest.recipe.metrics["samples_per_second"] > 0
 
 
+def test_a_folder_taken_during_the_run_keeps_the_trained_weights(tmp_path, data):
+    """--out is checked before training; another process may still make the folder before the card is written."""
+    def take_the_folder(entry):
+        (tmp_path / "vae").mkdir(exist_ok=True)
+
+    with pytest.raises(BadInput, match=r"vae already exists; .*--overwrite to replace it. The trained weights are in "
+                                       r".*checkpoint.safetensors: the same command with --resume and the change"):
+        train(tiny("fashion-vae"), command="c", out=tmp_path / "vae", run_dir=tmp_path / "run", data=str(data),
+              on_log=take_the_folder)
+    card = train(tiny("fashion-vae"), command="c", out=tmp_path / "other", run_dir=tmp_path / "run", data=str(data),
+                 resume=True, on_log=lambda entry: pytest.fail("trained again"))
+    assert card.manifest.recipe.metrics["steps"] == 6
+
+
 def test_resume_after_a_kill_gives_the_same_final_weights(tmp_path, data):
     uninterrupted = train(tiny("fashion-vae"), command="c", out=tmp_path / "a", run_dir=tmp_path / "ra",
                           data=str(data))

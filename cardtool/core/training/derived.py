@@ -77,6 +77,9 @@ def write_output(folder: Path, manifest: dict, weights: dict, run_dir: Path, **o
         raise RunFailed(f"cannot write the card to {folder}: {e.strerror or e}; the trained weights are in "
                         f"{Path(run_dir) / CHECKPOINT} — free the space and run the same command with --resume to "
                         "write the card") from None
+    except BadInput as e:  # checked before training; another process took the folder or the card id meanwhile
+        raise BadInput(f"{e}. The trained weights are in {Path(run_dir) / CHECKPOINT}: the same command with "
+                       "--resume and the change writes the card without training again") from None
     ranks.barrier()
     return card if ranks.main else load_card(folder)
 
