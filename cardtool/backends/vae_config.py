@@ -23,8 +23,9 @@ class ConvVAEConfig(ComponentConfig):
     padded_size: Pixels = 32
     latent_channels: Count = 4
     channels: Annotated[tuple[Count, ...], Field(min_length=1, max_length=6)] = (32, 64, 128)
-    # latents are scaled by this (≈ 1/std of the training latents) for the DiT
-    scaling_factor: Annotated[FiniteFloat, Field(gt=0, le=1e6)] = 1.0
+    # latents are scaled by this (≈ 1/std of the training latents) for the DiT, and divided by it for the decoder:
+    # bounded both ways, since a denormal one (1e-45) validated and then made every image inf
+    scaling_factor: Annotated[FiniteFloat, Field(ge=1e-6, le=1e6)] = 1.0
 
     @model_validator(mode="after")
     def _sizes_fit(self):

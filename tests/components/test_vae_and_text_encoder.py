@@ -49,6 +49,9 @@ def test_vae_config_is_checked():
     with pytest.raises(BadInput, match="halve"):
         ConvVAEConfig.from_card({"padded_size": 30})
     assert ConvVAEConfig.from_card({"channels": [8, 16, 32]}).latent_size == 8
+    for far in (1e-45, 1e7):  # the decoder divides by it: a denormal one made every image inf
+        with pytest.raises(BadInput, match="scaling_factor"):
+            ConvVAEConfig.from_card({"scaling_factor": far})
 
 
 @pytest.fixture(scope="module")
