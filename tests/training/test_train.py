@@ -21,7 +21,7 @@ from cardtool.core.cards.loader import load_card
 from cardtool.core.interrupt import Interrupted
 from cardtool.core.training.recipes import load_recipe
 from cardtool.core.training.train import train
-from cardtool.core.training.trainer import CHECKPOINT, TrainingDiverged
+from cardtool.core.training.trainer import CHECKPOINT, TrainingDiverged, recipe_changes
 from cardtool.errors import BadInput, RunFailed
 
 RECIPES = REPO / "examples" / "recipes"
@@ -223,11 +223,19 @@ def test_an_interrupted_run_says_so_in_its_exit_code_and_json(tmp_path, data, mo
     assert error["partial"] == {"step": 4, "steps": 6, "checkpoint": str(tmp_path / "r" / CHECKPOINT)}
 
 
-def test_resume_with_another_recipe_is_refused(tmp_path, data):
+def test_resume_with_another_recipe_is_refused_naming_what_changed(tmp_path, data):
     train(tiny("fashion-vae"), command="c", out=tmp_path / "a", run_dir=tmp_path / "r", data=str(data))
-    with pytest.raises(BadInput, match="different recipe"):
+    lr = tiny("fashion-vae").optim.lr
+    with pytest.raises(BadInput, match=rf"different recipe \(optim.lr was {lr}, now 0.01\); resume with the same"):
         train(tiny("fashion-vae", ["optim.lr=1e-2"]), command="c", out=tmp_path / "b", run_dir=tmp_path / "r",
               data=str(data), resume=True)
+    with pytest.raises(BadInput, match=r"\(loss.kl_weight was .*, now 0.5; optim.lr was .*, now 0.01; .* and 1 more\)"):
+        train(tiny("fashion-vae", ["optim.lr=1e-2", "loss.kl_weight=0.5", "optim.warmup=3", "optim.steps=9",
+                                   "train.seed=4"]), command="c", out=tmp_path / "b", run_dir=tmp_path / "r",
+              data=str(data), resume=True)
+    assert recipe_changes(None, {"a": 1}) == recipe_changes("not json", {"a": 1}) == ""  # an older checkpoint
+    changed = recipe_changes('{"a": {"b": 1}}', {"a": {}, "c": [1]})
+    assert changed == " (a was (unset), now {}; a.b was 1, now (unset); c was (unset), now [1])"
 
 
 def test_a_damaged_checkpoint_is_bad_input_on_resume(tmp_path, data):

@@ -6,6 +6,7 @@ Ctrl-C or SIGTERM before stopping (core/interrupt.py), and under torchrun data p
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from abc import ABC, abstractmethod
@@ -319,7 +320,8 @@ def _save(path: Path, recipe: Recipe, step: int, loss: float, seconds: float, mo
     if not main:
         return
     metadata = {"step": str(step), "loss": repr(loss), "seconds": repr(seconds), "fingerprint": recipe.fingerprint(),
-                "param_groups": groups, "micro_batches": str(parts)}
+                "recipe": json.dumps(recipe.shaping(), sort_keys=True), "param_groups": groups,
+                "micro_batches": str(parts)}
     try:
         with atomic_path(path, durable=True) as temporary:
             save_tensors(temporary, {k: v.contiguous().cpu() for k, v in tensors.items()}, metadata)
@@ -327,6 +329,31 @@ def _save(path: Path, recipe: Recipe, step: int, loss: float, seconds: float, mo
         kept = "the previous checkpoint is kept — free the space and continue with --resume" if path.is_file() \
             else "there is no earlier checkpoint — free the space and start the run again"
         raise RunFailed(f"cannot write the checkpoint of step {step} to {path}: {e.strerror or e}; {kept}") from None
+
+
+def recipe_changes(recorded: str | None, now: dict, shown: int = 4) -> str:
+    """': KEY was A, now B; …' for the settings that differ between a checkpoint's recorded recipe (JSON) and this
+    run's, or '' where the checkpoint records none (one written before checkpoints did) or it cannot be read."""
+    try:
+        before = json.loads(recorded) if recorded else None
+    except ValueError:
+        before = None
+    if not isinstance(before, dict):
+        return ""
+
+    def flat(node, prefix=""):
+        if isinstance(node, dict) and node:
+            return {k: v for key, item in node.items() for k, v in flat(item, f"{prefix}{key}.").items()}
+        return {prefix[:-1]: node}
+
+    def value(values: dict, key: str) -> str:
+        return json.dumps(values[key]) if key in values else "(unset)"
+
+    was, is_ = flat(before), flat(now)
+    changes = [f"{key} was {value(was, key)}, now {value(is_, key)}" for key in sorted(set(was) | set(is_))
+               if (key in was, was.get(key)) != (key in is_, is_.get(key))]
+    more = f" and {len(changes) - shown} more" if len(changes) > shown else ""
+    return f" ({'; '.join(changes[:shown])}{more})" if changes else ""
 
 
 def _load(path: Path, recipe: Recipe, modules, ema, optimizer, task: Task, parts: int,
@@ -344,7 +371,8 @@ def _load(path: Path, recipe: Recipe, modules, ema, optimizer, task: Task, parts
     except (SafetensorError, OSError) as e:  # damaged on disk: the trainer itself writes atomically
         raise BadInput(unreadable.format(str(e).splitlines()[0][:160])) from None
     if metadata.get("fingerprint") != recipe.fingerprint():
-        raise BadInput(f"{path} was made by a different recipe; resume with the same recipe and overrides")
+        changed = recipe_changes(metadata.get("recipe"), recipe.shaping())
+        raise BadInput(f"{path} was made by a different recipe{changed}; resume with the same recipe and overrides")
     broken = sorted(k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all()))
     if broken:  # this trainer stops before saving a step gone NaN: a file altered since would make a NaN card
         raise BadInput(unreadable.format(f"it holds NaN or inf in {', '.join(broken[:3])}"
