@@ -84,12 +84,16 @@ def _config_against_weights(source: Path, settings: dict) -> list[str]:
         return [f"config.json's {width} is {sizes['width']!r}; it is a whole number of at least 1"]
     problems = []
     heads = settings.get("num_attention_heads")
-    if isinstance(heads, int) and (heads < 1 or settings["hidden_size"] % heads):
+    if heads is None:  # the weights' shapes are the same for any count: transformers would take its class's default
+        problems.append("config.json does not give num_attention_heads")
+    elif isinstance(heads, int) and (heads < 1 or settings["hidden_size"] % heads):
         problems.append(f"config.json's hidden_size {settings['hidden_size']} is not a multiple of its "
                         f"num_attention_heads {heads}")
     layers = {match[1] for name in header if (match := _LAYER.search(name))}
     declared = settings.get("num_hidden_layers")
-    if layers and isinstance(declared, int) and declared != len(layers):
+    if layers and declared is None:
+        problems.append(f"config.json does not give num_hidden_layers; model.safetensors holds {len(layers)} layers")
+    elif layers and isinstance(declared, int) and declared != len(layers):
         problems.append(f"config.json's num_hidden_layers is {declared}; model.safetensors holds {len(layers)} layers")
     reported: set[str] = set()
     for name, (_, shape) in sorted(header.items()):

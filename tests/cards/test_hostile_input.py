@@ -250,6 +250,8 @@ def test_mutated_cards_never_crash_hang_or_print_invalid_json():
     # left out, transformers builds its class's default (BERT's 3072) and fails to load the weights
     ("intermediate_size", None, "config.json does not give intermediate_size; model.safetensors' "),
     ("vocab_size", None, "config.json does not give vocab_size"),
+    ("num_hidden_layers", None, "config.json does not give num_hidden_layers; model.safetensors holds 6 layers"),
+    ("num_attention_heads", None, "config.json does not give num_attention_heads"),  # any count fits the shapes
 ])
 def test_an_encoder_config_that_disagrees_with_its_weights_fails_validation(base, key, value, message):
     """Found from the weights' header, not by transformers building what the config describes (100,000 layers: 23 GB
