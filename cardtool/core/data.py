@@ -72,17 +72,17 @@ def read_idx(path: Path) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8).reshape(shape)
 
 
-def _read_at_most(f, size: int, chunk: int = 16 << 20) -> bytes:
-    """Up to `size` bytes, read in chunks: a header declaring gigabytes over a short file costs what the file holds,
-    not an allocation of what it declares (one read of `size` asks for it all at once)."""
-    parts, left = [], size
-    while left > 0:
-        part = f.read(min(chunk, left))
+def _read_at_most(f, size: int, chunk: int = 16 << 20) -> bytearray:
+    """Up to `size` bytes, read in chunks into one growing buffer: a header declaring gigabytes over a short file costs
+    what the file holds, not an allocation of what it declares (one read of `size` asks for it all at once), and a
+    long file is held once, not twice (its parts, then their join)."""
+    data = bytearray()
+    while len(data) < size:
+        part = f.read(min(chunk, size - len(data)))
         if not part:
             break
-        parts.append(part)
-        left -= len(part)
-    return b"".join(parts)
+        data += part
+    return data
 
 
 def load_split(split: str = "train", folder: str | Path | None = None, image_size: int = IMAGE_SIZE) -> Split:

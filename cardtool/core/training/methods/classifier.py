@@ -25,8 +25,9 @@ class ClassifierTask(Task):
         self.device = platform.torch_device
         torch.manual_seed(recipe.train.seed)
         self.model = FashionCNN(**FashionCNNConfig.from_card(recipe.model, "fashion-cnn").model_dump()).to(self.device)
-        self.images, self.labels = to_unit(train.images), torch.from_numpy(train.labels)
-        self.test_images, self.test_labels = to_unit(test.images), torch.from_numpy(test.labels)
+        # uint8, converted a batch at a time (VAETask says why)
+        self.images, self.labels = train.images, torch.from_numpy(train.labels)
+        self.test_images, self.test_labels = test.images, torch.from_numpy(test.labels)
 
     def modules(self):
         return {"classifier": self.model}
@@ -35,7 +36,7 @@ class ClassifierTask(Task):
         return len(self.images)
 
     def loss(self, indices, generator):
-        images = self.images[indices]
+        images = to_unit(self.images[indices])
         flip = torch.rand(len(indices), generator=generator) < 0.5
         images = torch.where(flip[:, None, None, None], images.flip(-1), images)
         shift = torch.randint(-2, 3, (2,), generator=generator)  # a small translation per batch
@@ -48,6 +49,6 @@ class ClassifierTask(Task):
     @torch.no_grad()
     def finish(self, model: FashionCNN) -> dict:
         n = JUDGE_BATCH
-        predictions = torch.cat([model(self.test_images[i:i + n].to(self.device)).argmax(1).cpu()
+        predictions = torch.cat([model(to_unit(self.test_images[i:i + n]).to(self.device)).argmax(1).cpu()
                                  for i in range(0, len(self.test_images), n)])
         return {"test_accuracy": round(float((predictions == self.test_labels).float().mean()), 4)}
