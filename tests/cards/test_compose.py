@@ -68,10 +68,15 @@ def test_compose_refuses_cards_made_on_another_base_and_clashing_names(examples,
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
-def test_a_card_that_would_not_validate_is_located_in_the_folder_asked_for(examples, tmp_path):
+def test_a_card_that_would_not_validate_is_located_in_the_folder_asked_for(examples, tmp_path, monkeypatch):
     adapter_card(examples, "tiny-base", "tiny-a", "alpha", 1)
-    result = CliRunner().invoke(app, ["cards", "compose", str(examples / "tiny-base"), str(examples / "tiny-a"),
-                                      "--id", "../up", "--out", str(tmp_path / "served"), "--json"])
+    args = ["cards", "compose", str(examples / "tiny-base"), str(examples / "tiny-a"), "--id", "../up", "--json"]
+    refused = CliRunner().invoke(app, args)  # an id that is no card id is refused before any work, as --id
+    assert refused.exit_code == 2 and "--id '../up': a card id starts with" in refused.stdout
+    from cardtool.core.cards import compose
+
+    monkeypatch.setattr(compose, "card_folder", lambda card_id, out: out)  # past that check, the staged card's own
+    result = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "served")])
     assert result.exit_code == 1, result.output
     problem = json.loads(result.stdout)["error"]["problems"][0]
     assert problem["file"].endswith("served/card.yaml") and ".tmp" not in problem["file"] and problem["field"] == "id"

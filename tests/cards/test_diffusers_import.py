@@ -63,6 +63,13 @@ def test_a_diffusers_transformer_imports_as_a_card_with_diffusers_velocity(examp
     assert size > 0.1 and gap <= 1e-5
 
 
+def test_an_id_that_is_no_card_id_is_refused_before_reading_the_source(examples, tmp_path):
+    result = CliRunner().invoke(app, ["cards", "import", str(tmp_path / "missing"), "--base",
+                                      str(examples / "tiny-base"), "--id", "../x", "--json"])
+    assert result.exit_code == 2, result.output
+    assert "--id '../x': a card id starts with a letter or digit" in json.loads(result.stdout)["error"]["message"]
+
+
 def test_an_export_imports_back_as_the_same_transformer(examples, tmp_path):
     exported = CliRunner().invoke(app, ["cards", "export", str(examples / "tiny-rl"), "--out", str(tmp_path / "hf")])
     assert exported.exit_code == 0, exported.output

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import Card, load_card
-from cardtool.core.cards.writer import write_card
+from cardtool.core.cards.writer import card_folder, write_card
 from cardtool.core.training.derived import extends_reference
 from cardtool.errors import BadInput
 
@@ -19,8 +19,8 @@ __all__ = ["compose_cards"]
 
 def compose_cards(base_ref: str, adapter_refs: list[str], card_id: str, out: Path | None = None,
                   overwrite: bool = False, command: str | None = None) -> Card:
+    out = card_folder(card_id, out)
     base = load_card(locate(base_ref))
-    out = Path(out or Path("cards") / card_id)
     if not adapter_refs:
         raise BadInput("name at least one adapter card to compose")
     adapters, copies, parents = {}, {}, [base.id]

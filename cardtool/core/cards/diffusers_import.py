@@ -29,9 +29,10 @@ def import_diffusers(source: Path, base_ref: str, card_id: str, out: Path | None
     """Write the card for the diffusers transformer at `source` on `base_ref`'s other components; `variant` picks
     diffusers' `diffusion_pytorch_model.VARIANT.safetensors` files."""
     from cardtool.backends.wan_config import from_diffusers
-    from cardtool.core.cards.writer import write_card
+    from cardtool.core.cards.writer import card_folder, write_card
     from cardtool.core.training.derived import extends_reference
 
+    out = card_folder(card_id, out)
     base = load_card(locate(base_ref))
     dits = [n for n, c in base.manifest.components.items() if c.kind == "dit"]
     if dits != ["transformer"] or "denoise" not in base.manifest.loops:
@@ -72,7 +73,6 @@ def import_diffusers(source: Path, base_ref: str, card_id: str, out: Path | None
     # one precision for the file, losing nothing: diffusers keeps norms and modulation float32 in a bf16 model
     storage = STORAGE[dtypes.pop()] if len(dtypes) == 1 else "float32"
 
-    out = Path(out or Path("cards") / card_id)
     loop_defaults = base.manifest.loops["denoise"].defaults
     manifest = {
         "schema": "cardtool/v1", "id": card_id,

@@ -16,7 +16,7 @@ from cardtool.core.cards.source import MANIFEST_NAMES, display_path
 from cardtool.core.cards.weight_files import sha256_file
 from cardtool.errors import BadInput, CardValidationError
 
-__all__ = ["replaceable", "unclaimed_id", "write_card"]
+__all__ = ["card_folder", "replaceable", "unclaimed_id", "write_card"]
 
 
 def write_card(folder: Path, manifest: dict, weights: dict[str, dict], *, copies: dict[str, Path] | None = None,
@@ -86,6 +86,21 @@ def _recover(folder: Path) -> None:
             os.replace(leftover, folder)
         else:
             shutil.rmtree(leftover, ignore_errors=True)
+
+
+def card_folder(card_id: str, out: str | Path | None) -> Path:
+    """Where a command writes the card `card_id`: `out`, else cards/ID — the id checked first, as the written manifest
+    would check it, so that one like '../x' is refused before any work and never names a folder outside cards/."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from cardtool.core.cards.schema import Name
+
+    try:
+        TypeAdapter(Name).validate_python(card_id)
+    except ValidationError:
+        raise BadInput(f"--id {card_id!r}"[:200] + ": a card id starts with a letter or digit and uses only letters, "
+                       "digits, '.', '_' and '-' (at most 128)") from None
+    return Path(out) if out is not None else Path("cards") / card_id
 
 
 def unclaimed_id(card_id: str, folder: Path,
