@@ -401,8 +401,8 @@ def fuzz(cases: int, seed: int, on_case=None) -> dict:
             counts[outcome] += 1
             if outcome not in ("rejected", "ran", "check_failed"):
                 print(f"case {case} {outcome}: {description} → {detail}", file=sys.stderr, flush=True)
-                if len(details[outcome]) < 20:
-                    details[outcome].append(f"{description} → {detail}")
+            if outcome not in ("rejected", "ran") and len(details[outcome]) < 20:  # check_failed's, to read
+                details[outcome].append(f"{description} → {detail}"[:2000])
             shutil.rmtree(root, ignore_errors=True)
             if on_case:
                 on_case(case + 1, counts)
