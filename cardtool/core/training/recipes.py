@@ -24,6 +24,7 @@ DISTILL_METHODS = ("dmd2",)  # `cardtool distill`
 RL_METHODS = ("diffusion_nft", "flow_grpo")  # `cardtool rl`
 RUN_BY = {**{m: "cardtool distill TEACHER --recipe FILE" for m in DISTILL_METHODS},
           **{m: "cardtool rl CARD --reward REWARD_CARD --recipe FILE" for m in RL_METHODS}}
+FLOAT32_MAX = 3.4028234663852886e38  # what training computes in; torch refuses a larger Python scalar for it
 
 
 class _Strict(BaseModel):
@@ -193,9 +194,6 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), method: str 
         return Recipe.model_validate(data)
     except ValidationError as e:
         raise BadInput(f"recipe {path or '(defaults and --set)'}: {field_problems(e)}")
-
-
-FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _beyond_float32(value, path: str = "") -> str | None:
