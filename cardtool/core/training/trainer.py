@@ -332,7 +332,7 @@ def _save(path: Path, recipe: Recipe, step: int, loss: float, seconds: float, mo
 
 
 def recipe_changes(recorded: str | None, now: dict, shown: int = 4) -> str:
-    """': KEY was A, now B; …' for the settings that differ between a checkpoint's recorded recipe (JSON) and this
+    """' (KEY was A, now B; …)' for the settings that differ between a checkpoint's recorded recipe (JSON) and this
     run's, or '' where the checkpoint records none (one written before checkpoints did) or it cannot be read."""
     try:
         before = json.loads(recorded) if recorded else None
