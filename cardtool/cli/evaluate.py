@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -71,6 +72,10 @@ def eval_command(
                           per_class=per_class, seed=seed, device=device, data=data, precision=precision,
                           on_row=progress, adapters=[parse_adapter(a) for a in adapter] if adapter else None,
                           shift=shift, solver=solver, out=out, resume=resume, on_step=steps_done)
+        if report.rank == 0 and report.rows and all(math.isnan(r.class_accuracy) for r in report.rows):
+            # the work made no result: a script reading the exit status must not take null rows for a measurement
+            raise RunFailed("no row measured: " + "; ".join(w for w in report.warnings if "no measurement" in w)
+                            + ("; the card was not recorded" if record else ""), report.to_json())
         if record and report.rank == 0:
             from cardtool.core.cards.record import record_eval
 

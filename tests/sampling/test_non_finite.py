@@ -80,19 +80,38 @@ def test_generate_names_nan_images_and_writes_none(examples, tmp_path):
     assert not list((tmp_path / "out").glob("*.png"))
 
 
-def test_an_eval_row_of_nan_images_is_null_and_the_others_are_measured(examples, tmp_path):
-    _poison(examples / "tiny-base", "transformer.safetensors", "proj_out.bias", OVERFLOWING)
+def test_an_eval_row_of_nan_images_is_null_and_the_others_are_measured(examples, tmp_path, monkeypatch):
+    from cardtool.core.evaluation import evaluate
+    from cardtool.core.sampling.denoise import NonFiniteImages
+
     data = write_idx_folder(tmp_path / "idx")
     args = ["eval", str(examples / "tiny-base"), "--judge", str(EXAMPLE_CARDS / "tiny-judge"), "--per-class", "1",
             "--steps", "1", "--data", str(data)]
+    real_sample, calls = evaluate.sample, []
+
+    def first_row_overflows(loop, requests, **options):
+        calls.append(len(requests))
+        if len(calls) == 1:
+            raise NonFiniteImages("tiny-base", requests, len(requests))
+        return real_sample(loop, requests, **options)
+
+    monkeypatch.setattr(evaluate, "sample", first_row_overflows)
+    mixed = CliRunner().invoke(app, [*args, "--steps", "2", "--json"])
+    assert mixed.exit_code == 0, mixed.output  # a sweep with a measured row made a result
+    rows = json.loads(mixed.stdout)["rows"]
+    assert rows[0]["class_accuracy"] is None and rows[1]["class_accuracy"] is not None
+    monkeypatch.setattr(evaluate, "sample", real_sample)
+    _poison(examples / "tiny-base", "transformer.safetensors", "proj_out.bias", OVERFLOWING)
     result = CliRunner().invoke(app, [*args, "--json"])
-    assert result.exit_code == 0, result.output
-    report = json.loads(result.stdout)
+    assert result.exit_code == 1, result.output  # no row measured: no result, whatever the report holds
+    error = json.loads(result.stdout)["error"]
+    assert error["kind"] == "failed" and error["message"].startswith("no row measured: float32, 1 steps")
+    report = error["partial"]
     assert report["rows"][0]["class_accuracy"] is None and report["rows"][0]["fid_fmnist"] is None
     assert any("no measurement" in w and "NaN or inf" in w for w in report["warnings"])
     assert all(math.isfinite(v) for v in report["floors"].values())  # the VAE floor does not use the DiT
     table = CliRunner().invoke(app, args)
-    assert table.exit_code == 0 and "nan" in table.output
+    assert table.exit_code == 1 and "nan" in table.output and "no row measured" in table.output
 
 
 def test_an_rl_run_whose_policy_samples_nan_stops_as_diverged(examples, tmp_path):
