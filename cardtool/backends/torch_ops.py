@@ -140,12 +140,15 @@ def _short_on_cpu_training(q, k, v) -> bool:
 
 def attention_matmul(q, k, v, mask=None):
     """Attention written out: softmax(q·kᵀ/√d, masked)·v, in float32 for low-precision inputs; rows with nothing to
-    attend to give zeros."""
+    attend to give zeros. Only those rows are zeroed (their softmax is NaN): a NaN from the inputs — a LoRA scale that
+    overflows, weights gone bad in training — stays NaN, as in the numpy reference, so that it is caught, not hidden."""
     scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(scores.to(_compute(scores)), dim=-1).nan_to_num(0.0).to(v.dtype)  # all masked → 0
-    return weights @ v
+    weights = torch.softmax(scores.to(_compute(scores)), dim=-1)
+    if mask is not None:
+        weights = weights.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
+    return weights.to(v.dtype) @ v
 
 
 def attention(q, k, v, mask=None):

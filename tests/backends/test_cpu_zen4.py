@@ -3,10 +3,11 @@ avx512_bf16 tier's cells, and values the generic cells give (runs on any CPU: th
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from cardtool.backends import cpu_bf16, cpu_zen4, torch_ops
+from cardtool.backends import cpu_bf16, cpu_zen4, reference, torch_ops
 from cardtool.backends.parity import run_parity
 from cardtool.backends.platform import Platform
 from cardtool.backends.registry import KERNELS
@@ -118,6 +119,27 @@ def test_bf16_linear_is_a_bfloat16_product_under_autocast_with_the_tanh_gelu():
     assert ((gelu.double() - tanh_gelu).abs() <= step * tanh_gelu.abs() + 1e-2).all()
     assert float_bias.dtype == torch.bfloat16
     assert ((float_bias.double() - exact).abs() <= step * exact.abs() + 1e-2).all()
+
+
+def test_written_out_attention_keeps_a_nan_that_its_inputs_hold():
+    """Only the rows that attend to nothing are zeroed: a NaN query (a LoRA scale of 1e308 made one) stays NaN, as in
+    the numpy reference, so the sampler refuses the image instead of serving one whose attention was dropped."""
+    torch.manual_seed(3)
+    q, k, v = torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
+    q[0, 1, 3] = float("nan")
+    mask = torch.ones(2, 1, 1, 16, dtype=torch.bool)
+    mask[1] = False
+    for given in (None, mask):
+        out = torch_ops.attention_matmul(q, k, v, given)
+        expected = reference.attention(q.double().numpy(), k.double().numpy(), v.double().numpy(),
+                                       None if given is None else given.numpy())
+        assert torch.isnan(out[0, 1, 3]).all() and torch.isfinite(out[0, 0]).all()
+        assert torch.isfinite(out[0, 1, 4]).all()  # the other queries of that head
+        assert np.isnan(expected[0, 1, 3]).all()
+        if given is not None:
+            assert (out[1] == 0).all() and (expected[1] == 0).all()
+        with torch.inference_mode():
+            assert torch.isnan(cpu_zen4.attention(q, k, v, given)[0, 1, 3]).all()
 
 
 @pytest.mark.parametrize(("keys", "bf16_error"), [(7, 1e-5), (90, 2e-2)])  # 16 × 7 written out in float32; 80 × 90

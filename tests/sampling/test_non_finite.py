@@ -69,6 +69,15 @@ def test_a_lora_holding_nan_is_refused_when_it_loads(examples, tmp_path):
     assert plain.exit_code == 0, plain.output  # the base itself is fine
 
 
+def test_a_lora_scale_that_overflows_is_caught_not_dropped_by_the_attention(examples, tmp_path):
+    """tiny-base's LoRA touches only a query projection: at 1e308 its rows go NaN, which the written-out attention
+    used to zero with the rows that attend to nothing, and the image came out finite."""
+    result = CliRunner().invoke(app, ["generate", str(examples / "tiny-base"), "-p", "a bag", "--steps", "2",
+                                      "--adapter", "invert=1e308", "--out", str(tmp_path / "out"), "--json"])
+    assert result.exit_code == 1, result.output
+    assert "made NaN or inf for 1 of 1 images" in json.loads(result.stdout)["error"]["message"]
+
+
 def test_generate_names_nan_images_and_writes_none(examples, tmp_path):
     _poison(examples / "tiny-base", "transformer.safetensors", "proj_out.bias", OVERFLOWING)
     result = CliRunner().invoke(app, ["generate", str(examples / "tiny-base"), "-p", "a bag", "-n", "2", "--steps",
