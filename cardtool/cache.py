@@ -102,14 +102,18 @@ def usage() -> dict:
                for kind, entries in _files(root).items()}}
 
 
-def prune(to: int | None = None, root: Path | None = None) -> dict:
+def prune(to: int | None = None, root: Path | None = None, strict: bool = False) -> dict:
     """Remove the least recently used encoded prompts in the cache (`root`, default `cache_dir()`) until those left
     take at most `to` bytes (default: `limit()`); what was removed and what is left. Entries another process removes
-    meanwhile are skipped."""
+    meanwhile are skipped. One that cannot be removed (a read-only cache) stays; `strict` (the command) then raises
+    RunFailed with the report, as `clear` does — a run holding the cache to its limit never fails for it."""
+    from cardtool.errors import RunFailed
+
     root = cache_dir() if root is None else root
     to = limit() if to is None else to
     entries = sorted(((_used(e), _size(e), e.path) for e in _files(root)["text"]), reverse=True)  # newest first
-    kept = files = removed = 0
+    kept = files = removed = gone = 0
+    refused = []
     full = False  # once an entry does not fit, every older one goes too: the order of use decides, not the sizes
     for _, size, path in entries:
         full = full or kept + size > to
@@ -118,12 +122,19 @@ def prune(to: int | None = None, root: Path | None = None) -> dict:
             continue
         try:
             os.unlink(path)
-        except OSError:  # gone already, or not ours to remove: it stays counted as kept
+        except FileNotFoundError:  # another process removed it first
+            gone += 1
+            continue
+        except OSError as e:
+            refused.append(f"{path}: {e.strerror or e}")
             kept += size
             continue
         files, removed = files + 1, removed + size
-    return {"path": str(root), "limit": to, "removed": {"files": files, "bytes": removed},
-            "text": {"files": len(entries) - files, "bytes": kept}}
+    report = {"path": str(root), "limit": to, "removed": {"files": files, "bytes": removed},
+              "text": {"files": len(entries) - files - gone, "bytes": kept}}
+    if refused and strict:
+        raise RunFailed(f"{len(refused)} of cardtool's cache files could not be removed, e.g. {refused[0]}", report)
+    return report
 
 
 def clear() -> dict:

@@ -69,7 +69,7 @@ def prune_command(
     from cardtool.cache import parse_size, prune
 
     with handled(json_):
-        report = prune(None if max_size is None else parse_size(max_size))
+        report = prune(None if max_size is None else parse_size(max_size), strict=True)
     if json_:
         emit_json({"pruned": report})
         return

@@ -9,6 +9,7 @@ import os
 from helpers import EXAMPLE_CARDS
 from typer.testing import CliRunner
 
+from cardtool.cache import prune
 from cardtool.cli import app
 
 
@@ -76,6 +77,17 @@ def test_prune_keeps_the_most_recently_used_within_the_size(tmp_path, monkeypatc
     assert report["pruned"]["removed"] == {"files": 2, "bytes": 2000}
     assert sorted(p.name[0] for p in root.glob("text/*/*.npz")) == ["2", "3"]
     assert (root / "text" / "00" / "notes.txt").exists()
+
+    def refuse(path, *args, **kwargs):
+        raise OSError(30, "Read-only file system", path)
+
+    with monkeypatch.context() as patched:  # a read-only cache: the command says so, as clear does (it said "kept")
+        patched.setattr(os, "unlink", refuse)
+        result, report = cache("prune", "--max-size", "0")
+        assert result.exit_code == 1
+        assert "2 of cardtool's cache files could not be removed" in report["error"]["message"]
+        assert report["error"]["partial"]["text"] == {"files": 2, "bytes": 2000}
+        assert prune(0, root)["text"]["files"] == 2, "a run holding the cache to its limit is never failed by it"
     assert cache("info")[1]["limit"] == 5 * 10**9
     assert cache("prune", "--max-size", "9" * 18)[1]["pruned"]["limit"] == int("9" * 18), "exact, never a float"
     for bad, message in ((["prune", "--max-size", "5XB"], "is not a size"), (["prune", "--max-size", "-1"], "is not"),
