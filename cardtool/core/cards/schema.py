@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 __all__ = ["SCHEMA", "METHODS", "CardManifest", "Component", "Loop", "LoraAdapter", "ControlNetAdapter",
-           "Recipe", "Assumes", "Parity"]
+           "Recipe", "Assumes", "Parity", "Name", "checked_name"]
 
 SCHEMA = "cardtool/v1"
 METHODS = ("pretrain", "finetune", "vae", "classifier", "lora", "controlnet", "dmd2", "diffusion_nft",
@@ -16,6 +17,17 @@ METHODS = ("pretrain", "finetune", "vae", "classifier", "lora", "controlnet", "d
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=128)]
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 RelPath = Annotated[str, Field(min_length=1)]
+
+
+def checked_name(value: str) -> str:
+    """`value` where it is a Name as a manifest spells a card's or adapter's id — never a path; ValueError (pydantic's
+    ValidationError) where it is not."""
+    return _name_adapter().validate_python(value)
+
+
+@functools.cache
+def _name_adapter() -> TypeAdapter:
+    return TypeAdapter(Name)
 
 
 class _Strict(BaseModel):

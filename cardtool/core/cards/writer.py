@@ -91,13 +91,11 @@ def _recover(folder: Path) -> None:
 def card_folder(card_id: str, out: str | Path | None) -> Path:
     """Where a command writes the card `card_id`: `out`, else cards/ID — the id checked first, as the written manifest
     would check it, so that one like '../x' is refused before any work and never names a folder outside cards/."""
-    from pydantic import TypeAdapter, ValidationError
-
-    from cardtool.core.cards.schema import Name
+    from cardtool.core.cards.schema import checked_name
 
     try:
-        TypeAdapter(Name).validate_python(card_id)
-    except ValidationError:
+        checked_name(card_id)
+    except ValueError:
         raise BadInput(f"--id {card_id!r}"[:200] + ": a card id starts with a letter or digit and uses only letters, "
                        "digits, '.', '_' and '-' (at most 128)") from None
     return Path(out) if out is not None else Path("cards") / card_id

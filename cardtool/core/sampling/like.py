@@ -96,11 +96,9 @@ class _Fields:
 
     def card_id(self, key: str) -> str | None:
         """A card's id, as a manifest spells it: never a path, which a PNG from elsewhere could point anywhere."""
-        from pydantic import TypeAdapter
+        from cardtool.core.cards.schema import checked_name
 
-        from cardtool.core.cards.schema import Name
-
-        return self._typed(key, TypeAdapter(Name).validate_python)  # its ValidationError is a ValueError
+        return self._typed(key, checked_name)
 
     def whole(self, key: str) -> int | None:
         return self._typed(key, int)
