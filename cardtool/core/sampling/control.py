@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from cardtool.core.sampling.control_names import PREPROCESSORS as NAMES
-from cardtool.core.sampling.images import MAX_PIXELS
+from cardtool.core.sampling.images import open_image
 from cardtool.errors import BadInput
 from cardtool.files import read_small_file_bytes
 
@@ -78,28 +78,18 @@ class ControlImage:
 
 def read_control(path: Path, size: int) -> np.ndarray:
     """A control image file as grey uint8 (size, size): any format Pillow reads, converted to grey and resized."""
-    import io
-    import warnings
-
     from PIL import Image, UnidentifiedImageError
 
     data, reason = read_small_file_bytes(path, limit=64 << 20)
     if reason:
         raise BadInput(f"cannot read control image: {reason}")
     try:
-        with warnings.catch_warnings():
-            # Pillow warns of a bomb at open; the size check below refuses any image it would warn of
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
-        with image:
-            if image.width * image.height > MAX_PIXELS:  # before decoding: a small file can declare billions
-                raise BadInput(f"cannot read control image {path}: {image.width} × {image.height} pixels, more than "
-                               f"{MAX_PIXELS:,}")
+        with open_image(data) as image:  # its size checked before decoding
             image = image.convert("L")
             if image.size != (size, size):
                 image = image.resize((size, size), Image.BILINEAR)
             return np.asarray(image, dtype=np.uint8).copy()
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+    except (UnidentifiedImageError, OSError, ValueError) as e:  # open_image: ValueError for a declared bomb
         raise BadInput(f"cannot read control image {path}: {type(e).__name__}: {str(e)[:200]}")
 
 

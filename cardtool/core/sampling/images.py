@@ -49,26 +49,34 @@ def read_png_metadata(path: Path) -> dict[str, str]:
 def read_png(path: Path, pixels: bool = True) -> tuple[np.ndarray | None, dict[str, str]]:
     """A PNG's grey pixels (None unless `pixels`) and its text chunks. Read as a regular file of bounded size (never
     blocking on a FIFO that stands where an image should); OSError when it is not one, ValueError when it declares
-    more than MAX_PIXELS (a small file can declare billions: Pillow's bomb check is an exception of its own)."""
-    import io
-    import warnings
-
-    from PIL import Image
-
+    more than MAX_PIXELS (`open_image`)."""
     from cardtool.files import read_small_file_bytes
 
     data, reason = read_small_file_bytes(Path(path), limit=64 << 20)
     if reason:
         raise OSError(reason)
+    with open_image(data) as image:
+        return (np.asarray(image.convert("L")).copy() if pixels else None), dict(getattr(image, "text", {}))
+
+
+def open_image(data: bytes):
+    """Pillow's image of `data`, opened but not decoded: ValueError where it declares more than MAX_PIXELS (a small
+    file can declare billions), Pillow's bomb error among them; Pillow's own errors otherwise."""
+    import io
+    import warnings
+
+    from PIL import Image
+
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as image:
-                if image.width * image.height > MAX_PIXELS:
-                    raise ValueError(f"{image.width} × {image.height} pixels, more than {MAX_PIXELS:,}")
-                return (np.asarray(image.convert("L")).copy() if pixels else None), dict(getattr(image, "text", {}))
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        with warnings.catch_warnings():  # Pillow's bomb warning: every image it warns of is refused below
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as e:
         raise ValueError(str(e)) from None
+    if image.width * image.height > MAX_PIXELS:
+        image.close()
+        raise ValueError(f"{image.width} × {image.height} pixels, more than {MAX_PIXELS:,}")
+    return image
 
 
 def grid_image(rows: list[tuple[str, list[np.ndarray]]], scale: int = 3) -> np.ndarray:
