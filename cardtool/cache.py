@@ -7,7 +7,7 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["DEFAULT_LIMIT", "cache_dir", "clear", "limit", "parse_size", "prune", "usage"]
+__all__ = ["DEFAULT_LIMIT", "cache_dir", "clear", "limit", "parse_size", "problem", "prune", "usage"]
 
 DEFAULT_LIMIT = 5 * 10**9  # bytes of encoded prompts kept; the least recently used go beyond it (as ccache does)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
@@ -94,10 +94,27 @@ def _used(entry: os.DirEntry) -> float:
         return 0.0
 
 
+def problem(root: Path | None = None) -> str | None:
+    """Why runs cannot keep anything in the cache folder (each then encodes its prompts again), or None."""
+    root = cache_dir() if root is None else root
+    folder = root
+    try:
+        while not folder.exists() and folder != folder.parent:  # created on first use: the first that exists decides
+            folder = folder.parent
+        if not folder.is_dir():
+            return f"{folder} is not a folder"
+        if not os.access(folder, os.W_OK | os.X_OK):
+            return f"{folder} is not writable"
+    except OSError as e:  # a name too long, a folder on the way that cannot be searched
+        return f"{root} cannot be reached ({e.strerror or e})"
+    return None
+
+
 def usage() -> dict:
-    """The cache's folder and, per kind, how many files of cardtool's it holds and their bytes."""
+    """The cache's folder, why runs cannot write to it (`problem`, None when they can) and, per kind, how many files
+    of cardtool's it holds and their bytes."""
     root = cache_dir()
-    return {"path": str(root), "limit": limit(),
+    return {"path": str(root), "limit": limit(), "problem": problem(root),
             **{kind: {"files": len(entries), "bytes": sum(_size(e) for e in entries)}
                for kind, entries in _files(root).items()}}
 

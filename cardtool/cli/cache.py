@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from cardtool.cli.output import counted, emit_json, handled, say
+from cardtool.cli.output import counted, emit_json, handled, say, warn
 
 app = typer.Typer(help="cardtool's cache of encoded prompts and weights digests: where it is, its size, clearing it.",
                   no_args_is_help=True)
@@ -43,6 +43,8 @@ def info_command(json_: JsonOption = False) -> None:
         emit_json(report)
         return
     _lines(report, "cache")
+    if report["problem"]:
+        warn(f"{report['problem']}: runs keep nothing here and encode their prompts again (set CARDTOOL_CACHE)")
 
 
 @app.command("clear")

@@ -38,7 +38,7 @@ def test_info_counts_and_clear_removes_only_cardtools_files(tmp_path, monkeypatc
     assert result.exit_code == 0
     assert (cleared["cleared"]["text"]["files"], cleared["cleared"]["temporary"]["files"]) == (2, 1)
     assert all(path.exists() for path in foreign) and (tmp_path / "a.png").exists()
-    assert [(k, v["files"]) for k, v in cache("info")[1].items() if k not in ("path", "limit")] == [
+    assert [(k, v["files"]) for k, v in cache("info")[1].items() if k not in ("path", "limit", "problem")] == [
         ("text", 0), ("digests", 0), ("temporary", 0)]
     again = CliRunner().invoke(app, ["generate", str(EXAMPLE_CARDS / "tiny-base"), "-p", "a bag", "--steps", "1",
                                      "--out", str(tmp_path / "b.png")])
@@ -112,3 +112,44 @@ def test_a_cache_folder_that_cannot_exist_costs_the_encoding_not_the_run(tmp_pat
         result, report = cache(command)
         assert result.exit_code == 0, (command, result.output)
     assert cache("info")[1]["text"] == {"files": 0, "bytes": 0}
+
+
+def test_a_cache_that_cannot_be_written_is_said_once_by_generate_and_by_info(tmp_path, monkeypatch):
+    """A file where the cache folder should be: the run works, says once why its prompts were not kept, and `cache
+    info` names the cause; a cache folder that is only not there yet is no problem."""
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("CARDTOOL_CACHE", str(tmp_path / "a-file"))
+    card, warned = str(EXAMPLE_CARDS / "tiny-base"), []
+    for name in ("a", "b"):
+        made = CliRunner().invoke(app, ["generate", card, "-p", f"a bag {name}", "--steps", "1", "--out",
+                                        str(tmp_path / f"{name}.png"), "--json"])
+        assert made.exit_code == 0, made.output
+        warned.append([w for w in json.loads(made.stdout)["warnings"] if "cache" in w])
+    assert len(warned[0]) == 1 and "a-file cannot be written" in warned[0][0], warned
+    result, info = cache("info")
+    assert result.exit_code == 0 and info["problem"] == f"{tmp_path / 'a-file'} is not a folder"
+    monkeypatch.setenv("CARDTOOL_CACHE", str(tmp_path / "not-yet" / "cache"))
+    assert cache("info")[1]["problem"] is None
+
+
+def test_a_loaded_card_says_an_unwritable_cache_in_its_first_call_only(tmp_path, monkeypatch):
+    from cardtool.core.sampling.generate import LoadedCard
+
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("CARDTOOL_CACHE", str(tmp_path / "a-file"))
+    loaded = LoadedCard(str(EXAMPLE_CARDS / "tiny-base"))
+    first = loaded.generate(["a bag"], steps=1, out=tmp_path / "one")
+    second = loaded.generate(["a coat"], steps=1, out=tmp_path / "two")
+    assert [w for w in first.warnings if "cache" in w] and not [w for w in second.warnings if "cache" in w]
+
+
+def test_eval_says_an_unwritable_cache_in_its_warnings(tmp_path, monkeypatch):
+    from helpers import write_idx_folder
+
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("CARDTOOL_CACHE", str(tmp_path / "a-file"))
+    result = CliRunner().invoke(app, ["eval", str(EXAMPLE_CARDS / "tiny-base"), "--judge",
+                                      str(EXAMPLE_CARDS / "tiny-judge"), "--per-class", "1", "--steps", "1", "--data",
+                                      str(write_idx_folder(tmp_path / "idx")), "--json"])
+    assert result.exit_code == 0, result.output
+    assert [w for w in json.loads(result.stdout)["warnings"] if "a-file cannot be written" in w]

@@ -204,6 +204,7 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
             if caught and number < len(cells) - 1:
                 hint = f"; the same command with --resume measures the rest (rows so far in {out})" if out else ""
                 raise Interrupted.after(caught[0], f"{number + 1} of {len(cells)} rows{hint}", report.to_json())
+    report.warnings += [cache.problem] if cache.problem else []
     return report
 
 

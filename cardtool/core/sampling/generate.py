@@ -341,6 +341,8 @@ class LoadedCard:
                                             "--skip-existing makes the rest",
                                             {"images": [image.to_json() for image, _, _ in [*kept.values(), *images]]})
         seconds = time.perf_counter() - started
+        if self.cache.problem:  # said once: the cache writes nothing more
+            warnings, self.cache.problem = [*warnings, self.cache.problem], None
         if not ranks.main:
             return GenerateReport(card.id, f"{platform.device}/{platform.arch}", [], None, warnings, seconds,
                                   rank=ranks.rank)

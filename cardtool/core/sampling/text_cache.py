@@ -34,6 +34,7 @@ class TextFeatureCache:
         self._memory: OrderedDict[str, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self._memory_bytes, self.memory_limit = 0, memory_limit
         self.hits = self.misses = 0
+        self.problem: str | None = None  # why encoded prompts stopped going to disk, said once by the command
         self._written = 0  # bytes put on disk since the cache was last held to its limit
 
     @staticmethod
@@ -77,7 +78,9 @@ class TextFeatureCache:
             np.savez(buffer, states=entry[0], mask=entry[1])
             try:
                 write_atomic(self.root / key[:2] / f"{key}.npz", buffer.getvalue())
-            except OSError:  # an unwritable cache costs a later process the encoding, never this one its run
+            except OSError as e:  # an unwritable cache costs a later process the encoding, never this one its run
+                self.problem = (f"encoded prompts are not kept on disk: the cache {self.root.parent} cannot be "
+                                f"written ({e.strerror or e}); set CARDTOOL_CACHE to a writable folder")
                 self.root = None
                 return entry
             self._written += buffer.tell()
