@@ -1,5 +1,6 @@
 """Fuzz cards: mutated manifests, weights (LoRA headers too) and files run through `cards validate --checksums` →
-`cards show` → `generate` → `parity --card` → `generate --adapter` for each LoRA, in process, with counts by outcome.
+`cards show` → `generate` → `parity --card` → `generate --adapter` for each LoRA → `cards lineage` → `cards export
+--format hf` → `cards validate` of the export, in process, with counts by outcome.
 
 Outcomes: `rejected` (validation refused it with a clean error), `ran` (it validated, and show, generate and
 parity all succeeded), `check_failed` (it ran, and parity reported a numeric mismatch or generate found the images
@@ -335,13 +336,17 @@ def _error_kind(stdout: str) -> str | None:
 
 
 def run_case(runner, app, card: Path, out: Path) -> tuple[str, str]:
-    """(outcome, detail) of one mutated card through the commands: validate, show, generate, parity, and generate
-    with each LoRA it declares."""
+    """(outcome, detail) of one mutated card through the commands: validate, show, generate, parity, generate
+    with each LoRA it declares, lineage, export and the export's validation."""
     commands = [["cards", "validate", "--checksums", "--json", str(card)], ["cards", "show", "--json", str(card)],
                 ["generate", str(card), "-p", "a bag", "--steps", "2", "--json", "--out", str(out)],
                 ["parity", "--card", str(card), "--op", "cfg_combine", "--json"]]
     commands += [["generate", str(card), "-p", "a bag", "--steps", "2", "--adapter", name, "--json", "--out", str(out)]
                  for name in _lora_names(card)]  # a card that validates must serve every adapter it declares
+    export = out.parent / "export"  # and must export, as a card that validates again
+    commands += [["cards", "lineage", "--json", str(card)],
+                 ["cards", "export", str(card), "--format", "hf", "--out", str(export), "--overwrite", "--json"],
+                 ["cards", "validate", "--checksums", "--json", str(export)]]
     valid, errors, checks = None, [], []
     for i, args in enumerate(commands):
         if i >= 2 and not valid:

@@ -141,7 +141,9 @@ def lineage_command(card: CardArgument, json_: JsonOption = False) -> None:
         from rich.tree import Tree
 
         def label(node) -> str:
-            return f"[red]{node.id} (missing)[/red]" if node.missing else f"{node.id} [dim]({node.method})[/dim]"
+            if node.missing:
+                return f"[red]{node.id} (missing)[/red]"
+            return f"{node.id} [dim]({node.method}{', recorded by the export' if node.recorded else ''})[/dim]"
 
         def grow(tree, node) -> None:
             for parent in node.parents:

