@@ -13,6 +13,7 @@ from pathlib import Path
 
 from cardtool.core.cards.components import few
 from cardtool.core.cards.discovery import locate
+from cardtool.core.cards.lineage import check_new_id
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.errors import BadInput
 from cardtool.files import is_regular_file, read_small_file
@@ -34,6 +35,7 @@ def import_diffusers(source: Path, base_ref: str, card_id: str, out: Path | None
 
     out = card_folder(card_id, out)
     base = load_card(locate(base_ref))
+    check_new_id(card_id, [base], "give the imported card another --id")
     dits = [n for n, c in base.manifest.components.items() if c.kind == "dit"]
     if dits != ["transformer"] or "denoise" not in base.manifest.loops:
         raise BadInput(f"base '{base.id}' has no denoise loop over a `transformer` DiT for the import to replace")

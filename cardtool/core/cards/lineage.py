@@ -8,9 +8,9 @@ from pathlib import Path
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.source import display_path
-from cardtool.errors import AmbiguousCard, CardNotFound, CardValidationError, Problem
+from cardtool.errors import AmbiguousCard, BadInput, CardNotFound, CardValidationError, Problem
 
-__all__ = ["LineageNode", "lineage", "missing_parent_problems"]
+__all__ = ["LineageNode", "check_new_id", "lineage", "missing_parent_problems"]
 
 
 @dataclass
@@ -91,3 +91,20 @@ def missing_parent_problems(card: Card, node: LineageNode) -> list[Problem]:
     return [card.problem(("recipe", "parents", str(i)), f"parent card '{p.id}' cannot be found",
                          "put the parent card beside this one, in ./cards or on CARDTOOL_PATH")
             for i, p in enumerate(node.parents) if p.missing]
+
+
+def check_new_id(card_id: str, parents: list[Card], fix: str) -> None:
+    """A card made from `parents` may not take the id of a card in their lineage: its own lineage would loop back to
+    itself, and a lookup of the id beside it would find two cards. Checked before the work that makes it."""
+    for parent in parents:
+        try:
+            node = lineage(parent)
+        except CardValidationError:  # a parent whose own lineage is broken: its id is what is known
+            node = LineageNode(parent.id, None, parent.folder)
+        if card_id in _ids(node):
+            where = "its parent's" if card_id == parent.id else f"a card '{parent.id}' descends from"
+            raise BadInput(f"card id '{card_id}' is {where}: the new card would descend from itself; {fix}")
+
+
+def _ids(node: LineageNode) -> set[str]:
+    return {node.id}.union(*(_ids(p) for p in node.parents))

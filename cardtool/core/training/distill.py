@@ -76,7 +76,7 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
     teacher = load_card(locate(recipe.parents[0]))
     out = Path(out or Path("cards") / recipe.card.id)
     run_dir = Path(run_dir or Path("runs") / recipe.card.id)
-    writable_outputs(out, run_dir, replace=force, flag="--force", card_id=recipe.card.id)
+    writable_outputs(out, run_dir, replace=force, flag="--force", card_id=recipe.card.id, parents=[teacher])
     if evaluate:
         from cardtool.core.evaluation.reward import reward_card
 

@@ -178,7 +178,8 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
     reward = load_reward(recipe.parents[1], platform)
     out = Path(out or Path("cards") / recipe.card.id)
     run_dir = Path(run_dir or Path("runs") / recipe.card.id)
-    writable_outputs(out, run_dir, replace=force, flag="--force", card_id=recipe.card.id)
+    writable_outputs(out, run_dir, replace=force, flag="--force", card_id=recipe.card.id,
+                     parents=[base, reward_card(recipe.parents[1])[0]])
     judges = [judge, *([held_out_judge] if held_out_judge else [])]
     if evaluate or watch_every:
         for name in judges:

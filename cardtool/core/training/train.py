@@ -7,7 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cardtool.backends.platform import Platform
-from cardtool.core.cards.loader import Card
+from cardtool.core.cards.discovery import locate
+from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.data import IMAGE_SIZE, load_split
 from cardtool.core.prompts import TEXT_ENCODER
 from cardtool.core.training.derived import extends_reference, write_output
@@ -28,7 +29,8 @@ def train(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Pat
     platform = Platform.detect(device)
     out = Path(out or Path("cards") / recipe.card.id)
     run_dir = Path(run_dir or Path("runs") / recipe.card.id)
-    writable_outputs(out, run_dir, replace=overwrite, flag="--overwrite", card_id=recipe.card.id)
+    writable_outputs(out, run_dir, replace=overwrite, flag="--overwrite", card_id=recipe.card.id,
+                     parents=[load_card(locate(ref)) for ref in recipe.parents])
     folder = data or recipe.data.get("folder")
     method = recipe.method
     size = IMAGE_SIZE

@@ -253,13 +253,16 @@ def _train(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, resume
     return TrainResult(final, o.steps, loss_value, total, o.steps * o.batch_size / total if total else 0.0)
 
 
-def writable_outputs(out: Path, run_dir: Path, *, replace: bool, flag: str, card_id: str,
+def writable_outputs(out: Path, run_dir: Path, *, replace: bool, flag: str, card_id: str, parents=(),
                      rename: str = "--set card.id=NAME", relocate: str = "--out") -> None:
     """The folder the card goes in and the run folder, proven usable before training, not after it: writable, apart
     (a card is written as a whole new folder, so a run folder at or inside it would stop the card at the end), no
     folder at `out` unless `replace` (the command's `flag`) — and then one `write_card` may replace — and `card_id`
-    not another card's on the search path `out` is in."""
+    neither another card's on the search path `out` is in nor one in the lineage of the `parents` it is made from."""
+    from cardtool.core.cards.lineage import check_new_id
     from cardtool.core.cards.writer import replaceable, unclaimed_id
+
+    check_new_id(card_id, list(parents), f"give the new card another id ({rename})")
 
     if out.exists() or out.is_symlink():
         if not replace:

@@ -127,6 +127,7 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
     """Run the stages in order (up to `stop_after`); the report has each stage and, after the eval stage, each
     card's accuracy under both judges, FID-FMNIST, model evaluations per image and images/s. Under torchrun every
     stage splits its work by rank (`micro_batches` as in `train_loop`) and rank 0 writes the cards and the report."""
+    from cardtool.core.cards.lineage import check_new_id
     from cardtool.core.evaluation.reward import reward_card
     from cardtool.core.training.distill import distill
     from cardtool.core.training.rl import rl
@@ -140,6 +141,11 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
         locate(ref)  # before hours of training, not after
     for ref in [recipe.reward, judge, *([held_out_judge] if held_out_judge else [])]:
         reward_card(ref)
+    if recipe.distill.card.id == recipe.rl.card.id:
+        raise BadInput(f"the rl and distill stages would both write card '{recipe.rl.card.id}'; give them two ids")
+    parents = [load_card(locate(recipe.base)), reward_card(recipe.reward)[0]]  # the rl card's; the student's above
+    for stage in (recipe.rl, recipe.distill):  # both, before either stage's folders are made
+        check_new_id(stage.card.id, parents, "give the new card another id (--out-prefix NAME)")
     run_dir = Path(run_dir or Path("runs") / f"{recipe.rl.card.id}-flywheel")
     # before the first stage, not after it; an existing stage card is the stage's to skip or (--force) replace
     elsewhere = {"rename": "--out-prefix NAME", "relocate": "--out-dir"}
