@@ -29,7 +29,8 @@ from cardtool.backends.lora_targets import DEFAULT_TARGETS, matching
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import load_card
 from cardtool.core.prompts import class_prompt
-from cardtool.core.sampling.generate import LoadedCard, plan_requests
+from cardtool.core.sampling.generate import LoadedCard
+from cardtool.core.sampling.planning import plan_requests
 from cardtool.core.sampling.sampler import sample
 
 

@@ -28,8 +28,9 @@ from cardtool.core.evaluation.metrics import frechet_distance
 from cardtool.core.evaluation.reward import FashionJudge
 from cardtool.core.prompts import class_prompt
 from cardtool.core.sampling.best_of import best_of_n
-from cardtool.core.sampling.generate import LoadedCard, plan_requests
+from cardtool.core.sampling.generate import LoadedCard
 from cardtool.core.sampling.instance import ModelInstance
+from cardtool.core.sampling.planning import plan_requests
 from cardtool.core.sampling.sampler import sample
 
 

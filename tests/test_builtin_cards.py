@@ -210,7 +210,8 @@ def test_the_built_in_adapters_do_what_they_were_trained_for(builtin, fashion_mn
 
     from cardtool.core.data import load_split
     from cardtool.core.sampling.control import ControlImage, silhouette
-    from cardtool.core.sampling.generate import LoadedCard, plan_requests
+    from cardtool.core.sampling.generate import LoadedCard
+    from cardtool.core.sampling.planning import plan_requests
     from cardtool.core.sampling.sampler import sample
 
     loaded = LoadedCard("fashion-adapters", device="cpu")

@@ -64,9 +64,9 @@ def test_an_output_folder_that_is_a_file_is_named(tmp_path):
 
 
 def test_a_disk_failing_mid_run_is_a_message_not_a_traceback_and_keeps_what_was_written(tmp_path, monkeypatch):
-    from cardtool.core.sampling import generate
+    from cardtool.core.sampling import outputs
 
-    written, real = [], generate.save_png
+    written, real = [], outputs.save_png
 
     def full_after_two(path, *args, **kwargs):
         if len(written) == 2:
@@ -74,7 +74,7 @@ def test_a_disk_failing_mid_run_is_a_message_not_a_traceback_and_keeps_what_was_
         written.append(path)
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(generate, "save_png", full_after_two)
+    monkeypatch.setattr(outputs, "save_png", full_after_two)
     result = CliRunner().invoke(app, ["generate", str(REPO / "examples" / "cards" / "tiny-base"), "-p", "a bag",
                                       "-n", "4", "--steps", "1", "--out", str(tmp_path / "out"), "--json"])
     assert result.exit_code == 1, result.output

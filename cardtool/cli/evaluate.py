@@ -44,7 +44,7 @@ def eval_command(
 ) -> None:
     """Evaluate a card: per step count and guidance, accuracy by the judge, FID-FMNIST with its floors."""
     from cardtool.core.evaluation.evaluate import evaluate
-    from cardtool.core.sampling.generate import parse_interval
+    from cardtool.core.sampling.planning import parse_interval
 
     err = console(stderr=True)
 

@@ -66,7 +66,8 @@ def generate_command(
     """Generate images; each PNG carries its card, weights versions, prompt, seed and settings."""
     from cardtool.core.sampling.adapters import parse_adapter
     from cardtool.core.sampling.control import parse_control
-    from cardtool.core.sampling.generate import generate, parse_interval, read_prompts_file
+    from cardtool.core.sampling.generate import generate
+    from cardtool.core.sampling.planning import parse_interval, read_prompts_file
 
     with handled(json_):
         prompts = list(prompt or []) + (read_prompts_file(prompts_file) if prompts_file else [])

@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 from cardtool.cli import app
 from cardtool.core.evaluation.reward import load_reward
 from cardtool.core.sampling.best_of import best_of_n, candidate_seed
-from cardtool.core.sampling.generate import LoadedCard, plan_requests
+from cardtool.core.sampling.generate import LoadedCard
+from cardtool.core.sampling.planning import plan_requests
 
 
 def pixels(path):

@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 from cardtool.cli import app
 from cardtool.core.cards.loader import load_card
-from cardtool.core.sampling.generate import plan_requests
 from cardtool.core.sampling.images import read_png_metadata
+from cardtool.core.sampling.planning import plan_requests
 from cardtool.errors import CardValidationError
 
 
@@ -241,7 +241,8 @@ def test_a_long_generation_writes_its_images_wave_by_wave_and_a_signal_keeps_the
 
 
 def test_file_names_tell_prompts_apart_in_any_script(on_path, tmp_path):
-    from cardtool.core.sampling.generate import LoadedCard, prompt_slug
+    from cardtool.core.sampling.generate import LoadedCard
+    from cardtool.core.sampling.outputs import prompt_slug
 
     assert prompt_slug("An ankle boot!") == "an-ankle-boot" and prompt_slug(" ") == "unconditional"
     assert prompt_slug("连衣裙") != prompt_slug("运动鞋") and prompt_slug("连衣裙").startswith("prompt-")

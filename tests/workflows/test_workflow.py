@@ -203,16 +203,16 @@ def test_a_step_takes_an_adapter_stack_and_its_images_record_it(tmp_path, exampl
 def test_a_disk_failing_at_a_later_step_keeps_the_finished_steps_listed(examples, tmp_path, monkeypatch):
     import errno
 
-    from cardtool.core.sampling import generate
+    from cardtool.core.sampling import outputs
 
-    real = generate.save_png
+    real = outputs.save_png
 
     def full_at_step_two(path, *args, **kwargs):
         if "/two/" in str(path):
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(generate, "save_png", full_at_step_two)
+    monkeypatch.setattr(outputs, "save_png", full_at_step_two)
     path = write(tmp_path, examples, """  one:
     generate: {card: EX/tiny-base, prompts: ["a bag"], steps: 2}
   two:
@@ -234,7 +234,7 @@ def test_a_disk_failing_at_a_later_step_keeps_the_finished_steps_listed(examples
         written.append(path)
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(generate, "save_png", full_after_one)
+    monkeypatch.setattr(outputs, "save_png", full_after_one)
     result = run(path, tmp_path / "again", "--max-batch", "1", "--set", "steps.one.generate.num=2")
     assert result.exit_code == 1, result.output
     [stopped] = json.loads(result.stdout)["error"]["partial"]["steps"]

@@ -34,8 +34,8 @@ from cardtool.core.evaluation.reward import FashionJudge
 from cardtool.core.interrupt import Interrupted, stop_requests
 from cardtool.core.prompts import class_prompt
 from cardtool.core.sampling.denoise import DenoiseLoop, NonFiniteImages
-from cardtool.core.sampling.generate import plan_requests
 from cardtool.core.sampling.instance import ModelInstance
+from cardtool.core.sampling.planning import plan_requests
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache
 from cardtool.errors import BadInput

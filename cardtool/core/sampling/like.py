@@ -107,7 +107,7 @@ class _Fields:
         return self._typed(key, _finite)
 
     def interval(self, key: str) -> tuple[float, float] | None:
-        from cardtool.core.sampling.generate import parse_interval
+        from cardtool.core.sampling.planning import parse_interval
 
         return self._typed(key, parse_interval)
 

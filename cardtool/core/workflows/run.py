@@ -24,14 +24,9 @@ from cardtool.backends.platform import Platform
 from cardtool.core import distributed
 from cardtool.core.interrupt import Interrupted, stop_requests
 from cardtool.core.sampling.denoise import Request
-from cardtool.core.sampling.generate import (
-    LoadedCard,
-    image_metadata,
-    plan_requests,
-    prompt_slug,
-    save_image,
-    settings_tag,
-)
+from cardtool.core.sampling.generate import LoadedCard
+from cardtool.core.sampling.outputs import image_metadata, prompt_slug, save_image, settings_tag
+from cardtool.core.sampling.planning import plan_requests
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache
 from cardtool.core.workflows.manifest import Workflow, load_workflow

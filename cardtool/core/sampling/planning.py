@@ -1,0 +1,158 @@
+"""A `generate` call's requests: prompts (from the command line, a file or standard input) × seeds, the card's loop
+defaults filling what is not given, its adapter stack and control image checked against the card, and the Python
+API's arguments checked as strictly as the command line's parser checks them."""
+
+from __future__ import annotations
+
+import numbers
+import os
+from pathlib import Path
+
+from cardtool.core.cards.loader import Card
+from cardtool.core.cards.loops import FlowDenoiseDefaults
+from cardtool.core.sampling.control import ControlImage
+from cardtool.core.sampling.denoise import Request
+from cardtool.errors import BadInput
+from cardtool.files import read_small_file
+
+__all__ = ["LOOP", "MAX_IMAGES", "adapter_stack", "checked_arguments", "parse_interval", "plan_requests",
+           "read_prompts_file"]
+
+LOOP = "denoise"
+MAX_IMAGES = 100_000  # one command; beyond this a planning mistake, not a job (script several runs)
+
+
+def read_prompts_file(path: str | Path) -> list[str]:
+    """One prompt a line; blank lines and lines starting with # are skipped. A regular UTF-8 file of at most
+    16 MiB (never a FIFO or a device, which could block or never end), or `-`: standard input, as piped."""
+    limit = 16 << 20
+    if str(path) == "-":
+        import sys
+
+        data = sys.stdin.buffer.read(limit + 1) if sys.stdin is not None else b""
+        text, reason = "", f"standard input is larger than {limit} bytes" if len(data) > limit else ""
+        if not reason:
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError:
+                reason = "standard input is not UTF-8 text"
+    else:
+        text, reason = read_small_file(Path(path), limit=limit)
+    if reason:
+        raise BadInput(f"cannot read prompts file: {reason}")
+    lines = text.removeprefix("\ufeff").splitlines()  # a byte-order mark, as some editors write, is not a prompt
+    return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+
+def plan_requests(card: Card, prompts: list[str], *, num: int = 1, seed: int = 0, steps: int | None = None,
+                  guidance: float | None = None, shift: float | None = None, solver: str | None = None,
+                  guidance_interval: tuple[float, float] | None = None, strict: bool = False,
+                  adapters: list[tuple[str, float]] | None = None, control: ControlImage | None = None,
+                  control_scale: float | None = None, negative_prompt: str = "") -> tuple[list[Request], list[str]]:
+    """Requests for prompts × seeds (seed, seed + 1, … for each prompt's images), the card's loop defaults
+    filling what is not given; and warnings (a card assuming a fixed step count sampled with another).
+
+    `adapters` (name, scale) replaces the loop's default stack; a `control` image joins the card's ControlNet to
+    the stack when none is named, at `control_scale` (default 1); `negative_prompt` is what CFG's unconditional
+    branch is conditioned on instead of the empty prompt (the null condition): what the images should not be."""
+    prompts = checked_arguments(prompts, num=num, seed=seed, steps=steps, guidance=guidance, shift=shift,
+                       guidance_interval=guidance_interval, adapters=adapters, control_scale=control_scale,
+                       texts={"solver": solver, "negative_prompt": negative_prompt})
+    if not prompts:
+        raise BadInput("no prompts: give -p PROMPT or --prompts-file FILE")
+    if not 1 <= num <= MAX_IMAGES or len(prompts) * num > MAX_IMAGES:
+        raise BadInput(f"--num must be at least 1 and prompts × num at most {MAX_IMAGES:,}, got {len(prompts)} × {num}")
+    loop = card.manifest.loops.get(LOOP)
+    if loop is None:
+        raise BadInput(f"card '{card.id}' has no '{LOOP}' loop to generate with")
+    defaults = FlowDenoiseDefaults.model_validate(loop.defaults)  # validated when the card loaded
+    steps = steps if steps is not None else defaults.steps
+    warnings = []
+    assumed = card.manifest.recipe.assumes.steps
+    if assumed is not None and steps != assumed:
+        message = f"card '{card.id}' assumes {assumed} steps; sampling with {steps} may give poor images"
+        if strict:
+            raise BadInput(message + " (--strict)")
+        warnings.append(message)
+    stack = adapter_stack(card, list(defaults.adapters.items()) if adapters is None else adapters, control,
+                          control_scale)
+    requests = [Request(prompt=p, seed=seed + j, steps=steps,
+                        guidance=float(guidance if guidance is not None else defaults.guidance),
+                        shift=float(shift if shift is not None else defaults.shift),
+                        solver=solver or defaults.solver,
+                        guidance_interval=tuple(map(float, guidance_interval or defaults.guidance_interval)),
+                        adapters=stack, control=control, negative_prompt=negative_prompt or "")
+                for p in prompts for j in range(num)]
+    for request in requests:
+        request.check()
+    if negative_prompt and not any(r.guidance != 1 for r in requests):
+        warnings.append("a negative prompt conditions CFG's unconditional branch; with guidance 1 (no CFG) it "
+                        "changes nothing")
+    return requests, warnings
+
+
+def checked_arguments(prompts, *, guidance_interval, adapters, out="", texts=None, on_step=None, switches=None,
+             **values) -> list[str] | tuple[str, ...]:
+    """The prompts — one string is one prompt, as diffusers' pipelines take it, not one image per character — once
+    the Python API's arguments have the types the command line's parser guarantees: a wrong one is BadInput naming
+    it, not a TypeError deep in the loop or a value silently coerced."""
+    prompts = [prompts] if isinstance(prompts, str) else prompts
+    if not isinstance(prompts, (list, tuple)):
+        raise BadInput(f"prompts must be a list of strings (or one string), got {type(prompts).__name__}")
+    for name, value in values.items():
+        whole = name in ("num", "seed", "steps", "best_of", "max_batch")
+        kind = numbers.Integral if whole else numbers.Real
+        required = name in ("num", "seed", "best_of", "max_batch")  # the rest take None as the card's default
+        if (value is not None or required) and (not isinstance(value, kind) or isinstance(value, bool)):
+            raise BadInput(f"{name} must be {'a whole number' if whole else 'a number'}, got {value!r}")
+    if not isinstance(out, (str, os.PathLike)):
+        raise BadInput(f"out must be a path, got {out!r}")
+    for name, value in (texts or {}).items():
+        if value is not None and not isinstance(value, str):
+            raise BadInput(f"{name} must be a name (text), got {value!r}")
+    for name, value in (switches or {}).items():
+        if not isinstance(value, bool):
+            raise BadInput(f"{name} must be True or False, got {value!r}"[:300])
+    if on_step is not None and not callable(on_step):
+        raise BadInput(f"on_step must be a function of (step, steps), got {on_step!r}")
+    if guidance_interval is not None and not (
+            isinstance(guidance_interval, (list, tuple)) and len(guidance_interval) == 2
+            and all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in guidance_interval)):
+        raise BadInput(f"guidance_interval must be two numbers (LO, HI), got {guidance_interval!r}")
+    if adapters is not None and not (
+            isinstance(adapters, (list, tuple))
+            and all(isinstance(a, (list, tuple)) and len(a) == 2 and isinstance(a[0], str)
+                    and isinstance(a[1], numbers.Real) and not isinstance(a[1], bool) for a in adapters)):
+        raise BadInput(f"adapters must be (name, scale) pairs, e.g. [('mirror', 0.5)], got {adapters!r}"[:300])
+    return prompts
+
+
+def adapter_stack(card: Card, stack: list[tuple[str, float]], control: ControlImage | None,
+                  control_scale: float | None) -> tuple[tuple[str, float], ...]:
+    """The request's stack, every name declared by the card; with a control image, its ControlNet in it."""
+    declared = card.manifest.adapters
+    for name, _ in stack:
+        if name not in declared:
+            raise BadInput(f"card '{card.id}' declares no adapter '{name}'; its adapters: "
+                           f"{', '.join(declared) or 'none'}")
+    nets = [name for name, _ in stack if declared[name].kind == "controlnet"]
+    if control_scale is not None and (control is None or nets):
+        raise BadInput("--control-scale sets the scale of the ControlNet --control adds; give it with --control, "
+                       "or write NAME=SCALE in --adapter" if control is None else
+                       f"give ControlNet '{nets[0]}' one scale: NAME=SCALE in --adapter, or --control-scale")
+    if control is not None and not nets:
+        available = [name for name, a in declared.items() if a.kind == "controlnet"]
+        if len(available) != 1:
+            raise BadInput(f"--control needs a ControlNet; card '{card.id}' declares "
+                           f"{'none' if not available else ', '.join(available) + ' (name one with --adapter)'}")
+        stack = stack + [(available[0], 1.0 if control_scale is None else control_scale)]
+    return tuple((name, float(scale)) for name, scale in stack)
+
+
+def parse_interval(text: str) -> tuple[float, float]:
+    """`LO,HI` as typed on the command line (a σ range for --guidance-interval)."""
+    try:
+        low, high = (float(part) for part in text.split(","))
+    except ValueError:
+        raise BadInput(f"--guidance-interval takes LO,HI (a σ range such as 0,0.4), got '{text}'")
+    return low, high
