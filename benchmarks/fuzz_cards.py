@@ -1,6 +1,7 @@
 """Fuzz cards: mutated manifests, weights (LoRA headers too) and files run through `cards validate --checksums` →
-`cards show` → `generate` → `parity --card` → `generate --adapter` for each LoRA → `cards lineage` → `cards export
---format hf` → `cards validate` of the export, in process, with counts by outcome.
+`cards show` → `generate` → `parity --card` → `generate --adapter` for each LoRA and (with a control image) each
+ControlNet → `cards lineage` → `cards export --format hf` → `cards validate` of the export, in process, with counts
+by outcome. The seed cards: the tiny example cards and `tiny-control`, a ControlNet on tiny-base made here.
 
 Outcomes: `rejected` (validation refused it with a clean error), `ran` (it validated, and show, generate and
 parity all succeeded), `check_failed` (it ran, and parity reported a numeric mismatch or generate found the images
@@ -88,7 +89,7 @@ def mutate(rng: random.Random, root: Path) -> str:
     """Mutate one of the seed cards under `root` in one to three ways; returns a description."""
     import yaml
 
-    card = root / rng.choice(["tiny-base", "tiny-base", "tiny-rl", "tiny-distilled"])
+    card = root / rng.choice(["tiny-base", "tiny-base", "tiny-rl", "tiny-distilled", "tiny-control"])
     done = []
     for _ in range(rng.choice([1, 1, 2, 3])):
         kind = rng.choices(["value", "delete", "add", "text", "toml", "weights", "file", "encoder"],
@@ -312,11 +313,47 @@ def _mutate_encoder(rng: random.Random, card: Path) -> str:
     return f"{path.name} {done}"
 
 
-def _lora_names(card: Path) -> list[str]:
+def _adapter_names(card: Path, kind: str) -> list[str]:
     data = _parsed(card / "card.yaml") if (card / "card.yaml").exists() else None
     adapters = data.get("adapters") if isinstance(data, dict) else None
-    return [str(name) for name, entry in adapters.items() if isinstance(entry, dict) and entry.get("kind") == "lora"
+    return [str(name) for name, entry in adapters.items() if isinstance(entry, dict) and entry.get("kind") == kind
             ][:2] if isinstance(adapters, dict) else []
+
+
+def add_control_card(root: Path) -> Path:
+    """A seed card `tiny-control` beside tiny-base: a 1-block ControlNet on it (random weights, so the branch
+    acts), and the control image its generate runs are given."""
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+
+    from cardtool.backends.controlnet import WanControlNet
+    from cardtool.backends.platform import Platform
+    from cardtool.core.cards.loader import load_card
+    from cardtool.core.sampling.images import save_png
+    from cardtool.core.sampling.instance import ModelInstance
+
+    base = ModelInstance(load_card(root / "tiny-base"), Platform("cpu", "generic")).component("transformer")
+    torch.manual_seed(0)
+    net = WanControlNet(base.config, 1, Platform("cpu", "generic"))
+    with torch.no_grad():
+        for parameter in net.parameters():
+            parameter.copy_(torch.randn_like(parameter) * 0.1)
+    card = root / "tiny-control"
+    (card / "adapters").mkdir(parents=True)
+    save_file(net.state_dict(), str(card / "adapters" / "outline.safetensors"))
+    (card / "card.yaml").write_text("""schema: cardtool/v1
+id: tiny-control
+extends: ../tiny-base
+adapters:
+  outline: {kind: controlnet, target: transformer, weights: adapters/outline.safetensors, control: silhouette,
+            config: {blocks: 1}}
+recipe: {method: controlnet, parents: [tiny-base]}
+""")
+    shape = np.zeros((28, 28), np.uint8)
+    shape[4:24, 8:20] = 200
+    save_png(root.parent / "shape.png", shape)
+    return root.parent / "shape.png"
 
 
 def _strict_json(text: str) -> bool:
@@ -335,14 +372,16 @@ def _error_kind(stdout: str) -> str | None:
     return error.get("kind") if isinstance(error, dict) else None
 
 
-def run_case(runner, app, card: Path, out: Path) -> tuple[str, str]:
+def run_case(runner, app, card: Path, out: Path, control: Path) -> tuple[str, str]:
     """(outcome, detail) of one mutated card through the commands: validate, show, generate, parity, generate
-    with each LoRA it declares, lineage, export and the export's validation."""
+    with each LoRA and ControlNet it declares, lineage, export and the export's validation."""
     commands = [["cards", "validate", "--checksums", "--json", str(card)], ["cards", "show", "--json", str(card)],
                 ["generate", str(card), "-p", "a bag", "--steps", "2", "--json", "--out", str(out)],
                 ["parity", "--card", str(card), "--op", "cfg_combine", "--json"]]
     commands += [["generate", str(card), "-p", "a bag", "--steps", "2", "--adapter", name, "--json", "--out", str(out)]
-                 for name in _lora_names(card)]  # a card that validates must serve every adapter it declares
+                 for name in _adapter_names(card, "lora")]  # a card that validates must serve every adapter it declares
+    commands += [["generate", str(card), "-p", "a bag", "--steps", "2", "--adapter", name, "--control", str(control),
+                  "--json", "--out", str(out)] for name in _adapter_names(card, "controlnet")]
     export = out.parent / "export"  # and must export, as a card that validates again
     commands += [["cards", "lineage", "--json", str(card)],
                  ["cards", "export", str(card), "--format", "hf", "--out", str(export), "--overwrite", "--json"],
@@ -398,11 +437,14 @@ def fuzz(cases: int, seed: int, on_case=None) -> dict:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("CARDTOOL_CACHE", str(Path(tmp) / "cache"))
+        seeds = Path(tmp) / "seeds" / "cards"
+        shutil.copytree(SEEDS, seeds, ignore=shutil.ignore_patterns("*.py"))
+        control = add_control_card(seeds)
         for case in range(cases):
             root = Path(tmp) / f"case{case}"
-            shutil.copytree(SEEDS, root, ignore=shutil.ignore_patterns("*.py"))
+            shutil.copytree(seeds, root)
             description = mutate(rng, root)
-            outcome, detail = run_case(runner, app, root / description.split(":")[0], Path(tmp) / "out")
+            outcome, detail = run_case(runner, app, root / description.split(":")[0], Path(tmp) / "out", control)
             counts[outcome] += 1
             if outcome not in ("rejected", "ran", "check_failed"):
                 print(f"case {case} {outcome}: {description} → {detail}", file=sys.stderr, flush=True)

@@ -421,6 +421,30 @@ def test_a_lora_whose_header_or_dtype_disagrees_fails_validation_not_only_the_re
     assert served.exit_code == 2 and message in json.loads(served.stdout)["error"]["message"]
 
 
+@pytest.mark.parametrize(("config", "field", "message"), [
+    ("{blocks: two}", "adapters.ctl.config.blocks", "blocks must be a whole number in 1…2"),
+    ("{blocks: 3}", "adapters.ctl.config.blocks", "blocks must be a whole number in 1…2"),
+    ("{blocks: 1, depth: 2}", "adapters.ctl.config.depth", "a ControlNet's config takes only blocks"),
+    ("{blocks: 2}", "adapters.ctl.weights", "tensors the config implies are missing: blocks.1."),
+    ("reshaped", "adapters.ctl.weights", "controlnet_blocks.0.weight is [32, 31], the config implies [32, 32]"),
+])
+def test_a_controlnet_whose_config_or_weights_do_not_fit_fails_validation(card, config, field, message):
+    """A ControlNet is checked against the DiT it copies blocks of, from the headers: a card that validates must
+    serve it."""
+    from safetensors.torch import load_file, save_file
+
+    path, manifest = card.folder / "adapters" / "ctl.safetensors", card.folder / "card.yaml"
+    if config == "reshaped":
+        tensors = load_file(str(path))
+        tensors["controlnet_blocks.0.weight"] = tensors["controlnet_blocks.0.weight"][:, :31].contiguous()
+        save_file(tensors, str(path))
+    else:
+        manifest.write_text(manifest.read_text().replace("config: {blocks: 1}", f"config: {config}"))
+    validated = CliRunner().invoke(app, ["cards", "validate", str(card.folder), "--json"])
+    [problem] = [p for c in json.loads(validated.stdout)["results"] for p in c["problems"]]
+    assert validated.exit_code == 1 and problem["field"] == field and message in problem["message"], problem
+
+
 def test_control_from_a_file_through_the_cli(card, tmp_path):
     image = np.zeros((28, 28), np.uint8)
     image[4:24, 8:20] = 180

@@ -1,6 +1,7 @@
-"""Deep validation of a card's LoRA adapters against the component they target: PEFT/diffusers naming
+"""Deep validation of a card's adapters against the component they target — LoRAs: PEFT/diffusers naming
 (`<module>.lora_A.weight` (r, in), `<module>.lora_B.weight` (out, r)), the manifest's rank, and modules that
-exist in the target with those in/out sizes. Reads headers only."""
+exist in the target with those in/out sizes; ControlNets: the blocks they copy and the tensors that implies. Reads
+headers only."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 import re
 
 from cardtool.backends.lora_targets import DEFAULT_TARGETS, matching, module_key, rank_and_alpha, uses_prefix
+from cardtool.core.cards.components import tensor_problems
 from cardtool.core.cards.weight_files import FLOAT_DTYPES, read_header, read_metadata
 from cardtool.core.sampling.control_names import PREPROCESSORS
 from cardtool.errors import Problem
@@ -29,7 +31,10 @@ def adapter_problems(card, facts: dict[str, dict]) -> list[Problem]:
             problems.append(card.problem(("adapters", name, "control"), f"unknown control preprocessor "
                                          f"'{adapter.control}'", f"use one of: {', '.join(PREPROCESSORS)}"))
         target = facts.get(adapter.target, {}).get("tensors")
-        if adapter.kind != "lora" or target is None:  # an unsound target is reported as a component problem
+        if target is None:  # an unsound target is reported as a component problem
+            continue
+        if adapter.kind == "controlnet":
+            problems += _controlnet_problems(card, name, adapter, target)
             continue
         path = card.folder / adapter.weights
         header, unreadable = read_header(path)
@@ -38,6 +43,28 @@ def adapter_problems(card, facts: dict[str, dict]) -> list[Problem]:
         fix = "use a LoRA made for this component, with the manifest's rank"
         problems += [card.problem(("adapters", name, "weights"), reason, fix) for reason in reasons[:3]]
     return problems
+
+
+def _controlnet_problems(card, name: str, adapter, target: dict[str, tuple[int, ...]]) -> list[Problem]:
+    """A ControlNet's config (`blocks`: how many of the target's blocks it copies) and its weights against the
+    tensors that implies: the copied blocks' tensors as the target has them, the control latent's patch embedding
+    shaped as the target's, and one dim × dim output per block (`backends/controlnet.py`)."""
+    at = ("adapters", name)
+    unknown = sorted(str(key) for key in adapter.config if key != "blocks")
+    if unknown:
+        return [card.problem(at + ("config", unknown[0]), f"a ControlNet's config takes only blocks, not "
+                             f"{', '.join(unknown)[:200]}", "remove it")]
+    depth = len({key.split(".")[1] for key in target if key.startswith("blocks.")})
+    blocks = adapter.config.get("blocks", 2)
+    if not isinstance(blocks, int) or isinstance(blocks, bool) or not 1 <= blocks <= depth:
+        return [card.problem(at + ("config", "blocks"), f"blocks must be a whole number in 1…{depth} (the blocks of "
+                             f"'{adapter.target}' it copies), got {blocks!r}"[:300], f"set blocks: 1 … {depth}")]
+    embedding = target["patch_embedding.weight"]
+    expected = {"control_embedding.weight": embedding, "control_embedding.bias": embedding[:1]}
+    for i in range(blocks):
+        expected |= {key: shape for key, shape in target.items() if key.startswith(f"blocks.{i}.")}
+        expected |= {f"controlnet_blocks.{i}.weight": embedding[:1] * 2, f"controlnet_blocks.{i}.bias": embedding[:1]}
+    return tensor_problems(card, at, card.folder / adapter.weights, expected)
 
 
 def lora_reasons(header: dict, metadata: dict[str, str], adapter, target: dict[str, tuple[int, ...]]) -> list[str]:

@@ -15,7 +15,7 @@ from cardtool.core.cards.loops import LOOP_KINDS
 from cardtool.core.cards.weight_files import FLOAT_DTYPES, read_header
 from cardtool.errors import BadInput, Problem
 
-__all__ = ["component_problems", "few", "loop_problems"]
+__all__ = ["component_problems", "few", "loop_problems", "tensor_problems"]
 
 
 def component_problems(card) -> tuple[list[Problem], dict[str, dict]]:
@@ -69,7 +69,7 @@ def _component(card, name: str, spec) -> tuple[list[Problem], dict | None]:
             fix = f"point source at a complete folder for {spec.impl}"
             return [card.problem(at + ("source",), r, fix) for r in reasons], None
     if spec.weights is not None:
-        problems = _tensor_problems(card, at, card.folder / spec.weights, config.tensors())
+        problems = tensor_problems(card, at, card.folder / spec.weights, config.tensors())
     return problems, (None if problems else {**config.facts(source), "tensors": config.tensors()})
 
 
@@ -82,7 +82,9 @@ def _source_weights_problems(source) -> list[str]:
     return [f"{source}: {reason}" for path in files if (reason := read_header(path)[1])]
 
 
-def _tensor_problems(card, at, path, expected: dict[str, tuple[int, ...]]) -> list[Problem]:
+def tensor_problems(card, at, path, expected: dict[str, tuple[int, ...]]) -> list[Problem]:
+    """A weights file's header against the tensors (name → shape) its config implies: missing, extra, reshaped or
+    not floating point, each located at `at`.weights."""
     header, reason = read_header(path)
     if reason:  # the file problems are reported by the loader already
         return [card.problem(at + ("weights",), reason, "write the weights with safetensors")]
