@@ -1,0 +1,47 @@
+"""A request larger than the machine's memory is a message (exit 1, error kind `failed`) saying what to lower, never
+a traceback; the waves written before it are kept. Any other error is not taken for one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import EXAMPLE_CARDS
+from typer.testing import CliRunner
+
+from cardtool.cli import app
+
+ALLOCATOR = "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to " \
+            "allocate 163840000 bytes. Error code 12 (Cannot allocate memory)"
+
+
+def generate_failing_in_the_second_wave(tmp_path, monkeypatch, error):
+    from cardtool.core.sampling import generate
+
+    real, calls = generate.sample, []
+
+    def sample_then_fail(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise error
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(generate, "sample", sample_then_fail)
+    return CliRunner().invoke(app, ["generate", str(EXAMPLE_CARDS / "tiny-base"), "-p", "a bag", "-n", "4",
+                                    "--max-batch", "2", "--steps", "1", "--out", str(tmp_path / "out"), "--json"])
+
+
+@pytest.mark.parametrize("error", [RuntimeError(ALLOCATOR), MemoryError(),
+                                   RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")])
+def test_running_out_of_memory_is_a_message_that_says_what_to_lower(tmp_path, monkeypatch, error):
+    result = generate_failing_in_the_second_wave(tmp_path, monkeypatch, error)
+    assert result.exit_code == 1, result.output
+    message = json.loads(result.stdout)["error"]["message"]
+    assert json.loads(result.stdout)["error"]["kind"] == "failed"
+    assert message.startswith("out of memory (") and "a lower --max-batch" in message, message
+    assert len(list((tmp_path / "out").glob("*.png"))) == 2, "the first wave's images are kept"
+
+
+def test_another_runtime_error_is_not_taken_for_one(tmp_path, monkeypatch):
+    result = generate_failing_in_the_second_wave(tmp_path, monkeypatch, RuntimeError("shapes do not match"))
+    assert isinstance(result.exception, RuntimeError) and str(result.exception) == "shapes do not match"
