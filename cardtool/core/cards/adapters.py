@@ -59,11 +59,12 @@ def _controlnet_problems(card, name: str, adapter, target: dict[str, tuple[int, 
     if not isinstance(blocks, int) or isinstance(blocks, bool) or not 1 <= blocks <= depth:
         return [card.problem(at + ("config", "blocks"), f"blocks must be a whole number in 1…{depth} (the blocks of "
                              f"'{adapter.target}' it copies), got {blocks!r}"[:300], f"set blocks: 1 … {depth}")]
-    embedding = target["patch_embedding.weight"]
-    expected = {"control_embedding.weight": embedding, "control_embedding.bias": embedding[:1]}
+    embedding = target["patch_embedding.weight"]  # (dim, latent channels, *patch)
+    dim = embedding[0]
+    expected = {"control_embedding.weight": embedding, "control_embedding.bias": (dim,)}
     for i in range(blocks):
         expected |= {key: shape for key, shape in target.items() if key.startswith(f"blocks.{i}.")}
-        expected |= {f"controlnet_blocks.{i}.weight": embedding[:1] * 2, f"controlnet_blocks.{i}.bias": embedding[:1]}
+        expected |= {f"controlnet_blocks.{i}.weight": (dim, dim), f"controlnet_blocks.{i}.bias": (dim,)}
     return tensor_problems(card, at, card.folder / adapter.weights, expected)
 
 
