@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from cardtool.cli.output import counted, emit_json, handled, say
+from cardtool.cli.output import counted, emit_json, handled, say, warn
 
 app = typer.Typer(help="Workflow manifests: generate, chain, parallel and best-of-N steps over cards.",
                   no_args_is_help=True)
@@ -69,6 +69,8 @@ def run_command(
                               skip_existing=skip_existing)
     if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 reports for every rank
         return
+    for warning in report.warnings:
+        warn(warning)
     if json_:
         emit_json(report.to_json())
         return

@@ -344,3 +344,19 @@ recipe: {{method: controlnet, parents: [tiny-base]}}
     for (source, _), (_, metadata) in zip(draft, made["restyled"], strict=True):
         control = json.loads(metadata["control"])
         assert (control["preprocessor"], control["sha256"]) == ("edges", ControlImage.make(source, "edges").digest)
+
+
+def test_a_run_says_what_generate_would_warn_of_once_each(examples, tmp_path):
+    """A step count the card does not assume (tiny-distilled assumes 4), said once though two steps sample so."""
+    path = write(tmp_path, examples, """  one:
+    generate: {card: EX/tiny-distilled, prompts: ["a bag"], steps: 2}
+  two:
+    generate: {card: EX/tiny-distilled, prompts: ["a coat"], steps: 2}
+  three:
+    generate: {card: EX/tiny-distilled, prompts: ["a coat"]}
+""")
+    result = run(path, tmp_path)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["warnings"] == [
+        "card 'tiny-distilled' assumes 4 steps; sampling with 2 may give poor images"]
+    assert "warning card 'tiny-distilled' assumes 4 steps" in result.stderr

@@ -67,10 +67,11 @@ class WorkflowReport:
     platform: str
     steps: list[dict] = field(default_factory=list)
     seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)  # as `generate` says them, each once
 
     def to_json(self) -> dict:
         return {"workflow": self.workflow, "platform": self.platform, "seconds": round(self.seconds, 3),
-                "steps": self.steps}
+                "steps": self.steps, "warnings": self.warnings}
 
 
 class _Runner:
@@ -81,6 +82,7 @@ class _Runner:
         self.cache = TextFeatureCache()  # keyed by card and weights version: safe to share between cards
         self.cards: dict[str, LoadedCard] = {}
         self.ranks = distributed.ranks(self.platform.device)  # under torchrun each step's images are split by rank
+        self.warnings: list[str] = []
 
     def locate(self, ref: str) -> Path:
         from cardtool.core.cards.discovery import locate
@@ -95,10 +97,13 @@ class _Runner:
     def _requests(self, ref: str, prompts: list[str], num: int, body, control=None) -> list[Request]:
         adapters = list(body.adapters.items()) if body.adapters is not None else None
         interval = tuple(body.guidance_interval) if body.guidance_interval is not None else None
-        requests, _ = plan_requests(self.card(ref).card, prompts, num=num, seed=body.seed, steps=body.steps,
-                                    guidance=body.guidance, guidance_interval=interval, shift=body.shift,
-                                    solver=body.solver, adapters=adapters, negative_prompt=body.negative_prompt,
-                                    control=control, control_scale=body.control_scale)
+        requests, warnings = plan_requests(self.card(ref).card, prompts, num=num, seed=body.seed, steps=body.steps,
+                                           guidance=body.guidance, guidance_interval=interval, shift=body.shift,
+                                           solver=body.solver, adapters=adapters, negative_prompt=body.negative_prompt,
+                                           control=control, control_scale=body.control_scale)
+        for warning in self.card(ref).loop(body.precision).instance.warnings + warnings:
+            if warning not in self.warnings:
+                self.warnings.append(warning)
         return requests
 
     def _control(self, ref: str, body, image=None):
@@ -229,6 +234,7 @@ def run_workflow(workflow: Workflow | str | os.PathLike, *, overrides: list[str]
                 raise Interrupted.after(caught[0], f"{number + 1} of {len(workflow.order)} steps: {resume}",
                                         report.to_json())
     report.seconds = time.perf_counter() - started
+    report.warnings = runner.warnings + ([runner.cache.problem] if runner.cache.problem else [])
     return report
 
 
