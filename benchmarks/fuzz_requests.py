@@ -1,8 +1,9 @@
 """Fuzz requests: what users and scripts hand cardtool besides cards — `generate`'s options, the PNG metadata that
 `generate --like` reads back, recipes through `--set` for `train`, `distill` and `rl`, `eval`'s options, workflow
-manifests, diffusers folders for `cards import` (config.json and the shard index), and the Python API's arguments
-(`LoadedCard` and its `generate`, `evaluate`, `run_workflow`, `load_card`) — mutated and run in process on the tiny
-example cards and a tiny IDX folder, counted by outcome per surface.
+manifests, diffusers folders for `cards import` (config.json and the shard index), the Python API's arguments
+(`LoadedCard` and its `generate`, `evaluate`, `run_workflow`, `load_card`), and whole command lines of the quick
+commands (`argv`: their options read from the app) — mutated and run in process on the tiny example cards and a tiny
+IDX folder, counted by outcome per surface.
 
 Outcomes: `ok` (exit 0), `refused` (exit 2: bad input, said so; or exit 1 with located validation problems — a
 workflow manifest's, as a card's), `failed` (exit 1 with another JSON error: work that could not finish, e.g. a loss
@@ -11,7 +12,7 @@ that overflowed — its messages are kept for reading), and the failures the tar
 `other_exit` (an exit code that is none of 0, 1, 2).
 
     python benchmarks/fuzz_requests.py --cases 2000 --seed 0 [--out benchmarks/results/fuzz-requests.json]
-        [--surfaces generate like recipes train eval workflow import api]
+        [--surfaces generate like recipes train eval workflow import api argv]
 """
 
 from __future__ import annotations
@@ -381,8 +382,58 @@ def _api(rng: random.Random, env: Env, out: Path) -> ApiCall:
     return ApiCall(env, function, args, options)
 
 
+# the commands the argv surface runs: each finishes in seconds on the tiny cards (train, distill, rl, flywheel and eval
+# have surfaces of their own, sized to run)
+ARGV_COMMANDS = ("generate", "cards list", "cards show", "cards validate", "cards lineage", "cards export",
+                 "cards compose", "cards import", "parity", "platform detect", "platform matrix", "cache info",
+                 "cache prune", "workflow validate", "workflow run")
+
+
+@functools.lru_cache(maxsize=1)
+def _command_options() -> dict[str, tuple[list[tuple[str, bool]], int]]:
+    """Each ARGV_COMMANDS command's options (an option's first name, and whether it is a flag) and how many
+    arguments it takes, read from the app itself: a new option is fuzzed without this script knowing of it."""
+    import click
+    import typer.main
+
+    from cardtool.cli import app
+
+    found, group = {}, typer.main.get_command(app)
+    for path in ARGV_COMMANDS:
+        command = group
+        for name in path.split():
+            command = command.commands[name]
+        options = [(p.opts[0], p.is_flag) for p in command.params
+                   if isinstance(p, click.Option) and p.opts[0] not in ("--json", "--help")]
+        arguments = sum(1 for p in command.params if isinstance(p, click.Argument) and p.required)
+        found[path] = (options, arguments)
+    return found
+
+
+def _argv(rng: random.Random, env: Env, out: Path) -> list[str]:
+    """A command line of any of ARGV_COMMANDS: its arguments and one to five of its options (introspected), each
+    value drawn from plausible paths and cards here and hostile text; `--json` first, where no option takes it."""
+    r = str(env.root)
+    values = [*NUMBERS, *FLOATS, env.card("tiny-base"), env.card("tiny-rl"), env.card("tiny-judge"), "tiny-base",
+              "fashion-base", f"{r}/control.png", f"{r}/control.png:edges", f"{r}/made.png", f"{r}/broken.png",
+              f"{r}/prompts.txt", str(env.export / "transformer"),
+              str(REPO / "examples" / "workflows" / "tiny-tour.yaml"),
+              str(out), str(out / "x.png"), str(out / "card"), "/dev/null", "/dev/zero", "/proc", "-", "", " ", "\x00",
+              "a bag", "invert=0.5", "invert=nan", "=1", "euler", "renoise", "bfloat16", "float16", "numpy", "cuda",
+              "5GB", "-5MB", "0,0.4", "0.4,0", "steps.draft.generate.num=2", "a=b=c", "x" * 5000, "../x", "hf",
+              "%s%n", "ünïcode 👜", "--help", "--json"]
+    path = rng.choice(ARGV_COMMANDS)
+    options, arguments = _command_options()[path]
+    args = [*path.split(), "--json", *(rng.choice(values) for _ in range(arguments))]
+    for name, flag in rng.sample(options, min(len(options), rng.choice([1, 2, 3, 4, 5]))):
+        args += [name] if flag else [name, rng.choice(values)]
+    if path in ("generate", "workflow run", "cards export", "cards compose", "cards import") and "--out" not in args:
+        args += ["--out", str(out / "out")]  # never the working folder's default outputs/ or cards/
+    return [*args, "--steps", "1"] if path == "generate" and "--steps" not in args else args
+
+
 SURFACES = {"generate": _generate, "like": _like, "recipes": _recipes, "train": _train, "eval": _eval,
-            "workflow": _workflow, "import": _import, "api": _api}
+            "workflow": _workflow, "import": _import, "api": _api, "argv": _argv}
 
 
 def run_case(runner, app, args) -> tuple[str, str]:
