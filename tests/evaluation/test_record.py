@@ -40,10 +40,33 @@ def test_a_record_that_fails_leaves_the_old_report_and_summary_together(examples
     folder = examples / "tiny-base"
     before = ((folder / "eval.json").read_bytes(), (folder / "card.yaml").read_bytes())
 
-    def broken(card_ref, metrics):
+    def broken(card, metrics):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(record, "record_metrics", broken)
+    monkeypatch.setattr(record, "_merge", broken)
     with pytest.raises(RuntimeError, match="disk full"):
         record_eval(str(folder), {"rows": [row(3, 4.0, "float32", 0.9)]})
     assert ((folder / "eval.json").read_bytes(), (folder / "card.yaml").read_bytes()) == before
+
+
+def test_a_recording_waits_for_another_into_the_same_card(examples):
+    """Two runs recording into one card at once (an eval --record beside an rl run's held-out judge): the second
+    waits for the first's read-modify-write, so neither's metrics are lost."""
+    import fcntl
+    import os
+    import threading
+
+    from cardtool.core.cards.record import record_metrics
+
+    folder = examples / "tiny-base"
+    fd = os.open(folder, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # another process recording now
+    recording = threading.Thread(target=record_metrics, args=(str(folder), {"mine": 1}))
+    recording.start()
+    recording.join(0.5)
+    try:
+        assert recording.is_alive() and "mine" not in (folder / "card.yaml").read_text(), "it waited"
+    finally:
+        os.close(fd)
+    recording.join(30)
+    assert not recording.is_alive() and "mine: 1" in (folder / "card.yaml").read_text()

@@ -3,8 +3,12 @@ full table goes to a report file beside the manifest, its summary into the manif
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
 
 import yaml
 
@@ -26,10 +30,35 @@ def recordable(card_ref: str):
     return card
 
 
+@contextlib.contextmanager
+def _recording(folder: Path) -> Iterator[None]:
+    """One recording into a card folder at a time: a blocking advisory `flock` on the folder itself, held for the
+    milliseconds of a read-modify-write. Two runs recording into one card at once (an rl run's held-out judge, a CI
+    job's eval) each keep what they add, and a summary always describes the report beside it. Unlocked where there
+    is no flock (Windows, some network file systems)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def record_metrics(card_ref: str, metrics: dict) -> None:
     """Merge `metrics` into recipe.metrics of the card's own manifest (YAML cards) and re-validate."""
     card = recordable(card_ref)
-    data = yaml.safe_load(card.file.read_text(encoding="utf-8"))
+    with _recording(card.folder):
+        _merge(card, metrics)
+
+
+def _merge(card, metrics: dict) -> None:
+    data = yaml.safe_load(card.file.read_text(encoding="utf-8"))  # read under the lock: another's record kept
     data.setdefault("recipe", {}).setdefault("metrics", {}).update(metrics)
     before = card.file.read_bytes()
     write_atomic(card.file, yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=110).encode(),
@@ -47,18 +76,19 @@ def record_eval(card_ref: str, report: dict) -> None:
     card = recordable(card_ref)
     data = (json.dumps(report, indent=1) + "\n").encode()
     path = card.folder / EVAL_REPORT
-    before = path.read_bytes() if path.is_file() else None
-    write_atomic(path, data, durable=True)
     loop = card.manifest.loops.get("denoise")
     defaults = FlowDenoiseDefaults.model_validate(loop.defaults if loop else {})
-    try:
-        record_metrics(card_ref, {"eval": eval_summary(report, defaults, hashlib.sha256(data).hexdigest())})
-    except Exception:  # the manifest kept its old summary: keep the report it describes
-        if before is None:
-            path.unlink(missing_ok=True)
-        else:
-            write_atomic(path, before, durable=True)
-        raise
+    with _recording(card.folder):
+        before = path.read_bytes() if path.is_file() else None
+        write_atomic(path, data, durable=True)
+        try:
+            _merge(card, {"eval": eval_summary(report, defaults, hashlib.sha256(data).hexdigest())})
+        except Exception:  # the manifest kept its old summary: keep the report it describes
+            if before is None:
+                path.unlink(missing_ok=True)
+            else:
+                write_atomic(path, before, durable=True)
+            raise
 
 
 def eval_summary(report: dict, defaults: FlowDenoiseDefaults, sha256: str) -> dict:
