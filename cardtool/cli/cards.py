@@ -134,7 +134,7 @@ def lineage_command(card: CardArgument, json_: JsonOption = False) -> None:
 
     with handled(json_):
         root = lineage(load_card(card))
-    complete = not _any_missing(root)
+    complete = not any(node.missing for node in root.nodes())
     if json_:
         emit_json({"complete": complete, "lineage": root.to_json()})
     else:
@@ -145,8 +145,14 @@ def lineage_command(card: CardArgument, json_: JsonOption = False) -> None:
                 return f"[red]{node.id} (missing)[/red]"
             return f"{node.id} [dim]({node.method}{', recorded by the export' if node.recorded else ''})[/dim]"
 
+        shown = {root.id}
+
         def grow(tree, node) -> None:
             for parent in node.parents:
+                if parent.id in shown:  # a diamond of parents: its parents are shown where it first appears
+                    tree.add(f"{parent.id} [dim](above)[/dim]")
+                    continue
+                shown.add(parent.id)
                 grow(tree.add(label(parent)), parent)
 
         tree = Tree(label(root))
@@ -158,10 +164,6 @@ def lineage_command(card: CardArgument, json_: JsonOption = False) -> None:
             out.print(" → ".join(f"{n.id} ({n.method})" for n in chain))
     if not complete:
         raise typer.Exit(1)
-
-
-def _any_missing(node) -> bool:
-    return node.missing or any(_any_missing(p) for p in node.parents)
 
 
 @app.command("export")

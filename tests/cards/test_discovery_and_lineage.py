@@ -124,7 +124,7 @@ def test_lineage_walks_parents_to_the_root(examples):
                                                         ("tiny-distilled", "dmd2")]
     assert root.to_json()["parents"][0]["parents"][0] == {"id": "tiny-base", "method": "pretrain",
                                                           "path": "examples/tiny-base", "missing": False,
-                                                          "recorded": False, "parents": []}
+                                                          "recorded": False, "repeated": False, "parents": []}
 
 
 def test_lineage_with_two_parents_is_a_tree(tmp_path):
@@ -240,3 +240,35 @@ def test_recorded_ancestors_are_checked(tmp_path, ancestors, message):
     [result] = validate_paths(["cards/low"])
     assert not result.valid and message in str(result.problems[0]), result.problems
     assert str(result.problems[0]).startswith("cards/low/card.yaml:")
+
+
+def test_a_diamond_of_parents_is_walked_once_per_card(tmp_path):
+    """Cards whose parents are both cards of the level below (a ladder of diamonds) have 2^levels paths to the root:
+    the walk, the JSON and the check for missing parents visit each card once."""
+    levels = 24
+    for i in range(levels):
+        for side in "ab":
+            make(tmp_path / "cards", f"{side}{i}", f"{side}{i}", parents=f"[a{i - 1}, b{i - 1}]" if i else "[]")
+    root = lineage(load_card("a23"))
+    assert len(root.nodes()) == 2 * levels - 1 and root.chain() is None  # b23 is not above a23
+    document = root.to_json()
+    assert document["parents"][1]["parents"][0] == {"id": "a21", "method": "pretrain", "path": "cards/a21",
+                                                    "missing": False, "recorded": False, "repeated": True,
+                                                    "parents": []}
+    [result] = validate_paths(["cards/a23"])
+    assert result.valid
+
+
+@pytest.mark.parametrize(("ancestors", "message"), [
+    ([{"id": f"up{i}", "method": "pretrain", "parents": [f"up{i + 1}"]} for i in range(200)],
+     "the lineage is deeper than 128 cards"),
+    ([{"id": f"up{i}", "method": "pretrain"} for i in range(300)], "at most 256"),
+])
+def test_a_forged_record_of_ancestors_is_bounded(tmp_path, ancestors, message):
+    import yaml
+
+    make(tmp_path / "cards", "low", "low", parents="[up0]")
+    manifest = tmp_path / "cards" / "low" / "card.yaml"
+    manifest.write_text(manifest.read_text() + "  ancestors: " + yaml.safe_dump(ancestors, default_flow_style=True))
+    [result] = validate_paths(["cards/low"])
+    assert not result.valid and message in str(result.problems[0]), result.problems

@@ -146,7 +146,8 @@ def test_lineage_json_and_missing_parent_exit_1(on_path):
     report = json.loads(result.stdout)
     assert report["complete"] is False
     assert report["lineage"]["parents"][0]["parents"][0] == {"id": "lost-base", "method": None, "path": None,
-                                                             "missing": True, "recorded": False, "parents": []}
+                                                             "missing": True, "recorded": False, "repeated": False,
+                                                             "parents": []}
 
 
 def test_an_ascii_only_stdout_gets_escapes_not_a_traceback(examples, tmp_path):

@@ -13,10 +13,14 @@ from cardtool.errors import AmbiguousCard, BadInput, CardNotFound, CardValidatio
 __all__ = ["LineageNode", "check_new_id", "lineage", "missing_parent_problems"]
 
 
+MAX_DEPTH = 128  # cards from one to its farthest root: far beyond a real lineage, well within Python's recursion
+
+
 @dataclass
 class LineageNode:
     """A card in a lineage; `missing` marks a parent id that no search root holds, `recorded` one read from the
-    `recipe.ancestors` an export keeps (that card is not on this disk)."""
+    `recipe.ancestors` an export keeps (that card is not on this disk). A card two descendants name (a diamond of
+    parents) is one node, walked and shown once."""
 
     id: str
     method: str | None
@@ -25,9 +29,14 @@ class LineageNode:
     missing: bool = False
     recorded: bool = False
 
-    def to_json(self) -> dict:
+    def to_json(self, shown: set[str] | None = None) -> dict:
+        """The tree as nested documents; a card already shown (`repeated`) is not shown again with its parents."""
+        shown = set() if shown is None else shown
+        repeated = self.id in shown
+        shown.add(self.id)
         return {"id": self.id, "method": self.method, "path": display_path(self.folder) if self.folder else None,
-                "missing": self.missing, "recorded": self.recorded, "parents": [p.to_json() for p in self.parents]}
+                "missing": self.missing, "recorded": self.recorded, "repeated": repeated,
+                "parents": [] if repeated else [p.to_json(shown) for p in self.parents]}
 
     def chain(self) -> list[LineageNode] | None:
         """Root-first list of cards when the lineage is a single line, else None."""
@@ -38,52 +47,63 @@ class LineageNode:
         above = self.parents[0].chain()
         return above + [self] if above is not None else None
 
-    def above(self) -> list[LineageNode]:
-        """Every card above this one that is known (found or recorded), each once, nearest first."""
-        seen, order, queue = {self.id}, [], list(self.parents)
+    def nodes(self) -> list[LineageNode]:
+        """This card and every card above it, each once, nearest first."""
+        seen, order, queue = {self.id}, [self], list(self.parents)
         while queue:
             node = queue.pop(0)
-            if node.id not in seen and not node.missing:
+            if node.id not in seen:
                 seen.add(node.id)
                 order.append(node)
                 queue += node.parents
         return order
 
+    def above(self) -> list[LineageNode]:
+        """Every card above this one that is known (found or recorded), each once, nearest first."""
+        return [node for node in self.nodes()[1:] if not node.missing]
+
 
 def lineage(card: Card) -> LineageNode:
     """The tree of `card`'s parents, grandparents … to the roots: each parent found on the search roots, else read
-    from the ancestors a card on the way recorded (the nearest record first), else marked missing. A cycle is a
-    CardValidationError."""
-    return _walk(card, (), {})
+    from the ancestors a card on the way recorded (the nearest record first), else marked missing; each card walked
+    once however many descendants name it. A cycle, or a lineage deeper than MAX_DEPTH, is a CardValidationError."""
+    return _walk(card, (), {}, {})
 
 
-def _walk(card: Card, below: tuple[str, ...], recorded: dict) -> LineageNode:
+def _walk(card: Card, below: tuple[str, ...], recorded: dict, walked: dict[str, LineageNode]) -> LineageNode:
     recorded = {**{a.id: a for a in card.manifest.recipe.ancestors}, **recorded}
-    node = LineageNode(card.id, card.manifest.recipe.method, card.folder)
-    node.parents = [_parent(card, ("recipe", "parents", str(i)), parent_id, below + (card.id,), recorded)
+    node = walked[card.id] = LineageNode(card.id, card.manifest.recipe.method, card.folder)
+    node.parents = [_parent(card, ("recipe", "parents", str(i)), parent_id, below + (card.id,), recorded, walked)
                     for i, parent_id in enumerate(card.manifest.recipe.parents)]
     return node
 
 
-def _parent(card: Card, where: tuple[str, ...], parent_id: str, below: tuple[str, ...], recorded: dict) -> LineageNode:
+def _parent(card: Card, where: tuple[str, ...], parent_id: str, below: tuple[str, ...], recorded: dict,
+            walked: dict[str, LineageNode]) -> LineageNode:
     """The node of `parent_id`, a parent of the last id in `below`; `card` is the nearest card on disk below it,
     whose folder the search starts beside and whose manifest a problem names."""
     if parent_id in below:
         raise CardValidationError([card.problem(where, f"parents form a cycle: {' → '.join(below + (parent_id,))}",
                                                 "a card cannot descend from itself; remove one parent")])
+    if parent_id in walked:  # named by another descendant too: walked once
+        return walked[parent_id]
+    if len(below) >= MAX_DEPTH:
+        raise CardValidationError([card.problem(where, f"the lineage is deeper than {MAX_DEPTH} cards",
+                                                "a lineage this long is not one cardtool made; check the parents")])
     try:
         parent = load_card(locate(parent_id, near=card.folder.parent))
     except CardNotFound:
         record = recorded.get(parent_id)
         if record is None:
-            return LineageNode(parent_id, None, None, missing=True)
-        node = LineageNode(parent_id, record.method, None, recorded=True)
-        node.parents = [_parent(card, ("recipe", "ancestors"), p, below + (parent_id,), recorded)
+            node = walked[parent_id] = LineageNode(parent_id, None, None, missing=True)
+            return node
+        node = walked[parent_id] = LineageNode(parent_id, record.method, None, recorded=True)
+        node.parents = [_parent(card, ("recipe", "ancestors"), p, below + (parent_id,), recorded, walked)
                         for p in record.parents]
         return node
     except AmbiguousCard as e:
         raise CardValidationError([card.problem(where, str(e))]) from None
-    return _walk(parent, below, recorded)
+    return _walk(parent, below, recorded, walked)
 
 
 def missing_parent_problems(card: Card, node: LineageNode) -> list[Problem]:
@@ -101,10 +121,6 @@ def check_new_id(card_id: str, parents: list[Card], fix: str) -> None:
             node = lineage(parent)
         except CardValidationError:  # a parent whose own lineage is broken: its id is what is known
             node = LineageNode(parent.id, None, parent.folder)
-        if card_id in _ids(node):
+        if card_id in {n.id for n in node.nodes()}:
             where = "its parent's" if card_id == parent.id else f"a card '{parent.id}' descends from"
             raise BadInput(f"card id '{card_id}' is {where}: the new card would descend from itself; {fix}")
-
-
-def _ids(node: LineageNode) -> set[str]:
-    return {node.id}.union(*(_ids(p) for p in node.parents))

@@ -118,7 +118,8 @@ class Recipe(_Strict):
     assumes: Assumes = Assumes()
     hyperparameters: dict[str, Any] = {}
     metrics: dict[str, Any] = {}
-    ancestors: Annotated[list[Ancestor], AfterValidator(_distinct_ids)] = []  # the lineage above, kept by an export
+    # the lineage above, kept by an export: a handful of cards in any real one, so a bound keeps a forged one small
+    ancestors: Annotated[list[Ancestor], Field(max_length=256), AfterValidator(_distinct_ids)] = []
 
 
 # what each level of `parity.consistency` promises (each includes the ones below); `parity --card` checks it
