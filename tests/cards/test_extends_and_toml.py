@@ -106,6 +106,22 @@ def test_extends_cycle_is_refused(examples):
                            "examples/tiny-distilled → examples/tiny-rl → examples/tiny-base"), last
 
 
+def test_a_chain_of_extends_is_at_most_32_cards_deep_and_a_long_one_is_a_problem_not_a_crash(examples):
+    """600 cards each extending the one before: Python's recursion gave out past about 480 (a RecursionError
+    traceback); the chain now stops at 32 with a located problem."""
+    for i in range(1, 600):
+        folder = examples / f"c{i}"
+        folder.mkdir()
+        parent = "../tiny-base" if i == 1 else f"../c{i - 1}"
+        (folder / "card.yaml").write_text(f"schema: cardtool/v1\nid: c{i}\nextends: {parent}\n"
+                                          "recipe: {method: finetune, parents: [tiny-base]}\n")
+    assert load_card(examples / "c32").id == "c32"  # tiny-base ← c1 ← … ← c32: 32 extends
+    for deepest in ("c33", "c599"):
+        with pytest.raises(CardValidationError) as info:
+            load_card(examples / deepest)
+        assert "extends goes more than 32 cards deep" in str(info.value.problems[-1]), info.value.problems[-1]
+
+
 def test_extends_an_unknown_card(examples):
     rl = examples / "tiny-rl" / "card.toml"
     rl.write_text(rl.read_text().replace('extends = "tiny-base"', 'extends = "no-such-card"'))

@@ -143,6 +143,8 @@ def merge_extends(base: dict, override: dict) -> dict:
 
 # --- extends -----------------------------------------------------------------------------------------
 
+MAX_EXTENDS = 32  # cards a manifest may reach through `extends`: far beyond real use, well within Python's recursion
+
 def _load_parent(source: Source, extends: str, checksums: bool, chain: tuple[Path, ...]) -> Card:
     folder = source.file.parent
     here = source.problem(("extends",), "", key=False)
@@ -158,6 +160,9 @@ def _load_parent(source: Source, extends: str, checksums: bool, chain: tuple[Pat
         cycle = " → ".join(display_path(p.parent) for p in chain + (parent_file,))
         raise CardValidationError([_with(here, f"extends forms a cycle: {cycle}",
                                          "remove one `extends` from the cycle")])
+    if len(chain) > MAX_EXTENDS:
+        raise CardValidationError([_with(here, f"extends goes more than {MAX_EXTENDS} cards deep",
+                                         "extend the card that holds the weights, not a chain of cards extending it")])
     try:
         return load_card(parent_file, checksums=checksums, _chain=chain)
     except CardValidationError as e:
