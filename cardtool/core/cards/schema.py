@@ -89,13 +89,18 @@ class Assumes(_Strict):
     precision: Literal["float64", "float32", "float16", "bfloat16"] = "float32"
 
 
+# the cards a card was made from: one or two for a method's card, the base and its adapter cards for a composed one;
+# bounded, as each is looked up on every validation (20,000 took 75 s)
+Parents = Annotated[list[Name], Field(max_length=256)]
+
+
 class Ancestor(_Strict):
     """A card above this one in its lineage, as recorded by `cards export`: where that card is not on disk, the
     lineage reads its method and parents here."""
 
     id: Name
     method: Literal[METHODS]  # type: ignore[valid-type]
-    parents: list[Name] = []
+    parents: Parents = []
 
 
 def _distinct_ids(ancestors: list[Ancestor]) -> list[Ancestor]:
@@ -111,7 +116,7 @@ class Recipe(_Strict):
     """How the card's weights were made; `parents` are the card ids they were made from."""
 
     method: Literal[METHODS]  # type: ignore[valid-type]
-    parents: list[Name] = []
+    parents: Parents = []
     command: str | None = None  # the exact command that reproduces this card
     fingerprint: Sha256 | None = None  # of the resolved recipe and its parents' weights: a re-run can skip this card
     data: dict[str, Any] = {}

@@ -110,7 +110,8 @@ class Schedule(_Strict):
 class Recipe(_Strict):
     method: Literal[TRAIN_METHODS + DISTILL_METHODS + RL_METHODS]  # type: ignore[valid-type]
     card: CardSpec
-    parents: list[str] = []  # cards this one starts from or uses (a VAE, a base to fine-tune)
+    # cards this one starts from or uses (a VAE, a base to fine-tune, a reward): each method takes one or two
+    parents: list[str] = Field([], max_length=2)
     data: dict[str, Any] = {}
     model: dict[str, Any] = {}
     loss: dict[str, Any] = {}
