@@ -360,3 +360,16 @@ def test_a_run_says_what_generate_would_warn_of_once_each(examples, tmp_path):
     assert json.loads(result.stdout)["warnings"] == [
         "card 'tiny-distilled' assumes 4 steps; sampling with 2 may give poor images"]
     assert "warning card 'tiny-distilled' assumes 4 steps" in result.stderr
+
+
+def test_validation_loads_each_card_once_however_many_steps_name_it(examples, tmp_path, monkeypatch):
+    """6,000 chained steps on one card loaded it 6,000 times (11 s); once is enough."""
+    from cardtool.core.cards import loader
+
+    calls, real = [], loader.load_card
+    monkeypatch.setattr(loader, "load_card", lambda *a, **k: (calls.append(a[0]), real(*a, **k))[1])
+    steps = '  s0:\n    generate: {card: EX/tiny-base, prompts: ["a bag"], steps: 1}\n' + "".join(
+        f"  s{i}:\n    chain: {{input: s{i - 1}, card: EX/tiny-base, strength: 0.5, steps: 1}}\n" for i in range(1, 50))
+    result = CliRunner().invoke(app, ["workflow", "validate", str(write(tmp_path, examples, steps)), "--json"])
+    assert result.exit_code == 0 and json.loads(result.stdout)["ok"], result.output
+    assert len(calls) == 1, calls[:3]

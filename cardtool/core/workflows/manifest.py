@@ -222,17 +222,25 @@ def _card_problems(workflow: Workflow) -> list[Problem]:
     from cardtool.core.data import CLASS_NAMES
     from cardtool.core.evaluation.reward import REWARD_KINDS, named_class
 
-    problems = []
+    problems, loaded = [], {}  # each card loaded once, however many steps name it
+
+    def load(ref: str):
+        if ref not in loaded:
+            try:
+                loaded[ref] = load_card(locate(workflow.card_ref(ref), near=workflow.folder))
+            except CardtoolError as e:
+                loaded[ref] = e
+        return loaded[ref]
+
     for name, step in workflow.manifest.steps.items():
         body = step.body
         refs = [("card", body.card)] if hasattr(body, "card") else [(f"cards.{i}", c) for i, c in enumerate(body.cards)]
         refs += [("reward", body.reward)] if step.kind == "best_of_n" else []
         for field, ref in refs:
             at = ("steps", name, step.kind, *field.split("."))
-            try:
-                card = load_card(locate(workflow.card_ref(ref), near=workflow.folder))
-            except CardtoolError as e:
-                problems.append(workflow.source.problem(at, f"card '{ref}' cannot be used: {str(e).splitlines()[0]}",
+            card = load(ref)
+            if isinstance(card, CardtoolError):
+                problems.append(workflow.source.problem(at, f"card '{ref}' cannot be used: {str(card).splitlines()[0]}",
                                                         "name a card id or a card folder"))
                 continue
             kinds = {c.kind for c in card.manifest.components.values()}
