@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["CardtoolError", "BadInput", "RunFailed", "CardNotFound", "AmbiguousCard", "Problem", "CardValidationError"]
+__all__ = ["CardtoolError", "BadInput", "RunFailed", "OutOfMemory", "CardNotFound", "AmbiguousCard", "Problem",
+           "CardValidationError"]
 
 
 class CardtoolError(Exception):
@@ -26,6 +27,22 @@ class RunFailed(CardtoolError):
     def __init__(self, message: str, partial: dict | None = None):
         super().__init__(message)
         self.partial = partial
+
+
+class OutOfMemory(RunFailed):
+    """An allocation failed — Python's MemoryError, torch's CPU allocator's or CUDA's: too much was asked at once."""
+
+    ADVICE = ("ask for less at once: a lower --max-batch for generate, eval and workflows, a smaller optim.batch_size "
+              "or more --micro-batches for training (--resume continues from its last checkpoint)")
+
+    @classmethod
+    def of(cls, error: BaseException, kept: str = "", partial: dict | None = None) -> OutOfMemory | None:
+        """The error `error` is, when it is an allocation that failed (`kept`: what the work keeps), else None."""
+        text = str(error)
+        if not (isinstance(error, MemoryError) or "can't allocate memory" in text or "out of memory" in text.lower()):
+            return None
+        detail = text.strip().splitlines()[0][:200] if text.strip() else type(error).__name__
+        return cls(f"out of memory ({detail}); {cls.ADVICE}{kept}", partial)
 
 
 class BadInput(CardtoolError):

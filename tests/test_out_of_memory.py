@@ -39,7 +39,19 @@ def test_running_out_of_memory_is_a_message_that_says_what_to_lower(tmp_path, mo
     message = json.loads(result.stdout)["error"]["message"]
     assert json.loads(result.stdout)["error"]["kind"] == "failed"
     assert message.startswith("out of memory (") and "a lower --max-batch" in message, message
-    assert len(list((tmp_path / "out").glob("*.png"))) == 2, "the first wave's images are kept"
+    written = sorted(str(p) for p in (tmp_path / "out").glob("*.png"))
+    assert len(written) == 2 and "the 2 images written before it are kept" in message, "the first wave's are kept"
+    assert sorted(i["path"] for i in json.loads(result.stdout)["error"]["partial"]["images"]) == written
+
+
+def test_the_python_api_raises_it_as_a_failed_run(tmp_path, monkeypatch):
+    from cardtool.core.sampling import generate
+    from cardtool.errors import OutOfMemory, RunFailed
+
+    monkeypatch.setattr(generate, "sample", lambda *a, **k: (_ for _ in ()).throw(RuntimeError(ALLOCATOR)))
+    with pytest.raises(OutOfMemory) as info:
+        generate.LoadedCard(str(EXAMPLE_CARDS / "tiny-base")).generate(["a bag"], steps=1, out=tmp_path / "out")
+    assert isinstance(info.value, RunFailed) and info.value.partial == {"images": []}
 
 
 def test_another_runtime_error_is_not_taken_for_one(tmp_path, monkeypatch):

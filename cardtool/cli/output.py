@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import typer
 
-from cardtool.errors import CardtoolError, CardValidationError, RunFailed
+from cardtool.errors import CardtoolError, CardValidationError, OutOfMemory, RunFailed
 
 __all__ = ["LateProgress", "console", "emit_json", "handled", "say", "warn"]
 
@@ -124,19 +124,11 @@ def handled(json_mode: bool) -> Iterator[None]:
         with handled(json_mode):
             raise RunFailed(f"{where}{error.strerror or error}") from None
     except (MemoryError, RuntimeError) as error:  # the machine's memory, not cardtool: too much asked at once
-        if not out_of_memory(error):
+        failed = OutOfMemory.of(error)
+        if failed is None:
             raise
-        detail = str(error).strip().splitlines()[0][:200] if str(error).strip() else "MemoryError"
         with handled(json_mode):
-            raise RunFailed(f"out of memory ({detail}); ask for less at once: a lower --max-batch for generate, eval "
-                            "and workflows, a smaller optim.batch_size or more --micro-batches for training (--resume "
-                            "continues from its last checkpoint); images written before it are kept") from None
-
-
-def out_of_memory(error: BaseException) -> bool:
-    """Whether an error is an allocation that failed: Python's MemoryError, torch's CPU allocator's or CUDA's."""
-    text = str(error)
-    return isinstance(error, MemoryError) or "can't allocate memory" in text or "out of memory" in text.lower()
+            raise failed from None
 
 
 class LateProgress:

@@ -31,7 +31,7 @@ from cardtool.core.sampling.outputs import (
 from cardtool.core.sampling.planning import LOOP, MAX_IMAGES, checked_arguments, plan_requests
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache
-from cardtool.errors import BadInput, RunFailed
+from cardtool.errors import BadInput, OutOfMemory, RunFailed
 
 __all__ = ["GenerateReport", "LoadedCard", "control_image", "generate"]
 
@@ -173,8 +173,15 @@ class LoadedCard:
                 raise BadInput("--fuse merges the LoRAs of the request's adapter stack; this one has none")
             for number, wave in enumerate(waves):
                 progress = (lambda d, t, before=done: on_step(before + d, total)) if on_step else None
-                made = self._make([requests[i] for i in wave], loop, judge, best_of, max_batch, progress, fused) \
-                    if wave else []
+                try:
+                    made = self._make([requests[i] for i in wave], loop, judge, best_of, max_batch, progress, fused) \
+                        if wave else []
+                except (MemoryError, RuntimeError) as error:  # too much at once: what is written stays, listed
+                    failed = OutOfMemory.of(error, f"; the {len(images)} images written before it are kept",
+                                            {"images": [image.to_json() for image, _, _ in images]})
+                    if failed is None:
+                        raise
+                    raise failed from None
                 done += sum(requests[i].steps for i in wave) * best_of
                 shares = ranks.gather([(i, *item) for i, item in zip(wave, made, strict=True)])
                 if not ranks.main:
