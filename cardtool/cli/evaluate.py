@@ -40,6 +40,9 @@ def eval_command(
         "rest.")] = False,
     record: Annotated[bool, typer.Option(
         "--record", help="Write the report beside the card (eval.json), its summary into the recipe.")] = False,
+    max_batch: Annotated[int, typer.Option(
+        "--max-batch", help="Model rows per forward (a guided request takes two); lower it to save memory, the "
+        "images are the same.")] = 256,
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (see README).")] = False,
 ) -> None:
     """Evaluate a card: per step count and guidance, accuracy by the judge, FID-FMNIST with its floors."""
@@ -71,7 +74,8 @@ def eval_command(
         report = evaluate(card, judge=judge, steps=steps, guidance=guidance, guidance_interval=interval,
                           per_class=per_class, seed=seed, device=device, data=data, precision=precision,
                           on_row=progress, adapters=[parse_adapter(a) for a in adapter] if adapter else None,
-                          shift=shift, solver=solver, out=out, resume=resume, on_step=steps_done)
+                          shift=shift, solver=solver, out=out, resume=resume, on_step=steps_done,
+                          max_batch=max_batch)
         if report.rank == 0 and report.rows and all(math.isnan(r.class_accuracy) for r in report.rows):
             # the work made no result: a script reading the exit status must not take null rows for a measurement
             raise RunFailed("no row measured: " + "; ".join(w for w in report.warnings if "no measurement" in w)

@@ -112,3 +112,28 @@ def test_off_a_terminal_each_row_logs_progress_lines(examples, tmp_path, monkeyp
     lines = [line for line in result.stderr.splitlines() if line.startswith("this row: ")]
     assert any("of 30 request-steps" in line for line in lines) and any("of 40 request-steps" in line for line in lines)
     assert all("elapsed" in line and "left" in line for line in lines)
+
+
+def test_a_lower_max_batch_measures_the_same_images(examples, tmp_path):
+    """--max-batch is a memory knob: forwards of fewer rows, the same images and so the same measurements (within
+    float32 rounding where a CPU's products round by batch size: tiny-base promises C1, not batch invariance)."""
+    import json
+
+    from helpers import write_idx_folder
+    from typer.testing import CliRunner
+
+    from cardtool.cli import app
+
+    args = ["eval", str(examples / "tiny-base"), "--judge", str(examples / "tiny-judge"), "--per-class", "2",
+            "--steps", "2", "--data", str(write_idx_folder(tmp_path / "idx")), "--json"]
+    rows = []
+    for extra in ([], ["--max-batch", "3"]):
+        result = CliRunner().invoke(app, [*args, *extra])
+        assert result.exit_code == 0, result.output
+        [row] = json.loads(result.stdout)["rows"]
+        rows.append({k: row[k] for k in ("class_accuracy", "fid_fmnist", "kid", "mean_reward")})
+    assert rows[0]["class_accuracy"] == pytest.approx(rows[1]["class_accuracy"], abs=0.051)  # one image of 20
+    for key in ("fid_fmnist", "kid", "mean_reward"):
+        assert rows[0][key] == pytest.approx(rows[1][key], rel=1e-3, abs=1e-6), key
+    refused = CliRunner().invoke(app, [*args, "--max-batch", "0"])
+    assert refused.exit_code == 2 and "--max-batch must be" in json.loads(refused.stdout)["error"]["message"]

@@ -110,14 +110,17 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
              precision: list[str] | None = None, on_row: Callable[[EvalRow], None] | None = None,
              adapters: list[tuple[str, float]] | None = None, shift: float | None = None,
              solver: str | None = None, out: str | os.PathLike | None = None, resume: bool = False,
-             on_step: Callable[[int, int], None] | None = None) -> EvalReport:
+             on_step: Callable[[int, int], None] | None = None, max_batch: int = 256) -> EvalReport:
     """`adapters`: the stack every image uses instead of the card's default one (see Adapters in the README);
     `steps`, `guidance` and `precision` each a list of values (one value is a list of one), a row per combination;
     `shift` and `solver` for every row (default: the card's loop). `out`: a JSON file the report is written to after
     every row; with `resume`, the rows (and floors) it already holds for this evaluation are kept, not measured
-    again. `on_step(done, total)`: progress inside each row, in request-steps (this process's share)."""
+    again. `on_step(done, total)`: progress inside each row, in request-steps (this process's share). `max_batch`:
+    model rows per forward (a guided request takes two) — lower it to save memory; the images are the same."""
     if not isinstance(per_class, numbers.Integral) or isinstance(per_class, bool) or per_class < 1:
         raise BadInput(f"--per-class must be a whole number, at least 1, got {per_class!r}")
+    if not isinstance(max_batch, numbers.Integral) or isinstance(max_batch, bool) or max_batch < 1:
+        raise BadInput(f"--max-batch must be a whole number, at least 1, got {max_batch!r}")
     per_class = int(per_class)
     if not isinstance(judge, (str, os.PathLike)):
         raise BadInput(f"judge must be a reward card's id or folder, got {judge!r}")
@@ -198,7 +201,8 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
                 if on_row:
                     on_row(report.rows[-1])
             else:
-                _measure_row(report, referee, real, labels, count, ranks, p, loop, requests, on_row, on_step=on_step)
+                _measure_row(report, referee, real, labels, count, ranks, p, loop, requests, on_row, on_step=on_step,
+                             max_batch=int(max_batch))
             if out is not None and ranks.main:
                 write_report(out, report.to_json(), ident)
             if caught and number < len(cells) - 1:
@@ -216,14 +220,15 @@ def _settings(precision: str, request) -> tuple[str, ...]:
 
 
 def _measure_row(report: EvalReport, referee: FashionJudge, real: np.ndarray, labels: np.ndarray, count: int, ranks,
-                 p: str, loop: DenoiseLoop, requests: list, on_row, on_step=None) -> None:
+                 p: str, loop: DenoiseLoop, requests: list, on_row, on_step=None, max_batch: int = 256) -> None:
     """Sample one row's images at precision `p` and add its measurements to `report` (on rank 0; under torchrun each
     rank samples its share and rank 0 measures them all)."""
     started = time.perf_counter()
     mine = ranks.shard(requests)
     broken = None
     try:
-        made = loop.finalize(sample(loop, [requests[i] for i in mine], max_batch=256, on_step=on_step)) if mine else []
+        mine_requests = [requests[i] for i in mine]
+        made = loop.finalize(sample(loop, mine_requests, max_batch=max_batch, on_step=on_step)) if mine else []
     except NonFiniteImages as e:  # this row measures nothing; the others still do
         made, broken = [None] * len(mine), str(e)
     shares = ranks.gather(list(zip(mine, made, strict=True)))
