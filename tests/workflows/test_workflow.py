@@ -373,3 +373,25 @@ def test_validation_loads_each_card_once_however_many_steps_name_it(examples, tm
     result = CliRunner().invoke(app, ["workflow", "validate", str(write(tmp_path, examples, steps)), "--json"])
     assert result.exit_code == 0 and json.loads(result.stdout)["ok"], result.output
     assert len(calls) == 1, calls[:3]
+
+
+def test_memory_running_out_mid_step_is_a_failed_run_listing_the_images_written(examples, tmp_path, monkeypatch):
+    from cardtool.core.workflows import run as workflow_run
+
+    real, calls = workflow_run.sample, []
+
+    def sample_then_fail(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 163840000 bytes")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(workflow_run, "sample", sample_then_fail)
+    path = write(tmp_path, examples, '  one:\n    generate: {card: EX/tiny-base, prompts: ["a bag"], num: 4, '
+                                     'steps: 1}\n')
+    result = run(path, tmp_path, "--max-batch", "2")
+    assert result.exit_code == 1, result.output
+    error = json.loads(result.stdout)["error"]
+    assert error["kind"] == "failed" and error["message"].startswith("out of memory (")
+    [step] = error["partial"]["steps"]
+    assert len(step["images"]) == 2 and all(Path(i["path"]).is_file() for i in step["images"])

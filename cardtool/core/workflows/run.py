@@ -30,7 +30,7 @@ from cardtool.core.sampling.planning import plan_requests
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache
 from cardtool.core.workflows.manifest import Workflow, load_workflow
-from cardtool.errors import BadInput, RunFailed
+from cardtool.errors import BadInput, OutOfMemory, RunFailed
 
 __all__ = ["Output", "WorkflowReport", "run_workflow"]
 
@@ -287,7 +287,14 @@ def _run_step(runner: _Runner, workflow: Workflow, name: str, outputs: dict[str,
 
     for number, wave in enumerate(waves):
         try:
-            for k, item in zip(wave, runner.make([jobs[k] for k in wave], step.body), strict=True):
+            try:
+                made = runner.make([jobs[k] for k in wave], step.body)
+            except (MemoryError, RuntimeError) as error:  # too much at once: a failed run, what is written listed
+                failed = OutOfMemory.of(error, "; the images written before it are listed (--json: partial)")
+                if failed is None:
+                    raise
+                raise failed from None
+            for k, item in zip(wave, made, strict=True):
                 item.path = paths[k]
                 item.metadata = {**item.metadata, "workflow": manifest.id, "step": name, "step_kind": step.kind,
                                  "tag": jobs[k].tag}
