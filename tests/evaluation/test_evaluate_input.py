@@ -137,3 +137,35 @@ def test_a_lower_max_batch_measures_the_same_images(examples, tmp_path):
         assert rows[0][key] == pytest.approx(rows[1][key], rel=1e-3, abs=1e-6), key
     refused = CliRunner().invoke(app, [*args, "--max-batch", "0"])
     assert refused.exit_code == 2 and "--max-batch must be" in json.loads(refused.stdout)["error"]["message"]
+
+
+def test_memory_running_out_in_a_row_keeps_the_rows_measured(examples, tmp_path, monkeypatch):
+    import json
+
+    from helpers import write_idx_folder
+    from typer.testing import CliRunner
+
+    from cardtool.cli import app
+    from cardtool.core.evaluation import evaluate as module
+
+    real, calls = module.sample, []
+
+    def sample_then_fail(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "sample", sample_then_fail)
+    report = tmp_path / "report.json"
+    args = ["eval", str(examples / "tiny-base"), "--judge", str(examples / "tiny-judge"), "--per-class", "1",
+            "--steps", "1", "--steps", "2", "--data", str(write_idx_folder(tmp_path / "idx")), "--out", str(report)]
+    result = CliRunner().invoke(app, [*args, "--json"])
+    assert result.exit_code == 1, result.output
+    error = json.loads(result.stdout)["error"]
+    assert error["kind"] == "failed" and "out of memory" in error["message"]
+    assert "--resume keeps them" in error["message"]
+    assert [row["steps"] for row in error["partial"]["rows"]] == [1]
+    monkeypatch.setattr(module, "sample", real)
+    resumed = CliRunner().invoke(app, [*args, "--resume", "--json"])
+    assert resumed.exit_code == 0 and json.loads(resumed.stdout)["kept_rows"] == 1, resumed.output
