@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -43,6 +45,19 @@ class OutOfMemory(RunFailed):
             return None
         detail = text.strip().splitlines()[0][:200] if text.strip() else type(error).__name__
         return cls(f"out of memory ({detail}); {cls.ADVICE}{kept}", partial)
+
+    @classmethod
+    @contextlib.contextmanager
+    def raised(cls, kept: str = "", partial: dict | None = None) -> Iterator[None]:
+        """Within the block, an allocation that fails is raised as OutOfMemory (saying `kept`, with `partial`); any
+        other error as it is."""
+        try:
+            yield
+        except (MemoryError, RuntimeError) as error:
+            failed = cls.of(error, kept, partial)
+            if failed is None:
+                raise
+            raise failed from None
 
 
 class BadInput(CardtoolError):

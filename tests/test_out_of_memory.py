@@ -57,3 +57,29 @@ def test_the_python_api_raises_it_as_a_failed_run(tmp_path, monkeypatch):
 def test_another_runtime_error_is_not_taken_for_one(tmp_path, monkeypatch):
     result = generate_failing_in_the_second_wave(tmp_path, monkeypatch, RuntimeError("shapes do not match"))
     assert isinstance(result.exception, RuntimeError) and str(result.exception) == "shapes do not match"
+
+
+def test_a_training_run_out_of_memory_names_its_step_and_last_checkpoint(tmp_path, monkeypatch):
+    from helpers import REPO, write_idx_folder
+
+    from cardtool.core.training.methods import vae
+
+    real, calls = vae.VAETask.loss, []
+
+    def loss_then_fail(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(vae.VAETask, "loss", loss_then_fail)
+    result = CliRunner().invoke(app, [
+        "train", "--recipe", str(REPO / "examples" / "recipes" / "fashion-vae.yaml"), "--set", "optim.steps=6",
+        "--set", "optim.batch_size=4", "--set", "model.channels=[4, 8, 8]", "--set", "train.checkpoint_every=2",
+        "--set", "train.precision=float32", "--data", str(write_idx_folder(tmp_path / "idx")),
+        "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "card"), "--json"])
+    assert result.exit_code == 1, result.output
+    error = json.loads(result.stdout)["error"]
+    assert error["kind"] == "failed" and error["message"].startswith("out of memory (CUDA out of memory.")
+    assert f"at step 3, the last good checkpoint is {tmp_path / 'run'}" in error["message"], error["message"]
+    assert error["partial"]["step"] == 3

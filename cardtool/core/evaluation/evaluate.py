@@ -201,15 +201,10 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
                 if on_row:
                     on_row(report.rows[-1])
             else:
-                try:
+                kept = f"; the rows measured are in {out} (--resume keeps them)" if out else ""
+                with OutOfMemory.raised(kept, report.to_json()):
                     _measure_row(report, referee, real, labels, count, ranks, p, loop, requests, on_row,
                                  on_step=on_step, max_batch=int(max_batch))
-                except (MemoryError, RuntimeError) as error:  # too much at once: the rows measured are kept
-                    hint = f"; the rows measured are in {out} (--resume keeps them)" if out else ""
-                    failed = OutOfMemory.of(error, hint, report.to_json())
-                    if failed is None:
-                        raise
-                    raise failed from None
             if out is not None and ranks.main:
                 write_report(out, report.to_json(), ident)
             if caught and number < len(cells) - 1:

@@ -173,15 +173,10 @@ class LoadedCard:
                 raise BadInput("--fuse merges the LoRAs of the request's adapter stack; this one has none")
             for number, wave in enumerate(waves):
                 progress = (lambda d, t, before=done: on_step(before + d, total)) if on_step else None
-                try:
+                with OutOfMemory.raised(f"; the {len(images)} images written before it are kept",
+                                        {"images": [image.to_json() for image, _, _ in images]}):
                     made = self._make([requests[i] for i in wave], loop, judge, best_of, max_batch, progress, fused) \
                         if wave else []
-                except (MemoryError, RuntimeError) as error:  # too much at once: what is written stays, listed
-                    failed = OutOfMemory.of(error, f"; the {len(images)} images written before it are kept",
-                                            {"images": [image.to_json() for image, _, _ in images]})
-                    if failed is None:
-                        raise
-                    raise failed from None
                 done += sum(requests[i].steps for i in wave) * best_of
                 shares = ranks.gather([(i, *item) for i, item in zip(wave, made, strict=True)])
                 if not ranks.main:

@@ -29,7 +29,7 @@ from cardtool.core.sampling.denoise import NonFiniteImages
 from cardtool.core.training.parallel import Parallel
 from cardtool.core.training.recipes import Recipe
 from cardtool.core.training.run_lock import run_claimed
-from cardtool.errors import BadInput, RunFailed
+from cardtool.errors import BadInput, OutOfMemory, RunFailed
 
 __all__ = ["Task", "TrainingDiverged", "TrainResult", "train_loop", "writable_outputs", "CHECKPOINT"]
 
@@ -193,23 +193,26 @@ def _train(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, resume
             optimizer.zero_grad(set_to_none=True)
             batch, loss_value = order(step), 0.0
             mine = range(ranks.rank * micro_batches, (ranks.rank + 1) * micro_batches)
-            for part in mine:
-                seed = _micro_seed(step_seed, part, parts)
-                generator = torch.Generator().manual_seed(seed)
-                # anything drawing from torch's global RNG (dropout) becomes a function of the step too, so a resumed
-                # run draws what the uninterrupted one drew; the checkpoint then holds every piece of state
-                torch.manual_seed(seed)
-                # the step's shared draws: the one-process run's own generator, so any split shares what it drew
-                shared = generator if parts == 1 else torch.Generator().manual_seed(step_seed)
-                with autocast(platform, schedule.precision):
-                    try:  # an RL task samples its rollouts here: a policy gone NaN shows first in its images
-                        task.micro_batch(part, parts, batch, shared)
-                    except NonFiniteImages as e:
-                        raise _diverged(step, checkpoint, "the model sampled NaN or inf") from e
-                    loss, metrics = parallel.loss(batch[part::parts], generator, sync=part == mine[-1])
-                # the ranks average their gradients: each rank's is the mean over its own micro-batches
-                (loss if micro_batches == 1 else loss / micro_batches).backward()
-                loss_value += float(loss.detach()) / parts
+            # too much at once (a batch, a rollout): a failed run, its last checkpoint kept
+            with OutOfMemory.raised(f"; at step {step}, {_kept(checkpoint)}",
+                                    {"step": step, "checkpoint": str(checkpoint)}):
+                for part in mine:
+                    seed = _micro_seed(step_seed, part, parts)
+                    generator = torch.Generator().manual_seed(seed)
+                    # anything drawing from torch's global RNG (dropout) becomes a function of the step too, so a
+                    # resumed run draws what the uninterrupted one drew; the checkpoint then holds every piece of state
+                    torch.manual_seed(seed)
+                    # the step's shared draws: the one-process run's own generator, so any split shares what it drew
+                    shared = generator if parts == 1 else torch.Generator().manual_seed(step_seed)
+                    with autocast(platform, schedule.precision):
+                        try:  # an RL task samples its rollouts here: a policy gone NaN shows first in its images
+                            task.micro_batch(part, parts, batch, shared)
+                        except NonFiniteImages as e:
+                            raise _diverged(step, checkpoint, "the model sampled NaN or inf") from e
+                        loss, metrics = parallel.loss(batch[part::parts], generator, sync=part == mine[-1])
+                    # the ranks average their gradients: each rank's is the mean over its own micro-batches
+                    (loss if micro_batches == 1 else loss / micro_batches).backward()
+                    loss_value += float(loss.detach()) / parts
             loss_value = _sum(ranks, loss_value)
             if not math.isfinite(loss_value):
                 raise _diverged(step, checkpoint, f"loss became {loss_value}")
@@ -278,8 +281,12 @@ def writable_outputs(out: Path, run_dir: Path, *, replace: bool, flag: str, card
     writable_folder(run_dir, "the run folder")
 
 
+def _kept(checkpoint: Path) -> str:
+    return f"the last good checkpoint is {checkpoint}" if checkpoint.exists() else "none was written yet"
+
+
 def _diverged(step: int, checkpoint: Path, what: str) -> TrainingDiverged:
-    kept = f"the last good checkpoint is {checkpoint}" if checkpoint.exists() else "none was written yet"
+    kept = _kept(checkpoint)
     if step == 0:  # before the first update the learning rate cannot be the cause
         return TrainingDiverged(f"{what} at step 0, before any update; {kept}. The starting weights or the recipe's "
                                 "loss: settings give it (a weight too large, say)")

@@ -287,13 +287,8 @@ def _run_step(runner: _Runner, workflow: Workflow, name: str, outputs: dict[str,
 
     for number, wave in enumerate(waves):
         try:
-            try:
+            with OutOfMemory.raised("; the images written before it are listed (--json: partial)"):
                 made = runner.make([jobs[k] for k in wave], step.body)
-            except (MemoryError, RuntimeError) as error:  # too much at once: a failed run, what is written listed
-                failed = OutOfMemory.of(error, "; the images written before it are listed (--json: partial)")
-                if failed is None:
-                    raise
-                raise failed from None
             for k, item in zip(wave, made, strict=True):
                 item.path = paths[k]
                 item.metadata = {**item.metadata, "workflow": manifest.id, "step": name, "step_kind": step.kind,
