@@ -324,32 +324,15 @@ def add_control_card(root: Path) -> Path:
     """A seed card `tiny-control` beside tiny-base: a 1-block ControlNet on it (random weights, so the branch
     acts), and the control image its generate runs are given."""
     import numpy as np
-    import torch
-    from safetensors.torch import save_file
 
-    from cardtool.backends.controlnet import WanControlNet
-    from cardtool.backends.platform import Platform
-    from cardtool.core.cards.loader import load_card
     from cardtool.core.sampling.images import save_png
-    from cardtool.core.sampling.instance import ModelInstance
 
-    base = ModelInstance(load_card(root / "tiny-base"), Platform("cpu", "generic")).component("transformer")
-    torch.manual_seed(0)
-    net = WanControlNet(base.config, 1, Platform("cpu", "generic"))
-    with torch.no_grad():
-        for parameter in net.parameters():
-            parameter.copy_(torch.randn_like(parameter) * 0.1)
-    card = root / "tiny-control"
-    (card / "adapters").mkdir(parents=True)
-    save_file(net.state_dict(), str(card / "adapters" / "outline.safetensors"))
-    (card / "card.yaml").write_text("""schema: cardtool/v1
-id: tiny-control
-extends: ../tiny-base
-adapters:
-  outline: {kind: controlnet, target: transformer, weights: adapters/outline.safetensors, control: silhouette,
-            config: {blocks: 1}}
-recipe: {method: controlnet, parents: [tiny-base]}
-""")
+    sys.path.insert(0, str(REPO / "tests"))
+    try:
+        from helpers import write_control_card
+    finally:
+        sys.path.pop(0)
+    write_control_card(root / "tiny-control", "../tiny-base", adapter="outline", seed=0)
     shape = np.zeros((28, 28), np.uint8)
     shape[4:24, 8:20] = 200
     save_png(root.parent / "shape.png", shape)

@@ -140,3 +140,36 @@ def copy_encoder(folder: Path) -> Path:
         elif file.is_file():
             shutil.copy(file, folder / file.name)
     return folder
+
+
+def write_control_card(card: Path, extends: str, adapter: str = "ctl", seed: int = 3) -> Path:
+    """A card `tiny-control` extending tiny-base (`extends`: its folder) with a 1-block ControlNet `adapter` of random
+    weights (zero-initialised ones would change nothing), on silhouettes; and the card's folder."""
+    import torch
+    from safetensors.torch import save_file
+
+    from cardtool.backends.controlnet import WanControlNet
+    from cardtool.backends.platform import Platform
+    from cardtool.core.cards.loader import load_card
+    from cardtool.core.sampling.instance import ModelInstance
+
+    (card / "adapters").mkdir(parents=True)
+    base_folder = Path(extends) if Path(extends).is_absolute() else card / extends
+    cpu = Platform("cpu", "generic")
+    base = ModelInstance(load_card(base_folder), cpu).component("transformer")
+    torch.manual_seed(seed)
+    net = WanControlNet(base.config, 1, cpu)
+    with torch.no_grad():
+        for parameter in net.parameters():
+            parameter.copy_(torch.randn_like(parameter) * 0.1)
+    save_file(net.state_dict(), str(card / "adapters" / f"{adapter}.safetensors"))
+    (card / "card.yaml").write_text(f"""schema: cardtool/v1
+id: tiny-control
+extends: {extends}
+adapters:
+  {adapter}: {{kind: controlnet, target: transformer, weights: adapters/{adapter}.safetensors, control: silhouette,
+        config: {{blocks: 1}}}}
+recipe: {{method: controlnet, parents: [tiny-base]}}
+""")
+    return card
+

@@ -8,9 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
-from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from cardtool.cli import app
@@ -295,30 +293,12 @@ def test_skip_existing_keeps_each_image_written_with_its_settings_and_makes_only
 def test_a_step_samples_as_generate_does_with_a_precision_an_interval_and_a_control_image(examples, tmp_path):
     """A ControlNet card in a workflow: a control image beside the workflow, or each input image (its silhouette) as
     the control of its own output — the draft's shape kept, the rest sampled anew (strength 1)."""
-    from cardtool.backends.controlnet import WanControlNet
-    from cardtool.backends.platform import Platform
-    from cardtool.core.cards.loader import load_card
+    from helpers import write_control_card
+
     from cardtool.core.sampling.control import ControlImage
     from cardtool.core.sampling.images import save_png
-    from cardtool.core.sampling.instance import ModelInstance
 
-    base = ModelInstance(load_card(examples / "tiny-base"), Platform("cpu", "generic")).component("transformer")
-    torch.manual_seed(3)
-    net = WanControlNet(base.config, 1, Platform("cpu", "generic"))
-    with torch.no_grad():
-        for parameter in net.parameters():
-            parameter.copy_(torch.randn_like(parameter) * 0.1)
-    card = tmp_path / "tiny-control"
-    (card / "adapters").mkdir(parents=True)
-    save_file(net.state_dict(), str(card / "adapters" / "ctl.safetensors"))
-    (card / "card.yaml").write_text(f"""schema: cardtool/v1
-id: tiny-control
-extends: {examples / 'tiny-base'}
-adapters:
-  ctl: {{kind: controlnet, target: transformer, weights: adapters/ctl.safetensors, control: silhouette,
-        config: {{blocks: 1}}}}
-recipe: {{method: controlnet, parents: [tiny-base]}}
-""")
+    card = write_control_card(tmp_path / "tiny-control", str(examples / "tiny-base"))
     shape = np.zeros((28, 28), np.uint8)
     shape[4:24, 8:20] = 200
     save_png(tmp_path / "shape.png", shape)
