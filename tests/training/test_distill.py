@@ -360,3 +360,10 @@ def test_an_eval_that_fails_after_the_card_is_written_keeps_its_kind(examples, m
         with pytest.raises(kind, match="was written, but its eval failed") as info:
             evaluate_output(card, "tiny-judge", None)
         assert type(info.value) is kind, "a run that failed is not reported as bad input, nor the other way"
+
+
+def test_lora_targets_that_name_no_layer_are_bad_input(examples):
+    """rl and distill's --lora with targets matching none of the transformer's layers raised a ValueError."""
+    with pytest.raises(BadInput, match=r"model.lora.targets: no linear layer matches the LoRA targets \['nope'\]"):
+        DMD2Task(recipe(examples / "tiny-base", extra=["model.lora.rank=2", "model.lora.targets=[nope]"]), _platform(),
+                 load_card(examples / "tiny-base"))

@@ -54,7 +54,10 @@ class FrozenCard:
             return module
         from cardtool.backends.lora import LoraWrapped, TrainableLora
 
-        return LoraWrapped(module, TrainableLora(module, lora.targets, lora.rank, lora.alpha))
+        try:
+            return LoraWrapped(module, TrainableLora(module, lora.targets, lora.rank, lora.alpha))
+        except ValueError as e:  # targets that name no layer of this transformer
+            raise BadInput(f"model.lora.targets: {e}") from None
 
     def serving(self, module: torch.nn.Module) -> DenoiseLoop:
         """The card's denoise loop with its transformer served from `module` (live training weights)."""
