@@ -256,9 +256,9 @@ def _workflow(rng: random.Random, env: Env, out: Path) -> list[str]:
             del parent[path[-1]]
         elif roll < 0.25 and isinstance(parent, dict):
             parent[rng.choice(["input", "card", "cards", "reward", "n", "strength", "prompts", "seed", "steps",
-                               "guidance", "adapters", "precision", "num"])] = rng.choice(VALUES + extra)
+                               "guidance", "adapters", "precision", "num"])] = copy.deepcopy(rng.choice(VALUES + extra))
         else:
-            parent[path[-1]] = rng.choice(VALUES + extra)
+            parent[path[-1]] = copy.deepcopy(rng.choice(VALUES + extra))
     # relative card paths resolve from the manifest's folder: put it where the tour's sits relative to its cards
     (env.root / "workflows").mkdir(exist_ok=True)
     file = env.root / "workflows" / f"w{out.name}.yaml"
@@ -312,7 +312,7 @@ def _import(rng: random.Random, env: Env, out: Path) -> list[str]:
         if rng.random() < 0.15 and isinstance(parent, dict):
             parent.pop(path[-1], None)
         else:
-            parent[path[-1]] = rng.choice(VALUES + extra)
+            parent[path[-1]] = copy.deepcopy(rng.choice(VALUES + extra))
     text = json.dumps(data)
     file.write_text(text[: rng.randrange(len(text))] if rng.random() < 0.1 else text)
     target = rng.choice([source, transformer])
