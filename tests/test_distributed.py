@@ -54,6 +54,21 @@ def test_a_launch_without_torchrun_variables_is_a_clear_error(tmp_path, monkeypa
     assert "RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT are not set" in result.output
 
 
+@pytest.mark.parametrize(("changed", "message"), [
+    ({"RANK": "5"}, "RANK=5 is not below WORLD_SIZE=2: ranks are 0 … 1"),  # waited out the rendezvous before
+    ({"RANK": "-1"}, "RANK='-1': each must be a whole number"),
+    ({"LOCAL_RANK": "x"}, "LOCAL_RANK='x': each must be a whole number"),  # a ValueError traceback before
+    ({"MASTER_PORT": "abc"}, "MASTER_PORT='abc': each must be a whole number"),
+])
+def test_launch_variables_that_cannot_be_are_a_clear_error_before_joining(tmp_path, monkeypatch, changed, message):
+    launch = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "localhost", "MASTER_PORT": "29599"}
+    monkeypatch.setenv("CARDTOOL_PATH", str(EXAMPLE_CARDS))
+    for name, value in {**launch, **changed}.items():
+        monkeypatch.setenv(name, value)
+    result = CliRunner().invoke(app, [*GENERATE, "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2 and message in json.loads(result.stdout)["error"]["message"], result.output
+
+
 def test_eval_on_two_processes_measures_what_one_process_measures(tmp_path, monkeypatch):
     from helpers import write_idx_folder
 

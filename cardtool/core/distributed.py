@@ -95,10 +95,16 @@ def ranks(device: str = "cpu") -> Ranks:
     if missing:
         raise BadInput(f"WORLD_SIZE={world}, but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: "
                        "launch with torchrun (torchrun --nproc-per-node P -m cardtool …), which sets them all")
+    numbers = {name: os.environ[name] for name in ("RANK", "LOCAL_RANK", "MASTER_PORT")}
+    bad = [f"{name}={value!r}" for name, value in numbers.items() if not value.isdigit()]
+    if bad:
+        raise BadInput(f"{', '.join(bad)}: each must be a whole number (torchrun sets them)"[:300])
+    if int(numbers["RANK"]) >= int(world):  # it would wait out the rendezvous timeout for a place no one has
+        raise BadInput(f"RANK={numbers['RANK']} is not below WORLD_SIZE={world}: ranks are 0 … {int(world) - 1}")
     import torch
     import torch.distributed as dist
 
-    local = int(os.environ["LOCAL_RANK"])
+    local = int(numbers["LOCAL_RANK"])
     if not dist.is_initialized():
         if device == "cuda":
             torch.cuda.set_device(local)
