@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from cardtool.cli.output import console, emit_json, handled
+from cardtool.cli.output import console, emit_json, handled, printable
 
 app = typer.Typer(help="Find, inspect, check and trace cards.", no_args_is_help=True)
 
@@ -121,7 +121,7 @@ def validate_command(
             else:
                 out.print(f"[red]invalid[/red] {r.path}")
                 for problem in r.problems:
-                    err.print(f"  {escape(str(problem))}")
+                    err.print(f"  {escape(printable(str(problem)))}")
     if not ok:
         raise typer.Exit(1)
 

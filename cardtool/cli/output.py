@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -13,7 +14,7 @@ import typer
 
 from cardtool.errors import CardtoolError, CardValidationError, OutOfMemory, RunFailed
 
-__all__ = ["LateProgress", "console", "emit_json", "handled", "say", "warn"]
+__all__ = ["LateProgress", "console", "emit_json", "handled", "printable", "say", "warn"]
 
 
 def console(*, stderr: bool = False):
@@ -64,8 +65,18 @@ def clock(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """`text` with its control characters (tab and newline aside) written as escapes: a message that quotes a file
+    from elsewhere (a tokenizer's parse error, a path) never sends a terminal an escape sequence."""
+    return _CONTROL.sub(lambda m: repr(m[0])[1:-1], text)
+
+
 def warn(message: str) -> None:
     """A warning on stderr, yellow on a terminal."""
+    message = printable(message)
     if sys.stderr.isatty() and not os.environ.get("NO_COLOR"):
         from rich.markup import escape
 
@@ -117,7 +128,7 @@ def handled(json_mode: bool) -> Iterator[None]:
         err = console(stderr=True)
         lines = error.problems if isinstance(error, CardValidationError) else [error]
         for line in lines:
-            err.print(f"[red]error[/red] {escape(str(line))}")
+            err.print(f"[red]error[/red] {escape(printable(str(line)))}")
         raise typer.Exit(error.exit_code) from None
     except OSError as error:  # the disk, not cardtool: full, read-only, a path that vanished mid-run
         where = f"{error.filename}: " if error.filename else ""

@@ -303,3 +303,11 @@ def test_text_that_would_drive_a_terminal_is_refused(base, text, message):
     assert message in problem and "\x1b" not in problem, problem
     manifest.write_text("".join(lines) + 'description: "tab\\there\\nand a new line"\n')
     assert load_card(base).manifest.description == "tab\there\nand a new line"
+
+
+def test_an_error_quoting_a_file_from_elsewhere_prints_no_escape_sequence(tmp_path):
+    """A message that quotes text cardtool did not write (a parser's error, a path) is printed with its control
+    characters written as escapes."""
+    folder = tmp_path / "odd\x1b[2Jname"
+    result = CliRunner().invoke(app, ["cards", "show", str(folder)])
+    assert result.exit_code == 2 and "\x1b" not in result.output and "odd\\x1b[2Jname" in result.output
