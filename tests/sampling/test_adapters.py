@@ -512,3 +512,13 @@ def test_random_plans_give_every_row_its_own_stacks_delta_and_leave_the_others_b
                     assert torch.equal(out[i], base[i]), (case, module, rows, i)
                     continue
                 torch.testing.assert_close(out[i], x[i] @ (w + sum(deltas)).T, atol=1e-4, rtol=1e-5)
+
+
+def test_a_scale_float32_cannot_hold_is_refused_before_sampling(card, tmp_path):
+    """The products run in float32 at most: a scale beyond its range gave NaN images after the work (exit 1)."""
+    result = CliRunner().invoke(app, ["generate", str(card.folder), "-p", "a bag", "--adapter", "a=1e308", "--steps",
+                                      "1", "--out", str(tmp_path / "o"), "--json"])
+    assert result.exit_code == 2, result.output
+    assert "a scale of 1e+308 is beyond float32's range" in json.loads(result.stdout)["error"]["message"]
+    with pytest.raises(BadInput, match="a scale of -1e\\+39 is beyond float32's range"):
+        LoadedCard(str(card.folder)).generate(["a bag"], adapters=[("a", -1e39)], steps=1, out=tmp_path / "o")

@@ -4,9 +4,12 @@ API's arguments checked as strictly as the command line's parser checks them."""
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 from pathlib import Path
+
+import numpy as np
 
 from cardtool.core.cards.loader import Card
 from cardtool.core.cards.loops import FlowDenoiseDefaults
@@ -20,6 +23,7 @@ __all__ = ["LOOP", "MAX_IMAGES", "adapter_stack", "checked_arguments", "parse_in
 
 LOOP = "denoise"
 MAX_IMAGES = 100_000  # one command; beyond this a planning mistake, not a job (script several runs)
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def read_prompts_file(path: str | Path) -> list[str]:
@@ -146,6 +150,10 @@ def adapter_stack(card: Card, stack: list[tuple[str, float]], control: ControlIm
             raise BadInput(f"--control needs a ControlNet; card '{card.id}' declares "
                            f"{'none' if not available else ', '.join(available) + ' (name one with --adapter)'}")
         stack = stack + [(available[0], 1.0 if control_scale is None else control_scale)]
+    for name, scale in stack:  # the adapters' products run in float32 at most: a scale it cannot hold is no request
+        if not math.isfinite(scale) or abs(scale) > FLOAT32_MAX:
+            raise BadInput(f"adapter '{name}': a scale of {scale:g} is beyond float32's range (±3.4e38), which its "
+                           "products run in")
     return tuple((name, float(scale)) for name, scale in stack)
 
 
