@@ -16,9 +16,13 @@ import contextlib
 from cardtool.backends.platform import Platform
 from cardtool.errors import BadInput
 
-__all__ = ["PRECISIONS", "LOW_PRECISIONS", "autocast", "check_precision", "kernel_variant", "weights_dtype"]
+__all__ = ["FLOAT32_MAX", "PRECISIONS", "LOW_PRECISIONS", "autocast", "check_precision", "kernel_variant",
+           "weights_dtype"]
 
 PRECISIONS = ("float64", "float32", "bfloat16", "float16")
+# the largest float32: training computes in it (torch refuses a larger Python scalar for it), and products run in it
+# at most, so a recipe number or an adapter scale beyond it is refused before the work
+FLOAT32_MAX = 3.4028234663852886e38
 LOW_PRECISIONS = ("bfloat16", "float16")
 _VARIANTS = {"bfloat16": "bf16", "float16": "fp16"}  # the registry falls back to `default` where none is registered
 

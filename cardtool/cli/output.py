@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import time
 from collections.abc import Iterator
@@ -65,13 +64,12 @@ def clock(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
 def printable(text: str) -> str:
     """`text` with its control characters (tab and newline aside) written as escapes: a message that quotes a file
     from elsewhere (a tokenizer's parse error, a path) never sends a terminal an escape sequence."""
-    return _CONTROL.sub(lambda m: repr(m[0])[1:-1], text)
+    from cardtool.core.cards.source import CONTROL_CHARACTERS  # the pattern manifests refuse; only on errors
+
+    return CONTROL_CHARACTERS.sub(lambda m: repr(m[0])[1:-1], text)
 
 
 def warn(message: str) -> None:

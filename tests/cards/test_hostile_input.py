@@ -295,7 +295,7 @@ def test_an_encoder_source_folder_with_broken_files(base, tmp_path):
 ])
 def test_text_that_would_drive_a_terminal_is_refused(base, text, message):
     """A card from elsewhere must not carry escape sequences (colours, a window title, a cleared screen) into
-    `cards list`, `cards show` or the error messages that print its text; tab and line breaks stay allowed."""
+    `cards list`, `cards show` or the error messages that print its text; tab and newline stay allowed."""
     manifest = base / "card.yaml"
     lines = [line for line in manifest.read_text().splitlines(keepends=True) if not line.startswith("description")]
     manifest.write_text("".join(lines) + text)

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from cardtool.errors import CardValidationError, Problem
 
-__all__ = ["MANIFEST_NAMES", "Source", "display_path", "peek_id", "plain_value_problems", "read_source"]
+__all__ = ["CONTROL_CHARACTERS", "MANIFEST_NAMES", "Source", "display_path", "peek_id", "plain_value_problems",
+           "read_source"]
 
 MANIFEST_NAMES = ("card.yaml", "card.toml")
 
@@ -54,9 +55,9 @@ class Source:
 MAX_BYTES = 1 << 20  # a manifest is a page of settings, not a data file
 MAX_DEPTH = 32  # nesting of mappings and lists
 _JSON_SCALARS = (str, int, float, bool, type(None))
-# control characters but tab and line breaks: a card from elsewhere could otherwise carry terminal escape sequences
-# (colours, a window title, hyperlinks) into `cards list`, `cards show` and its error messages
-_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+# control characters but tab and newline: text from elsewhere could otherwise carry terminal escape sequences
+# (colours, a window title, hyperlinks, a carriage return over the line) into what cardtool prints
+CONTROL_CHARACTERS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 _cache: dict[tuple[str, bytes], Source] = {}
 _CACHE_ENTRIES = 256  # the most recently used manifests a process keeps parsed (one that writes cards parses new ones)
 
@@ -110,7 +111,7 @@ def plain_value_problems(value, dotted: str) -> list[str]:
 
 def _value_problems(source: Source, value, path: FieldPath) -> list[Problem]:
     """Manifests hold JSON's kinds of values only, printable as JSON: text keys, finite numbers, integers within
-    64 bits, text without lone surrogates or control characters (tab and line breaks aside); nested at most
+    64 bits, text without lone surrogates or control characters (tab and newline aside); nested at most
     MAX_DEPTH deep."""
     if len(path) > MAX_DEPTH:
         return [source.problem(path, f"nested deeper than {MAX_DEPTH} levels", "flatten the structure")]
@@ -121,7 +122,7 @@ def _value_problems(source: Source, value, path: FieldPath) -> list[Problem]:
                 problems.append(source.problem(path, f"a key that is not text ({type(key).__name__})",
                                                "quote the key"))
                 continue
-            if _CONTROL.search(key):
+            if CONTROL_CHARACTERS.search(key):
                 problems.append(source.problem(path, f"a key holding a control character: {key[:60]!r}",
                                                "remove it"))
                 continue
@@ -135,7 +136,7 @@ def _value_problems(source: Source, value, path: FieldPath) -> list[Problem]:
         except UnicodeEncodeError:
             return [source.problem(path, "text holding a lone surrogate (not encodable as UTF-8)",
                                    "remove the \\uD800-\\uDFFF escape")]
-        control = _CONTROL.search(value)
+        control = CONTROL_CHARACTERS.search(value)
         if control:
             return [source.problem(path, f"text holding a control character (U+{ord(control[0]):04X}), which would "
                                    "drive the terminal that prints it", "remove it")]

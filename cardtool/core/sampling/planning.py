@@ -9,8 +9,7 @@ import numbers
 import os
 from pathlib import Path
 
-import numpy as np
-
+from cardtool.backends.precision import FLOAT32_MAX
 from cardtool.core.cards.loader import Card
 from cardtool.core.cards.loops import FlowDenoiseDefaults
 from cardtool.core.sampling.control import ControlImage
@@ -23,7 +22,6 @@ __all__ = ["LOOP", "MAX_IMAGES", "adapter_stack", "checked_arguments", "parse_in
 
 LOOP = "denoise"
 MAX_IMAGES = 100_000  # one command; beyond this a planning mistake, not a job (script several runs)
-FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def read_prompts_file(path: str | Path) -> list[str]:

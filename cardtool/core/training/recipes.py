@@ -13,6 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from cardtool.backends.precision import FLOAT32_MAX
 from cardtool.core.cards.schema import Name
 from cardtool.core.cards.source import plain_value_problems, read_source
 from cardtool.errors import BadInput, CardValidationError
@@ -24,7 +25,6 @@ DISTILL_METHODS = ("dmd2",)  # `cardtool distill`
 RL_METHODS = ("diffusion_nft", "flow_grpo")  # `cardtool rl`
 RUN_BY = {**{m: "cardtool distill TEACHER --recipe FILE" for m in DISTILL_METHODS},
           **{m: "cardtool rl CARD --reward REWARD_CARD --recipe FILE" for m in RL_METHODS}}
-FLOAT32_MAX = 3.4028234663852886e38  # what training computes in; torch refuses a larger Python scalar for it
 
 
 class _Strict(BaseModel):
