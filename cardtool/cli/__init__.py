@@ -70,17 +70,22 @@ def root(
     """Diffusion model cards: the recipe and the runtime as one versioned object."""
 
 
-class _ReaderMayLeave:
-    """stdout for a reader that may stop reading (`cardtool generate … | head -1`): once the pipe is closed, the rest
-    goes to /dev/null and the command finishes its work and its exit status as if it had been read — not exit 1 with
-    the summary on stderr lost, as click makes of the broken pipe."""
+class _Output:
+    """stdout or stderr for a command whose readers and disks may fail it. A reader that stops reading (`cardtool
+    generate … | head -1`): once the pipe is closed, the rest goes to /dev/null and the command finishes its work and
+    its exit status as if it had been read — not exit 1 with the summary on stderr lost, as click makes of the broken
+    pipe. A stream that cannot be written (a full disk under `> report.json`, an I/O error) goes to /dev/null too and
+    the error is kept for `main`: a warning that cannot be shown must not end a training run or a generation midway
+    with a traceback, but a command whose `--json` document was lost did not do what it was asked (exit 1)."""
 
     def __init__(self, stream):
-        self._stream = stream
+        self._stream, self.failed = stream, None
 
-    def _gone(self) -> None:
+    def _gone(self, error: OSError | None = None) -> None:
         import os
 
+        if error is not None and self.failed is None:
+            self.failed = error.strerror or str(error)
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, self._stream.fileno())
         os.close(devnull)
@@ -90,13 +95,17 @@ class _ReaderMayLeave:
             return self._stream.write(text)
         except BrokenPipeError:
             self._gone()
-            return len(text)
+        except OSError as error:
+            self._gone(error)
+        return len(text)
 
     def flush(self) -> None:
         try:
             self._stream.flush()
         except BrokenPipeError:
             self._gone()
+        except OSError as error:
+            self._gone(error)
 
     def __getattr__(self, name):
         return getattr(self._stream, name)
@@ -108,6 +117,16 @@ def main() -> None:
     for stream in (sys.stdout, sys.stderr):  # an encoding that cannot show a prompt's é or an arrow escapes it
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
-    if hasattr(sys.stdout, "fileno"):
-        sys.stdout = _ReaderMayLeave(sys.stdout)
-    app()
+    out = sys.stdout = _Output(sys.stdout) if hasattr(sys.stdout, "fileno") else sys.stdout
+    if hasattr(sys.stderr, "fileno"):
+        sys.stderr = _Output(sys.stderr)
+    code = 0
+    try:
+        app()
+    except SystemExit as done:
+        code = done.code
+    sys.stdout.flush()  # a --json document is still buffered: its write error shows only now
+    if getattr(out, "failed", None) is not None:
+        sys.stderr.write(f"error cannot write standard output: {out.failed}\n")
+        code = code if code not in (0, None) else 1
+    raise SystemExit(code)

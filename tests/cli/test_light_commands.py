@@ -99,3 +99,24 @@ def test_a_reader_that_stops_reading_is_not_a_failure(tmp_path):
         errors = process.stderr.read().decode()
         assert process.wait(timeout=120) == 0 and "Traceback" not in errors and summary in errors, errors
     assert len(list((tmp_path / "out").glob("*.png"))) == 30
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full, a device every write to fails")
+def test_an_output_that_cannot_be_written_is_said_not_a_traceback(tmp_path):
+    """A full disk under stdout: a `--json` document that could not be written is exit 1 with one line saying so
+    (not a traceback, not exit 0), after the work is done; under stderr, the warnings and progress are lost but
+    the command is not — its images are written and it exits 0."""
+    env = {**os.environ, "CARDTOOL_CACHE": str(tmp_path / "c")}
+    tiny = ["generate", str(EXAMPLE_CARDS / "tiny-base"), "-p", "a bag", "--steps", "3"]
+    for args, stdout, status in ((["cards", "list", "--json"], "full", 1),
+                                 ([*tiny, "--json", "--out", str(tmp_path / "a")], "full", 1),
+                                 ([*tiny, "--out", str(tmp_path / "b")], "stderr", 0)):
+        with open("/dev/full", "w") as full:
+            done = subprocess.run([sys.executable, "-m", "cardtool", *args], env=env, text=True, timeout=120,
+                                  stdout=full if stdout == "full" else subprocess.PIPE,
+                                  stderr=full if stdout == "stderr" else subprocess.PIPE)
+        said = done.stderr if stdout == "full" else done.stdout
+        assert done.returncode == status and "Traceback" not in said, said
+        if stdout == "full":
+            assert said.strip().splitlines()[-1] == "error cannot write standard output: No space left on device"
+    assert [len(list((tmp_path / d).glob("*.png"))) for d in "ab"] == [1, 1]
