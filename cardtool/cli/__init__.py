@@ -111,12 +111,32 @@ class _Output:
         return getattr(self._stream, name)
 
 
+def _working_folder_exists() -> None:
+    """Refuse to start in a working folder that was removed after the shell entered it: every relative path fails
+    there with a bare "No such file or directory", and torch's first import dies in MKL's loader (exit 2, no
+    reason given) — a command would fail midway either way."""
+    import os
+    import sys
+
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        message = "the working folder no longer exists (it was removed after the shell entered it); cd to one that does"
+        if "--json" in sys.argv:
+            from cardtool.cli.output import emit_json
+
+            emit_json({"error": {"kind": "bad_input", "message": message, "problems": []}})
+        sys.stderr.write(f"error {message}\n")
+        raise SystemExit(2) from None
+
+
 def main() -> None:
     import sys
 
     for stream in (sys.stdout, sys.stderr):  # an encoding that cannot show a prompt's é or an arrow escapes it
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
+    _working_folder_exists()
     out = sys.stdout = _Output(sys.stdout) if hasattr(sys.stdout, "fileno") else sys.stdout
     if hasattr(sys.stderr, "fileno"):
         sys.stderr = _Output(sys.stderr)

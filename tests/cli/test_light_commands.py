@@ -120,3 +120,15 @@ def test_an_output_that_cannot_be_written_is_said_not_a_traceback(tmp_path):
         if stdout == "full":
             assert said.strip().splitlines()[-1] == "error cannot write standard output: No space left on device"
     assert [len(list((tmp_path / d).glob("*.png"))) for d in "ab"] == [1, 1]
+
+
+def test_a_removed_working_folder_is_said_before_any_work(tmp_path):
+    """A shell standing in a folder that was removed: one line saying so, exit 2 (and the JSON error document) —
+    not a bare "No such file or directory", nor torch's import dying in MKL's loader."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    script = f"cd {gone} && rmdir {gone} && exec {sys.executable} -m cardtool cards list --json"
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    message = "the working folder no longer exists (it was removed after the shell entered it); cd to one that does"
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == f"error {message}", done.stderr
+    assert json.loads(done.stdout) == {"error": {"kind": "bad_input", "message": message, "problems": []}}
