@@ -97,6 +97,25 @@ def test_unknown_id_lists_what_was_searched(builtin):
         locate("fashion-bsae")
 
 
+def test_a_card_with_bad_values_is_found_by_its_id_and_an_unreadable_one_is_named(tmp_path, builtin):
+    """A TOML card holding a value manifests refuse (a datetime, inf) is found by its id, as a YAML one is, so its
+    own problems are what the user sees — not "no card with id"; a manifest whose id cannot be read at all is named
+    in the "no card" error, since the card asked for may be it."""
+    make(tmp_path / "cards", "tb", "tb")
+    text = (tmp_path / "cards" / "tb" / "card.yaml").read_text()
+    (tmp_path / "cards" / "tb" / "card.yaml").unlink()
+    toml = 'schema = "cardtool/v1"\nid = "tb"\ndescription = 2020-01-01 12:00:00\nguidance = inf\n'
+    (tmp_path / "cards" / "tb" / "card.toml").write_text(toml)
+    assert locate("tb") == tmp_path / "cards" / "tb" / "card.toml"
+    with pytest.raises(CardValidationError, match="description: a datetime value"):
+        load_card("tb")
+    (tmp_path / "cards" / "tb" / "card.toml").unlink()
+    (tmp_path / "cards" / "tb" / "card.yaml").write_text(text.replace("id: tb", "id: [tb"))
+    with pytest.raises(CardNotFound, match=r"1 card folder there could not be read \(cards/tb; `cardtool cards "
+                                           r"validate FOLDER` says why\)"):
+        locate("tb")
+
+
 def test_path_like_names_that_do_not_exist_are_bad_input(tmp_path):
     with pytest.raises(BadInput, match="no such card folder"):
         locate("./missing")

@@ -134,6 +134,11 @@ def locate(name: str, near: Path | None = None) -> Path:
         searched = ", ".join(f"{display_path(r.path)} ({r.origin})" for r in roots) or "nothing"
         close = difflib.get_close_matches(name, sorted({e.id for e in entries if e.id}), n=1)
         hint = f"did you mean '{close[0]}'? " if close else ""
+        unread = [display_path(e.folder) for e in entries if e.id is None and e.error is not None]
+        if unread:  # the card asked for may be one of them: a manifest whose id cannot even be read
+            hint += (f"{len(unread)} card folder{'s' if len(unread) > 1 else ''} there could not be read "
+                     f"({', '.join(unread[:3])}{' …' if len(unread) > 3 else ''}; `cardtool cards validate FOLDER` "
+                     "says why). ")
         raise CardNotFound(f"no card with id '{name}'; searched {searched}. {hint}"
                            "Give a card folder, or add its parent folder to CARDTOOL_PATH")
     if len(matches) > 1:

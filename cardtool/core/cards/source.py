@@ -270,17 +270,21 @@ def _walk_yaml(node, path: FieldPath, source: Source, duplicates: list[Problem])
 
 def peek_id(file: Path) -> str | None:
     """The `id` a manifest declares (None if it declares none, or not as text), read for finding a card by id: from
-    a YAML file's event stream up to its top-level `id` key — a few events of a card that opens with its id — rather
-    than a full parse; the full read (read_source) for TOML and anything unusual (aliases, complex keys, large or
-    unreadable files), which raises its located error."""
-    if file.suffix == ".yaml":
-        import yaml
+    a YAML file's event stream up to its top-level `id` key — a few events of a card that opens with its id — or a
+    TOML file's plain parse, rather than the full read; the full read (read_source) for anything unusual (aliases,
+    complex keys, large, unreadable or unparsable files), which raises its located error."""
+    import yaml
 
-        try:
-            if 0 < file.stat().st_size <= MAX_BYTES:
-                return _peek_yaml_id(file.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, yaml.YAMLError, _Unsure):
-            pass
+    try:
+        if 0 < file.stat().st_size <= MAX_BYTES:
+            text = file.read_text(encoding="utf-8")
+            if file.suffix == ".yaml":
+                return _peek_yaml_id(text)
+            # the id, also where the full read refuses a value elsewhere (a datetime, inf), as in YAML's event stream
+            card_id = _toml().loads(text.removeprefix("\ufeff")).get("id")
+            return card_id if isinstance(card_id, str) else None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError, yaml.YAMLError, _Unsure):
+        pass  # TOML's decode error is a ValueError
     card_id = read_source(file).data.get("id")
     return card_id if isinstance(card_id, str) else None
 
@@ -337,11 +341,16 @@ def _split_key(dotted: str) -> FieldPath:
     return tuple(p.strip("\"'") for p in re.findall(_KEY_PART, dotted))
 
 
-def _read_toml(file: Path, text: str) -> Source:
+def _toml():
     if sys.version_info >= (3, 11):
         import tomllib
     else:  # pragma: no cover - Python 3.10
         import tomli as tomllib
+    return tomllib
+
+
+def _read_toml(file: Path, text: str) -> Source:
+    tomllib = _toml()
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
