@@ -363,6 +363,29 @@ def test_silhouette_fills_enclosed_holes_and_edges_trace_the_outline():
     assert np.array_equal(batch[0], shape)
 
 
+def test_a_control_image_reads_by_its_modes_own_range(tmp_path):
+    """A 16-bit mask, a float image and a cut-out with transparency read as the garment they show: Pillow's plain
+    grey conversion clipped 16-bit values (all white), truncated floats to 0 or 1 (all black) and took a transparent
+    pixel's colour instead of the background."""
+    from PIL import Image
+
+    from cardtool.core.sampling.control import read_control
+
+    shape = np.zeros((28, 28), bool)
+    shape[6:22, 9:19] = True  # a garment, bright on a dark background
+    files = {"16.png": Image.fromarray(np.where(shape, 60000, 2000).astype(np.uint16)),  # background 8 of 255
+             "float.tiff": Image.fromarray(np.where(shape, 0.9, 0.0).astype(np.float32)),
+             "cutout.png": Image.fromarray(np.dstack([np.full((28, 28, 3), 230), np.where(shape, 255, 0)])
+                                           .astype(np.uint8), "RGBA")}
+    for name, image in files.items():
+        image.save(tmp_path / name)
+        grey = read_control(tmp_path / name, 28)
+        assert np.array_equal(silhouette(grey) > 0, shape), name
+        assert grey[shape].min() >= 200 and grey[~shape].max() <= 8, name
+    Image.fromarray(np.where(shape, 200, 0).astype(np.uint8)).save(tmp_path / "8.png")  # 8-bit grey as it was
+    assert np.array_equal(read_control(tmp_path / "8.png", 28), np.where(shape, 200, 0))
+
+
 def test_cli_errors_exit_2(card, tmp_path):
     runner = CliRunner()
     base = ["generate", str(card.folder), "-p", "a bag", "--steps", "1", "--out", str(tmp_path / "o")]

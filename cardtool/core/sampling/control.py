@@ -85,12 +85,30 @@ def read_control(path: Path, size: int) -> np.ndarray:
         raise BadInput(f"cannot read control image: {reason}")
     try:
         with open_image(data) as image:  # its size checked before decoding
-            image = image.convert("L")
+            image = _grey(image)
             if image.size != (size, size):
                 image = image.resize((size, size), Image.BILINEAR)
             return np.asarray(image, dtype=np.uint8).copy()
     except (UnidentifiedImageError, OSError, ValueError) as e:  # open_image: ValueError for a declared bomb
         raise BadInput(f"cannot read control image {path}: {type(e).__name__}: {str(e)[:200]}")
+
+
+def _grey(image):
+    """An image of any mode as 8-bit grey by its mode's own range, where Pillow's convert("L") clips or truncates:
+    16-bit grey scaled by 255/65535 (clipped, a 16-bit mask read all white), float grey taken as [0, 1] (truncated,
+    it read all black); and transparency composited onto black, Fashion-MNIST's background, so that a cut-out
+    garment's transparent surround is background whatever colour its pixels hold."""
+    from PIL import Image
+
+    if image.mode in ("I", "F") or image.mode.startswith("I;16"):
+        values = np.asarray(image, dtype=np.float64)
+        values = np.nan_to_num(values * 255.0 if image.mode == "F" else values / 257.0, nan=0.0)
+        return Image.fromarray(np.clip(np.rint(values), 0, 255).astype(np.uint8), "L")
+    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info:
+        grey, alpha = image.convert("LA").split()
+        return Image.fromarray(np.rint(np.asarray(grey, dtype=np.float64) * np.asarray(alpha) / 255.0)
+                               .astype(np.uint8), "L")
+    return image.convert("L")
 
 
 def parse_control(text: str) -> tuple[Path, str | None]:
