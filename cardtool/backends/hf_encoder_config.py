@@ -35,7 +35,7 @@ class HFEncoderConfig(ComponentConfig):
         if not any(is_regular_file(source / name) for name in TOKENIZER_FILES):
             problems.append(f"{source} holds no tokenizer ({', '.join(TOKENIZER_FILES)})")
         if not problems:
-            problems += tokenizer_files_problems(source, settings)
+            problems += tokenizer_files_problems(source, settings, self.max_length)
         limit = positions(settings)
         if limit is not None and self.max_length > limit:
             problems.append(f"max_length {self.max_length} is beyond the encoder's {limit} positions")

@@ -58,15 +58,21 @@ def tokenizer_problems(settings: dict, file: str = "tokenizer_config.json") -> l
     return problems[:3]
 
 
-def tokenizer_files_problems(source: Path, settings: dict) -> list[str]:
+def tokenizer_files_problems(source: Path, settings: dict, max_length: int | None = None) -> list[str]:
     """Why the tokenizer in `source` would fail to tokenize a prompt for the encoder config.json `settings`
-    describes — tokenizer_config.json's settings first, then the files; empty when it will not. Remembered per folder
-    and file versions: every card on the built-in encoder shares one check."""
+    describes, `max_length` tokens long — tokenizer_config.json's settings first, then the files; empty when it will
+    not. Remembered per folder and file versions: every card on the built-in encoder shares one check."""
     names = ("tokenizer.json", "vocab.txt", "special_tokens_map.json", "tokenizer_config.json")
     versions = tuple(_version(source / name) for name in names)
     model_type, vocab_size = settings.get("model_type"), settings.get("vocab_size")
-    return list(_checked(str(source), versions, model_type if isinstance(model_type, str) else None,
-                         vocab_size if isinstance(vocab_size, int) else None))
+    problems, specials = _checked(str(source), versions, model_type if isinstance(model_type, str) else None,
+                                  vocab_size if isinstance(vocab_size, int) else None)
+    if not problems and specials is not None and max_length is not None and max_length <= specials:
+        # shorter than its special tokens, a prompt is not truncated at all: prompts of other lengths then cannot
+        # be batched, and at exactly their number every prompt is the same text states
+        return [f"max_length {max_length} leaves no token for the prompt: the tokenizer adds {specials} special "
+                f"tokens to each; give at least {specials + 1}"]
+    return list(problems)
 
 
 def _version(path: Path) -> tuple | None:
@@ -78,26 +84,28 @@ def _version(path: Path) -> tuple | None:
 
 
 @functools.lru_cache(maxsize=32)
-def _checked(source: str, versions: tuple, model_type, vocab_size) -> tuple[str, ...]:
+def _checked(source: str, versions: tuple, model_type, vocab_size) -> tuple[tuple[str, ...], int | None]:
+    """The problems, and how many special tokens the tokenizer adds to a prompt (None: not known here)."""
     folder = Path(source)
     config, reason = _settings(folder / "tokenizer_config.json")
     special, reason = (config, reason) if reason else _settings(folder / "special_tokens_map.json")
     if reason:
-        return (reason,)
+        return (reason,), None
     kind, problems = _class_reads(config, model_type)
     if problems:
-        return tuple(problems)
+        return tuple(problems), None
     if is_regular_file(folder / "tokenizer.json"):
-        vocab, problems = _tokenizer_json(folder / "tokenizer.json", kind, vocab_size)
+        vocab, specials, problems = _tokenizer_json(folder / "tokenizer.json", kind, vocab_size)
     elif is_regular_file(folder / "vocab.txt"):
         vocab, problems = _vocab_txt(folder / "vocab.txt", kind, special.get("unk_token", config.get("unk_token")))
+        specials = 2  # the WordPiece classes' [CLS] … [SEP] (<s> … </s> for MPNet)
     else:
         if importlib.util.find_spec("sentencepiece") is None:
             problems = [f"{folder} holds a sentencepiece model alone, which transformers reads only with the "
                         "sentencepiece package; save the tokenizer with transformers to write its tokenizer.json"]
-        return tuple(problems)  # transformers converts it: nothing here reads it
+        return tuple(problems), None  # transformers converts it: nothing here reads it
     if problems:
-        return tuple(problems)
+        return tuple(problems), None
     for file, tokens in (("special_tokens_map.json", special), ("tokenizer_config.json", config)):
         problems += _special_problems(file, tokens, vocab)
     problems += _added_problems(config.get("added_tokens_decoder"), vocab)
@@ -106,7 +114,7 @@ def _checked(source: str, versions: tuple, model_type, vocab_size) -> tuple[str,
         if top >= vocab_size:
             problems.append(f"the tokenizer has token id {top} ({token!r}); the encoder's embeddings hold "
                             f"{vocab_size} (config.json's vocab_size)")
-    return tuple(problems[:3])
+    return tuple(problems[:3]), specials
 
 
 def _settings(path: Path) -> tuple[dict, str]:
@@ -134,38 +142,38 @@ def _class_reads(config: dict, model_type) -> tuple[str | None, list[str]]:
     return CLASSES[family], []
 
 
-def _tokenizer_json(path: Path, kind: str | None, vocab_size: int | None) -> tuple[dict, list[str]]:
-    """tokenizer.json's vocabulary (token → id, added tokens included), or why transformers could not use it: its
-    pipeline as the file gives it (what the generic classes run; transformers sets padding and truncation itself)
-    must encode text into ids the encoder has embeddings for."""
+def _tokenizer_json(path: Path, kind: str | None, vocab_size: int | None) -> tuple[dict, int | None, list[str]]:
+    """tokenizer.json's vocabulary (token → id, added tokens included) and the number of special tokens it adds to a
+    prompt, or why transformers could not use it: its pipeline as the file gives it (what the generic classes run;
+    transformers sets padding and truncation itself) must encode text into ids the encoder has embeddings for."""
     from tokenizers import Tokenizer
 
     text, reason = read_small_file(path, limit=_LIMIT)
     if reason:
-        return {}, [reason]
+        return {}, None, [reason]
     try:
         tokenizer = Tokenizer.from_str(text)
     except Exception as e:  # noqa: BLE001 - the Rust parser raises a bare Exception naming what it could not read
-        return {}, [f"{path} is not a tokenizer transformers can read: {str(e)[:200]}"]
+        return {}, None, [f"{path} is not a tokenizer transformers can read: {str(e)[:200]}"]
     model = type(tokenizer.model).__name__
     if kind is not None and model != kind:
-        return {}, [f"{path} holds a {model} model, and its tokenizer class reads {kind}: transformers would "
-                    "tokenize prompts into unknown tokens or fail"]
+        return {}, None, [f"{path} holds a {model} model, and its tokenizer class reads {kind}: transformers "
+                          "would tokenize prompts into unknown tokens or fail"]
     unknown = getattr(tokenizer.model, "unk_token", None)
     if model in ("WordPiece", "WordLevel") and tokenizer.model.token_to_id(str(unknown)) is None:
-        return {}, [f"{path}'s {model} model has no unknown token {unknown!r} in its vocabulary: a word it cannot "
-                    "split would fail to encode"]
+        return {}, None, [f"{path}'s {model} model has no unknown token {unknown!r} in its vocabulary: a word it "
+                          "cannot split would fail to encode"]
     tokenizer.no_padding()
     tokenizer.no_truncation()
     try:
         encodings = tokenizer.encode_batch(list(PROBES))
     except Exception as e:  # noqa: BLE001 - as above
-        return {}, [f"{path} cannot encode text such as {PROBES[1]!r}: {str(e)[:200]}"]
+        return {}, None, [f"{path} cannot encode text such as {PROBES[1]!r}: {str(e)[:200]}"]
     top = max(max(e.ids, default=0) for e in encodings)
     if vocab_size is not None and top >= vocab_size:  # its post-processor's special tokens, say
-        return {}, [f"{path} encodes text into id {top}; the encoder's embeddings hold {vocab_size} (config.json's "
-                    "vocab_size)"]
-    return tokenizer.get_vocab(with_added_tokens=True), []
+        return {}, None, [f"{path} encodes text into id {top}; the encoder's embeddings hold {vocab_size} "
+                          "(config.json's vocab_size)"]
+    return tokenizer.get_vocab(with_added_tokens=True), len(encodings[-1].ids), []  # the empty probe's
 
 
 def _vocab_txt(path: Path, kind: str | None, unknown) -> tuple[dict, list[str]]:

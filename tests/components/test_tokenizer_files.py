@@ -193,6 +193,23 @@ def test_tokenizers_that_validate_encode(tmp_path, changes):
     assert states.shape == (3, 16, 384) and torch.isfinite(states).all() and mask[:2].any(dim=1).all()
 
 
+@pytest.mark.parametrize("files", ["tokenizer.json", "vocab.txt"])
+def test_a_max_length_must_leave_a_token_for_the_prompt(tmp_path, files):
+    """MiniLM's tokenizer adds [CLS] and [SEP]: at max_length 1 it could not truncate and prompts of different
+    lengths failed to batch (a torch.cat error in `generate` of a card that validated); at 2 every prompt was the
+    same text states. 3 encodes a prompt's first token, in both of the files transformers reads."""
+    folder = copy_encoder(tmp_path / "encoder")
+    if files == "vocab.txt":
+        (folder / "tokenizer.json").unlink()
+    for length in (1, 2):
+        assert HFEncoderConfig(max_length=length).source_problems(folder) == [
+            f"max_length {length} leaves no token for the prompt: the tokenizer adds 2 special tokens to each; give "
+            "at least 3"]
+    assert HFEncoderConfig(max_length=3).source_problems(folder) == []
+    states, mask = HFTextEncoder(folder, 3, "cpu", torch.float32)(["a bag", "", "an ankle boot"])
+    assert states.shape == (3, 3, 384) and mask.tolist() == [[True] * 3, [True, True, False], [True] * 3]
+
+
 def test_an_id_past_the_embeddings_is_a_clear_failure_not_an_index_error(tmp_path):
     """The guard behind validation: a tokenizer given a token after loading (as a plugin might) fails naming it."""
     encoder = HFTextEncoder(copy_encoder(tmp_path / "encoder"), 16, "cpu", torch.float32)
