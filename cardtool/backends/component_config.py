@@ -48,6 +48,11 @@ class ComponentConfig(BaseModel):
         """Why the `source` folder cannot serve this implementation (needs = "source"); empty when it can."""
         return []
 
+    def setting_problems(self, source: Path) -> list[tuple[tuple[str, ...], str, str]]:
+        """(config field, message, fix) for a setting the `source` folder cannot serve (once it can serve the
+        implementation at all)."""
+        return []
+
     def facts(self, source: Path | None = None) -> dict:
         """Sizes other components must agree with (e.g. `text_dim`, `latent_channels`), for loop checks."""
         return {}

@@ -11,7 +11,7 @@ from pydantic import Field
 
 from cardtool.backends.component_config import ComponentConfig
 from cardtool.backends.hf_encoder_fields import field_problems, positions
-from cardtool.backends.hf_tokenizer_files import tokenizer_files_problems
+from cardtool.backends.hf_tokenizer_files import special_tokens, tokenizer_files_problems
 from cardtool.files import is_regular_file, read_json_object
 
 __all__ = ["HFEncoderConfig"]
@@ -35,13 +35,24 @@ class HFEncoderConfig(ComponentConfig):
         if not any(is_regular_file(source / name) for name in TOKENIZER_FILES):
             problems.append(f"{source} holds no tokenizer ({', '.join(TOKENIZER_FILES)})")
         if not problems:
-            problems += tokenizer_files_problems(source, settings, self.max_length)
-        limit = positions(settings)
-        if limit is not None and self.max_length > limit:
-            problems.append(f"max_length {self.max_length} is beyond the encoder's {limit} positions")
+            problems += tokenizer_files_problems(source, settings)
         if not problems:
             problems += _config_against_weights(source, settings)
         return problems
+
+    def setting_problems(self, source: Path) -> list[tuple[tuple[str, ...], str, str]]:
+        """max_length within the encoder's positions, and past the special tokens its tokenizer adds to a prompt:
+        shorter than those, a prompt is not truncated at all, and prompts of other lengths cannot be batched (at
+        exactly their number every prompt is the same text states)."""
+        settings, _ = _encoder_settings(source)
+        limit, specials = positions(settings), special_tokens(source, settings)
+        if limit is not None and self.max_length > limit:
+            return [(("max_length",), f"max_length {self.max_length} is beyond the encoder's {limit} positions",
+                     f"set max_length to at most {limit}")]
+        if specials is not None and self.max_length <= specials:
+            return [(("max_length",), f"max_length {self.max_length} leaves no token for the prompt: the tokenizer "
+                     f"adds {specials} special tokens to each", f"set max_length to at least {specials + 1}")]
+        return []
 
     def facts(self, source: Path | None = None) -> dict:
         settings, reason = _encoder_settings(source) if source is not None else ({}, "")

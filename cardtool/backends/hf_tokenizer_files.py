@@ -16,7 +16,8 @@ from pathlib import Path
 from cardtool.backends.hf_encoder_fields import BOOL, NONE, STR, fits
 from cardtool.files import is_regular_file, read_json_object, read_small_file
 
-__all__ = ["CLASSES", "GENERIC", "MODEL_CLASSES", "PROBES", "tokenizer_problems", "tokenizer_files_problems"]
+__all__ = ["CLASSES", "GENERIC", "MODEL_CLASSES", "PROBES", "special_tokens", "tokenizer_problems",
+           "tokenizer_files_problems"]
 
 # a tokenizer_class (its "Fast" twin alike) → the tokenizer.json model it reads; the generic classes read any model
 CLASSES = {"Bert": "WordPiece", "DistilBert": "WordPiece", "Electra": "WordPiece", "MPNet": "WordPiece",
@@ -58,21 +59,25 @@ def tokenizer_problems(settings: dict, file: str = "tokenizer_config.json") -> l
     return problems[:3]
 
 
-def tokenizer_files_problems(source: Path, settings: dict, max_length: int | None = None) -> list[str]:
+def tokenizer_files_problems(source: Path, settings: dict) -> list[str]:
     """Why the tokenizer in `source` would fail to tokenize a prompt for the encoder config.json `settings`
-    describes, `max_length` tokens long — tokenizer_config.json's settings first, then the files; empty when it will
-    not. Remembered per folder and file versions: every card on the built-in encoder shares one check."""
+    describes — tokenizer_config.json's settings first, then the files; empty when it will not. Remembered per folder
+    and file versions: every card on the built-in encoder shares one check."""
+    return list(_checked(*_key(source, settings))[0])
+
+
+def special_tokens(source: Path, settings: dict) -> int | None:
+    """How many special tokens the tokenizer in `source` adds to a prompt ([CLS] … [SEP]: 2); None where its files
+    have a problem or are not read here."""
+    return _checked(*_key(source, settings))[1]
+
+
+def _key(source: Path, settings: dict) -> tuple:
     names = ("tokenizer.json", "vocab.txt", "special_tokens_map.json", "tokenizer_config.json")
     versions = tuple(_version(source / name) for name in names)
     model_type, vocab_size = settings.get("model_type"), settings.get("vocab_size")
-    problems, specials = _checked(str(source), versions, model_type if isinstance(model_type, str) else None,
-                                  vocab_size if isinstance(vocab_size, int) else None)
-    if not problems and specials is not None and max_length is not None and max_length <= specials:
-        # shorter than its special tokens, a prompt is not truncated at all: prompts of other lengths then cannot
-        # be batched, and at exactly their number every prompt is the same text states
-        return [f"max_length {max_length} leaves no token for the prompt: the tokenizer adds {specials} special "
-                f"tokens to each; give at least {specials + 1}"]
-    return list(problems)
+    return (str(source), versions, model_type if isinstance(model_type, str) else None,
+            vocab_size if isinstance(vocab_size, int) else None)
 
 
 def _version(path: Path) -> tuple | None:

@@ -125,7 +125,8 @@ def test_every_encoder_loads_up_to_the_positions_validation_allows(tmp_path, mod
     assert field_problems(json.loads((folder / "config.json").read_text())) == []
     limit = 18 if model_type in ("roberta", "xlm-roberta", "camembert", "mpnet") else 20
     assert HFEncoderConfig(max_length=limit).source_problems(folder) == []
-    assert any("beyond the encoder's" in p for p in HFEncoderConfig(max_length=limit + 1).source_problems(folder))
+    assert HFEncoderConfig(max_length=limit).setting_problems(folder) == []
+    assert "beyond the encoder's" in HFEncoderConfig(max_length=limit + 1).setting_problems(folder)[0][1]
     states, mask = HFTextEncoder(folder, limit, "cpu", torch.float32)(["a bag " * 30, "x"])
     assert states.shape == (2, limit, 16) and mask[0].all() and torch.isfinite(states).all()
 

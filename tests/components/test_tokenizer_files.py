@@ -202,10 +202,11 @@ def test_a_max_length_must_leave_a_token_for_the_prompt(tmp_path, files):
     if files == "vocab.txt":
         (folder / "tokenizer.json").unlink()
     for length in (1, 2):
-        assert HFEncoderConfig(max_length=length).source_problems(folder) == [
-            f"max_length {length} leaves no token for the prompt: the tokenizer adds 2 special tokens to each; give "
-            "at least 3"]
-    assert HFEncoderConfig(max_length=3).source_problems(folder) == []
+        assert HFEncoderConfig(max_length=length).setting_problems(folder) == [
+            (("max_length",), f"max_length {length} leaves no token for the prompt: the tokenizer adds 2 special "
+             "tokens to each", "set max_length to at least 3")]
+    config = HFEncoderConfig(max_length=3)
+    assert config.source_problems(folder) == config.setting_problems(folder) == []
     states, mask = HFTextEncoder(folder, 3, "cpu", torch.float32)(["a bag", "", "an ankle boot"])
     assert states.shape == (3, 3, 384) and mask.tolist() == [[True] * 3, [True, True, False], [True] * 3]
 

@@ -68,6 +68,10 @@ def _component(card, name: str, spec) -> tuple[list[Problem], dict | None]:
         if reasons:
             fix = f"point source at a complete folder for {spec.impl}"
             return [card.problem(at + ("source",), r, fix) for r in reasons], None
+        problems = [card.problem(at + ("config", *where), message, fix)
+                    for where, message, fix in config.setting_problems(source)]
+        if problems:
+            return problems, None
     if spec.weights is not None:
         problems = tensor_problems(card, at, card.folder / spec.weights, config.tensors())
     return problems, (None if problems else {**config.facts(source), "tensors": config.tensors()})
