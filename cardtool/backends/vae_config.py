@@ -56,7 +56,8 @@ class ConvVAEConfig(ComponentConfig):
         return out | _norm("decoder.norm_out", ch[0]) | _conv("decoder.conv_out", ch[0], self.image_channels)
 
     def facts(self, source=None) -> dict:
-        return {"latent_channels": self.latent_channels, "latent_size": self.latent_size}
+        return {"latent_channels": self.latent_channels, "latent_size": self.latent_size,
+                "image_channels": self.image_channels}
 
 
 def _conv(name: str, c_in: int, c_out: int) -> dict[str, tuple[int, ...]]:

@@ -128,6 +128,9 @@ def test_weight_paths_that_are_not_regular_files(base, make):
     ("patch: [1, 2, 2]", "patch: [1, 3, 3]", "does not tile the VAE's 8×8 latents"),
     ("{max_length: 16}", "{max_length: 4000}", "max_length 4000 is beyond the encoder's 512 positions"),
     ("{max_length: 16}", "{max_lenght: 16}", "did you mean 'max_length'"),
+    ("{max_length: 16}", "{max_length: 2}", "max_length 2 leaves no token for the prompt: the tokenizer adds 2"),
+    ("{latent_channels: 4,", "{latent_channels: 4, image_channels: 2,",
+     "the VAE makes images of 2 channels; a flow_denoise loop makes grey images"),
     ("text_dim: 384", "text_dim: 256", "text_dim 256 is not the text encoder's width 384"),
     ("{latent_channels: 4,", "{latent_channels: 4, padded_size: 30,", "padded_size 30 must hold image_size 28"),
     ("steps: 30,", "steps: four,", "loops.denoise.defaults.steps: Input should be a valid integer, got 'four'"),
@@ -141,6 +144,29 @@ def test_configs_that_would_crash_torch_are_validation_errors(base, old, new, ex
     refit(base)  # weights that fit the new config, so that what is checked is the config itself
     found = problems_of(base)
     assert any(re.search(expected, p) for p in found), found
+
+
+def test_a_card_whose_images_a_judge_cannot_take_is_refused_before_the_work(base, tmp_path):
+    """A card making 20×20 images validates and generates; scoring them with the 28×28 fashion judge — best-of-N,
+    eval, a workflow's best_of_n step — is refused before any sampling, not a matmul error after it."""
+    with_text(base, replace=("{latent_channels: 4,", "{latent_channels: 4, image_size: 20,"))
+    refit(base)
+    judge = str(base.parent / "tiny-judge")
+    runner = CliRunner()
+    made = runner.invoke(app, ["generate", str(base), "-p", "a bag", "--steps", "2", "--out", str(tmp_path / "o")])
+    assert made.exit_code == 0, made.output
+    message = "card 'tiny-base' makes 20×20 images; reward card 'tiny-judge' judges 28×28 ones"
+    for args in (["generate", str(base), "-p", "a bag", "--steps", "2", "--best-of", "2", "--reward", judge,
+                  "--out", str(tmp_path / "b")],
+                 ["eval", str(base), "--judge", judge, "--per-class", "1", "--steps", "2"]):
+        refused = runner.invoke(app, [*args, "--json"])
+        assert refused.exit_code == 2 and message in json.loads(refused.stdout)["error"]["message"], refused.output
+    workflow = tmp_path / "w.yaml"
+    workflow.write_text(f"schema: cardtool/v1\nkind: workflow\nid: w\nsteps:\n  best:\n    best_of_n: "
+                        f"{{card: {base}, reward: {judge}, n: 2, prompts: [a bag]}}\n")
+    checked = runner.invoke(app, ["workflow", "validate", str(workflow)])
+    assert checked.exit_code == 1 and message in checked.output, checked.output
+    assert not (tmp_path / "b").exists()
 
 
 def refit(card) -> None:

@@ -166,6 +166,9 @@ def _disagreements(sizes: dict[str, dict]) -> list[str]:
         for field in ("in_channels", "out_channels"):
             if dit[field] != vae["latent_channels"]:
                 out.append(f"the DiT's {field} {dit[field]} is not the VAE's latent_channels {vae['latent_channels']}")
+    if vae.get("image_channels", 1) != 1:  # its images are grey throughout: PNGs, control images, judges
+        out.append(f"the VAE makes images of {vae['image_channels']} channels; a flow_denoise loop makes grey images "
+                   "(image_channels 1)")
     if "patch" in dit:
         frames, rows, cols = dit["patch"]
         if frames != 1:

@@ -25,12 +25,11 @@ from cardtool.atomic import replaceable_file, writable_folder
 from cardtool.backends.platform import Platform
 from cardtool.backends.precision import check_precision
 from cardtool.core import distributed
-from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import load_card
 from cardtool.core.data import CLASS_NAMES, data_dir, load_split
 from cardtool.core.evaluation.metrics import fid_warning, frechet_distance, kernel_distance
 from cardtool.core.evaluation.resume import ROW_SETTINGS, identity, previous_rows, write_report
-from cardtool.core.evaluation.reward import FashionJudge
+from cardtool.core.evaluation.reward import FashionJudge, reward_card
 from cardtool.core.interrupt import Interrupted, stop_requests
 from cardtool.core.prompts import class_prompt
 from cardtool.core.sampling.denoise import DenoiseLoop, NonFiniteImages
@@ -158,7 +157,7 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     loops = {p: DenoiseLoop(ModelInstance(card, platform, p), cache=cache)
              for p in precision or [card.manifest.recipe.assumes.precision]}
     first = next(iter(loops.values()))  # its VAE makes the reconstruction floor
-    judge_instance = ModelInstance(load_card(locate(judge)), platform, "float32")
+    judge_instance = ModelInstance(reward_card(judge, scores=card)[0], platform, "float32")
     referee = FashionJudge(judge_instance)
     test, train = load_split("test", data), load_split("train", data)
     real = referee.features(test.images)

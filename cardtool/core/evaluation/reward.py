@@ -13,7 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
-from cardtool.core.data import CLASS_NAMES
+from cardtool.core.data import CLASS_NAMES, IMAGE_SIZE
 from cardtool.core.prompts import SYNONYMS, class_prompt
 from cardtool.core.sampling.instance import ModelInstance
 from cardtool.errors import BadInput
@@ -29,6 +29,8 @@ class Reward(Protocol):
     def score(self, images: np.ndarray, prompts: list[str]) -> np.ndarray:
         """Rewards (B,) of uint8 images (B, H, W) made for `prompts`; higher is better."""
 
+
+JUDGED_SIZE = IMAGE_SIZE  # the fashion CNN's input: 28×28 grey images
 
 # Images the judge classifies per call: at 1,000 the fashion CNN's first activations are 100 MB, which glibc maps fresh
 # and hands back on every call (3 million page faults for the 10,000 test images FID compares with); at 128, 13 MB.
@@ -119,23 +121,40 @@ class FashionJudge:
 REWARD_KINDS = {"classifier": FashionJudge}  # component kind → the reward served from it
 
 
-def load_reward(ref: str, platform=None) -> Reward:
+def load_reward(ref: str, platform=None, scores=None) -> Reward:
     """The reward card `ref` (an id, folder or manifest) on `platform`, in float32; a clear error for a card that
-    serves no reward."""
-    card, kind = reward_card(ref)
+    serves no reward, or whose images are not those of the card it `scores` (`reward_card`)."""
+    card, kind = reward_card(ref, scores)
     return REWARD_KINDS[kind](ModelInstance(card, platform, "float32"))
 
 
-def reward_card(ref: str):
+def reward_card(ref: str, scores=None):
     """The card `ref` and the kind of the component its reward is served from, or a clear error for a card that serves
-    none — from its manifest alone, so a command checks its judges before hours of training, not after."""
+    none, or that cannot score the images the card `scores` (a Card) makes — from the manifests alone, so a command
+    checks its judges before hours of training, not after."""
     from cardtool.core.cards.discovery import locate
     from cardtool.core.cards.loader import load_card
 
     card = load_card(locate(ref))
     kinds = {spec.kind for spec in card.manifest.components.values()}
-    for kind in REWARD_KINDS:
-        if kind in kinds:
-            return card, kind
-    raise BadInput(f"card '{card.id}' is not a reward: a reward card serves a component of kind "
-                   f"{' or '.join(REWARD_KINDS)}, and it has {', '.join(sorted(kinds)) or 'none'}")
+    kind = next((kind for kind in REWARD_KINDS if kind in kinds), None)
+    if kind is None:
+        raise BadInput(f"card '{card.id}' is not a reward: a reward card serves a component of kind "
+                       f"{' or '.join(REWARD_KINDS)}, and it has {', '.join(sorted(kinds)) or 'none'}")
+    size = None if scores is None else image_size(scores)
+    if size is not None and size != JUDGED_SIZE:
+        raise BadInput(f"card '{scores.id}' makes {size}×{size} images; reward card '{card.id}' judges "
+                       f"{JUDGED_SIZE}×{JUDGED_SIZE} ones (Fashion-MNIST's)")
+    return card, kind
+
+
+def image_size(card) -> int | None:
+    """The size of the images `card`'s denoise loop makes — its conv-vae's image_size — or None where it makes none
+    of a known size."""
+    from cardtool.backends.vae_config import ConvVAEConfig
+
+    loop = card.manifest.loops.get("denoise")
+    components = card.manifest.components
+    vaes = [components[name] for name in (loop.uses if loop else []) if name in components
+            and components[name].kind == "vae" and components[name].impl == "conv-vae"]
+    return ConvVAEConfig.from_card(vaes[0].config).image_size if len(vaes) == 1 else None

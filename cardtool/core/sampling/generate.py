@@ -93,7 +93,7 @@ class LoadedCard:
         from cardtool.core.evaluation.reward import load_reward
 
         if ref not in self._rewards:
-            self._rewards[ref] = load_reward(ref, self.platform)
+            self._rewards[ref] = load_reward(ref, self.platform, scores=self.card)
         return self._rewards[ref]
 
     def _make(self, requests: list[Request], loop: DenoiseLoop, judge, best_of: int, max_batch: int, on_step,

@@ -80,7 +80,7 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
     if evaluate:
         from cardtool.core.evaluation.reward import reward_card
 
-        reward_card(judge)  # before hours of training, not after
+        reward_card(judge, scores=teacher)  # before hours of training, not after
     train = None
     settings = DMD2Settings.from_recipe(recipe.loss)
     if settings.gan and settings.gan_real == "data":  # the GAN term's real images; teacher samples need none

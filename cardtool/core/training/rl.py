@@ -175,7 +175,7 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
         raise BadInput(f"--watch-every must be 0 (off) or positive, got {watch_every}")
     platform = Platform.detect(device)
     base = load_card(locate(recipe.parents[0]))
-    reward = load_reward(recipe.parents[1], platform)
+    reward = load_reward(recipe.parents[1], platform, scores=base)
     out = Path(out or Path("cards") / recipe.card.id)
     run_dir = Path(run_dir or Path("runs") / recipe.card.id)
     writable_outputs(out, run_dir, replace=force, flag="--force", card_id=recipe.card.id,
@@ -183,7 +183,7 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
     judges = [judge, *([held_out_judge] if held_out_judge else [])]
     if evaluate or watch_every:
         for name in judges:
-            reward_card(name)  # before the run, not after
+            reward_card(name, scores=base)  # before the run, not after
     task = make_task(recipe, platform, base, reward, prompts or default_prompts())
     watch = Watch(task, judges, platform, recipe.train.precision, data=data) if watch_every else None
 

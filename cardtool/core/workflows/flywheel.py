@@ -139,11 +139,12 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
         raise BadInput(f"--per-class must be at least 1, got {per_class}")
     for ref in [recipe.base, *compare]:
         locate(ref)  # before hours of training, not after
+    base = load_card(locate(recipe.base))
     for ref in [recipe.reward, judge, *([held_out_judge] if held_out_judge else [])]:
-        reward_card(ref)
+        reward_card(ref, scores=base)
     if recipe.distill.card.id == recipe.rl.card.id:
         raise BadInput(f"the rl and distill stages would both write card '{recipe.rl.card.id}'; give them two ids")
-    parents = [load_card(locate(recipe.base)), reward_card(recipe.reward)[0]]  # the rl card's; the student's above
+    parents = [base, reward_card(recipe.reward)[0]]  # the rl card's; the student's above
     for stage in (recipe.rl, recipe.distill):  # both, before either stage's folders are made
         check_new_id(stage.card.id, parents, "give the new card another id (--out-prefix NAME)")
     run_dir = Path(run_dir or Path("runs") / f"{recipe.rl.card.id}-flywheel")

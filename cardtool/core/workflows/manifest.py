@@ -215,12 +215,19 @@ def _graph(manifest: WorkflowManifest, source: Source) -> tuple[list[Problem], l
     return problems, order
 
 
+def _made_size(card) -> int | None:
+    """The size of the images a loaded card makes (None: unknown, or the card could not be loaded)."""
+    from cardtool.core.evaluation.reward import image_size
+
+    return None if isinstance(card, CardtoolError) else image_size(card)
+
+
 def _card_problems(workflow: Workflow) -> list[Problem]:
     """Every card can be found and loaded; a `reward` is a reward card; a step that samples has a denoise loop."""
     from cardtool.core.cards.discovery import locate
     from cardtool.core.cards.loader import load_card
     from cardtool.core.data import CLASS_NAMES
-    from cardtool.core.evaluation.reward import REWARD_KINDS, named_class
+    from cardtool.core.evaluation.reward import JUDGED_SIZE, REWARD_KINDS, named_class
 
     problems, loaded = [], {}  # each card loaded once, however many steps name it
 
@@ -248,6 +255,10 @@ def _card_problems(workflow: Workflow) -> list[Problem]:
                 problems.append(workflow.source.problem(
                     at, f"card '{card.id}' is not a reward: it serves no component of kind {', '.join(REWARD_KINDS)}",
                     "name a reward card such as fashion-classifier"))
+            elif field == "reward" and (size := _made_size(load(body.card))) not in (None, JUDGED_SIZE):
+                problems.append(workflow.source.problem(
+                    at, f"card '{load(body.card).id}' makes {size}×{size} images; reward card '{card.id}' judges "
+                    f"{JUDGED_SIZE}×{JUDGED_SIZE} ones", "name a card and a reward card made for the same images"))
             elif field == "reward" and "text_encoder" not in card.manifest.components:  # it reads class names only
                 for i, prompt in enumerate(body.prompts):
                     if named_class(prompt) is None:
