@@ -1,7 +1,8 @@
-"""Fuzz cards: mutated manifests, weights (LoRA headers too) and files run through `cards validate --checksums` →
-`cards show` → `generate` → `parity --card` → `generate --adapter` for each LoRA and (with a control image) each
-ControlNet → `cards lineage` → `cards export --format hf` → `cards validate` of the export, in process, with counts
-by outcome. The seed cards: the tiny example cards and `tiny-control`, a ControlNet on tiny-base made here.
+"""Fuzz cards: mutated manifests, weights (LoRA headers too), files and component sizes (with weights rewritten to
+fit) run through `cards validate --checksums` → `cards show` → `generate` → `parity --card` → `generate --adapter`
+for each LoRA and (with a control image) each ControlNet → `generate --best-of 2` under the tiny judge → `cards
+lineage` → `cards export --format hf` → `cards validate` of the export, in process, with counts by outcome. The seed
+cards: the tiny example cards and `tiny-control`, a ControlNet on tiny-base made here.
 
 Outcomes: `rejected` (validation refused it with a clean error), `ran` (it validated, and show, generate and
 parity all succeeded), `check_failed` (it ran, and parity reported a numeric mismatch or generate found the images
@@ -52,6 +53,21 @@ KEYS = ["dim", "depth", "heads", "ffn_dim", "in_channels", "out_channels", "text
         "scaling_factor", "max_length", "steps", "guidance", "shift", "solver", "guidance_interval", "weights",
         "sha256", "source", "impl", "kind", "config", "rank", "alpha", "extends", "uses", "defaults", "wieghts"]
 
+# other sizes the schemas accept, for the `config` mutation: with the weights rewritten to fit, what is checked is
+# whether sizes that validate also run together (the text encoder's max_length against its tokenizer, the images a
+# VAE makes against the loop and the judge)
+CONFIG_VALUES = {
+    "wan-dit": {"dim": [8, 12, 16, 24, 64], "heads": [1, 2, 3, 4], "depth": [1, 2, 3], "ffn_dim": [1, 3, 16, 64],
+                "freq_dim": [2, 3, 5, 64, 65], "text_dim": [384, 8], "in_channels": [1, 2, 4, 8],
+                "out_channels": [1, 2, 4, 8], "eps": [1e-12, 1e-3, 0.5], "cross_attn_norm": [True, False],
+                "text_mask": [True, False],
+                "patch": [[1, 1, 1], [1, 2, 2], [1, 4, 4], [1, 8, 8], [1, 1, 8], [1, 4, 2], [2, 2, 2], [1, 3, 3]]},
+    "conv-vae": {"latent_channels": [1, 2, 4, 8], "channels": [[8], [8, 16], [8, 16, 32], [8, 8, 8, 8]],
+                 "image_size": [16, 20, 28, 32], "padded_size": [28, 32, 64], "image_channels": [1, 2, 3],
+                 "scaling_factor": [0.5, 1e-6, 1e6, 3.0]},
+    "hf-encoder": {"max_length": [1, 2, 3, 16, 64, 512, 513]},
+}
+
 HOSTILE_YAML = [
     "a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
     "c: &c [*b, *b, *b, *b, *b, *b, *b]\nd: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]\n"
@@ -92,8 +108,8 @@ def mutate(rng: random.Random, root: Path) -> str:
     card = root / rng.choice(["tiny-base", "tiny-base", "tiny-rl", "tiny-distilled", "tiny-control"])
     done = []
     for _ in range(rng.choice([1, 1, 2, 3])):
-        kind = rng.choices(["value", "delete", "add", "text", "toml", "weights", "file", "encoder"],
-                           [8, 2, 2, 2, 1, 4, 1, 2])[0]
+        kind = rng.choices(["value", "delete", "add", "text", "toml", "weights", "file", "encoder", "config"],
+                           [8, 2, 2, 2, 1, 4, 1, 2, 4])[0]
         manifest = card / "card.yaml"
         if not manifest.exists():
             break
@@ -126,7 +142,8 @@ def mutate(rng: random.Random, root: Path) -> str:
             (card / "card.toml").write_text(rng.choice(HOSTILE_TOML))
             done.append("toml")
         else:
-            mutation = {"weights": _mutate_weights, "file": _mutate_file, "encoder": _mutate_encoder}[kind]
+            mutation = {"weights": _mutate_weights, "file": _mutate_file, "encoder": _mutate_encoder,
+                        "config": _mutate_config}[kind]
             try:
                 done.append(f"{kind} " + mutation(rng, card))
             except Exception as e:  # noqa: BLE001 - an earlier mutation left nothing this one can work on
@@ -257,6 +274,89 @@ def _mutate_weights(rng: random.Random, card: Path) -> str:
     return f"{how} {path.name}"
 
 
+def _mutate_config(rng: random.Random, card: Path) -> str:
+    """Give one of the card's own components other sizes its schema may accept (CONFIG_VALUES) — most of the time
+    keeping the DiT's channels and patch in step with the VAE's latents — and rewrite the DiT's, the VAE's and the
+    LoRAs' weights to fit (`_refit`)."""
+    import yaml
+
+    from cardtool.backends.vae_config import ConvVAEConfig
+
+    manifest = card / "card.yaml"
+    data = _parsed(manifest)
+    components = data.get("components") if isinstance(data, dict) else None
+    mutable = {name: spec for name, spec in components.items() if isinstance(spec, dict)
+               and spec.get("impl") in CONFIG_VALUES and isinstance(spec.get("config"), dict)} \
+        if isinstance(components, dict) else {}
+    if not mutable:
+        return "none"
+    name = rng.choice(sorted(mutable))
+    config, values = mutable[name]["config"], CONFIG_VALUES[mutable[name]["impl"]]
+    changed = rng.sample(sorted(values), rng.choice([1, 1, 2]))
+    for key in changed:
+        config[key] = rng.choice(values[key])
+    dit = next((s["config"] for s in mutable.values() if s["impl"] == "wan-dit"), None)
+    vae = next((s["config"] for s in mutable.values() if s["impl"] == "conv-vae"), None)
+    if dit is not None and vae is not None and rng.random() < 0.7:
+        dit["in_channels"] = dit["out_channels"] = vae.get("latent_channels", 4)
+        try:
+            size = ConvVAEConfig.model_validate(vae).latent_size
+            dit["patch"] = [1, *rng.choice([(a, b) for a in (1, 2, 4, 8) for b in (1, 2, 4, 8)
+                                            if size % a == 0 and size % b == 0])]
+        except Exception:  # noqa: BLE001 - sizes the schema refuses: validation's to report
+            pass
+    _refit(card, data)
+    manifest.write_text(yaml.safe_dump(data, sort_keys=False))
+    return f"{name} " + ", ".join(f"{key}={config[key]}" for key in changed)
+
+
+def _refit(card: Path, data: dict) -> None:
+    """Rewrite the card's DiT and VAE weights for their configs (where the schema accepts them) and its LoRAs for the
+    DiT's layers (those it no longer has dropped), each without its sha256."""
+    import numpy as np
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    from cardtool.backends.vae_config import ConvVAEConfig
+    from cardtool.backends.wan_config import WanDiTConfig
+
+    rng = np.random.default_rng(0)
+    layers = {}
+    for spec in data["components"].values():
+        schema = {"wan-dit": WanDiTConfig, "conv-vae": ConvVAEConfig}.get(spec.get("impl") if isinstance(spec, dict)
+                                                                          else None)
+        if schema is None or not isinstance(spec.get("weights"), str):
+            continue
+        try:
+            shapes = schema.model_validate(spec["config"]).tensors()
+        except Exception:  # noqa: BLE001 - validation's to report
+            continue
+        save_file({k: (rng.standard_normal(v) * 0.05).astype(np.float32) for k, v in shapes.items()},
+                  str(card / spec["weights"]))
+        spec.pop("sha256", None)
+        if schema is WanDiTConfig:
+            layers = {k[:-len(".weight")]: v for k, v in shapes.items() if len(v) == 2 and k.endswith(".weight")}
+    adapters = data.get("adapters")
+    for spec in adapters.values() if isinstance(adapters, dict) and layers else ():
+        if not isinstance(spec, dict) or spec.get("kind") != "lora" or not isinstance(spec.get("weights"), str):
+            continue
+        try:
+            with safe_open(str(card / spec["weights"]), framework="numpy") as f:
+                keys, metadata = list(f.keys()), f.metadata()
+            rank = int(spec.get("rank", 4))
+        except Exception:  # noqa: BLE001 - an earlier mutation broke it: validation's to report
+            continue
+        modules = sorted({key.rsplit(".lora_", 1)[0] for key in keys} & set(layers))
+        tensors = {}
+        for module in modules:
+            out, inp = layers[module]
+            tensors[f"{module}.lora_A.weight"] = (rng.standard_normal((rank, inp)) * 0.05).astype(np.float32)
+            tensors[f"{module}.lora_B.weight"] = (rng.standard_normal((out, rank)) * 0.05).astype(np.float32)
+        if tensors:
+            save_file(tensors, str(card / spec["weights"]), metadata=metadata)
+            spec.pop("sha256", None)
+
+
 def _mutate_file(rng: random.Random, card: Path) -> str:
     files = _weights_files(card)
     if not files:
@@ -365,6 +465,8 @@ def run_case(runner, app, card: Path, out: Path, control: Path) -> tuple[str, st
                  for name in _adapter_names(card, "lora")]  # a card that validates must serve every adapter it declares
     commands += [["generate", str(card), "-p", "a bag", "--steps", "2", "--adapter", name, "--control", str(control),
                   "--json", "--out", str(out)] for name in _adapter_names(card, "controlnet")]
+    commands += [["generate", str(card), "-p", "a bag", "--steps", "2", "--best-of", "2", "--reward",  # a judge too
+                  str(card.parent / "tiny-judge"), "--json", "--out", str(out)]]
     export = out.parent / "export"  # and must export, as a card that validates again
     commands += [["cards", "lineage", "--json", str(card)],
                  ["cards", "export", str(card), "--format", "hf", "--out", str(export), "--overwrite", "--json"],
@@ -392,6 +494,8 @@ def run_case(runner, app, card: Path, out: Path, control: Path) -> tuple[str, st
                                                  if not r["passed"]))
         elif args[0] == "generate" and result.exit_code == 1 and _error_kind(result.stdout) == "failed":
             checks.append(f"generate: {json.loads(result.stdout)['error']['message'][:200]}")
+        elif "--best-of" in args and result.exit_code == 2 and " images; reward card " in result.stdout:
+            continue  # a card of other image sizes than the judge's: the request is refused, not the card
         elif result.exit_code != 0:
             errors.append(f"{args[0]}: {result.stdout[:300]}")
     if not valid:

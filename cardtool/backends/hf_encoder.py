@@ -47,6 +47,9 @@ class HFTextEncoder:
         except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception
             raise RunFailed(f"the text encoder's tokenizer in {self.folder} cannot encode the prompts: "
                             f"{type(e).__name__}: {str(e)[:200]}") from None
+        if tokens["input_ids"].shape[1] != self.max_length:  # shorter than the special tokens: not truncated at all
+            raise RunFailed(f"the text encoder's tokenizer in {self.folder} cannot fit a prompt in max_length "
+                            f"{self.max_length} (it made {tokens['input_ids'].shape[1]} tokens); raise max_length")
         outside = tokens["input_ids"] >= self.rows  # a token the tokenizer added past the embeddings
         if outside.any():
             token = int(tokens["input_ids"][outside][0])

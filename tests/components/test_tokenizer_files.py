@@ -209,6 +209,8 @@ def test_a_max_length_must_leave_a_token_for_the_prompt(tmp_path, files):
     assert config.source_problems(folder) == config.setting_problems(folder) == []
     states, mask = HFTextEncoder(folder, 3, "cpu", torch.float32)(["a bag", "", "an ankle boot"])
     assert states.shape == (3, 3, 384) and mask.tolist() == [[True] * 3, [True, True, False], [True] * 3]
+    with pytest.raises(RunFailed, match=r"cannot fit a prompt in max_length 1 \(it made 2 tokens\)"):
+        HFTextEncoder(folder, 1, "cpu", torch.float32)([""])  # the guard behind validation
 
 
 def test_an_id_past_the_embeddings_is_a_clear_failure_not_an_index_error(tmp_path):
