@@ -4,13 +4,16 @@ candidate reproduces by plain sampling at its seed, and candidate 0 is the plain
 from __future__ import annotations
 
 import json
+import re
+import shutil
 
 import numpy as np
 import pytest
-from helpers import rows_are_independent
+from helpers import rows_are_independent, write_tensors
 from PIL import Image
 from typer.testing import CliRunner
 
+from cardtool.backends.cnn_config import FashionCNNConfig
 from cardtool.cli import app
 from cardtool.core.evaluation.reward import load_reward
 from cardtool.core.sampling.best_of import best_of_n, candidate_seed
@@ -65,10 +68,16 @@ def test_candidates_are_scored_in_one_batch_and_candidate_zero_is_the_plain_requ
     (["--best-of", "3"], "needs --reward"),
     (["--best-of", "0", "--reward", "REWARD"], "--best-of must be at least 1"),
     (["--best-of", "2", "--reward", "BASE"], "is not a reward"),
+    (["--best-of", "2", "--reward", "FIVE"], "not a Fashion-MNIST judge: its classifier tells 5 classes, not the 10"),
 ])
 def test_bad_best_of_requests_are_clear_errors(examples, tmp_path, args, message):
-    args = [str(examples / "tiny-judge") if a == "REWARD" else str(examples / "tiny-base") if a == "BASE" else a
-            for a in args]
+    if "FIVE" in args:  # a classifier of 5 classes: an IndexError scoring a prompt of class 8 ('a bag')
+        five = shutil.copytree(examples / "tiny-judge", tmp_path / "five")
+        text = (five / "card.yaml").read_text().replace("features: 16}", "features: 16, classes: 5}")
+        (five / "card.yaml").write_text(re.sub(r"\n\s*sha256: \w+", "", text))
+        write_tensors(five / "classifier.safetensors", FashionCNNConfig(width=8, features=16, classes=5).tensors())
+    names = {"REWARD": examples / "tiny-judge", "BASE": examples / "tiny-base", "FIVE": tmp_path / "five"}
+    args = [str(names.get(a, a)) for a in args]
     result = CliRunner().invoke(app, ["generate", str(examples / "tiny-base"), "-p", "a bag", "--steps", "2",
                                       "--out", str(tmp_path / "x"), "--json", *args])
     assert result.exit_code == 2 and message in json.loads(result.stdout)["error"]["message"]

@@ -152,6 +152,18 @@ def test_image_tasks_hold_the_dataset_as_its_bytes(data):
     assert torch.equal(to_unit(images), torch.from_numpy(images.astype(np.float32) / 127.5 - 1.0)[:, None])
 
 
+def test_a_classifier_telling_fewer_classes_than_the_data_holds_is_refused_before_training(data):
+    """cross-entropy raised an IndexError at the first batch holding a label past model.classes."""
+    from cardtool.backends.platform import Platform
+    from cardtool.core.data import load_split
+    from cardtool.core.training.methods.classifier import ClassifierTask
+
+    splits = load_split("train", data), load_split("test", data)
+    recipe = tiny("fashion-classifier", ["model.classes=5", "model.width=8", "model.features=16"])
+    with pytest.raises(BadInput, match="model.classes is 5, but the data's labels go up to 9: give at least 10"):
+        ClassifierTask(recipe, Platform.detect("cpu"), *splits)
+
+
 def test_a_folder_taken_during_the_run_keeps_the_trained_weights(tmp_path, data):
     """--out is checked before training; another process may still make the folder before the card is written."""
     def take_the_folder(entry):

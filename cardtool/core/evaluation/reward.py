@@ -136,16 +136,32 @@ def reward_card(ref: str, scores=None):
     from cardtool.core.cards.loader import load_card
 
     card = load_card(locate(ref))
+    problem = not_a_reward(card)
+    if problem:
+        raise BadInput(problem)
     kinds = {spec.kind for spec in card.manifest.components.values()}
-    kind = next((kind for kind in REWARD_KINDS if kind in kinds), None)
-    if kind is None:
-        raise BadInput(f"card '{card.id}' is not a reward: a reward card serves a component of kind "
-                       f"{' or '.join(REWARD_KINDS)}, and it has {', '.join(sorted(kinds)) or 'none'}")
+    kind = next(kind for kind in REWARD_KINDS if kind in kinds)
     size = None if scores is None else image_size(scores)
     if size is not None and size != JUDGED_SIZE:
         raise BadInput(f"card '{scores.id}' makes {size}×{size} images; reward card '{card.id}' judges "
                        f"{JUDGED_SIZE}×{JUDGED_SIZE} ones (Fashion-MNIST's)")
     return card, kind
+
+
+def not_a_reward(card) -> str | None:
+    """Why `card` serves no reward (None: it does): no component of a reward kind, or a classifier that does not
+    tell Fashion-MNIST's classes — the judge takes the probability of the class a prompt names."""
+    components = card.manifest.components.values()
+    kinds = {spec.kind for spec in components}
+    if not kinds & set(REWARD_KINDS):
+        return (f"card '{card.id}' is not a reward: a reward card serves a component of kind "
+                f"{' or '.join(REWARD_KINDS)}, and it has {', '.join(sorted(kinds)) or 'none'}")
+    classes = next((spec.config.get("classes", len(CLASS_NAMES)) for spec in components
+                    if spec.kind == "classifier" and isinstance(spec.config, dict)), len(CLASS_NAMES))
+    if classes != len(CLASS_NAMES):
+        return (f"card '{card.id}' is not a Fashion-MNIST judge: its classifier tells {classes} classes, not the "
+                f"{len(CLASS_NAMES)} prompts name ({', '.join(CLASS_NAMES)})")
+    return None
 
 
 def image_size(card) -> int | None:

@@ -227,7 +227,7 @@ def _card_problems(workflow: Workflow) -> list[Problem]:
     from cardtool.core.cards.discovery import locate
     from cardtool.core.cards.loader import load_card
     from cardtool.core.data import CLASS_NAMES
-    from cardtool.core.evaluation.reward import JUDGED_SIZE, REWARD_KINDS, named_class
+    from cardtool.core.evaluation.reward import JUDGED_SIZE, named_class, not_a_reward
 
     problems, loaded = [], {}  # each card loaded once, however many steps name it
 
@@ -250,11 +250,8 @@ def _card_problems(workflow: Workflow) -> list[Problem]:
                 problems.append(workflow.source.problem(at, f"card '{ref}' cannot be used: {str(card).splitlines()[0]}",
                                                         "name a card id or a card folder"))
                 continue
-            kinds = {c.kind for c in card.manifest.components.values()}
-            if field == "reward" and not kinds & set(REWARD_KINDS):
-                problems.append(workflow.source.problem(
-                    at, f"card '{card.id}' is not a reward: it serves no component of kind {', '.join(REWARD_KINDS)}",
-                    "name a reward card such as fashion-classifier"))
+            if field == "reward" and (reason := not_a_reward(card)):
+                problems.append(workflow.source.problem(at, reason, "name a reward card such as fashion-classifier"))
             elif field == "reward" and (size := _made_size(load(body.card))) not in (None, JUDGED_SIZE):
                 problems.append(workflow.source.problem(
                     at, f"card '{load(body.card).id}' makes {size}×{size} images; reward card '{card.id}' judges "

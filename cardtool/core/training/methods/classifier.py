@@ -14,6 +14,7 @@ from cardtool.core.evaluation.reward import JUDGE_BATCH
 from cardtool.core.training.methods.vae import to_unit
 from cardtool.core.training.recipes import Recipe, only_keys
 from cardtool.core.training.trainer import Task
+from cardtool.errors import BadInput
 
 __all__ = ["ClassifierTask"]
 
@@ -24,7 +25,12 @@ class ClassifierTask(Task):
         only_keys(recipe, "data", ("folder",))
         self.device = platform.torch_device
         torch.manual_seed(recipe.train.seed)
-        self.model = FashionCNN(**FashionCNNConfig.from_card(recipe.model, "fashion-cnn").model_dump()).to(self.device)
+        config = FashionCNNConfig.from_card(recipe.model, "fashion-cnn")
+        top = int(max(train.labels.max(initial=0), test.labels.max(initial=0)))
+        if top >= config.classes:  # cross-entropy's IndexError at the first batch holding such a label
+            raise BadInput(f"model.classes is {config.classes}, but the data's labels go up to {top}: give at least "
+                           f"{top + 1}")
+        self.model = FashionCNN(**config.model_dump()).to(self.device)
         # uint8, converted a batch at a time (VAETask says why)
         self.images, self.labels = train.images, torch.from_numpy(train.labels)
         self.test_images, self.test_labels = test.images, torch.from_numpy(test.labels)
