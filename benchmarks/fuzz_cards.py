@@ -66,6 +66,7 @@ CONFIG_VALUES = {
                  "image_size": [16, 20, 28, 32], "padded_size": [28, 32, 64], "image_channels": [1, 2, 3],
                  "scaling_factor": [0.5, 1e-6, 1e6, 3.0]},
     "hf-encoder": {"max_length": [1, 2, 3, 16, 64, 512, 513]},
+    "fashion-cnn": {"classes": [1, 5, 10, 12], "width": [8, 16], "features": [1, 16, 64]},
 }
 
 HOSTILE_YAML = [
@@ -108,8 +109,8 @@ def mutate(rng: random.Random, root: Path) -> str:
     card = root / rng.choice(["tiny-base", "tiny-base", "tiny-rl", "tiny-distilled", "tiny-control"])
     done = []
     for _ in range(rng.choice([1, 1, 2, 3])):
-        kind = rng.choices(["value", "delete", "add", "text", "toml", "weights", "file", "encoder", "config"],
-                           [8, 2, 2, 2, 1, 4, 1, 2, 4])[0]
+        kind = rng.choices(["value", "delete", "add", "text", "toml", "weights", "file", "encoder", "config", "judge"],
+                           [8, 2, 2, 2, 1, 4, 1, 2, 4, 1])[0]
         manifest = card / "card.yaml"
         if not manifest.exists():
             break
@@ -143,7 +144,8 @@ def mutate(rng: random.Random, root: Path) -> str:
             done.append("toml")
         else:
             mutation = {"weights": _mutate_weights, "file": _mutate_file, "encoder": _mutate_encoder,
-                        "config": _mutate_config}[kind]
+                        "config": _mutate_config,  # the sizes of the judge that best-of-N scores this card's images by
+                        "judge": lambda rng, card: _mutate_config(rng, card.parent / "tiny-judge")}[kind]
             try:
                 done.append(f"{kind} " + mutation(rng, card))
             except Exception as e:  # noqa: BLE001 - an earlier mutation left nothing this one can work on
@@ -311,20 +313,21 @@ def _mutate_config(rng: random.Random, card: Path) -> str:
 
 
 def _refit(card: Path, data: dict) -> None:
-    """Rewrite the card's DiT and VAE weights for their configs (where the schema accepts them) and its LoRAs for the
-    DiT's layers (those it no longer has dropped), each without its sha256."""
+    """Rewrite the card's DiT, VAE and classifier weights for their configs (where the schema accepts them) and its
+    LoRAs for the DiT's layers (those it no longer has dropped), each without its sha256."""
     import numpy as np
     from safetensors import safe_open
     from safetensors.numpy import save_file
 
+    from cardtool.backends.cnn_config import FashionCNNConfig
     from cardtool.backends.vae_config import ConvVAEConfig
     from cardtool.backends.wan_config import WanDiTConfig
 
     rng = np.random.default_rng(0)
     layers = {}
+    schemas = {"wan-dit": WanDiTConfig, "conv-vae": ConvVAEConfig, "fashion-cnn": FashionCNNConfig}
     for spec in data["components"].values():
-        schema = {"wan-dit": WanDiTConfig, "conv-vae": ConvVAEConfig}.get(spec.get("impl") if isinstance(spec, dict)
-                                                                          else None)
+        schema = schemas.get(spec.get("impl") if isinstance(spec, dict) else None)
         if schema is None or not isinstance(spec.get("weights"), str):
             continue
         try:
