@@ -180,6 +180,27 @@ def test_a_toml_workflow_and_a_set_override(examples, tmp_path):
     assert bad.exit_code == 1 and json.loads(bad.stdout)["error"]["problems"][0]["field"] == "steps.one.generate.num"
 
 
+def test_a_chain_over_images_of_another_size_is_a_located_error(examples, tmp_path):
+    """A card taking 20×20 images cannot refine (or take as its control) a step's 28×28 ones: its VAE re-encodes
+    them, which failed in the re-noising after the steps before had run. The loop refuses them too (the API's way)."""
+    import shutil
+
+    from cardtool.errors import BadInput
+
+    small = shutil.copytree(examples / "tiny-base", examples / "tiny-small")
+    text = (small / "card.yaml").read_text().replace("id: tiny-base", "id: tiny-small")
+    (small / "card.yaml").write_text(text.replace("{latent_channels: 4,", "{latent_channels: 4, image_size: 20,"))
+    path = write(tmp_path, examples, "  a:\n    generate: {card: EX/tiny-base, prompts: [x], steps: 2}\n"
+                                     "  b:\n    chain: {input: a, card: EX/tiny-small, steps: 2}\n")
+    result = CliRunner().invoke(app, ["workflow", "validate", str(path), "--json"])
+    problem = json.loads(result.stdout)["error"]["problems"][0]
+    assert result.exit_code == 1 and (problem["field"], problem["line"]) == ("steps.b.chain.input", 8)
+    assert problem["message"] == (f"card '{small}' takes 20×20 images; step 'a' makes 28×28 ones "
+                                  f"(card '{examples}/tiny-base')")
+    with pytest.raises(BadInput, match="card 'tiny-small' takes 20×20 images, got 28×28"):
+        LoadedCard(str(small)).loop().encode(np.zeros((1, 28, 28), np.uint8))
+
+
 def test_a_step_takes_an_adapter_stack_and_its_images_record_it(tmp_path, examples):
     steps = """  plain:
     generate: {card: EX/tiny-base, prompts: ["a bag"], steps: 2}

@@ -401,6 +401,10 @@ class DenoiseLoop:
         if not hasattr(vae, "encode"):
             raise BadInput(f"the VAE of '{self.instance.card.id}' on {self.instance.platform.device} has no encoder; "
                            "starting from an image needs the torch platform")
+        size = vae.config.image_size
+        if images.shape[1:] != (size, size):
+            raise BadInput(f"card '{self.instance.card.id}' takes {size}×{size} images, got "
+                           f"{images.shape[-1]}×{images.shape[-2]}")
         x = self.arrays.asarray(images.astype(np.float64)[:, None] / 127.5 - 1.0)
         with self.arrays.inference():
             latents = self._grouped(lambda group: vae.encode(group)[0], x) * vae.config.scaling_factor

@@ -280,6 +280,31 @@ def _card_problems(workflow: Workflow) -> list[Problem]:
                         "control image", "name a card that declares one (fashion-silhouette), or drop control"))
         if body.control is not None:
             problems += _control_problems(workflow, name, step)
+    return problems + _size_problems(workflow, load)
+
+
+def _size_problems(workflow: Workflow, load) -> list[Problem]:
+    """A step that takes another step's images (to refine, or as its control) takes them at its cards' image size:
+    each card of the input step must make that size (its VAE re-encodes them; a mismatch failed midway)."""
+    steps, problems = workflow.manifest.steps, []
+
+    def sizes(step: Step) -> dict[int, str]:
+        body = step.body
+        refs = [body.card] if hasattr(body, "card") else body.cards
+        return {size: ref for ref in refs if (size := _made_size(load(ref))) is not None}
+
+    for name, step in steps.items():
+        source = next((steps[i] for i in _inputs(step) if i in steps), None)
+        if source is None:
+            continue
+        made, taken = sizes(source), sizes(step)
+        for size, ref in taken.items():
+            for other, maker in made.items():
+                if other != size:
+                    problems.append(workflow.source.problem(
+                        ("steps", name, step.kind, "input"), f"card '{ref}' takes {size}×{size} images; step "
+                        f"'{step.body.input}' makes {other}×{other} ones (card '{maker}')",
+                        "chain cards whose VAEs take the same image size"))
     return problems
 
 
