@@ -159,8 +159,9 @@ def not_a_reward(card) -> str | None:
     classes = next((spec.config.get("classes", len(CLASS_NAMES)) for spec in components
                     if spec.kind == "classifier" and isinstance(spec.config, dict)), len(CLASS_NAMES))
     if classes != len(CLASS_NAMES):
-        return (f"card '{card.id}' is not a Fashion-MNIST judge: its classifier tells {classes} classes, not the "
-                f"{len(CLASS_NAMES)} prompts name ({', '.join(CLASS_NAMES)})")
+        return (f"card '{card.id}' is not a Fashion-MNIST judge: its classifier tells {classes} "
+                f"class{'es' if classes != 1 else ''}, not the {len(CLASS_NAMES)} prompts name "
+                f"({', '.join(CLASS_NAMES)})")
     return None
 
 
