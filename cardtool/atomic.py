@@ -35,7 +35,7 @@ def atomic_path(target: Path | str, *, durable: bool = False) -> Iterator[Path]:
                       str(target))
     target.parent.mkdir(parents=True, exist_ok=True)
     _sweep(target.parent)
-    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    temporary = target.with_name(_temporary_name(target.name))
     try:
         yield temporary
         os.chmod(temporary, 0o644)
@@ -52,12 +52,27 @@ def atomic_path(target: Path | str, *, durable: bool = False) -> Iterator[Path]:
         temporary.unlink(missing_ok=True)
 
 
+def _temporary_name(name: str, limit: int = 255) -> str:
+    """`.NAME.PID.tmp`, NAME shortened to keep it within the file system's `limit` bytes a name (NAME_MAX): a target
+    named near the limit is still written atomically."""
+    suffix = f".{os.getpid()}.tmp"
+    while len(os.fsencode(f".{name}{suffix}")) > limit and len(name) > 1:
+        name = name[:-1]
+    return f".{name}{suffix}"
+
+
 def replaceable_file(path: Path | str, what: str) -> Path:
     """`path`, where writing it atomically replaces at most a file: BadInput naming it as `what` ("--out") where a
-    device such as /dev/null, a pipe or a folder stands — found before the work whose result it is to hold."""
+    device such as /dev/null, a pipe or a folder stands, or a name the file system cannot hold — found before the
+    work whose result it is to hold."""
     from cardtool.errors import BadInput
 
     path = Path(path)
+    try:
+        os.lstat(path)
+    except OSError as e:
+        if e.errno == errno.ENAMETOOLONG:
+            raise BadInput(f"{what} {path}: {e.strerror}") from None
     if _special(path):
         raise BadInput(f"{what} {path} is not a regular file (a folder, a device such as /dev/null, a pipe); "
                        "give a file name")
@@ -152,9 +167,9 @@ def writable_folder(folder: Path | str, what: str) -> Path:
     from cardtool.errors import BadInput
 
     folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise BadInput(f"cannot write to {what} {folder}: it is a file, not a folder")
-    try:
+    try:  # inside: a name too long for the file system fails even the exists()
+        if folder.exists() and not folder.is_dir():
+            raise BadInput(f"cannot write to {what} {folder}: it is a file, not a folder")
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".cardtool-probe-"):
             pass

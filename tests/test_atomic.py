@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from helpers import fsynced
+from helpers import EXAMPLE_CARDS, fsynced
 
 from cardtool.atomic import atomic_path, write_atomic
 
@@ -96,3 +96,24 @@ def test_a_failing_disk_under_safetensors_is_the_oserror_it_is(tmp_path):
             temporary.parent.rmdir()
             temporary.write_bytes(b"x")
     assert info.value.filename == str(tmp_path / "gone" / "x.bin"), "named by the target, not the temporary file"
+
+
+def test_names_at_the_file_systems_limit_are_written_and_names_past_it_refused_up_front(tmp_path):
+    """A 255-byte name is written atomically (its temporary's name, longer by `.PID.tmp`, was refused by the file
+    system); a longer one is bad input before the work — not an exit 1 after it — as a file or as a folder."""
+    from typer.testing import CliRunner
+
+    from cardtool.atomic import replaceable_file, writable_folder
+    from cardtool.cli import app
+    from cardtool.errors import BadInput
+
+    at_limit = tmp_path / ("é" * 125 + "a.bin")  # 255 bytes in UTF-8
+    write_atomic(at_limit, b"data")
+    assert [p.name for p in tmp_path.iterdir()] == [at_limit.name] and at_limit.read_bytes() == b"data"
+    past = tmp_path / ("a" * 256)
+    for check, what in ((replaceable_file, "--out"), (writable_folder, "the output folder")):
+        with pytest.raises(BadInput, match="File name too long"):
+            check(past, what)
+    card = str(EXAMPLE_CARDS / "tiny-base")
+    result = CliRunner().invoke(app, ["generate", card, "-p", "a bag", "--out", f"{past}.png", "--json"])
+    assert result.exit_code == 2 and "File name too long" in result.stdout

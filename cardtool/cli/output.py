@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -11,7 +12,7 @@ from contextlib import contextmanager
 
 import typer
 
-from cardtool.errors import CardtoolError, CardValidationError, OutOfMemory, RunFailed
+from cardtool.errors import BadInput, CardtoolError, CardValidationError, OutOfMemory, RunFailed
 
 __all__ = ["LateProgress", "console", "emit_json", "handled", "printable", "say", "warn"]
 
@@ -130,8 +131,9 @@ def handled(json_mode: bool) -> Iterator[None]:
         raise typer.Exit(error.exit_code) from None
     except OSError as error:  # the disk, not cardtool: full, read-only, a path that vanished mid-run
         where = f"{error.filename}: " if error.filename else ""
+        failure = BadInput if error.errno == errno.ENAMETOOLONG else RunFailed  # a path no file system holds
         with handled(json_mode):
-            raise RunFailed(f"{where}{error.strerror or error}") from None
+            raise failure(f"{where}{error.strerror or error}") from None
     except (MemoryError, RuntimeError) as error:  # the machine's memory, not cardtool: too much asked at once
         failed = OutOfMemory.of(error)
         if failed is None:

@@ -136,7 +136,7 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
         if not isinstance(out, (str, os.PathLike)) or str(out) == "":
             raise BadInput(f"out must be the report's file name, got {out!r}"[:300])
         out = Path(out)
-        if out.is_dir():
+        if os.path.isdir(out):  # False for a name too long to exist, which replaceable_file says
             raise BadInput(f"--out {out} is a folder; give the report's file name")
         replaceable_file(out, "--out")
         writable_folder(out.parent, "the report's folder")  # found now, not after the first row

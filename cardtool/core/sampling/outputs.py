@@ -4,6 +4,7 @@ for), the metadata its PNG carries — enough to make it again — and the image
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ class GeneratedImage:
 def output_paths(out: Path, card_id: str, requests: list[Request], tags: list[str]) -> list[Path]:
     """A file for a single image given as NAME.png, else numbered files in the folder `out`, each name ending in
     its request's settings tag; checked writable before any work is done."""
-    if out.suffix.lower() == ".png" and not out.is_dir():  # an existing folder named like a PNG is a folder
+    if out.suffix.lower() == ".png" and not os.path.isdir(out):  # an existing folder named like a PNG is a folder
         if len(requests) != 1:
             raise BadInput(f"--out {out} names one file, but {len(requests)} images are asked for; give a folder")
         paths, folder = [replaceable_file(out, "--out")], out.parent
