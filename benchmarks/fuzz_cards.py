@@ -323,12 +323,16 @@ def _refit(card: Path, data: dict) -> None:
     from cardtool.backends.vae_config import ConvVAEConfig
     from cardtool.backends.wan_config import WanDiTConfig
 
+    def plain(rel: str) -> bool:  # an earlier mutation may have made it a FIFO, which an open would wait on forever
+        path = card / rel
+        return not (path.exists() or path.is_symlink()) or (path.is_file() and not path.is_symlink())
+
     rng = np.random.default_rng(0)
     layers = {}
     schemas = {"wan-dit": WanDiTConfig, "conv-vae": ConvVAEConfig, "fashion-cnn": FashionCNNConfig}
     for spec in data["components"].values():
         schema = schemas.get(spec.get("impl") if isinstance(spec, dict) else None)
-        if schema is None or not isinstance(spec.get("weights"), str):
+        if schema is None or not isinstance(spec.get("weights"), str) or not plain(spec["weights"]):
             continue
         try:
             shapes = schema.model_validate(spec["config"]).tensors()
@@ -341,7 +345,8 @@ def _refit(card: Path, data: dict) -> None:
             layers = {k[:-len(".weight")]: v for k, v in shapes.items() if len(v) == 2 and k.endswith(".weight")}
     adapters = data.get("adapters")
     for spec in adapters.values() if isinstance(adapters, dict) and layers else ():
-        if not isinstance(spec, dict) or spec.get("kind") != "lora" or not isinstance(spec.get("weights"), str):
+        if not isinstance(spec, dict) or spec.get("kind") != "lora" or not isinstance(spec.get("weights"), str) \
+                or not plain(spec["weights"]):
             continue
         try:
             with safe_open(str(card / spec["weights"]), framework="numpy") as f:
