@@ -72,6 +72,20 @@ def test_two_cards_with_one_id_is_an_error_naming_both(tmp_path, builtin, monkey
     assert "card id 'twin' is declared twice: cards/x (./cards) and builtin/y (builtin)" in str(info.value)
 
 
+def test_a_sibling_named_by_id_is_the_cards_own_family_whatever_else_declares_it(tmp_path, builtin, monkeypatch):
+    """A family copied into ./cards, and its original on CARDTOOL_PATH: each card's `extends` and parents are its own
+    siblings ("declared twice" before, for every card of the original); by id alone the id is still ambiguous."""
+    shutil.copytree(EXAMPLE_CARDS, tmp_path / "cards", ignore=shutil.ignore_patterns("*.py"))
+    family = shutil.copytree(EXAMPLE_CARDS, tmp_path / "elsewhere", ignore=shutil.ignore_patterns("*.py"))
+    monkeypatch.setenv("CARDTOOL_PATH", str(family))
+    chain = lineage(load_card(family / "tiny-distilled")).chain()
+    assert [(n.id, n.folder) for n in chain] == [(name, family / name)
+                                                 for name in ("tiny-base", "tiny-rl", "tiny-distilled")]
+    assert validate_paths([str(family / "tiny-distilled")])[0].valid
+    with pytest.raises(AmbiguousCard, match="card id 'tiny-rl' is declared twice"):
+        locate("tiny-rl")
+
+
 def test_the_same_folder_reached_twice_is_one_card(tmp_path, builtin, monkeypatch):
     make(tmp_path / "cards", "x", "once")
     monkeypatch.setenv("CARDTOOL_PATH", str(tmp_path / "cards"))

@@ -141,6 +141,9 @@ def locate(name: str, near: Path | None = None) -> Path:
                      "says why). ")
         raise CardNotFound(f"no card with id '{name}'; searched {searched}. {hint}"
                            "Give a card folder, or add its parent folder to CARDTOOL_PATH")
+    beside = [e for e in matches if e.origin == "beside"]
+    if len(matches) > 1 and len(beside) == 1:  # a card naming a sibling by id means its own family's, whatever else
+        return beside[0].file                  # declares it (a copy of the family in ./cards, say)
     if len(matches) > 1:
         places = " and ".join(f"{display_path(e.folder)} ({e.origin})" for e in matches)
         raise AmbiguousCard(f"card id '{name}' is declared twice: {places}; rename one of them")
