@@ -120,6 +120,9 @@ def test_a_chain_of_extends_is_at_most_32_cards_deep_and_a_long_one_is_a_problem
         with pytest.raises(CardValidationError) as info:
             load_card(examples / deepest)
         assert "extends goes more than 32 cards deep" in str(info.value.problems[-1]), info.value.problems[-1]
+        # this card's line and the cause, not one line for each of the 32 cards between them
+        parent = f"../c{int(deepest[1:]) - 1}"
+        assert [p.message for p in info.value.problems[:-1]] == [f"extends '{parent}', which is invalid"]
 
 
 def test_extends_an_unknown_card(examples):

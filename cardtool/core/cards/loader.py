@@ -144,6 +144,7 @@ def merge_extends(base: dict, override: dict) -> dict:
 # --- extends -----------------------------------------------------------------------------------------
 
 MAX_EXTENDS = 32  # cards a manifest may reach through `extends`: far beyond real use, well within Python's recursion
+_INVALID = "which is invalid"
 
 def _load_parent(source: Source, extends: str, checksums: bool, chain: tuple[Path, ...]) -> Card:
     folder = source.file.parent
@@ -166,8 +167,10 @@ def _load_parent(source: Source, extends: str, checksums: bool, chain: tuple[Pat
     try:
         return load_card(parent_file, checksums=checksums, _chain=chain)
     except CardValidationError as e:
-        first = _with(here, f"extends '{extends}', which is invalid", "fix the problems listed after this one")
-        raise CardValidationError([first] + e.problems) from None
+        # the cards between this one and the invalid one are not listed a line each (up to 32): the problems
+        # after this line name their own files
+        first = _with(here, f"extends '{extends}', {_INVALID}", "fix the problems listed after this one")
+        raise CardValidationError([first] + [p for p in e.problems if not p.message.endswith(_INVALID)]) from None
 
 
 def _with(problem: Problem, message: str, fix: str) -> Problem:
