@@ -123,10 +123,18 @@ _DEFAULTS = {"seed": 0, "best_of": 1}  # None above means "not given" (for --lik
 def _like(path: Path, card, prompts, image, preprocessor):
     """The --like image's request, and what it gives where the command gives nothing: the card, the prompts, the
     seed, and — on its own card only — the settings and control image (another card samples with its own)."""
+    from cardtool.core.cards.discovery import locate
     from cardtool.core.cards.loader import load_card
     from cardtool.core.sampling.like import read_like
+    from cardtool.errors import CardNotFound
 
     model = read_like(path)
+    if card is None:
+        try:
+            locate(model.card)
+        except CardNotFound as e:  # made from a card folder off the search path: the PNG records only its id
+            raise CardNotFound(f"{path.name} was made by card '{model.card}': give its folder as CARD (cardtool "
+                               f"generate FOLDER --like {path.name}) — {e}") from None
     same = card is None or load_card(card).id == model.card
     recorded = {"seed": model.seed, "negative_prompt": model.negative_prompt, **(model.settings if same else {})}
     if same and image is None and model.control is not None:

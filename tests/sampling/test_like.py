@@ -119,6 +119,17 @@ def test_what_is_not_an_image_cardtool_made_is_refused(made, on_path, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_an_image_whose_card_is_off_the_search_path_says_to_give_its_folder(made, on_path, monkeypatch, tmp_path):
+    """The PNG records its card's id only: made from a folder off the path, --like alone cannot find it again."""
+    monkeypatch.delenv("CARDTOOL_PATH")
+    result, report = run("generate", "--like", made, "--out", tmp_path / "x")
+    assert result.exit_code == 2 and report["error"]["message"].startswith(
+        f"{made.name} was made by card 'tiny-base': give its folder as CARD (cardtool generate FOLDER --like "
+        f"{made.name}) — no card with id 'tiny-base'")
+    result, _ = run("generate", on_path / "tiny-base", "--like", made, "--out", tmp_path / "x")
+    assert result.exit_code == 0, result.output
+
+
 def test_unlike_names_what_differs_whatever_the_recorded_weights_hold(made):
     from cardtool.core.sampling.like import read_like, unlike
 
