@@ -17,10 +17,12 @@ _TEMPORARY = re.compile(r"\..+\.\d+\.tmp")  # atomic writes' temporaries (`cardt
 
 
 def cache_dir() -> Path:
-    """CARDTOOL_CACHE, else $XDG_CACHE_HOME/cardtool, else ~/.cache/cardtool."""
+    """CARDTOOL_CACHE, else $XDG_CACHE_HOME/cardtool, else ~/.cache/cardtool. A relative XDG_CACHE_HOME is ignored,
+    as the XDG spec says: it would put a cache in every working folder."""
     if os.environ.get("CARDTOOL_CACHE"):
         return Path(os.environ["CARDTOOL_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cardtool"
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return Path(xdg if os.path.isabs(xdg) else Path.home() / ".cache") / "cardtool"
 
 
 def parse_size(text: str) -> int:

@@ -32,7 +32,13 @@ def keep_freed_memory() -> bool:
     is not glibc or `CARDTOOL_HOST_ALLOCATOR=system` asks for its defaults."""
     global _done
     if _done is None:
-        _done = os.environ.get("CARDTOOL_HOST_ALLOCATOR", "").strip().lower() != "system" and _set_thresholds()
+        choice = os.environ.get("CARDTOOL_HOST_ALLOCATOR", "").strip().lower()
+        if choice not in ("", "system"):  # a misspelt "system" would keep the thresholds without a word
+            from cardtool.errors import BadInput
+
+            raise BadInput(f"CARDTOOL_HOST_ALLOCATOR is {choice[:40]!r}; set it to system (glibc's own thresholds) "
+                           "or leave it unset")
+        _done = choice != "system" and _set_thresholds()
     return _done
 
 

@@ -56,6 +56,16 @@ def test_a_cpu_component_build_keeps_freed_memory_for_the_next_tensors():
     assert system["kept_mib"] < 10, system
 
 
+def test_a_misspelt_choice_is_refused_not_taken_for_the_default(monkeypatch):
+    from cardtool.backends import host_allocator
+    from cardtool.errors import BadInput
+
+    monkeypatch.setattr(host_allocator, "_done", None)
+    monkeypatch.setenv("CARDTOOL_HOST_ALLOCATOR", "sytem")
+    with pytest.raises(BadInput, match="CARDTOOL_HOST_ALLOCATOR is 'sytem'; set it to system"):
+        host_allocator.keep_freed_memory()
+
+
 def test_datasets_go_through_the_vae_and_the_judge_in_batches_whose_activations_stay_on_the_heap():
     """Training turns the whole dataset into latents, and every eval runs the judge over the 10,000 test images; a
     batch whose activations pass the mmap threshold would be mapped and handed back on every call (batches of 1,000:

@@ -79,6 +79,9 @@ def test_cache_dir_honours_cardtool_cache(monkeypatch, tmp_path):
     monkeypatch.delenv("CARDTOOL_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cache_dir() == tmp_path / "xdg" / "cardtool"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")  # the XDG spec: ignored, not a cache in every working folder
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "cardtool"
 
 
 def test_the_disk_cache_is_held_to_its_limit_dropping_the_least_recently_used(examples, tmp_path, monkeypatch):
