@@ -76,10 +76,11 @@ class _Output:
     its exit status as if it had been read — not exit 1 with the summary on stderr lost, as click makes of the broken
     pipe. A stream that cannot be written (a full disk under `> report.json`, an I/O error) goes to /dev/null too and
     the error is kept for `main`: a warning that cannot be shown must not end a training run or a generation midway
-    with a traceback, but a command whose `--json` document was lost did not do what it was asked (exit 1)."""
+    with a traceback, but a command whose `--json` document was lost did not do what it was asked (exit 1); so did
+    one whose caller closed its stdout (`>&-`), once it has something to write there."""
 
-    def __init__(self, stream):
-        self._stream, self.failed = stream, None
+    def __init__(self, stream, closed: bool = False):
+        self._stream, self.failed, self._closed = stream, None, closed
 
     def _gone(self, error: OSError | None = None) -> None:
         import os
@@ -91,6 +92,8 @@ class _Output:
         os.close(devnull)
 
     def write(self, text: str) -> int:
+        if self._closed and text and self.failed is None:
+            self.failed = "it is closed"
         try:
             return self._stream.write(text)
         except BrokenPipeError:
@@ -130,14 +133,32 @@ def _working_folder_exists() -> None:
         raise SystemExit(2) from None
 
 
+def _reopened(fd: int):
+    """A text stream on `fd`, which the caller closed (`>&-`; Python then sets sys.stdout to None), made /dev/null:
+    left free, the number would go to the next file opened — a PNG, a checkpoint — and receive what C code writes
+    to it."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    if devnull != fd:
+        os.dup2(devnull, fd)
+        os.close(devnull)
+    return open(fd, "w", encoding="utf-8", closefd=False)
+
+
 def main() -> None:
     import sys
 
+    closed = sys.stdout is None
+    if closed:
+        sys.stdout = _reopened(1)
+    if sys.stderr is None:
+        sys.stderr = _reopened(2)
     for stream in (sys.stdout, sys.stderr):  # an encoding that cannot show a prompt's é or an arrow escapes it
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
     _working_folder_exists()
-    out = sys.stdout = _Output(sys.stdout) if hasattr(sys.stdout, "fileno") else sys.stdout
+    out = sys.stdout = _Output(sys.stdout, closed) if hasattr(sys.stdout, "fileno") else sys.stdout
     if hasattr(sys.stderr, "fileno"):
         sys.stderr = _Output(sys.stderr)
     code = 0

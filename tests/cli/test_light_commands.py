@@ -132,3 +132,18 @@ def test_a_removed_working_folder_is_said_before_any_work(tmp_path):
     message = "the working folder no longer exists (it was removed after the shell entered it); cd to one that does"
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == f"error {message}", done.stderr
     assert json.loads(done.stdout) == {"error": {"kind": "bad_input", "message": message, "problems": []}}
+
+
+def test_a_closed_stdout_or_stderr_is_not_a_traceback(tmp_path):
+    """`>&-` leaves sys.stdout None: the command does its work, says its output was lost and exits 1; `2>&-` costs
+    only the messages. Neither number is left free for a file opened later to take."""
+    tiny = f"{sys.executable} -m cardtool generate {EXAMPLE_CARDS / 'tiny-base'} -p 'a bag' --steps 2"
+    env = {**os.environ, "CARDTOOL_CACHE": str(tmp_path / "c")}
+    for script, status, said in ((f"{tiny} --out {tmp_path / 'a'} --json >&-", 1,
+                                  "error cannot write standard output: it is closed"),
+                                 (f"{tiny} --out {tmp_path / 'b'} 2>&-", 0, str(tmp_path / "b")),
+                                 (f"{sys.executable} -m cardtool cards show nope >&- 2>&-", 2, "")):
+        done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120, env=env)
+        assert done.returncode == status and said in done.stdout + done.stderr, done.stderr
+        assert "Traceback" not in done.stdout + done.stderr, done.stderr
+    assert [len(list((tmp_path / d).glob("*.png"))) for d in "ab"] == [1, 1]
