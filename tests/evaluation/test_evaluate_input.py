@@ -69,6 +69,7 @@ def test_eval_samples_with_the_shift_and_solver_asked_for_and_its_rows_say_so(ex
 def test_a_record_that_cannot_be_made_is_refused_before_the_eval_or_keeps_its_rows(examples, tmp_path, monkeypatch):
     import errno
     import json
+    import tempfile
 
     from helpers import write_idx_folder
     from typer.testing import CliRunner
@@ -80,6 +81,14 @@ def test_a_record_that_cannot_be_made_is_refused_before_the_eval_or_keeps_its_ro
     monkeypatch.setattr(evaluate_module, "ModelInstance", lambda *a, **k: pytest.fail("evaluated before refusing"))
     refused = CliRunner().invoke(app, ["eval", str(toml), "--per-class", "1", "--record"])
     assert refused.exit_code == 2 and "--record writes YAML manifests" in refused.output
+
+    def read_only(*args, **kwargs):  # a card installed on a read-only file system, as the built-in ones may be
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", read_only)
+    refused = CliRunner().invoke(app, ["eval", str(examples / "tiny-base"), "--per-class", "1", "--record"])
+    assert refused.exit_code == 2, refused.output
+    assert "cannot write to the card folder --record writes into" in refused.output
     monkeypatch.undo()
 
     def full(path, data, **kwargs):

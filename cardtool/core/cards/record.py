@@ -23,10 +23,14 @@ EVAL_REPORT = "eval.json"
 
 
 def recordable(card_ref: str):
-    """The card, if results can be recorded in its manifest (a YAML one): checked before the work, not after it."""
+    """The card, if results can be recorded in its manifest (a YAML one, in a folder that can be written — a card
+    installed read-only cannot): checked before the work, not after it."""
+    from cardtool.atomic import writable_folder
+
     card = load_card(card_ref)
     if card.file.suffix != ".yaml":
         raise BadInput(f"--record writes YAML manifests; {card.file} is TOML")
+    writable_folder(card.folder, "the card folder --record writes into")
     return card
 
 
