@@ -67,6 +67,8 @@ CONFIG_VALUES = {
                  "scaling_factor": [0.5, 1e-6, 1e6, 3.0]},
     "hf-encoder": {"max_length": [1, 2, 3, 16, 64, 512, 513]},
     "fashion-cnn": {"classes": [1, 5, 10, 12], "width": [8, 16], "features": [1, 16, 64]},
+    "lora": {"rank": [1, 2, 4, 8, 33], "alpha": [0.5, 1, 4, 1e6]},  # an adapter's own fields
+    "controlnet": {"blocks": [1, 2, 3]},  # its config's
 }
 
 HOSTILE_YAML = [
@@ -290,6 +292,18 @@ def _mutate_config(rng: random.Random, card: Path) -> str:
     mutable = {name: spec for name, spec in components.items() if isinstance(spec, dict)
                and spec.get("impl") in CONFIG_VALUES and isinstance(spec.get("config"), dict)} \
         if isinstance(components, dict) else {}
+    adapters = data.get("adapters") if isinstance(data, dict) else None
+    own = {name: spec for name, spec in adapters.items() if isinstance(spec, dict) and spec.get("kind") in CONFIG_VALUES
+           and isinstance(spec.get("config", {}), dict)} if isinstance(adapters, dict) else {}
+    if own and (not mutable or rng.random() < 0.3):
+        name = rng.choice(sorted(own))
+        spec = own[name]
+        config = spec if spec["kind"] == "lora" else spec.setdefault("config", {})
+        key = rng.choice(sorted(CONFIG_VALUES[spec["kind"]]))
+        config[key] = rng.choice(CONFIG_VALUES[spec["kind"]][key])
+        _refit(card, data)
+        manifest.write_text(yaml.safe_dump(data, sort_keys=False))
+        return f"adapter {name} {key}={config[key]}"
     if not mutable:
         return "none"
     name = rng.choice(sorted(mutable))
@@ -316,7 +330,6 @@ def _refit(card: Path, data: dict) -> None:
     """Rewrite the card's DiT, VAE and classifier weights for their configs (where the schema accepts them) and its
     LoRAs for the DiT's layers (those it no longer has dropped), each without its sha256."""
     import numpy as np
-    from safetensors import safe_open
     from safetensors.numpy import save_file
 
     from cardtool.backends.cnn_config import FashionCNNConfig
@@ -328,9 +341,9 @@ def _refit(card: Path, data: dict) -> None:
         return not (path.exists() or path.is_symlink()) or (path.is_file() and not path.is_symlink())
 
     rng = np.random.default_rng(0)
-    layers = {}
+    layers, dit = {}, None
     schemas = {"wan-dit": WanDiTConfig, "conv-vae": ConvVAEConfig, "fashion-cnn": FashionCNNConfig}
-    for spec in data["components"].values():
+    for spec in (data.get("components") or {}).values():
         schema = schemas.get(spec.get("impl") if isinstance(spec, dict) else None)
         if schema is None or not isinstance(spec.get("weights"), str) or not plain(spec["weights"]):
             continue
@@ -342,27 +355,52 @@ def _refit(card: Path, data: dict) -> None:
                   str(card / spec["weights"]))
         spec.pop("sha256", None)
         if schema is WanDiTConfig:
-            layers = {k[:-len(".weight")]: v for k, v in shapes.items() if len(v) == 2 and k.endswith(".weight")}
+            dit = schema.model_validate(spec["config"])
+    if dit is None and isinstance(data.get("extends"), str):  # an adapter card: its target is the card it extends
+        try:
+            base = _parsed(card / data["extends"] / "card.yaml")
+            dit = WanDiTConfig.model_validate(base["components"]["transformer"]["config"])
+        except Exception:  # noqa: BLE001 - validation's to report
+            pass
+    if dit is not None:
+        layers = {k[:-len(".weight")]: v for k, v in dit.tensors().items() if len(v) == 2 and k.endswith(".weight")}
     adapters = data.get("adapters")
     for spec in adapters.values() if isinstance(adapters, dict) and layers else ():
-        if not isinstance(spec, dict) or spec.get("kind") != "lora" or not isinstance(spec.get("weights"), str) \
-                or not plain(spec["weights"]):
+        if not isinstance(spec, dict) or not isinstance(spec.get("weights"), str) or not plain(spec["weights"]):
             continue
         try:
-            with safe_open(str(card / spec["weights"]), framework="numpy") as f:
-                keys, metadata = list(f.keys()), f.metadata()
-            rank = int(spec.get("rank", 4))
+            tensors, metadata = _adapter_tensors(spec, card / spec["weights"], dit, layers, rng)
         except Exception:  # noqa: BLE001 - an earlier mutation broke it: validation's to report
             continue
-        modules = sorted({key.rsplit(".lora_", 1)[0] for key in keys} & set(layers))
-        tensors = {}
-        for module in modules:
-            out, inp = layers[module]
-            tensors[f"{module}.lora_A.weight"] = (rng.standard_normal((rank, inp)) * 0.05).astype(np.float32)
-            tensors[f"{module}.lora_B.weight"] = (rng.standard_normal((out, rank)) * 0.05).astype(np.float32)
         if tensors:
             save_file(tensors, str(card / spec["weights"]), metadata=metadata)
             spec.pop("sha256", None)
+
+
+def _adapter_tensors(spec: dict, path: Path, dit, layers: dict, rng) -> tuple[dict, dict | None]:
+    """Random tensors for a LoRA (its modules still in the DiT, at the manifest's rank and alpha, its header saying
+    so) or a ControlNet (the blocks its config copies); ({}, None) for another kind."""
+    import numpy as np
+    from safetensors import safe_open
+
+    if spec.get("kind") == "controlnet":
+        from cardtool.backends.controlnet import WanControlNet
+        from cardtool.backends.platform import Platform
+
+        net = WanControlNet(dit, int(spec.get("config", {}).get("blocks", 2)), Platform("cpu", "generic"))
+        return {k: (rng.standard_normal(tuple(v.shape)) * 0.05).astype(np.float32)
+                for k, v in net.state_dict().items()}, None
+    if spec.get("kind") != "lora":
+        return {}, None
+    with safe_open(str(path), framework="numpy") as f:
+        keys = list(f.keys())
+    rank, alpha = int(spec.get("rank", 4)), float(spec.get("alpha", spec.get("rank", 4)))
+    tensors = {}
+    for module in sorted({key.rsplit(".lora_", 1)[0] for key in keys} & set(layers)):
+        out, inp = layers[module]
+        tensors[f"{module}.lora_A.weight"] = (rng.standard_normal((rank, inp)) * 0.05).astype(np.float32)
+        tensors[f"{module}.lora_B.weight"] = (rng.standard_normal((out, rank)) * 0.05).astype(np.float32)
+    return tensors, {"format": "pt", "rank": str(rank), "alpha": repr(alpha)}
 
 
 def _mutate_file(rng: random.Random, card: Path) -> str:

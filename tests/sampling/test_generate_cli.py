@@ -91,6 +91,9 @@ def test_prompts_piped_on_standard_input_with_a_byte_order_mark(on_path, tmp_pat
     assert [i["prompt"] for i in json.loads(piped.stdout)["images"]] == ["a bag", "a coat"]
     latin = CliRunner().invoke(app, ["generate", "tiny-base", "--prompts-file", "-"], input=b"caf\xe9\n")
     assert latin.exit_code == 2 and "standard input is not UTF-8 text" in latin.stderr
+    closed = subprocess.run(["bash", "-c", f"{sys.executable} -m cardtool generate tiny-base --prompts-file - <&-"],
+                            capture_output=True, text=True, timeout=60)
+    assert closed.returncode == 2 and "standard input is closed" in closed.stderr, closed.stderr
 
 
 def test_a_card_assuming_fixed_steps_warns_and_strict_refuses(on_path, tmp_path):

@@ -31,7 +31,9 @@ def read_prompts_file(path: str | Path) -> list[str]:
     if str(path) == "-":
         import sys
 
-        data = sys.stdin.buffer.read(limit + 1) if sys.stdin is not None else b""
+        if sys.stdin is None:  # closed by the caller (`<&-`)
+            raise BadInput("cannot read prompts file: standard input is closed; pipe the prompts in, or give a file")
+        data = sys.stdin.buffer.read(limit + 1)
         text, reason = "", f"standard input is larger than {limit} bytes" if len(data) > limit else ""
         if not reason:
             try:
