@@ -41,6 +41,14 @@ class Split:
     def __len__(self) -> int:
         return len(self.labels)
 
+    def digest(self) -> str:
+        """A short hash of the images and labels (~50 ms for Fashion-MNIST's 47 MB of training images)."""
+        import hashlib
+
+        h = hashlib.sha256(np.ascontiguousarray(self.images).data)
+        h.update(np.ascontiguousarray(self.labels).data)
+        return h.hexdigest()[:16]
+
 
 def data_dir(explicit: str | Path | None = None) -> Path:
     """The data folder: --data, else CARDTOOL_DATA, else Debian's fashion-mnist folder."""

@@ -55,6 +55,7 @@ def train(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Pat
         from cardtool.core.training.methods.flow_matching import FlowMatchingTask
 
         task = FlowMatchingTask(recipe, platform, train_split, test_split)
+    task.data = train_split.digest()
     result = train_loop(task, recipe, platform, run_dir, resume=resume, on_log=on_log, micro_batches=micro_batches)
     trained = {"steps": result.steps, "final_loss": round(result.final_loss, 6),
                "train_seconds": round(result.seconds, 1), "samples_per_second": round(result.samples_per_second, 1),

@@ -51,6 +51,7 @@ class Task(ABC):
     # module's weights, gathered at its first forward, stay whole until its backward (or the step's end)
     even_forwards: bool = True
     sharded: bool = False  # set when FSDP2 has sharded the trainable modules
+    data: str | None = None  # a digest of the examples it trains on: a resumed run must train on the same
 
     @abstractmethod
     def modules(self) -> dict[str, torch.nn.Module]:
@@ -331,7 +332,7 @@ def _save(path: Path, recipe: Recipe, step: int, loss: float, seconds: float, mo
         return
     metadata = {"step": str(step), "loss": repr(loss), "seconds": repr(seconds), "fingerprint": recipe.fingerprint(),
                 "recipe": json.dumps(recipe.shaping(), sort_keys=True), "param_groups": groups,
-                "micro_batches": str(parts)}
+                "micro_batches": str(parts), **({"data": task.data} if task.data else {})}
     try:
         with atomic_path(path, durable=True) as temporary:
             save_tensors(temporary, {k: v.contiguous().cpu() for k, v in tensors.items()}, metadata)
@@ -394,6 +395,9 @@ def _load(path: Path, recipe: Recipe, modules, ema, optimizer, task: Task, parts
         raise BadInput(unreadable.format(f"its step record: {e}")) from None
     if not 0 <= step <= recipe.optim.steps or not math.isfinite(seconds) or seconds < 0:
         raise BadInput(unreadable.format(f"step {step} of {recipe.optim.steps}, {seconds} s"))
+    if task.data and metadata.get("data", task.data) != task.data:  # a checkpoint from before the digest: unknown
+        raise BadInput(f"{path} was trained on other data than this run reads (--data, or the recipe's data.folder); "
+                       "resume with the data it started on")
     if made != parts:  # the randomness of a step depends on how it was split
         raise BadInput(f"{path} was trained with each step split into {made} micro-batch(es) (processes × "
                        f"--micro-batches); resume with the same product, not {parts}")
