@@ -88,6 +88,7 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
 
         train = load_split("train", data or recipe.data.get("folder"))
     task = DMD2Task(recipe, platform, teacher, train)
+    task.data = train.digest() if train is not None else None  # a resume must see the same real images
     result = train_loop(task, recipe, platform, run_dir, resume=resume, on_log=on_log, micro_batches=micro_batches)
     settings = task.settings
     metrics = {"iterations": result.steps, "generator_updates": -(-result.steps // settings.generator_every),
