@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 import yaml
-from helpers import REPO, write_vae_only_card
+from helpers import REPO, write_idx_folder, write_vae_only_card
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -174,9 +174,17 @@ def _platform():
 
 
 
-def test_the_gan_term_trains_a_head_on_the_critic_and_moves_the_generator(examples, tmp_path):
-    from helpers import write_idx_folder
+def test_a_gan_run_resumed_on_other_real_images_is_refused(examples, tmp_path):
+    """The GAN term's real images are the run's data: its checkpoint records their digest, as `train`'s does."""
+    gan = recipe(examples / "tiny-base", extra=["loss.gan=true", "optim.steps=1"])
+    data, other = write_idx_folder(tmp_path / "idx"), write_idx_folder(tmp_path / "other", seed=1)
+    options = dict(command="c", run_dir=tmp_path / "run", evaluate=False)
+    distill(gan, out=tmp_path / "one", data=str(data), **options)
+    with pytest.raises(BadInput, match="was trained on other data than this run reads"):
+        distill(gan, out=tmp_path / "two", data=str(other), resume=True, **options)
 
+
+def test_the_gan_term_trains_a_head_on_the_critic_and_moves_the_generator(examples, tmp_path):
     from cardtool.core.data import load_split
     from cardtool.core.training.trainer import train_loop
 
