@@ -364,9 +364,9 @@ def test_silhouette_fills_enclosed_holes_and_edges_trace_the_outline():
 
 
 def test_a_control_image_reads_by_its_modes_own_range(tmp_path):
-    """A 16-bit mask, a float image and a cut-out with transparency read as the garment they show: Pillow's plain
-    grey conversion clipped 16-bit values (all white), truncated floats to 0 or 1 (all black) and took a transparent
-    pixel's colour instead of the background."""
+    """A 16-bit mask, a float image, a cut-out with transparency and a photo stored sideways read as the garment they
+    show: Pillow's plain grey conversion clipped 16-bit values (all white), truncated floats to 0 or 1 (all black),
+    took a transparent pixel's colour instead of the background, and ignored the EXIF orientation."""
     from PIL import Image
 
     from cardtool.core.sampling.control import read_control
@@ -384,6 +384,14 @@ def test_a_control_image_reads_by_its_modes_own_range(tmp_path):
         assert grey[shape].min() >= 200 and grey[~shape].max() <= 8, name
     Image.fromarray(np.where(shape, 200, 0).astype(np.uint8)).save(tmp_path / "8.png")  # 8-bit grey as it was
     assert np.array_equal(read_control(tmp_path / "8.png", 28), np.where(shape, 200, 0))
+    bar = np.zeros((28, 28), np.uint8)
+    bar[2:10] = 200  # along the top as stored; a camera's EXIF orientation 6 shows it turned 90° clockwise
+    photo = Image.fromarray(bar)
+    exif = photo.getexif()
+    exif[0x0112] = 6
+    photo.save(tmp_path / "photo.jpg", exif=exif, quality=100)
+    upright = read_control(tmp_path / "photo.jpg", 28) > 100
+    assert upright[:, 18:26].all() and not upright[:, :17].any(), "a bar down the right side, as a viewer shows it"
 
 
 def test_cli_errors_exit_2(card, tmp_path):

@@ -77,15 +77,16 @@ class ControlImage:
 
 
 def read_control(path: Path, size: int) -> np.ndarray:
-    """A control image file as grey uint8 (size, size): any format Pillow reads, converted to grey and resized."""
-    from PIL import Image, UnidentifiedImageError
+    """A control image file as grey uint8 (size, size): any format Pillow reads, turned upright as its EXIF
+    orientation says (a camera's photo is stored sideways), converted to grey and resized."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
     data, reason = read_small_file_bytes(path, limit=64 << 20)
     if reason:
         raise BadInput(f"cannot read control image: {reason}")
     try:
         with open_image(data) as image:  # its size checked before decoding
-            image = _grey(image)
+            image = _grey(ImageOps.exif_transpose(image))
             if image.size != (size, size):
                 image = image.resize((size, size), Image.BILINEAR)
             return np.asarray(image, dtype=np.uint8).copy()
