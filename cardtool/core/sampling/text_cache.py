@@ -134,6 +134,13 @@ def encode_prompts(instance, prompts: list[str], cache: TextFeatureCache, compon
     missing = [k for k, v in found.items() if v is None]
     if missing:
         first = {k: p for k, p in zip(keys, prompts, strict=True) if k in missing}
+        if instance.platform.device == "numpy":  # the reference rung runs no text encoder of its own
+            from cardtool.errors import BadInput
+
+            shown = ", ".join(repr(first[k][:60]) for k in missing[:3]) + (" …" if len(missing) > 3 else "")
+            raise BadInput(f"the numpy platform reads encoded prompts from the cache, which holds none of {shown}; "
+                           f"run the same prompts once with --device cpu --precision {instance.precision} to encode "
+                           "them, then again on numpy")
         encoder, arrays = instance.component(component), instance.arrays
         for k in missing:
             states, mask = encoder([first[k]])
