@@ -69,6 +69,8 @@ def test_candidates_are_scored_in_one_batch_and_candidate_zero_is_the_plain_requ
     (["--best-of", "0", "--reward", "REWARD"], "--best-of must be at least 1"),
     (["--best-of", "2", "--reward", "BASE"], "is not a reward"),
     (["--best-of", "2", "--reward", "FIVE"], "not a Fashion-MNIST judge: its classifier tells 5 classes, not the 10"),
+    # the judge has no numpy cell: said before the candidates are sampled, not after
+    (["--best-of", "2", "--reward", "REWARD", "--device", "numpy"], "nothing can run component 'fashion-cnn'"),
 ])
 def test_bad_best_of_requests_are_clear_errors(examples, tmp_path, args, message):
     if "FIVE" in args:  # a classifier of 5 classes: an IndexError scoring a prompt of class 8 ('a bag')
@@ -81,6 +83,7 @@ def test_bad_best_of_requests_are_clear_errors(examples, tmp_path, args, message
     result = CliRunner().invoke(app, ["generate", str(examples / "tiny-base"), "-p", "a bag", "--steps", "2",
                                       "--out", str(tmp_path / "x"), "--json", *args])
     assert result.exit_code == 2 and message in json.loads(result.stdout)["error"]["message"]
+    assert not (tmp_path / "x").exists()
 
 
 def test_a_candidate_sampled_as_nan_is_never_kept_and_a_request_of_only_such_fails(examples, monkeypatch, tmp_path):

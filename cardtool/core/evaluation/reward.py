@@ -55,6 +55,7 @@ class FashionJudge:
             raise BadInput(f"card '{instance.card.id}' has no classifier component to judge with")
         self.instance, self.card_id = instance, instance.card.id
         self._class_embeddings = None
+        self._model()  # built now: a platform that cannot run it (numpy) says so before any sampling, not after
 
     def _model(self):
         return self.instance.component(self.classifier_name)
