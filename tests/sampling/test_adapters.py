@@ -407,7 +407,8 @@ def test_cli_errors_exit_2(card, tmp_path):
                            (["--control", str(bad_image)], "cannot read control image"),
                            (["--control", str(tmp_path / "missing.png")], "cannot read control image"),
                            (["--control", f"{bomb}:silhouette", "--adapter", "ctl"], "4097 × 4097 pixels, more than"),
-                           (["--fuse"], "has none")]:
+                           (["--fuse"], "has none"),
+                           (["--adapter", "a", "--adapter", "a=0.5"], "adapter 'a' is named twice")]:
         result = runner.invoke(app, base + extra)
         assert result.exit_code == 2 and message in result.output, (extra, result.output)
 

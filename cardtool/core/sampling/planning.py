@@ -135,10 +135,12 @@ def adapter_stack(card: Card, stack: list[tuple[str, float]], control: ControlIm
                   control_scale: float | None) -> tuple[tuple[str, float], ...]:
     """The request's stack, every name declared by the card; with a control image, its ControlNet in it."""
     declared = card.manifest.adapters
-    for name, _ in stack:
+    for i, (name, _) in enumerate(stack):
         if name not in declared:
             raise BadInput(f"card '{card.id}' declares no adapter '{name}'; its adapters: "
                            f"{', '.join(declared) or 'none'}")
+        if any(name == other for other, _ in stack[:i]):  # each copy would add its rank to the stack's product
+            raise BadInput(f"adapter '{name}' is named twice; name it once, at the scale wanted (NAME=SCALE)")
     nets = [name for name, _ in stack if declared[name].kind == "controlnet"]
     if control_scale is not None and (control is None or nets):
         raise BadInput("--control-scale sets the scale of the ControlNet --control adds; give it with --control, "
