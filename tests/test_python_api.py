@@ -56,8 +56,8 @@ def test_the_python_api_example_runs(tmp_path):
 def test_a_workflow_runs_from_its_file_with_overrides_and_resumes(tmp_path):
     tour = REPO / "examples" / "workflows" / "tiny-tour.yaml"
     waves = []
-    report = cardtool.run_workflow(tour, overrides=["steps.draft.generate.num=2"], out=tmp_path, max_batch=2,
-                                   on_wave=lambda *args: waves.append(args))
+    report = cardtool.run_workflow(tour, overrides=["steps.draft.generate.num=2"], out=tmp_path,
+                                   max_batch=np.int64(2), on_wave=lambda *args: waves.append(args))  # as generate's
     assert [(s["step"], len(s["images"])) for s in report.steps] == [("draft", 4), ("refine", 4), ("compare", 2),
                                                                      ("pick", 1)]
     assert ("draft", 2, 4) in waves

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import numbers
 import os
 import time
 from dataclasses import dataclass, field
@@ -195,7 +196,7 @@ def run_workflow(workflow: Workflow | str | os.PathLike, *, overrides: list[str]
     keep each image already written there with the settings it would be made with, and make only the others."""
     if not isinstance(out, (str, os.PathLike)):
         raise BadInput(f"out must be a path, got {out!r}"[:300])
-    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+    if isinstance(max_batch, bool) or not isinstance(max_batch, numbers.Integral) or max_batch < 1:  # numpy's too
         raise BadInput(f"--max-batch must be at least 1, got {max_batch!r}")
     if not isinstance(skip_existing, bool):
         raise BadInput(f"skip_existing must be True or False, got {skip_existing!r}"[:300])
@@ -210,7 +211,7 @@ def run_workflow(workflow: Workflow | str | os.PathLike, *, overrides: list[str]
         workflow = load_workflow(workflow, list(overrides))
     elif overrides:
         raise BadInput("overrides apply when the workflow is loaded: give its file, or load it with them")
-    runner = _Runner(workflow, device, max_batch)
+    runner = _Runner(workflow, device, int(max_batch))
     manifest = workflow.manifest
     folder = writable_folder(Path(out) / manifest.id, "the output folder")  # before the first step, not after
     report = WorkflowReport(manifest.id, f"{runner.platform.device}/{runner.platform.arch}")
