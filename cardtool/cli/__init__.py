@@ -157,12 +157,12 @@ def main() -> None:
     for stream in (sys.stdout, sys.stderr):  # an encoding that cannot show a prompt's é or an arrow escapes it
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
-    _working_folder_exists()
     out = sys.stdout = _Output(sys.stdout, closed) if hasattr(sys.stdout, "fileno") else sys.stdout
     if hasattr(sys.stderr, "fileno"):
         sys.stderr = _Output(sys.stderr)
     code = 0
     try:
+        _working_folder_exists()
         app()
     except SystemExit as done:
         code = done.code
