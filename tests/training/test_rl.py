@@ -185,6 +185,12 @@ def test_a_prompts_file_is_what_the_run_trains_on(examples, tmp_path):
     assert result.exit_code == 0, result.output
     prompts = json.loads(result.stdout)["metrics"]["prompts"]
     assert prompts == {"count": 2, "sha256": hashlib.sha256(b"a bag\na red coat").hexdigest()}
+    (tmp_path / "others.txt").write_text("a shirt\n")  # a resume on other prompts would train on those
+    again = CliRunner().invoke(app, ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
+                                     "--prompts", str(tmp_path / "others.txt"), "--no-eval", "--out",
+                                     str(tmp_path / "o2"), "--run-dir", str(tmp_path / "r"), "--resume",
+                                     *(f"--set={o}" for o in [*TINY, "optim.steps=1"])])
+    assert again.exit_code == 2 and "was trained on other data than this run reads" in again.output, again.output
 
 
 def test_the_example_recipes_spell_out_the_defaults():

@@ -185,6 +185,8 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
         for name in judges:
             reward_card(name, scores=base)  # before the run, not after
     task = make_task(recipe, platform, base, reward, prompts or default_prompts())
+    # what it trains on is its prompts: a resume given others (--prompts) would train the rest of the run on them
+    task.data = hashlib.sha256("\n".join(task.prompts).encode()).hexdigest()
     watch = Watch(task, judges, platform, recipe.train.precision, data=data) if watch_every else None
 
     next_watch = watch_every
@@ -222,7 +224,7 @@ def _manifest(recipe: Recipe, task, base: Card, reward_id: str, out: Path, comma
                "reward_last": round(history[-1], 4) if history else None,
                "reward_curve": [round(float(w.mean()), 4) for w in windows],  # the mean reward over each 5% of rollouts
                "prompts": {"count": len(task.prompts),  # what was trained on, checkable against a --prompts file
-                           "sha256": hashlib.sha256("\n".join(task.prompts).encode()).hexdigest()},
+                           "sha256": task.data},
                "text_cache_hit_rate": round(task.cache.hits / max(1, task.cache.hits + task.cache.misses), 4),
                "platform": f"{platform.device}/{platform.arch}"}
     steps = FlowDenoiseDefaults.model_validate(base.manifest.loops["denoise"].defaults).steps

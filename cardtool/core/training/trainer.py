@@ -396,8 +396,8 @@ def _load(path: Path, recipe: Recipe, modules, ema, optimizer, task: Task, parts
     if not 0 <= step <= recipe.optim.steps or not math.isfinite(seconds) or seconds < 0:
         raise BadInput(unreadable.format(f"step {step} of {recipe.optim.steps}, {seconds} s"))
     if task.data and metadata.get("data", task.data) != task.data:  # a checkpoint from before the digest: unknown
-        raise BadInput(f"{path} was trained on other data than this run reads (--data, or the recipe's data.folder); "
-                       "resume with the data it started on")
+        raise BadInput(f"{path} was trained on other data than this run reads (the --data folder or the recipe's "
+                       "data.folder; rl's --prompts); resume with the data it started on")
     if made != parts:  # the randomness of a step depends on how it was split
         raise BadInput(f"{path} was trained with each step split into {made} micro-batch(es) (processes × "
                        f"--micro-batches); resume with the same product, not {parts}")
