@@ -136,7 +136,7 @@ def test_a_removed_working_folder_is_said_before_any_work(tmp_path):
 
 def test_a_closed_stdout_or_stderr_is_not_a_traceback(tmp_path):
     """`>&-` leaves sys.stdout None: the command does its work, says its output was lost and exits 1; `2>&-` costs
-    only the messages. Neither number is left free for a file opened later to take."""
+    only the messages."""
     tiny = f"{sys.executable} -m cardtool generate {EXAMPLE_CARDS / 'tiny-base'} -p 'a bag' --steps 2"
     env = {**os.environ, "CARDTOOL_CACHE": str(tmp_path / "c")}
     for script, status, said in ((f"{tiny} --out {tmp_path / 'a'} --json >&-", 1,

@@ -141,7 +141,7 @@ def test_numpy_device_generates_from_cached_text_features(on_path, tmp_path):
     assert json.loads(numpy_run.stdout)["platform"] == "numpy/generic"
     assert torch_run["images"][0]["prompt"] == "a bag"
     uncached = run("generate", "tiny-base", "-p", "never encoded", "--device", "numpy", "--out", str(tmp_path / "u"))
-    assert uncached.exit_code == 2 and "reads encoded prompts from the cache, which holds none of 'never encoded'" \
+    assert uncached.exit_code == 2 and "encoded prompts from the cache, which holds none of 'never encoded'" \
         in uncached.stderr and "run the same prompts once with --device cpu --precision float32" in uncached.stderr
 
 

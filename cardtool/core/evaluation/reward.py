@@ -18,7 +18,8 @@ from cardtool.core.prompts import SYNONYMS, class_prompt
 from cardtool.core.sampling.instance import ModelInstance
 from cardtool.errors import BadInput
 
-__all__ = ["FashionJudge", "Reward", "REWARD_KINDS", "load_reward", "named_class", "reward_card"]
+__all__ = ["FashionJudge", "Reward", "REWARD_KINDS", "cannot_score", "image_size", "load_reward", "named_class",
+           "not_a_reward", "reward_card"]
 
 
 class Reward(Protocol):
@@ -137,16 +138,11 @@ def reward_card(ref: str, scores=None):
     from cardtool.core.cards.loader import load_card
 
     card = load_card(locate(ref))
-    problem = not_a_reward(card)
+    problem = not_a_reward(card) or (cannot_score(card, scores) if scores is not None else None)
     if problem:
         raise BadInput(problem)
     kinds = {spec.kind for spec in card.manifest.components.values()}
-    kind = next(kind for kind in REWARD_KINDS if kind in kinds)
-    size = None if scores is None else image_size(scores)
-    if size is not None and size != JUDGED_SIZE:
-        raise BadInput(f"card '{scores.id}' makes {size}×{size} images; reward card '{card.id}' judges "
-                       f"{JUDGED_SIZE}×{JUDGED_SIZE} ones (Fashion-MNIST's)")
-    return card, kind
+    return card, next(kind for kind in REWARD_KINDS if kind in kinds)
 
 
 def not_a_reward(card) -> str | None:
@@ -164,6 +160,16 @@ def not_a_reward(card) -> str | None:
                 f"class{'es' if classes != 1 else ''}, not the {len(CLASS_NAMES)} prompts name "
                 f"({', '.join(CLASS_NAMES)})")
     return None
+
+
+def cannot_score(reward, card) -> str | None:
+    """Why the reward card `reward` cannot score the images `card` makes (None: it can): they are of another size
+    than the judge's input."""
+    size = image_size(card)
+    if size is None or size == JUDGED_SIZE:
+        return None
+    return (f"card '{card.id}' makes {size}×{size} images; reward card '{reward.id}' judges "
+            f"{JUDGED_SIZE}×{JUDGED_SIZE} ones (Fashion-MNIST's)")
 
 
 def image_size(card) -> int | None:

@@ -134,14 +134,17 @@ def encode_prompts(instance, prompts: list[str], cache: TextFeatureCache, compon
     missing = [k for k, v in found.items() if v is None]
     if missing:
         first = {k: p for k, p in zip(keys, prompts, strict=True) if k in missing}
-        if instance.platform.device == "numpy":  # the reference rung runs no text encoder of its own
-            from cardtool.errors import BadInput
+        from cardtool.backends.registry import NoCellAvailable
+        from cardtool.errors import BadInput
 
+        try:
+            encoder, arrays = instance.component(component), instance.arrays
+        except NoCellAvailable:  # a platform with no encoder of its own (numpy, the reference rung) reads the cache
             shown = ", ".join(repr(first[k][:60]) for k in missing[:3]) + (" …" if len(missing) > 3 else "")
-            raise BadInput(f"the numpy platform reads encoded prompts from the cache, which holds none of {shown}; "
-                           f"run the same prompts once with --device cpu --precision {instance.precision} to encode "
-                           "them, then again on numpy")
-        encoder, arrays = instance.component(component), instance.arrays
+            device = instance.platform.device
+            raise BadInput(f"the {device} platform runs no text encoder and reads encoded prompts from the cache, "
+                           f"which holds none of {shown}; run the same prompts once with --device cpu --precision "
+                           f"{instance.precision} to encode them, then again on {device}") from None
         for k in missing:
             states, mask = encoder([first[k]])
             found[k] = cache.put(k, arrays.to_numpy(states[0]), arrays.to_numpy(mask[0]))

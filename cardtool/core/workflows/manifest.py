@@ -227,7 +227,7 @@ def _card_problems(workflow: Workflow) -> list[Problem]:
     from cardtool.core.cards.discovery import locate
     from cardtool.core.cards.loader import load_card
     from cardtool.core.data import CLASS_NAMES
-    from cardtool.core.evaluation.reward import JUDGED_SIZE, named_class, not_a_reward
+    from cardtool.core.evaluation.reward import cannot_score, named_class, not_a_reward
 
     problems, loaded = [], {}  # each card loaded once, however many steps name it
 
@@ -252,10 +252,10 @@ def _card_problems(workflow: Workflow) -> list[Problem]:
                 continue
             if field == "reward" and (reason := not_a_reward(card)):
                 problems.append(workflow.source.problem(at, reason, "name a reward card such as fashion-classifier"))
-            elif field == "reward" and (size := _made_size(load(body.card))) not in (None, JUDGED_SIZE):
-                problems.append(workflow.source.problem(
-                    at, f"card '{load(body.card).id}' makes {size}×{size} images; reward card '{card.id}' judges "
-                    f"{JUDGED_SIZE}×{JUDGED_SIZE} ones", "name a card and a reward card made for the same images"))
+            elif field == "reward" and not isinstance(scored := load(body.card), CardtoolError) and \
+                    (reason := cannot_score(card, scored)):
+                problems.append(workflow.source.problem(at, reason, "name a card and a reward card made for the "
+                                                        "same images"))
             elif field == "reward" and "text_encoder" not in card.manifest.components:  # it reads class names only
                 for i, prompt in enumerate(body.prompts):
                     if named_class(prompt) is None:
