@@ -8,6 +8,7 @@ The Python API, for scripts (each name is imported on first use, so `import card
     report = card.generate(["a sneaker", "a bag"], num=4, adapters=[("mirror", 0.5)], out="outputs")
     for image in report.images:
         print(image.path, image.metadata["seed"])
+    held = card.generate("a bag", out=None).images[0].pixels   # write nothing: the image as a uint8 array
     cardtool.generate("fashion-base", "a dress")       # one call: load, generate, done
     cardtool.evaluate("fashion-base", steps=[20], per_class=10).rows
     cardtool.load_card("fashion-base").manifest.recipe.parents

@@ -159,6 +159,30 @@ def test_a_loaded_card_generates_many_times_and_gives_the_one_shot_images(on_pat
     assert all((p == pixels[0]).all() for p in pixels), "the same request gives the same image however it is run"
 
 
+def test_out_none_writes_nothing_and_returns_the_images_pixels(on_path, tmp_path, monkeypatch):
+    from cardtool.core.sampling.generate import LoadedCard
+    from cardtool.errors import BadInput
+
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    loaded = LoadedCard("tiny-base")
+    held = loaded.generate(["a bag", "a coat"], num=2, steps=2, out=None)
+    assert list((tmp_path / "here").iterdir()) == [], "nothing written, not even the default folder"
+    assert [image.path for image in held.images] == [None] * 4
+    assert json.loads(json.dumps(held.to_json()))["images"][0]["path"] is None
+    written = loaded.generate(["a bag", "a coat"], num=2, steps=2, out=tmp_path / "out")
+    for memory, file in zip(held.images, written.images, strict=True):
+        assert memory.pixels.dtype == np.uint8 and memory.pixels.shape == (28, 28)
+        assert (memory.pixels == read_png_pixels(file.path)).all() and (file.pixels == memory.pixels).all()
+        assert memory.metadata == file.metadata, "the same image, settings and tag, written or not"
+    kept = loaded.generate(["a bag", "a coat"], num=2, steps=2, out=tmp_path / "out", skip_existing=True)
+    assert kept.skipped == 4
+    assert all((k.pixels == h.pixels).all() for k, h in zip(kept.images, held.images, strict=True))
+    for switch in ("grid", "skip_existing"):
+        with pytest.raises(BadInput, match=f"{switch} needs out"):
+            loaded.generate("a bag", steps=1, out=None, **{switch: True})
+
+
 def test_the_python_api_takes_one_prompt_as_a_string_and_refuses_wrong_types(on_path, tmp_path):
     """What the command line's parser guarantees, the API checks: a wrong type is BadInput naming the argument,
     never a TypeError deep in the loop, nor a string sampled as one image per character."""
@@ -176,7 +200,7 @@ def test_the_python_api_takes_one_prompt_as_a_string_and_refuses_wrong_types(on_
                                ({"adapters": {"invert": 1.0}}, r"adapters must be \(name, scale\) pairs"),
                                ({"adapters": [("invert",)]}, r"adapters must be \(name, scale\) pairs"),
                                ({"num": None}, "num must be a whole number"), ({"seed": None}, "seed must be"),
-                               ({"out": None}, "out must be a path"), ({"solver": 3}, "solver must be a name"),
+                               ({"out": 3}, "out must be a path"), ({"solver": 3}, "solver must be a name"),
                                ({"best_of": 2, "reward": 3}, "reward must be a name"),
                                ({"on_step": 3}, "on_step must be a function"),
                                ({"fuse": np.zeros(2)}, "fuse must be True or False"),
@@ -242,6 +266,9 @@ def test_a_long_generation_writes_its_images_wave_by_wave_and_a_signal_keeps_the
     assert "SIGTERM after 4 of 6 images: those are written in" in str(stopped.value)
     assert sorted(p.name for p in (tmp_path / "cut").glob("*.png")) == sorted(i.path.name for i in whole.images[:4])
     assert signal.getsignal(signal.SIGTERM) is before, "the handler in place before is back"
+    with pytest.raises(Interrupted) as stopped:
+        loaded.generate(prompts, num=2, steps=2, max_batch=4, out=None, on_step=stop_after_the_first_wave)
+    assert "SIGTERM after 4 of 6 images: none is written (out=None)" in str(stopped.value)
 
 
 def test_file_names_tell_prompts_apart_in_any_script(on_path, tmp_path):

@@ -114,13 +114,14 @@ class LoadedCard:
     def generate(self, prompts: str | list[str], *, num: int = 1, seed: int = 0, steps: int | None = None,
                  guidance: float | None = None, shift: float | None = None, solver: str | None = None,
                  guidance_interval: tuple[float, float] | None = None, precision: str | None = None,
-                 out: str | Path = "outputs", grid: bool = False, strict: bool = False,
+                 out: str | Path | None = "outputs", grid: bool = False, strict: bool = False,
                  on_step: Callable[[int, int], None] | None = None, max_batch: int = 128, best_of: int = 1,
                  reward: str | None = None, adapters: list[tuple[str, float]] | None = None,
                  control=None, preprocessor: str | None = None, control_scale: float | None = None,
                  fuse: bool = False, skip_existing: bool = False, negative_prompt: str = "") -> GenerateReport:
-        """Sample prompts × num images and write them; with `best_of` N > 1, each image is the best of N candidates
-        under the reward card `reward`, and its metadata records every candidate's score.
+        """Sample prompts × num images and write them to `out` (a folder, or NAME.png for one image; None: write
+        nothing, each GeneratedImage's `pixels` holds its image); with `best_of` N > 1, each image is the best of N
+        candidates under the reward card `reward`, and its metadata records every candidate's score.
 
         `adapters`: the stack of (name, scale) every image uses (default: the card's loop defaults); `control`: an
         image file, a grey uint8 array or a ControlImage for the card's ControlNet, through `preprocessor` (default:
@@ -156,10 +157,13 @@ class LoadedCard:
         judge = self.reward(reward) if reward is not None else None
         selection = _selection(judge, best_of, fuse)
         tags = [settings_tag({**image_metadata(loop, r), **selection}) for r in requests]
-        paths = output_paths(Path(out), card.id, requests, tags)
+        if out is None and (grid or skip_existing):
+            raise BadInput(f"{'grid' if grid else 'skip_existing'} needs out, a folder; out=None writes nothing")
+        paths = [None] * len(requests) if out is None else output_paths(Path(out), card.id, requests, tags)
         started = time.perf_counter()
         ranks = distributed.ranks(platform.device)
-        kept = already_made(paths, tags, requests, ranks, grid) if skip_existing else {}
+        kept = already_made(paths, tags, requests, ranks) if skip_existing else {}
+        written = "made (out=None: none is written)" if out is None else "written"
         todo = [i for i in range(len(requests)) if i not in kept]
         # requests are made in waves of a forward's worth a process, each written when done, so an interrupted or
         # failing run keeps what it finished; under torchrun each rank makes its share of a wave, gathered to rank 0,
@@ -173,7 +177,7 @@ class LoadedCard:
                 raise BadInput("--fuse merges the LoRAs of the request's adapter stack; this one has none")
             for number, wave in enumerate(waves):
                 progress = (lambda d, t, before=done: on_step(before + d, total)) if on_step else None
-                with OutOfMemory.raised(f"; the {len(images)} images written before it are kept",
+                with OutOfMemory.raised(f"; the {len(images)} images {written} before it are kept",
                                         {"images": [image.to_json() for image, _, _ in images]}):
                     made = self._make([requests[i] for i in wave], loop, judge, best_of, max_batch, progress, fused) \
                         if wave else []
@@ -188,16 +192,17 @@ class LoadedCard:
                         continue
                     metadata = {**image_metadata(loop, request), **extra, "tag": tags[i]}
                     try:
-                        save_image(paths[i], image, metadata)
+                        if paths[i] is not None:
+                            save_image(paths[i], image, metadata)
                     except RunFailed as failed:  # the images written before it are kept, and listed
                         raise RunFailed(f"{failed}; the {len(images)} images written before it are kept",
                                         {"images": [image.to_json() for image, _, _ in images]}) from None
-                    images.append((GeneratedImage(paths[i], metadata), request, image))
+                    images.append((GeneratedImage(paths[i], metadata, image), request, image))
                     order.append(i)
                 if caught and number < len(waves) - 1:
-                    raise Interrupted.after(caught[0], f"{len(images) + len(kept)} of {len(requests)} images: those "
-                                            f"are written in {paths[0].parent}; the same command with "
-                                            "--skip-existing makes the rest",
+                    where = "none is written (out=None)" if out is None else \
+                        f"those are written in {paths[0].parent}; the same command with --skip-existing makes the rest"
+                    raise Interrupted.after(caught[0], f"{len(images) + len(kept)} of {len(requests)} images: {where}",
                                             {"images": [image.to_json() for image, _, _ in [*kept.values(), *images]]})
         seconds = time.perf_counter() - started
         if self.cache.problem:  # said once: the cache writes nothing more

@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cardtool import __version__
 from cardtool.atomic import replaceable_file, writable_folder
@@ -17,17 +18,24 @@ from cardtool.core.sampling.images import save_png
 from cardtool.core.sampling.planning import LOOP
 from cardtool.errors import BadInput, RunFailed
 
+if TYPE_CHECKING:
+    import numpy as np
+
 __all__ = ["GeneratedImage", "adapter_metadata", "already_made", "image_metadata", "output_paths", "prompt_slug",
            "save_image", "settings_tag"]
 
 
 @dataclass
 class GeneratedImage:
-    path: Path
+    """One image: its file (None where the call wrote none: `out=None`), its metadata, and its pixels (H × W
+    uint8, grey) for a script to use without reading the file back."""
+    path: Path | None
     metadata: dict[str, str]
+    pixels: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict:
-        return {"path": str(self.path), **{k: _json_value(v) for k, v in self.metadata.items()}}
+        path = None if self.path is None else str(self.path)
+        return {"path": path, **{k: _json_value(v) for k, v in self.metadata.items()}}
 
 
 def output_paths(out: Path, card_id: str, requests: list[Request], tags: list[str]) -> list[Path]:
@@ -45,10 +53,10 @@ def output_paths(out: Path, card_id: str, requests: list[Request], tags: list[st
     return paths
 
 
-def already_made(paths: list[Path], tags: list[str], requests: list[Request], ranks, pixels: bool) -> dict[int, tuple]:
+def already_made(paths: list[Path], tags: list[str], requests: list[Request], ranks) -> dict[int, tuple]:
     """The images already on disk as this call would make them — a file at the request's path whose metadata holds
-    the request's settings tag — as (GeneratedImage, request, its pixels where a grid needs them), by index. Rank
-    0's folder decides: it writes every image."""
+    the request's settings tag — as (GeneratedImage, request, its pixels), by index. Rank 0's folder decides: it
+    writes every image."""
     from cardtool.core.sampling.images import read_png
 
     found = {}
@@ -57,11 +65,11 @@ def already_made(paths: list[Path], tags: list[str], requests: list[Request], ra
             if not path.is_file():
                 continue
             try:
-                image, metadata = read_png(path, pixels)
+                image, metadata = read_png(path)
             except (OSError, ValueError, SyntaxError):  # not a PNG we can read: made again
                 continue
             if metadata.get("tag") == tags[i]:
-                found[i] = (GeneratedImage(path, metadata), requests[i], image)
+                found[i] = (GeneratedImage(path, metadata, image), requests[i], image)
     indices = ranks.all_gather(sorted(found))[0] if ranks.world > 1 else sorted(found)
     return found if ranks.main else dict.fromkeys(indices)
 

@@ -109,8 +109,8 @@ def checked_arguments(prompts, *, guidance_interval, adapters, out="", texts=Non
         required = name in ("num", "seed", "best_of", "max_batch")  # the rest take None as the card's default
         if (value is not None or required) and (not isinstance(value, kind) or isinstance(value, bool)):
             raise BadInput(f"{name} must be {'a whole number' if whole else 'a number'}, got {value!r}")
-    if not isinstance(out, (str, os.PathLike)):
-        raise BadInput(f"out must be a path, got {out!r}")
+    if out is not None and not isinstance(out, (str, os.PathLike)):
+        raise BadInput(f"out must be a path (or None: write nothing), got {out!r}")
     for name, value in (texts or {}).items():
         if value is not None and not isinstance(value, str):
             raise BadInput(f"{name} must be a name (text), got {value!r}")
