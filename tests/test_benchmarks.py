@@ -155,3 +155,19 @@ def test_adapter_effects_benchmark_measures_the_built_in_adapters(tmp_path, fash
     assert mirrored["test images, mirror, real"] == pytest.approx(1 - mirrored["test images, none, real"], abs=1e-3)
     assert [r["control_scale"] for r in report["controlnet"]] == ["no control (base)", 0.5, 1.0]
     assert all(0 <= r["silhouette_iou"] <= 1 for r in report["controlnet"])
+
+
+def test_image_to_image_benchmark_measures_each_strength(tmp_path, examples):
+    from helpers import write_idx_folder
+
+    out = tmp_path / "i2i.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "image_to_image.py"), "--card", "tiny-base", "--judge",
+                    "tiny-judge", "--strengths", "0.2", "0.9", "--per-class", "1", "--data",
+                    str(write_idx_folder(tmp_path / "idx")), "--out", str(out)],
+                   check=True, capture_output=True, timeout=300, env={**os.environ, "CARDTOOL_PATH": str(examples)})
+    report = json.loads(out.read_text())
+    assert report["images"] == 10 and [r["strength"] for r in report["rows"]] == [0.2, 0.9]
+    for row in report["rows"]:
+        assert 0 <= row["prompt_class_accuracy"] <= 1 and 0 <= row["start_class_accuracy"] <= 1
+        assert row["prompt_class_accuracy"] + row["start_class_accuracy"] <= 1, "one class a judgement"
+        assert 0 < row["mean_abs_difference"] <= 255

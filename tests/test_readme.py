@@ -58,6 +58,9 @@ def test_quick_tour_runs_as_written(tmp_path):
     assert [(a["name"], a["scale"]) for a in stack] == [("invert", 0.5)] and len(stack[0]["version"]) == 64
     like = read_png_metadata(tmp_path / "outputs" / "bag-invert-seed1.png")
     assert (like["seed"], like["steps"], json.loads(like["adapters"])) == ("1", "8", stack), "--like: a new seed only"
+    dress = read_png_metadata(tmp_path / "outputs" / "dress.png")
+    assert (dress["prompt"], dress["strength"], json.loads(dress["image"])["source"]) == (
+        "a dress", "0.6", "outputs/bag-bf16.png"), "image-to-image from the bfloat16 bag"
     student = read_png_metadata(tmp_path / "outputs" / "student.png")
     assert (student["card"], student["steps"], student["solver"]) == ("tiny-base-2step", "2", "renoise")
     tuned = (tmp_path / "outputs" / "tiny-nft" / "card.yaml").read_text()

@@ -49,6 +49,11 @@ def generate_command(
         "PREPROCESSOR is silhouette, edges or none (default: the ControlNet's own).")] = None,
     control_scale: Annotated[float | None, typer.Option(
         "--control-scale", help="The ControlNet's conditioning scale (default 1).")] = None,
+    init: Annotated[Path | None, typer.Option(
+        "--image", metavar="IMAGE", help="Start from this image (image-to-image, SDEdit): re-noised to --strength, "
+        "then denoised toward the prompt.")] = None,
+    strength: Annotated[float | None, typer.Option(
+        "--strength", help="The σ --image is re-noised to, in (0, 1): lower keeps more of it (default 0.8).")] = None,
     max_batch: Annotated[int, typer.Option(
         "--max-batch", help="Model rows per forward (a guided request takes two), and requests per written wave; "
         "lower it to save memory.")] = 128,
@@ -76,17 +81,19 @@ def generate_command(
             asked = {"seed": seed, "negative_prompt": negative_prompt, "steps": steps, "guidance": guidance,
                      "shift": shift, "solver": solver, "precision": precision, "best_of": best_of, "reward": reward,
                      "guidance_interval": parse_interval(guidance_interval) if guidance_interval is not None else None,
-                     "adapters": [parse_adapter(a) for a in adapter] if adapter else None}
+                     "adapters": [parse_adapter(a) for a in adapter] if adapter else None, "strength": strength}
             image, preprocessor = parse_control(control) if control is not None else (None, None)
             model = None
             if like is not None:
-                model, card, prompts, recorded, image, preprocessor = _like(like, card, prompts, image, preprocessor)
+                model, card, prompts, recorded, image, preprocessor, init = _like(like, card, prompts, image,
+                                                                                  preprocessor, init)
                 asked = {**recorded, **{k: v for k, v in asked.items() if v is not None}}
                 fuse = asked.pop("fuse", False) or fuse  # popped whatever --fuse says: passed once below
             if card is None:
                 raise BadInput("give a CARD to generate with (or --like IMAGE, whose card it reuses)")
             report = generate(card, prompts, num=num, device=device, max_batch=max_batch, out=out, grid=grid,
                               control=image, preprocessor=preprocessor, control_scale=control_scale, fuse=fuse,
+                              image=init,
                               strict=strict, on_step=progress, skip_existing=skip_existing,
                               **{**_DEFAULTS, **{k: v for k, v in asked.items() if v is not None}})
         finally:
@@ -96,7 +103,8 @@ def generate_command(
     if model is not None and report.images and report.card == model.card:
         from cardtool.core.sampling.like import unlike
 
-        differ = [d for d in unlike(model, report.images[0].metadata) if d != "control" or control is None]
+        given = {"control": control, "image": init}  # a file given here in place of the recorded one
+        differ = [d for d in unlike(model, report.images[0].metadata) if given.get(d) is None]
         if differ:
             report.warnings.append(f"{model.path.name} was made with other {', '.join(differ)} than this run's: "
                                    "its image is not made again bit for bit")
@@ -120,9 +128,10 @@ def generate_command(
 _DEFAULTS = {"seed": 0, "best_of": 1}  # None above means "not given" (for --like); these are the defaults
 
 
-def _like(path: Path, card, prompts, image, preprocessor):
+def _like(path: Path, card, prompts, image, preprocessor, init):
     """The --like image's request, and what it gives where the command gives nothing: the card, the prompts, the
-    seed, and — on its own card only — the settings and control image (another card samples with its own)."""
+    seed, and — on its own card only — the settings, the control image and the image it started from (another
+    card samples with its own)."""
     from cardtool.core.cards.discovery import locate
     from cardtool.core.cards.loader import load_card
     from cardtool.core.sampling.like import read_like
@@ -142,4 +151,12 @@ def _like(path: Path, card, prompts, image, preprocessor):
         if not image.is_file():
             raise BadInput(f"{path.name} was made with the control image {image}, which is not there; give it "
                            "with --control IMAGE")
-    return model, card or model.card, prompts or [model.prompt], recorded, image, preprocessor
+    if same and init is None and model.image is not None:
+        if not model.image:
+            raise BadInput(f"{path.name} started from an image given as an array, not a file; give that image "
+                           "with --image IMAGE")
+        init = Path(model.image)
+        if not init.is_file():
+            raise BadInput(f"{path.name} was made from the image {init}, which is not there; give it with "
+                           "--image IMAGE")
+    return model, card or model.card, prompts or [model.prompt], recorded, image, preprocessor, init

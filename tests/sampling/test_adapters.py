@@ -369,7 +369,7 @@ def test_a_control_image_reads_by_its_modes_own_range(tmp_path):
     took a transparent pixel's colour instead of the background, and ignored the EXIF orientation."""
     from PIL import Image
 
-    from cardtool.core.sampling.control import read_control
+    from cardtool.core.sampling.control import read_grey
 
     shape = np.zeros((28, 28), bool)
     shape[6:22, 9:19] = True  # a garment, bright on a dark background
@@ -379,18 +379,18 @@ def test_a_control_image_reads_by_its_modes_own_range(tmp_path):
                                            .astype(np.uint8), "RGBA")}
     for name, image in files.items():
         image.save(tmp_path / name)
-        grey = read_control(tmp_path / name, 28)
+        grey = read_grey(tmp_path / name, 28)
         assert np.array_equal(silhouette(grey) > 0, shape), name
         assert grey[shape].min() >= 200 and grey[~shape].max() <= 8, name
     Image.fromarray(np.where(shape, 200, 0).astype(np.uint8)).save(tmp_path / "8.png")  # 8-bit grey as it was
-    assert np.array_equal(read_control(tmp_path / "8.png", 28), np.where(shape, 200, 0))
+    assert np.array_equal(read_grey(tmp_path / "8.png", 28), np.where(shape, 200, 0))
     bar = np.zeros((28, 28), np.uint8)
     bar[2:10] = 200  # along the top as stored; a camera's EXIF orientation 6 shows it turned 90° clockwise
     photo = Image.fromarray(bar)
     exif = photo.getexif()
     exif[0x0112] = 6
     photo.save(tmp_path / "photo.jpg", exif=exif, quality=100)
-    upright = read_control(tmp_path / "photo.jpg", 28) > 100
+    upright = read_grey(tmp_path / "photo.jpg", 28) > 100
     assert upright[:, 18:26].all() and not upright[:, :17].any(), "a bar down the right side, as a viewer shows it"
 
 

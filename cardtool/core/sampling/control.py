@@ -15,7 +15,7 @@ from cardtool.core.sampling.images import open_image
 from cardtool.errors import BadInput
 from cardtool.files import read_small_file_bytes
 
-__all__ = ["PREPROCESSORS", "ControlImage", "silhouette", "edges", "read_control", "parse_control"]
+__all__ = ["PREPROCESSORS", "ControlImage", "silhouette", "edges", "read_grey", "parse_control"]
 
 INK = 32  # a pixel brighter than this is garment, not background (Fashion-MNIST backgrounds are 0)
 
@@ -76,14 +76,15 @@ class ControlImage:
         return cls(processed, preprocessor, digest, source)
 
 
-def read_control(path: Path, size: int) -> np.ndarray:
-    """A control image file as grey uint8 (size, size): any format Pillow reads, turned upright as its EXIF
-    orientation says (a camera's photo is stored sideways), converted to grey and resized."""
+def read_grey(path: Path, size: int, what: str = "control image") -> np.ndarray:
+    """An image file (a control image, an image to start from) as grey uint8 (size, size): any format Pillow reads,
+    turned upright as its EXIF orientation says (a camera's photo is stored sideways), converted to grey and
+    resized; `what` names it in the error for a file that cannot be read."""
     from PIL import Image, ImageOps, UnidentifiedImageError
 
     data, reason = read_small_file_bytes(path, limit=64 << 20)
     if reason:
-        raise BadInput(f"cannot read control image: {reason}")
+        raise BadInput(f"cannot read {what}: {reason}")
     try:
         with open_image(data) as image:  # its size checked before decoding
             image = _grey(ImageOps.exif_transpose(image))
@@ -91,7 +92,7 @@ def read_control(path: Path, size: int) -> np.ndarray:
                 image = image.resize((size, size), Image.BILINEAR)
             return np.asarray(image, dtype=np.uint8).copy()
     except (UnidentifiedImageError, OSError, ValueError) as e:  # open_image: ValueError for a declared bomb
-        raise BadInput(f"cannot read control image {path}: {type(e).__name__}: {str(e)[:200]}")
+        raise BadInput(f"cannot read {what} {path}: {type(e).__name__}: {str(e)[:200]}")
 
 
 def _grey(image):

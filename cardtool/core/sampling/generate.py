@@ -5,6 +5,7 @@ through the denoise loop with step-level batching in waves, each wave's PNGs wri
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from cardtool.core.interrupt import Interrupted, stop_requests
 from cardtool.core.sampling.control import ControlImage
 from cardtool.core.sampling.denoise import DenoiseLoop, NonFiniteImages, Request
 from cardtool.core.sampling.images import grid_image
+from cardtool.core.sampling.init_image import init_image
 from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.sampling.outputs import (
     GeneratedImage,
@@ -97,17 +99,19 @@ class LoadedCard:
         return self._rewards[ref]
 
     def _make(self, requests: list[Request], loop: DenoiseLoop, judge, best_of: int, max_batch: int, on_step,
-              fused) -> list[tuple]:
-        """(request, image, extra metadata, finite) per request: best-of-N's selection and the adapters used go in
-        the metadata; an image sampled as NaN or inf (best-of: every candidate so) is not finite."""
+              fused, source=None) -> list[tuple]:
+        """(request, image, extra metadata, finite) per request, each started from the latent `source` if given:
+        best-of-N's selection and the adapters used go in the metadata; an image sampled as NaN or inf (best-of:
+        every candidate so) is not finite."""
+        sources = None if source is None else [source] * len(requests)
         if judge is None:
-            states = sample(loop, requests, on_step=on_step, max_batch=max_batch)
+            states = sample(loop, requests, on_step=on_step, max_batch=max_batch, sources=sources)
             images, finite = loop.decode(states)
             extras = [adapter_metadata(s.adapters, s.request.control, fused is not None) for s in states]
             return list(zip(requests, images, extras, finite, strict=True))
         from cardtool.core.sampling.best_of import best_of_n
 
-        picked = best_of_n(loop, judge, requests, best_of, max_batch=max_batch, on_step=on_step)
+        picked = best_of_n(loop, judge, requests, best_of, max_batch=max_batch, on_step=on_step, sources=sources)
         extras = [{**e, **({"fused": "true"} if fused is not None else {})} for e in picked.metadata()]
         return list(zip(picked.requests, picked.images, extras, picked.finite, strict=True))
 
@@ -118,7 +122,8 @@ class LoadedCard:
                  on_step: Callable[[int, int], None] | None = None, max_batch: int = 128, best_of: int = 1,
                  reward: str | None = None, adapters: list[tuple[str, float]] | None = None,
                  control=None, preprocessor: str | None = None, control_scale: float | None = None,
-                 fuse: bool = False, skip_existing: bool = False, negative_prompt: str = "") -> GenerateReport:
+                 fuse: bool = False, skip_existing: bool = False, negative_prompt: str = "", image=None,
+                 strength: float | None = None) -> GenerateReport:
         """Sample prompts × num images and write them to `out` (a folder, or NAME.png for one image; None: write
         nothing, each GeneratedImage's `pixels` holds its image); with `best_of` N > 1, each image is the best of N
         candidates under the reward card `reward`, and its metadata records every candidate's score.
@@ -128,10 +133,12 @@ class LoadedCard:
         the ControlNet's own); `fuse`: merge the stack's LoRAs into the base weights for this call, then restore
         them; `skip_existing`: keep each image whose file is already there with this request's settings tag (an
         earlier run of the same call, interrupted, say) and make only the others; `negative_prompt`: what CFG steers
-        away from (default: the empty prompt, the null condition)."""
+        away from (default: the empty prompt, the null condition); `image`: an image file or a grey uint8 array to
+        start from (image-to-image, SDEdit), re-noised to σ = `strength` (default 0.8) and denoised from there."""
         prompts = checked_arguments(prompts, num=num, seed=seed, steps=steps, guidance=guidance, shift=shift,
                                     best_of=best_of, max_batch=max_batch, guidance_interval=guidance_interval,
-                                    adapters=adapters, control_scale=control_scale, out=out, on_step=on_step,
+                                    adapters=adapters, control_scale=control_scale, strength=strength, out=out,
+                                    on_step=on_step,
                                     switches={"grid": grid, "strict": strict, "fuse": fuse,
                                               "skip_existing": skip_existing},
                                     texts={"reward": reward, "solver": solver, "precision": precision,
@@ -153,10 +160,15 @@ class LoadedCard:
                                            shift=shift, solver=solver, guidance_interval=guidance_interval,
                                            strict=strict, adapters=adapters, control=control,
                                            control_scale=control_scale, negative_prompt=negative_prompt)
+        start = init_image(image, strength, instance.component(loop.vae).config.image_size)
+        from_image = start.metadata() if start else {}
+        source = loop.encode(start.image[None])[0] if start else None  # once, for every request; before any file
+        if start:
+            requests = [dataclasses.replace(r, strength=start.strength) for r in requests]
         warnings = instance.warnings + warnings
         judge = self.reward(reward) if reward is not None else None
         selection = _selection(judge, best_of, fuse)
-        tags = [settings_tag({**image_metadata(loop, r), **selection}) for r in requests]
+        tags = [settings_tag({**image_metadata(loop, r), **selection, **from_image}) for r in requests]
         if out is None and (grid or skip_existing):
             raise BadInput(f"{'grid' if grid else 'skip_existing'} needs out, a folder; out=None writes nothing")
         paths = [None] * len(requests) if out is None else output_paths(Path(out), card.id, requests, tags)
@@ -179,8 +191,8 @@ class LoadedCard:
                 progress = (lambda d, t, before=done: on_step(before + d, total)) if on_step else None
                 with OutOfMemory.raised(f"; the {len(images)} images {written} before it are kept",
                                         {"images": [image.to_json() for image, _, _ in images]}):
-                    made = self._make([requests[i] for i in wave], loop, judge, best_of, max_batch, progress, fused) \
-                        if wave else []
+                    made = self._make([requests[i] for i in wave], loop, judge, best_of, max_batch, progress, fused,
+                                      source) if wave else []
                 done += sum(requests[i].steps for i in wave) * best_of
                 shares = ranks.gather([(i, *item) for i, item in zip(wave, made, strict=True)])
                 if not ranks.main:
@@ -190,7 +202,7 @@ class LoadedCard:
                     if not finite:
                         broken.append(request)
                         continue
-                    metadata = {**image_metadata(loop, request), **extra, "tag": tags[i]}
+                    metadata = {**image_metadata(loop, request), **extra, **from_image, "tag": tags[i]}
                     try:
                         if paths[i] is not None:
                             save_image(paths[i], image, metadata)
@@ -239,7 +251,7 @@ def control_image(loop: DenoiseLoop, control, preprocessor: str | None, adapters
         if preprocessor is not None and control is None:
             raise BadInput("a control preprocessor needs a control image (--control IMAGE:PREPROCESSOR)")
         return control
-    from cardtool.core.sampling.control import read_control
+    from cardtool.core.sampling.control import read_grey
 
     declared = loop.instance.card.manifest.adapters
     nets = [n for n, _ in adapters or () if n in declared and declared[n].kind == "controlnet"] or \
@@ -250,7 +262,7 @@ def control_image(loop: DenoiseLoop, control, preprocessor: str | None, adapters
         preprocessor = declared[nets[0]].control
     if isinstance(control, (str, Path)):
         size = loop.instance.component(loop.vae).config.image_size
-        return ControlImage.make(read_control(Path(control), size), preprocessor, str(control))
+        return ControlImage.make(read_grey(Path(control), size), preprocessor, str(control))
     return ControlImage.make(control, preprocessor)
 
 

@@ -13,7 +13,7 @@ from cardtool.errors import BadInput
 __all__ = ["Like", "read_like", "unlike"]
 
 # what decides an image without being an option of the request: a difference means another image, said as a warning
-PROVENANCE = ("cardtool", "weights", "platform", "control")
+PROVENANCE = ("cardtool", "weights", "platform", "control", "image")
 
 
 @dataclass
@@ -28,6 +28,7 @@ class Like:
     seed: int | None
     settings: dict = field(default_factory=dict)
     control: tuple[Path, str] | None = None  # the control image file as it was given, and its preprocessor
+    image: str | None = None  # the file the image started from (image-to-image) as it was given; "" an array
     metadata: dict[str, str] = field(default_factory=dict)
 
 
@@ -53,18 +54,18 @@ def read_like(path: Path | str) -> Like:
     settings = {"steps": text.whole("steps"), "guidance": text.number("guidance"), "shift": text.number("shift"),
                 "guidance_interval": text.interval("guidance_interval"), "solver": text.name("solver"),
                 "precision": text.name("precision"), "adapters": text.adapters(),
-                "fuse": metadata.get("fused") == "true"}
+                "fuse": metadata.get("fused") == "true", "strength": text.number("strength")}
     if "best_of" in metadata:
         settings |= {"best_of": text.whole("best_of"), "reward": text.card_id("reward")}
     seed = text.whole("request_seed" if "best_of" in metadata else "seed")  # best-of: the request's, not the pick's
     return Like(path, text.card_id("card"), metadata.get("prompt", ""), metadata.get("negative_prompt", ""), seed,
-                settings, text.control(), metadata)
+                settings, text.control(), text.image(), metadata)
 
 
 def unlike(like: Like, made: dict[str, str]) -> list[str]:
     """What differs between the image asked to be like and one made from its settings, beyond the options the
     command changed: its weights, platform, cardtool version or control image — a reason the image is not the same."""
-    differ = [key for key in PROVENANCE if like.metadata.get(key) != made.get(key)]
+    differ = [key for key in PROVENANCE if _identity(key, like.metadata.get(key)) != _identity(key, made.get(key))]
     if "weights" in differ:  # which components' weights: named when both records are maps of versions
         try:
             old, new = json.loads(like.metadata.get("weights", "{}")), json.loads(made.get("weights", "{}"))
@@ -74,6 +75,16 @@ def unlike(like: Like, made: dict[str, str]) -> list[str]:
             changed = sorted(str(k) for k in {*old, *new} if old.get(k) != new.get(k))
             differ[differ.index("weights")] = "weights of " + ", ".join(changed)
     return differ
+
+
+def _identity(key: str, value: str | None):
+    """What tells two records of `key` apart: an image to start from by its content, wherever its file was."""
+    if key != "image" or value is None:
+        return value
+    try:
+        return json.loads(value).get("sha256")
+    except (ValueError, AttributeError):
+        return value
 
 
 class _Fields:
@@ -129,6 +140,17 @@ class _Fields:
             return Path(fields["source"]), str(fields["preprocessor"])
 
         return self._typed("control", record)
+
+
+    def image(self) -> str | None:
+        """The file the image started from, as it was given ("": an array, no file)."""
+        def record(text: str) -> str:
+            source = json.loads(text)["source"]
+            if not isinstance(source, str):
+                raise ValueError("its source is not text")
+            return source
+
+        return self._typed("image", record)
 
 
 def _finite(value) -> float:

@@ -1,0 +1,123 @@
+"""`generate --image IMAGE --strength S`: image-to-image (SDEdit) — the start image encoded, re-noised to σ = S with
+each request's seed and denoised from there; recorded in the PNG and made again by `--like`."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from helpers import REPO
+from PIL import Image
+from typer.testing import CliRunner
+
+from cardtool.cli import app
+from cardtool.core.sampling.denoise import Request
+from cardtool.core.sampling.generate import LoadedCard
+from cardtool.core.sampling.sampler import sample
+from cardtool.errors import BadInput
+
+FASHION_BASE = str(REPO / "cards" / "fashion-base")  # trained: what it keeps of an image is measurable
+
+
+def run(*args):
+    return CliRunner().invoke(app, list(args))
+
+
+def pixels(path) -> np.ndarray:
+    return np.asarray(Image.open(path))
+
+
+@pytest.fixture
+def tiny(examples, monkeypatch):
+    monkeypatch.setenv("CARDTOOL_PATH", str(examples))
+    return LoadedCard("tiny-base")
+
+
+def test_the_image_is_encoded_renoised_to_the_strength_and_denoised(tiny, tmp_path):
+    start = tiny.generate("an ankle boot", steps=2, out=tmp_path / "boot.png").images[0]
+    result = run("generate", "tiny-base", "-p", "a bag", "-n", "2", "--steps", "4", "--image", str(start.path),
+                 "--strength", "0.5", "--out", str(tmp_path / "out"), "--json")
+    assert result.exit_code == 0, result.output
+    made = json.loads(result.stdout)["images"]
+    assert [m["strength"] for m in made] == ["0.5", "0.5"]
+    assert made[0]["image"] == {"sha256": made[1]["image"]["sha256"], "source": str(start.path)}
+    # the same work by hand: the VAE's latent of the image, re-noised from σ = 0.5 on the 4-step grid (steps 2 and 3)
+    loop = tiny.loop()
+    latent = loop.encode(start.pixels[None])[0]
+    requests = [Request("a bag", seed=s, steps=4, guidance=4.0, strength=0.5) for s in (0, 1)]
+    states = sample(loop, requests, sources=[latent, latent])
+    assert [s.step for s in states] == [4, 4] and requests[0].first_step(states[0].sigmas) == 2
+    by_hand = loop.finalize(states)
+    assert all((pixels(m["path"]) == image).all() for m, image in zip(made, by_hand, strict=True))
+    plain = tiny.generate("a bag", num=2, steps=4, out=tmp_path / "out")
+    assert {i.path for i in plain.images}.isdisjoint(m["path"] for m in made), "another image, another file"
+    assert not any((i.pixels == pixels(m["path"])).all() for i, m in zip(plain.images, made, strict=True))
+
+
+def test_a_lower_strength_keeps_more_of_the_image():
+    card = LoadedCard(FASHION_BASE)
+    boot = card.generate("an ankle boot", out=None).images[0].pixels
+
+    def distance(**options) -> float:
+        images = card.generate("a bag", num=2, out=None, **options).images
+        return float(np.mean([np.abs(i.pixels.astype(float) - boot).mean() for i in images]))
+
+    near, middle, far = (distance(image=boot, strength=s) for s in (0.1, 0.5, 0.95))
+    plain = distance()
+    assert near < 15 < middle < far < plain + 5 and plain > 40, (near, middle, far, plain)
+
+
+def test_like_makes_an_image_to_image_result_again(tiny, tmp_path):
+    start = tiny.generate("an ankle boot", steps=2, out=tmp_path / "boot.png").images[0]
+    made = tiny.generate("a bag", seed=3, steps=4, image=str(start.path), strength=0.6, out=tmp_path / "out")
+    again = run("generate", "--like", str(made.images[0].path), "--out", str(tmp_path / "again.png"))
+    assert again.exit_code == 0, again.output
+    assert (pixels(tmp_path / "again.png") == made.images[0].pixels).all() and "not made again" not in again.output
+    other = run("generate", "--like", str(made.images[0].path), "--strength", "0.3", "--out", str(tmp_path / "o.png"))
+    assert other.exit_code == 0 and Image.open(tmp_path / "o.png").text["strength"] == "0.3"
+    moved = start.path.rename(tmp_path / "elsewhere.png")
+    lost = run("generate", "--like", str(made.images[0].path), "--out", str(tmp_path / "lost.png"))
+    assert lost.exit_code == 2 and "was made from the image" in lost.stderr and "--image IMAGE" in lost.stderr
+    given = run("generate", "--like", str(made.images[0].path), "--image", str(moved), "--out", str(tmp_path / "g.png"))
+    assert given.exit_code == 0 and (pixels(tmp_path / "g.png") == made.images[0].pixels).all()
+    assert "not made again" not in given.output, "the same image from another file is the same request"
+    array = tiny.generate("a bag", steps=4, image=start.pixels, strength=0.6, out=tmp_path / "array")
+    assert (array.images[0].pixels == tiny.generate("a bag", steps=4, image=str(moved), strength=0.6,
+                                                    out=None).images[0].pixels).all()
+    refused = run("generate", "--like", str(array.images[0].path), "--out", str(tmp_path / "r.png"))
+    assert refused.exit_code == 2 and "given as an array" in refused.stderr
+
+
+def test_best_of_n_starts_every_candidate_from_the_image(tiny, examples, tmp_path):
+    start = tiny.generate("an ankle boot", steps=2, out=None).images[0].pixels
+    best = tiny.generate("a bag", steps=3, image=start, strength=0.7, best_of=3, reward=str(examples / "tiny-judge"),
+                         out=None).images[0]
+    alone = tiny.generate("a bag", seed=int(best.metadata["seed"]), steps=3, image=start, strength=0.7, out=None)
+    assert (alone.images[0].pixels == best.pixels).all(), "the winner is its own seed's image-to-image result"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--strength", "0.5"], "give --image IMAGE to start from"),
+    (["--image", "{start}", "--strength", "1"], "--strength must be a number in (0, 1)"),
+    (["--image", "{start}", "--strength", "0"], "--strength must be a number in (0, 1)"),
+    (["--image", "{tmp}/missing.png"], "cannot read the image to start from"),
+    (["--image", "{tmp}/broken.png"], "cannot read the image to start from"),
+    (["--image", "{start}", "--device", "numpy"], "has no encoder; starting from an image needs the torch platform"),
+])
+def test_bad_image_to_image_requests_are_clear_errors(tiny, tmp_path, args, message):
+    start = tiny.generate("an ankle boot", steps=1, out=tmp_path / "boot.png").images[0].path
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really")
+    args = [a.format(start=start, tmp=tmp_path) for a in args]
+    result = run("generate", "tiny-base", "-p", "a bag", "--steps", "2", *args, "--out", str(tmp_path / "out"))
+    assert result.exit_code == 2 and message in result.stderr, result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_api_refuses_an_image_array_of_another_size_or_kind(tiny):
+    for image, message in [(np.zeros((20, 20), np.uint8), "the card takes 28×28 images"),
+                           (np.zeros((28, 28)), "a grey uint8 \\(H, W\\) array"), (3, "a grey uint8")]:
+        with pytest.raises(BadInput, match=message):
+            tiny.generate("a bag", steps=1, image=image, out=None)
+    with pytest.raises(BadInput, match="strength must be a number"):
+        tiny.generate("a bag", steps=1, image=np.zeros((28, 28), np.uint8), strength="0.5", out=None)
