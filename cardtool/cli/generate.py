@@ -49,9 +49,9 @@ def generate_command(
         "PREPROCESSOR is silhouette, edges or none (default: the ControlNet's own).")] = None,
     control_scale: Annotated[float | None, typer.Option(
         "--control-scale", help="The ControlNet's conditioning scale (default 1).")] = None,
-    init: Annotated[Path | None, typer.Option(
+    init: Annotated[list[Path] | None, typer.Option(
         "--image", metavar="IMAGE", help="Start from this image (image-to-image, SDEdit): re-noised to --strength, "
-        "then denoised toward the prompt.")] = None,
+        "then denoised toward the prompt; repeat to give each prompt its own, in order.")] = None,
     strength: Annotated[float | None, typer.Option(
         "--strength", help="The σ --image is re-noised to, in (0, 1): lower keeps more of it (default 0.8).")] = None,
     max_batch: Annotated[int, typer.Option(
@@ -83,17 +83,17 @@ def generate_command(
                      "guidance_interval": parse_interval(guidance_interval) if guidance_interval is not None else None,
                      "adapters": [parse_adapter(a) for a in adapter] if adapter else None, "strength": strength}
             image, preprocessor = parse_control(control) if control is not None else (None, None)
-            model = None
+            model, start = None, init
             if like is not None:
-                model, card, prompts, recorded, image, preprocessor, init = _like(like, card, prompts, image,
-                                                                                  preprocessor, init)
+                model, card, prompts, recorded, image, preprocessor, start = _like(like, card, prompts, image,
+                                                                                   preprocessor, init)
                 asked = {**recorded, **{k: v for k, v in asked.items() if v is not None}}
                 fuse = asked.pop("fuse", False) or fuse  # popped whatever --fuse says: passed once below
             if card is None:
                 raise BadInput("give a CARD to generate with (or --like IMAGE, whose card it reuses)")
             report = generate(card, prompts, num=num, device=device, max_batch=max_batch, out=out, grid=grid,
                               control=image, preprocessor=preprocessor, control_scale=control_scale, fuse=fuse,
-                              image=init,
+                              image=start[0] if start and len(start) == 1 else start,
                               strict=strict, on_step=progress, skip_existing=skip_existing,
                               **{**_DEFAULTS, **{k: v for k, v in asked.items() if v is not None}})
         finally:
@@ -155,8 +155,8 @@ def _like(path: Path, card, prompts, image, preprocessor, init):
         if not model.image:
             raise BadInput(f"{path.name} started from an image given as an array, not a file; give that image "
                            "with --image IMAGE")
-        init = Path(model.image)
-        if not init.is_file():
-            raise BadInput(f"{path.name} was made from the image {init}, which is not there; give it with "
+        init = [Path(model.image)]
+        if not init[0].is_file():
+            raise BadInput(f"{path.name} was made from the image {init[0]}, which is not there; give it with "
                            "--image IMAGE")
     return model, card or model.card, prompts or [model.prompt], recorded, image, preprocessor, init

@@ -89,6 +89,33 @@ def test_like_makes_an_image_to_image_result_again(tiny, tmp_path):
     assert refused.exit_code == 2 and "given as an array" in refused.stderr
 
 
+def test_each_prompt_may_start_from_its_own_image(tiny, tmp_path):
+    boot, bag = (tiny.generate(p, steps=2, out=tmp_path / f"{p}.png").images[0] for p in ("a boot", "a bag"))
+    result = run("generate", "tiny-base", "-p", "a coat", "-p", "a dress", "-n", "2", "--steps", "3", "--image",
+                 str(boot.path), "--image", str(bag.path), "--strength", "0.6", "--out", str(tmp_path / "out"),
+                 "--json")
+    assert result.exit_code == 0, result.output
+    made = json.loads(result.stdout)["images"]
+    assert [m["image"]["source"] for m in made] == [str(boot.path)] * 2 + [str(bag.path)] * 2
+    for prompt, start, pair in (("a coat", boot, made[:2]), ("a dress", bag, made[2:])):
+        alone = tiny.generate(prompt, num=2, steps=3, image=start.pixels, strength=0.6, out=None).images
+        assert all((pixels(m["path"]) == a.pixels).all() for m, a in zip(pair, alone, strict=True)), \
+            "each prompt's images are those it makes alone from its image"
+    with pytest.raises(BadInput, match="3 images for 2 prompts"):
+        tiny.generate(["a coat", "a dress"], steps=1, image=[boot.pixels] * 3, out=None)
+    miscounted = run("generate", "tiny-base", "-p", "a coat", "--image", str(boot.path), "--image", str(bag.path),
+                     "--out", str(tmp_path / "never"))
+    assert miscounted.exit_code == 2 and "2 images for 1 prompt\n" in miscounted.stderr
+
+
+def test_like_warns_when_the_recorded_image_file_changed(tiny, tmp_path):
+    start = tiny.generate("a boot", steps=2, out=tmp_path / "start.png").images[0]
+    made = tiny.generate("a bag", steps=3, image=str(start.path), strength=0.6, out=tmp_path / "made.png").images[0]
+    tiny.generate("a coat", steps=2, out=start.path)  # another picture under the recorded name
+    again = run("generate", "--like", str(made.path), "--out", str(tmp_path / "again.png"))
+    assert again.exit_code == 0 and "made with other image than this run's" in again.stderr, again.output
+
+
 def test_best_of_n_starts_every_candidate_from_the_image(tiny, examples, tmp_path):
     start = tiny.generate("an ankle boot", steps=2, out=None).images[0].pixels
     best = tiny.generate("a bag", steps=3, image=start, strength=0.7, best_of=3, reward=str(examples / "tiny-judge"),

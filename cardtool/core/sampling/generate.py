@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from cardtool import __version__
 from cardtool.backends.platform import Platform
 from cardtool.core import distributed
@@ -19,7 +21,7 @@ from cardtool.core.interrupt import Interrupted, stop_requests
 from cardtool.core.sampling.control import ControlImage
 from cardtool.core.sampling.denoise import DenoiseLoop, NonFiniteImages, Request
 from cardtool.core.sampling.images import grid_image
-from cardtool.core.sampling.init_image import init_image
+from cardtool.core.sampling.init_image import init_images
 from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.sampling.outputs import (
     GeneratedImage,
@@ -99,11 +101,10 @@ class LoadedCard:
         return self._rewards[ref]
 
     def _make(self, requests: list[Request], loop: DenoiseLoop, judge, best_of: int, max_batch: int, on_step,
-              fused, source=None) -> list[tuple]:
-        """(request, image, extra metadata, finite) per request, each started from the latent `source` if given:
+              fused, sources=None) -> list[tuple]:
+        """(request, image, extra metadata, finite) per request, each started from its latent in `sources` if given:
         best-of-N's selection and the adapters used go in the metadata; an image sampled as NaN or inf (best-of:
         every candidate so) is not finite."""
-        sources = None if source is None else [source] * len(requests)
         if judge is None:
             states = sample(loop, requests, on_step=on_step, max_batch=max_batch, sources=sources)
             images, finite = loop.decode(states)
@@ -134,7 +135,8 @@ class LoadedCard:
         them; `skip_existing`: keep each image whose file is already there with this request's settings tag (an
         earlier run of the same call, interrupted, say) and make only the others; `negative_prompt`: what CFG steers
         away from (default: the empty prompt, the null condition); `image`: an image file or a grey uint8 array to
-        start from (image-to-image, SDEdit), re-noised to σ = `strength` (default 0.8) and denoised from there."""
+        start from (image-to-image, SDEdit), or a list of one per prompt, re-noised to σ = `strength` (default 0.8)
+        and denoised from there."""
         prompts = checked_arguments(prompts, num=num, seed=seed, steps=steps, guidance=guidance, shift=shift,
                                     best_of=best_of, max_batch=max_batch, guidance_interval=guidance_interval,
                                     adapters=adapters, control_scale=control_scale, strength=strength, out=out,
@@ -160,15 +162,21 @@ class LoadedCard:
                                            shift=shift, solver=solver, guidance_interval=guidance_interval,
                                            strict=strict, adapters=adapters, control=control,
                                            control_scale=control_scale, negative_prompt=negative_prompt)
-        start = init_image(image, strength, instance.component(loop.vae).config.image_size)
-        from_image = start.metadata() if start else {}
-        source = loop.encode(start.image[None])[0] if start else None  # once, for every request; before any file
-        if start:
-            requests = [dataclasses.replace(r, strength=start.strength) for r in requests]
+        starts = init_images(image, strength, instance.component(loop.vae).config.image_size, len(prompts))
+        latents, from_image = [None] * len(requests), [{}] * len(requests)
+        if starts:  # request k is prompt k // num's; each distinct image encoded once, before any file is written
+            starts = [starts[k // num] for k in range(len(requests))]
+            distinct = list({start.digest: start for start in starts}.values())
+            encoded = dict(zip([d.digest for d in distinct], loop.encode(np.stack([d.image for d in distinct])),
+                               strict=True))
+            latents = [encoded[start.digest] for start in starts]
+            from_image = [start.metadata() for start in starts]
+            requests = [dataclasses.replace(r, strength=start.strength) for r, start in zip(requests, starts,
+                                                                                             strict=True)]
         warnings = instance.warnings + warnings
         judge = self.reward(reward) if reward is not None else None
         selection = _selection(judge, best_of, fuse)
-        tags = [settings_tag({**image_metadata(loop, r), **selection, **from_image}) for r in requests]
+        tags = [settings_tag({**image_metadata(loop, r), **selection, **from_image[k]}) for k, r in enumerate(requests)]
         if out is None and (grid or skip_existing):
             raise BadInput(f"{'grid' if grid else 'skip_existing'} needs out, a folder; out=None writes nothing")
         paths = [None] * len(requests) if out is None else output_paths(Path(out), card.id, requests, tags)
@@ -192,7 +200,7 @@ class LoadedCard:
                 with OutOfMemory.raised(f"; the {len(images)} images {written} before it are kept",
                                         {"images": [image.to_json() for image, _, _ in images]}):
                     made = self._make([requests[i] for i in wave], loop, judge, best_of, max_batch, progress, fused,
-                                      source) if wave else []
+                                      [latents[i] for i in wave] if starts else None) if wave else []
                 done += sum(requests[i].steps for i in wave) * best_of
                 shares = ranks.gather([(i, *item) for i, item in zip(wave, made, strict=True)])
                 if not ranks.main:
@@ -202,7 +210,7 @@ class LoadedCard:
                     if not finite:
                         broken.append(request)
                         continue
-                    metadata = {**image_metadata(loop, request), **extra, **from_image, "tag": tags[i]}
+                    metadata = {**image_metadata(loop, request), **extra, **from_image[i], "tag": tags[i]}
                     try:
                         if paths[i] is not None:
                             save_image(paths[i], image, metadata)

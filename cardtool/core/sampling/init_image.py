@@ -16,7 +16,7 @@ import numpy as np
 
 from cardtool.errors import BadInput
 
-__all__ = ["DEFAULT_STRENGTH", "InitImage", "init_image"]
+__all__ = ["DEFAULT_STRENGTH", "InitImage", "init_images"]
 
 DEFAULT_STRENGTH = 0.8  # diffusers' img2img default: most of the grid runs again, the image's layout stays
 
@@ -36,10 +36,11 @@ class InitImage:
         return {"image": json.dumps({"sha256": self.digest, "source": self.source})}
 
 
-def init_image(image, strength, size: int) -> InitImage | None:
-    """The image to start from — a file or a grey uint8 (H, W) array, a file resized to the card's `size` — and
-    its strength (default DEFAULT_STRENGTH), or None without an image; BadInput for a strength without one, or one
-    outside (0, 1): at 1 the image would be re-noised away entirely."""
+def init_images(image, strength, size: int, prompts: int) -> list[InitImage] | None:
+    """The image each prompt's requests start from — one for all (a file, or a grey uint8 (H, W) array), or a list
+    or tuple of one per prompt —, files resized to the card's `size`, at `strength` (default DEFAULT_STRENGTH); None
+    without an image. BadInput for a strength without one, or one outside (0, 1): at 1 the image would be re-noised
+    away entirely."""
     if image is None:
         if strength is not None:
             raise BadInput("--strength is how far --image is re-noised; give --image IMAGE to start from")
@@ -49,6 +50,15 @@ def init_image(image, strength, size: int) -> InitImage | None:
     if not isinstance(strength, numbers.Real) or isinstance(strength, bool) or not 0 < strength < 1:
         raise BadInput(f"--strength must be a number in (0, 1) — the σ the image is re-noised to; 1 would forget "
                        f"it — got {strength!r}"[:300])
+    if not isinstance(image, (list, tuple)):
+        return [_one(image, float(strength), size)] * prompts
+    if len(image) != prompts:
+        raise BadInput(f"give one image to start from for all prompts or one per prompt: {len(image)} images for "
+                       f"{prompts} prompt{'' if prompts == 1 else 's'}")
+    return [_one(each, float(strength), size) for each in image]
+
+
+def _one(image, strength: float, size: int) -> InitImage:
     if isinstance(image, (str, os.PathLike)):
         from cardtool.core.sampling.control import read_grey
 
@@ -63,4 +73,4 @@ def init_image(image, strength, size: int) -> InitImage | None:
                            f"{pixels.shape[1]}×{pixels.shape[0]} (a file is resized, an array is not)")
     pixels = np.ascontiguousarray(pixels)
     digest = hashlib.sha256(pixels.tobytes() + str(pixels.shape).encode()).hexdigest()
-    return InitImage(pixels, float(strength), digest, source)
+    return InitImage(pixels, strength, digest, source)
