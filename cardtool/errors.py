@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 __all__ = ["CardtoolError", "BadInput", "RunFailed", "OutOfMemory", "CardNotFound", "AmbiguousCard", "Problem",
-           "CardValidationError"]
+           "CardValidationError", "write_remedy"]
 
 
 class CardtoolError(Exception):
@@ -58,6 +58,17 @@ class OutOfMemory(RunFailed):
             if failed is None:
                 raise
             raise failed from None
+
+
+def write_remedy(error: OSError) -> str:
+    """What to do about a write that failed with `error`, by its errno: free space for a full disk, raise the
+    file-size limit for EFBIG, make the folder writable for a refusal — else look at the disk."""
+    import errno
+
+    return {errno.ENOSPC: "free space on its disk", errno.EDQUOT: "free space within your disk quota",
+            errno.EFBIG: "raise the file-size limit (ulimit -f)", errno.EACCES: "make its folder writable",
+            errno.EPERM: "make its folder writable", errno.EROFS: "put it on a writable file system"}.get(
+        error.errno, "fix the disk")
 
 
 class BadInput(CardtoolError):

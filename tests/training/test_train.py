@@ -105,27 +105,29 @@ def test_progress_lines_say_the_time_spent_and_left(tmp_path, data):
 
 def test_a_full_disk_loses_no_finished_work(tmp_path, data, monkeypatch):
     import errno
+    import os
 
     from cardtool.atomic import save_tensors
     from cardtool.core.cards import writer
     from cardtool.core.training import trainer
 
-    def full_after(calls):
+    def full_after(calls, code=errno.ENOSPC):
         def save(path, *args):
             calls.append(path)
             if len(calls) > 1:
-                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+                raise OSError(code, os.strerror(code), str(path))
             return save_tensors(path, *args)
         return save
 
     monkeypatch.setattr(trainer, "save_tensors", full_after([]))  # the checkpoint at step 3 fits, step 6's not
     with pytest.raises(RunFailed, match=r"checkpoint of step 6 .*No space left on device; the previous checkpoint is "
-                                        r"kept — free the space and continue with --resume"):
+                                        r"kept — free space on its disk and continue with --resume"):
         train(tiny("fashion-vae"), command="c", out=tmp_path / "vae", run_dir=tmp_path / "run", data=str(data))
     monkeypatch.setattr(trainer, "save_tensors", save_tensors)
-    monkeypatch.setattr(writer, "save_tensors", full_after([None]))  # now the card does not fit
-    with pytest.raises(RunFailed, match=r"cannot write the card to .*vae: No space left on device; the trained "
-                                        r"weights are in .*checkpoint.safetensors — .* --resume to write the card"):
+    monkeypatch.setattr(writer, "save_tensors", full_after([None], errno.EFBIG))  # now the card is over a limit
+    with pytest.raises(RunFailed, match=r"cannot write the card to .*vae: File too large; the trained weights are "
+                                        r"in .*checkpoint.safetensors — raise the file-size limit \(ulimit -f\) and "
+                                        r"run the same command with --resume to write the card"):
         train(tiny("fashion-vae"), command="c", out=tmp_path / "vae", run_dir=tmp_path / "run", data=str(data),
               resume=True)
     assert not (tmp_path / "vae").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".vae")]

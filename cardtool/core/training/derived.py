@@ -11,7 +11,7 @@ from pathlib import Path
 from cardtool.core import distributed
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import Card, load_card
-from cardtool.errors import BadInput, CardtoolError, RunFailed
+from cardtool.errors import BadInput, CardtoolError, RunFailed, write_remedy
 
 __all__ = ["extends_reference", "evaluate_output", "recipe_fingerprint", "trained_parts", "write_output"]
 
@@ -75,7 +75,7 @@ def write_output(folder: Path, manifest: dict, weights: dict, run_dir: Path, **o
         card = write_card(folder, manifest, weights, **options) if ranks.main else None
     except OSError as e:
         raise RunFailed(f"cannot write the card to {folder}: {e.strerror or e}; the trained weights are in "
-                        f"{Path(run_dir) / CHECKPOINT} — free the space and run the same command with --resume to "
+                        f"{Path(run_dir) / CHECKPOINT} — {write_remedy(e)} and run the same command with --resume to "
                         "write the card") from None
     except BadInput as e:  # checked before training; another process took the folder or the card id meanwhile
         raise BadInput(f"{e}. The trained weights are in {Path(run_dir) / CHECKPOINT}: the same command with "

@@ -29,7 +29,7 @@ from cardtool.core.sampling.denoise import NonFiniteImages
 from cardtool.core.training.parallel import Parallel
 from cardtool.core.training.recipes import Recipe
 from cardtool.core.training.run_lock import run_claimed
-from cardtool.errors import BadInput, OutOfMemory, RunFailed
+from cardtool.errors import BadInput, OutOfMemory, RunFailed, write_remedy
 
 __all__ = ["Task", "TrainingDiverged", "TrainResult", "train_loop", "writable_outputs", "CHECKPOINT"]
 
@@ -337,8 +337,8 @@ def _save(path: Path, recipe: Recipe, step: int, loss: float, seconds: float, mo
         with atomic_path(path, durable=True) as temporary:
             save_tensors(temporary, {k: v.contiguous().cpu() for k, v in tensors.items()}, metadata)
     except OSError as e:  # the temporary is gone: the checkpoint before this one is intact
-        kept = "the previous checkpoint is kept — free the space and continue with --resume" if path.is_file() \
-            else "there is no earlier checkpoint — free the space and start the run again"
+        kept = f"the previous checkpoint is kept — {write_remedy(e)} and continue with --resume" if path.is_file() \
+            else f"there is no earlier checkpoint — {write_remedy(e)} and start the run again"
         raise RunFailed(f"cannot write the checkpoint of step {step} to {path}: {e.strerror or e}; {kept}") from None
 
 
