@@ -386,9 +386,9 @@ def _api(rng: random.Random, env: Env, out: Path) -> ApiCall:
 
 # the commands the argv surface runs: each finishes in seconds on the tiny cards (train, distill, rl, flywheel and eval
 # have surfaces of their own, sized to run)
-ARGV_COMMANDS = ("generate", "cards list", "cards show", "cards validate", "cards lineage", "cards export",
-                 "cards compose", "cards import", "parity", "platform detect", "platform matrix", "cache info",
-                 "cache prune", "workflow validate", "workflow run")
+ARGV_COMMANDS = ("generate", "cards list", "cards show", "cards validate", "cards lineage", "cards diff",
+                 "cards export", "cards compose", "cards import", "parity", "platform detect", "platform matrix",
+                 "cache info", "cache prune", "workflow validate", "workflow run")
 
 
 @functools.lru_cache(maxsize=1)

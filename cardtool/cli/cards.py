@@ -1,7 +1,8 @@
-"""`cardtool cards list | show | validate | lineage | export | compose`."""
+"""`cardtool cards list | show | validate | lineage | diff | export | compose | import`."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -164,6 +165,54 @@ def lineage_command(card: CardArgument, json_: JsonOption = False) -> None:
             out.print(" → ".join(f"{n.id} ({n.method})" for n in chain))
     if not complete:
         raise typer.Exit(1)
+
+
+@app.command("diff")
+def diff_command(
+    a: Annotated[str, typer.Argument(help="The card compared against (a base, say).")],
+    b: Annotated[str, typer.Argument(help="The card whose changes are shown (its RL'd or distilled card, say).")],
+    top: Annotated[int, typer.Option("--top", min=0, max=1000,
+                                     help="The tensors listed per changed weights file, largest change first.")] = 5,
+    json_: JsonOption = False,
+) -> None:
+    """What card B changes of card A: manifest fields, and how far each component's weights moved (‖B − A‖ / ‖A‖)."""
+    from cardtool.core.cards.diff import diff_cards
+    from cardtool.core.cards.loader import load_card
+
+    with handled(json_):
+        report = diff_cards(load_card(a), load_card(b), top)
+    if json_:
+        emit_json(report)
+        return
+    from rich.markup import escape
+    from rich.table import Table
+
+    def shown(value) -> str:
+        text = "—" if value is None else json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else value
+        return escape(text if len(text) <= 60 else text[:57] + "…")
+
+    out = console()
+    out.print(f"[bold]{escape(report['a'])}[/bold] → [bold]{escape(report['b'])}[/bold]")
+    if report["manifest"]:
+        table = Table(title="manifest", title_justify="left")
+        for column in ("field", report["a"], report["b"]):
+            table.add_column(escape(column), overflow="fold")
+        for field, (old, new) in report["manifest"].items():
+            table.add_row(escape(field), shown(old), shown(new))
+        out.print(table)
+    table = Table(title="weights", title_justify="left")
+    for column in ("name", "status", "tensors changed", "‖B − A‖ / ‖A‖", "largest changes (relative)"):
+        table.add_column(column, overflow="fold")
+    for w in report["weights"]:
+        changed = w["status"] == "changed"
+        largest = ", ".join(f"{r['tensor']} ({_number(r['relative_change'], 3)})" for r in w.get("largest", []))
+        table.add_row(escape(w["name"]), w["status"], f"{w['tensors_changed']} of {w['tensors']}" if changed else "",
+                      _number(w["relative_change"], 4) if changed else "", escape(largest))
+    out.print(table)
+
+
+def _number(value: float | None, digits: int) -> str:
+    return "—" if value is None else f"{value:.{digits}g}"
 
 
 @app.command("export")

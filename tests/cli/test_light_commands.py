@@ -34,6 +34,7 @@ COMMANDS = [
     ["cards", "show", "tiny-distilled", "--json"],
     ["cards", "validate", "--checksums", str(EXAMPLE_CARDS)],
     ["cards", "lineage", "tiny-distilled", "--json"],
+    ["cards", "diff", "tiny-base", "tiny-rl"],
     ["platform", "detect"],
     ["platform", "detect", "--json"],
     ["platform", "matrix"],

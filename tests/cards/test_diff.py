@@ -1,0 +1,99 @@
+"""`cardtool cards diff A B`: the manifest fields B changes, and how far each weights file moved, tensor by tensor."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+from typer.testing import CliRunner
+
+from cardtool.cli import app
+from cardtool.core.cards.diff import diff_cards
+from cardtool.core.cards.loader import load_card
+from cardtool.core.cards.weight_files import sha256_file
+
+QUERY = "blocks.0.attn1.to_q.weight"
+
+
+def tweaked(examples, tensors: dict, guidance: float = 2.0, name: str = "tweaked"):
+    """A card extending tiny-base with its transformer's tensors replaced by `tensors` and another default guidance."""
+    folder = examples / name
+    folder.mkdir()
+    save_file(tensors, str(folder / "transformer.safetensors"))
+    (folder / "card.yaml").write_text(
+        f"schema: cardtool/v1\nid: {name}\nextends: tiny-base\ncomponents:\n  transformer:\n"
+        f"    weights: transformer.safetensors\n    sha256: {sha256_file(folder / 'transformer.safetensors')}\n"
+        f"loops:\n  denoise:\n    defaults: {{guidance: {guidance}}}\n"
+        "recipe: {method: finetune, parents: [tiny-base]}\n")
+    return folder
+
+
+def test_a_scaled_tensor_is_the_one_change_reported_with_its_exact_size(examples):
+    base = load_file(str(examples / "tiny-base" / "transformer.safetensors"))
+    changed = {**base, QUERY: base[QUERY] * np.float32(1.1)}
+    report = diff_cards(load_card(examples / "tiny-base"), load_card(tweaked(examples, changed)))
+    assert report["manifest"]["loops.denoise.defaults.guidance"] == [4.0, 2.0]
+    assert report["manifest"]["extends"] == [None, "tiny-base"] and not any("sha256" in k for k in report["manifest"])
+    status = {w["name"]: w for w in report["weights"]}
+    assert status["vae"]["status"] == status["invert"]["status"] == "same"
+    assert "text_encoder" not in status, "a packaged encoder has no weights file of the card's"
+    moved = status["transformer"]
+    assert moved["status"] == "changed" and moved["tensors_changed"] == 1 and moved["tensors"] == len(base)
+    (row,) = moved["largest"]
+    delta = changed[QUERY].astype(np.float64) - base[QUERY]
+    assert row["tensor"] == QUERY and row["relative_change"] == pytest.approx(0.1, rel=1e-6)
+    assert row["max_abs_change"] == pytest.approx(np.abs(delta).max(), rel=1e-12)
+    whole = np.sqrt(sum(float((t.astype(np.float64) ** 2).sum()) for t in base.values()))
+    assert moved["relative_change"] == pytest.approx(np.linalg.norm(delta) / whole, rel=1e-9)
+
+
+def test_bfloat16_weights_are_compared_by_their_values(examples):
+    import torch
+    from safetensors.torch import save_file as save_torch
+
+    base = load_file(str(examples / "tiny-base" / "transformer.safetensors"))
+    folder = tweaked(examples, base)
+    rounded = {k: torch.from_numpy(v).to(torch.bfloat16) for k, v in base.items()}
+    save_torch(rounded, str(folder / "transformer.safetensors"))
+    text = (folder / "card.yaml").read_text().splitlines()
+    (folder / "card.yaml").write_text("\n".join(
+        f"    sha256: {sha256_file(folder / 'transformer.safetensors')}" if "sha256" in line else line
+        for line in text) + "\n")
+    moved = next(w for w in diff_cards(load_card(examples / "tiny-base"), load_card(folder), top=200)["weights"]
+                 if w["name"] == "transformer")
+    wide = {k: v.astype(np.float64) for k, v in base.items()}
+    expected = {k: float(np.linalg.norm(rounded[k].double().numpy() - v) / np.linalg.norm(v))
+                for k, v in wide.items() if np.linalg.norm(v) > 0}
+    got = {r["tensor"]: r["relative_change"] for r in moved["largest"]}
+    assert got and set(got) <= set(expected)
+    assert all(got[k] == pytest.approx(expected[k], rel=1e-9) and 0 < got[k] < 2**-8 for k in got), \
+        "bf16 rounding: under half a bf16 step, widened exactly"
+
+
+def test_components_only_one_card_has_are_added_or_removed(examples):
+    report = diff_cards(load_card(examples / "tiny-base"), load_card(examples / "tiny-judge"))
+    status = {(w["section"], w["name"]): w["status"] for w in report["weights"]}
+    assert status[("components", "transformer")] == "removed" and status[("adapters", "invert")] == "removed"
+    assert "added" in status.values()
+
+
+def test_the_command_prints_a_table_or_one_json_document_and_imports_no_torch(examples, monkeypatch):
+    monkeypatch.setenv("CARDTOOL_PATH", str(examples))
+    base = load_file(str(examples / "tiny-base" / "transformer.safetensors"))
+    tweaked(examples, {**base, QUERY: np.zeros_like(base[QUERY])}, name="zeroed")
+    tweaked(examples, base)
+    result = CliRunner().invoke(app, ["cards", "diff", "zeroed", "tweaked", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    moved = next(w for w in report["weights"] if w["name"] == "transformer")
+    # a tensor that was all zero (as a LoRA's B starts) has no relative change: null, listed first
+    assert moved["largest"][0] == {"tensor": QUERY, "relative_change": None,
+                                   "max_abs_change": pytest.approx(float(np.abs(base[QUERY]).max()))}
+    assert moved["tensors_changed"] == 1 and 0 < moved["relative_change"] < 1
+    table = CliRunner().invoke(app, ["cards", "diff", "tiny-base", "zeroed"], env={"COLUMNS": "200"})
+    assert table.exit_code == 0 and "loops.denoise.defaults.guidance" in table.stdout, table.stdout
+    assert f"1 of {len(base)}" in table.stdout and f"{QUERY} (1)" in table.stdout, table.stdout
+    missing = CliRunner().invoke(app, ["cards", "diff", "tiny-base", "nope"])
+    assert missing.exit_code == 2 and "nope" in missing.stderr
