@@ -53,7 +53,11 @@ def generate_command(
         "--image", metavar="IMAGE", help="Start from this image (image-to-image, SDEdit): re-noised to --strength, "
         "then denoised toward the prompt; repeat to give each prompt its own, in order.")] = None,
     strength: Annotated[float | None, typer.Option(
-        "--strength", help="The σ --image is re-noised to, in (0, 1): lower keeps more of it (default 0.8).")] = None,
+        "--strength", help="The σ --image is re-noised to, in (0, 1): lower keeps more of it (default 0.8; with "
+        "--mask up to 1, the default).")] = None,
+    mask: Annotated[list[Path] | None, typer.Option(
+        "--mask", metavar="MASK", help="Inpaint --image: the mask's white part is generated anew, its black part "
+        "kept; repeat to give each prompt its own.")] = None,
     max_batch: Annotated[int, typer.Option(
         "--max-batch", help="Model rows per forward (a guided request takes two), and requests per written wave; "
         "lower it to save memory.")] = 128,
@@ -83,17 +87,17 @@ def generate_command(
                      "guidance_interval": parse_interval(guidance_interval) if guidance_interval is not None else None,
                      "adapters": [parse_adapter(a) for a in adapter] if adapter else None, "strength": strength}
             image, preprocessor = parse_control(control) if control is not None else (None, None)
-            model, start = None, init
+            model, start, keep = None, init, mask
             if like is not None:
-                model, card, prompts, recorded, image, preprocessor, start = _like(like, card, prompts, image,
-                                                                                   preprocessor, init)
+                model, card, prompts, recorded, image, preprocessor, start, keep = _like(
+                    like, card, prompts, image, preprocessor, init, mask)
                 asked = {**recorded, **{k: v for k, v in asked.items() if v is not None}}
                 fuse = asked.pop("fuse", False) or fuse  # popped whatever --fuse says: passed once below
             if card is None:
                 raise BadInput("give a CARD to generate with (or --like IMAGE, whose card it reuses)")
             report = generate(card, prompts, num=num, device=device, max_batch=max_batch, out=out, grid=grid,
                               control=image, preprocessor=preprocessor, control_scale=control_scale, fuse=fuse,
-                              image=start[0] if start and len(start) == 1 else start,
+                              image=_one_or_each(start), mask=_one_or_each(keep),
                               strict=strict, on_step=progress, skip_existing=skip_existing,
                               **{**_DEFAULTS, **{k: v for k, v in asked.items() if v is not None}})
         finally:
@@ -103,7 +107,7 @@ def generate_command(
     if model is not None and report.images and report.card == model.card:
         from cardtool.core.sampling.like import unlike
 
-        given = {"control": control, "image": init}  # a file given here in place of the recorded one
+        given = {"control": control, "image": init, "mask": mask}  # a file given here in place of the recorded one
         differ = [d for d in unlike(model, report.images[0].metadata) if given.get(d) is None]
         if differ:
             report.warnings.append(f"{model.path.name} was made with other {', '.join(differ)} than this run's: "
@@ -128,10 +132,15 @@ def generate_command(
 _DEFAULTS = {"seed": 0, "best_of": 1}  # None above means "not given" (for --like); these are the defaults
 
 
-def _like(path: Path, card, prompts, image, preprocessor, init):
+def _one_or_each(paths: list[Path] | None):
+    """One file for every prompt, or a list of one per prompt (None: not given)."""
+    return paths[0] if paths and len(paths) == 1 else paths
+
+
+def _like(path: Path, card, prompts, image, preprocessor, init, mask):
     """The --like image's request, and what it gives where the command gives nothing: the card, the prompts, the
-    seed, and — on its own card only — the settings, the control image and the image it started from (another
-    card samples with its own)."""
+    seed, and — on its own card only — the settings, the control image, and the image it started from with its
+    mask (another card samples with its own)."""
     from cardtool.core.cards.discovery import locate
     from cardtool.core.cards.loader import load_card
     from cardtool.core.sampling.like import read_like
@@ -152,11 +161,16 @@ def _like(path: Path, card, prompts, image, preprocessor, init):
             raise BadInput(f"{path.name} was made with the control image {image}, which is not there; give it "
                            "with --control IMAGE")
     if same and init is None and model.image is not None:
-        if not model.image:
-            raise BadInput(f"{path.name} started from an image given as an array, not a file; give that image "
-                           "with --image IMAGE")
-        init = [Path(model.image)]
-        if not init[0].is_file():
-            raise BadInput(f"{path.name} was made from the image {init[0]}, which is not there; give it with "
-                           "--image IMAGE")
-    return model, card or model.card, prompts or [model.prompt], recorded, image, preprocessor, init
+        init = _recorded(path, model.image, "image", "--image IMAGE")
+    if same and mask is None and model.mask is not None:
+        mask = _recorded(path, model.mask, "mask", "--mask MASK")
+    return model, card or model.card, prompts or [model.prompt], recorded, image, preprocessor, init, mask
+
+
+def _recorded(path: Path, source: str, what: str, option: str) -> list[Path]:
+    """The file an image recorded as its start image or mask, as a one-file option; BadInput where there is none."""
+    if not source:
+        raise BadInput(f"{path.name} was made with its {what} given as an array, not a file; give it with {option}")
+    if not Path(source).is_file():
+        raise BadInput(f"{path.name} was made from the {what} {source}, which is not there; give it with {option}")
+    return [Path(source)]

@@ -54,15 +54,17 @@ class Picked:
 
 
 def best_of_n(loop: DenoiseLoop, reward, requests: list[Request], n: int, *, max_batch: int = 128,
-              on_step: Callable[[int, int], None] | None = None, sources: list | None = None) -> Picked:
+              on_step: Callable[[int, int], None] | None = None, sources: list | None = None,
+              keeps: list | None = None) -> Picked:
     """The best of `n` candidates of each request under `reward` (a `Reward`: `score(images, prompts)`); a request
-    that starts from an image (`sources`, as `sample` takes them) starts every candidate from it."""
+    that starts from an image (`sources` and `keeps`, as `sample` takes them) starts every candidate from it."""
     if not 1 <= n <= MAX_CANDIDATES:
         raise BadInput(f"best-of N must be in 1…{MAX_CANDIDATES}, got {n}")
     candidates = [dataclasses.replace(r, seed=candidate_seed(r.seed, i)) for r in requests for i in range(n)]
-    if sources is not None:
-        sources = [source for source in sources for _ in range(n)]
-    images, finite = loop.decode(sample(loop, candidates, max_batch=max_batch, on_step=on_step, sources=sources))
+    sources, keeps = ([item for item in per_request for _ in range(n)] if per_request is not None else None
+                      for per_request in (sources, keeps))
+    images, finite = loop.decode(sample(loop, candidates, max_batch=max_batch, on_step=on_step, sources=sources,
+                                        keeps=keeps))
     scores = np.asarray(reward.score(images, [c.prompt for c in candidates]), dtype=np.float64)
     if scores.shape != (len(candidates),):
         raise BadInput(f"reward '{reward.card_id}' gave {scores.shape} scores for {len(candidates)} images")

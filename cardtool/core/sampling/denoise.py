@@ -167,6 +167,7 @@ class LoopState:
     capture: Capture | None = None
     adapters: tuple = ()  # the AdapterUses the request started with (its versions until it finishes)
     control: object = None  # the control image's latent (1, C, F, H, W), when a ControlNet conditions it
+    keep: tuple | None = None  # inpainting: (mask (1, 1, 1, H, W), 1 where kept; the image's latent; starting noise)
 
     @property
     def done(self) -> bool:
@@ -212,18 +213,23 @@ class DenoiseLoop:
         config = self.instance.component(self.vae).config
         return (config.latent_channels, 1, config.latent_size, config.latent_size)
 
-    def init(self, requests: list[Request], capture: bool = False, sources: list | None = None) -> list[LoopState]:
+    def init(self, requests: list[Request], capture: bool = False, sources: list | None = None,
+             keeps: list | None = None) -> list[LoopState]:
         """States for `requests`, their prompts encoded in one batch (or read from the cache). A request with
         strength < 1 starts from its source latent (see `encode`) re-noised with its own seed's noise to the first
         grid σ at or below the strength: x = (1 − σ)·x0 + σ·ε, the flow's forward process (SDEdit, Meng et al.
-        2022, in the rectified-flow form)."""
+        2022, in the rectified-flow form). A request with a keep mask (`latent_mask`; inpainting) has its kept
+        cells set back to (1 − σ)·x0 + σ·ε after every step (`advance`), at any strength up to 1."""
         for request in requests:
             request.check()
         sources = sources if sources is not None else [None] * len(requests)
-        if len(sources) != len(requests):
-            raise BadInput(f"{len(sources)} source latents for {len(requests)} requests")
-        for request, source in zip(requests, sources, strict=True):
-            if (request.strength < 1) != (source is not None):
+        keeps = keeps if keeps is not None else [None] * len(requests)
+        if not len(sources) == len(keeps) == len(requests):
+            raise BadInput(f"{len(sources)} source latents and {len(keeps)} masks for {len(requests)} requests")
+        for request, source, keep in zip(requests, sources, keeps, strict=True):
+            if keep is not None and source is None:
+                raise BadInput("a mask keeps part of an image: the request needs the image too")
+            if keep is None and (request.strength < 1) != (source is not None):
                 raise BadInput("a request starts from an image exactly when its strength is below 1")
         stacks = [self._stack(r) for r in requests]
         controls = self._control_latents(requests)
@@ -231,18 +237,19 @@ class DenoiseLoop:
         features = iter(encode_prompts(self.instance, prompts, self.cache, self.text_encoder))
         conds = [next(features) for _ in requests]
         shape, states = self.latent_shape(), []
-        for request, cond, source, stack in zip(requests, conds, sources, stacks, strict=True):
+        for request, cond, source, keep, stack in zip(requests, conds, sources, keeps, stacks, strict=True):
             uncond = next(features) if request.guidance != 1 else None
             rng = np.random.default_rng(request.seed)
-            latents = self.arrays.asarray(rng.standard_normal((1, *shape)))
+            noise = latents = self.arrays.asarray(rng.standard_normal((1, *shape)))
             sigmas = shifted_sigmas(request.steps, request.shift)
             start = request.first_step(sigmas)
-            if source is not None:
+            if source is not None and request.strength < 1:
                 latents = (1 - sigmas[start]) * source + sigmas[start] * latents
             state = LoopState(request, sigmas, rng, latents, self._text(cond),
                               self._text(uncond) if uncond is not None else None, step=start,
                               capture=Capture(sigmas) if capture else None, adapters=stack,
-                              control=controls.get(request.control.digest) if request.control else None)
+                              control=controls.get(request.control.digest) if request.control else None,
+                              keep=(keep, source, noise) if keep is not None else None)
             if state.capture is not None:
                 state.capture.latents.append(latents)
             states.append(state)
@@ -330,6 +337,9 @@ class DenoiseLoop:
             for j, i in enumerate(group):
                 solved[i], log_probs[i] = sample[j:j + 1], logp[j:j + 1]
         for i, state in enumerate(states):
+            if state.keep is not None:  # inpainting: the kept cells follow the image's own path to σ'
+                kept, source, noise = state.keep
+                solved[i] = kept * ((1 - sigma_next[i]) * source + sigma_next[i] * noise) + (1 - kept) * solved[i]
             state.latents = solved[i]
             state.step += 1
             if state.capture is not None:
@@ -393,6 +403,22 @@ class DenoiseLoop:
                 if use.adapter.kind == "controlnet":
                     nets.setdefault(use.adapter.value, []).append((row, state.control, use.scale))
         return adapter_arguments(transformer, self.instance.platform.torch_device, stacks, index, nets)
+
+    def latent_mask(self, mask: np.ndarray):
+        """A keep mask (1, 1, 1, h, w) on the latent grid from a pixel mask (H, W) whose white (≥ 128) is to be
+        generated anew: a latent cell is generated if any pixel it covers is (the image padded as the VAE pads it,
+        the padding kept), else kept, 1."""
+        config = self.instance.component(self.vae).config
+        size, padded, cells = config.image_size, getattr(config, "padded_size", config.image_size), config.latent_size
+        if mask.shape != (size, size) or padded % cells:
+            raise BadInput(f"a mask for card '{self.instance.card.id}' is {size}×{size}, got "
+                           f"{mask.shape[1]}×{mask.shape[0]}")
+        low = (padded - size) // 2
+        grid = np.zeros((padded, padded), dtype=bool)
+        grid[low:low + size, low:low + size] = mask >= 128
+        factor = padded // cells
+        generated = grid.reshape(cells, factor, cells, factor).any(axis=(1, 3))
+        return self.arrays.asarray((~generated).astype(np.float64)[None, None, None])
 
     def encode(self, images: np.ndarray) -> list:
         """Latents (1, C, 1, H, W) of uint8 images (B, H, W) — the VAE's posterior mean, scaled as the DiT sees

@@ -101,18 +101,20 @@ class LoadedCard:
         return self._rewards[ref]
 
     def _make(self, requests: list[Request], loop: DenoiseLoop, judge, best_of: int, max_batch: int, on_step,
-              fused, sources=None) -> list[tuple]:
-        """(request, image, extra metadata, finite) per request, each started from its latent in `sources` if given:
-        best-of-N's selection and the adapters used go in the metadata; an image sampled as NaN or inf (best-of:
-        every candidate so) is not finite."""
+              fused, starts=None) -> list[tuple]:
+        """(request, image, extra metadata, finite) per request, each started from its (latent, keep mask) in
+        `starts` if given: best-of-N's selection and the adapters used go in the metadata; an image sampled as NaN or
+        inf (best-of: every candidate so) is not finite."""
+        sources, keeps = ([start[k] for start in starts] for k in (0, 1)) if starts else (None, None)
         if judge is None:
-            states = sample(loop, requests, on_step=on_step, max_batch=max_batch, sources=sources)
+            states = sample(loop, requests, on_step=on_step, max_batch=max_batch, sources=sources, keeps=keeps)
             images, finite = loop.decode(states)
             extras = [adapter_metadata(s.adapters, s.request.control, fused is not None) for s in states]
             return list(zip(requests, images, extras, finite, strict=True))
         from cardtool.core.sampling.best_of import best_of_n
 
-        picked = best_of_n(loop, judge, requests, best_of, max_batch=max_batch, on_step=on_step, sources=sources)
+        picked = best_of_n(loop, judge, requests, best_of, max_batch=max_batch, on_step=on_step, sources=sources,
+                           keeps=keeps)
         extras = [{**e, **({"fused": "true"} if fused is not None else {})} for e in picked.metadata()]
         return list(zip(picked.requests, picked.images, extras, picked.finite, strict=True))
 
@@ -124,7 +126,7 @@ class LoadedCard:
                  reward: str | None = None, adapters: list[tuple[str, float]] | None = None,
                  control=None, preprocessor: str | None = None, control_scale: float | None = None,
                  fuse: bool = False, skip_existing: bool = False, negative_prompt: str = "", image=None,
-                 strength: float | None = None) -> GenerateReport:
+                 strength: float | None = None, mask=None) -> GenerateReport:
         """Sample prompts × num images and write them to `out` (a folder, or NAME.png for one image; None: write
         nothing, each GeneratedImage's `pixels` holds its image); with `best_of` N > 1, each image is the best of N
         candidates under the reward card `reward`, and its metadata records every candidate's score.
@@ -136,7 +138,8 @@ class LoadedCard:
         earlier run of the same call, interrupted, say) and make only the others; `negative_prompt`: what CFG steers
         away from (default: the empty prompt, the null condition); `image`: an image file or a grey uint8 array to
         start from (image-to-image, SDEdit), or a list of one per prompt, re-noised to σ = `strength` (default 0.8)
-        and denoised from there."""
+        and denoised from there; `mask` (likewise): inpainting — its white part generated anew (strength default 1),
+        its black part kept from the image."""
         prompts = checked_arguments(prompts, num=num, seed=seed, steps=steps, guidance=guidance, shift=shift,
                                     best_of=best_of, max_batch=max_batch, guidance_interval=guidance_interval,
                                     adapters=adapters, control_scale=control_scale, strength=strength, out=out,
@@ -162,14 +165,16 @@ class LoadedCard:
                                            shift=shift, solver=solver, guidance_interval=guidance_interval,
                                            strict=strict, adapters=adapters, control=control,
                                            control_scale=control_scale, negative_prompt=negative_prompt)
-        starts = init_images(image, strength, instance.component(loop.vae).config.image_size, len(prompts))
-        latents, from_image = [None] * len(requests), [{}] * len(requests)
+        starts = init_images(image, strength, instance.component(loop.vae).config.image_size, len(prompts), mask)
+        from_image = [{}] * len(requests)
         if starts:  # request k is prompt k // num's; each distinct image encoded once, before any file is written
             starts = [starts[k // num] for k in range(len(requests))]
-            distinct = list({start.digest: start for start in starts}.values())
-            encoded = dict(zip([d.digest for d in distinct], loop.encode(np.stack([d.image for d in distinct])),
+            distinct = list({start.image.digest: start.image for start in starts}.values())
+            encoded = dict(zip([d.digest for d in distinct], loop.encode(np.stack([d.pixels for d in distinct])),
                                strict=True))
-            latents = [encoded[start.digest] for start in starts]
+            masks = {start.mask.digest: loop.latent_mask(start.mask.pixels) for start in starts if start.mask}
+            latents = [(encoded[start.image.digest], masks[start.mask.digest] if start.mask else None)
+                       for start in starts]
             from_image = [start.metadata() for start in starts]
             requests = [dataclasses.replace(r, strength=start.strength) for r, start in zip(requests, starts,
                                                                                              strict=True)]

@@ -1,7 +1,10 @@
 """Image-to-image (SDEdit, Meng et al. 2022, in the rectified-flow form): requests that start from a given image,
 encoded by the card's VAE, re-noised to the first grid σ at or below `strength` — x = (1 − σ)·x0 + σ·ε, with each
-request's own seed — and denoised from there. The image is named by its content hash in the PNG metadata and in the
-settings tag, as a control image is, so another image to start from is another file and `--like` finds the one used."""
+request's own seed — and denoised from there. With a mask, inpainting: after every step the latent cells the mask
+keeps are set back to the image's own latent at the new σ, (1 − σ')·x0 + σ'·ε with the request's starting noise ε (the
+blended-latent form of RePaint, Lugmayr et al. 2022), so only the masked part is generated, in keeping with the rest.
+Images and masks are named by their content hash in the PNG metadata and in the settings tag, as a control image is,
+so another image is another file and `--like` finds the ones used."""
 
 from __future__ import annotations
 
@@ -16,61 +19,82 @@ import numpy as np
 
 from cardtool.errors import BadInput
 
-__all__ = ["DEFAULT_STRENGTH", "InitImage", "init_images"]
+__all__ = ["DEFAULT_STRENGTH", "InitImage", "Picture", "init_images"]
 
 DEFAULT_STRENGTH = 0.8  # diffusers' img2img default: most of the grid runs again, the image's layout stays
 
 
 @dataclass(frozen=True)
-class InitImage:
-    """The image requests start from, grey uint8 (H, W), the σ it is re-noised to, its content hash and where it
-    came from (a file's path as given; empty for an array)."""
+class Picture:
+    """A grey uint8 (H, W) image given as a file or an array: its pixels, content hash and path (empty: an array)."""
 
-    image: np.ndarray = field(compare=False, repr=False)
-    strength: float
+    pixels: np.ndarray = field(compare=False, repr=False)
     digest: str
     source: str = ""
 
+    def record(self) -> str:
+        return json.dumps({"sha256": self.digest, "source": self.source})
+
+
+@dataclass(frozen=True)
+class InitImage:
+    """What a request starts from: the image, the σ it is re-noised to, and the mask of what to generate anew (white)
+    and what to keep (black) — None: the whole image is re-noised and denoised."""
+
+    image: Picture
+    strength: float
+    mask: Picture | None = None
+
     def metadata(self) -> dict[str, str]:
         """What a PNG records of it beside the request's `strength`."""
-        return {"image": json.dumps({"sha256": self.digest, "source": self.source})}
+        return {"image": self.image.record(), **({"mask": self.mask.record()} if self.mask else {})}
 
 
-def init_images(image, strength, size: int, prompts: int) -> list[InitImage] | None:
-    """The image each prompt's requests start from — one for all (a file, or a grey uint8 (H, W) array), or a list
-    or tuple of one per prompt —, files resized to the card's `size`, at `strength` (default DEFAULT_STRENGTH); None
-    without an image. BadInput for a strength without one, or one outside (0, 1): at 1 the image would be re-noised
-    away entirely."""
+def init_images(image, strength, size: int, prompts: int, mask=None) -> list[InitImage] | None:
+    """What each prompt's requests start from — an image (and a mask) for all of them (a file, or a grey uint8 (H, W)
+    array), or a list or tuple of one per prompt —, files resized to the card's `size`, at `strength` (default
+    DEFAULT_STRENGTH, with a mask 1: the masked part generated from noise); None without an image. BadInput for a
+    strength or mask without an image, or a strength outside (0, 1) — at 1 an image with no mask would be
+    re-noised away entirely —, with a mask (0, 1]."""
     if image is None:
-        if strength is not None:
-            raise BadInput("--strength is how far --image is re-noised; give --image IMAGE to start from")
+        if strength is not None or mask is not None:
+            raise BadInput(f"--{'strength' if strength is not None else 'mask'} applies to the image to start from; "
+                           "give --image IMAGE")
         return None
     if strength is None:
-        strength = DEFAULT_STRENGTH
-    if not isinstance(strength, numbers.Real) or isinstance(strength, bool) or not 0 < strength < 1:
-        raise BadInput(f"--strength must be a number in (0, 1) — the σ the image is re-noised to; 1 would forget "
-                       f"it — got {strength!r}"[:300])
-    if not isinstance(image, (list, tuple)):
-        return [_one(image, float(strength), size)] * prompts
-    if len(image) != prompts:
-        raise BadInput(f"give one image to start from for all prompts or one per prompt: {len(image)} images for "
-                       f"{prompts} prompt{'' if prompts == 1 else 's'}")
-    return [_one(each, float(strength), size) for each in image]
+        strength = 1.0 if mask is not None else DEFAULT_STRENGTH
+    number = isinstance(strength, numbers.Real) and not isinstance(strength, bool)
+    if not number or not (0 < strength <= 1 if mask is not None else 0 < strength < 1):
+        limits = "(0, 1]" if mask is not None else "(0, 1) — 1 would forget the image; with --mask 1 is allowed —"
+        raise BadInput(f"--strength must be a number in {limits} (the σ the image is re-noised to), got "
+                       f"{strength!r}"[:300])
+    images = _per_prompt(image, prompts, size, "image to start from")
+    masks = _per_prompt(mask, prompts, size, "mask") if mask is not None else [None] * prompts
+    return [InitImage(i, float(strength), m) for i, m in zip(images, masks, strict=True)]
 
 
-def _one(image, strength: float, size: int) -> InitImage:
-    if isinstance(image, (str, os.PathLike)):
+def _per_prompt(value, prompts: int, size: int, what: str) -> list[Picture]:
+    if not isinstance(value, (list, tuple)):
+        return [_picture(value, size, what)] * prompts
+    if len(value) != prompts:
+        raise BadInput(f"give one {what} for all prompts or one per prompt: {len(value)} given for {prompts} "
+                       f"prompt{'' if prompts == 1 else 's'}")
+    return [_picture(each, size, what) for each in value]
+
+
+def _picture(value, size: int, what: str) -> Picture:
+    if isinstance(value, (str, os.PathLike)):
         from cardtool.core.sampling.control import read_grey
 
-        pixels, source = read_grey(Path(image), size, "the image to start from"), str(image)
+        pixels, source = read_grey(Path(value), size, f"the {what}"), str(value)
     else:
-        pixels, source = np.asarray(image), ""
+        pixels, source = np.asarray(value), ""
         if pixels.ndim != 2 or pixels.dtype != np.uint8:
-            raise BadInput(f"an image to start from is a file or a grey uint8 (H, W) array, got {pixels.dtype} "
+            raise BadInput(f"the {what} must be a file or a grey uint8 (H, W) array, got {pixels.dtype} "
                            f"{pixels.shape}"[:300])
         if pixels.shape != (size, size):
-            raise BadInput(f"the card takes {size}×{size} images; the image to start from is "
-                           f"{pixels.shape[1]}×{pixels.shape[0]} (a file is resized, an array is not)")
+            raise BadInput(f"the card takes {size}×{size} images; the {what} is {pixels.shape[1]}×{pixels.shape[0]} "
+                           "(a file is resized, an array is not)")
     pixels = np.ascontiguousarray(pixels)
     digest = hashlib.sha256(pixels.tobytes() + str(pixels.shape).encode()).hexdigest()
-    return InitImage(pixels, strength, digest, source)
+    return Picture(pixels, digest, source)

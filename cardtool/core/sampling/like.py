@@ -13,7 +13,7 @@ from cardtool.errors import BadInput
 __all__ = ["Like", "read_like", "unlike"]
 
 # what decides an image without being an option of the request: a difference means another image, said as a warning
-PROVENANCE = ("cardtool", "weights", "platform", "control", "image")
+PROVENANCE = ("cardtool", "weights", "platform", "control", "image", "mask")
 
 
 @dataclass
@@ -29,6 +29,7 @@ class Like:
     settings: dict = field(default_factory=dict)
     control: tuple[Path, str] | None = None  # the control image file as it was given, and its preprocessor
     image: str | None = None  # the file the image started from (image-to-image) as it was given; "" an array
+    mask: str | None = None  # its inpainting mask's file, likewise
     metadata: dict[str, str] = field(default_factory=dict)
 
 
@@ -59,7 +60,7 @@ def read_like(path: Path | str) -> Like:
         settings |= {"best_of": text.whole("best_of"), "reward": text.card_id("reward")}
     seed = text.whole("request_seed" if "best_of" in metadata else "seed")  # best-of: the request's, not the pick's
     return Like(path, text.card_id("card"), metadata.get("prompt", ""), metadata.get("negative_prompt", ""), seed,
-                settings, text.control(), text.image(), metadata)
+                settings, text.control(), text.picture("image"), text.picture("mask"), metadata)
 
 
 def unlike(like: Like, made: dict[str, str]) -> list[str]:
@@ -78,8 +79,9 @@ def unlike(like: Like, made: dict[str, str]) -> list[str]:
 
 
 def _identity(key: str, value: str | None):
-    """What tells two records of `key` apart: an image to start from by its content, wherever its file was."""
-    if key != "image" or value is None:
+    """What tells two records of `key` apart: an image to start from or a mask by its content, wherever its file
+    was."""
+    if key not in ("image", "mask") or value is None:
         return value
     try:
         return json.loads(value).get("sha256")
@@ -142,15 +144,15 @@ class _Fields:
         return self._typed("control", record)
 
 
-    def image(self) -> str | None:
-        """The file the image started from, as it was given ("": an array, no file)."""
+    def picture(self, key: str) -> str | None:
+        """The file the image started from (`image`) or its mask (`mask`), as it was given ("": an array)."""
         def record(text: str) -> str:
             source = json.loads(text)["source"]
             if not isinstance(source, str):
                 raise ValueError("its source is not text")
             return source
 
-        return self._typed("image", record)
+        return self._typed(key, record)
 
 
 def _finite(value) -> float:

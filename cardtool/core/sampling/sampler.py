@@ -12,14 +12,15 @@ __all__ = ["sample"]
 
 def sample(loop: DenoiseLoop, requests: list[Request], *, capture: bool = False, max_batch: int = 128,
            on_step: Callable[[int, int], None] | None = None, grad: bool = False,
-           sources: list | None = None) -> list[LoopState]:
+           sources: list | None = None, keeps: list | None = None) -> list[LoopState]:
     """Run every request to the end and return their final states (latents, and capture if asked).
 
     Each forward holds up to `max_batch` model rows (a request on a guided step counts twice), so 64 guided
     requests share one forward by default: larger products run more efficiently, bf16 ones especially.
     `on_step(done, total)` reports progress in request-steps. Without `grad` the forwards run under inference
-    mode; either way at the instance's precision. `sources`: the start latents of requests with strength < 1."""
-    states = loop.init(requests, capture, sources)
+    mode; either way at the instance's precision. `sources`: the start latents of requests that start from an image;
+    `keeps`: their inpainting masks (`DenoiseLoop.latent_mask`), where they keep part of it."""
+    states = loop.init(requests, capture, sources, keeps)
     total, done = sum(r.steps - s.step for r, s in zip(requests, states, strict=True)), 0
     # requests with the same LoRA stack side by side: the DiT then adds each run's delta in one product
     ordered = sorted(states, key=_stack) if any(s.adapters for s in states) else states
