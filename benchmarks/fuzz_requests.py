@@ -104,6 +104,7 @@ def _generate(rng: random.Random, env: Env, out: Path) -> list[str]:
         "--like": [f"{r}/made.png", f"{r}/control.png", "/nonexistent"],
         "--image": [f"{r}/control.png", f"{r}/made.png", f"{r}/broken.png", f"{r}/rgba.png", f"{r}/bomb.png",
                     "/nonexistent.png", r], "--strength": ["0.5", "0.01", "0.99", "1", "0", "nan", "1e-320", "x"],
+        "--mask": [f"{r}/control.png", f"{r}/rgba.png", f"{r}/broken.png", f"{r}/bomb.png", "/nonexistent.png"],
         "--fuse": None, "--grid": None, "--strict": None, "--skip-existing": None}
     args = ["generate", env.card(rng.choice(["tiny-base", "tiny-distilled", "tiny-rl", "tiny-judge"])), "--json"]
     args += ["-p", "a bag"] if rng.random() < 0.8 else []
@@ -359,7 +360,7 @@ def _api(rng: random.Random, env: Env, out: Path) -> ApiCall:
     if function == "LoadedCard.generate":
         keywords = ["num", "seed", "steps", "guidance", "shift", "solver", "guidance_interval", "precision", "grid",
                     "strict", "on_step", "max_batch", "best_of", "reward", "adapters", "control", "preprocessor",
-                    "control_scale", "fuse", "skip_existing", "negative_prompt", "out", "image", "strength"]
+                    "control_scale", "fuse", "skip_existing", "negative_prompt", "out", "image", "strength", "mask"]
         options = hostile(keywords, {"steps": 2})
         prompts = rng.choice(["a bag", ["a bag", "a dress"], [], [1], None, "", ["x" * 70000], 3])
         args = [prompts]
