@@ -9,6 +9,7 @@ The Python API, for scripts (each name is imported on first use, so `import card
     for image in report.images:
         print(image.path, image.metadata["seed"])
     held = card.generate("a bag", out=None).images[0].pixels   # write nothing: the image as a uint8 array
+    card.generate("a coat", image=held, strength=0.6)          # image-to-image (mask=…: inpaint)
     cardtool.generate("fashion-base", "a dress")       # one call: load, generate, done
     cardtool.evaluate("fashion-base", steps=[20], per_class=10).rows
     cardtool.load_card("fashion-base").manifest.recipe.parents

@@ -1,4 +1,5 @@
-"""cardtool from Python: load a card once, generate with and without an adapter, catch a bad request.
+"""cardtool from Python: load a card once, generate with and without an adapter and from an image, catch a
+bad request.
 
     python examples/python_api.py [OUT_DIR]
 
@@ -21,6 +22,10 @@ for image in plain.images + inverted.images:
     record = {"path": str(image.path), "prompt": image.metadata["prompt"], "seed": image.metadata["seed"],
               "adapters": json.loads(image.metadata.get("adapters", "[]"))}
     print(json.dumps(record))
+
+# image-to-image from the first sneaker's pixels, kept in memory (out=None writes nothing)
+refined = card.generate("a bag", steps=4, image=plain.images[0].pixels, strength=0.6, out=None).images[0]
+print(json.dumps({"from_image": refined.metadata["strength"], "shape": list(refined.pixels.shape)}))
 
 try:
     card.generate("a bag", adapters=[("no-such-adapter", 1.0)], out=out / "never")

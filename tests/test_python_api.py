@@ -43,7 +43,8 @@ def test_the_python_api_example_runs(tmp_path):
                             capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
-    records = [json.loads(line) for line in lines[:-1]]
+    records = [json.loads(line) for line in lines[:-2]]
+    assert json.loads(lines[-2]) == {"from_image": "0.6", "shape": [28, 28]}
     assert [(r["prompt"], r["seed"]) for r in records] == [("a sneaker", "0"), ("a sneaker", "1"), ("a bag", "0"),
                                                            ("a bag", "1"), ("a sneaker", "0"), ("a sneaker", "1")]
     assert [a["scale"] for a in records[4]["adapters"]] == [0.5] and records[0]["adapters"] == []
