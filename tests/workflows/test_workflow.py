@@ -147,6 +147,12 @@ BAD = {
                                   "steps.a.generate.control", "gone.png is not a file"),
     "an unknown preprocessor": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], control: 'w.yaml:blur'}\n", 6,
                                 "steps.a.generate.control", "unknown preprocessor 'blur'"),
+    "a mask with no image": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], mask: w.yaml}\n", 6,
+                             "steps.a.generate", "mask applies to an image to start from; give image too"),
+    "strength 1 with no mask": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], image: w.yaml, strength: 1}"
+                                "\n", 6, "steps.a.generate", "strength 1 re-noises the image away entirely"),
+    "an image not there": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], image: gone.png}\n", 6,
+                           "steps.a.generate.image", "image gone.png is not a file"),
     "a class the reward cannot read": ("  a:\n    best_of_n:\n      card: EX/tiny-base\n      reward: EX/tiny-judge\n"
                                        "      n: 2\n      prompts: [a bag, something warm]\n", 10,
                                        "steps.a.best_of_n.prompts.1", "'something warm' names no class"),
@@ -345,6 +351,38 @@ def test_a_step_samples_as_generate_does_with_a_precision_an_interval_and_a_cont
     for (source, _), (_, metadata) in zip(draft, made["restyled"], strict=True):
         control = json.loads(metadata["control"])
         assert (control["preprocessor"], control["sha256"]) == ("edges", ControlImage.make(source, "edges").digest)
+
+
+def test_a_generate_step_starts_from_an_image_file_or_inpaints_it_as_generate_does(examples, tmp_path):
+    from cardtool.core.sampling.images import save_png
+
+    loaded = LoadedCard(str(examples / "tiny-base"))
+    start = loaded.generate("a boot", steps=2, out=tmp_path / "start.png").images[0]
+    mask = np.zeros((28, 28), np.uint8)
+    mask[14:] = 255
+    save_png(tmp_path / "bottom.png", mask)
+    steps = """  refined:
+    generate: {card: EX/tiny-base, prompts: ["a bag", "a coat"], steps: 3, image: start.png, strength: 0.6}
+  inpainted:
+    generate: {card: EX/tiny-base, prompts: ["a bag"], num: 2, steps: 3, image: start.png, mask: bottom.png}
+  again:
+    chain: {input: inpainted, card: EX/tiny-base, steps: 3, strength: 0.5}
+"""
+    result = run(write(tmp_path, examples, steps), tmp_path)
+    assert result.exit_code == 0, result.output
+    made = {s["step"]: s["images"] for s in json.loads(result.stdout)["steps"]}
+    assert [i["strength"] for i in made["refined"]] == ["0.6", "0.6"] and "strength" not in made["inpainted"][0]
+    assert made["inpainted"][0]["mask"]["source"] == str(tmp_path / "bottom.png")
+    for name, options, prompts, num in (("refined", {"strength": 0.6}, ["a bag", "a coat"], 1),
+                                        ("inpainted", {"mask": mask}, ["a bag"], 2)):
+        alone = loaded.generate(prompts, num=num, steps=3, image=start.pixels, out=None, **options).images
+        assert all(np.array_equal(pixels(i["path"])[0], a.pixels) for i, a in zip(made[name], alone, strict=True)), \
+            f"step '{name}' makes what generate makes from the same image"
+    like = CliRunner().invoke(app, ["generate", str(examples / "tiny-base"), "--like", made["inpainted"][1]["path"],
+                                    "--out", str(tmp_path / "like.png")])
+    assert like.exit_code == 0 and np.array_equal(pixels(tmp_path / "like.png")[0],
+                                                  pixels(made["inpainted"][1]["path"])[0]), like.output
+    assert len(made["again"]) == 2
 
 
 def test_a_run_says_what_generate_would_warn_of_once_each(examples, tmp_path):

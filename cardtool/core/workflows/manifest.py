@@ -65,9 +65,19 @@ class _Prompted(_Sampling):
 
 class GenerateStep(_Prompted):
     card: str
+    # image-to-image from a file beside the workflow (as `generate --image`), re-noised to σ = strength (default 0.8;
+    # with a mask — inpainting, its white part generated — 1)
+    image: str | None = Field(None, min_length=1)
+    mask: str | None = Field(None, min_length=1)
+    strength: float | None = Field(None, gt=0, le=1)
 
     @model_validator(mode="after")
     def _bounded(self):
+        if self.image is None and (self.mask is not None or self.strength is not None):
+            raise ValueError(f"{'mask' if self.mask is not None else 'strength'} applies to an image to start from; "
+                             "give image too")
+        if self.strength == 1 and self.mask is None:
+            raise ValueError("strength 1 re-noises the image away entirely; give a strength below 1, or a mask")
         return _at_most(self, len(self.prompts) * self.num, "prompts × num")
 
 
@@ -228,6 +238,7 @@ def _card_problems(workflow: Workflow) -> list[Problem]:
     from cardtool.core.cards.loader import load_card
     from cardtool.core.data import CLASS_NAMES
     from cardtool.core.evaluation.reward import cannot_score, named_class, not_a_reward
+    from cardtool.files import is_regular_file
 
     problems, loaded = [], {}  # each card loaded once, however many steps name it
 
@@ -280,6 +291,12 @@ def _card_problems(workflow: Workflow) -> list[Problem]:
                         "control image", "name a card that declares one (fashion-silhouette), or drop control"))
         if body.control is not None:
             problems += _control_problems(workflow, name, step)
+        for field in ("image", "mask"):
+            path = getattr(body, field, None)
+            if path is not None and not is_regular_file(workflow.folder / path):
+                problems.append(workflow.source.problem(("steps", name, step.kind, field), f"{field} {path} is not a "
+                                                        "file (paths are relative to the workflow)",
+                                                        "give an image file"))
     return problems + _size_problems(workflow, load)
 
 

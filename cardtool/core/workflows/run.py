@@ -56,6 +56,7 @@ class _Job:
     metadata: dict[str, str]
     source: Output | None = None
     selection: dict[str, str] = field(default_factory=dict)  # best-of-N's N and reward: in the tag only
+    mask: np.ndarray | None = None  # inpainting: the pixel mask of `source` whose white part is generated
 
     @property
     def tag(self) -> str:
@@ -120,9 +121,23 @@ class _Runner:
         return control_image(self.card(ref).loop(body.precision), source, preprocessor, adapters)
 
     def sampled(self, ref: str, prompts: list[str], num: int, body) -> list[_Job]:
+        """Sample `prompts` with card `ref` — from the step's `image` file (and `mask`) where it gives one, as
+        `generate --image` does."""
         loop = self.card(ref).loop(body.precision)
         requests = self._requests(ref, prompts, num, body, self._control(ref, body))
-        return [_Job(ref, "sample", r, body.precision, image_metadata(loop, r)) for r in requests]
+        if getattr(body, "image", None) is None:
+            return [_Job(ref, "sample", r, body.precision, image_metadata(loop, r)) for r in requests]
+        from cardtool.core.sampling.init_image import init_images
+
+        files = [None if p is None else str(self.workflow.folder / p) for p in (body.image, body.mask)]
+        (start,) = init_images(files[0], body.strength, loop.instance.component(loop.vae).config.image_size, 1,
+                               files[1])
+        jobs = []
+        for r in requests:
+            r = dataclasses.replace(r, strength=start.strength)
+            jobs.append(_Job(ref, "refine", r, body.precision, {**image_metadata(loop, r), **start.metadata()},
+                             Output(start.image.pixels, r.prompt, {}), mask=start.mask.pixels if start.mask else None))
+        return jobs
 
     def refined(self, ref: str, inputs: list[Output], body, source: str) -> list[_Job]:
         """SDEdit with card `ref`: each input re-noised to σ = strength with seed body.seed + k, then denoised. The
@@ -159,10 +174,14 @@ class _Runner:
                 picked = best_of_n(loop, reward, requests, body.n, max_batch=self.max_batch).checked(loaded.card.id)
                 return [Output(image, r.prompt, {**image_metadata(loop, r), **extra})
                         for r, image, extra in zip(picked.requests, picked.images, picked.metadata(), strict=True)]
-            # strength 1 re-noises all the way: the input is forgotten, the step is plain sampling of its prompts
+            # strength 1 re-noises all the way: the input is forgotten, the step is plain sampling of its prompts —
+            # unless a mask keeps part of it (inpainting)
+            masked = how == "refine" and any(job.mask is not None for job in chosen)
             sources = loop.encode(np.stack([job.source.image for job in chosen])) \
-                if how == "refine" and body.strength < 1 else None
-            images = loop.finalize(sample(loop, requests, max_batch=self.max_batch, sources=sources))
+                if how == "refine" and (masked or any(job.request.strength < 1 for job in chosen)) else None
+            keeps = [loop.latent_mask(job.mask) if job.mask is not None else None for job in chosen] \
+                if masked else None
+            images = loop.finalize(sample(loop, requests, max_batch=self.max_batch, sources=sources, keeps=keeps))
             return [Output(image, job.request.prompt, job.metadata) for job, image in zip(chosen, images, strict=True)]
 
         return self.ranks.spread(jobs, work)
@@ -282,7 +301,7 @@ def _run_step(runner: _Runner, workflow: Workflow, name: str, outputs: dict[str,
 
     def entry() -> dict:
         return {"step": name, "kind": step.kind, "seconds": round(time.perf_counter() - begun, 3), "kept": kept,
-                "images": [{"path": str(o.path), **{k: json.loads(o.metadata[k]) if k == "scores" else o.metadata[k]
+                "images": [{"path": str(o.path), **{k: json.loads(o.metadata[k]) if k in _JSON else o.metadata[k]
                                                     for k in _REPORTED if k in o.metadata}}
                            for o in (produced[k] for k in range(len(jobs)) if k in produced)]}
 
@@ -312,5 +331,6 @@ def _run_step(runner: _Runner, workflow: Workflow, name: str, outputs: dict[str,
         on_step(report.steps[-1])
 
 
-_REPORTED = ("card", "prompt", "seed", "steps", "strength", "input", "best_of", "reward", "request_seed", "candidate",
-             "scores")
+_REPORTED = ("card", "prompt", "seed", "steps", "strength", "input", "image", "mask", "best_of", "reward",
+             "request_seed", "candidate", "scores")
+_JSON = ("scores", "image", "mask")  # reported as the values they record
