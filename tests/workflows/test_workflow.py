@@ -139,7 +139,7 @@ BAD = {
                                         6, "steps.a.generate", "give control too"),
     "an unknown precision": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], precision: int8}\n", 6,
                              "steps.a.generate.precision", "'float64', 'float32', 'bfloat16' or 'float16'"),
-    "control without a ControlNet": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], control: w.yaml}\n", 6,
+    "control without a ControlNet": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], control: v.png}\n", 6,
                                      "steps.a.generate.control", "has no ControlNet"),
     "control from no input": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], control: input}\n", 6,
                               "steps.a.generate.control", "has no input image to take as its control"),
@@ -151,6 +151,10 @@ BAD = {
                              "steps.a.generate", "mask applies to an image to start from; give image too"),
     "strength 1 with no mask": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], image: w.yaml, strength: 1}"
                                 "\n", 6, "steps.a.generate", "strength 1 re-noises the image away entirely"),
+    "an image that is not one": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], image: w.yaml}\n", 6,
+                                 "steps.a.generate.image", "cannot read image w.yaml: UnidentifiedImageError"),
+    "a control image that is not one": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], control: w.yaml}\n",
+                                        6, "steps.a.generate.control", "cannot read control image w.yaml"),
     "an image not there": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], image: gone.png}\n", 6,
                            "steps.a.generate.image", "image gone.png is not a file"),
     "a class the reward cannot read": ("  a:\n    best_of_n:\n      card: EX/tiny-base\n      reward: EX/tiny-judge\n"

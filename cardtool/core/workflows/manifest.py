@@ -238,7 +238,6 @@ def _card_problems(workflow: Workflow) -> list[Problem]:
     from cardtool.core.cards.loader import load_card
     from cardtool.core.data import CLASS_NAMES
     from cardtool.core.evaluation.reward import cannot_score, named_class, not_a_reward
-    from cardtool.files import is_regular_file
 
     problems, loaded = [], {}  # each card loaded once, however many steps name it
 
@@ -293,11 +292,25 @@ def _card_problems(workflow: Workflow) -> list[Problem]:
             problems += _control_problems(workflow, name, step)
         for field in ("image", "mask"):
             path = getattr(body, field, None)
-            if path is not None and not is_regular_file(workflow.folder / path):
-                problems.append(workflow.source.problem(("steps", name, step.kind, field), f"{field} {path} is not a "
-                                                        "file (paths are relative to the workflow)",
+            if path is not None and (reason := _unreadable(workflow, path, field)):
+                problems.append(workflow.source.problem(("steps", name, step.kind, field), reason,
                                                         "give an image file"))
     return problems + _size_problems(workflow, load)
+
+
+def _unreadable(workflow: Workflow, path, what: str) -> str | None:
+    """Why the image file `path` (relative to the workflow) cannot be read — decoded, as its step would read it — or
+    None: found before any step runs, not when its step does."""
+    from cardtool.core.sampling.control import read_grey
+    from cardtool.files import is_regular_file
+
+    if not is_regular_file(workflow.folder / path):
+        return f"{what} {path} is not a file (paths are relative to the workflow)"
+    try:
+        read_grey(workflow.folder / path, 1, what)
+    except CardtoolError as e:
+        return str(e).replace(str(workflow.folder / path), str(path))
+    return None
 
 
 def _size_problems(workflow: Workflow, load) -> list[Problem]:
@@ -329,7 +342,6 @@ def _control_problems(workflow: Workflow, name: str, step: Step) -> list[Problem
     """A step's control: an image file beside the workflow, or `input` where the step has one; a known
     preprocessor."""
     from cardtool.core.sampling.control import parse_control
-    from cardtool.files import is_regular_file
 
     at = ("steps", name, step.kind, "control")
     try:
@@ -342,7 +354,7 @@ def _control_problems(workflow: Workflow, name: str, step: Step) -> list[Problem
             return [workflow.source.problem(at, f"step '{name}' has no input image to take as its control",
                                             "give a control image file, or an input step")]
         return []
-    if not is_regular_file(workflow.folder / path):
-        return [workflow.source.problem(at, f"control image {path} is not a file (paths are relative to the workflow)",
-                                        "give an image file, or input[:PREPROCESSOR] for a step with an input")]
+    if reason := _unreadable(workflow, path, "control image"):
+        return [workflow.source.problem(at, reason, "give an image file, or input[:PREPROCESSOR] for a step with an "
+                                        "input")]
     return []
