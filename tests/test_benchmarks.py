@@ -171,3 +171,6 @@ def test_image_to_image_benchmark_measures_each_strength(tmp_path, examples):
         assert 0 <= row["prompt_class_accuracy"] <= 1 and 0 <= row["start_class_accuracy"] <= 1
         assert row["prompt_class_accuracy"] + row["start_class_accuracy"] <= 1, "one class a judgement"
         assert 0 < row["mean_abs_difference"] <= 255
+    inpainted = report["inpainting"]
+    assert (inpainted["masked_rows"], inpainted["kept_rows"]) == ("16-27", "0-13")
+    assert 0 <= inpainted["prompt_class_accuracy"] <= 1 and inpainted["masked_rows_mean_abs_difference"] > 0
