@@ -1,8 +1,9 @@
 """Fuzz cards: mutated manifests, weights (LoRA headers too), files and component sizes (with weights rewritten to
 fit) run through `cards validate --checksums` → `cards show` → `generate` → `parity --card` → `generate --adapter`
-for each LoRA and (with a control image) each ControlNet → `generate --best-of 2` under the tiny judge → `cards
-lineage` → `cards export --format hf` → `cards validate` of the export, in process, with counts by outcome. The seed
-cards: the tiny example cards and `tiny-control`, a ControlNet on tiny-base made here.
+for each LoRA and (with a control image) each ControlNet → `generate --best-of 2` under the tiny judge → `generate
+--image --mask` (inpainting the control image) → `cards lineage` → `cards export --format hf` → `cards validate` of
+the export, in process, with counts by outcome. The seed cards: the tiny example cards and `tiny-control`, a
+ControlNet on tiny-base made here.
 
 Outcomes: `rejected` (validation refused it with a clean error), `ran` (it validated, and show, generate and
 parity all succeeded), `check_failed` (it ran, and parity reported a numeric mismatch or generate found the images
@@ -513,6 +514,8 @@ def run_case(runner, app, card: Path, out: Path, control: Path) -> tuple[str, st
                   "--json", "--out", str(out)] for name in _adapter_names(card, "controlnet")]
     commands += [["generate", str(card), "-p", "a bag", "--steps", "2", "--best-of", "2", "--reward",  # a judge too
                   str(card.parent / "tiny-judge"), "--json", "--out", str(out)]]
+    commands += [["generate", str(card), "-p", "a bag", "--steps", "2", "--image", str(control), "--mask", str(control),
+                  "--strength", "0.7", "--json", "--out", str(out)]]  # and start from an image, inpainting it
     export = out.parent / "export"  # and must export, as a card that validates again
     commands += [["cards", "lineage", "--json", str(card)],
                  ["cards", "export", str(card), "--format", "hf", "--out", str(export), "--overwrite", "--json"],
