@@ -166,18 +166,7 @@ class LoadedCard:
                                            strict=strict, adapters=adapters, control=control,
                                            control_scale=control_scale, negative_prompt=negative_prompt)
         starts = init_images(image, strength, instance.component(loop.vae).config.image_size, len(prompts), mask)
-        from_image = [{}] * len(requests)
-        if starts:  # request k is prompt k // num's; each distinct image encoded once, before any file is written
-            starts = [starts[k // num] for k in range(len(requests))]
-            distinct = list({start.image.digest: start.image for start in starts}.values())
-            encoded = dict(zip([d.digest for d in distinct], loop.encode(np.stack([d.pixels for d in distinct])),
-                               strict=True))
-            masks = {start.mask.digest: loop.latent_mask(start.mask.pixels) for start in starts if start.mask}
-            latents = [(encoded[start.image.digest], masks[start.mask.digest] if start.mask else None)
-                       for start in starts]
-            from_image = [start.metadata() for start in starts]
-            requests = [dataclasses.replace(r, strength=start.strength) for r, start in zip(requests, starts,
-                                                                                             strict=True)]
+        requests, latents, from_image = _started(loop, requests, starts, num)
         warnings = instance.warnings + warnings
         judge = self.reward(reward) if reward is not None else None
         selection = _selection(judge, best_of, fuse)
@@ -205,7 +194,7 @@ class LoadedCard:
                 with OutOfMemory.raised(f"; the {len(images)} images {written} before it are kept",
                                         {"images": [image.to_json() for image, _, _ in images]}):
                     made = self._make([requests[i] for i in wave], loop, judge, best_of, max_batch, progress, fused,
-                                      [latents[i] for i in wave] if starts else None) if wave else []
+                                      [latents[i] for i in wave] if latents else None) if wave else []
                 done += sum(requests[i].steps for i in wave) * best_of
                 shares = ranks.gather([(i, *item) for i, item in zip(wave, made, strict=True)])
                 if not ranks.main:
@@ -255,6 +244,21 @@ class LoadedCard:
             save_image(grid_path, grid_image(rows), {"card": card.id, "cardtool": __version__})
         return GenerateReport(card.id, f"{platform.device}/{platform.arch}", [image for image, _, _ in images],
                               grid_path, warnings, seconds, skipped=len(kept))
+
+
+def _started(loop: DenoiseLoop, requests: list[Request], starts, num: int) -> tuple[list[Request], list, list]:
+    """The requests with their start image's strength, each one's (latent, keep mask), and the metadata its image
+    records of them; the requests as they are, no latents and empty records without start images. Request k is
+    prompt k // num's; each distinct image (and mask) is encoded once, before any file is written."""
+    if not starts:
+        return requests, [], [{}] * len(requests)
+    starts = [starts[k // num] for k in range(len(requests))]
+    distinct = list({start.image.digest: start.image for start in starts}.values())
+    encoded = dict(zip([d.digest for d in distinct], loop.encode(np.stack([d.pixels for d in distinct])), strict=True))
+    masks = {start.mask.digest: loop.latent_mask(start.mask.pixels) for start in starts if start.mask}
+    latents = [(encoded[start.image.digest], masks[start.mask.digest] if start.mask else None) for start in starts]
+    return ([dataclasses.replace(r, strength=start.strength) for r, start in zip(requests, starts, strict=True)],
+            latents, [start.metadata() for start in starts])
 
 
 def control_image(loop: DenoiseLoop, control, preprocessor: str | None, adapters) -> ControlImage | None:
