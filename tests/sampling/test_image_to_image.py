@@ -196,3 +196,19 @@ def test_inpainting_from_the_command_line_keeps_the_top_and_is_made_again_by_lik
                    str(tmp_path / "i.png"))
     assert inverted.exit_code == 0 and not (pixels(tmp_path / "i.png") == pixels(made[1]["path"])).all()
     assert Image.open(tmp_path / "i.png").text["mask"] != Image.open(made[1]["path"]).text["mask"]
+
+
+def test_an_all_white_mask_is_plain_sampling_and_an_all_black_one_the_image_itself(tiny):
+    start = tiny.generate("a boot", steps=2, out=None).images[0].pixels
+    white, black = np.full((28, 28), 255, np.uint8), np.zeros((28, 28), np.uint8)
+    plain = tiny.generate("a bag", num=2, steps=3, out=None).images
+    everything = tiny.generate("a bag", num=2, steps=3, image=start, mask=white, out=None).images
+    assert all(np.array_equal(a.pixels, b.pixels) for a, b in zip(plain, everything, strict=True)), \
+        "nothing kept at strength 1: the image is forgotten, as plain sampling from the same noise"
+    nothing = tiny.generate("a bag", steps=3, image=start, mask=black, strength=0.7, out=None).images[0]
+    loop = tiny.loop()
+    latent = loop.encode(start[None])[0]
+    state = sample(loop, [Request("a bag", steps=1, guidance=1.0, strength=1.0)], sources=[latent],
+                   keeps=[loop.latent_mask(black)])[0]
+    assert np.array_equal(np.asarray(state.latents), np.asarray(latent))
+    assert np.array_equal(nothing.pixels, loop.finalize([state])[0]), "everything kept: the image's reconstruction"
