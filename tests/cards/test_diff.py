@@ -17,11 +17,11 @@ from cardtool.core.cards.weight_files import sha256_file
 QUERY = "blocks.0.attn1.to_q.weight"
 
 
-def tweaked(examples, tensors: dict, guidance: float = 2.0, name: str = "tweaked"):
+def tweaked(examples, tensors: dict, guidance: float = 2.0, name: str = "tweaked", metadata=None):
     """A card extending tiny-base with its transformer's tensors replaced by `tensors` and another default guidance."""
     folder = examples / name
     folder.mkdir()
-    save_file(tensors, str(folder / "transformer.safetensors"))
+    save_file(tensors, str(folder / "transformer.safetensors"), metadata=metadata)
     (folder / "card.yaml").write_text(
         f"schema: cardtool/v1\nid: {name}\nextends: tiny-base\ncomponents:\n  transformer:\n"
         f"    weights: transformer.safetensors\n    sha256: {sha256_file(folder / 'transformer.safetensors')}\n"
@@ -97,3 +97,13 @@ def test_the_command_prints_a_table_or_one_json_document_and_imports_no_torch(ex
     assert f"1 of {len(base)}" in table.stdout and f"{QUERY} (1)" in table.stdout, table.stdout
     missing = CliRunner().invoke(app, ["cards", "diff", "tiny-base", "nope"])
     assert missing.exit_code == 2 and "nope" in missing.stderr
+
+
+def test_another_file_holding_the_same_values_is_the_same(examples):
+    base = load_file(str(examples / "tiny-base" / "transformer.safetensors"))
+    folder = tweaked(examples, dict(reversed(base.items())), metadata={"note": "rewritten"})
+    assert sha256_file(folder / "transformer.safetensors") != sha256_file(examples / "tiny-base" /
+                                                                         "transformer.safetensors")
+    report = diff_cards(load_card(examples / "tiny-base"), load_card(folder))
+    assert next(w for w in report["weights"] if w["name"] == "transformer") == {
+        "section": "components", "name": "transformer", "status": "same"}

@@ -23,8 +23,8 @@ _CHUNK = 1 << 20  # elements read at a time from each file
 
 def diff_cards(a: Card, b: Card, top: int = 5) -> dict:
     """The manifest changes (dotted path → [A's value, B's]) and, per component and adapter with weights, its status
-    (`same`, `changed`, `added`, `removed`) and for a changed one the tensors that differ, `top` of them listed by
-    relative change."""
+    (`same`: every tensor holds the same values, whatever the files' metadata or layout; `changed`, `added`,
+    `removed`) and for a changed one the tensors that differ, `top` of them listed by relative change."""
     before, after = _flat(a.manifest.to_json()), _flat(b.manifest.to_json())
     manifest = {key: [before.get(key), after.get(key)] for key in sorted({*before, *after})
                 if before.get(key) != after.get(key)}
@@ -59,17 +59,20 @@ def _weights(section: str, name: str, a: Card | None, b: Card | None, top: int) 
     (header_a, _), (header_b, _) = read_header(path_a), read_header(path_b)
     common = sorted(set(header_a) & set(header_b))
     reshaped = [t for t in common if header_a[t][1] != header_b[t][1]]
-    compared = [t for t in common if t not in reshaped and header_a[t][0] in FLOAT_DTYPES
-                and header_b[t][0] in FLOAT_DTYPES]
     rows, total_a, total_delta = [], 0.0, 0.0
     with path_a.open("rb") as fa, path_b.open("rb") as fb:
         layout_a, layout_b = _layout(fa), _layout(fb)
-        for tensor in compared:
-            norm_a, norm_delta, largest = _compare(fa, layout_a, fb, layout_b, tensor)
-            total_a, total_delta = total_a + norm_a, total_delta + norm_delta
-            if norm_delta > 0 or not math.isfinite(norm_delta):
-                rows.append({"tensor": tensor, "relative_change": _ratio(norm_delta, norm_a),
-                             "max_abs_change": _finite(largest)})
+        for tensor in (t for t in common if t not in reshaped):
+            if header_a[tensor][0] in FLOAT_DTYPES and header_b[tensor][0] in FLOAT_DTYPES:
+                norm_a, norm_delta, largest = _compare(fa, layout_a, fb, layout_b, tensor)
+                total_a, total_delta = total_a + norm_a, total_delta + norm_delta
+                if norm_delta > 0 or not math.isfinite(norm_delta):
+                    rows.append({"tensor": tensor, "relative_change": _ratio(norm_delta, norm_a),
+                                 "max_abs_change": _finite(largest)})
+            elif _raw(fa, layout_a, tensor) != _raw(fb, layout_b, tensor):  # integers, booleans: equal or not
+                rows.append({"tensor": tensor, "relative_change": None, "max_abs_change": None})
+    if not rows and set(header_a) == set(header_b) and not reshaped:  # another file, the same values
+        return {**entry, "status": "same"}
     # largest first; a tensor with no ratio (zero in A, as a LoRA's B starts) before every other
     rows.sort(key=lambda r: -math.inf if r["relative_change"] is None else -r["relative_change"])
     return {**entry, "status": "changed", "tensors": len(set(header_a) | set(header_b)),
@@ -96,6 +99,14 @@ def _compare(fa, layout_a, fb, layout_b, tensor: str) -> tuple[float, float, flo
         norm_delta += float(np.dot(delta, delta))
         largest = max(largest, float(np.max(np.abs(delta)))) if delta.size else largest
     return norm_a, norm_delta, largest
+
+
+def _raw(f, layout: tuple[int, dict], tensor: str) -> tuple[str, bytes]:
+    """A non-float tensor's dtype and bytes (such tensors are small: step counters, indices)."""
+    start, header = layout
+    begin, end = header[tensor]["data_offsets"]
+    f.seek(start + begin)
+    return header[tensor]["dtype"], f.read(end - begin)
 
 
 def _values(f, start: int, entry: dict):
