@@ -50,6 +50,7 @@ def test_quick_tour_runs_as_written(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "tiny-base (pretrain) → tiny-rl (diffusion_nft) → tiny-distilled (dmd2)" in result.stdout
     assert '"id": "tiny-rl"' in result.stdout
+    assert "tiny-base → tiny-rl" in result.stdout, "cards diff"
     assert result.stdout.count("ok ") >= 3, "validate --checksums reports each example card ok"
     assert len(list((tmp_path / "outputs").glob("tiny-base-*.png"))) == 4 + 1, "four images and the grid"
     assert "4 images (4 already there)" in result.stderr, "--skip-existing makes none of them again"
