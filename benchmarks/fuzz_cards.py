@@ -1,9 +1,9 @@
 """Fuzz cards: mutated manifests, weights (LoRA headers too), files and component sizes (with weights rewritten to
 fit) run through `cards validate --checksums` → `cards show` → `generate` → `parity --card` → `generate --adapter`
 for each LoRA and (with a control image) each ControlNet → `generate --best-of 2` under the tiny judge → `generate
---image --mask` (inpainting the control image) → `cards lineage` → `cards export --format hf` → `cards validate` of
-the export, in process, with counts by outcome. The seed cards: the tiny example cards and `tiny-control`, a
-ControlNet on tiny-base made here.
+--image --mask` (inpainting the control image) → `cards lineage` → `cards diff` against tiny-base → `cards export
+--format hf` → `cards validate` of the export, in process, with counts by outcome. The seed cards: the tiny example
+cards and `tiny-control`, a ControlNet on tiny-base made here.
 
 Outcomes: `rejected` (validation refused it with a clean error), `ran` (it validated, and show, generate and
 parity all succeeded), `check_failed` (it ran, and parity reported a numeric mismatch or generate found the images
@@ -518,6 +518,7 @@ def run_case(runner, app, card: Path, out: Path, control: Path) -> tuple[str, st
                   "--strength", "0.7", "--json", "--out", str(out)]]  # and start from an image, inpainting it
     export = out.parent / "export"  # and must export, as a card that validates again
     commands += [["cards", "lineage", "--json", str(card)],
+                 ["cards", "diff", "--json", str(card.parent / "tiny-base"), str(card)],
                  ["cards", "export", str(card), "--format", "hf", "--out", str(export), "--overwrite", "--json"],
                  ["cards", "validate", "--checksums", "--json", str(export)]]
     valid, errors, checks = None, [], []
