@@ -176,7 +176,11 @@ def test_the_fashion_workflow_example_runs(builtin, tmp_path):
     workflow = load_workflow(REPO / "examples" / "workflows" / "fashion-refine.yaml")
     report = run_workflow(workflow, out=tmp_path)
     counts = {s["step"]: len(s["images"]) for s in report.steps}
-    assert counts == {"draft": 8, "refine": 8, "restyle": 8, "compare": 6, "pick": 4}
+    assert counts == {"draft": 8, "refine": 8, "restyle": 8, "compare": 6, "pick": 4, "inpaint": 4}
+    dress = np.asarray(Image.open(REPO / "examples" / "workflows" / "dress.png"), dtype=float)
+    for image in report.steps[5]["images"]:  # rows 16… masked: 14… generated (cells of 4 pixels), 0–13 kept
+        pixels = np.asarray(Image.open(image["path"]), dtype=float)
+        assert np.abs(pixels[:14] - dress[:14]).mean() < 20 < np.abs(pixels[16:] - dress[16:]).mean()
     draft, refine, restyle = ([np.asarray(Image.open(i["path"])) for i in s["images"]] for s in report.steps[:3])
     # strength 0.4 keeps the draft's garment: the refined image stays near it (measured ≈ 12 of 255 on average)
     assert np.mean([np.abs(a.astype(float) - b).mean() for a, b in zip(draft, refine, strict=True)]) < 30
