@@ -96,6 +96,9 @@ def test_what_is_not_an_image_cardtool_made_is_refused(made, on_path, tmp_path):
     pixels, metadata = read_png(made)
     cases = {"no-metadata.png": png_bytes(pixels), "text.png": b"not an image",
              "workflow.png": png_bytes(pixels, {**metadata, "workflow": "wf", "step": "refine", "input": "draft/0"}),
+             # where a refined image's input is looked for comes from its PNG: never a path out of its workflow
+             "escape.png": png_bytes(pixels, {**metadata, "workflow": "wf", "input": "../../etc/0",
+                                              "input_tag": "deadbeef"}),
              "bad-steps.png": png_bytes(pixels, {**metadata, "steps": "many"}),
              "bad-adapters.png": png_bytes(pixels, {**metadata, "adapters": "[{"}),
              # a card is recorded by its id: a path in a PNG from elsewhere would load whatever it points at
@@ -103,7 +106,8 @@ def test_what_is_not_an_image_cardtool_made_is_refused(made, on_path, tmp_path):
              "lost-control.png": png_bytes(pixels, {**metadata, "control": json.dumps(
                  {"sha256": "0", "preprocessor": "silhouette", "source": str(tmp_path / "gone.png")})})}
     messages = {"no-metadata.png": "not an image cardtool made", "text.png": "not an image",
-                "workflow.png": "made by refining an image of step 'draft' in workflow 'wf'",
+                "workflow.png": "made by refining an image of step 'draft' in workflow 'wf', which is not beside it",
+                "escape.png": "made by refining an image of step '..' in workflow 'wf', which is not beside it",
                 "bad-steps.png": "'steps' field is malformed",
                 "bad-adapters.png": "'adapters' field is malformed",
                 "path-card.png": "'card' field is malformed",

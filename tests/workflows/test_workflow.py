@@ -47,16 +47,19 @@ def test_the_example_workflow_runs_every_step_kind_and_names_workflow_and_step(t
             assert text["workflow"] == "tiny-tour" and text["step"] == step["step"]
             assert text["step_kind"] == step["kind"]
     assert [i["input"] for i in report["steps"][1]["images"]] == ["draft/0", "draft/1"]
-    # generate --like makes a sampled step's image again; a refined one needs its input: the workflow
+    # generate --like makes each step's image again — a refined one from its input, found where the workflow wrote it
     monkeypatch.setenv("CARDTOOL_PATH", str(REPO / "examples" / "cards"))
     for step, image in ((s["step"], s["images"][0]) for s in report["steps"]):
         again = CliRunner().invoke(app, ["generate", "--like", image["path"], "--out", str(tmp_path / step), "--json"])
-        if step == "refine":
-            assert again.exit_code == 2 and "made by refining an image of step 'draft'" in again.stdout
-        else:
-            assert again.exit_code == 0, again.output
-            made = json.loads(again.stdout)["images"][0]["path"]
-            assert np.array_equal(pixels(made)[0], pixels(image["path"])[0]), step
+        assert again.exit_code == 0, again.output
+        made = json.loads(again.stdout)
+        assert np.array_equal(pixels(made["images"][0]["path"])[0], pixels(image["path"])[0]), step
+        assert made["warnings"] == [], made["warnings"]
+    refined = Path(report["steps"][1]["images"][1]["path"])
+    Path(report["steps"][0]["images"][1]["path"]).unlink()  # its input gone: said, not guessed
+    gone = CliRunner().invoke(app, ["generate", "--like", str(refined), "--out", str(tmp_path / "gone"), "--json"])
+    assert gone.exit_code == 2 and "made by refining an image of step 'draft'" in gone.stdout \
+        and "which is not beside it" in gone.stdout
 
 
 def test_parallel_merges_card_by_card_in_order_each_as_its_own_generate(examples, tmp_path):
@@ -355,6 +358,11 @@ def test_a_step_samples_as_generate_does_with_a_precision_an_interval_and_a_cont
     for (source, _), (_, metadata) in zip(draft, made["restyled"], strict=True):
         control = json.loads(metadata["control"])
         assert (control["preprocessor"], control["sha256"]) == ("edges", ControlImage.make(source, "edges").digest)
+    # --like makes a restyled image again: its input, found beside it, is its control image (strength 1: no start)
+    restyled = json.loads(result.stdout)["steps"][3]["images"][1]["path"]
+    again = CliRunner().invoke(app, ["generate", str(card), "--like", restyled, "--out", str(tmp_path / "again.png")])
+    assert again.exit_code == 0 and "not made again" not in again.output, again.output
+    assert np.array_equal(pixels(tmp_path / "again.png")[0], pixels(restyled)[0])
 
 
 def test_a_generate_step_starts_from_an_image_file_or_inpaints_it_as_generate_does(examples, tmp_path):

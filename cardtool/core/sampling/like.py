@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,10 +49,17 @@ def read_like(path: Path | str) -> Like:
         raise BadInput(f"--like {path}: not a readable image ({type(e).__name__}: {e})"[:300]) from None
     if "cardtool" not in metadata or "card" not in metadata:
         raise BadInput(f"--like {path}: not an image cardtool made (its PNG records no card and settings)")
-    if "input" in metadata:  # a workflow's chain: sampled from another step's image, which generate does not take
-        raise BadInput(f"--like {path}: made by refining an image of step '{metadata['input'].split('/')[0]}' in "
-                       f"workflow '{metadata.get('workflow', '?')}'; run the workflow again (cardtool workflow run)")
     text = _Fields(path, metadata)
+    image, control = text.picture("image"), text.control()
+    if "input" in metadata:  # a workflow's chain: refined from another step's image, found where the workflow wrote it
+        found = _workflow_input(path, metadata)
+        if found is None:
+            raise BadInput(f"--like {path}: made by refining an image of step '{metadata['input'].split('/')[0]}' "
+                           f"in workflow '{metadata.get('workflow', '?')}', which is not beside it; run the workflow "
+                           "again (cardtool workflow run)")
+        image = str(found) if "strength" in metadata else None  # strength 1 (not recorded) forgot it
+        if control is not None and not control[0].parts:  # `control: input` (no file): the input was the control
+            control = (found, control[1])
     settings = {"steps": text.whole("steps"), "guidance": text.number("guidance"), "shift": text.number("shift"),
                 "guidance_interval": text.interval("guidance_interval"), "solver": text.name("solver"),
                 "precision": text.name("precision"), "adapters": text.adapters(),
@@ -60,13 +68,27 @@ def read_like(path: Path | str) -> Like:
         settings |= {"best_of": text.whole("best_of"), "reward": text.card_id("reward")}
     seed = text.whole("request_seed" if "best_of" in metadata else "seed")  # best-of: the request's, not the pick's
     return Like(path, text.card_id("card"), metadata.get("prompt", ""), metadata.get("negative_prompt", ""), seed,
-                settings, text.control(), text.picture("image"), text.picture("mask"), metadata)
+                settings, control, image, text.picture("mask"), metadata)
+
+
+def _workflow_input(path: Path, metadata: dict[str, str]) -> Path | None:
+    """The input image a workflow's chain step refined into the image at `path`: step S's image K, written beside
+    it as WORKFLOW/S/KKK-…-TAG.png with the tag the image records (None where it is not there, or the record does
+    not name one safely: a PNG from elsewhere may hold anything)."""
+    step, _, index = metadata.get("input", "").partition("/")
+    tag = metadata.get("input_tag", "")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}", step) or not index.isdigit() or len(index) > 6 \
+            or not re.fullmatch(r"[0-9a-f]{8}", tag):
+        return None
+    found = sorted(path.resolve().parent.parent.joinpath(step).glob(f"{int(index):03d}-*-{tag}.png"))
+    return found[0] if len(found) == 1 and found[0].is_file() else None
 
 
 def unlike(like: Like, made: dict[str, str]) -> list[str]:
     """What differs between the image asked to be like and one made from its settings, beyond the options the
     command changed: its weights, platform, cardtool version or control image — a reason the image is not the same."""
-    differ = [key for key in PROVENANCE if _identity(key, like.metadata.get(key)) != _identity(key, made.get(key))]
+    differ = [key for key in PROVENANCE if _identity(key, like.metadata.get(key)) != _identity(key, made.get(key))
+              and not (key == "image" and "input" in like.metadata)]  # a chain's: its input, found beside it
     if "weights" in differ:  # which components' weights: named when both records are maps of versions
         try:
             old, new = json.loads(like.metadata.get("weights", "{}")), json.loads(made.get("weights", "{}"))
@@ -79,12 +101,13 @@ def unlike(like: Like, made: dict[str, str]) -> list[str]:
 
 
 def _identity(key: str, value: str | None):
-    """What tells two records of `key` apart: an image to start from or a mask by its content, wherever its file
-    was."""
-    if key not in ("image", "mask") or value is None:
+    """What tells two records of `key` apart: an image to start from, a mask or a control image by its content (and
+    a control image's preprocessor), wherever its file was."""
+    if key not in ("image", "mask", "control") or value is None:
         return value
     try:
-        return json.loads(value).get("sha256")
+        record = json.loads(value)
+        return (record.get("sha256"), record.get("preprocessor")) if key == "control" else record.get("sha256")
     except (ValueError, AttributeError):
         return value
 
