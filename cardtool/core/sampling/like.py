@@ -86,7 +86,8 @@ def _workflow_input(path: Path, metadata: dict[str, str]) -> Path | None:
 
 def unlike(like: Like, made: dict[str, str]) -> list[str]:
     """What differs between the image asked to be like and one made from its settings, beyond the options the
-    command changed: its weights, platform, cardtool version or control image — a reason the image is not the same."""
+    command changed: its weights, platform, cardtool version, control image, start image or mask — a reason the image
+    is not the same."""
     differ = [key for key in PROVENANCE if _identity(key, like.metadata.get(key)) != _identity(key, made.get(key))
               and not (key == "image" and "input" in like.metadata)]  # a chain's: its input, found beside it
     if "weights" in differ:  # which components' weights: named when both records are maps of versions
@@ -165,7 +166,6 @@ class _Fields:
             return Path(fields["source"]), str(fields["preprocessor"])
 
         return self._typed("control", record)
-
 
     def picture(self, key: str) -> str | None:
         """The file the image started from (`image`) or its mask (`mask`), as it was given ("": an array)."""
