@@ -13,7 +13,7 @@ import struct
 import numpy as np
 
 from cardtool.core.cards.loader import Card
-from cardtool.core.cards.weight_files import FLOAT_DTYPES, read_header, sha256_file
+from cardtool.core.cards.weight_files import FLOAT_DTYPES, RAW_VIEWS, read_header, sha256_file
 
 __all__ = ["diff_cards"]
 
@@ -86,8 +86,6 @@ def _layout(f) -> tuple[int, dict]:
     return 8 + length, json.loads(f.read(length))
 
 
-_VIEWS = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}
-
 
 def _compare(fa, layout_a, fb, layout_b, tensor: str) -> tuple[float, float, float]:
     """(Σ A², Σ (B − A)², max |B − A|) of one tensor, in float64, read a chunk at a time from both files."""
@@ -112,11 +110,11 @@ def _raw(f, layout: tuple[int, dict], tensor: str) -> tuple[str, bytes]:
 def _values(f, start: int, entry: dict):
     """A tensor's values as float64 chunks of _CHUNK elements (the last shorter); bf16 widened exactly."""
     dtype = entry["dtype"]
-    size = np.dtype(_VIEWS[dtype]).itemsize
+    size = np.dtype(RAW_VIEWS[dtype]).itemsize
     begin, end = entry["data_offsets"]
     for at in range(begin, end, _CHUNK * size):
         f.seek(start + at)
-        raw = np.frombuffer(f.read(min(_CHUNK * size, end - at)), dtype=_VIEWS[dtype])
+        raw = np.frombuffer(f.read(min(_CHUNK * size, end - at)), dtype=RAW_VIEWS[dtype])
         yield (raw.astype(np.uint32) << 16).view(np.float32).astype(np.float64) if dtype == "BF16" \
             else raw.astype(np.float64)
 

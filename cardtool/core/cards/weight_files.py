@@ -13,8 +13,8 @@ from cardtool.atomic import write_atomic
 from cardtool.cache import cache_dir
 from cardtool.files import read_small_file
 
-__all__ = ["PICKLE_SUFFIXES", "FLOAT_DTYPES", "format_problem", "non_finite_tensors", "read_header", "read_metadata",
-           "sha256_file", "tensor_digest"]
+__all__ = ["PICKLE_SUFFIXES", "FLOAT_DTYPES", "RAW_VIEWS", "format_problem", "non_finite_tensors", "read_header",
+           "read_metadata", "sha256_file", "tensor_digest"]
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle")
 
@@ -140,7 +140,7 @@ def _short(text: str) -> str:
 
 
 # numpy reads these as floats; bfloat16, which it lacks, as its bits: NaN or ±inf where the exponent is all ones
-_VIEWS = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}
+RAW_VIEWS = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}  # numpy views of the float dtypes' bytes
 _BF16_EXPONENT = 0x7F80
 
 
@@ -167,13 +167,13 @@ def _non_finite(path: Path) -> list[str]:
         (length,) = struct.unpack("<Q", f.read(8))
         for name, entry in json.loads(f.read(length)).items():
             dtype = entry.get("dtype") if name != "__metadata__" else None
-            if dtype not in _VIEWS:
+            if dtype not in RAW_VIEWS:
                 continue
             begin, end = entry["data_offsets"]
             f.seek(8 + length + begin)
             step = 1 << 24  # bytes a read: whole elements of every float dtype
             for at in range(begin, end, step):
-                values = np.frombuffer(f.read(min(step, end - at)), dtype=_VIEWS[dtype])
+                values = np.frombuffer(f.read(min(step, end - at)), dtype=RAW_VIEWS[dtype])
                 if dtype == "BF16" and np.any((values & _BF16_EXPONENT) == _BF16_EXPONENT) or \
                         dtype != "BF16" and not np.isfinite(values).all():
                     found.append(name)

@@ -15,7 +15,7 @@ from cardtool.core.sampling.images import open_image
 from cardtool.errors import BadInput
 from cardtool.files import read_small_file_bytes
 
-__all__ = ["PREPROCESSORS", "ControlImage", "silhouette", "edges", "read_grey", "parse_control"]
+__all__ = ["PREPROCESSORS", "ControlImage", "silhouette", "edges", "pixels_digest", "read_grey", "parse_control"]
 
 INK = 32  # a pixel brighter than this is garment, not background (Fashion-MNIST backgrounds are 0)
 
@@ -72,8 +72,12 @@ class ControlImage:
         if image.ndim != 2 or image.dtype != np.uint8:
             raise BadInput(f"a control image is a grey uint8 (H, W) array, got {image.dtype} {image.shape}")
         processed = np.ascontiguousarray(PREPROCESSORS[preprocessor](image))
-        digest = hashlib.sha256(processed.tobytes() + str(processed.shape).encode()).hexdigest()
-        return cls(processed, preprocessor, digest, source)
+        return cls(processed, preprocessor, pixels_digest(processed), source)
+
+
+def pixels_digest(pixels: np.ndarray) -> str:
+    """The content hash an image is named by in caches, PNG metadata and settings tags: its bytes and shape."""
+    return hashlib.sha256(pixels.tobytes() + str(pixels.shape).encode()).hexdigest()
 
 
 def read_grey(path: Path, size: int, what: str = "control image") -> np.ndarray:

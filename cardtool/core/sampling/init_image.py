@@ -8,7 +8,6 @@ so another image is another file and `--like` finds the ones used."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import numbers
 import os
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cardtool.core.sampling.control import pixels_digest, read_grey
 from cardtool.errors import BadInput
 
 __all__ = ["DEFAULT_STRENGTH", "InitImage", "Picture", "init_images"]
@@ -84,8 +84,6 @@ def _per_prompt(value, prompts: int, size: int, what: str) -> list[Picture]:
 
 def _picture(value, size: int, what: str) -> Picture:
     if isinstance(value, (str, os.PathLike)):
-        from cardtool.core.sampling.control import read_grey
-
         pixels, source = read_grey(Path(value), size, f"the {what}"), str(value)
     else:
         pixels, source = np.asarray(value), ""
@@ -96,5 +94,4 @@ def _picture(value, size: int, what: str) -> Picture:
             raise BadInput(f"the card takes {size}×{size} images; the {what} is {pixels.shape[1]}×{pixels.shape[0]} "
                            "(a file is resized, an array is not)")
     pixels = np.ascontiguousarray(pixels)
-    digest = hashlib.sha256(pixels.tobytes() + str(pixels.shape).encode()).hexdigest()
-    return Picture(pixels, digest, source)
+    return Picture(pixels, pixels_digest(pixels), source)
