@@ -2,7 +2,8 @@
 fit) run through `cards validate --checksums` → `cards show` → `generate` → `parity --card` → `generate --adapter`
 for each LoRA and (with a control image) each ControlNet → `generate --best-of 2` under the tiny judge → `generate
 --image --mask` (inpainting the control image) → `cards lineage` → `cards diff` against tiny-base → `cards export
---format hf` → `cards validate` of the export, in process, with counts by outcome. The seed cards: the tiny example
+--format hf` → `cards validate` of the export → `cards merge` with tiny-base and `generate` from the merged card (a
+refused merge is no failure), in process, with counts by outcome. The seed cards: the tiny example
 cards and `tiny-control`, a ControlNet on tiny-base made here.
 
 Outcomes: `rejected` (validation refused it with a clean error), `ran` (it validated, and show, generate and
@@ -504,7 +505,7 @@ def _error_kind(stdout: str) -> str | None:
 
 def run_case(runner, app, card: Path, out: Path, control: Path) -> tuple[str, str]:
     """(outcome, detail) of one mutated card through the commands: validate, show, generate, parity, generate
-    with each LoRA and ControlNet it declares, lineage, export and the export's validation."""
+    with each LoRA and ControlNet it declares, lineage, export and the export's validation, a merge with tiny-base."""
     commands = [["cards", "validate", "--checksums", "--json", str(card)], ["cards", "show", "--json", str(card)],
                 ["generate", str(card), "-p", "a bag", "--steps", "2", "--json", "--out", str(out)],
                 ["parity", "--card", str(card), "--op", "cfg_combine", "--json"]]
@@ -521,6 +522,10 @@ def run_case(runner, app, card: Path, out: Path, control: Path) -> tuple[str, st
                  ["cards", "diff", "--json", str(card.parent / "tiny-base"), str(card)],
                  ["cards", "export", str(card), "--format", "hf", "--out", str(export), "--overwrite", "--json"],
                  ["cards", "validate", "--checksums", "--json", str(export)]]
+    soup = out.parent / "soup"  # and average with tiny-base into a card that generates (or be refused: exit 2)
+    commands += [["cards", "merge", f"{card}=0.5", f"{card.parent / 'tiny-base'}=0.5", "--id", "fuzz-soup", "--out",
+                  str(soup), "--overwrite", "--json"],
+                 ["generate", str(soup), "-p", "a bag", "--steps", "2", "--json", "--out", str(out)]]
     valid, errors, checks = None, [], []
     for i, args in enumerate(commands):
         if i >= 2 and not valid:
@@ -546,6 +551,8 @@ def run_case(runner, app, card: Path, out: Path, control: Path) -> tuple[str, st
             checks.append(f"generate: {json.loads(result.stdout)['error']['message'][:200]}")
         elif "--best-of" in args and result.exit_code == 2 and "'tiny-judge'" in result.stdout:
             continue  # the judge refused (its sizes mutated, or other than the card's images): not the card
+        elif args[1] == "merge" and result.exit_code == 2:
+            break  # a merge refused (unrelated, another architecture, the same weights): nothing to generate
         elif result.exit_code != 0:
             errors.append(f"{args[0]}: {result.stdout[:300]}")
     if not valid:

@@ -174,3 +174,20 @@ def test_image_to_image_benchmark_measures_each_strength(tmp_path, examples):
     inpainted = report["inpainting"]
     assert (inpainted["masked_rows"], inpainted["kept_rows"]) == ("16-27", "0-13")
     assert 0 <= inpainted["prompt_class_accuracy"] <= 1 and inpainted["masked_rows_mean_abs_difference"] > 0
+
+
+def test_model_soup_benchmark_measures_each_mix_at_each_guidance(tmp_path, examples):
+    from helpers import write_idx_folder
+
+    out = tmp_path / "soup.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "model_soup.py"), "--base", "tiny-base", "--tuned",
+                    "tiny-rl", "--alpha", "0", "--alpha", "1.5", "--guidance", "1", "--guidance", "3", "--reward",
+                    "tiny-judge", "--held-out-judge", "tiny-judge", "--per-class", "1", "--data",
+                    str(write_idx_folder(tmp_path / "idx")), "--out", str(out)],
+                   check=True, capture_output=True, timeout=300, env={**os.environ, "CARDTOOL_PATH": str(examples)})
+    report = json.loads(out.read_text())
+    assert [(r["alpha"], r["guidance"]) for r in report["rows"]] == [(0, 1), (0, 3), (1.5, 1), (1.5, 3)]
+    for row in report["rows"]:
+        assert row["images"] == 10 and row["class_accuracy"] == row["held_out_accuracy"], "one judge twice"
+        assert 0 <= row["mean_reward"] <= 1 and row["fid_fmnist"] >= 0
+    assert report["rows"][0]["fid_fmnist"] != report["rows"][2]["fid_fmnist"], "another α, other weights"

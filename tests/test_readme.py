@@ -75,3 +75,5 @@ def test_quick_tour_runs_as_written(tmp_path):
     assert "step pick (best_of_n): 1 image (1 already there)" in result.stderr, "the workflow resumed makes none"
     assert f"cache {tmp_path / 'cache'}" in result.stdout and "encoded prompts" in result.stdout
     assert (tmp_path / "outputs" / "tiny-distilled-hf" / "transformer" / "config.json").is_file()
+    assert "wrote tiny-soup to outputs/tiny-soup: transformer averaged from tiny-base (0.5), tiny-rl (0.5)" in \
+        " ".join(result.stdout.split())

@@ -1,4 +1,4 @@
-"""`cardtool cards list | show | validate | lineage | diff | export | compose | import`."""
+"""`cardtool cards list | show | validate | lineage | diff | export | compose | merge | import`."""
 
 from __future__ import annotations
 
@@ -260,6 +260,36 @@ def compose_command(
         return
     console().print(f"wrote {card.id} to {display_path(card.folder)}: {', '.join(adapters)} on "
                     f"{card.manifest.recipe.parents[0]}", markup=False)
+
+
+@app.command("merge")
+def merge_command(
+    shares: Annotated[list[str], typer.Argument(metavar="CARD[=WEIGHT]...", help="Cards made from one model, each "
+                                                "with its weight (the weights sum to 1; none given: an equal mix). "
+                                                "The first card's loops and adapters are kept.")],
+    card_id: Annotated[str, typer.Option("--id", help="The merged card's id.")],
+    out: Annotated[Path | None, typer.Option("--out", help="The card folder (default cards/ID).")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing card folder.")] = False,
+    json_: JsonOption = False,
+) -> None:
+    """A card whose weights are the weighted average of several cards' (a model soup; base → RL'd interpolation)."""
+    from cardtool.core.cards.merge import merge_cards
+    from cardtool.core.cards.source import display_path
+
+    with handled(json_):
+        merge = merge_cards(shares, card_id, out, overwrite)
+    card, parents = merge.card, merge.card.manifest.recipe.parents
+    if json_:
+        emit_json({"card": card.id, "path": display_path(card.folder), "extends": card.manifest.extends,
+                   "parents": parents, "weights": merge.weights, "merged": merge.merged,
+                   "loops_differ": merge.loops_differ})
+        return
+    mix = ", ".join(f"{p} ({w:g})" for p, w in zip(parents, merge.weights, strict=True))
+    console().print(f"wrote {card.id} to {display_path(card.folder)}: {', '.join(merge.merged)} averaged from {mix}",
+                    markup=False)
+    if merge.loops_differ:
+        console().print(f"note: the loops of {', '.join(merge.loops_differ)} differ from {parents[0]}'s; the merged "
+                        f"card runs {parents[0]}'s (name first the card whose loop you want)", markup=False)
 
 
 @app.command("import")

@@ -22,7 +22,7 @@ __all__ = ["FORMATS", "export_card"]
 
 FORMATS = ("hf",)
 RELATIONS = {"finetune": "finetune", "dmd2": "finetune", "diffusion_nft": "finetune", "flow_grpo": "finetune",
-             "lora": "adapter", "controlnet": "adapter"}  # recipe.method → base_model_relation
+             "lora": "adapter", "controlnet": "adapter", "merge": "merge"}  # recipe.method → base_model_relation
 TRANSFORMER = "transformer/diffusion_pytorch_model.safetensors"
 DIFFUSERS_CLASS = "WanTransformer3DModel"
 
@@ -86,7 +86,7 @@ def front_matter(card: Card) -> dict:
     recipe = card.manifest.recipe
     data = {}
     if recipe.parents and recipe.method in RELATIONS:
-        data["base_model"] = recipe.parents[0]
+        data["base_model"] = recipe.parents if recipe.method == "merge" else recipe.parents[0]
         data["base_model_relation"] = RELATIONS[recipe.method]
     data.update({"library_name": "cardtool", "pipeline_tag": "text-to-image",
                  "tags": ["cardtool", "diffusers", "wan", "flow-matching", recipe.method.replace("_", "-")]})

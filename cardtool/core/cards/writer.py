@@ -20,12 +20,13 @@ __all__ = ["card_folder", "replaceable", "unclaimed_id", "write_card"]
 
 
 def write_card(folder: Path, manifest: dict, weights: dict[str, dict], *, copies: dict[str, Path] | None = None,
-               storage: str = "float32", overwrite: bool = False, metadata: dict[str, dict] | None = None) -> Card:
+               storage: str | None = "float32", overwrite: bool = False,
+               metadata: dict[str, dict] | None = None) -> Card:
     """Write `manifest` (components/adapters naming files in `weights` or `copies`) into `folder`.
 
     `weights` maps a relative file name to a state dict of torch tensors, stored at `storage` precision
-    (floating tensors only), with the header `metadata` given for that name (a LoRA's rank and alpha); `copies` maps
-    a relative name to an existing file copied as is."""
+    (floating tensors only; None keeps each tensor's dtype), with the header `metadata` given for that name (a LoRA's
+    rank and alpha); `copies` maps a relative name to an existing file copied as is."""
     import torch
 
     folder = Path(folder)
@@ -39,10 +40,10 @@ def write_card(folder: Path, manifest: dict, weights: dict[str, dict], *, copies
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        dtype = getattr(torch, storage)
+        dtype = storage and getattr(torch, storage)
         for rel, state in weights.items():
             (staging / rel).parent.mkdir(parents=True, exist_ok=True)
-            stored = {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous().cpu()
+            stored = {k: (v.to(dtype) if dtype and v.is_floating_point() else v).detach().contiguous().cpu()
                       for k, v in state.items()}
             save_tensors(staging / rel, stored, (metadata or {}).get(rel))
             os.chmod(staging / rel, 0o644)  # safetensors writes 0600: a card shared on a team disk must be readable

@@ -1,0 +1,154 @@
+"""`cardtool cards merge A=W B=W …`: a card whose weights are the weighted average of related cards' weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from helpers import TINY_DIT, tiny_tensors, write_tensors
+from safetensors.numpy import load_file
+from safetensors.torch import load_file as load_torch
+from safetensors.torch import save_file as save_torch
+from typer.testing import CliRunner
+
+from cardtool.cli import app
+from cardtool.core.cards.export import front_matter
+from cardtool.core.cards.lineage import lineage
+from cardtool.core.cards.loader import load_card
+from cardtool.core.cards.weight_files import sha256_file
+from cardtool.core.sampling.generate import LoadedCard
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def examples(examples, monkeypatch):
+    """The example cards, found by id."""
+    monkeypatch.setenv("CARDTOOL_PATH", str(examples))
+    return examples
+
+
+def merge(examples, *shares: str, card_id: str = "soup", json_: bool = True):
+    args = ["cards", "merge", *shares, "--id", card_id, "--out", str(examples / card_id)]
+    return CliRunner().invoke(app, args + (["--json"] if json_ else []))
+
+
+def transformer(folder) -> dict:
+    card = load_card(folder)
+    return load_file(str(card.weights_file("transformer")))
+
+
+def float16_transformer(examples, card: str) -> None:
+    """Store the card's transformer in float16 (and declare the new file's sha256)."""
+    path = examples / card / "transformer.safetensors"
+    old = sha256_file(path)
+    save_torch({k: v.to(torch.float16) for k, v in load_torch(str(path)).items()}, str(path))
+    manifest = next((examples / card).glob("card.*"))
+    manifest.write_text(manifest.read_text().replace(old, sha256_file(path)))
+
+
+def test_a_merge_holds_the_weighted_average_of_every_tensor(examples):
+    result = merge(examples, "tiny-base=0.3", "tiny-rl=0.7")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["merged"] == ["transformer"] and report["weights"] == [0.3, 0.7]
+    assert report["parents"] == ["tiny-base", "tiny-rl"] and report["loops_differ"] == []
+    a, b, soup = transformer(examples / "tiny-base"), transformer(examples / "tiny-rl"), transformer(examples / "soup")
+    assert set(soup) == set(a)
+    for name, value in soup.items():
+        expected = (0.3 * a[name].astype(np.float64) + 0.7 * b[name].astype(np.float64)).astype(np.float32)
+        assert value.dtype == np.float32 and np.array_equal(value, expected), name
+    card = load_card(examples / "soup", checksums=True)
+    assert card.weights_file("vae").resolve() == (examples / "tiny-base" / "vae.safetensors").resolve(), \
+        "a component the same in every card is the first card's file, not a copy"
+    assert sorted(p.name for p in (examples / "soup").iterdir()) == ["card.yaml", "transformer.safetensors"]
+    recipe = card.manifest.recipe
+    assert recipe.method == "merge" and recipe.parents == ["tiny-base", "tiny-rl"]
+    assert recipe.hyperparameters == {"weights": [0.3, 0.7]} and "cards merge" in recipe.command
+    assert {n.id for n in lineage(card).nodes()} == {"soup", "tiny-base", "tiny-rl"}
+    assert front_matter(card)["base_model"] == ["tiny-base", "tiny-rl"]
+    assert front_matter(card)["base_model_relation"] == "merge"
+
+
+def test_weights_one_and_zero_make_the_first_cards_images_bit_for_bit(examples):
+    assert merge(examples, "tiny-rl=1", "tiny-base=0").exit_code == 0
+    made = [LoadedCard(str(examples / ref)).generate("a red dress", steps=2, out=None).images[0].pixels
+            for ref in ("tiny-rl", "soup")]
+    assert np.array_equal(made[0], made[1])
+    assert not np.array_equal(made[0], LoadedCard(str(examples / "tiny-base")).generate(
+        "a red dress", steps=2, out=None).images[0].pixels), "the two cards must differ for this test to mean anything"
+
+
+def test_no_weights_mix_equally_and_a_note_says_whose_loop_runs(examples):
+    result = merge(examples, "tiny-base", "tiny-rl", "tiny-distilled", json_=False)
+    assert result.exit_code == 0, result.output
+    assert load_card(examples / "soup").manifest.recipe.hyperparameters["weights"] == pytest.approx([1 / 3] * 3)
+    assert "note: the loops of tiny-distilled differ from tiny-base's" in " ".join(result.output.split())
+    assert load_card(examples / "soup").manifest.loops["denoise"].defaults["steps"] == 30
+
+
+def test_a_float16_card_merges_with_a_float32_one_into_float32_without_rounding(examples):
+    float16_transformer(examples, "tiny-rl")
+    assert merge(examples, "tiny-base=0.5", "tiny-rl=0.5").exit_code == 0
+    a, b, soup = transformer(examples / "tiny-base"), transformer(examples / "tiny-rl"), transformer(examples / "soup")
+    name = "blocks.0.attn1.to_q.weight"
+    assert b[name].dtype == np.float16 and soup[name].dtype == np.float32
+    assert np.array_equal(soup[name], (0.5 * a[name].astype(np.float64) + 0.5 * b[name]).astype(np.float32))
+
+
+def test_extrapolating_past_a_float16_range_is_refused(examples):
+    float16_transformer(examples, "tiny-base")
+    float16_transformer(examples, "tiny-rl")
+    result = merge(examples, "tiny-rl=1e7", "tiny-base=-9999999")
+    assert result.exit_code == 2 and "beyond torch.float16" in result.output
+    assert not (examples / "soup").exists()
+
+
+def stranger(examples):
+    """tiny-base's architecture under another id, made from nothing: a model unrelated to tiny-base."""
+    shutil.copytree(examples / "tiny-base", examples / "stranger")
+    manifest = examples / "stranger" / "card.yaml"
+    manifest.write_text(manifest.read_text().replace("id: tiny-base", "id: stranger"))
+
+
+def narrower(examples):
+    """A card on tiny-base whose transformer is narrower (another config)."""
+    folder = examples / "narrow"
+    digest = write_tensors(folder / "transformer.safetensors", tiny_tensors("dit"))
+    config = ", ".join(f"{k}: {v}" for k, v in TINY_DIT.items())
+    (folder / "card.yaml").write_text(
+        f"schema: cardtool/v1\nid: narrow\nextends: ../tiny-base\ncomponents:\n  transformer:\n"
+        f"    config: {{{config}}}\n    weights: transformer.safetensors\n    sha256: {digest}\n"
+        "adapters: {invert: null}\nrecipe: {method: finetune, parents: [tiny-base]}\n")
+
+
+def renamed(examples):
+    """tiny-base under another description only: the same weights."""
+    (examples / "same").mkdir()
+    (examples / "same" / "card.yaml").write_text("schema: cardtool/v1\nid: same\nextends: ../tiny-base\n"
+                                                 "description: the same\nrecipe: {method: finetune, parents: "
+                                                 "[tiny-base]}\n")
+
+
+@pytest.mark.parametrize(("shares", "make", "card_id", "message"), [
+    (["tiny-base=0.5", "tiny-rl=0.6"], None, "soup", "the weights sum to 1.1"),
+    (["tiny-base=half", "tiny-rl=0.5"], None, "soup", "the weight 'half' is not a number"),
+    (["tiny-base=nan", "tiny-rl=0.5"], None, "soup", "must be a finite number"),
+    (["tiny-base=0.5", "tiny-rl"], None, "soup", "give every card a weight"),
+    (["tiny-base"], None, "soup", "at least two cards"),
+    (["tiny-base", "tiny-base"], None, "soup", "'tiny-base' is named twice"),
+    (["tiny-base", "stranger"], stranger, "soup", "share no ancestor"),
+    (["tiny-base", "narrow"], narrower, "soup", "differs in its kind, impl, source or config"),
+    (["tiny-base", "same"], renamed, "soup", "hold the same weights in every component"),
+    (["tiny-base", "tiny-rl"], None, "tiny-base", "the new card would descend from itself"),
+])
+def test_merges_that_cannot_make_a_model_are_refused_with_exit_2(examples, shares, make, card_id, message):
+    if make:
+        make(examples)
+    result = merge(examples, *shares, card_id=card_id, json_=False)
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split())
+    assert not (examples / "soup").exists()
