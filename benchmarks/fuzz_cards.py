@@ -2,8 +2,9 @@
 fit) run through `cards validate --checksums` → `cards show` → `generate` → `parity --card` → `generate --adapter`
 for each LoRA and (with a control image) each ControlNet → `generate --best-of 2` under the tiny judge → `generate
 --image --mask` (inpainting the control image) → `cards lineage` → `cards diff` against tiny-base → `cards export
---format hf` → `cards validate` of the export → `cards merge` with tiny-base and `generate` from the merged card (a
-refused merge is no failure), in process, with counts by outcome. The seed cards: the tiny example
+--format hf` → `cards validate` of the export → `cards merge` with tiny-base and `generate` from the merged card →
+`cards extract-lora` of its change to tiny-base and `generate` from the adapter card (a refused merge or extraction is
+no failure), in process, with counts by outcome. The seed cards: the tiny example
 cards and `tiny-control`, a ControlNet on tiny-base made here.
 
 Outcomes: `rejected` (validation refused it with a clean error), `ran` (it validated, and show, generate and
@@ -505,7 +506,8 @@ def _error_kind(stdout: str) -> str | None:
 
 def run_case(runner, app, card: Path, out: Path, control: Path) -> tuple[str, str]:
     """(outcome, detail) of one mutated card through the commands: validate, show, generate, parity, generate
-    with each LoRA and ControlNet it declares, lineage, export and the export's validation, a merge with tiny-base."""
+    with each LoRA and ControlNet it declares, lineage, export and the export's validation, a merge with tiny-base and
+    a LoRA extracted against it, each generating."""
     commands = [["cards", "validate", "--checksums", "--json", str(card)], ["cards", "show", "--json", str(card)],
                 ["generate", str(card), "-p", "a bag", "--steps", "2", "--json", "--out", str(out)],
                 ["parity", "--card", str(card), "--op", "cfg_combine", "--json"]]
@@ -526,10 +528,17 @@ def run_case(runner, app, card: Path, out: Path, control: Path) -> tuple[str, st
     commands += [["cards", "merge", f"{card}=0.5", f"{card.parent / 'tiny-base'}=0.5", "--id", "fuzz-soup", "--out",
                   str(soup), "--overwrite", "--json"],
                  ["generate", str(soup), "-p", "a bag", "--steps", "2", "--json", "--out", str(out)]]
-    valid, errors, checks = None, [], []
+    lora = out.parent / "extracted"  # and give its change to tiny-base as a LoRA that generates (or be refused)
+    commands += [["cards", "extract-lora", str(card.parent / "tiny-base"), str(card), "--rank", "3", "--id",
+                  "fuzz-lora", "--out", str(lora), "--overwrite", "--json"],
+                 ["generate", str(lora), "-p", "a bag", "--steps", "2", "--json", "--out", str(out)]]
+    valid, errors, checks, skip = None, [], [], False
     for i, args in enumerate(commands):
         if i >= 2 and not valid:
             break
+        if skip:  # the generate after a refused merge or extraction
+            skip = False
+            continue
         signal.alarm(HANG_SECONDS)
         try:
             result = runner.invoke(app, args)
@@ -551,8 +560,9 @@ def run_case(runner, app, card: Path, out: Path, control: Path) -> tuple[str, st
             checks.append(f"generate: {json.loads(result.stdout)['error']['message'][:200]}")
         elif "--best-of" in args and result.exit_code == 2 and "'tiny-judge'" in result.stdout:
             continue  # the judge refused (its sizes mutated, or other than the card's images): not the card
-        elif args[1] == "merge" and result.exit_code == 2:
-            break  # a merge refused (unrelated, another architecture, the same weights): nothing to generate
+        elif args[1] in ("merge", "extract-lora") and result.exit_code == 2:
+            skip = True  # refused (unrelated, another architecture, the same weights): nothing to generate
+            continue
         elif result.exit_code != 0:
             errors.append(f"{args[0]}: {result.stdout[:300]}")
     if not valid:

@@ -388,8 +388,8 @@ def _api(rng: random.Random, env: Env, out: Path) -> ApiCall:
 # the commands the argv surface runs: each finishes in seconds on the tiny cards (train, distill, rl, flywheel and eval
 # have surfaces of their own, sized to run)
 ARGV_COMMANDS = ("generate", "cards list", "cards show", "cards validate", "cards lineage", "cards diff",
-                 "cards export", "cards compose", "cards merge", "cards import", "parity", "platform detect",
-                 "platform matrix", "cache info", "cache prune", "workflow validate", "workflow run")
+                 "cards export", "cards compose", "cards merge", "cards extract-lora", "cards import", "parity",
+                 "platform detect", "platform matrix", "cache info", "cache prune", "workflow validate", "workflow run")
 
 
 @functools.lru_cache(maxsize=1)
@@ -433,8 +433,8 @@ def _argv(rng: random.Random, env: Env, out: Path) -> list[str]:
     args = [*path.split(), "--json", *(rng.choice(values) for _ in range(arguments))]
     for name, flag in rng.sample(options, min(len(options), rng.choice([1, 2, 3, 4, 5]))):
         args += [name] if flag else [name, rng.choice(values)]
-    if path in ("generate", "workflow run", "cards export", "cards compose", "cards merge", "cards import") and \
-            "--out" not in args:
+    if path in ("generate", "workflow run", "cards export", "cards compose", "cards merge", "cards extract-lora",
+                "cards import") and "--out" not in args:
         args += ["--out", str(out / "out")]  # never the working folder's default outputs/ or cards/
     return [*args, "--steps", "1"] if path == "generate" and "--steps" not in args else args
 

@@ -15,20 +15,13 @@ import json
 import tempfile
 from pathlib import Path
 
-import numpy as np
+from judging import Judging  # benchmarks/, this script's folder
 
 from cardtool.atomic import write_atomic
-from cardtool.backends.platform import Platform
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import load_card
 from cardtool.core.cards.merge import merge_cards
-from cardtool.core.data import CLASS_NAMES, load_split
-from cardtool.core.evaluation.metrics import frechet_distance
-from cardtool.core.evaluation.reward import FashionJudge
-from cardtool.core.prompts import class_prompt
 from cardtool.core.sampling.generate import LoadedCard
-from cardtool.core.sampling.instance import ModelInstance
-from cardtool.core.sampling.planning import plan_requests
 from cardtool.core.sampling.sampler import sample
 
 
@@ -71,33 +64,21 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, help="Also draw accuracy against FID here (needs matplotlib).")
     args = parser.parse_args()
 
-    platform = Platform.detect(args.device)
-    judges = [FashionJudge(ModelInstance(load_card(locate(j)), platform, "float32"))
-              for j in (args.reward, args.held_out_judge)]
-    real = judges[0].features(load_split("test", args.data).images)
-    labels = np.repeat(np.arange(len(CLASS_NAMES)), args.per_class)
-    prompts = [class_prompt(c) for c in range(len(CLASS_NAMES))]
+    judging = Judging(args.reward, args.held_out_judge, args.per_class, args.device, args.data)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for alpha in args.alpha:
             merged = merge_cards([f"{args.base}={1 - alpha!r}", f"{args.tuned}={alpha!r}"], f"soup-{len(rows)}",
                                  Path(tmp) / f"soup-{len(rows)}").card
-            loaded = LoadedCard(str(merged.folder), device=args.device)
-            loop, reward = loaded.loop(), loaded.reward(args.reward)
+            loop = LoadedCard(str(merged.folder), device=args.device).loop()
             for guidance in args.guidance:
-                requests, _ = plan_requests(loaded.card, prompts, num=args.per_class, guidance=guidance)
-                images = loop.finalize(sample(loop, requests, max_batch=256))
-                accuracies = [float((j.probabilities(images).argmax(1) == labels).mean()) for j in judges]
-                row = {"alpha": alpha, "guidance": guidance, "images": len(images),
-                       "mean_reward": round(float(np.mean(reward.score(images, [r.prompt for r in requests]))), 4),
-                       "class_accuracy": round(accuracies[0], 4), "held_out_accuracy": round(accuracies[1], 4),
-                       "fid_fmnist": round(frechet_distance(judges[0].features(images), real), 3)}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                images = loop.finalize(sample(loop, judging.requests(merged, guidance=guidance), max_batch=256))
+                rows.append({"alpha": alpha, "guidance": guidance, **judging.score(images)})
+                print(json.dumps(rows[-1]), flush=True)
     defaults = load_card(locate(args.base)).manifest.loops["denoise"].defaults
     document = {"base": args.base, "tuned": args.tuned, "reward": args.reward, "held_out_judge": args.held_out_judge,
                 "per_class": args.per_class, "loop": {k: v for k, v in defaults.items() if k != "guidance"},
-                "platform": f"{platform.device}/{platform.arch}", "rows": rows}
+                "platform": f"{judging.platform.device}/{judging.platform.arch}", "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out, (json.dumps(document, indent=1) + "\n").encode())
     if args.plot:

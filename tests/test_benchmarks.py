@@ -191,3 +191,18 @@ def test_model_soup_benchmark_measures_each_mix_at_each_guidance(tmp_path, examp
         assert row["images"] == 10 and row["class_accuracy"] == row["held_out_accuracy"], "one judge twice"
         assert 0 <= row["mean_reward"] <= 1 and row["fid_fmnist"] >= 0
     assert report["rows"][0]["fid_fmnist"] != report["rows"][2]["fid_fmnist"], "another α, other weights"
+
+
+def test_lora_extract_benchmark_measures_each_tuned_card_and_its_loras(tmp_path, examples):
+    from helpers import write_idx_folder
+
+    out = tmp_path / "lora.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "lora_extract.py"), "--base", "tiny-base", "--tuned",
+                    "tiny-rl", "--rank", "2", "--rank", "64", "--reward", "tiny-judge", "--held-out-judge",
+                    "tiny-judge", "--per-class", "1", "--data", str(write_idx_folder(tmp_path / "idx")), "--out",
+                    str(out)],
+                   check=True, capture_output=True, timeout=300, env={**os.environ, "CARDTOOL_PATH": str(examples)})
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["tuned"], r["rank"]) for r in rows] == [("tiny-rl", None), ("tiny-rl", 2), ("tiny-rl", 64)]
+    assert 0 < rows[1]["kept"] < rows[2]["kept"] == 1.0 and 0 < rows[1]["linear_share"] <= 1
+    assert all(r["images"] == 10 and 0 <= r["class_accuracy"] <= 1 for r in rows)

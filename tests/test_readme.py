@@ -77,3 +77,4 @@ def test_quick_tour_runs_as_written(tmp_path):
     assert (tmp_path / "outputs" / "tiny-distilled-hf" / "transformer" / "config.json").is_file()
     assert "wrote tiny-soup to outputs/tiny-soup: transformer averaged from tiny-base (0.5), tiny-rl (0.5)" in \
         " ".join(result.stdout.split())
+    assert "wrote tiny-rl-lora to outputs/tiny-rl-lora: LoRA 'tiny-rl' (rank 4," in " ".join(result.stdout.split())

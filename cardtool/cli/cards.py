@@ -1,4 +1,4 @@
-"""`cardtool cards list | show | validate | lineage | diff | export | compose | merge | import`."""
+"""`cardtool cards list | show | validate | lineage | diff | export | compose | merge | extract-lora | import`."""
 
 from __future__ import annotations
 
@@ -290,6 +290,34 @@ def merge_command(
     if merge.loops_differ:
         console().print(f"note: the loops of {', '.join(merge.loops_differ)} differ from {parents[0]}'s; the merged "
                         f"card runs {parents[0]}'s (name first the card whose loop you want)", markup=False)
+
+
+@app.command("extract-lora")
+def extract_lora_command(
+    base: CardArgument,
+    tuned: Annotated[str, typer.Argument(help="A card made from BASE whose transformer's change the LoRA carries.")],
+    rank: Annotated[int, typer.Option("--rank", help="The LoRA's rank (each layer's change truncated by SVD).")],
+    card_id: Annotated[str, typer.Option("--id", help="The adapter card's id.")],
+    adapter: Annotated[str | None, typer.Option("--adapter", help="The adapter's name (default: TUNED's id).")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="The card folder (default cards/ID).")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing card folder.")] = False,
+    json_: JsonOption = False,
+) -> None:
+    """An adapter card on BASE whose LoRA approximates TUNED: an RL'd or distilled card served per request."""
+    from cardtool.core.cards.lora_extract import extract_lora
+    from cardtool.core.cards.source import display_path
+
+    with handled(json_):
+        made = extract_lora(base, tuned, rank, card_id, adapter=adapter, out=out, overwrite=overwrite)
+    card = made.card
+    if json_:
+        emit_json({"card": card.id, "path": display_path(card.folder), "extends": card.manifest.extends,
+                   "adapter": made.adapter, "rank": made.rank, "modules": made.modules,
+                   "linear_share": made.linear_share, "kept": made.kept})
+        return
+    console().print(f"wrote {card.id} to {display_path(card.folder)}: LoRA '{made.adapter}' (rank {made.rank}, "
+                    f"{made.modules} layers) on {card.manifest.recipe.parents[0]}; it keeps {made.kept:.1%} of the "
+                    f"linear layers' change, which is {made.linear_share:.1%} of the whole", markup=False)
 
 
 @app.command("import")

@@ -22,7 +22,8 @@ __all__ = ["FORMATS", "export_card"]
 
 FORMATS = ("hf",)
 RELATIONS = {"finetune": "finetune", "dmd2": "finetune", "diffusion_nft": "finetune", "flow_grpo": "finetune",
-             "lora": "adapter", "controlnet": "adapter", "merge": "merge"}  # recipe.method → base_model_relation
+             "lora": "adapter", "controlnet": "adapter", "lora_extract": "adapter",
+             "merge": "merge"}  # recipe.method → base_model_relation
 TRANSFORMER = "transformer/diffusion_pytorch_model.safetensors"
 DIFFUSERS_CLASS = "WanTransformer3DModel"
 

@@ -22,7 +22,7 @@ from cardtool.core.cards.writer import card_folder, write_card
 from cardtool.core.training.derived import extends_reference
 from cardtool.errors import BadInput
 
-__all__ = ["Merge", "merge_cards", "parse_share"]
+__all__ = ["Merge", "check_architecture", "check_related", "merge_cards", "parse_share"]
 
 _SUM_TOLERANCE = 1e-6  # weights typed as decimals (0.1 + 0.2 + 0.7) sum to 1 only within rounding
 _ARCHITECTURE = ("weights", "sha256", "frozen")  # a component's fields that may differ between cards merged
@@ -59,13 +59,13 @@ def merge_cards(shares: list[str], card_id: str, out: Path | None = None, overwr
         raise BadInput("name at least two cards to merge")
     weights = _weights([w for _, w in parsed])
     cards = [load_card(locate(ref)) for ref, _ in parsed]
-    _check_related(cards)
+    check_related(cards)
     check_new_id(card_id, cards, "give the merged card another --id")
     out = card_folder(card_id, out)
     first = cards[0]
     merged, state, metadata = [], {}, {}
     for name, component in first.manifest.components.items():
-        _check_architecture(cards, name)
+        check_architecture(cards, name)
         if component.weights is None or len({sha256_file(c.weights_file(name)) for c in cards}) == 1:
             continue  # the same file in every card: inherited from the first, bit for bit
         rel = f"{name}.safetensors"
@@ -101,7 +101,7 @@ def _weights(given: list[float | None]) -> list[float]:
     return list(given)
 
 
-def _check_related(cards: list[Card]) -> None:
+def check_related(cards: list[Card]) -> None:
     """Distinct cards with an ancestor in common: weights of unrelated models do not average into a model."""
     seen = {}
     for card in cards:
@@ -111,10 +111,10 @@ def _check_related(cards: list[Card]) -> None:
     lines = [{node.id for node in lineage(card).nodes()} for card in cards]
     if not set.intersection(*lines):
         raise BadInput(f"{', '.join(c.id for c in cards)} share no ancestor in their lineages (cards lineage): "
-                       "weights average into a working model only between fine-tunes of one model")
+                       "weights combine into a working model only between fine-tunes of one model")
 
 
-def _check_architecture(cards: list[Card], name: str) -> None:
+def check_architecture(cards: list[Card], name: str) -> None:
     first = cards[0]
     spec = first.manifest.components[name].model_dump(mode="json", exclude=set(_ARCHITECTURE))
     for card in cards[1:]:
@@ -124,7 +124,7 @@ def _check_architecture(cards: list[Card], name: str) -> None:
                            "same components")
         if other.model_dump(mode="json", exclude=set(_ARCHITECTURE)) != spec:
             raise BadInput(f"component '{name}' differs in its kind, impl, source or config between '{first.id}' and "
-                           f"'{card.id}'; only the weights of one architecture average")
+                           f"'{card.id}'; only the weights of one architecture combine")
         if (other.weights is None) != (first.manifest.components[name].weights is None):
             raise BadInput(f"component '{name}' has weights in one of '{first.id}' and '{card.id}' only")
     extra = [n for c in cards[1:] for n in c.manifest.components if n not in first.manifest.components]
@@ -144,7 +144,7 @@ def _average(paths: list[Path], weights: list[float], ids: list[str], name: str)
         if other != shapes[0]:
             odd = sorted(set(other) ^ set(shapes[0])) or sorted(t for t in other if other[t] != shapes[0][t])
             raise BadInput(f"{name}: tensor '{odd[0]}' is not the same in '{ids[0]}' and '{card_id}' (missing or "
-                           "another shape); only the weights of one architecture average")
+                           "another shape); only the weights of one architecture combine")
     state = {}
     with ExitStack() as files:
         readers = [files.enter_context(safe_open(str(path), framework="pt")) for path in paths]

@@ -12,7 +12,7 @@ __all__ = ["SCHEMA", "METHODS", "CardManifest", "Component", "Loop", "LoraAdapte
 
 SCHEMA = "cardtool/v1"
 METHODS = ("pretrain", "finetune", "vae", "classifier", "lora", "controlnet", "dmd2", "diffusion_nft",
-           "flow_grpo", "import", "merge")
+           "flow_grpo", "import", "merge", "lora_extract")
 
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=128)]
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]

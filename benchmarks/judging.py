@@ -1,0 +1,41 @@
+"""The quality benchmarks' yardstick: images made for the eval's requests (the class prompts × seeds 0…per_class−1),
+scored for class accuracy by the reward's judge and by a held-out judge, mean reward (the reward judge's probability
+of the prompt's class) and FID-FMNIST against the test split, in the reward judge's features."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cardtool.backends.platform import Platform
+from cardtool.core.cards.discovery import locate
+from cardtool.core.cards.loader import Card, load_card
+from cardtool.core.data import CLASS_NAMES, load_split
+from cardtool.core.evaluation.metrics import frechet_distance
+from cardtool.core.evaluation.reward import FashionJudge
+from cardtool.core.prompts import class_prompt
+from cardtool.core.sampling.instance import ModelInstance
+from cardtool.core.sampling.planning import plan_requests
+
+
+class Judging:
+    def __init__(self, reward: str, held_out: str, per_class: int, device: str | None = None,
+                 data: str | None = None):
+        self.platform = Platform.detect(device)
+        self.judges = [FashionJudge(ModelInstance(load_card(locate(j)), self.platform, "float32"))
+                       for j in (reward, held_out)]
+        self.real = self.judges[0].features(load_split("test", data).images)
+        self.labels = np.repeat(np.arange(len(CLASS_NAMES)), per_class)
+        self.prompts = [class_prompt(c) for c in range(len(CLASS_NAMES))]
+        self.per_class = per_class
+
+    def requests(self, card: Card, **loop) -> list:
+        """The eval's requests at the card's loop defaults, `loop` (guidance=…) overriding them."""
+        return plan_requests(card, self.prompts, num=self.per_class, **loop)[0]
+
+    def score(self, images: np.ndarray) -> dict:
+        reward, held_out = (judge.probabilities(images) for judge in self.judges)
+        rows = np.arange(len(images))
+        return {"images": len(images), "mean_reward": round(float(reward[rows, self.labels].mean()), 4),
+                "class_accuracy": round(float((reward.argmax(1) == self.labels).mean()), 4),
+                "held_out_accuracy": round(float((held_out.argmax(1) == self.labels).mean()), 4),
+                "fid_fmnist": round(frechet_distance(self.judges[0].features(images), self.real), 3)}

@@ -1,0 +1,159 @@
+"""`cardtool cards extract-lora BASE TUNED --rank R`: TUNED's change to BASE's transformer as a LoRA on BASE."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file, save_file
+from typer.testing import CliRunner
+
+from cardtool.cli import app
+from cardtool.core.cards.loader import load_card
+from cardtool.core.cards.weight_files import sha256_file
+from cardtool.core.sampling.generate import LoadedCard
+
+torch.set_num_threads(1)
+
+QUERY = "blocks.0.attn1.to_q"
+
+
+@pytest.fixture
+def examples(examples, monkeypatch):
+    """The example cards, found by id."""
+    monkeypatch.setenv("CARDTOOL_PATH", str(examples))
+    return examples
+
+
+def tuned(examples, change, name: str = "tuned", vae: bool = False):
+    """A card extending tiny-base whose transformer is tiny-base's with `change(tensors)` applied."""
+    tensors = load_file(str(examples / "tiny-base" / "transformer.safetensors"))
+    change(tensors)
+    folder = examples / name
+    folder.mkdir()
+    save_file(tensors, str(folder / "transformer.safetensors"))
+    vae_entry = ""
+    if vae:
+        weights = load_file(str(examples / "tiny-base" / "vae.safetensors"))
+        save_file({k: v * np.float32(1.01) for k, v in weights.items()}, str(folder / "vae.safetensors"))
+        vae_entry = f"  vae:\n    weights: vae.safetensors\n    sha256: {sha256_file(folder / 'vae.safetensors')}\n"
+    (folder / "card.yaml").write_text(
+        f"schema: cardtool/v1\nid: {name}\nextends: tiny-base\ncomponents:\n  transformer:\n"
+        f"    weights: transformer.safetensors\n    sha256: {sha256_file(folder / 'transformer.safetensors')}\n"
+        f"{vae_entry}loops:\n  denoise:\n    defaults: {{steps: 3, guidance: 1.0}}\n"
+        "recipe: {method: finetune, parents: [tiny-base]}\n")
+    return tensors
+
+
+def every_linear(tensors):
+    rng = np.random.default_rng(0)
+    for name, value in tensors.items():
+        if name.endswith(".weight") and value.ndim == 2:
+            tensors[name] = value + np.float32(0.05) * rng.standard_normal(value.shape).astype(np.float32)
+
+
+def extract(examples, *args: str, card_id: str = "extracted"):
+    return CliRunner().invoke(app, ["cards", "extract-lora", *args, "--id", card_id, "--out",
+                                    str(examples / card_id), "--json"])
+
+
+def lora(examples, card_id: str = "extracted", name: str = "tuned") -> dict:
+    return load_file(str(examples / card_id / "adapters" / f"{name}.safetensors"))
+
+
+def test_at_full_rank_the_adapter_card_makes_the_tuned_cards_images(examples):
+    """A change to linear weights alone, extracted at full rank: the base with the LoRA is the tuned model."""
+    tuned(examples, every_linear)
+    result = extract(examples, "tiny-base", "tuned", "--rank", "64")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["linear_share"] == 1.0 and report["kept"] == pytest.approx(1.0, abs=1e-12)
+    made = [LoadedCard(str(examples / ref)).generate("a bag", num=2, out=None).images for ref in ("tuned", "extracted")]
+    for mine, theirs in zip(*made, strict=True):
+        assert mine.metadata["steps"] == theirs.metadata["steps"] == "3", "the tuned card's loop defaults"
+        assert np.abs(mine.pixels.astype(int) - theirs.pixels).max() <= 1
+    plain = LoadedCard(str(examples / "tiny-base")).generate("a bag", num=2, steps=3, guidance=1.0, out=None).images
+    assert np.abs(plain[0].pixels.astype(int) - made[0][0].pixels).max() > 10, "the change must show for this test"
+
+
+def test_a_low_rank_lora_is_each_layers_truncated_svd(examples):
+    base = load_file(str(examples / "tiny-base" / "transformer.safetensors"))
+    tensors = tuned(examples, every_linear)
+    result = extract(examples, "tiny-base", "tuned", "--rank", "3")
+    assert result.exit_code == 0, result.output
+    kept = json.loads(result.stdout)["kept"]
+    file, energy, top = lora(examples), 0.0, 0.0
+    for name in (n for n, v in base.items() if n.endswith(".weight") and v.ndim == 2):
+        delta = tensors[name].astype(np.float64) - base[name]
+        module = name.removesuffix(".weight")
+        a, b = file[f"{module}.lora_A.weight"], file[f"{module}.lora_B.weight"]
+        assert a.shape == (3, delta.shape[1]) and b.shape == (delta.shape[0], 3)
+        u, s, vh = np.linalg.svd(delta, full_matrices=False)
+        best = (u[:, :3] * s[:3]) @ vh[:3]  # Eckart–Young: the closest rank-3 matrix
+        np.testing.assert_allclose(b.astype(np.float64) @ a, best, atol=1e-5)
+        energy, top = energy + float((s**2).sum()), top + float((s[:3] ** 2).sum())
+    assert kept == pytest.approx(top / energy, rel=1e-9)
+    card = load_card(examples / "extracted", checksums=True)
+    spec = card.manifest.adapters["tuned"]
+    assert (spec.rank, spec.alpha) == (3, 3.0) and "blocks.*.attn1.to_q" in spec.targets
+    assert card.manifest.recipe.method == "lora_extract" and card.manifest.recipe.parents == ["tiny-base", "tuned"]
+    assert card.manifest.loops["denoise"].defaults["adapters"] == {"tuned": 1.0}
+    assert set(card.manifest.adapters) == {"invert", "tuned"}, "the base's own adapters stay"
+
+
+def test_only_the_layers_that_changed_are_adapted_and_a_rank_above_a_layers_size_is_zero_padded(examples):
+    def one_layer(tensors):
+        tensors[f"{QUERY}.weight"] = tensors[f"{QUERY}.weight"] + np.outer(np.arange(32), np.ones(32)).astype(
+            np.float32) / 100
+
+    tuned(examples, one_layer)
+    result = extract(examples, "tiny-base", "tuned", "--rank", "40")
+    assert result.exit_code == 0, result.output
+    file = lora(examples)
+    assert sorted(file) == [f"{QUERY}.lora_A.weight", f"{QUERY}.lora_B.weight"]
+    assert not file[f"{QUERY}.lora_A.weight"][32:].any() and not file[f"{QUERY}.lora_B.weight"][:, 32:].any()
+    assert load_card(examples / "extracted").manifest.adapters["tuned"].targets == [QUERY], \
+        "not blocks.*: the other block's query did not change"
+    run = CliRunner().invoke(app, ["generate", str(examples / "extracted"), "-p", "a bag", "--steps", "1",
+                                   "--adapter", "tuned=0.5", "--adapter", "invert", "--out", str(examples / "o")])
+    assert run.exit_code == 0, run.output
+
+
+def test_a_change_outside_linear_layers_is_reported_as_beyond_the_lora(examples):
+    def norm_too(tensors):
+        every_linear(tensors)
+        tensors["scale_shift_table"] = tensors["scale_shift_table"] + np.float32(5)
+
+    tuned(examples, norm_too)
+    report = json.loads(extract(examples, "tiny-base", "tuned", "--rank", "64").stdout)
+    assert 0 < report["linear_share"] < 0.9 and report["kept"] == pytest.approx(1.0, abs=1e-12)
+
+
+def stranger(examples):
+    import shutil
+
+    shutil.copytree(examples / "tiny-base", examples / "stranger")
+    manifest = examples / "stranger" / "card.yaml"
+    manifest.write_text(manifest.read_text().replace("id: tiny-base", "id: stranger"))
+
+
+@pytest.mark.parametrize(("args", "make", "message"), [
+    (["tiny-base", "tiny-rl", "--rank", "0"], None, "--rank must be a whole number, at least 1"),
+    (["tiny-base", "tiny-base", "--rank", "2"], None, "BASE and TUNED are both 'tiny-base'"),
+    (["tiny-base", "same", "--rank", "2"], lambda e: tuned(e, lambda t: None, "same"),
+     "'same' does not change the linear weights of 'tiny-base'"),
+    (["tiny-base", "stranger", "--rank", "2"], stranger, "share no ancestor"),
+    (["tiny-base", "vae-too", "--rank", "2"], lambda e: tuned(e, every_linear, "vae-too", vae=True),
+     "'vae-too' also changes vae of 'tiny-base'"),
+    (["tiny-base", "tiny-rl", "--rank", "2", "--adapter", "invert"], None, "already has an adapter 'invert'"),
+    (["tiny-judge", "tiny-rl", "--rank", "2"], None, "share no ancestor"),
+])
+def test_extractions_that_cannot_work_are_refused_with_exit_2(examples, args, make, message):
+    if make:
+        make(examples)
+    result = extract(examples, *args)
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(json.loads(result.stdout)["error"]["message"].split())
+    assert not (examples / "extracted").exists()
