@@ -7,7 +7,7 @@ from __future__ import annotations
 
 __all__ = ["OPS", "COMPONENT_IMPLS", "register"]
 
-OPS = ("flow_match_step", "flow_sde_step", "flow_renoise_step", "cfg_combine",
+OPS = ("flow_match_step", "flow_sde_step", "flow_renoise_step", "flow_dpm_step", "cfg_combine",
        "attention", "rms_norm", "modulated_layer_norm",
        "rope_3d", "timestep_embedding", "lora_bgmv", "gelu_tanh", "linear")
 # the ops with bfloat16 variants on the CPU tiers: avx512_bf16 computes in bf16, avx2 emulates it in float32

@@ -98,6 +98,18 @@ def _flow_renoise_step(rng):
                                               noise=n((3, 4, 1, 4, 4))), {})]
 
 
+def _flow_dpm_step(rng):
+    n = rng.standard_normal
+    return [Case("2x4x1x8x8, second order and the last step", dict(x=n((2, 4, 1, 8, 8)), v=n((2, 4, 1, 8, 8)),
+                                                                sigma=np.array([0.6, 0.2]),
+                                                                sigma_next=np.array([0.4, 0.0]),
+                                                                x0_prev=n((2, 4, 1, 8, 8)), c=np.array([0.75, 0.0])),
+                 {}),
+            Case("3x4x1x4x4, scalar σ, first order", dict(x=n((3, 4, 1, 4, 4)), v=n((3, 4, 1, 4, 4)), sigma=1.0,
+                                                          sigma_next=0.8, x0_prev=np.zeros((3, 4, 1, 4, 4)), c=0.0),
+                 {})]
+
+
 def _cfg_combine(rng):
     n = rng.standard_normal
     return [Case("2x4x1x8x8, per-sample w", dict(v_uncond=n((2, 4, 1, 8, 8)), v_cond=n((2, 4, 1, 8, 8)),
@@ -169,7 +181,7 @@ def _lora_bgmv(rng):
 
 
 _CASES = {"flow_match_step": _flow_match_step, "flow_sde_step": _flow_sde_step,
-          "flow_renoise_step": _flow_renoise_step, "cfg_combine": _cfg_combine,
+          "flow_renoise_step": _flow_renoise_step, "flow_dpm_step": _flow_dpm_step, "cfg_combine": _cfg_combine,
           "attention": _attention, "rms_norm": _rms_norm, "modulated_layer_norm": _modulated_layer_norm,
           "rope_3d": _rope_3d, "timestep_embedding": _timestep_embedding, "lora_bgmv": _lora_bgmv,
           "gelu_tanh": _gelu_tanh, "linear": _linear}

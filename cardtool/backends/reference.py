@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["flow_match_step", "flow_sde_step", "flow_renoise_step",
+__all__ = ["flow_match_step", "flow_sde_step", "flow_renoise_step", "flow_dpm_step",
            "cfg_combine", "attention", "rms_norm", "modulated_layer_norm",
            "rope_3d", "rope_angles", "timestep_embedding", "lora_bgmv", "gelu_tanh", "linear"]
 
@@ -52,6 +52,18 @@ def flow_renoise_step(x, v, sigma, sigma_next, noise):
     noise: (1 − σ_next)·x̂0 + σ_next·ε. The last step (σ_next = 0) returns x̂0."""
     s, s_next = _per_sample(sigma, x), _per_sample(sigma_next, x)
     return (1 - s_next) * (x - s * v) + s_next * noise
+
+
+def flow_dpm_step(x, v, sigma, sigma_next, x0_prev, c):
+    """DPM-Solver++(2M) step in the flow's parametrisation (Lu et al. 2022, arXiv 2211.01095, its multistep
+    second-order update; α = 1 − σ): x̂0 = x − σ·v, D = (1 + c)·x̂0 − c·x̂0_prev, x' = (σ'/σ)·x + (1 − σ'/σ)·D.
+    c = h / (2·h_prev) over the log-SNR steps λ = log((1 − σ)/σ) (the caller's grid arithmetic); c = 0 is the
+    first-order step, Euler's in exact arithmetic. Returns (x', x̂0): x̂0 is the next step's x̂0_prev."""
+    s, s_next = _per_sample(sigma, x), _per_sample(sigma_next, x)
+    x0 = x - s * v
+    ratio = s_next / s
+    c = _per_sample(c, x)
+    return ratio * x + (1 - ratio) * ((1 + c) * x0 - c * x0_prev), x0
 
 
 def cfg_combine(v_uncond, v_cond, scale):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from cardtool.backends.reference import check_activation, rope_angles
 
-__all__ = ["flow_match_step", "flow_sde_step", "flow_renoise_step",
+__all__ = ["flow_match_step", "flow_sde_step", "flow_renoise_step", "flow_dpm_step",
            "cfg_combine", "attention", "rms_norm", "modulated_layer_norm",
            "rope_3d", "timestep_embedding", "lora_bgmv", "gelu_tanh", "linear"]
 
@@ -63,6 +63,19 @@ def flow_renoise_step(x, v, sigma, sigma_next, noise):
     """x̂0 = x − σ·v re-noised to σ_next: (1 − σ_next)·x̂0 + σ_next·ε (DMD2's few-step rule)."""
     s, s_next = _per_sample(sigma, x, x.dtype), _per_sample(sigma_next, x, x.dtype)
     return (1 - s_next) * (x - s * v) + s_next * noise.to(x.dtype)
+
+
+def flow_dpm_step(x, v, sigma, sigma_next, x0_prev, c):
+    """DPM-Solver++(2M) step (see the reference): returns (x', x̂0), computed in float32 at least (three terms
+    that mostly cancel, where bfloat16 would round each)."""
+    dtype = _compute(x)
+    xc = x.to(dtype)
+    s, s_next = _per_sample(sigma, x, dtype), _per_sample(sigma_next, x, dtype)
+    x0 = xc - s * v.to(dtype)
+    ratio = s_next / s
+    c = _per_sample(c, x, dtype)
+    out = ratio * xc + (1 - ratio) * ((1 + c) * x0 - c * x0_prev.to(dtype))
+    return out.to(x.dtype), x0.to(x.dtype)
 
 
 def cfg_combine(v_uncond, v_cond, scale):

@@ -23,7 +23,7 @@ def eval_command(
         "--guidance-interval", metavar="LO,HI", help="σ range whose steps use CFG (default: the card's).")] = None,
     shift: Annotated[float | None, typer.Option("--shift", help="σ-grid shift (default: the card's).")] = None,
     solver: Annotated[str | None, typer.Option(
-        "--solver", help="euler, sde or renoise (default: the card's).")] = None,
+        "--solver", help="euler, dpmpp_2m, sde or renoise (default: the card's).")] = None,
     per_class: Annotated[int, typer.Option("--per-class", help="Images per class (10 classes).")] = 100,
     seed: Annotated[int, typer.Option("--seed", help="First seed of each class.")] = 0,
     device: Annotated[str | None, typer.Option("--device", help="Override the device (cuda, cpu).")] = None,

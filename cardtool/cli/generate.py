@@ -29,7 +29,8 @@ def generate_command(
         "--guidance-interval", metavar="LO,HI", help="σ range of the steps using CFG (default: the card's).")] = None,
     shift: Annotated[float | None, typer.Option("--shift", help="σ-grid shift (SD3 / Wan).")] = None,
     solver: Annotated[str | None, typer.Option(
-        "--solver", help="euler (ODE), sde (Flow-GRPO SDE) or renoise (DMD2 few-step: x̂0, re-noised).")] = None,
+        "--solver", help="euler (ODE), dpmpp_2m (the ODE, second order: DPM-Solver++ 2M), sde "
+        "(Flow-GRPO SDE) or renoise (DMD2 few-step: x̂0, re-noised).")] = None,
     device: Annotated[str | None, typer.Option("--device", help="Override the device (cuda, cpu, numpy).")] = None,
     precision: Annotated[str | None, typer.Option(
         "--precision", help="float32, bfloat16 or float16 (mixed: float32 weights, low-precision products), "

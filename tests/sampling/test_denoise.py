@@ -20,7 +20,9 @@ MIXED = [Request("an ankle boot", seed=1, steps=3, guidance=4.0),
          Request("a coat", seed=3, steps=4, guidance=2.0, shift=3.0, solver="sde"),
          Request("a coat", seed=4, steps=2, guidance=7.5, negative_prompt="a shirt"),
          Request("a shirt", seed=5, steps=4, guidance=3.0, guidance_interval=(0.0, 0.5)),  # σ 1, .75 unguided
-         Request("a sneaker", seed=6, steps=3, guidance=1.0, solver="renoise")]
+         Request("a sneaker", seed=6, steps=3, guidance=1.0, solver="renoise"),
+         Request("a dress", seed=7, steps=5, guidance=3.0, shift=2.0, solver="dpmpp_2m"),
+         Request("a bag", seed=8, steps=4, guidance=1.0, solver="dpmpp_2m")]
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +57,8 @@ def test_forwards_are_shared_and_capped_by_max_batch(loop, monkeypatch):
     monkeypatch.setattr(type(transformer), "forward",
                         lambda self, x, *rest: sizes.append(x.shape[0]) or original(self, x, *rest))
     sample(loop, MIXED)
-    assert sizes[0] == 2 + 1 + 2 + 2 + 1 + 1, "one forward for all six requests, guided ones twice"
-    assert sizes[2] == 2 + 1 + 2 + 2 + 1, "the third step: two requests done, the interval one now guided"
+    assert sizes[0] == 2 + 1 + 2 + 2 + 1 + 1 + 2 + 1, "one forward for all eight requests, guided ones twice"
+    assert sizes[2] == 2 + 1 + 2 + 2 + 1 + 2 + 1, "the third step: one request done, the interval one now guided"
     assert len(sizes) == 5, "as many forwards as the longest request has steps"
     sizes.clear()
     capped = final(sample(loop, MIXED, max_batch=2))

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 __all__ = ["SOLVERS", "LOOP_KINDS", "LoopKind", "FlowDenoiseDefaults", "MAX_STEPS", "MAX_GUIDANCE", "SHIFTS",
            "MAX_ETA"]
 
-SOLVERS = ("euler", "sde", "renoise")
+SOLVERS = ("euler", "dpmpp_2m", "sde", "renoise")
 MAX_STEPS = 1000
 MAX_GUIDANCE = 100  # |w|: far past any useful CFG scale, short of overflowing float32 velocities
 SHIFTS = (0.01, 100)  # the σ-grid shift's range: beyond it the grid collapses onto σ = 0 or 1

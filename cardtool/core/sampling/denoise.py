@@ -3,10 +3,11 @@ will distillation and RL rollouts, with capture switched on.
 
 A driven loop: `init` makes a request's state (its seed's noise, its shifted σ grid, its text features);
 `next` says what the model must evaluate for it; `step` evaluates many states' inputs in one forward;
-`advance` applies CFG and the solver to a batch of states (`euler`, the flow ODE; `sde`, Flow-GRPO's SDE with per-step
-log-probabilities; `renoise`, DMD2's few-step rule: predict x̂0, re-noise it to the next σ with fresh noise); `finalize`
-decodes. Everything per request lives in its LoopState: its own numpy RNG
-(so samples do not depend on batch composition or platform), σ grid, guidance and captured tensors.
+`advance` applies CFG and the solver to a batch of states (`euler`, the flow ODE; `dpmpp_2m`, the same ODE by
+DPM-Solver++(2M), second order at one evaluation a step; `sde`, Flow-GRPO's SDE with per-step log-probabilities;
+`renoise`, DMD2's few-step rule: predict x̂0, re-noise it to the next σ with fresh noise); `finalize` decodes.
+Everything per request lives in its LoopState: its own numpy RNG (so samples do not depend on batch composition or
+platform), σ grid, guidance, the solver's memory and captured tensors.
 
 CFG applies on the steps whose σ lies in the request's `guidance_interval` (Kynkäänniemi et al. 2024,
 "Applying Guidance in a Limited Interval Improves Sample and Distribution Quality in Diffusion Models"):
@@ -55,6 +56,16 @@ def shifted_sigmas(steps: int, shift: float) -> np.ndarray:
     """σ grid from 1 to 0 in `steps` steps, shifted t' = s·t / (1 + (s − 1)·t) as in SD3 / Wan2.1."""
     t = np.linspace(1.0, 0.0, steps + 1)
     return shift * t / (1 + (shift - 1) * t)
+
+
+def _dpm_c(previous: tuple | None, sigma: float, sigma_next: float) -> float:
+    """DPM-Solver++(2M)'s c = h / (2·h_prev) over the log-SNR λ = log((1 − σ)/σ): 0 — the first-order step — with
+    no previous estimate, after the step from σ = 1 (λ = −∞) and on the last step to σ = 0 (as k-diffusion's
+    sample_dpmpp_2m and diffusers' DPMSolverMultistepScheduler do)."""
+    if previous is None or previous[0] >= 1 or sigma_next <= 0:
+        return 0.0
+    lam_prev, lam, lam_next = (math.log((1 - s) / s) for s in (previous[0], sigma, sigma_next))
+    return (lam_next - lam) / (2 * (lam - lam_prev))
 
 
 MAX_PROMPT_CHARS = 1 << 16  # the text encoder reads a few dozen tokens; more is a mistake, not a prompt
@@ -168,6 +179,7 @@ class LoopState:
     adapters: tuple = ()  # the AdapterUses the request started with (its versions until it finishes)
     control: object = None  # the control image's latent (1, C, F, H, W), when a ControlNet conditions it
     keep: tuple | None = None  # inpainting: (mask (1, 1, 1, H, W), 1 where kept; the image's latent; starting noise)
+    previous: tuple | None = None  # dpmpp_2m: (σ of the step before, its clean estimate x̂0)
 
     @property
     def done(self) -> bool:
@@ -205,6 +217,7 @@ class DenoiseLoop:
         self.euler = KERNELS.resolve("flow_match_step", platform)[1]
         self.sde = KERNELS.resolve("flow_sde_step", platform)[1]
         self.renoise = KERNELS.resolve("flow_renoise_step", platform)[1]
+        self.dpm = KERNELS.resolve("flow_dpm_step", platform)[1]
         self.cfg = KERNELS.resolve("cfg_combine", platform)[1]
         self._text_rows = None
         self.fused = None  # the LoRA stack merged into the base weights (see `fused`), whose rows add nothing
@@ -322,6 +335,16 @@ class DenoiseLoop:
                                  a.asarray(sigma_next[euler]))
             for j, i in enumerate(euler):
                 solved[i] = stepped[j:j + 1]
+        dpm = [i for i, s in enumerate(states) if s.request.solver == "dpmpp_2m"]
+        if dpm:
+            every = len(dpm) == len(states)
+            c = np.array([_dpm_c(states[i].previous, sigma[i], sigma_next[i]) for i in dpm])
+            # a first-order step (c = 0) reads no previous estimate: x stands in for it, multiplied by 0
+            prev = a.cat([states[i].previous[1] if c[j] else x[i:i + 1] for j, i in enumerate(dpm)])
+            stepped, x0 = self.dpm(x if every else x[dpm], v if every else v[dpm], a.asarray(sigma[dpm]),
+                                   a.asarray(sigma_next[dpm]), prev, a.asarray(c))
+            for j, i in enumerate(dpm):
+                solved[i], states[i].previous = stepped[j:j + 1], (sigma[i], x0[j:j + 1])
         renoise = [i for i, s in enumerate(states) if s.request.solver == "renoise"]
         if renoise:
             noise = a.asarray(np.concatenate([states[i].rng.standard_normal((1, *x.shape[1:])) for i in renoise]))
