@@ -44,8 +44,8 @@ FLOATS = ["0", "-1", "1", "1.5", "4", "nan", "inf", "-inf", "1e308", "1e-320", "
 # recipe values: mostly plausible ones (so that some runs get past validation), then hostile ones
 PLAUSIBLE = ["0", "1", "2", "3", "4", "8", "0.5", "0.1", "1e-3", "1e-6", "10", "100", "[0, 1]", "[0.2, 0.4]",
              "[1, 2, 2]", "[0.9, 1.0]", "[1, 1]", "null", "true", "false", "0.999", "invert", "mirror", "edges",
-             "silhouette", "none", "euler", "sde", "renoise", "[to_q]", "['*attn1*']", "[]", "[0.5, 1]", "float16",
-             "bfloat16", "lora", "teacher", "sampler", "guided"]
+             "silhouette", "none", "euler", "dpmpp_2m", "sde", "renoise", "[to_q]", "['*attn1*']", "[]", "[0.5, 1]",
+             "float16", "bfloat16", "lora", "teacher", "sampler", "guided"]
 HOSTILE = ["-1", "1e308", ".nan", ".inf", "x", "''", "{}", "[a, b]", "99999999999999999999", "../x", "a/b", "2.5",
            "[1, 0]", "{a: 1}", "3.5e+38", "1e30", "1e-320"]
 
@@ -94,7 +94,7 @@ def _generate(rng: random.Random, env: Env, out: Path) -> list[str]:
         "--negative-prompt": ["a dress", "", "x" * 5000], "-n": NUMBERS, "--seed": NUMBERS, "--steps": NUMBERS,
         "--guidance": FLOATS, "--shift": FLOATS, "--control-scale": FLOATS, "--max-batch": NUMBERS,
         "--guidance-interval": ["0,1", "1,0", "0.2,0.4", "nan,1", "0", "a,b", "0,1,2", "", "-1,2"],
-        "--solver": ["euler", "sde", "renoise", "x"], "--device": ["cpu", "numpy", "cuda", "tpu", ""],
+        "--solver": ["euler", "dpmpp_2m", "sde", "renoise", "x"], "--device": ["cpu", "numpy", "cuda", "tpu", ""],
         "--precision": ["float32", "bfloat16", "float16", "float64", "int8"], "--best-of": NUMBERS,
         "--reward": [env.card("tiny-judge"), env.card("tiny-base"), "nope"],
         "--adapter": ["invert", "invert=0.5", "invert=nan", "invert=x", "nope", "=1", "invert=1e308", ""],
@@ -218,7 +218,8 @@ def _train(rng: random.Random, env: Env, out: Path) -> list[str]:
 def _eval(rng: random.Random, env: Env, out: Path) -> list[str]:
     options = {"--judge": [env.card("tiny-judge"), env.card("tiny-base"), "nope"], "--steps": NUMBERS,
                "--guidance": FLOATS, "--guidance-interval": ["0,1", "1,0", "0.2,0.4", "nan,1", "x"],
-               "--shift": FLOATS, "--solver": ["euler", "sde", "renoise", "x"], "--per-class": ["0", "1", "2", "x"],
+               "--shift": FLOATS, "--solver": ["euler", "dpmpp_2m", "sde", "renoise", "x"],
+               "--per-class": ["0", "1", "2", "x"],
                "--seed": NUMBERS, "--device": ["cpu", "numpy", "cuda", "x"],
                "--data": [str(env.data), str(env.root), "/nonexistent", "/dev/zero"],
                "--precision": ["float32", "bfloat16", "float16", "float64", "int8"],
@@ -349,7 +350,8 @@ def _api(rng: random.Random, env: Env, out: Path) -> ApiCall:
     few arguments of any type and the rest plausible, so that some calls run."""
     values = [None, 0, -1, 1, 2, 2.5, float("nan"), float("inf"), True, "", "x", "2", [], [1], ["a"], {}, (0, 1),
               (1, 0), (0.2, 0.4), [("invert", 0.5)], [("invert", "x")], [("nope", 1)], [("invert",)], "invert", b"x",
-              10**30, "euler", "renoise", "bfloat16", "float64", env.card("tiny-judge"), str(env.root / "control.png"),
+              10**30, "euler", "dpmpp_2m", "renoise", "bfloat16", "float64", env.card("tiny-judge"),
+              str(env.root / "control.png"),
               lambda *a: None, ["bfloat16"], [2], [0.5, 4.0], ["a=1"], ("steps.draft.generate.num=2",), object()]
 
     def hostile(keywords, plausible):
