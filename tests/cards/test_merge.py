@@ -152,3 +152,16 @@ def test_merges_that_cannot_make_a_model_are_refused_with_exit_2(examples, share
     assert result.exit_code == 2, result.output
     assert message in " ".join(result.output.split())
     assert not (examples / "soup").exists()
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_the_weights_are_averaged(examples, monkeypatch):
+    from cardtool.core.cards import merge as merging
+
+    monkeypatch.setattr(merging, "_average", lambda *a: pytest.fail("averaged before the output was checked"))
+    (examples / "soup").mkdir()
+    (examples / "soup" / "notes.txt").write_text("mine")
+    result = merge(examples, "tiny-base", "tiny-rl", json_=False)
+    assert result.exit_code == 2 and "already exists" in result.output
+    result = CliRunner().invoke(app, ["cards", "merge", "tiny-base", "tiny-rl", "--id", "tiny-judge"])
+    assert result.exit_code == 2 and "already the id of" in " ".join(result.output.split())
+    assert (examples / "soup" / "notes.txt").read_text() == "mine"

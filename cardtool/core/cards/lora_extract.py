@@ -22,7 +22,7 @@ from cardtool.core.cards.lineage import check_new_id
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.merge import check_architecture, check_related
 from cardtool.core.cards.weight_files import FLOAT_DTYPES, read_header, sha256_file
-from cardtool.core.cards.writer import card_folder, write_card
+from cardtool.core.cards.writer import card_folder, card_folder_usable, write_card
 from cardtool.core.training.derived import extends_reference
 from cardtool.errors import BadInput
 
@@ -62,6 +62,7 @@ def extract_lora(base_ref: str, tuned_ref: str, rank: int, card_id: str, *, adap
     if adapter in base.manifest.adapters:
         raise BadInput(f"'{base.id}' already has an adapter '{adapter}'; name this one with --adapter")
     out = card_folder(card_id, out)
+    card_folder_usable(out, card_id, overwrite)  # before the work, not after it
     a, b, linear_share, kept = _factor(base.weights_file(target), tuned.weights_file(target), rank, base.id, tuned.id)
     linear = [n.removesuffix(".weight") for n, (_, shape) in read_header(base.weights_file(target))[0].items()
               if n.endswith(".weight") and len(shape) == 2]

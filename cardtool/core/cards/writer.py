@@ -16,7 +16,7 @@ from cardtool.core.cards.source import MANIFEST_NAMES, display_path
 from cardtool.core.cards.weight_files import sha256_file
 from cardtool.errors import BadInput, CardValidationError
 
-__all__ = ["card_folder", "replaceable", "unclaimed_id", "write_card"]
+__all__ = ["card_folder", "card_folder_usable", "replaceable", "unclaimed_id", "write_card"]
 
 
 def write_card(folder: Path, manifest: dict, weights: dict[str, dict], *, copies: dict[str, Path] | None = None,
@@ -30,12 +30,7 @@ def write_card(folder: Path, manifest: dict, weights: dict[str, dict], *, copies
     import torch
 
     folder = Path(folder)
-    if folder.exists() or folder.is_symlink():
-        if not overwrite:
-            raise BadInput(f"{folder} already exists; choose another --out, or pass --overwrite to replace it")
-        replaceable(folder)
-    unclaimed_id(str(manifest.get("id")), folder)
-    staging = writable_folder(folder.parent, "the card's folder") / f".{folder.name}.tmp-{os.getpid()}"
+    staging = card_folder_usable(folder, str(manifest.get("id")), overwrite) / f".{folder.name}.tmp-{os.getpid()}"
     _recover(folder)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -100,6 +95,19 @@ def card_folder(card_id: str, out: str | Path | None) -> Path:
         raise BadInput(f"--id {card_id!r}"[:200] + ": a card id starts with a letter or digit and uses only letters, "
                        "digits, '.', '_' and '-' (at most 128)") from None
     return Path(out) if out is not None else Path("cards") / card_id
+
+
+def card_folder_usable(folder: Path, card_id: str, overwrite: bool, flag: str = "--overwrite",
+                       fix: str = "give the new card another id, or write it off the card search path (--out)") -> Path:
+    """What would stop `write_card` putting card `card_id` at `folder`, found before the work that makes it: a folder
+    there without `overwrite` (the command's `flag`), or one that is no card's; the id another card's on the search
+    path; a parent folder that cannot be written. Returns that parent folder."""
+    if folder.exists() or folder.is_symlink():
+        if not overwrite:
+            raise BadInput(f"{folder} already exists; choose another --out, or pass {flag} to replace it")
+        replaceable(folder)
+    unclaimed_id(card_id, folder, fix)
+    return writable_folder(folder.parent, "the card's folder")
 
 
 def unclaimed_id(card_id: str, folder: Path,

@@ -264,21 +264,15 @@ def writable_outputs(out: Path, run_dir: Path, *, replace: bool, flag: str, card
     folder at `out` unless `replace` (the command's `flag`) — and then one `write_card` may replace — and `card_id`
     neither another card's on the search path `out` is in nor one in the lineage of the `parents` it is made from."""
     from cardtool.core.cards.lineage import check_new_id
-    from cardtool.core.cards.writer import replaceable, unclaimed_id
+    from cardtool.core.cards.writer import card_folder_usable
 
     check_new_id(card_id, list(parents), f"give the new card another id ({rename})")
-
-    if out.exists() or out.is_symlink():
-        if not replace:
-            raise BadInput(f"{out} already exists; choose another --out, or pass {flag} to replace it")
-        replaceable(out)
-    unclaimed_id(card_id, out, f"give the new card another id ({rename}), or write it off the card search path "
-                               f"({relocate})")
     card, run = Path(out).resolve(), Path(run_dir).resolve()
     if run == card or card in run.parents:
         raise BadInput(f"--run-dir {run_dir} is {'the card folder' if run == card else 'inside the card folder'} "
                        f"{out}: the card is written as a new folder of its own; give a --run-dir outside it")
-    writable_folder(out.parent, "the card's folder")
+    card_folder_usable(Path(out), card_id, replace, flag, f"give the new card another id ({rename}), or write it "
+                       f"off the card search path ({relocate})")
     writable_folder(run_dir, "the run folder")
 
 
