@@ -43,6 +43,9 @@ def eval_command(
     max_batch: Annotated[int, typer.Option(
         "--max-batch", help="Model rows per forward (a guided request takes two); lower it to save memory, the "
         "images are the same.")] = 256,
+    expect: Annotated[list[str] | None, typer.Option(
+        "--expect", metavar="METRIC>=VALUE", help="A threshold every row must meet (or <=, >, <; repeat): "
+        "class_accuracy, fid_fmnist, kid, mean_reward or images_per_second. Exit 1 if a row misses one.")] = None,
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (see README).")] = False,
 ) -> None:
     """Evaluate a card: per step count and guidance, accuracy by the judge, FID-FMNIST with its floors."""
@@ -69,6 +72,9 @@ def eval_command(
             from cardtool.core.cards.record import recordable
 
             recordable(card)
+        from cardtool.core.evaluation.expectations import parse_expectation
+
+        expectations = [parse_expectation(e) for e in expect or []]  # a typo found now, not after the eval
         interval = parse_interval(guidance_interval) if guidance_interval is not None else None
         steps_done = LateProgress(enabled=not sys.stderr.isatty(), terminal=False, what="this row:")
         report = evaluate(card, judge=judge, steps=steps, guidance=guidance, guidance_interval=interval,
@@ -90,10 +96,14 @@ def eval_command(
                                 "its report is under 'partial' (--json)", report.to_json()) from None
     if report.rank != 0:  # under torchrun rank 0 reports for every rank
         return
+    checks = [(str(e), e.failures(report.rows)) for e in expectations]
+    missed = [line for _, failures in checks for line in failures]
     if json_:
-        emit_json(report.to_json())
-        return
+        emit_json({**report.to_json(), "ok": not missed,
+                   "expectations": [{"expect": e, "passed": not f, "failures": f} for e, f in checks]})
+        raise typer.Exit(1 if missed else 0)
     from rich import box
+    from rich.markup import escape
     from rich.table import Table
 
     stack = ", ".join(f"{a['name']}={a['scale']:g}" for a in report.adapters)
@@ -119,6 +129,12 @@ def eval_command(
         warn(warning)
     if report.kept_rows:
         err.print(f"{report.kept_rows} of {len(report.rows)} rows kept from {out} (measured before)", markup=False)
+    for line in missed:
+        err.print(f"[red]expectation missed[/red] {escape(line)}")
+    if checks and not missed:
+        err.print(f"every row meets {', '.join(e for e, _ in checks)}", markup=False)
+    if missed:
+        raise typer.Exit(1)
 
 
 def _interval(row) -> str:

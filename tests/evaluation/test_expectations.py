@@ -1,0 +1,59 @@
+"""`cardtool eval --expect METRIC>=VALUE`: a CI gate on a card's measurements, checked on every row."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import write_idx_folder
+from typer.testing import CliRunner
+
+from cardtool.cli import app
+from cardtool.core.evaluation.expectations import parse_expectation
+from cardtool.errors import BadInput
+
+
+def run_eval(examples, tmp_path, *expect: str, json_: bool = True):
+    args = ["eval", str(examples / "tiny-base"), "--judge", str(examples / "tiny-judge"), "--per-class", "1",
+            "--steps", "2", "--steps", "3", "--data", str(write_idx_folder(tmp_path / "idx"))]
+    return CliRunner().invoke(app, args + [a for e in expect for a in ("--expect", e)] + (["--json"] if json_ else []))
+
+
+def test_rows_that_meet_every_expectation_exit_0_and_one_that_misses_exits_1_naming_it(examples, tmp_path):
+    measured = json.loads(run_eval(examples, tmp_path).stdout)
+    assert measured["ok"] is True and measured["expectations"] == []
+    accuracy = {r["steps"]: r["class_accuracy"] for r in measured["rows"]}
+    fid = max(r["fid_fmnist"] for r in measured["rows"])
+    met = run_eval(examples, tmp_path, f"fid_fmnist<={fid}", "class_accuracy>=0")
+    assert met.exit_code == 0, met.output
+    assert json.loads(met.stdout)["ok"] is True
+    missed = run_eval(examples, tmp_path, f"fid_fmnist<{fid}", f"class_accuracy>{min(accuracy.values())}",
+                      "images_per_second>0")
+    assert missed.exit_code == 1, missed.output
+    report = json.loads(missed.stdout)
+    assert report["ok"] is False and len(report["rows"]) == 2, "the measurements are reported either way"
+    checks = {c["expect"]: c for c in report["expectations"]}
+    assert not checks[f"fid_fmnist<{fid:.10g}"]["passed"] and checks["images_per_second>0"]["passed"]
+    assert checks[f"fid_fmnist<{fid:.10g}"]["failures"][0].startswith(f"fid_fmnist {fid:.6g} at ")
+    text = run_eval(examples, tmp_path, f"fid_fmnist<{fid}", json_=False)
+    assert text.exit_code == 1 and "expectation missed fid_fmnist" in " ".join(text.stderr.split())
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("accuracy>=0.9", "unknown metric 'accuracy'"),
+    ("class_accuracy=>0.9", "write METRIC>=VALUE"),
+    ("class_accuracy>=nan", "is not a finite number"),
+    ("class_accuracy>=high", "is not a finite number"),
+    ("fid_fmnist", "write METRIC>=VALUE"),
+])
+def test_an_expectation_that_is_not_one_is_refused(text, message):
+    with pytest.raises(BadInput, match=message):
+        parse_expectation(text)
+
+
+def test_a_bad_expectation_is_refused_before_the_eval_runs(examples, tmp_path, monkeypatch):
+    from cardtool.core.evaluation import evaluate as evaluating
+
+    monkeypatch.setattr(evaluating, "evaluate", lambda *a, **k: pytest.fail("evaluated"))
+    result = run_eval(examples, tmp_path, "fid<=16")
+    assert result.exit_code == 2 and "unknown metric 'fid'" in json.loads(result.stdout)["error"]["message"]
