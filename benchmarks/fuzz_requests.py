@@ -7,7 +7,8 @@ IDX folder, counted by outcome per surface.
 
 Outcomes: `ok` (exit 0), `refused` (exit 2: bad input, said so; or exit 1 with located validation problems — a
 workflow manifest's, as a card's), `failed` (exit 1 with another JSON error: work that could not finish, e.g. a loss
-that overflowed — its messages are kept for reading), and the failures the target is zero of:
+that overflowed — its messages are kept for reading), `check_failed` (exit 1 with `"ok": false`: a check that ran and
+did not pass — `eval --expect`, `parity`, `cards validate`), and the failures the target is zero of:
 `traceback`, `hang` (a command ran ≥ 120 s), `invalid_json` (anything but one strict JSON document on stdout) and
 `other_exit` (an exit code that is none of 0, 1, 2).
 
@@ -224,7 +225,9 @@ def _eval(rng: random.Random, env: Env, out: Path) -> list[str]:
                "--data": [str(env.data), str(env.root), "/nonexistent", "/dev/zero"],
                "--precision": ["float32", "bfloat16", "float16", "float64", "int8"],
                "--adapter": ["invert", "invert=0.5", "nope", "invert=x"],
-               "--out": [str(out / "r.json"), "/dev/null", str(env.root / "made.png"), str(out)], "--resume": None}
+               "--out": [str(out / "r.json"), "/dev/null", str(env.root / "made.png"), str(out)], "--resume": None,
+               "--expect": ["class_accuracy>=0", "fid_fmnist<0", "images_per_second>1e308", "kid<=nan", "fid>1",
+                            "mean_reward", "x", ""]}
     args = ["eval", env.card(rng.choice(["tiny-base", "tiny-distilled", "tiny-rl", "tiny-judge"])), "--json",
             "--judge", env.card("tiny-judge"), "--data", str(env.data), "--per-class", "1", "--steps", "2"]
     for option in rng.sample(sorted(options), rng.choice([1, 2, 3])):
@@ -472,7 +475,10 @@ def run_case(runner, app, args) -> tuple[str, str]:
     kind = {0: "ok", 2: "refused"}.get(result.exit_code)
     if kind is not None:
         return kind, ""
-    error = json.loads(result.stdout).get("error")
+    document = json.loads(result.stdout)
+    if result.exit_code == 1 and document.get("ok") is False and "error" not in document:
+        return "check_failed", ""  # a check that ran and did not pass (eval --expect, parity, validate)
+    error = document.get("error")
     if not isinstance(error, dict):
         return "other_exit", f"exit {result.exit_code} without an error document"
     if result.exit_code == 1 and error.get("kind") == "validation" and error.get("problems"):
@@ -521,7 +527,7 @@ def fuzz(cases: int, seed: int, surfaces: list[str], on_case=None) -> dict:
             args = SURFACES[surface](rng, env, out)
             outcome, detail = run_case(runner, app, args)
             counts[surface][outcome] += 1
-            if outcome not in ("ok", "refused"):
+            if outcome not in ("ok", "refused", "check_failed"):
                 shown = args.shown() if isinstance(args, ApiCall) else \
                     [a if len(a) < 100 else a[:40] + "…" for a in args]
                 print(f"case {case} {surface} {outcome}: {shown} → {detail}", file=sys.stderr, flush=True)
