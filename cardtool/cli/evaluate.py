@@ -56,7 +56,7 @@ def eval_command(
 
     def progress(row) -> None:  # on stderr, also under --json
         err.print(f"{row.precision} steps {row.steps} guidance {row.guidance:g}{_interval(row)}: "
-                  f"accuracy {row.class_accuracy:.4f}  FID {row.fid_fmnist:.3f}  "
+                  f"accuracy {_accuracy(row)}  FID {_fid(row)}  "
                   f"KID×1000 {1000 * row.kid:.2f} ± {1000 * row.kid_std:.2f}  reward {row.mean_reward:.4f}  "
                   f"{row.images_per_second:.0f} img/s",
                   markup=False)
@@ -111,12 +111,11 @@ def eval_command(
     title = f"{report.card}{f' with {stack}' if stack else ''} judged by {report.judge} on {report.platform}, " \
             f"{report.per_class} images per class{sampler}"
     table = Table(box=box.SIMPLE_HEAD, title=title, title_justify="left")
-    for column in ("precision", "steps", "guidance", "class accuracy", "FID-FMNIST", "KID×1000", "mean reward",
-                   "images/s"):
+    for column in ("precision", "steps", "guidance", "class accuracy (95%)", "FID-FMNIST (± boot.)", "KID×1000",
+                   "mean reward", "images/s"):
         table.add_column(column, justify="right")
     for r in report.rows:
-        table.add_row(r.precision, str(r.steps), f"{r.guidance:g}{_interval(r)}", f"{r.class_accuracy:.4f}",
-                      f"{r.fid_fmnist:.3f}",
+        table.add_row(r.precision, str(r.steps), f"{r.guidance:g}{_interval(r)}", _accuracy(r), _fid(r),
                       f"{1000 * r.kid:.2f} ± {1000 * r.kid_std:.2f}", f"{r.mean_reward:.4f}",
                       f"{r.images_per_second:.0f}")
     shown = console()
@@ -143,3 +142,13 @@ def _interval(row) -> str:
     if row.guidance == 1 or (low, high) == (0, 1):
         return ""
     return f" on σ ≤ {high:g}" if low == 0 else f" on σ ∈ [{low:g}, {high:g}]"
+
+
+def _accuracy(row) -> str:
+    """The accuracy with its 95% interval, where the row has one (rows measured before it did have none)."""
+    ci = row.class_accuracy_ci95
+    return f"{row.class_accuracy:.4f}" + (f" ({ci[0]:.3f}–{ci[1]:.3f})" if ci else "")
+
+
+def _fid(row) -> str:
+    return f"{row.fid_fmnist:.3f}" + (f" ± {row.fid_fmnist_std:.2f}" if row.fid_fmnist_std is not None else "")

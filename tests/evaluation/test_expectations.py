@@ -22,6 +22,10 @@ def run_eval(examples, tmp_path, *expect: str, json_: bool = True):
 def test_rows_that_meet_every_expectation_exit_0_and_one_that_misses_exits_1_naming_it(examples, tmp_path):
     measured = json.loads(run_eval(examples, tmp_path).stdout)
     assert measured["ok"] is True and measured["expectations"] == []
+    for row in measured["rows"]:  # each measurement with its spread
+        low, high = row["class_accuracy_ci95"]
+        assert 0 <= low <= row["class_accuracy"] <= high <= 1 and high - low > 0.1, "10 images: a wide interval"
+        assert row["fid_fmnist_std"] > 0
     accuracy = {r["steps"]: r["class_accuracy"] for r in measured["rows"]}
     fid = max(r["fid_fmnist"] for r in measured["rows"])
     met = run_eval(examples, tmp_path, f"fid_fmnist<={fid}", "class_accuracy>=0")

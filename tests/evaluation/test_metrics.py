@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from cardtool.core.evaluation.metrics import fid_warning, frechet_distance, kernel_distance
+from cardtool.core.evaluation.metrics import (
+    fid_warning,
+    frechet_distance,
+    frechet_std,
+    kernel_distance,
+    wilson_interval,
+)
 
 
 def test_frechet_distance_of_a_mean_shift_is_the_squared_shift():
@@ -38,3 +45,29 @@ def test_at_small_n_kid_stays_unbiased_while_fid_does_not():
 def test_a_sample_too_small_for_fid_is_named():
     assert fid_warning(20, 256) is not None and "KID" in fid_warning(20, 256)
     assert fid_warning(1000, 256) is None
+
+
+def test_the_wilson_interval_holds_the_proportion_and_is_sound_at_the_ends():
+    z = 1.959964
+    assert wilson_interval(0, 10) == pytest.approx((0.0, z * z / (10 + z * z)))  # p = 0: [0, z²/(n + z²)]
+    low, high = wilson_interval(10, 10)
+    assert high == pytest.approx(1.0) and low == pytest.approx(10 / (10 + z * z))
+    low, high = wilson_interval(970, 1000)
+    assert low < 0.97 < high and high - low == pytest.approx(2 * z * (0.97 * 0.03 / 1000) ** 0.5, rel=0.05), \
+        "near the normal interval where that one is sound"
+    wide, narrow = (wilson_interval(9 * n // 10, n) for n in (100, 400))
+    assert narrow[1] - narrow[0] == pytest.approx((wide[1] - wide[0]) / 2, rel=0.05), "half as wide at 4× the images"
+
+
+def test_bootstrapped_fid_spreads_less_with_more_images_and_matches_the_seed_to_seed_spread():
+    rng = np.random.default_rng(0)
+    real = rng.standard_normal((4000, 8))
+
+    def generated(n, seed):
+        return np.random.default_rng(seed).standard_normal((n, 8)) * 1.1 + 0.2
+
+    small, large = frechet_std(generated(200, 1), real), frechet_std(generated(800, 1), real)
+    assert 0 < large < small * 0.7
+    spread = np.std([frechet_distance(generated(200, seed), real) for seed in range(2, 42)])
+    assert small == pytest.approx(spread, rel=0.5), "a bootstrap of one sample estimates the spread over samples"
+    assert frechet_std(generated(200, 1), real) == small, "seeded: the same number every run"

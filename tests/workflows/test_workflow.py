@@ -135,7 +135,7 @@ BAD = {
     "steps beyond the loop's": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], steps: 100000}\n", 6,
                                 "steps.a.generate.steps", "less than or equal to 1000"),
     "unknown solver": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], solver: heun}\n", 6,
-                       "steps.a.generate.solver", "'euler', 'sde' or 'renoise'"),
+                       "steps.a.generate.solver", "'euler', 'dpmpp_2m', 'sde' or 'renoise'"),
     "an interval out of order": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], guidance_interval: [0.5, 0.2]}"
                                  "\n", 6, "steps.a.generate", "must be [LO, HI] with 0 ≤ LO ≤ HI ≤ 1"),
     "a control scale without control": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], control_scale: 0.5}\n",

@@ -27,7 +27,13 @@ from cardtool.backends.precision import check_precision
 from cardtool.core import distributed
 from cardtool.core.cards.loader import load_card
 from cardtool.core.data import CLASS_NAMES, data_dir, load_split
-from cardtool.core.evaluation.metrics import fid_warning, frechet_distance, kernel_distance
+from cardtool.core.evaluation.metrics import (
+    fid_warning,
+    frechet_distance,
+    frechet_std,
+    kernel_distance,
+    wilson_interval,
+)
 from cardtool.core.evaluation.resume import ROW_SETTINGS, identity, previous_rows, write_report
 from cardtool.core.evaluation.reward import FashionJudge, reward_card
 from cardtool.core.interrupt import Interrupted, stop_requests
@@ -60,6 +66,8 @@ class EvalRow:
     model_evaluations: int = 0  # transformer evaluations per image: two on each guided step
     shift: float = 1.0  # the σ grid's shift
     solver: str = "euler"
+    class_accuracy_ci95: list[float] | None = None  # its Wilson interval (metrics.wilson_interval)
+    fid_fmnist_std: float | None = None  # its bootstrap deviation over the generated images (metrics.frechet_std)
 
 
 @dataclass
@@ -250,10 +258,13 @@ def _measure_row(report: EvalReport, referee: FashionJudge, real: np.ndarray, la
         accuracy = float((probabilities.argmax(1) == labels).mean())
         features = referee.features(images)
         kid, kid_std = kernel_distance(features, real)
+        correct = int((probabilities.argmax(1) == labels).sum())
         row = EvalRow(first.steps, first.guidance, list(first.guidance_interval), p, count, round(accuracy, 4),
                       round(frechet_distance(features, real), 4), round(kid, 6), round(kid_std, 6),
                       round(float(probabilities[np.arange(count), labels].mean()), 4), round(count / seconds, 1),
-                      first.model_evaluations(), first.shift, first.solver)
+                      first.model_evaluations(), first.shift, first.solver,
+                      [round(bound, 4) for bound in wilson_interval(correct, count)],
+                      round(frechet_std(features, real), 4) if count > 1 else None)
     report.rows.append(row)
     if on_row:
         on_row(row)
