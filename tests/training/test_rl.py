@@ -25,7 +25,7 @@ from cardtool.core.sampling.text_cache import TextFeatureCache
 from cardtool.core.training.methods.grpo import GRPO_DEFAULTS, clipped_objective, transition_log_probs
 from cardtool.core.training.methods.nft import NFT_DEFAULTS, nft_loss, old_policy_decay
 from cardtool.core.training.methods.rollouts import group_advantages
-from cardtool.core.training.rl import make_task, rl, rl_recipe
+from cardtool.core.training.rl import check_recipe, make_task, rl, rl_recipe
 from cardtool.core.training.trainer import CHECKPOINT, train_loop
 from cardtool.errors import BadInput
 
@@ -353,3 +353,26 @@ def test_a_reward_cap_levels_the_advantages_of_samples_rated_above_it(examples):
     for group in range(2):
         assert np.ptp(advantages[group][above[group]]) == 0, "every sample at or above the cap is as good"
         assert above[group].any() and not above[group].all()
+
+
+def test_nft_rollouts_take_the_solver_the_recipe_names(examples):
+    """loss.rollout_solver=dpmpp_2m: the old policy's samples are the denoise loop's dpmpp_2m samples of the same
+    requests (the old policy is the base at the first rollout), which the Euler rollout's are not."""
+    from cardtool.core.sampling.denoise import DenoiseLoop
+    from cardtool.core.sampling.instance import ModelInstance
+    from cardtool.core.sampling.sampler import sample
+
+    base = examples / "tiny-base"
+    made = {}
+    for solver in ("euler", "dpmpp_2m"):
+        task = make_task(recipe(base, extra=[f"loss.rollout_solver={solver}", "loss.rollout_steps=4"]), CPU,
+                         load_card(base), Brightness(), ["a bag", "a coat"])
+        requests = task.requests(np.array([0, 1]), torch.Generator().manual_seed(0))
+        assert {r.solver for r in requests} == {solver}
+        made[solver] = task.collect(np.array([0, 1]), torch.Generator().manual_seed(0)).latents[-1]
+    loop = DenoiseLoop(ModelInstance(load_card(base), CPU))
+    alone = torch.cat([s.latents for s in sample(loop, requests)])
+    assert (made["dpmpp_2m"].reshape(alone.shape) - alone).abs().max() <= 1e-5
+    assert (made["euler"] - made["dpmpp_2m"]).abs().max() > 1e-3
+    with pytest.raises(BadInput, match="rollout_solver"):  # Flow-GRPO's rollouts are its SDE's
+        check_recipe(recipe(base, method="flow_grpo", extra=["loss.rollout_solver=dpmpp_2m"]))

@@ -1,6 +1,6 @@
 """DiffusionNFT (Zheng et al. 2025, "DiffusionNFT: Online Diffusion Reinforcement with Forward Process", arXiv
-2509.16117): reward fine-tuning on the forward process. The old policy samples with the deterministic solver; only
-the clean samples x0 and their rewards are kept — no likelihoods. For fresh t and ε at x_t = (1 − t)·x0 + t·ε, the
+2509.16117): reward fine-tuning on the forward process. The old policy samples with a deterministic solver (Euler, or
+DPM-Solver++(2M): `loss.rollout_solver`); only the clean samples x0 and their rewards are kept — no likelihoods. For fresh t and ε at x_t = (1 − t)·x0 + t·ε, the
 current velocity v_θ and the old one define an implicit positive policy v⁺ = β·v_θ + (1 − β)·v_old and a negative
 one v⁻ = (1 + β)·v_old − β·v_θ; the reward-weighted x̂0 losses (ALGORITHMS.md)
 
@@ -17,6 +17,7 @@ policy near the guided sampler's distribution, which is how the tuned card gets 
 from __future__ import annotations
 
 import copy
+from typing import Literal
 
 import numpy as np
 import torch
@@ -46,6 +47,8 @@ class NFTSettings(RolloutSettings):
     t_range: tuple[float, float] = (0.0, 1.0)
     decay_rate: float = Field(1e-3, ge=0)  # d = min(decay_rate·rollout, decay_max)
     decay_max: float = Field(0.5, ge=0, lt=1)
+    # the old policy's deterministic solver: dpmpp_2m is second order, near Euler's samples at half the steps
+    rollout_solver: Literal["euler", "dpmpp_2m"] = "euler"
 
 
 def old_policy_decay(rollout: int, rate: float = 1e-3, cap: float = 0.5) -> float:
@@ -74,8 +77,11 @@ def nft_loss(v: torch.Tensor, v_old: torch.Tensor, x_t: torch.Tensor, x0: torch.
 
 
 class NFTTask(RewardTask):
-    solver = "euler"
     settings_type = NFTSettings
+
+    @property
+    def solver(self) -> str:
+        return self.settings.rollout_solver
 
     def sampler(self) -> torch.nn.Module:
         self.old = copy.deepcopy(self.policy).requires_grad_(False).eval()
