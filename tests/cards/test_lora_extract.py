@@ -157,3 +157,41 @@ def test_extractions_that_cannot_work_are_refused_with_exit_2(examples, args, ma
     assert result.exit_code == 2, result.output
     assert message in " ".join(json.loads(result.stdout)["error"]["message"].split())
     assert not (examples / "extracted").exists()
+
+
+def test_a_lora_card_is_compared_as_it_serves_so_its_lora_is_resized(examples):
+    """A card that serves tiny-base with its LoRA at 0.5 changes no weights file, yet serves other weights: at the
+    LoRA's own rank the extraction is that LoRA's delta, and the adapter card makes that card's images."""
+    (examples / "half-invert").mkdir()
+    (examples / "half-invert" / "card.yaml").write_text(
+        "schema: cardtool/v1\nid: half-invert\nextends: tiny-base\nloops:\n  denoise:\n    defaults: {adapters: "
+        "{invert: 0.5}}\nrecipe: {method: lora, parents: [tiny-base]}\n")
+    result = extract(examples, "tiny-base", "half-invert", "--rank", "4", "--adapter", "half")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["kept"] == pytest.approx(1.0, abs=1e-12)
+    invert = load_file(str(examples / "tiny-base" / "adapters" / "invert.safetensors"))
+    mine = lora(examples, name="half")
+    spec = load_card(examples / "tiny-base").manifest.adapters["invert"]
+    for key in (k for k in invert if k.endswith("lora_A.weight")):
+        module = key.removesuffix(".lora_A.weight")
+        wanted = 0.5 * spec.alpha / spec.rank * invert[f"{module}.lora_B.weight"].astype(np.float64) @ invert[key]
+        got = mine[f"{module}.lora_B.weight"].astype(np.float64) @ mine[key]
+        np.testing.assert_allclose(got, wanted, atol=1e-5)
+    made = [LoadedCard(str(examples / ref)).generate("a bag", steps=3, out=None).images[0].pixels
+            for ref in ("half-invert", "extracted")]
+    assert np.abs(made[0].astype(int) - made[1]).max() <= 1
+
+
+def test_a_base_that_serves_with_a_lora_keeps_it_under_the_extracted_one(examples):
+    (examples / "half-invert").mkdir()
+    (examples / "half-invert" / "card.yaml").write_text(
+        "schema: cardtool/v1\nid: half-invert\nextends: tiny-base\nloops:\n  denoise:\n    defaults: {adapters: "
+        "{invert: 0.5}}\nrecipe: {method: lora, parents: [tiny-base]}\n")
+    tuned(examples, every_linear)  # tiny-base's weights tuned; it serves without the LoRA
+    result = extract(examples, "half-invert", "tuned", "--rank", "64")
+    assert result.exit_code == 0, result.output
+    assert load_card(examples / "extracted").manifest.loops["denoise"].defaults["adapters"] == {
+        "invert": 0.5, "tuned": 1.0}
+    made = [LoadedCard(str(examples / ref)).generate("a bag", out=None).images[0].pixels
+            for ref in ("tuned", "extracted")]
+    assert np.abs(made[0].astype(int) - made[1]).max() <= 1, "the base's LoRA and the extracted one: the tuned card"

@@ -4,9 +4,10 @@ For every linear layer the change ΔW = W_tuned − W_base is factored by its tr
 best rank-r approximation in Frobenius norm (Eckart–Young); B = U_r·√S_r and A = √S_r·V_rᵀ, α = r. Biases, norms,
 the patch embedding and the modulation tables are not linear weights, and a LoRA carries none of their change: the
 report says what share of the whole change the linear weights hold, and what share of theirs the rank keeps. The
-adapter card extends BASE with TUNED's loop defaults and the adapter in its default stack, so sampling it
-approximates TUNED — an RL'd or distilled card served per request on its base (LCM-LoRA's idea for a DMD2 student,
-arXiv 2311.05556), composable with other adapters and scalable."""
+adapter card extends BASE with TUNED's loop defaults and the adapter in its default stack (under BASE's own), so
+sampling it approximates TUNED — an RL'd or distilled card served per request on its base (LCM-LoRA's idea for a
+DMD2 student, arXiv 2311.05556), composable with other adapters and scalable. Each card counts as it serves, its
+default LoRA stack merged, so a LoRA card can be resized and a stack flattened into one LoRA."""
 
 from __future__ import annotations
 
@@ -63,7 +64,9 @@ def extract_lora(base_ref: str, tuned_ref: str, rank: int, card_id: str, *, adap
         raise BadInput(f"'{base.id}' already has an adapter '{adapter}'; name this one with --adapter")
     out = card_folder(card_id, out)
     card_folder_usable(out, card_id, overwrite)  # before the work, not after it
-    a, b, linear_share, kept = _factor(base.weights_file(target), tuned.weights_file(target), rank, base.id, tuned.id)
+    (base_stack, base_deltas), (_, tuned_deltas) = (_served(card, target) for card in (base, tuned))
+    a, b, linear_share, kept = _factor(base.weights_file(target), tuned.weights_file(target), rank, base.id, tuned.id,
+                                       base_deltas, tuned_deltas)
     linear = [n.removesuffix(".weight") for n, (_, shape) in read_header(base.weights_file(target))[0].items()
               if n.endswith(".weight") and len(shape) == 2]
     rel = f"adapters/{adapter}.safetensors"
@@ -73,7 +76,7 @@ def extract_lora(base_ref: str, tuned_ref: str, rank: int, card_id: str, *, adap
     loops = {}
     for name, loop in tuned.manifest.loops.items():
         if name in base.manifest.loops and target in loop.uses:  # the tuned card's settings, with the adapter on
-            loops[name] = {"defaults": {**loop.defaults, "adapters": {adapter: 1.0}}}
+            loops[name] = {"defaults": {**loop.defaults, "adapters": {**base_stack, adapter: 1.0}}}
     manifest = {"schema": "cardtool/v1", "id": card_id,
                 "description": f"Rank-{rank} LoRA on {base.id} extracted from {tuned.id}: {base.id} with it "
                                f"approximates {tuned.id}",
@@ -91,8 +94,38 @@ def extract_lora(base_ref: str, tuned_ref: str, rank: int, card_id: str, *, adap
     return Extraction(card, adapter, rank, len(a), linear_share, kept)
 
 
-def _factor(base_path: Path, tuned_path: Path, rank: int, base_id: str, tuned_id: str):
-    """A (r, in) and B (out, r) per changed linear layer, and the shares of the change (see Extraction)."""
+def _served(card: Card, target: str) -> tuple[dict[str, float], dict]:
+    """The LoRA stack `card`'s denoise loop applies by default (name → scale) and what it adds to the target's
+    weights (module → Σ scale·(α/r)·B·A, float64): a card compares as it serves, a LoRA card as its base with its
+    LoRA merged (as a post-training method takes it)."""
+    import torch
+
+    from cardtool.backends.lora import read_lora
+    from cardtool.backends.lora_targets import module_key, uses_prefix
+
+    loop = card.manifest.loops.get("denoise")
+    stack = dict((loop.defaults.get("adapters") or {}) if loop is not None else {})
+    deltas = {}
+    for name, scale in stack.items():
+        spec = card.manifest.adapters[name]
+        if spec.kind != "lora" or spec.target != target:
+            raise BadInput(f"'{card.id}' serves with adapter '{name}' by default, a {spec.kind} on '{spec.target}': "
+                           f"no change to the weights of '{target}' a LoRA can carry")
+        tensors, _ = read_lora(card.weights_file(name))
+        prefixed, parts = uses_prefix(tensors), {}
+        for key, value in tensors.items():
+            module, part = module_key(key, prefixed).rsplit(".lora_", 1)
+            parts.setdefault(module, {})[part[0]] = value.to(torch.float64)
+        for module, ab in parts.items():
+            delta = scale * spec.alpha / spec.rank * (ab["B"] @ ab["A"])
+            deltas[module] = deltas[module] + delta if module in deltas else delta
+    return stack, deltas
+
+
+def _factor(base_path: Path, tuned_path: Path, rank: int, base_id: str, tuned_id: str, base_deltas: dict,
+            tuned_deltas: dict):
+    """A (r, in) and B (out, r) per changed linear layer, and the shares of the change (see Extraction); each side's
+    weights with what its default LoRA stack adds (`_served`)."""
     import torch
     from safetensors import safe_open
 
@@ -105,6 +138,10 @@ def _factor(base_path: Path, tuned_path: Path, rank: int, base_id: str, tuned_id
             if dtype not in FLOAT_DTYPES:
                 continue
             delta = new.get_tensor(tensor).to(torch.float64) - old.get_tensor(tensor).to(torch.float64)
+            module = tensor.removesuffix(".weight")
+            for deltas, sign in ((tuned_deltas, 1), (base_deltas, -1)):
+                if module in deltas and tensor.endswith(".weight"):
+                    delta = delta + sign * deltas[module]
             energy = float(delta.square().sum())
             if not math.isfinite(energy):
                 raise BadInput(f"'{tensor}' differs by inf or NaN between '{base_id}' and '{tuned_id}'")
@@ -114,14 +151,14 @@ def _factor(base_path: Path, tuned_path: Path, rank: int, base_id: str, tuned_id
             u, s, vh = torch.linalg.svd(delta, full_matrices=False)
             k = min(rank, s.numel())
             root = s[:k].sqrt()
-            module = tensor.removesuffix(".weight")
             b[module] = torch.zeros(shape[0], rank, dtype=torch.float64)
             a[module] = torch.zeros(rank, shape[1], dtype=torch.float64)
             b[module][:, :k], a[module][:k] = u[:, :k] * root, root[:, None] * vh[:k]  # rank padded with zeros
             linear += energy
             kept += float(s[:k].square().sum())
     if not a:
-        raise BadInput(f"'{tuned_id}' does not change the linear weights of '{base_id}': there is nothing to extract")
+        raise BadInput(f"'{tuned_id}' does not change the linear weights of '{base_id}' (as each serves, its default "
+                       "LoRA stack merged): there is nothing to extract")
     return a, b, linear / whole, kept / linear
 
 

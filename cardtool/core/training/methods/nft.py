@@ -1,8 +1,9 @@
 """DiffusionNFT (Zheng et al. 2025, "DiffusionNFT: Online Diffusion Reinforcement with Forward Process", arXiv
 2509.16117): reward fine-tuning on the forward process. The old policy samples with a deterministic solver (Euler, or
-DPM-Solver++(2M): `loss.rollout_solver`); only the clean samples x0 and their rewards are kept — no likelihoods. For fresh t and ε at x_t = (1 − t)·x0 + t·ε, the
-current velocity v_θ and the old one define an implicit positive policy v⁺ = β·v_θ + (1 − β)·v_old and a negative
-one v⁻ = (1 + β)·v_old − β·v_θ; the reward-weighted x̂0 losses (ALGORITHMS.md)
+DPM-Solver++(2M): `loss.rollout_solver`); only the clean samples x0 and their rewards are kept — no likelihoods.
+For fresh t and ε at x_t = (1 − t)·x0 + t·ε, the current velocity v_θ and the old one define an implicit positive
+policy v⁺ = β·v_θ + (1 − β)·v_old and a negative one v⁻ = (1 + β)·v_old − β·v_θ; the reward-weighted x̂0 losses
+(ALGORITHMS.md)
 
     L = mean(c·[r·ℓ⁺ + (1 − r)·ℓ⁻] / β) + β_KL·mean((v_θ − v_ref)²),   ℓ± = mean((x̂0± − x0)² / sg(mean|x̂0± − x0|)),
 
