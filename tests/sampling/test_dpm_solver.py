@@ -53,6 +53,7 @@ def test_dpm_solver_is_far_more_accurate_than_euler_at_equal_steps(loop):
     assert errors["dpmpp_2m", 32] / errors["dpmpp_2m", 64] > 2.5, "second order, short of 4 at the σ = 1 and 0 ends"
 
 
+@pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")  # inside diffusers' scheduler
 def test_dpm_solver_matches_diffusers_dpm_solver_multistep_step_for_step(loop):
     from diffusers import DPMSolverMultistepScheduler
 
