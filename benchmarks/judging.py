@@ -4,6 +4,8 @@ of the prompt's class) and FID-FMNIST against the test split, in the reward judg
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
 
 from cardtool.backends.platform import Platform
@@ -17,7 +19,20 @@ from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.sampling.planning import plan_requests
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every quality benchmark takes: its judges, images per class, device and data."""
+    parser.add_argument("--reward", default="fashion-classifier")
+    parser.add_argument("--held-out-judge", default="fashion-referee")
+    parser.add_argument("--per-class", type=int, default=100)
+    parser.add_argument("--device")
+    parser.add_argument("--data", help="An IDX folder (default: Fashion-MNIST).")
+
+
 class Judging:
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Judging:
+        return cls(args.reward, args.held_out_judge, args.per_class, args.device, args.data)
+
     def __init__(self, reward: str, held_out: str, per_class: int, device: str | None = None,
                  data: str | None = None):
         self.platform = Platform.detect(device)

@@ -14,7 +14,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from judging import Judging  # benchmarks/, this script's folder
+from judging import Judging, add_arguments  # benchmarks/, this script's folder
 
 from cardtool.atomic import write_atomic
 from cardtool.core.cards.discovery import locate
@@ -29,15 +29,11 @@ def main() -> None:
     parser.add_argument("--base", default="fashion-base")
     parser.add_argument("--tuned", action="append", required=True, help="A card made from BASE; repeat.")
     parser.add_argument("--rank", type=int, action="append", required=True, help="A LoRA rank; repeat.")
-    parser.add_argument("--reward", default="fashion-classifier")
-    parser.add_argument("--held-out-judge", default="fashion-referee")
-    parser.add_argument("--per-class", type=int, default=100)
-    parser.add_argument("--device")
-    parser.add_argument("--data", help="An IDX folder (default: Fashion-MNIST).")
+    add_arguments(parser)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
-    judging = Judging(args.reward, args.held_out_judge, args.per_class, args.device, args.data)
+    judging = Judging.from_args(args)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for tuned in args.tuned:

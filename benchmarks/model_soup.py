@@ -15,7 +15,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from judging import Judging  # benchmarks/, this script's folder
+from judging import Judging, add_arguments  # benchmarks/, this script's folder
 
 from cardtool.atomic import write_atomic
 from cardtool.core.cards.discovery import locate
@@ -55,16 +55,12 @@ def main() -> None:
     parser.add_argument("--tuned", default="fashion-base-nft")
     parser.add_argument("--alpha", type=float, action="append", required=True, help="The tuned card's weight; repeat.")
     parser.add_argument("--guidance", type=float, action="append", required=True, help="A CFG scale; repeat.")
-    parser.add_argument("--reward", default="fashion-classifier")
-    parser.add_argument("--held-out-judge", default="fashion-referee")
-    parser.add_argument("--per-class", type=int, default=100)
-    parser.add_argument("--device")
-    parser.add_argument("--data", help="An IDX folder (default: Fashion-MNIST).")
+    add_arguments(parser)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--plot", type=Path, help="Also draw accuracy against FID here (needs matplotlib).")
     args = parser.parse_args()
 
-    judging = Judging(args.reward, args.held_out_judge, args.per_class, args.device, args.data)
+    judging = Judging.from_args(args)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for alpha in args.alpha:
