@@ -55,6 +55,8 @@ def main() -> None:
     parser.add_argument("--tuned", default="fashion-base-nft")
     parser.add_argument("--alpha", type=float, action="append", required=True, help="The tuned card's weight; repeat.")
     parser.add_argument("--guidance", type=float, action="append", required=True, help="A CFG scale; repeat.")
+    parser.add_argument("--steps", type=int, help="Sampling steps (default: the base card's).")
+    parser.add_argument("--solver", help="The sampler's solver (default: the base card's).")
     add_arguments(parser)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--plot", type=Path, help="Also draw accuracy against FID here (needs matplotlib).")
@@ -68,12 +70,14 @@ def main() -> None:
                                  Path(tmp) / f"soup-{len(rows)}").card
             loop = LoadedCard(str(merged.folder), device=args.device).loop()
             for guidance in args.guidance:
-                images = loop.finalize(sample(loop, judging.requests(merged, guidance=guidance), max_batch=256))
+                requests = judging.requests(merged, guidance=guidance, steps=args.steps, solver=args.solver)
+                images = loop.finalize(sample(loop, requests, max_batch=256))
                 rows.append({"alpha": alpha, "guidance": guidance, **judging.score(images)})
                 print(json.dumps(rows[-1]), flush=True)
     defaults = load_card(locate(args.base)).manifest.loops["denoise"].defaults
     document = {"base": args.base, "tuned": args.tuned, "reward": args.reward, "held_out_judge": args.held_out_judge,
-                "per_class": args.per_class, "loop": {k: v for k, v in defaults.items() if k != "guidance"},
+                "per_class": args.per_class, "loop": {k: v for k, v in defaults.items() if k != "guidance"}
+                | {k: v for k, v in (("steps", args.steps), ("solver", args.solver)) if v is not None},
                 "platform": f"{judging.platform.device}/{judging.platform.arch}", "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out, (json.dumps(document, indent=1) + "\n").encode())
