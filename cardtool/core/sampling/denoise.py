@@ -65,7 +65,7 @@ def _dpm_c(previous: tuple | None, sigma: float, sigma_next: float) -> float:
     if previous is None or previous[0] >= 1 or sigma_next <= 0:
         return 0.0
     lam_prev, lam, lam_next = (math.log((1 - s) / s) for s in (previous[0], sigma, sigma_next))
-    return (lam_next - lam) / (2 * (lam - lam_prev))
+    return (lam_next - lam) / (2 * (lam - lam_prev)) if lam > lam_prev else 0.0  # a grid step rounded to nothing
 
 
 MAX_PROMPT_CHARS = 1 << 16  # the text encoder reads a few dozen tokens; more is a mistake, not a prompt
