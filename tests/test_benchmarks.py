@@ -198,11 +198,11 @@ def test_lora_extract_benchmark_measures_each_tuned_card_and_its_loras(tmp_path,
 
     out = tmp_path / "lora.json"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "lora_extract.py"), "--base", "tiny-base", "--tuned",
-                    "tiny-rl", "--rank", "2", "--rank", "64", "--reward", "tiny-judge", "--held-out-judge",
+                    "tiny-rl", "--rank", "2", "--rank", "32", "--reward", "tiny-judge", "--held-out-judge",
                     "tiny-judge", "--per-class", "1", "--data", str(write_idx_folder(tmp_path / "idx")), "--out",
                     str(out)],
                    check=True, capture_output=True, timeout=300, env={**os.environ, "CARDTOOL_PATH": str(examples)})
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["tuned"], r["rank"]) for r in rows] == [("tiny-rl", None), ("tiny-rl", 2), ("tiny-rl", 64)]
+    assert [(r["tuned"], r["rank"]) for r in rows] == [("tiny-rl", None), ("tiny-rl", 2), ("tiny-rl", 32)]
     assert 0 < rows[1]["kept"] < rows[2]["kept"] == 1.0 and 0 < rows[1]["linear_share"] <= 1
     assert all(r["images"] == 10 and 0 <= r["class_accuracy"] <= 1 for r in rows)

@@ -66,7 +66,7 @@ def lora(examples, card_id: str = "extracted", name: str = "tuned") -> dict:
 def test_at_full_rank_the_adapter_card_makes_the_tuned_cards_images(examples):
     """A change to linear weights alone, extracted at full rank: the base with the LoRA is the tuned model."""
     tuned(examples, every_linear)
-    result = extract(examples, "tiny-base", "tuned", "--rank", "64")
+    result = extract(examples, "tiny-base", "tuned", "--rank", "32")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["linear_share"] == 1.0 and report["kept"] == pytest.approx(1.0, abs=1e-12)
@@ -103,21 +103,45 @@ def test_a_low_rank_lora_is_each_layers_truncated_svd(examples):
     assert set(card.manifest.adapters) == {"invert", "tuned"}, "the base's own adapters stay"
 
 
-def test_only_the_layers_that_changed_are_adapted_and_a_rank_above_a_layers_size_is_zero_padded(examples):
+def test_only_the_layers_that_changed_are_adapted(examples):
     def one_layer(tensors):
         tensors[f"{QUERY}.weight"] = tensors[f"{QUERY}.weight"] + np.outer(np.arange(32), np.ones(32)).astype(
             np.float32) / 100
 
     tuned(examples, one_layer)
-    result = extract(examples, "tiny-base", "tuned", "--rank", "40")
+    result = extract(examples, "tiny-base", "tuned", "--rank", "32")
     assert result.exit_code == 0, result.output
     file = lora(examples)
     assert sorted(file) == [f"{QUERY}.lora_A.weight", f"{QUERY}.lora_B.weight"]
-    assert not file[f"{QUERY}.lora_A.weight"][32:].any() and not file[f"{QUERY}.lora_B.weight"][:, 32:].any()
     assert load_card(examples / "extracted").manifest.adapters["tuned"].targets == [QUERY], \
         "not blocks.*: the other block's query did not change"
     run = CliRunner().invoke(app, ["generate", str(examples / "extracted"), "-p", "a bag", "--steps", "1",
                                    "--adapter", "tuned=0.5", "--adapter", "invert", "--out", str(examples / "o")])
+    assert run.exit_code == 0, run.output
+
+
+def test_a_layer_smaller_than_the_rank_is_zero_padded_to_it(examples):
+    """TINY_DIT's time embedding takes 4 frequencies into 8 channels: at rank 8 its A has 4 rows of zeros."""
+    from helpers import TINY_DIT, tiny_tensors, write_tensors
+
+    config = ", ".join(f"{k}: {v}" for k, v in TINY_DIT.items())
+    for name, extends, seed, adapters in (("narrow", "tiny-base", 0, "adapters: {invert: null}\n"),
+                                          ("narrow-tuned", "narrow", 1, "")):
+        digest = write_tensors(examples / name / "transformer.safetensors", tiny_tensors("dit"), seed)
+        (examples / name / "card.yaml").write_text(
+            f"schema: cardtool/v1\nid: {name}\nextends: {extends}\ncomponents:\n  transformer:\n"
+            f"    config: {{{config}}}\n    weights: transformer.safetensors\n    sha256: {digest}\n"
+            f"{adapters}recipe: {{method: finetune, parents: [{extends}]}}\n")
+    result = extract(examples, "narrow", "narrow-tuned", "--rank", "8")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["kept"] == pytest.approx(1.0, abs=1e-12), "8 is every layer's full rank"
+    file = lora(examples, name="narrow-tuned")
+    time_a = file["condition_embedder.time_embedder.linear_1.lora_A.weight"]
+    time_b = file["condition_embedder.time_embedder.linear_1.lora_B.weight"]
+    assert time_a.shape == (8, 4) and not time_a[4:].any() and not time_b[:, 4:].any()
+    assert time_a[:4].any() and file[f"{QUERY}.lora_A.weight"][4:].any(), "the 8×8 query uses all 8"
+    run = CliRunner().invoke(app, ["generate", str(examples / "extracted"), "-p", "a bag", "--steps", "1",
+                                   "--out", str(examples / "o")])
     assert run.exit_code == 0, run.output
 
 
@@ -127,7 +151,7 @@ def test_a_change_outside_linear_layers_is_reported_as_beyond_the_lora(examples)
         tensors["scale_shift_table"] = tensors["scale_shift_table"] + np.float32(5)
 
     tuned(examples, norm_too)
-    report = json.loads(extract(examples, "tiny-base", "tuned", "--rank", "64").stdout)
+    report = json.loads(extract(examples, "tiny-base", "tuned", "--rank", "32").stdout)
     assert 0 < report["linear_share"] < 0.9 and report["kept"] == pytest.approx(1.0, abs=1e-12)
 
 
@@ -142,6 +166,7 @@ def stranger(examples):
 @pytest.mark.parametrize(("args", "make", "message"), [
     (["tiny-base", "tiny-rl", "--rank", "0"], None, "--rank must be a whole number, at least 1"),
     (["tiny-base", "tiny-base", "--rank", "2"], None, "BASE and TUNED are both 'tiny-base'"),
+    (["tiny-base", "tiny-rl", "--rank", "100000000"], None, "above the full rank of every linear layer"),
     (["tiny-base", "same", "--rank", "2"], lambda e: tuned(e, lambda t: None, "same"),
      "'same' does not change the linear weights of 'tiny-base'"),
     (["tiny-base", "stranger", "--rank", "2"], stranger, "share no ancestor"),
@@ -188,7 +213,7 @@ def test_a_base_that_serves_with_a_lora_keeps_it_under_the_extracted_one(example
         "schema: cardtool/v1\nid: half-invert\nextends: tiny-base\nloops:\n  denoise:\n    defaults: {adapters: "
         "{invert: 0.5}}\nrecipe: {method: lora, parents: [tiny-base]}\n")
     tuned(examples, every_linear)  # tiny-base's weights tuned; it serves without the LoRA
-    result = extract(examples, "half-invert", "tuned", "--rank", "64")
+    result = extract(examples, "half-invert", "tuned", "--rank", "32")
     assert result.exit_code == 0, result.output
     assert load_card(examples / "extracted").manifest.loops["denoise"].defaults["adapters"] == {
         "invert": 0.5, "tuned": 1.0}

@@ -64,11 +64,15 @@ def extract_lora(base_ref: str, tuned_ref: str, rank: int, card_id: str, *, adap
         raise BadInput(f"'{base.id}' already has an adapter '{adapter}'; name this one with --adapter")
     out = card_folder(card_id, out)
     card_folder_usable(out, card_id, overwrite)  # before the work, not after it
+    shapes = {n.removesuffix(".weight"): shape for n, (_, shape) in read_header(base.weights_file(target))[0].items()
+              if n.endswith(".weight") and len(shape) == 2}
+    full = max((min(shape) for shape in shapes.values()), default=0)
+    if rank > full:
+        raise BadInput(f"--rank {rank} is above the full rank of every linear layer of '{target}' (at most {full}): "
+                       f"a higher rank adds only zeros; give at most {full}")
     (base_stack, base_deltas), (_, tuned_deltas) = (_served(card, target) for card in (base, tuned))
     a, b, linear_share, kept = _factor(base.weights_file(target), tuned.weights_file(target), rank, base.id, tuned.id,
                                        base_deltas, tuned_deltas)
-    linear = [n.removesuffix(".weight") for n, (_, shape) in read_header(base.weights_file(target))[0].items()
-              if n.endswith(".weight") and len(shape) == 2]
     rel = f"adapters/{adapter}.safetensors"
     from cardtool.backends.lora import lora_file
 
@@ -82,7 +86,7 @@ def extract_lora(base_ref: str, tuned_ref: str, rank: int, card_id: str, *, adap
                                f"approximates {tuned.id}",
                 "extends": extends_reference(base, out), "loops": loops,
                 "adapters": {adapter: {"kind": "lora", "target": target, "weights": rel, "rank": rank,
-                                       "alpha": float(rank), "targets": _patterns(sorted(a), linear)}},
+                                       "alpha": float(rank), "targets": _patterns(sorted(a), list(shapes))}},
                 "recipe": {"method": "lora_extract", "parents": [base.id, tuned.id],
                            "assumes": tuned.manifest.recipe.assumes.model_dump(mode="json", exclude_none=True),
                            "hyperparameters": {"rank": rank},
