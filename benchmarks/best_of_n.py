@@ -17,46 +17,28 @@ import json
 import time
 from pathlib import Path
 
-import numpy as np
+from judging import Judging, add_arguments  # benchmarks/, this script's folder
 
 from cardtool.atomic import write_atomic
-from cardtool.backends.platform import Platform
-from cardtool.core.cards.discovery import locate
-from cardtool.core.cards.loader import load_card
-from cardtool.core.data import CLASS_NAMES, load_split
-from cardtool.core.evaluation.metrics import frechet_distance
-from cardtool.core.evaluation.reward import FashionJudge
-from cardtool.core.prompts import class_prompt
 from cardtool.core.sampling.best_of import best_of_n
 from cardtool.core.sampling.generate import LoadedCard
-from cardtool.core.sampling.instance import ModelInstance
-from cardtool.core.sampling.planning import plan_requests
 from cardtool.core.sampling.sampler import sample
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--card", action="append", required=True, help="A card to sample; repeat.")
-    parser.add_argument("--reward", default="fashion-classifier")
-    parser.add_argument("--held-out-judge", default="fashion-referee")
     parser.add_argument("--n", type=int, default=4)
-    parser.add_argument("--per-class", type=int, default=100)
-    parser.add_argument("--device")
-    parser.add_argument("--data", help="An IDX folder (default: Fashion-MNIST).")
+    add_arguments(parser)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
-    platform = Platform.detect(args.device)
-    judges = [FashionJudge(ModelInstance(load_card(locate(j)), platform, "float32"))
-              for j in (args.reward, args.held_out_judge)]
-    real = judges[0].features(load_split("test", args.data).images)
-    labels = np.repeat(np.arange(len(CLASS_NAMES)), args.per_class)
-    prompts = [class_prompt(c) for c in range(len(CLASS_NAMES))]
+    judging = Judging.from_args(args)
     rows = []
     for ref in args.card:
         loaded = LoadedCard(ref, device=args.device)
         loop, reward = loaded.loop(), loaded.reward(args.reward)
-        requests, _ = plan_requests(loaded.card, prompts, num=args.per_class)
+        requests = judging.requests(loaded.card)
         sample(loop, requests[:8])  # warm: first-call costs stay out of the timings
         for n in (1, args.n):
             started = time.perf_counter()
@@ -65,13 +47,8 @@ def main() -> None:
             else:
                 images = best_of_n(loop, reward, requests, n, max_batch=256).checked(loaded.card.id).images
             seconds = time.perf_counter() - started
-            accuracies = [float((j.probabilities(images).argmax(1) == labels).mean()) for j in judges]
-            rewards = reward.score(images, [r.prompt for r in requests])
-            row = {"card": loaded.card.id, "mode": "plain" if n == 1 else f"best-of-{n}", "images": len(images),
-                   "candidates_per_image": n, "model_evaluations_per_image": n * requests[0].model_evaluations(),
-                   "mean_reward": round(float(np.mean(rewards)), 4), "class_accuracy": round(accuracies[0], 4),
-                   "held_out_accuracy": round(accuracies[1], 4),
-                   "fid_fmnist": round(frechet_distance(judges[0].features(images), real), 3),
+            row = {"card": loaded.card.id, "mode": "plain" if n == 1 else f"best-of-{n}", "candidates_per_image": n,
+                   "model_evaluations_per_image": n * requests[0].model_evaluations(), **judging.score(images),
                    "seconds": round(seconds, 2), "ms_per_image": round(1000 * seconds / len(images), 2)}
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -80,7 +57,8 @@ def main() -> None:
             row["costs_no_more_than"] = [f"{r['card']} {r['mode']}" for r in rows if r["candidates_per_image"] == 1
                                          and r["ms_per_image"] >= row["ms_per_image"]]
     document = {"reward": args.reward, "held_out_judge": args.held_out_judge, "n": args.n,
-                "per_class": args.per_class, "platform": f"{platform.device}/{platform.arch}", "rows": rows}
+                "per_class": args.per_class, "platform": f"{judging.platform.device}/{judging.platform.arch}",
+                "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out, (json.dumps(document, indent=1) + "\n").encode())
 
