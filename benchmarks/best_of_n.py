@@ -19,7 +19,6 @@ from pathlib import Path
 
 from judging import Judging, add_arguments  # benchmarks/, this script's folder
 
-from cardtool.atomic import write_atomic
 from cardtool.core.sampling.best_of import best_of_n
 from cardtool.core.sampling.generate import LoadedCard
 from cardtool.core.sampling.sampler import sample
@@ -56,11 +55,7 @@ def main() -> None:
         if row["candidates_per_image"] > 1:
             row["costs_no_more_than"] = [f"{r['card']} {r['mode']}" for r in rows if r["candidates_per_image"] == 1
                                          and r["ms_per_image"] >= row["ms_per_image"]]
-    document = {"reward": args.reward, "held_out_judge": args.held_out_judge, "n": args.n,
-                "per_class": args.per_class, "platform": f"{judging.platform.device}/{judging.platform.arch}",
-                "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out, (json.dumps(document, indent=1) + "\n").encode())
+    judging.write(args.out, rows, n=args.n)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,12 @@ of the prompt's class) and FID-FMNIST against the test split, in the reward judg
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import numpy as np
 
+from cardtool.atomic import write_atomic
 from cardtool.backends.platform import Platform
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import Card, load_card
@@ -35,7 +38,7 @@ class Judging:
 
     def __init__(self, reward: str, held_out: str, per_class: int, device: str | None = None,
                  data: str | None = None):
-        self.platform = Platform.detect(device)
+        self.platform, self.reward, self.held_out = Platform.detect(device), reward, held_out
         self.judges = [FashionJudge(ModelInstance(load_card(locate(j)), self.platform, "float32"))
                        for j in (reward, held_out)]
         self.real = self.judges[0].features(load_split("test", data).images)
@@ -54,3 +57,10 @@ class Judging:
                 "class_accuracy": round(float((reward.argmax(1) == self.labels).mean()), 4),
                 "held_out_accuracy": round(float((held_out.argmax(1) == self.labels).mean()), 4),
                 "fid_fmnist": round(frechet_distance(self.judges[0].features(images), self.real), 3)}
+
+    def write(self, path: Path, rows: list[dict], **fields) -> None:
+        """The benchmark's JSON at `path`, atomically: `fields`, its judges, images per class, platform and rows."""
+        document = {**fields, "reward": self.reward, "held_out_judge": self.held_out, "per_class": self.per_class,
+                    "platform": f"{self.platform.device}/{self.platform.arch}", "rows": rows}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, (json.dumps(document, indent=1) + "\n").encode())

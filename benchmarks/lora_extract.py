@@ -16,7 +16,6 @@ from pathlib import Path
 
 from judging import Judging, add_arguments  # benchmarks/, this script's folder
 
-from cardtool.atomic import write_atomic
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import load_card
 from cardtool.core.cards.lora_extract import extract_lora
@@ -50,11 +49,7 @@ def main() -> None:
                 images = loop.finalize(sample(loop, judging.requests(card), max_batch=256))
                 rows.append({**row, **judging.score(images)})
                 print(json.dumps(rows[-1]), flush=True)
-    document = {"base": args.base, "reward": args.reward, "held_out_judge": args.held_out_judge,
-                "per_class": args.per_class, "platform": f"{judging.platform.device}/{judging.platform.arch}",
-                "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out, (json.dumps(document, indent=1) + "\n").encode())
+    judging.write(args.out, rows, base=args.base)
 
 
 if __name__ == "__main__":

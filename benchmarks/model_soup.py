@@ -17,7 +17,6 @@ from pathlib import Path
 
 from judging import Judging, add_arguments  # benchmarks/, this script's folder
 
-from cardtool.atomic import write_atomic
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import load_card
 from cardtool.core.cards.merge import merge_cards
@@ -75,12 +74,9 @@ def main() -> None:
                 rows.append({"alpha": alpha, "guidance": guidance, **judging.score(images)})
                 print(json.dumps(rows[-1]), flush=True)
     defaults = load_card(locate(args.base)).manifest.loops["denoise"].defaults
-    document = {"base": args.base, "tuned": args.tuned, "reward": args.reward, "held_out_judge": args.held_out_judge,
-                "per_class": args.per_class, "loop": {k: v for k, v in defaults.items() if k != "guidance"}
-                | {k: v for k, v in (("steps", args.steps), ("solver", args.solver)) if v is not None},
-                "platform": f"{judging.platform.device}/{judging.platform.arch}", "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out, (json.dumps(document, indent=1) + "\n").encode())
+    sampled = {k: v for k, v in defaults.items() if k != "guidance"}
+    sampled |= {k: v for k, v in (("steps", args.steps), ("solver", args.solver)) if v is not None}
+    judging.write(args.out, rows, base=args.base, tuned=args.tuned, loop=sampled)
     if args.plot:
         plot(rows, args.plot)
 
