@@ -178,7 +178,7 @@ def main() -> None:
 def _end_distributed(code) -> None:
     """Under torchrun: leave the process group while the interpreter is whole (the exit handlers run now), then end
     the process without finalising it. Once every rank had left, a rank could still abort ("terminate called without
-    an active exception", SIGABRT) as the runtime tore down — about once in 25 two-process runs on 2 cores — and turn
+    an active exception", SIGABRT) as the runtime tore down — 2 in 74 two-process runs on 2 cores — and turn
     a finished job into a failed one."""
     import atexit
     import os
