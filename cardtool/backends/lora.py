@@ -25,7 +25,7 @@ from torch import nn
 from cardtool.backends.lora_targets import matching
 
 __all__ = ["LoraWeights", "LoraPlan", "LoraWrapped", "TrainableLora", "fused", "merge", "linear_names", "lora_file",
-           "lora_weights", "read_lora", "write_lora"]
+           "lora_parts", "lora_weights", "read_lora", "write_lora"]
 
 
 def linear_names(model: nn.Module) -> dict[str, nn.Linear]:
@@ -60,19 +60,25 @@ def read_lora(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
 
 
-def lora_weights(tensors: dict[str, torch.Tensor], version: str, rank: int, alpha: float, model: nn.Module,
-                 precision: str) -> LoraWeights:
-    """A checked LoRA file's tensors as LoraWeights on the model's device, at the precision's weight dtype; names
-    relative to the model (diffusers' `transformer.` pipeline prefix removed)."""
+def lora_parts(tensors: dict[str, torch.Tensor], **to) -> tuple[dict, dict]:
+    """A checked LoRA file's A and B by module, each `.to(**to)`; names relative to the model (diffusers'
+    `transformer.` pipeline prefix removed)."""
     from cardtool.backends.lora_targets import module_key, uses_prefix
-    from cardtool.backends.precision import weights_dtype
 
-    device, dtype = next(model.parameters()).device, getattr(torch, weights_dtype(precision))
     a, b, prefixed = {}, {}, uses_prefix(tensors)
     for key, value in tensors.items():
         module, part = module_key(key, prefixed).rsplit(".lora_", 1)
-        (a if part.startswith("A") else b)[module] = value.to(device=device, dtype=dtype)
-    return LoraWeights(version, rank, alpha, a, b)
+        (a if part.startswith("A") else b)[module] = value.to(**to)
+    return a, b
+
+
+def lora_weights(tensors: dict[str, torch.Tensor], version: str, rank: int, alpha: float, model: nn.Module,
+                 precision: str) -> LoraWeights:
+    """A checked LoRA file's tensors as LoraWeights on the model's device, at the precision's weight dtype."""
+    from cardtool.backends.precision import weights_dtype
+
+    device, dtype = next(model.parameters()).device, getattr(torch, weights_dtype(precision))
+    return LoraWeights(version, rank, alpha, *lora_parts(tensors, device=device, dtype=dtype))
 
 
 def lora_file(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rank: int,

@@ -104,8 +104,7 @@ def _served(card: Card, target: str) -> tuple[dict[str, float], dict]:
     LoRA merged (as a post-training method takes it)."""
     import torch
 
-    from cardtool.backends.lora import read_lora
-    from cardtool.backends.lora_targets import module_key, uses_prefix
+    from cardtool.backends.lora import LoraWeights, lora_parts, read_lora
 
     loop = card.manifest.loops.get("denoise")
     stack = dict((loop.defaults.get("adapters") or {}) if loop is not None else {})
@@ -115,13 +114,10 @@ def _served(card: Card, target: str) -> tuple[dict[str, float], dict]:
         if spec.kind != "lora" or spec.target != target:
             raise BadInput(f"'{card.id}' serves with adapter '{name}' by default, a {spec.kind} on '{spec.target}': "
                            f"no change to the weights of '{target}' a LoRA can carry")
-        tensors, _ = read_lora(card.weights_file(name))
-        prefixed, parts = uses_prefix(tensors), {}
-        for key, value in tensors.items():
-            module, part = module_key(key, prefixed).rsplit(".lora_", 1)
-            parts.setdefault(module, {})[part[0]] = value.to(torch.float64)
-        for module, ab in parts.items():
-            delta = scale * spec.alpha / spec.rank * (ab["B"] @ ab["A"])
+        lora = LoraWeights(name, spec.rank, spec.alpha, *lora_parts(read_lora(card.weights_file(name))[0],
+                                                                     dtype=torch.float64))
+        for module in lora.a:
+            delta = lora.delta(module, scale)
             deltas[module] = deltas[module] + delta if module in deltas else delta
     return stack, deltas
 
