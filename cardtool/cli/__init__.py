@@ -171,29 +171,8 @@ def main() -> None:
         sys.stderr.write(f"error cannot write standard output: {out.failed}\n")
         code = code if code not in (0, None) else 1
     if "torch.distributed" in sys.modules:
-        _end_distributed(code)
+        from cardtool.core.distributed import end_process
+
+        end_process(code)
     raise SystemExit(code)
 
-
-def _end_distributed(code) -> None:
-    """Under torchrun: leave the process group while the interpreter is whole (the exit handlers run now), then end
-    the process without finalising it. Once every rank had left, a rank could still abort ("terminate called without
-    an active exception", SIGABRT) as the runtime tore down — 2 in 74 two-process runs on 2 cores — and turn
-    a finished job into a failed one."""
-    import atexit
-    import os
-    import sys
-
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    atexit._run_exitfuncs()  # distributed._leave among them: a barrier, then destroy_process_group
-    if isinstance(code, str):  # as SystemExit would print it
-        sys.stderr.write(code + "\n")
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a reader gone, a stream closed: the exit status still says what happened
-            pass
-    os._exit(code if isinstance(code, int) else 0 if code is None else 1)
