@@ -15,7 +15,7 @@ from cardtool.backends.platform import Platform
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.data import CLASS_NAMES, load_split
-from cardtool.core.evaluation.metrics import frechet_distance
+from cardtool.core.evaluation.metrics import frechet_distance, precision_recall
 from cardtool.core.evaluation.reward import FashionJudge
 from cardtool.core.prompts import class_prompt
 from cardtool.core.sampling.instance import ModelInstance
@@ -52,11 +52,13 @@ class Judging:
 
     def score(self, images: np.ndarray) -> dict:
         reward, held_out = (judge.probabilities(images) for judge in self.judges)
-        rows = np.arange(len(images))
+        rows, features = np.arange(len(images)), self.judges[0].features(images)
+        pair = precision_recall(features, self.real) or (None, None)
         return {"images": len(images), "mean_reward": round(float(reward[rows, self.labels].mean()), 4),
                 "class_accuracy": round(float((reward.argmax(1) == self.labels).mean()), 4),
                 "held_out_accuracy": round(float((held_out.argmax(1) == self.labels).mean()), 4),
-                "fid_fmnist": round(frechet_distance(self.judges[0].features(images), self.real), 3)}
+                "fid_fmnist": round(frechet_distance(features, self.real), 3),
+                "manifold_precision": pair[0], "manifold_recall": pair[1]}
 
     def write(self, path: Path, rows: list[dict], **fields) -> None:
         """The benchmark's JSON at `path`, atomically: `fields`, its judges, images per class, platform and rows."""

@@ -45,7 +45,8 @@ def eval_command(
         "images are the same.")] = 256,
     expect: Annotated[list[str] | None, typer.Option(
         "--expect", metavar="METRIC>=VALUE", help="A threshold every row must meet (or <=, >, <; repeat): "
-        "class_accuracy, fid_fmnist, kid, mean_reward or images_per_second. Exit 1 if a row misses one.")] = None,
+        "class_accuracy, fid_fmnist, kid, manifold_precision, manifold_recall, mean_reward or images_per_second. "
+        "Exit 1 if a row misses one.")] = None,
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (see README).")] = False,
 ) -> None:
     """Evaluate a card: per step count and guidance, accuracy by the judge, FID-FMNIST with its floors."""
@@ -57,7 +58,8 @@ def eval_command(
     def progress(row) -> None:  # on stderr, also under --json
         err.print(f"{row.precision} steps {row.steps} guidance {row.guidance:g}{_interval(row)}: "
                   f"accuracy {_accuracy(row)}  FID {_fid(row)}  "
-                  f"KID×1000 {1000 * row.kid:.2f} ± {1000 * row.kid_std:.2f}  reward {row.mean_reward:.4f}  "
+                  f"KID×1000 {1000 * row.kid:.2f} ± {1000 * row.kid_std:.2f}  {_manifold(row)}  "
+                  f"reward {row.mean_reward:.4f}  "
                   f"{row.images_per_second:.0f} img/s",
                   markup=False)
 
@@ -112,18 +114,23 @@ def eval_command(
             f"{report.per_class} images per class{sampler}"
     table = Table(box=box.SIMPLE_HEAD, title=title, title_justify="left")
     for column in ("precision", "steps", "guidance", "class accuracy (95%)", "FID-FMNIST (± boot.)", "KID×1000",
-                   "mean reward", "images/s"):
+                   "manifold P / R", "mean reward", "images/s"):
         table.add_column(column, justify="right")
     for r in report.rows:
         table.add_row(r.precision, str(r.steps), f"{r.guidance:g}{_interval(r)}", _accuracy(r), _fid(r),
-                      f"{1000 * r.kid:.2f} ± {1000 * r.kid_std:.2f}", f"{r.mean_reward:.4f}",
+                      f"{1000 * r.kid:.2f} ± {1000 * r.kid_std:.2f}", _manifold(r, short=True), f"{r.mean_reward:.4f}",
                       f"{r.images_per_second:.0f}")
     shown = console()
     shown.print(table)
-    floors, kid = report.floors, report.kid_floors
-    shown.print(f"floors: real train vs test FID {floors['train_vs_test']:.3f} / KID×1000 "
-                f"{1000 * kid['train_vs_test']:.2f}; VAE reconstructions vs test FID "
-                f"{floors['vae_reconstruction']:.3f} / KID×1000 {1000 * kid['vae_reconstruction']:.2f}", markup=False)
+    floors, kid, manifold = report.floors, report.kid_floors, report.manifold_floors
+
+    def floor(name: str) -> str:
+        pair = manifold.get(name)
+        return (f"FID {floors[name]:.3f} / KID×1000 {1000 * kid[name]:.2f}"
+                + (f" / precision {pair[0]:.3f}, recall {pair[1]:.3f}" if pair else ""))
+
+    shown.print(f"floors: real train vs test {floor('train_vs_test')}; VAE reconstructions vs test "
+                f"{floor('vae_reconstruction')}", markup=False)
     for warning in report.warnings:
         warn(warning)
     if report.kept_rows:
@@ -148,6 +155,15 @@ def _accuracy(row) -> str:
     """The accuracy with its 95% interval, where the row has one (rows measured before it did have none)."""
     ci = row.class_accuracy_ci95
     return f"{row.class_accuracy:.4f}" + (f" ({ci[0]:.3f}–{ci[1]:.3f})" if ci else "")
+
+
+def _manifold(row, short: bool = False) -> str:
+    """Improved precision and recall, where the row has them (rows measured before they existed have none)."""
+    if row.manifold_precision is None:
+        return "–" if short else ""
+    if short:
+        return f"{row.manifold_precision:.3f} / {row.manifold_recall:.3f}"
+    return f"precision {row.manifold_precision:.3f} recall {row.manifold_recall:.3f}"
 
 
 def _fid(row) -> str:

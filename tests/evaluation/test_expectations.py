@@ -26,6 +26,8 @@ def test_rows_that_meet_every_expectation_exit_0_and_one_that_misses_exits_1_nam
         low, high = row["class_accuracy_ci95"]
         assert 0 <= low <= row["class_accuracy"] <= high <= 1 and high - low > 0.1, "10 images: a wide interval"
         assert row["fid_fmnist_std"] > 0
+        assert 0 <= row["manifold_precision"] <= 1 and 0 <= row["manifold_recall"] <= 1
+    assert set(measured["manifold_floors"]) == {"train_vs_test", "vae_reconstruction"}
     accuracy = {r["steps"]: r["class_accuracy"] for r in measured["rows"]}
     fid = max(r["fid_fmnist"] for r in measured["rows"])
     met = run_eval(examples, tmp_path, f"fid_fmnist<={fid}", "class_accuracy>=0")

@@ -1,4 +1,5 @@
-"""FID and KID on feature rows: analytic answers, and KID staying unbiased where FID is not."""
+"""FID, KID and improved precision/recall on feature rows: analytic answers, KID staying unbiased where FID is not,
+and precision/recall telling fidelity from diversity where one number cannot."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from cardtool.core.evaluation.metrics import (
     frechet_distance,
     frechet_std,
     kernel_distance,
+    precision_recall,
     wilson_interval,
 )
 
@@ -71,3 +73,49 @@ def test_bootstrapped_fid_spreads_less_with_more_images_and_matches_the_seed_to_
     spread = np.std([frechet_distance(generated(200, seed), real) for seed in range(2, 42)])
     assert small == pytest.approx(spread, rel=0.5), "a bootstrap of one sample estimates the spread over samples"
     assert frechet_std(generated(200, 1), real) == small, "seeded: the same number every run"
+
+
+def _brute_precision_recall(a, b, k):
+    """The definition written out with a full distance matrix, no chunks and no subsampling."""
+    def radii(x):
+        d = np.sqrt(((x[:, None] - x[None]) ** 2).sum(-1))
+        return np.sort(d, axis=1)[:, k]  # column 0 is the row itself
+
+    def inside(x, centres, r):
+        return (np.sqrt(((x[:, None] - centres[None]) ** 2).sum(-1)) <= r[None]).any(1).mean()
+
+    return inside(a, b, radii(b)), inside(b, a, radii(a))
+
+
+def test_precision_recall_equals_its_definition_across_chunks():
+    from cardtool.core.evaluation import metrics
+
+    rng = np.random.default_rng(1)
+    a, b = rng.standard_normal((300, 5)) + 1.5, rng.standard_normal((300, 5))
+    expected = _brute_precision_recall(a, b, 3)
+    assert 0.1 < expected[0] < 0.9 and 0.1 < expected[1] < 0.9, "a case where both balls' tests matter"
+    assert precision_recall(a, b) == pytest.approx(expected, abs=1e-12)
+    assert precision_recall(a, b, k=5) == pytest.approx(_brute_precision_recall(a, b, 5), abs=1e-12)
+    radii = metrics._kth_neighbour_distances(a, a, 3, same=True, chunk=7)  # rows split across chunks
+    assert np.allclose(radii, metrics._kth_neighbour_distances(a, a, 3, same=True))
+
+
+def test_precision_recall_tells_a_collapsed_sample_from_a_scattered_one():
+    rng = np.random.default_rng(0)
+    real = rng.standard_normal((5000, 16))
+    same = precision_recall(rng.standard_normal((1000, 16)), real)
+    collapsed = precision_recall(0.3 * rng.standard_normal((1000, 16)), real)  # the modes, not the spread
+    scattered = precision_recall(3 * rng.standard_normal((1000, 16)), real)
+    assert abs(same[0] - same[1]) < 0.1 and min(same) > 0.5
+    assert collapsed[0] > 0.95 > same[0] and collapsed[1] < 0.1, "realistic, but the variety is lost"
+    assert scattered[0] < 0.1 and scattered[1] > 0.95, "everything covered, little of it realistic"
+    assert precision_recall(real[:3], real) is None, "k = 3 neighbours need more than 3 rows"
+
+
+def test_precision_recall_compares_at_equal_size():
+    """The real side is drawn down to the generated side's size: the radii shrink as a side grows, so 10,000 real rows
+    against 1,000 generated would make a sample of the real distribution itself score precision < recall."""
+    rng = np.random.default_rng(2)
+    real = rng.standard_normal((10000, 8))
+    scores = [precision_recall(rng.standard_normal((500, 8)), real, seed=s) for s in range(3)]
+    assert all(abs(p - r) < 0.06 for p, r in scores), scores

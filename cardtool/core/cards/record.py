@@ -101,5 +101,6 @@ def eval_summary(report: dict, defaults: FlowDenoiseDefaults, sha256: str) -> di
     wanted = (defaults.steps, defaults.guidance, list(defaults.guidance_interval))
     at_defaults = [r for r in report["rows"] if (r["steps"], r["guidance"], list(r["guidance_interval"])) == wanted]
     return {"report": EVAL_REPORT, "sha256": sha256, "rows_in_report": len(report["rows"]),
-            **{k: report[k] for k in ("judge", "platform", "per_class", "floors", "kid_floors") if k in report},
+            **{k: report[k] for k in ("judge", "platform", "per_class", "floors", "kid_floors",
+                                 "manifold_floors") if k in report},
             "rows": at_defaults or report["rows"]}

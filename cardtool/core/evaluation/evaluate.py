@@ -32,6 +32,7 @@ from cardtool.core.evaluation.metrics import (
     frechet_distance,
     frechet_std,
     kernel_distance,
+    precision_recall,
     wilson_interval,
 )
 from cardtool.core.evaluation.resume import ROW_SETTINGS, identity, previous_rows, write_report
@@ -68,6 +69,8 @@ class EvalRow:
     solver: str = "euler"
     class_accuracy_ci95: list[float] | None = None  # its Wilson interval (metrics.wilson_interval)
     fid_fmnist_std: float | None = None  # its bootstrap deviation over the generated images (metrics.frechet_std)
+    manifold_precision: float | None = None  # improved precision and recall (metrics.precision_recall), k = 3
+    manifold_recall: float | None = None
 
 
 @dataclass
@@ -79,6 +82,7 @@ class EvalReport:
     rows: list[EvalRow] = field(default_factory=list)
     floors: dict[str, float] = field(default_factory=dict)
     kid_floors: dict[str, float] = field(default_factory=dict)
+    manifold_floors: dict[str, list[float]] = field(default_factory=dict)  # [precision, recall] of each floor's images
     warnings: list[str] = field(default_factory=list)
     adapters: list[dict] = field(default_factory=list)  # the stack every image used: name, scale
     rank: int = 0  # under torchrun, the process this report is from: rank 0 holds the rows, the others none
@@ -87,7 +91,8 @@ class EvalReport:
     def to_json(self) -> dict:
         return {"card": self.card, "judge": self.judge, "platform": self.platform, "per_class": self.per_class,
                 "adapters": self.adapters,
-                "floors": self.floors, "kid_floors": self.kid_floors, "rows": [_finite(asdict(r)) for r in self.rows],
+                "floors": self.floors, "kid_floors": self.kid_floors, "manifold_floors": self.manifold_floors,
+                "rows": [_finite(asdict(r)) for r in self.rows],
                 "kept_rows": self.kept_rows, "warnings": self.warnings}
 
 
@@ -178,8 +183,9 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     stack = [{"name": name, "scale": scale} for name, scale in next(iter(plans.values()))[0].adapters]
     ident = identity(first.instance, judge_instance, per_class, seed, data_dir(data), stack, report.platform)
     kept_floors, kept_rows = previous_rows(out, ident) if resume else ({}, [])
-    if set(kept_floors.get("floors", {})) == set(kept_floors.get("kid_floors", {})) == set(_FLOORS):
+    if all(set(kept_floors.get(k, {})) == set(_FLOORS) for k in ("floors", "kid_floors", "manifold_floors")):
         report.floors, report.kid_floors = kept_floors["floors"], kept_floors["kid_floors"]
+        report.manifold_floors = kept_floors["manifold_floors"]
     else:
         picked = np.random.default_rng(seed).choice(len(train), count, replace=False)
         floors = {"train_vs_test": referee.features(train.images[picked]),
@@ -188,6 +194,7 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
         for name, features in floors.items():
             report.floors[name] = round(frechet_distance(features, real), 4)
             report.kid_floors[name] = round(kernel_distance(features, real)[0], 6)
+            report.manifold_floors[name] = _rounded(precision_recall(features, real))
     warning = fid_warning(count, real.shape[1])
     report.warnings += [warning] if warning else []
     report.warnings += [w for loop in loops.values() for w in loop.instance.warnings]
@@ -259,15 +266,20 @@ def _measure_row(report: EvalReport, referee: FashionJudge, real: np.ndarray, la
         features = referee.features(images)
         kid, kid_std = kernel_distance(features, real)
         correct = int((probabilities.argmax(1) == labels).sum())
+        fidelity, coverage = _rounded(precision_recall(features, real)) or (None, None)
         row = EvalRow(first.steps, first.guidance, list(first.guidance_interval), p, count, round(accuracy, 4),
                       round(frechet_distance(features, real), 4), round(kid, 6), round(kid_std, 6),
                       round(float(probabilities[np.arange(count), labels].mean()), 4), round(count / seconds, 1),
                       first.model_evaluations(), first.shift, first.solver,
                       [round(bound, 4) for bound in wilson_interval(correct, count)],
-                      round(frechet_std(features, real), 4) if count > 1 else None)
+                      round(frechet_std(features, real), 4) if count > 1 else None, fidelity, coverage)
     report.rows.append(row)
     if on_row:
         on_row(row)
+
+
+def _rounded(pair: tuple[float, float] | None) -> list[float] | None:
+    return [round(v, 4) for v in pair] if pair else None
 
 
 def _reconstruct(instance: ModelInstance, vae_name: str, images: np.ndarray) -> np.ndarray:

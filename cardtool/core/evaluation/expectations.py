@@ -12,7 +12,8 @@ from cardtool.errors import BadInput
 
 __all__ = ["METRICS", "Expectation", "parse_expectation"]
 
-METRICS = ("class_accuracy", "fid_fmnist", "kid", "mean_reward", "images_per_second")  # EvalRow's measurements
+METRICS = ("class_accuracy", "fid_fmnist", "kid", "manifold_precision", "manifold_recall", "mean_reward",
+           "images_per_second")  # EvalRow's measurements
 _OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
 _FORM = re.compile(r"\s*([A-Za-z_]+)\s*(>=|<=|>|<)\s*(\S+)\s*")
 
@@ -27,10 +28,12 @@ class Expectation:
         return f"{self.metric}{self.op}{self.value:.10g}"
 
     def failures(self, rows) -> list[str]:
-        """Each row that misses it, said with its number and settings; a row with no measurement (NaN) misses."""
+        """Each row that misses it, said with its number and settings; a row with no measurement (NaN, or None in a
+        row kept from a report measured before the metric existed) misses."""
         missed = []
         for row in rows:
             got = getattr(row, self.metric)
+            got = math.nan if got is None else got
             if not (math.isfinite(got) and _OPS[self.op](got, self.value)):
                 missed.append(f"{self.metric} {got:.6g} at {row.steps} steps, guidance {row.guidance:g}, "
                               f"{row.precision} (expected {self})")

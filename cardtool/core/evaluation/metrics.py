@@ -3,7 +3,8 @@ Heusel et al. 2017; FID-FMNIST) and the kernel distance (KID, Bińkowski et al. 
 small N — a sample smaller than about twice the feature dimension gives a rank-deficient covariance, and a
 collapsed sample can even look better — while KID's estimator is unbiased, so it is reported beside FID. Each comes with
 its spread, so that two cards' numbers can be told apart from the eval's own noise: the Wilson interval of an accuracy,
-a bootstrap standard deviation of FID, KID's deviation over subsets."""
+a bootstrap standard deviation of FID, KID's deviation over subsets. FID and KID each fold fidelity and diversity
+into one number; improved precision and recall (Kynkäänniemi et al. 2019) tell them apart."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import math
 
 import numpy as np
 
-__all__ = ["frechet_distance", "frechet_std", "kernel_distance", "fid_warning", "wilson_interval"]
+__all__ = ["frechet_distance", "frechet_std", "kernel_distance", "fid_warning", "precision_recall", "wilson_interval"]
 
 
 def _sqrtm_psd(matrix: np.ndarray) -> np.ndarray:
@@ -67,6 +68,46 @@ def kernel_distance(a: np.ndarray, b: np.ndarray, *, subsets: int = 100, subset_
         within = (kxx.sum() - np.trace(kxx) + kyy.sum() - np.trace(kyy)) / (n * (n - 1))
         estimates.append(within - 2 * kxy.mean())
     return float(np.mean(estimates)), float(np.std(estimates))
+
+
+def _kth_neighbour_distances(x: np.ndarray, y: np.ndarray, k: int, *, same: bool, chunk: int = 1024) -> np.ndarray:
+    """For each row of x, the k-th smallest squared distance to y's rows (x's own row left out where `same`),
+    a chunk of x at a time so that 10,000 rows never hold a 10,000² matrix."""
+    y_sq, out = (y * y).sum(1), []
+    for start in range(0, len(x), chunk):
+        part = x[start:start + chunk]
+        d = np.maximum((part * part).sum(1)[:, None] + y_sq[None] - 2 * part @ y.T, 0)
+        if same:  # a row is its own nearest neighbour at distance 0: the k-th other one is the (k+1)-th
+            d[np.arange(len(part)), np.arange(start, start + len(part))] = np.inf
+        out.append(np.partition(d, k - 1, axis=1)[:, k - 1])
+    return np.concatenate(out)
+
+
+def _inside(x: np.ndarray, centres: np.ndarray, radii: np.ndarray, chunk: int = 1024) -> np.ndarray:
+    """Whether each row of x lies in at least one ball (centre, squared radius)."""
+    c_sq, found = (centres * centres).sum(1), []
+    for start in range(0, len(x), chunk):
+        part = x[start:start + chunk]
+        d = np.maximum((part * part).sum(1)[:, None] + c_sq[None] - 2 * part @ centres.T, 0)
+        found.append((d <= radii[None]).any(1))
+    return np.concatenate(found)
+
+
+def precision_recall(a: np.ndarray, b: np.ndarray, *, k: int = 3, seed: int = 0) -> tuple[float, float] | None:
+    """Improved precision and recall (Kynkäänniemi et al. 2019, arXiv 1904.06991) of generated feature rows a against
+    real rows b: each side's manifold is the union of balls around its rows, each reaching its k-th nearest neighbour
+    on the same side; precision is the share of a inside b's manifold (are the images realistic?), recall the share of
+    b inside a's (is the data's variety covered?). The radii shrink as a side grows, so the real side is drawn down to
+    a's size (seeded) and the two are compared at equal N. None where either side has k rows or fewer."""
+    n = min(len(a), len(b))
+    if n <= k:
+        return None
+    x = a[np.random.default_rng(seed).choice(len(a), n, replace=False)] if len(a) > n else a
+    y = b[np.random.default_rng(seed).choice(len(b), n, replace=False)] if len(b) > n else b
+    x, y = x.astype(np.float64), y.astype(np.float64)
+    radii_x = _kth_neighbour_distances(x, x, k, same=True)
+    radii_y = _kth_neighbour_distances(y, y, k, same=True)
+    return float(_inside(x, y, radii_y).mean()), float(_inside(y, x, radii_x).mean())
 
 
 def fid_warning(n: int, dim: int) -> str | None:

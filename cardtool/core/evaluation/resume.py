@@ -54,7 +54,7 @@ def previous_rows(path: Path, expected: dict) -> tuple[dict, list[dict]]:
                        "measure again from the start, or choose another --out")
     rows = [row for row in report["rows"] if isinstance(row, dict) and all(k in row for k in ROW_SETTINGS)
             and all(isinstance(row.get(k), (int, float)) and math.isfinite(row[k]) for k in _MEASURED)]
-    floors = {k: report[k] for k in ("floors", "kid_floors") if isinstance(report.get(k), dict)}
+    floors = {k: report[k] for k in ("floors", "kid_floors", "manifold_floors") if isinstance(report.get(k), dict)}
     return floors, rows
 
 
