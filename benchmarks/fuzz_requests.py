@@ -1,9 +1,9 @@
 """Fuzz requests: what users and scripts hand cardtool besides cards — `generate`'s options, the PNG metadata that
 `generate --like` reads back, recipes through `--set` for `train`, `distill` and `rl`, `eval`'s options, workflow
 manifests, diffusers folders for `cards import` (config.json and the shard index), the Python API's arguments
-(`LoadedCard` and its `generate`, `evaluate`, `run_workflow`, `load_card`), and whole command lines of the quick
-commands (`argv`: their options read from the app) — mutated and run in process on the tiny example cards and a tiny
-IDX folder, counted by outcome per surface.
+(`LoadedCard` and its `generate`, `evaluate`, `compare`, `run_workflow`, `load_card`), and whole command lines of the
+quick commands (`argv`: their options read from the app) — mutated and run in process on the tiny example cards and a
+tiny IDX folder, counted by outcome per surface.
 
 Outcomes: `ok` (exit 0), `refused` (exit 2: bad input, said so; or exit 1 with located validation problems — a
 workflow manifest's, as a card's), `failed` (exit 1 with another JSON error: work that could not finish, e.g. a loss
@@ -227,7 +227,9 @@ def _eval(rng: random.Random, env: Env, out: Path) -> list[str]:
                "--adapter": ["invert", "invert=0.5", "nope", "invert=x"],
                "--out": [str(out / "r.json"), "/dev/null", str(env.root / "made.png"), str(out)], "--resume": None,
                "--expect": ["class_accuracy>=0", "fid_fmnist<0", "images_per_second>1e308", "kid<=nan", "fid>1",
-                            "mean_reward", "x", ""]}
+                            "mean_reward", "manifold_recall>=0", "x", ""],
+               "--versus": [env.card("tiny-base"), env.card("tiny-distilled"), env.card("tiny-judge"), "nope",
+                            "/dev/null", str(out)]}
     args = ["eval", env.card(rng.choice(["tiny-base", "tiny-distilled", "tiny-rl", "tiny-judge"])), "--json",
             "--judge", env.card("tiny-judge"), "--data", str(env.data), "--per-class", "1", "--steps", "2"]
     for option in rng.sample(sorted(options), rng.choice([1, 2, 3])):
@@ -349,8 +351,8 @@ class ApiCall:
 
 
 def _api(rng: random.Random, env: Env, out: Path) -> ApiCall:
-    """`LoadedCard.generate` most often; else `LoadedCard`, `evaluate`, `run_workflow` or `load_card`, each with a
-    few arguments of any type and the rest plausible, so that some calls run."""
+    """`LoadedCard.generate` most often; else `LoadedCard`, `evaluate`, `compare`, `run_workflow` or `load_card`, each
+    with a few arguments of any type and the rest plausible, so that some calls run."""
     values = [None, 0, -1, 1, 2, 2.5, float("nan"), float("inf"), True, "", "x", "2", [], [1], ["a"], {}, (0, 1),
               (1, 0), (0.2, 0.4), [("invert", 0.5)], [("invert", "x")], [("nope", 1)], [("invert",)], "invert", b"x",
               10**30, "euler", "dpmpp_2m", "renoise", "bfloat16", "float64", env.card("tiny-judge"),
@@ -361,7 +363,8 @@ def _api(rng: random.Random, env: Env, out: Path) -> ApiCall:
         chosen = {k: rng.choice(values) for k in rng.sample(keywords, rng.choice([1, 1, 2]))}
         return {**plausible, **chosen}
 
-    function = rng.choice(["LoadedCard.generate"] * 5 + ["LoadedCard", "evaluate", "run_workflow", "load_card"])
+    function = rng.choice(["LoadedCard.generate"] * 5 + ["LoadedCard", "evaluate", "compare", "run_workflow",
+                                                          "load_card"])
     if function == "LoadedCard.generate":
         keywords = ["num", "seed", "steps", "guidance", "shift", "solver", "guidance_interval", "precision", "grid",
                     "strict", "on_step", "max_batch", "best_of", "reward", "adapters", "control", "preprocessor",
@@ -372,10 +375,12 @@ def _api(rng: random.Random, env: Env, out: Path) -> ApiCall:
     elif function == "LoadedCard":
         args = [rng.choice([env.card("tiny-base")] * 3 + values)]
         options = hostile(["device", "cache", "precision"], {})
-    elif function == "evaluate":
+    elif function in ("evaluate", "compare"):
         keywords = ["judge", "steps", "guidance", "guidance_interval", "per_class", "seed", "device", "data",
-                    "precision", "on_row", "adapters", "shift", "solver", "out", "resume", "on_step"]
-        args = [env.card("tiny-base")]
+                    "precision", "on_row", "adapters", "shift", "solver", "out", "resume", "on_step", "keep_samples",
+                    "stop", "max_batch"]
+        args = [env.card("tiny-base")] + ([rng.choice([env.card("tiny-distilled")] * 3 + values)]
+                                          if function == "compare" else [])
         options = hostile(keywords, {"judge": env.card("tiny-judge"), "steps": [2], "per_class": 1,
                                      "data": str(env.data)})
     elif function == "run_workflow":

@@ -12,6 +12,7 @@ The Python API, for scripts (each name is imported on first use, so `import card
     card.generate("a coat", image=held, strength=0.6)          # image-to-image (mask=…: inpaint)
     cardtool.generate("fashion-base", "a dress")       # one call: load, generate, done
     cardtool.evaluate("fashion-base", steps=[20], per_class=10).rows
+    cardtool.compare("fashion-base-2step", "fashion-base-nft-2step").differences   # paired: same prompts, seeds
     cardtool.load_card("fashion-base").manifest.recipe.parents
     cardtool.run_workflow("examples/workflows/tiny-tour.yaml", out="outputs", skip_existing=True).steps
 
@@ -25,6 +26,7 @@ _API = {
     "LoadedCard": "cardtool.core.sampling.generate",
     "generate": "cardtool.core.sampling.generate",
     "evaluate": "cardtool.core.evaluation.evaluate",
+    "compare": "cardtool.core.evaluation.versus",
     "load_card": "cardtool.core.cards.loader",
     "run_workflow": "cardtool.core.workflows.run",
     "CardtoolError": "cardtool.errors",

@@ -47,6 +47,9 @@ def eval_command(
         "--expect", metavar="METRIC>=VALUE", help="A threshold every row must meet (or <=, >, <; repeat): "
         "class_accuracy, fid_fmnist, kid, manifold_precision, manifold_recall, mean_reward or images_per_second. "
         "Exit 1 if a row misses one.")] = None,
+    versus: Annotated[str | None, typer.Option(
+        "--versus", metavar="CARD", help="Also evaluate this card on the same requests and compare the two image "
+        "pair by image pair: B − A in accuracy (McNemar's exact test) and FID, with paired 95% intervals.")] = None,
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (see README).")] = False,
 ) -> None:
     """Evaluate a card: per step count and guidance, accuracy by the judge, FID-FMNIST with its floors."""
@@ -55,8 +58,9 @@ def eval_command(
 
     err = console(stderr=True)
 
-    def progress(row) -> None:  # on stderr, also under --json
-        err.print(f"{row.precision} steps {row.steps} guidance {row.guidance:g}{_interval(row)}: "
+    def progress(row, of: str | None = None) -> None:  # on stderr, also under --json
+        card_of = f"{of}: " if of else ""
+        err.print(f"{card_of}{row.precision} steps {row.steps} guidance {row.guidance:g}{_interval(row)}: "
                   f"accuracy {_accuracy(row)}  FID {_fid(row)}  "
                   f"KID×1000 {1000 * row.kid:.2f} ± {1000 * row.kid_std:.2f}  {_manifold(row)}  "
                   f"reward {row.mean_reward:.4f}  "
@@ -67,6 +71,11 @@ def eval_command(
         from cardtool.core.sampling.adapters import parse_adapter
         from cardtool.errors import BadInput, RunFailed
 
+        if versus is not None:
+            given = [name for name, value in (("--record", record), ("--out", out), ("--resume", resume),
+                                              ("--expect", expect)) if value]
+            if given:
+                raise BadInput(f"--versus measures and compares two cards in one run; drop {', '.join(given)}")
         if record and (adapter or shift is not None or solver is not None):
             raise BadInput("--record keeps the eval of the card as it serves by default; drop --adapter, --shift and "
                            "--solver to record")
@@ -79,15 +88,24 @@ def eval_command(
         expectations = [parse_expectation(e) for e in expect or []]  # a typo found now, not after the eval
         interval = parse_interval(guidance_interval) if guidance_interval is not None else None
         steps_done = LateProgress(enabled=not sys.stderr.isatty(), terminal=False, what="this row:")
-        report = evaluate(card, judge=judge, steps=steps, guidance=guidance, guidance_interval=interval,
-                          per_class=per_class, seed=seed, device=device, data=data, precision=precision,
-                          on_row=progress, adapters=[parse_adapter(a) for a in adapter] if adapter else None,
-                          shift=shift, solver=solver, out=out, resume=resume, on_step=steps_done,
-                          max_batch=max_batch)
-        if report.rank == 0 and report.rows and all(math.isnan(r.class_accuracy) for r in report.rows):
-            # the work made no result: a script reading the exit status must not take null rows for a measurement
-            raise RunFailed("no row measured: " + "; ".join(w for w in report.warnings if "no measurement" in w)
-                            + ("; the card was not recorded" if record else ""), report.to_json())
+        options = dict(judge=judge, steps=steps, guidance=guidance, guidance_interval=interval, per_class=per_class,
+                       seed=seed, device=device, data=data, precision=precision,
+                       adapters=[parse_adapter(a) for a in adapter] if adapter else None, shift=shift, solver=solver,
+                       on_step=steps_done, max_batch=max_batch)
+        if versus is None:
+            comparison, report = None, evaluate(card, **options, on_row=progress, out=out, resume=resume)
+        else:
+            from cardtool.core.evaluation.versus import compare
+
+            comparison = compare(card, versus, **options, on_row=lambda of, row: progress(row, of))
+            report = comparison.a
+        document = comparison.to_json() if comparison else report.to_json()
+        for measured in [report] + ([comparison.b] if comparison else []):
+            if measured.rank == 0 and measured.rows and all(math.isnan(r.class_accuracy) for r in measured.rows):
+                # the work made no result: a script reading the exit status must not take null rows for a measurement
+                raise RunFailed(f"no row{f' of {measured.card}' if comparison else ''} measured: " + "; ".join(
+                    w for w in measured.warnings if "no measurement" in w)
+                    + ("; the card was not recorded" if record else ""), document)
         if record and report.rank == 0:
             from cardtool.core.cards.record import record_eval
 
@@ -101,11 +119,29 @@ def eval_command(
     checks = [(str(e), e.failures(report.rows)) for e in expectations]
     missed = [line for _, failures in checks for line in failures]
     if json_:
-        emit_json({**report.to_json(), "ok": not missed,
+        emit_json({**document, "ok": not missed,
                    "expectations": [{"expect": e, "passed": not f, "failures": f} for e, f in checks]})
         raise typer.Exit(1 if missed else 0)
-    from rich import box
     from rich.markup import escape
+
+    shown = console()
+    for measured in [report] + ([comparison.b] if comparison else []):
+        _print_report(shown, measured)
+    if comparison:
+        _print_differences(shown, comparison)
+    if report.kept_rows:
+        err.print(f"{report.kept_rows} of {len(report.rows)} rows kept from {out} (measured before)", markup=False)
+    for line in missed:
+        err.print(f"[red]expectation missed[/red] {escape(line)}")
+    if checks and not missed:
+        err.print(f"every row meets {', '.join(e for e, _ in checks)}", markup=False)
+    if missed:
+        raise typer.Exit(1)
+
+
+def _print_report(shown, report) -> None:
+    """One card's table, its floors and its warnings."""
+    from rich import box
     from rich.table import Table
 
     stack = ", ".join(f"{a['name']}={a['scale']:g}" for a in report.adapters)
@@ -120,7 +156,6 @@ def eval_command(
         table.add_row(r.precision, str(r.steps), f"{r.guidance:g}{_interval(r)}", _accuracy(r), _fid(r),
                       f"{1000 * r.kid:.2f} ± {1000 * r.kid_std:.2f}", _manifold(r, short=True), f"{r.mean_reward:.4f}",
                       f"{r.images_per_second:.0f}")
-    shown = console()
     shown.print(table)
     floors, kid, manifold = report.floors, report.kid_floors, report.manifold_floors
 
@@ -133,14 +168,28 @@ def eval_command(
                 f"{floor('vae_reconstruction')}", markup=False)
     for warning in report.warnings:
         warn(warning)
-    if report.kept_rows:
-        err.print(f"{report.kept_rows} of {len(report.rows)} rows kept from {out} (measured before)", markup=False)
-    for line in missed:
-        err.print(f"[red]expectation missed[/red] {escape(line)}")
-    if checks and not missed:
-        err.print(f"every row meets {', '.join(e for e, _ in checks)}", markup=False)
-    if missed:
-        raise typer.Exit(1)
+
+
+def _print_differences(shown, comparison) -> None:
+    """The paired differences, B − A, row pair by row pair."""
+    from rich import box
+    from rich.table import Table
+
+    a, b = comparison.a.card, comparison.b.card
+    table = Table(box=box.SIMPLE_HEAD, title="B − A: the same prompts and seeds, image pair by image pair",
+                  title_justify="left")
+    for column in (f"A: {a}", f"B: {b}", "Δ accuracy (95%)", "only A / only B right", "McNemar p",
+                   "Δ FID-FMNIST (95%)"):
+        table.add_column(column, justify="right")
+    for d in comparison.differences:
+        settings = [f"{s['precision']}, {s['steps']} steps, guidance {s['guidance']:g}" for s in (d.a, d.b)]
+        if d.accuracy is None:
+            table.add_row(*settings, "–", "–", "–", "–")
+            continue
+        table.add_row(*settings, f"{d.accuracy:+.4f} ({d.accuracy_ci95[0]:+.3f}…{d.accuracy_ci95[1]:+.3f})",
+                      f"{d.only_a} / {d.only_b}", f"{d.mcnemar_p:.3g}",
+                      f"{d.fid_fmnist:+.3f} ({d.fid_fmnist_ci95[0]:+.2f}…{d.fid_fmnist_ci95[1]:+.2f})")
+    shown.print(table)
 
 
 def _interval(row) -> str:

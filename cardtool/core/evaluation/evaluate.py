@@ -9,6 +9,7 @@ scale: N real train images vs the test set, and N VAE reconstructions of train i
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -87,6 +88,10 @@ class EvalReport:
     adapters: list[dict] = field(default_factory=list)  # the stack every image used: name, scale
     rank: int = 0  # under torchrun, the process this report is from: rank 0 holds the rows, the others none
     kept_rows: int = 0  # rows read back from --out (--resume), not measured again
+    # with keep_samples: per row, each image's (judged correct, judge features), None for a row without; and the real
+    # images' features — what a paired comparison of two cards needs (versus.py); never in the JSON
+    samples: list[tuple[np.ndarray, np.ndarray] | None] = field(default_factory=list, repr=False)
+    real: np.ndarray | None = field(default=None, repr=False)
 
     def to_json(self) -> dict:
         return {"card": self.card, "judge": self.judge, "platform": self.platform, "per_class": self.per_class,
@@ -122,13 +127,17 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
              precision: list[str] | None = None, on_row: Callable[[EvalRow], None] | None = None,
              adapters: list[tuple[str, float]] | None = None, shift: float | None = None,
              solver: str | None = None, out: str | os.PathLike | None = None, resume: bool = False,
-             on_step: Callable[[int, int], None] | None = None, max_batch: int = 256) -> EvalReport:
+             on_step: Callable[[int, int], None] | None = None, max_batch: int = 256,
+             keep_samples: bool = False, stop: list[int] | None = None) -> EvalReport:
     """`adapters`: the stack every image uses instead of the card's default one (see Adapters in the README);
     `steps`, `guidance` and `precision` each a list of values (one value is a list of one), a row per combination;
     `shift` and `solver` for every row (default: the card's loop). `out`: a JSON file the report is written to after
     every row; with `resume`, the rows (and floors) it already holds for this evaluation are kept, not measured
     again. `on_step(done, total)`: progress inside each row, in request-steps (this process's share). `max_batch`:
-    model rows per forward (a guided request takes two) — lower it to save memory; the images are the same."""
+    model rows per forward (a guided request takes two) — lower it to save memory; the images are the same.
+    `keep_samples`: keep each row's per-image results in `report.samples` (see EvalReport), for `versus.compare`;
+    `stop`: the signal list of a caller's own `stop_requests` block (one around several evaluations), used instead of
+    this evaluation's own, so that a stop asked during its last row reaches the caller."""
     if not isinstance(per_class, numbers.Integral) or isinstance(per_class, bool) or per_class < 1:
         raise BadInput(f"--per-class must be a whole number, at least 1, got {per_class!r}")
     if not isinstance(max_batch, numbers.Integral) or isinstance(max_batch, bool) or max_batch < 1:
@@ -141,8 +150,11 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     for name, callback in (("on_row", on_row), ("on_step", on_step)):  # found after a row's work otherwise
         if callback is not None and not callable(callback):
             raise BadInput(f"{name} must be a function, got {callback!r}"[:300])
-    if not isinstance(resume, bool):
-        raise BadInput(f"resume must be True or False, got {resume!r}"[:300])
+    for name, flag in (("resume", resume), ("keep_samples", keep_samples)):
+        if not isinstance(flag, bool):
+            raise BadInput(f"{name} must be True or False, got {flag!r}"[:300])
+    if stop is not None and not isinstance(stop, list):
+        raise BadInput(f"stop must be the list a stop_requests block yields, got {stop!r}"[:300])
     if resume and out is None:
         raise BadInput("--resume continues the report in --out FILE; give --out")
     if out is not None:
@@ -176,7 +188,7 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     real = referee.features(test.images)
     count = per_class * len(CLASS_NAMES)
     report = EvalReport(card.id, judge_instance.card.id, f"{platform.device}/{platform.arch}", per_class,
-                        rank=ranks.rank)
+                        rank=ranks.rank, real=real if keep_samples else None)
     if count > len(train):
         raise BadInput(f"--per-class {per_class} asks for {count} images, more than the {len(train)} training images "
                        "the floors are measured on")
@@ -205,12 +217,14 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     report.adapters = stack
     if out is not None and ranks.main:
         write_report(out, report.to_json(), ident)
-    with stop_requests(ranks.world == 1) as caught:  # Ctrl-C / SIGTERM: the row in flight finishes, then a stop
+    stopping = stop_requests(ranks.world == 1) if stop is None else contextlib.nullcontext(stop)
+    with stopping as caught:  # Ctrl-C / SIGTERM: the row in flight finishes, then a stop
         for number, ((p, loop), g, k) in enumerate(cells):
             requests = plans[(g, k)]
             row = saved.get(_settings(p, requests[0]))
             if row is not None:  # measured before under the same identity: kept as it was measured
                 report.rows.append(EvalRow(**{f.name: row[f.name] for f in fields(EvalRow) if f.name in row}))
+                report.samples += [None] if keep_samples else []
                 report.kept_rows += 1
                 if on_row:
                     on_row(report.rows[-1])
@@ -218,7 +232,7 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
                 kept = f"; the rows measured are in {out} (--resume keeps them)" if out else ""
                 with OutOfMemory.raised(kept, report.to_json()):
                     _measure_row(report, referee, real, labels, count, ranks, p, loop, requests, on_row,
-                                 on_step=on_step, max_batch=int(max_batch))
+                                 on_step=on_step, max_batch=int(max_batch), keep=keep_samples)
             if out is not None and ranks.main:
                 write_report(out, report.to_json(), ident)
             if caught and number < len(cells) - 1:
@@ -236,7 +250,8 @@ def _settings(precision: str, request) -> tuple[str, ...]:
 
 
 def _measure_row(report: EvalReport, referee: FashionJudge, real: np.ndarray, labels: np.ndarray, count: int, ranks,
-                 p: str, loop: DenoiseLoop, requests: list, on_row, on_step=None, max_batch: int = 256) -> None:
+                 p: str, loop: DenoiseLoop, requests: list, on_row, on_step=None, max_batch: int = 256,
+                 keep: bool = False) -> None:
     """Sample one row's images at precision `p` and add its measurements to `report` (on rank 0; under torchrun each
     rank samples its share and rank 0 measures them all)."""
     started = time.perf_counter()
@@ -257,15 +272,16 @@ def _measure_row(report: EvalReport, referee: FashionJudge, real: np.ndarray, la
         nan = math.nan
         row = EvalRow(first.steps, first.guidance, list(first.guidance_interval), p, count, nan, nan, nan, nan,
                       nan, nan, first.model_evaluations(), first.shift, first.solver)
+        kept = None
         report.warnings.append(f"{p}, {first.steps} steps, guidance {first.guidance:g}: no measurement, "
                                f"{broken or 'another rank made NaN or inf images'}")
     else:
         images = np.stack(made)
         probabilities = referee.probabilities(images)
-        accuracy = float((probabilities.argmax(1) == labels).mean())
+        hits = probabilities.argmax(1) == labels
+        accuracy, correct = float(hits.mean()), int(hits.sum())
         features = referee.features(images)
         kid, kid_std = kernel_distance(features, real)
-        correct = int((probabilities.argmax(1) == labels).sum())
         fidelity, coverage = _rounded(precision_recall(features, real)) or (None, None)
         row = EvalRow(first.steps, first.guidance, list(first.guidance_interval), p, count, round(accuracy, 4),
                       round(frechet_distance(features, real), 4), round(kid, 6), round(kid_std, 6),
@@ -273,7 +289,10 @@ def _measure_row(report: EvalReport, referee: FashionJudge, real: np.ndarray, la
                       first.model_evaluations(), first.shift, first.solver,
                       [round(bound, 4) for bound in wilson_interval(correct, count)],
                       round(frechet_std(features, real), 4) if count > 1 else None, fidelity, coverage)
+        kept = (hits, features)
     report.rows.append(row)
+    if keep:
+        report.samples.append(kept)
     if on_row:
         on_row(row)
 

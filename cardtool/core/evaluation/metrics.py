@@ -12,7 +12,8 @@ import math
 
 import numpy as np
 
-__all__ = ["frechet_distance", "frechet_std", "kernel_distance", "fid_warning", "precision_recall", "wilson_interval"]
+__all__ = ["FrechetTo", "frechet_distance", "frechet_std", "kernel_distance", "fid_warning", "precision_recall",
+           "wilson_interval"]
 
 
 def _sqrtm_psd(matrix: np.ndarray) -> np.ndarray:
@@ -29,18 +30,25 @@ def frechet_distance(a: np.ndarray, b: np.ndarray) -> float:
     return float(((mu_a - mu_b) ** 2).sum() + np.trace(cov_a) + np.trace(cov_b) - 2 * np.trace(cross))
 
 
+class FrechetTo:
+    """The Fréchet distance of many samples to one fixed real side b, whose mean, covariance and square root are taken
+    once: Tr((Σa^½ Σb Σa^½)^½) = Tr((Σb^½ Σa Σb^½)^½)."""
+
+    def __init__(self, b: np.ndarray):
+        self.mu, self.cov = b.mean(0), np.cov(b, rowvar=False)
+        self.root = _sqrtm_psd(self.cov)
+
+    def __call__(self, a: np.ndarray) -> float:
+        cov_a = np.cov(a, rowvar=False)
+        cross = _sqrtm_psd(self.root @ cov_a @ self.root)
+        return float(((a.mean(0) - self.mu) ** 2).sum() + np.trace(cov_a) + np.trace(self.cov) - 2 * np.trace(cross))
+
+
 def frechet_std(a: np.ndarray, b: np.ndarray, *, resamples: int = 50, seed: int = 0) -> float:
     """Bootstrap standard deviation of the Fréchet distance over a's rows (the generated images, drawn again with
-    replacement; b, the real side, fixed): how far the score moves with the particular images a sample holds. Uses
-    Tr((Σa^½ Σb Σa^½)^½) = Tr((Σb^½ Σa Σb^½)^½), so b's square root is taken once."""
-    mu_b, cov_b = b.mean(0), np.cov(b, rowvar=False)
-    root_b, rng, scores = _sqrtm_psd(cov_b), np.random.default_rng(seed), []
-    for _ in range(resamples):
-        x = a[rng.integers(0, len(a), len(a))]
-        cov_a = np.cov(x, rowvar=False)
-        cross = _sqrtm_psd(root_b @ cov_a @ root_b)
-        scores.append(((x.mean(0) - mu_b) ** 2).sum() + np.trace(cov_a) + np.trace(cov_b) - 2 * np.trace(cross))
-    return float(np.std(scores))
+    replacement; b, the real side, fixed): how far the score moves with the particular images a sample holds."""
+    to_b, rng = FrechetTo(b), np.random.default_rng(seed)
+    return float(np.std([to_b(a[rng.integers(0, len(a), len(a))]) for _ in range(resamples)]))
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:

@@ -1,0 +1,123 @@
+"""`cardtool eval A --versus B`: both cards on the same requests, compared image pair by image pair — McNemar's exact
+test and paired bootstrap intervals, which see a difference that two independent intervals cannot."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+
+import numpy as np
+import pytest
+from helpers import EXAMPLE_CARDS, write_idx_folder
+from typer.testing import CliRunner
+
+from cardtool.cli import app
+from cardtool.core.evaluation import evaluate as evaluate_module
+from cardtool.core.evaluation.metrics import frechet_distance, wilson_interval
+from cardtool.core.evaluation.versus import compare, mcnemar_p, paired_differences
+from cardtool.core.interrupt import Interrupted
+from cardtool.errors import BadInput
+
+
+def test_mcnemar_p_is_the_doubled_binomial_tail_of_the_discordant_pairs():
+    assert mcnemar_p(1, 9) == pytest.approx(2 * (1 + 10) / 2 ** 10)
+    assert mcnemar_p(9, 1) == mcnemar_p(1, 9), "two-sided"
+    assert mcnemar_p(0, 0) == 1.0 and mcnemar_p(5, 5) == 1.0, "no evidence either way"
+    exact = 2 * sum(math.comb(40, i) for i in range(13)) / 2 ** 40
+    assert mcnemar_p(12, 28) == pytest.approx(exact, rel=1e-9)
+    # 3,000 pairs: 2 ** 3000 overflows a float, the tail is summed in log space
+    assert 0 < mcnemar_p(1400, 1600) < 0.001 and mcnemar_p(1490, 1510) > 0.5
+
+
+def test_paired_intervals_see_a_difference_independent_intervals_cannot():
+    """B right on 30 more of 1,000 pairs, wrong on none that A got: the two Wilson intervals overlap, the paired one
+    excludes zero and McNemar rejects equality."""
+    rng = np.random.default_rng(0)
+    hits_a = rng.random(1000) < 0.9
+    hits_b = hits_a.copy()
+    hits_b[np.flatnonzero(~hits_a)[:30]] = True
+    features = rng.standard_normal((1000, 8))
+    real = rng.standard_normal((2000, 8))
+    low_b, _ = wilson_interval(int(hits_b.sum()), 1000)
+    _, high_a = wilson_interval(int(hits_a.sum()), 1000)
+    assert low_b < high_a, "separately the two accuracies are not told apart"
+    d = paired_differences(hits_a, features, hits_b, features + 0.5, real)
+    assert d["accuracy"] == pytest.approx(0.03) and d["only_a"] == 0 and d["only_b"] == 30
+    assert 0 < d["accuracy_ci95"][0] <= 0.03 <= d["accuracy_ci95"][1] and d["mcnemar_p"] < 1e-8
+    fid = frechet_distance(features + 0.5, real) - frechet_distance(features, real)
+    assert d["fid_fmnist"] == pytest.approx(fid, abs=1e-3) and fid > 1
+    assert d["fid_fmnist_ci95"][0] > 0 and d["fid_fmnist_std"] > 0
+    same = paired_differences(hits_a, features, hits_a, features, real)
+    assert same["accuracy"] == same["fid_fmnist"] == 0 and same["mcnemar_p"] == 1
+    assert same["accuracy_ci95"] == [0, 0] and same["fid_fmnist_ci95"] == [0, 0], "a card against itself: no noise"
+
+
+def run(tmp_path, *args):
+    data = write_idx_folder(tmp_path / "idx")
+    return CliRunner().invoke(app, ["eval", str(EXAMPLE_CARDS / "tiny-base"), "--judge",
+                                    str(EXAMPLE_CARDS / "tiny-judge"), "--per-class", "2", "--data", str(data),
+                                    *args], env={"COLUMNS": "250"})  # no elision in the tables
+
+
+def test_versus_measures_both_cards_on_the_same_requests_and_pairs_their_rows(tmp_path):
+    result = run(tmp_path, "--steps", "2", "--steps", "3", "--versus", str(EXAMPLE_CARDS / "tiny-distilled"), "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    versus = report["versus"]
+    assert report["card"] == "tiny-base" and versus["card"] == "tiny-distilled" and report["ok"] is True
+    assert [r["steps"] for r in report["rows"]] == [r["steps"] for r in versus["rows"]] == [2, 3]
+    assert [r["guidance"] for r in versus["rows"]] == [1.0, 1.0], "each card at its own defaults for the rest"
+    for a, b, d in zip(report["rows"], versus["rows"], versus["differences"], strict=True):
+        assert (d["a"]["steps"], d["b"]["steps"], d["b"]["guidance"]) == (a["steps"], b["steps"], b["guidance"])
+        assert d["accuracy"] == pytest.approx(b["class_accuracy"] - a["class_accuracy"], abs=1e-4)
+        assert d["fid_fmnist"] == pytest.approx(b["fid_fmnist"] - a["fid_fmnist"], abs=1e-3)
+        assert d["fid_fmnist_ci95"][0] <= d["fid_fmnist_ci95"][1] and 0 <= d["mcnemar_p"] <= 1
+    alone = json.loads(run(tmp_path, "--steps", "2", "--steps", "3", "--json").stdout)
+    assert [r["fid_fmnist"] for r in alone["rows"]] == [r["fid_fmnist"] for r in report["rows"]], \
+        "the first card's rows are its own eval's"
+    text = run(tmp_path, "--steps", "2", "--versus", str(EXAMPLE_CARDS / "tiny-base"))
+    assert text.exit_code == 0 and "B − A: the same prompts and seeds" in text.stdout
+    assert "+0.0000 (+0.000…+0.000)" in text.stdout, "a card against itself differs by nothing"
+
+
+@pytest.mark.parametrize("extra", [["--out", "x.json"], ["--record"], ["--expect", "kid<1"]])
+def test_versus_refuses_what_belongs_to_one_card(tmp_path, extra):
+    result = run(tmp_path, "--versus", str(EXAMPLE_CARDS / "tiny-distilled"), *extra, "--json")
+    assert result.exit_code == 2 and "--versus measures and compares two cards" in result.stdout
+    with pytest.raises(BadInput, match="out does not apply"):
+        compare("tiny-base", "tiny-base", out="x.json")
+
+
+def test_a_stop_during_the_first_cards_last_row_does_not_start_the_second(tmp_path, monkeypatch, interactive_signals):
+    measure = evaluate_module._measure_row
+    measured = []
+
+    def measure_then_sigint(report, *args, **kwargs):
+        measure(report, *args, **kwargs)
+        measured.append(report.card)
+        if len(measured) == 1:  # the first card's only row
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(evaluate_module, "_measure_row", measure_then_sigint)
+    with pytest.raises(Interrupted, match="tiny-base's rows; .*tiny-distilled was not measured") as stopped:
+        compare(str(EXAMPLE_CARDS / "tiny-base"), str(EXAMPLE_CARDS / "tiny-distilled"),
+                judge=str(EXAMPLE_CARDS / "tiny-judge"), per_class=1, steps=[2],
+                data=str(write_idx_folder(tmp_path / "idx")))
+    assert measured == ["tiny-base"] and len(stopped.value.partial["rows"]) == 1
+
+
+def test_a_stop_during_the_second_card_keeps_both_cards_rows(tmp_path, monkeypatch, interactive_signals):
+    measure = evaluate_module._measure_row
+
+    def measure_then_sigint(report, *args, **kwargs):
+        measure(report, *args, **kwargs)
+        if report.card == "tiny-distilled":  # after the second card's first of two rows
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(evaluate_module, "_measure_row", measure_then_sigint)
+    result = run(tmp_path, "--steps", "2", "--steps", "3", "--versus", str(EXAMPLE_CARDS / "tiny-distilled"), "--json")
+    assert result.exit_code == 130, result.output
+    partial = json.loads(result.stdout)["error"]["partial"]
+    assert [r["steps"] for r in partial["rows"]] == [2, 3] and [r["steps"] for r in partial["versus"]["rows"]] == [2]
