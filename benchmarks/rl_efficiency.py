@@ -23,8 +23,9 @@ from cardtool.backends.platform import Platform
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import load_card
 from cardtool.core.evaluation.reward import load_reward
-from cardtool.core.training.rl import Watch, default_prompts, make_task, rl_recipe
+from cardtool.core.training.rl import default_prompts, make_task, rl_recipe, serving_loop
 from cardtool.core.training.trainer import train_loop
+from cardtool.core.training.watch import Watch
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = {"diffusion_nft": "examples/recipes/fashion-nft.yaml", "flow_grpo": "examples/recipes/fashion-grpo.yaml"}
@@ -42,8 +43,8 @@ def run(method: str, args) -> dict:
                         f"train.checkpoint_every={args.max_updates}", *args.set])
     task = make_task(recipe, platform, load_card(locate(args.base)), load_reward(args.reward, platform),
                      default_prompts())
-    watch = Watch(task, [args.reward, args.held_out_judge], platform, recipe.train.precision, args.per_class,
-                  args.data)
+    watch = Watch(task.base, task.name, task.policy, task.cache, serving_loop(task.base),
+                  [args.reward, args.held_out_judge], platform, recipe.train.precision, args.per_class, args.data)
     samples_per_rollout = recipe.optim.batch_size * task.settings.group_size
     points, started = [], time.perf_counter()
 

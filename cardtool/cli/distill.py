@@ -35,6 +35,11 @@ def distill_command(
     evaluate: Annotated[bool, typer.Option("--eval/--no-eval", help="Evaluate the student at its own defaults "
                                            "and record it in the card.")] = True,
     judge: Annotated[str, typer.Option("--judge", help="The judge card for the eval.")] = "fashion-classifier",
+    held_out_judge: Annotated[str, typer.Option("--held-out-judge", help="A second judge for --watch-every ('' for "
+                                                "none).")] = "fashion-referee",
+    watch_every: Annotated[int, typer.Option("--watch-every", help="Every N iterations (at the next progress line), "
+                                             "sample the class prompts with the student at its own steps and log "
+                                             "accuracy under both judges and FID (0: off).")] = 0,
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (see README).")] = False,
 ) -> None:
     """Distil TEACHER into an N-step student with DMD2; the student card extends the teacher."""
@@ -60,7 +65,8 @@ def distill_command(
                               *(["--lora", str(lora)] if lora is not None else [])])
         card = distill(loaded, command=command, out=out, run_dir=run_dir, resume=resume, device=device, data=data,
                        force=force, evaluate=evaluate, judge=judge, on_log=log, on_eval=eval_line,
-                       micro_batches=micro_batches)
+                       micro_batches=micro_batches, watch_every=watch_every,
+                       watch_judges=[judge, *([held_out_judge] if held_out_judge else [])])
     if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 reports for every rank
         return
     metrics = card.manifest.recipe.metrics

@@ -41,6 +41,9 @@ def flywheel_command(
     micro_batches: Annotated[int, typer.Option(
         "--micro-batches", help="Split each stage's batches into M micro-batches; under torchrun each process takes "
         "M of the P·M.")] = 1,
+    watch_every: Annotated[int, typer.Option("--watch-every", help="Every N steps of each training stage, sample "
+                                             "the class prompts with the live model as its card will serve and log "
+                                             "accuracy under both judges and FID (0: off).")] = 0,
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (see README).")] = False,
 ) -> None:
     """RL CARD on a reward, distil the RL'd card into an N-step student, evaluate the three side by side."""
@@ -66,7 +69,7 @@ def flywheel_command(
         report = flywheel(loaded, command=command, out_dir=out_dir, run_dir=run_dir, resume=resume, force=force,
                           device=device, data=data, judge=judge, held_out_judge=held_out_judge or None,
                           per_class=per_class, compare=list(compare or []), stop_after=stop_after, on_log=log,
-                          on_stage=stage_line, micro_batches=micro_batches)
+                          on_stage=stage_line, micro_batches=micro_batches, watch_every=watch_every)
     if not main:
         return
     if json_:

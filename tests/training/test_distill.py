@@ -375,3 +375,45 @@ def test_lora_targets_that_name_no_layer_are_bad_input(examples):
     with pytest.raises(BadInput, match=r"model.lora.targets: no linear layer matches the LoRA targets \['nope'\]"):
         DMD2Task(recipe(examples / "tiny-base", extra=["model.lora.rank=2", "model.lora.targets=[nope]"]), _platform(),
                  load_card(examples / "tiny-base"))
+
+
+def test_watching_logs_the_students_accuracy_and_fid_and_changes_nothing_it_trains(examples, tmp_path):
+    """--watch-every samples the live student at its own steps and judges it; the watched run's student is the
+    unwatched run's, bit for bit (the watch reads the weights and draws only from its requests' seeds)."""
+    teacher, judge = examples / "tiny-base", str(examples / "tiny-judge")
+    data = str(write_idx_folder(tmp_path / "idx"))
+    entries = []
+    watched = run(teacher, tmp_path / "w", tmp_path / "rw", on_log=entries.append, watch_every=4, judge=judge,
+                  watch_judges=[judge, judge], data=data)
+    plain = run(teacher, tmp_path / "p", tmp_path / "rp")
+    assert [e["step"] for e in entries if "watch_fid" in e] == [4], "the first progress line at or past each 4th"
+    seen = next(e for e in entries if "watch_fid" in e)
+    assert 0 <= seen["watch_accuracy"] <= 1 and seen["watch_accuracy_tiny-judge"] == seen["watch_accuracy"]
+    assert seen["watch_fid"] > 0
+    a, b = (load_file(str(c.weights_file("transformer"))) for c in (watched, plain))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    result = CliRunner().invoke(app, ["distill", str(teacher), "--no-eval", "--watch-every", "-1",
+                                      "--out", str(tmp_path / "x"), *(f"--set={o}" for o in TINY)])
+    assert result.exit_code == 2 and "--watch-every must be 0 (off) or a positive whole number" in result.output
+    result = CliRunner().invoke(app, ["distill", str(teacher), "--no-eval", "--watch-every", "2", "--judge", judge,
+                                      "--held-out-judge", str(examples / "tiny-base"), "--out", str(tmp_path / "y"),
+                                      "--run-dir", str(tmp_path / "ry"), *(f"--set={o}" for o in TINY)])
+    assert result.exit_code == 2 and "is not a reward" in result.output
+    assert not (tmp_path / "ry" / CHECKPOINT).exists(), "a judge that is not one is found before the run"
+
+
+def test_the_watch_samples_what_the_student_card_serves(examples, tmp_path):
+    """The watch's images are the written card's own: the same requests through `generate`."""
+    from cardtool.backends.platform import Platform
+    from cardtool.core.training.watch import Watch
+
+    teacher, judge = examples / "tiny-base", str(examples / "tiny-judge")
+    student = run(teacher, tmp_path / "s", tmp_path / "rs")
+    task = DMD2Task(recipe(teacher), Platform.detect("cpu"), load_card(teacher))
+    task.generator.load_state_dict(load_file(str(student.weights_file("transformer"))))
+    loop = dict(student.manifest.loops["denoise"].defaults)
+    watch = Watch(task.teacher, task.name, task.generator, task.cache, loop, [judge], Platform.detect("cpu"),
+                  "float32", per_class=1, data=str(write_idx_folder(tmp_path / "idx")))
+    watched = watch.loop.finalize(sample(watch.loop, watch.requests))
+    served = DenoiseLoop(ModelInstance(student, _platform()), cache=TextFeatureCache(disk=False))
+    assert (watched == served.finalize(sample(served, watch.requests))).all()

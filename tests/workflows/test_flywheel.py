@@ -57,6 +57,15 @@ def test_the_flywheel_chains_base_rl_and_student_and_reports_the_three(examples,
 
 
 
+def test_watching_the_flywheel_watches_both_training_stages(examples, tmp_path):
+    result = run(examples, tmp_path, "--stop-after", "distill", "--watch-every", "2")
+    assert result.exit_code == 0, result.output
+    watched = [line.split()[0] for line in result.stderr.splitlines() if "watch_fid" in line]
+    assert watched == ["rl", "distill"], result.stderr
+    bad = run(examples, tmp_path, "--watch-every", "-3")
+    assert bad.exit_code == 2 and "--watch-every must be 0 (off)" in json.loads(bad.stdout)["error"]["message"]
+
+
 def test_a_report_the_disk_cannot_take_is_not_lost(examples, tmp_path, monkeypatch):
     import errno
 

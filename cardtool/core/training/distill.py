@@ -20,6 +20,7 @@ from cardtool.core.training.derived import (
 )
 from cardtool.core.training.recipes import Recipe, only_keys
 from cardtool.core.training.trainer import train_loop, writable_outputs
+from cardtool.core.training.watch import Watch, check_every, watched
 from cardtool.errors import BadInput
 
 __all__ = ["check_recipe", "distill", "distill_recipe", "student_id"]
@@ -68,19 +69,25 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
             resume: bool = False, device: str | None = None, data: str | None = None, force: bool = False,
             evaluate: bool = True,
             judge: str = "fashion-classifier", on_log: Callable[[dict], None] | None = None,
-            on_eval: Callable[[dict], None] | None = None, micro_batches: int = 1) -> Card:
+            on_eval: Callable[[dict], None] | None = None, micro_batches: int = 1, watch_every: int = 0,
+            watch_judges: list[str] | None = None) -> Card:
+    """`watch_every`: every N iterations the student, sampled at its own steps, judged by `watch_judges` (default:
+    `judge`) — see watch.py."""
     from cardtool.core.training.methods.dmd2 import DMD2Settings, DMD2Task
 
     check_recipe(recipe)
+    check_every(watch_every)
+    watch_judges = watch_judges or [judge]
     platform = Platform.detect(device)
     teacher = load_card(locate(recipe.parents[0]))
     out = Path(out or Path("cards") / recipe.card.id)
     run_dir = Path(run_dir or Path("runs") / recipe.card.id)
     writable_outputs(out, run_dir, replace=force, flag="--force", card_id=recipe.card.id, parents=[teacher])
-    if evaluate:
+    if evaluate or watch_every:
         from cardtool.core.evaluation.reward import reward_card
 
-        reward_card(judge, scores=teacher)  # before hours of training, not after
+        for name in [judge] * evaluate + watch_judges * bool(watch_every):
+            reward_card(name, scores=teacher)  # before hours of training, not after
     train = None
     settings = DMD2Settings.from_recipe(recipe.loss)
     if settings.gan and settings.gan_real == "data":  # the GAN term's real images; teacher samples need none
@@ -89,7 +96,11 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
         train = load_split("train", data or recipe.data.get("folder"))
     task = DMD2Task(recipe, platform, teacher, train)
     task.data = train.digest() if train is not None else None  # a resume must see the same real images
-    result = train_loop(task, recipe, platform, run_dir, resume=resume, on_log=on_log, micro_batches=micro_batches)
+    student = {"steps": settings.student_steps, "guidance": 1.0, "shift": settings.shift, "solver": "renoise"}
+    watch = Watch(teacher, task.name, task.generator, task.cache, student, watch_judges, platform,
+                  recipe.train.precision, data=data) if watch_every else None
+    result = train_loop(task, recipe, platform, run_dir, resume=resume, on_log=watched(on_log, watch, watch_every),
+                        micro_batches=micro_batches)
     settings = task.settings
     metrics = {"iterations": result.steps, "generator_updates": -(-result.steps // settings.generator_every),
                "train_seconds": round(result.seconds, 1), "final_loss": round(result.final_loss, 6),
@@ -102,8 +113,7 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
         "description": recipe.card.description or f"{steps}-step DMD2 student of {teacher.id}",
         "extends": extends_reference(teacher, out),
         **parts,
-        "loops": {"denoise": {"defaults": {"steps": steps, "guidance": 1.0, "shift": settings.shift,
-                                           "solver": "renoise", **defaults}}},
+        "loops": {"denoise": {"defaults": {**student, **defaults}}},
         "recipe": {"method": "dmd2", "parents": [teacher.id], "assumes": {"loop": "denoise", "steps": steps},
                    "command": command, "fingerprint": recipe_fingerprint(recipe),
                    "hyperparameters": recipe.hyperparameters(),

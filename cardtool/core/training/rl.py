@@ -7,7 +7,6 @@ not to, its eval under the judge and the accuracy under a held-out judge that wa
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,9 +27,11 @@ from cardtool.core.training.derived import (
 )
 from cardtool.core.training.recipes import Recipe, only_keys
 from cardtool.core.training.trainer import train_loop, writable_outputs
+from cardtool.core.training.watch import Watch, check_every, watched
 from cardtool.errors import BadInput
 
-__all__ = ["METHODS", "check_recipe", "rl", "rl_recipe", "read_prompts", "default_prompts", "make_task", "Watch"]
+__all__ = ["METHODS", "check_recipe", "rl", "rl_recipe", "read_prompts", "default_prompts", "make_task",
+           "serving_loop"]
 
 METHODS = {"diffusion_nft": "nft", "flow_grpo": "grpo"}  # method → the suffix of the tuned card's id
 MAX_PROMPTS_BYTES = 1 << 20
@@ -119,49 +120,6 @@ def make_task(recipe: Recipe, platform: Platform, base: Card, reward, prompts: l
     return NFTTask(recipe, platform, base, reward, prompts)
 
 
-class Watch:
-    """The policy during a run, at the tuned card's serving settings (the base's steps, guidance 1) on each class
-    prompt × `per_class` fixed seeds: class accuracy under each judge and FID-FMNIST under the first — where reward
-    hacking (a held-out judge disagreeing) or a collapse of diversity (FID rising) shows first."""
-
-    def __init__(self, task, judges: list[str], platform: Platform, precision: str, per_class: int = 50,
-                 data: str | None = None):
-        from cardtool.core.data import CLASS_NAMES, load_split
-        from cardtool.core.evaluation.reward import FashionJudge
-        from cardtool.core.prompts import class_prompt
-        from cardtool.core.sampling.denoise import DenoiseLoop, Request
-        from cardtool.core.sampling.instance import ModelInstance
-
-        instance = ModelInstance(task.base, platform, precision)
-        instance.use(task.name, task.policy)
-        self.loop = DenoiseLoop(instance, cache=task.cache)
-        self.judges = [FashionJudge(ModelInstance(load_card(locate(j)), platform, "float32")) for j in judges]
-        test = load_split("test", data)
-        if len(test) < 2:  # FID's covariance of one image is undefined: every watch would log NaN
-            raise BadInput(f"--watch-every measures FID against the test images, and there is {len(test)}; give a "
-                           "data folder with more")
-        self.real = self.judges[0].features(test.images)
-        d = FlowDenoiseDefaults.model_validate(task.base.manifest.loops["denoise"].defaults)
-        self.requests = [Request(class_prompt(c), seed=i, steps=d.steps, guidance=1.0, shift=d.shift, solver=d.solver)
-                         for c in range(len(CLASS_NAMES)) for i in range(per_class)]
-        self.labels = np.repeat(np.arange(len(CLASS_NAMES)), per_class)
-        self.seconds = 0.0
-
-    def __call__(self) -> dict[str, float]:
-        from cardtool.core.evaluation.metrics import frechet_distance
-        from cardtool.core.sampling.sampler import sample
-
-        started = time.perf_counter()
-        images = self.loop.finalize(sample(self.loop, self.requests, max_batch=256))
-        out = {}
-        for i, judge in enumerate(self.judges):
-            accuracy = float((judge.probabilities(images).argmax(1) == self.labels).mean())
-            out["watch_accuracy" if i == 0 else f"watch_accuracy_{judge.card_id}"] = accuracy
-        out["watch_fid"] = frechet_distance(self.judges[0].features(images), self.real)
-        self.seconds += time.perf_counter() - started
-        return out
-
-
 def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: Path | None = None,
        run_dir: Path | None = None, resume: bool = False, device: str | None = None, data: str | None = None,
        force: bool = False, evaluate: bool = True, judge: str = "fashion-classifier",
@@ -171,8 +129,7 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
     from cardtool.core.evaluation.reward import load_reward, reward_card
 
     check_recipe(recipe)
-    if watch_every < 0:
-        raise BadInput(f"--watch-every must be 0 (off) or positive, got {watch_every}")
+    check_every(watch_every)
     platform = Platform.detect(device)
     base = load_card(locate(recipe.parents[0]))
     reward = load_reward(recipe.parents[1], platform, scores=base)
@@ -187,19 +144,10 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
     task = make_task(recipe, platform, base, reward, prompts or default_prompts())
     # what it trains on is its prompts: a resume given others (--prompts) would train the rest of the run on them
     task.data = hashlib.sha256("\n".join(task.prompts).encode()).hexdigest()
-    watch = Watch(task, judges, platform, recipe.train.precision, data=data) if watch_every else None
-
-    next_watch = watch_every
-
-    def log(entry: dict) -> None:
-        nonlocal next_watch
-        if watch is not None and entry["step"] >= next_watch:  # the first progress line at or past each multiple
-            entry = {**entry, **watch()}
-            next_watch = (entry["step"] // watch_every + 1) * watch_every
-        if on_log:
-            on_log(entry)
-
-    result = train_loop(task, recipe, platform, run_dir, resume=resume, on_log=log, micro_batches=micro_batches)
+    watch = Watch(task.base, task.name, task.policy, task.cache, serving_loop(base), judges, platform,
+                  recipe.train.precision, data=data) if watch_every else None
+    result = train_loop(task, recipe, platform, run_dir, resume=resume, on_log=watched(on_log, watch, watch_every),
+                        micro_batches=micro_batches)
     parts, weights, metadata, defaults = trained_parts(result.modules["transformer"], task.name, task.lora,
                                                        METHODS[recipe.method], base)
     manifest = _manifest(recipe, task, base, reward.card_id, out, command, result, platform, parts, defaults)
@@ -210,6 +158,12 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
         if held_out_judge:
             card = _held_out(card, held_out_judge, device, data, on_eval)
     return card
+
+
+def serving_loop(base: Card) -> dict:
+    """How the tuned card samples (its manifest's loop, below): the base's steps and shift, Euler, without CFG."""
+    d = FlowDenoiseDefaults.model_validate(base.manifest.loops["denoise"].defaults)
+    return {"steps": d.steps, "guidance": 1.0, "shift": d.shift, "solver": "euler"}
 
 
 def _manifest(recipe: Recipe, task, base: Card, reward_id: str, out: Path, command: str, result, platform,

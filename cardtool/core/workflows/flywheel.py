@@ -123,20 +123,24 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
              judge: str = "fashion-classifier", held_out_judge: str | None = "fashion-referee", per_class: int = 100,
              compare: list[str] = (), stop_after: str | None = None,
              on_log: Callable[[str, dict], None] | None = None,
-             on_stage: Callable[[dict], None] | None = None, micro_batches: int = 1) -> FlywheelReport:
+             on_stage: Callable[[dict], None] | None = None, micro_batches: int = 1,
+             watch_every: int = 0) -> FlywheelReport:
     """Run the stages in order (up to `stop_after`); the report has each stage and, after the eval stage, each
     card's accuracy under both judges, FID-FMNIST, model evaluations per image and images/s. Under torchrun every
-    stage splits its work by rank (`micro_batches` as in `train_loop`) and rank 0 writes the cards and the report."""
+    stage splits its work by rank (`micro_batches` as in `train_loop`) and rank 0 writes the cards and the report.
+    `watch_every`: both training stages watched as their own commands' `--watch-every` (training/watch.py)."""
     from cardtool.core.cards.lineage import check_new_id
     from cardtool.core.evaluation.reward import reward_card
     from cardtool.core.training.distill import distill
     from cardtool.core.training.rl import rl
     from cardtool.core.training.trainer import writable_outputs
+    from cardtool.core.training.watch import check_every
 
     if stop_after is not None and stop_after not in STAGES:
         raise BadInput(f"--stop-after must be one of {', '.join(STAGES)}, got '{stop_after}'")
     if per_class < 1:
         raise BadInput(f"--per-class must be at least 1, got {per_class}")
+    check_every(watch_every)
     for ref in [recipe.base, *compare]:
         locate(ref)  # before hours of training, not after
     base = load_card(locate(recipe.base))
@@ -157,6 +161,10 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
     report = FlywheelReport(judge=judge, held_out_judge=held_out_judge, per_class=per_class)
     common = {"device": device, "data": data, "micro_batches": micro_batches}
 
+    judges = [judge, *([held_out_judge] if held_out_judge else [])]
+    watching = {"rl": {"judge": judge, "held_out_judge": held_out_judge},
+                "distill": {"judge": judge, "watch_judges": judges}}
+
     def stage(name: str, stage_recipe: Recipe, run) -> Card:
         out = Path(out_dir) / stage_recipe.card.id
         fingerprint = recipe_fingerprint(stage_recipe)
@@ -171,7 +179,8 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
             started = time.perf_counter()
             run(stage_recipe, command=f"{command}  # stage {name}", out=out, run_dir=stage_dir,
                 resume=resume and _has_checkpoint(stage_dir), force=force, evaluate=False,
-                on_log=(lambda entry: on_log(name, entry)) if on_log else None, **common)
+                on_log=(lambda entry: on_log(name, entry)) if on_log else None, watch_every=watch_every,
+                **watching[name], **common)
             entry = {"stage": name, "card": stage_recipe.card.id, "path": str(out), "skipped": False,
                      "seconds": round(time.perf_counter() - started, 1)}
         report.stages.append(entry)
