@@ -176,8 +176,8 @@ def _recipes(rng: random.Random, env: Env, out: Path) -> list[str]:
                 "--out-dir", str(out / "cards"), "--run-dir", str(out / "runs")]
         for setting in tiny:
             args += ["--set", setting]
-        return args + _recipe_sets(rng, [f"rl.{k}" for k in rl_keys] + [f"distill.{k}" for k in distill_keys]
-                                   + ["rl", "distill", "eval.per_class", "x.y"])
+        keys = [f"rl.{k}" for k in rl_keys] + [f"distill.{k}" for k in distill_keys]
+        return args + _watching(rng, env) + _recipe_sets(rng, keys + ["rl", "distill", "eval.per_class", "x.y"])
     if roll < 0.5:
         args = ["distill", env.card("tiny-base"), "--steps", rng.choice(["1", "2", "2", "4", "0"]), "--set",
                 "optim.steps=2", "--set", "optim.batch_size=4", *common]
@@ -188,7 +188,16 @@ def _recipes(rng: random.Random, env: Env, out: Path) -> list[str]:
         args += ["--method", "flow_grpo"] if rng.random() < 0.4 else []
         keys = rl_keys
     args += ["--lora", rng.choice(["4", "0", "-2", "x", "100000"])] if rng.random() < 0.15 else []
-    return args + _recipe_sets(rng, keys)
+    return args + _watching(rng, env) + _recipe_sets(rng, keys)
+
+
+def _watching(rng: random.Random, env: Env) -> list[str]:
+    """Now and then `--watch-every` (the live model judged at progress lines) with its judges and data."""
+    if rng.random() >= 0.15:
+        return []
+    return ["--watch-every", rng.choice(["1", "2", "0", "-1", "x", "1e9"]), "--judge", env.card("tiny-judge"),
+            "--held-out-judge", rng.choice([env.card("tiny-judge"), "", env.card("tiny-base"), "nope"]),
+            "--data", rng.choice([str(env.data)] * 3 + [str(env.root), "/dev/zero"])]
 
 
 def _train(rng: random.Random, env: Env, out: Path) -> list[str]:
