@@ -157,6 +157,11 @@ def _print_report(shown, report) -> None:
                       f"{1000 * r.kid:.2f} ± {1000 * r.kid_std:.2f}", _manifold(r, short=True), f"{r.mean_reward:.4f}",
                       f"{r.images_per_second:.0f}")
     shown.print(table)
+    for r in report.rows:  # where a card falls short, class by class
+        if r.accuracy_by_class:
+            weakest = sorted(r.accuracy_by_class.items(), key=lambda item: item[1])[:3]
+            shown.print(f"{r.precision}, {r.steps} steps, guidance {r.guidance:g}: weakest classes "
+                        + " · ".join(f"{name} {value:.3f}" for name, value in weakest), markup=False)
     floors, kid, manifold = report.floors, report.kid_floors, report.manifold_floors
 
     def floor(name: str) -> str:

@@ -27,6 +27,9 @@ def test_rows_that_meet_every_expectation_exit_0_and_one_that_misses_exits_1_nam
         assert 0 <= low <= row["class_accuracy"] <= high <= 1 and high - low > 0.1, "10 images: a wide interval"
         assert row["fid_fmnist_std"] > 0
         assert 0 <= row["manifold_precision"] <= 1 and 0 <= row["manifold_recall"] <= 1
+        by_class = row["accuracy_by_class"]
+        assert list(by_class)[:2] == ["T-shirt/top", "trouser"] and len(by_class) == 10
+        assert sum(by_class.values()) / 10 == pytest.approx(row["class_accuracy"], abs=1e-3), "one image each"
     assert set(measured["manifold_floors"]) == {"train_vs_test", "vae_reconstruction"}
     accuracy = {r["steps"]: r["class_accuracy"] for r in measured["rows"]}
     fid = max(r["fid_fmnist"] for r in measured["rows"])

@@ -72,6 +72,7 @@ class EvalRow:
     fid_fmnist_std: float | None = None  # its bootstrap deviation over the generated images (metrics.frechet_std)
     manifold_precision: float | None = None  # improved precision and recall (metrics.precision_recall), k = 3
     manifold_recall: float | None = None
+    accuracy_by_class: dict[str, float] | None = None  # each class's share judged right (per_class images each)
 
 
 @dataclass
@@ -288,7 +289,8 @@ def _measure_row(report: EvalReport, referee: FashionJudge, real: np.ndarray, la
                       round(float(probabilities[np.arange(count), labels].mean()), 4), round(count / seconds, 1),
                       first.model_evaluations(), first.shift, first.solver,
                       [round(bound, 4) for bound in wilson_interval(correct, count)],
-                      round(frechet_std(features, real), 4) if count > 1 else None, fidelity, coverage)
+                      round(frechet_std(features, real), 4) if count > 1 else None, fidelity, coverage,
+                      {name: round(float(hits[labels == c].mean()), 4) for c, name in enumerate(CLASS_NAMES)})
         kept = (hits, features)
     report.rows.append(row)
     if keep:
