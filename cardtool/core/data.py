@@ -1,4 +1,5 @@
-"""Fashion-MNIST (or any IDX image/label folder): reading the IDX files, the class names, where they live.
+"""Fashion-MNIST (or any IDX image/label folder, or an image folder with captions: image_folder.py): reading the IDX
+files, the class names, where they live.
 
 IDX is LeCun's format: a magic of two zero bytes, a type code (0x08 = unsigned byte) and the number of
 dimensions, then one big-endian uint32 per dimension, then the data. Files may be gzipped.
@@ -7,6 +8,7 @@ dimensions, then one big-endian uint32 per dimension, then the data. Files may b
 from __future__ import annotations
 
 import gzip
+import json
 import math
 import os
 import struct
@@ -27,27 +29,40 @@ CLASS_NAMES = ("T-shirt/top", "trouser", "pullover", "dress", "coat", "sandal", 
 _FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
           "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
 _HOW = ("install Debian's package (apt-get install -y dataset-fashion-mnist), or give a folder holding "
-        "train-/t10k- images and labels IDX files with --data DIR or CARDTOOL_DATA")
+        "train-/t10k- images and labels IDX files (or images with captions in metadata.jsonl, for training) with "
+        "--data DIR or CARDTOOL_DATA")
 
 
 @dataclass(frozen=True)
 class Split:
-    """One split: uint8 images (N, 28, 28) and int64 labels (N,)."""
+    """One split: uint8 images (N, 28, 28) and int64 labels (N,) — or, from an image folder with captions
+    (image_folder.py), each image's caption and no class (labels −1)."""
 
     images: np.ndarray
     labels: np.ndarray
     class_names: tuple[str, ...] = CLASS_NAMES
+    captions: tuple[str, ...] | None = None
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def digest(self) -> str:
-        """A short hash of the images and labels (25 ms for Fashion-MNIST's 47 MB of training images here)."""
+        """A short hash of the images and labels or captions (25 ms for Fashion-MNIST's 47 MB of training images
+        here)."""
         import hashlib
 
         h = hashlib.sha256(np.ascontiguousarray(self.images).data)
         h.update(np.ascontiguousarray(self.labels).data)
+        if self.captions is not None:
+            h.update(json.dumps(self.captions).encode())
         return h.hexdigest()[:16]
+
+    def classes(self, what: str) -> Split:
+        """This split, where `what` needs class labels: BadInput for captioned images, which have none."""
+        if self.captions is not None:
+            raise BadInput(f"{what} needs class-labelled images (an IDX folder such as Fashion-MNIST's); an image "
+                           "folder with captions has no classes")
+        return self
 
 
 def data_dir(explicit: str | Path | None = None) -> Path:
@@ -98,6 +113,11 @@ def load_split(split: str = "train", folder: str | Path | None = None, image_siz
     if split not in _FILES:
         raise BadInput(f"unknown split '{split}'; choose train or test")
     root = data_dir(folder)
+    from cardtool.core.image_folder import is_image_folder, load_captioned
+
+    if is_image_folder(root):
+        images, captions = load_captioned(split, root, image_size)
+        return Split(images, np.full(len(images), -1, dtype=np.int64), captions=captions)
     images, labels = (read_idx(_find(root, stem)) for stem in _FILES[split])
     if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
         raise BadInput(f"{root}: {split} images {images.shape} and labels {labels.shape} do not match: {_HOW}")

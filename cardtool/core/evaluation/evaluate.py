@@ -185,7 +185,7 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     first = next(iter(loops.values()))  # its VAE makes the reconstruction floor
     judge_instance = ModelInstance(reward_card(judge, scores=card)[0], platform, "float32")
     referee = FashionJudge(judge_instance)
-    test, train = load_split("test", data), load_split("train", data)
+    test, train = (load_split(split, data).classes("eval's class accuracy") for split in ("test", "train"))
     real = referee.features(test.images)
     count = per_class * len(CLASS_NAMES)
     report = EvalReport(card.id, judge_instance.card.id, f"{platform.device}/{platform.arch}", per_class,

@@ -93,7 +93,7 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
     if settings.gan and settings.gan_real == "data":  # the GAN term's real images; teacher samples need none
         from cardtool.core.data import load_split
 
-        train = load_split("train", data or recipe.data.get("folder"))
+        train = load_split("train", data or recipe.data.get("folder")).classes("loss.gan's real images by class")
     task = DMD2Task(recipe, platform, teacher, train)
     task.data = train.digest() if train is not None else None  # a resume must see the same real images
     student = {"steps": settings.student_steps, "guidance": 1.0, "shift": settings.shift, "solver": "renoise"}

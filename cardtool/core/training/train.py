@@ -61,7 +61,9 @@ def train(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Pat
                "train_seconds": round(result.seconds, 1), "samples_per_second": round(result.samples_per_second, 1),
                "platform": f"{platform.device}/{platform.arch}"}
     recipe_block = {"method": method, "parents": list(recipe.parents), "command": command,
-                    "data": {"dataset": "fashion-mnist", "split": "train"},
+                    "data": {"dataset": "fashion-mnist", "split": "train"} if train_split.captions is None else
+                    {"dataset": "image-folder", "split": "train", "images": len(train_split),
+                     "digest": train_split.digest()},
                     "hyperparameters": recipe.hyperparameters()}
     storage, metadata, extends = recipe.card.storage, None, {}
     if method == "vae":

@@ -40,7 +40,7 @@ class Watch:
         instance.use(name, module)
         self.loop = DenoiseLoop(instance, cache=cache)
         self.judges = [FashionJudge(ModelInstance(load_card(locate(j)), platform, "float32")) for j in judges]
-        test = load_split("test", data)
+        test = load_split("test", data).classes("--watch-every's class accuracy")
         if len(test) < 2:  # FID's covariance of one image is undefined: every watch would log NaN
             raise BadInput(f"--watch-every measures FID against the test images, and there is {len(test)}; give a "
                            "data folder with more")

@@ -23,6 +23,7 @@ class ClassifierTask(Task):
     def __init__(self, recipe: Recipe, platform: Platform, train: Split, test: Split):
         only_keys(recipe, "loss", ())
         only_keys(recipe, "data", ("folder",))
+        train, test = train.classes("a classifier"), test.classes("a classifier")
         self.device = platform.torch_device
         torch.manual_seed(recipe.train.seed)
         config = FashionCNNConfig.from_card(recipe.model, "fashion-cnn")

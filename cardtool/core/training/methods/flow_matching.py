@@ -62,12 +62,11 @@ class FlowMatchingTask(Task):
             raise BadInput(f"parent card '{self.parent.id}' has no VAE component")
         self.vae = vae = parent.component(self.vae_name)
         self._check_latent_shape(latents(vae, train.images[:1], self.device)[0].shape[1:])
-        self._text(platform)  # before the latents: it checks model.text_dim
+        self._text(platform, train, test)  # before the latents: it checks model.text_dim
         self.images = transform(recipe.data.get("transform", "none"), train.images)
         self.mean, self.std = latents(vae, self.images, self.device)
         self.test_images = transform(recipe.data.get("transform", "none"), test.images[:2000])
         self.test_mean, _ = latents(vae, self.test_images, self.device)
-        self.labels, self.test_labels = torch.from_numpy(train.labels), torch.from_numpy(test.labels[:2000])
 
     def _check_latent_shape(self, shape) -> None:
         """The DiT fits the VAE's latents (C, frames, H, W): it reads and predicts C channels, its patch tiles them."""
@@ -80,20 +79,33 @@ class FlowMatchingTask(Task):
             raise BadInput(f"model.patch {list(c.patch)} does not tile the VAE's latents (frames, height, width = "
                            f"{', '.join(map(str, shape[1:]))}); each must divide its size, e.g. [1, 2, 2]")
 
-    def _text(self, platform: Platform) -> None:
+    def _text(self, platform: Platform, train: Split, test: Split) -> None:
         """Features of every training prompt (and the empty prompt), made by the text encoder component
-        the written card declares, with its config: what its denoise loop will feed the DiT."""
+        the written card declares, with its config: what its denoise loop will feed the DiT. Class-labelled images
+        draw from their class's phrasings (`labels` index the classes); captioned ones each have their own caption
+        (`labels` index the distinct captions, one phrasing each)."""
         from cardtool.backends.registry import COMPONENTS
 
-        prompts = training_prompts()
-        flat = [p for options in prompts for p in options] + [""]
+        if train.captions is None:
+            prompts = training_prompts()
+            flat, self.per_class = [p for options in prompts for p in options], len(prompts[0])
+            labels, test_labels = train.labels, test.labels[:2000]
+        else:
+            captions = (*train.captions, *test.captions[:2000])
+            flat, self.per_class = list(dict.fromkeys(captions)), 1
+            where = {caption: i for i, caption in enumerate(flat)}
+            rows = np.array([where[c] for c in captions], dtype=np.int64)
+            labels, test_labels = rows[:len(train)], rows[len(train):]
+        self.labels, self.test_labels = torch.from_numpy(labels), torch.from_numpy(test_labels)
         build = COMPONENTS.resolve(TEXT_ENCODER["impl"], platform)[1]
         encoder = build(TEXT_ENCODER["config"], None, package_path(TEXT_ENCODER["source"]), platform, "float32")
-        self.text, self.mask = encoder(flat)
+        flat.append("")
+        parts = [encoder(flat[i:i + 512]) for i in range(0, len(flat), 512)]  # thousands of captions, a part at once
+        self.text, self.mask = (torch.cat([part[k] for part in parts]) for k in (0, 1))
         if self.text.shape[-1] != self.config.text_dim:
             raise BadInput(f"model.text_dim is {self.config.text_dim}, but the text encoder gives "
                            f"{self.text.shape[-1]}-wide token states; set model.text_dim={self.text.shape[-1]}")
-        self.per_class, self.empty = len(prompts[0]), len(flat) - 1
+        self.empty = len(flat) - 1
 
     def modules(self):
         return {"transformer": self.dit}

@@ -1,0 +1,126 @@
+"""Training on your own captioned images (an image folder with metadata.jsonl): reading it — any image format and
+size, upright, grey, inside the folder —, each image conditioned on its own caption, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from helpers import REPO
+from PIL import Image
+from typer.testing import CliRunner
+
+from cardtool.cli import app
+from cardtool.core.cards.loader import load_card
+from cardtool.core.data import load_split
+from cardtool.core.training.recipes import load_recipe
+from cardtool.core.training.train import train
+from cardtool.errors import BadInput
+
+RECIPES = REPO / "examples" / "recipes"
+CAPTIONS = ["a bright bag", "a dark bag with a strap", "a wide coat"]
+
+
+def write_folder(root, count=20, rows=None):
+    """`count` images — grey PNGs of 28 px, RGB PNGs of 56 px in a subfolder, RGBA PNGs — captioned in turn."""
+    (root / "more").mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i in range(count):
+        value = 20 * i % 250
+        if i % 3 == 0:
+            name, image = f"g{i}.png", Image.fromarray(np.full((28, 28), value, np.uint8), "L")
+        elif i % 3 == 1:
+            name, image = f"more/c{i}.png", Image.fromarray(np.full((56, 56, 3), value, np.uint8), "RGB")
+        else:
+            rgba = np.zeros((28, 28, 4), np.uint8)
+            rgba[..., :3], rgba[..., 3] = value, 255
+            name, image = f"a{i}.png", Image.fromarray(rgba, "RGBA")
+        image.save(root / name)
+        lines.append({"file_name": name, "text": CAPTIONS[i % 3]})
+    rows = lines if rows is None else rows(lines)
+    (root / "metadata.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return root
+
+
+def test_an_image_folder_reads_as_grey_squares_with_their_captions(tmp_path):
+    root = write_folder(tmp_path / "mine")
+    train, test = load_split("train", root), load_split("test", root)
+    assert train.images.shape == (18, 28, 28) and test.images.shape == (2, 28, 28), "every tenth row held out"
+    assert train.captions[:3] == tuple(CAPTIONS) and test.captions == (CAPTIONS[0], CAPTIONS[1])
+    assert [int(i.mean()) for i in train.images[:3]] == [0, 20, 40], "grey, RGB resized, RGBA: each its value"
+    assert (train.labels == -1).all() and train.digest() != load_split("train", write_folder(
+        tmp_path / "other", rows=lambda rows: [{**r, "text": r["text"] + "!"} for r in rows])).digest()
+    marked = write_folder(tmp_path / "marked", rows=lambda rows: [{**r, "split": "test"} if i < 3 else r
+                                                                  for i, r in enumerate(rows)])
+    assert len(load_split("test", marked)) == 3 and len(load_split("train", marked)) == 17
+
+
+@pytest.mark.parametrize(("rows", "message"), [
+    (lambda rows: [{**rows[0], "file_name": "../outside.png"}, *rows[1:]], "leads outside the folder"),
+    (lambda rows: [{**rows[0], "file_name": "/etc/passwd"}, *rows[1:]], "leads outside the folder"),
+    (lambda rows: [{**rows[0], "file_name": "missing.png"}, *rows[1:]], "line 1 of metadata.jsonl"),
+    (lambda rows: [{**rows[0], "text": 3}, *rows[1:]], "metadata.jsonl:1: text must be the image's caption"),
+    (lambda rows: [*rows[:2], {**rows[2], "split": "val"}, *rows[3:]], "metadata.jsonl:3: split must be"),
+    (lambda rows: [*rows[:1], {**rows[1], "label": 3}, *rows[2:]], "metadata.jsonl:2: unknown key 'label'"),
+    (lambda rows: [], "lists no images"),
+    (lambda rows: rows[:5], "the test split holds no images"),
+    (lambda rows: [[1, 2], *rows], "metadata.jsonl:1: not a JSON object"),
+])
+def test_a_bad_image_folder_is_a_located_error(tmp_path, rows, message):
+    root = write_folder(tmp_path / "bad", rows=rows)
+    with pytest.raises(BadInput, match=message):
+        load_split("test", root)
+        load_split("train", root)
+
+
+def test_a_link_out_of_the_folder_and_a_file_that_is_no_image_are_refused(tmp_path):
+    root = write_folder(tmp_path / "linked")
+    outside = tmp_path / "secret.png"
+    Image.fromarray(np.zeros((28, 28), np.uint8)).save(outside)
+    (root / "g0.png").unlink()
+    os.symlink(outside, root / "g0.png")
+    with pytest.raises(BadInput, match="'g0.png' leads outside the folder"):
+        load_split("train", root)
+    (root / "g0.png").unlink()
+    (root / "g0.png").write_text("not an image")
+    with pytest.raises(BadInput, match="cannot read training image .line 1 of metadata.jsonl."):
+        load_split("train", root)
+    (root / "metadata.jsonl").write_text('{"file_name": "g0.png", "text": "x"}\n{oops\n')
+    with pytest.raises(BadInput, match="metadata.jsonl:2: not a JSON object"):
+        load_split("train", root)
+
+
+def test_each_image_trains_on_its_own_caption(examples, tmp_path):
+    from cardtool.backends.platform import Platform
+    from cardtool.core.training.methods.adapters import adapter_task
+
+    root = write_folder(tmp_path / "mine")
+    recipe = load_recipe(RECIPES / "fashion-bold.yaml", ["optim.steps=2", "optim.batch_size=4",
+                                                          "train.precision=float32", "card.id=tiny-mine",
+                                                          "model.rank=2", f"parents=[{examples / 'tiny-base'}]"])
+    train_split, test_split = load_split("train", root), load_split("test", root)
+    task = adapter_task(recipe, Platform.detect("cpu"), train_split, test_split)
+    assert task.per_class == 1 and len(task.text) == len(CAPTIONS) + 1, "three distinct captions and the empty one"
+    encoded = {c: task.text[i] for i, c in enumerate(CAPTIONS)}
+    for i, caption in enumerate(train_split.captions):
+        assert torch.equal(task.text[task.labels[i]], encoded[caption])
+    card = train(recipe, command="c", out=tmp_path / "tiny-mine", run_dir=tmp_path / "run", data=str(root))
+    data = load_card(card.folder).manifest.recipe.data
+    assert data["dataset"] == "image-folder" and data["images"] == 18 and data["digest"] == train_split.digest()
+    result = CliRunner().invoke(app, ["generate", str(card.folder), "-p", "a wide coat", "--steps", "2", "--out",
+                                      str(tmp_path / "o"), "--json"])
+    assert result.exit_code == 0, result.output
+
+
+def test_what_needs_classes_refuses_captioned_images(examples, tmp_path):
+    root = write_folder(tmp_path / "mine")
+    result = CliRunner().invoke(app, ["train", "--recipe", str(RECIPES / "fashion-classifier.yaml"), "--data",
+                                      str(root), "--set", "optim.steps=1", "--out", str(tmp_path / "c"),
+                                      "--run-dir", str(tmp_path / "r"), "--json"])
+    assert result.exit_code == 2 and "a classifier needs class-labelled images" in result.stdout
+    result = CliRunner().invoke(app, ["eval", str(examples / "tiny-base"), "--judge", str(examples / "tiny-judge"),
+                                      "--per-class", "1", "--data", str(root), "--json"])
+    assert result.exit_code == 2 and "eval's class accuracy needs class-labelled images" in result.stdout
