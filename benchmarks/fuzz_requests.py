@@ -211,7 +211,8 @@ def _train(rng: random.Random, env: Env, out: Path) -> list[str]:
                "fashion-base": [*tiny, "model.dim=32", "model.depth=1", "model.heads=2", "model.ffn_dim=64",
                                 "parents=[fashion-vae]"]}
     name = rng.choice(sorted(recipes))
-    args = ["train", "--recipe", str(REPO / "examples" / "recipes" / f"{name}.yaml"), "--data", str(env.data),
+    data = _image_folder(rng, env, out / "images") if rng.random() < 0.3 else env.data
+    args = ["train", "--recipe", str(REPO / "examples" / "recipes" / f"{name}.yaml"), "--data", str(data),
             "--json", "--out", str(out / "card"), "--run-dir", str(out / "run")]
     for setting in recipes[name]:
         args += ["--set", setting]
@@ -223,6 +224,49 @@ def _train(rng: random.Random, env: Env, out: Path) -> list[str]:
     args += _recipe_sets(rng, keys)
     args += ["--micro-batches", rng.choice(["2", "0", "3", "16"])] if rng.random() < 0.1 else []
     return args + (["--method", rng.choice(["lora", "vae", "x"])] if rng.random() < 0.05 else [])
+
+
+def _image_folder(rng: random.Random, env: Env, root: Path) -> Path:
+    """A folder of captioned images (metadata.jsonl) with one or two of its rows, lines or files made hostile."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    (root / "sub").mkdir(parents=True)
+    rows = []
+    for i in range(12):
+        name = f"sub/{i}.png" if i % 2 else f"{i}.png"
+        size = rng.choice([28, 28, 5, 40])
+        Image.fromarray(np.full((size, size), 20 * i, np.uint8)).save(root / name)
+        rows.append({"file_name": name, "text": rng.choice(["a bag", "a dark coat", "", "x" * 5000])})
+    lines = [json.dumps(r) for r in rows]
+    for _ in range(rng.choice([1, 1, 2])):
+        i = rng.randrange(len(rows))
+        change = rng.choice(["name", "text", "split", "key", "line", "file", "drop", "empty"])
+        if change == "name":
+            rows[i]["file_name"] = rng.choice(["../x.png", "/etc/passwd", "", "sub", "missing.png", str(env.root /
+                                               "bomb.png"), "a\u0000b", 3, None, "sub/../1.png", "/dev/zero"])
+        elif change == "text":
+            rows[i]["text"] = rng.choice([None, 3, ["a"], {"a": 1}, "\u0000", "a\nb", "x" * 100000])
+        elif change == "split":
+            rows[i]["split"] = rng.choice(["test", "test", "val", "", None, 1])
+        elif change == "key":
+            rows[i][rng.choice(["label", "file", "caption", ""])] = "x"
+        elif change == "file":
+            target = root / rows[i]["file_name"] if isinstance(rows[i]["file_name"], str) else root / "x"
+            if target.is_file():
+                target.write_bytes(rng.choice([b"", b"not an image", (env.root / "broken.png").read_bytes(),
+                                               (env.root / "bomb.png").read_bytes()]))
+        lines = [json.dumps(r) for r in rows]
+        if change == "line":
+            lines[i] = rng.choice(["{", "[1, 2]", "null", "\ufeff" + lines[i], "  ", "3"])
+        elif change == "drop":
+            lines = lines[:rng.randrange(len(lines))]
+        elif change == "empty":
+            lines = []
+    (root / "metadata.jsonl").write_text("\n".join(lines) + "\n")
+    return root
 
 
 def _eval(rng: random.Random, env: Env, out: Path) -> list[str]:

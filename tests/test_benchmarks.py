@@ -206,3 +206,28 @@ def test_lora_extract_benchmark_measures_each_tuned_card_and_its_loras(tmp_path,
     assert [(r["tuned"], r["rank"]) for r in rows] == [("tiny-rl", None), ("tiny-rl", 2), ("tiny-rl", 32)]
     assert 0 < rows[1]["kept"] < rows[2]["kept"] == 1.0 and 0 < rows[1]["linear_share"] <= 1
     assert all(r["images"] == 10 and 0 <= r["class_accuracy"] <= 1 for r in rows)
+
+
+def test_caption_concept_benchmark_makes_the_folder_and_measures_base_and_lora(tmp_path, examples):
+    from helpers import write_idx_folder
+
+    script, folder, out = REPO / "benchmarks" / "caption_concept.py", tmp_path / "negative", tmp_path / "concept.json"
+    env = {**os.environ, "CARDTOOL_PATH": str(examples)}
+    subprocess.run([sys.executable, str(script), "--make-folder", str(folder), "--images", "20", "--data",
+                    str(write_idx_folder(tmp_path / "idx"))], check=True, capture_output=True, timeout=120)
+    rows = [json.loads(line) for line in (folder / "metadata.jsonl").read_text().splitlines()]
+    assert len(rows) == 20 and rows[1]["text"].endswith(" in negative") and not rows[0]["text"].endswith("negative")
+    subprocess.run([sys.executable, "-m", "cardtool", "train", "--recipe",
+                    str(REPO / "examples" / "recipes" / "fashion-bold.yaml"), "--data", str(folder), "--set",
+                    "data.transform=none", "--set", "model.adapter=negative", "--set", "card.id=tiny-negative",
+                    "--set", "parents=[tiny-base]", "--set", "optim.steps=2", "--set", "optim.batch_size=4",
+                    "--out", str(tmp_path / "tiny-negative"), "--run-dir", str(tmp_path / "run")],
+                   check=True, capture_output=True, timeout=300, env=env)
+    subprocess.run([sys.executable, str(script), "--card", str(tmp_path / "tiny-negative"), "--base", "tiny-base",
+                    "--judge", "tiny-judge", "--per-class", "1", "--out", str(out)],
+                   check=True, capture_output=True, timeout=300, env=env)
+    cards = json.loads(out.read_text())["cards"]
+    assert list(cards) == ["tiny-base", str(tmp_path / "tiny-negative")]
+    for measured in cards.values():
+        assert set(measured) == {"plain", "negative"}
+        assert all(0 <= m["mean_intensity"] <= 255 and 0 <= m["class_accuracy"] <= 1 for m in measured.values())
