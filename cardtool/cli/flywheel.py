@@ -94,6 +94,16 @@ def flywheel_command(
                       f"{row['images_per_second']:.0f}")
     out = console()
     out.print(table)
+    if report.paired:
+        pairs = Table(box=box.SIMPLE_HEAD, title="the student against each card, the same prompts and seeds (B − A)",
+                      title_justify="left")
+        for column in ("A", "B", "Δ accuracy (95%)", "only A / only B right", "McNemar p", "Δ FID-FMNIST (95%)"):
+            pairs.add_column(column, justify="left" if column in ("A", "B") else "right")
+        for d in report.paired:
+            pairs.add_row(d["a"], d["b"], f"{d['accuracy']:+.4f} ({d['accuracy_ci95'][0]:+.3f}…"
+                          f"{d['accuracy_ci95'][1]:+.3f})", f"{d['only_a']} / {d['only_b']}", f"{d['mcnemar_p']:.3g}",
+                          f"{d['fid_fmnist']:+.3f} ({d['fid_fmnist_ci95'][0]:+.2f}…{d['fid_fmnist_ci95'][1]:+.2f})")
+        out.print(pairs)
     for entry in report.stages:
         out.print(f"stage {entry['stage']}: " + ("skipped" if entry["skipped"] else f"{entry['seconds']:.0f}s"),
                   markup=False)

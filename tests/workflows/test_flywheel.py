@@ -48,11 +48,20 @@ def test_the_flywheel_chains_base_rl_and_student_and_reports_the_three(examples,
     for row in rows.values():
         assert 0 <= row["class_accuracy"] <= 1 and row["fid_fmnist"] > 0 and row["images_per_second"] > 0
     assert json.loads((tmp_path / "run" / "flywheel.json").read_text()) == report
+    [paired] = report["paired"]  # the student against the base, pair by pair (no --compare card here)
+    assert (paired["a"], paired["b"]) == ("tiny-base", "tiny-base-nft-1step")
+    assert paired["accuracy"] == pytest.approx(rows["tiny-base-nft-1step"]["class_accuracy"]
+                                               - rows["tiny-base"]["class_accuracy"], abs=1e-4)
+    assert paired["fid_fmnist"] == pytest.approx(rows["tiny-base-nft-1step"]["fid_fmnist"]
+                                                 - rows["tiny-base"]["fid_fmnist"], abs=1e-3)
+    assert 0 <= paired["mcnemar_p"] <= 1 and paired["only_a"] + paired["only_b"] <= 20
     for card in (tuned, student):  # the cards this run made keep their eval
         assert load_card(card.folder).manifest.recipe.metrics["eval"]["rows"][0]["images"] == 20
     recorded = (tmp_path / "cards" / "tiny-base-nft" / "card.yaml").read_bytes()
-    again = run(examples, tmp_path)
+    again = run(examples, tmp_path, "--compare", str(examples / "tiny-distilled"))
     assert again.exit_code == 0 and [s["skipped"] for s in json.loads(again.stdout)["stages"]] == [True, True, False]
+    assert [(d["a"], d["b"]) for d in json.loads(again.stdout)["paired"]] == [
+        ("tiny-base", "tiny-base-nft-1step"), ("tiny-distilled", "tiny-base-nft-1step")], "and each --compare card"
     assert (tmp_path / "cards" / "tiny-base-nft" / "card.yaml").read_bytes() == recorded, "a skipped card is left be"
 
 

@@ -107,6 +107,8 @@ def _with_id(section: dict | None, card_id: str) -> dict:
 @dataclass
 class FlywheelReport:
     cards: list[dict] = field(default_factory=list)  # one row per card: base, rl'd, student, then --compare
+    # the student against the base and each --compare card on the same requests, B − A (versus.paired_differences)
+    paired: list[dict] = field(default_factory=list)
     stages: list[dict] = field(default_factory=list)  # name, card, skipped, seconds
     judge: str = ""
     held_out_judge: str | None = None
@@ -115,7 +117,7 @@ class FlywheelReport:
 
     def to_json(self) -> dict:
         return {"judge": self.judge, "held_out_judge": self.held_out_judge, "per_class": self.per_class,
-                "platform": self.platform, "stages": self.stages, "cards": self.cards}
+                "platform": self.platform, "stages": self.stages, "cards": self.cards, "paired": self.paired}
 
 
 def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("cards"), run_dir: Path | None = None,
@@ -196,7 +198,8 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
             made = {Path(s["path"]).resolve() for s in report.stages if not s["skipped"]}  # skipped: keeps its eval
             _evaluate([str(locate(recipe.base)), str(tuned.folder), str(student.folder),
                        *(str(locate(c)) for c in compare)], report, device, data,
-                      record={str(c.folder) for c in (tuned, student) if c.folder.resolve() in made})
+                      record={str(c.folder) for c in (tuned, student) if c.folder.resolve() in made},
+                      student=str(student.folder))
             entry = {"stage": "eval", "card": None, "skipped": False,
                      "seconds": round(time.perf_counter() - started, 1)}
             report.stages.append(entry)
@@ -212,21 +215,27 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
 
 
 def _evaluate(folders: list[str], report: FlywheelReport, device: str | None, data: str | None,
-              record: set[str]) -> None:
+              record: set[str], student: str) -> None:
     """Each card at its own loop defaults under the judge (accuracy, FID, speed) and the held-out judge; the cards
-    this run made (`record`) keep theirs (eval.json and the summary, as `cardtool eval --record`)."""
+    this run made (`record`) keep theirs (eval.json and the summary, as `cardtool eval --record`). The `student`
+    is then compared image pair by image pair with every card but the RL'd one (its teacher) under the judge, as
+    `eval STUDENT --versus` would: is it measurably better than the base, than a directly distilled student?"""
     from cardtool.core.cards.record import record_eval, record_metrics
     from cardtool.core.evaluation.evaluate import evaluate
+    from cardtool.core.evaluation.versus import paired_differences
 
     judge, held_out_judge = report.judge, report.held_out_judge
+    samples = {}
     for folder in folders:
         card = load_card(folder)
-        measured = evaluate(folder, judge=judge, per_class=report.per_class, device=device, data=data)
+        measured = evaluate(folder, judge=judge, per_class=report.per_class, device=device, data=data,
+                            keep_samples=True)
         other = evaluate(folder, judge=held_out_judge, per_class=report.per_class, device=device, data=data) \
             if held_out_judge else None
         if measured.rank != 0:  # under torchrun every rank samples its share of each eval, rank 0 measures
             continue
         report.platform, report.judge, first = measured.platform, measured.judge, measured.rows[0]
+        samples[folder] = (card.id, measured.samples[0], measured.real)
         held_out = None
         if other is not None:
             report.held_out_judge, held_out = other.judge, other.rows[0].class_accuracy
@@ -241,6 +250,13 @@ def _evaluate(folders: list[str], report: FlywheelReport, device: str | None, da
                              "class_accuracy": first.class_accuracy, "held_out_accuracy": held_out,
                              "fid_fmnist": first.fid_fmnist, "kid": first.kid,
                              "images_per_second": first.images_per_second})
+    if student not in samples:  # under torchrun, a rank other than 0
+        return
+    name, mine, real = samples[student]
+    for folder in [folders[0], *folders[3:]]:
+        other, theirs, _ = samples[folder]
+        if mine and theirs:  # both measured (no NaN images)
+            report.paired.append({"a": other, "b": name, **paired_differences(*theirs, *mine, real)})
 
 
 def _existing(out: Path) -> Card | None:
