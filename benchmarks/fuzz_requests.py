@@ -227,7 +227,7 @@ def _train(rng: random.Random, env: Env, out: Path) -> list[str]:
 
 
 def _image_folder(rng: random.Random, env: Env, root: Path) -> Path:
-    """A folder of captioned images (metadata.jsonl) with one or two of its rows, lines or files made hostile."""
+    """A folder of captioned images (metadata.jsonl) with none, one or two of its rows, lines or files made hostile."""
     import json
 
     import numpy as np
@@ -241,7 +241,7 @@ def _image_folder(rng: random.Random, env: Env, root: Path) -> Path:
         Image.fromarray(np.full((size, size), 20 * i, np.uint8)).save(root / name)
         rows.append({"file_name": name, "text": rng.choice(["a bag", "a dark coat", "", "x" * 5000])})
     lines = [json.dumps(r) for r in rows]
-    for _ in range(rng.choice([1, 1, 2])):
+    for _ in range(rng.choice([0, 1, 1, 2])):  # now and then a folder as it should be, which trains
         i = rng.randrange(len(rows))
         change = rng.choice(["name", "text", "split", "key", "line", "file", "drop", "empty"])
         if change == "name":
