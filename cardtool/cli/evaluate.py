@@ -63,7 +63,7 @@ def eval_command(
         err.print(f"{card_of}{row.precision} steps {row.steps} guidance {row.guidance:g}{_interval(row)}: "
                   f"accuracy {_accuracy(row)}  FID {_fid(row)}  "
                   f"KID×1000 {1000 * row.kid:.2f} ± {1000 * row.kid_std:.2f}  {_manifold(row)}  "
-                  f"reward {row.mean_reward:.4f}  "
+                  f"reward {_reward(row)}  "
                   f"{row.images_per_second:.0f} img/s",
                   markup=False)
 
@@ -101,7 +101,7 @@ def eval_command(
             report = comparison.a
         document = comparison.to_json() if comparison else report.to_json()
         for measured in [report] + ([comparison.b] if comparison else []):
-            if measured.rank == 0 and measured.rows and all(math.isnan(r.class_accuracy) for r in measured.rows):
+            if measured.rank == 0 and measured.rows and all(math.isnan(r.fid_fmnist) for r in measured.rows):
                 # the work made no result: a script reading the exit status must not take null rows for a measurement
                 raise RunFailed(f"no row{f' of {measured.card}' if comparison else ''} measured: " + "; ".join(
                     w for w in measured.warnings if "no measurement" in w)
@@ -146,15 +146,17 @@ def _print_report(shown, report) -> None:
 
     stack = ", ".join(f"{a['name']}={a['scale']:g}" for a in report.adapters)
     sampler = f", {report.rows[0].solver} on shift {report.rows[0].shift:g}" if report.rows else ""
+    what = f"{report.per_class} images per class" if report.prompts == "classes" else \
+        "one image per test caption (no classes: no accuracy or reward)"
     title = f"{report.card}{f' with {stack}' if stack else ''} judged by {report.judge} on {report.platform}, " \
-            f"{report.per_class} images per class{sampler}"
+            f"{what}{sampler}"
     table = Table(box=box.SIMPLE_HEAD, title=title, title_justify="left")
     for column in ("precision", "steps", "guidance", "class accuracy (95%)", "FID-FMNIST (± boot.)", "KID×1000",
                    "manifold P / R", "mean reward", "images/s"):
         table.add_column(column, justify="right")
     for r in report.rows:
         table.add_row(r.precision, str(r.steps), f"{r.guidance:g}{_interval(r)}", _accuracy(r), _fid(r),
-                      f"{1000 * r.kid:.2f} ± {1000 * r.kid_std:.2f}", _manifold(r, short=True), f"{r.mean_reward:.4f}",
+                      f"{1000 * r.kid:.2f} ± {1000 * r.kid_std:.2f}", _manifold(r, short=True), _reward(r),
                       f"{r.images_per_second:.0f}")
     shown.print(table)
     for r in report.rows:  # where a card falls short, class by class
@@ -188,12 +190,12 @@ def _print_differences(shown, comparison) -> None:
         table.add_column(column, justify="right")
     for d in comparison.differences:
         settings = [f"{s['precision']}, {s['steps']} steps, guidance {s['guidance']:g}" for s in (d.a, d.b)]
-        if d.accuracy is None:
-            table.add_row(*settings, "–", "–", "–", "–")
-            continue
-        table.add_row(*settings, f"{d.accuracy:+.4f} ({d.accuracy_ci95[0]:+.3f}…{d.accuracy_ci95[1]:+.3f})",
-                      f"{d.only_a} / {d.only_b}", f"{d.mcnemar_p:.3g}",
-                      f"{d.fid_fmnist:+.3f} ({d.fid_fmnist_ci95[0]:+.2f}…{d.fid_fmnist_ci95[1]:+.2f})")
+        judged = ["–"] * 3 if d.accuracy is None else [
+            f"{d.accuracy:+.4f} ({d.accuracy_ci95[0]:+.3f}…{d.accuracy_ci95[1]:+.3f})", f"{d.only_a} / {d.only_b}",
+            f"{d.mcnemar_p:.3g}"]
+        fid = "–" if d.fid_fmnist is None else \
+            f"{d.fid_fmnist:+.3f} ({d.fid_fmnist_ci95[0]:+.2f}…{d.fid_fmnist_ci95[1]:+.2f})"
+        table.add_row(*settings, *judged, fid)
     shown.print(table)
 
 
@@ -206,9 +208,16 @@ def _interval(row) -> str:
 
 
 def _accuracy(row) -> str:
-    """The accuracy with its 95% interval, where the row has one (rows measured before it did have none)."""
+    """The accuracy with its 95% interval, where the row has one (rows measured before it did have none); '–' for
+    a row of captions, which have no class."""
+    if row.class_accuracy is None or math.isnan(row.class_accuracy):
+        return "–"
     ci = row.class_accuracy_ci95
     return f"{row.class_accuracy:.4f}" + (f" ({ci[0]:.3f}–{ci[1]:.3f})" if ci else "")
+
+
+def _reward(row) -> str:
+    return "–" if row.mean_reward is None or math.isnan(row.mean_reward) else f"{row.mean_reward:.4f}"
 
 
 def _manifold(row, short: bool = False) -> str:

@@ -121,6 +121,50 @@ def test_what_needs_classes_refuses_captioned_images(examples, tmp_path):
                                       str(root), "--set", "optim.steps=1", "--out", str(tmp_path / "c"),
                                       "--run-dir", str(tmp_path / "r"), "--json"])
     assert result.exit_code == 2 and "a classifier needs class-labelled images" in result.stdout
-    result = CliRunner().invoke(app, ["eval", str(examples / "tiny-base"), "--judge", str(examples / "tiny-judge"),
-                                      "--per-class", "1", "--data", str(root), "--json"])
-    assert result.exit_code == 2 and "eval's class accuracy needs class-labelled images" in result.stdout
+    result = CliRunner().invoke(app, ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
+                                      "--watch-every", "1", "--judge", str(examples / "tiny-judge"),
+                                      "--held-out-judge", "", "--data",
+                                      str(root), "--out", str(tmp_path / "w"), "--json"])
+    assert result.exit_code == 2 and "--watch-every's class accuracy needs class-labelled" in result.stdout
+
+
+def test_eval_on_captioned_images_measures_fid_against_their_test_images(examples, tmp_path):
+    """One image per test caption, each at its own seed; FID, KID and the floors against the folder's test images;
+    no class, so no accuracy or reward — and a comparison pairs the two cards' FIDs."""
+    root = write_folder(tmp_path / "mine", count=60)  # 54 train, 6 test images
+    args = ["eval", str(examples / "tiny-base"), "--judge", str(examples / "tiny-judge"), "--data", str(root),
+            "--per-class", "1", "--steps", "2", "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    [row] = report["rows"]
+    assert report["prompts"] == "captions" and row["images"] == 6
+    assert row["class_accuracy"] is None and row["mean_reward"] is None and row["accuracy_by_class"] is None
+    assert row["fid_fmnist"] > 0 and row["kid"] is not None and set(report["floors"]) == {"train_vs_test",
+                                                                                         "vae_reconstruction"}
+    versus = CliRunner().invoke(app, [*args, "--versus", str(examples / "tiny-distilled")])
+    assert versus.exit_code == 0, versus.output
+    [difference] = json.loads(versus.stdout)["versus"]["differences"]
+    assert difference["accuracy"] is None and difference["fid_fmnist"] == pytest.approx(
+        json.loads(versus.stdout)["versus"]["rows"][0]["fid_fmnist"] - row["fid_fmnist"], abs=1e-3)
+    text = CliRunner().invoke(app, args[:-1], env={"COLUMNS": "250"})
+    assert text.exit_code == 0 and "one image per test caption" in text.stdout
+    missed = CliRunner().invoke(app, [*args, "--expect", "class_accuracy>=0"])
+    assert missed.exit_code == 1, "no accuracy measured: the expectation is missed, not met"
+
+
+def test_requests_of_captions_each_have_their_own_seed(examples, tmp_path, monkeypatch):
+    from cardtool.core.evaluation import evaluate as evaluating
+
+    seen = []
+    real = evaluating._measure_row
+
+    def spy(report, referee, real_features, labels, count, ranks, p, loop, requests, *rest, **kwargs):
+        seen.append([(r.prompt, r.seed) for r in requests])
+        return real(report, referee, real_features, labels, count, ranks, p, loop, requests, *rest, **kwargs)
+
+    monkeypatch.setattr(evaluating, "_measure_row", spy)
+    root = write_folder(tmp_path / "mine", count=60)
+    evaluating.evaluate(str(examples / "tiny-base"), judge=str(examples / "tiny-judge"), data=str(root), per_class=1,
+                        steps=[2], seed=7)
+    assert seen == [[(c, 7 + i) for i, c in enumerate(load_split("test", root).captions)]]

@@ -10,6 +10,7 @@ scale: N real train images vs the test set, and N VAE reconstructions of train i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import math
@@ -89,6 +90,9 @@ class EvalReport:
     adapters: list[dict] = field(default_factory=list)  # the stack every image used: name, scale
     rank: int = 0  # under torchrun, the process this report is from: rank 0 holds the rows, the others none
     kept_rows: int = 0  # rows read back from --out (--resume), not measured again
+    # "classes": the class prompts, judged for accuracy; "captions": an image folder's test captions, which have no
+    # class — its rows measure FID, KID and precision/recall against the folder's test images, accuracy and reward null
+    prompts: str = "classes"
     # with keep_samples: per row, each image's (judged correct, judge features), None for a row without; and the real
     # images' features — what a paired comparison of two cards needs (versus.py); never in the JSON
     samples: list[tuple[np.ndarray, np.ndarray] | None] = field(default_factory=list, repr=False)
@@ -96,7 +100,7 @@ class EvalReport:
 
     def to_json(self) -> dict:
         return {"card": self.card, "judge": self.judge, "platform": self.platform, "per_class": self.per_class,
-                "adapters": self.adapters,
+                "prompts": self.prompts, "adapters": self.adapters,
                 "floors": self.floors, "kid_floors": self.kid_floors, "manifold_floors": self.manifold_floors,
                 "rows": [_finite(asdict(r)) for r in self.rows],
                 "kept_rows": self.kept_rows, "warnings": self.warnings}
@@ -169,12 +173,17 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     steps, guidance, precision = (_listed(name, value) for name, value in
                                   (("steps", steps), ("guidance", guidance), ("precision", precision)))
     card = load_card(card_ref)
-    prompts = [class_prompt(label) for label in range(len(CLASS_NAMES))]
-    # every row's requests, planned (and so checked: steps, guidance, seeds, adapters) before any model loads
-    plans = {(g, k): plan_requests(card, prompts, num=per_class, seed=seed, steps=k, guidance=g,
-                                   guidance_interval=guidance_interval, adapters=adapters, shift=shift,
-                                   solver=solver)[0]
-             for g, k in itertools.product(guidance or [None], steps or [None])}
+
+    def planned(prompts: list[str], num: int, apart: bool = False) -> dict:
+        return {(g, k): _seeded(plan_requests(card, prompts, num=num, seed=seed, steps=k, guidance=g,
+                                              guidance_interval=guidance_interval, adapters=adapters, shift=shift,
+                                              solver=solver)[0], apart)
+                for g, k in itertools.product(guidance or [None], steps or [None])}
+
+    # every row's requests, planned (and so checked: steps, guidance, seeds, adapters) before any data or model loads;
+    # the class prompts × seeds seed … seed + per_class − 1 (plan_requests orders prompts × seeds)
+    count, labels = per_class * len(CLASS_NAMES), np.repeat(np.arange(len(CLASS_NAMES)), per_class)
+    plans = planned([class_prompt(c) for c in range(len(CLASS_NAMES))], per_class)
     platform = Platform.detect(device)
     for name in precision or []:
         check_precision(platform, name)
@@ -185,11 +194,14 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     first = next(iter(loops.values()))  # its VAE makes the reconstruction floor
     judge_instance = ModelInstance(reward_card(judge, scores=card)[0], platform, "float32")
     referee = FashionJudge(judge_instance)
-    test, train = (load_split(split, data).classes("eval's class accuracy") for split in ("test", "train"))
+    test, train = load_split("test", data), load_split("train", data)
+    if test.captions is not None:  # your own images: the first `count` test captions, one image each at seed + i
+        plans, labels = planned(list(test.captions[:count]), 1, apart=True), None
+        count = len(next(iter(plans.values())))
     real = referee.features(test.images)
-    count = per_class * len(CLASS_NAMES)
     report = EvalReport(card.id, judge_instance.card.id, f"{platform.device}/{platform.arch}", per_class,
-                        rank=ranks.rank, real=real if keep_samples else None)
+                        rank=ranks.rank, real=real if keep_samples else None,
+                        prompts="classes" if labels is not None else "captions")
     if count > len(train):
         raise BadInput(f"--per-class {per_class} asks for {count} images, more than the {len(train)} training images "
                        "the floors are measured on")
@@ -211,7 +223,6 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     warning = fid_warning(count, real.shape[1])
     report.warnings += [warning] if warning else []
     report.warnings += [w for loop in loops.values() for w in loop.instance.warnings]
-    labels = np.repeat(np.arange(len(CLASS_NAMES)), per_class)  # plan_requests orders prompts × seeds
     # None: the card's loop default for steps and guidance
     cells = list(itertools.product(loops.items(), guidance or [None], steps or [None]))
     saved = {tuple(json.dumps(row[k]) for k in ROW_SETTINGS): row for row in kept_rows}
@@ -243,6 +254,12 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     return report
 
 
+def _seeded(requests: list, apart: bool) -> list:
+    """The requests, each at its own seed (seed + i for the i-th) where `apart`: two test images with one caption
+    then get two images, not one twice."""
+    return [dataclasses.replace(r, seed=r.seed + i) for i, r in enumerate(requests)] if apart else requests
+
+
 def _settings(precision: str, request) -> tuple[str, ...]:
     """A row's settings (ROW_SETTINGS) as a report on disk holds them."""
     values = {"precision": precision, "steps": request.steps, "guidance": request.guidance,
@@ -250,11 +267,12 @@ def _settings(precision: str, request) -> tuple[str, ...]:
     return tuple(json.dumps(values[k]) for k in ROW_SETTINGS)
 
 
-def _measure_row(report: EvalReport, referee: FashionJudge, real: np.ndarray, labels: np.ndarray, count: int, ranks,
+def _measure_row(report: EvalReport, referee: FashionJudge, real: np.ndarray, labels: np.ndarray | None, count: int,
+                 ranks,
                  p: str, loop: DenoiseLoop, requests: list, on_row, on_step=None, max_batch: int = 256,
                  keep: bool = False) -> None:
     """Sample one row's images at precision `p` and add its measurements to `report` (on rank 0; under torchrun each
-    rank samples its share and rank 0 measures them all)."""
+    rank samples its share and rank 0 measures them all). Without `labels` (captions) no accuracy or reward."""
     started = time.perf_counter()
     mine = ranks.shard(requests)
     broken = None
@@ -278,19 +296,21 @@ def _measure_row(report: EvalReport, referee: FashionJudge, real: np.ndarray, la
                                f"{broken or 'another rank made NaN or inf images'}")
     else:
         images = np.stack(made)
-        probabilities = referee.probabilities(images)
-        hits = probabilities.argmax(1) == labels
-        accuracy, correct = float(hits.mean()), int(hits.sum())
         features = referee.features(images)
         kid, kid_std = kernel_distance(features, real)
         fidelity, coverage = _rounded(precision_recall(features, real)) or (None, None)
-        row = EvalRow(first.steps, first.guidance, list(first.guidance_interval), p, count, round(accuracy, 4),
-                      round(frechet_distance(features, real), 4), round(kid, 6), round(kid_std, 6),
-                      round(float(probabilities[np.arange(count), labels].mean()), 4), round(count / seconds, 1),
-                      first.model_evaluations(), first.shift, first.solver,
-                      [round(bound, 4) for bound in wilson_interval(correct, count)],
-                      round(frechet_std(features, real), 4) if count > 1 else None, fidelity, coverage,
+        hits, judged = None, (math.nan, math.nan, None, None)
+        if labels is not None:
+            probabilities = referee.probabilities(images)
+            hits = probabilities.argmax(1) == labels
+            judged = (round(float(hits.mean()), 4), round(float(probabilities[np.arange(count), labels].mean()), 4),
+                      [round(bound, 4) for bound in wilson_interval(int(hits.sum()), count)],
                       {name: round(float(hits[labels == c].mean()), 4) for c, name in enumerate(CLASS_NAMES)})
+        accuracy, reward, interval, by_class = judged
+        row = EvalRow(first.steps, first.guidance, list(first.guidance_interval), p, count, accuracy,
+                      round(frechet_distance(features, real), 4), round(kid, 6), round(kid_std, 6), reward,
+                      round(count / seconds, 1), first.model_evaluations(), first.shift, first.solver, interval,
+                      round(frechet_std(features, real), 4) if count > 1 else None, fidelity, coverage, by_class)
         kept = (hits, features)
     report.rows.append(row)
     if keep:

@@ -15,7 +15,8 @@ from cardtool.files import read_small_file
 __all__ = ["ROW_SETTINGS", "identity", "previous_rows", "write_report"]
 
 ROW_SETTINGS = ("precision", "steps", "guidance", "guidance_interval", "shift", "solver")  # what tells rows apart
-_MEASURED = ("class_accuracy", "fid_fmnist", "kid", "kid_std", "mean_reward", "images_per_second")
+_MEASURED = ("fid_fmnist", "kid", "kid_std", "images_per_second")
+_JUDGED = ("class_accuracy", "mean_reward")  # null in a row of captions (no classes), else measured too
 
 
 def identity(instance, judge_instance, per_class: int, seed: int, data: Path, adapters: list, platform: str) -> dict:
@@ -52,8 +53,13 @@ def previous_rows(path: Path, expected: dict) -> tuple[dict, list[dict]]:
     if differ:
         raise BadInput(f"cannot resume from {path}: it was measured with other {', '.join(differ)}; drop --resume to "
                        "measure again from the start, or choose another --out")
+    def measured(value) -> bool:
+        return isinstance(value, (int, float)) and math.isfinite(value)
+
     rows = [row for row in report["rows"] if isinstance(row, dict) and all(k in row for k in ROW_SETTINGS)
-            and all(isinstance(row.get(k), (int, float)) and math.isfinite(row[k]) for k in _MEASURED)]
+            and all(measured(row.get(k)) for k in _MEASURED)
+            and all(measured(row.get(k)) or (row.get(k) is None and report.get("prompts") == "captions")
+                    for k in _JUDGED)]
     floors = {k: report[k] for k in ("floors", "kid_floors", "manifold_floors") if isinstance(report.get(k), dict)}
     return floors, rows
 

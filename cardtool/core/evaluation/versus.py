@@ -64,27 +64,29 @@ def mcnemar_p(only_a: int, only_b: int) -> float:
     return min(1.0, 2 * math.exp(top) * sum(math.exp(v - top) for v in logs))
 
 
-def paired_differences(hits_a: np.ndarray, features_a: np.ndarray, hits_b: np.ndarray, features_b: np.ndarray,
-                       real: np.ndarray, *, resamples: int = RESAMPLES, seed: int = 0) -> dict:
+def paired_differences(hits_a: np.ndarray | None, features_a: np.ndarray, hits_b: np.ndarray | None,
+                       features_b: np.ndarray, real: np.ndarray, *, resamples: int = RESAMPLES, seed: int = 0) -> dict:
     """B − A in accuracy and FID for images paired by index (the same prompt and seed), each with the 2.5–97.5%
-    interval of a paired bootstrap; FID's bootstrap deviation too."""
-    n = len(hits_a)
-    only_a, only_b = int((hits_a & ~hits_b).sum()), int((hits_b & ~hits_a).sum())
+    interval of a paired bootstrap; FID's bootstrap deviation too. Without hits (captions: no classes), FID only."""
+    n, judged = len(features_a), hits_a is not None and hits_b is not None
     to_real, rng = FrechetTo(real.astype(np.float64)), np.random.default_rng(seed)
     a, b = features_a.astype(np.float64), features_b.astype(np.float64)
     accuracy, fid = [], []
     for _ in range(resamples):
         i = rng.integers(0, n, n)
-        accuracy.append(hits_b[i].mean() - hits_a[i].mean())
+        accuracy += [hits_b[i].mean() - hits_a[i].mean()] if judged else []
         fid.append(to_real(b[i]) - to_real(a[i]))
 
     def interval(values) -> list[float]:
         return [round(float(v), 4) for v in np.percentile(values, [2.5, 97.5])]
 
-    return {"accuracy": round(float(hits_b.mean() - hits_a.mean()), 4), "accuracy_ci95": interval(accuracy),
-            "only_a": only_a, "only_b": only_b, "mcnemar_p": float(f"{mcnemar_p(only_a, only_b):.4g}"),
-            "fid_fmnist": round(to_real(b) - to_real(a), 4), "fid_fmnist_ci95": interval(fid),
-            "fid_fmnist_std": round(float(np.std(fid)), 4)}
+    out = {"fid_fmnist": round(to_real(b) - to_real(a), 4), "fid_fmnist_ci95": interval(fid),
+           "fid_fmnist_std": round(float(np.std(fid)), 4)}
+    if judged:
+        only_a, only_b = int((hits_a & ~hits_b).sum()), int((hits_b & ~hits_a).sum())
+        out.update({"accuracy": round(float(hits_b.mean() - hits_a.mean()), 4), "accuracy_ci95": interval(accuracy),
+                    "only_a": only_a, "only_b": only_b, "mcnemar_p": float(f"{mcnemar_p(only_a, only_b):.4g}")})
+    return out
 
 
 _SETTINGS = ("steps", "guidance", "guidance_interval", "precision", "shift", "solver")

@@ -143,6 +143,10 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
     if per_class < 1:
         raise BadInput(f"--per-class must be at least 1, got {per_class}")
     check_every(watch_every)
+    if stop_after not in ("rl", "distill"):  # its eval stage judges classes: found now, not after two stages
+        from cardtool.core.data import load_split
+
+        load_split("test", data).classes("the flywheel's eval")
     for ref in [recipe.base, *compare]:
         locate(ref)  # before hours of training, not after
     base = load_card(locate(recipe.base))
@@ -255,7 +259,7 @@ def _evaluate(folders: list[str], report: FlywheelReport, device: str | None, da
     name, mine, real = samples[student]
     for folder in [folders[0], *folders[3:]]:
         other, theirs, _ = samples[folder]
-        if mine and theirs:  # both measured (no NaN images)
+        if mine and theirs and mine[0] is not None:  # both measured (no NaN images), with classes to judge
             report.paired.append({"a": other, "b": name, **paired_differences(*theirs, *mine, real)})
 
 
