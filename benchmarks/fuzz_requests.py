@@ -81,6 +81,12 @@ class Env:
 
         self.pixels, self.metadata = read_png(root / "made.png")
         self.workflow = yaml.safe_load((REPO / "examples" / "workflows" / "tiny-tour.yaml").read_text())
+        self.images = root / "images"  # a clean folder of captioned images (image_folder.py): 27 train, 3 test
+        (self.images / "sub").mkdir(parents=True)
+        for i in range(30):
+            Image.fromarray((rng.random((28, 28)) * 255).astype("uint8")).save(self.images / "sub" / f"{i}.png")
+        (self.images / "metadata.jsonl").write_text("".join(
+            f'{{"file_name": "sub/{i}.png", "text": "a {("bag", "dark coat", "boot")[i % 3]}"}}\n' for i in range(30)))
         self.export = _sharded_export(runner, app, self.cards / "tiny-rl", root / "export")
 
     def card(self, name: str) -> str:
@@ -275,7 +281,7 @@ def _eval(rng: random.Random, env: Env, out: Path) -> list[str]:
                "--shift": FLOATS, "--solver": ["euler", "dpmpp_2m", "sde", "renoise", "x"],
                "--per-class": ["0", "1", "2", "x"],
                "--seed": NUMBERS, "--device": ["cpu", "numpy", "cuda", "x"],
-               "--data": [str(env.data), str(env.root), "/nonexistent", "/dev/zero"],
+               "--data": [str(env.data), str(env.images), str(env.root), "/nonexistent", "/dev/zero"],
                "--precision": ["float32", "bfloat16", "float16", "float64", "int8"],
                "--adapter": ["invert", "invert=0.5", "nope", "invert=x"],
                "--out": [str(out / "r.json"), "/dev/null", str(env.root / "made.png"), str(out)], "--resume": None,
