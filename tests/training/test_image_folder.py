@@ -168,3 +168,15 @@ def test_requests_of_captions_each_have_their_own_seed(examples, tmp_path, monke
     evaluating.evaluate(str(examples / "tiny-base"), judge=str(examples / "tiny-judge"), data=str(root), per_class=1,
                         steps=[2], seed=7)
     assert seen == [[(c, 7 + i) for i, c in enumerate(load_split("test", root).captions)]]
+
+
+def test_a_resumed_eval_of_captioned_images_sees_an_image_changed_in_a_subfolder(examples, tmp_path):
+    root = write_folder(tmp_path / "mine", count=60)
+    args = ["eval", str(examples / "tiny-base"), "--judge", str(examples / "tiny-judge"), "--data", str(root),
+            "--per-class", "1", "--steps", "2", "--out", str(tmp_path / "r.json"), "--json"]
+    assert CliRunner().invoke(app, args).exit_code == 0
+    again = CliRunner().invoke(app, [*args, "--resume"])
+    assert again.exit_code == 0 and json.loads(again.stdout)["kept_rows"] == 1
+    Image.fromarray(np.full((56, 56, 3), 255, np.uint8), "RGB").save(root / "more" / "c1.png")  # the same size
+    changed = CliRunner().invoke(app, [*args, "--resume"])
+    assert changed.exit_code == 2 and "measured with other data" in changed.stdout

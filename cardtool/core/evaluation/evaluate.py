@@ -207,6 +207,8 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
                        "the floors are measured on")
     stack = [{"name": name, "scale": scale} for name, scale in next(iter(plans.values()))[0].adapters]
     ident = identity(first.instance, judge_instance, per_class, seed, data_dir(data), stack, report.platform)
+    if labels is None:  # an image folder's images lie in subfolders the listing of its files does not reach
+        ident["data"]["digest"] = {"train": train.digest(), "test": test.digest()}
     kept_floors, kept_rows = previous_rows(out, ident) if resume else ({}, [])
     if all(set(kept_floors.get(k, {})) == set(_FLOORS) for k in ("floors", "kid_floors", "manifold_floors")):
         report.floors, report.kid_floors = kept_floors["floors"], kept_floors["kid_floors"]
