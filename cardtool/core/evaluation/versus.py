@@ -105,6 +105,7 @@ def compare(card_a: str, card_b: str, *, on_row: Callable[[str, EvalRow], None] 
 
     def rows_of(card: str):
         return None if on_row is None else lambda row: on_row(card, row)
+
     single = os.environ.get("WORLD_SIZE", "1") == "1"  # torchrun's ranks must stop together: no signal handling
     with stop_requests(single) as caught:  # Ctrl-C / SIGTERM: the row in flight finishes first
         a = evaluate(card_a, **options, on_row=rows_of(card_a), keep_samples=True, stop=caught)
@@ -115,9 +116,6 @@ def compare(card_a: str, card_b: str, *, on_row: Callable[[str, EvalRow], None] 
         except RunFailed as e:  # interrupted, or out of memory: the first card's rows are kept with the second's
             e.partial = {**a.to_json(), "versus": e.partial}
             raise
-        if caught and len(b.rows) < len(a.rows):
-            raise Interrupted.after(caught[0], f"{len(b.rows)} of {len(a.rows)} of {b.card}'s rows",
-                                    {**a.to_json(), "versus": b.to_json()})
     differences = []
     if a.rank == 0:  # under torchrun rank 0 holds every row
         for row_a, row_b, kept_a, kept_b in zip(a.rows, b.rows, a.samples, b.samples, strict=True):
