@@ -92,14 +92,22 @@ def eval_command(
                        seed=seed, device=device, data=data, precision=precision,
                        adapters=[parse_adapter(a) for a in adapter] if adapter else None, shift=shift, solver=solver,
                        on_step=steps_done, max_batch=max_batch)
-        if versus is None:
-            comparison, report = None, evaluate(card, **options, on_row=progress, out=out, resume=resume)
+        if versus is None:  # several precisions: their rows paired too (samples kept for it)
+            comparison, report = None, evaluate(card, **options, on_row=progress, out=out, resume=resume,
+                                                keep_samples=len(set(precision or [])) > 1)
         else:
             from cardtool.core.evaluation.versus import compare
 
             comparison = compare(card, versus, **options, on_row=lambda of, row: progress(row, of))
             report = comparison.a
         document = comparison.to_json() if comparison else report.to_json()
+        if comparison is None and len(set(precision or [])) > 1:
+            from dataclasses import asdict
+
+            from cardtool.core.evaluation.versus import precision_differences
+
+            between = precision_differences(report)
+            document["precision_differences"] = [asdict(d) for d in between]
         for measured in [report] + ([comparison.b] if comparison else []):
             if measured.rank == 0 and measured.rows and all(math.isnan(r.fid_fmnist) for r in measured.rows):
                 # the work made no result: a script reading the exit status must not take null rows for a measurement
@@ -128,7 +136,9 @@ def eval_command(
     for measured in [report] + ([comparison.b] if comparison else []):
         _print_report(shown, measured)
     if comparison:
-        _print_differences(shown, comparison)
+        _print_differences(shown, comparison.a.card, comparison.b.card, comparison.differences)
+    elif document.get("precision_differences"):
+        _print_differences(shown, report.card, report.card, between, by="precision")
     if report.kept_rows:
         err.print(f"{report.kept_rows} of {len(report.rows)} rows kept from {out} (measured before)", markup=False)
     for line in missed:
@@ -177,18 +187,17 @@ def _print_report(shown, report) -> None:
         warn(warning)
 
 
-def _print_differences(shown, comparison) -> None:
-    """The paired differences, B − A, row pair by row pair."""
+def _print_differences(shown, a: str, b: str, differences, by: str = "card") -> None:
+    """The paired differences, B − A, row pair by row pair (of two cards, or of one card's precisions)."""
     from rich import box
     from rich.table import Table
 
-    a, b = comparison.a.card, comparison.b.card
-    table = Table(box=box.SIMPLE_HEAD, title="B − A: the same prompts and seeds, image pair by image pair",
-                  title_justify="left")
+    what = "the same prompts and seeds" + (", each precision against the first" if by == "precision" else "")
+    table = Table(box=box.SIMPLE_HEAD, title=f"B − A: {what}, image pair by image pair", title_justify="left")
     for column in (f"A: {a}", f"B: {b}", "Δ accuracy (95%)", "only A / only B right", "McNemar p",
                    "Δ FID-FMNIST (95%)"):
         table.add_column(column, justify="right")
-    for d in comparison.differences:
+    for d in differences:
         settings = [f"{s['precision']}, {s['steps']} steps, guidance {s['guidance']:g}" for s in (d.a, d.b)]
         judged = ["–"] * 3 if d.accuracy is None else [
             f"{d.accuracy:+.4f} ({d.accuracy_ci95[0]:+.3f}…{d.accuracy_ci95[1]:+.3f})", f"{d.only_a} / {d.only_b}",

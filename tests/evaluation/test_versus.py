@@ -121,3 +121,22 @@ def test_a_stop_during_the_second_card_keeps_both_cards_rows(tmp_path, monkeypat
     assert result.exit_code == 130, result.output
     partial = json.loads(result.stdout)["error"]["partial"]
     assert [r["steps"] for r in partial["rows"]] == [2, 3] and [r["steps"] for r in partial["versus"]["rows"]] == [2]
+
+
+def test_an_eval_of_several_precisions_pairs_each_with_the_first(tmp_path):
+    result = run(tmp_path, "--steps", "2", "--steps", "3", "--precision", "float32", "--precision", "bfloat16",
+                 "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    rows = {(r["precision"], r["steps"]): r for r in report["rows"]}
+    pairs = report["precision_differences"]
+    assert [(d["a"]["precision"], d["b"]["precision"], d["b"]["steps"]) for d in pairs] == [
+        ("float32", "bfloat16", 2), ("float32", "bfloat16", 3)]
+    for d in pairs:
+        steps = d["b"]["steps"]
+        assert d["fid_fmnist"] == pytest.approx(rows["bfloat16", steps]["fid_fmnist"]
+                                                - rows["float32", steps]["fid_fmnist"], abs=1e-3)
+    alone = json.loads(run(tmp_path, "--steps", "2", "--json").stdout)
+    assert "precision_differences" not in alone, "one precision: nothing to pair"
+    text = run(tmp_path, "--steps", "2", "--precision", "float32", "--precision", "bfloat16")
+    assert "each precision against the first" in text.stdout

@@ -6,6 +6,7 @@ McNemar's exact test (McNemar 1947) on the pairs only one card got right, and a 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from cardtool.core.evaluation.metrics import FrechetTo
 from cardtool.core.interrupt import Interrupted, stop_requests
 from cardtool.errors import BadInput, RunFailed
 
-__all__ = ["Comparison", "Difference", "compare", "mcnemar_p", "paired_differences"]
+__all__ = ["Comparison", "Difference", "compare", "mcnemar_p", "paired_differences", "precision_differences"]
 
 RESAMPLES = 200
 
@@ -123,3 +124,26 @@ def compare(card_a: str, card_b: str, *, on_row: Callable[[str, EvalRow], None] 
             measured = paired_differences(*kept_a, *kept_b, a.real) if kept_a and kept_b else {}
             differences.append(Difference(*settings, **measured))
     return Comparison(a, b, differences)
+
+
+def precision_differences(report: EvalReport) -> list[Difference]:
+    """Within one eval of several precisions (kept samples): each row of a later precision against the first
+    precision's row of the same settings, pair by pair — is bfloat16's quality float32's, beyond the eval's noise?"""
+    if report.rank != 0 or not report.samples:
+        return []
+    rows = list(zip(report.rows, report.samples, strict=True))
+    first = rows[0][0].precision
+
+    def key(row) -> tuple:
+        return tuple(json.dumps(getattr(row, k)) for k in _SETTINGS if k != "precision")
+
+    base = {key(row): (row, kept) for row, kept in rows if row.precision == first}
+    out = []
+    for row, kept in rows:
+        if row.precision == first or key(row) not in base:
+            continue
+        row_a, kept_a = base[key(row)]
+        settings = [{k: getattr(r, k) for k in _SETTINGS} for r in (row_a, row)]
+        out.append(Difference(*settings, **(paired_differences(*kept_a, *kept, report.real)
+                                            if kept_a and kept else {})))
+    return out
