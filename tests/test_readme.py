@@ -78,3 +78,6 @@ def test_quick_tour_runs_as_written(tmp_path):
     assert "wrote tiny-soup to outputs/tiny-soup: transformer averaged from tiny-base (0.5), tiny-rl (0.5)" in \
         " ".join(result.stdout.split())
     assert "wrote tiny-rl-lora to outputs/tiny-rl-lora: LoRA 'tiny-rl' (rank 4," in " ".join(result.stdout.split())
+    mine = (tmp_path / "outputs" / "tiny-mine" / "card.yaml").read_text()
+    assert "dataset: image-folder" in mine and "images: 18" in mine, "the LoRA of examples/images' captions"
+    assert read_png_metadata(tmp_path / "outputs" / "mine.png")["card"] == "tiny-mine"
