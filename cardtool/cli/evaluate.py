@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from cardtool.cli.output import LateProgress, console, emit_json, handled, warn
+from cardtool.cli.output import LateProgress, console, emit_json, handled, paired_cells, warn
 
 
 def eval_command(
@@ -92,22 +93,14 @@ def eval_command(
                        seed=seed, device=device, data=data, precision=precision,
                        adapters=[parse_adapter(a) for a in adapter] if adapter else None, shift=shift, solver=solver,
                        on_step=steps_done, max_batch=max_batch)
-        if versus is None:  # several precisions: their rows paired too (samples kept for it)
-            comparison, report = None, evaluate(card, **options, on_row=progress, out=out, resume=resume,
-                                                keep_samples=len(set(precision or [])) > 1)
+        if versus is None:
+            comparison, report = None, evaluate(card, **options, on_row=progress, out=out, resume=resume)
         else:
             from cardtool.core.evaluation.versus import compare
 
             comparison = compare(card, versus, **options, on_row=lambda of, row: progress(row, of))
             report = comparison.a
         document = comparison.to_json() if comparison else report.to_json()
-        if comparison is None and len(set(precision or [])) > 1:
-            from dataclasses import asdict
-
-            from cardtool.core.evaluation.versus import precision_differences
-
-            between = precision_differences(report)
-            document["precision_differences"] = [asdict(d) for d in between]
         for measured in [report] + ([comparison.b] if comparison else []):
             if measured.rank == 0 and measured.rows and all(math.isnan(r.fid_fmnist) for r in measured.rows):
                 # the work made no result: a script reading the exit status must not take null rows for a measurement
@@ -137,8 +130,8 @@ def eval_command(
         _print_report(shown, measured)
     if comparison:
         _print_differences(shown, comparison.a.card, comparison.b.card, comparison.differences)
-    elif document.get("precision_differences"):
-        _print_differences(shown, report.card, report.card, between, by="precision")
+    elif report.precision_differences:
+        _print_differences(shown, report.card, report.card, report.precision_differences, by="precision")
     if report.kept_rows:
         err.print(f"{report.kept_rows} of {len(report.rows)} rows kept from {out} (measured before)", markup=False)
     for line in missed:
@@ -199,12 +192,7 @@ def _print_differences(shown, a: str, b: str, differences, by: str = "card") -> 
         table.add_column(column, justify="right")
     for d in differences:
         settings = [f"{s['precision']}, {s['steps']} steps, guidance {s['guidance']:g}" for s in (d.a, d.b)]
-        judged = ["–"] * 3 if d.accuracy is None else [
-            f"{d.accuracy:+.4f} ({d.accuracy_ci95[0]:+.3f}…{d.accuracy_ci95[1]:+.3f})", f"{d.only_a} / {d.only_b}",
-            f"{d.mcnemar_p:.3g}"]
-        fid = "–" if d.fid_fmnist is None else \
-            f"{d.fid_fmnist:+.3f} ({d.fid_fmnist_ci95[0]:+.2f}…{d.fid_fmnist_ci95[1]:+.2f})"
-        table.add_row(*settings, *judged, fid)
+        table.add_row(*settings, *paired_cells(asdict(d)))
     shown.print(table)
 
 

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from cardtool.cli.output import console, emit_json, handled, progress_line, say
+from cardtool.cli.output import console, emit_json, handled, paired_cells, progress_line, say
 
 
 def flywheel_command(
@@ -100,9 +100,7 @@ def flywheel_command(
         for column in ("A", "B", "Δ accuracy (95%)", "only A / only B right", "McNemar p", "Δ FID-FMNIST (95%)"):
             pairs.add_column(column, justify="left" if column in ("A", "B") else "right")
         for d in report.paired:
-            pairs.add_row(d["a"], d["b"], f"{d['accuracy']:+.4f} ({d['accuracy_ci95'][0]:+.3f}…"
-                          f"{d['accuracy_ci95'][1]:+.3f})", f"{d['only_a']} / {d['only_b']}", f"{d['mcnemar_p']:.3g}",
-                          f"{d['fid_fmnist']:+.3f} ({d['fid_fmnist_ci95'][0]:+.2f}…{d['fid_fmnist_ci95'][1]:+.2f})")
+            pairs.add_row(d["a"], d["b"], *paired_cells(d))
         out.print(pairs)
     for entry in report.stages:
         out.print(f"stage {entry['stage']}: " + ("skipped" if entry["skipped"] else f"{entry['seconds']:.0f}s"),

@@ -53,6 +53,17 @@ def progress_line(what: str, entry: dict) -> str:
     return "  ".join(parts)
 
 
+def paired_cells(d: dict) -> list[str]:
+    """A paired difference's cells (paired.py, as a dict): Δ accuracy with its interval, the discordant pairs,
+    McNemar's p, Δ FID with its interval — '–' where it has none."""
+    judged = ["–"] * 3 if d.get("accuracy") is None else [
+        f"{d['accuracy']:+.4f} ({d['accuracy_ci95'][0]:+.3f}…{d['accuracy_ci95'][1]:+.3f})",
+        f"{d['only_a']} / {d['only_b']}", f"{d['mcnemar_p']:.3g}"]
+    fid = "–" if d.get("fid_fmnist") is None else \
+        f"{d['fid_fmnist']:+.3f} ({d['fid_fmnist_ci95'][0]:+.2f}…{d['fid_fmnist_ci95'][1]:+.2f})"
+    return [*judged, fid]
+
+
 def counted(number: int, noun: str) -> str:
     """'1 image', '2 images'."""
     return f"{number} {noun}{'' if number == 1 else 's'}"

@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 from cardtool.cli import app
 from cardtool.core.evaluation import evaluate as evaluate_module
 from cardtool.core.evaluation.metrics import frechet_distance, wilson_interval
-from cardtool.core.evaluation.versus import compare, mcnemar_p, paired_differences
+from cardtool.core.evaluation.paired import mcnemar_p, paired_differences
+from cardtool.core.evaluation.versus import compare
 from cardtool.core.interrupt import Interrupted
 from cardtool.errors import BadInput
 

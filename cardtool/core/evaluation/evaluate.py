@@ -37,6 +37,7 @@ from cardtool.core.evaluation.metrics import (
     precision_recall,
     wilson_interval,
 )
+from cardtool.core.evaluation.paired import precision_differences
 from cardtool.core.evaluation.resume import ROW_SETTINGS, identity, previous_rows, write_report
 from cardtool.core.evaluation.reward import FashionJudge, reward_card
 from cardtool.core.interrupt import Interrupted, stop_requests
@@ -97,12 +98,16 @@ class EvalReport:
     # images' features — what a paired comparison of two cards needs (versus.py); never in the JSON
     samples: list[tuple[np.ndarray, np.ndarray] | None] = field(default_factory=list, repr=False)
     real: np.ndarray | None = field(default=None, repr=False)
+    # with several precisions: each later precision's rows against the first's, pair by pair (paired.py)
+    precision_differences: list | None = None
 
     def to_json(self) -> dict:
         return {"card": self.card, "judge": self.judge, "platform": self.platform, "per_class": self.per_class,
                 "prompts": self.prompts, "adapters": self.adapters,
                 "floors": self.floors, "kid_floors": self.kid_floors, "manifold_floors": self.manifold_floors,
                 "rows": [_finite(asdict(r)) for r in self.rows],
+                **({"precision_differences": [asdict(d) for d in self.precision_differences]}
+                   if self.precision_differences is not None else {}),
                 "kept_rows": self.kept_rows, "warnings": self.warnings}
 
 
@@ -140,7 +145,8 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     every row; with `resume`, the rows (and floors) it already holds for this evaluation are kept, not measured
     again. `on_step(done, total)`: progress inside each row, in request-steps (this process's share). `max_batch`:
     model rows per forward (a guided request takes two) — lower it to save memory; the images are the same.
-    `keep_samples`: keep each row's per-image results in `report.samples` (see EvalReport), for `versus.compare`;
+    `keep_samples`: keep each row's per-image results in `report.samples` (see EvalReport), for `versus.compare`
+    (kept for the eval's own use, and dropped after it, where several precisions are paired);
     `stop`: the signal list of a caller's own `stop_requests` block (one around several evaluations), used instead of
     this evaluation's own, so that a stop asked during its last row reaches the caller."""
     if not isinstance(per_class, numbers.Integral) or isinstance(per_class, bool) or per_class < 1:
@@ -192,6 +198,7 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     loops = {p: DenoiseLoop(ModelInstance(card, platform, p), cache=cache)
              for p in precision or [card.manifest.recipe.assumes.precision]}
     first = next(iter(loops.values()))  # its VAE makes the reconstruction floor
+    keeping = keep_samples or len(loops) > 1  # several precisions: their rows paired at the end
     judge_instance = ModelInstance(reward_card(judge, scores=card)[0], platform, "float32")
     referee = FashionJudge(judge_instance)
     test, train = load_split("test", data), load_split("train", data)
@@ -200,7 +207,7 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
         count = len(next(iter(plans.values())))
     real = referee.features(test.images)
     report = EvalReport(card.id, judge_instance.card.id, f"{platform.device}/{platform.arch}", per_class,
-                        rank=ranks.rank, real=real if keep_samples else None,
+                        rank=ranks.rank, real=real if keeping else None,
                         prompts="classes" if labels is not None else "captions")
     if count > len(train):
         raise BadInput(f"--per-class {per_class} asks for {count} images, more than the {len(train)} training images "
@@ -238,7 +245,7 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
             row = saved.get(_settings(p, requests[0]))
             if row is not None:  # measured before under the same identity: kept as it was measured
                 report.rows.append(EvalRow(**{f.name: row[f.name] for f in fields(EvalRow) if f.name in row}))
-                report.samples += [None] if keep_samples else []
+                report.samples += [None] if keeping else []
                 report.kept_rows += 1
                 if on_row:
                     on_row(report.rows[-1])
@@ -246,13 +253,17 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
                 kept = f"; the rows measured are in {out} (--resume keeps them)" if out else ""
                 with OutOfMemory.raised(kept, report.to_json()):
                     _measure_row(report, referee, real, labels, count, ranks, p, loop, requests, on_row,
-                                 on_step=on_step, max_batch=int(max_batch), keep=keep_samples)
+                                 on_step=on_step, max_batch=int(max_batch), keep=keeping)
             if out is not None and ranks.main:
                 write_report(out, report.to_json(), ident)
             if caught and number < len(cells) - 1:
                 hint = f"; the same command with --resume measures the rest (rows so far in {out})" if out else ""
                 raise Interrupted.after(caught[0], f"{number + 1} of {len(cells)} rows{hint}", report.to_json())
     report.warnings += [cache.problem] if cache.problem else []
+    if len(loops) > 1:
+        report.precision_differences = precision_differences(report)
+        if not keep_samples:
+            report.samples, report.real = [], None
     return report
 
 
@@ -270,8 +281,7 @@ def _settings(precision: str, request) -> tuple[str, ...]:
 
 
 def _measure_row(report: EvalReport, referee: FashionJudge, real: np.ndarray, labels: np.ndarray | None, count: int,
-                 ranks,
-                 p: str, loop: DenoiseLoop, requests: list, on_row, on_step=None, max_batch: int = 256,
+                 ranks, p: str, loop: DenoiseLoop, requests: list, on_row, on_step=None, max_batch: int = 256,
                  keep: bool = False) -> None:
     """Sample one row's images at precision `p` and add its measurements to `report` (on rank 0; under torchrun each
     rank samples its share and rank 0 measures them all). Without `labels` (captions) no accuracy or reward."""

@@ -53,6 +53,7 @@ def previous_rows(path: Path, expected: dict) -> tuple[dict, list[dict]]:
     if differ:
         raise BadInput(f"cannot resume from {path}: it was measured with other {', '.join(differ)}; drop --resume to "
                        "measure again from the start, or choose another --out")
+
     def measured(value) -> bool:
         return isinstance(value, (int, float)) and math.isfinite(value)
 

@@ -107,7 +107,7 @@ def _with_id(section: dict | None, card_id: str) -> dict:
 @dataclass
 class FlywheelReport:
     cards: list[dict] = field(default_factory=list)  # one row per card: base, rl'd, student, then --compare
-    # the student against the base and each --compare card on the same requests, B − A (versus.paired_differences)
+    # the student against the base and each --compare card on the same requests, B − A (paired.paired_differences)
     paired: list[dict] = field(default_factory=list)
     stages: list[dict] = field(default_factory=list)  # name, card, skipped, seconds
     judge: str = ""
@@ -226,7 +226,7 @@ def _evaluate(folders: list[str], report: FlywheelReport, device: str | None, da
     `eval STUDENT --versus` would: is it measurably better than the base, than a directly distilled student?"""
     from cardtool.core.cards.record import record_eval, record_metrics
     from cardtool.core.evaluation.evaluate import evaluate
-    from cardtool.core.evaluation.versus import paired_differences
+    from cardtool.core.evaluation.paired import paired_differences
 
     judge, held_out_judge = report.judge, report.held_out_judge
     samples = {}
