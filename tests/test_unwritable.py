@@ -108,3 +108,14 @@ def test_a_malformed_cache_entry_is_a_miss(tmp_path):
                 {"states": np.full((4, 3), np.nan), "mask": np.ones(4, bool)}, {"states": states, "mask": np.ones(4)}):
         np.savez(tmp_path / "text" / "ab" / ("ab" + "0" * 62 + ".npz"), **bad)
         assert TextFeatureCache(tmp_path).get("ab" + "0" * 62) is None
+    # well formed, but not what was written for this key: states of another width would reach the DiT's text
+    # projection and fail the run there (its own check is a digest of the key and the arrays)
+    cache.put("ab" + "1" * 62, np.ones((4, 2), np.float32), mask)
+    for other in ("ab" + "0" * 62, "ab" + "1" * 62):
+        path = tmp_path / "text" / "ab" / f"{other}.npz"
+        with np.load(path) as f:
+            kept = dict(f)
+        np.savez(path, **{**kept, "states": np.ones((4, 5), np.float32)})
+        assert TextFeatureCache(tmp_path).get(other) is None
+    np.savez(tmp_path / "text" / "ab" / ("ab" + "0" * 62 + ".npz"), states=states, mask=mask)  # no digest: a miss
+    assert TextFeatureCache(tmp_path).get("ab" + "0" * 62) is None

@@ -8,7 +8,7 @@ import json
 import torch
 from torch import nn
 
-__all__ = ["optimizer_tensors", "load_optimizer_tensors", "FashionCNN"]
+__all__ = ["optimizer_tensors", "check_optimizer_tensors", "load_optimizer_tensors", "FashionCNN"]
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer, prefix: str = "optim") -> tuple[dict, str]:
@@ -19,13 +19,55 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer, prefix: str = "optim") -
     return tensors, json.dumps(state["param_groups"])
 
 
-def load_optimizer_tensors(optimizer: torch.optim.Optimizer, tensors: dict, groups: str, prefix: str = "optim"):
+def check_optimizer_tensors(optimizer: torch.optim.Optimizer, tensors: dict, groups: str, prefix: str = "optim"):
+    """Raise a ValueError saying what of a checkpoint's optimizer state (full tensors, as `optimizer_tensors` saved
+    them) does not fit `optimizer`: groups or indices other than its own, a state tensor of another shape or kind
+    than its parameter, Adam's state incomplete or impossible (a negative step or second moment makes every update
+    NaN). Checked before loading, because torch loads all of these and fails only at the next step."""
+    own = optimizer.state_dict()["param_groups"]
+    try:
+        saved = json.loads(groups)
+    except (TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"param_groups is not JSON ({e})") from None
+    if not (isinstance(saved, list) and len(saved) == len(own) and all(
+            isinstance(g, dict) and isinstance(g.get("params"), list) and len(g["params"]) == len(o["params"])
+            for g, o in zip(saved, own, strict=True))):
+        raise ValueError("param_groups are not this optimizer's groups")
+    params = [(p, group) for group in optimizer.param_groups for p in group["params"]]
+    state: dict[int, dict] = {}
+    for key, value in tensors.items():
+        if not key.startswith(prefix + "."):
+            continue
+        parts = key.split(".", 2)
+        index, name = (parts[1], parts[2]) if len(parts) == 3 else ("", "")
+        if not index.isdigit() or int(index) >= len(params) or not name:
+            raise ValueError(f"'{key}' names no parameter of this optimizer")
+        param = params[int(index)][0]
+        if name == "step" and (value.numel() != 1 or float(value) < 0 or float(value) != int(float(value))):
+            raise ValueError(f"'{key}' is not a count of steps")
+        if name != "step" and (not value.is_floating_point() or value.shape != param.shape):
+            raise ValueError(f"'{key}' is {str(value.dtype).removeprefix('torch.')} {list(value.shape)}, its "
+                             f"parameter {str(param.dtype).removeprefix('torch.')} {list(param.shape)}")
+        if name in ("exp_avg_sq", "max_exp_avg_sq") and bool((value < 0).any()):
+            raise ValueError(f"'{key}' holds negative second moments")
+        state.setdefault(int(index), {})[name] = value
+    if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        for index, entries in state.items():
+            group = params[index][1]
+            needed = {"step", "exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if group.get("amsgrad") else set())
+            if set(entries) != needed:
+                raise ValueError(f"the state of parameter {index} holds {sorted(entries)}, Adam's is {sorted(needed)}")
+
+
+def load_optimizer_tensors(optimizer: torch.optim.Optimizer, tensors: dict, prefix: str = "optim"):
+    """Restore the per-parameter state `optimizer_tensors` saved (checked by `check_optimizer_tensors`); the
+    optimizer keeps its own hyperparameters — the recipe's, the same as the checkpoint's by its fingerprint."""
     state: dict[int, dict] = {}
     for key, value in tensors.items():
         if key.startswith(prefix + "."):
             _, index, name = key.split(".", 2)
             state.setdefault(int(index), {})[name] = value
-    optimizer.load_state_dict({"state": state, "param_groups": json.loads(groups)})
+    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
 
 
 class FashionCNN(nn.Module):

@@ -152,6 +152,54 @@ def test_resume_between_two_updates_of_a_rollout_equals_an_uninterrupted_run(exa
     assert whole.manifest.recipe.metrics["reward_curve"] == resumed.manifest.recipe.metrics["reward_curve"]
 
 
+@pytest.mark.parametrize("method", ["diffusion_nft", "flow_grpo"])
+def test_a_checkpoint_whose_rollout_buffer_was_altered_is_refused_on_resume(examples, tmp_path, method):
+    """Between two updates of a rollout the resumed run trains on the buffer the checkpoint holds: a buffer whose
+    tensors lost their shape, kind or meaning (prompt indices past the run's prompts, an order that is not a
+    permutation of its rows) is refused up front, not a traceback at the next update or training on garbage."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    base = examples / "tiny-base"
+    extra = ["optim.steps=4", "loss.updates_per_rollout=2", "train.checkpoint_every=1"]
+
+    def go(out, **kwargs):
+        return rl(recipe(base, method, extra, reward=examples / "tiny-judge"), command="c", out=out,
+                  run_dir=tmp_path / "run", evaluate=False, **kwargs)
+
+    def stop_after_3(entry):
+        if entry["step"] == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        go(tmp_path / "cut", on_log=stop_after_3)
+    checkpoint = tmp_path / "run" / CHECKPOINT
+    with safe_open(str(checkpoint), framework="pt") as f:
+        metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    buffer = {k: v for k, v in tensors.items() if k.startswith("task.buffer.")}
+    assert {"task.buffer.prompts", "task.buffer.order", "task.buffer.latents"} <= set(buffer)
+    assert ("task.buffer.log_probs" in buffer) == (method == "flow_grpo")
+    latents, prompts, order = (tensors[f"task.buffer.{n}"] for n in ("latents", "prompts", "order"))
+    damaged = {"latents cut": {"task.buffer.latents": latents[:, :1].clone()},
+               "latents of another size": {"task.buffer.latents": latents[..., :2].clone()},
+               "prompts past the run's": {"task.buffer.prompts": prompts + 100},
+               "prompts as floats": {"task.buffer.prompts": prompts.double()},
+               "order repeated": {"task.buffer.order": torch.zeros_like(order)},
+               "a field added": {"task.buffer.extra": torch.zeros(2)},
+               "reward history as a matrix": {"task.reward_history": torch.zeros(2, 2, dtype=torch.float64)}}
+    for name, change in damaged.items():
+        save_file({**tensors, **change}, str(checkpoint), metadata=metadata)
+        with pytest.raises(BadInput, match="does not fit this run's training state") as error:
+            go(tmp_path / "cut", resume=True)
+        assert ("rollout buffer" if "reward history" not in name else "reward_history") in str(error.value), name
+    dropped = {k: v for k, v in tensors.items() if k != "task.buffer.order"}
+    save_file(dropped, str(checkpoint), metadata=metadata)
+    with pytest.raises(BadInput, match="the rollout buffer holds"):
+        go(tmp_path / "cut", resume=True)
+    save_file(tensors, str(checkpoint), metadata=metadata)  # the checkpoint as written resumes
+    assert go(tmp_path / "cut", resume=True).id == "tiny-base-" + ("nft" if method == "diffusion_nft" else "grpo")
+
+
 def test_the_tuned_card_extends_the_base_samples_without_cfg_and_traces_to_base_and_reward(examples, tmp_path):
     base = examples / "tiny-base"
     result = CliRunner().invoke(app, ["rl", str(base), "--reward", str(examples / "tiny-judge"), "--no-eval",

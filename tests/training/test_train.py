@@ -219,6 +219,57 @@ def test_resume_after_a_kill_gives_the_same_final_weights(tmp_path, data):
     assert resumed.manifest.recipe.metrics["train_seconds"] >= round(trained_before, 1)
 
 
+def test_an_altered_optimizer_state_is_refused_on_resume_and_its_hyperparameters_are_the_recipes(tmp_path, data):
+    """torch loads optimizer state of any shape or kind and fails only at the next step — or trains on NaN from a
+    negative second moment — so resume checks it against the optimizer first. The groups' hyperparameters are the
+    recipe's (the checkpoint's fingerprint says they match): ones altered in the file change nothing."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    uninterrupted = train(tiny("fashion-vae"), command="c", out=tmp_path / "a", run_dir=tmp_path / "ra",
+                          data=str(data))
+
+    def kill_after_step_4(entry):
+        if entry["step"] == 4:
+            raise KeyboardInterrupt
+
+    def resume():
+        return train(tiny("fashion-vae"), command="c", out=tmp_path / "b", run_dir=tmp_path / "rb", data=str(data),
+                     resume=True)
+
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny("fashion-vae"), command="c", out=tmp_path / "b", run_dir=tmp_path / "rb", data=str(data),
+              on_log=kill_after_step_4)
+    checkpoint = tmp_path / "rb" / CHECKPOINT
+    with safe_open(str(checkpoint), framework="pt") as f:
+        metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    first, second = tensors["optim.0.exp_avg"], tensors["optim.0.exp_avg_sq"]
+    damaged = {"'optim.0.exp_avg' is float32 [1]": {"optim.0.exp_avg": first.reshape(-1)[:1].clone()},
+               "'optim.0.exp_avg' is int64": {"optim.0.exp_avg": first.long()},
+               "negative second moments": {"optim.0.exp_avg_sq": -second - 1},
+               "names no parameter": {"optim.99999.exp_avg": first.clone()},
+               "not a count of steps": {"optim.0.step": torch.tensor(2.5)}}
+    for says, change in damaged.items():
+        save_file({**tensors, **change}, str(checkpoint), metadata=metadata)
+        with pytest.raises(BadInput, match="does not fit this run's training state") as error:
+            resume()
+        assert says in str(error.value)
+    save_file({k: v for k, v in tensors.items() if k != "optim.0.exp_avg"}, str(checkpoint), metadata=metadata)
+    with pytest.raises(BadInput, match=r"the state of parameter 0 holds \['exp_avg_sq', 'step'\]"):
+        resume()
+    for groups in ("null", "[]", "[{}]"):
+        save_file(tensors, str(checkpoint), metadata={**metadata, "param_groups": groups})
+        with pytest.raises(BadInput, match="param_groups"):
+            resume()
+    assert not (tmp_path / "b").exists()
+    altered = json.loads(metadata["param_groups"])
+    for group in altered:
+        group.update(betas=[0.5, 0.5], eps="x", weight_decay=1e30, lr=None)
+    save_file(tensors, str(checkpoint), metadata={**metadata, "param_groups": json.dumps(altered)})
+    a, b = weights(uninterrupted, "vae"), weights(resume(), "vae")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_ctrl_c_or_sigterm_checkpoints_the_finished_steps_and_a_resume_continues_them(tmp_path, data, signum,
                                                                                         interactive_signals):
@@ -300,12 +351,15 @@ def test_a_damaged_checkpoint_is_bad_input_on_resume(tmp_path, data):
     weight = next(k for k in tensors if k.startswith("model."))
     save_file({**tensors, weight: tensors[weight] * float("nan")}, str(tmp_path / "x"), metadata=metadata)
     damaged["NaN"] = (tmp_path / "x").read_bytes()  # resumed, a finished run would write a card of NaN weights
+    save_file({**tensors, weight: tensors[weight].long()}, str(tmp_path / "x"), metadata=metadata)
+    damaged["integers"] = (tmp_path / "x").read_bytes()  # torch would load them, rounding the weights
     for name, content in damaged.items():
         checkpoint.write_bytes(content)
         with pytest.raises(BadInput, match="is not a checkpoint this run can read") as error:
             train(tiny("fashion-vae"), command="c", out=tmp_path / name, run_dir=tmp_path / "r", data=str(data),
                   resume=True)
         assert name != "NaN" or "holds NaN or inf in model." in str(error.value)
+        assert name != "integers" or "are not floating point" in str(error.value)
         assert not (tmp_path / name).exists()
 
 
@@ -600,6 +654,28 @@ def test_latents_refuse_images_of_another_size_than_the_vae_takes():
     with pytest.raises(BadInput, match="the VAE takes 24×24 images, the data are 28×28"):
         latents(vae, np.zeros((2, 28, 28), dtype=np.uint8), "cpu")
     assert latents(vae, np.zeros((2, 24, 24), dtype=np.uint8), "cpu")[0].shape == (2, 4, 1, 8, 8)
+
+
+def test_a_run_lock_that_is_a_link_or_not_a_file_is_refused_and_its_target_left_alone(tmp_path):
+    """The lock file is truncated and rewritten with the holder's process id: through a link it would clobber the
+    file the link names (run as root, any file), so the lock is never opened through one."""
+    import os
+
+    from cardtool.core.training.run_lock import LOCK, run_claimed
+
+    precious = tmp_path / "precious"
+    precious.write_text("keep me")
+    for name, make, says in (("link", lambda p: p.symlink_to(precious), "is a link"),
+                             ("dangling", lambda p: p.symlink_to(tmp_path / "none"), "is a link"),
+                             ("folder", lambda p: p.mkdir(), "cannot open"),
+                             ("pipe", lambda p: os.mkfifo(p), "is not a regular file")):
+        (tmp_path / name).mkdir()
+        make(tmp_path / name / LOCK)
+        with pytest.raises(BadInput, match=says), run_claimed(tmp_path / name):
+            pass
+    assert precious.read_text() == "keep me" and not (tmp_path / "none").exists()
+    with run_claimed(tmp_path / "plain"):
+        assert (tmp_path / "plain" / LOCK).read_text() == f"{os.getpid()}\n"
 
 
 def test_a_run_folder_another_process_is_training_in_is_refused_until_that_process_ends(tmp_path, data):

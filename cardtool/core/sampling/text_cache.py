@@ -54,10 +54,10 @@ class TextFeatureCache:
             if _is_file(path):
                 try:
                     with np.load(path, allow_pickle=False) as f:  # never unpickle from a cache
-                        found = (f["states"], f["mask"])
+                        found, check = (f["states"], f["mask"]), f["check"]
                 except Exception:  # noqa: BLE001 - numpy's and zipfile's many errors: any damaged entry is a miss
                     found = None  # (rewritten below), never a failed run
-                if found is not None and not _well_formed(*found):
+                if found is not None and not (_well_formed(*found) and np.array_equal(check, _check(key, *found))):
                     found = None
                 if found is not None:
                     self._remember(key, found)
@@ -75,7 +75,7 @@ class TextFeatureCache:
         self._remember(key, entry)
         if self.root is not None:
             buffer = io.BytesIO()
-            np.savez(buffer, states=entry[0], mask=entry[1])
+            np.savez(buffer, states=entry[0], mask=entry[1], check=_check(key, *entry))
             try:
                 write_atomic(self.root / key[:2] / f"{key}.npz", buffer.getvalue())
             except OSError as e:  # an unwritable cache costs a later process the encoding, never this one its run
@@ -120,6 +120,17 @@ def _well_formed(states: np.ndarray, mask: np.ndarray) -> bool:
     """Whether a cache file's arrays can be an entry: states (L, d) floating and finite, mask (L,) boolean."""
     return states.ndim == 2 and mask.ndim == 1 and len(states) == len(mask) and mask.dtype == bool \
         and states.dtype in (np.float32, np.float64) and bool(np.isfinite(states).all())
+
+
+def _check(key: str, states: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """sha256 of an entry's key and arrays, stored beside them: arrays not written for this key — a file damaged
+    in a way the zip format does not see, or replaced — are a miss, even when their shape would pass (text states
+    of another width reach the DiT's projection and fail the run there)."""
+    digest = hashlib.sha256(key.encode())
+    for array in (states, mask):
+        digest.update(f"{array.dtype.str}{array.shape}".encode())
+        digest.update(np.ascontiguousarray(array).tobytes())
+    return np.frombuffer(digest.digest(), dtype=np.uint8)
 
 
 def encode_prompts(instance, prompts: list[str], cache: TextFeatureCache, component: str = "text_encoder"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,7 +31,16 @@ def run_claimed(run_dir: Path, claim: bool = True) -> Iterator[None]:
         return
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     path = Path(run_dir) / LOCK
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    remedy = "remove it (cardtool makes it), or give this run another --run-dir"
+    try:  # never through a link: the lock is truncated and rewritten, which would clobber the file it points to
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as e:
+        if path.is_symlink():
+            raise BadInput(f"{path} is a link; {remedy}") from None
+        raise BadInput(f"cannot open {path}, the run's lock ({e.strerror or e}); {remedy}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise BadInput(f"{path} is not a regular file (a device, a pipe); {remedy}")
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -22,8 +22,9 @@ from cardtool.atomic import atomic_path, save_tensors, writable_folder
 from cardtool.backends.host_allocator import keep_freed_memory
 from cardtool.backends.platform import Platform
 from cardtool.backends.precision import autocast
-from cardtool.backends.training import load_optimizer_tensors, optimizer_tensors
+from cardtool.backends.training import check_optimizer_tensors, load_optimizer_tensors, optimizer_tensors
 from cardtool.core import distributed
+from cardtool.core.cards.components import few
 from cardtool.core.interrupt import Interrupted, stop_requests
 from cardtool.core.sampling.denoise import NonFiniteImages
 from cardtool.core.training.parallel import Parallel
@@ -380,8 +381,10 @@ def _load(path: Path, recipe: Recipe, modules, ema, optimizer, task: Task, parts
         raise BadInput(f"{path} was made by a different recipe{changed}; resume with the same recipe and overrides")
     broken = sorted(k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all()))
     if broken:  # this trainer stops before saving a step gone NaN: a file altered since would make a NaN card
-        raise BadInput(unreadable.format(f"it holds NaN or inf in {', '.join(broken[:3])}"
-                                         f"{f' and {len(broken) - 3} more' if len(broken) > 3 else ''}"))
+        raise BadInput(unreadable.format(f"it holds NaN or inf in {few(broken)}"))
+    integral = sorted(k for k, v in tensors.items() if k.startswith(("model.", "ema.")) and not v.is_floating_point())
+    if integral:  # torch would load them, rounding the weights to whole numbers
+        raise BadInput(unreadable.format(f"its weights {few(integral)} are not floating point"))
     try:
         step, made = int(metadata["step"]), int(metadata.get("micro_batches", "1"))
         loss, seconds = float(metadata.get("loss", "nan")), float(metadata.get("seconds", "0"))
@@ -401,9 +404,10 @@ def _load(path: Path, recipe: Recipe, modules, ema, optimizer, task: Task, parts
                 state = {k[len(f"{prefix}.{name}."):]: v for k, v in tensors.items()
                          if k.startswith(f"{prefix}.{name}.")}
                 parallel.load_full(module, state)
-        load_optimizer_tensors(optimizer, parallel.local_optimizer(tensors, optimizer), metadata["param_groups"])
+        check_optimizer_tensors(optimizer, tensors, metadata["param_groups"])
+        load_optimizer_tensors(optimizer, parallel.local_optimizer(tensors, optimizer))
         task.load_state({k[len("task."):]: v for k, v in tensors.items() if k.startswith("task.")})
-    except (RuntimeError, ValueError, KeyError) as e:  # the same recipe, an older cardtool's training state
-        raise BadInput(f"{path} does not fit this version's training state ({str(e).splitlines()[0][:160]}); "
+    except (RuntimeError, ValueError, KeyError) as e:  # an older cardtool's training state, or a damaged one
+        raise BadInput(f"{path} does not fit this run's training state ({str(e).splitlines()[0][:160]}); "
                        "start the run again in a new --run-dir") from None
     return step, loss, seconds

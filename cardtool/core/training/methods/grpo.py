@@ -63,6 +63,7 @@ def transition_log_probs(sde, model, latents: torch.Tensor, sigmas: np.ndarray, 
 class GRPOTask(RewardTask):
     solver = "sde"
     settings_type = GRPOSettings
+    keeps_log_probs = True
 
     def request_options(self) -> dict:
         return {"eta": self.settings.eta}

@@ -86,6 +86,29 @@ class Rollouts:
     def tensors(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in vars(self).items() if v is not None}
 
+    @classmethod
+    def restored(cls, tensors: dict[str, torch.Tensor], *, rows: int, steps: int, latent: tuple[int, ...],
+                 prompts: int, log_probs: bool) -> Rollouts:
+        """A buffer as a checkpoint holds it (`tensors`), checked against the run that resumes on it — `rows`
+        samples of `steps`-step rollouts of `latent`-shaped latents over `prompts` prompts; a ValueError says what
+        does not fit (training on it would fail at the next update, or train on rows that are not samples)."""
+        names = {"prompts", "rewards", "advantages", "latents", "order"} | ({"log_probs"} if log_probs else set())
+        if set(tensors) != names:
+            raise ValueError(f"the rollout buffer holds {sorted(tensors)}, this method's {sorted(names)}")
+        shapes = {"prompts": (rows,), "rewards": (rows,), "advantages": (rows,), "order": (rows,),
+                  "latents": (steps + 1, rows, *latent), "log_probs": (steps, rows)}
+        for name, value in tensors.items():
+            indices = name in ("prompts", "order")
+            kind = "integer" if indices else "floating"
+            if tuple(value.shape) != shapes[name] or value.is_floating_point() == indices or value.dtype == torch.bool:
+                raise ValueError(f"the rollout buffer's {name} is {str(value.dtype).removeprefix('torch.')} "
+                                 f"{list(value.shape)}, not {kind} {list(shapes[name])}")
+        if not bool(((tensors["prompts"] >= 0) & (tensors["prompts"] < prompts)).all()):
+            raise ValueError(f"the rollout buffer's prompts index past the run's {prompts}")
+        if not torch.equal(tensors["order"].sort().values, torch.arange(rows)):
+            raise ValueError("the rollout buffer's order is not a permutation of its rows")
+        return cls(**tensors)
+
 
 class RewardTask(Task):
     """The policy (`transformer`, written to the output card) fine-tuned on a reward; `reference_velocity` is the
@@ -94,6 +117,7 @@ class RewardTask(Task):
 
     solver = "euler"
     settings_type = RolloutSettings
+    keeps_log_probs = False  # whether `captured_log_probs` keeps them (the buffer then holds them)
     even_forwards = False  # each rank samples its share of a rollout: shares, and so policy forwards, may differ
 
     def __init__(self, recipe: Recipe, platform: Platform, base: Card, reward: Reward, prompts: list[str]):
@@ -106,6 +130,7 @@ class RewardTask(Task):
             self.unshardable = LORA_UNSHARDABLE
         self.base, self.reward, self.prompts = base, reward, prompts
         self.updates, self.kl = recipe.optim.steps, s.kl  # self.kl: this update's KL weight (`prepare`)
+        self.rows = recipe.optim.batch_size * s.group_size  # samples in one rollout buffer
         self.device, self.name, self.cache = platform.torch_device, frozen.name, frozen.cache
         # the KL term's reference: the plain base (guidance 1), or the base as its card serves it (None)
         self.reference_velocity = frozen.guided(s.reference_guidance, s.reference_interval)
@@ -213,8 +238,14 @@ class RewardTask(Task):
 
     def load_state(self, tensors: dict[str, torch.Tensor]) -> None:
         buffer = {k[len("buffer."):]: v for k, v in tensors.items() if k.startswith("buffer.")}
-        self.buffer = Rollouts(**buffer) if buffer else None
-        self.reward_history = tensors["reward_history"].tolist() if "reward_history" in tensors else []
+        self.buffer = Rollouts.restored(buffer, rows=self.rows, steps=self.settings.rollout_steps,
+                                        latent=self.loop.latent_shape(), prompts=len(self.prompts),
+                                        log_probs=self.keeps_log_probs) if buffer else None
+        history = tensors.get("reward_history", torch.zeros(0))
+        if history.dim() != 1 or not history.is_floating_point():
+            raise ValueError(f"reward_history is {str(history.dtype).removeprefix('torch.')} {list(history.shape)}, "
+                             "not a list of mean rewards")
+        self.reward_history = history.tolist()
 
 
 def stack_captured(per_sample: list[list[torch.Tensor]]) -> torch.Tensor:
