@@ -178,3 +178,44 @@ def test_memory_running_out_in_a_row_keeps_the_rows_measured(examples, tmp_path,
     monkeypatch.setattr(module, "sample", real)
     resumed = CliRunner().invoke(app, [*args, "--resume", "--json"])
     assert resumed.exit_code == 0 and json.loads(resumed.stdout)["kept_rows"] == 1, resumed.output
+
+
+def test_a_kept_row_or_floor_missing_a_field_or_of_another_type_is_measured_again(examples, tmp_path):
+    """--resume keeps the rows and floors of the report as measured: one edited or damaged by hand — a field gone, a
+    count written as text — is measured again, not a traceback or a report carrying the damage."""
+    import json
+
+    from helpers import write_idx_folder
+    from typer.testing import CliRunner
+
+    from cardtool.cli import app
+
+    report = tmp_path / "report.json"
+    args = ["eval", str(examples / "tiny-base"), "--judge", str(examples / "tiny-judge"), "--per-class", "1",
+            "--steps", "1", "--steps", "2", "--data", str(write_idx_folder(tmp_path / "idx")), "--out", str(report),
+            "--json"]
+    first = CliRunner().invoke(app, args)
+    assert first.exit_code == 0, first.output
+    written = json.loads(report.read_text())
+    for damage in ({"images": None}, {"model_evaluations": "4"}, {"accuracy_by_class": 5}, {"steps": 1.0},
+                   {"class_accuracy_ci95": "x"}):
+        document = json.loads(json.dumps(written))
+        document["rows"][0] = {k: v for k, v in {**document["rows"][0], **damage}.items() if v is not None}
+        report.write_text(json.dumps(document))
+        again = CliRunner().invoke(app, [*args, "--resume"])
+        assert again.exit_code == 0, (damage, again.output)
+        resumed = json.loads(again.stdout)
+        assert resumed["kept_rows"] == 1, damage
+        def measured(rows):
+            return [{k: v for k, v in row.items() if k != "images_per_second"} for row in rows]
+
+        assert measured(resumed["rows"]) == measured(written["rows"]), "the damaged row measured again, as before"
+    for key, name, value in (("floors", "train_vs_test", "x"), ("kid_floors", "vae_reconstruction", [1.0]),
+                             ("manifold_floors", "train_vs_test", [0.5]), ("floors", "train_vs_test", float("nan"))):
+        document = json.loads(json.dumps(written))
+        document[key][name] = value
+        report.write_text(json.dumps(document))
+        again = CliRunner().invoke(app, [*args, "--resume"])
+        assert again.exit_code == 0, (key, value, again.output)
+        resumed = json.loads(again.stdout)
+        assert all(resumed[k] == written[k] for k in ("floors", "kid_floors", "manifold_floors")), (key, value)

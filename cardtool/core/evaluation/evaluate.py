@@ -61,11 +61,11 @@ class EvalRow:
     guidance_interval: list[float]  # the σ range of the guided steps
     precision: str  # the sampler's compute precision (the judge always runs in float32)
     images: int
-    class_accuracy: float
+    class_accuracy: float | None  # None (null) in a row of captions, which have no class
     fid_fmnist: float
     kid: float  # ×1000 is the usual way to print it
     kid_std: float
-    mean_reward: float
+    mean_reward: float | None
     images_per_second: float
     model_evaluations: int = 0  # transformer evaluations per image: two on each guided step
     shift: float = 1.0  # the σ grid's shift
@@ -129,6 +129,32 @@ def _listed(name: str, value) -> list | None:
 def _finite(row: dict) -> dict:
     """A measurement that is not finite (a card sampling NaN) is null: strict JSON has no NaN."""
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+
+
+def _floors_kept(kept: dict) -> bool:
+    """Whether a report read back from --out holds both floors as eval writes them — FID and KID numbers, precision
+    and recall pairs — so they are kept, not measured again."""
+    def number(value) -> bool:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+    return all(set(kept.get(k, {})) == set(_FLOORS) for k in ("floors", "kid_floors", "manifold_floors")) \
+        and all(number(kept[k][name]) for k in ("floors", "kid_floors") for name in _FLOORS) \
+        and all(isinstance(pair, list) and len(pair) == 2 and all(number(v) for v in pair)
+                for pair in kept["manifold_floors"].values())
+
+
+def _restored(row: dict | None) -> EvalRow | None:
+    """A row read back from --out, or None — measured again — where one of its fields is missing or of another
+    type than a row's (a report edited or damaged by hand)."""
+    if row is None:
+        return None
+    from pydantic import TypeAdapter, ValidationError
+
+    try:  # strict: a count written as 2.0 or "2" is not one eval wrote
+        return TypeAdapter(EvalRow).validate_json(json.dumps({f.name: row[f.name] for f in fields(EvalRow)
+                                                               if f.name in row}), strict=True)
+    except ValidationError:
+        return None
 
 
 def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[int] | None = None,
@@ -217,7 +243,7 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     if labels is None:  # an image folder's images lie in subfolders the listing of its files does not reach
         ident["data"]["digest"] = {"train": train.digest(), "test": test.digest()}
     kept_floors, kept_rows = previous_rows(out, ident) if resume else ({}, [])
-    if all(set(kept_floors.get(k, {})) == set(_FLOORS) for k in ("floors", "kid_floors", "manifold_floors")):
+    if _floors_kept(kept_floors):
         report.floors, report.kid_floors = kept_floors["floors"], kept_floors["kid_floors"]
         report.manifold_floors = kept_floors["manifold_floors"]
     else:
@@ -242,9 +268,9 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     with stopping as caught:  # Ctrl-C / SIGTERM: the row in flight finishes, then a stop
         for number, ((p, loop), g, k) in enumerate(cells):
             requests = plans[(g, k)]
-            row = saved.get(_settings(p, requests[0]))
+            row = _restored(saved.get(_settings(p, requests[0])))
             if row is not None:  # measured before under the same identity: kept as it was measured
-                report.rows.append(EvalRow(**{f.name: row[f.name] for f in fields(EvalRow) if f.name in row}))
+                report.rows.append(row)
                 report.samples += [None] if keeping else []
                 report.kept_rows += 1
                 if on_row:
