@@ -12,6 +12,7 @@ import json
 import math
 import os
 import struct
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,8 +88,8 @@ def read_idx(path: Path) -> np.ndarray:
                 raise BadInput(f"{path} declares shape {shape}, {math.prod(shape):,} bytes: more than the "
                                f"{MAX_IDX_BYTES:,} an IDX file read here may hold: {_HOW}")
             data = _read_at_most(f, math.prod(shape) + 1)  # no further: a small gzip can inflate to gigabytes
-    except (OSError, EOFError, struct.error) as e:
-        raise BadInput(f"cannot read {path}: {e}: {_HOW}")
+    except (OSError, EOFError, struct.error, zlib.error) as e:  # zlib's: gzip data damaged past its header
+        raise BadInput(f"cannot read {path}: {e}: {_HOW}") from None
     if len(data) != math.prod(shape):
         state = "is truncated" if len(data) < math.prod(shape) else "holds more bytes than its shape"
         raise BadInput(f"{path} {state}: {len(data):,} bytes of data for shape {shape}: {_HOW}")

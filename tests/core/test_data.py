@@ -66,6 +66,12 @@ def test_missing_file_bad_magic_and_truncation_are_clear(tmp_path):
     short.write_bytes(b"\0\0\x08\x01" + struct.pack(">I", 10) + b"\x01\x02")
     with pytest.raises(BadInput, match="truncated"):
         read_idx(short)
+    damaged = tmp_path / "damaged-idx.gz"  # a sound gzip header over deflate data a disk damaged: zlib's error
+    whole = bytearray(gzip.compress(b"\0\0\x08\x01" + struct.pack(">I", 4000) + bytes(range(250)) * 16))
+    whole[20:-12] = bytes(b ^ 0xFF for b in whole[20:-12])
+    damaged.write_bytes(bytes(whole))
+    with pytest.raises(BadInput, match=f"cannot read {damaged}"):
+        read_idx(damaged)
 
 
 def test_unknown_split(tmp_path):
