@@ -1,9 +1,10 @@
 """Fuzz requests: what users and scripts hand cardtool besides cards — `generate`'s options, the PNG metadata that
 `generate --like` reads back, recipes through `--set` for `train`, `distill` and `rl`, `eval`'s options, workflow
 manifests, diffusers folders for `cards import` (config.json and the shard index), the Python API's arguments
-(`LoadedCard` and its `generate`, `evaluate`, `compare`, `run_workflow`, `load_card`), and whole command lines of the
-quick commands (`argv`: their options read from the app) — mutated and run in process on the tiny example cards and a
-tiny IDX folder, counted by outcome per surface.
+(`LoadedCard` and its `generate`, `evaluate`, `compare`, `run_workflow`, `load_card`), whole command lines of the
+quick commands (`argv`: their options read from the app), and the state `--resume` reads back (`resume`: a training
+checkpoint's tensors and metadata, an eval report) — mutated and run in process on the tiny example cards and a tiny
+IDX folder, counted by outcome per surface.
 
 Outcomes: `ok` (exit 0), `refused` (exit 2: bad input, said so; or exit 1 with located validation problems — a
 workflow manifest's, as a card's), `failed` (exit 1 with another JSON error: work that could not finish, e.g. a loss
@@ -13,7 +14,7 @@ did not pass — `eval --expect`, `parity`, `cards validate`), and the failures 
 `other_exit` (an exit code that is none of 0, 1, 2).
 
     python benchmarks/fuzz_requests.py --cases 2000 --seed 0 [--out benchmarks/results/fuzz-requests.json]
-        [--surfaces generate like recipes train eval workflow import api argv]
+        [--surfaces generate like recipes train eval workflow import api argv resume]
 """
 
 from __future__ import annotations
@@ -508,8 +509,127 @@ def _argv(rng: random.Random, env: Env, out: Path) -> list[str]:
     return [*args, "--steps", "1"] if path == "generate" and "--steps" not in args else args
 
 
+CHECKPOINT_VALUES = ["", "x", "-1", "0", "1", "3", "1e9", "nan", "inf", "3.5", "null", "[]", "{}", "[{}]", "[null]",
+                     '[{"params": [0]}]', "1" * 400]
+
+
+@functools.cache
+def _runs(root: Path, cards: Path, data: Path) -> dict[str, tuple[list[str], Path]]:
+    """Each trainer a checkpoint to resume — train (a LoRA, its EMA too), distill, rl of both methods — as the
+    command that made it and its run folder; each rewound to step 3 of 4, which for rl is the second update of a
+    rollout, so the resumed step trains on the buffer the checkpoint holds."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from typer.testing import CliRunner
+
+    from cardtool.cli import app
+
+    tiny = ["optim.steps=4", "train.checkpoint_every=1", "train.precision=float32"]
+    base, judge = str(cards / "tiny-base"), str(cards / "tiny-judge")
+    lora = ["optim.batch_size=8", f"parents=[{base}]", "model.rank=2", "train.ema=0.9"]
+    rollouts = ["optim.batch_size=2", "loss.group_size=4", "loss.updates_per_rollout=2"]
+    commands = {
+        "train": ["train", "--recipe", str(REPO / "examples" / "recipes" / "fashion-bold.yaml"), "--data", str(data),
+                  *(f"--set={v}" for v in [*tiny, *lora])],
+        "distill": ["distill", base, "--steps", "2", "--no-eval",
+                    *(f"--set={v}" for v in [*tiny, "optim.batch_size=4", "loss.generator_every=2"])],
+        **{method: ["rl", base, "--reward", judge, "--method", method, "--no-eval",
+                    *(f"--set={v}" for v in [*tiny, *rollouts])] for method in ("diffusion_nft", "flow_grpo")}}
+    runs = {}
+    for name, args in commands.items():
+        made = CliRunner().invoke(app, [*args, "--out", str(root / "runs" / f"{name}-card"), "--run-dir",
+                                        str(root / "runs" / name), "--json"])
+        assert made.exit_code == 0, made.stdout
+        checkpoint = root / "runs" / name / "checkpoint.safetensors"
+        with safe_open(str(checkpoint), framework="pt") as f:
+            metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+        save_file(tensors, str(checkpoint), metadata={**metadata, "step": "3"})
+        runs[name] = args, checkpoint
+    return runs
+
+
+def _damaged_tensors(rng: random.Random, tensors: dict, key: str) -> dict:
+    import torch
+
+    value = tensors[key]
+    changed = {"flat": lambda: value.reshape(-1)[:1].clone(), "scalar": lambda: torch.tensor(1.0),
+               "doubled": lambda: torch.cat([value.reshape(-1)] * 2), "long": lambda: value.long() + 7,
+               "bool": lambda: value.bool(), "negative": lambda: -value - 1 if value.dtype != torch.bool else value,
+               "huge": lambda: (value * 0 + (1e30 if value.is_floating_point() else 2**40)).to(value.dtype),
+               "empty": lambda: value.reshape(-1)[:0].clone(), "nan": lambda: value.double() * float("nan"),
+               "zero": lambda: torch.zeros_like(value), "flipped": lambda: value.flip(0).contiguous() if value.dim()
+               else value.clone(), "transposed": lambda: value.transpose(0, -1).contiguous() if value.dim() > 1
+               else value.clone()}
+    what = rng.choice(sorted(changed) + ["drop", "added"])
+    if what == "drop":
+        return {k: v for k, v in tensors.items() if k != key}
+    if what == "added":
+        return {**tensors, rng.choice(["optim.99999.exp_avg", "optim.x.exp_avg", "optim.5", "task.buffer.extra",
+                                       "task.extra", "model.transformer.extra", "ema.x.y"]): value.clone()}
+    return {**tensors, key: changed[what]()}
+
+
+def _resume(rng: random.Random, env: Env, out: Path) -> list[str]:
+    """`--resume` of a run whose checkpoint a hand or a disk altered — a tensor dropped, added, reshaped, retyped,
+    negated or made huge (optimizer state and rollout buffers most often), a metadata field changed or dropped, the
+    run's lock a link or a folder — or of an eval whose report was (rows, floors, identity)."""
+    if rng.random() < 0.25:
+        return _resumed_eval(rng, env, out)
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    name = rng.choice(["train", "distill", "diffusion_nft", "flow_grpo"])
+    args, checkpoint = _runs(env.root, env.cards, env.data)[name]
+    run = out / "run"
+    shutil.copytree(checkpoint.parent, run)
+    with safe_open(str(run / checkpoint.name), framework="pt") as f:
+        metadata, tensors = dict(f.metadata()), {k: f.get_tensor(k) for k in f.keys()}
+    for _ in range(rng.choice([1, 1, 2])):
+        if rng.random() < 0.3:
+            key = rng.choice(sorted(metadata) + ["x"])
+            if rng.random() < 0.2:
+                metadata.pop(key, None)
+            else:
+                metadata[key] = rng.choice(CHECKPOINT_VALUES)
+        else:
+            state = [k for k in tensors if not k.startswith(("model.", "ema.", "task.old."))]
+            tensors = _damaged_tensors(rng, tensors, rng.choice(state if state and rng.random() < 0.7
+                                                                 else sorted(tensors)))
+    save_file(tensors, str(run / checkpoint.name), metadata=metadata)
+    if rng.random() < 0.05:
+        lock = run / ".lock"
+        lock.unlink(missing_ok=True)
+        lock.symlink_to(env.root / "made.png") if rng.random() < 0.5 else lock.mkdir()
+    return [*args, "--out", str(out / "card"), "--run-dir", str(run), "--resume", "--json"]
+
+
+def _resumed_eval(rng: random.Random, env: Env, out: Path) -> list[str]:
+    args = ["eval", env.card("tiny-base"), "--judge", env.card("tiny-judge"), "--data", str(env.data), "--per-class",
+            "1", "--steps", "1", "--steps", "2", "--json"]
+    report = env.root / "report.json"
+    if not report.exists():
+        from typer.testing import CliRunner
+
+        from cardtool.cli import app
+
+        assert CliRunner().invoke(app, [*args, "--out", str(report)]).exit_code == 0
+    document = json.loads(report.read_text())
+    for _ in range(rng.choice([1, 1, 2])):
+        part = rng.choice(["rows", "rows", "floors", "kid_floors", "manifold_floors", "identity", None])
+        node = document if part is None else document.get(part)
+        node = rng.choice(node) if isinstance(node, list) and node else node
+        node = node if isinstance(node, dict) else document  # a part an earlier change made a number or a list
+        key = rng.choice(sorted(node) + ["x"])
+        if rng.random() < 0.2:
+            node.pop(key, None)
+        else:
+            node[key] = rng.choice([v for v in VALUES if not isinstance(v, float) or v == v and abs(v) != float("inf")])
+    (out / "report.json").write_text(json.dumps(document))
+    return [*args, "--out", str(out / "report.json"), "--resume", *(["--steps", "3"] if rng.random() < 0.5 else [])]
+
+
 SURFACES = {"generate": _generate, "like": _like, "recipes": _recipes, "train": _train, "eval": _eval,
-            "workflow": _workflow, "import": _import, "api": _api, "argv": _argv}
+            "workflow": _workflow, "import": _import, "api": _api, "argv": _argv, "resume": _resume}
 
 
 def run_case(runner, app, args) -> tuple[str, str]:

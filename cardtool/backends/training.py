@@ -43,7 +43,8 @@ def check_optimizer_tensors(optimizer: torch.optim.Optimizer, tensors: dict, gro
         if not index.isdigit() or int(index) >= len(params) or not name:
             raise ValueError(f"'{key}' names no parameter of this optimizer")
         param = params[int(index)][0]
-        if name == "step" and (value.numel() != 1 or float(value) < 0 or float(value) != int(float(value))):
+        if name == "step" and (value.numel() != 1 or value.dtype == torch.bool or float(value) < 0
+                               or float(value) != int(float(value))):
             raise ValueError(f"'{key}' is not a count of steps")
         if name != "step" and (not value.is_floating_point() or value.shape != param.shape):
             raise ValueError(f"'{key}' is {str(value.dtype).removeprefix('torch.')} {list(value.shape)}, its "

@@ -244,12 +244,13 @@ def test_an_altered_optimizer_state_is_refused_on_resume_and_its_hyperparameters
     with safe_open(str(checkpoint), framework="pt") as f:
         metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
     first, second = tensors["optim.0.exp_avg"], tensors["optim.0.exp_avg_sq"]
-    damaged = {"'optim.0.exp_avg' is float32 [1]": {"optim.0.exp_avg": first.reshape(-1)[:1].clone()},
-               "'optim.0.exp_avg' is int64": {"optim.0.exp_avg": first.long()},
-               "negative second moments": {"optim.0.exp_avg_sq": -second - 1},
-               "names no parameter": {"optim.99999.exp_avg": first.clone()},
-               "not a count of steps": {"optim.0.step": torch.tensor(2.5)}}
-    for says, change in damaged.items():
+    damaged = [("'optim.0.exp_avg' is float32 [1]", {"optim.0.exp_avg": first.reshape(-1)[:1].clone()}),
+               ("'optim.0.exp_avg' is int64", {"optim.0.exp_avg": first.long()}),
+               ("negative second moments", {"optim.0.exp_avg_sq": -second - 1}),
+               ("names no parameter", {"optim.99999.exp_avg": first.clone()}),
+               ("not a count of steps", {"optim.0.step": torch.tensor(2.5)}),
+               ("not a count of steps", {"optim.0.step": torch.tensor(True)})]
+    for says, change in damaged:
         save_file({**tensors, **change}, str(checkpoint), metadata=metadata)
         with pytest.raises(BadInput, match="does not fit this run's training state") as error:
             resume()
