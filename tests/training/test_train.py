@@ -376,8 +376,12 @@ def test_a_nan_loss_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(
         return (loss * float("nan") if len(calls) == 5 else loss), metrics
 
     monkeypatch.setattr(VAETask, "loss", poisoned)
-    with pytest.raises(TrainingDiverged, match=r"loss became nan at step 4; the last good checkpoint is .*checkpoint"):
+    with pytest.raises(TrainingDiverged, match=r"loss became nan at step 4; the last good checkpoint is .*checkpoint"
+                       r".*Lower optim.lr or raise optim.warmup and start the run again in a new --run-dir"):
         train(tiny("fashion-vae"), command="c", out=tmp_path / "vae", run_dir=tmp_path / "run", data=str(data))
+    with pytest.raises(BadInput, match=r"made by a different recipe \(optim.lr was"):  # why the advice is not --resume
+        train(tiny("fashion-vae", ["optim.lr=1e-5"]), command="c", out=tmp_path / "vae", run_dir=tmp_path / "run",
+              data=str(data), resume=True)
     assert not (tmp_path / "vae").exists()
     from safetensors import safe_open
 

@@ -286,7 +286,9 @@ def _diverged(step: int, checkpoint: Path, what: str) -> TrainingDiverged:
     if step == 0:  # before the first update the learning rate cannot be the cause
         return TrainingDiverged(f"{what} at step 0, before any update; {kept}. The starting weights or the recipe's "
                                 "loss: settings give it (a weight too large, say)")
-    return TrainingDiverged(f"{what} at step {step}; {kept}. Lower optim.lr or raise optim.warmup, then --resume")
+    # not "then --resume": a resume must keep the checkpoint's recipe, and the same recipe repeats the same steps
+    return TrainingDiverged(f"{what} at step {step}; {kept}. Lower optim.lr or raise optim.warmup and start the run "
+                            "again in a new --run-dir")
 
 
 def _sum(ranks, loss: float) -> float:
