@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -362,6 +363,14 @@ def test_a_damaged_checkpoint_is_bad_input_on_resume(tmp_path, data):
         assert name != "NaN" or "holds NaN or inf in model." in str(error.value)
         assert name != "integers" or "are not floating point" in str(error.value)
         assert not (tmp_path / name).exists()
+    import os
+
+    for name, make in (("pipe", os.mkfifo), ("device", lambda p: p.symlink_to("/dev/zero")), ("folder", Path.mkdir)):
+        checkpoint.rmdir() if checkpoint.is_dir() and not checkpoint.is_symlink() else checkpoint.unlink()
+        make(checkpoint)  # a pipe was read for ever: --resume hung
+        with pytest.raises(BadInput, match="is not a checkpoint this run can read \\(it is not a regular file\\)"):
+            train(tiny("fashion-vae"), command="c", out=tmp_path / name, run_dir=tmp_path / "r", data=str(data),
+                  resume=True)
 
 
 def test_a_nan_loss_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(tmp_path, data, monkeypatch):

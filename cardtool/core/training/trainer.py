@@ -31,6 +31,7 @@ from cardtool.core.training.parallel import Parallel
 from cardtool.core.training.recipes import Recipe
 from cardtool.core.training.run_lock import run_claimed
 from cardtool.errors import BadInput, OutOfMemory, RunFailed, write_remedy
+from cardtool.files import is_regular_file
 
 __all__ = ["Task", "TrainingDiverged", "TrainResult", "train_loop", "writable_outputs", "CHECKPOINT"]
 
@@ -372,6 +373,8 @@ def _load(path: Path, recipe: Recipe, modules, ema, optimizer, task: Task, parts
 
     unreadable = (f"{path} is not a checkpoint this run can read ({{}}); start the run again in a new --run-dir, or "
                   "remove the file to start over in this one")
+    if not is_regular_file(path):  # a FIFO would block the read for ever; a device or a folder is no checkpoint
+        raise BadInput(unreadable.format("it is not a regular file"))
     try:
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}
