@@ -572,7 +572,8 @@ def _damaged_tensors(rng: random.Random, tensors: dict, key: str) -> dict:
 def _resume(rng: random.Random, env: Env, out: Path) -> list[str]:
     """`--resume` of a run whose checkpoint a hand or a disk altered — a tensor dropped, added, reshaped, retyped,
     negated or made huge (optimizer state and rollout buffers most often), a metadata field changed or dropped, the
-    run's lock a link or a folder — or of an eval whose report was (rows, floors, identity)."""
+    file a pipe, a device or a folder, the run's lock a link or a folder — or of an eval whose report was (rows,
+    floors, identity)."""
     if rng.random() < 0.25:
         return _resumed_eval(rng, env, out)
     from safetensors import safe_open
@@ -596,6 +597,9 @@ def _resume(rng: random.Random, env: Env, out: Path) -> list[str]:
             tensors = _damaged_tensors(rng, tensors, rng.choice(state if state and rng.random() < 0.7
                                                                  else sorted(tensors)))
     save_file(tensors, str(run / checkpoint.name), metadata=metadata)
+    if rng.random() < 0.03:  # no checkpoint file at all: a pipe (which a read would wait on for ever), a device
+        (run / checkpoint.name).unlink()
+        rng.choice([os.mkfifo, lambda p: p.symlink_to("/dev/zero"), Path.mkdir])(run / checkpoint.name)
     if rng.random() < 0.05:
         lock = run / ".lock"
         lock.unlink(missing_ok=True)
