@@ -363,8 +363,6 @@ def test_a_damaged_checkpoint_is_bad_input_on_resume(tmp_path, data):
         assert name != "NaN" or "holds NaN or inf in model." in str(error.value)
         assert name != "integers" or "are not floating point" in str(error.value)
         assert not (tmp_path / name).exists()
-    import os
-
     for name, make in (("pipe", os.mkfifo), ("device", lambda p: p.symlink_to("/dev/zero")), ("folder", Path.mkdir)):
         checkpoint.rmdir() if checkpoint.is_dir() and not checkpoint.is_symlink() else checkpoint.unlink()
         make(checkpoint)  # a pipe was read for ever: --resume hung
@@ -673,8 +671,6 @@ def test_latents_refuse_images_of_another_size_than_the_vae_takes():
 def test_a_run_lock_that_is_a_link_or_not_a_file_is_refused_and_its_target_left_alone(tmp_path):
     """The lock file is truncated and rewritten with the holder's process id: through a link it would clobber the
     file the link names (run as root, any file), so the lock is never opened through one."""
-    import os
-
     from cardtool.core.training.run_lock import LOCK, run_claimed
 
     precious = tmp_path / "precious"
