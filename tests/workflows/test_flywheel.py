@@ -103,6 +103,12 @@ def test_a_rerun_skips_finished_stages_and_a_changed_recipe_is_refused(examples,
     changed = run(examples, tmp_path, "--stop-after", "distill", overrides=[*TINY, "distill.optim.lr=1e-3"])
     assert changed.exit_code == 2
     assert "not made by this stage's recipe" in json.loads(changed.stdout)["error"]["message"]
+    manifest = tmp_path / "cards" / "tiny-base-nft" / "card.yaml"
+    manifest.write_text(manifest.read_text() + "broken: [\n")  # a stage card a hand or a disk damaged: said so
+    damaged = run(examples, tmp_path, "--stop-after", "distill")
+    assert damaged.exit_code == 2
+    assert "exists but is not a card that loads (" in json.loads(damaged.stdout)["error"]["message"]
+    assert "card.yaml:" in json.loads(damaged.stdout)["error"]["message"], "located"
 
 
 def test_a_run_stopped_after_the_rl_stage_goes_on_at_distill(examples, tmp_path):

@@ -174,13 +174,14 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
     def stage(name: str, stage_recipe: Recipe, run) -> Card:
         out = Path(out_dir) / stage_recipe.card.id
         fingerprint = recipe_fingerprint(stage_recipe)
-        existing = _existing(out)
+        existing, unreadable = _existing(out)
         if existing is not None and existing.manifest.recipe.fingerprint == fingerprint:
             entry = {"stage": name, "card": existing.id, "path": str(out), "skipped": True, "seconds": 0.0}
         else:
             if out.exists() and not force:
-                raise BadInput(f"{out} exists but was not made by this stage's recipe (fingerprint {fingerprint[:12]}"
-                               "…); pass --force to replace it, or choose another --out-prefix")
+                why = f"is not a card that loads ({unreadable})" if unreadable else \
+                    f"was not made by this stage's recipe (fingerprint {fingerprint[:12]}…)"
+                raise BadInput(f"{out} exists but {why}; pass --force to replace it, or choose another --out-prefix")
             stage_dir = run_dir / name
             started = time.perf_counter()
             run(stage_recipe, command=f"{command}  # stage {name}", out=out, run_dir=stage_dir,
@@ -263,11 +264,14 @@ def _evaluate(folders: list[str], report: FlywheelReport, device: str | None, da
             report.paired.append({"a": other, "b": name, **paired_differences(*theirs, *mine, real)})
 
 
-def _existing(out: Path) -> Card | None:
+def _existing(out: Path) -> tuple[Card | None, str]:
+    """The card a stage made before at `out`, or None and why a manifest there does not load ('' where none is)."""
+    if not ((out / "card.yaml").is_file() or (out / "card.toml").is_file()):
+        return None, ""
     try:
-        return load_card(out) if (out / "card.yaml").is_file() or (out / "card.toml").is_file() else None
-    except CardtoolError:
-        return None
+        return load_card(out), ""
+    except CardtoolError as e:
+        return None, str(e).splitlines()[0][:300]
 
 
 def _has_checkpoint(stage_dir: Path) -> bool:
