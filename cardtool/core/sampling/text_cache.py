@@ -1,7 +1,8 @@
 """The text-feature cache (DESIGN.md invariant 6): encoded prompts, in memory and on disk, keyed by every
 field that changes them — card, component, that component's weights version and config, the adapter
 stack on it, precision, and the prompt. The transformer's weights are not in the key, so retraining the
-DiT keeps these entries; a different text encoder misses them."""
+DiT keeps these entries; a different text encoder misses them. An entry on disk carries a digest of its key and
+arrays (`_check`): one not written for its key is a miss."""
 
 from __future__ import annotations
 
