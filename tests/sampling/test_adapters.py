@@ -317,6 +317,33 @@ def test_generate_fuse_and_metadata_record_the_stack_with_versions(card, tmp_pat
     assert np.abs(a - b).max() <= 1, "fused and unfused give the same picture"
 
 
+def test_a_call_from_another_thread_waits_for_a_fused_call_to_finish(card):
+    import threading
+
+    loaded = LoadedCard(card, device="cpu")
+    stack = [("a", 1.0), ("b", 1.0)]
+    alone = {"plain": loaded.generate("a bag", steps=3, out=None).images[0].pixels,
+             "fused": loaded.generate("a bag", steps=3, adapters=stack, fuse=True, out=None).images[0].pixels}
+    made, finished = {}, threading.Event()
+
+    def plain():
+        made["plain"] = loaded.generate("a bag", steps=3, out=None).images[0].pixels
+        finished.set()
+
+    beside = threading.Thread(target=plain)
+
+    def on_step(done, total):  # mid-run, with the stack merged into the shared weights, a second thread calls
+        if done == 1:
+            beside.start()
+            finished.wait(0.5)  # long enough for that call to run, were it let in
+
+    made["fused"] = loaded.generate("a bag", steps=3, adapters=stack, fuse=True, out=None,
+                                    on_step=on_step).images[0].pixels
+    beside.join()
+    assert np.array_equal(made["plain"], alone["plain"]), "the other thread's call ran on the fused weights"
+    assert np.array_equal(made["fused"], alone["fused"])
+
+
 def test_hot_swap_serves_a_new_version_to_the_next_request_only(card, loop):
     dit = loop.instance.component("transformer")
     request = Request("a bag", seed=2, steps=3, adapters=(("b", 1.0),))

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,10 +63,24 @@ class GenerateReport:
                 else None}
 
 
+def _one_at_a_time(method):
+    """Calls on one LoadedCard from several threads take turns: a call may change the weights every call shares
+    (`fuse` merges a stack into the base for its run, an adapter file's new version replaces the old), and a call
+    that ran beside it would make its images with those weights and record another stack. Torch's own threads
+    already keep the cores busy within a call, so turns cost little."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._turn:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
 class LoadedCard:
     """A card loaded once for many `generate` calls: each precision asked for gets an instance that keeps the
     components it has built, and all share the text-feature cache of encoded prompts, so a script that
-    generates a hundred times loads once. Not for concurrent calls from several threads."""
+    generates a hundred times loads once. Safe to share between threads: their calls take turns."""
 
     def __init__(self, card_ref: str | Card, *, device: str | None = None, cache: TextFeatureCache | None = None,
                  precision: str | None = None):
@@ -78,6 +94,7 @@ class LoadedCard:
         self.precision = precision or self.card.manifest.recipe.assumes.precision
         self._loops: dict[str, DenoiseLoop] = {}
         self._rewards: dict[str, object] = {}
+        self._turn = threading.RLock()
         self.loop(self.precision)  # a precision the platform cannot run is refused here, not at the first call
 
     @property
@@ -85,6 +102,7 @@ class LoadedCard:
         """The instance at the default precision."""
         return self.loop(self.precision).instance
 
+    @_one_at_a_time
     def loop(self, precision: str | None = None) -> DenoiseLoop:
         precision = precision or self.precision
         if precision not in self._loops:
@@ -92,6 +110,7 @@ class LoadedCard:
                                                  self.cache)
         return self._loops[precision]
 
+    @_one_at_a_time
     def reward(self, ref: str):
         """The reward card `ref` on this card's platform, loaded once (best-of-N)."""
         from cardtool.core.evaluation.reward import load_reward
@@ -118,6 +137,7 @@ class LoadedCard:
         extras = [{**e, **({"fused": "true"} if fused is not None else {})} for e in picked.metadata()]
         return list(zip(picked.requests, picked.images, extras, picked.finite, strict=True))
 
+    @_one_at_a_time
     def generate(self, prompts: str | list[str], *, num: int = 1, seed: int = 0, steps: int | None = None,
                  guidance: float | None = None, shift: float | None = None, solver: str | None = None,
                  guidance_interval: tuple[float, float] | None = None, precision: str | None = None,
