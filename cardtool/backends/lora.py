@@ -16,6 +16,7 @@ import contextlib
 import functools
 import json
 import math
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -193,6 +194,7 @@ def equal_runs(rows: list[int]) -> tuple[int, int, list[int]] | None:
 
 _SLOT_CACHE: dict = {}  # the few most recent sets of stacks' slot weights, by the LoRAs' identity and scales
 _SLOT_CACHE_SIZE = 8
+_SLOT_LOCK = threading.Lock()
 
 
 def slot_weights(stacks: list[tuple], device, dtype) -> dict[str, tuple[torch.Tensor, ...]]:
@@ -202,7 +204,8 @@ def slot_weights(stacks: list[tuple], device, dtype) -> dict[str, tuple[torch.Te
     file loads as a new object, a new key. Built outside inference mode, so that a grad-enabled forward may use
     them too."""
     key = (tuple(tuple((id(lora), float(scale)) for lora, scale in stack) for stack in stacks), str(device), dtype)
-    entry = _SLOT_CACHE.pop(key, None)
+    with _SLOT_LOCK:  # LoadedCards in several threads share it
+        entry = _SLOT_CACHE.pop(key, None)
     if entry is None:
         slots = {}
         with torch.inference_mode(False), torch.no_grad():
@@ -211,9 +214,10 @@ def slot_weights(stacks: list[tuple], device, dtype) -> dict[str, tuple[torch.Te
                 slots[module] = tuple(torch.cat([w, torch.zeros_like(w[:1])]).transpose(1, 2).contiguous()
                                       for w in (a, b))
         entry = (tuple(stacks), slots)
+    with _SLOT_LOCK:
         while len(_SLOT_CACHE) >= _SLOT_CACHE_SIZE:
             _SLOT_CACHE.pop(next(iter(_SLOT_CACHE)))
-    _SLOT_CACHE[key] = entry  # most recent last
+        _SLOT_CACHE[key] = entry  # most recent last
     return entry[1]
 
 
