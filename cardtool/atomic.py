@@ -5,6 +5,7 @@ such as /dev/null, a pipe, a folder), which the rename would replace."""
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import re
 import stat
@@ -20,6 +21,7 @@ __all__ = ["atomic_path", "replaceable_file", "running", "save_tensors", "synced
 # pid means nothing here, and a writer elsewhere still writing touches its file far more often than this
 ABANDONED_SECONDS = 60
 _swept: set[Path] = set()
+_written = itertools.count()
 
 
 @contextmanager
@@ -53,9 +55,10 @@ def atomic_path(target: Path | str, *, durable: bool = False) -> Iterator[Path]:
 
 
 def _temporary_name(name: str, limit: int = 255) -> str:
-    """`.NAME.PID.tmp`, NAME shortened to keep it within the file system's `limit` bytes a name (NAME_MAX): a target
-    named near the limit is still written atomically."""
-    suffix = f".{os.getpid()}.tmp"
+    """`.NAME.PID-N.tmp`, N this process's count of temporaries (threads writing one target each get their own),
+    NAME shortened to keep it within the file system's `limit` bytes a name (NAME_MAX): a target named near the limit
+    is still written atomically."""
+    suffix = f".{os.getpid()}-{next(_written)}.tmp"
     while len(os.fsencode(f".{name}{suffix}")) > limit and len(name) > 1:
         name = name[:-1]
     return f".{name}{suffix}"
@@ -102,7 +105,7 @@ def _sweep(folder: Path) -> None:
         return
     now = time.time()
     for entry in entries:
-        match = re.fullmatch(r"\..+\.(\d+)\.tmp", entry.name)
+        match = re.fullmatch(r"\..+\.(\d+)(?:-\d+)?\.tmp", entry.name)
         if match is None or int(match[1]) == os.getpid() or running(int(match[1])):
             continue
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 from helpers import EXAMPLE_CARDS, fsynced
@@ -51,7 +52,29 @@ def test_a_durable_write_flushes_the_data_before_the_rename_and_the_rename_after
     write_atomic(tmp_path / "image.png", b"cheap to make again")
     assert flushed == [], "images and caches skip the cost"
     write_atomic(tmp_path / "last.safetensors", b"hours of training", durable=True)
-    assert [p.rsplit("/", 1)[-1] for p in flushed] == [f".last.safetensors.{os.getpid()}.tmp", tmp_path.name]
+    temporary, folder = (p.rsplit("/", 1)[-1] for p in flushed)
+    assert re.fullmatch(rf"\.last\.safetensors\.{os.getpid()}-\d+\.tmp", temporary) and folder == tmp_path.name
+
+
+def test_threads_writing_one_target_at_once_each_write_a_whole_file(tmp_path):
+    import threading
+
+    target, errors, ready = tmp_path / "image.png", [], threading.Barrier(8)
+
+    def write(k):
+        ready.wait()
+        try:
+            for _ in range(50):
+                write_atomic(target, bytes([k]) * 4096)
+        except OSError as e:  # the threads shared one temporary name: one renamed it away under another
+            errors.append(e)
+
+    threads = [threading.Thread(target=write, args=(k,)) for k in range(8)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    data = target.read_bytes()
+    assert errors == [] and len(set(data)) == 1 and len(data) == 4096
+    assert [p.name for p in tmp_path.iterdir()] == ["image.png"]
 
 
 def test_a_writer_killed_mid_write_leaves_a_temporary_the_next_write_into_its_folder_removes(tmp_path):
@@ -68,14 +91,15 @@ def test_a_writer_killed_mid_write_leaves_a_temporary_the_next_write_into_its_fo
     assert writer.stdout.readline() == "written\n"
     writer.send_signal(signal.SIGKILL)  # its cleanup never runs
     writer.wait()
-    leftover = tmp_path / f".step-000100.safetensors.{writer.pid}.tmp"
-    assert leftover.exists()
+    [leftover] = tmp_path.glob(f".step-000100.safetensors.{writer.pid}-*.tmp")
+    earlier = tmp_path / ".step-000050.safetensors.999999998.tmp"  # as versions before 2026-12-04 named them
+    earlier.write_bytes(b"half a checkpoint")
     live = tmp_path / f".image.png.{os.getppid()}.tmp"  # a running writer's (our parent's pid stands for it)
     live.write_bytes(b"still being written")
     recent = tmp_path / ".other.png.999999999.tmp"  # no such process, but written just now: perhaps on another host
     recent.write_bytes(b"x")
     old = time.time() - 3600
-    for path in (leftover, live):
+    for path in (leftover, earlier, live):
         os.utime(path, (old, old))
     write_atomic(tmp_path / "step-000200.safetensors", b"next")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, recent.name, "step-000200.safetensors"])
@@ -99,7 +123,7 @@ def test_a_failing_disk_under_safetensors_is_the_oserror_it_is(tmp_path):
 
 
 def test_names_at_the_file_systems_limit_are_written_and_names_past_it_refused_up_front(tmp_path):
-    """A 255-byte name is written atomically (its temporary's name, longer by `.PID.tmp`, was refused by the file
+    """A 255-byte name is written atomically (its temporary's name, longer by `.PID-N.tmp`, was refused by the file
     system); a longer one is bad input before the work — not an exit 1 after it — as a file or as a folder."""
     from typer.testing import CliRunner
 
