@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import threading
 from collections import OrderedDict
 from pathlib import Path
 
@@ -34,6 +35,7 @@ class TextFeatureCache:
         self.root = (root or cache_dir()) / "text" if disk and self.limit > 0 else None
         self._memory: OrderedDict[str, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self._memory_bytes, self.memory_limit = 0, memory_limit
+        self._held = threading.Lock()  # the memory's order and size: LoadedCards in several threads may share one
         self.hits = self.misses = 0
         self.problem: str | None = None  # why encoded prompts stopped going to disk, said once by the command
         self._written = 0  # bytes put on disk since the cache was last held to its limit
@@ -47,10 +49,11 @@ class TextFeatureCache:
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
     def get(self, key: str):
-        found = self._memory.get(key)
-        if found is not None:
-            self._memory.move_to_end(key)
-        elif self.root is not None:
+        with self._held:
+            found = self._memory.get(key)
+            if found is not None:
+                self._memory.move_to_end(key)
+        if found is None and self.root is not None:
             path = self.root / key[:2] / f"{key}.npz"
             if _is_file(path):
                 try:
@@ -91,12 +94,13 @@ class TextFeatureCache:
         return entry
 
     def _remember(self, key: str, entry: tuple[np.ndarray, np.ndarray]) -> None:
-        previous = self._memory.pop(key, None)
-        self._memory_bytes += _nbytes(entry) - (_nbytes(previous) if previous is not None else 0)
-        self._memory[key] = entry
-        while self._memory_bytes > self.memory_limit and len(self._memory) > 1:  # never the entry just put
-            _, dropped = self._memory.popitem(last=False)
-            self._memory_bytes -= _nbytes(dropped)
+        with self._held:
+            previous = self._memory.pop(key, None)
+            self._memory_bytes += _nbytes(entry) - (_nbytes(previous) if previous is not None else 0)
+            self._memory[key] = entry
+            while self._memory_bytes > self.memory_limit and len(self._memory) > 1:  # never the entry just put
+                _, dropped = self._memory.popitem(last=False)
+                self._memory_bytes -= _nbytes(dropped)
 
 
 def _nbytes(entry: tuple[np.ndarray, np.ndarray]) -> int:
