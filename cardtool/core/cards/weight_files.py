@@ -7,6 +7,7 @@ import json
 import math
 import stat
 import struct
+import threading
 from pathlib import Path
 
 from cardtool.atomic import write_atomic
@@ -189,8 +190,8 @@ def tensor_digest(path: Path) -> str:
     stat = path.stat()
     resolved = str(path.resolve())
     identity = [stat.st_size, stat.st_ino, stat.st_mtime_ns, stat.st_ctime_ns]
-    memo = _digest_memo()
-    known = memo.get(resolved)
+    with _MEMO_HELD:
+        known = _digest_memo().get(resolved)
     if isinstance(known, list) and known[:4] == identity and isinstance(known[-1], str):
         return known[-1]
     with path.open("rb") as f:
@@ -204,14 +205,17 @@ def tensor_digest(path: Path) -> str:
             f.seek(start + begin)
             digest.update(f"{name}|{entry['dtype']}|{entry['shape']}|".encode())
             digest.update(f.read(end - begin))
-    memo.pop(resolved, None)
-    memo[resolved] = identity + [digest.hexdigest()]
-    _save_digest_memo(memo)
+    with _MEMO_HELD:  # one thread's write of the memo never meets another's change to it
+        memo = _digest_memo()
+        memo.pop(resolved, None)
+        memo[resolved] = identity + [digest.hexdigest()]
+        _save_digest_memo(memo)
     return digest.hexdigest()
 
 
 _MEMO_FILE, _MEMO_ENTRIES = "digests.json", 1000
 _memo: tuple[Path, dict] | None = None  # the cache folder the remembered digests were read from, and them
+_MEMO_HELD = threading.Lock()
 
 
 def _digest_memo() -> dict:
