@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["atomic_path", "replaceable_file", "running", "save_tensors", "synced", "write_atomic",
+__all__ = ["TEMPORARY", "atomic_path", "replaceable_file", "running", "save_tensors", "synced", "write_atomic",
            "writable_folder"]
 
 # a killed writer's temporary is left alone this long after its last write: on a folder shared between machines a
@@ -22,6 +22,9 @@ __all__ = ["atomic_path", "replaceable_file", "running", "save_tensors", "synced
 ABANDONED_SECONDS = 60
 _swept: set[Path] = set()
 _written = itertools.count()
+# a temporary's name (`_temporary_name`), its writer's pid in group 1; `.NAME.PID.tmp` as versions before
+# 2026-12-03 named them
+TEMPORARY = re.compile(r"\..+\.(\d+)(?:-\d+)?\.tmp")
 
 
 @contextmanager
@@ -105,7 +108,7 @@ def _sweep(folder: Path) -> None:
         return
     now = time.time()
     for entry in entries:
-        match = re.fullmatch(r"\..+\.(\d+)(?:-\d+)?\.tmp", entry.name)
+        match = TEMPORARY.fullmatch(entry.name)
         if match is None or int(match[1]) == os.getpid() or running(int(match[1])):
             continue
         try:

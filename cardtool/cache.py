@@ -7,13 +7,14 @@ import os
 import re
 from pathlib import Path
 
+from cardtool.atomic import TEMPORARY
+
 __all__ = ["DEFAULT_LIMIT", "cache_dir", "clear", "limit", "parse_size", "problem", "prune", "usage"]
 
 DEFAULT_LIMIT = 5 * 10**9  # bytes of encoded prompts kept; the least recently used go beyond it (as ccache does)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
           "GIB": 2**30, "TIB": 2**40}
 _TEXT_ENTRY = re.compile(r"[0-9a-f]{64}\.npz")
-_TEMPORARY = re.compile(r"\..+\.\d+\.tmp")  # atomic writes' temporaries (`cardtool.atomic`)
 
 
 def cache_dir() -> Path:
@@ -68,14 +69,14 @@ def _files(root: Path) -> dict[str, list[os.DirEntry]]:
     for entry in scan(root):
         if entry.name == "digests.json" and entry.is_file(follow_symlinks=False):
             found["digests"].append(entry)
-        elif _TEMPORARY.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+        elif TEMPORARY.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
             found["temporary"].append(entry)
     for shard in scan(root / "text"):
         if re.fullmatch(r"[0-9a-f]{2}", shard.name) and shard.is_dir(follow_symlinks=False):
             for entry in scan(Path(shard.path)):
                 if entry.is_file(follow_symlinks=False):
                     kind = "text" if _TEXT_ENTRY.fullmatch(entry.name) else \
-                        "temporary" if _TEMPORARY.fullmatch(entry.name) else None
+                        "temporary" if TEMPORARY.fullmatch(entry.name) else None
                     if kind:
                         found[kind].append(entry)
     return found

@@ -33,10 +33,11 @@ def test_info_counts_and_clear_removes_only_cardtools_files(tmp_path, monkeypatc
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("not cardtool's")
     os.symlink(tmp_path / "a.png", root / "text" / "ab" / ("1" * 64 + ".npz"))  # never followed, never removed
-    (root / ".digests.json.999999.tmp").write_text("{")
+    (root / ".digests.json.999999.tmp").write_text("{")  # as versions before 2026-12-03 named them
+    (root / "text" / "ab" / f".{'2' * 64}.npz.999999-7.tmp").write_text("half")
     result, cleared = cache("clear")
     assert result.exit_code == 0
-    assert (cleared["cleared"]["text"]["files"], cleared["cleared"]["temporary"]["files"]) == (2, 1)
+    assert (cleared["cleared"]["text"]["files"], cleared["cleared"]["temporary"]["files"]) == (2, 2)
     assert all(path.exists() for path in foreign) and (tmp_path / "a.png").exists()
     assert [(k, v["files"]) for k, v in cache("info")[1].items() if k not in ("path", "limit", "problem")] == [
         ("text", 0), ("digests", 0), ("temporary", 0)]
