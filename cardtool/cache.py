@@ -12,8 +12,9 @@ from cardtool.atomic import TEMPORARY
 __all__ = ["DEFAULT_LIMIT", "cache_dir", "clear", "limit", "parse_size", "problem", "prune", "usage"]
 
 DEFAULT_LIMIT = 5 * 10**9  # bytes of encoded prompts kept; the least recently used go beyond it (as ccache does)
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
-          "GIB": 2**30, "TIB": 2**40}
+# decimal units, binary with an i; the B may be left out (`5G`, `500M`, `2Gi`, as ccache and du write them)
+_UNITS = {"": 1, "B": 1, **{f"{prefix}{i}{b}": (2**(10 * n) if i else 10**(3 * n))
+                            for n, prefix in enumerate("KMGT", 1) for i in ("", "I") for b in ("", "B")}}
 _TEXT_ENTRY = re.compile(r"[0-9a-f]{64}\.npz")
 
 
@@ -27,7 +28,7 @@ def cache_dir() -> Path:
 
 
 def parse_size(text: str) -> int:
-    """Bytes of a size such as `5GB`, `500 MB`, `2GiB` or `123456` (decimal units, binary with an i)."""
+    """Bytes of a size such as `5GB`, `500 MB`, `2GiB`, `1.5G` or `123456` (decimal units, binary with an i)."""
     from cardtool.errors import BadInput
 
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)

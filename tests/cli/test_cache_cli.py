@@ -91,6 +91,8 @@ def test_prune_keeps_the_most_recently_used_within_the_size(tmp_path, monkeypatc
         assert prune(0, root)["text"]["files"] == 2, "a run holding the cache to its limit is never failed by it"
     assert cache("info")[1]["limit"] == 5 * 10**9
     assert cache("prune", "--max-size", "9" * 18)[1]["pruned"]["limit"] == int("9" * 18), "exact, never a float"
+    assert [cache("prune", "--max-size", size)[1]["pruned"]["limit"] for size in ("1.5G", "2Gi", "3 mb")] == [
+        1_500_000_000, 2 * 2**30, 3_000_000], "the B may be left out, as ccache and du write sizes"
     for bad, message in ((["prune", "--max-size", "5XB"], "is not a size"), (["prune", "--max-size", "-1"], "is not"),
                          (["prune", "--max-size", "1e9"], "is not a size"),
                          (["prune", "--max-size", "9" * 400], "more bytes than a file system holds")):
