@@ -2,19 +2,21 @@
 `generate --like` reads back, recipes through `--set` for `train`, `distill` and `rl`, `eval`'s options, workflow
 manifests, diffusers folders for `cards import` (config.json and the shard index), the Python API's arguments
 (`LoadedCard` and its `generate`, `evaluate`, `compare`, `run_workflow`, `load_card`), whole command lines of the
-quick commands (`argv`: their options read from the app), and the state `--resume` reads back (`resume`: a training
-checkpoint's tensors and metadata, an eval report) — mutated and run in process on the tiny example cards and a tiny
+quick commands (`argv`: their options read from the app), the state `--resume` reads back (`resume`: a training
+checkpoint's tensors and metadata, an eval report), and `LoadedCard.generate` calls made from several threads at once
+(`threads`: each must give what it gives alone) — mutated and run in process on the tiny example cards and a tiny
 IDX folder, counted by outcome per surface.
 
 Outcomes: `ok` (exit 0), `refused` (exit 2: bad input, said so; or exit 1 with located validation problems — a
 workflow manifest's, as a card's), `failed` (exit 1 with another JSON error: work that could not finish, e.g. a loss
 that overflowed — its messages are kept for reading), `check_failed` (exit 1 with `"ok": false`: a check that ran and
 did not pass — `eval --expect`, `parity`, `cards validate`), and the failures the target is zero of:
-`traceback`, `hang` (a command ran ≥ 120 s), `invalid_json` (anything but one strict JSON document on stdout) and
-`other_exit` (an exit code that is none of 0, 1, 2).
+`traceback`, `hang` (a command ran ≥ 120 s), `invalid_json` (anything but one strict JSON document on stdout),
+`other_exit` (an exit code that is none of 0, 1, 2) and `differs` (a call made beside others gave other images or
+metadata than alone).
 
     python benchmarks/fuzz_requests.py --cases 2000 --seed 0 [--out benchmarks/results/fuzz-requests.json]
-        [--surfaces generate like recipes train eval workflow import api argv resume]
+        [--surfaces generate like recipes train eval workflow import api argv resume threads]
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from fuzz_cards import VALUES, Hang, _alarm, _paths, _strict_json  # benchmarks/
 
 REPO = Path(__file__).resolve().parents[1]
 HANG_SECONDS = 120
-BAD = ("traceback", "hang", "invalid_json", "other_exit")
+BAD = ("traceback", "hang", "invalid_json", "other_exit", "differs")
 NUMBERS = ["0", "-1", "1", "2", "3", "7", "64", "129", "1000000", "99999999999999999999", "nan", "inf", "1e9", "0.5",
            "x", ""]
 FLOATS = ["0", "-1", "1", "1.5", "4", "nan", "inf", "-inf", "1e308", "1e-320", "x", "", "-0"]
@@ -455,6 +457,91 @@ def _api(rng: random.Random, env: Env, out: Path) -> ApiCall:
     return ApiCall(env, function, args, options)
 
 
+class Differs(Exception):
+    """Calls made from several threads at once gave other images or metadata than the same calls one by one."""
+
+
+class ThreadedCalls:
+    """`LoadedCard.generate` calls made one after another, then the same calls from several threads at once — on one
+    shared LoadedCard, on LoadedCards of their own, or both — into one folder: each must give what it gave alone (the
+    pixels and the metadata), a fused stack or a new LoadedCard beside it notwithstanding."""
+
+    def __init__(self, env: Env, calls: list[tuple[str, str, dict]], shared: float, threads: int, out: Path):
+        self.env, self.calls, self.shared, self.threads, self.out = env, calls, shared, threads, out
+
+    def __call__(self):
+        import threading
+
+        import numpy as np
+
+        import cardtool
+
+        loaded = {card: cardtool.LoadedCard(self.env.card(card)) for card in {c for c, _, _ in self.calls}}
+        alone, refused = [], []
+        for card, prompt, options in self.calls:
+            try:
+                alone.append(loaded[card].generate(prompt, out=None, **options).images)
+            except cardtool.CardtoolError as e:  # refused alone (a precision this card cannot run, say): left out
+                refused.append(e)
+                alone.append(None)
+        if len(refused) == len(self.calls):
+            raise refused[0]
+        made, errors = [None] * len(self.calls), []
+
+        def serve(first: int):
+            try:
+                for k in range(first, len(self.calls), self.threads):
+                    if alone[k] is None:
+                        continue
+                    card, prompt, options = self.calls[k]
+                    own = loaded[card] if (k * 0.618) % 1 < self.shared else cardtool.LoadedCard(self.env.card(card))
+                    made[k] = own.generate(prompt, out=self.out, **options).images
+            except cardtool.CardtoolError as e:  # what ran alone must run beside the others
+                errors.append(Differs(f"call {k} {self.calls[k]}: refused beside the others, not alone: {e}"))
+            except Exception as e:  # noqa: BLE001 - raised in the caller's thread below
+                errors.append(e)
+
+        workers = [threading.Thread(target=serve, args=(first,), daemon=True) for first in range(self.threads)]
+        [worker.start() for worker in workers]
+        for worker in workers:
+            worker.join(HANG_SECONDS)
+            if worker.is_alive():
+                raise Hang()
+        if errors:
+            raise errors[0]
+        for k, (images, reference) in enumerate(zip(made, alone, strict=True)):
+            for image, expected in zip(images or [], reference or [], strict=True):
+                if not np.array_equal(image.pixels, expected.pixels) or image.metadata != expected.metadata:
+                    raise Differs(f"call {k} {self.calls[k]}: made beside the others, not as made alone")
+
+    def shown(self) -> list[str]:
+        return [f"{self.threads} threads, shared {self.shared:.2f}", *(repr(c)[:120] for c in self.calls)]
+
+
+def _threads(rng: random.Random, env: Env, out: Path) -> ThreadedCalls:
+    """Plausible calls (hostile arguments are the api surface's): the cards, stacks with and without --fuse,
+    precisions, solvers, best-of-N, image-to-image; prompts and seeds drawn from few, so that calls meet on files."""
+    calls = []
+    for _ in range(rng.randint(2, 8)):
+        card = rng.choice(["tiny-base", "tiny-base", "tiny-rl", "tiny-distilled"])
+        options = {"num": rng.randint(1, 3), "seed": rng.randint(0, 3), "steps": rng.randint(1, 3)}
+        if card == "tiny-base" and rng.random() < 0.6:
+            options["adapters"] = [("invert", rng.choice([0.0, 0.5, 1.0, -1.0]))]
+            options["fuse"] = rng.random() < 0.5
+        if rng.random() < 0.3:
+            options["precision"] = rng.choice(["bfloat16", "float32", "float64"])
+        if rng.random() < 0.2:
+            options["solver"] = rng.choice(["dpmpp_2m", "sde", "renoise"])
+        if rng.random() < 0.2:
+            options["best_of"], options["reward"] = rng.randint(2, 3), env.card("tiny-judge")
+        if rng.random() < 0.2:
+            options["image"], options["strength"] = str(env.root / "control.png"), rng.choice([0.3, 0.8])
+        if rng.random() < 0.2:
+            options["guidance"] = rng.choice([1.0, 2.0, 6.0])
+        calls.append((card, rng.choice(["a bag", "a coat", "a dark boot"]), options))
+    return ThreadedCalls(env, calls, rng.choice([0.0, 0.5, 1.0]), rng.randint(2, 6), out)
+
+
 # the commands the argv surface runs: each finishes in seconds on the tiny cards (train, distill, rl, flywheel and eval
 # have surfaces of their own, sized to run)
 ARGV_COMMANDS = ("generate", "cards list", "cards show", "cards validate", "cards lineage", "cards diff",
@@ -633,7 +720,8 @@ def _resumed_eval(rng: random.Random, env: Env, out: Path) -> list[str]:
 
 
 SURFACES = {"generate": _generate, "like": _like, "recipes": _recipes, "train": _train, "eval": _eval,
-            "workflow": _workflow, "import": _import, "api": _api, "argv": _argv, "resume": _resume}
+            "workflow": _workflow, "import": _import, "api": _api, "argv": _argv, "resume": _resume,
+            "threads": _threads}
 
 
 def run_case(runner, app, args) -> tuple[str, str]:
@@ -642,7 +730,7 @@ def run_case(runner, app, args) -> tuple[str, str]:
 
     signal.alarm(HANG_SECONDS)
     try:
-        if isinstance(args, ApiCall):
+        if isinstance(args, ApiCall | ThreadedCalls):
             args()
             return "ok", ""
         result = runner.invoke(app, args)
@@ -650,6 +738,8 @@ def run_case(runner, app, args) -> tuple[str, str]:
         return "refused", ""
     except Hang:
         return "hang", ""
+    except Differs as e:
+        return "differs", str(e)[:1500]
     except Exception as e:  # noqa: BLE001 - what an API call must never raise
         return "traceback", "".join(traceback.format_exception(e))[-1500:]
     finally:
@@ -716,7 +806,7 @@ def fuzz(cases: int, seed: int, surfaces: list[str], on_case=None) -> dict:
             outcome, detail = run_case(runner, app, args)
             counts[surface][outcome] += 1
             if outcome not in ("ok", "refused", "check_failed"):
-                shown = args.shown() if isinstance(args, ApiCall) else \
+                shown = args.shown() if isinstance(args, ApiCall | ThreadedCalls) else \
                     [a if len(a) < 100 else a[:40] + "…" for a in args]
                 print(f"case {case} {surface} {outcome}: {shown} → {detail}", file=sys.stderr, flush=True)
                 if len(details[outcome]) < 20:

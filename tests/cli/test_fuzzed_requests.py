@@ -1,6 +1,7 @@
 """A small run of the request fuzzer (benchmarks/fuzz_requests.py): generate's options, --like metadata, recipes
-through --set, train, eval, workflow manifests, cards import's diffusers folders and the Python API's arguments,
-mutated — none may crash, hang or print anything but JSON (or raise anything but a CardtoolError)."""
+through --set, train, eval, workflow manifests, cards import's diffusers folders, the Python API's arguments and
+checkpoints to resume, mutated — none may crash, hang or print anything but JSON (or raise anything but a
+CardtoolError); and API calls from several threads at once, each giving what it gives alone."""
 
 from __future__ import annotations
 
