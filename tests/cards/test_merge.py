@@ -165,3 +165,28 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_weights_are_aver
     result = CliRunner().invoke(app, ["cards", "merge", "tiny-base", "tiny-rl", "--id", "tiny-judge"])
     assert result.exit_code == 2 and "already the id of" in " ".join(result.output.split())
     assert (examples / "soup" / "notes.txt").read_text() == "mine"
+
+
+def test_a_card_another_run_puts_at_the_output_while_this_one_is_written_is_kept(examples, monkeypatch):
+    """The output is checked before the work and as the card begins; a card another process finished there in the
+    seconds this one took to write was swapped out and deleted — now this one is refused and the other stays."""
+    from cardtool.core.cards import writer
+
+    validate = writer.load_card
+
+    def meanwhile(folder, **options):
+        if folder.name.startswith(".soup.tmp-") and not (examples / "soup").exists():
+            shutil.copytree(examples / "tiny-rl", examples / "soup")  # the other run's card, in place first
+            manifest = examples / "soup" / "card.toml"
+            manifest.write_text(manifest.read_text().replace('id = "tiny-rl"', 'id = "soup"', 1))
+        return validate(folder, **options)
+
+    monkeypatch.setattr(writer, "load_card", meanwhile)
+    result = merge(examples, "tiny-base", "tiny-rl")
+    assert result.exit_code == 2
+    assert "another run wrote it while this card was being written" in json.loads(result.stdout)["error"]["message"]
+    assert load_card(examples / "soup").manifest.recipe.method == "diffusion_nft", "the other run's card stays"
+    assert [p.name for p in examples.iterdir() if p.name.startswith(".")] == [], "nothing left beside it"
+    monkeypatch.setattr(writer, "load_card", validate)
+    assert merge(examples, "tiny-base", "tiny-rl", "--overwrite").exit_code == 0
+    assert load_card(examples / "soup").manifest.recipe.method == "merge", "--overwrite replaces it"

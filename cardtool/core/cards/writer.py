@@ -58,7 +58,7 @@ def write_card(folder: Path, manifest: dict, weights: dict[str, dict], *, copies
         for path in sorted(staging.rglob("*"), reverse=True):  # files, then the folders holding them
             synced(path)
         synced(staging)
-        _swap(staging, folder)
+        _swap(staging, folder, overwrite)
         synced(folder.parent)  # a power loss after this leaves the whole new card, not a folder of empty files
     except OSError as e:  # a full disk, say: named by the card folder asked for, not by the staging one
         raise OSError(e.errno, e.strerror, str(folder)) from None
@@ -147,9 +147,12 @@ def replaceable(folder: Path) -> None:
                        "folder only, never another folder and what it holds — choose another --out")
 
 
-def _swap(staging: Path, folder: Path) -> None:
+def _swap(staging: Path, folder: Path, overwrite: bool) -> None:
     old = folder.parent / f".{folder.name}.old-{os.getpid()}"
-    if folder.exists():
+    if folder.exists() or folder.is_symlink():
+        if not overwrite:  # checked before the work and as this card began, yet another run has put one there since
+            raise BadInput(f"{folder} already exists: another run wrote it while this card was being written; "
+                           "choose another --out, or pass --overwrite to replace it")
         os.replace(folder, old)
     os.replace(staging, folder)
     shutil.rmtree(old, ignore_errors=True)
