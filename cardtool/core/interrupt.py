@@ -1,6 +1,7 @@
-"""Ctrl-C and SIGTERM during long work: the unit in flight finishes and is kept — a training step and its checkpoint,
-a generation wave and its PNGs, an eval row, a workflow step — and the command stops with exit 128 + the signal,
-instead of losing everything since the last thing it saved."""
+"""Ctrl-C, SIGTERM and SIGHUP during long work: the unit in flight finishes and is kept — a training step and its
+checkpoint, a generation wave and its PNGs, an eval row, a workflow step — and the command stops with exit 128 + the
+signal, instead of losing everything since the last thing it saved. (SIGHUP: the terminal or SSH session the command
+ran in closed; a command started under `nohup` ignores it, and keeps ignoring it here.)"""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from cardtool.errors import RunFailed
 
 __all__ = ["Interrupted", "stop_requests"]
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else []))  # none on Windows
 
 
 class Interrupted(RunFailed):
@@ -33,10 +34,11 @@ class Interrupted(RunFailed):
 
 @contextmanager
 def stop_requests(enabled: bool = True) -> Iterator[list[int]]:
-    """A list that receives the number of a SIGINT or SIGTERM that arrives inside the block, for the loop to act on
-    at its next boundary (a step, a wave, a row). The first signal only asks: a second one acts at once, as it would
-    have without this (the handlers in place before are restored on the first). Off the main thread, where Python cannot
-    install handlers, or with `enabled` false (under torchrun, whose ranks must stop together), nothing changes."""
+    """A list that receives the number of a SIGINT, SIGTERM or SIGHUP that arrives inside the block, for the loop to
+    act on at its next boundary (a step, a wave, a row). The first signal only asks: a second one acts at once, as it
+    would have without this (the handlers in place before are restored on the first). Off the main thread, where Python
+    cannot install handlers, or with `enabled` false (under torchrun, whose ranks must stop together), nothing
+    changes."""
     caught: list[int] = []
     if not enabled or threading.current_thread() is not threading.main_thread():
         yield caught

@@ -273,9 +273,9 @@ def test_an_altered_optimizer_state_is_refused_on_resume_and_its_hyperparameters
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_ctrl_c_or_sigterm_checkpoints_the_finished_steps_and_a_resume_continues_them(tmp_path, data, signum,
-                                                                                        interactive_signals):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_ctrl_c_sigterm_or_a_closed_terminal_checkpoint_the_finished_steps_and_a_resume_continues_them(
+        tmp_path, data, signum, interactive_signals):
     from safetensors import safe_open
 
     uninterrupted = train(tiny("fashion-vae"), command="c", out=tmp_path / "a", run_dir=tmp_path / "ra",
