@@ -517,6 +517,8 @@ def test_judge_scores_prompts_by_class_names_and_free_text(tmp_path, data):
     judge = FashionJudge(ModelInstance(load_card(tmp_path / "judge"), Platform("cpu", "generic")))
     assert judge.prompt_classes(["an ankle boot", "A pair of JEANS", "a handbag", "a warm winter jacket for snow"]
                                 ).tolist() == [9, 1, 8, 4]
+    # naming no class (nor a word for one): the class whose prompt the text encoder puts nearest
+    assert judge.prompt_classes(["a leather purse", "something warm for winter", "jeans"]).tolist() == [8, 4, 1]
     images = np.random.default_rng(0).integers(0, 255, (4, 28, 28), dtype=np.uint8)
     scores = judge.score(images, ["a bag", "a coat", "a dress", "a sneaker"])
     probabilities = judge.probabilities(images)

@@ -19,13 +19,13 @@ TINY = ["rl.optim.steps=2", "rl.optim.batch_size=2", "rl.loss.group_size=4", "rl
         "distill.train.precision=float32"]
 
 
-def run(examples, tmp_path, *extra, overrides=TINY):
+def run(examples, tmp_path, *extra, overrides=TINY, json_=True):
     data = write_idx_folder(tmp_path / "idx")
     return CliRunner().invoke(app, ["flywheel", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
                                     "--steps", "1", *[f"--set={o}" for o in overrides], "--out-dir",
                                     str(tmp_path / "cards"), "--run-dir", str(tmp_path / "run"), "--judge",
                                     str(examples / "tiny-judge"), "--held-out-judge", str(examples / "tiny-judge"),
-                                    "--per-class", "2", "--data", str(data), "--json", *extra])
+                                    "--per-class", "2", "--data", str(data), *(["--json"] if json_ else []), *extra])
 
 
 def test_the_flywheel_chains_base_rl_and_student_and_reports_the_three(examples, tmp_path):
@@ -63,6 +63,13 @@ def test_the_flywheel_chains_base_rl_and_student_and_reports_the_three(examples,
     assert [(d["a"], d["b"]) for d in json.loads(again.stdout)["paired"]] == [
         ("tiny-base", "tiny-base-nft-1step"), ("tiny-distilled", "tiny-base-nft-1step")], "and each --compare card"
     assert (tmp_path / "cards" / "tiny-base-nft" / "card.yaml").read_bytes() == recorded, "a skipped card is left be"
+    shown = run(examples, tmp_path, json_=False)  # for people: the three cards and the pairs as tables
+    assert shown.exit_code == 0, shown.output
+    table = " ".join(shown.stdout.split())
+    for row in report["cards"]:  # measured again: the same prompts and seeds
+        assert f"{row['card']} {row['method']} {row['steps']} {row['model_evaluations']} " in table
+        assert f"{row['class_accuracy']:.4f} {row['held_out_accuracy']:.4f} {row['fid_fmnist']:.3f}" in table
+    assert "accuracy (tiny-judge)" in table and "McNemar p" in table and "stage rl: skipped" in table
 
 
 
