@@ -17,6 +17,9 @@ from cardtool.errors import BadInput
     ({"per_class": 2.5}, "--per-class must be a whole number"),
     ({"per_class": 0}, "--per-class must be a whole number, at least 1"),
     ({"per_class": None}, "--per-class must be a whole number"),
+    # numpy's OverflowError (a traceback) past 2⁶³, an out-of-memory error for the labels' array below it
+    ({"per_class": 10**30}, r"asks for 10,000,000,000,000,000,000,000,000,000,000 images a row; at most 100,000"),
+    ({"per_class": 10**9}, r"--per-class 1000000000 asks for 10,000,000,000 images a row"),
     ({"judge": 3}, "judge must be a reward card's id or folder"),
     ({"steps": {2}}, "steps must be a list of values"),
     ({"steps": 1001}, "steps"),  # one value alone is a list of one, checked alike

@@ -160,6 +160,7 @@ def test_a_killed_stage_resumes_from_its_checkpoint(examples, tmp_path):
     (["--set", "optim.steps=3"], "names its stage"),
     (["--stop-after", "train"], "--stop-after must be one of"),
     (["--per-class", "0"], "--per-class"),
+    (["--per-class", "10001"], "at most 100,000 (--per-class 10,000)"),  # before the two training stages
     # the distill stage's recipe is checked before the rl stage runs, not after its hours
     (["--set", "distill.loss.gan_t_range=[0.5, 0.1]"], "gan_t_range must be [LO, HI]"),
     (["--set", "distill.data.bogus=1"], "unknown data.bogus"),

@@ -44,12 +44,12 @@ from cardtool.core.interrupt import Interrupted, stop_requests
 from cardtool.core.prompts import class_prompt
 from cardtool.core.sampling.denoise import DenoiseLoop, NonFiniteImages
 from cardtool.core.sampling.instance import ModelInstance
-from cardtool.core.sampling.planning import plan_requests
+from cardtool.core.sampling.planning import MAX_IMAGES, plan_requests
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache
 from cardtool.errors import BadInput, OutOfMemory
 
-__all__ = ["EvalRow", "EvalReport", "evaluate"]
+__all__ = ["EvalRow", "EvalReport", "checked_per_class", "evaluate"]
 
 _FLOORS = ("train_vs_test", "vae_reconstruction")
 
@@ -157,6 +157,17 @@ def _restored(row: dict | None) -> EvalRow | None:
         return None
 
 
+def checked_per_class(per_class) -> int:
+    """`--per-class` as an int: a whole number from 1 to MAX_IMAGES / 10 (a row's images), checked before anything is
+    sized by it (an array of that many labels, a flywheel's two training stages before its eval)."""
+    if not isinstance(per_class, numbers.Integral) or isinstance(per_class, bool) or per_class < 1:
+        raise BadInput(f"--per-class must be a whole number, at least 1, got {per_class!r}"[:300])
+    if per_class * len(CLASS_NAMES) > MAX_IMAGES:
+        raise BadInput(f"--per-class {per_class} asks for {per_class * len(CLASS_NAMES):,} images a row; at most "
+                       f"{MAX_IMAGES:,} (--per-class {MAX_IMAGES // len(CLASS_NAMES):,})"[:300])
+    return int(per_class)
+
+
 def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[int] | None = None,
              guidance: list[float] | None = None, guidance_interval: tuple[float, float] | None = None,
              per_class: int = 100, seed: int = 0, device: str | None = None, data: str | None = None,
@@ -175,11 +186,9 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     (kept for the eval's own use, and dropped after it, where several precisions are paired);
     `stop`: the signal list of a caller's own `stop_requests` block (one around several evaluations), used instead of
     this evaluation's own, so that a stop asked during its last row reaches the caller."""
-    if not isinstance(per_class, numbers.Integral) or isinstance(per_class, bool) or per_class < 1:
-        raise BadInput(f"--per-class must be a whole number, at least 1, got {per_class!r}")
+    per_class = checked_per_class(per_class)
     if not isinstance(max_batch, numbers.Integral) or isinstance(max_batch, bool) or max_batch < 1:
         raise BadInput(f"--max-batch must be a whole number, at least 1, got {max_batch!r}")
-    per_class = int(per_class)
     if not isinstance(judge, (str, os.PathLike)):
         raise BadInput(f"judge must be a reward card's id or folder, got {judge!r}")
     if data is not None and not isinstance(data, (str, os.PathLike)):

@@ -132,6 +132,7 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
     stage splits its work by rank (`micro_batches` as in `train_loop`) and rank 0 writes the cards and the report.
     `watch_every`: both training stages watched as their own commands' `--watch-every` (training/watch.py)."""
     from cardtool.core.cards.lineage import check_new_id
+    from cardtool.core.evaluation.evaluate import checked_per_class
     from cardtool.core.evaluation.reward import reward_card
     from cardtool.core.training.distill import distill
     from cardtool.core.training.rl import rl
@@ -140,8 +141,7 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
 
     if stop_after is not None and stop_after not in STAGES:
         raise BadInput(f"--stop-after must be one of {', '.join(STAGES)}, got '{stop_after}'")
-    if per_class < 1:
-        raise BadInput(f"--per-class must be at least 1, got {per_class}")
+    per_class = checked_per_class(per_class)
     check_every(watch_every)
     if stop_after not in ("rl", "distill"):  # its eval stage judges classes: found now, not after two stages
         from cardtool.core.data import load_split
