@@ -25,7 +25,8 @@ def run(examples, tmp_path, *extra, overrides=TINY, json_=True):
                                     "--steps", "1", *[f"--set={o}" for o in overrides], "--out-dir",
                                     str(tmp_path / "cards"), "--run-dir", str(tmp_path / "run"), "--judge",
                                     str(examples / "tiny-judge"), "--held-out-judge", str(examples / "tiny-judge"),
-                                    "--per-class", "2", "--data", str(data), *(["--json"] if json_ else []), *extra])
+                                    "--per-class", "2", "--data", str(data), *(["--json"] if json_ else []), *extra],
+                              env={"COLUMNS": "250"})  # the tables for people, unelided
 
 
 def test_the_flywheel_chains_base_rl_and_student_and_reports_the_three(examples, tmp_path):
