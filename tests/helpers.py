@@ -173,3 +173,28 @@ recipe: {{method: controlnet, parents: [tiny-base]}}
 """)
     return card
 
+
+
+def race(work, threads: int = 8) -> list[Exception]:
+    """`work(k)` from `threads` threads at once (k = 0 … threads − 1), the interpreter switching between them every
+    microsecond so that a race shows within a second; what they raised."""
+    import sys
+    import threading
+
+    errors = []
+
+    def run(k):
+        try:
+            work(k)
+        except Exception as e:  # noqa: BLE001 - any error here is the race's
+            errors.append(e)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        started = [threading.Thread(target=run, args=(k,)) for k in range(threads)]
+        [t.start() for t in started]
+        [t.join() for t in started]
+    finally:
+        sys.setswitchinterval(interval)
+    return errors

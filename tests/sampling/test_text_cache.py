@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 import numpy as np
-from helpers import write_tensors
+from helpers import race, write_tensors
 from safetensors.numpy import load_file
 
 from cardtool.backends.platform import Platform
@@ -129,30 +129,15 @@ def test_memory_holds_at_most_its_limit_and_a_dropped_entry_comes_back_the_same(
 def test_threads_sharing_a_cache_keep_its_memory_whole():
     """LoadedCards in several threads may share one cache: a get moved an entry another thread had just dropped
     (KeyError), and the memory's byte count drifted from what it held."""
-    import sys
-    import threading
-
-    cache, errors = TextFeatureCache(disk=False, memory_limit=10 * (8 * 64 * 4 + 8)), []
+    cache = TextFeatureCache(disk=False, memory_limit=10 * (8 * 64 * 4 + 8))
     entry = (np.ones((8, 64), np.float32), np.ones(8, bool))
 
     def serve(seed):
-        rng = np.random.default_rng(seed)
-        try:
-            for key in rng.integers(0, 40, size=20000).astype(str):
-                if cache.get(key) is None:
-                    cache.put(key, *entry)
-        except Exception as e:  # noqa: BLE001 - any error here is the race
-            errors.append(e)
+        for key in np.random.default_rng(seed).integers(0, 40, size=20000).astype(str):
+            if cache.get(key) is None:
+                cache.put(key, *entry)
 
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads often enough to meet the race in a second
-    try:
-        threads = [threading.Thread(target=serve, args=(k,)) for k in range(8)]
-        [t.start() for t in threads]
-        [t.join() for t in threads]
-    finally:
-        sys.setswitchinterval(interval)
-    assert errors == []
+    assert race(serve) == []
     assert cache._memory_bytes == sum(s.nbytes + m.nbytes for s, m in cache._memory.values()) <= cache.memory_limit
 
 
