@@ -204,7 +204,9 @@ def _check_events(yaml, text: str, shown: str, loader_class) -> None:
             mark = event.start_mark
             raise CardValidationError.at(shown, mark.line + 1, mark.column + 1, "",
                                          f"YAML alias *{event.anchor}: aliases are not allowed",
-                                         "write the value out (a card derives from another with extends)")
+                                         "write the value out in full (a card that repeats another's can "
+                                         "extend it instead)" if Path(shown).name in MANIFEST_NAMES else
+                                         "write the value out in full")
         if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
             depth += 1
             if depth > MAX_DEPTH:
