@@ -48,7 +48,7 @@ BOMB = "".join(f"{chr(97 + i)}: &{chr(97 + i)} [{', '.join([f'*{chr(96 + i)}'] *
 
 
 @pytest.mark.parametrize(("snippet", "expected"), [
-    (BOMB, r"YAML alias \*a: aliases are not allowed"),
+    (BOMB, r"YAML alias \*a: aliases are not allowed \(fix: .* can extend it instead\)"),
     ("loop: &x [*x]\n", r"alias \*x"),
     ("description: !!bool maybe\n", "'maybe' is not a valid bool"),
     ("description: !!int abc\n", "'abc' is not a valid int"),

@@ -72,7 +72,8 @@ def test_fingerprint_follows_every_setting():
 def test_hostile_recipes_and_overrides_are_bad_input(tmp_path):
     bomb = tmp_path / "bomb.yaml"
     bomb.write_text("a: &a [x, x, x]\nb: &b [*a, *a, *a]\nmethod: vae\nmodel: {x: [*b, *b, *b]}\n")
-    with pytest.raises(BadInput, match=r"bomb.yaml:2:\d+: YAML alias \*a: aliases are not allowed"):
+    with pytest.raises(BadInput, match=r"bomb.yaml:2:\d+: YAML alias \*a: aliases are not allowed \(fix: write the "
+                                       r"value out in full\)"):  # not how cards derive
         load_recipe(bomb)
     with pytest.raises(BadInput, match="not a regular file"):
         load_recipe("/dev/zero")
