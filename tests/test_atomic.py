@@ -92,7 +92,7 @@ def test_a_writer_killed_mid_write_leaves_a_temporary_the_next_write_into_its_fo
     writer.send_signal(signal.SIGKILL)  # its cleanup never runs
     writer.wait()
     [leftover] = tmp_path.glob(f".step-000100.safetensors.{writer.pid}-*.tmp")
-    earlier = tmp_path / ".step-000050.safetensors.999999998.tmp"  # as versions before 2026-12-04 named them
+    earlier = tmp_path / ".step-000050.safetensors.999999998.tmp"  # as versions before 2026-12-03 named them
     earlier.write_bytes(b"half a checkpoint")
     live = tmp_path / f".image.png.{os.getppid()}.tmp"  # a running writer's (our parent's pid stands for it)
     live.write_bytes(b"still being written")
