@@ -200,8 +200,10 @@ def test_a_kept_row_or_floor_missing_a_field_or_of_another_type_is_measured_agai
     first = CliRunner().invoke(app, args)
     assert first.exit_code == 0, first.output
     written = json.loads(report.read_text())
+    # (None: the field dropped) the last three well typed, yet printed with a traceback: one of a pair, or one alone
     for damage in ({"images": None}, {"model_evaluations": "4"}, {"accuracy_by_class": 5}, {"steps": 1.0},
-                   {"class_accuracy_ci95": "x"}):
+                   {"class_accuracy_ci95": "x"}, {"manifold_recall": None}, {"class_accuracy_ci95": [0.5]},
+                   {"guidance_interval": [0.0, 0.4, 1.0]}):
         document = json.loads(json.dumps(written))
         document["rows"][0] = {k: v for k, v in {**document["rows"][0], **damage}.items() if v is not None}
         report.write_text(json.dumps(document))

@@ -151,10 +151,16 @@ def _restored(row: dict | None) -> EvalRow | None:
     from pydantic import TypeAdapter, ValidationError
 
     try:  # strict: a count written as 2.0 or "2" is not one eval wrote
-        return TypeAdapter(EvalRow).validate_json(json.dumps({f.name: row[f.name] for f in fields(EvalRow)
-                                                               if f.name in row}), strict=True)
+        restored = TypeAdapter(EvalRow).validate_json(json.dumps({f.name: row[f.name] for f in fields(EvalRow)
+                                                                   if f.name in row}), strict=True)
     except ValidationError:
         return None
+    # what the types do not say: pairs of two, and precision with its recall (a row printed with one of them failed)
+    pairs = [restored.guidance_interval, *([restored.class_accuracy_ci95] if restored.class_accuracy_ci95 else [])]
+    if any(len(pair) != 2 for pair in pairs) or \
+            (restored.manifold_precision is None) != (restored.manifold_recall is None):
+        return None
+    return restored
 
 
 def checked_per_class(per_class) -> int:
