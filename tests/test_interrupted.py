@@ -1,6 +1,6 @@
-"""Ctrl-C or SIGTERM during an eval, a generation or a workflow: the unit in flight (a row, a wave, a step) finishes,
-the command stops with exit 128 + the signal and kind `interrupted`, and `--json` carries what the finished units made
-under `partial`."""
+"""Ctrl-C, SIGTERM or SIGHUP during an eval, a generation or a workflow: the unit in flight (a row, a wave, a
+step) finishes, the command stops with exit 128 + the signal and kind `interrupted`, and `--json` carries what the
+finished units made under `partial`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import os
 import signal
 
+import pytest
 from helpers import EXAMPLE_CARDS, write_idx_folder
 from typer.testing import CliRunner
 
@@ -74,22 +75,23 @@ def test_an_interrupted_eval_with_out_resumes_measuring_only_the_rest(tmp_path, 
     assert no_out.exit_code == 2 and "give --out" in json.loads(no_out.stdout)["error"]["message"]
 
 
-def test_an_interrupted_generate_lists_the_images_it_wrote(tmp_path, monkeypatch, interactive_signals):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])  # a scheduler's preemption, a closed terminal
+def test_an_interrupted_generate_lists_the_images_it_wrote(tmp_path, monkeypatch, interactive_signals, signum):
     from cardtool.core.sampling import generate as generate_module
 
     save = generate_module.save_image
 
-    def save_then_sigterm(path, *args):  # a scheduler preempts the run as the first wave's last image is written
+    def save_then_sigterm(path, *args):  # the signal comes as the first wave's last image is written
         save(path, *args)
         if path.name.startswith("tiny-base-001-"):
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signum)
 
     monkeypatch.setattr(generate_module, "save_image", save_then_sigterm)
     result = CliRunner().invoke(app, ["generate", str(EXAMPLE_CARDS / "tiny-base"), "-p", "a bag", "-n", "5",
                                       "--steps", "1", "--max-batch", "2", "--out", str(tmp_path), "--json"])
-    assert result.exit_code == 143, result.output
+    assert result.exit_code == 128 + signum, result.output
     error = json.loads(result.stdout)["error"]
-    assert error["kind"] == "interrupted" and error["message"].startswith("SIGTERM after 2 of 5 images")
+    assert error["kind"] == "interrupted" and error["message"].startswith(f"{signum.name} after 2 of 5 images")
     written = [image["path"] for image in error["partial"]["images"]]
     assert written == sorted(str(p) for p in tmp_path.glob("*.png")) and len(written) == 2
 
@@ -133,13 +135,16 @@ def test_an_interrupted_workflow_keeps_its_finished_steps(tmp_path, monkeypatch,
 
 
 def test_a_signal_the_process_was_told_to_ignore_stays_ignored(interactive_signals):
-    """A shell starts a background job with SIGINT ignored: a stray Ctrl-C must not stop it through our handler."""
+    """A shell starts a background job with SIGINT ignored: a stray Ctrl-C must not stop it through our handler; nor
+    does a closed terminal's SIGHUP stop a run started under nohup, which ignores it."""
     from cardtool.core.interrupt import stop_requests
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     with stop_requests() as caught:
-        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGINT) is signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
         os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGHUP)
         os.kill(os.getpid(), signal.SIGTERM)
     assert caught == [signal.SIGTERM] and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
