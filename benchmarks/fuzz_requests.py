@@ -495,6 +495,7 @@ class ThreadedCalls:
                     if alone[k] is None:
                         continue
                     card, prompt, options = self.calls[k]
+                    # a share `shared` of the calls, spread evenly over them (golden-ratio steps), on the shared one
                     own = loaded[card] if (k * 0.618) % 1 < self.shared else cardtool.LoadedCard(self.env.card(card))
                     made[k] = own.generate(prompt, out=self.out, **options).images
             except cardtool.CardtoolError as e:  # what ran alone must run beside the others

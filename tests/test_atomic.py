@@ -6,7 +6,7 @@ import os
 import re
 
 import pytest
-from helpers import EXAMPLE_CARDS, fsynced
+from helpers import EXAMPLE_CARDS, fsynced, race
 
 from cardtool.atomic import atomic_path, write_atomic
 
@@ -57,23 +57,15 @@ def test_a_durable_write_flushes_the_data_before_the_rename_and_the_rename_after
 
 
 def test_threads_writing_one_target_at_once_each_write_a_whole_file(tmp_path):
-    import threading
-
-    target, errors, ready = tmp_path / "image.png", [], threading.Barrier(8)
+    target = tmp_path / "image.png"
 
     def write(k):
-        ready.wait()
-        try:
-            for _ in range(50):
-                write_atomic(target, bytes([k]) * 4096)
-        except OSError as e:  # the threads shared one temporary name: one renamed it away under another
-            errors.append(e)
+        for _ in range(50):
+            write_atomic(target, bytes([k]) * 4096)
 
-    threads = [threading.Thread(target=write, args=(k,)) for k in range(8)]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
+    assert race(write) == [], "the threads shared one temporary name: one renamed it away under another"
     data = target.read_bytes()
-    assert errors == [] and len(set(data)) == 1 and len(data) == 4096
+    assert len(set(data)) == 1 and len(data) == 4096
     assert [p.name for p in tmp_path.iterdir()] == ["image.png"]
 
 
