@@ -105,8 +105,8 @@ def linear_bf16(x, weight, bias=None, activation=None):
         return cpu_bf16.linear(x, weight, bias, activation)
     with torch.autocast("cpu", enabled=False):  # autocast would make oneDNN's inputs float32 again
         rounded = x.to(torch.bfloat16)
-        if not torch_ops.fusable_on_cpu(rounded, weight, bias):
-            return cpu_bf16.linear(x, weight, bias, activation)
+        if not torch_ops.fusable_on_cpu(rounded, weight, bias):  # e.g. no bfloat16 oneDNN on this CPU
+            return cpu_bf16.linear(rounded, weight, bias, activation)
         return _onednn(rounded, weight, bias, activation)
 
 

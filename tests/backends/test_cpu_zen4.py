@@ -105,7 +105,14 @@ def test_a_small_product_gets_the_bits_its_rows_get_in_a_large_one(inputs):
     assert ((2048 + 16, inputs), (128, inputs)) not in shapes  # a large product goes to oneDNN untried
 
 
-def test_bf16_linear_is_a_bfloat16_product_under_autocast_with_the_tanh_gelu():
+@pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "no-bf16-onednn"])
+def test_bf16_linear_is_a_bfloat16_product_under_autocast_with_the_tanh_gelu(onednn, monkeypatch):
+    """Also where oneDNN cannot compute the bfloat16 product (the tier forced on a CPU without avx512_bf16): the
+    fallback gets x rounded, not a float32 input with autocast off."""
+    if not onednn:
+        monkeypatch.setattr(torch_ops, "fusable_on_cpu", lambda *tensors: False)
+    elif not torch_ops.fusable_on_cpu(torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(4, 8, dtype=torch.bfloat16)):
+        pytest.skip("this CPU's oneDNN has no bfloat16 product")
     torch.manual_seed(1)
     x, w, b = torch.randn(2, 16, 64), (torch.randn(96, 64) / 8).bfloat16(), torch.randn(96).bfloat16()
     exact = x.bfloat16().double() @ w.double().T + b.double()

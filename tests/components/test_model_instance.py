@@ -169,4 +169,4 @@ def test_a_nondeterministic_platform_breaks_the_c1_contract(examples, monkeypatc
 
     monkeypatch.setattr(module, "sample", jittery)
     [row] = module.contract_rows(load_card(examples / "tiny-base"), CPU)
-    assert not row.passed and 0 < row.max_abs_err < 1e-5
+    assert not row.passed and 0 < row.max_abs_err <= 1  # the latents' jitter, or a pixel on a rounding edge: one level

@@ -415,5 +415,5 @@ def test_the_watch_samples_what_the_student_card_serves(examples, tmp_path):
     watch = Watch(task.teacher, task.name, task.generator, task.cache, loop, [judge], Platform.detect("cpu"),
                   "float32", per_class=1, data=str(write_idx_folder(tmp_path / "idx")))
     watched = watch.loop.finalize(sample(watch.loop, watch.requests))
-    served = DenoiseLoop(ModelInstance(student, _platform()), cache=TextFeatureCache(disk=False))
+    served = DenoiseLoop(ModelInstance(student, Platform.detect("cpu")), cache=TextFeatureCache(disk=False))
     assert (watched == served.finalize(sample(served, watch.requests))).all()
