@@ -133,6 +133,16 @@ def renamed(examples):
                                                  "[tiny-base]}\n")
 
 
+def adapted(examples):
+    """An adapter card on tiny-base: its weights, one more adapter (a copy of tiny-base's own)."""
+    (examples / "adapted" / "adapters").mkdir(parents=True)
+    shutil.copy(examples / "tiny-base" / "adapters" / "invert.safetensors", examples / "adapted" / "adapters")
+    (examples / "adapted" / "card.yaml").write_text(
+        "schema: cardtool/v1\nid: adapted\nextends: ../tiny-base\nadapters:\n  again: {kind: lora, target: "
+        "transformer, weights: adapters/invert.safetensors, rank: 4, alpha: 4}\nrecipe: {method: lora, parents: "
+        "[tiny-base]}\n")
+
+
 @pytest.mark.parametrize(("shares", "make", "card_id", "message"), [
     (["tiny-base=0.5", "tiny-rl=0.6"], None, "soup", "the weights sum to 1.1"),
     (["tiny-base=half", "tiny-rl=0.5"], None, "soup", "the weight 'half' is not a number"),
@@ -142,7 +152,11 @@ def renamed(examples):
     (["tiny-base", "tiny-base"], None, "soup", "'tiny-base' is named twice"),
     (["tiny-base", "stranger"], stranger, "soup", "share no ancestor"),
     (["tiny-base", "narrow"], narrower, "soup", "differs in its kind, impl, source or config"),
-    (["tiny-base", "same"], renamed, "soup", "hold the same weights in every component"),
+    (["tiny-base", "same"], renamed, "soup", "hold the same weights in every component: the merge would be "
+                                             "'tiny-base' itself"),
+    (["tiny-base", "adapted"], adapted, "soup", "they differ only in their adapters (tiny-base: invert; adapted: "
+                                                "again, invert), which a merge does not average: `cardtool cards "
+                                                "compose"),
     (["tiny-base", "tiny-rl"], None, "tiny-base", "the new card would descend from itself"),
 ])
 def test_merges_that_cannot_make_a_model_are_refused_with_exit_2(examples, shares, make, card_id, message):

@@ -75,7 +75,7 @@ def merge_cards(shares: list[str], card_id: str, out: Path | None = None, overwr
         merged.append(name)
     if not merged:
         raise BadInput(f"{', '.join(c.id for c in cards)} hold the same weights in every component: the merge would "
-                       f"be '{first.id}' itself")
+                       f"be '{first.id}' itself{_adapters_not_merged(cards)}")
     ids = [c.id for c in cards]
     mix = ", ".join(f"{i} ({w:g})" for i, w in zip(ids, weights, strict=True))
     manifest = {"schema": "cardtool/v1", "id": card_id, "description": f"Weight average of {mix}",
@@ -88,6 +88,16 @@ def merge_cards(shares: list[str], card_id: str, out: Path | None = None, overwr
     loops = first.manifest.model_dump(mode="json")["loops"]
     differ = [c.id for c in cards[1:] if c.manifest.model_dump(mode="json")["loops"] != loops]
     return Merge(card, weights, merged, differ)
+
+
+def _adapters_not_merged(cards: list[Card]) -> str:
+    """Adapter cards on one base hold its weights and differ only in their adapters, which a merge does not average."""
+    named = {c.id: sorted(c.manifest.adapters) for c in cards}
+    if len({tuple(names) for names in named.values()}) == 1:
+        return ""
+    held = "; ".join(f"{i}: {', '.join(names)}" for i, names in named.items() if names)
+    return (f"; they differ only in their adapters ({held}), which a merge does not average: `cardtool cards compose "
+            "BASE ADAPTER_CARD… --id ID` serves several, chosen per request")
 
 
 def _weights(given: list[float | None]) -> list[float]:
