@@ -174,6 +174,9 @@ def stranger(examples):
      "'vae-too' also changes vae of 'tiny-base'"),
     (["tiny-base", "tiny-rl", "--rank", "2", "--adapter", "invert"], None, "already has an adapter 'invert'"),
     (["tiny-judge", "tiny-rl", "--rank", "2"], None, "share no ancestor"),
+    (["tiny-base", "tiny-rl", "--rank", "2", "--adapter", "../../evil"], None,
+     "--adapter '../../evil': an adapter name starts with a letter or digit"),
+    (["tiny-base", "tiny-rl", "--rank", "2", "--adapter", "a/b"], None, "--adapter 'a/b': an adapter name"),
 ])
 def test_extractions_that_cannot_work_are_refused_with_exit_2(examples, args, make, message):
     if make:
@@ -182,6 +185,7 @@ def test_extractions_that_cannot_work_are_refused_with_exit_2(examples, args, ma
     assert result.exit_code == 2, result.output
     assert message in " ".join(json.loads(result.stdout)["error"]["message"].split())
     assert not (examples / "extracted").exists()
+    assert not list(examples.parent.rglob("evil*")), "the adapter's name is its file's: it wrote outside the card"
 
 
 def test_a_lora_card_is_compared_as_it_serves_so_its_lora_is_resized(examples):

@@ -142,6 +142,23 @@ def test_absolute_path_is_refused(tmp_path):
     assert "escapes the card folder" in problems(folder)[0]
 
 
+@pytest.mark.parametrize("rel", ["../x.safetensors", "adapters/../../x.safetensors", "ABSOLUTE", ""])
+def test_the_writer_puts_no_weights_file_outside_the_card_folder(tmp_path, rel):
+    """The written manifest would refuse such a path, but only once loaded — after the file was written."""
+    import torch
+
+    from cardtool.core.cards.writer import write_card as write_new_card
+    from cardtool.errors import BadInput
+
+    rel = str(tmp_path / "x.safetensors") if rel == "ABSOLUTE" else rel
+    manifest = {"schema": "cardtool/v1", "id": "x", "components": {"vae": {"weights": rel}}}
+    with pytest.raises(BadInput, match="is not a path inside the card folder"):
+        write_new_card(tmp_path / "cards" / "x", manifest, {rel: {"w": torch.zeros(2)}})
+    with pytest.raises(BadInput, match="is not a path inside the card folder"):
+        write_new_card(tmp_path / "cards" / "x", manifest, {}, copies={rel: tmp_path / "elsewhere"})
+    assert not list(tmp_path.rglob("*"))
+
+
 @pytest.mark.parametrize("suffix", [".pt", ".pth", ".bin", ".ckpt"])
 def test_pickle_weight_formats_are_refused(tmp_path, suffix):
     folder = card(tmp_path, MINIMAL.replace("dit.safetensors", f"dit{suffix}"))

@@ -22,6 +22,7 @@ from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.lineage import check_new_id
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.merge import check_architecture, check_related
+from cardtool.core.cards.schema import checked_name
 from cardtool.core.cards.weight_files import FLOAT_DTYPES, read_header, sha256_file
 from cardtool.core.cards.writer import card_folder, card_folder_usable, write_card
 from cardtool.core.training.derived import extends_reference
@@ -60,6 +61,11 @@ def extract_lora(base_ref: str, tuned_ref: str, rank: int, card_id: str, *, adap
         raise BadInput(f"'{tuned.id}' also changes {', '.join(others)} of '{base.id}'; a LoRA on '{target}' carries "
                        "the transformer's change only")
     adapter = adapter or tuned.id
+    try:
+        checked_name(adapter)  # it names the weights file: 'adapters/../../x' would write outside the card
+    except ValueError:
+        raise BadInput(f"--adapter {adapter!r}"[:200] + ": an adapter name starts with a letter or digit and uses only "
+                       "letters, digits, '.', '_' and '-' (at most 128)") from None
     if adapter in base.manifest.adapters:
         raise BadInput(f"'{base.id}' already has an adapter '{adapter}'; name this one with --adapter")
     out = card_folder(card_id, out)

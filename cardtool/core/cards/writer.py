@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import yaml
 
@@ -30,6 +30,8 @@ def write_card(folder: Path, manifest: dict, weights: dict[str, dict], *, copies
     import torch
 
     folder = Path(folder)
+    for rel in [*weights, *(copies or {})]:
+        _check_inside(rel)
     staging = card_folder_usable(folder, str(manifest.get("id")), overwrite) / f".{folder.name}.tmp-{os.getpid()}"
     _recover(folder)
     shutil.rmtree(staging, ignore_errors=True)
@@ -65,6 +67,14 @@ def write_card(folder: Path, manifest: dict, weights: dict[str, dict], *, copies
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return load_card(folder)
+
+
+def _check_inside(rel: str) -> None:
+    """A weights file named by a relative path that stays in the card folder: checked before anything is written,
+    since the manifest's own check of it (on load) comes after the file is."""
+    path = PurePosixPath(rel)
+    if not rel or path.is_absolute() or ".." in path.parts:
+        raise BadInput(f"the weights file {rel!r} is not a path inside the card folder")
 
 
 def _recover(folder: Path) -> None:
