@@ -20,7 +20,7 @@ from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache
 from cardtool.core.training.distill import distill, distill_recipe
 from cardtool.core.training.methods.dmd2 import DEFAULTS, DMD2Task, critic_loss, dm_gradient, generator_turn
-from cardtool.core.training.trainer import CHECKPOINT
+from cardtool.core.training.trainer import CHECKPOINT, TrainingDiverged
 from cardtool.errors import BadInput
 
 TINY = ["optim.steps=6", "optim.batch_size=4", "train.precision=float32", "train.checkpoint_every=3",
@@ -417,3 +417,11 @@ def test_the_watch_samples_what_the_student_card_serves(examples, tmp_path):
     watched = watch.loop.finalize(sample(watch.loop, watch.requests))
     served = DenoiseLoop(ModelInstance(student, Platform.detect("cpu")), cache=TextFeatureCache(disk=False))
     assert (watched == served.finalize(sample(served, watch.requests))).all()
+
+
+def test_a_run_that_diverges_names_the_learning_rate_scale_it_ran_with(examples, tmp_path):
+    """The advice to lower optim.lr names the loss: section's scale when one multiplies it (a critic at 1e30×)."""
+    scaled = recipe(examples / "tiny-base", 1, ["loss.critic_lr_scale=1e30"])
+    with pytest.raises(TrainingDiverged, match=r"loss became nan at step 1; .* Lower optim.lr \(the loss: section "
+                                               r"scales it by 1e\+30 for the critic\) or raise optim.warmup"):
+        distill(scaled, command="c", out=tmp_path / "s", run_dir=tmp_path / "r", evaluate=False)

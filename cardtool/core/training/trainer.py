@@ -183,6 +183,7 @@ def _train(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, resume
             raise BadInput(f"nothing to resume: {checkpoint} does not exist")
         start, loss_value, before = _load(checkpoint, recipe, modules, ema, optimizer, task, parts, parallel)
     order = _Order(task.dataset_size(), o.batch_size, schedule.seed)
+    scaled = {name: scales[name] for name in modules if scales.get(name, 1.0) != 1.0}  # named if the run diverges
     started, seen = time.perf_counter(), 0
     window: dict[str, list[float]] = {}  # the task's metrics since the last progress line
     with stop_requests(ranks.world == 1) as caught:  # under torchrun the ranks must stop together: not there
@@ -211,14 +212,14 @@ def _train(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, resume
                         try:  # an RL task samples its rollouts here: a policy gone NaN shows first in its images
                             task.micro_batch(part, parts, batch, shared)
                         except NonFiniteImages as e:
-                            raise _diverged(step, checkpoint, "the model sampled NaN or inf") from e
+                            raise _diverged(step, checkpoint, "the model sampled NaN or inf", scaled) from e
                         loss, metrics = parallel.loss(batch[part::parts], generator, sync=part == mine[-1])
                     # the ranks average their gradients: each rank's is the mean over its own micro-batches
                     (loss if micro_batches == 1 else loss / micro_batches).backward()
                     loss_value += float(loss.detach()) / parts
             loss_value = _sum(ranks, loss_value)
             if not math.isfinite(loss_value):
-                raise _diverged(step, checkpoint, f"loss became {loss_value}")
+                raise _diverged(step, checkpoint, f"loss became {loss_value}", scaled)
             for group in groups:  # per module: a critic's large gradient must not shrink the generator's
                 torch.nn.utils.clip_grad_norm_(group, o.grad_clip)
             optimizer.step()
@@ -282,14 +283,16 @@ def _kept(checkpoint: Path) -> str:
     return f"the last good checkpoint is {checkpoint}" if checkpoint.exists() else "none was written yet"
 
 
-def _diverged(step: int, checkpoint: Path, what: str) -> TrainingDiverged:
+def _diverged(step: int, checkpoint: Path, what: str, scaled: dict[str, float]) -> TrainingDiverged:
     kept = _kept(checkpoint)
     if step == 0:  # before the first update the learning rate cannot be the cause
         return TrainingDiverged(f"{what} at step 0, before any update; {kept}. The starting weights or the recipe's "
                                 "loss: settings give it (a weight too large, say)")
     # not "then --resume": a resume must keep the checkpoint's recipe, and the same recipe repeats the same steps
-    return TrainingDiverged(f"{what} at step {step}; {kept}. Lower optim.lr or raise optim.warmup and start the run "
-                            "again in a new --run-dir")
+    rates = ", ".join(f"{scale:g} for the {name}" for name, scale in scaled.items())
+    rates = f" (the loss: section scales it by {rates})" if rates else ""
+    return TrainingDiverged(f"{what} at step {step}; {kept}. Lower optim.lr{rates} or raise optim.warmup and start the "
+                            "run again in a new --run-dir")
 
 
 def _sum(ranks, loss: float) -> float:
