@@ -1,9 +1,9 @@
 """Your own images with captions as training data, in Hugging Face's ImageFolder layout: a folder holding the images
-(any format Pillow reads, in subfolders or not) and `metadata.jsonl` beside them, one JSON object a line —
-`{"file_name": "bags/red.png", "text": "a red bag"}`, and `"split": "test"` for images held out from training. With no
-test row, every tenth image (the 10th, 20th, … row) is held out, so the trainers' held-out loss still means something.
-Each image is read as the family's grey square (upright by its EXIF orientation, transparency onto black, resized),
-checked before decoding as `generate --image` checks its image; a `file_name` must stay inside the folder."""
+(PNG, JPEG, WebP, GIF, BMP, TIFF or Netpbm, in subfolders or not) and `metadata.jsonl` beside them, one JSON object a
+line — `{"file_name": "bags/red.png", "text": "a red bag"}`, and `"split": "test"` for images held out from training.
+With no test row, every tenth image (the 10th, 20th, … row) is held out, so the trainers' held-out loss still means
+something. Each image is read as the family's grey square (upright by its EXIF orientation, transparency onto black,
+resized), checked before decoding as `generate --image` checks its image; a `file_name` must stay inside the folder."""
 
 from __future__ import annotations
 

@@ -421,6 +421,32 @@ def test_a_control_image_reads_by_its_modes_own_range(tmp_path):
     assert upright[:, 18:26].all() and not upright[:, :17].any(), "a bar down the right side, as a viewer shows it"
 
 
+def test_a_damaged_image_or_one_in_another_format_is_refused_by_name(tmp_path):
+    """Pillow raises SyntaxError for a PNG whose data runs into a broken chunk (it escaped as a traceback), and its
+    rarer decoders (ICNS, DDS, …) errors of their own: only the usual formats are read, each failure said so."""
+    import struct
+    import zlib
+
+    from PIL import Image
+
+    from cardtool.core.sampling.control import read_grey
+    from cardtool.core.sampling.images import _chunk
+
+    rows = np.concatenate([np.zeros((28, 1), np.uint8), np.arange(28 * 28).reshape(28, 28).astype(np.uint8)], 1)
+    data = zlib.compress(rows.tobytes())
+    header = png_bytes(rows[:, 1:])[:33]  # the signature and IHDR
+    (tmp_path / "broken.png").write_bytes(header + _chunk(b"IDAT", data[:11]) + struct.pack(">I", 4) +
+                                          b"\x01\xcd \xcd" + data[11:] + _chunk(b"IEND", b""))
+    with pytest.raises(BadInput, match=r"cannot read control image .*broken.png: SyntaxError: broken PNG file"):
+        read_grey(tmp_path / "broken.png", 28)
+    Image.new("RGBA", (32, 32)).save(tmp_path / "icon.icns")
+    with pytest.raises(BadInput, match=r"icon.icns: UnidentifiedImageError: not a PNG, JPEG, WEBP, GIF, BMP, TIFF or "
+                                       r"PPM image$"):
+        read_grey(tmp_path / "icon.icns", 28)
+    Image.fromarray(rows[:, 1:]).save(tmp_path / "scan.pgm")  # Netpbm, as scanners write
+    assert np.array_equal(read_grey(tmp_path / "scan.pgm", 28), rows[:, 1:])
+
+
 def test_cli_errors_exit_2(card, tmp_path):
     runner = CliRunner()
     base = ["generate", str(card.folder), "-p", "a bag", "--steps", "1", "--out", str(tmp_path / "o")]

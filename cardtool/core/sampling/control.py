@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from cardtool.core.sampling.control_names import PREPROCESSORS as NAMES
-from cardtool.core.sampling.images import open_image
+from cardtool.core.sampling.images import DAMAGED, open_image
 from cardtool.errors import BadInput
 from cardtool.files import read_small_file_bytes
 
@@ -81,10 +81,10 @@ def pixels_digest(pixels: np.ndarray) -> str:
 
 
 def read_grey(path: Path, size: int, what: str = "control image") -> np.ndarray:
-    """An image file (a control image, an image to start from) as grey uint8 (size, size): any format Pillow reads,
-    turned upright as its EXIF orientation says (a camera's photo is stored sideways), converted to grey and
-    resized; `what` names it in the error for a file that cannot be read."""
-    from PIL import Image, ImageOps, UnidentifiedImageError
+    """An image file (a control image, an image to start from) as grey uint8 (size, size): any of `READ_FORMATS`, turned
+    upright as its EXIF orientation says (a camera's photo is stored sideways), converted to grey and resized; `what`
+    names it in the error for a file that cannot be read."""
+    from PIL import Image, ImageOps
 
     data, reason = read_small_file_bytes(path, limit=64 << 20)
     if reason:
@@ -95,7 +95,7 @@ def read_grey(path: Path, size: int, what: str = "control image") -> np.ndarray:
             if image.size != (size, size):
                 image = image.resize((size, size), Image.BILINEAR)
             return np.asarray(image, dtype=np.uint8).copy()
-    except (UnidentifiedImageError, OSError, ValueError) as e:  # open_image: ValueError for a declared bomb
+    except DAMAGED as e:  # open_image: ValueError for a declared bomb, UnidentifiedImageError for another format
         raise BadInput(f"cannot read {what} {path}: {type(e).__name__}: {str(e)[:200]}")
 
 

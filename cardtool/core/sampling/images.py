@@ -10,9 +10,16 @@ import numpy as np
 
 from cardtool.atomic import write_atomic
 
-__all__ = ["MAX_PIXELS", "png_bytes", "read_png", "read_png_metadata", "save_png", "grid_image"]
+__all__ = ["DAMAGED", "MAX_PIXELS", "READ_FORMATS", "open_image", "png_bytes", "read_png", "read_png_metadata",
+           "save_png", "grid_image"]
 
 MAX_PIXELS = 1 << 24  # an image or a grid cardtool writes is far smaller
+# The formats photos, scans and masks come in (PPM: Netpbm's PBM/PGM/PPM). Pillow's other decoders — ICNS, DDS, EPS,
+# and a dozen more — are seldom what a user means, and on a damaged file raise errors of their own (SyntaxError,
+# NotImplementedError) besides Pillow's usual ones.
+READ_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "PPM")
+# What decoding a damaged file in those formats raises (SyntaxError: Pillow's PNG chunk reader)
+DAMAGED = (OSError, ValueError, SyntaxError, EOFError, struct.error, IndexError)
 
 
 def png_bytes(pixels: np.ndarray, metadata: dict[str, str] | None = None) -> bytes:
@@ -55,13 +62,14 @@ def read_png(path: Path, pixels: bool = True) -> tuple[np.ndarray | None, dict[s
     data, reason = read_small_file_bytes(Path(path), limit=64 << 20)
     if reason:
         raise OSError(reason)
-    with open_image(data) as image:
+    with open_image(data, ("PNG",)) as image:
         return (np.asarray(image.convert("L")).copy() if pixels else None), dict(getattr(image, "text", {}))
 
 
-def open_image(data: bytes):
-    """Pillow's image of `data`, opened but not decoded: ValueError where it declares more than MAX_PIXELS (a small
-    file can declare billions), Pillow's bomb error among them; Pillow's own errors otherwise."""
+def open_image(data: bytes, formats: tuple[str, ...] = READ_FORMATS):
+    """Pillow's image of `data` in one of `formats`, opened but not decoded: ValueError where it declares more than
+    MAX_PIXELS (a small file can declare billions), Pillow's bomb error among them; UnidentifiedImageError (an
+    OSError) naming the formats read for any other file; Pillow's own errors otherwise (`DAMAGED`)."""
     import io
     import warnings
 
@@ -70,9 +78,12 @@ def open_image(data: bytes):
     try:
         with warnings.catch_warnings():  # Pillow's bomb warning: every image it warns of is refused below
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
+            image = Image.open(io.BytesIO(data), formats=list(formats))
     except Image.DecompressionBombError as e:
         raise ValueError(str(e)) from None
+    except Image.UnidentifiedImageError:  # Pillow's message names the BytesIO object
+        raise Image.UnidentifiedImageError(f"not a {', '.join(formats[:-1])} or {formats[-1]} image"
+                                           if len(formats) > 1 else f"not a {formats[0]} image") from None
     if image.width * image.height > MAX_PIXELS:
         image.close()
         raise ValueError(f"{image.width} × {image.height} pixels, more than {MAX_PIXELS:,}")

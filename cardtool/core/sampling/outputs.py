@@ -57,7 +57,7 @@ def already_made(paths: list[Path], tags: list[str], requests: list[Request], ra
     """The images already on disk as this call would make them — a file at the request's path whose metadata holds
     the request's settings tag — as (GeneratedImage, request, its pixels), by index. Rank 0's folder decides: it
     writes every image."""
-    from cardtool.core.sampling.images import read_png
+    from cardtool.core.sampling.images import DAMAGED, read_png
 
     found = {}
     if ranks.main:
@@ -66,7 +66,7 @@ def already_made(paths: list[Path], tags: list[str], requests: list[Request], ra
                 continue
             try:
                 image, metadata = read_png(path)
-            except (OSError, ValueError, SyntaxError):  # not a PNG we can read: made again
+            except DAMAGED:  # not a PNG we can read: made again
                 continue
             if metadata.get("tag") == tags[i]:
                 found[i] = (GeneratedImage(path, metadata, image), requests[i], image)

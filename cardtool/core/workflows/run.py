@@ -190,14 +190,14 @@ class _Runner:
         """The images on disk as these jobs would make them — a PNG at the job's path whose metadata holds its tag
         and whose size is the card's — by index. Rank 0's folder decides (it writes every image); under torchrun
         every rank gets its outputs, which later steps read."""
-        from cardtool.core.sampling.images import read_png
+        from cardtool.core.sampling.images import DAMAGED, read_png
 
         found = {}
         if self.ranks.main:
             for k, (job, path) in enumerate(zip(jobs, paths, strict=True)):
                 try:
                     image, metadata = read_png(path) if path.is_file() else (None, {})
-                except (OSError, ValueError, SyntaxError):  # not a PNG we can read: made again
+                except DAMAGED:  # not a PNG we can read: made again
                     continue
                 loop = self.card(job.ref).loop(job.precision)
                 size = loop.instance.component(loop.vae).config.image_size
