@@ -4,8 +4,8 @@ manifests, diffusers folders for `cards import` (config.json and the shard index
 (`LoadedCard` and its `generate`, `evaluate`, `compare`, `run_workflow`, `load_card`), whole command lines of the
 quick commands (`argv`: their options read from the app), the state `--resume` reads back (`resume`: a training
 checkpoint's tensors and metadata, an eval report), and `LoadedCard.generate` calls made from several threads at once
-(`threads`: each must give what it gives alone) — mutated and run in process on the tiny example cards and a tiny
-IDX folder, counted by outcome per surface.
+(`threads`: each must give what it gives alone), and image files in many formats, damaged (`images`) — mutated and
+run in process on the tiny example cards and a tiny IDX folder, counted by outcome per surface.
 
 Outcomes: `ok` (exit 0), `refused` (exit 2: bad input, said so; or exit 1 with located validation problems — a
 workflow manifest's, as a card's), `failed` (exit 1 with another JSON error: work that could not finish, e.g. a loss
@@ -16,7 +16,7 @@ did not pass — `eval --expect`, `parity`, `cards validate`), and the failures 
 metadata than alone).
 
     python benchmarks/fuzz_requests.py --cases 2000 --seed 0 [--out benchmarks/results/fuzz-requests.json]
-        [--surfaces generate like recipes train eval workflow import api argv resume threads]
+        [--surfaces generate like recipes train eval workflow import api argv resume threads images]
 """
 
 from __future__ import annotations
@@ -91,9 +91,35 @@ class Env:
         (self.images / "metadata.jsonl").write_text("".join(
             f'{{"file_name": "sub/{i}.png", "text": "a {("bag", "dark coat", "boot")[i % 3]}"}}\n' for i in range(30)))
         self.export = _sharded_export(runner, app, self.cards / "tiny-rl", root / "export")
+        self.image_files = _image_files(rng)
+
 
     def card(self, name: str) -> str:
         return str(self.cards / name)
+
+
+def _image_files(rng) -> list[bytes]:
+    """One small image in each of the formats read (several PNG modes among them) and in a few that are not."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = (rng.random((20, 24, 3)) * 255).astype("uint8")
+    made = []
+    for form, mode in [("PNG", "L"), ("PNG", "RGBA"), ("PNG", "P"), ("PNG", "1"), ("PNG", "I;16"), ("JPEG", "RGB"),
+                       ("JPEG", "CMYK"), ("WEBP", "RGBA"), ("GIF", "P"), ("BMP", "RGB"), ("TIFF", "RGB"),
+                       ("TIFF", "F"), ("PPM", "L"), ("ICNS", "RGBA"), ("DDS", "RGBA"), ("TGA", "RGB")]:
+        if mode == "I;16":
+            image = Image.fromarray(pixels[..., 0].astype(np.uint16) * 257)
+        elif mode == "F":
+            image = Image.fromarray(pixels[..., 0].astype(np.float32) / 255)
+        else:
+            image = Image.fromarray(pixels).convert(mode)
+        data = io.BytesIO()
+        image.save(data, form)
+        made.append(data.getvalue())
+    return made
 
 
 def _generate(rng: random.Random, env: Env, out: Path) -> list[str]:
@@ -233,6 +259,30 @@ def _train(rng: random.Random, env: Env, out: Path) -> list[str]:
     args += _recipe_sets(rng, keys)
     args += ["--micro-batches", rng.choice(["2", "0", "3", "16"])] if rng.random() < 0.1 else []
     return args + (["--method", rng.choice(["lora", "vae", "x"])] if rng.random() < 0.05 else [])
+
+
+def _images(rng: random.Random, env: Env, out: Path) -> list[str]:
+    """An image file — one of the formats read or another, its bytes overwritten, cut or added to here and there —
+    as generate's --image or its --mask (the control image's reader is the same)."""
+    data = bytearray(rng.choice(env.image_files))
+    for _ in range(rng.choice([0, 1, 1, 2, 4, 16])):
+        at, change = rng.randrange(len(data)), rng.random()
+        if change < 0.5:
+            data[at] = rng.randrange(256)
+        elif change < 0.7:
+            data[at:at] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 8)))
+        elif change < 0.85:
+            del data[at:at + rng.randrange(1, 64)]
+        else:
+            order = rng.choice(["big", "little"])  # a length or a size field set to an extreme
+            data[at:at + 4] = rng.choice([0, 0xFFFFFFFF, 0x7FFFFFFF, 0x10000]).to_bytes(4, order)
+        if len(data) < 16:
+            break
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "given.img").write_bytes(bytes(data))
+    given = str(out / "given.img")
+    use = rng.choice([["--image", given], ["--image", str(env.root / "control.png"), "--mask", given]])
+    return ["generate", env.card("tiny-base"), "-p", "a bag", "--steps", "1", "--json", *use, "--out", str(out)]
 
 
 def _image_folder(rng: random.Random, env: Env, root: Path) -> Path:
@@ -723,7 +773,7 @@ def _resumed_eval(rng: random.Random, env: Env, out: Path) -> list[str]:
 
 SURFACES = {"generate": _generate, "like": _like, "recipes": _recipes, "train": _train, "eval": _eval,
             "workflow": _workflow, "import": _import, "api": _api, "argv": _argv, "resume": _resume,
-            "threads": _threads}
+            "threads": _threads, "images": _images}
 
 
 def run_case(runner, app, args) -> tuple[str, str]:
