@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 from helpers import EXAMPLE_CARDS, TINY_DIT, write_card
@@ -144,6 +145,26 @@ def test_list_reports_invalid_cards_without_failing(tmp_path, builtin):
     summaries = {s.path: s for s in list_cards()}
     assert summaries["cards/good"].valid and summaries["cards/good"].method == "pretrain"
     assert not summaries["cards/bad"].valid and summaries["cards/bad"].problems[0].line == 2
+
+
+def test_a_manifest_name_held_by_a_folder_pipe_or_dead_link_is_an_invalid_card(tmp_path, builtin):
+    """Such a folder read as no card at all: `cards list` left it out, its id was "not found" and `cards validate`
+    said it held no card.yaml — now each says what stands there."""
+    kinds = {"dir": (Path.mkdir, "a folder"), "pipe": (os.mkfifo, "a pipe"),
+             "dead": (lambda path: path.symlink_to("nowhere"), "a link to nothing")}
+    for name, (make_it, _) in kinds.items():
+        (tmp_path / "cards" / name).mkdir(parents=True)
+        make_it(tmp_path / "cards" / name / "card.yaml")
+    summaries = {s.path: s for s in list_cards()}
+    results = {r.path: r for r in validate_paths([f"cards/{name}" for name in kinds])}
+    for name, (_, kind) in kinds.items():
+        expected = f"cards/{name}/card.yaml is not a file ({kind})"
+        assert not summaries[f"cards/{name}"].valid and summaries[f"cards/{name}"].problems[0].message == expected
+        assert [p.message for p in results[f"cards/{name}"].problems] == [expected]
+    with pytest.raises(CardValidationError, match=r"is not a file \(a pipe\)"):
+        load_card(tmp_path / "cards" / "pipe")
+    with pytest.raises(CardNotFound, match="3 card folders there could not be read"):
+        locate("pipe")
 
 
 def test_builtin_dir_of_a_checkout_is_the_top_level_cards_folder(monkeypatch):

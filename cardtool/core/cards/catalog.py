@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,4 +111,5 @@ def _expand(paths: list[str]) -> list[Path]:
 
 
 def _has_manifest(folder: Path) -> bool:
-    return any((folder / name).is_file() for name in MANIFEST_NAMES)
+    """Whether the folder holds a manifest name, as a file or not (`manifest_in` says what is wrong with the rest)."""
+    return any(os.path.lexists(folder / name) for name in MANIFEST_NAMES)

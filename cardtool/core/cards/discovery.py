@@ -59,13 +59,29 @@ def search_roots(near: Path | None = None) -> list[Root]:
 
 
 def manifest_in(folder: Path) -> Path | None:
-    """The manifest file of a card folder, None if there is none; both YAML and TOML is an error."""
+    """The manifest file of a card folder, None if there is none; both YAML and TOML is an error, and so is a
+    manifest name held by anything but a file (a folder, a pipe, a link to nothing), which would read as no card."""
     found = [folder / name for name in MANIFEST_NAMES if (folder / name).is_file()]
+    for name in MANIFEST_NAMES:
+        path = folder / name
+        if path not in found and os.path.lexists(path):
+            raise CardValidationError.at(display_path(path), 1, 1, "", f"{display_path(path)} is not a file "
+                                         f"({_kind(path)})", "make it the card's manifest, or remove it")
     if len(found) > 1:
         raise CardValidationError.at(display_path(found[1]), 1, 1, "",
                                      f"{display_path(folder)} holds both card.yaml and card.toml",
                                      "keep one manifest per card folder")
     return found[0] if found else None
+
+
+def _kind(path: Path) -> str:
+    import stat
+
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return "a link to nothing"
+    return "a folder" if stat.S_ISDIR(mode) else "a pipe" if stat.S_ISFIFO(mode) else "a device or socket"
 
 
 def scan(roots: list[Root], *, ids_only: bool = False) -> list[Entry]:
