@@ -167,11 +167,27 @@ def test_a_killed_stage_resumes_from_its_checkpoint(examples, tmp_path):
     (["--set", "distill.data.bogus=1"], "unknown data.bogus"),
     (["--set", "rl.loss.beta=0"], "loss.beta: Input should be greater than 0"),
     (["--held-out-judge", str(EXAMPLE_CARDS / "tiny-base")], "card 'tiny-base' is not a reward"),  # not at the end
+    # named as the option, not as a recipe's card.id
+    (["--out-prefix", "../x"], "--out-prefix '../x' cannot begin the new cards' ids (PREFIX-nft-Nstep)"),
+    (["--out-prefix", ""], "--out-prefix '' cannot begin"),
+    (["--out-prefix", "a" * 101], "give --out-prefix of at most 100 such characters"),
 ])
 def test_bad_input_is_a_clear_error(examples, tmp_path, args, message):
     result = run(examples, tmp_path, *args)
     assert result.exit_code == 2 and message in json.loads(result.stdout)["error"]["message"]
     assert not (tmp_path / "cards").exists() or not any((tmp_path / "cards").iterdir()), "no stage ran"
+
+
+def test_a_base_whose_folder_name_is_no_id_asks_for_an_out_prefix(examples, tmp_path):
+    import shutil
+
+    from cardtool.errors import BadInput
+
+    shutil.copytree(examples / "tiny-base", tmp_path / "my base")
+    with pytest.raises(BadInput, match=r"the base's name 'my base' cannot begin the new cards' ids .* --out-prefix"):
+        flywheel_recipe(str(tmp_path / "my base"), str(examples / "tiny-judge"))
+    assert flywheel_recipe(str(tmp_path / "my base"), str(examples / "tiny-judge"), prefix="mine").rl.card.id == \
+        "mine-nft"
 
 
 def test_a_flywheel_recipe_with_a_stray_key_is_a_located_error(examples, tmp_path):

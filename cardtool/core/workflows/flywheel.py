@@ -30,6 +30,7 @@ __all__ = ["STAGES", "FlywheelRecipe", "FlywheelReport", "flywheel", "flywheel_r
 STAGES = ("rl", "distill", "eval")
 SECTIONS = ("method", "rl", "distill")  # a flywheel recipe's keys: each stage's section is that command's recipe
 REPORT = "flywheel.json"
+_PREFIX_MAX = 100  # PREFIX-grpo-NNNstep stays within a card id's 128 characters
 
 
 @dataclass
@@ -38,6 +39,22 @@ class FlywheelRecipe:
     reward: str
     rl: Recipe
     distill: Recipe
+
+
+def _check_prefix(prefix: str, given: bool) -> None:
+    """The new cards' ids begin with the prefix: refused here by the option's name, not later as a recipe's card.id."""
+    from cardtool.core.cards.schema import checked_name
+
+    try:
+        checked_name(prefix)
+        fits = len(prefix) <= _PREFIX_MAX
+    except ValueError:
+        fits = False
+    if not fits:
+        where = f"--out-prefix {prefix!r}"[:160] if given else f"the base's name {prefix!r}"[:160]
+        raise BadInput(f"{where} cannot begin the new cards' ids (PREFIX-nft-Nstep): an id starts with a letter or "
+                       f"digit and uses only letters, digits, '.', '_' and '-'; give --out-prefix of at most "
+                       f"{_PREFIX_MAX} such characters")
 
 
 def flywheel_recipe(base: str, reward: str, *, steps: int | None = None, path: Path | None = None,
@@ -58,7 +75,10 @@ def flywheel_recipe(base: str, reward: str, *, steps: int | None = None, path: P
         if stage not in split or not dot:
             raise BadInput(f"--set {item!r}: a flywheel override names its stage: rl.KEY=VALUE or distill.KEY=VALUE")
         split[stage].append(rest)
-    prefix = prefix or (Path(base).name if base.startswith(".") or "/" in base else base)
+    given = prefix is not None
+    if not given:
+        prefix = Path(base).name if base.startswith(".") or "/" in base else base
+    _check_prefix(prefix, given)
     method = sections.get("rl", {}).get("method", "diffusion_nft")
     if method not in METHODS:
         raise BadInput(f"flywheel rl.method: unknown rl method '{method}'; choose one of: {', '.join(METHODS)}")
