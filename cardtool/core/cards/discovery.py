@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,8 +76,6 @@ def manifest_in(folder: Path) -> Path | None:
 
 
 def _kind(path: Path) -> str:
-    import stat
-
     try:
         mode = path.stat().st_mode
     except OSError:
