@@ -79,6 +79,13 @@ def test_masked_attention_equals_attention_over_the_kept_keys():
     assert np.all(ref.attention(q, k, v, nothing) == 0)
 
 
+def test_attention_at_large_scores_is_the_softmax_without_overflow():
+    """exp(1000) overflows float64: the softmax must subtract each row's peak, which changes nothing else."""
+    q, k, v = np.full((1, 1, 1, 4), 40.0), np.array([[[[20.0] * 4, [19.0] * 4]]]), rng.standard_normal((1, 1, 2, 4))
+    weights = np.array([1.0, np.exp(-160.0)])  # scores 1600 and 1520 (÷ √4): the second's share is e^−80·…
+    np.testing.assert_allclose(ref.attention(q, k, v)[0, 0, 0], weights @ v[0, 0] / weights.sum(), rtol=1e-12)
+
+
 def test_rms_and_layer_norm_statistics():
     x = 5 * rng.standard_normal((3, 64)) + 2
     np.testing.assert_allclose(np.sqrt((ref.rms_norm(x, eps=0) ** 2).mean(-1)), 1.0)
@@ -100,6 +107,8 @@ def test_rope_splits_wan_head_dim_and_depends_only_on_relative_position():
     rq, rk = ref.rope_3d(np.broadcast_to(q[:, :, :1], q.shape).copy(), (3, 4, 5)), \
         ref.rope_3d(np.broadcast_to(k[:, :, :1], k.shape).copy(), (3, 4, 5))
     np.testing.assert_allclose(np.linalg.norm(rq, axis=-1), np.linalg.norm(q[:, :, :1], axis=-1).repeat(60, 2))
+    # each axis's ladder is θ^(−2i/n) over its own n channels: the frames' 24 from 1 down, the rows' and columns' 20
+    np.testing.assert_allclose(angles[token(1, 1, 1)], np.concatenate([10000.0 ** (-np.arange(0, n, 2) / n) for n in (24, 20, 20)]))
     # <R(p)q, R(p')k> depends on p − p' only
     np.testing.assert_allclose(rq[0, 0, token(0, 1, 1)] @ rk[0, 0, token(0, 0, 0)],
                                rq[0, 0, token(2, 3, 4)] @ rk[0, 0, token(2, 2, 3)])
@@ -110,7 +119,11 @@ def test_timestep_embedding_is_cos_then_sin():
     np.testing.assert_allclose(emb[0], [1, 1, 1, 1, 0, 0, 0, 0])
     freqs = np.exp(-np.log(10000) * np.arange(4) / 4)
     np.testing.assert_allclose(emb[1], np.concatenate([np.cos(2 * freqs), np.sin(2 * freqs)]))
-    assert ref.timestep_embedding(np.array([1.0]), 9).shape == (1, 9)
+    odd = ref.timestep_embedding(np.array([2.0]), 9)
+    assert odd.shape == (1, 9) and odd[0, 8] == 0, "an odd width ends with one zero"
+    np.testing.assert_allclose(odd[0, :8], emb[1])
+    even = ref.timestep_embedding(np.array([2.0]), 6)
+    assert even.shape == (1, 6) and np.all(even[0] != 0), "an even width has no padding"
 
 
 def test_lora_bgmv_gives_each_sample_its_own_adapter():

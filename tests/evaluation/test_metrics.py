@@ -23,6 +23,15 @@ def test_frechet_distance_of_a_mean_shift_is_the_squared_shift():
     assert abs(frechet_distance(a, shifted) - 5.0) < 1e-9, "equal covariances: only ‖μa − μb‖² = 1 + 4 remains"
 
 
+def test_the_distance_to_a_fixed_real_side_is_the_frechet_distance():
+    """FrechetTo (the bootstrap's) takes the real side's root instead of the sample's: the same number."""
+    from cardtool.core.evaluation.metrics import FrechetTo
+
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((500, 6)) * 1.3 + 0.4, rng.standard_normal((700, 6)) @ rng.standard_normal((6, 6))
+    assert FrechetTo(b)(a) == pytest.approx(frechet_distance(a, b), rel=1e-9)
+
+
 def test_kernel_distance_is_near_zero_for_one_distribution_and_positive_for_two():
     rng = np.random.default_rng(1)
     real = rng.standard_normal((2000, 16))
@@ -30,6 +39,9 @@ def test_kernel_distance_is_near_zero_for_one_distribution_and_positive_for_two(
     assert abs(same) < 3 * std + 1e-3, f"same distribution: KID {same} should be 0 within its spread {std}"
     other, _ = kernel_distance(rng.standard_normal((300, 16)) + 0.5, real, subsets=20)
     assert other > 10 * max(std, 1e-4), "a shifted distribution is far"
+    assert np.isfinite(kernel_distance(real[:2], real[2:4], subsets=1)[0]), "two rows a side are enough"
+    with pytest.raises(ValueError, match="two feature rows"):
+        kernel_distance(real[:1], real)
 
 
 def test_at_small_n_kid_stays_unbiased_while_fid_does_not():
@@ -46,7 +58,7 @@ def test_at_small_n_kid_stays_unbiased_while_fid_does_not():
 
 def test_a_sample_too_small_for_fid_is_named():
     assert fid_warning(20, 256) is not None and "KID" in fid_warning(20, 256)
-    assert fid_warning(1000, 256) is None
+    assert fid_warning(1000, 256) is None and fid_warning(512, 256) is None and fid_warning(511, 256) is not None
 
 
 def test_the_wilson_interval_holds_the_proportion_and_is_sound_at_the_ends():
@@ -96,6 +108,9 @@ def test_precision_recall_equals_its_definition_across_chunks():
     assert 0.1 < expected[0] < 0.9 and 0.1 < expected[1] < 0.9, "a case where both balls' tests matter"
     assert precision_recall(a, b) == pytest.approx(expected, abs=1e-12)
     assert precision_recall(a, b, k=5) == pytest.approx(_brute_precision_recall(a, b, 5), abs=1e-12)
+    assert precision_recall(a / 100, b / 100) == pytest.approx(expected, abs=1e-12), "balls scale with the features"
+    line, point = np.array([[0.0], [1.0], [2.0], [3.0]]), np.array([[4.0]])  # 4 lies on 3's ball (radius 1), inside
+    assert metrics._inside(point, line, metrics._kth_neighbour_distances(line, line, 1, same=True)).all()
     radii = metrics._kth_neighbour_distances(a, a, 3, same=True, chunk=7)  # rows split across chunks
     assert np.allclose(radii, metrics._kth_neighbour_distances(a, a, 3, same=True))
 

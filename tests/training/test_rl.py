@@ -58,6 +58,12 @@ def test_nft_loss_matches_a_hand_computed_case():
         expected = 5 * (r * l_pos + (1 - r) * l_neg)
         assert float(loss.detach()) == pytest.approx(expected), f"advantage {advantage} → r = {r}"
         assert parts["positive_loss"] == pytest.approx(l_pos) and parts["negative_loss"] == pytest.approx(l_neg)
+    # β = 0.5: v⁺ = ½v + ½v_old = (0.5, 1.5), v⁻ = 1.5·v_old − ½v = (−0.5, 0.5); x̂0⁺ = (0.25, −0.25), x̂0⁻ =
+    # (0.75, 0.25); errors (−0.75, 0.75) and (−0.25, 1.25), weights 0.75 both; the sum divided by β
+    l_pos, l_neg = 0.5625 / 0.75, (0.0625 + 1.5625) / 2 / 0.75
+    loss, parts = nft_loss(v, v_old, x_t, x0, t, torch.tensor([2.5]), beta=0.5)
+    assert float(loss.detach()) == pytest.approx(5 * (0.75 * l_pos + 0.25 * l_neg) / 0.5)
+    assert parts["positive_loss"] == pytest.approx(l_pos) and parts["negative_loss"] == pytest.approx(l_neg)
     loss, _ = nft_loss(v, v_old, x_t, x0, t, torch.tensor([5.0]))
     loss.backward()
     # a fully positive sample pulls v⁺ = v to make x̂0 = x0: the gradient is 5·2·t·(x̂0⁺ − x0)·(−1)… sign-checked:
@@ -66,6 +72,31 @@ def test_nft_loss_matches_a_hand_computed_case():
 
 def test_old_policy_decay_follows_the_papers_schedule():
     assert [old_policy_decay(k) for k in (0, 1, 250, 500, 900)] == [0.0, 0.001, 0.25, 0.5, 0.5]
+
+
+def test_the_old_policy_holds_through_a_rollout_and_then_follows_the_current_one(examples):
+    """θ_old samples a rollout and is the v_old of all its updates; between rollouts θ_old ← d·θ_old + (1 − d)·θ."""
+    base = examples / "tiny-base"
+    task = make_task(recipe(base, extra=["loss.updates_per_rollout=2", "loss.decay_rate=0.25"], reward=base), CPU,
+                     load_card(base), Brightness(), ["a bag", "a coat"])
+    old, new = (next(m.parameters()) for m in (task.sampler(), task.policy))
+
+    def moved():
+        with torch.no_grad():
+            new.add_(1.0)
+        return old.detach().clone(), new.detach().clone()
+
+    before, _ = moved()
+    task.prepare(1)  # the rollout's second update
+    assert torch.equal(old, before), "v_old stays the rollout's sampler"
+    _, current = moved()
+    task.prepare(2)  # the second rollout: d = 0.25·0
+    assert torch.equal(old, current)
+    previous, current = moved()
+    task.prepare(3)
+    assert torch.equal(old, previous)
+    task.prepare(4)  # the third rollout: d = 0.25·1
+    torch.testing.assert_close(old, 0.25 * previous + 0.75 * current)
 
 
 def test_advantages_and_clipping_match_hand_computed_values():
