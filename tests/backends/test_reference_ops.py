@@ -108,7 +108,8 @@ def test_rope_splits_wan_head_dim_and_depends_only_on_relative_position():
         ref.rope_3d(np.broadcast_to(k[:, :, :1], k.shape).copy(), (3, 4, 5))
     np.testing.assert_allclose(np.linalg.norm(rq, axis=-1), np.linalg.norm(q[:, :, :1], axis=-1).repeat(60, 2))
     # each axis's ladder is θ^(−2i/n) over its own n channels: the frames' 24 from 1 down, the rows' and columns' 20
-    np.testing.assert_allclose(angles[token(1, 1, 1)], np.concatenate([10000.0 ** (-np.arange(0, n, 2) / n) for n in (24, 20, 20)]))
+    ladder = [10000.0 ** (-np.arange(0, n, 2) / n) for n in (24, 20, 20)]
+    np.testing.assert_allclose(angles[token(1, 1, 1)], np.concatenate(ladder))
     # <R(p)q, R(p')k> depends on p − p' only
     np.testing.assert_allclose(rq[0, 0, token(0, 1, 1)] @ rk[0, 0, token(0, 0, 0)],
                                rq[0, 0, token(2, 3, 4)] @ rk[0, 0, token(2, 2, 3)])

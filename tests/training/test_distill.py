@@ -45,6 +45,36 @@ def test_the_distribution_matching_gradient_is_normalised_per_sample():
     assert torch.isfinite(dm_gradient(x, x, fake)).all(), "x̂_real = x: a zero normaliser never gives NaN or inf"
 
 
+def test_the_generators_step_follows_the_distribution_matching_gradient(examples):
+    """The generator's term is ½·mean‖x − sg(x − g)‖²: its gradient on the student's sample is g / N, so descent moves
+    x toward the real score's x̂0 and away from the fake score's (DMD eq. 7–8); the critic's loss, which holds x
+    constant, adds nothing to it. Scores that predict fixed clean images make g independent of the t and ε drawn."""
+    teacher = examples / "tiny-base"
+    task = DMD2Task(recipe(teacher), _platform(), load_card(teacher))
+    x = torch.randn(2, 4, 1, 3, 3, requires_grad=True)
+    real, fake = torch.randn(2, 4, 1, 3, 3), torch.randn(2, 4, 1, 3, 3)
+    task.rollout = lambda prompts, seeds, depth, grad: (x, None, None)
+    levels = []
+
+    def score(clean):
+        def velocity(x_t, t):
+            levels.append(t)
+            return (x_t - clean) / t.reshape(-1, 1, 1, 1, 1)
+        return velocity
+
+    real_score, fake_score = score(real), score(fake)
+    task.real_velocity = lambda x_t, t, text, mask: real_score(x_t, t)
+    task.critic = lambda x_t, timesteps, text, mask: fake_score(x_t, timesteps / 1000)
+    task.prepare(0)
+    loss, metrics = task.loss([0, 1], torch.Generator().manual_seed(0))
+    loss.backward()
+    g = dm_gradient(x.detach(), real, fake)
+    torch.testing.assert_close(x.grad, g / x.numel())
+    assert metrics["dm_loss"] == pytest.approx(0.5 * float(g.pow(2).mean()), rel=1e-6)
+    levels = torch.cat(levels)  # the critic's own t, then the DM term's for both scores
+    assert len(levels) == 6 and bool(((levels >= 0.02) & (levels <= 0.98)).all()), "t is drawn in loss.t_range"
+
+
 def test_the_critic_regresses_the_velocity_of_the_generators_samples():
     x, noise, t = torch.tensor([[2.0, -1.0]]), torch.tensor([[0.5, 1.0]]), torch.tensor([0.25])
     seen = {}

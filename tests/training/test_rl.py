@@ -129,6 +129,27 @@ def test_grpo_log_probabilities_recomputed_from_the_capture_equal_the_captured_o
     assert float((ratio - 1).abs().max()) <= 1e-4
 
 
+def test_flow_grpo_trains_as_many_of_a_rollouts_transitions_as_asked(examples, tmp_path, monkeypatch):
+    """`loss.train_timesteps=K`: each update recomputes K distinct transitions of the rollout, in order."""
+    from cardtool.core.training.methods import grpo
+
+    seen, original = [], grpo.transition_log_probs
+
+    def recording(sde, model, latents, sigmas, steps, *args, **kwargs):
+        seen.append(list(steps))
+        return original(sde, model, latents, sigmas, steps, *args, **kwargs)
+
+    monkeypatch.setattr(grpo, "transition_log_probs", recording)
+    base = examples / "tiny-base"
+    for count, expected in ((2, 2), (None, 3)):
+        seen.clear()
+        extra = ["optim.steps=2", "loss.kl=0", *([f"loss.train_timesteps={count}"] if count else [])]
+        r = recipe(base, "flow_grpo", extra, reward=base)
+        train_loop(make_task(r, CPU, load_card(base), Brightness(), ["a bag", "a coat"]), r, CPU,
+                   tmp_path / str(count))
+        assert len(seen) == 2 and all(len(set(s)) == expected and s == sorted(s) for s in seen), (count, seen)
+
+
 class Darkness(Brightness):
     def score(self, images, prompts):
         return -super().score(images, prompts)
