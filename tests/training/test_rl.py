@@ -429,13 +429,43 @@ def test_a_rising_kl_weight_moves_linearly_from_kl_start_to_kl_and_weighs_the_te
         weights.append(task.kl)
     assert weights == pytest.approx([1.0, 1.5, 2.0, 2.5, 3.0])
     task.micro_batch(0, 1, np.arange(2), torch.Generator().manual_seed(0))
+    _moved(task.policy)  # a policy away from the reference: a KL term large enough to weigh
     losses = {}
     for kl in (1.0, 3.0):
         task.kl = kl
         loss, metrics = task.loss(np.arange(2), torch.Generator().manual_seed(1))
         losses[kl] = (float(loss.detach()), metrics["kl"])
-    assert losses[1.0][1] > 0 and losses[3.0][1] == pytest.approx(losses[1.0][1])
-    assert losses[3.0][0] - losses[1.0][0] == pytest.approx(2.0 * losses[1.0][1], abs=1e-6)  # float32 losses ~1
+    assert losses[1.0][1] > 1e-3 and losses[3.0][1] == pytest.approx(losses[1.0][1])
+    assert losses[3.0][0] - losses[1.0][0] == pytest.approx(2.0 * losses[1.0][1], rel=1e-3)
+
+
+def _moved(module: torch.nn.Module) -> None:
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+
+
+class Constant(Brightness):
+    def score(self, images, prompts):
+        return np.full(len(images), 0.5)
+
+
+@pytest.mark.parametrize("method", ["diffusion_nft", "flow_grpo"])
+def test_the_kl_term_pulls_a_moved_policy_back_to_the_reference(examples, tmp_path, method):
+    """A reward that rates every sample alike gives zero advantages: only the KL term trains, and it must shrink."""
+    base = examples / "tiny-base"
+    r = recipe(base, method, ["optim.steps=6", "optim.lr=3e-3", "loss.kl=1", "loss.reference_guidance=1"],
+               reward=base)
+    task = make_task(r, CPU, load_card(base), Constant(), ["a bag", "a coat"])
+    task.micro_batch(0, 1, np.arange(2), torch.Generator().manual_seed(0))
+    assert task.loss(np.arange(2), torch.Generator().manual_seed(1))[1]["kl"] < 1e-12, "the base is its own reference"
+    task = make_task(r, CPU, load_card(base), Constant(), ["a bag", "a coat"])
+    _moved(task.policy)
+    logged = []
+    train_loop(task, r, CPU, tmp_path / "run", on_log=logged.append)
+    kl = [entry["kl"] for entry in logged]
+    assert kl[-1] < 0.5 * kl[0], kl
 
 
 def test_a_reward_cap_levels_the_advantages_of_samples_rated_above_it(examples):
