@@ -75,6 +75,29 @@ def test_the_generators_step_follows_the_distribution_matching_gradient(examples
     assert len(levels) == 6 and bool(((levels >= 0.02) & (levels <= 0.98)).all()), "t is drawn in loss.t_range"
 
 
+def test_the_loss_is_the_weighted_sum_of_the_terms_it_logs(examples, tmp_path):
+    """critic + λ_D·d_loss + dm + λ_G·g_loss + λ_reg·reg, each term as logged; the discriminator's loss is
+    softplus(fake logit) + softplus(−real logit) and the generator's softplus(−fake logit) — the logits in the order
+    the step computes them (fake, real, then the generator's fake)."""
+    import torch.nn.functional as F
+
+    from cardtool.core.data import load_split
+
+    teacher = examples / "tiny-base"
+    r = recipe(teacher, extra=["loss.gan=true", "loss.gan_critic_weight=0.3", "loss.gan_generator_weight=0.7",
+                               "loss.regression=0.25", "loss.teacher_samples=3"])
+    task = DMD2Task(r, _platform(), load_card(teacher), load_split("train", write_idx_folder(tmp_path / "idx")))
+    logits, forward = [], task.head.forward
+    task.head.forward = lambda features: logits.append(forward(features)) or logits[-1]
+    task.prepare(0)
+    loss, m = task.loss([0, 1], torch.Generator().manual_seed(0))
+    expected = m["critic_loss"] + 0.3 * m["d_loss"] + m["dm_loss"] + 0.7 * m["g_loss"] + 0.25 * m["reg_loss"]
+    assert float(loss.detach()) == pytest.approx(expected, rel=1e-5) and min(m.values()) > 0
+    fake, real, generators = (logit.detach() for logit in logits)
+    assert m["d_loss"] == pytest.approx(float(F.softplus(fake).mean() + F.softplus(-real).mean()), rel=1e-5)
+    assert m["g_loss"] == pytest.approx(float(F.softplus(-generators).mean()), rel=1e-5)
+
+
 def test_the_critic_regresses_the_velocity_of_the_generators_samples():
     x, noise, t = torch.tensor([[2.0, -1.0]]), torch.tensor([[0.5, 1.0]]), torch.tensor([0.25])
     seen = {}
