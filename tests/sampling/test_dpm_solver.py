@@ -79,3 +79,16 @@ def test_the_first_two_steps_and_the_last_are_euler_steps(loop):
     dpm, _, _ = solve(loop, "dpmpp_2m", 4)
     euler, _, _ = solve(loop, "euler", 4)
     assert float((dpm - euler).abs().max()) > 1e-3, "the third of four steps is second order"
+
+
+def test_the_second_order_weight_is_zero_where_there_is_no_earlier_step_to_lean_on():
+    """c = h / (2·h_prev) on log-SNR steps; 0 without an earlier estimate, after σ = 1, on the step to σ = 0, and where
+    the earlier step rounded to nothing (h_prev = 0 would divide by zero)."""
+    import math
+
+    from cardtool.core.sampling.denoise import _dpm_c
+
+    lam = [math.log((1 - s) / s) for s in (0.75, 0.5, 0.25)]
+    assert _dpm_c((0.75, None), 0.5, 0.25) == pytest.approx((lam[2] - lam[1]) / (2 * (lam[1] - lam[0])))
+    assert _dpm_c(None, 0.5, 0.25) == 0.0 and _dpm_c((1.0, None), 0.5, 0.25) == 0.0
+    assert _dpm_c((0.75, None), 0.5, 0.0) == 0.0 and _dpm_c((0.5, None), 0.5, 0.25) == 0.0
