@@ -44,6 +44,30 @@ def weights(card, name):
     return load_file(str(card.weights_file(name)))
 
 
+def test_the_flow_matching_loss_regresses_the_velocity_from_noise_to_the_data():
+    """x_t = (1 − t)·x0 + t·ε at t·1000, target ε − x0 (SD3 / Wan2.1), t logit-normal in (0, 1), each row's text a
+    phrasing of its own class, or the empty prompt where the condition is dropped. A model that solves x_t for ε
+    with x0 known predicts the target exactly: the loss must be 0."""
+    from cardtool.core.training.methods.flow_matching import FlowMatchingTask
+
+    task = object.__new__(FlowMatchingTask)  # the loss alone, without a card, data or text encoder
+    task.device, task.per_class, task.empty = torch.device("cpu"), 2, 6
+    task.text, task.mask = torch.arange(7.0)[:, None, None].expand(7, 3, 4), torch.ones(7, 3, dtype=torch.bool)
+    x0, labels, seen = torch.randn(8, 2, 1, 2, 2), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1]), {}
+
+    def dit(x_t, timesteps, text, mask):
+        t = (timesteps / 1000).reshape(-1, 1, 1, 1, 1)
+        seen["t"], seen["rows"] = t.flatten(), text[:, 0, 0].long()
+        return (x_t - (1 - t) * x0) / t - x0
+
+    task.dit = dit
+    assert float(task._loss(x0, labels, torch.Generator().manual_seed(0), 0.0)) < 1e-8
+    assert bool(((seen["t"] > 0) & (seen["t"] < 1)).all()) and len(set(seen["t"].tolist())) == 8
+    assert torch.equal(seen["rows"] // 2, labels), "each row's text is one of its class's phrasings"
+    task._loss(x0, labels, torch.Generator().manual_seed(0), 1.0)
+    assert bool((seen["rows"] == 6).all()), "a dropped condition is the empty prompt"
+
+
 def test_vae_card_is_written_with_recipe_command_and_metrics(tmp_path, data):
     card = train(tiny("fashion-vae"), command="cardtool train …", out=tmp_path / "vae", run_dir=tmp_path / "run",
                  data=str(data))
