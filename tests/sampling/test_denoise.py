@@ -140,6 +140,13 @@ def test_guidance_interval_guides_only_the_steps_inside_it(loop):
     assert np.abs(empty - nowhere).max() <= 1e-6, "an interval holding no step's σ is unguided sampling"
 
 
+def test_the_guidance_interval_holds_its_bounds_up_to_the_grids_rounding():
+    request = Request("x", guidance_interval=(0.25, 0.5))
+    assert [request.guides_at(s) for s in shifted_sigmas(4, 1.0)[:-1]] == [False, False, True, True]
+    assert request.guides_at(0.25 - 1e-12) and request.guides_at(0.5 + 1e-12), "bounds inclusive, rounding allowed"
+    assert not request.guides_at(0.25 - 1e-6) and not request.guides_at(0.5 + 1e-6)
+
+
 @pytest.mark.parametrize(("request_", "message"), [
     (Request("x", steps=0), "steps must be in 1…1000"),
     (Request("x", solver="heun"), "unknown solver 'heun'"),
@@ -148,6 +155,12 @@ def test_guidance_interval_guides_only_the_steps_inside_it(loop):
     (Request("x", guidance=1e308), "guidance must be in -100…100"),
     (Request("x", solver="sde", eta=-0.5), "eta .the SDE's noise level. must be in 0…10"),
     (Request("x", seed=-1), "seed must be in"),
+    (Request("x", seed=2**63), "seed must be in"),
+    (Request("x", strength=0.0), "strength must be in"),
+    (Request("x", strength=1.5), "strength must be in"),
+    (Request("x", adapters=(("a", float("nan")),)), "an adapter is NAME with a finite scale"),
+    (Request("x", adapters=((1, 0.5),)), "an adapter is NAME with a finite scale"),
+    (Request("x", adapters=(("a", "0.5"),)), "an adapter is NAME with a finite scale"),
     (Request("x", guidance_interval=(0.6, 0.2)), "0 ≤ LO ≤ HI ≤ 1"),
     (Request("x", guidance_interval=(0.0, 1.5)), "0 ≤ LO ≤ HI ≤ 1"),
     (Request("a \udcff shirt"), r"the prompt holds \\udcff, which is not a character"),  # bytes not UTF-8

@@ -173,6 +173,12 @@ def test_inpainting_keeps_the_unmasked_cells_latent_exactly_and_generates_the_re
         assert np.array_equal(final[kept], source[kept]), "kept cells end on the image's own latent, bit for bit"
         assert not np.allclose(final[~kept], source[~kept]), "the masked cells are generated"
     assert states[0].step == states[1].step == 4 and requests[1].first_step(states[1].sigmas) == 2
+    # on the way, too: after each step to σ' the kept cells are the image's latent re-noised, (1 − σ')·x + σ'·ε
+    states = sample(loop, requests[:1], capture=True, sources=[latent], keeps=[loop.latent_mask(mask)])
+    noise = np.asarray(states[0].keep[2])
+    for step, sigma_next in enumerate(states[0].sigmas[1:]):
+        path = np.asarray(states[0].capture.latents[step + 1])
+        np.testing.assert_allclose(path[kept], ((1 - sigma_next) * source + sigma_next * noise)[kept], atol=1e-6)
 
 
 def test_inpainting_from_the_command_line_keeps_the_top_and_is_made_again_by_like(tmp_path):
