@@ -143,6 +143,13 @@ def test_guidance_interval_guides_only_the_steps_inside_it(loop):
 def test_the_guidance_interval_holds_its_bounds_up_to_the_grids_rounding():
     request = Request("x", guidance_interval=(0.25, 0.5))
     assert [request.guides_at(s) for s in shifted_sigmas(4, 1.0)[:-1]] == [False, False, True, True]
+    # what reports count as model evaluations per image: two rows on a guided step; a start from an image on the grid
+    # point at its strength (σ 1, 0.75, 0.5, 0.25: strength 0.5 starts at the third step)
+    assert Request("x", steps=4, guidance=3.0, guidance_interval=(0.25, 0.5)).model_evaluations() == 6
+    assert Request("x", steps=4, guidance=1.0).model_evaluations() == 4
+    assert Request("x", steps=4, guidance=3.0, strength=0.5).model_evaluations() == 4
+    assert [Request("x", steps=4, strength=s).first_step(shifted_sigmas(4, 1.0)) for s in (1.0, 0.75, 0.6, 0.5, 0.01)] \
+        == [0, 1, 2, 2, 3]
     assert request.guides_at(0.25 - 1e-12) and request.guides_at(0.5 + 1e-12), "bounds inclusive, rounding allowed"
     assert not request.guides_at(0.25 - 1e-6) and not request.guides_at(0.5 + 1e-6)
 
