@@ -418,6 +418,18 @@ def test_rl_with_lora_trains_an_adapter_on_the_frozen_base(examples, tmp_path):
         assert (plain_dit(x, t, text) - served).abs().max() > 1e-5
 
 
+def _moved(module: torch.nn.Module) -> None:
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+
+
+class Constant(Brightness):
+    def score(self, images, prompts):
+        return np.full(len(images), 0.5)
+
+
 @pytest.mark.parametrize("method", ["diffusion_nft", "flow_grpo"])
 def test_a_rising_kl_weight_moves_linearly_from_kl_start_to_kl_and_weighs_the_term(examples, method):
     base = examples / "tiny-base"
@@ -437,18 +449,6 @@ def test_a_rising_kl_weight_moves_linearly_from_kl_start_to_kl_and_weighs_the_te
         losses[kl] = (float(loss.detach()), metrics["kl"])
     assert losses[1.0][1] > 1e-3 and losses[3.0][1] == pytest.approx(losses[1.0][1])
     assert losses[3.0][0] - losses[1.0][0] == pytest.approx(2.0 * losses[1.0][1], rel=1e-3)
-
-
-def _moved(module: torch.nn.Module) -> None:
-    generator = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=generator))
-
-
-class Constant(Brightness):
-    def score(self, images, prompts):
-        return np.full(len(images), 0.5)
 
 
 @pytest.mark.parametrize("method", ["diffusion_nft", "flow_grpo"])
