@@ -93,7 +93,6 @@ class Env:
         self.export = _sharded_export(runner, app, self.cards / "tiny-rl", root / "export")
         self.image_files = _image_files(rng)
 
-
     def card(self, name: str) -> str:
         return str(self.cards / name)
 

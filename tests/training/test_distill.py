@@ -71,8 +71,8 @@ def test_the_generators_step_follows_the_distribution_matching_gradient(examples
     g = dm_gradient(x.detach(), real, fake)
     torch.testing.assert_close(x.grad, g / x.numel())
     assert metrics["dm_loss"] == pytest.approx(0.5 * float(g.pow(2).mean()), rel=1e-6)
-    levels = torch.cat(levels)  # the critic's own t, then the DM term's for both scores
-    assert len(levels) == 6 and bool(((levels >= 0.02) & (levels <= 0.98)).all()), "t is drawn in loss.t_range"
+    drawn = torch.cat(levels)  # the critic's own t, then the DM term's for both scores
+    assert len(drawn) == 6 and bool(((drawn >= 0.02) & (drawn <= 0.98)).all()), "t is drawn in loss.t_range"
 
 
 def test_the_loss_is_the_weighted_sum_of_the_terms_it_logs(examples, tmp_path):
