@@ -120,6 +120,24 @@ def test_only_the_layers_that_changed_are_adapted(examples):
     assert run.exit_code == 0, run.output
 
 
+def test_one_kind_of_layer_changed_in_every_block_is_one_pattern_and_rank_one_is_a_rank(examples):
+    from cardtool.core.cards.lora_extract import extract_lora
+    from cardtool.errors import BadInput
+
+    def queries(tensors):
+        for name in [n for n in tensors if n.endswith("attn1.to_q.weight")]:
+            tensors[name] = tensors[name] + np.float32(0.05)
+
+    tuned(examples, queries)
+    made = extract_lora("tiny-base", "tuned", 1, "extracted", out=examples / "extracted", command="made by a test")
+    assert made.rank == 1 and made.modules == 2 and made.kept == pytest.approx(1.0), "a constant change is rank 1"
+    assert made.card.manifest.adapters["tuned"].targets == ["blocks.*.attn1.to_q"]
+    assert made.card.manifest.recipe.command == "made by a test"
+    assert all(t.shape[0 if k.endswith("lora_A.weight") else 1] == 1 for k, t in lora(examples).items())
+    with pytest.raises(BadInput, match="has no DiT component 'vae'"):
+        extract_lora("tiny-base", "tuned", 1, "other", target="vae", out=examples / "other")
+
+
 def test_a_layer_smaller_than_the_rank_is_zero_padded_to_it(examples):
     """TINY_DIT's time embedding takes 4 frequencies into 8 channels: at rank 8 its A has 4 rows of zeros."""
     from helpers import TINY_DIT, tiny_tensors, write_tensors

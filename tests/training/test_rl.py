@@ -24,7 +24,7 @@ from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache
 from cardtool.core.training.methods.grpo import GRPO_DEFAULTS, clipped_objective, transition_log_probs
 from cardtool.core.training.methods.nft import NFT_DEFAULTS, nft_loss, old_policy_decay
-from cardtool.core.training.methods.rollouts import group_advantages
+from cardtool.core.training.methods.rollouts import Rollouts, group_advantages
 from cardtool.core.training.rl import check_recipe, make_task, rl, rl_recipe
 from cardtool.core.training.trainer import CHECKPOINT, train_loop
 from cardtool.errors import BadInput
@@ -97,6 +97,46 @@ def test_the_old_policy_holds_through_a_rollout_and_then_follows_the_current_one
     assert torch.equal(old, previous)
     task.prepare(4)  # the third rollout: d = 0.25·1
     torch.testing.assert_close(old, 0.25 * previous + 0.75 * current)
+
+
+def test_a_rollout_buffer_serves_its_updates_and_micro_batches_and_is_sampled_once(examples):
+    """`updates_per_rollout=2`: a step's first micro-batch samples the buffer on a rollout's first update only; the
+    two updates take disjoint halves of its rows, each micro-batch every `parts`-th row of its update's half."""
+    base = examples / "tiny-base"
+    task = make_task(recipe(base, extra=["loss.updates_per_rollout=2"], reward=base), CPU, load_card(base),
+                     Brightness(), ["a bag", "a coat"])
+    shared, batch, buffers, halves = torch.Generator().manual_seed(0), np.array([0, 1]), [], []
+    for step in range(4):
+        task.prepare(step)
+        for part in range(2):
+            task.micro_batch(part, 2, batch, shared)
+            buffers.append(task.buffer)
+            halves.append(task.batch()[1])
+    assert [b is buffers[0] for b in buffers] == [True] * 4 + [False] * 4
+    assert all(b is buffers[4] for b in buffers[4:]) and len(task.reward_history) == 2
+    first = torch.cat(halves[:4])
+    assert sorted(first.tolist()) == list(range(16)), "the rollout's two updates × two micro-batches: every row once"
+    torch.testing.assert_close(halves[0], buffers[0].order[:8][0::2])
+    torch.testing.assert_close(halves[3], buffers[0].order[8:][1::2])
+    assert task.reward_history[0] == pytest.approx(float(buffers[0].rewards.mean()))
+    task.text(buffers[0].prompts)
+    rate = task.metrics(buffers[0])["text_cache_hit_rate"]
+    assert 0 < rate < 1 and rate == task.cache.hits / (task.cache.hits + task.cache.misses)
+
+
+@pytest.mark.parametrize("method", ["diffusion_nft", "flow_grpo"])
+def test_the_loss_sections_smallest_settings_are_accepted_and_below_them_refused(examples, method):
+    base = examples / "tiny-base"
+    least = ["loss.group_size=2", "loss.rollout_steps=1", "loss.updates_per_rollout=1", "loss.kl=0", "loss.kl_start=0",
+             "loss.advantage_clip=0.01", "loss.shift=0.01", "loss.reference_guidance=1"]
+    settings = make_task(recipe(base, method, least, reward=base), CPU, load_card(base), Brightness(),
+                         ["a bag"]).settings
+    assert (settings.group_size, settings.rollout_steps, settings.kl_start, settings.advantage_clip,
+            settings.shift) == (2, 1, 0, 0.01, 0.01)
+    for below in ("loss.group_size=1", "loss.rollout_steps=0", "loss.updates_per_rollout=0", "loss.kl=-0.1",
+                  "loss.kl_start=-0.1", "loss.advantage_clip=0", "loss.shift=0.005", "loss.reference_guidance=0.9"):
+        with pytest.raises(BadInput, match=below.split("=")[0].replace(".", r"\.")):
+            make_task(recipe(base, method, [below], reward=base), CPU, load_card(base), Brightness(), ["a bag"])
 
 
 def test_advantages_and_clipping_match_hand_computed_values():
@@ -202,6 +242,21 @@ def test_resume_between_two_updates_of_a_rollout_equals_an_uninterrupted_run(exa
     a, b = (load_file(str(c.weights_file("transformer"))) for c in (whole, resumed))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert whole.manifest.recipe.metrics["reward_curve"] == resumed.manifest.recipe.metrics["reward_curve"]
+
+
+def test_a_restored_buffer_may_index_every_prompt_and_none_past_them():
+    def buffer(prompts):
+        return {"prompts": torch.tensor(prompts), "rewards": torch.zeros(2, dtype=torch.float64),
+                "advantages": torch.zeros(2, dtype=torch.float64), "latents": torch.zeros(2, 2, 1),
+                "order": torch.tensor([1, 0])}
+
+    def restored(prompts):
+        return Rollouts.restored(buffer(prompts), rows=2, steps=1, latent=(1,), prompts=3, log_probs=False)
+
+    assert restored([0, 2]).prompts.tolist() == [0, 2]
+    for wrong in ([-1, 0], [0, 3]):
+        with pytest.raises(ValueError, match="index past the run's 3"):
+            restored(wrong)
 
 
 @pytest.mark.parametrize("method", ["diffusion_nft", "flow_grpo"])
@@ -440,6 +495,10 @@ def test_a_rising_kl_weight_moves_linearly_from_kl_start_to_kl_and_weighs_the_te
         task.prepare(step)
         weights.append(task.kl)
     assert weights == pytest.approx([1.0, 1.5, 2.0, 2.5, 3.0])
+    two = make_task(recipe(base, method, ["optim.steps=2", "loss.kl_start=1", "loss.kl=3"], reward=base), CPU,
+                    load_card(base), Brightness(), ["a bag"])
+    two.prepare(1)
+    assert two.kl == 3.0, "the last update's weight is `kl`"
     task.micro_batch(0, 1, np.arange(2), torch.Generator().manual_seed(0))
     _moved(task.policy)  # a policy away from the reference: a KL term large enough to weigh
     losses = {}

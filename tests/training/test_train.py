@@ -595,6 +595,25 @@ def test_lora_and_controlnet_training_write_adapter_cards_that_generate_serves(e
               out=tmp_path / "x", run_dir=tmp_path / "r3", data=str(data))
 
 
+def test_a_trainable_lora_starts_as_peft_does_and_adds_alpha_over_r_times_b_a_x():
+    """At init A ~ U(±1/√in) and B = 0 (the model unchanged); then y + (α/r)·B·A·x on the targeted layers only."""
+    from cardtool.backends.lora import TrainableLora
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"q": torch.nn.Linear(400, 3), "k": torch.nn.Linear(400, 3)})
+    lora = TrainableLora(model, ["q"], 4, 2.0)
+    a, b = lora.lora_A["q"], lora.lora_B["q"]
+    assert lora.names == ["q"] and a.shape == (4, 400) and b.shape == (3, 4) and not b.any()
+    assert -1 / 20 <= float(a.detach().min()) < -0.9 / 20 and 0.9 / 20 < float(a.detach().max()) <= 1 / 20, "1/√400"
+    with torch.no_grad():
+        b.normal_()
+    x, y = torch.randn(2, 400), torch.randn(2, 3)
+    torch.testing.assert_close(lora("q", x, y), y + 0.5 * x @ a.T @ b.T)
+    assert torch.equal(lora("k", x, y), y)
+    with pytest.raises(ValueError, match="no linear layer matches"):
+        TrainableLora(model, ["v"], 4, 2.0)
+
+
 def test_lora_scales_train_each_row_at_its_own_scale_on_a_mixture(examples, tmp_path, data):
     """`loss.scales`: a row at scale s adds s times the LoRA's delta (0 adds nothing), and a run drawing its rows'
     scales from the list trains a LoRA card as usual."""
