@@ -228,6 +228,23 @@ def test_a_lora_card_is_compared_as_it_serves_so_its_lora_is_resized(examples):
             for ref in ("half-invert", "extracted")]
     assert np.abs(made[0].astype(int) - made[1]).max() <= 1
 
+    # two LoRAs of a default stack on one layer add up: invert at 0.5 and a copy of it at 0.25 serve 0.75 of it
+    import shutil
+
+    (examples / "twice" / "adapters").mkdir(parents=True)
+    shutil.copy(examples / "tiny-base" / "adapters" / "invert.safetensors", examples / "twice" / "adapters")
+    (examples / "twice" / "card.yaml").write_text(
+        "schema: cardtool/v1\nid: twice\nextends: tiny-base\nadapters:\n  again: {kind: lora, target: transformer, "
+        f"weights: adapters/invert.safetensors, sha256: {spec.sha256}, rank: 4, alpha: 4}}\nloops:\n  denoise:\n"
+        "    defaults: {adapters: {invert: 0.5, again: 0.25}}\nrecipe: {method: lora, parents: [tiny-base]}\n")
+    result = extract(examples, "tiny-base", "twice", "--rank", "4", "--adapter", "both", card_id="both")
+    assert result.exit_code == 0, result.output
+    both = lora(examples, "both", name="both")
+    for key in (k for k in invert if k.endswith("lora_A.weight")):
+        module = key.removesuffix(".lora_A.weight")
+        wanted = 0.75 * spec.alpha / spec.rank * invert[f"{module}.lora_B.weight"].astype(np.float64) @ invert[key]
+        np.testing.assert_allclose(both[f"{module}.lora_B.weight"].astype(np.float64) @ both[key], wanted, atol=1e-5)
+
 
 def test_a_base_that_serves_with_a_lora_keeps_it_under_the_extracted_one(examples):
     (examples / "half-invert").mkdir()
