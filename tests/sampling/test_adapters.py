@@ -390,6 +390,42 @@ def test_silhouette_fills_enclosed_holes_and_edges_trace_the_outline():
     assert np.array_equal(batch[0], shape)
 
 
+def test_silhouettes_ink_starts_above_32_and_the_background_floods_from_every_border():
+    """A pixel brighter than INK = 32 is garment; a frame's inside is filled, the ring outside it is not; and the
+    background is flooded from each border row and column (a flood missing one fills that border's notch)."""
+    frame = np.zeros((8, 8), np.uint8)
+    frame[1, 1:7] = frame[6, 1:7] = frame[1:7, 1] = frame[1:7, 6] = 33
+    shape = silhouette(frame)
+    assert (shape[1:7, 1:7] == 255).all() and shape.sum() == 36 * 255, "the frame filled, the outer ring background"
+    assert not silhouette(np.where(frame > 0, 32, 0).astype(np.uint8)).any(), "32 is background"
+    notched = np.full((8, 8), 200, np.uint8)  # a garment filling the image but for a notch in each border
+    notched[0, 3:5] = notched[-1, 3:5] = notched[3:5, 0] = notched[3:5, -1] = 0
+    assert np.array_equal(silhouette(notched) == 0, notched == 0), "each notch open to its own border only"
+
+
+def test_an_edge_is_a_gradient_above_a_quarter_of_the_largest():
+    steps = np.repeat(np.array([[0, 0, 0, 50, 50, 50, 250, 250, 250]], np.uint8), 5, axis=0)
+    outline = edges(steps)  # Sobel magnitudes 4·50 = 200 beside the first step, 4·200 = 800 beside the second
+    assert outline[:, 5:7].all() and not outline[:, 2:4].any() and not outline[:, [0, 1, 4, 7, 8]].any()
+    raised = steps.copy()
+    raised[:, 3:6] = 51  # 204 > 800 / 4 (the peak is 4·199 = 796)
+    assert edges(raised)[:, 2:4].all()
+
+
+def test_a_control_is_a_grey_uint8_image_and_its_preprocessor_is_named_after_the_last_colon(tmp_path):
+    from cardtool.core.sampling.control import parse_control
+
+    for wrong in (np.zeros((4, 4), np.float32), np.zeros((4, 4, 3), np.uint8)):
+        with pytest.raises(BadInput, match="a control image is a grey uint8"):
+            ControlImage.make(wrong, "none")
+    assert parse_control("shirt.png:edges") == (Path("shirt.png"), "edges")
+    assert parse_control("a:b/shirt.png:none") == (Path("a:b/shirt.png"), "none")
+    for plain in ("edges", "shirt.png", "C:/x/shirt.png", "take:2.png"):  # no preprocessor: the name is the file's
+        assert parse_control(plain) == (Path(plain), None), plain
+    with pytest.raises(BadInput, match="unknown preprocessor 'blur'"):
+        parse_control("shirt.png:blur")
+
+
 def test_a_control_image_reads_by_its_modes_own_range(tmp_path):
     """A 16-bit mask, a float image, a cut-out with transparency and a photo stored sideways read as the garment they
     show: Pillow's plain grey conversion clipped 16-bit values (all white), truncated floats to 0 or 1 (all black),
@@ -403,7 +439,10 @@ def test_a_control_image_reads_by_its_modes_own_range(tmp_path):
     files = {"16.png": Image.fromarray(np.where(shape, 60000, 2000).astype(np.uint16)),  # background 8 of 255
              "float.tiff": Image.fromarray(np.where(shape, 0.9, 0.0).astype(np.float32)),
              "cutout.png": Image.fromarray(np.dstack([np.full((28, 28, 3), 230), np.where(shape, 255, 0)])
-                                           .astype(np.uint8), "RGBA")}
+                                           .astype(np.uint8), "RGBA"),
+             "keyed.png": Image.fromarray(np.where(shape, 0, 1).astype(np.uint8), "P")}  # index 1: white, clear
+    files["keyed.png"].putpalette([230, 230, 230, 255, 255, 255])
+    files["keyed.png"].info["transparency"] = 1
     for name, image in files.items():
         image.save(tmp_path / name)
         grey = read_grey(tmp_path / name, 28)
