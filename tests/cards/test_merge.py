@@ -88,6 +88,8 @@ def test_no_weights_mix_equally_and_a_note_says_whose_loop_runs(examples):
     assert load_card(examples / "soup").manifest.recipe.hyperparameters["weights"] == pytest.approx([1 / 3] * 3)
     assert "note: the loops of tiny-distilled differ from tiny-base's" in " ".join(result.output.split())
     assert load_card(examples / "soup").manifest.loops["denoise"].defaults["steps"] == 30
+    two = merge(examples, "tiny-base", "tiny-distilled", card_id="pair")
+    assert json.loads(two.stdout)["loops_differ"] == ["tiny-distilled"], two.output
 
 
 def test_a_float16_card_merges_with_a_float32_one_into_float32_without_rounding(examples):
