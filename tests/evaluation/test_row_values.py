@@ -1,0 +1,58 @@
+"""An eval row's numbers are the metrics of its own images: each recomputed here from the judged hits and features
+the row kept (`keep_samples`), so a measurement taken from the wrong images or classes, or rounded otherwise, fails."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from helpers import EXAMPLE_CARDS, REPO, write_idx_folder
+
+from cardtool.core.data import CLASS_NAMES
+from cardtool.core.evaluation.evaluate import evaluate
+from cardtool.core.evaluation.metrics import (
+    frechet_distance,
+    frechet_std,
+    kernel_distance,
+    precision_recall,
+    wilson_interval,
+)
+
+torch.set_num_threads(1)
+
+
+def test_a_rows_numbers_are_the_metrics_of_its_images(tmp_path):
+    report = evaluate(str(EXAMPLE_CARDS / "tiny-base"), judge=str(EXAMPLE_CARDS / "tiny-judge"), steps=[2],
+                      per_class=3, data=str(write_idx_folder(tmp_path / "idx")), keep_samples=True)
+    (row,), ((hits, features),), real = report.rows, report.samples, report.real
+    labels = np.repeat(np.arange(10), 3)
+    assert hits.shape == (30,) and 0 < hits.sum() < 30, "a mix of right and wrong, so that classes tell apart"
+    assert row.class_accuracy == round(float(hits.mean()), 4)
+    assert row.accuracy_by_class == {name: round(float(hits[labels == c].mean()), 4)
+                                     for c, name in enumerate(CLASS_NAMES)}
+    assert row.class_accuracy_ci95 == [round(b, 4) for b in wilson_interval(int(hits.sum()), 30)]
+    assert row.fid_fmnist == round(frechet_distance(features, real), 4)
+    assert row.fid_fmnist_std == round(frechet_std(features, real), 4)
+    kid, kid_std = kernel_distance(features, real)
+    assert (row.kid, row.kid_std) == (round(kid, 6), round(kid_std, 6))
+    assert [row.manifold_precision, row.manifold_recall] == [round(v, 4) for v in precision_recall(features, real)]
+    assert 0 < row.mean_reward < 1 and row.images == 30 and row.model_evaluations == 4, "guided: two a step"
+    assert row.images_per_second > 0
+
+
+def test_the_vae_floor_reconstructs_the_images_through_the_cards_vae(fashion_mnist, monkeypatch):
+    """fashion-base's VAE (test PSNR 27.19 dB) gives back Fashion-MNIST images to within its PSNR, the background
+    near black: the floor is measured on reconstructions, not on what a wrong input range decodes to."""
+    from cardtool.backends.platform import Platform
+    from cardtool.core.cards import discovery
+    from cardtool.core.cards.loader import load_card
+    from cardtool.core.data import load_split
+    from cardtool.core.evaluation.evaluate import _reconstruct
+    from cardtool.core.sampling.instance import ModelInstance
+
+    monkeypatch.setattr(discovery, "builtin_dir", lambda: REPO / "cards")
+    images = load_split("test").images[:64]
+    instance = ModelInstance(load_card("fashion-base"), Platform.detect("cpu"), "float32")
+    made = _reconstruct(instance, "vae", images)
+    assert made.dtype == np.uint8 and made.shape == images.shape
+    mse = float(((made.astype(np.float64) - images) ** 2).mean())
+    assert 10 * np.log10(255**2 / mse) >= 25 and (made == 0).any() and (made <= 4).mean() >= 0.4
