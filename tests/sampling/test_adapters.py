@@ -448,6 +448,8 @@ def test_a_control_image_reads_by_its_modes_own_range(tmp_path):
         grey = read_grey(tmp_path / name, 28)
         assert np.array_equal(silhouette(grey) > 0, shape), name
         assert grey[shape].min() >= 200 and grey[~shape].max() <= 8, name
+    Image.new("LA", (28, 28), (200, 128)).save(tmp_path / "half.png")  # half transparent: half its grey on black
+    assert (read_grey(tmp_path / "half.png", 28) == 100).all()
     Image.fromarray(np.where(shape, 200, 0).astype(np.uint8)).save(tmp_path / "8.png")  # 8-bit grey as it was
     assert np.array_equal(read_grey(tmp_path / "8.png", 28), np.where(shape, 200, 0))
     bar = np.zeros((28, 28), np.uint8)
