@@ -67,6 +67,7 @@ def test_candidates_are_scored_in_one_batch_and_candidate_zero_is_the_plain_requ
 @pytest.mark.parametrize("args, message", [
     (["--best-of", "3"], "needs --reward"),
     (["--best-of", "0", "--reward", "REWARD"], "--best-of must be at least 1"),
+    (["--best-of", "1025", "--reward", "REWARD"], "--best-of must be at most 1024 candidates a request, got 1025"),
     (["--best-of", "2", "--reward", "BASE"], "is not a reward"),
     (["--best-of", "2", "--reward", "FIVE"], "not a Fashion-MNIST judge: its classifier tells 5 classes, not the 10"),
     # the judge has no numpy cell: said before the candidates are sampled, not after

@@ -20,6 +20,7 @@ from cardtool.backends.platform import Platform
 from cardtool.core import distributed
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.interrupt import Interrupted, stop_requests
+from cardtool.core.sampling.best_of import MAX_CANDIDATES, best_of_n
 from cardtool.core.sampling.control import ControlImage
 from cardtool.core.sampling.denoise import DenoiseLoop, NonFiniteImages, Request
 from cardtool.core.sampling.images import grid_image
@@ -130,8 +131,6 @@ class LoadedCard:
             images, finite = loop.decode(states)
             extras = [adapter_metadata(s.adapters, s.request.control, fused is not None) for s in states]
             return list(zip(requests, images, extras, finite, strict=True))
-        from cardtool.core.sampling.best_of import best_of_n
-
         picked = best_of_n(loop, judge, requests, best_of, max_batch=max_batch, on_step=on_step, sources=sources,
                            keeps=keeps)
         extras = [{**e, **({"fused": "true"} if fused is not None else {})} for e in picked.metadata()]
@@ -174,6 +173,8 @@ class LoadedCard:
             raise BadInput("--best-of N needs --reward REWARD_CARD, the card that scores the candidates")
         if best_of < 1:
             raise BadInput(f"--best-of must be at least 1, got {best_of}")
+        if best_of > MAX_CANDIDATES:  # here, not when the candidates are planned: before the output folder is made
+            raise BadInput(f"--best-of must be at most {MAX_CANDIDATES} candidates a request, got {best_of}")
         if best_of * num * max(1, len(prompts)) > MAX_IMAGES:
             asked = f"{len(prompts):,} prompts × {num:,} images" + (f" × {best_of:,} candidates" if best_of > 1 else "")
             raise BadInput(f"at most {MAX_IMAGES:,} images a call (candidates counted), got {asked}; split the run")
