@@ -412,7 +412,7 @@ def test_an_edge_is_a_gradient_above_a_quarter_of_the_largest():
     assert edges(raised)[:, 2:4].all()
 
 
-def test_a_control_is_a_grey_uint8_image_and_its_preprocessor_is_named_after_the_last_colon(tmp_path):
+def test_a_control_is_a_grey_uint8_image_and_its_preprocessor_is_named_after_the_last_colon():
     from cardtool.core.sampling.control import parse_control
 
     for wrong in (np.zeros((4, 4), np.float32), np.zeros((4, 4, 3), np.uint8)):
