@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -12,8 +13,10 @@ from typer.testing import CliRunner
 
 from cardtool.cli import app
 from cardtool.core.cards.loader import load_card
+from cardtool.core.cards.lora_extract import extract_lora
 from cardtool.core.cards.weight_files import sha256_file
 from cardtool.core.sampling.generate import LoadedCard
+from cardtool.errors import BadInput
 
 torch.set_num_threads(1)
 
@@ -121,9 +124,6 @@ def test_only_the_layers_that_changed_are_adapted(examples):
 
 
 def test_one_kind_of_layer_changed_in_every_block_is_one_pattern_and_rank_one_is_a_rank(examples):
-    from cardtool.core.cards.lora_extract import extract_lora
-    from cardtool.errors import BadInput
-
     def queries(tensors):
         for name in [n for n in tensors if n.endswith("attn1.to_q.weight")]:
             tensors[name] = tensors[name] + np.float32(0.05)
@@ -174,8 +174,6 @@ def test_a_change_outside_linear_layers_is_reported_as_beyond_the_lora(examples)
 
 
 def stranger(examples):
-    import shutil
-
     shutil.copytree(examples / "tiny-base", examples / "stranger")
     manifest = examples / "stranger" / "card.yaml"
     manifest.write_text(manifest.read_text().replace("id: tiny-base", "id: stranger"))
@@ -229,8 +227,6 @@ def test_a_lora_card_is_compared_as_it_serves_so_its_lora_is_resized(examples):
     assert np.abs(made[0].astype(int) - made[1]).max() <= 1
 
     # two LoRAs of a default stack on one layer add up: invert at 0.5 and a copy of it at 0.25 serve 0.75 of it
-    import shutil
-
     (examples / "twice" / "adapters").mkdir(parents=True)
     shutil.copy(examples / "tiny-base" / "adapters" / "invert.safetensors", examples / "twice" / "adapters")
     (examples / "twice" / "card.yaml").write_text(
