@@ -389,6 +389,21 @@ def test_a_reward_that_is_not_a_reward_and_a_base_without_a_loop_are_refused(exa
     assert result.exit_code == 2 and "cardtool rl" in result.output
 
 
+def test_the_classes_a_reward_tells_are_its_classifiers_whatever_comes_before_it():
+    from types import SimpleNamespace as Spec
+
+    from cardtool.core.evaluation.reward import not_a_reward
+
+    def card(classes):
+        components = {"text_encoder": Spec(kind="text_encoder", config={"dim": 384}),
+                      "classifier": Spec(kind="classifier", config={"width": 8, **classes})}
+        return Spec(id="judge", manifest=Spec(components=components))
+
+    assert not_a_reward(card({})) is None and not_a_reward(card({"classes": 10})) is None
+    assert "its classifier tells 5 classes, not the 10" in not_a_reward(card({"classes": 5}))
+    assert "its classifier tells 1 class, not the 10" in not_a_reward(card({"classes": 1}))
+
+
 def test_watching_logs_both_judges_accuracy_and_fid_of_the_live_policy(examples, tmp_path):
     referee = examples / "tiny-referee"
     referee.mkdir()

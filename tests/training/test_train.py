@@ -544,6 +544,21 @@ def test_judge_scores_prompts_by_class_names_and_free_text(tmp_path, data):
                                 ).tolist() == [9, 1, 8, 4]
     # naming no class (nor a word for one): the class whose prompt the text encoder puts nearest
     assert judge.prompt_classes(["a leather purse", "something warm for winter", "jeans"]).tolist() == [8, 4, 1]
+    assert judge.prompt_classes(["a red t-shirt", "a shirt"]).tolist() == [0, 6], "the longest name found wins"
+    # the nearest class by cosine of mean-pooled token states (padding left out)
+    encoder = judge.instance.component("text_encoder")
+    states, mask = (judge.instance.arrays.to_numpy(t) for t in encoder(["a b", "something warm for winter"]))
+    pooled = np.stack([states[i, mask[i] > 0].mean(0) for i in range(2)])
+    np.testing.assert_allclose(judge._embed(["a b", "something warm for winter"]),
+                               pooled / np.linalg.norm(pooled, axis=1, keepdims=True), rtol=1e-5, atol=1e-6)
+    many = np.random.default_rng(1).integers(0, 255, (300, 28, 28), dtype=np.uint8)
+    sizes = []
+    hook = judge._model().register_forward_pre_hook(lambda module, args: sizes.append(len(args[0])))
+    probabilities = judge.probabilities(many)
+    hook.remove()
+    assert sizes == [128, 128, 44], "classified 128 at a time: 13 MB of activations a call, not 100 MB"
+    np.testing.assert_allclose(probabilities, judge._batches(many, lambda m, x: m(x).softmax(-1), size=300),
+                               atol=1e-6)
     images = np.random.default_rng(0).integers(0, 255, (4, 28, 28), dtype=np.uint8)
     scores = judge.score(images, ["a bag", "a coat", "a dress", "a sneaker"])
     probabilities = judge.probabilities(images)
@@ -555,6 +570,10 @@ def test_judge_scores_prompts_by_class_names_and_free_text(tmp_path, data):
     assert bare.prompt_classes(["a bag", "a pair of jeans"]).tolist() == [8, 1], "class words need no text encoder"
     with pytest.raises(BadInput, match="cannot tell which class 'something warm' asks for: the prompt names"):
         bare.prompt_classes(["a bag", "something warm", "something warm"])
+    for unmatched, shown in [(["warm", "cosy", "soft"], "'warm', 'cosy', 'soft' asks"),
+                             (["warm", "cosy", "soft", "light"], "'warm', 'cosy', 'soft' … asks")]:
+        with pytest.raises(BadInput, match=f"which class {shown} for"):
+            bare.prompt_classes(unmatched)
 
 
 def test_lora_and_controlnet_training_write_adapter_cards_that_generate_serves(examples, tmp_path, data):
@@ -593,6 +612,50 @@ def test_lora_and_controlnet_training_write_adapter_cards_that_generate_serves(e
     with pytest.raises(BadInput, match="unknown model.rank"):
         train(load_recipe(RECIPES / "fashion-silhouette.yaml", [*common, "model.rank=2"]), command="c",
               out=tmp_path / "x", run_dir=tmp_path / "r3", data=str(data))
+
+
+def test_adapter_recipes_defaults_bounds_and_targets(examples, tmp_path, data):
+    """A lora recipe's rank defaults to 8 (1–1024) and its `model.targets` choose the layers it trains (recorded in
+    the card when not the default ones; an empty list is refused, not read as the default); a controlnet's blocks
+    default to 2 and may copy every block of the base, and its control is a named preprocessor other than none."""
+    common = ["optim.steps=1", "optim.batch_size=4", "train.precision=float32", f"parents=[{examples / 'tiny-base'}]"]
+
+    def lora(out, *extra):
+        recipe = load_recipe(RECIPES / "fashion-bold.yaml", [*common, "card.id=tiny-bold", *extra])
+        return train(recipe, command="c", out=out, run_dir=tmp_path / f"run-{out.name}", data=str(data))
+
+    def controlnet(out, *extra):
+        recipe = load_recipe(RECIPES / "fashion-silhouette.yaml", [*common, "card.id=tiny-outline", *extra])
+        return train(recipe, command="c", out=out, run_dir=tmp_path / f"run-{out.name}", data=str(data))
+
+    plain = load_recipe(RECIPES / "fashion-bold.yaml", [*common, "card.id=tiny-bold"])
+    plain.model.pop("rank"), plain.model.pop("alpha")
+    card = train(plain, command="c", out=tmp_path / "default", run_dir=tmp_path / "run-default", data=str(data))
+    assert (card.manifest.adapters["bold"].rank, card.manifest.adapters["bold"].alpha) == (8, 8.0)
+    assert card.manifest.adapters["bold"].targets is None, "the default targets are not written out"
+    card = lora(tmp_path / "q", "model.rank=1", "model.targets=[blocks.*.attn1.to_q]")
+    assert card.manifest.adapters["bold"].targets == ["blocks.*.attn1.to_q"]
+    assert sorted(weights(card, "bold")) == [f"blocks.{b}.attn1.to_q.lora_{m}.weight" for b in (0, 1) for m in "AB"]
+    for extra, message in [("model.rank=0", "model.rank: Input should be greater than or equal to 1"),
+                           ("model.rank=1025", "model.rank: Input should be less than or equal to 1024"),
+                           ("model.targets=[]", "model.targets: .*at least 1 item"),
+                           ("model.targets=[head.*]", "no linear layer matches the LoRA targets")]:
+        with pytest.raises(BadInput, match=message):
+            lora(tmp_path / "x", extra)
+    net = controlnet(tmp_path / "net", "model.adapter=outline", "model.blocks=2")
+    assert net.manifest.adapters["outline"].config == {"blocks": 2}
+    assert {k.split(".")[1] for k in weights(net, "outline") if k.startswith("blocks.")} == {"0", "1"}
+    plain = load_recipe(RECIPES / "fashion-silhouette.yaml", [*common, "card.id=tiny-outline"])
+    assert plain.model.pop("blocks") == 2
+    assert train(plain, command="c", out=tmp_path / "net2", run_dir=tmp_path / "run-net2",
+                 data=str(data)).manifest.adapters["silhouette"].config == {"blocks": 2}
+    for extra, message in [("model.blocks=3", "model.blocks 3 exceeds the base's 2 blocks"),
+                           ("model.blocks=0", "model.blocks: Input should be greater than or equal to 1"),
+                           ("model.control=none", "model.control must be one of: silhouette, edges"),
+                           ("model.control=blur", "model.control must be one of: silhouette, edges")]:
+        with pytest.raises(BadInput, match=message):
+            controlnet(tmp_path / "x", extra)
+    assert not (tmp_path / "x").exists()
 
 
 def test_a_trainable_lora_starts_as_peft_does_and_adds_alpha_over_r_times_b_a_x():

@@ -20,7 +20,7 @@ class LoraSettings(BaseModel):
 
     rank: int = Field(ge=1, le=1024)
     alpha: float | None = Field(None, gt=0)  # None: alpha = rank (α/r = 1)
-    targets: tuple[str, ...] = DEFAULT_TARGETS
+    targets: tuple[str, ...] = Field(DEFAULT_TARGETS, min_length=1)  # an empty list is a mistake, not the default
 
     def model_post_init(self, _) -> None:
         if self.alpha is None:

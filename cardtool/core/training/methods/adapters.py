@@ -91,7 +91,7 @@ class LoraTask(_AdapterTask):
     def __init__(self, recipe, platform, train, test):
         super().__init__(recipe, platform, train, test)
         self.rank, self.alpha = self.settings.rank, self.settings.alpha
-        self.targets = list(self.settings.targets or DEFAULT_TARGETS)
+        self.targets = list(self.settings.targets)
         torch.manual_seed(recipe.train.seed)
         try:
             self.lora = TrainableLora(self.dit, self.targets, self.rank, self.alpha)
