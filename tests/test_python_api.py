@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -57,15 +58,16 @@ def test_the_python_api_example_runs(tmp_path):
 
 def test_a_workflow_runs_from_its_file_with_overrides_and_resumes(tmp_path):
     tour = REPO / "examples" / "workflows" / "tiny-tour.yaml"
-    waves = []
-    report = cardtool.run_workflow(tour, overrides=["steps.draft.generate.num=2"], out=tmp_path,
-                                   max_batch=np.int64(2), on_wave=lambda *args: waves.append(args))  # as generate's
+    waves, started, nums = [], time.perf_counter(), ["steps.draft.generate.num=2", "steps.pick.best_of_n.num=2"]
+    report = cardtool.run_workflow(tour, overrides=nums, out=tmp_path, max_batch=np.int64(2),
+                                   on_wave=lambda *args: waves.append(args))  # as generate's
+    assert 0 < report.seconds <= time.perf_counter() - started
     assert [(s["step"], len(s["images"])) for s in report.steps] == [("draft", 4), ("refine", 4), ("compare", 2),
-                                                                     ("pick", 1)]
-    assert ("draft", 2, 4) in waves
-    again = cardtool.run_workflow(str(tour), overrides=("steps.draft.generate.num=2",), out=tmp_path,
-                                  skip_existing=True)
-    assert [s["kept"] for s in again.steps] == [4, 4, 2, 1]
+                                                                     ("pick", 2)]
+    # best-of-4 at --max-batch 2: each request's 4 candidates a wave of their own
+    assert waves == [("draft", 2, 4), ("refine", 2, 4), ("compare", 1, 2), ("pick", 1, 2)], "after all but the last"
+    again = cardtool.run_workflow(str(tour), overrides=tuple(nums), out=tmp_path, skip_existing=True)
+    assert [s["kept"] for s in again.steps] == [4, 4, 2, 2]
     for bad, message in (({"max_batch": 0}, "--max-batch must be at least 1"), ({"out": 3}, "out must be a path"),
                          ({"overrides": "a=1"}, "overrides are a list"),
                          ({"overrides": 3}, "overrides are a list"), ({"on_step": 1}, "on_step must be a"),

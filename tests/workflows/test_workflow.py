@@ -129,6 +129,8 @@ BAD = {
                         " num: 10}\n", 6, "steps.a.best_of_n", "at most 10,000"),
     "prompts and input": ("  a:\n    parallel: {cards: [EX/tiny-base], prompts: [a], input: a}\n", 6,
                           "steps.a.parallel", "either prompts or an input step"),
+    "a card without a loop": ("  a:\n    generate: {card: EX/tiny-judge, prompts: [x]}\n", 6, "steps.a.generate.card",
+                              "card 'tiny-judge' has no denoise loop to sample with"),
     "missing card": ("  a:\n    generate: {card: EX/no-such-card, prompts: [x]}\n", 6, "steps.a.generate.card",
                      "cannot be used"),
     # caught before any step runs, not after the steps before it
@@ -177,6 +179,77 @@ def test_bad_workflows_are_located_errors_not_tracebacks(examples, tmp_path, cas
         hit = next((p for p in problems if p["field"] == field and message in p["message"]), None)
         assert hit is not None, problems
         assert hit["file"].endswith("w.yaml") and hit["line"] == line
+
+
+EDGES = [  # (step, accepted): a setting at its bound validates, one past it is refused at its field
+    ("generate: {card: c, prompts: [a, b], num: 5000}", True),  # prompts × num = 10,000 images: the most a step takes
+    ("generate: {card: c, prompts: [a, b], num: 5001}", "steps.s.generate"),
+    ("parallel: {cards: [c, d], prompts: [a], num: 5000}", True),
+    ("parallel: {cards: [c, d], prompts: [a], num: 5001}", "steps.s.parallel"),
+    ("parallel: {cards: [c], prompts: [a, b], num: 5001}", "steps.s.parallel"),
+    ("best_of_n: {card: c, reward: r, n: 1000, prompts: [a], num: 10}", True),
+    ("best_of_n: {card: c, reward: r, n: 1024, prompts: [a]}", True),
+    ("best_of_n: {card: c, reward: r, n: 1025, prompts: [a]}", "steps.s.best_of_n.n"),
+    ("generate: {card: c, prompts: [a], guidance: -100, steps: 1000, shift: 0.01}", True),
+    ("generate: {card: c, prompts: [a], guidance: 100, shift: 100, guidance_interval: [0, 1]}", True),
+    ("generate: {card: c, prompts: [a], guidance: -100.5}", "steps.s.generate.guidance"),
+    ("generate: {card: c, prompts: [a], guidance_interval: [0.5]}", "steps.s.generate.guidance_interval"),
+    ("generate: {card: c, prompts: [a], guidance_interval: [0.5, 1.01]}", "steps.s.generate"),
+    ("generate: {card: c, prompts: [a], guidance_interval: [0, 0.5, 1]}", "steps.s.generate.guidance_interval"),
+    ("generate: {card: c, prompts: [a], image: i.png, strength: 0.001, mask: m}", True),
+    ("generate: {card: c, prompts: [a], image: i.png, strength: 1, mask: m.png}", True),
+    ("generate: {card: c, prompts: [a], image: i.png, strength: 1.01, mask: m.png}", "steps.s.generate.strength"),
+    ("generate: {card: c, prompts: [a], image: i.png, strength: 0}", "steps.s.generate.strength"),
+    ("chain: {input: t, card: c, strength: 1}", True),
+    ("chain: {input: t, card: c, strength: 1.01}", "steps.s.chain.strength"),
+    ("parallel: {input: t, cards: [c], strength: 1}", True),
+    ("parallel: {input: t, cards: [c], strength: 1.01}", "steps.s.parallel.strength"),
+    ("parallel: {input: t, cards: []}", "steps.s.parallel.cards"),
+]
+
+
+@pytest.mark.parametrize("step, accepted", EDGES)
+def test_a_steps_settings_are_accepted_up_to_their_bounds_and_refused_past_them(tmp_path, step, accepted):
+    from cardtool.core.workflows.manifest import load_workflow
+    from cardtool.errors import CardValidationError
+
+    path = tmp_path / "w.yaml"
+    path.write_text(f"{HEAD}  t:\n    generate: {{card: c, prompts: [a]}}\n  s:\n    {step}\n")
+    if accepted is True:
+        load_workflow(path, check_cards=False)
+        return
+    with pytest.raises(CardValidationError) as error:
+        load_workflow(path, check_cards=False)
+    assert [p.field for p in error.value.problems] == [accepted]
+
+
+def test_a_steps_defaults_and_card_paths_relative_to_the_workflow(examples, tmp_path, monkeypatch):
+    """Unset, a step makes one image a prompt and a chain or parallel refinement re-noises to σ = 0.5; a card named by
+    a path (`cards/tiny-base`, `./cards/tiny-base`) is found beside the workflow, wherever it is run from."""
+    from cardtool.core.workflows.manifest import load_workflow
+
+    folder = tmp_path / "flows"
+    (folder / "cards").mkdir(parents=True)
+    (folder / "cards" / "tiny-base").symlink_to(examples / "tiny-base")
+    path = folder / "w.yaml"
+    path.write_text(f"{HEAD}  t:\n    generate: {{card: cards/tiny-base, prompts: [a bag]}}\n"
+                    "  c:\n    chain: {input: t, card: ./cards/tiny-base}\n"
+                    "  p:\n    parallel: {input: t, cards: [cards/tiny-base]}\n")
+    monkeypatch.chdir(tmp_path)
+    steps = load_workflow(path).manifest.steps
+    assert (steps["t"].generate.num, steps["t"].generate.guidance, steps["t"].generate.seed) == (1, None, 0)
+    assert steps["c"].chain.strength == 0.5 and steps["p"].parallel.strength == 0.5 and steps["p"].parallel.num == 1
+
+
+def test_an_adapter_a_card_does_not_declare_is_refused_naming_the_loras_it_does(examples, tmp_path):
+    from cardtool.core.workflows.manifest import load_workflow
+    from cardtool.errors import CardValidationError
+
+    path = write(tmp_path, examples, "  a:\n    generate: {card: EX/tiny-base, prompts: [x], adapters: {nope: 1}}\n")
+    with pytest.raises(CardValidationError) as error:
+        load_workflow(path)
+    hit = next(p for p in error.value.problems if p.field == "steps.a.generate.adapters.nope")
+    assert hit.message == "card 'tiny-base' declares no LoRA 'nope'" and hit.fix == "name one of its LoRAs: invert"
 
 
 def test_a_toml_workflow_and_a_set_override(examples, tmp_path):
