@@ -133,6 +133,17 @@ def test_an_interrupted_workflow_keeps_its_finished_steps(tmp_path, monkeypatch,
     for path in made:
         assert path.read_bytes() == (tmp_path / "whole" / path.relative_to(tmp_path / "out")).read_bytes(), path
 
+    def last_step_then_sigterm(runner, workflow, name, *args):  # the signal comes as the last step finishes
+        step(runner, workflow, name, *args)
+        if name == "pick":
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(run_module, "_run_step", last_step_then_sigterm)
+    finished = CliRunner().invoke(app, ["workflow", "run", str(REPO / "examples" / "workflows" / "tiny-tour.yaml"),
+                                        "--out", str(tmp_path / "last"), "--json"])
+    assert finished.exit_code == 0, "nothing was left to stop: the run is done, not interrupted"
+    assert [s["step"] for s in json.loads(finished.stdout)["steps"]] == ["draft", "refine", "compare", "pick"]
+
 
 def test_a_signal_the_process_was_told_to_ignore_stays_ignored(interactive_signals):
     """A shell starts a background job with SIGINT ignored: a stray Ctrl-C must not stop it through our handler; nor

@@ -126,6 +126,11 @@ def test_what_needs_classes_refuses_captioned_images(examples, tmp_path):
                                       "--held-out-judge", "", "--data",
                                       str(root), "--out", str(tmp_path / "w"), "--json"])
     assert result.exit_code == 2 and "--watch-every's class accuracy needs class-labelled" in result.stdout
+    result = CliRunner().invoke(app, ["flywheel", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
+                                      "--data", str(root), "--out-dir", str(tmp_path / "cards"), "--run-dir",
+                                      str(tmp_path / "run"), "--json"])  # its eval stage, found before two stages
+    assert result.exit_code == 2 and "the flywheel's eval needs class-labelled images" in result.stdout
+    assert not (tmp_path / "cards").exists() and not (tmp_path / "run").exists()
 
 
 def test_eval_on_captioned_images_measures_fid_against_their_test_images(examples, tmp_path):

@@ -188,6 +188,8 @@ def test_a_base_whose_folder_name_is_no_id_asks_for_an_out_prefix(examples, tmp_
         flywheel_recipe(str(tmp_path / "my base"), str(examples / "tiny-judge"))
     assert flywheel_recipe(str(tmp_path / "my base"), str(examples / "tiny-judge"), prefix="mine").rl.card.id == \
         "mine-nft"
+    longest = flywheel_recipe(str(examples / "tiny-base"), str(examples / "tiny-judge"), prefix="a" * 100)
+    assert longest.distill.card.id == "a" * 100 + "-nft-2step", "an id of 128 characters at most"
 
 
 def test_a_flywheel_recipe_with_a_stray_key_is_a_located_error(examples, tmp_path):
