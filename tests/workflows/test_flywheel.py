@@ -4,6 +4,7 @@ re-run, a run stopped after the rl stage going on at distill, and bad input."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from helpers import EXAMPLE_CARDS, write_idx_folder
@@ -30,11 +31,14 @@ def run(examples, tmp_path, *extra, overrides=TINY, json_=True):
 
 
 def test_the_flywheel_chains_base_rl_and_student_and_reports_the_three(examples, tmp_path):
+    started = time.perf_counter()
     result = run(examples, tmp_path)
+    elapsed = time.perf_counter() - started
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert [s["stage"] for s in report["stages"]] == ["rl", "distill", "eval"]
     assert not any(s["skipped"] for s in report["stages"])
+    assert 0 < sum(s["seconds"] for s in report["stages"]) <= elapsed + 0.15  # each rounded to 0.1 s
     tuned = load_card(tmp_path / "cards" / "tiny-base-nft")
     student = load_card(tmp_path / "cards" / "tiny-base-nft-1step")
     assert tuned.manifest.recipe.method == "diffusion_nft"
@@ -64,6 +68,7 @@ def test_the_flywheel_chains_base_rl_and_student_and_reports_the_three(examples,
     recorded = (tmp_path / "cards" / "tiny-base-nft" / "card.yaml").read_bytes()
     again = run(examples, tmp_path, "--compare", str(examples / "tiny-distilled"))
     assert again.exit_code == 0 and [s["skipped"] for s in json.loads(again.stdout)["stages"]] == [True, True, False]
+    assert [s["seconds"] for s in json.loads(again.stdout)["stages"][:2]] == [0.0, 0.0], "nothing ran"
     assert [(d["a"], d["b"]) for d in json.loads(again.stdout)["paired"]] == [
         ("tiny-base", "tiny-base-nft-1step"), ("tiny-distilled", "tiny-base-nft-1step")], "and each --compare card"
     assert (tmp_path / "cards" / "tiny-base-nft" / "card.yaml").read_bytes() == recorded, "a skipped card is left be"
