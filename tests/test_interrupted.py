@@ -103,12 +103,14 @@ def test_an_interrupted_workflow_keeps_its_finished_steps(tmp_path, monkeypatch,
 
     step = run_module._run_step
 
-    def step_then_sigterm(runner, workflow, name, *args):  # preempted while the first step ("draft") runs
-        step(runner, workflow, name, *args)
-        if name == "draft":
-            os.kill(os.getpid(), signal.SIGTERM)
+    def sigterm_after(last: str):
+        def run_step(runner, workflow, name, *args):  # SIGTERM as step `last` finishes
+            step(runner, workflow, name, *args)
+            if name == last:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return run_step
 
-    monkeypatch.setattr(run_module, "_run_step", step_then_sigterm)
+    monkeypatch.setattr(run_module, "_run_step", sigterm_after("draft"))  # preempted during the first step
     result = CliRunner().invoke(app, ["workflow", "run", str(REPO / "examples" / "workflows" / "tiny-tour.yaml"),
                                       "--out", str(tmp_path / "out"), "--json"])
     assert result.exit_code == 143, result.output
@@ -133,12 +135,7 @@ def test_an_interrupted_workflow_keeps_its_finished_steps(tmp_path, monkeypatch,
     for path in made:
         assert path.read_bytes() == (tmp_path / "whole" / path.relative_to(tmp_path / "out")).read_bytes(), path
 
-    def last_step_then_sigterm(runner, workflow, name, *args):  # the signal comes as the last step finishes
-        step(runner, workflow, name, *args)
-        if name == "pick":
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(run_module, "_run_step", last_step_then_sigterm)
+    monkeypatch.setattr(run_module, "_run_step", sigterm_after("pick"))  # the signal comes as the last step finishes
     finished = CliRunner().invoke(app, ["workflow", "run", str(REPO / "examples" / "workflows" / "tiny-tour.yaml"),
                                         "--out", str(tmp_path / "last"), "--json"])
     assert finished.exit_code == 0, "nothing was left to stop: the run is done, not interrupted"
