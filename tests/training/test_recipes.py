@@ -46,6 +46,15 @@ def test_bad_overrides_name_the_field(override, message):
         load_recipe(REPO / "examples" / "recipes" / "fashion-vae.yaml", [override])
 
 
+def test_weight_decay_is_refused_where_adamw_would_zero_or_flip_the_weights():
+    """AdamW multiplies each weight by 1 − lr·weight_decay a step: at lr·wd ≥ 1 (wd 1e30 trained to NaN at step 1)."""
+    recipe = REPO / "examples" / "recipes" / "fashion-vae.yaml"
+    assert load_recipe(recipe, ["optim.lr=1e-3", "optim.weight_decay=999"]).optim.weight_decay == 999
+    for decay in ("1000", "1e30"):
+        with pytest.raises(BadInput, match=r"optim: .*lr × weight_decay = .* ≥ 1 a step"):
+            load_recipe(recipe, ["optim.lr=1e-3", f"optim.weight_decay={decay}"])
+
+
 def test_a_recipe_given_as_data_refuses_non_finite_settings():
     """The Python API's recipe sections skip the manifest reader; the schema itself refuses inf and NaN."""
     with pytest.raises(BadInput, match="optim.weight_decay: Input should be a finite number"):

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cardtool.backends.precision import FLOAT32_MAX
 from cardtool.core.cards.schema import Name
@@ -95,6 +95,15 @@ class Optim(_Strict):
     grad_clip: float = Field(1.0, gt=0)
     batch_size: int = Field(128, ge=1)
     steps: int = Field(1000, ge=1)
+
+    @model_validator(mode="after")
+    def _decay_below_one(self):
+        # AdamW's decoupled decay multiplies every weight by 1 − lr·wd a step: at lr·wd ≥ 1 it zeroes or flips them
+        if self.lr * self.weight_decay >= 1:
+            raise ValueError(f"weight_decay {self.weight_decay:g} at lr {self.lr:g} decays the weights by lr × "
+                             f"weight_decay = {self.lr * self.weight_decay:g} ≥ 1 a step (AdamW multiplies them by "
+                             "1 − lr·weight_decay); keep lr × weight_decay well below 1")
+        return self
 
 
 class Schedule(_Strict):
