@@ -46,8 +46,8 @@ class LossSettings(_Strict):
 
 def field_problems(error: ValidationError, section: str = "") -> str:
     """A validation error's problems on one line, each named by its dotted field under `section`."""
-    return "; ".join(".".join(map(str, (*filter(None, [section]), *err["loc"]))) + f": {err['msg']}"
-                     for err in error.errors())
+    return "; ".join(".".join(map(str, (*filter(None, [section]), *err["loc"])))
+                     + f": {err['msg'].removeprefix('Value error, ')}" for err in error.errors())
 
 
 def only_keys(recipe: Recipe, section: str, allowed: tuple[str, ...]) -> None:
