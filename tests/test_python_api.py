@@ -62,7 +62,8 @@ def test_a_workflow_runs_from_its_file_with_overrides_and_resumes(tmp_path):
     report = cardtool.run_workflow(tour, overrides=nums, out=tmp_path, max_batch=np.int64(2),
                                    on_wave=lambda *args: waves.append(args))  # as generate's
     elapsed = time.perf_counter() - started
-    assert 0 < sum(s["seconds"] for s in report.steps) <= report.seconds + 0.0005 * 4 and report.seconds <= elapsed
+    assert 0 < sum(s["seconds"] for s in report.steps) <= report.seconds + 0.0005 * len(report.steps) \
+        and report.seconds <= elapsed  # step seconds rounded to 1 ms
     assert [(s["step"], len(s["images"])) for s in report.steps] == [("draft", 4), ("refine", 4), ("compare", 2),
                                                                      ("pick", 2)]
     # best-of-4 at --max-batch 2: each request's 4 candidates a wave of their own
