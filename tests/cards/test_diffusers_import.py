@@ -4,6 +4,7 @@ card's text encoder and VAE, and gives diffusers' velocity; what cannot be the s
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -59,6 +60,7 @@ def test_a_diffusers_transformer_imports_as_a_card_with_diffusers_velocity(examp
     assert m.recipe.method == "import" and m.recipe.parents == ["tiny-base"]
     assert m.components["transformer"].config["text_mask"] is False, "diffusers' semantics: no text mask"
     assert not m.adapters, "tiny-base's LoRA was made for tiny-base's transformer"
+    assert m.recipe.command == f"cardtool cards import {tmp_path / 'dm'} --base {examples / 'tiny-base'} --id imported"
     size, gap = velocity_gap(tmp_path / "card", model)
     assert size > 0.1 and gap <= 1e-5
 
@@ -98,10 +100,23 @@ def test_a_bf16_checkpoint_with_float32_norms_and_a_variant_import_losslessly(ex
     assert velocity_gap(tmp_path / "card", upcast)[1] <= 1e-5
 
 
+def test_a_half_precision_checkpoint_is_stored_at_its_own_precision(examples, tmp_path):
+    model = peer().half()
+    model.save_pretrained(tmp_path / "fp16")
+    assert run_import(tmp_path / "fp16", examples / "tiny-base", tmp_path / "card").exit_code == 0
+    from safetensors.torch import load_file
+
+    stored = load_file(str(tmp_path / "card" / "transformer.safetensors"))
+    assert {v.dtype for v in stored.values()} == {torch.float16}
+    assert all(torch.equal(stored[k], v) for k, v in model.state_dict().items())
+
+
 @pytest.mark.parametrize(("case", "message"), [
     ("image_to_video", "image_dim: image-to-video conditioning"),
     ("unknown_key", "sets future_option, which a wan-dit does not know"),
     ("wrong_shapes", "the weights do not fit config.json"),
+    ("one_wrong_shape", "config.json: blocks.0.attn1.to_q.weight is (32, 16), not (32, 32) (1 tensors differ)"),
+    ("unexpected_tensor", "the weights do not fit config.json: unexpected extra.weight"),
     ("pickle", "pickle checkpoints are never loaded"),
     ("not_json", "is not JSON"),
     ("escaping_shard", "which is not a file in"),
@@ -109,6 +124,7 @@ def test_a_bf16_checkpoint_with_float32_norms_and_a_variant_import_losslessly(ex
     ("another_class", "holds a UNet2DModel"),
     ("empty", "is not a diffusers transformer folder"),
     ("judge_as_base", "has no denoise loop over a `transformer` DiT"),
+    ("dit_named_otherwise", "has no denoise loop over a `transformer` DiT"),
     ("nan_weights", "holds NaN or inf in blocks.0.attn1.to_q.weight"),  # said of the source, not of the card
 ])
 def test_what_cannot_be_the_same_model_is_refused(examples, tmp_path, case, message):
@@ -134,12 +150,30 @@ def test_what_cannot_be_the_same_model_is_refused(examples, tmp_path, case, mess
         index = source / "diffusion_pytorch_model.safetensors.index.json"
         data = json.loads(index.read_text())
         first = next(iter(data["weight_map"]))
+        if case == "escaping_shard":  # a real safetensors file, but outside the model's folder
+            shutil.copyfile(source / data["weight_map"][first], tmp_path / "elsewhere.safetensors")
         data["weight_map"][first] = "../elsewhere.safetensors" if case == "escaping_shard" else "a\x00b"
         index.write_text(json.dumps(data))
+    elif case in ("one_wrong_shape", "unexpected_tensor"):
+        from safetensors.torch import load_file, save_file
+
+        state = load_file(str(source / "diffusion_pytorch_model.safetensors"))
+        if case == "one_wrong_shape":
+            state["blocks.0.attn1.to_q.weight"] = torch.zeros(32, 16)
+        else:
+            state["extra.weight"] = torch.zeros(3)
+        save_file(state, str(source / "diffusion_pytorch_model.safetensors"))
     elif case == "empty":
         source = tmp_path / "nothing"
         source.mkdir()
     base = examples / ("tiny-judge" if case == "judge_as_base" else "tiny-base")
+    if case == "dit_named_otherwise":  # a denoise loop, over a DiT the import would not replace
+        base = tmp_path / "renamed"
+        shutil.copytree(examples / "tiny-base", base)
+        text = (base / "card.yaml").read_text()
+        (base / "card.yaml").write_text(text.replace("  transformer:\n", "  dit:\n").replace(
+            "vae, transformer]", "vae, dit]").replace("target: transformer", "target: dit"))
+        assert load_card(base).manifest.components["dit"].kind == "dit"
     result = run_import(source, base, tmp_path / "card")
     assert result.exit_code == 2, result.output
     assert message in json.loads(result.stdout)["error"]["message"] and "Traceback" not in result.output

@@ -64,7 +64,23 @@ def test_diffusers_loads_the_exported_transformer_and_gives_cardtools_velocity(e
     meta = yaml.safe_load(front)
     assert meta["base_model"] == "tiny-base" and meta["base_model_relation"] == "finetune"
     assert meta["pipeline_tag"] == "text-to-image" and meta["library_name"] == "cardtool"
-    assert "diffusion-nft" in meta["tags"] and "tiny-base" in body
+    assert "diffusion-nft" in meta["tags"]
+    assert "## Lineage\n\n`tiny-base` (pretrain) → `tiny-rl` (diffusion_nft)\n" in body
+
+
+def test_every_weights_file_goes_once_in_its_place_and_a_root_card_has_no_lineage(examples, tmp_path):
+    """The transformer only in diffusers' layout (not also copied under its own name), an adapter under adapters/,
+    the other components beside card.yaml; the README says the loop's defaults, and has no lineage or metrics
+    sections for a root card without an eval."""
+    document = export(examples / "tiny-base", tmp_path / "hf")
+    assert document["files"] == ["README.md", "adapters/invert.safetensors", "card.yaml", "transformer/config.json",
+                                 "transformer/diffusion_pytorch_model.safetensors", "vae.safetensors"]
+    m = load_card(tmp_path / "hf", checksums=True).manifest
+    assert m.components["transformer"].weights == "transformer/diffusion_pytorch_model.safetensors"
+    assert m.adapters["invert"].weights == "adapters/invert.safetensors" and m.recipe.ancestors == []
+    body = (tmp_path / "hf" / "README.md").read_text().split("---\n", 2)[2]
+    assert "The weights assume the `denoise` loop with steps 30, guidance 4.0, shift 1.0, solver euler." in body
+    assert "## Lineage" not in body and "## Metrics" not in body
 
 
 def test_cardtool_loads_the_export_back_and_samples_the_same_images(examples, tmp_path):
@@ -85,7 +101,13 @@ def test_a_masked_card_matches_diffusers_given_unpadded_text(tmp_path, monkeypat
 
     monkeypatch.setattr(discovery, "builtin_dir", lambda: REPO / "cards")
     export("fashion-base-nft", tmp_path / "hf")
-    assert "text_mask: true" in (tmp_path / "hf" / "README.md").read_text()
+    readme = (tmp_path / "hf" / "README.md").read_text()
+    assert "text_mask: true" in readme
+    metrics = load_card(REPO / "cards" / "fashion-base-nft").manifest.recipe.metrics  # its recorded eval, as a table
+    row, held = metrics["eval"]["rows"][0], metrics["held_out_judge"]
+    assert (f"| {row['steps']} | 1 | float32 | {row['class_accuracy']} | {row['fid_fmnist']} | "
+            f"{row['images_per_second']} |") in readme.split("## Metrics")[1]
+    assert f"held-out judge `fashion-referee`: {held['class_accuracy']}." in readme
     ours, theirs, _ = velocities(REPO / "cards" / "fashion-base-nft", tmp_path / "hf", ["a bag", "an ankle boot"],
                                  unpadded=True)
     assert (ours - theirs).abs().max().item() <= 1e-5
