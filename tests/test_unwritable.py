@@ -42,6 +42,8 @@ def test_training_refuses_an_unwritable_folder_before_it_trains(tmp_path, monkey
     ("same", "same", [], "is the card folder"),
     ("card", "card/run", [], "is inside the card folder"),
     ("notes", "runs", ["--overwrite"], "is not a card folder"),  # a folder --overwrite would not replace
+    ("notes/..", "runs", ["--overwrite"], "names the current folder, a parent or the root"),  # no rename moves it
+    ("/", "runs", ["--overwrite"], "names the current folder, a parent or the root"),
 ])
 def test_an_output_the_card_could_not_be_written_to_is_refused_before_training(tmp_path, monkeypatch, out, run_dir,
                                                                               extra, message):

@@ -111,6 +111,9 @@ def test_what_a_run_killed_while_writing_its_card_left_is_cleared_and_the_swappe
     train(tiny("fashion-vae"), command="c", out=tmp_path / "vae", run_dir=tmp_path / "run2", data=str(data),
           overwrite=True)
     assert not (tmp_path / f".vae.tmp-{dead}").exists(), "the next card written there clears it"
+    os.replace(tmp_path / "vae", tmp_path / f".vae.tmp-{dead}")  # a staging folder killed before its swap, no card
+    _recover(tmp_path / "vae")
+    assert not (tmp_path / "vae").exists() and not (tmp_path / f".vae.tmp-{dead}").exists(), "never put in place"
 
 
 def test_progress_lines_say_the_time_spent_and_left(tmp_path, data):

@@ -112,6 +112,9 @@ def card_folder_usable(folder: Path, card_id: str, overwrite: bool, flag: str = 
     """What would stop `write_card` putting card `card_id` at `folder`, found before the work that makes it: a folder
     there without `overwrite` (the command's `flag`), or one that is no card's; the id another card's on the search
     path; a parent folder that cannot be written. Returns that parent folder."""
+    if folder.name in ("", ".."):  # '.', '..', '/': a folder named by where it is, which no rename can put in place
+        raise BadInput(f"{folder} names the current folder, a parent or the root, not a new folder: a card is put in "
+                       f"place as a folder of its own; name one, e.g. {folder / card_id}")
     if folder.exists() or folder.is_symlink():
         if not overwrite:
             raise BadInput(f"{folder} already exists; choose another --out, or pass {flag} to replace it")

@@ -270,12 +270,12 @@ def writable_outputs(out: Path, run_dir: Path, *, replace: bool, flag: str, card
     from cardtool.core.cards.writer import card_folder_usable
 
     check_new_id(card_id, list(parents), f"give the new card another id ({rename})")
+    card_folder_usable(Path(out), card_id, replace, flag, f"give the new card another id ({rename}), or write it "
+                       f"off the card search path ({relocate})")
     card, run = Path(out).resolve(), Path(run_dir).resolve()
     if run == card or card in run.parents:
         raise BadInput(f"--run-dir {run_dir} is {'the card folder' if run == card else 'inside the card folder'} "
                        f"{out}: the card is written as a new folder of its own; give a --run-dir outside it")
-    card_folder_usable(Path(out), card_id, replace, flag, f"give the new card another id ({rename}), or write it "
-                       f"off the card search path ({relocate})")
     writable_folder(run_dir, "the run folder")
 
 
