@@ -72,6 +72,26 @@ def test_an_id_that_is_no_card_id_is_refused_before_reading_the_source(examples,
     assert "--id '../x': a card id starts with a letter or digit" in json.loads(result.stdout)["error"]["message"]
 
 
+def test_without_out_the_card_goes_to_cards_id_beside_other_cards_readable_by_all(examples, tmp_path, monkeypatch):
+    """./cards is on the card search path: a new id is written there beside the cards it holds, and --overwrite
+    replaces the card that holds the id (a second card with it would make the id ambiguous)."""
+    import os
+    import shutil
+
+    peer().save_pretrained(tmp_path / "dm")
+    shutil.copytree(examples / "tiny-base", tmp_path / "work" / "cards" / "tiny-base")
+    monkeypatch.chdir(tmp_path / "work")
+    for extra in ([], ["--overwrite"]):
+        result = CliRunner().invoke(app, ["cards", "import", str(tmp_path / "dm"), "--base", "tiny-base", "--id",
+                                          "imported", "--json", *extra])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["path"] == "cards/imported"
+    card = load_card("imported")
+    assert card.folder == tmp_path / "work" / "cards" / "imported" and card.manifest.extends == "tiny-base"
+    weights = card.folder / "transformer.safetensors"
+    assert os.stat(weights).st_mode & 0o777 == 0o644, "a card on a shared disk is readable by the team"
+
+
 def test_an_export_imports_back_as_the_same_transformer(examples, tmp_path):
     exported = CliRunner().invoke(app, ["cards", "export", str(examples / "tiny-rl"), "--out", str(tmp_path / "hf")])
     assert exported.exit_code == 0, exported.output
