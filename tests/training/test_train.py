@@ -132,6 +132,27 @@ def test_progress_lines_say_the_time_spent_and_left(tmp_path, data):
     assert "mse " in line and clock(0) == "0:00"
 
 
+def test_the_learning_rate_warms_up_linearly_then_follows_a_cosine_down_to_a_tenth(tmp_path, data, monkeypatch):
+    """AdamW's rate at step t (from 0) of S with W warmup steps: lr·(t + 1)/W while t < W, then
+    lr·(0.1 + 0.45·(1 + cos(π·(t − W)/(S − W)))) — the rate each update used, and the one each progress line shows."""
+    import math
+
+    applied, real = [], torch.optim.AdamW.step
+
+    def step(self, *args, **kwargs):
+        applied.append([group["lr"] for group in self.param_groups])
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    recipe, entries = tiny("fashion-vae", ["optim.steps=8", "optim.warmup=3", "optim.lr=0.002"]), []
+    train(recipe, command="c", out=tmp_path / "vae", run_dir=tmp_path / "run", data=str(data), on_log=entries.append)
+    expected = [0.002 * (t + 1) / 3 if t < 3 else 0.002 * (0.1 + 0.45 * (1 + math.cos(math.pi * (t - 3) / 5)))
+                for t in range(8)]
+    assert applied == [[pytest.approx(rate, rel=1e-12)] for rate in expected]
+    assert [e["lr"] for e in entries] == pytest.approx(expected, rel=1e-12)
+    assert expected[2] == expected[3] == 0.002 and 0.002 * 0.1 < expected[-1] < expected[-2]
+
+
 def test_a_full_disk_loses_no_finished_work(tmp_path, data, monkeypatch):
     import errno
     import os
@@ -361,6 +382,10 @@ def test_resume_with_another_recipe_is_refused_naming_what_changed(tmp_path, dat
     assert recipe_changes(None, {"a": 1}) == recipe_changes("not json", {"a": 1}) == ""  # an older checkpoint
     changed = recipe_changes('{"a": {"b": 1}}', {"a": {}, "c": [1]})
     assert changed == " (a was (unset), now {}; a.b was 1, now (unset); c was (unset), now [1])"
+    was = json.dumps({str(k): -1 for k in range(5)})  # four changes shown in full; past four, how many more
+    assert recipe_changes(was, {str(k): k for k in range(4)} | {"4": -1}) == \
+        " (0 was -1, now 0; 1 was -1, now 1; 2 was -1, now 2; 3 was -1, now 3)"
+    assert recipe_changes(was, {str(k): k for k in range(5)}).endswith("3 was -1, now 3 and 1 more)")
 
 
 def test_a_damaged_checkpoint_is_bad_input_on_resume(tmp_path, data):
