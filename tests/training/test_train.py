@@ -403,6 +403,9 @@ def test_a_damaged_checkpoint_is_bad_input_on_resume(tmp_path, data):
     for step in ("-3", "many", "999"):
         save_file(load_file(str(checkpoint)), str(tmp_path / "x"), metadata={**metadata, "step": step})
         damaged[f"step {step}"] = (tmp_path / "x").read_bytes()
+    for seconds in ("-1", "nan", "inf"):
+        save_file(load_file(str(checkpoint)), str(tmp_path / "x"), metadata={**metadata, "seconds": seconds})
+        damaged[f"seconds {seconds}"] = (tmp_path / "x").read_bytes()
     tensors = load_file(str(checkpoint))
     weight = next(k for k in tensors if k.startswith("model."))
     save_file({**tensors, weight: tensors[weight] * float("nan")}, str(tmp_path / "x"), metadata=metadata)
@@ -417,6 +420,11 @@ def test_a_damaged_checkpoint_is_bad_input_on_resume(tmp_path, data):
         assert name != "NaN" or "holds NaN or inf in model." in str(error.value)
         assert name != "integers" or "are not floating point" in str(error.value)
         assert not (tmp_path / name).exists()
+    older = {k: v for k, v in metadata.items() if k != "seconds"}  # before checkpoints recorded the time: 0 s
+    checkpoint.write_bytes(whole)  # (loaded tensors map the file: clones, before it is written over)
+    save_file({k: v.clone() for k, v in load_file(str(checkpoint)).items()}, str(checkpoint), metadata=older)
+    assert train(tiny("fashion-vae"), command="c", out=tmp_path / "older", run_dir=tmp_path / "r", data=str(data),
+                 resume=True).id == "fashion-vae"
     for name, make in (("pipe", os.mkfifo), ("device", lambda p: p.symlink_to("/dev/zero")), ("folder", Path.mkdir)):
         checkpoint.rmdir() if checkpoint.is_dir() and not checkpoint.is_symlink() else checkpoint.unlink()
         make(checkpoint)  # a pipe was read for ever: --resume hung
