@@ -153,6 +153,31 @@ def test_the_learning_rate_warms_up_linearly_then_follows_a_cosine_down_to_a_ten
     assert expected[2] == expected[3] == 0.002 and 0.002 * 0.1 < expected[-1] < expected[-2]
 
 
+@pytest.mark.parametrize("ema", [0.0, 0.75])
+def test_the_card_holds_the_exponential_moving_average_of_the_weights(tmp_path, data, monkeypatch, ema):
+    """train.ema = β keeps ē ← β·ē + (1 − β)·θ after each update, from ē = θ₀; the card holds ē (θ itself when
+    β = 0). One update: ē = β·θ₀ + (1 − β)·θ₁, θ₁ the checkpoint's weights."""
+    from cardtool.core.training.methods.vae import VAETask
+
+    start, original = {}, VAETask.loss
+
+    def watched(self, indices, generator):
+        start.update({k: v.detach().clone() for k, v in self.vae.state_dict().items()} if not start else {})
+        return original(self, indices, generator)
+
+    monkeypatch.setattr(VAETask, "loss", watched)
+    recipe = tiny("fashion-vae", ["optim.steps=1", "optim.warmup=1", "optim.lr=0.01", f"train.ema={ema}",
+                                  "card.storage=float32"])
+    card = train(recipe, command="c", out=tmp_path / "vae", run_dir=tmp_path / "run", data=str(data))
+    updated = {k[len("model.vae."):]: v for k, v in load_file(str(tmp_path / "run" / CHECKPOINT)).items()
+               if k.startswith("model.vae.")}
+    stored = weights(card, "vae")
+    moved = [k for k in start if start[k].is_floating_point() and not torch.equal(start[k], updated[k])]
+    assert len(moved) > 10, "the update changed the weights"
+    for k in moved:
+        assert torch.allclose(stored[k], ema * start[k] + (1 - ema) * updated[k], rtol=1e-5, atol=1e-7), k
+
+
 def test_a_full_disk_loses_no_finished_work(tmp_path, data, monkeypatch):
     import errno
     import os
