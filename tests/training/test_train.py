@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import signal
 from pathlib import Path
@@ -75,6 +76,8 @@ def test_vae_card_is_written_with_recipe_command_and_metrics(tmp_path, data):
     assert recipe.method == "vae" and recipe.command == "cardtool train …"
     assert {"test_psnr_db", "scaling_factor", "final_loss", "steps"} <= set(recipe.metrics)
     assert card.manifest.components["vae"].config["scaling_factor"] == recipe.metrics["scaling_factor"]
+    seconds, pace = recipe.metrics["train_seconds"], recipe.metrics["samples_per_second"]  # both rounded to 0.1
+    assert 48 / (seconds + 0.05) - 0.05 <= pace <= (48 / (seconds - 0.05) if seconds > 0.05 else math.inf) + 0.05
     assert load_card(tmp_path / "vae", checksums=True).id == "fashion-vae"
     assert weights(card, "vae")["encoder.conv_in.weight"].dtype == torch.float16, "the recipe stores float16"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no staging folder is left"
@@ -135,7 +138,6 @@ def test_progress_lines_say_the_time_spent_and_left(tmp_path, data):
 def test_the_learning_rate_warms_up_linearly_then_follows_a_cosine_down_to_a_tenth(tmp_path, data, monkeypatch):
     """AdamW's rate at step t (from 0) of S with W warmup steps: lr·(t + 1)/W while t < W, then
     lr·(0.1 + 0.45·(1 + cos(π·(t − W)/(S − W)))) — the rate each update used, and the one each progress line shows."""
-    import math
 
     applied, real = [], torch.optim.AdamW.step
 
