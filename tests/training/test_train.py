@@ -138,7 +138,6 @@ def test_progress_lines_say_the_time_spent_and_left(tmp_path, data):
 def test_the_learning_rate_warms_up_linearly_then_follows_a_cosine_down_to_a_tenth(tmp_path, data, monkeypatch):
     """AdamW's rate at step t (from 0) of S with W warmup steps: lr·(t + 1)/W while t < W, then
     lr·(0.1 + 0.45·(1 + cos(π·(t − W)/(S − W)))) — the rate each update used, and the one each progress line shows."""
-
     applied, real = [], torch.optim.AdamW.step
 
     def step(self, *args, **kwargs):
@@ -153,6 +152,34 @@ def test_the_learning_rate_warms_up_linearly_then_follows_a_cosine_down_to_a_ten
     assert applied == [[pytest.approx(rate, rel=1e-12)] for rate in expected]
     assert [e["lr"] for e in entries] == pytest.approx(expected, rel=1e-12)
     assert expected[2] == expected[3] == 0.002 and 0.002 * 0.1 < expected[-1] < expected[-2]
+
+
+def test_every_log_every_steps_and_at_the_end_a_progress_entry_gives_that_steps_loss_and_the_windows_means(
+        tmp_path, data, monkeypatch):
+    import time
+
+    from cardtool.core.training.methods.vae import VAETask
+
+    losses, original = [], VAETask.loss
+
+    def watched(self, indices, generator):
+        loss, metrics = original(self, indices, generator)
+        losses.append((float(loss), metrics))
+        return loss, metrics
+
+    monkeypatch.setattr(VAETask, "loss", watched)
+    entries, began = [], time.perf_counter()
+    result = train(tiny("fashion-vae", ["optim.steps=8", "train.log_every=3"]), command="c", out=tmp_path / "vae",
+                   run_dir=tmp_path / "run", data=str(data), on_log=entries.append)
+    wall = time.perf_counter() - began
+    assert [e["step"] for e in entries] == [3, 6, 8]
+    for entry, window in zip(entries, [(0, 3), (3, 6), (6, 8)], strict=True):
+        assert entry["loss"] == pytest.approx(losses[window[1] - 1][0], rel=1e-6), "the logged step's own loss"
+        for key in ("mse", "kl"):  # each of the method's metrics: its mean over the steps since the last entry
+            mean = sum(metrics[key] for _, metrics in losses[window[0]:window[1]]) / (window[1] - window[0])
+            assert entry[key] == pytest.approx(mean, rel=1e-6), key
+        assert 0 < entry["elapsed_seconds"] <= wall
+    assert result.manifest.recipe.metrics["final_loss"] == pytest.approx(losses[-1][0], abs=1e-6)
 
 
 @pytest.mark.parametrize("ema", [0.0, 0.75])
