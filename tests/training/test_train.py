@@ -182,6 +182,38 @@ def test_every_log_every_steps_and_at_the_end_a_progress_entry_gives_that_steps_
     assert result.manifest.recipe.metrics["final_loss"] == pytest.approx(losses[-1][0], abs=1e-6)
 
 
+def test_a_step_split_into_micro_batches_updates_with_the_mean_of_their_gradients(tmp_path, data, monkeypatch):
+    """--micro-batches M: each micro-batch's loss backpropagated over M, so the update's gradient (and the logged
+    loss) is the mean over the step's micro-batches — one step of the whole batch, in M pieces of memory."""
+    from cardtool.core.training.methods.vae import VAETask
+
+    parts, original = [], VAETask.loss
+
+    def watched(self, indices, generator):
+        loss, metrics = original(self, indices, generator)
+        params = [p for p in self.vae.parameters() if p.requires_grad]
+        parts.append((float(loss), torch.autograd.grad(loss, params, retain_graph=True)))
+        return loss, metrics
+
+    grads, real = [], torch.optim.AdamW.step
+
+    def step(self, *args, **kwargs):
+        grads.append([p.grad.clone() for group in self.param_groups for p in group["params"]])
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(VAETask, "loss", watched)
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    entries = []
+    train(tiny("fashion-vae", ["optim.steps=2", "optim.grad_clip=1e9"]), command="c", out=tmp_path / "vae",
+          run_dir=tmp_path / "run", data=str(data), on_log=entries.append, micro_batches=2)
+    assert len(parts) == 4 and len(grads) == 2
+    for s, entry in enumerate(entries):
+        (a, ga), (b, gb) = parts[2 * s], parts[2 * s + 1]
+        assert a != b and entry["loss"] == pytest.approx((a + b) / 2, rel=1e-6)
+        for mean, got in zip([(x + y) / 2 for x, y in zip(ga, gb, strict=True)], grads[s], strict=True):
+            assert torch.allclose(got, mean, rtol=1e-5, atol=1e-8)
+
+
 @pytest.mark.parametrize("ema", [0.0, 0.75])
 def test_the_card_holds_the_exponential_moving_average_of_the_weights(tmp_path, data, monkeypatch, ema):
     """train.ema = β keeps ē ← β·ē + (1 − β)·θ after each update, from ē = θ₀; the card holds ē (θ itself when
@@ -316,8 +348,13 @@ def test_resume_after_a_kill_gives_the_same_final_weights(tmp_path, data):
     assert trained_before > 0
     with pytest.raises(BadInput, match="already holds a run"):
         train(tiny("fashion-vae"), command="c", out=tmp_path / "b", run_dir=tmp_path / "rb", data=str(data))
+    entries = []
     resumed = train(tiny("fashion-vae"), command="c", out=tmp_path / "b", run_dir=tmp_path / "rb", data=str(data),
-                    resume=True)
+                    resume=True, on_log=entries.append)
+    assert [e["step"] for e in entries] == [4, 5, 6], "from the step-3 checkpoint"
+    session = entries[0]["elapsed_seconds"] - trained_before  # this process's pace: one step of 8 samples so far
+    assert entries[0]["eta_seconds"] == pytest.approx(session * (6 - 4) / (4 - 3), rel=1e-6)
+    assert entries[0]["samples_per_second"] == pytest.approx(8 / session, rel=1e-6)
     a, b = weights(uninterrupted, "vae"), weights(resumed, "vae")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # the card's training time counts the session the kill ended too
