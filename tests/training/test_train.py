@@ -164,7 +164,7 @@ def test_every_log_every_steps_and_at_the_end_a_progress_entry_gives_that_steps_
 
     def watched(self, indices, generator):
         loss, metrics = original(self, indices, generator)
-        losses.append((float(loss), metrics))
+        losses.append((float(loss.detach()), metrics))
         return loss, metrics
 
     monkeypatch.setattr(VAETask, "loss", watched)
@@ -192,7 +192,7 @@ def test_a_step_split_into_micro_batches_updates_with_the_mean_of_their_gradient
     def watched(self, indices, generator):
         loss, metrics = original(self, indices, generator)
         params = [p for p in self.vae.parameters() if p.requires_grad]
-        parts.append((float(loss), torch.autograd.grad(loss, params, retain_graph=True)))
+        parts.append((float(loss.detach()), torch.autograd.grad(loss, params, retain_graph=True)))
         return loss, metrics
 
     grads, real = [], torch.optim.AdamW.step
