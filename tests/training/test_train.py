@@ -223,7 +223,8 @@ def test_the_card_holds_the_exponential_moving_average_of_the_weights(tmp_path, 
     start, original = {}, VAETask.loss
 
     def watched(self, indices, generator):
-        start.update({k: v.detach().clone() for k, v in self.vae.state_dict().items()} if not start else {})
+        if not start:  # θ₀: the weights before the first update
+            start.update({k: v.detach().clone() for k, v in self.vae.state_dict().items()})
         return original(self, indices, generator)
 
     monkeypatch.setattr(VAETask, "loss", watched)
