@@ -145,6 +145,16 @@ def adapted(examples):
         "[tiny-base]}\n")
 
 
+def more(examples):
+    """A card on tiny-base with one component more (a second VAE): not the same set of components."""
+    (examples / "more").mkdir()
+    shutil.copy(examples / "tiny-base" / "vae.safetensors", examples / "more")
+    (examples / "more" / "card.yaml").write_text(
+        "schema: cardtool/v1\nid: more\nextends: ../tiny-base\ncomponents:\n  vae2: {kind: vae, impl: conv-vae, "
+        "config: {latent_channels: 4, channels: [8, 16, 32]}, weights: vae.safetensors}\nrecipe: {method: finetune, "
+        "parents: [tiny-base]}\n")
+
+
 @pytest.mark.parametrize(("shares", "make", "card_id", "message"), [
     (["tiny-base=0.5", "tiny-rl=0.6"], None, "soup", "the weights sum to 1.1"),
     (["tiny-base=half", "tiny-rl=0.5"], None, "soup", "the weight 'half' is not a number"),
@@ -154,6 +164,8 @@ def adapted(examples):
     (["tiny-base", "tiny-base"], None, "soup", "'tiny-base' is named twice"),
     (["tiny-base", "stranger"], stranger, "soup", "share no ancestor"),
     (["tiny-base", "narrow"], narrower, "soup", "differs in its kind, impl, source or config"),
+    (["tiny-base", "more"], more, "soup", "component 'vae2' is not in 'tiny-base'; merged cards have the same"),
+    (["more", "tiny-base"], more, "soup", "'tiny-base' has no component 'vae2', which 'more' has"),
     (["tiny-base", "same"], renamed, "soup", "hold the same weights in every component: the merge would be "
                                              "'tiny-base' itself"),
     (["tiny-base", "adapted"], adapted, "soup", "they differ only in their adapters (tiny-base: invert; adapted: "
