@@ -58,6 +58,18 @@ def test_an_output_the_card_could_not_be_written_to_is_refused_before_training(t
     assert message in json.loads(result.stdout)["error"]["message"]
 
 
+@pytest.mark.parametrize("out", [".", "", "..", "/", "cards/.."])
+def test_an_out_that_names_a_folder_by_where_it_is_is_refused_for_every_card_writer(out):
+    """`--out .` used to pass every check, do the work, and fail at the swap ("Device or resource busy")."""
+    from pathlib import Path
+
+    from cardtool.core.cards.writer import card_folder_usable
+    from cardtool.errors import BadInput
+
+    with pytest.raises(BadInput, match="names the current folder, a parent or the root, not a new folder"):
+        card_folder_usable(Path(out), "x", overwrite=True)
+
+
 def test_an_output_folder_that_is_a_file_is_named(tmp_path):
     (tmp_path / "taken").write_text("")
     result = CliRunner().invoke(app, ["generate", str(REPO / "examples" / "cards" / "tiny-base"), "-p", "a bag",

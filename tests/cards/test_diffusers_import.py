@@ -76,7 +76,6 @@ def test_without_out_the_card_goes_to_cards_id_beside_other_cards_readable_by_al
     """./cards is on the card search path: a new id is written there beside the cards it holds, and --overwrite
     replaces the card that holds the id (a second card with it would make the id ambiguous)."""
     import os
-    import shutil
 
     peer().save_pretrained(tmp_path / "dm")
     shutil.copytree(examples / "tiny-base", tmp_path / "work" / "cards" / "tiny-base")
