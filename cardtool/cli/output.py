@@ -19,7 +19,8 @@ __all__ = ["LateProgress", "console", "emit_json", "handled", "printable", "say"
 
 def console(*, stderr: bool = False):
     """A Rich console; when not a terminal (a log, a pipe) it is 160 columns wide, not Rich's 80, so
-    tables stay readable. COLUMNS overrides both when it is a width (at least 80); Rich would render nothing at 0."""
+    tables stay readable. COLUMNS overrides both when it is a width (at least 80); Rich would render nothing at 0.
+    No emoji codes: a path or a description with `:dog:` in it is shown as written."""
     import shutil
 
     from rich.console import Console
@@ -30,7 +31,7 @@ def console(*, stderr: bool = False):
         width = max(int(columns), 80)
     else:
         width = shutil.get_terminal_size((160, 24)).columns if stream.isatty() else 160
-    return Console(stderr=stderr, highlight=False, soft_wrap=stderr, width=width)
+    return Console(stderr=stderr, highlight=False, soft_wrap=stderr, width=width, emoji=False)
 
 
 def say(line: str, *, stderr: bool = False) -> None:
