@@ -157,7 +157,8 @@ def _like(rng: random.Random, env: Env, out: Path) -> list[str]:
               "euler", "renoise", "0,1", "1,0", "0.2,0.4,0.6", "tiny-base", "tiny-rl", "../../etc/passwd", "/dev/zero",
               env.card("tiny-rl"), "tiny-judge", "a" * 100000, "bfloat16", "int8",
               '[{"name": "invert", "scale": 0.5}]', '[{"name": "nope", "scale": 1}]', '[{"name": "invert"}]',
-              '[{"name": "invert", "scale": 1e308}]', "[1]", '{"source": "/nonexistent", "preprocessor": "edges"}']
+              '[{"name": "invert", "scale": 1e308}]', "[1]", '{"source": "/nonexistent", "preprocessor": "edges"}',
+              "[" * 50000 + "]" * 50000]  # nested past the JSON parser's recursion
     metadata = dict(env.metadata)
     for _ in range(rng.choice([1, 1, 2, 3])):
         key = rng.choice([*env.metadata, "strength", "control", "best_of", "reward", "request_seed", "input"])
@@ -318,7 +319,7 @@ def _image_folder(rng: random.Random, env: Env, root: Path) -> Path:
                                                (env.root / "bomb.png").read_bytes()]))
         lines = [json.dumps(r) for r in rows]
         if change == "line":
-            lines[i] = rng.choice(["{", "[1, 2]", "null", "\ufeff" + lines[i], "  ", "3"])
+            lines[i] = rng.choice(["{", "[1, 2]", "null", "\ufeff" + lines[i], "  ", "3", "[" * 50000 + "]" * 50000])
         elif change == "drop":
             lines = lines[:rng.randrange(len(lines))]
         elif change == "empty":

@@ -6,7 +6,7 @@ from __future__ import annotations
 import stat
 from pathlib import Path
 
-__all__ = ["is_regular_file", "read_json_object", "read_small_file", "read_small_file_bytes"]
+__all__ = ["is_regular_file", "parse_json", "read_json_object", "read_small_file", "read_small_file_bytes"]
 
 
 def is_regular_file(path: Path) -> bool:
@@ -43,15 +43,24 @@ def read_small_file(path: Path, limit: int = 1 << 20) -> tuple[str, str]:
         return "", f"{path} is not UTF-8 text"
 
 
-def read_json_object(path: Path) -> tuple[dict, str]:
-    """A small JSON file's object, or ({}, why not)."""
+def parse_json(text: str | bytes):
+    """`json.loads(text)`, where nesting deeper than the parser's recursion limit (a hostile file's `[[[[…`) is a
+    JSONDecodeError like any other malformed JSON rather than a RecursionError no caller expects."""
     import json
 
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise json.JSONDecodeError("nested too deeply", text if isinstance(text, str) else "", 0) from None
+
+
+def read_json_object(path: Path) -> tuple[dict, str]:
+    """A small JSON file's object, or ({}, why not)."""
     text, reason = read_small_file(path)
     if reason:
         return {}, reason
     try:
-        value = json.loads(text)
+        value = parse_json(text)
     except ValueError as e:
         return {}, f"{path} is not JSON: {e}"
     return (value, "") if isinstance(value, dict) else ({}, f"{path} is not a JSON object")

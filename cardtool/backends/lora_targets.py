@@ -34,11 +34,11 @@ def uses_prefix(tensors) -> bool:
 def rank_and_alpha(metadata: dict[str, str]) -> dict[str, str]:
     """The rank and alpha a LoRA file's header states: our plain fields, else diffusers' `lora_adapter_metadata`
     (PEFT LoraConfig fields `r` and `lora_alpha`, with or without the pipeline prefix)."""
-    import json
+    from cardtool.files import parse_json
 
     out = {k: metadata[k] for k in ("rank", "alpha") if k in metadata}
     try:
-        config = json.loads(metadata.get("lora_adapter_metadata", "{}"))
+        config = parse_json(metadata.get("lora_adapter_metadata", "{}"))
     except ValueError:
         config = {}
     if isinstance(config, dict):

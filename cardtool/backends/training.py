@@ -8,6 +8,8 @@ import json
 import torch
 from torch import nn
 
+from cardtool.files import parse_json
+
 __all__ = ["optimizer_tensors", "check_optimizer_tensors", "load_optimizer_tensors", "FashionCNN"]
 
 
@@ -26,7 +28,7 @@ def check_optimizer_tensors(optimizer: torch.optim.Optimizer, tensors: dict, gro
     NaN). Checked before loading, because torch loads all of these and fails only at the next step."""
     own = optimizer.state_dict()["param_groups"]
     try:
-        saved = json.loads(groups)
+        saved = parse_json(groups)
     except (TypeError, json.JSONDecodeError) as e:
         raise ValueError(f"param_groups is not JSON ({e})") from None
     if not (isinstance(saved, list) and len(saved) == len(own) and all(

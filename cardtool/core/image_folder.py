@@ -7,13 +7,12 @@ resized), checked before decoding as `generate --image` checks its image; a `fil
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from cardtool.errors import BadInput
-from cardtool.files import read_small_file
+from cardtool.files import parse_json, read_small_file
 
 __all__ = ["METADATA", "MAX_METADATA_BYTES", "MAX_IMAGES", "is_image_folder", "load_captioned"]
 
@@ -57,7 +56,7 @@ def _rows(root: Path) -> list[tuple[Path, str, str, int]]:
             continue
         where = f"{root / METADATA}:{number}"
         try:
-            row = json.loads(line)
+            row = parse_json(line)
         except ValueError as e:
             raise BadInput(f"{where}: not a JSON object ({e}); {_HOW}") from None
         if not isinstance(row, dict):

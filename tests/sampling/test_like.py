@@ -12,6 +12,8 @@ from typer.testing import CliRunner
 from cardtool.cli import app
 from cardtool.core.sampling.images import png_bytes, read_png, read_png_metadata
 
+DEEP = "[" * 50_000 + "]" * 50_000
+
 
 def run(*args):
     result = CliRunner().invoke(app, [*map(str, args), "--json"])
@@ -101,6 +103,9 @@ def test_what_is_not_an_image_cardtool_made_is_refused(made, on_path, tmp_path):
                                               "input_tag": "deadbeef"}),
              "bad-steps.png": png_bytes(pixels, {**metadata, "steps": "many"}),
              "bad-adapters.png": png_bytes(pixels, {**metadata, "adapters": "[{"}),
+             # JSON nested past the parser's recursion is malformed too, not a RecursionError
+             **{f"deep-{key}.png": png_bytes(pixels, {**metadata, key: DEEP}) for key in ("adapters", "control",
+                                                                                         "image", "mask")},
              # a card is recorded by its id: a path in a PNG from elsewhere would load whatever it points at
              "path-card.png": png_bytes(pixels, {**metadata, "card": "../../etc/passwd"}),
              "lost-control.png": png_bytes(pixels, {**metadata, "control": json.dumps(
@@ -110,6 +115,8 @@ def test_what_is_not_an_image_cardtool_made_is_refused(made, on_path, tmp_path):
                 "escape.png": "made by refining an image of step '..' in workflow 'wf', which is not beside it",
                 "bad-steps.png": "'steps' field is malformed",
                 "bad-adapters.png": "'adapters' field is malformed",
+                **{f"deep-{key}.png": f"'{key}' field is malformed" for key in ("adapters", "control", "image",
+                                                                                 "mask")},
                 "path-card.png": "'card' field is malformed",
                 "lost-control.png": "gone.png, which is not there; give it with --control"}
     for name, data in cases.items():
@@ -140,6 +147,6 @@ def test_unlike_names_what_differs_whatever_the_recorded_weights_hold(made):
     like = read_like(made)
     assert unlike(like, like.metadata) == []
     for recorded, expected in (('[{"a": 1}]', ["weights"]), ("not json", ["weights"]),
-                               ('{"vae": "0"}', ["weights of text_encoder, transformer, vae"])):
+                               ('{"vae": "0"}', ["weights of text_encoder, transformer, vae"]), (DEEP, ["weights"])):
         like.metadata["weights"] = recorded
         assert unlike(like, read_like(made).metadata) == expected

@@ -16,7 +16,7 @@ from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.lineage import check_new_id
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.errors import BadInput
-from cardtool.files import is_regular_file, read_small_file
+from cardtool.files import is_regular_file, parse_json, read_small_file
 
 __all__ = ["import_diffusers"]
 
@@ -47,7 +47,7 @@ def import_diffusers(source: Path, base_ref: str, card_id: str, out: Path | None
     if reason:
         raise BadInput(f"cannot read the transformer's config: {reason}")
     try:
-        config = json.loads(text)
+        config = parse_json(text)
     except json.JSONDecodeError as e:
         raise BadInput(f"{folder / 'config.json'} is not JSON: {e}") from None
     if not isinstance(config, dict):
@@ -120,7 +120,7 @@ def _weights(folder: Path, weights: str) -> dict:
     else:
         text, reason = read_small_file(index, limit=16 << 20)
         try:
-            weight_map = json.loads(text)["weight_map"] if not reason else None
+            weight_map = parse_json(text)["weight_map"] if not reason else None
         except (json.JSONDecodeError, KeyError, TypeError):
             weight_map = None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):

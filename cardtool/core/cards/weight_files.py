@@ -12,7 +12,7 @@ from pathlib import Path
 
 from cardtool.atomic import write_atomic
 from cardtool.cache import cache_dir
-from cardtool.files import read_small_file
+from cardtool.files import parse_json, read_small_file
 
 __all__ = ["PICKLE_SUFFIXES", "FLOAT_DTYPES", "RAW_VIEWS", "format_problem", "non_finite_tensors", "read_header",
            "read_metadata", "sha256_file", "tensor_digest"]
@@ -225,7 +225,7 @@ def _digest_memo() -> dict:
     if _memo is None or _memo[0] != cache_dir():
         text, problem = read_small_file(cache_dir() / _MEMO_FILE, limit=4 << 20)
         try:
-            memo = json.loads(text) if not problem else {}
+            memo = parse_json(text) if not problem else {}
         except ValueError:
             memo = {}
         _memo = (cache_dir(), memo if isinstance(memo, dict) else {})

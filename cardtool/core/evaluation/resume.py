@@ -10,7 +10,7 @@ from pathlib import Path
 
 from cardtool.atomic import write_atomic
 from cardtool.errors import BadInput
-from cardtool.files import read_small_file
+from cardtool.files import parse_json, read_small_file
 
 __all__ = ["ROW_SETTINGS", "identity", "previous_rows", "write_report"]
 
@@ -40,7 +40,7 @@ def previous_rows(path: Path, expected: dict) -> tuple[dict, list[dict]]:
         return {}, []
     text, reason = read_small_file(path, limit=1 << 26)  # never blocking on a FIFO
     try:
-        report = json.loads(text) if not reason else None
+        report = parse_json(text) if not reason else None
     except ValueError as e:
         reason = f"it is not JSON ({e})"
     if reason:

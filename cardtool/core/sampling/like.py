@@ -3,13 +3,13 @@ options — to make it again, or to change one thing (the seed, the prompt, the 
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cardtool.errors import BadInput
+from cardtool.files import parse_json
 
 __all__ = ["Like", "read_like", "unlike"]
 
@@ -92,7 +92,7 @@ def unlike(like: Like, made: dict[str, str]) -> list[str]:
               and not (key == "image" and "input" in like.metadata)]  # a chain's: its input, found beside it
     if "weights" in differ:  # which components' weights: named when both records are maps of versions
         try:
-            old, new = json.loads(like.metadata.get("weights", "{}")), json.loads(made.get("weights", "{}"))
+            old, new = parse_json(like.metadata.get("weights", "{}")), parse_json(made.get("weights", "{}"))
         except ValueError:
             old = new = None
         if isinstance(old, dict) and isinstance(new, dict):
@@ -107,7 +107,7 @@ def _identity(key: str, value: str | None):
     if key not in ("image", "mask", "control") or value is None:
         return value
     try:
-        record = json.loads(value)
+        record = parse_json(value)
         return (record.get("sha256"), record.get("preprocessor")) if key == "control" else record.get("sha256")
     except (ValueError, AttributeError):
         return value
@@ -152,7 +152,7 @@ class _Fields:
         """The stack as (name, scale), a ControlNet's entry too (with the control image, it is the same request);
         [] for an image made without one (the card's default stack may differ)."""
         def stack(text: str) -> list[tuple[str, float]]:
-            entries = [(entry["name"], _finite(entry["scale"])) for entry in json.loads(text)]
+            entries = [(entry["name"], _finite(entry["scale"])) for entry in parse_json(text)]
             if not all(isinstance(name, str) for name, _ in entries):
                 raise ValueError("an adapter's name is not text")
             return entries
@@ -162,7 +162,7 @@ class _Fields:
     def control(self) -> tuple[Path, str] | None:
         """The control image's file as it was given, and its preprocessor."""
         def record(text: str) -> tuple[Path, str]:
-            fields = json.loads(text)
+            fields = parse_json(text)
             return Path(fields["source"]), str(fields["preprocessor"])
 
         return self._typed("control", record)
@@ -170,7 +170,7 @@ class _Fields:
     def picture(self, key: str) -> str | None:
         """The file the image started from (`image`) or its mask (`mask`), as it was given ("": an array)."""
         def record(text: str) -> str:
-            source = json.loads(text)["source"]
+            source = parse_json(text)["source"]
             if not isinstance(source, str):
                 raise ValueError("its source is not text")
             return source

@@ -31,7 +31,7 @@ from cardtool.core.training.parallel import Parallel
 from cardtool.core.training.recipes import Recipe
 from cardtool.core.training.run_lock import run_claimed
 from cardtool.errors import BadInput, OutOfMemory, RunFailed, write_remedy
-from cardtool.files import is_regular_file
+from cardtool.files import is_regular_file, parse_json
 
 __all__ = ["Task", "TrainingDiverged", "TrainResult", "train_loop", "writable_outputs", "CHECKPOINT"]
 
@@ -347,7 +347,7 @@ def recipe_changes(recorded: str | None, now: dict, shown: int = 4) -> str:
     """' (KEY was A, now B; …)' for the settings that differ between a checkpoint's recorded recipe (JSON) and this
     run's, or '' where the checkpoint records none (one written before checkpoints did) or it cannot be read."""
     try:
-        before = json.loads(recorded) if recorded else None
+        before = parse_json(recorded) if recorded else None
     except ValueError:
         before = None
     if not isinstance(before, dict):
@@ -361,7 +361,10 @@ def recipe_changes(recorded: str | None, now: dict, shown: int = 4) -> str:
     def value(values: dict, key: str) -> str:
         return json.dumps(values[key]) if key in values else "(unset)"
 
-    was, is_ = flat(before), flat(now)
+    try:
+        was, is_ = flat(before), flat(now)
+    except RecursionError:  # nested past what `flat` recurses: no recipe cardtool wrote
+        return ""
     changes = [f"{key} was {value(was, key)}, now {value(is_, key)}" for key in sorted(set(was) | set(is_))
                if (key in was, was.get(key)) != (key in is_, is_.get(key))]
     more = f" and {len(changes) - shown} more" if len(changes) > shown else ""

@@ -1,0 +1,98 @@
+"""JSON nested deeper than Python's parser recurses (`[[[[…`, a few hundred kilobytes) in any file or record a user
+hands cardtool is malformed input like any other: a clear refusal or the documented fallback, never a RecursionError
+traceback. Each reader of outside JSON is tried here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cardtool.errors import BadInput
+from cardtool.files import parse_json, read_json_object
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    torch.set_num_threads(1)
+
+
+def test_parse_json_reads_json_and_calls_deep_nesting_malformed():
+    assert parse_json('{"a": [1, 2.5, null]}') == {"a": [1, 2.5, None]}
+    assert parse_json(b"[[[]]]") == [[[]]]
+    for text in (DEEP, DEEP.encode(), '{"a": ' * 50_000):
+        with pytest.raises(json.JSONDecodeError, match="nested too deeply|Expecting"):
+            parse_json(text)
+
+
+def test_a_deep_config_file_is_not_json(tmp_path):
+    (tmp_path / "config.json").write_text(DEEP)
+    value, reason = read_json_object(tmp_path / "config.json")
+    assert value == {} and reason.startswith(f"{tmp_path / 'config.json'} is not JSON: nested too deeply")
+
+
+def test_a_lora_whose_peft_metadata_is_deep_states_no_rank_from_it():
+    from cardtool.backends.lora_targets import rank_and_alpha
+
+    assert rank_and_alpha({"lora_adapter_metadata": DEEP}) == {}
+    assert rank_and_alpha({"lora_adapter_metadata": DEEP, "rank": "4"}) == {"rank": "4"}
+    assert rank_and_alpha({"lora_adapter_metadata": '{"r": 8, "lora_alpha": 16}'}) == {"rank": "8", "alpha": "16"}
+
+
+def test_a_checkpoint_whose_optimizer_groups_are_deep_is_refused():
+    from cardtool.backends.training import check_optimizer_tensors
+
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    with pytest.raises(ValueError, match="param_groups is not JSON"):
+        check_optimizer_tensors(optimizer, {}, DEEP)
+
+
+def test_a_checkpoint_whose_recipe_is_deep_names_no_changes():
+    from cardtool.core.training.trainer import recipe_changes
+
+    assert recipe_changes(DEEP, {"optim.lr": 1e-3}) == ""
+    assert recipe_changes('{"a": ' * 900 + "1" + "}" * 900, {"optim.lr": 1e-3}) == ""  # parses, but too deep to walk
+    assert recipe_changes('{"optim.lr": 0.01}', {"optim.lr": 0.001}) == " (optim.lr was 0.01, now 0.001)"
+
+
+def test_resuming_from_a_deep_eval_report_is_refused(tmp_path):
+    from cardtool.core.evaluation.resume import previous_rows
+
+    (tmp_path / "eval.json").write_text(DEEP)
+    with pytest.raises(BadInput, match=r"cannot resume from .*eval.json: it is not JSON \(nested too deeply"):
+        previous_rows(tmp_path / "eval.json", {})
+
+
+def test_a_deep_digest_memo_counts_as_empty(tmp_path, monkeypatch):
+    from cardtool.core.cards import weight_files
+
+    monkeypatch.setenv("CARDTOOL_CACHE", str(tmp_path))
+    monkeypatch.setattr(weight_files, "_memo", None)
+    (tmp_path / "digests.json").write_text(DEEP)
+    assert weight_files._digest_memo() == {}
+
+
+def test_an_image_folder_whose_captions_hold_a_deep_line_is_refused(tmp_path):
+    from cardtool.core.image_folder import load_captioned
+
+    (tmp_path / "metadata.jsonl").write_text('{"file_name": "a.png", "text": "a bag"}\n' + DEEP + "\n")
+    with pytest.raises(BadInput, match=r"metadata.jsonl:2: not a JSON object \(nested too deeply"):
+        load_captioned("train", tmp_path, 28)
+
+
+def test_a_diffusers_folder_with_a_deep_config_or_shard_index_is_refused(tmp_path, examples):
+    from cardtool.core.cards.diffusers_import import import_diffusers
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(DEEP)
+    (model / "diffusion_pytorch_model.safetensors.index.json").write_text("{}")
+    with pytest.raises(BadInput, match="config.json is not JSON: nested too deeply"):
+        import_diffusers(model, str(examples / "tiny-base"), "imported", out=tmp_path / "card")
+    (model / "config.json").write_text(json.dumps({"_class_name": "WanTransformer3DModel"}))
+    (model / "diffusion_pytorch_model.safetensors.index.json").write_text(DEEP)
+    with pytest.raises(BadInput, match="index.json: not a safetensors index"):
+        import_diffusers(model, str(examples / "tiny-base"), "imported", out=tmp_path / "card")
