@@ -549,6 +549,13 @@ def test_a_nan_loss_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(
     with safe_open(str(tmp_path / "run" / CHECKPOINT), framework="pt") as f:
         assert f.metadata()["step"] == "3"
     calls.clear()
+    calls.extend([1] * 4)  # NaN at once on resuming: the checkpoint resumed from is not a good one
+    with pytest.raises(TrainingDiverged, match=r"loss became nan at step 3; the checkpoint it resumed from, .*"
+                       r"checkpoint.safetensors, already gives it \(the run diverged before it was written, or the file"
+                       r" was changed since\). Lower optim.lr"):
+        train(tiny("fashion-vae"), command="c", out=tmp_path / "vae", run_dir=tmp_path / "run", data=str(data),
+              resume=True)
+    calls.clear()
     calls.extend([1] * 4)  # the first loss is NaN: no update has been made, so the learning rate is not to blame
     with pytest.raises(TrainingDiverged, match="at step 0, before any update; none was written yet. The starting"):
         train(tiny("fashion-vae"), command="c", out=tmp_path / "vae", run_dir=tmp_path / "run0", data=str(data))

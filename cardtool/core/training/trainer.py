@@ -212,14 +212,14 @@ def _train(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, resume
                         try:  # an RL task samples its rollouts here: a policy gone NaN shows first in its images
                             task.micro_batch(part, parts, batch, shared)
                         except NonFiniteImages as e:
-                            raise _diverged(step, checkpoint, "the model sampled NaN or inf", scaled) from e
+                            raise _diverged(step, start, checkpoint, "the model sampled NaN or inf", scaled) from e
                         loss, metrics = parallel.loss(batch[part::parts], generator, sync=part == mine[-1])
                     # the ranks average their gradients: each rank's is the mean over its own micro-batches
                     (loss if micro_batches == 1 else loss / micro_batches).backward()
                     loss_value += float(loss.detach()) / parts
             loss_value = _sum(ranks, loss_value)
             if not math.isfinite(loss_value):
-                raise _diverged(step, checkpoint, f"loss became {loss_value}", scaled)
+                raise _diverged(step, start, checkpoint, f"loss became {loss_value}", scaled)
             for group in groups:  # per module: a critic's large gradient must not shrink the generator's
                 torch.nn.utils.clip_grad_norm_(group, o.grad_clip)
             optimizer.step()
@@ -283,11 +283,15 @@ def _kept(checkpoint: Path) -> str:
     return f"the last good checkpoint is {checkpoint}" if checkpoint.exists() else "none was written yet"
 
 
-def _diverged(step: int, checkpoint: Path, what: str, scaled: dict[str, float]) -> TrainingDiverged:
+def _diverged(step: int, start: int, checkpoint: Path, what: str, scaled: dict[str, float]) -> TrainingDiverged:
+    """The run stopped at `step` (this session began at `start`, 0 unless it resumed)."""
     kept = _kept(checkpoint)
     if step == 0:  # before the first update the learning rate cannot be the cause
         return TrainingDiverged(f"{what} at step 0, before any update; {kept}. The starting weights or the recipe's "
                                 "loss: settings give it (a weight too large, say)")
+    if step == start:  # the checkpoint's own weights and state give it: not a good one to go back to
+        kept = f"the checkpoint it resumed from, {checkpoint}, already gives it (the run diverged before it was " \
+               "written, or the file was changed since)"
     # not "then --resume": a resume must keep the checkpoint's recipe, and the same recipe repeats the same steps
     rates = ", ".join(f"{scale:g} for the {name}" for name, scale in scaled.items())
     rates = f" (the loss: section scales it by {rates})" if rates else ""
