@@ -163,14 +163,35 @@ def test_a_layer_smaller_than_the_rank_is_zero_padded_to_it(examples):
     assert run.exit_code == 0, run.output
 
 
-def test_a_change_outside_linear_layers_is_reported_as_beyond_the_lora(examples):
-    def norm_too(tensors):
-        every_linear(tensors)
-        tensors["scale_shift_table"] = tensors["scale_shift_table"] + np.float32(5)
+def table_too(tensors):
+    """Every linear layer changed, and the output's modulation table, which no LoRA carries."""
+    every_linear(tensors)
+    tensors["scale_shift_table"] = tensors["scale_shift_table"] + np.float32(5)
 
-    tuned(examples, norm_too)
+
+def test_a_change_outside_linear_layers_is_reported_as_beyond_the_lora(examples):
+    tuned(examples, table_too)
     report = json.loads(extract(examples, "tiny-base", "tuned", "--rank", "32").stdout)
     assert 0 < report["linear_share"] < 0.9 and report["kept"] == pytest.approx(1.0, abs=1e-12)
+
+
+def test_only_the_loops_the_base_has_get_the_tuned_settings(examples):
+    """A loop the tuned card adds is not the base's: the adapter card (which extends the base) sets only the
+    defaults of the base's loops that run the transformer. Its recipe records the shares to six places."""
+    tuned(examples, table_too)
+    manifest = examples / "tuned" / "card.yaml"
+    manifest.write_text(manifest.read_text().replace("loops:\n", "loops:\n  fast:\n    kind: flow_denoise\n"
+                                                     "    uses: [text_encoder, vae, transformer]\n"
+                                                     "    defaults: {steps: 2, guidance: 1.0}\n"))
+    assert set(load_card(manifest.parent).manifest.loops) == {"denoise", "fast"}
+    result = extract(examples, "tiny-base", "tuned", "--rank", "2")
+    assert result.exit_code == 0, result.output
+    card = load_card(examples / "extracted").manifest
+    assert set(card.loops) == {"denoise"} and card.loops["denoise"].defaults["steps"] == 3
+    report = json.loads(result.stdout)
+    assert card.recipe.metrics == {"modules": report["modules"], "linear_share": round(report["linear_share"], 6),
+                                   "kept": round(report["kept"], 6)}  # as recorded: to six places
+    assert report["kept"] != round(report["kept"], 6) and report["linear_share"] != round(report["linear_share"], 6)
 
 
 def stranger(examples):
