@@ -417,7 +417,7 @@ def _sharded_export(runner, app, card: Path, folder: Path) -> Path:
 
 def _import(rng: random.Random, env: Env, out: Path) -> list[str]:
     """`cards import` of a diffusers folder whose config.json or shard index has values changed, keys dropped or
-    added, or whose text is cut short."""
+    added, or whose text is cut short or beyond the parser."""
     source = out / "source"
     shutil.copytree(env.export, source)
     transformer = source / "transformer"
@@ -435,8 +435,12 @@ def _import(rng: random.Random, env: Env, out: Path) -> list[str]:
             parent.pop(path[-1], None)
         else:
             parent[path[-1]] = copy.deepcopy(rng.choice(VALUES + extra))
-    text = json.dumps(data)
-    file.write_text(text[: rng.randrange(len(text))] if rng.random() < 0.1 else text)
+    text, form = json.dumps(data), rng.random()
+    if form < 0.1:  # cut short
+        text = text[: rng.randrange(len(text))]
+    elif form < 0.15:  # JSON the parser refuses beyond the grammar: nested past its recursion, an int past 4,300 digits
+        text = rng.choice(["[" * 50000 + "]" * 50000, '{"num_layers": ' + "1" * 5000 + "}"])
+    file.write_text(text)
     target = rng.choice([source, transformer])
     return ["cards", "import", str(target), "--base", env.card("tiny-base"), "--id", f"imported-{out.name}", "--out",
             str(out / "card"), "--json"]

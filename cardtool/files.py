@@ -44,14 +44,18 @@ def read_small_file(path: Path, limit: int = 1 << 20) -> tuple[str, str]:
 
 
 def parse_json(text: str | bytes):
-    """`json.loads(text)`, where nesting deeper than the parser's recursion limit (a hostile file's `[[[[…`) is a
-    JSONDecodeError like any other malformed JSON rather than a RecursionError no caller expects."""
+    """`json.loads(text)`, where what the parser refuses beyond the grammar — nesting deeper than its recursion limit
+    (a hostile file's `[[[[…`), an integer past int()'s 4,300 digits — is a JSONDecodeError like any other malformed
+    JSON, not the RecursionError or plain ValueError no caller expects."""
     import json
 
     try:
         return json.loads(text)
-    except RecursionError:
-        raise json.JSONDecodeError("nested too deeply", text if isinstance(text, str) else "", 0) from None
+    except json.JSONDecodeError:
+        raise
+    except (RecursionError, ValueError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else str(e).split(":")[0].lower()
+        raise json.JSONDecodeError(why, text if isinstance(text, str) else "", 0) from None
 
 
 def read_json_object(path: Path) -> tuple[dict, str]:
