@@ -97,6 +97,8 @@ def test_best_of_n_is_made_again_from_the_request_seed(on_path, tmp_path):
 def test_what_is_not_an_image_cardtool_made_is_refused(made, on_path, tmp_path):
     pixels, metadata = read_png(made)
     cases = {"no-metadata.png": png_bytes(pixels), "text.png": b"not an image",
+             **{f"no-{key}.png": png_bytes(pixels, {k: v for k, v in metadata.items() if k != key})
+                for key in ("cardtool", "card")},
              "workflow.png": png_bytes(pixels, {**metadata, "workflow": "wf", "step": "refine", "input": "draft/0"}),
              # where a refined image's input is looked for comes from its PNG: never a path out of its workflow
              "escape.png": png_bytes(pixels, {**metadata, "workflow": "wf", "input": "../../etc/0",
@@ -111,6 +113,7 @@ def test_what_is_not_an_image_cardtool_made_is_refused(made, on_path, tmp_path):
              "lost-control.png": png_bytes(pixels, {**metadata, "control": json.dumps(
                  {"sha256": "0", "preprocessor": "silhouette", "source": str(tmp_path / "gone.png")})})}
     messages = {"no-metadata.png": "not an image cardtool made", "text.png": "not an image",
+                "no-cardtool.png": "not an image cardtool made", "no-card.png": "not an image cardtool made",
                 "workflow.png": "made by refining an image of step 'draft' in workflow 'wf', which is not beside it",
                 "escape.png": "made by refining an image of step '..' in workflow 'wf', which is not beside it",
                 "bad-steps.png": "'steps' field is malformed",
@@ -150,3 +153,35 @@ def test_unlike_names_what_differs_whatever_the_recorded_weights_hold(made):
                                ('{"vae": "0"}', ["weights of text_encoder, transformer, vae"]), (DEEP, ["weights"])):
         like.metadata["weights"] = recorded
         assert unlike(like, read_like(made).metadata) == expected
+
+
+def test_unlike_tells_start_images_and_control_images_apart_by_content_and_preprocessor(made):
+    """A start image or mask by its sha256 wherever its file was; a control image also by its preprocessor; a
+    workflow chain's start image is its input, found beside it, so it is never named."""
+    from cardtool.core.sampling.like import read_like, unlike
+
+    like = read_like(made)
+    record = {"sha256": "a" * 64, "source": "/x/a.png", "preprocessor": "edges"}
+    for key in ("image", "mask", "control"):
+        like.metadata[key] = json.dumps(record)
+        assert unlike(like, {**like.metadata, key: json.dumps({**record, "source": "/y/b.png"})}) == []
+        assert unlike(like, {**like.metadata, key: json.dumps({**record, "sha256": "b" * 64})}) == [key]
+        assert unlike(like, {**like.metadata, key: json.dumps({**record, "preprocessor": "silhouette"})}) == (
+            ["control"] if key == "control" else [])
+    chain = {**like.metadata, "input": "draft/0", "platform": "cuda/sm90"}
+    like.metadata = chain
+    assert unlike(like, {**chain, "image": json.dumps({**record, "sha256": "b" * 64}), "platform": "cpu"}) == [
+        "platform"]
+
+
+def test_the_solver_and_precision_of_an_image_are_made_again(on_path, tmp_path):
+    result, report = run("generate", "tiny-base", "-p", "a coat", "--seed", "2", "--steps", "3", "--solver",
+                         "dpmpp_2m", "--precision", "float64", "--out", tmp_path / "a")
+    assert result.exit_code == 0, result.output
+    made = Path(report["images"][0]["path"])
+    result, report = run("generate", "--like", made, "--out", tmp_path / "b")
+    assert result.exit_code == 0, result.output
+    again = Path(report["images"][0]["path"])
+    assert again.read_bytes() == made.read_bytes()
+    metadata = read_png_metadata(again)
+    assert (metadata["solver"], metadata["precision"]) == ("dpmpp_2m", "float64")
