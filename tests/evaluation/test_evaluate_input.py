@@ -203,7 +203,7 @@ def test_a_kept_row_or_floor_missing_a_field_or_of_another_type_is_measured_agai
     # (None: the field dropped) the last three well typed, yet printed with a traceback: one of a pair, or one alone
     for damage in ({"images": None}, {"model_evaluations": "4"}, {"accuracy_by_class": 5}, {"steps": 1.0},
                    {"class_accuracy_ci95": "x"}, {"manifold_recall": None}, {"class_accuracy_ci95": [0.5]},
-                   {"guidance_interval": [0.0, 0.4, 1.0]}):
+                   {"guidance_interval": [0.0, 0.4, 1.0]}, {"fid_fmnist": True}):  # JSON's true is no number
         document = json.loads(json.dumps(written))
         document["rows"][0] = {k: v for k, v in {**document["rows"][0], **damage}.items() if v is not None}
         report.write_text(json.dumps(document))

@@ -8,7 +8,7 @@ import pytest
 from helpers import REPO
 
 from cardtool.core.training.lora_settings import lora_settings
-from cardtool.core.training.recipes import apply_overrides, load_recipe, loss_number
+from cardtool.core.training.recipes import Recipe, apply_overrides, load_recipe, loss_number
 from cardtool.errors import BadInput
 
 
@@ -16,6 +16,21 @@ def test_overrides_parse_values_as_yaml():
     data = apply_overrides({"optim": {"lr": 1.0}}, ["optim.lr=3e-4", "train.ema=0.99", "parents=[a, b]",
                                                     "card.id=x"])
     assert data == {"optim": {"lr": 3e-4}, "train": {"ema": 0.99}, "parents": ["a", "b"], "card": {"id": "x"}}
+
+
+def test_what_a_recipe_omits_has_defaults_a_resume_relies_on():
+    """A run's fingerprint, which --resume matches, covers every setting, defaults included: a default changed
+    between versions would refuse every run in flight as made by a different recipe, and silently change what each
+    recipe that omits it trains."""
+    recipe = Recipe.model_validate({"method": "vae", "card": {"id": "x"}})
+    assert recipe.hyperparameters() == {
+        "data": {}, "model": {}, "loss": {},
+        "optim": {"lr": 3e-4, "weight_decay": 0.0, "betas": [0.9, 0.999], "warmup": 0, "grad_clip": 1.0,
+                  "batch_size": 128, "steps": 1000},
+        "train": {"seed": 0, "precision": "float32", "ema": 0.0, "checkpoint_every": 200, "log_every": 50}}
+    assert recipe.fingerprint() == "80163b15502ab70c"
+    assert Recipe.model_validate({**recipe.model_dump(), "train": {"parallel": "fsdp"}}).fingerprint() == \
+        recipe.fingerprint(), "how the ranks share the work is not part of it"
 
 
 def test_shipped_recipes_load():

@@ -1,0 +1,44 @@
+"""A generate call's plan (sampling/planning.py): prompts × seeds in order, at most MAX_IMAGES of them, and a
+prompts file of bounded size."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import EXAMPLE_CARDS
+
+from cardtool.core.cards.loader import load_card
+from cardtool.core.sampling.planning import MAX_IMAGES, plan_requests, read_prompts_file
+from cardtool.errors import BadInput
+
+
+@pytest.fixture(scope="module")
+def card():
+    return load_card(EXAMPLE_CARDS / "tiny-base")
+
+
+def test_each_prompt_takes_the_seeds_from_the_first_in_turn(card):
+    requests, warnings = plan_requests(card, ["a bag", "a coat"], num=2, seed=5, steps=3)
+    assert [(r.prompt, r.seed, r.steps) for r in requests] == [("a bag", 5, 3), ("a bag", 6, 3), ("a coat", 5, 3),
+                                                               ("a coat", 6, 3)]
+    assert warnings == []
+
+
+def test_at_most_max_images_are_planned(card):
+    assert MAX_IMAGES == 100_000
+    requests, _ = plan_requests(card, ["a bag", "a coat"], num=MAX_IMAGES // 2)
+    assert len(requests) == MAX_IMAGES and requests[-1].seed == MAX_IMAGES // 2 - 1
+    for prompts, num in ((["a bag", "a coat"], MAX_IMAGES // 2 + 1), (["a bag"], MAX_IMAGES + 1), (["a bag"], 0)):
+        with pytest.raises(BadInput, match=f"prompts × num at most 100,000, got {len(prompts)} × {num}"):
+            plan_requests(card, prompts, num=num)
+
+
+def test_a_prompts_file_of_up_to_16_mib_is_read(tmp_path):
+    line = "a bag\n"
+    path = tmp_path / "prompts.txt"
+    path.write_text("\ufeff# comment\n\n" + line * ((16 << 20) // len(line) - 3) + "a coat")
+    assert path.stat().st_size <= 16 << 20
+    prompts = read_prompts_file(path)
+    assert prompts[0] == "a bag" and prompts[-1] == "a coat" and "# comment" not in prompts
+    path.write_bytes(b"a" * ((16 << 20) + 1))
+    with pytest.raises(BadInput, match=f"cannot read prompts file: {path} is larger than {16 << 20} bytes"):
+        read_prompts_file(path)
