@@ -42,3 +42,9 @@ def test_a_prompts_file_of_up_to_16_mib_is_read(tmp_path):
     path.write_bytes(b"a" * ((16 << 20) + 1))
     with pytest.raises(BadInput, match=f"cannot read prompts file: {path} is larger than {16 << 20} bytes"):
         read_prompts_file(path)
+
+
+def test_a_control_scale_without_a_control_image_is_refused(card):
+    with pytest.raises(BadInput, match="--control-scale sets the scale of the ControlNet --control adds; give it with "
+                                       "--control"):
+        plan_requests(card, ["a bag"], control_scale=0.5)
