@@ -58,6 +58,23 @@ def test_an_output_the_card_could_not_be_written_to_is_refused_before_training(t
     assert message in json.loads(result.stdout)["error"]["message"]
 
 
+@pytest.mark.parametrize(("where", "message"), [
+    ("run", "Too many levels of symbolic links"), ("run/sub", "Too many levels of symbolic links"),
+    ("out", "already exists; choose another --out"), ("out/sub", "Too many levels of symbolic links")])
+def test_a_folder_whose_links_go_round_in_a_circle_is_refused_before_training(tmp_path, monkeypatch, where, message):
+    from cardtool.core.training import train
+
+    monkeypatch.setattr(train, "train_loop", lambda *a, **k: pytest.fail("trained before the folders were checked"))
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    folders = {"run": tmp_path / "runs", "out": tmp_path / "cards" / "x"}
+    folders[where.split("/")[0]] = tmp_path / "a" / where.partition("/")[2]
+    result = CliRunner().invoke(app, [*TINY_TRAIN, "--data", str(write_idx_folder(tmp_path / "idx")), "--run-dir",
+                                      str(folders["run"]), "--out", str(folders["out"]), "--json"])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output  # was a RuntimeError
+    assert message in json.loads(result.stdout)["error"]["message"]
+
+
 @pytest.mark.parametrize("out", [".", "", "..", "/", "cards/.."])
 def test_an_out_that_names_a_folder_by_where_it_is_is_refused_for_every_card_writer(out):
     """`--out .` used to pass every check, do the work, and fail at the swap ("Device or resource busy")."""

@@ -143,15 +143,35 @@ def handled(json_mode: bool) -> Iterator[None]:
         raise typer.Exit(error.exit_code) from None
     except OSError as error:  # the disk, not cardtool: full, read-only, a path that vanished mid-run
         where = f"{error.filename}: " if error.filename else ""
-        failure = BadInput if error.errno == errno.ENAMETOOLONG else RunFailed  # a path no file system holds
+        # a path no file system holds, or one whose links go round in a circle: the request's, not the disk's
+        failure = BadInput if error.errno in (errno.ENAMETOOLONG, errno.ELOOP) else RunFailed
         with handled(json_mode):
             raise failure(f"{where}{error.strerror or error}") from None
     except (MemoryError, RuntimeError) as error:  # the machine's memory, not cardtool: too much asked at once
+        loop = _symlink_loop(error)
+        if loop is not None:
+            with handled(json_mode):
+                raise loop from None
         failed = OutOfMemory.of(error)
         if failed is None:
             raise
         with handled(json_mode):
             raise failed from None
+
+
+def _symlink_loop(error: BaseException) -> OSError | None:
+    """Path.resolve's RuntimeError for a symlink loop (before Python 3.13, which raises OSError ELOOP) as that
+    OSError, naming the path; None for any other error."""
+    import ast
+
+    prefix = "Symlink loop from "
+    if not (isinstance(error, RuntimeError) and str(error).startswith(prefix)):
+        return None
+    try:
+        path = ast.literal_eval(str(error)[len(prefix):])
+    except (ValueError, SyntaxError):
+        path = str(error)[len(prefix):]
+    return OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
 
 
 class LateProgress:

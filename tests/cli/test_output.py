@@ -212,6 +212,9 @@ def test_a_validation_error_prints_each_problem_and_in_json_mode_one_document(ca
     (OSError(errno.EROFS, "Read-only file system"), 1, "error Read-only file system"),
     (OSError("gone"), 1, "error gone"),
     (OSError(errno.ENAMETOOLONG, "File name too long", "x" * 300), 2, f"error {'x' * 300}: File name too long"),
+    (OSError(errno.ELOOP, "Too many levels of symbolic links", "/a"), 2, "error /a: Too many levels of symbolic links"),
+    # Path.resolve's error for a loop before Python 3.13
+    (RuntimeError("Symlink loop from '/runs/it\\'s'"), 2, "error /runs/it's: Too many levels of symbolic links"),
 ])
 def test_a_disk_error_is_a_message_not_a_traceback(error, code, line, capsys):
     assert exit_of(error, json_mode=True) == code
