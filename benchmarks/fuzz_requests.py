@@ -73,6 +73,7 @@ class Env:
         Image.fromarray((rng.random((28, 28)) * 255).astype("uint8")).save(root / "control.png")
         Image.fromarray((rng.random((8, 8, 4)) * 255).astype("uint8")).save(root / "rgba.png")
         (root / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(100)))
+        (root / "loop").symlink_to(root / "loop")  # a link that names itself: resolving it goes round for ever
         (root / "prompts.txt").write_text("a bag\n\n" + "x" * 10000 + "\n")
         from cardtool.core.sampling.images import png_bytes
 
@@ -125,7 +126,7 @@ def _generate(rng: random.Random, env: Env, out: Path) -> list[str]:
     r = str(env.root)
     options = {
         "-p": ["a bag", "", "x" * 100000, "\x00", "ünïcode 👜", "--json"],
-        "--prompts-file": [f"{r}/prompts.txt", "/dev/null", "/nonexistent", r],
+        "--prompts-file": [f"{r}/prompts.txt", "/dev/null", "/nonexistent", r, f"{r}/loop"],
         "--negative-prompt": ["a dress", "", "x" * 5000], "-n": NUMBERS, "--seed": NUMBERS, "--steps": NUMBERS,
         "--guidance": FLOATS, "--shift": FLOATS, "--control-scale": FLOATS, "--max-batch": NUMBERS,
         "--guidance-interval": ["0,1", "1,0", "0.2,0.4", "nan,1", "0", "a,b", "0,1,2", "", "-1,2"],
@@ -135,7 +136,7 @@ def _generate(rng: random.Random, env: Env, out: Path) -> list[str]:
         "--adapter": ["invert", "invert=0.5", "invert=nan", "invert=x", "nope", "=1", "invert=1e308", ""],
         "--control": [f"{r}/control.png", f"{r}/broken.png", f"{r}/rgba.png:edges", f"{r}/control.png:nope",
                       "/nonexistent.png", r, f"{r}/bomb.png"],
-        "--out": [str(out), str(out / "one.png"), "/dev/null", f"{r}/control.png", str(out / "a.jpg")],
+        "--out": [str(out), str(out / "one.png"), "/dev/null", f"{r}/control.png", str(out / "a.jpg"), f"{r}/loop/x"],
         "--like": [f"{r}/made.png", f"{r}/control.png", "/nonexistent"],
         "--image": [f"{r}/control.png", f"{r}/made.png", f"{r}/broken.png", f"{r}/rgba.png", f"{r}/bomb.png",
                     "/nonexistent.png", r], "--strength": ["0.5", "0.01", "0.99", "1", "0", "nan", "1e-320", "x"],
@@ -202,6 +203,8 @@ def _recipes(rng: random.Random, env: Env, out: Path) -> list[str]:
               str(out / "run")]
     distill_keys = [f"loss.{k}" for k in DISTILL_LOSS] + COMMON_KEYS + LORA_KEYS
     rl_keys = [f"loss.{k}" for k in RL_LOSS] + COMMON_KEYS + LORA_KEYS
+    if rng.random() < 0.05:  # a folder reached through a symlink loop
+        common[common.index(rng.choice(["--out", "--run-dir"])) + 1] = str(env.root / "loop" / "x")
     roll = rng.random()
     if roll < 0.2:
         tiny = ["rl.optim.steps=2", "rl.optim.batch_size=2", "rl.loss.group_size=4", "rl.train.precision=float32",
