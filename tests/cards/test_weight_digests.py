@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from cardtool.cache import cache_dir
 from cardtool.core.cards import weight_files
-from cardtool.core.cards.weight_files import tensor_digest
+from cardtool.core.cards.weight_files import DTYPE_SIZES, read_header, tensor_digest
 
 
 def test_a_digest_is_read_back_in_a_new_process_and_recomputed_when_the_file_changes(tmp_path, monkeypatch):
@@ -60,3 +60,17 @@ def test_threads_hashing_files_at_once_share_the_memo_safely(tmp_path, monkeypat
 
     assert race(load) == []
     assert len(json.loads((cache_dir() / "digests.json").read_text())) == 4
+
+
+def test_a_file_of_every_safetensors_dtype_has_a_sound_header(tmp_path):
+    """Each dtype's bytes per element, as the header check counts them against the offsets safetensors writes: one
+    size wrong and a sound file of that dtype reads as corrupt."""
+    dtypes = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+              "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+    assert set(dtypes) == set(DTYPE_SIZES)
+    for name, dtype in dtypes.items():
+        path = tmp_path / f"{name}.safetensors"
+        save_file({"a": torch.zeros(3, 5, dtype=dtype), "b": torch.zeros(7, dtype=dtype)}, str(path))
+        assert read_header(path) == ({"a": (name, (3, 5)), "b": (name, (7,))}, None), name

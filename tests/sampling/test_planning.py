@@ -48,3 +48,18 @@ def test_a_control_scale_without_a_control_image_is_refused(card):
     with pytest.raises(BadInput, match="--control-scale sets the scale of the ControlNet --control adds; give it with "
                                        "--control"):
         plan_requests(card, ["a bag"], control_scale=0.5)
+
+
+def test_prompts_piped_in_are_read_up_to_16_mib_and_not_cut_short_past_it(monkeypatch):
+    import io
+    import sys
+
+    for size, refused in (((16 << 20), False), ((16 << 20) + 1, True)):
+        data = b"a bag\n" + b"b" * (size - 6)
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+        if refused:
+            with pytest.raises(BadInput, match=f"standard input is larger than {16 << 20} bytes"):
+                read_prompts_file("-")
+        else:
+            prompts = read_prompts_file("-")
+            assert prompts[0] == "a bag" and len(prompts[1]) == size - 6
