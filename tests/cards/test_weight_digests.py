@@ -74,3 +74,28 @@ def test_a_file_of_every_safetensors_dtype_has_a_sound_header(tmp_path):
         path = tmp_path / f"{name}.safetensors"
         save_file({"a": torch.zeros(3, 5, dtype=dtype), "b": torch.zeros(7, dtype=dtype)}, str(path))
         assert read_header(path) == ({"a": (name, (3, 5)), "b": (name, (7,))}, None), name
+
+
+def raw_file(path, header: dict, data: bytes, length: int | None = None):
+    """A safetensors file written by hand: its JSON header padded with spaces to `length` bytes."""
+    import struct
+
+    text = json.dumps(header).encode()
+    text += b" " * ((length or len(text)) - len(text))
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+    return path
+
+
+def test_a_header_up_to_16_mib_is_read_and_one_past_it_is_not(tmp_path):
+    header = {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}
+    sound = raw_file(tmp_path / "sound.safetensors", header, b"\0" * 4, length=16 << 20)
+    assert read_header(sound) == ({"a": ("F32", (1,))}, None)
+    large = raw_file(tmp_path / "large.safetensors", header, b"\0" * 4, length=(16 << 20) + 1)
+    assert read_header(large) == ({}, "'large.safetensors' does not have a valid safetensors header (truncated or "
+                                      "corrupt)")
+
+
+def test_a_tensor_entry_with_a_field_safetensors_does_not_define_is_refused(tmp_path):
+    header = {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "offset": 0}}
+    path = raw_file(tmp_path / "w.safetensors", header, b"\0" * 4)
+    assert read_header(path) == ({}, "'w.safetensors': tensor 'a' is not a {dtype, shape, data_offsets} entry")
