@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from helpers import race
 from safetensors.torch import save_file
@@ -99,3 +100,29 @@ def test_a_tensor_entry_with_a_field_safetensors_does_not_define_is_refused(tmp_
     header = {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "offset": 0}}
     path = raw_file(tmp_path / "w.safetensors", header, b"\0" * 4)
     assert read_header(path) == ({}, "'w.safetensors': tensor 'a' is not a {dtype, shape, data_offsets} entry")
+
+
+@pytest.mark.parametrize(("entry", "problem"), [
+    ({"shape": 3}, "has an invalid shape"), ({"shape": [1] * 9}, "has an invalid shape"),
+    ({"shape": [-1]}, "has an invalid shape"), ({"shape": [True]}, "has an invalid shape"),
+    ({"shape": [1.0]}, "has an invalid shape"), ({"shape": [2**48]}, "has an invalid shape"),
+    ({"data_offsets": 4}, "has invalid data_offsets"), ({"data_offsets": [0, 4, 4]}, "has invalid data_offsets"),
+    ({"data_offsets": [0, 4.0]}, "has invalid data_offsets"),
+    ({"data_offsets": [False, 4]}, "has invalid data_offsets"),
+    ({"data_offsets": [0, 2**48]}, "has invalid data_offsets"), ({"dtype": "F128"}, "has an unknown dtype"),
+    ({"shape": [2]}, ": its byte range does not match its shape and dtype"),
+])
+def test_a_tensor_entry_that_safetensors_could_not_hold_is_refused(tmp_path, entry, problem):
+    header = {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], **entry}}
+    path = raw_file(tmp_path / "w.safetensors", header, b"\0" * 4)
+    assert read_header(path) == ({}, f"'w.safetensors': tensor 'a'{' ' if problem[0] != ':' else ''}{problem}")
+
+
+def test_eight_dimensions_are_a_shape_and_a_long_tensor_name_is_cut_in_a_problem(tmp_path):
+    path = raw_file(tmp_path / "w.safetensors", {"a": {"dtype": "F32", "shape": [1] * 8, "data_offsets": [0, 4]}},
+                    b"\0" * 4)
+    assert read_header(path) == ({"a": ("F32", (1,) * 8)}, None)
+    for name, shown in (("n" * 80, "n" * 80), ("n" * 81, "n" * 77 + "...")):
+        path = raw_file(tmp_path / "w.safetensors", {name: {"dtype": "F99", "shape": [1], "data_offsets": [0, 4]}},
+                        b"\0" * 4)
+        assert read_header(path)[1] == f"'w.safetensors': tensor '{shown}' has an unknown dtype"

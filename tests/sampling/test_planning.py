@@ -63,3 +63,23 @@ def test_prompts_piped_in_are_read_up_to_16_mib_and_not_cut_short_past_it(monkey
         else:
             prompts = read_prompts_file("-")
             assert prompts[0] == "a bag" and len(prompts[1]) == size - 6
+
+
+@pytest.mark.parametrize("adapters", [[("invert",)], [("invert", 0.5, 1)], [("invert", True)], [(1, 0.5)],
+                                      [("invert", "0.5")], ("invert", 0.5), "invert=0.5", [["invert", None]]])
+def test_adapters_that_are_not_name_scale_pairs_are_refused(card, adapters):
+    with pytest.raises(BadInput, match=r"adapters must be \(name, scale\) pairs"):
+        plan_requests(card, ["a bag"], adapters=adapters)
+    requests, _ = plan_requests(card, ["a bag"], adapters=[["invert", 1]])  # a list is a pair too
+    assert requests[0].adapters == (("invert", 1.0),)
+
+
+def test_an_adapter_scale_float32_holds_is_taken_and_one_past_it_refused(card):
+    import numpy as np
+
+    largest = float(np.finfo(np.float32).max)
+    requests, _ = plan_requests(card, ["a bag"], adapters=[("invert", -largest)])
+    assert requests[0].adapters == (("invert", -largest),)
+    for scale in (np.nextafter(largest, np.inf), float("inf"), float("nan")):
+        with pytest.raises(BadInput, match="adapter 'invert': a scale of .* is beyond float32's range"):
+            plan_requests(card, ["a bag"], adapters=[("invert", float(scale))])
