@@ -126,3 +126,19 @@ def test_eight_dimensions_are_a_shape_and_a_long_tensor_name_is_cut_in_a_problem
         path = raw_file(tmp_path / "w.safetensors", {name: {"dtype": "F99", "shape": [1], "data_offsets": [0, 4]}},
                         b"\0" * 4)
         assert read_header(path)[1] == f"'w.safetensors': tensor '{shown}' has an unknown dtype"
+
+
+def test_the_memo_keeps_the_thousand_digests_computed_last(tmp_path, monkeypatch):
+    """A hit reads the memo and writes nothing (a file read per card load, not a write); a digest computed again, for
+    a file that changed, counts as the newest."""
+    monkeypatch.setattr(weight_files, "_memo", None)
+    paths = [tmp_path / f"w{i}.safetensors" for i in range(1001)]
+    for i, path in enumerate(paths):
+        save_file({"a": torch.full((2,), float(i))}, str(path))
+    for path in paths[:1000]:
+        tensor_digest(path)
+    save_file({"a": torch.full((2,), -1.0)}, str(paths[0]))  # changed: computed again
+    tensor_digest(paths[0])
+    tensor_digest(paths[1000])
+    memo = json.loads((cache_dir() / "digests.json").read_text())
+    assert list(memo) == [str(p.resolve()) for p in [*paths[2:1000], paths[0], paths[1000]]]
