@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 
 import pytest
 import torch
@@ -142,3 +143,29 @@ def test_the_memo_keeps_the_thousand_digests_computed_last(tmp_path, monkeypatch
     tensor_digest(paths[1000])
     memo = json.loads((cache_dir() / "digests.json").read_text())
     assert list(memo) == [str(p.resolve()) for p in [*paths[2:1000], paths[0], paths[1000]]]
+
+
+@pytest.mark.parametrize(("head", "problem"), [
+    (b"\x80\x04\x95" + b"\0" * 20, "is named .safetensors but holds a pickle/zip checkpoint"),
+    (b"PK\x03\x04" + b"\0" * 20, "is named .safetensors but holds a pickle/zip checkpoint"),
+    (b"\0" * 8, "is truncated (8 bytes): too short for a safetensors header"),
+    (struct.pack("<Q", 0) + b"{}", "does not have a valid safetensors header (truncated or corrupt)"),
+    (struct.pack("<Q", 3) + b"{}", "does not have a valid safetensors header (truncated or corrupt)"),
+    (struct.pack("<Q", 2) + b"[]", "does not have a valid safetensors header (truncated or corrupt)"),
+    (struct.pack("<Q", 2) + b"{]", "has a safetensors header that is not valid JSON"),
+])
+def test_a_file_that_is_not_safetensors_is_named_for_what_it_is(tmp_path, head, problem):
+    path = tmp_path / "w.safetensors"
+    path.write_bytes(head)
+    assert read_header(path) == ({}, f"'w.safetensors' {problem}")
+
+
+def test_a_digest_is_of_each_tensor_s_name_dtype_shape_and_bytes_in_name_order(tmp_path, monkeypatch):
+    """What a card's and an image's weights versions record: stable across versions, whatever the file's layout."""
+    import hashlib
+
+    monkeypatch.setattr(weight_files, "_memo", None)
+    b, a = torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.tensor([1.5], dtype=torch.float16)
+    save_file({"b": b, "a": a}, str(tmp_path / "w.safetensors"), metadata={"note": "ignored"})
+    expected = hashlib.sha256(b"a|F16|[1]|" + a.numpy().tobytes() + b"b|F32|[2, 3]|" + b.numpy().tobytes())
+    assert tensor_digest(tmp_path / "w.safetensors") == expected.hexdigest()

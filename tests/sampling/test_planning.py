@@ -83,3 +83,15 @@ def test_an_adapter_scale_float32_holds_is_taken_and_one_past_it_refused(card):
     for scale in (np.nextafter(largest, np.inf), float("inf"), float("nan")):
         with pytest.raises(BadInput, match="adapter 'invert': a scale of .* is beyond float32's range"):
             plan_requests(card, ["a bag"], adapters=[("invert", float(scale))])
+
+
+def test_settings_given_replace_the_card_s_defaults_and_the_rest_come_from_it(card):
+    defaults = card.manifest.loops["denoise"].defaults
+    [plain], _ = plan_requests(card, ["a bag"])
+    assert (plain.steps, plain.guidance, plain.shift, plain.solver) == (defaults["steps"], defaults["guidance"],
+                                                                        defaults["shift"], defaults["solver"])
+    assert plain.guidance_interval == (0.0, 1.0) and plain.adapters == () and plain.negative_prompt == ""
+    [given], _ = plan_requests(card, ["a bag"], steps=2, guidance=1.5, shift=2.0, solver="dpmpp_2m",
+                               guidance_interval=(0.1, 0.5), adapters=[("invert", 0.25)], negative_prompt="a coat")
+    assert (given.steps, given.guidance, given.shift, given.solver, given.guidance_interval, given.adapters,
+            given.negative_prompt) == (2, 1.5, 2.0, "dpmpp_2m", (0.1, 0.5), (("invert", 0.25),), "a coat")
