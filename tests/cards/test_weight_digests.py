@@ -166,6 +166,8 @@ def test_a_digest_is_of_each_tensor_s_name_dtype_shape_and_bytes_in_name_order(t
 
     monkeypatch.setattr(weight_files, "_memo", None)
     b, a = torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.tensor([1.5], dtype=torch.float16)
-    save_file({"b": b, "a": a}, str(tmp_path / "w.safetensors"), metadata={"note": "ignored"})
-    expected = hashlib.sha256(b"a|F16|[1]|" + a.numpy().tobytes() + b"b|F32|[2, 3]|" + b.numpy().tobytes())
+    c = torch.tensor([-1.0, 2.0])
+    save_file({"b": b, "c": c, "a": a}, str(tmp_path / "w.safetensors"), metadata={"note": "ignored"})
+    expected = hashlib.sha256(b"a|F16|[1]|" + a.numpy().tobytes() + b"b|F32|[2, 3]|" + b.numpy().tobytes()
+                              + b"c|F32|[2]|" + c.numpy().tobytes())
     assert tensor_digest(tmp_path / "w.safetensors") == expected.hexdigest()
