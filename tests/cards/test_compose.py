@@ -45,6 +45,8 @@ def test_compose_serves_every_adapter_card_from_one_card(examples, tmp_path):
     assert json.loads(result.stdout)["adapters"] == ["alpha", "beta", "invert"]
     card = load_card(examples / "tiny-served", checksums=True)
     assert card.manifest.recipe.method == "import" and card.manifest.recipe.parents == ["tiny-base", "tiny-a", "tiny-b"]
+    assert card.manifest.recipe.command == (f"cardtool cards compose {examples / 'tiny-base'} {examples / 'tiny-a'} "
+                                            f"{examples / 'tiny-b'} --id tiny-served")
     assert set(card.manifest.adapters) == {"invert", "alpha", "beta"}, "the base's own adapters stay"
     assert card.manifest.adapters["alpha"].sha256 == sha256_file(examples / "tiny-a" / "adapters" / "alpha.safetensors")
     validate = CliRunner().invoke(app, ["cards", "validate", str(examples / "tiny-served")])
@@ -65,7 +67,10 @@ def test_compose_refuses_cards_made_on_another_base_and_clashing_names(examples,
     other = runner.invoke(app, ["cards", "compose", str(examples / "tiny-rl"), str(examples / "tiny-a"), "--id", "y",
                                 "--out", str(tmp_path / "y")])
     assert other.exit_code == 2 and "does not extend 'tiny-rl'" in other.output
-    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    root = runner.invoke(app, ["cards", "compose", str(examples / "tiny-base"), str(examples / "tiny-judge"), "--id",
+                               "z", "--out", str(tmp_path / "z")])  # a card that extends none
+    assert root.exit_code == 2 and "'tiny-judge' does not extend 'tiny-base' directly" in root.output
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists() and not (tmp_path / "z").exists()
 
 
 def test_a_card_that_would_not_validate_is_located_in_the_folder_asked_for(examples, tmp_path, monkeypatch):
