@@ -80,8 +80,6 @@ def test_a_file_of_every_safetensors_dtype_has_a_sound_header(tmp_path):
 
 def raw_file(path, header: dict, data: bytes, length: int | None = None):
     """A safetensors file written by hand: its JSON header padded with spaces to `length` bytes."""
-    import struct
-
     text = json.dumps(header).encode()
     text += b" " * ((length or len(text)) - len(text))
     path.write_bytes(struct.pack("<Q", len(text)) + text + data)

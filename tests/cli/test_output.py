@@ -23,10 +23,6 @@ class Terminal(io.StringIO):
         return True
 
 
-class Ascii(io.StringIO):
-    encoding = "ascii"
-
-
 # --- the console ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("columns, width", [("100", 100), ("50", 80), ("80", 80), ("1", 80), ("0", 160),

@@ -1,5 +1,6 @@
-"""A generate call's plan (sampling/planning.py): prompts × seeds in order, at most MAX_IMAGES of them, and a
-prompts file of bounded size."""
+"""A generate call's plan (sampling/planning.py): prompts × seeds in order, at most MAX_IMAGES of them, prompts
+files and piped prompts of bounded size, the card's defaults for what is not given, and the Python API's adapter
+stack checked as the command line's."""
 
 from __future__ import annotations
 
@@ -70,8 +71,6 @@ def test_prompts_piped_in_are_read_up_to_16_mib_and_not_cut_short_past_it(monkey
 def test_adapters_that_are_not_name_scale_pairs_are_refused(card, adapters):
     with pytest.raises(BadInput, match=r"adapters must be \(name, scale\) pairs"):
         plan_requests(card, ["a bag"], adapters=adapters)
-    requests, _ = plan_requests(card, ["a bag"], adapters=[["invert", 1]])  # a list is a pair too
-    assert requests[0].adapters == (("invert", 1.0),)
 
 
 def test_an_adapter_scale_float32_holds_is_taken_and_one_past_it_refused(card):
@@ -95,3 +94,5 @@ def test_settings_given_replace_the_card_s_defaults_and_the_rest_come_from_it(ca
                                guidance_interval=(0.1, 0.5), adapters=[("invert", 0.25)], negative_prompt="a coat")
     assert (given.steps, given.guidance, given.shift, given.solver, given.guidance_interval, given.adapters,
             given.negative_prompt) == (2, 1.5, 2.0, "dpmpp_2m", (0.1, 0.5), (("invert", 0.25),), "a coat")
+    [listed], _ = plan_requests(card, ["a bag"], adapters=[["invert", 1]])  # a list is a pair too; its scale a float
+    assert listed.adapters == (("invert", 1.0),)
