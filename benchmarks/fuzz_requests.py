@@ -125,9 +125,9 @@ def _image_files(rng) -> list[bytes]:
 def _generate(rng: random.Random, env: Env, out: Path) -> list[str]:
     r = str(env.root)
     options = {
-        "-p": ["a bag", "", "x" * 100000, "\x00", "ünïcode 👜", "--json"],
+        "-p": ["a bag", "", "x" * 100000, "\x00", "ünïcode 👜", "--json", "[a bag", '{"x": 1}'],
         "--prompts-file": [f"{r}/prompts.txt", "/dev/null", "/nonexistent", r, f"{r}/loop"],
-        "--negative-prompt": ["a dress", "", "x" * 5000], "-n": NUMBERS, "--seed": NUMBERS, "--steps": NUMBERS,
+        "--negative-prompt": ["a dress", "", "x" * 5000, "[1]"], "-n": NUMBERS, "--seed": NUMBERS, "--steps": NUMBERS,
         "--guidance": FLOATS, "--shift": FLOATS, "--control-scale": FLOATS, "--max-batch": NUMBERS,
         "--guidance-interval": ["0,1", "1,0", "0.2,0.4", "nan,1", "0", "a,b", "0,1,2", "", "-1,2"],
         "--solver": ["euler", "dpmpp_2m", "sde", "renoise", "x"], "--device": ["cpu", "numpy", "cuda", "tpu", ""],
@@ -490,7 +490,7 @@ def _api(rng: random.Random, env: Env, out: Path) -> ApiCall:
                     "strict", "on_step", "max_batch", "best_of", "reward", "adapters", "control", "preprocessor",
                     "control_scale", "fuse", "skip_existing", "negative_prompt", "out", "image", "strength", "mask"]
         options = hostile(keywords, {"steps": 2})
-        prompts = rng.choice(["a bag", ["a bag", "a dress"], [], [1], None, "", ["x" * 70000], 3])
+        prompts = rng.choice(["a bag", ["a bag", "a dress"], [], [1], None, "", ["x" * 70000], 3, "{a bag}"])
         args = [prompts]
     elif function == "LoadedCard":
         args = [rng.choice([env.card("tiny-base")] * 3 + values)]

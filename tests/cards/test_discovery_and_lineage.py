@@ -328,6 +328,21 @@ def test_a_forged_record_of_ancestors_is_bounded(tmp_path, ancestors, message):
     assert not result.valid and message in str(result.problems[0]), result.problems
 
 
+@pytest.mark.parametrize(("recorded", "valid"), [(127, True), (128, False)])
+def test_a_lineage_of_128_cards_is_the_deepest_walked(tmp_path, recorded, valid):
+    """The card itself and 127 recorded ancestors make 128 cards; one more is deeper than MAX_DEPTH."""
+    import yaml
+
+    ancestors = [{"id": f"up{i}", "method": "pretrain", "parents": [f"up{i + 1}"] if i < recorded - 1 else []}
+                 for i in range(recorded)]
+    make(tmp_path / "cards", "low", "low", parents="[up0]")
+    manifest = tmp_path / "cards" / "low" / "card.yaml"
+    manifest.write_text(manifest.read_text() + "  ancestors: " + yaml.safe_dump(ancestors, default_flow_style=True))
+    [result] = validate_paths(["cards/low"])
+    assert result.valid is valid, result.problems
+    assert valid or "the lineage is deeper than 128 cards" in str(result.problems[0])
+
+
 def test_a_card_names_at_most_256_parents(tmp_path):
     """Each parent is looked up on every validation: 20,000 took 75 s to report as missing."""
     make(tmp_path / "cards", "many", "many", parents="[" + ", ".join(f"p{i}" for i in range(300)) + "]")

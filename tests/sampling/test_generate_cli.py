@@ -44,6 +44,24 @@ def test_generate_writes_pngs_with_metadata_and_a_grid(on_path, tmp_path):
     assert report["grid"] and read_png_metadata(report["grid"])["card"] == "tiny-base"
 
 
+def test_a_prompt_that_reads_like_json_is_reported_as_text(on_path, tmp_path):
+    """--json decoded any metadata value starting with [ or {: the prompt "[a bag" crashed it after the images were
+    written, and '{"x": 1}' came back as an object."""
+    result = run("generate", "tiny-base", "-p", "[a bag", "-p", '{"x": 1}', "--negative-prompt", "[1, 2]",
+                 "--steps", "2", "--adapter", "invert=0.5", "--out", str(tmp_path), "--json")
+    assert result.exit_code == 0, result.output
+    images = json.loads(result.stdout)["images"]
+    assert [i["prompt"] for i in images] == ["[a bag", '{"x": 1}']
+    assert all(i["negative_prompt"] == "[1, 2]" for i in images)
+    assert set(images[0]["weights"]) == {"text_encoder", "vae", "transformer"}, "a JSON field is its value"
+    assert [(a["name"], a["scale"]) for a in images[0]["adapters"]] == [("invert", 0.5)]
+    again = run("generate", "tiny-base", "-p", "{a coat}", "--steps", "2", "--image", images[0]["path"],
+                "--strength", "0.5", "--out", str(tmp_path / "again"), "--json")
+    assert again.exit_code == 0, again.output
+    [image] = json.loads(again.stdout)["images"]
+    assert image["prompt"] == "{a coat}" and image["image"]["source"] == images[0]["path"]
+
+
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 def test_the_same_command_twice_gives_bit_identical_pngs(on_path, tmp_path, precision):
     outputs = []

@@ -21,8 +21,12 @@ from cardtool.errors import BadInput, RunFailed
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["GeneratedImage", "adapter_metadata", "already_made", "image_metadata", "output_paths", "prompt_slug",
-           "save_image", "settings_tag"]
+__all__ = ["JSON_FIELDS", "GeneratedImage", "adapter_metadata", "already_made", "image_metadata", "output_paths",
+           "prompt_slug", "save_image", "settings_tag"]
+
+# the metadata fields that record a JSON value (reported as that value); every other field is text, a prompt that
+# reads like JSON ("[a dress", '{"x": 1}') too
+JSON_FIELDS = ("weights", "adapters", "control", "image", "mask", "scores")
 
 
 @dataclass
@@ -35,7 +39,7 @@ class GeneratedImage:
 
     def to_json(self) -> dict:
         path = None if self.path is None else str(self.path)
-        return {"path": path, **{k: _json_value(v) for k, v in self.metadata.items()}}
+        return {"path": path, **{k: json.loads(v) if k in JSON_FIELDS else v for k, v in self.metadata.items()}}
 
 
 def output_paths(out: Path, card_id: str, requests: list[Request], tags: list[str]) -> list[Path]:
@@ -138,6 +142,3 @@ def prompt_slug(prompt: str) -> str:
         return words or "unconditional"
     return "prompt-" + hashlib.sha256(prompt.encode("utf-8", "surrogatepass")).hexdigest()[:8]
 
-
-def _json_value(value: str):
-    return json.loads(value) if value.startswith(("{", "[")) else value

@@ -26,7 +26,7 @@ from cardtool.core import distributed
 from cardtool.core.interrupt import Interrupted, stop_requests
 from cardtool.core.sampling.denoise import Request
 from cardtool.core.sampling.generate import LoadedCard
-from cardtool.core.sampling.outputs import image_metadata, prompt_slug, save_image, settings_tag
+from cardtool.core.sampling.outputs import JSON_FIELDS, image_metadata, prompt_slug, save_image, settings_tag
 from cardtool.core.sampling.planning import plan_requests
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache
@@ -301,7 +301,7 @@ def _run_step(runner: _Runner, workflow: Workflow, name: str, outputs: dict[str,
 
     def entry() -> dict:
         return {"step": name, "kind": step.kind, "seconds": round(time.perf_counter() - begun, 3), "kept": kept,
-                "images": [{"path": str(o.path), **{k: json.loads(o.metadata[k]) if k in _JSON else o.metadata[k]
+                "images": [{"path": str(o.path), **{k: json.loads(o.metadata[k]) if k in JSON_FIELDS else o.metadata[k]
                                                     for k in _REPORTED if k in o.metadata}}
                            for o in (produced[k] for k in range(len(jobs)) if k in produced)]}
 
@@ -333,4 +333,3 @@ def _run_step(runner: _Runner, workflow: Workflow, name: str, outputs: dict[str,
 
 _REPORTED = ("card", "prompt", "seed", "steps", "strength", "input", "image", "mask", "best_of", "reward",
              "request_seed", "candidate", "scores")
-_JSON = ("scores", "image", "mask")  # reported as the values they record
