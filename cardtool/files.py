@@ -20,7 +20,7 @@ def read_small_file_bytes(path: Path, limit: int = 1 << 20) -> tuple[bytes, str]
     """(bytes, "") of a regular file of at most `limit` bytes, else (b"", why not) — never blocking on a FIFO or
     reading a device."""
     if not is_regular_file(path):
-        return b"", f"{path} is missing or not a regular file"
+        return b"", f"{path} {_not_a_file(path)}"
     try:
         with path.open("rb") as f:
             data = f.read(limit + 1)
@@ -29,6 +29,17 @@ def read_small_file_bytes(path: Path, limit: int = 1 << 20) -> tuple[bytes, str]
     if len(data) > limit:
         return b"", f"{path} is larger than {limit} bytes"
     return data, ""
+
+
+def _not_a_file(path: Path) -> str:
+    """Why `path`, which is not a regular file, cannot be read as one."""
+    try:
+        path.stat()
+    except FileNotFoundError:
+        return "does not exist"
+    except (OSError, ValueError) as e:
+        return f"cannot be read: {getattr(e, 'strerror', None) or e}"
+    return "is not a regular file (a folder, a device or a pipe)"
 
 
 def read_small_file(path: Path, limit: int = 1 << 20) -> tuple[str, str]:

@@ -45,6 +45,28 @@ def test_a_prompts_file_of_up_to_16_mib_is_read(tmp_path):
         read_prompts_file(path)
 
 
+def test_a_prompts_file_may_be_a_pipe_but_not_a_device_or_a_folder(tmp_path):
+    """`--prompts-file <(…)` is a pipe: read until its writer closes it, as far as the limit; /dev/zero never ends."""
+    import os
+    import threading
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_bytes("\ufeff# made by a script\na bag\na coat\n".encode()))
+    writer.start()
+    assert read_prompts_file(fifo) == ["a bag", "a coat"]
+    writer.join()
+    writer = threading.Thread(target=lambda: fifo.write_bytes(b"x" * 101))
+    writer.start()
+    with pytest.raises(BadInput, match=f"cannot read prompts file: {fifo} is larger than 100 bytes"):
+        read_prompts_file(fifo, limit=100)
+    writer.join()
+    for path, why in (("/dev/zero", "is not a regular file"), (tmp_path, "is not a regular file"),
+                      (tmp_path / "nope.txt", "does not exist")):
+        with pytest.raises(BadInput, match=f"cannot read prompts file: {path} {why}"):
+            read_prompts_file(path)
+
+
 def test_a_control_scale_without_a_control_image_is_refused(card):
     with pytest.raises(BadInput, match="--control-scale sets the scale of the ControlNet --control adds; give it with "
                                        "--control"):

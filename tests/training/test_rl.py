@@ -348,6 +348,32 @@ def test_a_prompts_file_is_what_the_run_trains_on(examples, tmp_path):
     assert again.exit_code == 2 and "was trained on other data than this run reads" in again.output, again.output
 
 
+def test_a_prompts_file_is_read_as_generate_reads_one(tmp_path):
+    """One reader for both: a byte-order mark is not part of the first prompt (rl's own reader kept it, so the
+    recorded prompts differed from the same file's without one), a pipe is read, and the limit is 1 MiB."""
+    import os
+    import threading
+
+    from cardtool.core.training.rl import read_prompts
+
+    (tmp_path / "bom.txt").write_bytes("\ufeffa bag\r\na coat\r\n".encode())
+    assert read_prompts(tmp_path / "bom.txt") == ["a bag", "a coat"]
+    for size, refused in ((1 << 20, False), ((1 << 20) + 1, True)):
+        r, w = os.pipe()
+        writer = threading.Thread(target=lambda w=w, size=size: (os.write(w, b"a bag\n" + b"x" * (size - 6)),
+                                                                 os.close(w)))
+        writer.start()
+        try:
+            if refused:
+                with pytest.raises(BadInput, match=f"/dev/fd/{r} is larger than {1 << 20} bytes"):
+                    read_prompts(f"/dev/fd/{r}")
+            else:
+                assert read_prompts(f"/dev/fd/{r}")[0] == "a bag"
+        finally:
+            os.close(r)
+            writer.join()
+
+
 def test_the_example_recipes_spell_out_the_defaults():
     for name, defaults in (("fashion-nft.yaml", NFT_DEFAULTS), ("fashion-grpo.yaml", GRPO_DEFAULTS)):
         assert yaml.safe_load((REPO / "examples" / "recipes" / name).read_text()) == defaults, name
@@ -360,9 +386,9 @@ def test_the_example_recipes_spell_out_the_defaults():
     (["--set", "loss.no_such_knob=1"], "loss.no_such_knob"),
     (["--method", "flow_grpo", "--set", "loss.beta=1"], "loss.beta"),
     (["--prompts", "empty.txt"], "holds no prompts"),
-    (["--prompts", "missing.txt"], "no such prompts file"),
-    (["--prompts", "/dev/zero"], "must be a regular file"),
-    (["--prompts", "latin1.txt"], "cannot read prompts"),
+    (["--prompts", "missing.txt"], "missing.txt does not exist"),
+    (["--prompts", "/dev/zero"], "/dev/zero is not a regular file"),
+    (["--prompts", "latin1.txt"], "latin1.txt is not UTF-8 text"),
     (["--set", "data.folder=x"], "unknown data.folder; its settings: none"),
     (["--recipe", "listed.yaml"], "unknown rl method ['diffusion_nft']"),  # a list where the method's name goes
 ])
@@ -370,7 +396,7 @@ def test_bad_input_is_a_clear_error(examples, tmp_path, args, message):
     (tmp_path / "empty.txt").write_text("\n# only a comment\n   \n")
     (tmp_path / "listed.yaml").write_text("method: [diffusion_nft]\n")
     (tmp_path / "latin1.txt").write_bytes("a béret".encode("latin-1"))
-    args = [str(tmp_path / a) if a.endswith(".yaml") else a for a in args]
+    args = [str(tmp_path / a) if a.endswith((".yaml", ".txt")) else a for a in args]
     result = CliRunner().invoke(app, ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
                                       "--no-eval", *args, "--out", str(tmp_path / "o"), "--run-dir",
                                       str(tmp_path / "r")])

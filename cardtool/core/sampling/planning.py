@@ -24,28 +24,47 @@ LOOP = "denoise"
 MAX_IMAGES = 100_000  # one command; beyond this a planning mistake, not a job (script several runs)
 
 
-def read_prompts_file(path: str | Path) -> list[str]:
-    """One prompt a line; blank lines and lines starting with # are skipped. A regular UTF-8 file of at most
-    16 MiB (never a FIFO or a device, which could block or never end), or `-`: standard input, as piped."""
-    limit = 16 << 20
-    if str(path) == "-":
-        import sys
+def read_prompts_file(path: str | Path, limit: int = 16 << 20) -> list[str]:
+    """One prompt a line; blank lines, lines starting with # and a leading byte-order mark are skipped. UTF-8 of at
+    most `limit` bytes: a regular file, a pipe (`--prompts-file <(…)`; a named one waits for its writer, as `cat`
+    would), or `-`: standard input. Never a device or a folder (/dev/zero never ends)."""
+    import stat
+    import sys
 
+    if str(path) == "-":
         if sys.stdin is None:  # closed by the caller (`<&-`)
             raise BadInput("cannot read prompts file: standard input is closed; pipe the prompts in, or give a file")
-        data = sys.stdin.buffer.read(limit + 1)
-        text, reason = "", f"standard input is larger than {limit} bytes" if len(data) > limit else ""
-        if not reason:
-            try:
-                text = data.decode("utf-8")
-            except UnicodeDecodeError:
-                reason = "standard input is not UTF-8 text"
+        text, reason = _read_stream(sys.stdin.buffer, "standard input", limit)
+    elif _is(stat.S_ISFIFO, path):
+        try:
+            with open(path, "rb") as f:
+                text, reason = _read_stream(f, str(path), limit)
+        except OSError as e:
+            text, reason = "", f"cannot read {path}: {e.strerror or e}"
     else:
         text, reason = read_small_file(Path(path), limit=limit)
     if reason:
         raise BadInput(f"cannot read prompts file: {reason}")
     lines = text.removeprefix("\ufeff").splitlines()  # a byte-order mark, as some editors write, is not a prompt
     return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+
+def _is(kind, path: str | Path) -> bool:
+    try:
+        return kind(os.stat(path).st_mode)
+    except (OSError, ValueError):
+        return False
+
+
+def _read_stream(stream, what: str, limit: int) -> tuple[str, str]:
+    """(text, "") of a stream's UTF-8 up to `limit` bytes, else ("", why not): read no further than limit + 1."""
+    data = stream.read(limit + 1)
+    if len(data) > limit:
+        return "", f"{what} is larger than {limit} bytes"
+    try:
+        return data.decode("utf-8"), ""
+    except UnicodeDecodeError:
+        return "", f"{what} is not UTF-8 text"
 
 
 def plan_requests(card: Card, prompts: list[str], *, num: int = 1, seed: int = 0, steps: int | None = None,

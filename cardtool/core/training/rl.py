@@ -18,6 +18,7 @@ from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.loops import FlowDenoiseDefaults
 from cardtool.core.prompts import training_prompts
+from cardtool.core.sampling.planning import read_prompts_file
 from cardtool.core.training.derived import (
     evaluate_output,
     extends_reference,
@@ -43,21 +44,8 @@ def default_prompts() -> list[str]:
 
 
 def read_prompts(path: Path) -> list[str]:
-    """One prompt per line; blank lines and lines starting with # are skipped."""
-    path = Path(path)
-    if not path.exists():
-        raise BadInput(f"{path}: no such prompts file")
-    if not path.is_file():  # a folder, a FIFO or /dev/zero would block or never end
-        raise BadInput(f"{path}: a prompts file must be a regular file")
-    try:
-        with path.open("rb") as f:
-            data = f.read(MAX_PROMPTS_BYTES + 1)
-        if len(data) > MAX_PROMPTS_BYTES:
-            raise BadInput(f"{path}: a prompts file may hold at most {MAX_PROMPTS_BYTES} bytes")
-        text = data.decode("utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise BadInput(f"{path}: cannot read prompts: {e}") from None
-    prompts = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    """`generate --prompts-file`'s reader (planning.py) at most MAX_PROMPTS_BYTES: one prompt a line."""
+    prompts = read_prompts_file(path, limit=MAX_PROMPTS_BYTES)
     if not prompts:
         raise BadInput(f"{path}: the prompts file holds no prompts (one per line)")
     return prompts
