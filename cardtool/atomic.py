@@ -137,8 +137,6 @@ def write_atomic(target: Path | str, data: bytes, *, durable: bool = False) -> N
 def save_tensors(path: Path | str, tensors: dict, metadata: dict | None = None) -> None:
     """safetensors' `save_file`, a failing disk raised as the OSError it is: the Rust writer raises its own error
     type, which would otherwise reach the user as a traceback instead of "No space left on device"."""
-    import re
-
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 

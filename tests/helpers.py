@@ -106,7 +106,6 @@ def fsynced(monkeypatch) -> list[str]:
     return flushed
 
 
-
 def rows_are_independent() -> bool:
     """Whether a product and a convolution of one fixed shape give a row the same bits whatever the other rows hold
     (true of the BLAS and oneDNN builds measured; where it is not, no padding or grouping makes sampling

@@ -93,8 +93,47 @@ def test_a_writer_killed_mid_write_leaves_a_temporary_the_next_write_into_its_fo
     old = time.time() - 3600
     for path in (leftover, earlier, live):
         os.utime(path, (old, old))
+    minute_ago = tmp_path / ".image.png.999999997-0.tmp"  # a minute and a half since its last write: abandoned
+    minute_ago.write_bytes(b"x")
+    os.utime(minute_ago, (time.time() - 90, time.time() - 90))
     write_atomic(tmp_path / "step-000200.safetensors", b"next")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, recent.name, "step-000200.safetensors"])
+
+
+def test_a_running_writers_temporary_is_kept_and_the_writer_left_alone(tmp_path):
+    """Whether a pid runs is asked with signal 0, which sends nothing."""
+    import subprocess
+    import time
+
+    from cardtool.atomic import running
+
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        held = tmp_path / f".x.png.{sleeper.pid}-0.tmp"
+        held.write_bytes(b"being written")
+        os.utime(held, (time.time() - 3600, time.time() - 3600))
+        write_atomic(tmp_path / "y.png", b"y")
+        assert held.exists() and running(sleeper.pid)
+        time.sleep(0.2)
+        assert sleeper.poll() is None, "the check signalled the writer"
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert not running(sleeper.pid)
+
+
+def test_an_atomic_file_is_readable_by_all_and_a_folder_that_cannot_sync_is_left(tmp_path, monkeypatch):
+    import errno
+    import stat
+
+    from cardtool.atomic import synced
+
+    write_atomic(tmp_path / "card.yaml", b"id: x\n")
+    assert stat.S_IMODE((tmp_path / "card.yaml").stat().st_mode) == 0o644
+    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.EINVAL, "no sync here")))
+    synced(tmp_path)  # some network file systems refuse to sync a folder
+    with pytest.raises(OSError, match="no sync here"):
+        synced(tmp_path / "card.yaml")  # a file's data not reaching the disk is an error
 
 
 def test_a_failing_disk_under_safetensors_is_the_oserror_it_is(tmp_path):
@@ -123,9 +162,13 @@ def test_names_at_the_file_systems_limit_are_written_and_names_past_it_refused_u
     from cardtool.cli import app
     from cardtool.errors import BadInput
 
+    for name in ("a" * 254, "a" * 255):  # a temporary keeps as much of its target's name as fits
+        with atomic_path(tmp_path / "ascii" / name) as temporary:
+            assert len(temporary.name) == 255 and temporary.name.startswith("." + "a" * 200)
+            temporary.write_bytes(b"data")
     at_limit = tmp_path / ("é" * 125 + "a.bin")  # 255 bytes in UTF-8
     write_atomic(at_limit, b"data")
-    assert [p.name for p in tmp_path.iterdir()] == [at_limit.name] and at_limit.read_bytes() == b"data"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ascii", at_limit.name] and at_limit.read_bytes() == b"data"
     past = tmp_path / ("a" * 256)
     for check, what in ((replaceable_file, "--out"), (writable_folder, "the output folder")):
         with pytest.raises(BadInput, match="File name too long"):

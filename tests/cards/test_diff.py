@@ -107,3 +107,50 @@ def test_another_file_holding_the_same_values_is_the_same(examples):
     report = diff_cards(load_card(examples / "tiny-base"), load_card(folder))
     assert next(w for w in report["weights"] if w["name"] == "transformer") == {
         "section": "components", "name": "transformer", "status": "same"}
+
+
+def test_changes_are_listed_largest_first_five_by_default_and_read_a_chunk_at_a_time(examples, monkeypatch):
+    from cardtool.core.cards import diff
+
+    base = load_file(str(examples / "tiny-base" / "transformer.safetensors"))
+    names = sorted(k for k, v in base.items() if np.abs(v).max() > 0)[:7]
+    changed = {**base, **{k: base[k] * np.float32(1 + 0.1 * (i + 1)) for i, k in enumerate(names)}}
+    changed[names[0]] = np.zeros_like(base[names[0]])  # -100 %
+    a, b = load_card(examples / "tiny-base"), load_card(tweaked(examples, changed))
+    moved = next(w for w in diff_cards(a, b)["weights"] if w["name"] == "transformer")
+    ratios = [r["relative_change"] for r in moved["largest"]]
+    assert moved["tensors_changed"] == 7 and len(ratios) == 5
+    assert ratios == pytest.approx([1.0, 0.7, 0.6, 0.5, 0.4], rel=1e-6)
+    assert [r["tensor"] for r in moved["largest"]] == [names[0], *names[6:2:-1]]
+    back = next(w for w in diff_cards(b, a)["weights"] if w["name"] == "transformer")
+    assert back["largest"][0] == {"tensor": names[0], "relative_change": None,
+                                  "max_abs_change": pytest.approx(float(np.abs(base[names[0]]).max()))}, \
+        "a tensor all zero in A has no ratio: listed first"
+    monkeypatch.setattr(diff, "_CHUNK", 7)  # every tensor over several reads, the last one short
+    chunked = next(w for w in diff_cards(a, b, top=7)["weights"] if w["name"] == "transformer")
+    assert chunked["largest"][1]["max_abs_change"] == pytest.approx(
+        float(np.abs(changed[names[6]].astype(np.float64) - base[names[6]]).max()), rel=1e-12)
+    assert chunked["relative_change"] == pytest.approx(moved["relative_change"], rel=1e-12)
+
+
+def test_integer_tensors_are_equal_or_not_and_an_all_zero_file_moved_by_nothing(tmp_path):
+    """A plugin's component with no implied layout may hold integer tensors (a step counter): changed or not, no
+    ratio; a file whose floats are all zero and unchanged moved by 0, not by an unknown amount."""
+    from cardtool.core.cards import diff
+
+    class Weights:  # what diff reads of a card: where a component's weights file is
+        def __init__(self, path):
+            self.path = path
+
+        def weights_file(self, name):
+            return self.path
+
+    files = []
+    for k, step in enumerate((1, 2, 1)):
+        files.append(tmp_path / f"{k}.safetensors")
+        save_file({"w": np.zeros(4, np.float32), "step": np.array([step], np.int64), "index": np.arange(3)},
+                  str(files[-1]), metadata={"k": str(k)})
+    moved = diff._weights("components", "counter", Weights(files[0]), Weights(files[1]), 5)
+    assert moved["largest"] == [{"tensor": "step", "relative_change": None, "max_abs_change": None}]
+    assert moved["tensors_changed"] == 1 and moved["relative_change"] == 0.0, "no float moved: 0, not unknown"
+    assert diff._weights("components", "counter", Weights(files[0]), Weights(files[2]), 5)["status"] == "same"

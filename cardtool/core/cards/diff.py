@@ -86,7 +86,6 @@ def _layout(f) -> tuple[int, dict]:
     return 8 + length, json.loads(f.read(length))
 
 
-
 def _compare(fa, layout_a, fb, layout_b, tensor: str) -> tuple[float, float, float]:
     """(Σ A², Σ (B − A)², max |B − A|) of one tensor, in float64, read a chunk at a time from both files."""
     readers = [_values(f, start, header[tensor]) for f, (start, header) in ((fa, layout_a), (fb, layout_b))]
