@@ -131,12 +131,23 @@ def test_a_card_with_bad_values_is_found_by_its_id_and_an_unreadable_one_is_name
         locate("tb")
 
 
-def test_path_like_names_that_do_not_exist_are_bad_input(tmp_path):
+def test_path_like_names_that_do_not_exist_are_bad_input(tmp_path, builtin):
     with pytest.raises(BadInput, match="no such card folder"):
         locate("./missing")
     (tmp_path / "empty").mkdir()
     with pytest.raises(BadInput, match="is not a card folder"):
+        locate("./empty")
+    with pytest.raises(CardNotFound, match=r"no card with id 'empty'; .*\(\./empty is a folder, not a card: it holds "
+                                           r"no card.yaml or card.toml\.\)"):
         locate("empty")
+
+
+def test_an_id_that_also_names_a_folder_here_that_is_no_card_finds_the_card(tmp_path, builtin):
+    """`generate fashion-base --out fashion-base`, run twice: the second run read its own output folder as the
+    card it was asked for ("fashion-base is not a card folder")."""
+    make(builtin, "a", "base")
+    (tmp_path / "base").mkdir()  # cwd is tmp_path
+    assert locate("base") == builtin / "a" / "card.yaml"
 
 
 def test_list_reports_invalid_cards_without_failing(tmp_path, builtin):

@@ -930,6 +930,12 @@ def test_a_run_lock_that_is_a_link_or_not_a_file_is_refused_and_its_target_left_
     assert precious.read_text() == "keep me" and not (tmp_path / "none").exists()
     with run_claimed(tmp_path / "plain"):
         assert (tmp_path / "plain" / LOCK).read_text() == f"{os.getpid()}\n"
+    umask = os.umask(0o022)
+    try:
+        with run_claimed(tmp_path / "moded"):
+            assert (tmp_path / "moded" / LOCK).stat().st_mode & 0o7777 == 0o644
+    finally:
+        os.umask(umask)
 
 
 def test_a_run_folder_another_process_is_training_in_is_refused_until_that_process_ends(tmp_path, data):

@@ -126,12 +126,17 @@ def _as_path(name: str) -> Path | None:
         return path
     if is_dir:
         file = manifest_in(path)
-        if file is None:
+        if file is None and not _bare(name):
             raise BadInput(f"{display_path(path)} is not a card folder: it holds no card.yaml or card.toml")
-        return file
-    if os.sep in name or name.startswith(".") or name.endswith((".yaml", ".toml")):
+        return file  # None for an id that also names a folder here that is no card (a generate --out, say)
+    if not _bare(name):
         raise BadInput(f"no such card folder or manifest: {name}")
     return None
+
+
+def _bare(name: str) -> bool:
+    """Whether `name` can be a card id: not written as a path (a separator, a leading dot, a manifest's suffix)."""
+    return not (os.sep in name or name.startswith(".") or name.endswith((".yaml", ".toml")))
 
 
 def locate(name: str, near: Path | None = None) -> Path:
@@ -149,6 +154,8 @@ def locate(name: str, near: Path | None = None) -> Path:
         searched = ", ".join(f"{display_path(r.path)} ({r.origin})" for r in roots) or "nothing"
         close = difflib.get_close_matches(name, sorted({e.id for e in entries if e.id}), n=1)
         hint = f"did you mean '{close[0]}'? " if close else ""
+        if os.path.isdir(name):
+            hint += f"(./{name} is a folder, not a card: it holds no card.yaml or card.toml.) "
         unread = [display_path(e.folder) for e in entries if e.id is None and e.error is not None]
         if unread:  # the card asked for may be one of them: a manifest whose id cannot even be read
             hint += (f"{len(unread)} card folder{'s' if len(unread) > 1 else ''} there could not be read "
