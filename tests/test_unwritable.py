@@ -150,3 +150,28 @@ def test_a_malformed_cache_entry_is_a_miss(tmp_path):
         assert TextFeatureCache(tmp_path).get(other) is None
     np.savez(tmp_path / "text" / "ab" / ("ab" + "0" * 62 + ".npz"), states=states, mask=mask)  # no digest: a miss
     assert TextFeatureCache(tmp_path).get("ab" + "0" * 62) is None
+
+
+@pytest.mark.parametrize(("command", "over"), [
+    (["cards", "merge", "tiny-base=0.5", "tiny-rl=0.5", "--id", "soup", "--overwrite"], "tiny-base"),
+    (["cards", "extract-lora", "tiny-base", "tiny-rl", "--rank", "2", "--id", "x", "--overwrite"], "tiny-rl"),
+    (["rl", "tiny-rl", "--reward", "tiny-judge", "--no-eval", "--force", "--set", "optim.steps=1"], "tiny-base"),
+    (["distill", "tiny-rl", "--steps", "2", "--no-eval", "--force", "--set", "optim.steps=1"], "tiny-rl"),
+    (["train", "--recipe", str(REPO / "examples" / "recipes" / "fashion-bold.yaml"), "--data",
+      str(REPO / "examples" / "images"), "--set", "parents=[tiny-rl]", "--set", "data.transform=none", "--set",
+      "optim.steps=1", "--overwrite"], "tiny-base"),
+])
+def test_a_new_card_is_never_written_over_a_card_it_is_made_from(tmp_path, monkeypatch, command, over):
+    """--force / --overwrite replaced the input card itself (merge, extract-lora, rl, distill, train): its weights were
+    deleted and the new card, extending that id, then extended itself."""
+    import shutil
+
+    for name in ("tiny-base", "tiny-rl", "tiny-judge"):
+        shutil.copytree(REPO / "examples" / "cards" / name, tmp_path / "cards" / name)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "cards" / over).iterdir() if p.is_file()}
+    monkeypatch.setenv("CARDTOOL_PATH", str(tmp_path / "cards"))
+    result = CliRunner().invoke(app, [*command, "--out", str(tmp_path / "cards" / over), "--json"])
+    assert result.exit_code == 2, result.output
+    assert f"is the folder of '{over}', which the new card is made from or descends from" in \
+        json.loads(result.stdout)["error"]["message"]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "cards" / over).iterdir() if p.is_file()} == before

@@ -183,6 +183,17 @@ def test_builtin_dir_of_a_checkout_is_the_top_level_cards_folder(monkeypatch):
     assert discovery.builtin_dir() == EXAMPLE_CARDS.parents[1] / "cards"
 
 
+def test_builtin_dir_of_an_installed_wheel_is_inside_the_package(tmp_path, monkeypatch):
+    """The wheel carries the cards at cardtool/cards (pyproject's force-include); a package with neither is None."""
+    monkeypatch.undo()
+    package = tmp_path / "site" / "cardtool"
+    (package / "core" / "cards").mkdir(parents=True)
+    monkeypatch.setattr(discovery, "__file__", str(package / "core" / "cards" / "discovery.py"))
+    assert discovery.builtin_dir() is None
+    (package / "cards").mkdir()
+    assert discovery.builtin_dir() == package / "cards"
+
+
 def test_lineage_walks_parents_to_the_root(examples):
     root = lineage(load_card(examples / "tiny-distilled"))
     assert [(n.id, n.method) for n in root.chain()] == [("tiny-base", "pretrain"), ("tiny-rl", "diffusion_nft"),

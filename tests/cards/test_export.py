@@ -125,7 +125,7 @@ def test_export_refuses_a_card_without_a_transformer_and_an_existing_folder(exam
     for own in ("tiny-distilled", "tiny-rl"):  # the card's folder, or the folder of a card it extends
         result = runner.invoke(app, ["cards", "export", str(examples / "tiny-distilled"), "--out", str(examples / own),
                                      "--overwrite", "--json"])
-        assert result.exit_code == 2 and "export to a new folder" in json.loads(result.stdout)["error"]["message"]
+        assert result.exit_code == 2 and f"is the folder of '{own}'" in json.loads(result.stdout)["error"]["message"]
     assert load_card(examples / "tiny-rl").manifest.recipe.method == "diffusion_nft"
     result = runner.invoke(app, ["cards", "export", str(examples / "tiny-base"), "--format", "onnx", "--out",
                                  str(tmp_path / "y"), "--json"])

@@ -9,7 +9,7 @@ import shlex
 from pathlib import Path
 
 from cardtool.core.cards.discovery import locate
-from cardtool.core.cards.lineage import check_new_id
+from cardtool.core.cards.lineage import check_new_folder, check_new_id
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.writer import card_folder, write_card
 from cardtool.core.training.derived import extends_reference
@@ -44,6 +44,7 @@ def compose_cards(base_ref: str, adapter_refs: list[str], card_id: str, out: Pat
             adapters[name] = entry
         parents.append(card.id)
         check_new_id(card_id, [base, card], "give the serving card another --id")
+        check_new_folder(out, [base, card])
     manifest = {"schema": "cardtool/v1", "id": card_id,
                 "description": f"{base.id} serving the adapters of {', '.join(parents[1:])}",
                 "extends": extends_reference(base, out),

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from cardtool.core.cards.discovery import locate
-from cardtool.core.cards.lineage import lineage
+from cardtool.core.cards.lineage import check_new_folder, lineage
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.errors import BadInput
 
@@ -38,8 +38,7 @@ def export_card(card_ref: str, out: Path, *, fmt: str = "hf", overwrite: bool = 
     if fmt not in FORMATS:
         raise BadInput(f"unknown export format '{fmt}'; choose one of: {', '.join(FORMATS)}")
     card = load_card(locate(card_ref))
-    if Path(out).resolve() in {source.file.parent.resolve() for source in card.sources}:  # the files it reads
-        raise BadInput(f"--out {out} is the folder of '{card.id}' or of a card it extends; export to a new folder")
+    check_new_folder(out, [card])  # the files it reads, and the cards its recorded lineage names
     m = card.manifest
     dits = [name for name, c in m.components.items() if c.kind == "dit" and c.impl == "wan-dit"]
     if len(dits) != 1 or m.components[dits[0]].weights is None:

@@ -10,7 +10,7 @@ from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.source import display_path
 from cardtool.errors import AmbiguousCard, BadInput, CardNotFound, CardValidationError, Problem
 
-__all__ = ["LineageNode", "check_new_id", "lineage", "missing_parent_problems"]
+__all__ = ["LineageNode", "check_new_folder", "check_new_id", "lineage", "missing_parent_problems"]
 
 
 MAX_DEPTH = 128  # cards from one to its farthest root: far beyond a real lineage, well within Python's recursion
@@ -117,10 +117,30 @@ def check_new_id(card_id: str, parents: list[Card], fix: str) -> None:
     """A card made from `parents` may not take the id of a card in their lineage: its own lineage would loop back to
     itself, and a lookup of the id beside it would find two cards. Checked before the work that makes it."""
     for parent in parents:
-        try:
-            node = lineage(parent)
-        except CardValidationError:  # a parent whose own lineage is broken: its id is what is known
-            node = LineageNode(parent.id, None, parent.folder)
+        node = _lineage_or_self(parent)
         if card_id in {n.id for n in node.nodes()}:
             where = "its parent's" if card_id == parent.id else f"a card '{parent.id}' descends from"
             raise BadInput(f"card id '{card_id}' is {where}: the new card would descend from itself; {fix}")
+
+
+def check_new_folder(folder: Path | str, parents: list[Card]) -> None:
+    """A card made from `parents` may not be written over the folder of a card in their lineage or of one they extend
+    (`--force`, `--overwrite`): the swap would delete the weights the new card is made from, and the ids that name
+    them would name nothing or the new card itself. Checked before the work that makes it."""
+    from cardtool.core.cards.writer import same_folder
+
+    for parent in parents:
+        held = [(n.id, n.folder) for n in _lineage_or_self(parent).nodes() if n.folder is not None]
+        held += [(source.data.get("id"), source.file.parent) for source in parent.sources]
+        for holder, place in held:
+            if same_folder(place, Path(folder)):
+                raise BadInput(f"{folder} is the folder of '{holder}', which the new card is made from or descends "
+                               "from: replacing it would delete what the new card reads; write the new card to another "
+                               "folder")
+
+
+def _lineage_or_self(card: Card) -> LineageNode:
+    try:
+        return lineage(card)
+    except CardValidationError:  # a card whose own lineage is broken: itself is what is known
+        return LineageNode(card.id, None, card.folder)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cardtool.core.cards.discovery import locate
-from cardtool.core.cards.lineage import check_new_id
+from cardtool.core.cards.lineage import check_new_folder, check_new_id
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.merge import check_architecture, check_related
 from cardtool.core.cards.schema import checked_name
@@ -69,6 +69,7 @@ def extract_lora(base_ref: str, tuned_ref: str, rank: int, card_id: str, *, adap
     if adapter in base.manifest.adapters:
         raise BadInput(f"'{base.id}' already has an adapter '{adapter}'; name this one with --adapter")
     out = card_folder(card_id, out)
+    check_new_folder(out, [base, tuned])
     card_folder_usable(out, card_id, overwrite)  # before the work, not after it
     shapes = {n.removesuffix(".weight"): shape for n, (_, shape) in read_header(base.weights_file(target))[0].items()
               if n.endswith(".weight") and len(shape) == 2}

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cardtool.core.cards.discovery import locate
-from cardtool.core.cards.lineage import check_new_id, lineage
+from cardtool.core.cards.lineage import check_new_folder, check_new_id, lineage
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.weight_files import FLOAT_DTYPES, read_header, read_metadata, sha256_file
 from cardtool.core.cards.writer import card_folder, card_folder_usable, write_card
@@ -62,6 +62,7 @@ def merge_cards(shares: list[str], card_id: str, out: Path | None = None, overwr
     check_related(cards)
     check_new_id(card_id, cards, "give the merged card another --id")
     out = card_folder(card_id, out)
+    check_new_folder(out, cards)
     card_folder_usable(out, card_id, overwrite)  # before the work, not after it
     first = cards[0]
     merged, state, metadata = [], {}, {}

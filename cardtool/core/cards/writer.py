@@ -16,7 +16,7 @@ from cardtool.core.cards.source import MANIFEST_NAMES, display_path
 from cardtool.core.cards.weight_files import sha256_file
 from cardtool.errors import BadInput, CardValidationError
 
-__all__ = ["card_folder", "card_folder_usable", "replaceable", "unclaimed_id", "write_card"]
+__all__ = ["card_folder", "card_folder_usable", "replaceable", "same_folder", "unclaimed_id", "write_card"]
 
 
 def write_card(folder: Path, manifest: dict, weights: dict[str, dict], *, copies: dict[str, Path] | None = None,
@@ -134,19 +134,19 @@ def unclaimed_id(card_id: str, folder: Path,
 
     folder = Path(folder).resolve()
     roots = search_roots()
-    if not any(_same_folder(root.path, folder.parent) for root in roots):
+    if not any(same_folder(root.path, folder.parent) for root in roots):
         return  # a folder of the user's own choosing, off the search path
     for entry in scan(roots, ids_only=True):
-        if entry.id == card_id and not _same_folder(entry.folder, folder):
+        if entry.id == card_id and not same_folder(entry.folder, folder):
             raise BadInput(f"card id '{card_id}' is already the id of {display_path(entry.folder)} ({entry.origin}); "
                            f"a second card with it in {display_path(folder.parent)} would make every lookup of the "
                            f"id ambiguous: {fix}")
 
 
-def _same_folder(a: Path, b: Path) -> bool:
+def same_folder(a: Path, b: Path) -> bool:
     try:
         return a.resolve() == b.resolve()
-    except OSError:
+    except (OSError, RuntimeError):  # a symlink loop (RuntimeError before Python 3.13) is no folder
         return False
 
 

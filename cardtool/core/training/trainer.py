@@ -265,11 +265,13 @@ def writable_outputs(out: Path, run_dir: Path, *, replace: bool, flag: str, card
     """The folder the card goes in and the run folder, proven usable before training, not after it: writable, apart
     (a card is written as a whole new folder, so a run folder at or inside it would stop the card at the end), no
     folder at `out` unless `replace` (the command's `flag`) — and then one `write_card` may replace — and `card_id`
-    neither another card's on the search path `out` is in nor one in the lineage of the `parents` it is made from."""
-    from cardtool.core.cards.lineage import check_new_id
+    neither another card's on the search path `out` is in nor one in the lineage of the `parents` it is made from,
+    nor `out` the folder of such a card."""
+    from cardtool.core.cards.lineage import check_new_folder, check_new_id
     from cardtool.core.cards.writer import card_folder_usable
 
     check_new_id(card_id, list(parents), f"give the new card another id ({rename})")
+    check_new_folder(out, list(parents))
     card_folder_usable(Path(out), card_id, replace, flag, f"give the new card another id ({rename}), or write it "
                        f"off the card search path ({relocate})")
     card, run = Path(out).resolve(), Path(run_dir).resolve()

@@ -151,7 +151,7 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
     card's accuracy under both judges, FID-FMNIST, model evaluations per image and images/s. Under torchrun every
     stage splits its work by rank (`micro_batches` as in `train_loop`) and rank 0 writes the cards and the report.
     `watch_every`: both training stages watched as their own commands' `--watch-every` (training/watch.py)."""
-    from cardtool.core.cards.lineage import check_new_id
+    from cardtool.core.cards.lineage import check_new_folder, check_new_id
     from cardtool.core.evaluation.evaluate import checked_per_class
     from cardtool.core.evaluation.reward import reward_card
     from cardtool.core.training.distill import distill
@@ -177,6 +177,7 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
     parents = [base, reward_card(recipe.reward)[0]]  # the rl card's; the student's above
     for stage in (recipe.rl, recipe.distill):  # both, before either stage's folders are made
         check_new_id(stage.card.id, parents, "give the new card another id (--out-prefix NAME)")
+        check_new_folder(Path(out_dir) / stage.card.id, parents)
     run_dir = Path(run_dir or Path("runs") / f"{recipe.rl.card.id}-flywheel")
     # before the first stage, not after it; an existing stage card is the stage's to skip or (--force) replace
     elsewhere = {"rename": "--out-prefix NAME", "relocate": "--out-dir"}
