@@ -35,6 +35,10 @@ from cardtool.errors import BadInput
     ({"out": "/dev/null"}, "--out /dev/null is not a regular file"),  # a rename would swap the device for a file
     ({"out": 3}, "out must be the report's file name"),
     ({"out": "/proc/nope/eval.json"}, "cannot write to the report's folder /proc/nope"),
+    # the report would replace the card's manifest, a weights file, the judge's
+    ({"out": "tiny-base/card.yaml"}, "tiny-base/card.yaml is a file of card 'tiny-base' .its manifest or weights."),
+    ({"out": "tiny-base/adapters/invert.safetensors"}, "is a file of card 'tiny-base'"),
+    ({"out": "tiny-judge/classifier.safetensors"}, "is a file of card 'tiny-judge'"),
 ])
 def test_bad_settings_are_refused_before_anything_loads(examples, monkeypatch, settings, message):
     def never(*args, **kwargs):
@@ -42,6 +46,7 @@ def test_bad_settings_are_refused_before_anything_loads(examples, monkeypatch, s
 
     monkeypatch.setattr(evaluate_module, "load_split", never)
     monkeypatch.setattr(evaluate_module, "ModelInstance", never)
+    monkeypatch.chdir(examples)
     with pytest.raises(BadInput, match=message):
         evaluate_module.evaluate(str(examples / "tiny-base"),
                                  **{"judge": str(examples / "tiny-judge"), "per_class": 1, **settings})

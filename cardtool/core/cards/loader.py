@@ -60,6 +60,11 @@ class Card:
             raise CardValidationError(problems)
         return self.folder / entry.weights
 
+    def files(self) -> list[Path]:
+        """Every file the card is read from: its manifests (its own, then those it extends) and its weights."""
+        entries = [*self.manifest.components.values(), *self.manifest.adapters.values()]
+        return [s.file for s in self.sources] + [self.folder / e.weights for e in entries if e.weights is not None]
+
     def source_path(self, name: str) -> Path | None:
         """Where component `name`'s `source` lives: inside an installed package or the card folder."""
         source = self.manifest.components[name].source

@@ -220,6 +220,9 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     steps, guidance, precision = (_listed(name, value) for name, value in
                                   (("steps", steps), ("guidance", guidance), ("precision", precision)))
     card = load_card(card_ref)
+    judge_card = reward_card(judge, scores=card)[0]
+    for read in (card, judge_card):
+        _not_read_from(out, read)
 
     def planned(prompts: list[str], num: int, apart: bool = False) -> dict:
         return {(g, k): _seeded(plan_requests(card, prompts, num=num, seed=seed, steps=k, guidance=g,
@@ -240,7 +243,7 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
              for p in precision or [card.manifest.recipe.assumes.precision]}
     first = next(iter(loops.values()))  # its VAE makes the reconstruction floor
     keeping = keep_samples or len(loops) > 1  # several precisions: their rows paired at the end
-    judge_instance = ModelInstance(reward_card(judge, scores=card)[0], platform, "float32")
+    judge_instance = ModelInstance(judge_card, platform, "float32")
     referee = FashionJudge(judge_instance)
     test, train = load_split("test", data), load_split("train", data)
     if test.captions is not None:  # your own images: the first `count` test captions, one image each at seed + i
@@ -306,6 +309,13 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
         if not keep_samples:
             report.samples, report.real = [], None
     return report
+
+
+def _not_read_from(out: Path | None, card) -> None:
+    """`--out` may not name a file the evaluation reads: the report would replace the card's manifest or weights."""
+    if out is not None and out.resolve() in {path.resolve() for path in card.files()}:
+        raise BadInput(f"--out {out} is a file of card '{card.id}' (its manifest or weights), which the report would "
+                       "replace; give the report a file of its own")
 
 
 def _seeded(requests: list, apart: bool) -> list:
