@@ -229,3 +229,31 @@ def test_a_kept_row_or_floor_missing_a_field_or_of_another_type_is_measured_agai
         assert again.exit_code == 0, (key, value, again.output)
         resumed = json.loads(again.stdout)
         assert all(resumed[k] == written[k] for k in ("floors", "kid_floors", "manifold_floors")), (key, value)
+
+
+def test_resume_starts_afresh_where_no_report_is_yet_and_refuses_one_past_64_mib(tmp_path):
+    from cardtool.core.evaluation.resume import previous_rows
+
+    assert previous_rows(tmp_path / "new.json", {}) == ({}, [])
+    (tmp_path / "link.json").symlink_to(tmp_path / "nowhere.json")  # a report was meant to be there: said so
+    with pytest.raises(BadInput, match="cannot resume from .*link.json: .*link.json does not exist"):
+        previous_rows(tmp_path / "link.json", {})
+    (tmp_path / "big.json").write_bytes(b" " * ((64 << 20) + 1))
+    with pytest.raises(BadInput, match=f"cannot resume from .*big.json: .*is larger than {64 << 20} bytes"):
+        previous_rows(tmp_path / "big.json", {})
+
+
+def test_resume_keeps_a_captions_row_without_accuracy_and_no_classes_row_without_it(tmp_path):
+    """A report on your own captioned images has no accuracy or reward (null); one on the classes must have both."""
+    import json
+
+    from cardtool.core.evaluation.resume import ROW_SETTINGS, previous_rows
+
+    row = {**dict.fromkeys(ROW_SETTINGS, 1), "fid_fmnist": 20.0, "kid": 0.01, "kid_std": 0.001,
+           "images_per_second": 3.0}
+    for prompts, judged, kept in (("captions", None, 1), ("captions", 0.5, 1), ("classes", None, 0),
+                                  ("classes", 0.5, 1)):
+        judged_row = {**row, "class_accuracy": judged, "mean_reward": judged}
+        report = {"identity": {}, "prompts": prompts, "rows": [judged_row]}
+        (tmp_path / "r.json").write_text(json.dumps(report))
+        assert len(previous_rows(tmp_path / "r.json", {})[1]) == kept, (prompts, judged)
