@@ -223,6 +223,11 @@ def test_bad_sha256_and_bad_names(tmp_path):
     found = problems(folder)
     assert any(p.startswith("cards/x/card.yaml:2:5: id: a name must start with a letter or digit") for p in found)
     assert any(p.startswith("cards/x/card.yaml:8:13: components.vae.sha256: not a sha256 digest") for p in found)
+    assert not any("upper-case" in p for p in found), "ABC is no digest in any case"
+    folder = card(tmp_path / "upper", MINIMAL.replace(
+        "    weights: vae.safetensors\n", "    weights: vae.safetensors\n    sha256: " + "AB" * 32 + "\n"))
+    assert any("components.vae.sha256: not a sha256 digest" in p and
+               "(upper-case letters: write it in lower case, as sha256sum does)" in p for p in problems(folder))
 
 
 def test_unknown_adapter_kind_points_at_kind(tmp_path):

@@ -68,15 +68,17 @@ def _value_message(e: dict) -> str:
     if e["type"] == "value_error":  # a model's own rule: its message says what is wrong with the whole
         return e["msg"].removeprefix("Value error, ")
     pattern = (e.get("ctx") or {}).get("pattern", "")
+    value, hint = e.get("input"), ""
     if "0-9a-f" in pattern:
         message = "not a sha256 digest (64 lowercase hex characters)"
+        if isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value.lower()):
+            hint = " (upper-case letters: write it in lower case, as sha256sum does)"
     elif pattern:
         message = "a name must start with a letter or digit and use only letters, digits, '.', '_' and '-'"
     else:
         message = e["msg"]
-    value = e.get("input")
     shown = type(value).__name__ if isinstance(value, (dict, list)) else repr(value)
-    return f"{message}, got {shown[:80]}"
+    return f"{message}, got {shown[:80]}{hint}"
 
 
 def _extra_fix(loc: tuple, root: type[BaseModel]) -> str:
