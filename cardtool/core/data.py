@@ -119,6 +119,11 @@ def load_split(split: str = "train", folder: str | Path | None = None, image_siz
     if is_image_folder(root):
         images, captions = load_captioned(split, root, image_size)
         return Split(images, np.full(len(images), -1, dtype=np.int64), captions=captions)
+    if not any((root / name).is_file() for stem in _FILES[split] for name in (stem, stem + ".gz")) \
+            and _holds_images(root):
+        raise BadInput(f"{root} holds images but no metadata.jsonl, which captioned images need: one JSON line per "
+                       'image, such as {"file_name": "bags/red.png", "text": "a red bag"} (the README\'s "Your own '
+                       'images")')
     images, labels = (read_idx(_find(root, stem)) for stem in _FILES[split])
     if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
         raise BadInput(f"{root}: {split} images {images.shape} and labels {labels.shape} do not match: {_HOW}")
@@ -130,6 +135,23 @@ def load_split(split: str = "train", folder: str | Path | None = None, image_siz
     if labels.max(initial=0) >= len(CLASS_NAMES):
         raise BadInput(f"{root}: {split} labels go up to {labels.max()}, Fashion-MNIST has {len(CLASS_NAMES)} classes")
     return Split(images, labels.astype(np.int64))
+
+
+_IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff", ".pbm", ".pgm", ".ppm")
+
+
+def _holds_images(root: Path, looked_at: int = 1000) -> bool:
+    """Whether `root` or one of its subfolders holds image files, from at most `looked_at` entries."""
+    import itertools
+    import os
+
+    try:
+        entries = list(itertools.islice(os.scandir(root), looked_at))
+        inside = [e for e in entries if e.is_dir(follow_symlinks=False)][:20]
+        entries += [f for d in inside for f in itertools.islice(os.scandir(d.path), looked_at // 20)]
+    except OSError:
+        return False
+    return any(e.name.lower().endswith(_IMAGE_SUFFIXES) for e in entries)
 
 
 def _find(root: Path, stem: str) -> Path:

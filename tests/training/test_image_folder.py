@@ -185,3 +185,17 @@ def test_a_resumed_eval_of_captioned_images_sees_an_image_changed_in_a_subfolder
     Image.fromarray(np.full((56, 56, 3), 255, np.uint8), "RGB").save(root / "more" / "c1.png")  # the same size
     changed = CliRunner().invoke(app, [*args, "--resume"])
     assert changed.exit_code == 2 and "measured with other data" in changed.stdout
+
+
+@pytest.mark.parametrize("inside", ["", "bags"])
+def test_a_folder_of_images_without_metadata_says_what_is_missing(tmp_path, inside):
+    """It said the folder had no train-images-idx3-ubyte and to install Fashion-MNIST."""
+    from cardtool.core.data import load_split
+
+    (tmp_path / "mine" / inside).mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.zeros((28, 28), np.uint8)).save(tmp_path / "mine" / inside / "red.PNG")
+    with pytest.raises(BadInput, match=r"mine holds images but no metadata.jsonl, which captioned images need"):
+        load_split("train", tmp_path / "mine")
+    (tmp_path / "mine" / inside / "red.PNG").rename(tmp_path / "mine" / inside / "notes.txt")
+    with pytest.raises(BadInput, match="has no train-images-idx3-ubyte"):
+        load_split("train", tmp_path / "mine")
