@@ -42,9 +42,15 @@ class GeneratedImage:
         return {"path": path, **{k: json.loads(v) if k in JSON_FIELDS else v for k, v in self.metadata.items()}}
 
 
+_OTHER_IMAGE_SUFFIXES = (".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff")
+
+
 def output_paths(out: Path, card_id: str, requests: list[Request], tags: list[str]) -> list[Path]:
     """A file for a single image given as NAME.png, else numbered files in the folder `out`, each name ending in
     its request's settings tag; checked writable before any work is done."""
+    if out.suffix.lower() in _OTHER_IMAGE_SUFFIXES and not os.path.isdir(out):
+        raise BadInput(f"--out {out}: images are written as PNG, which holds their metadata; name the file "
+                       f"{out.with_suffix('.png').name}, or give a folder")
     if out.suffix.lower() == ".png" and not os.path.isdir(out):  # an existing folder named like a PNG is a folder
         if len(requests) != 1:
             raise BadInput(f"--out {out} names one file, but {len(requests)} images are asked for; give a folder")
