@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 from helpers import EXAMPLE_CARDS
 from typer.testing import CliRunner
 
@@ -99,6 +100,13 @@ def test_prune_keeps_the_most_recently_used_within_the_size(tmp_path, monkeypatc
         result, report = cache(*bad)
         assert result.exit_code == 2 and message in report["error"]["message"]
     assert CliRunner().invoke(app, ["cache", "prune", "--max-size", "9" * 400]).exit_code == 2
+    from cardtool.cache import parse_size
+    from cardtool.errors import BadInput
+
+    assert [parse_size(size) for size in ("123B", "123", "1K", "1kib", "2T", "1TiB", "0.5 MiB", str(2**63 - 1))] == [
+        123, 123, 1000, 1024, 2 * 10**12, 2**40, 2**19, 2**63 - 1]
+    with pytest.raises(BadInput, match="more bytes than a file system holds"):
+        parse_size(str(2**63))
     monkeypatch.setenv("CARDTOOL_CACHE_MAX", "lots")
     result, report = cache("info")
     assert result.exit_code == 2 and "CARDTOOL_CACHE_MAX" in report["error"]["message"]

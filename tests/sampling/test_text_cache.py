@@ -124,6 +124,7 @@ def test_memory_holds_at_most_its_limit_and_a_dropped_entry_comes_back_the_same(
         _, [again] = encode(examples / "tiny-base", ["a bag"], cache)
         assert np.array_equal(again[0], first[0][0]) and np.array_equal(again[1], first[0][1])
         assert cache.misses == misses + (0 if disk else 1), "read back from disk; without one, encoded again"
+    assert TextFeatureCache(disk=False).memory_limit == 256 * 2**20, "the default: ~10,900 prompts of fashion-base's"
 
 
 def test_threads_sharing_a_cache_keep_its_memory_whole():
