@@ -137,13 +137,11 @@ def load_split(split: str = "train", folder: str | Path | None = None, image_siz
     return Split(images, labels.astype(np.int64))
 
 
-_IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff", ".pbm", ".pgm", ".ppm")
-
-
 def _holds_images(root: Path, looked_at: int = 1000) -> bool:
     """Whether `root` or one of its subfolders holds image files, from at most `looked_at` entries."""
     import itertools
-    import os
+
+    from cardtool.core.sampling.images import IMAGE_SUFFIXES
 
     try:
         entries = list(itertools.islice(os.scandir(root), looked_at))
@@ -151,7 +149,7 @@ def _holds_images(root: Path, looked_at: int = 1000) -> bool:
         entries += [f for d in inside for f in itertools.islice(os.scandir(d.path), looked_at // 20)]
     except OSError:
         return False
-    return any(e.name.lower().endswith(_IMAGE_SUFFIXES) for e in entries)
+    return any(e.name.lower().endswith(IMAGE_SUFFIXES) for e in entries)
 
 
 def _find(root: Path, stem: str) -> Path:

@@ -10,14 +10,15 @@ import numpy as np
 
 from cardtool.atomic import write_atomic
 
-__all__ = ["DAMAGED", "MAX_PIXELS", "READ_FORMATS", "open_image", "png_bytes", "read_png", "read_png_metadata",
-           "save_png", "grid_image"]
+__all__ = ["DAMAGED", "IMAGE_SUFFIXES", "MAX_PIXELS", "READ_FORMATS", "open_image", "png_bytes", "read_png",
+           "read_png_metadata", "save_png", "grid_image"]
 
 MAX_PIXELS = 1 << 24  # an image or a grid cardtool writes is far smaller
 # The formats photos, scans and masks come in (PPM: Netpbm's PBM/PGM/PPM). Pillow's other decoders — ICNS, DDS, EPS,
 # and a dozen more — are seldom what a user means, and on a damaged file raise errors of their own (SyntaxError,
 # NotImplementedError) besides Pillow's usual ones.
 READ_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "PPM")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff", ".pbm", ".pgm", ".ppm")  # theirs
 # What decoding a damaged file in those formats raises (SyntaxError: Pillow's PNG chunk reader)
 DAMAGED = (OSError, ValueError, SyntaxError, EOFError, struct.error, IndexError)
 

@@ -14,7 +14,7 @@ from cardtool import __version__
 from cardtool.atomic import replaceable_file, writable_folder
 from cardtool.core.sampling.control import ControlImage
 from cardtool.core.sampling.denoise import DenoiseLoop, Request
-from cardtool.core.sampling.images import save_png
+from cardtool.core.sampling.images import IMAGE_SUFFIXES, save_png
 from cardtool.core.sampling.planning import LOOP
 from cardtool.errors import BadInput, RunFailed
 
@@ -42,13 +42,10 @@ class GeneratedImage:
         return {"path": path, **{k: json.loads(v) if k in JSON_FIELDS else v for k, v in self.metadata.items()}}
 
 
-_OTHER_IMAGE_SUFFIXES = (".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff")
-
-
 def output_paths(out: Path, card_id: str, requests: list[Request], tags: list[str]) -> list[Path]:
     """A file for a single image given as NAME.png, else numbered files in the folder `out`, each name ending in
     its request's settings tag; checked writable before any work is done."""
-    if out.suffix.lower() in _OTHER_IMAGE_SUFFIXES and not os.path.isdir(out):
+    if out.suffix.lower() in set(IMAGE_SUFFIXES) - {".png"} and not os.path.isdir(out):
         raise BadInput(f"--out {out}: images are written as PNG, which holds their metadata; name the file "
                        f"{out.with_suffix('.png').name}, or give a folder")
     if out.suffix.lower() == ".png" and not os.path.isdir(out):  # an existing folder named like a PNG is a folder
@@ -147,4 +144,3 @@ def prompt_slug(prompt: str) -> str:
     if words or not prompt.strip():
         return words or "unconditional"
     return "prompt-" + hashlib.sha256(prompt.encode("utf-8", "surrogatepass")).hexdigest()[:8]
-
