@@ -18,6 +18,15 @@ from helpers import EXAMPLE_CARDS
 
 from cardtool.backends import registry
 
+# the files of the longest tests (the README's tour alone takes 2–3 minutes), collected first: under `-n 2` both workers
+# then finish together, instead of one running such a test alone at the end while the other waits
+LONGEST_FIRST = ("tests/test_readme.py", "tests/test_distributed.py", "tests/test_benchmarks.py",
+                 "tests/test_builtin_cards.py")
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: not item.nodeid.startswith(LONGEST_FIRST))  # stable: each file's order kept
+
 
 @pytest.fixture(autouse=True)
 def isolated(tmp_path, monkeypatch):
