@@ -18,14 +18,18 @@ from helpers import EXAMPLE_CARDS
 
 from cardtool.backends import registry
 
-# the files of the longest tests (the README's tour alone takes 2–3 minutes), collected first: under `-n 2` both workers
-# then finish together, instead of one running such a test alone at the end while the other waits
-LONGEST_FIRST = ("tests/test_readme.py", "tests/test_distributed.py", "tests/test_benchmarks.py",
-                 "tests/test_builtin_cards.py")
+# the files of the longest tests, longest first (the README's tour alone takes 2–3 minutes), collected before the rest:
+# xdist deals the first items out in turn, so under `-n 2` both workers finish together instead of one running such a
+# test alone at the end while the other waits
+LONGEST_FIRST = ("tests/test_readme.py", "tests/test_builtin_cards.py", "tests/test_distributed.py",
+                 "tests/test_benchmarks.py")
 
 
 def pytest_collection_modifyitems(items):
-    items.sort(key=lambda item: not item.nodeid.startswith(LONGEST_FIRST))  # stable: each file's order kept
+    def rank(item) -> int:
+        return next((i for i, name in enumerate(LONGEST_FIRST) if item.nodeid.startswith(name)), len(LONGEST_FIRST))
+
+    items.sort(key=rank)  # stable: each file's own order kept
 
 
 @pytest.fixture(autouse=True)
