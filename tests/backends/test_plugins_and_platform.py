@@ -165,3 +165,17 @@ def test_platform_detect_cli_json(monkeypatch):
     shown = json.loads(result.stdout)
     assert shown["kernel_chain"] == ["cpu/avx2", "cpu/generic", "numpy/generic"]
     assert CliRunner().invoke(app, ["platform", "detect", "--device", "tpu"]).exit_code == 2
+
+
+def test_fast_bfloat16_is_cuda_from_sm80_and_cpus_on_the_avx512_bf16_tier():
+    """What decides the slow-bfloat16 warning and the bf16 cells: Ampere and later GPUs, avx512_bf16 CPUs."""
+    from cardtool.backends.platform import Platform
+
+    fast = {(device, arch): Platform(device, arch).supports_bf16 for device, arch in (
+        ("cuda", "sm80"), ("cuda", "sm90"), ("cuda", "sm120"), ("cuda", "sm75"), ("cuda", "smx"),
+        ("cpu", "avx512_bf16"), ("cpu", "avx2"), ("cpu", "generic"), ("numpy", "generic"))}
+    assert [key for key, value in fast.items() if value] == [("cuda", "sm80"), ("cuda", "sm90"), ("cuda", "sm120"),
+                                                             ("cpu", "avx512_bf16")]
+    with pytest.raises(BadInput, match="the numpy platform has no torch device"):
+        _ = Platform("numpy", "generic").torch_device
+    assert Platform("cpu", "avx2").torch_device == "cpu"
