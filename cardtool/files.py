@@ -1,12 +1,13 @@
-"""Reading small files that a user names (manifests' neighbours, prompt lists, encoder configs) without ever
-blocking on a FIFO, reading a device, or reading without bound."""
+"""Reading small files that a user names (manifests' neighbours, prompt lists, encoder configs) without reading a
+device, blocking on a FIFO where no pipe is meant, or reading without bound."""
 
 from __future__ import annotations
 
 import stat
 from pathlib import Path
 
-__all__ = ["is_regular_file", "parse_json", "read_json_object", "read_small_file", "read_small_file_bytes"]
+__all__ = ["is_regular_file", "parse_json", "read_json_object", "read_small_file", "read_small_file_bytes",
+           "read_stream"]
 
 
 def is_regular_file(path: Path) -> bool:
@@ -16,19 +17,41 @@ def is_regular_file(path: Path) -> bool:
         return False
 
 
-def read_small_file_bytes(path: Path, limit: int = 1 << 20) -> tuple[bytes, str]:
-    """(bytes, "") of a regular file of at most `limit` bytes, else (b"", why not) — never blocking on a FIFO or
-    reading a device."""
-    if not is_regular_file(path):
+def read_small_file_bytes(path: Path, limit: int = 1 << 20, *, pipe: bool = False) -> tuple[bytes, str]:
+    """(bytes, "") of a regular file of at most `limit` bytes, else (b"", why not) — never reading a device, nor a
+    FIFO unless `pipe` (a `<(…)` argument: read to its writer's end, as far as the limit)."""
+    if not (is_regular_file(path) or pipe and _is_fifo(path)):
         return b"", f"{path} {_not_a_file(path)}"
     try:
         with path.open("rb") as f:
-            data = f.read(limit + 1)
+            return _bounded(f.read(limit + 1), str(path), limit)
     except OSError as e:
         return b"", f"cannot read {path}: {e.strerror}"
-    if len(data) > limit:
-        return b"", f"{path} is larger than {limit} bytes"
-    return data, ""
+
+
+def read_stream(stream, what: str, limit: int) -> tuple[str, str]:
+    """(text, "") of a binary stream's UTF-8 (standard input) up to `limit` bytes, else ("", why not)."""
+    return _text(*_bounded(stream.read(limit + 1), what, limit), what)
+
+
+def _bounded(data: bytes, what: str, limit: int) -> tuple[bytes, str]:
+    return (b"", f"{what} is larger than {limit} bytes") if len(data) > limit else (data, "")
+
+
+def _text(data: bytes, reason: str, what: str) -> tuple[str, str]:
+    if reason:
+        return "", reason
+    try:
+        return data.decode("utf-8"), ""
+    except UnicodeDecodeError:
+        return "", f"{what} is not UTF-8 text"
+
+
+def _is_fifo(path: Path) -> bool:
+    try:
+        return stat.S_ISFIFO(path.stat().st_mode)
+    except (OSError, ValueError):
+        return False
 
 
 def _not_a_file(path: Path) -> str:
@@ -42,16 +65,10 @@ def _not_a_file(path: Path) -> str:
     return "is not a regular file (a folder, a device or a pipe)"
 
 
-def read_small_file(path: Path, limit: int = 1 << 20) -> tuple[str, str]:
-    """(text, "") of a regular UTF-8 file of at most `limit` bytes, else ("", why not) — never blocking on a
-    FIFO or reading a device."""
-    data, reason = read_small_file_bytes(path, limit)
-    if reason:
-        return "", reason
-    try:
-        return data.decode("utf-8"), ""
-    except UnicodeDecodeError:
-        return "", f"{path} is not UTF-8 text"
+def read_small_file(path: Path, limit: int = 1 << 20, *, pipe: bool = False) -> tuple[str, str]:
+    """(text, "") of a regular UTF-8 file of at most `limit` bytes (or a FIFO, with `pipe`), else ("", why not) —
+    never reading a device."""
+    return _text(*read_small_file_bytes(path, limit, pipe=pipe), str(path))
 
 
 def parse_json(text: str | bytes):

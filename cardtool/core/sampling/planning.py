@@ -15,7 +15,7 @@ from cardtool.core.cards.loops import FlowDenoiseDefaults
 from cardtool.core.sampling.control import ControlImage
 from cardtool.core.sampling.denoise import Request
 from cardtool.errors import BadInput
-from cardtool.files import read_small_file
+from cardtool.files import read_small_file, read_stream
 
 __all__ = ["LOOP", "MAX_IMAGES", "adapter_stack", "checked_arguments", "parse_interval", "plan_requests",
            "read_prompts_file"]
@@ -28,43 +28,18 @@ def read_prompts_file(path: str | Path, limit: int = 16 << 20) -> list[str]:
     """One prompt a line; blank lines, lines starting with # and a leading byte-order mark are skipped. UTF-8 of at
     most `limit` bytes: a regular file, a pipe (`--prompts-file <(…)`; a named one waits for its writer, as `cat`
     would), or `-`: standard input. Never a device or a folder (/dev/zero never ends)."""
-    import stat
-    import sys
-
     if str(path) == "-":
+        import sys
+
         if sys.stdin is None:  # closed by the caller (`<&-`)
             raise BadInput("cannot read prompts file: standard input is closed; pipe the prompts in, or give a file")
-        text, reason = _read_stream(sys.stdin.buffer, "standard input", limit)
-    elif _is(stat.S_ISFIFO, path):
-        try:
-            with open(path, "rb") as f:
-                text, reason = _read_stream(f, str(path), limit)
-        except OSError as e:
-            text, reason = "", f"cannot read {path}: {e.strerror or e}"
+        text, reason = read_stream(sys.stdin.buffer, "standard input", limit)
     else:
-        text, reason = read_small_file(Path(path), limit=limit)
+        text, reason = read_small_file(Path(path), limit=limit, pipe=True)
     if reason:
         raise BadInput(f"cannot read prompts file: {reason}")
     lines = text.removeprefix("\ufeff").splitlines()  # a byte-order mark, as some editors write, is not a prompt
     return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
-
-
-def _is(kind, path: str | Path) -> bool:
-    try:
-        return kind(os.stat(path).st_mode)
-    except (OSError, ValueError):
-        return False
-
-
-def _read_stream(stream, what: str, limit: int) -> tuple[str, str]:
-    """(text, "") of a stream's UTF-8 up to `limit` bytes, else ("", why not): read no further than limit + 1."""
-    data = stream.read(limit + 1)
-    if len(data) > limit:
-        return "", f"{what} is larger than {limit} bytes"
-    try:
-        return data.decode("utf-8"), ""
-    except UnicodeDecodeError:
-        return "", f"{what} is not UTF-8 text"
 
 
 def plan_requests(card: Card, prompts: list[str], *, num: int = 1, seed: int = 0, steps: int | None = None,
