@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
+
+# before torch starts, and inherited by every process a test starts (the README's tour, the CLI, torchrun, the
+# benchmarks): tiny models run no faster on more threads, and idle OpenMP threads spinning under `-n 2` take the
+# other worker's core (one thread measured 13% less CPU time for the tour alone)
+os.environ["OMP_NUM_THREADS"] = "1"
 
 try:  # tiny models run faster on one thread, and the test machines are small and shared
     import torch
@@ -18,9 +24,10 @@ from helpers import EXAMPLE_CARDS
 
 from cardtool.backends import registry
 
-# the files of the longest tests, longest first (the README's tour alone takes 2–3 minutes), collected before the rest:
-# xdist deals the first items out in turn, so under `-n 2` both workers finish together instead of one running such a
-# test alone at the end while the other waits
+# the files of the longest tests, longest first (the README's tour alone takes 2–3 minutes), collected before the rest,
+# so that none of them starts late and runs alone at the end while the other worker waits. xdist's default `load`
+# scheduling hands each worker a first chunk of consecutive tests, which gave one worker all of these (10 of its 11
+# minutes); pyproject's `--dist worksteal` lets an idle worker take the other's queued tests instead.
 LONGEST_FIRST = ("tests/test_readme.py", "tests/test_builtin_cards.py", "tests/test_distributed.py",
                  "tests/test_benchmarks.py")
 

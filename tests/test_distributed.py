@@ -77,11 +77,11 @@ def test_eval_on_two_processes_measures_what_one_process_measures(tmp_path, monk
     data = write_idx_folder(tmp_path / "idx")
     args = ["eval", "tiny-base", "--judge", "tiny-judge", "--per-class", "2", "--steps", "2", "--steps", "3",
             "--data", str(data), "--json"]
+    monkeypatch.setenv("CARDTOOL_PATH", str(EXAMPLE_CARDS))
+    one = json.loads(CliRunner().invoke(app, args).stdout)["rows"]  # first: its encoded prompts spare the ranks
     result = torchrun(args, tmp_path)
     assert result.returncode == 0, result.stderr[-8000:]
     two = json.loads(result.stdout)["rows"]
-    monkeypatch.setenv("CARDTOOL_PATH", str(EXAMPLE_CARDS))
-    one = json.loads(CliRunner().invoke(app, args).stdout)["rows"]
     assert [r["steps"] for r in two] == [2, 3] and all(r["images"] == 20 for r in two)
     for a, b in zip(one, two, strict=True):
         assert {k: v for k, v in a.items() if k != "images_per_second"} == \

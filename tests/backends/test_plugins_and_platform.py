@@ -124,6 +124,8 @@ def test_overrides_force_device_and_arch(monkeypatch):
 def test_bad_overrides_are_bad_input(monkeypatch):
     with pytest.raises(BadInput, match="unknown device 'tpu'"):
         Platform.detect("tpu")
+    with pytest.raises(BadInput, match=r"'cuda:1'.*\(a GPU by number: CUDA_VISIBLE_DEVICES=1 with --device cuda\)"):
+        Platform.detect("cuda:1")
     monkeypatch.setenv("CARDTOOL_ARCH", "avx9000")
     with pytest.raises(BadInput, match="unknown cpu arch 'avx9000'"):
         Platform.detect("cpu")

@@ -243,8 +243,13 @@ def test_validate_a_folder_of_cards_and_bad_paths(tmp_path, monkeypatch):
     monkeypatch.setenv("CARDTOOL_PATH", str(tmp_path / "ex"))
     assert [(r.id, r.valid) for r in validate_paths(["tiny-rl"])] == [("tiny-rl", True)], "an id, as elsewhere"
     (tmp_path / "void").mkdir()
-    with pytest.raises(BadInput, match="holds no card"):
+    with pytest.raises(BadInput, match=r"no card with id 'void'.*\./void is a folder, not a card: it holds no card"):
         validate_paths(["void"])
+    with pytest.raises(BadInput, match="void holds no card"):
+        validate_paths(["./void"])
+    (tmp_path / "tiny-rl").mkdir()  # `generate tiny-rl --out tiny-rl` made it: the id is still the card's
+    (tmp_path / "tiny-rl" / "tiny-rl-000.png").write_bytes(b"")
+    assert [(r.id, r.valid) for r in validate_paths(["tiny-rl"])] == [("tiny-rl", True)]
 
 
 def test_peek_id_reads_what_the_full_parse_reads(tmp_path):

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cardtool.core.cards.discovery import Entry, locate, manifest_in, scan, search_roots
+from cardtool.core.cards.discovery import Entry, bare_name, locate, manifest_in, scan, search_roots
 from cardtool.core.cards.lineage import lineage, missing_parent_problems
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.source import MANIFEST_NAMES, display_path, peek_id
@@ -102,9 +102,12 @@ def _expand(paths: list[str]) -> list[Path]:
             targets.append(path)
         elif path.is_dir():
             children = [path] if _has_manifest(path) else sorted(p for p in path.iterdir() if _has_manifest(p))
-            if not children:
+            if children:
+                targets += children
+            elif bare_name(name):  # an id that also names a folder here that is no card (a generate --out, say)
+                targets.append(locate(name))
+            else:
                 raise BadInput(f"{display_path(path)} holds no card (no card.yaml or card.toml in it or below it)")
-            targets += children
         else:
             targets.append(locate(name))  # an id, as every other command takes; CardNotFound says where it looked
     return targets

@@ -11,7 +11,7 @@ from pathlib import Path
 from cardtool.core.cards.source import MANIFEST_NAMES, display_path, peek_id, read_source
 from cardtool.errors import AmbiguousCard, BadInput, CardNotFound, CardValidationError
 
-__all__ = ["Root", "Entry", "builtin_dir", "search_roots", "scan", "manifest_in", "locate"]
+__all__ = ["Root", "Entry", "builtin_dir", "search_roots", "scan", "manifest_in", "locate", "bare_name"]
 
 
 @dataclass(frozen=True)
@@ -126,15 +126,15 @@ def _as_path(name: str) -> Path | None:
         return path
     if is_dir:
         file = manifest_in(path)
-        if file is None and not _bare(name):
+        if file is None and not bare_name(name):
             raise BadInput(f"{display_path(path)} is not a card folder: it holds no card.yaml or card.toml")
         return file  # None for an id that also names a folder here that is no card (a generate --out, say)
-    if not _bare(name):
+    if not bare_name(name):
         raise BadInput(f"no such card folder or manifest: {name}")
     return None
 
 
-def _bare(name: str) -> bool:
+def bare_name(name: str) -> bool:
     """Whether `name` can be a card id: not written as a path (a separator, a leading dot, a manifest's suffix)."""
     return not (os.sep in name or name.startswith(".") or name.endswith((".yaml", ".toml")))
 
