@@ -11,6 +11,31 @@ import sys
 import pytest
 from helpers import REPO
 
+from cardtool.core.cards.discovery import builtin_dir as BUILTIN_DIR  # before the tests hide the built-in cards
+
+
+def run_script(monkeypatch, name: str, *args: str) -> None:
+    """`python benchmarks/NAME ARGS`, run in this process as Python runs the script (argv, its folder on sys.path,
+    `__main__`, the built-in cards found): the worker has torch and transformers imported already, where a fresh
+    process spends ~6 s of CPU on them. The thread count a script sets is put back."""
+    import runpy
+
+    import torch
+
+    from cardtool.core.cards import discovery
+
+    script = REPO / "benchmarks" / name
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(discovery, "builtin_dir", BUILTIN_DIR)
+    monkeypatch.setattr(sys, "argv", [str(script), *args])
+    monkeypatch.syspath_prepend(str(script.parent))
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as e:
+        assert e.code in (None, 0), f"{name} exited with {e.code}"
+    finally:
+        torch.set_num_threads(threads)
+
 
 def test_cli_startup_benchmark_writes_medians(tmp_path):
     out = tmp_path / "cli_startup.json"
@@ -22,13 +47,12 @@ def test_cli_startup_benchmark_writes_medians(tmp_path):
     assert all(t > 0 for t in medians.values())
 
 
-def test_peer_benchmark_times_every_method_and_writes_ratios(tmp_path, examples):
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # diffusers' own bfloat16 RMSNorm
+def test_peer_benchmark_times_every_method_and_writes_ratios(tmp_path, examples, monkeypatch):
     pytest.importorskip("diffusers")
     out = tmp_path / "peer.json"
-    script = REPO / "benchmarks" / "peer_diffusers.py"
-    subprocess.run([sys.executable, str(script), "--card", str(examples / "tiny-base"), "--steps", "2",
-                    "--batch-sizes", "1", "2", "--repeats", "1", "--startup-repeats", "1",
-                    "--out", str(out)], check=True, capture_output=True, timeout=600)
+    run_script(monkeypatch, "peer_diffusers.py", "--card", str(examples / "tiny-base"), "--steps", "2",
+               "--batch-sizes", "1", "2", "--repeats", "1", "--startup-repeats", "1", "--out", str(out))
     report = json.loads(out.read_text())
     assert {(r["method"], r["batch"], r["precision"]) for r in report["rows"]} == {
         (m, b, p) for m in ("generate warm", "generate cold", "command", "loop", "bare forward", "diffusers loop",
@@ -50,7 +74,7 @@ def test_cpu_tiers_benchmark_times_each_tier_and_precision(tmp_path, examples):
     assert set(report["ratios"]) == {"zen4 / avx2, float32, B=1", "zen4 / avx2, float32, B=2"}
 
 
-def test_distill_quality_counts_model_evaluations_and_reads_recorded_evals(tmp_path, examples):
+def test_distill_quality_counts_model_evaluations_and_reads_recorded_evals(tmp_path, examples, monkeypatch):
     sys.path.insert(0, str(REPO / "benchmarks"))
     from distill_quality import evaluations_per_image
 
@@ -62,9 +86,9 @@ def test_distill_quality_counts_model_evaluations_and_reads_recorded_evals(tmp_p
                        ("tiny-distilled", [{**row, "steps": 4, "guidance": 1.0}])):
         (examples / name / "eval.json").write_text(json.dumps({"rows": rows}))
     out, plot = tmp_path / "quality.json", importlib.util.find_spec("matplotlib") is not None  # the bench extra
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "distill_quality.py"), "--teacher", "tiny-base",
-                    "--students", "tiny-distilled", "--out", str(out), *(["--plot", str(tmp_path / "q.png")] * plot)],
-                   check=True, capture_output=True, timeout=120, env={**os.environ, "CARDTOOL_PATH": str(examples)})
+    monkeypatch.setenv("CARDTOOL_PATH", str(examples))
+    run_script(monkeypatch, "distill_quality.py", "--teacher", "tiny-base",
+               "--students", "tiny-distilled", "--out", str(out), *(["--plot", str(tmp_path / "q.png")] * plot))
     rows = json.loads(out.read_text())["rows"]
     assert [(r["card"], r["role"], r["evaluations_per_image"]) for r in rows] == [
         ("tiny-base", "teacher", 28), ("tiny-distilled", "student", 4)], "float32 rows only"
@@ -72,7 +96,7 @@ def test_distill_quality_counts_model_evaluations_and_reads_recorded_evals(tmp_p
 
 
 @pytest.mark.parametrize("ema", [0.0, 0.5])
-def test_distill_checkpoint_evaluates_a_runs_generator(tmp_path, examples, ema):
+def test_distill_checkpoint_evaluates_a_runs_generator(tmp_path, examples, ema, monkeypatch):
     """The generator the card would get: its moving average when the run keeps one."""
     from helpers import write_idx_folder
 
@@ -83,26 +107,25 @@ def test_distill_checkpoint_evaluates_a_runs_generator(tmp_path, examples, ema):
     distill(distill_recipe(str(examples / "tiny-base"), None, sets, 2), command="c", out=tmp_path / "s",
             run_dir=tmp_path / "run", evaluate=False)
     out = tmp_path / "curve.json"
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "distill_checkpoint.py"), str(tmp_path / "run"),
-                    "--teacher", str(examples / "tiny-base"), "--steps", "2", "--per-class", "1", "--out", str(out),
-                    "--data", str(write_idx_folder(tmp_path / "idx"))],
-                   check=True, capture_output=True, timeout=300)
+    run_script(monkeypatch, "distill_checkpoint.py", str(tmp_path / "run"),
+               "--teacher", str(examples / "tiny-base"), "--steps", "2", "--per-class", "1", "--out", str(out),
+               "--data", str(write_idx_folder(tmp_path / "idx")))
     [entry] = json.loads(out.read_text())
     assert entry["iteration"] == 2 and entry["steps"] == 2 and entry["images"] == 10
     assert entry["weights"] == ("ema" if ema else "model")
     assert 0 <= entry["class_accuracy"] <= 1
 
 
-def test_rl_efficiency_runs_both_methods_to_the_budget_and_writes_their_curves(tmp_path, examples):
+def test_rl_efficiency_runs_both_methods_to_the_budget_and_writes_their_curves(tmp_path, examples, monkeypatch):
     from helpers import write_idx_folder
 
     out = tmp_path / "rl.json"
     tiny = ["optim.batch_size=2", "loss.group_size=2", "loss.rollout_steps=2", "train.precision=float32"]
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "rl_efficiency.py"), "--base", "tiny-base",
-                    "--reward", "tiny-judge", "--held-out-judge", "tiny-judge", "--budget", "0", "--watch-every", "1",
-                    "--per-class", "1", "--data", str(write_idx_folder(tmp_path / "idx")), "--out", str(out),
-                    *(f"--set={o}" for o in tiny)],
-                   check=True, capture_output=True, timeout=300, env={**os.environ, "CARDTOOL_PATH": str(examples)})
+    monkeypatch.setenv("CARDTOOL_PATH", str(examples))
+    run_script(monkeypatch, "rl_efficiency.py", "--base", "tiny-base",
+               "--reward", "tiny-judge", "--held-out-judge", "tiny-judge", "--budget", "0", "--watch-every", "1",
+               "--per-class", "1", "--data", str(write_idx_folder(tmp_path / "idx")), "--out", str(out),
+               *(f"--set={o}" for o in tiny))
     report = json.loads(out.read_text())
     assert [r["method"] for r in report["results"]] == ["diffusion_nft", "flow_grpo"]
     for result in report["results"]:
@@ -110,14 +133,14 @@ def test_rl_efficiency_runs_both_methods_to_the_budget_and_writes_their_curves(t
         assert result["points"][1]["samples"] == 4 and 0 <= result["points"][1]["held_out_accuracy"] <= 1
 
 
-def test_best_of_n_benchmark_measures_plain_and_best_of_n_per_card(tmp_path, examples):
+def test_best_of_n_benchmark_measures_plain_and_best_of_n_per_card(tmp_path, examples, monkeypatch):
     from helpers import write_idx_folder
 
     out = tmp_path / "best.json"
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "best_of_n.py"), "--card", "tiny-base", "--card",
-                    "tiny-distilled", "--reward", "tiny-judge", "--held-out-judge", "tiny-judge", "--n", "3",
-                    "--per-class", "1", "--data", str(write_idx_folder(tmp_path / "idx")), "--out", str(out)],
-                   check=True, capture_output=True, timeout=300, env={**os.environ, "CARDTOOL_PATH": str(examples)})
+    monkeypatch.setenv("CARDTOOL_PATH", str(examples))
+    run_script(monkeypatch, "best_of_n.py", "--card", "tiny-base", "--card",
+               "tiny-distilled", "--reward", "tiny-judge", "--held-out-judge", "tiny-judge", "--n", "3",
+               "--per-class", "1", "--data", str(write_idx_folder(tmp_path / "idx")), "--out", str(out))
     rows = json.loads(out.read_text())["rows"]
     assert [(r["card"], r["mode"]) for r in rows] == [("tiny-base", "plain"), ("tiny-base", "best-of-3"),
                                                       ("tiny-distilled", "plain"), ("tiny-distilled", "best-of-3")]
@@ -127,11 +150,10 @@ def test_best_of_n_benchmark_measures_plain_and_best_of_n_per_card(tmp_path, exa
         assert best["mean_reward"] >= plain["mean_reward"] and best["images"] == plain["images"] == 10
 
 
-def test_adapter_throughput_benchmark_times_every_serving_mode(tmp_path, examples):
+def test_adapter_throughput_benchmark_times_every_serving_mode(tmp_path, examples, monkeypatch):
     out = tmp_path / "adapters.json"
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "adapters.py"), "--card", str(examples / "tiny-base"),
-                    "--batch", "4", "--adapters", "2", "--steps", "2", "--repeats", "1", "--out", str(out)],
-                   check=True, capture_output=True, timeout=300)
+    run_script(monkeypatch, "adapters.py", "--card", str(examples / "tiny-base"),
+               "--batch", "4", "--adapters", "2", "--steps", "2", "--repeats", "1", "--out", str(out))
     report = json.loads(out.read_text())
     assert [r["mode"] for r in report["rows"]] == [
         "no adapter", "mixed 2 LoRAs, one batch", "2 groups one after another, unfused",
@@ -143,10 +165,9 @@ def test_adapter_throughput_benchmark_times_every_serving_mode(tmp_path, example
     assert 0 < round_ratios["min"] <= round_ratios["median"] <= round_ratios["max"]
 
 
-def test_adapter_effects_benchmark_measures_the_built_in_adapters(tmp_path, fashion_mnist):
+def test_adapter_effects_benchmark_measures_the_built_in_adapters(tmp_path, fashion_mnist, monkeypatch):
     out = tmp_path / "effects.json"
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "adapter_effects.py"), "--per-class", "1",
-                    "--control-images", "4", "--out", str(out)], check=True, capture_output=True, timeout=300)
+    run_script(monkeypatch, "adapter_effects.py", "--per-class", "1", "--control-images", "4", "--out", str(out))
     report = json.loads(out.read_text())
     assert [r["stack"] for r in report["lora"]][:3] == ["none", {"mirror": 0.5}, {"mirror": 1.0}]
     assert all(r["images"] == 10 for r in report["lora"]) and len(report["data"]) == 14
@@ -157,14 +178,14 @@ def test_adapter_effects_benchmark_measures_the_built_in_adapters(tmp_path, fash
     assert all(0 <= r["silhouette_iou"] <= 1 for r in report["controlnet"])
 
 
-def test_image_to_image_benchmark_measures_each_strength(tmp_path, examples):
+def test_image_to_image_benchmark_measures_each_strength(tmp_path, examples, monkeypatch):
     from helpers import write_idx_folder
 
     out = tmp_path / "i2i.json"
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "image_to_image.py"), "--card", "tiny-base", "--judge",
-                    "tiny-judge", "--strengths", "0.2", "0.9", "--per-class", "1", "--data",
-                    str(write_idx_folder(tmp_path / "idx")), "--out", str(out)],
-                   check=True, capture_output=True, timeout=300, env={**os.environ, "CARDTOOL_PATH": str(examples)})
+    monkeypatch.setenv("CARDTOOL_PATH", str(examples))
+    run_script(monkeypatch, "image_to_image.py", "--card", "tiny-base", "--judge",
+               "tiny-judge", "--strengths", "0.2", "0.9", "--per-class", "1", "--data",
+               str(write_idx_folder(tmp_path / "idx")), "--out", str(out))
     report = json.loads(out.read_text())
     assert report["images"] == 10 and [r["strength"] for r in report["rows"]] == [0.2, 0.9]
     for row in report["rows"]:
@@ -176,15 +197,15 @@ def test_image_to_image_benchmark_measures_each_strength(tmp_path, examples):
     assert 0 <= inpainted["prompt_class_accuracy"] <= 1 and inpainted["masked_rows_mean_abs_difference"] > 0
 
 
-def test_model_soup_benchmark_measures_each_mix_at_each_guidance(tmp_path, examples):
+def test_model_soup_benchmark_measures_each_mix_at_each_guidance(tmp_path, examples, monkeypatch):
     from helpers import write_idx_folder
 
     out = tmp_path / "soup.json"
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "model_soup.py"), "--base", "tiny-base", "--tuned",
-                    "tiny-rl", "--alpha", "0", "--alpha", "1.5", "--guidance", "1", "--guidance", "3", "--reward",
-                    "tiny-judge", "--held-out-judge", "tiny-judge", "--per-class", "1", "--data",
-                    str(write_idx_folder(tmp_path / "idx")), "--out", str(out)],
-                   check=True, capture_output=True, timeout=300, env={**os.environ, "CARDTOOL_PATH": str(examples)})
+    monkeypatch.setenv("CARDTOOL_PATH", str(examples))
+    run_script(monkeypatch, "model_soup.py", "--base", "tiny-base", "--tuned",
+               "tiny-rl", "--alpha", "0", "--alpha", "1.5", "--guidance", "1", "--guidance", "3", "--reward",
+               "tiny-judge", "--held-out-judge", "tiny-judge", "--per-class", "1", "--data",
+               str(write_idx_folder(tmp_path / "idx")), "--out", str(out))
     report = json.loads(out.read_text())
     assert [(r["alpha"], r["guidance"]) for r in report["rows"]] == [(0, 1), (0, 3), (1.5, 1), (1.5, 3)]
     for row in report["rows"]:
@@ -193,28 +214,28 @@ def test_model_soup_benchmark_measures_each_mix_at_each_guidance(tmp_path, examp
     assert report["rows"][0]["fid_fmnist"] != report["rows"][2]["fid_fmnist"], "another α, other weights"
 
 
-def test_lora_extract_benchmark_measures_each_tuned_card_and_its_loras(tmp_path, examples):
+def test_lora_extract_benchmark_measures_each_tuned_card_and_its_loras(tmp_path, examples, monkeypatch):
     from helpers import write_idx_folder
 
     out = tmp_path / "lora.json"
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "lora_extract.py"), "--base", "tiny-base", "--tuned",
-                    "tiny-rl", "--rank", "2", "--rank", "32", "--reward", "tiny-judge", "--held-out-judge",
-                    "tiny-judge", "--per-class", "1", "--data", str(write_idx_folder(tmp_path / "idx")), "--out",
-                    str(out)],
-                   check=True, capture_output=True, timeout=300, env={**os.environ, "CARDTOOL_PATH": str(examples)})
+    monkeypatch.setenv("CARDTOOL_PATH", str(examples))
+    run_script(monkeypatch, "lora_extract.py", "--base", "tiny-base", "--tuned",
+               "tiny-rl", "--rank", "2", "--rank", "32", "--reward", "tiny-judge", "--held-out-judge",
+               "tiny-judge", "--per-class", "1", "--data", str(write_idx_folder(tmp_path / "idx")), "--out",
+               str(out))
     rows = json.loads(out.read_text())["rows"]
     assert [(r["tuned"], r["rank"]) for r in rows] == [("tiny-rl", None), ("tiny-rl", 2), ("tiny-rl", 32)]
     assert 0 < rows[1]["kept"] < rows[2]["kept"] == 1.0 and 0 < rows[1]["linear_share"] <= 1
     assert all(r["images"] == 10 and 0 <= r["class_accuracy"] <= 1 for r in rows)
 
 
-def test_caption_concept_benchmark_makes_the_folder_and_measures_base_and_lora(tmp_path, examples):
+def test_caption_concept_benchmark_makes_the_folder_and_measures_base_and_lora(tmp_path, examples, monkeypatch):
     from helpers import write_idx_folder
 
-    script, folder, out = REPO / "benchmarks" / "caption_concept.py", tmp_path / "negative", tmp_path / "concept.json"
+    folder, out = tmp_path / "negative", tmp_path / "concept.json"
     env = {**os.environ, "CARDTOOL_PATH": str(examples)}
-    subprocess.run([sys.executable, str(script), "--make-folder", str(folder), "--images", "20", "--data",
-                    str(write_idx_folder(tmp_path / "idx"))], check=True, capture_output=True, timeout=120)
+    run_script(monkeypatch, "caption_concept.py", "--make-folder", str(folder), "--images", "20", "--data",
+               str(write_idx_folder(tmp_path / "idx")))
     rows = [json.loads(line) for line in (folder / "metadata.jsonl").read_text().splitlines()]
     assert len(rows) == 20 and rows[1]["text"].endswith(" in negative") and not rows[0]["text"].endswith("negative")
     subprocess.run([sys.executable, "-m", "cardtool", "train", "--recipe",
@@ -223,9 +244,9 @@ def test_caption_concept_benchmark_makes_the_folder_and_measures_base_and_lora(t
                     "--set", "parents=[tiny-base]", "--set", "optim.steps=2", "--set", "optim.batch_size=4",
                     "--out", str(tmp_path / "tiny-negative"), "--run-dir", str(tmp_path / "run")],
                    check=True, capture_output=True, timeout=300, env=env)
-    subprocess.run([sys.executable, str(script), "--card", str(tmp_path / "tiny-negative"), "--base", "tiny-base",
-                    "--judge", "tiny-judge", "--per-class", "1", "--out", str(out)],
-                   check=True, capture_output=True, timeout=300, env=env)
+    monkeypatch.setenv("CARDTOOL_PATH", str(examples))
+    run_script(monkeypatch, "caption_concept.py", "--card", str(tmp_path / "tiny-negative"), "--base", "tiny-base",
+               "--judge", "tiny-judge", "--per-class", "1", "--out", str(out))
     cards = json.loads(out.read_text())["cards"]
     assert list(cards) == ["tiny-base", str(tmp_path / "tiny-negative")]
     for measured in cards.values():
