@@ -416,7 +416,7 @@ def test_a_control_is_a_grey_uint8_image_and_its_preprocessor_is_named_after_the
     from cardtool.core.sampling.control import parse_control
 
     for wrong in (np.zeros((4, 4), np.float32), np.zeros((4, 4, 3), np.uint8)):
-        with pytest.raises(BadInput, match="a control image is a grey uint8"):
+        with pytest.raises(BadInput, match="a control image is a file, a PIL image or a grey uint8"):
             ControlImage.make(wrong, "none")
     assert parse_control("shirt.png:edges") == (Path("shirt.png"), "edges")
     assert parse_control("a:b/shirt.png:none") == (Path("a:b/shirt.png"), "none")
@@ -587,6 +587,18 @@ def test_control_from_a_file_through_the_cli(card, tmp_path):
                                       "--out", str(tmp_path / "again")])
     again = Path(json.loads(result.stdout)["images"][0]["path"])
     assert again.name == made.name and again.read_bytes() == made.read_bytes()
+
+
+def test_a_pil_control_image_is_the_same_picture_as_its_file(card, tmp_path):
+    from PIL import Image
+
+    rng = np.random.default_rng(1)
+    colour = Image.fromarray(rng.integers(0, 256, size=(40, 40, 3), dtype=np.uint8), "RGB")
+    colour.save(tmp_path / "c.png")
+    made = [LoadedCard(str(card.folder)).generate("a bag", steps=2, control=c, out=None).images[0]
+            for c in (tmp_path / "c.png", colour)]
+    assert (made[0].pixels == made[1].pixels).all()
+    assert json.loads(made[0].metadata["control"])["sha256"] == json.loads(made[1].metadata["control"])["sha256"]
 
 
 def test_eval_takes_an_adapter_stack_and_names_it_in_the_report(card, tmp_path):

@@ -145,11 +145,31 @@ def test_bad_image_to_image_requests_are_clear_errors(tiny, tmp_path, args, mess
 
 def test_the_api_refuses_an_image_array_of_another_size_or_kind(tiny):
     for image, message in [(np.zeros((20, 20), np.uint8), "the card takes 28×28 images"),
-                           (np.zeros((28, 28)), "a grey uint8 \\(H, W\\) array"), (3, "a grey uint8")]:
+                           (np.zeros((28, 28)), "a file, a PIL image or a grey uint8 \\(H, W\\) array"),
+                           (3, "a grey uint8")]:
         with pytest.raises(BadInput, match=message):
             tiny.generate("a bag", steps=1, image=image, out=None)
     with pytest.raises(BadInput, match="strength must be a number"):
         tiny.generate("a bag", steps=1, image=np.zeros((28, 28), np.uint8), strength="0.5", out=None)
+
+
+def test_a_pil_image_is_read_as_the_same_picture_saved_as_a_file_is(tiny, tmp_path):
+    """A script's (or a diffusers pipeline's) Pillow image, in any mode and size: grey and resized as a file is."""
+    rng = np.random.default_rng(0)
+    colour = Image.fromarray(rng.integers(0, 256, size=(56, 56, 3), dtype=np.uint8), "RGB")
+    colour.save(tmp_path / "start.png")
+    cut_out = colour.convert("RGBA")
+    cut_out.putalpha(Image.fromarray(np.where(np.arange(56)[:, None] < 28, 255, 0).repeat(56, 1).astype(np.uint8)))
+    cut_out.save(tmp_path / "cut.png")
+    mask = Image.fromarray(np.where(np.arange(28)[:, None] < 14, 0, 255).repeat(28, 1).astype(np.uint8), "L")
+    mask.save(tmp_path / "mask.png")
+    for picture, file in ((colour, "start.png"), (cut_out, "cut.png")):
+        from_file, from_pil = (tiny.generate("a bag", steps=2, image=i, strength=0.5, mask=m, out=None).images[0]
+                               for i, m in ((str(tmp_path / file), str(tmp_path / "mask.png")), (picture, mask)))
+        assert (from_pil.pixels == from_file.pixels).all(), file
+        assert json.loads(from_pil.metadata["image"])["sha256"] == json.loads(from_file.metadata["image"])["sha256"]
+        assert json.loads(from_pil.metadata["mask"])["sha256"] == json.loads(from_file.metadata["mask"])["sha256"]
+    assert json.loads(from_pil.metadata["image"])["source"] == "", "not a file"
 
 
 def test_inpainting_keeps_the_unmasked_cells_latent_exactly_and_generates_the_rest(tiny):

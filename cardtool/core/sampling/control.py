@@ -4,6 +4,7 @@ registered by name (numpy only, so a request's control is the same on every plat
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,7 +71,8 @@ class ControlImage:
             raise BadInput(f"unknown control preprocessor '{preprocessor}'; choose one of: {', '.join(PREPROCESSORS)}")
         image = np.asarray(image)
         if image.ndim != 2 or image.dtype != np.uint8:
-            raise BadInput(f"a control image is a grey uint8 (H, W) array, got {image.dtype} {image.shape}")
+            raise BadInput(f"a control image is a file, a PIL image or a grey uint8 (H, W) array, got {image.dtype} "
+                           f"{image.shape}")
         processed = np.ascontiguousarray(PREPROCESSORS[preprocessor](image))
         return cls(processed, preprocessor, pixels_digest(processed), source)
 
@@ -84,19 +86,32 @@ def read_grey(path: Path, size: int, what: str = "control image") -> np.ndarray:
     """An image file (a control image, an image to start from) as grey uint8 (size, size): any of `READ_FORMATS`, turned
     upright as its EXIF orientation says (a camera's photo is stored sideways), converted to grey and resized; `what`
     names it in the error for a file that cannot be read."""
-    from PIL import Image, ImageOps
-
     data, reason = read_small_file_bytes(path, limit=64 << 20)
     if reason:
         raise BadInput(f"cannot read {what}: {reason}")
     try:
         with open_image(data) as image:  # its size checked before decoding
-            image = _grey(ImageOps.exif_transpose(image))
-            if image.size != (size, size):
-                image = image.resize((size, size), Image.BILINEAR)
-            return np.asarray(image, dtype=np.uint8).copy()
+            return grey_resized(image, size)
     except DAMAGED as e:  # open_image: ValueError for a declared bomb, UnidentifiedImageError for another format
         raise BadInput(f"cannot read {what} {path}: {type(e).__name__}: {str(e)[:200]}")
+
+
+def is_pil_image(value) -> bool:
+    """Whether `value` is a Pillow image (a script's, or a diffusers pipeline's output); Pillow is not imported
+    for the question."""
+    module = sys.modules.get("PIL.Image")
+    return module is not None and isinstance(value, module.Image)
+
+
+def grey_resized(image, size: int) -> np.ndarray:
+    """A Pillow image as a file is read: upright by its EXIF orientation, grey by its mode's range, resized to
+    (size, size)."""
+    from PIL import Image, ImageOps
+
+    image = _grey(ImageOps.exif_transpose(image))
+    if image.size != (size, size):
+        image = image.resize((size, size), Image.BILINEAR)
+    return np.asarray(image, dtype=np.uint8).copy()
 
 
 def _grey(image):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -150,15 +151,15 @@ class LoadedCard:
         nothing, each GeneratedImage's `pixels` holds its image); with `best_of` N > 1, each image is the best of N
         candidates under the reward card `reward`, and its metadata records every candidate's score.
 
-        `adapters`: the stack of (name, scale) every image uses (default: the card's loop defaults); `control`: an
-        image file, a grey uint8 array or a ControlImage for the card's ControlNet, through `preprocessor` (default:
-        the ControlNet's own); `fuse`: merge the stack's LoRAs into the base weights for this call, then restore
-        them; `skip_existing`: keep each image whose file is already there with this request's settings tag (an
-        earlier run of the same call, interrupted, say) and make only the others; `negative_prompt`: what CFG steers
-        away from (default: the empty prompt, the null condition); `image`: an image file or a grey uint8 array to
-        start from (image-to-image, SDEdit), or a list of one per prompt, re-noised to σ = `strength` (default 0.8)
-        and denoised from there; `mask` (likewise): inpainting — its white part generated anew (strength default 1),
-        its black part kept from the image."""
+        `adapters`: the stack of (name, scale) every image uses (default: the card's loop defaults); `control`: an image
+        file, a PIL image (made grey and resized as a file is), a grey uint8 array or a ControlImage for the card's
+        ControlNet, through `preprocessor` (default: the ControlNet's own); `fuse`: merge the stack's LoRAs into the
+        base weights for this call, then restore them; `skip_existing`: keep each image whose file is already there with
+        this request's settings tag (an earlier run of the same call, interrupted, say) and make only the others;
+        `negative_prompt`: what CFG steers away from (default: the empty prompt, the null condition); `image`: an image
+        file, a PIL image or a grey uint8 array to start from (image-to-image, SDEdit), or a list of one per prompt,
+        re-noised to σ = `strength` (default 0.8) and denoised from there; `mask` (likewise): inpainting — its white
+        part generated anew (strength default 1), its black part kept from the image."""
         prompts = checked_arguments(prompts, num=num, seed=seed, steps=steps, guidance=guidance, shift=shift,
                                     best_of=best_of, max_batch=max_batch, guidance_interval=guidance_interval,
                                     adapters=adapters, control_scale=control_scale, strength=strength, out=out,
@@ -289,7 +290,7 @@ def control_image(loop: DenoiseLoop, control, preprocessor: str | None, adapters
         if preprocessor is not None and control is None:
             raise BadInput("a control preprocessor needs a control image (--control IMAGE:PREPROCESSOR)")
         return control
-    from cardtool.core.sampling.control import read_grey
+    from cardtool.core.sampling.control import grey_resized, is_pil_image, read_grey
 
     declared = loop.instance.card.manifest.adapters
     nets = [n for n, _ in adapters or () if n in declared and declared[n].kind == "controlnet"] or \
@@ -298,9 +299,11 @@ def control_image(loop: DenoiseLoop, control, preprocessor: str | None, adapters
         if not nets:
             raise BadInput(f"--control needs a ControlNet; card '{loop.instance.card.id}' declares none")
         preprocessor = declared[nets[0]].control
-    if isinstance(control, (str, Path)):
-        size = loop.instance.component(loop.vae).config.image_size
+    size = loop.instance.component(loop.vae).config.image_size
+    if isinstance(control, (str, os.PathLike)):
         return ControlImage.make(read_grey(Path(control), size), preprocessor, str(control))
+    if is_pil_image(control):  # made grey and resized as a file is
+        return ControlImage.make(grey_resized(control, size), preprocessor)
     return ControlImage.make(control, preprocessor)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cardtool.core.sampling.control import pixels_digest, read_grey
+from cardtool.core.sampling.control import grey_resized, is_pil_image, pixels_digest, read_grey
 from cardtool.errors import BadInput
 
 __all__ = ["DEFAULT_STRENGTH", "InitImage", "Picture", "init_images"]
@@ -26,7 +26,8 @@ DEFAULT_STRENGTH = 0.8  # diffusers' img2img default: most of the grid runs agai
 
 @dataclass(frozen=True)
 class Picture:
-    """A grey uint8 (H, W) image given as a file or an array: its pixels, content hash and path (empty: an array)."""
+    """A grey uint8 (H, W) image given as a file, a PIL image or an array: its pixels, content hash and path (empty:
+    not a file)."""
 
     pixels: np.ndarray = field(compare=False, repr=False)
     digest: str
@@ -51,11 +52,11 @@ class InitImage:
 
 
 def init_images(image, strength, size: int, prompts: int, mask=None) -> list[InitImage] | None:
-    """What each prompt's requests start from — an image (and a mask) for all of them (a file, or a grey uint8 (H, W)
-    array), or a list or tuple of one per prompt —, files resized to the card's `size`, at `strength` (default
-    DEFAULT_STRENGTH, with a mask 1: the masked part generated from noise); None without an image. BadInput for a
-    strength or mask without an image, or a strength outside (0, 1) — at 1 an image with no mask would be
-    re-noised away entirely —, with a mask (0, 1]."""
+    """What each prompt's requests start from — an image (and a mask) for all of them (a file, a PIL image or a grey
+    uint8 (H, W) array), or a list or tuple of one per prompt —, files resized to the card's `size`, at `strength`
+    (default DEFAULT_STRENGTH, with a mask 1: the masked part generated from noise); None without an image. BadInput for
+    a strength or mask without an image, or a strength outside (0, 1) — at 1 an image with no mask would be re-noised
+    away entirely —, with a mask (0, 1]."""
     if image is None:
         if strength is not None or mask is not None:
             raise BadInput(f"--{'strength' if strength is not None else 'mask'} applies to the image to start from; "
@@ -85,10 +86,12 @@ def _per_prompt(value, prompts: int, size: int, what: str) -> list[Picture]:
 def _picture(value, size: int, what: str) -> Picture:
     if isinstance(value, (str, os.PathLike)):
         pixels, source = read_grey(Path(value), size, f"the {what}"), str(value)
+    elif is_pil_image(value):  # made grey and resized as a file is
+        pixels, source = grey_resized(value, size), ""
     else:
         pixels, source = np.asarray(value), ""
         if pixels.ndim != 2 or pixels.dtype != np.uint8:
-            raise BadInput(f"the {what} must be a file or a grey uint8 (H, W) array, got {pixels.dtype} "
+            raise BadInput(f"the {what} must be a file, a PIL image or a grey uint8 (H, W) array, got {pixels.dtype} "
                            f"{pixels.shape}"[:300])
         if pixels.shape != (size, size):
             raise BadInput(f"the card takes {size}×{size} images; the {what} is {pixels.shape[1]}×{pixels.shape[0]} "
