@@ -71,6 +71,20 @@ def test_two_cards_with_one_id_is_an_error_naming_both(tmp_path, builtin, monkey
     with pytest.raises(AmbiguousCard) as info:
         locate("twin")
     assert "card id 'twin' is declared twice: cards/x (./cards) and builtin/y (builtin)" in str(info.value)
+    make(tmp_path / "cards", "z", "single")
+    listed = {s.path: s for s in list_cards()}  # listed as the lookup finds them: two cards, neither usable by id
+    assert [(p.file, p.field, p.message) for p in listed["cards/x"].problems] == [
+        ("cards/x/card.yaml", "id", "card id 'twin' is also declared by builtin/y: looking it up finds two cards")]
+    assert not listed["builtin/y"].valid and listed["cards/z"].valid
+    # validating a folder of cards: siblings sharing an id are invalid (any search of their folder finds both)
+    make(tmp_path / "cards", "w", "twin")
+    results = {r.path: r for r in validate_paths(["cards"])}
+    assert [str(p) for p in results["cards/x"].problems] == [
+        "cards/x/card.yaml:2:5: id: card id 'twin' is also declared by cards/w beside it: looking it up finds two "
+        "cards (fix: give each card its own id)"]
+    assert not results["cards/w"].valid and results["cards/z"].valid
+    twice = validate_paths(["cards/x", "cards/x", str(builtin / "y")])
+    assert all(r.valid for r in twice), "one folder twice, and a twin that is no sibling"
 
 
 def test_a_sibling_named_by_id_is_the_cards_own_family_whatever_else_declares_it(tmp_path, builtin, monkeypatch):

@@ -51,15 +51,22 @@ class ValidationResult:
 
 def list_cards() -> list[CardSummary]:
     """Every card on the search roots, in search order; an invalid card is listed with its problems."""
-    summaries = []
+    summaries, cards = [], []
     for entry in scan(search_roots()):
         summary = CardSummary(entry.id, display_path(entry.folder), entry.origin)
         try:
             card = _load(entry)
             summary.method, summary.description = card.manifest.recipe.method, card.manifest.description
+            cards.append((summary, card))
         except CardValidationError as e:
             summary.problems = e.problems
         summaries.append(summary)
+    for summary, card in cards:  # a lookup of the id finds both and names neither
+        twins = [s.path for s in summaries if s.id == card.id and s is not summary]
+        if twins:
+            summary.problems.append(card.problem(("id",), f"card id '{card.id}' is also declared by "
+                                                 f"{', '.join(twins)}: looking it up finds two cards",
+                                                 "give each card its own id, or take one folder off the search"))
     return summaries
 
 
@@ -74,14 +81,23 @@ def validate_paths(paths: list[str], *, checksums: bool = False) -> list[Validat
     card.
 
     Beyond loading, a card's parents must be found and must not form a cycle."""
-    results = []
+    results, cards = [], {}
     for target in _expand(paths):
         try:
             card = load_card(target, checksums=checksums)
             problems = missing_parent_problems(card, lineage(card))
             results.append(ValidationResult(display_path(target), card.id, problems))
+            cards[len(results) - 1] = card
         except CardValidationError as e:
             results.append(ValidationResult(display_path(target), _declared_id(target), e.problems))
+    for i, card in cards.items():  # siblings: wherever their folder is searched, the id names no card
+        twins = [results[j].path for j, other in cards.items()
+                 if other.id == card.id and other.folder.resolve() != card.folder.resolve()
+                 and other.folder.parent.resolve() == card.folder.parent.resolve()]
+        if twins:
+            results[i].problems.append(card.problem(("id",), f"card id '{card.id}' is also declared by "
+                                                    f"{', '.join(twins)} beside it: looking it up finds two cards",
+                                                    "give each card its own id"))
     return results
 
 
