@@ -473,11 +473,16 @@ class ApiCall:
 def _api(rng: random.Random, env: Env, out: Path) -> ApiCall:
     """`LoadedCard.generate` most often; else `LoadedCard`, `evaluate`, `compare`, `run_workflow` or `load_card`, each
     with a few arguments of any type and the rest plausible, so that some calls run."""
+    from PIL import Image
+
+    pictures = [Image.new("RGB", (40, 40), (200, 30, 90)), Image.new("LAB", (28, 28)), Image.new("L", (0, 0)),
+                Image.new("F", (28, 28), float("nan"))]  # a script's Pillow images: any mode and size, and unusable
     values = [None, 0, -1, 1, 2, 2.5, float("nan"), float("inf"), True, "", "x", "2", [], [1], ["a"], {}, (0, 1),
               (1, 0), (0.2, 0.4), [("invert", 0.5)], [("invert", "x")], [("nope", 1)], [("invert",)], "invert", b"x",
               10**30, "euler", "dpmpp_2m", "renoise", "bfloat16", "float64", env.card("tiny-judge"),
               str(env.root / "control.png"),
-              lambda *a: None, ["bfloat16"], [2], [0.5, 4.0], ["a=1"], ("steps.draft.generate.num=2",), object()]
+              lambda *a: None, ["bfloat16"], [2], [0.5, 4.0], ["a=1"], ("steps.draft.generate.num=2",), object(),
+              *pictures]
 
     def hostile(keywords, plausible):
         chosen = {k: rng.choice(values) for k in rng.sample(keywords, rng.choice([1, 1, 2]))}

@@ -170,6 +170,11 @@ def test_a_pil_image_is_read_as_the_same_picture_saved_as_a_file_is(tiny, tmp_pa
         assert json.loads(from_pil.metadata["image"])["sha256"] == json.loads(from_file.metadata["image"])["sha256"]
         assert json.loads(from_pil.metadata["mask"])["sha256"] == json.loads(from_file.metadata["mask"])["sha256"]
     assert json.loads(from_pil.metadata["image"])["source"] == "", "not a file"
+    for unusable, message in ((Image.new("L", (0, 28)), "the image to start from is an empty image \\(0×28 pixels\\)"),
+                              (Image.new("LAB", (28, 28)), "cannot use the image to start from \\(LAB image\\): "
+                                                           "ValueError: conversion from LAB")):
+        with pytest.raises(BadInput, match=message):
+            tiny.generate("a bag", steps=1, image=unusable, out=None)
 
 
 def test_inpainting_keeps_the_unmasked_cells_latent_exactly_and_generates_the_rest(tiny):

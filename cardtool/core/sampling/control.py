@@ -103,6 +103,17 @@ def is_pil_image(value) -> bool:
     return module is not None and isinstance(value, module.Image)
 
 
+def pil_pixels(image, size: int, what: str) -> np.ndarray:
+    """A Pillow image (a script's, a diffusers pipeline's) as grey uint8 (size, size), as its file would be read;
+    BadInput for an empty one or one whose mode Pillow cannot convert (LAB), as for a file."""
+    if 0 in image.size:
+        raise BadInput(f"the {what} is an empty image ({image.size[0]}×{image.size[1]} pixels)")
+    try:
+        return grey_resized(image, size)
+    except DAMAGED as e:
+        raise BadInput(f"cannot use {what} ({image.mode} image): {type(e).__name__}: {str(e)[:200]}") from None
+
+
 def grey_resized(image, size: int) -> np.ndarray:
     """A Pillow image as a file is read: upright by its EXIF orientation, grey by its mode's range, resized to
     (size, size)."""

@@ -290,7 +290,7 @@ def control_image(loop: DenoiseLoop, control, preprocessor: str | None, adapters
         if preprocessor is not None and control is None:
             raise BadInput("a control preprocessor needs a control image (--control IMAGE:PREPROCESSOR)")
         return control
-    from cardtool.core.sampling.control import grey_resized, is_pil_image, read_grey
+    from cardtool.core.sampling.control import is_pil_image, pil_pixels, read_grey
 
     declared = loop.instance.card.manifest.adapters
     nets = [n for n, _ in adapters or () if n in declared and declared[n].kind == "controlnet"] or \
@@ -303,7 +303,7 @@ def control_image(loop: DenoiseLoop, control, preprocessor: str | None, adapters
     if isinstance(control, (str, os.PathLike)):
         return ControlImage.make(read_grey(Path(control), size), preprocessor, str(control))
     if is_pil_image(control):  # made grey and resized as a file is
-        return ControlImage.make(grey_resized(control, size), preprocessor)
+        return ControlImage.make(pil_pixels(control, size, "the control image"), preprocessor)
     return ControlImage.make(control, preprocessor)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cardtool.core.sampling.control import grey_resized, is_pil_image, pixels_digest, read_grey
+from cardtool.core.sampling.control import is_pil_image, pil_pixels, pixels_digest, read_grey
 from cardtool.errors import BadInput
 
 __all__ = ["DEFAULT_STRENGTH", "InitImage", "Picture", "init_images"]
@@ -87,7 +87,7 @@ def _picture(value, size: int, what: str) -> Picture:
     if isinstance(value, (str, os.PathLike)):
         pixels, source = read_grey(Path(value), size, f"the {what}"), str(value)
     elif is_pil_image(value):  # made grey and resized as a file is
-        pixels, source = grey_resized(value, size), ""
+        pixels, source = pil_pixels(value, size, f"the {what}"), ""
     else:
         pixels, source = np.asarray(value), ""
         if pixels.ndim != 2 or pixels.dtype != np.uint8:
