@@ -79,7 +79,7 @@ class Platform:
         if device is not None and device not in DEVICES:
             # torch's `cuda:1`: the GPU is chosen as CUDA chooses it, so every process of a run agrees on it
             hint = (f" (a GPU by number: CUDA_VISIBLE_DEVICES={device.partition(':')[2]} with --device cuda)"
-                    if device.startswith("cuda:") else "")
+                    if isinstance(device, str) and device.startswith("cuda:") else "")
             raise BadInput(f"unknown device '{device}'; choose one of: {', '.join(DEVICES)}{hint}")
         forced_arch = arch or os.environ.get("CARDTOOL_ARCH") or None
         has_torch = importlib.util.find_spec("torch") is not None

@@ -126,6 +126,8 @@ def test_bad_overrides_are_bad_input(monkeypatch):
         Platform.detect("tpu")
     with pytest.raises(BadInput, match=r"'cuda:1'.*\(a GPU by number: CUDA_VISIBLE_DEVICES=1 with --device cuda\)"):
         Platform.detect("cuda:1")
+    with pytest.raises(BadInput, match=r"unknown device '\[1\]'"):  # the Python API's callers pass anything
+        Platform.detect([1])
     monkeypatch.setenv("CARDTOOL_ARCH", "avx9000")
     with pytest.raises(BadInput, match="unknown cpu arch 'avx9000'"):
         Platform.detect("cpu")
