@@ -17,7 +17,7 @@ def is_regular_file(path: Path) -> bool:
         return False
 
 
-def read_small_file_bytes(path: Path, limit: int = 1 << 20, *, pipe: bool = False) -> tuple[bytes, str]:
+def read_small_file_bytes(path: Path, limit: int, *, pipe: bool = False) -> tuple[bytes, str]:
     """(bytes, "") of a regular file of at most `limit` bytes, else (b"", why not) — never reading a device, nor a
     FIFO unless `pipe` (a `<(…)` argument: read to its writer's end, as far as the limit)."""
     if not (is_regular_file(path) or pipe and _is_fifo(path)):

@@ -41,6 +41,15 @@ def test_such_a_config_file_is_not_json(tmp_path, text):
     assert value == {} and reason.startswith(f"{tmp_path / 'config.json'} is not JSON: ")
 
 
+def test_a_config_file_is_read_up_to_one_mebibyte(tmp_path):
+    padded = '{"a": 1}'.ljust(1 << 20)  # JSON allows the trailing spaces
+    (tmp_path / "config.json").write_text(padded)
+    assert read_json_object(tmp_path / "config.json") == ({"a": 1}, "")
+    (tmp_path / "config.json").write_text(padded + " ")
+    too_large = f"{tmp_path / 'config.json'} is larger than 1048576 bytes"
+    assert read_json_object(tmp_path / "config.json") == ({}, too_large)
+
+
 @BEYOND
 def test_a_lora_whose_peft_metadata_is_such_states_no_rank_from_it(text):
     from cardtool.backends.lora_targets import rank_and_alpha
