@@ -75,7 +75,7 @@ def test_cpu_tiers_benchmark_times_each_tier_and_precision(tmp_path, examples):
 
 
 def test_distill_quality_counts_model_evaluations_and_reads_recorded_evals(tmp_path, examples, monkeypatch):
-    sys.path.insert(0, str(REPO / "benchmarks"))
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     from distill_quality import evaluations_per_image
 
     assert evaluations_per_image(20, 4.0, [0.0, 0.4]) == 28, "σ = 0.4, 0.35, …, 0.05 are guided"

@@ -20,7 +20,7 @@ GENERATE = ["generate", "tiny-base", "-p", "a bag", "-p", "a coat", "-n", "3", "
 def torchrun(args: list[str], cwd, processes: int = 2) -> subprocess.CompletedProcess:
     """The asserts on its result show the last 8,000 characters of stderr: a failed rank's own error comes before
     torchrun's summary, which alone fills 2,000."""
-    env = {**os.environ, "CARDTOOL_PATH": str(EXAMPLE_CARDS), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "CARDTOOL_PATH": str(EXAMPLE_CARDS)}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                            str(processes), "-m", "cardtool", *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=300)
@@ -280,7 +280,7 @@ def test_a_rank_killed_mid_run_leaves_no_card_and_a_checkpoint_that_resumes(tmp_
     sets = ["optim.steps=40", "optim.batch_size=4", "train.precision=float32", "train.checkpoint_every=2",
             "card.storage=float32", "optim.lr=1e-3"]
     args = ["distill", "tiny-base", "--steps", "2", "--no-eval", *(f"--set={s}" for s in sets)]
-    env = {**os.environ, "CARDTOOL_PATH": str(EXAMPLE_CARDS), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "CARDTOOL_PATH": str(EXAMPLE_CARDS)}
     job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                             "-m", "cardtool", *args, "--out", "card", "--run-dir", "run"], cwd=tmp_path, env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

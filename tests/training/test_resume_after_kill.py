@@ -4,7 +4,6 @@ uninterrupted run — for every method."""
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
@@ -55,9 +54,8 @@ def overrides(method: str, family) -> tuple[str, list[str]]:
 
 def kill_at(args: list[str], step: int, delay: float) -> None:
     """Run `cardtool train` until it logs `step`, wait `delay` seconds, then SIGKILL it."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the in-process runs use one thread too
-    process = subprocess.Popen([sys.executable, "-m", "cardtool", *args], stderr=subprocess.PIPE, text=True,
-                               env=env, cwd=REPO)
+    # one thread, as the in-process runs it is compared with (conftest sets OMP_NUM_THREADS for every process)
+    process = subprocess.Popen([sys.executable, "-m", "cardtool", *args], stderr=subprocess.PIPE, text=True, cwd=REPO)
     try:
         for line in process.stderr:
             if line.startswith(f"step {step}/"):
