@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from cardtool.cli.output import LateProgress, counted, emit_json, handled, say, warn
+from cardtool.cli.output import LateProgress, counted, emit_json, handled, quoted_prompt, say, warn
 from cardtool.errors import BadInput
 
 
@@ -121,7 +121,7 @@ def generate_command(
     for image in report.images:
         scored = f", best of {image.metadata['best_of']} by {image.metadata['reward']}" if "reward" in image.metadata \
             else ""
-        say(f"{image.path}  ({image.metadata['prompt']!r}, seed {image.metadata['seed']}{scored})")
+        say(f"{image.path}  ({quoted_prompt(image.metadata['prompt'])}, seed {image.metadata['seed']}{scored})")
     if report.grid:
         say(f"{report.grid}  (grid)")
     count = counted(len(report.images), "image") + (f" ({report.skipped} already there)" if report.skipped else "")

@@ -14,7 +14,7 @@ import typer
 
 from cardtool.errors import BadInput, CardtoolError, CardValidationError, OutOfMemory, RunFailed
 
-__all__ = ["LateProgress", "console", "emit_json", "handled", "printable", "say", "warn"]
+__all__ = ["LateProgress", "console", "emit_json", "handled", "printable", "quoted_prompt", "say", "warn"]
 
 
 def console(*, stderr: bool = False):
@@ -75,6 +75,12 @@ def clock(seconds: float) -> str:
     minutes, secs = divmod(round(seconds), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def quoted_prompt(prompt: str, limit: int = 80) -> str:
+    """`prompt` quoted for a one-line listing, cut to its first `limit` characters with '…' (the PNG's metadata and
+    --json keep it whole): a paragraph-long prompt would otherwise fill the terminal once per image."""
+    return repr(prompt if len(prompt) <= limit else prompt[:limit] + "…")
 
 
 def printable(text: str) -> str:

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from cardtool.cli.output import counted, emit_json, handled, say, warn
+from cardtool.cli.output import counted, emit_json, handled, quoted_prompt, say, warn
 
 app = typer.Typer(help="Workflow manifests: generate, chain, parallel and best-of-N steps over cards.",
                   no_args_is_help=True)
@@ -77,4 +77,4 @@ def run_command(
     for step in report.steps:
         for image in step["images"]:
             scored = f", best of {image['best_of']}: {image['scores']}" if "scores" in image else ""
-            say(f"{image['path']}  ({step['step']}: {image['prompt']!r}, seed {image['seed']}{scored})")
+            say(f"{image['path']}  ({step['step']}: {quoted_prompt(image['prompt'])}, seed {image['seed']}{scored})")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from cardtool.core.evaluation import evaluate as evaluate_module
@@ -22,6 +23,7 @@ from cardtool.errors import BadInput
     ({"per_class": 10**9}, r"--per-class 1000000000 asks for 10,000,000,000 images a row"),
     ({"judge": 3}, "judge must be a reward card's id or folder"),
     ({"steps": {2}}, "steps must be a list of values"),
+    ({"steps": np.ones((1, 2))}, "steps must be a list of values"),  # a matrix is no list
     ({"steps": 1001}, "steps"),  # one value alone is a list of one, checked alike
     ({"precision": "float8"}, "unknown precision 'float8'"),  # one name, not its characters
     ({"solver": "nope"}, "unknown solver 'nope'"),
@@ -50,6 +52,16 @@ def test_bad_settings_are_refused_before_anything_loads(examples, monkeypatch, s
     with pytest.raises(BadInput, match=message):
         evaluate_module.evaluate(str(examples / "tiny-base"),
                                  **{"judge": str(examples / "tiny-judge"), "per_class": 1, **settings})
+
+
+@pytest.mark.parametrize(("value", "listed"), [
+    (20, [20]), ("float32", ["float32"]), ((4, 2, 4), [4, 2]), (range(1, 4), [1, 2, 3]),
+    (np.arange(1, 4), [1, 2, 3]), (np.array(20), [20]),
+    (np.array([1.5, 4.0]), [1.5, 4.0]), (np.float32(2.5), [2.5]),
+])
+def test_a_list_setting_takes_one_value_a_tuple_a_range_or_a_numpy_vector_as_plain_python_values(value, listed):
+    got = evaluate_module._listed("steps", value)
+    assert got == listed and all(type(v) in (int, float, str) for v in got), got
 
 
 def test_eval_samples_with_the_shift_and_solver_asked_for_and_its_rows_say_so(examples, tmp_path):

@@ -62,6 +62,16 @@ def test_a_prompt_that_reads_like_json_is_reported_as_text(on_path, tmp_path):
     assert image["prompt"] == "{a coat}" and image["image"]["source"] == images[0]["path"]
 
 
+def test_a_paragraph_long_prompt_is_listed_cut_short_and_kept_whole_in_the_png(on_path, tmp_path):
+    """The listing printed a 30,000-character prompt whole, once per image."""
+    prompt = "a red bag " * 3000
+    result = run("generate", "tiny-base", "-p", prompt, "-n", "2", "--steps", "1", "--out", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2 and all(f"{prompt[:80]}…', seed" in line and len(line) < 250 for line in lines), lines
+    assert all(read_png_metadata(path)["prompt"] == prompt for path in tmp_path.glob("*.png"))
+
+
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 def test_the_same_command_twice_gives_bit_identical_pngs(on_path, tmp_path, precision):
     outputs = []

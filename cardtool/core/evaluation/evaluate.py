@@ -112,12 +112,15 @@ class EvalReport:
 
 
 def _listed(name: str, value) -> list | None:
-    """A list parameter of `evaluate` as a list: one value alone is a list of one (not a string's characters)."""
+    """A list parameter of `evaluate` as a list: one value alone is a list of one (not a string's characters); a
+    range or a numpy vector is its values."""
     if value is None:
         return None
+    if isinstance(value, np.ndarray) and value.ndim <= 1:  # np.arange(1, 5), np.array(20)
+        value = value.reshape(-1).tolist()
     if isinstance(value, (str, numbers.Real)) and not isinstance(value, bool):
         value = [value]
-    if isinstance(value, (list, tuple)):  # numpy scalars as Python's, so that the report stays JSON
+    if isinstance(value, (list, tuple, range)):  # numpy scalars as Python's, so that the report stays JSON
         values = [v.item() if isinstance(v, np.generic) else v for v in value]
         try:
             return list(dict.fromkeys(values))  # a repeated value is one row
