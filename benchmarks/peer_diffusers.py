@@ -60,7 +60,7 @@ class Peers:
     """Everything each method needs, built once: the loaded card per precision, the diffusers model and
     pipeline with the card's transformer weights, and the text states both sides are given."""
 
-    def __init__(self, card_ref: str, steps: int, guidance: float, shift: float, precisions: list[str]):
+    def __init__(self, card_ref: str, steps: int, guidance: float, shift: float, precisions: list[str], out: Path):
         import diffusers
 
         self.card_ref, self.steps, self.guidance, self.shift = card_ref, steps, guidance, shift
@@ -85,7 +85,7 @@ class Peers:
                                               scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=shift))
         self.pipeline.set_progress_bar_config(disable=True)
         self.latent_shape = loop.latent_shape()
-        self.out = Path(tempfile.mkdtemp(prefix="cardtool-peer-"))
+        self.out = out  # where `generate` writes its PNGs
 
     def options(self, batch: int, precision: str) -> dict:
         return {"num": batch, "steps": self.steps, "guidance": self.guidance, "shift": self.shift,
@@ -146,7 +146,7 @@ class Peers:
                           output_type="latent")
 
 
-def startup(card_ref: str, repeats: int) -> dict:
+def startup(card_ref: str, repeats: int, out: Path) -> dict:
     """Medians of a one-step one-image command and of importing torch, interleaved, in fresh processes. cardtool's
     bytecode is compiled first, as `pip install` does (torch's is, being installed): a checkout run with
     PYTHONDONTWRITEBYTECODE set would otherwise compile every module on every start."""
@@ -155,7 +155,6 @@ def startup(card_ref: str, repeats: int) -> dict:
     import cardtool
 
     compileall.compile_dir(Path(cardtool.__file__).parent, quiet=1)
-    out = Path(tempfile.mkdtemp(prefix="cardtool-startup-")) / "one.png"
     commands = {"cardtool generate -n 1 --steps 1": [*CARDTOOL, "generate", card_ref, "-p", PROMPT, "-n", "1",
                                                      "--steps", "1", "--out", str(out)],
                 "python -c 'import torch'": [sys.executable, "-c", "import torch"]}
@@ -186,7 +185,19 @@ def main() -> None:
     args = parser.parse_args()
 
     card_ref = str(locate(args.card)) if Path(args.card).exists() else args.card
-    peers = Peers(card_ref, args.steps, args.guidance, args.shift, args.precisions)
+    with tempfile.TemporaryDirectory(prefix="cardtool-peer-") as scratch:  # the PNGs every method writes
+        report = measure(args, card_ref, Path(scratch))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(args.out, (json.dumps(report, indent=1) + "\n").encode())
+    if args.plot:
+        plot(report, args.plot)
+    print(json.dumps({"ratios": report["ratios"], "startup": report["startup"] and report["startup"]["ratio"]},
+                     indent=1))
+
+
+def measure(args: argparse.Namespace, card_ref: str, scratch: Path) -> dict:
+    """Every method's times, interleaved, and the start-up times, as the report records them."""
+    peers = Peers(card_ref, args.steps, args.guidance, args.shift, args.precisions, scratch)
     cells = [(m, b, p) for b in args.batch_sizes for p in args.precisions for m in args.methods]
     for cell in cells:  # warm-up: first calls build kernels, caches and allocator pools
         peers.run(*cell)
@@ -196,7 +207,7 @@ def main() -> None:
             times[cell].append(peers.run(*cell))
         print(f"repeat {repeat + 1}/{args.repeats} done", file=sys.stderr)
     median = {cell: statistics.median(t) for cell, t in times.items()}
-    report = {
+    return {
         "card": args.card, "steps": args.steps, "guidance": args.guidance, "cfg_every_step": True,
         "card_masks_text": peers.text_mask, "repeats": args.repeats,
         "machine": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
@@ -206,14 +217,8 @@ def main() -> None:
                   "images_per_s": round(b / median[(m, b, p)], 2), "runs_s": [round(t, 5) for t in times[(m, b, p)]]}
                  for m, b, p in cells],
         "ratios": ratios(median, args.batch_sizes, args.precisions, args.methods),
-        "startup": startup(card_ref, args.startup_repeats) if args.startup_repeats else None,
+        "startup": startup(card_ref, args.startup_repeats, scratch / "one.png") if args.startup_repeats else None,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out, (json.dumps(report, indent=1) + "\n").encode())
-    if args.plot:
-        plot(report, args.plot)
-    print(json.dumps({"ratios": report["ratios"], "startup": report["startup"] and report["startup"]["ratio"]},
-                     indent=1))
 
 
 def ratios(median: dict, batches: list[int], precisions: list[str], methods: list[str]) -> dict:

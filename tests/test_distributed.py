@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from helpers import EXAMPLE_CARDS
@@ -17,13 +18,20 @@ from cardtool.cli import app
 GENERATE = ["generate", "tiny-base", "-p", "a bag", "-p", "a coat", "-n", "3", "--steps", "4", "--grid", "--json"]
 
 
+def launch_env(cwd) -> dict:
+    """The example cards on the path, and the temporary folder in the test's own: torchrun's agent makes a
+    `torchelastic_*` folder there that it never removes."""
+    scratch = Path(cwd) / ".tmp"
+    scratch.mkdir(exist_ok=True)
+    return {**os.environ, "CARDTOOL_PATH": str(EXAMPLE_CARDS), "TMPDIR": str(scratch)}
+
+
 def torchrun(args: list[str], cwd, processes: int = 2) -> subprocess.CompletedProcess:
     """The asserts on its result show the last 8,000 characters of stderr: a failed rank's own error comes before
     torchrun's summary, which alone fills 2,000."""
-    env = {**os.environ, "CARDTOOL_PATH": str(EXAMPLE_CARDS)}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(processes), "-m", "cardtool", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=300)
+                           str(processes), "-m", "cardtool", *args], cwd=cwd, env=launch_env(cwd), capture_output=True,
+                          text=True, timeout=300)
 
 
 def test_generate_on_two_processes_writes_the_same_pngs_as_on_one(tmp_path, monkeypatch):
@@ -280,10 +288,9 @@ def test_a_rank_killed_mid_run_leaves_no_card_and_a_checkpoint_that_resumes(tmp_
     sets = ["optim.steps=40", "optim.batch_size=4", "train.precision=float32", "train.checkpoint_every=2",
             "card.storage=float32", "optim.lr=1e-3"]
     args = ["distill", "tiny-base", "--steps", "2", "--no-eval", *(f"--set={s}" for s in sets)]
-    env = {**os.environ, "CARDTOOL_PATH": str(EXAMPLE_CARDS)}
     job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                            "-m", "cardtool", *args, "--out", "card", "--run-dir", "run"], cwd=tmp_path, env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            "-m", "cardtool", *args, "--out", "card", "--run-dir", "run"], cwd=tmp_path,
+                           env=launch_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     checkpoint = tmp_path / "run" / "checkpoint.safetensors"
     deadline = time.monotonic() + 120
     while not checkpoint.exists() and time.monotonic() < deadline and job.poll() is None:
