@@ -15,6 +15,10 @@ def test_bold_grows_a_stroke_by_a_pixel_each_way_but_not_diagonally():
     bold = transform("bold", image)[0]
     assert bold[2, 2] == bold[1, 2] == bold[3, 2] == bold[2, 1] == bold[2, 3] == 200
     assert bold[1, 1] == bold[3, 3] == 0 and bold.sum() == 5 * 200 and bold.dtype == np.uint8
+    batch = np.zeros((2, 3, 5, 5), np.uint8)  # every leading axis is a batch axis, kept as it is
+    batch[1, 2, 0, 4] = 9
+    bolder = transform("bold", batch)
+    assert bolder.shape == batch.shape and bolder[1, 2, :2, 3:].tolist() == [[9, 9], [0, 9]] and bolder.sum() == 27
 
 
 def test_mirror_and_invert():

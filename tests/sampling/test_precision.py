@@ -102,3 +102,32 @@ def test_float16_runs_mixed_on_the_cpu_with_a_warning(examples, tmp_path):
                       out=tmp_path / "f16.png")
     assert any("float16 on a CPU" in w for w in report.warnings)
     assert read_png_metadata(report.images[0].path)["precision"] == "float16"
+
+
+@pytest.mark.parametrize(("platform", "precision", "warned"), [
+    (Platform("cpu", "avx2"), "bfloat16", "has no fast bfloat16"),
+    (Platform("cpu", "avx512_bf16"), "bfloat16", None),
+    (Platform("cuda", "sm75"), "bfloat16", "has no fast bfloat16"),
+    (Platform("cuda", "sm90"), "bfloat16", None),
+    (Platform("cpu", "avx512_bf16"), "float16", "float16 on a CPU is emulated"),
+    (Platform("cuda", "sm75"), "float16", None),
+    (Platform("cpu", "avx2"), "float32", None),  # a CPU without bf16 or fp16 warns of neither at float32
+    (Platform("cpu", "generic"), "float64", None),
+    (Platform("numpy", "generic"), "float32", None),
+])
+def test_a_precision_warns_only_where_it_runs_slowly(platform, precision, warned):
+    from cardtool.backends.precision import check_precision
+
+    warnings = check_precision(platform, precision)
+    assert (warnings == []) if warned is None else (len(warnings) == 1 and warned in warnings[0]), warnings
+
+
+def test_only_a_low_precision_on_torch_runs_under_autocast():
+    from cardtool.backends.precision import autocast
+
+    cpu = Platform("cpu", "generic")
+    for platform, precision in ((cpu, "float32"), (cpu, "float64"), (Platform("numpy", "generic"), "bfloat16")):
+        with autocast(platform, precision):
+            assert not torch.is_autocast_enabled("cpu"), (platform, precision)
+    with autocast(cpu, "bfloat16"):
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
