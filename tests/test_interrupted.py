@@ -157,6 +157,28 @@ def test_a_signal_the_process_was_told_to_ignore_stays_ignored(interactive_signa
     assert caught == [signal.SIGTERM] and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
+def test_disabled_or_off_the_main_thread_the_handlers_stay_as_they_were(interactive_signals):
+    """Under torchrun (disabled: the ranks must stop together) and in a worker thread (Python installs handlers only
+    on the main thread) nothing is caught."""
+    import threading
+
+    from cardtool.core.interrupt import SIGNALS, stop_requests
+
+    before = {s: signal.getsignal(s) for s in SIGNALS}
+    with stop_requests(enabled=False) as caught:
+        assert {s: signal.getsignal(s) for s in SIGNALS} == before and caught == []
+    seen = []
+
+    def worker():
+        with stop_requests() as caught:
+            seen.append(({s: signal.getsignal(s) for s in SIGNALS}, caught))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen == [(before, [])]
+
+
 def test_a_workflow_stopped_inside_a_step_keeps_its_finished_waves_and_resumes_from_them(tmp_path, monkeypatch,
                                                                                          interactive_signals):
     """A long step is not all-or-nothing: the wave in flight finishes, is written, and is kept on --skip-existing."""

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 
+import pydantic
 import pytest
 from helpers import REPO
 
+from cardtool.backends.lora_targets import DEFAULT_TARGETS
 from cardtool.core.training.lora_settings import lora_settings
 from cardtool.core.training.recipes import Recipe, apply_overrides, load_recipe, loss_number
 from cardtool.errors import BadInput
@@ -80,6 +82,31 @@ def test_a_recipe_given_as_data_refuses_non_finite_settings():
     vae = load_recipe(None, section={"method": "vae", "card": {"id": "x"}, "loss": {"kl_weight": math.inf}})
     with pytest.raises(BadInput, match="loss.kl_weight must be a finite number in"):
         loss_number(vae, "kl_weight", 1e-4, 0.0, math.inf)
+
+
+def lora_of(model: dict):
+    return lora_settings(load_recipe(None, section={"method": "lora", "card": {"id": "x"}, "model": model}), "rl",
+                         "fashion-base")
+
+
+def test_model_lora_validates_its_rank_alpha_and_targets_and_nothing_else_may_stand_beside_it():
+    assert lora_of({}) is None
+    four = lora_of({"lora": {"rank": 4}})
+    assert (four.rank, four.alpha, four.targets) == (4, 4.0, DEFAULT_TARGETS)  # alpha = rank: α/r = 1
+    assert lora_of({"lora": {"rank": 1024, "alpha": 0.5, "targets": ["attn1.to_q"]}}).alpha == 0.5
+    assert lora_of({"lora": {"rank": 1}}).rank == 1
+    for bad, where in (({"rank": 0}, "rank: Input should be greater than or equal to 1"),
+                       ({"rank": 1025}, "rank: Input should be less than or equal to 1024"),
+                       ({"rank": 4, "alpha": 0}, "alpha: Input should be greater than 0"),
+                       ({"rank": 4, "alpha": math.inf}, "alpha: Input should be a finite number"),
+                       ({"rank": 4, "targets": []}, "targets: Tuple should have at least 1 item"),
+                       ({"rank": 4, "dropout": 0.1}, "dropout: Extra inputs are not permitted")):
+        with pytest.raises(BadInput, match=f"^rl recipe: model.lora.{where}"):
+            lora_of({"lora": bad})
+    with pytest.raises(BadInput, match=r"keeps the architecture of 'fashion-base'.*got model.dim, model.heads"):
+        lora_of({"lora": {"rank": 4}, "heads": 2, "dim": 64})
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        four.rank = 8
 
 
 def test_method_flag_must_agree_with_the_recipe():
