@@ -145,6 +145,8 @@ def test_a_card_assuming_fixed_steps_warns_and_strict_refuses(on_path, tmp_path)
     (["tiny-base", "-p", "x", "--out", "/proc/x.png"], "cannot write to the output folder /proc"),
     (["tiny-base", "-p", "x", "--out", "cat.JPG"], "images are written as PNG, which holds their metadata; name the "
                                                    "file cat.png, or give a folder"),  # was a folder named cat.JPG
+    (["tiny-base", "-p", "x", "--out", "-"], "--out -: images are written as PNG files that carry their metadata, "
+                                             "not to standard output"),  # was a folder named '-'
     (["tiny-base", "-p", "x", "--guidance", "nan"], "guidance must be a finite number"),
     (["tiny-base", "-p", "x", "--device", "tpu"], "unknown device"),
     (["tiny-base", "-p", "x", "--guidance-interval", "0.5"], "--guidance-interval takes LO,HI"),

@@ -215,6 +215,9 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     if out is not None:
         if not isinstance(out, (str, os.PathLike)) or str(out) == "":
             raise BadInput(f"out must be the report's file name, got {out!r}"[:300])
+        if str(out) == "-":
+            raise BadInput("--out -: the report is a file, which --resume continues; give its name (./- for a file "
+                           "named '-'); --json prints the report on standard output")
         out = Path(out)
         if os.path.isdir(out):  # False for a name too long to exist, which replaceable_file says
             raise BadInput(f"--out {out} is a folder; give the report's file name")

@@ -21,12 +21,15 @@ from cardtool.errors import BadInput, RunFailed
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["JSON_FIELDS", "GeneratedImage", "adapter_metadata", "already_made", "image_metadata", "output_paths",
-           "prompt_slug", "save_image", "settings_tag"]
+__all__ = ["JSON_FIELDS", "STREAM_REFUSED", "GeneratedImage", "adapter_metadata", "already_made", "image_metadata",
+           "output_paths", "prompt_slug", "save_image", "settings_tag"]
 
 # the metadata fields that record a JSON value (reported as that value); every other field is text, a prompt that
 # reads like JSON ("[a dress", '{"x": 1}') too
 JSON_FIELDS = ("weights", "adapters", "control", "image", "mask", "scores")
+# `--out -`, the shell's "standard output", which would otherwise be a folder named '-'
+STREAM_REFUSED = ("--out -: images are written as PNG files that carry their metadata, not to standard output; give "
+                  "a folder (./- for one named '-'){}; --json prints the report on standard output")
 
 
 @dataclass
@@ -45,6 +48,8 @@ class GeneratedImage:
 def output_paths(out: Path, card_id: str, requests: list[Request], tags: list[str]) -> list[Path]:
     """A file for a single image given as NAME.png, else numbered files in the folder `out`, each name ending in
     its request's settings tag; checked writable before any work is done."""
+    if str(out) == "-":
+        raise BadInput(STREAM_REFUSED.format(", or NAME.png for one image"))
     if out.suffix.lower() in set(IMAGE_SUFFIXES) - {".png"} and not os.path.isdir(out):
         raise BadInput(f"--out {out}: images are written as PNG, which holds their metadata; name the file "
                        f"{out.with_suffix('.png').name}, or give a folder")

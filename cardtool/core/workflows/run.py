@@ -26,7 +26,14 @@ from cardtool.core import distributed
 from cardtool.core.interrupt import Interrupted, stop_requests
 from cardtool.core.sampling.denoise import Request
 from cardtool.core.sampling.generate import LoadedCard
-from cardtool.core.sampling.outputs import JSON_FIELDS, image_metadata, prompt_slug, save_image, settings_tag
+from cardtool.core.sampling.outputs import (
+    JSON_FIELDS,
+    STREAM_REFUSED,
+    image_metadata,
+    prompt_slug,
+    save_image,
+    settings_tag,
+)
 from cardtool.core.sampling.planning import plan_requests
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache
@@ -215,6 +222,8 @@ def run_workflow(workflow: Workflow | str | os.PathLike, *, overrides: list[str]
     keep each image already written there with the settings it would be made with, and make only the others."""
     if not isinstance(out, (str, os.PathLike)):
         raise BadInput(f"out must be a path, got {out!r}"[:300])
+    if str(out) == "-":
+        raise BadInput(STREAM_REFUSED.format(""))
     if isinstance(max_batch, bool) or not isinstance(max_batch, numbers.Integral) or max_batch < 1:  # numpy's too
         raise BadInput(f"--max-batch must be at least 1, got {max_batch!r}")
     if not isinstance(skip_existing, bool):
