@@ -234,3 +234,32 @@ def test_unknown_adapter_kind_points_at_kind(tmp_path):
     folder = card(tmp_path, MINIMAL.replace("{kind: lora,", "{kind: lorra,"))
     [message] = problems(folder)
     assert message.startswith("cards/x/card.yaml:20:18: adapters.invert.kind: unknown or missing adapter kind")
+
+
+# --- the schema's bounds, at them ------------------------------------------------------------------------------
+
+def test_the_schema_takes_each_bound_and_refuses_one_past_it_without_coercing_types():
+    import pydantic
+
+    from cardtool.core.cards.schema import Component, Loop, LoraAdapter
+
+    lora = {"kind": "lora", "target": "transformer", "weights": "a.safetensors"}
+    assert LoraAdapter(**lora, rank=1, alpha=0.01).rank == 1  # a rank-1 LoRA with a small alpha is a LoRA
+    longest = LoraAdapter(**{**lora, "weights": "a", "target": "t" * 128}, rank=1, alpha=1, targets=["q" * 200, "k"])
+    assert (len(longest.target), longest.weights, longest.targets) == (128, "a", ["q" * 200, "k"])
+    assert Loop(kind="flow_denoise", uses=["transformer"]).uses == ["transformer"]
+    assert Component(kind="dit", impl="wan-dit").frozen is False  # trained unless the card says otherwise
+    for model, fields, where in ((LoraAdapter, {**lora, "rank": 0, "alpha": 1}, "rank"),
+                                 (LoraAdapter, {**lora, "rank": 1, "alpha": 0}, "alpha"),
+                                 (LoraAdapter, {**lora, "rank": "4", "alpha": 4}, "rank"),  # strict: no "4" → 4
+                                 (LoraAdapter, {**lora, "rank": 4.0, "alpha": 4}, "rank"),
+                                 (Component, {"kind": "dit", "impl": "wan-dit", "frozen": "yes"}, "frozen"),
+                                 (Loop, {"kind": "flow_denoise", "uses": []}, "uses"),
+                                 (LoraAdapter, {**lora, "target": "t" * 129, "rank": 1, "alpha": 1}, "target"),
+                                 (LoraAdapter, {**lora, "weights": "", "rank": 1, "alpha": 1}, "weights"),
+                                 (LoraAdapter, {**lora, "rank": 1, "alpha": 1, "targets": [""]}, "targets"),
+                                 (LoraAdapter, {**lora, "rank": 1, "alpha": 1, "targets": ["q" * 201]}, "targets")):
+        with pytest.raises(pydantic.ValidationError, match=where):
+            model(**fields)
+    with pytest.raises(pydantic.ValidationError, match="frozen"):  # a loaded manifest is read, never edited
+        LoraAdapter(**lora, rank=1, alpha=1).rank = 2

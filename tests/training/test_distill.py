@@ -187,6 +187,20 @@ def test_the_cli_writes_the_student_and_reports_json(examples, tmp_path):
     assert "iteration 1/" in result.stderr, "a script's stdout holds the document, a person still sees progress"
 
 
+def test_the_cli_evaluates_the_student_at_its_own_steps_and_records_the_eval_in_it(examples, tmp_path):
+    from helpers import write_idx_folder
+
+    data = write_idx_folder(tmp_path / "idx", train=1000, test=100)  # the floors need 100 images a class
+    result = CliRunner().invoke(app, ["distill", str(examples / "tiny-base"), "--steps", "1", "--judge",
+                                      str(examples / "tiny-judge"), "--data", str(data), "--out", str(tmp_path / "s1"),
+                                      "--run-dir", str(tmp_path / "r"), "--json", *(f"--set={o}" for o in TINY)])
+    assert result.exit_code == 0, result.output
+    [row] = json.loads(result.stdout)["metrics"]["eval"]["rows"]
+    assert row["steps"] == 1 and 0 <= row["class_accuracy"] <= 1 and "eval at 1 steps: accuracy" in result.stderr
+    recorded = load_card(tmp_path / "s1").manifest.recipe.metrics["eval"]["rows"]
+    assert recorded == [row] and (tmp_path / "s1" / "eval.json").is_file()
+
+
 def test_the_example_recipe_spells_out_the_defaults():
     data = yaml.safe_load((REPO / "examples" / "recipes" / "fashion-dmd2.yaml").read_text())
     assert data == DEFAULTS
