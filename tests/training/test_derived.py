@@ -1,0 +1,67 @@
+"""What an rl or distill run makes of its parent (derived.py): the new card's parts and the recipe fingerprint."""
+
+from __future__ import annotations
+
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from cardtool.backends.lora import TrainableLora
+from cardtool.backends.lora_targets import DEFAULT_TARGETS
+from cardtool.backends.platform import Platform
+from cardtool.core.cards.loader import load_card
+from cardtool.core.sampling.instance import ModelInstance
+from cardtool.core.training.derived import recipe_fingerprint, trained_parts
+from cardtool.core.training.lora_settings import LoraSettings
+from cardtool.core.training.recipes import load_recipe
+from cardtool.errors import BadInput
+
+
+def with_default_invert(examples, tmp_path):
+    """tiny-base whose loop applies its LoRA `invert` by default."""
+    folder = shutil.copytree(examples / "tiny-base", tmp_path / "tiny-inverting")
+    manifest = folder / "card.yaml"
+    manifest.write_text(manifest.read_text().replace("id: tiny-base", "id: tiny-inverting").replace(
+        "solver: euler}", "solver: euler, adapters: {invert: 0.5}}"))
+    return load_card(folder)
+
+
+def test_a_whole_transformer_drops_the_parents_adapters_and_their_defaults(examples, tmp_path):
+    """The parent's LoRAs were trained on its weights, not the tuned ones: the new card removes them, and its loop's
+    default stack with them (else every request would ask for an adapter the card no longer has)."""
+    module = torch.nn.Linear(2, 2)
+    parts, weights, metadata, defaults = trained_parts(module, "transformer", None, "nft",
+                                                       with_default_invert(examples, tmp_path))
+    assert parts == {"components": {"transformer": {"weights": "transformer.safetensors"}},
+                     "adapters": {"invert": None}}
+    assert list(weights) == ["transformer.safetensors"] and metadata == {} and defaults == {"adapters": None}
+    _, _, _, plain = trained_parts(module, "transformer", None, "nft", load_card(examples / "tiny-base"))
+    assert plain == {}, "no default stack to turn off"
+
+
+@pytest.mark.parametrize("targets", [DEFAULT_TARGETS, ("blocks.*.attn1.to_q", "blocks.1.ffn.net.2")])
+def test_a_lora_is_added_beside_the_parents_and_records_only_targets_other_than_the_default(examples, targets):
+    parent = load_card(examples / "tiny-base")
+    dit = ModelInstance(parent, Platform("cpu", "generic")).component("transformer")
+    settings = LoraSettings(rank=2, targets=targets)
+    module = SimpleNamespace(lora=TrainableLora(dit, settings.targets, settings.rank, settings.alpha))
+    parts, weights, metadata, defaults = trained_parts(module, "transformer", settings, "nft", parent)
+    entry = parts["adapters"]["nft"]
+    assert (entry["rank"], entry["alpha"], entry["weights"]) == (2, 2.0, "adapters/nft.safetensors")
+    assert entry.get("targets") == (None if targets == DEFAULT_TARGETS else list(targets))
+    assert defaults == {"adapters": {"nft": 1.0}} and list(weights) == list(metadata) == ["adapters/nft.safetensors"]
+    with pytest.raises(BadInput, match="'tiny-base' already declares an adapter 'invert'"):
+        trained_parts(module, "transformer", settings, "invert", parent)
+
+
+def test_the_fingerprint_is_the_recipes_content_not_the_order_its_keys_were_written_in(examples, tmp_path):
+    def fingerprint(text):
+        (tmp_path / "recipe.yaml").write_text(text)
+        return recipe_fingerprint(load_recipe(tmp_path / "recipe.yaml"))
+
+    head = f"method: finetune\ncard: {{id: x}}\nparents: ['{examples / 'tiny-base'}']\n"
+    one = fingerprint(head + "optim: {lr: 1.0e-4, steps: 5}\n")
+    assert fingerprint(head + "optim: {steps: 5, lr: 1.0e-4}\n") == one
+    assert fingerprint(head + "optim: {steps: 6, lr: 1.0e-4}\n") != one
