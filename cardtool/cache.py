@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 from pathlib import Path
 
 from cardtool.atomic import TEMPORARY
@@ -109,8 +110,10 @@ def problem(root: Path | None = None) -> str | None:
             return f"{folder} is not a folder"
         if not os.access(folder, os.W_OK | os.X_OK):
             return f"{folder} is not writable"
-    except OSError as e:  # a name too long, a folder on the way that cannot be searched
-        return f"{root} cannot be reached ({e.strerror or e})"
+        # root passes os.access everywhere, and a read-only mount or /proc refuses it anyway: try
+        os.rmdir(tempfile.mkdtemp(prefix=".cardtool-probe-", dir=folder))
+    except OSError as e:  # a name too long, a folder on the way that cannot be searched, or the try refused
+        return f"{root} cannot be written ({e.strerror or e})"
     return None
 
 

@@ -140,7 +140,11 @@ def test_a_cache_that_cannot_be_written_is_said_once_by_generate_and_by_info(tmp
     result, info = cache("info")
     assert result.exit_code == 0 and info["problem"] == f"{tmp_path / 'a-file'} is not a folder"
     monkeypatch.setenv("CARDTOOL_CACHE", str(tmp_path / "not-yet" / "cache"))
-    assert cache("info")[1]["problem"] is None
+    before = sorted(tmp_path.iterdir())
+    assert cache("info")[1]["problem"] is None and sorted(tmp_path.iterdir()) == before, "info leaves nothing there"
+    # a folder that os.access calls writable for root, where nothing can be made
+    monkeypatch.setenv("CARDTOOL_CACHE", "/proc/cardtool-cache")
+    assert cache("info")[1]["problem"].startswith("/proc/cardtool-cache cannot be written (")
 
 
 def test_a_loaded_card_says_an_unwritable_cache_in_its_first_call_only(tmp_path, monkeypatch):
