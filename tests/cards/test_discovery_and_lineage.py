@@ -136,6 +136,12 @@ def test_a_card_with_bad_values_is_found_by_its_id_and_an_unreadable_one_is_name
     toml = 'schema = "cardtool/v1"\nid = "tb"\ndescription = 2020-01-01 12:00:00\nguidance = inf\n'
     (tmp_path / "cards" / "tb" / "card.toml").write_text(toml)
     assert locate("tb") == tmp_path / "cards" / "tb" / "card.toml"
+    (tmp_path / "cards" / "elsewhere").mkdir()  # found by the id it declares, not by its folder's name
+    (tmp_path / "cards" / "elsewhere" / "card.toml").write_text(toml.replace('id = "tb"', 'id = "tc"'))
+    assert locate("tc") == tmp_path / "cards" / "elsewhere" / "card.toml"
+    (tmp_path / "cards" / "elsewhere" / "card.toml").write_text(toml.replace('id = "tb"', "id = 5"))
+    with pytest.raises(CardNotFound):
+        locate("5")
     with pytest.raises(CardValidationError, match="description: a datetime value"):
         load_card("tb")
     (tmp_path / "cards" / "tb" / "card.toml").unlink()

@@ -88,6 +88,27 @@ def test_hostile_toml_is_a_located_error(tmp_path, body, expected):
     assert any(re.search(expected, p) for p in found), found
 
 
+@pytest.mark.parametrize("innermost", ["1", "", "{}"])
+def test_yaml_and_toml_nest_equally_deep_the_top_level_mapping_the_first_level(tmp_path, innermost):
+    """MAX_DEPTH mappings and lists at most, counted alike in both formats (TOML took one level more where the
+    innermost value was a list or a table) and in a value given on the command line (`--set`, written into a card)."""
+    import yaml
+
+    from cardtool.core.cards.source import plain_value_problems, read_source
+
+    for depth in (MAX_DEPTH, MAX_DEPTH + 1):  # counting the top-level mapping and an innermost {}
+        lists = depth - 1 - (innermost == "{}")
+        inner = "[" * lists + innermost + "]" * lists
+        for name, text in (("card.yaml", f"x: {inner}\n"), ("card.toml", f"x = {inner}\n")):
+            (tmp_path / name).write_text(text)
+            if depth == MAX_DEPTH:
+                read_source(tmp_path / name)
+            else:
+                with pytest.raises(CardValidationError, match=f"nested deeper than {MAX_DEPTH} levels"):
+                    read_source(tmp_path / name)
+        assert (plain_value_problems(yaml.safe_load(inner), "x") == []) == (depth == MAX_DEPTH)
+
+
 def test_a_manifest_beyond_the_size_limit_is_refused_unread(base):
     with_text(base, after="# " + "x" * MAX_BYTES + "\n")
     [problem] = problems_of(base)

@@ -112,8 +112,8 @@ def plain_value_problems(value, dotted: str) -> list[str]:
 def _value_problems(source: Source, value, path: FieldPath) -> list[Problem]:
     """Manifests hold JSON's kinds of values only, printable as JSON: text keys, finite numbers, integers within
     64 bits, text without lone surrogates or control characters (tab and newline aside); nested at most
-    MAX_DEPTH deep."""
-    if len(path) > MAX_DEPTH:
+    MAX_DEPTH deep — the top-level mapping the first level, as in YAML's event stream (_check_events)."""
+    if len(path) > MAX_DEPTH or (isinstance(value, (dict, list)) and len(path) == MAX_DEPTH):
         return [source.problem(path, f"nested deeper than {MAX_DEPTH} levels", "flatten the structure")]
     if isinstance(value, dict):
         problems = []
