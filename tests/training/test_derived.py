@@ -65,3 +65,19 @@ def test_the_fingerprint_is_the_recipes_content_not_the_order_its_keys_were_writ
     one = fingerprint(head + "optim: {lr: 1.0e-4, steps: 5}\n")
     assert fingerprint(head + "optim: {steps: 5, lr: 1.0e-4}\n") == one
     assert fingerprint(head + "optim: {steps: 6, lr: 1.0e-4}\n") != one
+
+
+def test_a_new_card_is_named_after_the_id_its_parent_declares_however_the_parent_was_named(examples, tmp_path):
+    """`distill cards/x/card.yaml` made a student 'card.yaml-4step', and a copy in a folder of another name (an
+    export, a checkout) named the new card after the folder."""
+    from cardtool.core.training.derived import card_name
+    from cardtool.core.training.distill import distill_recipe
+    from cardtool.core.training.rl import rl_recipe
+
+    copy = shutil.copytree(examples / "tiny-base", tmp_path / "exported")
+    for ref in (examples / "tiny-base" / "card.yaml", copy, copy / "card.yaml", f"{examples}/tiny-base/"):
+        assert card_name(str(ref)) == "tiny-base", ref
+        assert distill_recipe(str(ref), steps=2).card.id == "tiny-base-2step"
+        assert rl_recipe(str(ref), str(examples / "tiny-judge")).card.id == "tiny-base-nft"
+    # one that cannot be read is named after its folder; loading it later says what is wrong with it
+    assert card_name(str(tmp_path / "gone" / "card.yaml")) == card_name(str(tmp_path / "gone")) == "gone"

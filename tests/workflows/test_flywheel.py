@@ -197,16 +197,19 @@ def test_bad_input_is_a_clear_error(examples, tmp_path, args, message):
     assert not (tmp_path / "cards").exists() or not any((tmp_path / "cards").iterdir()), "no stage ran"
 
 
-def test_a_base_whose_folder_name_is_no_id_asks_for_an_out_prefix(examples, tmp_path):
+def test_the_new_cards_are_named_by_the_bases_id_and_one_too_long_to_begin_them_asks_for_an_out_prefix(examples,
+                                                                                                       tmp_path):
     import shutil
 
     from cardtool.errors import BadInput
 
-    shutil.copytree(examples / "tiny-base", tmp_path / "my base")
-    with pytest.raises(BadInput, match=r"the base's name 'my base' cannot begin the new cards' ids .* --out-prefix"):
-        flywheel_recipe(str(tmp_path / "my base"), str(examples / "tiny-judge"))
-    assert flywheel_recipe(str(tmp_path / "my base"), str(examples / "tiny-judge"), prefix="mine").rl.card.id == \
-        "mine-nft"
+    copy = shutil.copytree(examples / "tiny-base", tmp_path / "my base")  # its folder's name is no id; its own is
+    assert flywheel_recipe(str(copy), str(examples / "tiny-judge")).rl.card.id == "tiny-base-nft"
+    manifest = copy / "card.yaml"
+    manifest.write_text(manifest.read_text().replace("id: tiny-base", "id: " + "b" * 101))
+    with pytest.raises(BadInput, match=r"the base's name 'bbb.*' cannot begin the new cards' ids .* --out-prefix"):
+        flywheel_recipe(str(copy), str(examples / "tiny-judge"))
+    assert flywheel_recipe(str(copy), str(examples / "tiny-judge"), prefix="mine").rl.card.id == "mine-nft"
     longest = flywheel_recipe(str(examples / "tiny-base"), str(examples / "tiny-judge"), prefix="a" * 100)
     assert longest.distill.card.id == "a" * 100 + "-nft-2step", "an id of 128 characters at most"
 

@@ -11,9 +11,24 @@ from pathlib import Path
 from cardtool.core import distributed
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import Card, load_card
+from cardtool.core.cards.source import MANIFEST_NAMES, peek_id
 from cardtool.errors import BadInput, CardtoolError, RunFailed, write_remedy
 
-__all__ = ["extends_reference", "evaluate_output", "recipe_fingerprint", "trained_parts", "write_output"]
+__all__ = ["card_name", "extends_reference", "evaluate_output", "recipe_fingerprint", "trained_parts", "write_output"]
+
+
+def card_name(ref: str) -> str:
+    """What a card made from the card `ref` is named after (`BASE-nft`, `TEACHER-2step`): the id that card declares,
+    however it is named — a folder, a manifest file, a copy in a folder of another name; where it cannot be read
+    (its own error comes when it is loaded), the name of its folder."""
+    try:
+        declared = peek_id(locate(ref))
+    except CardtoolError:
+        declared = None
+    if isinstance(declared, str):
+        return declared
+    path = Path(ref)
+    return path.parent.name if path.name in MANIFEST_NAMES else path.name or ref
 
 
 def extends_reference(parent: Card, out: Path) -> str:

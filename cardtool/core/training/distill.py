@@ -4,7 +4,6 @@ it was trained with (`steps: N`, `solver: renoise`, `guidance: 1`) — and, unle
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,6 +11,7 @@ from cardtool.backends.platform import Platform
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.training.derived import (
+    card_name,
     evaluate_output,
     extends_reference,
     recipe_fingerprint,
@@ -40,8 +40,7 @@ def check_recipe(recipe: Recipe) -> None:
 
 
 def student_id(teacher: str, steps) -> str:
-    name = Path(teacher).name if os.sep in teacher or teacher.startswith(".") else teacher
-    return f"{name}-{steps}step"
+    return f"{card_name(teacher)}-{steps}step"
 
 
 def distill_recipe(teacher: str, path: Path | None = None, overrides: list[str] = (),

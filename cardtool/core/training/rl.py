@@ -20,6 +20,7 @@ from cardtool.core.cards.loops import FlowDenoiseDefaults
 from cardtool.core.prompts import training_prompts
 from cardtool.core.sampling.planning import read_prompts_file
 from cardtool.core.training.derived import (
+    card_name,
     evaluate_output,
     extends_reference,
     recipe_fingerprint,
@@ -80,7 +81,7 @@ def rl_recipe(base: str, reward: str, method: str | None = None, path: Path | No
         data["parents"] = [base, reward]
         card = data.setdefault("card", {})
         if isinstance(card, dict) and "id" not in card:
-            card["id"] = f"{Path(base).name if base.startswith('.') or '/' in base else base}-{METHODS[method]}"
+            card["id"] = f"{card_name(base)}-{METHODS[method]}"
 
     return load_recipe(path, list(overrides), method, defaults=_defaults(method), complete=complete, section=section)
 

@@ -65,6 +65,7 @@ def flywheel_recipe(base: str, reward: str, *, steps: int | None = None, path: P
     `PREFIX-nft` (or -grpo) and `PREFIX-nft-Nstep`, PREFIX the base's name unless given; the student's teacher is
     the RL'd card in `out_dir`."""
     from cardtool.core.training import distill, rl
+    from cardtool.core.training.derived import card_name
     from cardtool.core.training.distill import distill_recipe
     from cardtool.core.training.rl import METHODS, rl_recipe
 
@@ -77,7 +78,7 @@ def flywheel_recipe(base: str, reward: str, *, steps: int | None = None, path: P
         split[stage].append(rest)
     given = prefix is not None
     if not given:
-        prefix = Path(base).name if base.startswith(".") or "/" in base else base
+        prefix = card_name(base)
     _check_prefix(prefix, given)
     method = sections.get("rl", {}).get("method", "diffusion_nft")
     if method not in METHODS:
