@@ -115,6 +115,30 @@ def test_a_manifest_beyond_the_size_limit_is_refused_unread(base):
     assert "larger than the 1048576-byte limit" in problem
 
 
+def test_a_manifest_of_exactly_the_size_limit_is_read(tmp_path):
+    from cardtool.core.cards.source import read_source
+
+    text = "a: 1\n# "
+    (tmp_path / "card.yaml").write_text(text + "x" * (MAX_BYTES - len(text) - 1) + "\n")
+    assert (tmp_path / "card.yaml").stat().st_size == MAX_BYTES and read_source(tmp_path / "card.yaml").data == {"a": 1}
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="FIFOs and symlink loops")
+def test_a_manifest_path_that_is_no_file_is_a_located_error_never_a_hang_or_a_traceback(tmp_path):
+    """A FIFO would block the read forever; a folder, a missing file and a symlink loop are each named."""
+    from cardtool.core.cards.source import display_path, read_source
+
+    os.mkfifo(tmp_path / "fifo.yaml")
+    (tmp_path / "dir.yaml").mkdir()
+    (tmp_path / "loop.yaml").symlink_to(tmp_path / "loop.yaml")
+    for name, message in (("fifo.yaml", "not a regular file"), ("dir.yaml", "not a regular file"),
+                          ("missing.yaml", "cannot read: No such file or directory"),
+                          ("loop.yaml", "cannot read: Too many levels of symbolic links")):
+        with pytest.raises(CardValidationError, match=f"{name}:1:1: {message}"):
+            read_source(tmp_path / name)
+    assert display_path(tmp_path / "loop.yaml") == str(tmp_path / "loop.yaml"), "a loop cannot be resolved: as given"
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="FIFOs and /proc")
 @pytest.mark.parametrize("make", ["loop", "dev", "fifo", "dir"])
 def test_weight_paths_that_are_not_regular_files(base, make):
