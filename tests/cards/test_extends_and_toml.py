@@ -89,6 +89,32 @@ def test_toml_errors_are_located_too(tmp_path):
         "t/card.toml:11:39: recipe.assumes.steps: Input should be greater than or equal to 1, got 0"]
 
 
+def test_toml_locations_skip_multiline_strings_and_find_keys_after_a_nested_inline_table(tmp_path):
+    """tomllib keeps no positions: the line scan must not read a multi-line string's lines as keys, nor lose the
+    keys of an inline table that follow a nested one."""
+    folder = write_card(tmp_path / "t", """
+        schema = "cardtool/v1"
+        id = "t"
+        description = \"\"\"looks like TOML:
+        [recipe.assumes]
+        steps = 5
+        \"\"\"
+
+        [components.vae]
+        kind = "vae"
+        impl = "conv-vae"
+
+        [recipe]
+        method = "pretrain"
+        assumes = { loop = "denoise", precision = { x = 1 }, steps = 0 }
+        """, name="card.toml")
+    with pytest.raises(CardValidationError) as info:
+        load_card(folder)
+    located = {str(p).split(": ")[1]: str(p).split(": ")[0] for p in info.value.problems}
+    assert located["recipe.assumes.steps"] == "t/card.toml:14:62", located
+    assert located["recipe.assumes.precision"] == "t/card.toml:14:43", located
+
+
 def test_toml_syntax_error_is_located(tmp_path):
     folder = write_card(tmp_path / "t", 'schema = "cardtool/v1"\nid = \n', name="card.toml")
     with pytest.raises(CardValidationError) as info:

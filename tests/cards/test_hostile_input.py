@@ -58,7 +58,7 @@ BOMB = "".join(f"{chr(97 + i)}: &{chr(97 + i)} [{', '.join([f'*{chr(96 + i)}'] *
     ("description: !!python/object/apply:os.system ['true']\n", "is not allowed"),
     ("description: " + "[" * 5000 + "]" * 5000 + "\n", f"nested deeper than {MAX_DEPTH} levels"),
     ("description: " + "9" * 5000 + "\n", "a number written with 5000 characters"),
-    ("description: " + "9" * 300 + "\n", "an integer of 997 bits, beyond 64"),
+    ("description: " + "9" * 300 + "\n", "an integer of 998 bits with its sign, beyond 64"),
     ('description: "\\ud800"\n', "lone surrogate|invalid Unicode"),
     ("description: .nan\n", r"a non-finite number \(nan\)"),
     ("1: one\n", "a key that is not text"),
@@ -113,6 +113,16 @@ def test_a_manifest_beyond_the_size_limit_is_refused_unread(base):
     with_text(base, after="# " + "x" * MAX_BYTES + "\n")
     [problem] = problems_of(base)
     assert "larger than the 1048576-byte limit" in problem
+
+
+def test_integers_are_those_of_a_signed_64_bit_range_exactly():
+    """-2⁶³ is an int64 and was refused; 2⁶³ is not and is, its message counting the sign bit."""
+    from cardtool.core.cards.source import plain_value_problems
+
+    assert plain_value_problems(2**63 - 1, "x") == plain_value_problems(-(2**63), "x") == []
+    for value in (2**63, -(2**63) - 1):
+        [problem] = plain_value_problems(value, "x")
+        assert problem.startswith("x: an integer of 65 bits with its sign, beyond 64"), problem
 
 
 def test_a_manifest_of_exactly_the_size_limit_is_read(tmp_path):

@@ -50,7 +50,7 @@ def test_shipped_recipes_load():
     ("optim.betas=[0.9, 1.0]", "optim.betas.1: Input should be less than 1"),  # AdamW refuses it at the first step
     ("method=[lora]", "method: Input should be 'vae'"),  # not a name to look up among the other commands' methods
     # what the card it makes could not record is refused before the run, not when the card is written after it
-    ("loss.kl_weight=100000000000000000000", "loss.kl_weight: an integer of 67 bits, beyond 64"),
+    ("loss.kl_weight=100000000000000000000", "loss.kl_weight: an integer of 68 bits with its sign, beyond 64"),
     ("data.extra=[1, .inf]", r"data.extra.1: a non-finite number \(inf\)"),
     ("card.id=" + "a" * 129, "card.id: String should have at most 128 characters"),
     ("data.when=2026-12-01", "data.when: a date value"),

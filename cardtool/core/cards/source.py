@@ -143,8 +143,8 @@ def _value_problems(source: Source, value, path: FieldPath) -> list[Problem]:
         return []
     if isinstance(value, bool) or value is None:
         return []
-    if isinstance(value, int) and abs(value) >= 2**63:
-        return [source.problem(path, f"an integer of {value.bit_length()} bits, beyond 64",
+    if isinstance(value, int) and not -(2**63) <= value < 2**63:  # a signed 64-bit integer's range
+        return [source.problem(path, f"an integer of {value.bit_length() + 1} bits with its sign, beyond 64",
                                "use a smaller number")]
     if isinstance(value, float) and not math.isfinite(value):
         return [source.problem(path, f"a non-finite number ({value})", "use a finite number, or null for none")]
