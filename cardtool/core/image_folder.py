@@ -51,7 +51,8 @@ def _rows(root: Path) -> list[tuple[Path, str, str, int]]:
     if reason:
         raise BadInput(f"cannot read the image folder's captions: {reason}")
     folder, rows = root.resolve(), []
-    for number, line in enumerate(text.splitlines(), 1):
+    # a byte-order mark (Windows editors write one) is no content; splitlines takes CRLF line ends too
+    for number, line in enumerate(text.removeprefix("\ufeff").splitlines(), 1):
         if not line.strip():
             continue
         where = f"{root / METADATA}:{number}"

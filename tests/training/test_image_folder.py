@@ -58,6 +58,17 @@ def test_an_image_folder_reads_as_grey_squares_with_their_captions(tmp_path):
     assert len(load_split("test", marked)) == 3 and len(load_split("train", marked)) == 17
 
 
+def test_metadata_written_on_windows_reads_as_the_same_rows(tmp_path):
+    """A byte-order mark, CRLF line ends and blank lines (Notepad, PowerShell's Out-File) were refused at line 1."""
+    plain = write_folder(tmp_path / "mine")
+    text = (plain / "metadata.jsonl").read_text()
+    windows = write_folder(tmp_path / "windows")
+    (windows / "metadata.jsonl").write_bytes(("\ufeff" + text.replace("\n", "\r\n") + "\r\n").encode())
+    for split in ("train", "test"):
+        a, b = load_split(split, plain), load_split(split, windows)
+        assert a.captions == b.captions and np.array_equal(a.images, b.images)
+
+
 @pytest.mark.parametrize(("rows", "message"), [
     (lambda rows: [{**rows[0], "file_name": "../outside.png"}, *rows[1:]], "leads outside the folder"),
     (lambda rows: [{**rows[0], "file_name": "/etc/passwd"}, *rows[1:]], "leads outside the folder"),
