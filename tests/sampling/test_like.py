@@ -3,10 +3,12 @@ one thing; another card keeps only the prompt and seed; what is not such an imag
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
 import pytest
+from PIL import Image
 from typer.testing import CliRunner
 
 from cardtool.cli import app
@@ -96,7 +98,9 @@ def test_best_of_n_is_made_again_from_the_request_seed(on_path, tmp_path):
 
 def test_what_is_not_an_image_cardtool_made_is_refused(made, on_path, tmp_path):
     pixels, metadata = read_png(made)
-    cases = {"no-metadata.png": png_bytes(pixels), "text.png": b"not an image",
+    jpeg = io.BytesIO()
+    Image.fromarray(pixels).save(jpeg, "JPEG")  # the same picture, saved by another tool as a JPEG
+    cases = {"no-metadata.png": png_bytes(pixels), "text.png": b"not an image", "photo.jpg": jpeg.getvalue(),
              **{f"no-{key}.png": png_bytes(pixels, {k: v for k, v in metadata.items() if k != key})
                 for key in ("cardtool", "card")},
              "workflow.png": png_bytes(pixels, {**metadata, "workflow": "wf", "step": "refine", "input": "draft/0"}),
@@ -112,7 +116,8 @@ def test_what_is_not_an_image_cardtool_made_is_refused(made, on_path, tmp_path):
              "path-card.png": png_bytes(pixels, {**metadata, "card": "../../etc/passwd"}),
              "lost-control.png": png_bytes(pixels, {**metadata, "control": json.dumps(
                  {"sha256": "0", "preprocessor": "silhouette", "source": str(tmp_path / "gone.png")})})}
-    messages = {"no-metadata.png": "not an image cardtool made", "text.png": "not an image",
+    messages = {"no-metadata.png": "not an image cardtool made", "text.png": "text.png: not a PNG; a generation's",
+                "photo.jpg": "photo.jpg: not a PNG; a generation's settings are recorded in the PNG cardtool writes",
                 "no-cardtool.png": "not an image cardtool made", "no-card.png": "not an image cardtool made",
                 "workflow.png": "made by refining an image of step 'draft' in workflow 'wf', which is not beside it",
                 "escape.png": "made by refining an image of step '..' in workflow 'wf', which is not beside it",

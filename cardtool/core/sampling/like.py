@@ -44,7 +44,8 @@ def read_like(path: Path | str) -> Like:
     try:
         metadata = read_png_metadata(path)
     except Image.UnidentifiedImageError:
-        raise BadInput(f"--like {path}: not an image") from None
+        raise BadInput(f"--like {path}: not a PNG; a generation's settings are recorded in the PNG cardtool writes "
+                       "(a JPEG or another format made from it keeps none)") from None
     except Exception as e:  # noqa: BLE001 - PIL's many errors for a damaged image
         raise BadInput(f"--like {path}: not a readable image ({type(e).__name__}: {e})"[:300]) from None
     if "cardtool" not in metadata or "card" not in metadata:
