@@ -125,6 +125,29 @@ def test_integers_are_those_of_a_signed_64_bit_range_exactly():
         assert problem.startswith("x: an integer of 65 bits with its sign, beyond 64"), problem
 
 
+def test_a_document_that_is_no_mapping_and_a_field_not_in_the_file_are_located_at_its_start(tmp_path):
+    from cardtool.core.cards.source import read_source
+
+    for text, message in (("", "got an empty document"), ("# only a comment\n", "got an empty document"),
+                          ("- a\n- b\n", "got list"), ("just text\n", "got str")):
+        (tmp_path / "card.yaml").write_text(text)
+        with pytest.raises(CardValidationError, match=f"card.yaml:1:1: a manifest is a mapping of fields, {message}"):
+            read_source(tmp_path / "card.yaml")
+    folder = tmp_path / "c"
+    folder.mkdir()
+    (folder / "card.yaml").write_text("\n\nschema: cardtool/v1\nid: c\ncomponents: {}\n")
+    assert any(p.endswith("card.yaml:1:1: recipe: required field is missing (fix: add 'recipe')")
+               for p in problems_of(folder)), "nowhere in the file: at its start"
+
+
+def test_a_lone_surrogate_in_a_value_is_a_problem_not_a_crash_when_printed():
+    """YAML and TOML refuse the escape themselves; a recipe section from the Python API can still hold one, which
+    every later print or write of the card would fail on."""
+    from cardtool.core.cards.source import plain_value_problems
+
+    assert plain_value_problems(["ok", "\udfff"], "x")[0].startswith("x.1: text holding a lone surrogate")
+
+
 def test_a_manifest_of_exactly_the_size_limit_is_read(tmp_path):
     from cardtool.core.cards.source import read_source
 
