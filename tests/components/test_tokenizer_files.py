@@ -200,7 +200,7 @@ def test_a_max_length_must_leave_a_token_for_the_prompt(tmp_path, files):
     same text states. 3 encodes a prompt's first token, in both of the files transformers reads."""
     folder = copy_encoder(tmp_path / "encoder")
     if files == "vocab.txt":
-        (folder / "tokenizer.json").unlink()
+        (folder / "tokenizer.json").unlink(missing_ok=True)
     for length in (1, 2):
         assert HFEncoderConfig(max_length=length).setting_problems(folder) == [
             (("max_length",), f"max_length {length} leaves no token for the prompt: the tokenizer adds 2 special "
@@ -236,3 +236,19 @@ def test_a_sentencepiece_model_alone_needs_the_package_that_reads_it(tmp_path):
     (folder / "spiece.model").write_bytes(b"a sentencepiece model")
     problems = HFEncoderConfig(max_length=16).source_problems(folder)
     assert any("holds a sentencepiece model alone" in p for p in problems), problems
+
+
+def test_a_tokenizer_edited_in_place_is_checked_again_and_a_config_without_vocab_size_skips_that_check(tmp_path):
+    """The check is remembered per file version: an edit (another size and time) is seen by the next validation.
+    An encoder config.json without vocab_size cannot bound the ids, and says nothing of them."""
+    folder = copy_encoder(tmp_path / "encoder")
+    settings = json.loads((folder / "config.json").read_text())
+    for files in ("tokenizer.json", "vocab.txt"):  # the second: the WordPiece vocabulary alone
+        assert (folder / "tokenizer.json").exists() == (files == "tokenizer.json")
+        assert tokenizer_files_problems(folder, settings) == []
+        [past] = tokenizer_files_problems(folder, {**settings, "vocab_size": 100})
+        assert "the encoder's embeddings hold 100 (config.json's vocab_size)" in past
+        assert tokenizer_files_problems(folder, {k: v for k, v in settings.items() if k != "vocab_size"}) == []
+        (folder / "tokenizer.json").unlink(missing_ok=True)
+    _edit(folder, "tokenizer_config.json", {"tokenizer_class": "RobertaTokenizer"})
+    assert tokenizer_files_problems(folder, settings) != [], "the edited file was read again"
