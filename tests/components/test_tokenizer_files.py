@@ -93,8 +93,11 @@ def test_the_class_table_is_how_transformers_reads_each_kind_of_tokenizer(tmp_pa
                 pass  # transformers cannot build this class from the file at all
 
 
-def test_an_encoder_without_a_tokenizer_class_reads_as_its_model_type_says():
+def test_an_encoder_without_a_tokenizer_class_reads_as_its_model_type_says(tmp_path):
     assert set(MODEL_CLASSES.values()) <= set(CLASSES) and set(MODEL_CLASSES) == set(ENCODERS)
+    for kind in ("WordPiece", "BPE"):  # bert's tokenizer reads WordPiece: a BPE file under it would be misread
+        problems = tokenizer_files_problems(_folder(tmp_path, kind, None), {"model_type": "bert", "vocab_size": 300})
+        assert any("tokenizer class reads" in p for p in problems) == (kind == "BPE"), (kind, problems)
 
 
 def _edit(folder, name, change):
