@@ -112,8 +112,8 @@ class Platform:
             return cls(device, forced_arch, cuda["name"] if cuda else _cpu_name(), tuple(why), simulated)
         if device == "cuda":
             if not cuda:
-                raise BadInput("device cuda asked for, but torch reports no CUDA device "
-                               "(set CARDTOOL_ARCH, e.g. sm90, to simulate one)")
+                raise BadInput(f"device cuda asked for, but torch reports no CUDA device: {_no_cuda_reason()}; use "
+                               "--device cpu (CARDTOOL_ARCH=sm90 simulates a GPU for `cardtool platform`)")
             major, minor = cuda["capability"]
             return cls("cuda", f"sm{major}{minor}", cuda["name"], tuple(why))
         tier, flags = cpu_tier()
@@ -153,6 +153,22 @@ def _cpu_name() -> str:
 _PROBE = ("import json, torch; ok = torch.cuda.is_available(); "
           "print(json.dumps({'name': torch.cuda.get_device_name(0), 'capability': torch.cuda.get_device_capability(0)}"
           " if ok else None))")
+
+
+def _no_cuda_reason() -> str:
+    """Why torch sees no GPU, as far as can be told without importing it: its build, the driver, the environment."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        build = version("torch")
+    except PackageNotFoundError:
+        build = ""
+    if build.endswith("+cpu"):
+        return f"the installed torch {build} is a CPU-only build"
+    if not Path("/proc/driver/nvidia/version").exists() and not Path("/dev/nvidiactl").exists():
+        return "this machine shows no NVIDIA driver"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return f"CUDA_VISIBLE_DEVICES={visible!r} hides them" if visible is not None else "the driver lists none for it"
 
 
 def _cuda_probe() -> dict | None:

@@ -133,10 +133,25 @@ def test_bad_overrides_are_bad_input(monkeypatch):
         Platform.detect("cpu")
 
 
-def test_asking_for_cuda_without_a_device_explains(monkeypatch):
+@pytest.mark.parametrize(("build", "driver", "visible", "reason"), [
+    ("2.13.0+cpu", True, None, "the installed torch 2.13.0[+]cpu is a CPU-only build"),
+    ("2.13.0", False, None, "this machine shows no NVIDIA driver"),
+    ("2.13.0+cu128", True, "", "CUDA_VISIBLE_DEVICES='' hides them"),
+    ("2.13.0+cu128", True, None, "the driver lists none for it"),
+])
+def test_asking_for_cuda_without_a_device_explains_why_as_far_as_it_can_tell(monkeypatch, build, driver, visible,
+                                                                              reason):
+    import importlib.metadata
+
     monkeypatch.delenv("CARDTOOL_ARCH", raising=False)
     monkeypatch.setattr(platform_module, "_cuda_probe", lambda: None)
-    with pytest.raises(BadInput, match="torch reports no CUDA device"):
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: build)
+    monkeypatch.setattr(platform_module.Path, "exists", lambda self: driver and "nvidia" in str(self))
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    with pytest.raises(BadInput, match=f"torch reports no CUDA device: {reason}; use --device cpu"):
         Platform.detect("cuda")
 
 
