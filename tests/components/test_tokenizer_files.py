@@ -255,3 +255,25 @@ def test_a_tokenizer_edited_in_place_is_checked_again_and_a_config_without_vocab
         (folder / "tokenizer.json").unlink(missing_ok=True)
     _edit(folder, "tokenizer_config.json", {"tokenizer_class": "RobertaTokenizer"})
     assert tokenizer_files_problems(folder, settings) != [], "the edited file was read again"
+
+
+@pytest.mark.parametrize("files", ["tokenizer.json", "vocab.txt"])
+def test_the_embeddings_bound_the_ids_exactly_and_unreadable_files_are_problems(tmp_path, files):
+    """MiniLM's largest id is 30521: 30522 embeddings hold it, 30521 do not — from either file transformers reads.
+    A file that is not UTF-8 is a problem, not a crash; without any unk_token setting the vocabulary's [UNK] is it."""
+    folder = copy_encoder(tmp_path / "encoder")
+    if files == "vocab.txt":
+        (folder / "tokenizer.json").unlink()
+    settings = json.loads((folder / "config.json").read_text())
+    assert tokenizer_files_problems(folder, {**settings, "vocab_size": 30522}) == []
+    assert any("30521" in p and "hold 30521" in p for p in tokenizer_files_problems(folder, {**settings,
+                                                                                             "vocab_size": 30521}))
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        _edit(folder, name, lambda text: json.dumps({k: v for k, v in json.loads(text).items() if k != "unk_token"}))
+    assert tokenizer_files_problems(folder, settings) == []
+    _edit(folder, "tokenizer_config.json", {"added_tokens_decoder": [0, 1]})
+    assert any("added_tokens_decoder is [0, 1]; it maps ids to tokens" in p
+               for p in tokenizer_files_problems(folder, settings))
+    _edit(folder, "tokenizer_config.json", {"added_tokens_decoder": {}})
+    (folder / files).write_bytes(b"\xff\xfe[PAD]\n")
+    assert any(f"{files} is not UTF-8 text" in p for p in tokenizer_files_problems(folder, settings))
