@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from cardtool.cli import app
 from cardtool.core.cards.loader import load_card
-from cardtool.core.cards.source import MAX_BYTES, MAX_DEPTH
+from cardtool.core.cards.source import MAX_BYTES, MAX_DEPTH, display_path, plain_value_problems, read_source
 from cardtool.errors import CardValidationError
 
 
@@ -94,8 +94,6 @@ def test_yaml_and_toml_nest_equally_deep_the_top_level_mapping_the_first_level(t
     innermost value was a list or a table) and in a value given on the command line (`--set`, written into a card)."""
     import yaml
 
-    from cardtool.core.cards.source import plain_value_problems, read_source
-
     for depth in (MAX_DEPTH, MAX_DEPTH + 1):  # counting the top-level mapping and an innermost {}
         lists = depth - 1 - (innermost == "{}")
         inner = "[" * lists + innermost + "]" * lists
@@ -117,8 +115,6 @@ def test_a_manifest_beyond_the_size_limit_is_refused_unread(base):
 
 def test_integers_are_those_of_a_signed_64_bit_range_exactly():
     """-2⁶³ is an int64 and was refused; 2⁶³ is not and is, its message counting the sign bit."""
-    from cardtool.core.cards.source import plain_value_problems
-
     assert plain_value_problems(2**63 - 1, "x") == plain_value_problems(-(2**63), "x") == []
     for value in (2**63, -(2**63) - 1):
         [problem] = plain_value_problems(value, "x")
@@ -126,8 +122,6 @@ def test_integers_are_those_of_a_signed_64_bit_range_exactly():
 
 
 def test_a_document_that_is_no_mapping_and_a_field_not_in_the_file_are_located_at_its_start(tmp_path):
-    from cardtool.core.cards.source import read_source
-
     for text, message in (("", "got an empty document"), ("# only a comment\n", "got an empty document"),
                           ("- a\n- b\n", "got list"), ("just text\n", "got str")):
         (tmp_path / "card.yaml").write_text(text)
@@ -143,14 +137,10 @@ def test_a_document_that_is_no_mapping_and_a_field_not_in_the_file_are_located_a
 def test_a_lone_surrogate_in_a_value_is_a_problem_not_a_crash_when_printed():
     """YAML and TOML refuse the escape themselves; a recipe section from the Python API can still hold one, which
     every later print or write of the card would fail on."""
-    from cardtool.core.cards.source import plain_value_problems
-
     assert plain_value_problems(["ok", "\udfff"], "x")[0].startswith("x.1: text holding a lone surrogate")
 
 
 def test_a_manifest_of_exactly_the_size_limit_is_read(tmp_path):
-    from cardtool.core.cards.source import read_source
-
     text = "a: 1\n# "
     (tmp_path / "card.yaml").write_text(text + "x" * (MAX_BYTES - len(text) - 1) + "\n")
     assert (tmp_path / "card.yaml").stat().st_size == MAX_BYTES and read_source(tmp_path / "card.yaml").data == {"a": 1}
@@ -159,8 +149,6 @@ def test_a_manifest_of_exactly_the_size_limit_is_read(tmp_path):
 @pytest.mark.skipif(sys.platform != "linux", reason="FIFOs and symlink loops")
 def test_a_manifest_path_that_is_no_file_is_a_located_error_never_a_hang_or_a_traceback(tmp_path):
     """A FIFO would block the read forever; a folder, a missing file and a symlink loop are each named."""
-    from cardtool.core.cards.source import display_path, read_source
-
     os.mkfifo(tmp_path / "fifo.yaml")
     (tmp_path / "dir.yaml").mkdir()
     (tmp_path / "loop.yaml").symlink_to(tmp_path / "loop.yaml")
