@@ -268,6 +268,12 @@ def test_the_embeddings_bound_the_ids_exactly_and_unreadable_files_are_problems(
     assert tokenizer_files_problems(folder, {**settings, "vocab_size": 30522}) == []
     assert any("30521" in p and "hold 30521" in p for p in tokenizer_files_problems(folder, {**settings,
                                                                                              "vocab_size": 30521}))
+    if files == "tokenizer.json":  # the ids the probes encode into, bounded as exactly (their post-processor's too)
+        from tokenizers import Tokenizer
+
+        top = max(max(e.ids) for e in Tokenizer.from_file(str(folder / files)).encode_batch(list(PROBES)))
+        assert any(f"encodes text into id {top}; the encoder's embeddings hold {top}" in p
+                   for p in tokenizer_files_problems(folder, {**settings, "vocab_size": top}))
     for name in ("special_tokens_map.json", "tokenizer_config.json"):
         _edit(folder, name, lambda text: json.dumps({k: v for k, v in json.loads(text).items() if k != "unk_token"}))
     assert tokenizer_files_problems(folder, settings) == []
