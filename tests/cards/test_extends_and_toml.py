@@ -95,7 +95,8 @@ def test_toml_locations_skip_multiline_strings_and_find_keys_after_a_nested_inli
     folder = write_card(tmp_path / "t", """
         schema = "cardtool/v1"
         id = "t"
-        description = \"\"\"looks like TOML:
+        description = \"\"\"looks like TOML,
+        from its second line:
         [recipe.assumes]
         steps = 5
         \"\"\"
@@ -111,8 +112,34 @@ def test_toml_locations_skip_multiline_strings_and_find_keys_after_a_nested_inli
     with pytest.raises(CardValidationError) as info:
         load_card(folder)
     located = {str(p).split(": ")[1]: str(p).split(": ")[0] for p in info.value.problems}
-    assert located["recipe.assumes.steps"] == "t/card.toml:14:62", located
-    assert located["recipe.assumes.precision"] == "t/card.toml:14:43", located
+    assert located["recipe.assumes.steps"] == "t/card.toml:15:62", located
+    assert located["recipe.assumes.precision"] == "t/card.toml:15:43", located
+
+
+def test_toml_locations_count_the_tables_of_an_array_of_tables(tmp_path):
+    folder = write_card(tmp_path / "t", """
+        schema = "cardtool/v1"
+        id = "t"
+
+        [components.vae]
+        kind = "vae"
+        impl = "conv-vae"
+
+        [recipe]
+        method = "pretrain"
+
+        [[recipe.ancestors]]
+        id = "a"
+        method = "pretrain"
+
+        [[recipe.ancestors]]
+        id = "b"
+        method = "nonsense"
+        """, name="card.toml")
+    with pytest.raises(CardValidationError) as info:
+        load_card(folder)
+    [problem] = [str(p) for p in info.value.problems if "ancestors" in str(p)]
+    assert problem.startswith("t/card.toml:17:10: recipe.ancestors.1.method: "), problem
 
 
 def test_toml_syntax_error_is_located(tmp_path):

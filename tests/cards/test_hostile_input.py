@@ -105,6 +105,13 @@ def test_yaml_and_toml_nest_equally_deep_the_top_level_mapping_the_first_level(t
                 with pytest.raises(CardValidationError, match=f"nested deeper than {MAX_DEPTH} levels"):
                     read_source(tmp_path / name)
         assert (plain_value_problems(yaml.safe_load(inner), "x") == []) == (depth == MAX_DEPTH)
+    # the depth of each container, not of all of them: siblings before a deep one neither add to it nor take away
+    siblings = "".join(f"k{i}: [[1], {{a: 1}}]\n" for i in range(40))
+    (tmp_path / "card.yaml").write_text(siblings + "x: " + "[" * (MAX_DEPTH - 1) + "]" * (MAX_DEPTH - 1) + "\n")
+    read_source(tmp_path / "card.yaml")
+    (tmp_path / "card.yaml").write_text(siblings + "x: " + "[" * MAX_DEPTH + "]" * MAX_DEPTH + "\n")
+    with pytest.raises(CardValidationError, match=f"card.yaml:41:{MAX_DEPTH + 3}: nested deeper than {MAX_DEPTH}"):
+        read_source(tmp_path / "card.yaml")
 
 
 def test_a_manifest_beyond_the_size_limit_is_refused_unread(base):
