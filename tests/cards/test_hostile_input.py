@@ -120,6 +120,23 @@ def test_a_manifest_beyond_the_size_limit_is_refused_unread(base):
     assert "larger than the 1048576-byte limit" in problem
 
 
+@pytest.mark.parametrize(("second_line", "where", "message"), [
+    ("b: *x", "2:4", "YAML alias [*]x: aliases are not allowed"),
+    ("b: !!python/name:os.system x", "2:4", "YAML type 'os.system' is not allowed"),
+    ("b: !!binary aGk=", "2:4", "YAML type 'binary' is not allowed"),
+    ("b: " + "9" * 500, "2:4", "a number written with 500 characters"),
+    ("b: " + "[" * 40 + "]" * 40, f"2:{4 + MAX_DEPTH - 1}", f"nested deeper than {MAX_DEPTH} levels"),  # the 33rd
+    ("b: [1, 2", "3:1", "YAML: did not find expected ',' or ']'"),
+])
+def test_each_refusal_of_the_yaml_reader_points_at_its_line_and_column(tmp_path, monkeypatch, second_line, where,
+                                                                         message):
+    """Where the offending value starts (the first container too deep), not the document's start."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "card.yaml").write_text(f"a: &x 1\n{second_line}\n")
+    with pytest.raises(CardValidationError, match=f"^card.yaml:{where}: {message}"):
+        read_source(tmp_path / "card.yaml")
+
+
 def test_integers_are_those_of_a_signed_64_bit_range_exactly():
     """-2⁶³ is an int64 and was refused; 2⁶³ is not and is, its message counting the sign bit."""
     assert plain_value_problems(2**63 - 1, "x") == plain_value_problems(-(2**63), "x") == []
