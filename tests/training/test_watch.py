@@ -61,7 +61,9 @@ def test_the_watch_judges_the_images_the_card_generates_with_each_judge_and_fid_
         return Watch(card, "transformer", module, TextFeatureCache(disk=False), loop, [str(j) for j in judged],
                      platform, "float32", per_class=per_class, data=folder)
 
-    got = watch(2, data)()
+    watching = watch(2, data)
+    got = watching()
+    assert watching.seconds > 0, "the time spent watching, which rl_efficiency.py leaves out of training's"
     report = LoadedCard(card, device="cpu").generate([class_prompt(c) for c in range(len(CLASS_NAMES))], num=2,
                                                      out=None, **loop)
     images = np.stack([image.pixels for image in report.images])

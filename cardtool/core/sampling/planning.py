@@ -61,8 +61,8 @@ def plan_requests(card: Card, prompts: list[str], *, num: int = 1, seed: int = 0
     if not 1 <= num <= MAX_IMAGES or len(prompts) * num > MAX_IMAGES:
         raise BadInput(f"--num must be at least 1 and prompts × num at most {MAX_IMAGES:,}, got {len(prompts)} × {num}")
     if 0 <= seed < 2**63 <= seed + num - 1:  # each Request would say only that its own seed is out of range
-        raise BadInput(f"--seed {seed} with --num {num} gives seeds up to {seed + num - 1:,}, past 2⁶³ − 1; give a "
-                       f"seed of at most {2**63 - num:,}")
+        raise BadInput(f"seed {seed} numbers the {num:,} images of a prompt up to seed {seed + num - 1:,}, past "
+                       f"2⁶³ − 1; give a seed of at most {2**63 - num:,}")
     loop = card.manifest.loops.get(LOOP)
     if loop is None:
         raise BadInput(f"card '{card.id}' has no '{LOOP}' loop to generate with")

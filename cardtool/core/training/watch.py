@@ -7,6 +7,7 @@ so a watched run trains exactly as an unwatched one."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -47,17 +48,20 @@ class Watch:
         self.requests = [Request(class_prompt(c), seed=i, **loop)
                          for c in range(len(CLASS_NAMES)) for i in range(per_class)]
         self.labels = np.repeat(np.arange(len(CLASS_NAMES)), per_class)
+        self.seconds = 0.0  # spent watching, which a benchmark of training speed leaves out (rl_efficiency.py)
 
     def __call__(self) -> dict[str, float]:
         from cardtool.core.evaluation.metrics import frechet_distance
         from cardtool.core.sampling.sampler import sample
 
+        started = time.perf_counter()
         images = self.loop.finalize(sample(self.loop, self.requests, max_batch=256))
         out = {}
         for i, judge in enumerate(self.judges):
             accuracy = float((judge.probabilities(images).argmax(1) == self.labels).mean())
             out["watch_accuracy" if i == 0 else f"watch_accuracy_{judge.card_id}"] = accuracy
         out["watch_fid"] = frechet_distance(self.judges[0].features(images), self.real)
+        self.seconds += time.perf_counter() - started
         return out
 
 
