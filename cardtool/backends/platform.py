@@ -165,10 +165,14 @@ def _no_cuda_reason() -> str:
         build = ""
     if build.endswith("+cpu"):
         return f"the installed torch {build} is a CPU-only build"
-    if not Path("/proc/driver/nvidia/version").exists() and not Path("/dev/nvidiactl").exists():
+    if not _has_nvidia_driver():
         return "this machine shows no NVIDIA driver"
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     return f"CUDA_VISIBLE_DEVICES={visible!r} hides them" if visible is not None else "the driver lists none for it"
+
+
+def _has_nvidia_driver() -> bool:
+    return Path("/proc/driver/nvidia/version").exists() or Path("/dev/nvidiactl").exists()
 
 
 def _cuda_probe() -> dict | None:
@@ -180,7 +184,7 @@ def _cuda_probe() -> dict | None:
         if not torch.cuda.is_available():
             return None
         return {"name": torch.cuda.get_device_name(0), "capability": list(torch.cuda.get_device_capability(0))}
-    if not Path("/proc/driver/nvidia/version").exists() and not Path("/dev/nvidiactl").exists():
+    if not _has_nvidia_driver():
         return None
     try:
         out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120)

@@ -1,4 +1,4 @@
-"""What an rl or distill run makes of its parent (derived.py): the new card's parts and the recipe fingerprint."""
+"""What an rl or distill run makes of its parent (derived.py): the new card's parts and its name."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from cardtool.backends.lora_targets import DEFAULT_TARGETS
 from cardtool.backends.platform import Platform
 from cardtool.core.cards.loader import load_card
 from cardtool.core.sampling.instance import ModelInstance
-from cardtool.core.training.derived import recipe_fingerprint, trained_parts
+from cardtool.core.training.derived import card_name, trained_parts
+from cardtool.core.training.distill import distill_recipe
 from cardtool.core.training.lora_settings import LoraSettings
-from cardtool.core.training.recipes import load_recipe
+from cardtool.core.training.rl import rl_recipe
 from cardtool.errors import BadInput
 
 
@@ -56,24 +57,9 @@ def test_a_lora_is_added_beside_the_parents_and_records_only_targets_other_than_
         trained_parts(module, "transformer", settings, "invert", parent)
 
 
-def test_the_fingerprint_is_the_recipes_content_not_the_order_its_keys_were_written_in(examples, tmp_path):
-    def fingerprint(text):
-        (tmp_path / "recipe.yaml").write_text(text)
-        return recipe_fingerprint(load_recipe(tmp_path / "recipe.yaml"))
-
-    head = f"method: finetune\ncard: {{id: x}}\nparents: ['{examples / 'tiny-base'}']\n"
-    one = fingerprint(head + "optim: {lr: 1.0e-4, steps: 5}\n")
-    assert fingerprint(head + "optim: {steps: 5, lr: 1.0e-4}\n") == one
-    assert fingerprint(head + "optim: {steps: 6, lr: 1.0e-4}\n") != one
-
-
 def test_a_new_card_is_named_after_the_id_its_parent_declares_however_the_parent_was_named(examples, tmp_path):
     """`distill cards/x/card.yaml` made a student 'card.yaml-4step', and a copy in a folder of another name (an
     export, a checkout) named the new card after the folder."""
-    from cardtool.core.training.derived import card_name
-    from cardtool.core.training.distill import distill_recipe
-    from cardtool.core.training.rl import rl_recipe
-
     copy = shutil.copytree(examples / "tiny-base", tmp_path / "exported")
     for ref in (examples / "tiny-base" / "card.yaml", copy, copy / "card.yaml", f"{examples}/tiny-base/"):
         assert card_name(str(ref)) == "tiny-base", ref

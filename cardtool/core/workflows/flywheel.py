@@ -62,8 +62,8 @@ def flywheel_recipe(base: str, reward: str, *, steps: int | None = None, path: P
                     out_dir: Path = Path("cards")) -> FlywheelRecipe:
     """The two stage recipes: the file's `rl:` and `distill:` sections (each a recipe of that command, over its
     defaults), `--set rl.KEY=V` / `distill.KEY=V` applied to its stage, `--steps` the student's step count. Cards:
-    `PREFIX-nft` (or -grpo) and `PREFIX-nft-Nstep`, PREFIX the base's name unless given; the student's teacher is
-    the RL'd card in `out_dir`."""
+    `PREFIX-nft` (or -grpo) and `PREFIX-nft-Nstep`, PREFIX the id the base declares unless given; the student's
+    teacher is the RL'd card in `out_dir`."""
     from cardtool.core.training import distill, rl
     from cardtool.core.training.derived import card_name
     from cardtool.core.training.distill import distill_recipe
