@@ -100,7 +100,9 @@ def test_a_file_that_inflates_past_its_shape_is_refused_without_reading_it_all(t
 
 
 @pytest.mark.parametrize(("shape", "message"), [((2**31, 28, 28), "declares shape"),  # past the cap
-                                                 ((3_000_000, 28, 28), "is truncated")])  # 2.4 GB under it
+                                                 ((3_000_000, 28, 28), "is truncated"),  # 2.4 GB under it
+                                                 ((1 << 16, 1 << 8, 1 << 8), "is truncated"),  # the cap exactly: 4 GiB
+                                                 ((1 << 16, 1 << 8, 257), "declares shape")])  # past it
 def test_a_header_declaring_gigabytes_over_a_short_file_allocates_what_the_file_holds(tmp_path, shape, message):
     path = tmp_path / "t10k-images-idx3-ubyte.gz"
     path.write_bytes(gzip.compress(b"\0\0\x08\x03" + struct.pack(">3I", *shape) + bytes(5 * 28 * 28)))
@@ -133,3 +135,30 @@ def test_a_split_without_images_is_bad_input(tmp_path):
     """Every command reading a split needs its images: an empty one is said so, not a failure deep in training."""
     with pytest.raises(BadInput, match="the test split holds no images"):
         load_split("test", _folder_of(tmp_path, np.zeros((0, 28, 28), dtype=np.uint8)))
+
+
+@pytest.mark.parametrize(("images", "labels", "message"), [
+    ((4, 28, 28), (3,), r"train images \(4, 28, 28\) and labels \(3,\) do not match"),
+    ((3, 28, 28), (3, 1), r"labels \(3, 1\) do not match"),
+    ((3, 784), (3,), r"images \(3, 784\) and labels \(3,\) do not match")])
+def test_images_and_labels_that_do_not_pair_up_are_bad_input(tmp_path, images, labels, message):
+    folder = make_folder(tmp_path / "idx")
+    write_idx(folder / "train-images-idx3-ubyte.gz", np.zeros(images, dtype=np.uint8), compress=True)
+    write_idx(folder / "train-labels-idx1-ubyte.gz", np.zeros(labels, dtype=np.uint8), compress=True)
+    with pytest.raises(BadInput, match=message):
+        load_split("train", folder)
+
+
+def test_labels_past_the_ten_classes_are_bad_input(tmp_path):
+    """Label 9 (ankle boot) is the last class; a 10 would index past the class names and the judge's outputs."""
+    folder = make_folder(tmp_path / "idx")
+    write_idx(folder / "train-labels-idx1-ubyte.gz", np.array([0, 9, 9, 1, 2], dtype=np.uint8), compress=True)
+    assert load_split("train", folder).labels.tolist() == [0, 9, 9, 1, 2]
+    write_idx(folder / "train-labels-idx1-ubyte.gz", np.array([0, 10, 9, 1, 2], dtype=np.uint8), compress=True)
+    with pytest.raises(BadInput, match="train labels go up to 10, Fashion-MNIST has 10 classes"):
+        load_split("train", folder)
+
+
+def test_a_labelled_split_serves_where_classes_are_needed(tmp_path):
+    split = load_split("test", make_folder(tmp_path / "idx"))
+    assert split.classes("the eval") is split
