@@ -79,12 +79,47 @@ def test_metadata_written_on_windows_reads_as_the_same_rows(tmp_path):
     (lambda rows: [], "lists no images"),
     (lambda rows: rows[:5], "the test split holds no images"),
     (lambda rows: [[1, 2], *rows], "metadata.jsonl:1: not a JSON object"),
+    (lambda rows: [*rows[:3], {**rows[3], "file_name": 7}, *rows[4:]], "metadata.jsonl:4: file_name must be the "),
+    (lambda rows: [{**rows[0], "file_name": ""}, *rows[1:]], "metadata.jsonl:1: file_name must be the image's path"),
+    (lambda rows: [{**rows[0], "file_name": "g0.png\0x"}, *rows[1:]], "metadata.jsonl:1: file_name must be the "),
+    (lambda rows: [{"text": "a bag"}, *rows[1:]], "metadata.jsonl:1: file_name must be the image's path inside"),
+    (lambda rows: rows[:1], r"the test split holds no images \(one image; with no"),
+    (lambda rows: rows[:9], r"the test split holds no images \(9 images; with no"),
 ])
 def test_a_bad_image_folder_is_a_located_error(tmp_path, rows, message):
     root = write_folder(tmp_path / "bad", rows=rows)
     with pytest.raises(BadInput, match=message):
         load_split("test", root)
         load_split("train", root)
+
+
+def test_metadata_that_cannot_be_read_and_too_many_rows_are_refused(tmp_path, monkeypatch):
+    from cardtool.core import image_folder
+
+    root = write_folder(tmp_path / "mine")
+    rows = (root / "metadata.jsonl").read_bytes()
+    (root / "metadata.jsonl").write_bytes(b"\xff\xfe" + rows)
+    with pytest.raises(BadInput, match="cannot read the image folder's captions: .*metadata.jsonl is not UTF-8"):
+        load_split("train", root)
+    (root / "metadata.jsonl").write_bytes(rows)
+    monkeypatch.setattr(image_folder, "MAX_METADATA_BYTES", len(rows))
+    assert len(load_split("train", root)) == 18
+    monkeypatch.setattr(image_folder, "MAX_METADATA_BYTES", len(rows) - 1)
+    with pytest.raises(BadInput, match=f"metadata.jsonl is larger than {len(rows) - 1} bytes"):
+        load_split("train", root)
+    monkeypatch.setattr(image_folder, "MAX_METADATA_BYTES", len(rows))
+    monkeypatch.setattr(image_folder, "MAX_IMAGES", 20)
+    assert len(load_split("test", root)) == 2
+    monkeypatch.setattr(image_folder, "MAX_IMAGES", 19)
+    with pytest.raises(BadInput, match="metadata.jsonl lists more than 19 images$"):
+        load_split("train", root)
+
+
+def test_a_long_bad_value_is_cut_in_its_message(tmp_path):
+    root = write_folder(tmp_path / "long", rows=lambda rows: [{**rows[0], "text": ["x" * 1000]}, *rows[1:]])
+    with pytest.raises(BadInput, match="text must be the image's caption") as caught:
+        load_split("train", root)
+    assert len(str(caught.value)) == 300
 
 
 def test_a_link_out_of_the_folder_and_a_file_that_is_no_image_are_refused(tmp_path):
