@@ -197,3 +197,31 @@ def test_what_cannot_be_the_same_model_is_refused(examples, tmp_path, case, mess
     assert result.exit_code == 2, result.output
     assert message in json.loads(result.stdout)["error"]["message"] and "Traceback" not in result.output
     assert not (tmp_path / "card").exists()
+
+
+def test_keys_a_config_json_leaves_out_take_diffusers_defaults():
+    """A config.json saved by an older diffusers (or written by hand) may omit a key; diffusers builds its own default
+    for it, so the imported card must too."""
+    import inspect
+
+    from cardtool.backends.wan_config import from_diffusers
+
+    defaults = {name: p.default for name, p in inspect.signature(diffusers.WanTransformer3DModel).parameters.items()}
+    assert from_diffusers({}) == from_diffusers(defaults)
+    assert from_diffusers({}).to_diffusers() == {k: list(v) if isinstance(v, tuple) else v for k, v in defaults.items()
+                                                 if k not in ("image_dim", "added_kv_proj_dim", "rope_max_seq_len",
+                                                              "pos_embed_seq_len")}
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"qk_norm": "rms_norm"}, "qk_norm is 'rms_norm'; a wan-dit normalises q and k with rms_norm_across_heads"),
+    ({"num_attention_heads": 2.0}, "num_attention_heads and attention_head_dim must be whole numbers, got 2.0, 128"),
+    ({"attention_head_dim": True}, "must be whole numbers, got 40, True"),
+    ({"num_layers": 0}, r"wan-dit \(from config.json\) config: depth: "),
+])
+def test_a_config_json_a_wan_dit_cannot_be_is_refused_by_its_key(config, message):
+    from cardtool.backends.wan_config import from_diffusers
+    from cardtool.errors import BadInput
+
+    with pytest.raises(BadInput, match=message):
+        from_diffusers(config)

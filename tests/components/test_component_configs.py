@@ -53,11 +53,18 @@ def test_fashion_cnn_tensors_are_the_modules_state_dict():
     ({"depth": True}, "depth: Input should be a valid integer, got True"),
     ({"dim": 10**5000}, "an integer of 16610 bits"),
     ({"dmi": 64}, "dmi: unknown key.*did you mean 'dim'"),
+    ({"patch": [1, 2.0, 2]}, "patch.1: Input should be a valid integer, got 2.0"),
+    ({"patch": [1, 17, 1]}, "patch.1: Input should be less than or equal to 16, got 17"),
+    ({"patch": [0, 2, 2]}, "patch.0: Input should be greater than or equal to 1, got 0"),
 ])
 def test_wan_dit_config_problems_name_the_field(config, expected):
     problems = config_problems(WanDiTConfig, config)
     text = "; ".join(f"{'.'.join(where)}: {message} ({fix})" for where, message, fix in problems)
     assert problems and __import__("re").search(expected, text), text
+
+
+def test_wan_dit_patch_sizes_up_to_16_validate():
+    assert config_problems(WanDiTConfig, {"patch": [16, 1, 16]}) == []
 
 
 def test_short_repr_never_converts_a_huge_integer():
