@@ -56,6 +56,11 @@ def test_fashion_cnn_tensors_are_the_modules_state_dict():
     ({"patch": [1, 2.0, 2]}, "patch.1: Input should be a valid integer, got 2.0"),
     ({"patch": [1, 17, 1]}, "patch.1: Input should be less than or equal to 16, got 17"),
     ({"patch": [0, 2, 2]}, "patch.0: Input should be greater than or equal to 1, got 0"),
+    ({"freq_dim": 1}, "freq_dim: Input should be greater than or equal to 2, got 1"),  # half of it divides
+    ({"freq_dim": 64.0}, "freq_dim: Input should be a valid integer, got 64.0"),
+    ({"eps": 1.0}, "eps: Input should be less than 1, got 1.0"),
+    ({"cross_attn_norm": 1}, "cross_attn_norm: Input should be a valid boolean, got 1"),
+    ({"text_mask": "true"}, "text_mask: Input should be a valid boolean, got 'true'"),
 ])
 def test_wan_dit_config_problems_name_the_field(config, expected):
     problems = config_problems(WanDiTConfig, config)
