@@ -93,12 +93,16 @@ def test_versus_refuses_what_belongs_to_one_card(tmp_path, extra):
 
 def test_the_python_api_reports_each_row_with_its_card_and_takes_a_false_resume(tmp_path):
     """compare() as a script calls it: on_row(card, row) for every row of both cards, in order; `resume=False` (what a
-    caller passing its own defaults through sends) is no resume; a non-function on_row is refused before any eval."""
+    caller passing its own defaults through sends) is no resume; a non-function on_row and a keyword evaluate() does
+    not take are refused before any eval."""
     seen = []
     options = {"judge": str(EXAMPLE_CARDS / "tiny-judge"), "per_class": 1, "steps": [2, 3],
                "data": str(write_idx_folder(tmp_path / "idx"))}
     with pytest.raises(BadInput, match="on_row must be a function, got 'print'"):
         compare(str(EXAMPLE_CARDS / "tiny-base"), str(EXAMPLE_CARDS / "nowhere"), on_row="print", **options)
+    for wrong in ({"per_clas": 1}, {"card_ref": "tiny-base"}):  # a Python error naming compare, before any eval
+        with pytest.raises(TypeError, match=f"compare.. got an unexpected keyword argument '{next(iter(wrong))}'"):
+            compare(str(EXAMPLE_CARDS / "tiny-base"), str(EXAMPLE_CARDS / "nowhere"), **options, **wrong)
     result = compare(str(EXAMPLE_CARDS / "tiny-base"), str(EXAMPLE_CARDS / "tiny-distilled"), resume=False,
                      keep_samples=False, on_row=lambda card, row: seen.append((card, row.steps)), **options)
     a, b = str(EXAMPLE_CARDS / "tiny-base"), str(EXAMPLE_CARDS / "tiny-distilled")

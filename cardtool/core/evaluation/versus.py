@@ -31,6 +31,11 @@ def compare(card_a: str, card_b: str, *, on_row: Callable[[str, EvalRow], None] 
     """Evaluate both cards with the same `evaluate` options (each at its own loop defaults for what they leave out)
     and pair their rows in order; `on_row(card, row)` as each row is measured. `out`, `resume` and `keep_samples`
     are not options here: a comparison measures every image of both cards in one run."""
+    import inspect
+
+    unknown = sorted(set(options) - (set(inspect.signature(evaluate).parameters) - {"card_ref"}))
+    if unknown:  # said of compare(), not of the evaluate() call inside it
+        raise TypeError(f"compare() got an unexpected keyword argument {unknown[0]!r}; it takes evaluate()'s options")
     for name in ("out", "resume", "keep_samples", "stop"):
         if options.pop(name, None) not in (None, False):
             raise BadInput(f"a comparison measures both cards in one run: {name} does not apply to it")
