@@ -320,10 +320,21 @@ def test_file_names_tell_prompts_apart_in_any_script(on_path, tmp_path):
 
     assert prompt_slug("An ankle boot!") == "an-ankle-boot" and prompt_slug(" ") == "unconditional"
     assert prompt_slug("连衣裙") != prompt_slug("运动鞋") and prompt_slug("连衣裙").startswith("prompt-")
+    assert prompt_slug("a long prompt " * 5) == "a-long-prompt-" * 2 + "a-long-promp", "its first 40 characters"
     first = LoadedCard("tiny-base").generate("连衣裙", steps=1, out=tmp_path)
     second = LoadedCard("tiny-base").generate("运动鞋", steps=1, out=tmp_path)
     assert first.images[0].path != second.images[0].path, "a second prompt in another script does not overwrite"
     assert len(list(tmp_path.glob("*.png"))) == 2
+
+
+def test_a_settings_tag_depends_on_the_settings_not_on_their_order_nor_the_version_that_wrote_it():
+    """The tag ends each file name: `--skip-existing` and a re-run find an image by it, so it must not change with the
+    order metadata is assembled in, nor between versions of cardtool (the value is pinned)."""
+    from cardtool.core.sampling.outputs import settings_tag
+
+    settings = {"card": "x", "prompt": "une robe légère", "seed": "0"}
+    assert settings_tag(settings) == settings_tag(dict(reversed(settings.items()))) == "294bfb1b"
+    assert settings_tag({**settings, "seed": "1"}) != "294bfb1b"
 
 
 def test_an_existing_folder_named_like_a_png_is_written_into(on_path, tmp_path):
