@@ -123,3 +123,14 @@ def test_resolution_is_cached_per_platform_and_reset_by_registration(kernels, mo
     assert len(loads) == 2, "another platform resolves on its own"
     kernels.register("cfg_combine", "cpu", "avx2", "default", target="wrong_kernels:cfg_combine_sign_flipped")
     assert kernels.resolve("cfg_combine", AVX2)[0].name == "cfg_combine/cpu/avx2/default"
+
+
+def test_a_cell_whose_key_does_not_fit_or_whose_module_name_is_malformed_is_refused(kernels):
+    """What a plugin author gets wrong: a key without the arch, and a requirement that is no module name."""
+    with pytest.raises(ValueError, match=r"kernel keys are \(op, device, arch, variant\), got \('rms_norm', 'cpu'"):
+        kernels.register("rms_norm", "cpu", "default", target="wrong_kernels:attention_drops_mask")
+    kernels.register("rms_norm", "cpu", "avx2", "default", target="wrong_kernels:attention_drops_mask",
+                     requires=("not..a.module",))
+    cell = kernels._cells[("rms_norm", "cpu", "avx2", "default")]
+    assert kernels.reasons(cell, AVX2) == ["needs not..a.module, which is not installed"]
+    assert kernels.resolve("rms_norm", AVX2)[0].name == "rms_norm/cpu/generic/default"
