@@ -275,13 +275,14 @@ def _outputs(result) -> list[np.ndarray]:
 
 
 def compare_arrays(actual: np.ndarray, expected: np.ndarray, atol: float, rtol: float) -> tuple[float, float, bool]:
-    """(max abs error, max relative error where |expected| > atol, whether |a − e| ≤ atol + rtol·|e| everywhere)."""
-    if actual.shape != expected.shape:
+    """(max abs error, max relative error where |expected| > atol, whether |a − e| ≤ atol + rtol·|e| everywhere). An
+    infinity matches only the same infinity; a NaN on either side matches nothing (no number to compare)."""
+    finite = np.isfinite(actual)
+    if actual.shape != expected.shape or np.isnan(actual).any() or np.isnan(expected).any() or \
+            not np.array_equal(finite, np.isfinite(expected)) or not np.array_equal(actual[~finite], expected[~finite]):
         return float("inf"), float("inf"), False
+    actual, expected = np.where(finite, actual, 0.0), np.where(finite, expected, 0.0)
     diff = np.abs(actual - expected)
-    if not np.all(np.isfinite(actual) == np.isfinite(expected)):
-        return float("inf"), float("inf"), False
-    diff = np.where(np.isfinite(diff), diff, 0.0)
     meaningful = np.abs(expected) > atol
     rel = float((diff[meaningful] / np.abs(expected[meaningful])).max()) if meaningful.any() else 0.0
     return float(diff.max(initial=0.0)), rel, bool(np.all(diff <= atol + rtol * np.abs(expected)))

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
 from cardtool.backends.builtin import OPS
-from cardtool.backends.parity import run_parity
+from cardtool.backends.parity import compare_arrays, run_parity
 from cardtool.backends.platform import Platform, cpu_tier
 from cardtool.cli import app
 
@@ -116,3 +117,18 @@ def test_bf16_attention_keeps_short_key_sequences_in_float32_even_under_autocast
         assert out.dtype == torch.float32
         assert torch.equal(out, expected) == exact, keys
         assert (out - expected).abs().max() < 2e-2
+
+
+@pytest.mark.parametrize(("actual", "expected", "passed"), [
+    ([1.0, np.inf], [1.0, np.inf], True),
+    ([1.0, np.nan], [1.0, np.nan], False),  # no number to compare
+    ([1.0, -np.inf], [1.0, np.inf], False),  # an overflow of the other sign
+    ([1.0, np.nan], [1.0, np.inf], False),
+    ([np.inf, 1.0], [1.0, np.inf], False),
+    ([1.0, 2.0], [1.0, 2.0 + 1e-3], False),
+    ([1.0, 2.0], [1.0, 2.0 + 1e-7], True),
+])
+def test_values_that_are_not_finite_match_only_themselves(actual, expected, passed):
+    """The oracle's comparison: a kernel giving −inf where the reference gives +inf, or NaN for inf, fails."""
+    abs_err, rel_err, ok = compare_arrays(np.array(actual), np.array(expected), 1e-6, 1e-6)
+    assert ok is passed and (abs_err == rel_err == np.inf) is (not np.isfinite(actual + expected).all() and not passed)
