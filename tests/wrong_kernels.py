@@ -12,6 +12,16 @@ def attention_drops_mask(q, k, v, mask=None):
 
 
 
+def attention_nan_for_empty_rows(q, k, v, mask=None):
+    """Right wherever a query has a key to attend to; NaN (a softmax over nothing) where it has none."""
+    import torch
+
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if mask is not None:
+        scores = scores.masked_fill(~torch.as_tensor(mask, dtype=torch.bool), float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
 def attention_ignores_scores(q, k, v, mask=None):
     """Uniform weights over the keys, as if the scores were never computed."""
     return v.mean(dim=-2, keepdim=True).expand(*q.shape[:-1], v.shape[-1])

@@ -73,7 +73,8 @@ def test_numpy_platform_has_nothing_to_compare():
 
 
 @pytest.mark.parametrize(("op", "target"), [("cfg_combine", "wrong_kernels:cfg_combine_sign_flipped"),
-                                            ("attention", "wrong_kernels:attention_drops_mask")])
+                                            ("attention", "wrong_kernels:attention_drops_mask"),
+                                            ("attention", "wrong_kernels:attention_nan_for_empty_rows")])
 def test_a_wrong_kernel_fails_parity_naming_its_cell(kernels, monkeypatch, op, target):
     kernels.register(op, "cpu", "avx2", "default", target=target, requires=("torch",))
     monkeypatch.setenv("CARDTOOL_ARCH", "avx2")
@@ -132,3 +133,7 @@ def test_values_that_are_not_finite_match_only_themselves(actual, expected, pass
     """The oracle's comparison: a kernel giving −inf where the reference gives +inf, or NaN for inf, fails."""
     abs_err, rel_err, ok = compare_arrays(np.array(actual), np.array(expected), 1e-6, 1e-6)
     assert ok is passed and (abs_err == rel_err == np.inf) is (not np.isfinite(actual + expected).all() and not passed)
+
+
+def test_arrays_of_other_shapes_never_match():
+    assert compare_arrays(np.zeros(3), np.zeros((1, 3)), 1.0, 1.0) == (np.inf, np.inf, False)
