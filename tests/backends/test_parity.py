@@ -74,7 +74,8 @@ def test_numpy_platform_has_nothing_to_compare():
 
 @pytest.mark.parametrize(("op", "target"), [("cfg_combine", "wrong_kernels:cfg_combine_sign_flipped"),
                                             ("attention", "wrong_kernels:attention_drops_mask"),
-                                            ("attention", "wrong_kernels:attention_nan_for_empty_rows")])
+                                            ("attention", "wrong_kernels:attention_nan_for_empty_rows"),
+                                            ("rms_norm", "wrong_kernels:rms_norm_eps_1e3")])
 def test_a_wrong_kernel_fails_parity_naming_its_cell(kernels, monkeypatch, op, target):
     kernels.register(op, "cpu", "avx2", "default", target=target, requires=("torch",))
     monkeypatch.setenv("CARDTOOL_ARCH", "avx2")
