@@ -49,14 +49,16 @@ def _run(impl, torch_model, numpy_model, device, dtype):
     rounded = lambda a: a.astype(dtype).astype(np.float64)  # noqa: E731 - both sides see the same numbers
     if impl == "wan-dit":
         c = torch_model.config
-        x = rounded(rng.standard_normal((2, c.in_channels, 1, 8, 8)))
+        # a grid the patch tiles, at least 2 patches a side (a patch of 3 or 16 does not tile 8 × 8)
+        frames, rows, cols = c.patch[0], c.patch[1] * max(2, 8 // c.patch[1]), c.patch[2] * max(2, 8 // c.patch[2])
+        x = rounded(rng.standard_normal((2, c.in_channels, frames, rows, cols)))
         t = np.array([999.0, 250.0])
         text = rounded(rng.standard_normal((2, 8, c.text_dim)))
         mask = np.ones((2, 8), dtype=bool)
         mask[1, 5:] = False
         with torch.no_grad():
             actual = torch_model(tensor(x), tensor(t), tensor(text), torch.as_tensor(mask, device=device))
-        yield f"2x{c.in_channels}x1x8x8, text 2x8 masked", actual.double().cpu().numpy(), \
+        yield f"2x{c.in_channels}x{frames}x{rows}x{cols}, text 2x8 masked", actual.double().cpu().numpy(), \
             numpy_model(x, t, text, mask)
     else:
         c = torch_model.config

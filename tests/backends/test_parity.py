@@ -138,3 +138,21 @@ def test_values_that_are_not_finite_match_only_themselves(actual, expected, pass
 
 def test_arrays_of_other_shapes_never_match():
     assert compare_arrays(np.zeros(3), np.zeros((1, 3)), 1.0, 1.0) == (np.inf, np.inf, False)
+
+
+@pytest.mark.parametrize("patch", [[1, 2, 2], [1, 3, 3], [1, 16, 16], [1, 1, 8]])
+def test_a_dit_of_any_valid_patch_is_compared_with_numpy(tmp_path, patch):
+    """`parity --card` fed every DiT 8 × 8 latents, which a patch of 3 or 16 does not tile: a valid card failed."""
+    from safetensors.numpy import save_file
+
+    from cardtool.backends.component_parity import component_rows
+    from cardtool.backends.wan_config import WanDiTConfig
+
+    config = dict(dim=16, depth=1, heads=2, ffn_dim=16, in_channels=4, out_channels=4, text_dim=8, freq_dim=8,
+                  patch=patch)
+    rng = np.random.default_rng(0)
+    save_file({k: (rng.standard_normal(s) * 0.1).astype(np.float32)
+               for k, s in WanDiTConfig(**config).tensors().items()}, tmp_path / "dit.safetensors")
+    rows = component_rows("transformer", "wan-dit", config, tmp_path / "dit.safetensors", Platform("cpu", "generic"))
+    assert [(r.dtype, r.passed, r.error) for r in rows] == [("float64", True, ""), ("float32", True, "")]
+    assert rows[0].max_abs_err > 0 and rows[0].shapes[0].startswith("2x4x1x")

@@ -69,7 +69,8 @@ def test_wan_dit_config_problems_name_the_field(config, expected):
 
 
 def test_a_config_that_is_no_mapping_is_one_problem_saying_so():
-    assert config_problems(WanDiTConfig, [1, 2]) == [((), "a config is a mapping, got a list", "write key: value pairs")]
+    problem = ((), "a config is a mapping, got a list", "write key: value pairs")
+    assert config_problems(WanDiTConfig, [1, 2]) == [problem]
 
 
 def test_wan_dit_patch_sizes_up_to_16_validate():
