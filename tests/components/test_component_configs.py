@@ -48,6 +48,8 @@ def test_fashion_cnn_tensors_are_the_modules_state_dict():
     ({"dim": "128"}, "dim: Input should be a valid integer, got '128'"),
     ({"dim": 64, "heads": 3}, "dim 64 must split into 3 heads"),
     ({"heads": 0}, "heads: Input should be greater than or equal to 1, got 0"),
+    ({"depth": 1025}, "depth: Input should be less than or equal to 1024, got 1025"),
+    ({"dim": 65537}, "dim: Input should be less than or equal to 65536, got 65537"),
     ({"patch": [1, 2]}, "patch: Tuple should have at most 3 items|patch.2: Field required"),
     ({"eps": float("nan")}, "eps: Input should be a finite number"),
     ({"depth": True}, "depth: Input should be a valid integer, got True"),
@@ -73,10 +75,13 @@ def test_a_config_that_is_no_mapping_is_one_problem_saying_so():
     assert config_problems(WanDiTConfig, [1, 2]) == [problem]
 
 
-def test_wan_dit_patch_sizes_up_to_16_validate():
+def test_wan_dit_sizes_at_their_bounds_validate():
     assert config_problems(WanDiTConfig, {"patch": [16, 1, 16]}) == []
+    assert config_problems(WanDiTConfig, {"depth": 1024, "dim": 65536, "heads": 1024}) == []
 
 
 def test_short_repr_never_converts_a_huge_integer():
     assert short_repr(10**10000).startswith("an integer of")
+    assert short_repr(2**63 - 1) == str(2**63 - 1) and short_repr(2**63) == "an integer of 64 bits"
+    assert short_repr("x" * 58) == repr("x" * 58) and short_repr("x" * 59) == repr("x" * 59)[:57] + "..."
     assert short_repr("x" * 1000).endswith("...") and short_repr([1, 2]) == "a list"
