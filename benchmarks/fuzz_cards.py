@@ -320,8 +320,8 @@ def _mutate_config(rng: random.Random, card: Path) -> str:
         dit["in_channels"] = dit["out_channels"] = vae.get("latent_channels", 4)
         try:
             size = ConvVAEConfig.model_validate(vae).latent_size
-            dit["patch"] = [1, *rng.choice([(a, b) for a in (1, 2, 4, 8) for b in (1, 2, 4, 8)
-                                            if size % a == 0 and size % b == 0])]
+            sides = [a for a in range(1, 17) if size % a == 0]  # every patch the schema takes that tiles them
+            dit["patch"] = [1, rng.choice(sides), rng.choice(sides)]
         except Exception:  # noqa: BLE001 - sizes the schema refuses: validation's to report
             pass
     _refit(card, data)
