@@ -15,6 +15,7 @@ from cardtool.backends.training import FashionCNN
 from cardtool.backends.vae_config import ConvVAEConfig
 from cardtool.backends.wan_config import WanDiTConfig
 from cardtool.backends.wan_dit import WanDiT
+from cardtool.errors import BadInput
 
 
 def shapes(module) -> dict:
@@ -55,6 +56,8 @@ def test_fashion_cnn_tensors_are_the_modules_state_dict():
     ({"depth": True}, "depth: Input should be a valid integer, got True"),
     ({"dim": 10**5000}, "an integer of 16610 bits"),
     ({"dmi": 64}, "dmi: unknown key.*did you mean 'dim'"),
+    ({"dimension": 64}, "dimension: unknown key.*did you mean 'dim'"),  # too far for difflib, but a prefix
+    ({"patch_size": [1, 2, 2]}, "patch_size: unknown key.*did you mean 'patch'"),
     ({"patch": [1, 2.0, 2]}, "patch.1: Input should be a valid integer, got 2.0"),
     ({"patch": [1, 17, 1]}, "patch.1: Input should be less than or equal to 16, got 17"),
     ({"patch": [0, 2, 2]}, "patch.0: Input should be greater than or equal to 1, got 0"),
@@ -68,6 +71,13 @@ def test_wan_dit_config_problems_name_the_field(config, expected):
     problems = config_problems(WanDiTConfig, config)
     text = "; ".join(f"{'.'.join(where)}: {message} ({fix})" for where, message, fix in problems)
     assert problems and __import__("re").search(expected, text), text
+
+
+def test_from_card_names_the_implementation_or_else_the_schema():
+    with pytest.raises(BadInput, match=r"^wan-dit config: heads: Input should be greater than or equal to 1, got 0 "):
+        WanDiTConfig.from_card({"heads": 0}, "wan-dit")
+    with pytest.raises(BadInput, match=r"^WanDiTConfig config: heads: "):
+        WanDiTConfig.from_card({"heads": 0})
 
 
 def test_a_config_that_is_no_mapping_is_one_problem_saying_so():
