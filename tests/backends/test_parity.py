@@ -156,3 +156,13 @@ def test_a_dit_of_any_valid_patch_is_compared_with_numpy(tmp_path, patch):
     rows = component_rows("transformer", "wan-dit", config, tmp_path / "dit.safetensors", Platform("cpu", "generic"))
     assert [(r.dtype, r.passed, r.error) for r in rows] == [("float64", True, ""), ("float32", True, "")]
     assert rows[0].max_abs_err > 0 and rows[0].shapes[0].startswith("2x4x1x")
+
+
+def test_a_cell_declaring_only_a_low_precision_is_also_held_to_numpy_in_float32(kernels):
+    """A plugin's bfloat16-only kernel: its bfloat16 row compares with itself in float32, so that float32 run must be
+    checked against numpy too, or a kernel wrong at every precision would pass."""
+    kernels.register("rms_norm", "cpu", "avx2", "default", target="wrong_kernels:rms_norm_eps_1e3",
+                     dtypes=("bfloat16",))
+    rows = [r for r in run_parity(Platform("cpu", "avx2"), "rms_norm") if r.cell == "rms_norm/cpu/avx2/default"]
+    assert [(r.dtype, r.against, r.passed) for r in rows] == [("float32", "numpy float64", False),
+                                                            ("bfloat16", "rms_norm in float32", True)]
