@@ -51,6 +51,12 @@ def test_vae_config_is_checked():
     with pytest.raises(BadInput, match="halve"):
         ConvVAEConfig.from_card({"padded_size": 30})
     assert ConvVAEConfig.from_card({"channels": [8, 16, 32]}).latent_size == 8
+    assert ConvVAEConfig.from_card({"channels": [8, 16], "padded_size": 30}).latent_size == 15, "one halving"
+    assert ConvVAEConfig.from_card({"channels": [5, 3], "padded_size": 30}).latent_size == 15, "fewer than 8: 1 group"
+    with pytest.raises(BadInput, match=r"config: channels \[12\] do not split into GroupNorm's min\(8, channels\)"):
+        ConvVAEConfig.from_card({"channels": [8, 12]})
+    for bound in (1e-6, 1e6):
+        assert ConvVAEConfig.from_card({"scaling_factor": bound}).scaling_factor == bound
     for far in (1e-45, 1e7):  # the decoder divides by it: a denormal one made every image inf
         with pytest.raises(BadInput, match="scaling_factor"):
             ConvVAEConfig.from_card({"scaling_factor": far})
