@@ -205,9 +205,16 @@ def diff_command(
         table.add_column(column, overflow="fold")
     for w in report["weights"]:
         changed = w["status"] == "changed"
-        largest = ", ".join(f"{r['tensor']} ({_number(r['relative_change'], 3)})" for r in w.get("largest", []))
-        table.add_row(escape(w["name"]), w["status"], f"{w['tensors_changed']} of {w['tensors']}" if changed else "",
-                      _number(w["relative_change"], 4) if changed else "", escape(largest))
+        largest = [f"{r['tensor']} ({_number(r['relative_change'], 3)})" for r in w.get("largest", [])]
+        # tensors that cannot be compared value by value: in one file only, or of another shape (another config)
+        kinds = (("reshaped", "reshaped"), ("only_in_a", f"only in {report['a']}"),
+                 ("only_in_b", f"only in {report['b']}"))
+        apart = [(what, w[key]) for key, what in kinds if w.get(key)]
+        largest += [f"{what}: {', '.join(names[:3])}{', …' if len(names) > 3 else ''}" for what, names in apart]
+        count = "".join([f"{w['tensors_changed']} of {w['tensors']}", *(f", {len(n)} {what}" for what, n in apart)]) \
+            if changed else ""
+        table.add_row(escape(w["name"]), w["status"], count,
+                      _number(w["relative_change"], 4) if changed else "", escape("; ".join(largest)))
     out.print(table)
 
 

@@ -154,3 +154,36 @@ def test_integer_tensors_are_equal_or_not_and_an_all_zero_file_moved_by_nothing(
     assert moved["largest"] == [{"tensor": "step", "relative_change": None, "max_abs_change": None}]
     assert moved["tensors_changed"] == 1 and moved["relative_change"] == 0.0, "no float moved: 0, not unknown"
     assert diff._weights("components", "counter", Weights(files[0]), Weights(files[2]), 5)["status"] == "same"
+
+
+def test_the_table_names_tensors_of_another_shape_or_in_one_card_only(examples, monkeypatch):
+    """A card of another config (another patch, no cross-attention norm, a block more) shares tensors it cannot be
+    compared on: the table said "0 of N, 0" as if nothing had changed; they are now counted and named, as --json
+    lists them."""
+    from cardtool.backends.wan_config import WanDiTConfig
+
+    monkeypatch.setenv("CARDTOOL_PATH", str(examples))
+    base = load_file(str(examples / "tiny-base" / "transformer.safetensors"))
+    config = {"dim": 32, "depth": 3, "heads": 2, "ffn_dim": 64, "patch": [1, 4, 4], "text_dim": 384, "freq_dim": 64,
+              "cross_attn_norm": False}
+    shapes = WanDiTConfig(**config).tensors()
+    folder = examples / "other"
+    folder.mkdir()
+    save_file({k: base[k] if k in base and base[k].shape == shape else np.zeros(shape, np.float32)
+               for k, shape in shapes.items()}, str(folder / "transformer.safetensors"))
+    (folder / "card.yaml").write_text(
+        f"schema: cardtool/v1\nid: other\nextends: tiny-base\ncomponents:\n  transformer:\n"
+        f"    config: {json.dumps(config)}\n    weights: transformer.safetensors\n"
+        f"    sha256: {sha256_file(folder / 'transformer.safetensors')}\n"
+        "recipe: {method: finetune, parents: [tiny-base]}\n")
+    result = CliRunner().invoke(app, ["cards", "diff", "tiny-base", "other", "--json"])
+    assert result.exit_code == 0, result.stdout
+    moved = next(w for w in json.loads(result.stdout)["weights"] if w["name"] == "transformer")
+    reshaped = ["patch_embedding.weight", "proj_out.bias", "proj_out.weight"]
+    assert moved["reshaped"] == reshaped and moved["tensors_changed"] == 0
+    assert moved["only_in_a"] == ["blocks.0.norm2.bias", "blocks.0.norm2.weight", "blocks.1.norm2.bias",
+                                  "blocks.1.norm2.weight"] and len(moved["only_in_b"]) == 25
+    table = CliRunner().invoke(app, ["cards", "diff", "tiny-base", "other"], env={"COLUMNS": "1000"}).stdout
+    assert f"0 of {len(base) + 25}, 3 reshaped, 4 only in tiny-base, 25 only in other" in table, table
+    assert f"reshaped: {', '.join(reshaped)}; only in tiny-base: blocks.0.norm2.bias, blocks.0.norm2.weight, " \
+           "blocks.1.norm2.bias, …; only in other: blocks.2." in table, table
