@@ -55,6 +55,12 @@ def test_vae_config_is_checked():
     assert ConvVAEConfig.from_card({"channels": [5, 3], "padded_size": 30}).latent_size == 15, "fewer than 8: 1 group"
     with pytest.raises(BadInput, match=r"config: channels \[12\] do not split into GroupNorm's min\(8, channels\)"):
         ConvVAEConfig.from_card({"channels": [8, 12]})
+    refused = (("image_size", 28.0, "valid integer"), ("image_size", 0, "greater than or equal to 1"),
+               ("padded_size", 1025, "less than or equal to 1024"))
+    for field, value, message in refused:
+        with pytest.raises(BadInput, match=f"{field}: Input should be (a )?{message}, got {value}"):
+            ConvVAEConfig.from_card({field: value})
+    assert ConvVAEConfig.from_card({"padded_size": 1024, "image_size": 1024}).latent_size == 256
     for bound in (1e-6, 1e6):
         assert ConvVAEConfig.from_card({"scaling_factor": bound}).scaling_factor == bound
     for far in (1e-45, 1e7):  # the decoder divides by it: a denormal one made every image inf
