@@ -56,11 +56,15 @@ def test_vae_config_is_checked():
     with pytest.raises(BadInput, match=r"config: channels \[12\] do not split into GroupNorm's min\(8, channels\)"):
         ConvVAEConfig.from_card({"channels": [8, 12]})
     refused = (("image_size", 28.0, "valid integer"), ("image_size", 0, "greater than or equal to 1"),
-               ("padded_size", 1025, "less than or equal to 1024"))
+               ("padded_size", 1025, "less than or equal to 1024"), ("image_channels", 5, "less than or equal to 4"),
+               ("image_channels", 1.0, "valid integer"))
     for field, value, message in refused:
         with pytest.raises(BadInput, match=f"{field}: Input should be (a )?{message}, got {value}"):
             ConvVAEConfig.from_card({field: value})
     assert ConvVAEConfig.from_card({"padded_size": 1024, "image_size": 1024}).latent_size == 256
+    assert ConvVAEConfig.from_card({"channels": [8] * 6, "padded_size": 64}).latent_size == 2
+    with pytest.raises(BadInput, match="channels: Tuple should have at most 6 items"):
+        ConvVAEConfig.from_card({"channels": [8] * 7, "padded_size": 64})
     for bound in (1e-6, 1e6):
         assert ConvVAEConfig.from_card({"scaling_factor": bound}).scaling_factor == bound
     for far in (1e-45, 1e7):  # the decoder divides by it: a denormal one made every image inf
