@@ -95,3 +95,20 @@ def test_short_repr_never_converts_a_huge_integer():
     assert short_repr(2**63 - 1) == str(2**63 - 1) and short_repr(2**63) == "an integer of 64 bits"
     assert short_repr("x" * 58) == repr("x" * 58) and short_repr("x" * 59) == repr("x" * 59)[:57] + "..."
     assert short_repr("x" * 1000).endswith("...") and short_repr([1, 2]) == "a list"
+
+
+@pytest.mark.parametrize(("config", "expected"), [
+    ({"width": 16.0}, "width: Input should be a valid integer, got 16.0"),
+    ({"width": 520}, "width: Input should be less than or equal to 512, got 520"),
+    ({"width": 12}, "width 12 must be a multiple of 8"),
+    ({"dropout": 1.0}, "dropout: Input should be less than 1, got 1.0"),
+    ({"classes": 0}, "classes: Input should be greater than or equal to 1, got 0"),
+])
+def test_fashion_cnn_config_problems_name_the_field(config, expected):
+    text = "; ".join(f"{'.'.join(where)}: {message}" for where, message, _ in config_problems(FashionCNNConfig, config))
+    assert expected in text, text
+
+
+def test_fashion_cnn_sizes_at_their_bounds_validate():
+    assert config_problems(FashionCNNConfig, {"width": 512, "dropout": 0.0, "classes": 1}) == []
+    assert config_problems(FashionCNNConfig, {"width": 8}) == []
