@@ -68,6 +68,14 @@ def test_unknown_top_level_key_lists_the_allowed_keys(tmp_path):
     assert "allowed here: schema, id, description, extends, components" in message
 
 
+def test_an_unknown_key_in_an_adapter_lists_the_keys_of_its_kind(tmp_path):
+    """An adapter is a LoRA or a ControlNet (a union told apart by `kind`): the keys offered are its kind's."""
+    folder = card(tmp_path, MINIMAL.replace("rank: 4, alpha: 4}", "rank: 4, alpha: 4, zzz: 1}"))
+    [message] = problems(folder)
+    assert message.endswith("adapters.invert.zzz: unknown key (fix: remove it; allowed here: kind, target, weights, "
+                            "sha256, rank, alpha, targets)")
+
+
 def test_wrong_type_names_line_and_field(tmp_path):
     folder = card(tmp_path, MINIMAL.replace("rank: 4", 'rank: "four"'))
     [message] = problems(folder)

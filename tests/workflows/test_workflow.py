@@ -252,6 +252,21 @@ def test_an_adapter_a_card_does_not_declare_is_refused_naming_the_loras_it_does(
     assert hit.message == "card 'tiny-base' declares no LoRA 'nope'" and hit.fix == "name one of its LoRAs: invert"
 
 
+def test_an_unknown_key_in_a_step_lists_the_keys_of_its_kind(examples, tmp_path):
+    """A chain takes its prompts from its input: `prompts` there is refused with what a chain does take."""
+    from cardtool.core.workflows.manifest import load_workflow
+    from cardtool.errors import CardValidationError
+
+    path = write(tmp_path, examples, "  a:\n    generate: {card: EX/tiny-base, prompts: [x]}\n"
+                                     "  b:\n    chain: {input: a, card: EX/tiny-base, prompts: [y]}\n")
+    with pytest.raises(CardValidationError) as error:
+        load_workflow(path)
+    [problem] = error.value.problems
+    assert (problem.field, problem.message) == ("steps.b.chain.prompts", "unknown key")
+    assert problem.fix.startswith("remove it; allowed here: steps, guidance,") and problem.fix.endswith(
+        "input, card, strength")
+
+
 def test_a_toml_workflow_and_a_set_override(examples, tmp_path):
     path = tmp_path / "w.toml"
     path.write_text(f'schema = "cardtool/v1"\nkind = "workflow"\nid = "t"\n[steps.one.generate]\n'
