@@ -42,6 +42,8 @@ def test_recipe_is_never_inherited(examples):
         load_card(examples / "tiny-rl")
     [problem] = info.value.problems
     assert problem.field == "recipe" and "recipe is never inherited" in problem.fix
+    # in the card that lacks it, not at the parent's own recipe (which is no inherited one)
+    assert (problem.file, problem.line, problem.column) == ("examples/tiny-rl/card.toml", 1, 1)
 
 
 def test_toml_and_yaml_manifests_are_the_same_card(examples, tmp_path):
@@ -195,6 +197,21 @@ def test_problem_in_the_parent_is_reported_in_the_parent_file(examples):
     files = [p.file for p in info.value.problems]
     assert files == ["examples/tiny-rl/card.toml", "examples/tiny-base/card.yaml"]
     assert info.value.problems[1].field == "components.vae.colour"
+
+
+def test_a_problem_the_child_makes_of_a_field_the_parent_declares_is_located_in_the_parent(examples):
+    """The child removes the text encoder its parent's loop uses: the loop's `uses` list, written in the parent's file,
+    is where the problem is (the parent alone is valid, so only the merged card shows it)."""
+    child = examples / "child"
+    child.mkdir()
+    (child / "card.yaml").write_text("schema: cardtool/v1\nid: child\nextends: tiny-base\ncomponents:\n"
+                                     "  text_encoder: null\nrecipe: {method: finetune, parents: [tiny-base]}\n")
+    with pytest.raises(CardValidationError) as info:
+        load_card(child)
+    [problem] = info.value.problems
+    assert (problem.file, problem.field) == ("examples/tiny-base/card.yaml", "loops.denoise.uses.0")
+    line = (examples / "tiny-base" / "card.yaml").read_text().splitlines()[problem.line - 1]
+    assert "uses: [text_encoder" in line and problem.column == line.index("text_encoder") + 1
 
 
 def _to_toml(data: dict) -> str:

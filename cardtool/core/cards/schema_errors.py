@@ -16,9 +16,12 @@ from cardtool.errors import Problem
 __all__ = ["locate_problem", "schema_problems"]
 
 
-def locate_problem(sources, path: FieldPath, message: str, fix: str = "", *, key: bool = False) -> Problem:
-    """A problem located in whichever manifest (the card's own or one it extends) declares `path`."""
-    for n in range(len(path), 0, -1):
+def locate_problem(sources, path: FieldPath, message: str, fix: str = "", *, key: bool = False,
+                   missing: bool = False) -> Problem:
+    """A problem located in whichever manifest (the card's own or one it extends) declares `path` — for a `missing`
+    key, the mapping it is missing from: a parent's own `recipe`, which is never inherited, is not where the card's is
+    missing."""
+    for n in range(len(path) - (1 if missing else 0), 0, -1):
         for source in sources:
             if path[:n] in source.keys:
                 return source.problem(path, message, fix, key=key)
@@ -39,7 +42,7 @@ def schema_problems(error: ValidationError, data: dict, sources: tuple[Source, .
             fix = f"add '{path[-1]}'"
             if path == ("recipe",) and "extends" in data:
                 fix += " (a derived card states its own recipe; recipe is never inherited)"
-            problems.append(locate_problem(sources, path, "required field is missing", fix, key=True))
+            problems.append(locate_problem(sources, path, "required field is missing", fix, key=True, missing=True))
         elif kind in ("union_tag_invalid", "union_tag_not_found"):
             expected = (e.get("ctx") or {}).get("expected_tags", "'lora', 'controlnet'")
             message = f"unknown or missing adapter kind; expected {expected}"
