@@ -157,7 +157,21 @@ def test_a_dit_of_any_valid_patch_is_compared_with_numpy(tmp_path, patch):
                for k, s in WanDiTConfig(**config).tensors().items()}, tmp_path / "dit.safetensors")
     rows = component_rows("transformer", "wan-dit", config, tmp_path / "dit.safetensors", Platform("cpu", "generic"))
     assert [(r.dtype, r.passed, r.error) for r in rows] == [("float64", True, ""), ("float32", True, "")]
-    assert rows[0].max_abs_err > 0 and rows[0].shapes[0].startswith("2x4x1x")
+    assert 0 < rows[0].max_abs_err < 1e-9 and rows[0].shapes[0].startswith("2x4x1x")
+
+
+def test_a_component_that_cannot_run_is_a_failed_row_and_one_without_a_numpy_forward_has_none(tmp_path):
+    from safetensors.numpy import save_file
+
+    from cardtool.backends.component_parity import component_rows
+
+    config = dict(dim=16, depth=1, heads=2, ffn_dim=16, in_channels=4, out_channels=4, text_dim=8, freq_dim=8)
+    save_file({"x": np.zeros(1, np.float32)}, tmp_path / "other.safetensors")  # not this DiT's tensors
+    rows = component_rows("transformer", "wan-dit", config, tmp_path / "other.safetensors", Platform("cpu", "generic"))
+    assert [r.passed for r in rows] == [False, False] and all(r.error for r in rows), rows
+    assert component_rows("judge", "fashion-cnn", {}, tmp_path / "other.safetensors", Platform("cpu", "generic")) == []
+    assert component_rows("transformer", "wan-dit", config, tmp_path / "other.safetensors",
+                          Platform("numpy", "generic")) == [], "numpy against itself compares nothing"
 
 
 def test_a_cell_declaring_only_a_low_precision_is_also_held_to_numpy_in_float32(kernels):
