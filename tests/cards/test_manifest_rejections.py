@@ -68,6 +68,12 @@ def test_unknown_top_level_key_lists_the_allowed_keys(tmp_path):
     assert "allowed here: schema, id, description, extends, components" in message
 
 
+def test_a_card_of_its_own_missing_its_recipe_is_told_to_add_it_and_no_more(tmp_path):
+    """The note that a recipe is never inherited is for a card that extends another."""
+    folder = card(tmp_path, MINIMAL[:MINIMAL.index("recipe:")])
+    assert problems(folder) == ["cards/x/card.yaml:1:1: recipe: required field is missing (fix: add 'recipe')"]
+
+
 def test_an_unknown_key_in_an_adapter_lists_the_keys_of_its_kind(tmp_path):
     """An adapter is a LoRA or a ControlNet (a union told apart by `kind`): the keys offered are its kind's."""
     folder = card(tmp_path, MINIMAL.replace("rank: 4, alpha: 4}", "rank: 4, alpha: 4, zzz: 1}"))
