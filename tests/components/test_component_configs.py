@@ -112,3 +112,12 @@ def test_fashion_cnn_config_problems_name_the_field(config, expected):
 def test_fashion_cnn_sizes_at_their_bounds_validate():
     assert config_problems(FashionCNNConfig, {"width": 512, "dropout": 0.0, "classes": 1}) == []
     assert config_problems(FashionCNNConfig, {"width": 8}) == []
+
+
+def test_an_encoder_max_length_is_a_whole_number_up_to_4096():
+    from cardtool.backends.hf_encoder_config import HFEncoderConfig
+
+    assert config_problems(HFEncoderConfig, {"max_length": 4096}) == []
+    for value, message in ((16.0, "valid integer, got 16.0"), (4097, "less than or equal to 4096, got 4097")):
+        [(where, text, _)] = config_problems(HFEncoderConfig, {"max_length": value})
+        assert where == ("max_length",) and message in text
