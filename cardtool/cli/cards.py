@@ -211,8 +211,8 @@ def diff_command(
                  ("only_in_b", f"only in {report['b']}"))
         apart = [(what, w[key]) for key, what in kinds if w.get(key)]
         largest += [f"{what}: {', '.join(names[:3])}{', …' if len(names) > 3 else ''}" for what, names in apart]
-        count = "".join([f"{w['tensors_changed']} of {w['tensors']}", *(f", {len(n)} {what}" for what, n in apart)]) \
-            if changed else ""
+        count = ", ".join([f"{w['tensors_changed']} of {w['tensors']}", *(f"{len(n)} {what}" for what, n in apart)]) \
+            if changed else ""  # a file the same as A's has no counts
         table.add_row(escape(w["name"]), w["status"], count,
                       _number(w["relative_change"], 4) if changed else "", escape("; ".join(largest)))
     out.print(table)

@@ -6,11 +6,14 @@ import json
 
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
 from typer.testing import CliRunner
 
 from cardtool.backends.builtin import OPS
+from cardtool.backends.component_parity import component_rows
 from cardtool.backends.parity import compare_arrays, run_parity
 from cardtool.backends.platform import Platform, cpu_tier
+from cardtool.backends.wan_config import WanDiTConfig
 from cardtool.cli import app
 
 HERE = Platform("cpu", cpu_tier()[0])
@@ -142,16 +145,14 @@ def test_arrays_of_other_shapes_never_match():
     assert compare_arrays(np.zeros(3), np.zeros((1, 3)), 1.0, 1.0) == (np.inf, np.inf, False)
 
 
+SMALL_DIT = {"dim": 16, "depth": 1, "heads": 2, "ffn_dim": 16, "in_channels": 4, "out_channels": 4, "text_dim": 8,
+             "freq_dim": 8}
+
+
 @pytest.mark.parametrize("patch", [[1, 2, 2], [1, 3, 3], [1, 16, 16], [1, 1, 8]])
 def test_a_dit_of_any_valid_patch_is_compared_with_numpy(tmp_path, patch):
     """`parity --card` fed every DiT 8 × 8 latents, which a patch of 3 or 16 does not tile: a valid card failed."""
-    from safetensors.numpy import save_file
-
-    from cardtool.backends.component_parity import component_rows
-    from cardtool.backends.wan_config import WanDiTConfig
-
-    config = dict(dim=16, depth=1, heads=2, ffn_dim=16, in_channels=4, out_channels=4, text_dim=8, freq_dim=8,
-                  patch=patch)
+    config = {**SMALL_DIT, "patch": patch}
     rng = np.random.default_rng(0)
     save_file({k: (rng.standard_normal(s) * 0.1).astype(np.float32)
                for k, s in WanDiTConfig(**config).tensors().items()}, tmp_path / "dit.safetensors")
@@ -161,11 +162,7 @@ def test_a_dit_of_any_valid_patch_is_compared_with_numpy(tmp_path, patch):
 
 
 def test_a_component_that_cannot_run_is_a_failed_row_and_one_without_a_numpy_forward_has_none(tmp_path):
-    from safetensors.numpy import save_file
-
-    from cardtool.backends.component_parity import component_rows
-
-    config = dict(dim=16, depth=1, heads=2, ffn_dim=16, in_channels=4, out_channels=4, text_dim=8, freq_dim=8)
+    config = SMALL_DIT
     save_file({"x": np.zeros(1, np.float32)}, tmp_path / "other.safetensors")  # not this DiT's tensors
     rows = component_rows("transformer", "wan-dit", config, tmp_path / "other.safetensors", Platform("cpu", "generic"))
     assert [r.passed for r in rows] == [False, False] and all(r.error for r in rows), rows

@@ -3,6 +3,7 @@ card's text encoder and VAE, and gives diffusers' velocity; what cannot be the s
 
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 
@@ -11,11 +12,13 @@ import torch
 from typer.testing import CliRunner
 
 from cardtool.backends.platform import Platform
+from cardtool.backends.wan_config import from_diffusers
 from cardtool.cli import app
 from cardtool.core.cards.loader import load_card
 from cardtool.core.sampling.denoise import DenoiseLoop, Request
 from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.sampling.text_cache import TextFeatureCache
+from cardtool.errors import BadInput
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -202,10 +205,6 @@ def test_what_cannot_be_the_same_model_is_refused(examples, tmp_path, case, mess
 def test_keys_a_config_json_leaves_out_take_diffusers_defaults():
     """A config.json saved by an older diffusers (or written by hand) may omit a key; diffusers builds its own default
     for it, so the imported card must too."""
-    import inspect
-
-    from cardtool.backends.wan_config import from_diffusers
-
     defaults = {name: p.default for name, p in inspect.signature(diffusers.WanTransformer3DModel).parameters.items()}
     assert from_diffusers({}) == from_diffusers(defaults)
     assert from_diffusers({}).to_diffusers() == {k: list(v) if isinstance(v, tuple) else v for k, v in defaults.items()
@@ -220,8 +219,5 @@ def test_keys_a_config_json_leaves_out_take_diffusers_defaults():
     ({"num_layers": 0}, r"wan-dit \(from config.json\) config: depth: "),
 ])
 def test_a_config_json_a_wan_dit_cannot_be_is_refused_by_its_key(config, message):
-    from cardtool.backends.wan_config import from_diffusers
-    from cardtool.errors import BadInput
-
     with pytest.raises(BadInput, match=message):
         from_diffusers(config)
