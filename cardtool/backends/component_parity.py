@@ -9,6 +9,7 @@ import numpy as np
 
 from cardtool.backends.parity import ParityRow, compare_arrays
 from cardtool.backends.platform import Platform
+from cardtool.backends.precision import full_float32
 from cardtool.backends.registry import COMPONENTS
 
 __all__ = ["COMPONENT_TOLERANCES", "component_rows"]
@@ -30,7 +31,7 @@ def component_rows(name: str, impl: str, config: dict, weights: Path, platform: 
             torch_model = COMPONENTS.resolve(impl, platform)[1](config, weights, None, platform, dtype)
             numpy_model = COMPONENTS.resolve(impl, Platform("numpy", "generic"))[1](config, weights, None,
                                                                                      platform, "float64")
-            for shapes, actual, expected in _run(impl, torch_model, numpy_model, platform.torch_device, dtype):
+            for shapes, actual, expected in _run(impl, torch_model, numpy_model, platform, dtype):
                 abs_err, rel_err, ok = compare_arrays(actual, expected, atol, rtol)
                 row.max_abs_err, row.max_rel_err = max(row.max_abs_err, abs_err), max(row.max_rel_err, rel_err)
                 row.passed &= ok
@@ -41,9 +42,10 @@ def component_rows(name: str, impl: str, config: dict, weights: Path, platform: 
     return rows
 
 
-def _run(impl, torch_model, numpy_model, device, dtype):
+def _run(impl, torch_model, numpy_model, platform, dtype):
     import torch
 
+    device = platform.torch_device
     rng = np.random.default_rng(0)
     tensor = lambda a: torch.as_tensor(a, device=device).to(getattr(torch, dtype))  # noqa: E731
     rounded = lambda a: a.astype(dtype).astype(np.float64)  # noqa: E731 - both sides see the same numbers
@@ -56,14 +58,14 @@ def _run(impl, torch_model, numpy_model, device, dtype):
         text = rounded(rng.standard_normal((2, 8, c.text_dim)))
         mask = np.ones((2, 8), dtype=bool)
         mask[1, 5:] = False
-        with torch.no_grad():
+        with torch.no_grad(), full_float32(platform):
             actual = torch_model(tensor(x), tensor(t), tensor(text), torch.as_tensor(mask, device=device))
         yield f"2x{c.in_channels}x{frames}x{rows}x{cols}, text 2x8 masked", actual.double().cpu().numpy(), \
             numpy_model(x, t, text, mask)
     else:
         c = torch_model.config
         z = rounded(rng.standard_normal((2, c.latent_channels, c.latent_size, c.latent_size)))
-        with torch.no_grad():
+        with torch.no_grad(), full_float32(platform):
             actual = torch_model.decode(tensor(z))
         yield f"decode 2x{c.latent_channels}x{c.latent_size}x{c.latent_size}", actual.double().cpu().numpy(), \
             numpy_model.decode(z)

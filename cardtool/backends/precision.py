@@ -16,8 +16,8 @@ import contextlib
 from cardtool.backends.platform import Platform
 from cardtool.errors import BadInput
 
-__all__ = ["FLOAT32_MAX", "PRECISIONS", "LOW_PRECISIONS", "autocast", "check_precision", "kernel_variant",
-           "weights_dtype"]
+__all__ = ["FLOAT32_MAX", "PRECISIONS", "LOW_PRECISIONS", "autocast", "check_precision", "full_float32",
+           "kernel_variant", "weights_dtype"]
 
 PRECISIONS = ("float64", "float32", "bfloat16", "float16")
 # the largest float32: training computes in it (torch refuses a larger Python scalar for it), and products run in it
@@ -53,9 +53,40 @@ def kernel_variant(precision: str) -> str:
 
 
 def autocast(platform: Platform, precision: str):
-    """The context the components run under: torch autocast to the low dtype, or nothing."""
-    if precision not in LOW_PRECISIONS or platform.device == "numpy":
+    """The context the components run under: torch autocast to the low dtype; at float32 and float64 on CUDA,
+    `full_float32`; else nothing."""
+    if platform.device == "numpy":
         return contextlib.nullcontext()
+    if precision not in LOW_PRECISIONS:
+        return full_float32(platform)
     import torch
 
     return torch.autocast(device_type=platform.torch_device, dtype=getattr(torch, precision))
+
+
+@contextlib.contextmanager
+def full_float32(platform: Platform):
+    """On CUDA, float32 products in IEEE float32 while the context lasts, the caller's settings restored after.
+    PyTorch runs cuDNN's float32 convolutions in TF32 on sm80+ by default (10 mantissa bits; it keeps cuBLAS's
+    matmuls in float32 unless asked): fashion-base's VAE decoded 4.9e-4 off its numpy float64 forward on an H200,
+    and `parity --card` failed its float32 row (atol 1e-4). float32 means float32 here, as it does on the CPU."""
+    if platform.device != "cuda":
+        yield
+        return
+    import torch
+
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    # torch ≥ 2.9 has per-operator settings and refuses to read the legacy flags once they differ (conv and RNN):
+    # use one API only, whichever this torch has
+    new_api = hasattr(getattr(cudnn, "conv", None), "fp32_precision")
+    conv_owner, conv_name = (cudnn.conv, "fp32_precision") if new_api else (cudnn, "allow_tf32")
+    mm_name = "fp32_precision" if new_api else "allow_tf32"
+    off = "ieee" if new_api else False
+    saved = getattr(conv_owner, conv_name), getattr(matmul, mm_name)
+    setattr(conv_owner, conv_name, off)
+    setattr(matmul, mm_name, off)
+    try:
+        yield
+    finally:
+        setattr(conv_owner, conv_name, saved[0])
+        setattr(matmul, mm_name, saved[1])

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
+from cardtool.backends.precision import full_float32
 from cardtool.core.data import CLASS_NAMES, IMAGE_SIZE
 from cardtool.core.prompts import SYNONYMS, class_prompt
 from cardtool.core.sampling.instance import ModelInstance
@@ -67,7 +68,7 @@ class FashionJudge:
 
         model, out = self._model(), []
         device = next(model.parameters()).device
-        with torch.no_grad():
+        with torch.no_grad(), full_float32(self.instance.platform):  # a measure: the same float32 on every device
             for i in range(0, max(len(images), 1), size):  # no images: one empty batch, for the result's shape
                 x = torch.from_numpy(images[i:i + size].astype(np.float32) / 127.5 - 1.0)[:, None].to(device)
                 out.append(fn(model, x).float().cpu().numpy())
