@@ -76,3 +76,24 @@ def test_the_judge_reads_images_in_the_range_it_was_trained_on(fashion_mnist, mo
     none = np.zeros((0, 28, 28), np.uint8)
     assert judge.probabilities(none).shape == (0, 10) and judge.features(none).shape == (0, 256)
     assert judge.score(none, []).shape == (0,)
+
+
+def test_a_rows_speed_leaves_out_what_the_device_does_once(tmp_path, monkeypatch):
+    """The first sampling at a precision pays one-time costs (on an H200 1.7 s for bfloat16, as long as a 1,000-image
+    row's whole work): the row samples one request untimed first, so images/s is the steady rate. A clock that moves
+    only while sampling: 100 s for the first call, 1 s for each later one."""
+    from cardtool.core.evaluation import evaluate as module
+
+    clock, calls = [0.0], []
+
+    def timed_sample(*args, **kwargs):
+        calls.append(len(args[1]))
+        clock[0] += 100.0 if len(calls) == 1 else 1.0
+        return sample(*args, **kwargs)
+
+    sample = module.sample
+    monkeypatch.setattr(module, "sample", timed_sample)
+    monkeypatch.setattr(module.time, "perf_counter", lambda: clock[0])
+    report = evaluate(str(EXAMPLE_CARDS / "tiny-base"), judge=str(EXAMPLE_CARDS / "tiny-judge"), steps=[2],
+                      per_class=1, data=str(write_idx_folder(tmp_path / "idx")))
+    assert calls == [1, 10] and report.rows[0].images_per_second == 10.0

@@ -96,11 +96,10 @@ def test_an_eval_row_of_nan_images_is_null_and_the_others_are_measured(examples,
     data = write_idx_folder(tmp_path / "idx")
     args = ["eval", str(examples / "tiny-base"), "--judge", str(EXAMPLE_CARDS / "tiny-judge"), "--per-class", "1",
             "--steps", "1", "--data", str(data)]
-    real_sample, calls = evaluate.sample, []
+    real_sample = evaluate.sample
 
     def first_row_overflows(loop, requests, **options):
-        calls.append(len(requests))
-        if len(calls) == 1:
+        if requests[0].steps == 1 and len(requests) > 1:  # the first row's images, not its untimed first request
             raise NonFiniteImages("tiny-base", requests, len(requests))
         return real_sample(loop, requests, **options)
 
