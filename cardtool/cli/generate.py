@@ -111,8 +111,8 @@ def generate_command(
         given = {"control": control, "image": init, "mask": mask}  # a file given here in place of the recorded one
         differ = [d for d in unlike(model, report.images[0].metadata) if given.get(d) is None]
         if differ:
-            report.warnings.append(f"{model.path.name} was made with other {', '.join(differ)} than this run's: "
-                                   "its image is not made again bit for bit")
+            report.warnings.append(f"{model.path.name} and this run differ in {'; '.join(differ)}: its image is not "
+                                   "made again bit for bit")
     for warning in report.warnings:
         warn(warning)
     if json_:

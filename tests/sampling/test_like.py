@@ -82,7 +82,9 @@ def test_an_image_made_elsewhere_is_remade_with_a_warning_naming_why_it_differs(
     result, report = run("generate", "--like", moved, "--out", tmp_path / "f")
     assert result.exit_code == 0, result.output
     [warning] = report["warnings"]
-    assert "made with other weights of transformer, platform" in warning and "not made again bit for bit" in warning
+    here = f"{metadata['platform']} here"
+    assert f"differ in weights of transformer; platform (cuda/sm90 there, {here}): its image is not made again bit " \
+        "for bit" in warning
 
 
 def test_best_of_n_is_made_again_from_the_request_seed(on_path, tmp_path):
@@ -176,7 +178,9 @@ def test_unlike_tells_start_images_and_control_images_apart_by_content_and_prepr
     chain = {**like.metadata, "input": "draft/0", "platform": "cuda/sm90"}
     like.metadata = chain
     assert unlike(like, {**chain, "image": json.dumps({**record, "sha256": "b" * 64}), "platform": "cpu"}) == [
-        "platform"]
+        "platform (cuda/sm90 there, cpu here)"]
+    like.metadata = {**chain, "cardtool": "9" * 50}
+    assert unlike(like, {**chain, "cardtool": None}) == [f"cardtool ({'9' * 39}… there, none recorded here)"]
 
 
 def test_the_solver_and_precision_of_an_image_are_made_again(on_path, tmp_path):

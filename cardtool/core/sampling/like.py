@@ -99,7 +99,15 @@ def unlike(like: Like, made: dict[str, str]) -> list[str]:
         if isinstance(old, dict) and isinstance(new, dict):
             changed = sorted(str(k) for k in {*old, *new} if old.get(k) != new.get(k))
             differ[differ.index("weights")] = "weights of " + ", ".join(changed)
+    for key in ("platform", "cardtool"):  # short records worth showing: which machine or version made it
+        if key in differ:
+            there, here = (_cut(record.get(key)) for record in (like.metadata, made))
+            differ[differ.index(key)] = f"{key} ({there} there, {here} here)"
     return differ
+
+
+def _cut(value: str | None) -> str:
+    return "none recorded" if value is None else value if len(value) <= 40 else value[:39] + "…"
 
 
 def _identity(key: str, value: str | None):
