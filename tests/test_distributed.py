@@ -79,6 +79,54 @@ def test_launch_variables_that_cannot_be_are_a_clear_error_before_joining(tmp_pa
     assert result.exit_code == 2 and message in json.loads(result.stdout)["error"]["message"], result.output
 
 
+@pytest.mark.parametrize(("visible", "message"), [
+    (1, "LOCAL_RANK=1, but this process sees 1 CUDA device (one per process): start at most 1 per node (torchrun "
+        "--nproc-per-node 1), or run on the CPU with --device cpu"),
+    (0, "LOCAL_RANK=1, but this process sees no CUDA devices (one per process): run on the CPU with --device cpu"),
+])
+def test_more_processes_on_a_node_than_it_has_gpus_is_a_clear_error_before_joining(monkeypatch, visible, message):
+    """torchrun --nproc-per-node 2 on a one-GPU machine: rank 1 asked CUDA for device 1 before, whose "invalid device
+    ordinal" is a RuntimeError, not a message."""
+    import torch
+
+    from cardtool.core import distributed
+    from cardtool.errors import BadInput
+
+    launch = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "localhost", "MASTER_PORT": "29599"}
+    for name, value in launch.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: pytest.fail("asked CUDA for a device it lacks"))
+    with pytest.raises(BadInput) as caught:
+        distributed.ranks("cuda")
+    assert str(caught.value) == message
+
+
+def test_ranks_sum_in_float64_on_the_groups_device(monkeypatch):
+    """One process: the values themselves. Several: one all_reduce of a float64 tensor on the group's device (nccl
+    takes no CPU tensor: a GPU training run's loss summed on the CPU would fail its first step; found by reading)."""
+    import torch
+    import torch.distributed as dist
+
+    from cardtool.core.distributed import Ranks
+
+    assert Ranks().sum([1.5, 2.0]) == [1.5, 2.0]
+    seen = []
+
+    def two_ranks(tensor):
+        seen.append((tensor.dtype, tensor.device))
+        tensor.mul_(2)
+
+    monkeypatch.setattr(dist, "all_reduce", two_ranks)
+    assert Ranks(1, 2, 1, "cpu").sum([0.1, 1e300]) == [0.2, 2e300]
+    assert seen == [(torch.float64, torch.device("cpu"))]
+    made = []
+    monkeypatch.setattr(torch, "tensor", lambda values, **options: made.append(options) or torch.zeros(0))
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor: None)
+    Ranks(1, 2, 1, "cuda:1").sum([1.0])
+    assert made == [{"dtype": torch.float64, "device": "cuda:1"}]
+
+
 def test_eval_on_two_processes_measures_what_one_process_measures(tmp_path, monkeypatch):
     from helpers import write_idx_folder
 

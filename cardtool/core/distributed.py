@@ -26,6 +26,7 @@ class Ranks:
     rank: int = 0
     world: int = 1
     local: int = 0
+    device: str = "cpu"  # where the group's collectives take their tensors: nccl's are on this rank's GPU
 
     @property
     def main(self) -> bool:
@@ -63,6 +64,17 @@ class Ranks:
         done = work([items[i] for i in mine]) if mine else []
         parts = self.all_gather(list(zip(mine, done, strict=True)))
         return [result for _, result in sorted((pair for part in parts for pair in part), key=lambda pair: pair[0])]
+
+    def sum(self, values: list[float]) -> list[float]:
+        """Each of `values` summed over the ranks (float64), on every rank; `values` in one process."""
+        if self.world == 1:
+            return values
+        import torch
+        import torch.distributed as dist
+
+        total = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(total)
+        return total.tolist()
 
     def barrier(self) -> None:
         if self.world > 1:
@@ -129,6 +141,12 @@ def ranks(device: str = "cpu") -> Ranks:
     local = int(numbers["LOCAL_RANK"])
     if not dist.is_initialized():
         if device == "cuda":
+            visible = torch.cuda.device_count()
+            if local >= visible:  # set_device would fail with CUDA's "invalid device ordinal"
+                fewer = f"start at most {visible} per node (torchrun --nproc-per-node {visible}), or " * (visible > 0)
+                raise BadInput(f"LOCAL_RANK={local}, but this process sees {visible or 'no'} CUDA device"
+                               f"{'' if visible == 1 else 's'} (one per process): {fewer}run on the CPU with --device "
+                               "cpu")
             torch.cuda.set_device(local)
         try:
             dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=TIMEOUT)
@@ -136,5 +154,7 @@ def ranks(device: str = "cpu") -> Ranks:
             raise BadInput(f"cannot join the torchrun process group ({os.environ['MASTER_ADDR']}:"
                            f"{os.environ['MASTER_PORT']}, rank {os.environ['RANK']} of {world}): {e}") from None
         atexit.register(_leave)
-    return Ranks(dist.get_rank(), dist.get_world_size(), local)
+    # the group's own backend, not the caller's device: a later ranks() call without one joins nothing new
+    on_gpu = dist.get_backend() == "nccl"
+    return Ranks(dist.get_rank(), dist.get_world_size(), local, f"cuda:{local}" if on_gpu else "cpu")
 

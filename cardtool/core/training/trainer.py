@@ -217,7 +217,8 @@ def _train(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, resume
                     # the ranks average their gradients: each rank's is the mean over its own micro-batches
                     (loss if micro_batches == 1 else loss / micro_batches).backward()
                     loss_value += float(loss.detach()) / parts
-            loss_value = _sum(ranks, loss_value)
+            # summed over the ranks (each holding its micro-batches' share): one process's loss
+            [loss_value] = ranks.sum([loss_value])
             if not math.isfinite(loss_value):
                 raise _diverged(step, start, checkpoint, f"loss became {loss_value}", scaled)
             for group in groups:  # per module: a critic's large gradient must not shrink the generator's
@@ -301,27 +302,12 @@ def _diverged(step: int, start: int, checkpoint: Path, what: str, scaled: dict[s
                             "run again in a new --run-dir")
 
 
-def _sum(ranks, loss: float) -> float:
-    """The step's loss summed over the ranks (each holding its micro-batches' share): one process's loss."""
-    if ranks.world == 1:
-        return loss
-    import torch.distributed as dist
-
-    total = torch.tensor([loss], dtype=torch.float64)
-    dist.all_reduce(total)
-    return float(total)
-
-
 def _mean_over_ranks(ranks, metrics: dict[str, float]) -> dict[str, float]:
     """Each logged metric averaged over the ranks (every rank logs the same keys: the step's turn is shared)."""
     if ranks.world == 1 or not metrics:
         return metrics
-    import torch.distributed as dist
-
     keys = sorted(metrics)
-    values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
-    dist.all_reduce(values)
-    return dict(zip(keys, (values / ranks.world).tolist(), strict=True))
+    return {k: total / ranks.world for k, total in zip(keys, ranks.sum([metrics[k] for k in keys]), strict=True)}
 
 
 def _save(path: Path, recipe: Recipe, step: int, loss: float, seconds: float, modules, ema, optimizer,
