@@ -136,6 +136,18 @@ def test_parity_cli_with_a_card(examples):
     assert "transformer:wan-dit/" + Platform.detect().device + "/generic" in cells
 
 
+def test_a_card_without_the_loop_or_a_promise_has_no_generation_or_contract_rows(examples):
+    """A judge has no denoise loop (and its CNN no numpy forward): nothing to compare, not a crash; a card that
+    promises C0 has no contract to check."""
+    judge = examples / "tiny-judge" / "card.yaml"
+    judge.write_text(judge.read_text() + "parity:\n  consistency: C1\n")  # promised, with no loop to keep it
+    assert card_parity(load_card(judge.parent), CPU) == []
+    manifest = examples / "tiny-base" / "card.yaml"
+    manifest.write_text(manifest.read_text().replace("consistency: C1", "consistency: C0"))
+    rows = card_parity(load_card(examples / "tiny-base"), CPU)
+    assert len(rows) == 6 and not [r for r in rows if r.cell.startswith("contract:")]
+
+
 @pytest.mark.parametrize("level", ["C1", "C2", "C4"])
 def test_parity_checks_the_consistency_the_card_promises(examples, level):
     """`parity.consistency` is a contract `parity --card` verifies: C1 a second load gives the same bits, C2 also
@@ -148,6 +160,7 @@ def test_parity_checks_the_consistency_the_card_promises(examples, level):
     checks = {"C1": ["a 2nd load"], "C2": ["a 2nd load", "alone"], "C4": ["a 2nd load", "alone", "another device"]}
     assert [row["against"] for row in contract] == checks[level]
     assert contract[0]["passed"] and contract[0]["max_abs_err"] == 0, "C1 holds here, bit for bit"
+    assert all(row["atol"] == row["rtol"] == 0 for row in contract), "a contract is bits: no tolerance reported"
     # batch invariance is judged bit for bit too (it holds where the platform's products round alike at every
     # batch size: test_batch_invariance)
     assert all(row["passed"] == (row["max_abs_err"] == 0) for row in contract if row["against"] == "alone")
