@@ -12,6 +12,7 @@ low-precision run differs from float32 only by its products.
 from __future__ import annotations
 
 import contextlib
+import threading
 
 from cardtool.backends.platform import Platform
 from cardtool.errors import BadInput
@@ -69,24 +70,47 @@ def full_float32(platform: Platform):
     """On CUDA, float32 products in IEEE float32 while the context lasts, the caller's settings restored after.
     PyTorch runs cuDNN's float32 convolutions in TF32 on sm80+ by default (10 mantissa bits; it keeps cuBLAS's
     matmuls in float32 unless asked): fashion-base's VAE decoded 4.9e-4 off its numpy float64 forward on an H200,
-    and `parity --card` failed its float32 row (atol 1e-4). float32 means float32 here, as it does on the CPU."""
+    and `parity --card` failed its float32 row (atol 1e-4). float32 means float32 here, as it does on the CPU.
+    The settings are the process's: the first context in (of any thread, or nested) turns TF32 off, the last out
+    restores what the caller had."""
     if platform.device != "cuda":
         yield
         return
-    import torch
-
-    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
-    # torch ≥ 2.9 has per-operator settings and refuses to read the legacy flags once they differ (conv and RNN):
-    # use one API only, whichever this torch has
-    new_api = hasattr(getattr(cudnn, "conv", None), "fp32_precision")
-    conv_owner, conv_name = (cudnn.conv, "fp32_precision") if new_api else (cudnn, "allow_tf32")
-    mm_name = "fp32_precision" if new_api else "allow_tf32"
-    off = "ieee" if new_api else False
-    saved = getattr(conv_owner, conv_name), getattr(matmul, mm_name)
-    setattr(conv_owner, conv_name, off)
-    setattr(matmul, mm_name, off)
+    with _tf32_lock:
+        if not _tf32_depth[0]:
+            _tf32_saved[:] = _tf32_values()
+            _set_tf32_values(None)
+        _tf32_depth[0] += 1
     try:
         yield
     finally:
-        setattr(conv_owner, conv_name, saved[0])
-        setattr(matmul, mm_name, saved[1])
+        with _tf32_lock:
+            _tf32_depth[0] -= 1
+            if not _tf32_depth[0]:
+                _set_tf32_values(_tf32_saved)
+
+
+_tf32_lock, _tf32_saved, _tf32_depth = threading.Lock(), [], [0]
+
+
+def _tf32_places():
+    """Where cuDNN's convolutions and cuBLAS's matmuls take their float32 setting, and this torch's value for IEEE.
+    torch ≥ 2.9 has per-operator settings and refuses to read the legacy flags once they differ (conv against RNN):
+    one API only, whichever this torch has."""
+    import torch
+
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    if hasattr(getattr(cudnn, "conv", None), "fp32_precision"):
+        return [(cudnn.conv, "fp32_precision"), (matmul, "fp32_precision")], "ieee"
+    return [(cudnn, "allow_tf32"), (matmul, "allow_tf32")], False
+
+
+def _tf32_values() -> list:
+    return [getattr(owner, name) for owner, name in _tf32_places()[0]]
+
+
+def _set_tf32_values(values: list | None) -> None:
+    """Set both settings (None: IEEE float32 for both)."""
+    places, ieee = _tf32_places()
+    for (owner, name), value in zip(places, values or [ieee] * len(places), strict=True):
+        setattr(owner, name, value)

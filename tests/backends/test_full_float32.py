@@ -45,6 +45,21 @@ def test_full_precision_on_cuda_turns_tf32_off_and_gives_the_callers_settings_ba
     assert flags() == ("tf32", "tf32")  # restored on the way out of a failure too
 
 
+def test_overlapping_contexts_keep_tf32_off_until_the_last_one_leaves(tf32_on):
+    """Two threads generating at once leave in any order: the first out must not turn TF32 back on under the other,
+    and the last out restores the caller's settings, not the other context's."""
+    first, second = full_float32(CUDA), full_float32(CUDA)
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert flags() == ("ieee", "ieee")
+    second.__exit__(None, None, None)
+    assert flags() == ("tf32", "tf32")
+    with full_float32(CUDA), full_float32(CUDA):
+        assert flags() == ("ieee", "ieee")
+    assert flags() == ("tf32", "tf32")
+
+
 def test_the_cpu_and_mixed_precision_leave_the_settings_alone(tf32_on):
     for platform, precision in ((Platform("cpu", "avx2"), "float32"), (Platform("numpy", "generic"), "float32"),
                                 (Platform("cpu", "avx512_bf16"), "bfloat16")):
