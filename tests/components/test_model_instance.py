@@ -13,6 +13,7 @@ from cardtool.backends.platform import Platform
 from cardtool.backends.wan_dit import WanDiT
 from cardtool.cli import app
 from cardtool.core.cards.loader import load_card
+from cardtool.core.cards.weight_files import tensor_digest
 from cardtool.core.evaluation.card_parity import card_parity
 from cardtool.core.sampling.instance import ModelInstance
 from cardtool.errors import BadInput, CardValidationError
@@ -42,6 +43,8 @@ def test_weights_version_is_the_tensor_content_hash(examples):
     assert base.weights_version("text_encoder") == rl.weights_version("text_encoder")
     assert len(base.weights_version("text_encoder")) == 64
     assert not base.is_awake("transformer"), "versioning reads files, it builds nothing"
+    assert base.weights_version("vae") == tensor_digest(base.card.weights_file("vae")), "one file: its own digest"
+    assert repr(base) == "ModelInstance(tiny-base on cpu/generic, float32)"
 
 
 def test_a_source_encoders_version_covers_its_config_and_tokenizer_not_its_readme(examples):
@@ -76,6 +79,10 @@ def test_a_source_encoders_version_covers_its_config_and_tokenizer_not_its_readm
         assert version() != first, name
         (folder / name).write_text(text)
     assert version() == first
+    loaded = ModelInstance(load_card(examples / "tiny-base"), CPU)
+    (folder / "model.safetensors").unlink()  # gone after the card was loaded: said, not a crash
+    with pytest.raises(BadInput, match="component 'text_encoder' of card 'tiny-base' has no safetensors weights"):
+        loaded.weights_version("text_encoder")
 
 
 def test_sleep_frees_and_wake_rebuilds(examples):
