@@ -198,3 +198,19 @@ def test_fast_bfloat16_is_cuda_from_sm80_and_cpus_on_the_avx512_bf16_tier():
     with pytest.raises(BadInput, match="the numpy platform has no torch device"):
         _ = Platform("numpy", "generic").torch_device
     assert Platform("cpu", "avx2").torch_device == "cpu"
+
+
+def test_a_plugin_component_without_a_schema_validates_on_its_own_terms(kernels, examples):
+    """A component plugin that declares a kind but no config schema: its config and weights are its own business,
+    so the card validates, and the loop's size checks leave out the component they know nothing of (a plugin VAE with
+    an 8-channel config the built-in DiT could never take is not compared to it)."""
+    from cardtool.core.cards.loader import load_card
+
+    registry.COMPONENTS.register("toy-vae", "cpu", "default", target="cardtool.backends.builders:conv_vae_torch",
+                                 kind="vae")
+    manifest = examples / "tiny-base" / "card.yaml"
+    manifest.write_text(manifest.read_text().replace("impl: conv-vae\n    config: {latent_channels: 4,",
+                                                     "impl: toy-vae\n    config: {latent_channels: 8, anything: 1,"))
+    result = CliRunner().invoke(app, ["cards", "validate", "--json", str(examples / "tiny-base")])
+    assert result.exit_code == 0, result.output
+    assert load_card(examples / "tiny-base").manifest.components["vae"].impl == "toy-vae"
