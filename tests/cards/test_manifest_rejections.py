@@ -277,3 +277,19 @@ def test_the_schema_takes_each_bound_and_refuses_one_past_it_without_coercing_ty
             model(**fields)
     with pytest.raises(pydantic.ValidationError, match="frozen"):  # a loaded manifest is read, never edited
         LoraAdapter(**lora, rank=1, alpha=1).rank = 2
+
+
+def test_a_config_the_weights_do_not_fit_lists_three_tensors_and_counts_the_rest(examples):
+    """A VAE config one level narrower than its weights: 24 tensors of another shape, the first three named with
+    both shapes and the rest counted, so the message stays readable for a model of thousands of tensors."""
+    from cardtool.core.cards.components import few
+
+    manifest = examples / "tiny-base" / "card.yaml"
+    manifest.write_text(manifest.read_text().replace("channels: [8, 16, 32]}", "channels: [8, 16, 16]}"))
+    with pytest.raises(CardValidationError) as caught:
+        load_card(examples / "tiny-base")
+    [problem] = caught.value.problems
+    assert problem.message.startswith("24 tensors have other shapes: encoder.down.1.downsample.weight is [32, 16, 3, "
+                                      "3], the config implies [16, 16, 3, 3], ")
+    assert problem.message.count("the config implies") == 3 and problem.message.endswith(" (and 21 more)")
+    assert few(["a", "b", "c"]) == "a, b, c" and few(["x" * 130]) == "x" * 117 + "..."
