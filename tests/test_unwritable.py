@@ -175,3 +175,15 @@ def test_a_new_card_is_never_written_over_a_card_it_is_made_from(tmp_path, monke
     assert f"is the folder of '{over}', which the new card is made from or descends from" in \
         json.loads(result.stdout)["error"]["message"]
     assert {p.name: p.read_bytes() for p in (tmp_path / "cards" / over).iterdir() if p.is_file()} == before
+
+
+@pytest.mark.parametrize(("code", "remedy"), [
+    (errno.ENOSPC, "free space on its disk"), (errno.EDQUOT, "free space within your disk quota"),
+    (errno.EFBIG, "raise the file-size limit (ulimit -f)"), (errno.EACCES, "make its folder writable"),
+    (errno.EPERM, "make its folder writable"), (errno.EROFS, "put it on a writable file system"),
+    (errno.EIO, "fix the disk"), (None, "fix the disk"),
+])
+def test_a_failed_write_is_told_what_to_do_by_its_errno(code, remedy):
+    from cardtool.errors import write_remedy
+
+    assert write_remedy(OSError(code, "failed") if code else OSError("failed")) == remedy
