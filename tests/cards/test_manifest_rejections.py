@@ -293,3 +293,19 @@ def test_a_config_the_weights_do_not_fit_lists_three_tensors_and_counts_the_rest
                                       "3], the config implies [16, 16, 3, 3], ")
     assert problem.message.count("the config implies") == 3 and problem.message.endswith(" (and 21 more)")
     assert few(["a", "b", "c"]) == "a, b, c" and few(["x" * 130]) == "x" * 117 + "..."
+
+
+def test_a_loops_default_adapters_must_be_loras_the_card_declares(examples):
+    """A default stack naming an adapter the card lacks, or its ControlNet (which needs a control image, so cannot be
+    on by default), is located at that name and lists the card's LoRAs; the card's own LoRA is fine."""
+    manifest = examples / "tiny-base" / "card.yaml"
+    manifest.write_text(manifest.read_text().replace(
+        "solver: euler}", "solver: euler, adapters: {invert: 0.5, ctl: 1.0, nosuch: 1}}").replace(
+        "    alpha: 4\nrecipe:", "    alpha: 4\n  ctl: {kind: controlnet, target: transformer, weights: "
+        "adapters/invert.safetensors, control: silhouette}\nrecipe:"))
+    with pytest.raises(CardValidationError) as caught:
+        load_card(examples / "tiny-base")
+    defaults = [p for p in caught.value.problems if "default adapter" in p.message]
+    assert [(p.field, p.message, p.fix) for p in defaults] == [
+        (f"loops.denoise.defaults.adapters.{name}", f"default adapter '{name}' is not a LoRA the card declares",
+         "name one of the card's LoRAs: invert") for name in ("ctl", "nosuch")]
