@@ -216,6 +216,8 @@ def test_weight_paths_that_are_not_regular_files(base, make):
     ("patch: [1, 2, 2]", "patch: [1, 2]", "config.patch"),
     ("patch: [1, 2, 2]", "patch: [2, 2, 2]", "spans 2 frames; images are one frame"),
     ("patch: [1, 2, 2]", "patch: [1, 3, 3]", "does not tile the VAE's 8×8 latents"),
+    ("patch: [1, 2, 2]", "patch: [1, 2, 3]", "patch \\[1, 2, 3\\] does not tile the VAE's 8×8 latents"),  # columns only
+    ("patch: [1, 2, 2]", "patch: [1, 3, 2]", "patch \\[1, 3, 2\\] does not tile"),  # rows only
     ("{max_length: 16}", "{max_length: 4000}", "max_length 4000 is beyond the encoder's 512 positions"),
     ("{max_length: 16}", "{max_lenght: 16}", "did you mean 'max_length'"),
     ("{max_length: 16}", "{max_length: 2}", "max_length 2 leaves no token for the prompt: the tokenizer adds 2"),
