@@ -209,7 +209,8 @@ def test_weight_paths_that_are_not_regular_files(base, make):
 @pytest.mark.parametrize(("old", "new", "expected"), [
     ("impl: wan-dit", "impl: arrays", "'arrays' is not a component implementation"),
     ("impl: wan-dit", "impl: wan-dti", "'wan-dti' is not a registered implementation .*did you mean 'wan-dit'"),
-    ("impl: wan-dit", "impl: conv-vae", "'conv-vae' implements kind 'vae', not 'dit'"),
+    ("impl: wan-dit", "impl: conv-vae", "'conv-vae' implements kind 'vae', not 'dit' \\(fix: use an implementation of "
+                                         "kind dit: wan-dit\\)"),
     ("dim: 32,", "dim: '32',", "components.transformer.config.dim: Input should be a valid integer, got '32'"),
     ("heads: 2,", "heads: 3,", "dim 32 must split into 3 heads"),
     ("heads: 2,", "heads: 0,", "config.heads: Input should be greater than or equal to 1"),
