@@ -230,6 +230,10 @@ def test_weight_paths_that_are_not_regular_files(base, make):
     ("steps: 30,", "steps: .inf,", "non-finite number"),
     ("solver: euler", "solver: heun", "defaults.solver"),
     ("kind: flow_denoise", "kind: flow_sample", "unknown loop kind 'flow_sample'"),
+    ("uses: [text_encoder, vae, transformer]", "uses: [text_encoder, transformer]",
+     "a flow_denoise loop runs one vae component; it uses none \\(fix: list exactly one vae component in uses\\)"),
+    ("uses: [text_encoder, vae, transformer]", "uses: [text_encoder, vae, transformer, vae]",
+     "loops.denoise.uses: a flow_denoise loop runs one vae component; it uses 2 \\(vae, vae\\)"),
     ("rank: 4", "rank: 8", "lora_A \\[4, 32\\] and lora_B \\[32, 4\\] are not \\[8, 32\\] and \\[32, 8\\]"),
 ])
 def test_configs_that_would_crash_torch_are_validation_errors(base, old, new, expected):

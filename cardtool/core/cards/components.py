@@ -145,7 +145,7 @@ def loop_problems(card, facts: dict[str, dict]) -> list[Problem]:
         for need in kind.needs:
             named = [u for u in used if m.components[u].kind == need]
             if len(named) != 1:
-                count = "no" if not named else f"{len(named)} ({', '.join(named)})"
+                count = "none" if not named else f"{len(named)} ({', '.join(named)})"
                 problems.append(card.problem(at + ("uses",), f"a {loop.kind} loop runs one {need} component; it "
                                              f"uses {count}", f"list exactly one {need} component in uses"))
             else:
