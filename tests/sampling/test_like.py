@@ -110,6 +110,7 @@ def test_what_is_not_an_image_cardtool_made_is_refused(made, on_path, tmp_path):
              "escape.png": png_bytes(pixels, {**metadata, "workflow": "wf", "input": "../../etc/0",
                                               "input_tag": "deadbeef"}),
              "bad-steps.png": png_bytes(pixels, {**metadata, "steps": "many"}),
+             "inf-guidance.png": png_bytes(pixels, {**metadata, "guidance": "inf"}),
              "bad-adapters.png": png_bytes(pixels, {**metadata, "adapters": "[{"}),
              # JSON nested past the parser's recursion is malformed too, not a RecursionError
              **{f"deep-{key}.png": png_bytes(pixels, {**metadata, key: DEEP}) for key in ("adapters", "control",
@@ -124,6 +125,7 @@ def test_what_is_not_an_image_cardtool_made_is_refused(made, on_path, tmp_path):
                 "workflow.png": "made by refining an image of step 'draft' in workflow 'wf', which is not beside it",
                 "escape.png": "made by refining an image of step '..' in workflow 'wf', which is not beside it",
                 "bad-steps.png": "'steps' field is malformed",
+                "inf-guidance.png": "'guidance' field is malformed",
                 "bad-adapters.png": "'adapters' field is malformed",
                 **{f"deep-{key}.png": f"'{key}' field is malformed" for key in ("adapters", "control", "image",
                                                                                  "mask")},
@@ -183,9 +185,10 @@ def test_unlike_tells_start_images_and_control_images_apart_by_content_and_prepr
     assert unlike(like, {**chain, "cardtool": None}) == [f"cardtool ({'9' * 39}… there, none recorded here)"]
 
 
-def test_the_solver_and_precision_of_an_image_are_made_again(on_path, tmp_path):
+def test_the_solver_precision_and_guidance_interval_of_an_image_are_made_again(on_path, tmp_path):
     result, report = run("generate", "tiny-base", "-p", "a coat", "--seed", "2", "--steps", "3", "--solver",
-                         "dpmpp_2m", "--precision", "float64", "--out", tmp_path / "a")
+                         "dpmpp_2m", "--precision", "float64", "--guidance-interval", "0.2,0.8", "--out",
+                         tmp_path / "a")
     assert result.exit_code == 0, result.output
     made = Path(report["images"][0]["path"])
     result, report = run("generate", "--like", made, "--out", tmp_path / "b")
@@ -193,4 +196,5 @@ def test_the_solver_and_precision_of_an_image_are_made_again(on_path, tmp_path):
     again = Path(report["images"][0]["path"])
     assert again.read_bytes() == made.read_bytes()
     metadata = read_png_metadata(again)
-    assert (metadata["solver"], metadata["precision"]) == ("dpmpp_2m", "float64")
+    assert (metadata["solver"], metadata["precision"], metadata["guidance_interval"]) == ("dpmpp_2m", "float64",
+                                                                                             "0.2,0.8")
