@@ -1,9 +1,9 @@
 """Compute precision: what `--precision` means on each platform.
 
-float64 and float32 run the components at that dtype. bfloat16 and float16 are mixed precision, as in
-training (Micikevicius et al. 2018, "Mixed Precision Training"): the latents, the solver, norms and modulation
-stay float32 while the matrix products run in the low dtype under torch autocast, and the platform's
-kernel cells of the matching variant are picked (cpu_bf16.py on the avx512_bf16 CPU tier, its float32
+float64 and float32 run the components at that dtype (on CUDA with TF32 off: `full_float32`). bfloat16 and float16
+are mixed precision, as in training (Micikevicius et al. 2018, "Mixed Precision Training"): the latents, the solver,
+norms and modulation stay float32 while the matrix products run in the low dtype under torch autocast, and the
+platform's kernel cells of the matching variant are picked (cpu_bf16.py on the avx512_bf16 CPU tier, its float32
 emulation cpu_bf16_emulated.py on avx2; the dtype-generic torch ops on CUDA). The DiT's linear and convolution
 weights are rounded to the low dtype once at load — the rounding autocast applies to them on every call — so a
 low-precision run differs from float32 only by its products.

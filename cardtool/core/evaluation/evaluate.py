@@ -344,7 +344,7 @@ def _measure_row(report: EvalReport, referee: FashionJudge, real: np.ndarray, la
     rank samples its share and rank 0 measures them all). Without `labels` (captions) no accuracy or reward."""
     mine = ranks.shard(requests)
     if mine:  # one request first, untimed: what a device does once (building the components, loading CUDA's kernels
-        # for this precision: 1.7 s for bfloat16 on an H200, a 1,000-image row's whole work) is not the row's speed
+        # for this precision: 1.7 s for bfloat16 on an H200, nearly a 1,000-image row's work) is not the row's speed
         loop.decode(sample(loop, [requests[mine[0]]]))
     started = time.perf_counter()
     broken = None
