@@ -3,6 +3,7 @@ device, blocking on a FIFO where no pipe is meant, or reading without bound."""
 
 from __future__ import annotations
 
+import os
 import stat
 from pathlib import Path
 
@@ -59,6 +60,8 @@ def _not_a_file(path: Path) -> str:
     try:
         path.stat()
     except FileNotFoundError:
+        if path.is_symlink():  # a dangling link: where it points is what is missing
+            return f"is a link to {os.readlink(path)}, which does not exist"
         return "does not exist"
     except (OSError, ValueError) as e:
         return f"cannot be read: {getattr(e, 'strerror', None) or e}"

@@ -249,7 +249,8 @@ def test_resume_starts_afresh_where_no_report_is_yet_and_refuses_one_past_64_mib
 
     assert previous_rows(tmp_path / "new.json", {}) == ({}, [])
     (tmp_path / "link.json").symlink_to(tmp_path / "nowhere.json")  # a report was meant to be there: said so
-    with pytest.raises(BadInput, match="cannot resume from .*link.json: .*link.json does not exist"):
+    with pytest.raises(BadInput, match="cannot resume from .*link.json: .*link.json is a link to .*nowhere.json, "
+                                       "which does not exist"):
         previous_rows(tmp_path / "link.json", {})
     (tmp_path / "big.json").write_bytes(b" " * ((64 << 20) + 1))
     with pytest.raises(BadInput, match=f"cannot resume from .*big.json: .*is larger than {64 << 20} bytes"):
