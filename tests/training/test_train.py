@@ -70,10 +70,11 @@ def test_the_flow_matching_loss_regresses_the_velocity_from_noise_to_the_data():
 
 
 def test_vae_card_is_written_with_recipe_command_and_metrics(tmp_path, data):
-    card = train(tiny("fashion-vae"), command="cardtool train …", out=tmp_path / "vae", run_dir=tmp_path / "run",
-                 data=str(data))
+    card = train(tiny("fashion-vae", ["loss={}"]), command="cardtool train …", out=tmp_path / "vae",
+                 run_dir=tmp_path / "run", data=str(data))
     recipe = card.manifest.recipe
     assert recipe.method == "vae" and recipe.command == "cardtool train …"
+    assert recipe.hyperparameters["loss"] == {"kl_weight": 1e-4}, "the default the recipe left out is recorded"
     assert {"test_psnr_db", "scaling_factor", "final_loss", "steps"} <= set(recipe.metrics)
     assert card.manifest.components["vae"].config["scaling_factor"] == recipe.metrics["scaling_factor"]
     seconds, pace = recipe.metrics["train_seconds"], recipe.metrics["samples_per_second"]  # both rounded to 0.1
@@ -631,10 +632,12 @@ def test_classifier_pretrain_and_generate_from_what_training_wrote(tmp_path, dat
     assert json.loads(full)["rows"] == report["rows"] and summary["sha256"] == hashlib.sha256(full).hexdigest()
     assert summary["rows_in_report"] == 2 and summary["rows"] == report["rows"], "no row at the 20-step default"
     tuned = train(tiny("fashion-base", ["method=finetune", "parents=[fashion-base]", "card.id=fashion-tuned",
-                                        "model={}", "optim.steps=2", "optim.batch_size=8", "train.ema=0",
+                                        "model={}", "loss={}", "optim.steps=2", "optim.batch_size=8", "train.ema=0",
                                         "train.precision=float32"]),
                   command="c", out=tmp_path / "cards" / "fashion-tuned", run_dir=tmp_path / "r4", data=str(data))
     assert tuned.manifest.recipe.method == "finetune" and tuned.manifest.recipe.parents == ["fashion-base"]
+    assert tuned.manifest.recipe.hyperparameters["loss"] == {"condition_dropout": 0.1}, "its default, recorded"
+    assert base.manifest.recipe.hyperparameters["loss"] == {"condition_dropout": 0.1}, "as the recipe gave it"
     assert tuned.manifest.components["transformer"].config == base.manifest.components["transformer"].config
     before, after = weights(base, "transformer"), weights(tuned, "transformer")
     assert any(not torch.equal(before[k], after[k]) for k in before), "fine-tuning moved the weights"

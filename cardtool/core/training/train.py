@@ -64,7 +64,7 @@ def train(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Pat
                     "data": {"dataset": "fashion-mnist", "split": "train"} if train_split.captions is None else
                     {"dataset": "image-folder", "split": "train", "images": len(train_split),
                      "digest": train_split.digest()},
-                    "hyperparameters": recipe.hyperparameters()}
+                    "hyperparameters": _hyperparameters(recipe, task)}
     storage, metadata, extends = recipe.card.storage, None, {}
     if method == "vae":
         config, metrics = task.finish(result.modules["vae"])
@@ -99,3 +99,9 @@ def train(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Pat
                 "recipe": {**recipe_block, "metrics": {**metrics, **trained}}, "parity": {"consistency": "C1"}}
     return write_output(out, manifest, weights, run_dir, copies=copies, storage=storage, overwrite=overwrite,
                         metadata=metadata)
+
+
+def _hyperparameters(recipe: Recipe, task) -> dict:
+    """The recipe's settings with the loss defaults the method filled in: a card says what it was trained with."""
+    settings = recipe.hyperparameters()
+    return {**settings, "loss": {**task.loss_settings(), **settings["loss"]}}

@@ -82,6 +82,10 @@ class Task(ABC):
         data once for all its micro-batches (RL's rollouts, sampled across the ranks)."""
         return None
 
+    def loss_settings(self) -> dict[str, float]:
+        """The recipe's `loss:` settings this run used, defaults included: what the card records of them."""
+        return {}
+
     def state(self) -> dict[str, torch.Tensor]:
         """Tensors besides the trainable modules that a resumed run needs (RL's old policy, a rollout buffer);
         saved in every checkpoint."""

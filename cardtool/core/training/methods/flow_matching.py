@@ -110,6 +110,9 @@ class FlowMatchingTask(Task):
     def modules(self):
         return {"transformer": self.dit}
 
+    def loss_settings(self) -> dict[str, float]:
+        return {"condition_dropout": self.dropout}
+
     def dataset_size(self) -> int:
         return len(self.labels)
 

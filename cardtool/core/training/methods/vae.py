@@ -68,6 +68,9 @@ class VAETask(Task):
     def modules(self):
         return {"vae": self.vae}
 
+    def loss_settings(self) -> dict[str, float]:
+        return {"kl_weight": self.kl_weight}
+
     def dataset_size(self) -> int:
         return len(self.images)
 
