@@ -632,12 +632,14 @@ def test_classifier_pretrain_and_generate_from_what_training_wrote(tmp_path, dat
     assert json.loads(full)["rows"] == report["rows"] and summary["sha256"] == hashlib.sha256(full).hexdigest()
     assert summary["rows_in_report"] == 2 and summary["rows"] == report["rows"], "no row at the 20-step default"
     tuned = train(tiny("fashion-base", ["method=finetune", "parents=[fashion-base]", "card.id=fashion-tuned",
-                                        "model={}", "loss={}", "optim.steps=2", "optim.batch_size=8", "train.ema=0",
-                                        "train.precision=float32"]),
+                                        "model={}", "loss={}", "data={loop: {steps: 7}}", "optim.steps=2",
+                                        "optim.batch_size=8", "train.ema=0", "train.precision=float32"]),
                   command="c", out=tmp_path / "cards" / "fashion-tuned", run_dir=tmp_path / "r4", data=str(data))
     assert tuned.manifest.recipe.method == "finetune" and tuned.manifest.recipe.parents == ["fashion-base"]
     assert tuned.manifest.recipe.hyperparameters["loss"] == {"condition_dropout": 0.1}, "its default, recorded"
     assert base.manifest.recipe.hyperparameters["loss"] == {"condition_dropout": 0.1}, "as the recipe gave it"
+    assert tuned.manifest.loops["denoise"].defaults == {**base.manifest.loops["denoise"].defaults, "steps": 7}, \
+        "it samples as the card it continues, less what data.loop changes"
     assert tuned.manifest.components["transformer"].config == base.manifest.components["transformer"].config
     before, after = weights(base, "transformer"), weights(tuned, "transformer")
     assert any(not torch.equal(before[k], after[k]) for k in before), "fine-tuning moved the weights"

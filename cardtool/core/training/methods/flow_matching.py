@@ -57,6 +57,8 @@ class FlowMatchingTask(Task):
             self.config = WanDiTConfig.from_card(spec.config)
             self.dit = WanDiT(self.config, platform).to(self.device)
             self.dit.load_state_dict(parent.component("transformer").state_dict())
+            if self.loop_defaults is not None:  # it samples as the card it continues, unless data.loop says otherwise
+                self.loop_defaults = loop_defaults(recipe, inherited_defaults(self.parent))
         self.vae_name = next((n for n, c in self.parent.manifest.components.items() if c.kind == "vae"), None)
         if self.vae_name is None:
             raise BadInput(f"parent card '{self.parent.id}' has no VAE component")
@@ -165,14 +167,22 @@ class FlowMatchingTask(Task):
         return {"kind": "flow_denoise", "uses": ["text_encoder", "vae", "transformer"], "defaults": self.loop_defaults}
 
 
-def loop_defaults(recipe: Recipe) -> dict:
-    """The card's denoise-loop defaults: `data.loop` over the built-in ones, checked against the loop's schema now —
-    found only when the card is written, a mistake would cost the whole run."""
+def inherited_defaults(card) -> dict:
+    """A fine-tuned card's starting loop defaults: its parent's denoise loop's, less its adapter stack (the new card
+    declares no adapters)."""
+    loop = next((spec for spec in card.manifest.loops.values() if spec.kind == "flow_denoise"), None)
+    return {k: v for k, v in (loop.defaults if loop is not None else {}).items() if k != "adapters"}
+
+
+def loop_defaults(recipe: Recipe, inherited: dict | None = None) -> dict:
+    """The card's denoise-loop defaults: `data.loop` over `inherited` (a fine-tuned card's parent's) over the built-in
+    ones, checked against the loop's schema now — found only when the card is written, a mistake would cost the whole
+    run."""
     loop = recipe.data.get("loop", {})
     if not isinstance(loop, dict):
         raise BadInput(f"{recipe.method} recipe: data.loop must map loop settings (steps, guidance, …) to values, "
                        f"got {loop!r}")
-    defaults = {"steps": 20, "guidance": 4.0, "shift": 1.0, "solver": "euler", **loop}
+    defaults = {"steps": 20, "guidance": 4.0, "shift": 1.0, "solver": "euler", **(inherited or {}), **loop}
     try:
         FlowDenoiseDefaults.model_validate(defaults)
     except ValidationError as e:
