@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from helpers import REPO, fsynced, write_idx_folder
 from safetensors.torch import load_file
 from typer.testing import CliRunner
@@ -891,6 +892,13 @@ def test_lora_scales_train_each_row_at_its_own_scale_on_a_mixture(examples, tmp_
     ("fashion-silhouette", "model.control=[edges]", "model.control: Input should be a valid string"),
     ("fashion-silhouette", "model.blocks=0", "model.blocks: Input should be greater than or equal to 1"),
     ("fashion-base", "data.transform=[1, 0]", r"unknown data.transform \[1, 0\]"),
+    # parents the method cannot start from (EX: the tiny example cards)
+    ("fashion-base", "parents=[]", "pretrain needs exactly one parent card"),
+    ("fashion-base", "parents=[EX/tiny-base, EX/tiny-judge]", "pretrain needs exactly one parent card"),
+    ("fashion-base", "parents=[EX/tiny-judge]", "parent card 'tiny-judge' has no VAE component"),
+    ("fashion-base", "method=finetune", "finetune: parent card 'fashion-vae' has no transformer to continue"),
+    ("fashion-base", "{method: finetune, parents: [EX/tiny-base]}",
+     r"finetune keeps the architecture of 'tiny-base'; the recipe changes model\.\w+"),
 ])
 def test_a_recipe_the_method_cannot_run_is_refused_before_training(examples, tmp_path, data, recipe_name, override,
                                                                    message):
@@ -899,7 +907,9 @@ def test_a_recipe_the_method_cannot_run_is_refused_before_training(examples, tmp
     extra = [f"parents=[{examples / 'tiny-base'}]"] if recipe_name in ("fashion-bold", "fashion-silhouette") else []
     if recipe_name == "fashion-base":
         extra = [f"parents=[{REPO / 'cards' / 'fashion-vae'}]", "model.dim=32", "model.heads=2", "model.depth=1"]
-    recipe = tiny(recipe_name, [*extra, override])
+    override = override.replace("EX", str(examples))
+    sets = [f"{k}={v}" for k, v in yaml.safe_load(override).items()] if override.startswith("{") else [override]
+    recipe = tiny(recipe_name, [*extra, *sets])
     with pytest.raises(BadInput, match=message):
         train(recipe, command="c", out=tmp_path / "x", run_dir=tmp_path / "r", data=str(data))
     assert not (tmp_path / "x").exists()
