@@ -70,6 +70,23 @@ def test_the_flow_matching_loss_regresses_the_velocity_from_noise_to_the_data():
     assert bool((seen["rows"] == 6).all()), "a dropped condition is the empty prompt"
 
 
+def test_the_dropped_condition_is_the_empty_prompts_token_states(data):
+    """CFG's null condition in training is the empty prompt's features — only the tokenizer's [CLS] and [SEP] — as
+    the sampler's is, never a class prompt's."""
+    from types import SimpleNamespace
+
+    from cardtool.backends.platform import Platform
+    from cardtool.core.data import load_split
+    from cardtool.core.training.methods.flow_matching import FlowMatchingTask
+
+    task = object.__new__(FlowMatchingTask)
+    task.config = SimpleNamespace(text_dim=384)
+    task._text(Platform.detect("cpu"), load_split("train", str(data)), load_split("test", str(data)))
+    tokens = task.mask.sum(1)
+    assert int(tokens[task.empty]) == 2 and bool((tokens[:task.empty] > 2).all()) and task.empty == len(tokens) - 1
+    assert float(task.text[task.empty, 2:].abs().max()) == 0.0, "zero beyond its tokens, as Wan pads"
+
+
 def test_vae_card_is_written_with_recipe_command_and_metrics(tmp_path, data):
     card = train(tiny("fashion-vae", ["loss={}"]), command="cardtool train …", out=tmp_path / "vae",
                  run_dir=tmp_path / "run", data=str(data))
