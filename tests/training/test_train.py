@@ -750,6 +750,21 @@ def test_lora_and_controlnet_training_write_adapter_cards_that_generate_serves(e
         assert (f.metadata()["rank"], f.metadata()["alpha"]) == ("2", "8.0")
         assert all(k.endswith((".lora_A.weight", ".lora_B.weight")) for k in f.keys())
         assert any(f.get_tensor(k).abs().max() > 0 for k in f.keys() if k.endswith("lora_B.weight"))
+    # fine-tuning a LoRA card continues the DiT its loop serves: the base's with the LoRA merged
+    from cardtool.backends.platform import Platform
+    from cardtool.core.training.methods.frozen import FrozenCard
+
+    tuned = train(tiny("fashion-base", ["method=finetune", f"parents=[{examples / 'tiny-bold'}]", "model={}",
+                                        "card.id=tiny-bold-tuned", "card.storage=float32", "optim.steps=1",
+                                        "optim.lr=1e-12", "optim.batch_size=8", "train.ema=0",
+                                        "train.precision=float32", "data={}"]),
+                  command="c", out=tmp_path / "tuned", run_dir=tmp_path / "r0", data=str(data))
+    served = FrozenCard(lora, Platform.detect("cpu"), "parent", "finetune").module.state_dict()
+    base, after = (load_file(str(c.weights_file("transformer"))) for c in (load_card(examples / "tiny-base"), tuned))
+    assert max(float((after[k] - served[k]).abs().max()) for k in after) < 1e-6
+    assert any(not torch.equal(base[k], after[k]) for k in after), "the LoRA is in the weights"
+    assert tuned.manifest.loops["denoise"].defaults == {k: v for k, v in m.loops["denoise"].defaults.items()
+                                                        if k != "adapters"}
     net = train(load_recipe(RECIPES / "fashion-silhouette.yaml", [*common, "card.id=tiny-outline", "model.blocks=1",
                                                                   "model.adapter=outline"]),
                 command="c", out=examples / "tiny-outline", run_dir=tmp_path / "r2", data=str(data))

@@ -58,6 +58,10 @@ class FlowMatchingTask(Task):
             self.dit = WanDiT(self.config, platform).to(self.device)
             self.dit.load_state_dict(parent.component("transformer").state_dict())
             if self.loop_defaults is not None:  # it samples as the card it continues, unless data.loop says otherwise
+                from cardtool.core.training.methods.frozen import merge_default_stack
+
+                served = loop_spec(self.parent)
+                merge_default_stack(parent, self.dit, served.defaults.get("adapters") if served else None)
                 self.loop_defaults = loop_defaults(recipe, inherited_defaults(self.parent))
         self.vae_name = next((n for n, c in self.parent.manifest.components.items() if c.kind == "vae"), None)
         if self.vae_name is None:
@@ -167,10 +171,15 @@ class FlowMatchingTask(Task):
         return {"kind": "flow_denoise", "uses": ["text_encoder", "vae", "transformer"], "defaults": self.loop_defaults}
 
 
+def loop_spec(card):
+    """The card's denoise loop (None where it has none)."""
+    return next((spec for spec in card.manifest.loops.values() if spec.kind == "flow_denoise"), None)
+
+
 def inherited_defaults(card) -> dict:
-    """A fine-tuned card's starting loop defaults: its parent's denoise loop's, less its adapter stack (the new card
-    declares no adapters)."""
-    loop = next((spec for spec in card.manifest.loops.values() if spec.kind == "flow_denoise"), None)
+    """A fine-tuned card's starting loop defaults: its parent's denoise loop's, less its adapter stack (merged into
+    the weights it continues: the new card declares no adapters)."""
+    loop = loop_spec(card)
     return {k: v for k, v in (loop.defaults if loop is not None else {}).items() if k != "adapters"}
 
 

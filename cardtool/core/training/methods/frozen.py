@@ -19,7 +19,7 @@ from cardtool.core.sampling.text_cache import TextFeatureCache, encode_prompts
 from cardtool.core.training.lora_settings import LoraSettings
 from cardtool.errors import BadInput
 
-__all__ = ["FrozenCard", "GuidedVelocity"]
+__all__ = ["FrozenCard", "GuidedVelocity", "merge_default_stack"]
 
 
 class FrozenCard:
@@ -39,11 +39,7 @@ class FrozenCard:
         self.module = self.instance.component(self.name)
         self.config = WanDiTConfig.from_card(spec.config)
         self.defaults = FlowDenoiseDefaults.model_validate(card.manifest.loops["denoise"].defaults)
-        if self.defaults.adapters:  # a LoRA card is its base with its LoRA: merge it, as its loop serves it
-            from cardtool.backends.lora import merge
-
-            stack = self.instance.adapters.resolve(tuple(self.defaults.adapters.items()))
-            merge(self.module, [(use.adapter.value, use.scale) for use in stack])
+        merge_default_stack(self.instance, self.module, self.defaults.adapters)
 
     def copy(self, lora: LoraSettings | None = None) -> torch.nn.Module:
         """A trainable module holding the card's transformer weights; with `lora`, the frozen weights and a new
@@ -71,6 +67,16 @@ class FrozenCard:
         return GuidedVelocity(self.module, KERNELS.resolve("cfg_combine", self.platform)[1], empty,
                               self.defaults.guidance if guidance is None else guidance,
                               self.defaults.guidance_interval if interval is None else interval, self.device)
+
+
+def merge_default_stack(instance: ModelInstance, module: torch.nn.Module, adapters: dict[str, float]) -> None:
+    """Merge into `module` (a copy of the card's transformer) the adapter stack its loop applies by default: a LoRA
+    card is its base with its LoRA, as its loop serves it."""
+    if adapters:
+        from cardtool.backends.lora import merge
+
+        stack = instance.adapters.resolve(tuple(adapters.items()))
+        merge(module, [(use.adapter.value, use.scale) for use in stack])
 
 
 class GuidedVelocity:
