@@ -87,6 +87,31 @@ def test_the_dropped_condition_is_the_empty_prompts_token_states(data):
     assert float(task.text[task.empty, 2:].abs().max()) == 0.0, "zero beyond its tokens, as Wan pads"
 
 
+def test_captions_past_one_encoder_part_each_get_their_own_token_states():
+    """Captions are encoded 512 at a time: the 600 distinct ones of a folder each keep their own row."""
+    from types import SimpleNamespace
+
+    from cardtool.backends.platform import Platform
+    from cardtool.backends.registry import COMPONENTS
+    from cardtool.core.cards.loader import package_path
+    from cardtool.core.data import Split
+    from cardtool.core.prompts import TEXT_ENCODER
+    from cardtool.core.training.methods.flow_matching import FlowMatchingTask
+
+    captions = tuple(f"a bag number {i}" for i in range(600))
+    split = Split(np.zeros((600, 28, 28), np.uint8), np.full(600, -1), captions=captions)
+    task = object.__new__(FlowMatchingTask)
+    task.config = SimpleNamespace(text_dim=384)
+    platform = Platform.detect("cpu")
+    task._text(platform, split, Split(split.images[:0], split.labels[:0], captions=()))
+    assert task.text.shape[0] == 601 and task.empty == 600 and task.labels.tolist() == list(range(600))
+    build = COMPONENTS.resolve(TEXT_ENCODER["impl"], platform)[1]
+    encoder = build(TEXT_ENCODER["config"], None, package_path(TEXT_ENCODER["source"]), platform, "float32")
+    for row in (0, 511, 512, 599):
+        alone, _ = encoder([captions[row]])
+        assert torch.allclose(task.text[row], alone[0], atol=1e-5), row
+
+
 def test_vae_card_is_written_with_recipe_command_and_metrics(tmp_path, data):
     card = train(tiny("fashion-vae", ["loss={}"]), command="cardtool train …", out=tmp_path / "vae",
                  run_dir=tmp_path / "run", data=str(data))
