@@ -404,6 +404,8 @@ def test_skip_existing_makes_only_the_images_an_earlier_run_did_not_leave(on_pat
     other = loaded.generate(["a bag"], num=1, steps=3, out=tmp_path, skip_existing=True)
     assert other.skipped == 0 and other.images[0].path not in paths, "other settings are other images"
     assert json.loads(json.dumps(again.to_json()))["skipped"] == 3
+    rate = again.to_json()["images_per_second"]  # of the one image made: the kept ones took no time
+    assert rate == round(1 / again.seconds, 3)
 
 
 def test_a_grid_of_many_images_shows_a_bounded_part_of_them(on_path, tmp_path, monkeypatch):
