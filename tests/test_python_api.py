@@ -54,6 +54,7 @@ def test_the_python_api_example_runs(tmp_path):
     assert np.abs(plain - inverted).max() > 0, "the adapter changed the same seed's image"
     assert lines[-1].startswith("refused: card 'tiny-base' declares no adapter 'no-such-adapter'")
     assert not (tmp_path / "out" / "never").exists()
+    assert len(list((tmp_path / "out" / "plain").iterdir())) == 4, "its four images, and no grid unless asked"
 
 
 def test_a_workflow_runs_from_its_file_with_overrides_and_resumes(tmp_path):
