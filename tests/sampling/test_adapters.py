@@ -589,16 +589,20 @@ def test_control_from_a_file_through_the_cli(card, tmp_path):
     assert again.name == made.name and again.read_bytes() == made.read_bytes()
 
 
-def test_a_pil_control_image_is_the_same_picture_as_its_file(card, tmp_path):
+def test_a_control_image_as_a_file_a_pil_image_an_array_or_made_already_is_one_picture(card, tmp_path):
     from PIL import Image
 
     rng = np.random.default_rng(1)
     colour = Image.fromarray(rng.integers(0, 256, size=(40, 40, 3), dtype=np.uint8), "RGB")
     colour.save(tmp_path / "c.png")
+    from cardtool.core.sampling.control import ControlImage, read_grey
+
+    grey = read_grey(tmp_path / "c.png", 28)  # as an array, or made already: the same control image
+    preprocessor = card.manifest.adapters["ctl"].control
     made = [LoadedCard(str(card.folder)).generate("a bag", steps=2, control=c, out=None).images[0]
-            for c in (tmp_path / "c.png", colour)]
-    assert (made[0].pixels == made[1].pixels).all()
-    assert json.loads(made[0].metadata["control"])["sha256"] == json.loads(made[1].metadata["control"])["sha256"]
+            for c in (tmp_path / "c.png", colour, grey, ControlImage.make(grey, preprocessor))]
+    assert all((m.pixels == made[0].pixels).all() for m in made)
+    assert len({json.loads(m.metadata["control"])["sha256"] for m in made}) == 1
 
 
 def test_eval_takes_an_adapter_stack_and_names_it_in_the_report(card, tmp_path):
