@@ -72,6 +72,37 @@ def test_the_flow_matching_loss_regresses_the_velocity_from_noise_to_the_data():
     assert float(task._loss(x0, labels, torch.Generator().manual_seed(0), 0.0)) == pytest.approx(4.0)
 
 
+def test_a_card_continued_learns_on_its_own_text_encoders_features_and_a_finetune_keeps_it(examples, tmp_path, data):
+    """tiny-base with another max_length: fine-tuning it, or training a LoRA on it, encodes the prompts as the card
+    does; the fine-tuned card declares that encoder. One whose files are in its card's folder cannot be carried."""
+    import shutil
+    from types import SimpleNamespace
+
+    from cardtool.backends.platform import Platform
+    from cardtool.core.cards.schema import Component
+    from cardtool.core.data import load_split
+    from cardtool.core.training.methods.adapters import adapter_task
+    from cardtool.core.training.methods.flow_matching import FlowMatchingTask, _carried
+
+    shutil.copytree(examples / "tiny-base", tmp_path / "short")
+    manifest = tmp_path / "short" / "card.yaml"
+    manifest.write_text(manifest.read_text().replace("id: tiny-base", "id: short", 1)
+                        .replace("config: {max_length: 16}", "config: {max_length: 12}", 1))
+    splits = [load_split(part, str(data)) for part in ("train", "test")]
+    platform = Platform.detect("cpu")
+    tuned = FlowMatchingTask(tiny("fashion-base", ["method=finetune", f"parents=[{tmp_path / 'short'}]", "model={}"]),
+                             platform, *splits)
+    lora = adapter_task(load_recipe(RECIPES / "fashion-bold.yaml", [f"parents=[{tmp_path / 'short'}]"]), platform,
+                        *splits)
+    assert tuned.text.shape[1:] == lora.text.shape[1:] == (12, 384)
+    assert tuned.card_components()["text_encoder"]["config"] == {"max_length": 12}
+    inside = SimpleNamespace(id="own", manifest=SimpleNamespace(components={"te": Component(
+        kind="text_encoder", impl="hf-encoder", source="encoder")}))
+    with pytest.raises(BadInput, match="the text encoder of 'own' \\('te'\\) is in its folder"):
+        _carried(inside, "te", "finetune")
+    assert _carried(inside, "te", "lora")["source"] == "encoder", "an adapter card extends its parent's"
+
+
 def test_a_pretrained_cards_loop_defaults_are_data_loop_over_the_built_in_ones():
     from cardtool.core.training.methods.flow_matching import loop_defaults
 

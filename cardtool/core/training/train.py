@@ -89,7 +89,7 @@ def train(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Pat
         recipe_block["parents"] = [task.parent.id]
     else:
         metrics = task.finish(result.modules["transformer"])
-        components = {"text_encoder": dict(TEXT_ENCODER), **task.card_components()}
+        components = task.card_components()
         weights = {"transformer.safetensors": result.modules["transformer"].state_dict()}
         copies, loops = task.card_copies(), {"denoise": task.card_loop()}
         recipe_block["assumes"] = {"loop": "denoise"}

@@ -68,7 +68,10 @@ class FlowMatchingTask(Task):
             raise BadInput(f"parent card '{self.parent.id}' has no VAE component")
         self.vae = vae = parent.component(self.vae_name)
         self._check_latent_shape(latents(vae, train.images[:1], self.device)[0].shape[1:])
-        self._text(platform, train, test)  # before the latents: it checks model.text_dim
+        # a card continued (fine-tuned, or given an adapter) learns on the features its own text encoder makes
+        encoder = None if recipe.method == "pretrain" else text_encoder_of(self.parent)
+        self.text_spec = dict(TEXT_ENCODER) if encoder is None else _carried(self.parent, encoder, recipe.method)
+        self._text(platform, train, test, None if encoder is None else parent.component(encoder))
         self.images = transform(recipe.data.get("transform", "none"), train.images)
         self.mean, self.std = latents(vae, self.images, self.device)
         self.test_images = transform(recipe.data.get("transform", "none"), test.images[:2000])
@@ -85,7 +88,7 @@ class FlowMatchingTask(Task):
             raise BadInput(f"model.patch {list(c.patch)} does not tile the VAE's latents (frames, height, width = "
                            f"{', '.join(map(str, shape[1:]))}); each must divide its size, e.g. [1, 2, 2]")
 
-    def _text(self, platform: Platform, train: Split, test: Split) -> None:
+    def _text(self, platform: Platform, train: Split, test: Split, encoder=None) -> None:
         """Features of every training prompt (and the empty prompt), made by the text encoder component
         the written card declares, with its config: what its denoise loop will feed the DiT. Class-labelled images
         draw from their class's phrasings (`labels` index the classes); captioned ones each have their own caption
@@ -103,8 +106,9 @@ class FlowMatchingTask(Task):
             rows = np.array([where[c] for c in captions], dtype=np.int64)
             labels, test_labels = rows[:len(train)], rows[len(train):]
         self.labels, self.test_labels = torch.from_numpy(labels), torch.from_numpy(test_labels)
-        build = COMPONENTS.resolve(TEXT_ENCODER["impl"], platform)[1]
-        encoder = build(TEXT_ENCODER["config"], None, package_path(TEXT_ENCODER["source"]), platform, "float32")
+        if encoder is None:
+            build = COMPONENTS.resolve(TEXT_ENCODER["impl"], platform)[1]
+            encoder = build(TEXT_ENCODER["config"], None, package_path(TEXT_ENCODER["source"]), platform, "float32")
         flat.append("")
         parts = [encoder(flat[i:i + 512]) for i in range(0, len(flat), 512)]  # thousands of captions, a part at once
         self.text, self.mask = (torch.cat([part[k] for part in parts]) for k in (0, 1))
@@ -160,7 +164,8 @@ class FlowMatchingTask(Task):
 
     def card_components(self) -> dict:
         vae = self.parent.manifest.components[self.vae_name]
-        return {"vae": {"kind": "vae", "impl": vae.impl, "config": dict(vae.config), "weights": "vae.safetensors"},
+        return {"text_encoder": self.text_spec,
+                "vae": {"kind": "vae", "impl": vae.impl, "config": dict(vae.config), "weights": "vae.safetensors"},
                 "transformer": {"kind": "dit", "impl": "wan-dit", "config": self.config.to_card(),
                                 "weights": "transformer.safetensors"}}
 
@@ -169,6 +174,26 @@ class FlowMatchingTask(Task):
 
     def card_loop(self) -> dict:
         return {"kind": "flow_denoise", "uses": ["text_encoder", "vae", "transformer"], "defaults": self.loop_defaults}
+
+
+def text_encoder_of(card) -> str | None:
+    """The name of the text encoder component the card's denoise loop uses (None where it has none)."""
+    loop = loop_spec(card)
+    components = card.manifest.components
+    return next((n for n in (loop.uses if loop else ()) if n in components and components[n].kind == "text_encoder"),
+                None)
+
+
+def _carried(card, name: str, method: str) -> dict:
+    """The parent's text encoder as the new card declares it: by its package source, which resolves anywhere. One
+    whose files are in the parent's folder cannot be carried to a card of its own (an adapter card extends its parent
+    and declares none)."""
+    spec = card.manifest.components[name]
+    if method == "finetune" and (spec.weights is not None or spec.source is None or
+                                 not spec.source.startswith("package:")):
+        raise BadInput(f"finetune writes a card of its own, and the text encoder of '{card.id}' ('{name}') is in "
+                       "its folder; give it a package: source, or train an adapter (lora), which extends the card")
+    return spec.model_dump(mode="json", exclude_none=True)
 
 
 def loop_spec(card):
