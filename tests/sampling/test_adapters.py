@@ -603,6 +603,8 @@ def test_a_control_image_as_a_file_a_pil_image_an_array_or_made_already_is_one_p
             for c in (tmp_path / "c.png", colour, grey, ControlImage.make(grey, preprocessor))]
     assert all((m.pixels == made[0].pixels).all() for m in made)
     assert len({json.loads(m.metadata["control"])["sha256"] for m in made}) == 1
+    with pytest.raises(BadInput, match="a control preprocessor needs a control image"):
+        LoadedCard(str(card.folder)).generate("a bag", steps=2, preprocessor="edges", out=None)
 
 
 def test_eval_takes_an_adapter_stack_and_names_it_in_the_report(card, tmp_path):
