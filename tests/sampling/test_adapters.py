@@ -505,6 +505,11 @@ def test_cli_errors_exit_2(card, tmp_path):
                            (["--adapter", "a", "--adapter", "a=0.5"], "adapter 'a' is named twice")]:
         result = runner.invoke(app, base + extra)
         assert result.exit_code == 2 and message in result.output, (extra, result.output)
+    shape = tmp_path / "shape.png"
+    save_png(shape, np.full((28, 28), 255, np.uint8))
+    no_net = runner.invoke(app, ["generate", str(EXAMPLE_CARDS / "tiny-base"), "-p", "a bag", "--control", str(shape),
+                                 "--out", str(tmp_path / "o")])
+    assert no_net.exit_code == 2 and "--control needs a ControlNet; card 'tiny-base' declares none" in no_net.output
 
 
 def test_a_lora_file_that_does_not_fit_is_refused(card, loop):
