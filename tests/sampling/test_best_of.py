@@ -64,6 +64,16 @@ def test_candidates_are_scored_in_one_batch_and_candidate_zero_is_the_plain_requ
     assert len({candidate_seed(7, i) for i in range(100)}) == 100 and candidate_seed(7, 0) == 7
 
 
+def test_progress_over_waves_of_candidates_counts_every_candidates_steps_once(examples, tmp_path):
+    """Two prompts × 3 candidates × 2 steps in waves of one request (max_batch 3): 12 steps, counted up in order."""
+    seen = []
+    LoadedCard(str(examples / "tiny-base")).generate(["a bag", "a coat"], steps=2, best_of=3, max_batch=3,
+                                                     reward=str(examples / "tiny-judge"), out=None,
+                                                     on_step=lambda done, total: seen.append((done, total)))
+    assert {total for _, total in seen} == {12} and seen[-1][0] == 12
+    assert [done for done, _ in seen] == sorted(done for done, _ in seen) and seen[0][0] > 0
+
+
 @pytest.mark.parametrize("args, message", [
     (["--best-of", "3"], "needs --reward"),
     (["--best-of", "0", "--reward", "REWARD"], "--best-of must be at least 1"),
