@@ -89,8 +89,8 @@ class FlowMatchingTask(Task):
                            f"{', '.join(map(str, shape[1:]))}); each must divide its size, e.g. [1, 2, 2]")
 
     def _text(self, platform: Platform, train: Split, test: Split, encoder=None) -> None:
-        """Features of every training prompt (and the empty prompt), made by the text encoder component
-        the written card declares, with its config: what its denoise loop will feed the DiT. Class-labelled images
+        """Features of every training prompt (and the empty prompt), made by `encoder` (the continued card's) or the
+        built-in text encoder — the one the written card's denoise loop will feed the DiT with. Class-labelled images
         draw from their class's phrasings (`labels` index the classes); captioned ones each have their own caption
         (`labels` index the distinct captions, one phrasing each)."""
         from cardtool.backends.registry import COMPONENTS
