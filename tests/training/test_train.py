@@ -745,6 +745,16 @@ def test_train_cli(tmp_path, data):
         assert bad.exit_code == 2 and f"--micro-batches must be at least 1, got {parts}" in bad.stderr
 
 
+def test_a_distill_or_rl_recipe_is_refused_by_train_naming_the_command_that_runs_it(tmp_path):
+    from cardtool.core.training.rl import rl_recipe
+
+    cli = CliRunner().invoke(app, ["train", "--recipe", str(RECIPES / "fashion-dmd2.yaml")])
+    assert cli.exit_code == 2 and "`cardtool distill TEACHER --recipe FILE` does" in cli.stderr, cli.output
+    with pytest.raises(BadInput, match="diffusion_nft is not a `cardtool train` method: `cardtool rl CARD --reward"):
+        train(rl_recipe("tiny-base", "tiny-judge"), command="c", out=tmp_path / "x")
+    assert not (tmp_path / "x").exists() and not (tmp_path / "runs").exists()
+
+
 def test_bfloat16_training_is_refused_where_the_platform_has_no_bf16_compute(tmp_path, data, monkeypatch):
     from cardtool.backends.platform import Platform
 
