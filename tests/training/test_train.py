@@ -733,10 +733,10 @@ def test_classifier_pretrain_and_generate_from_what_training_wrote(tmp_path, dat
 def test_train_cli(tmp_path, data):
     sets = [arg for override in TINY_VAE for arg in ("--set", override)]
     result = CliRunner().invoke(app, ["train", "--recipe", str(RECIPES / "fashion-vae.yaml"), *sets, "--data",
-                                      str(data), "--out", str(tmp_path / "vae"), "--run-dir", str(tmp_path / "run"),
-                                      "--json"])
+                                      str(data), "--out", str(tmp_path / "vae"), "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["card"] == "fashion-vae"
+    assert (tmp_path / "runs" / "fashion-vae" / CHECKPOINT).is_file(), "the run's folder defaults to runs/ID"
     bad = CliRunner().invoke(app, ["train", "--recipe", str(RECIPES / "fashion-vae.yaml"), "--set", "optim.lrr=1"])
     assert bad.exit_code == 2 and "optim.lrr" in bad.stderr
     for parts in ("0", "-1"):
