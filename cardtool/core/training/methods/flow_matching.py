@@ -17,7 +17,9 @@ from cardtool.core.cards.loader import load_card, package_path
 from cardtool.core.cards.loops import FlowDenoiseDefaults
 from cardtool.core.data import Split
 from cardtool.core.prompts import TEXT_ENCODER, training_prompts
+from cardtool.core.sampling.denoise import DenoiseLoop
 from cardtool.core.sampling.instance import ModelInstance
+from cardtool.core.training.methods.frozen import merge_default_stack
 from cardtool.core.training.methods.vae import latents
 from cardtool.core.training.recipes import Recipe, field_problems, loss_number, only_keys
 from cardtool.core.training.trainer import Task
@@ -42,6 +44,7 @@ class FlowMatchingTask(Task):
         self.recipe, self.device = recipe, platform.torch_device
         self.parent = load_card(locate(recipe.parents[0]))
         parent = ModelInstance(self.parent, platform, "float32")
+        served = self.parent.manifest.loops.get("denoise")  # how the parent samples: what a card continued keeps
         torch.manual_seed(recipe.train.seed)
         if recipe.method == "pretrain":
             self.config = WanDiTConfig.from_card(recipe.model)
@@ -58,18 +61,15 @@ class FlowMatchingTask(Task):
             self.dit = WanDiT(self.config, platform).to(self.device)
             self.dit.load_state_dict(parent.component("transformer").state_dict())
             if self.loop_defaults is not None:  # it samples as the card it continues, unless data.loop says otherwise
-                from cardtool.core.training.methods.frozen import merge_default_stack
-
-                served = loop_spec(self.parent)
                 merge_default_stack(parent, self.dit, served.defaults.get("adapters") if served else None)
-                self.loop_defaults = loop_defaults(recipe, inherited_defaults(self.parent))
+                self.loop_defaults = loop_defaults(recipe, inherited_defaults(served))
         self.vae_name = next((n for n, c in self.parent.manifest.components.items() if c.kind == "vae"), None)
         if self.vae_name is None:
             raise BadInput(f"parent card '{self.parent.id}' has no VAE component")
         self.vae = vae = parent.component(self.vae_name)
         self._check_latent_shape(latents(vae, train.images[:1], self.device)[0].shape[1:])
         # a card continued (fine-tuned, or given an adapter) learns on the features its own text encoder makes
-        encoder = None if recipe.method == "pretrain" else text_encoder_of(self.parent)
+        encoder = None if recipe.method == "pretrain" or served is None else DenoiseLoop(parent).text_encoder
         self.text_spec = dict(TEXT_ENCODER) if encoder is None else _carried(self.parent, encoder, recipe.method)
         self._text(platform, train, test, None if encoder is None else parent.component(encoder))
         self.images = transform(recipe.data.get("transform", "none"), train.images)
@@ -176,14 +176,6 @@ class FlowMatchingTask(Task):
         return {"kind": "flow_denoise", "uses": ["text_encoder", "vae", "transformer"], "defaults": self.loop_defaults}
 
 
-def text_encoder_of(card) -> str | None:
-    """The name of the text encoder component the card's denoise loop uses (None where it has none)."""
-    loop = loop_spec(card)
-    components = card.manifest.components
-    return next((n for n in (loop.uses if loop else ()) if n in components and components[n].kind == "text_encoder"),
-                None)
-
-
 def _carried(card, name: str, method: str) -> dict:
     """The parent's text encoder as the new card declares it: by its package source, which resolves anywhere. One
     whose files are in the parent's folder cannot be carried to a card of its own (an adapter card extends its parent
@@ -196,15 +188,9 @@ def _carried(card, name: str, method: str) -> dict:
     return spec.model_dump(mode="json", exclude_none=True)
 
 
-def loop_spec(card):
-    """The card's denoise loop (None where it has none)."""
-    return next((spec for spec in card.manifest.loops.values() if spec.kind == "flow_denoise"), None)
-
-
-def inherited_defaults(card) -> dict:
-    """A fine-tuned card's starting loop defaults: its parent's denoise loop's, less its adapter stack (merged into
-    the weights it continues: the new card declares no adapters)."""
-    loop = loop_spec(card)
+def inherited_defaults(loop) -> dict:
+    """A fine-tuned card's starting loop defaults: its parent's denoise `loop`'s (if any), less its adapter stack
+    (merged into the weights it continues: the new card declares no adapters)."""
     return {k: v for k, v in (loop.defaults if loop is not None else {}).items() if k != "adapters"}
 
 
