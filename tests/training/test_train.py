@@ -169,6 +169,23 @@ def test_vae_card_is_written_with_recipe_command_and_metrics(tmp_path, data):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no staging folder is left"
 
 
+def test_a_vae_whose_latents_collapsed_is_a_failed_run_keeping_its_checkpoint(tmp_path, data, monkeypatch):
+    """A KL term that pushed every posterior mean to 0 leaves no spread to scale: the run says so (exit 1), where
+    it wrote a card whose scaling factor 1/0 could not validate."""
+    from cardtool.backends.conv_vae import ConvVAE
+    from cardtool.core.training.methods.vae import psnr
+
+    encode = ConvVAE.encode
+    monkeypatch.setattr(ConvVAE, "encode", lambda self, x: (encode(self, x)[0] * 1e-7, encode(self, x)[1]))
+    collapsed = r"latents have no spread \(standard deviation [\d.]+e-0[78]\).*kl_weight \(now 0.0001"
+    with pytest.raises(RunFailed, match=collapsed):
+        train(tiny("fashion-vae"), command="c", out=tmp_path / "vae", run_dir=tmp_path / "run", data=str(data))
+    assert not (tmp_path / "vae").exists() and (tmp_path / "run" / CHECKPOINT).is_file()
+    blank = torch.tensor([-1.0, 1.0, -1.0, -1.0]).reshape(1, 1, 2, 2)  # black and white
+    assert psnr(blank, blank) == 100.0 and psnr(blank * 3, blank) == 100.0, "exact after the clamp: 100 dB"
+    assert psnr(torch.zeros_like(blank), blank) == pytest.approx(10 * math.log10(4)), "every pixel off by 1/2"
+
+
 def test_the_checkpoint_and_the_card_reach_the_disk_before_they_are_renamed_into_place(tmp_path, data, monkeypatch):
     flushed = fsynced(monkeypatch)
     train(tiny("fashion-vae"), command="c", out=tmp_path / "vae", run_dir=tmp_path / "run", data=str(data))

@@ -12,7 +12,7 @@ from cardtool.backends.vae_config import ConvVAEConfig
 from cardtool.core.data import Split
 from cardtool.core.training.recipes import Recipe, loss_number, only_keys
 from cardtool.core.training.trainer import Task
-from cardtool.errors import BadInput
+from cardtool.errors import BadInput, RunFailed
 
 __all__ = ["VAETask", "to_unit", "psnr", "latents"]
 
@@ -47,9 +47,10 @@ def latents(vae, images: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor
 
 
 def psnr(reconstruction: torch.Tensor, images: torch.Tensor) -> float:
-    """PSNR in dB over [0, 1] pixels of images in [−1, 1]."""
+    """PSNR in dB over [0, 1] pixels of images in [−1, 1], at most 100 dB: an exact reconstruction (blank images a
+    decoder clamps to black) would be infinite, which a card's metrics cannot hold."""
     mse = ((reconstruction.clamp(-1, 1) - images) / 2).pow(2).mean().item()
-    return float(10 * np.log10(1.0 / mse))
+    return float(10 * np.log10(1.0 / max(mse, 1e-10)))
 
 
 class VAETask(Task):
@@ -86,7 +87,12 @@ class VAETask(Task):
         """The scaling factor from training latents, and reconstruction PSNR of the whole test split."""
         sample, n = self.images[:10000], ENCODE_BATCH
         means = torch.cat([vae.encode(to_unit(sample[i:i + n]).to(self.device))[0] for i in range(0, len(sample), n)])
-        scale = float(1.0 / means.std())
+        spread = float(means.std())
+        if not spread >= 1e-6:  # the card's scaling factor (1/spread) is at most 1e6
+            raise RunFailed(f"the VAE's latents have no spread (standard deviation {spread:.3g}), so there is no "
+                            f"scaling factor to give the denoiser: its posterior collapsed — lower loss.kl_weight "
+                            f"(now {self.kl_weight:g}) or train on images that differ")
+        scale = 1.0 / spread
         reconstructions = torch.cat([vae.decode(vae.encode(to_unit(self.test[i:i + n]).to(self.device))[0]).cpu()
                                      for i in range(0, len(self.test), n)])
         return self.config.model_copy(update={"scaling_factor": round(scale, 6)}), \
