@@ -160,7 +160,8 @@ def test_the_student_card_extends_its_teacher_and_samples_as_it_was_trained(exam
     assert m.loops["denoise"].defaults["steps"] == 2 and m.loops["denoise"].defaults["guidance"] == 1.0
     assert card.weights_file("vae").resolve() == (teacher / "vae.safetensors").resolve(), "VAE by reference"
     assert "invert" not in m.adapters, "the teacher's LoRA was trained for the teacher's transformer"
-    assert student.manifest.recipe.metrics["iterations"] == 6
+    assert student.manifest.recipe.metrics["iterations"] == 6 and m.description == "2-step DMD2 student of tiny-base"
+    assert student.manifest.recipe.metrics["generator_updates"] == 2, "iterations 0 and 5 of 6 (every fifth)"
     # train ≡ serve: the training rollout (the generator's last step) equals the student card's sampling
     task = DMD2Task(recipe(teacher), _platform(), load_card(teacher))
     task.generator.load_state_dict(load_file(str(card.weights_file("transformer"))))
@@ -176,14 +177,15 @@ def test_the_student_card_extends_its_teacher_and_samples_as_it_was_trained(exam
     assert json.loads(result.stdout)["images"][0]["steps"] == "2" and not json.loads(result.stdout)["warnings"]
 
 
-def test_the_cli_writes_the_student_and_reports_json(examples, tmp_path):
-    result = CliRunner().invoke(app, ["distill", str(examples / "tiny-base"), "--steps", "1", "--no-eval",
-                                      "--out", str(tmp_path / "s1"), "--run-dir", str(tmp_path / "r"), "--json",
+def test_the_cli_writes_the_student_and_reports_json(examples, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # without --out and --run-dir: cards/ID and runs/ID here
+    result = CliRunner().invoke(app, ["distill", str(examples / "tiny-base"), "--steps", "1", "--no-eval", "--json",
                                       *(f"--set={o}" for o in TINY)])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["card"] == "tiny-base-1step" and report["steps"] == 1
-    assert "cardtool distill" in load_card(tmp_path / "s1").manifest.recipe.command
+    assert report["path"] == "cards/tiny-base-1step" and (tmp_path / "runs" / "tiny-base-1step" / CHECKPOINT).is_file()
+    assert "cardtool distill" in load_card(tmp_path / "cards" / "tiny-base-1step").manifest.recipe.command
     assert "iteration 1/" in result.stderr, "a script's stdout holds the document, a person still sees progress"
 
 
@@ -219,6 +221,17 @@ def test_bad_input_is_a_clear_error(examples, tmp_path, args, message):
     result = CliRunner().invoke(app, ["distill", str(examples / "tiny-base"), "--no-eval", *args,
                                       "--out", str(tmp_path / "s"), "--run-dir", str(tmp_path / "r")])
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+
+
+def test_the_api_refuses_a_recipe_of_another_method_or_parents_before_loading_anything(examples, tmp_path):
+    """distill() takes any Recipe: one made for rl, or a dmd2 recipe given a second parent, is refused at once."""
+    from cardtool.core.training.rl import rl_recipe
+
+    two = recipe(examples / "tiny-base").model_copy(update={"parents": ["tiny-base", "tiny-judge"]})
+    for wrong in (rl_recipe("no-such-base", "tiny-judge"), two):
+        with pytest.raises(BadInput, match="distill runs a dmd2 recipe with exactly one parent, the teacher"):
+            distill(wrong, command="c", out=tmp_path / "s", run_dir=tmp_path / "r", evaluate=False)
+    assert not (tmp_path / "s").exists() and not (tmp_path / "r").exists()
 
 
 def test_a_teacher_without_a_denoise_loop_and_an_existing_output_are_refused(examples, tmp_path):

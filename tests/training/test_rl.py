@@ -403,6 +403,22 @@ def test_bad_input_is_a_clear_error(examples, tmp_path, args, message):
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
 
 
+def test_each_method_starts_from_its_own_defaults_and_the_api_refuses_another_methods_recipe(examples, tmp_path):
+    nft, grpo = rl_recipe("tiny-base", "tiny-judge"), rl_recipe("tiny-base", "tiny-judge", "flow_grpo")
+    assert (nft.method, nft.optim.steps, nft.train.precision, nft.card.storage) == ("diffusion_nft", 600, "bfloat16",
+                                                                                     "float16")
+    assert (nft.loss["kl"], nft.loss["timesteps"]) == (5.0, 2) and nft.card.id == "tiny-base-nft"
+    assert (grpo.optim.steps, grpo.train.precision, grpo.loss["kl"], grpo.loss["updates_per_rollout"]) == (
+        300, "float32", 0.04, 2) and grpo.card.id == "tiny-base-grpo" and grpo.parents == ["tiny-base", "tiny-judge"]
+    from cardtool.core.training.distill import distill_recipe
+
+    one = recipe(examples / "tiny-base").model_copy(update={"parents": ["tiny-base"]})
+    for wrong in (distill_recipe("tiny-base"), one):
+        with pytest.raises(BadInput, match=r"rl runs a diffusion_nft or flow_grpo recipe whose parents are \[BASE"):
+            rl(wrong, command="c", out=tmp_path / "o", run_dir=tmp_path / "r", evaluate=False)
+    assert not (tmp_path / "o").exists() and not (tmp_path / "r").exists()
+
+
 def test_a_reward_that_is_not_a_reward_and_a_base_without_a_loop_are_refused(examples, tmp_path):
     result = CliRunner().invoke(app, ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-base"),
                                       "--no-eval", "--out", str(tmp_path / "o")])
