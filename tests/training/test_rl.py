@@ -331,6 +331,23 @@ def test_the_tuned_card_extends_the_base_samples_without_cfg_and_traces_to_base_
     assert metrics["prompts"]["count"] == 130, "the class prompts with their synonyms and templates"
 
 
+def test_the_cli_evaluates_the_tuned_card_under_the_judge_and_the_held_out_judge(examples, tmp_path):
+    """The eval row under --judge and, beside it, the accuracy under --held-out-judge: the same judge here, so the
+    same 1,000 images judged twice must give the same accuracy."""
+    data = write_idx_folder(tmp_path / "idx", train=1000, test=100)  # the floors need 100 images a class
+    result = CliRunner().invoke(app, ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
+                                      "--judge", str(examples / "tiny-judge"), "--held-out-judge",
+                                      str(examples / "tiny-judge"), "--data", str(data), "--out", str(tmp_path / "o"),
+                                      "--run-dir", str(tmp_path / "r"), "--json",
+                                      *(f"--set={o}" for o in [*TINY, "optim.steps=1"])])
+    assert result.exit_code == 0, result.output
+    metrics = json.loads(result.stdout)["metrics"]
+    [row] = metrics["eval"]["rows"]
+    assert metrics["held_out_judge"] == {"card": "tiny-judge", "images": 1000, "class_accuracy": row["class_accuracy"]}
+    assert load_card(tmp_path / "o").manifest.recipe.metrics["held_out_judge"] == metrics["held_out_judge"]
+    assert result.stderr.count("eval (tiny-judge) at 30 steps, guidance 1: accuracy") == 2
+
+
 def test_a_prompts_file_is_what_the_run_trains_on(examples, tmp_path):
     (tmp_path / "prompts.txt").write_text("# two garments\na bag\n\n  a red coat  \n")
     result = CliRunner().invoke(app, ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
