@@ -346,6 +346,12 @@ def test_the_cli_evaluates_the_tuned_card_under_the_judge_and_the_held_out_judge
     assert metrics["held_out_judge"] == {"card": "tiny-judge", "images": 1000, "class_accuracy": row["class_accuracy"]}
     assert load_card(tmp_path / "o").manifest.recipe.metrics["held_out_judge"] == metrics["held_out_judge"]
     assert result.stderr.count("eval (tiny-judge) at 30 steps, guidance 1: accuracy") == 2
+    alone = CliRunner().invoke(app, ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
+                                     "--judge", str(examples / "tiny-judge"), "--held-out-judge", "", "--data",
+                                     str(data), "--out", str(tmp_path / "o2"), "--run-dir", str(tmp_path / "r2"),
+                                     "--json", *(f"--set={o}" for o in [*TINY, "optim.steps=1"])])
+    assert alone.exit_code == 0, alone.output
+    assert "held_out_judge" not in json.loads(alone.stdout)["metrics"] and alone.stderr.count("eval (") == 1
 
 
 def test_a_prompts_file_is_what_the_run_trains_on(examples, tmp_path):
@@ -440,6 +446,14 @@ def test_a_reward_that_is_not_a_reward_and_a_base_without_a_loop_are_refused(exa
     result = CliRunner().invoke(app, ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-base"),
                                       "--no-eval", "--out", str(tmp_path / "o")])
     assert result.exit_code == 2 and "is not a reward" in result.output
+    for judge in ("--judge", "--held-out-judge"):  # checked before the training, not after it
+        result = CliRunner().invoke(app, ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
+                                          "--judge", str(examples / "tiny-judge"), "--held-out-judge",
+                                          str(examples / "tiny-judge"), judge, str(examples / "tiny-base"),
+                                          "--out", str(tmp_path / "o"),
+                                          "--run-dir", str(tmp_path / "r"), *(f"--set={o}" for o in TINY)])
+        assert result.exit_code == 2 and "is not a reward" in result.output, judge
+        assert not (tmp_path / "r" / CHECKPOINT).exists() and not (tmp_path / "o").exists(), judge
     vae_only = write_vae_only_card(tmp_path / "vae-only")
     result = CliRunner().invoke(app, ["rl", str(vae_only), "--reward", str(examples / "tiny-judge"), "--no-eval",
                                       "--out", str(tmp_path / "o")])
