@@ -25,7 +25,7 @@ from cardtool.core.sampling.text_cache import TextFeatureCache
 from cardtool.core.training.methods.grpo import GRPO_DEFAULTS, clipped_objective, transition_log_probs
 from cardtool.core.training.methods.nft import NFT_DEFAULTS, nft_loss, old_policy_decay
 from cardtool.core.training.methods.rollouts import Rollouts, group_advantages
-from cardtool.core.training.rl import check_recipe, make_task, rl, rl_recipe
+from cardtool.core.training.rl import check_recipe, make_task, rl, rl_recipe, serving_loop
 from cardtool.core.training.trainer import CHECKPOINT, train_loop
 from cardtool.errors import BadInput
 
@@ -329,6 +329,11 @@ def test_the_tuned_card_extends_the_base_samples_without_cfg_and_traces_to_base_
     assert roots == {"tiny-base", "tiny-judge"} and not any(node.missing for node in lineage(card).parents)
     assert "cardtool rl" in m.recipe.command and m.recipe.hyperparameters["loss"]["group_size"] == 8
     assert metrics["prompts"]["count"] == 130, "the class prompts with their synonyms and templates"
+    assert m.description == "tiny-base reward-tuned with diffusion_nft on tiny-judge; samples without CFG"
+    from cardtool.core.cards.loops import FlowDenoiseDefaults
+
+    served, own = serving_loop(load_card(base)), FlowDenoiseDefaults.model_validate(defaults)
+    assert served == {k: getattr(own, k) for k in served}, "what --watch-every samples is what the card serves"
 
 
 def test_the_cli_evaluates_the_tuned_card_under_the_judge_and_the_held_out_judge(examples, tmp_path):
@@ -354,19 +359,21 @@ def test_the_cli_evaluates_the_tuned_card_under_the_judge_and_the_held_out_judge
     assert "held_out_judge" not in json.loads(alone.stdout)["metrics"] and alone.stderr.count("eval (") == 1
 
 
-def test_a_prompts_file_is_what_the_run_trains_on(examples, tmp_path):
+def test_a_prompts_file_is_what_the_run_trains_on(examples, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # without --out and --run-dir: cards/ID and runs/ID here
     (tmp_path / "prompts.txt").write_text("# two garments\na bag\n\n  a red coat  \n")
     result = CliRunner().invoke(app, ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
-                                      "--prompts", str(tmp_path / "prompts.txt"), "--no-eval", "--out",
-                                      str(tmp_path / "o"), "--run-dir", str(tmp_path / "r"), "--json",
+                                      "--prompts", str(tmp_path / "prompts.txt"), "--no-eval", "--json",
                                       *(f"--set={o}" for o in [*TINY, "optim.steps=1"])])
     assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["path"] == "cards/tiny-base-nft"
+    assert (tmp_path / "runs" / "tiny-base-nft" / CHECKPOINT).is_file()
     prompts = json.loads(result.stdout)["metrics"]["prompts"]
     assert prompts == {"count": 2, "sha256": hashlib.sha256(b"a bag\na red coat").hexdigest()}
     (tmp_path / "others.txt").write_text("a shirt\n")  # a resume on other prompts would train on those
     again = CliRunner().invoke(app, ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
                                      "--prompts", str(tmp_path / "others.txt"), "--no-eval", "--out",
-                                     str(tmp_path / "o2"), "--run-dir", str(tmp_path / "r"), "--resume",
+                                     str(tmp_path / "o2"), "--run-dir", "runs/tiny-base-nft", "--resume",
                                      *(f"--set={o}" for o in [*TINY, "optim.steps=1"])])
     assert again.exit_code == 2 and "was trained on other data than this run reads" in again.output, again.output
 
@@ -414,10 +421,13 @@ def test_the_example_recipes_spell_out_the_defaults():
     (["--prompts", "latin1.txt"], "latin1.txt is not UTF-8 text"),
     (["--set", "data.folder=x"], "unknown data.folder; its settings: none"),
     (["--recipe", "listed.yaml"], "unknown rl method ['diffusion_nft']"),  # a list where the method's name goes
+    (["--recipe", "broken.yaml"], "cannot read recipe: "),
+    (["--set", "model.dim=8"], "tiny-base'; the recipe's model: may only hold lora: (got model.dim)"),
 ])
 def test_bad_input_is_a_clear_error(examples, tmp_path, args, message):
     (tmp_path / "empty.txt").write_text("\n# only a comment\n   \n")
     (tmp_path / "listed.yaml").write_text("method: [diffusion_nft]\n")
+    (tmp_path / "broken.yaml").write_text("method: [diffusion_nft\n")
     (tmp_path / "latin1.txt").write_bytes("a béret".encode("latin-1"))
     args = [str(tmp_path / a) if a.endswith((".yaml", ".txt")) else a for a in args]
     result = CliRunner().invoke(app, ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
