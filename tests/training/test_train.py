@@ -46,6 +46,17 @@ def weights(card, name):
     return load_file(str(card.weights_file(name)))
 
 
+def test_the_held_out_flow_loss_is_the_mean_over_latents_whatever_their_count():
+    """Chunks of 500 weighted by their size: 502 latents whose first 500 give loss 1 and last 2 give loss 2 average
+    to 504/502, not to the chunks' mean 1.5."""
+    from cardtool.core.training.methods.flow_matching import FlowMatchingTask
+
+    task = object.__new__(FlowMatchingTask)
+    task.dit, task.test_mean, task.test_labels = "trained", torch.zeros(502, 4, 1, 2, 2), torch.zeros(502)
+    task._loss = lambda x0, labels, generator, dropout: torch.tensor(1.0 if len(x0) == 500 else 2.0)
+    assert task.finish("ema") == {"test_flow_loss": round(504 / 502, 5)} and task.dit == "trained"
+
+
 def test_the_flow_matching_loss_regresses_the_velocity_from_noise_to_the_data():
     """x_t = (1 − t)·x0 + t·ε at t·1000, target ε − x0 (SD3 / Wan2.1), t logit-normal in (0, 1), each row's text a
     phrasing of its own class, or the empty prompt where the condition is dropped. A model that solves x_t for ε
