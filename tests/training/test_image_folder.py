@@ -202,6 +202,11 @@ def test_eval_on_captioned_images_measures_fid_against_their_test_images(example
     assert text.exit_code == 0 and "one image per test caption" in text.stdout
     missed = CliRunner().invoke(app, [*args, "--expect", "class_accuracy>=0"])
     assert missed.exit_code == 1, "no accuracy measured: the expectation is missed, not met"
+    one = write_folder(tmp_path / "one", count=10)  # 9 train, 1 test image: no covariance (was a LinAlgError)
+    alone = CliRunner().invoke(app, [*args[:5], str(one), *args[6:]])
+    assert alone.exit_code == 2 and json.loads(alone.stdout)["error"]["message"] == (
+        f"the test split of {one} holds 1 image; FID and KID need at least two (an image folder holds out every "
+        'tenth image, or the rows marked "split": "test")')
 
 
 def test_requests_of_captions_each_have_their_own_seed(examples, tmp_path, monkeypatch):

@@ -252,6 +252,10 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     judge_instance = ModelInstance(judge_card, platform, "float32")
     referee = FashionJudge(judge_instance)
     test, train = load_split("test", data), load_split("train", data)
+    if len(test) < 2:  # one row has no covariance: FID's would be NaN and KID's estimator undefined
+        raise BadInput(f"the test split of {data_dir(data)} holds {len(test)} image{'s' * (len(test) != 1)}; FID "
+                       'and KID need at least two (an image folder holds out every tenth image, or the rows marked '
+                       '"split": "test")')
     if test.captions is not None:  # your own images: the first `count` test captions, one image each at seed + i
         plans, labels = planned(list(test.captions[:count]), 1, apart=True), None
         count = len(next(iter(plans.values())))
