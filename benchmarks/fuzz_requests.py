@@ -338,7 +338,8 @@ def _eval(rng: random.Random, env: Env, out: Path) -> list[str]:
                # past 6 the tiny IDX folder's 64 training images are too few: refused, as the huge ones must be
                "--per-class": ["0", "1", "2", "x", "-1", "7", "10001", "1000000000", "99999999999999999999"],
                "--seed": NUMBERS, "--device": ["cpu", "numpy", "cuda", "x"],
-               "--data": [str(env.data), str(env.images), str(env.root), "/nonexistent", "/dev/zero"],
+               # FOLDER: a captioned image folder of 12 rows or fewer (one test image at most), made hostile
+               "--data": [str(env.data), str(env.images), str(env.root), "/nonexistent", "/dev/zero", "FOLDER"],
                "--precision": ["float32", "bfloat16", "float16", "float64", "int8"],
                "--adapter": ["invert", "invert=0.5", "nope", "invert=x"],
                "--out": [str(out / "r.json"), "/dev/null", str(env.root / "made.png"), str(out)], "--resume": None,
@@ -350,7 +351,7 @@ def _eval(rng: random.Random, env: Env, out: Path) -> list[str]:
             "--judge", env.card("tiny-judge"), "--data", str(env.data), "--per-class", "1", "--steps", "2"]
     for option in rng.sample(sorted(options), rng.choice([1, 2, 3])):
         args += [option] if options[option] is None else [option, rng.choice(options[option])]
-    return args
+    return [str(_image_folder(rng, env, out / "folder")) if a == "FOLDER" else a for a in args]
 
 
 def _workflow(rng: random.Random, env: Env, out: Path) -> list[str]:
