@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -94,6 +95,7 @@ def test_the_command_prints_a_table_or_one_json_document_and_imports_no_torch(ex
     assert moved["tensors_changed"] == 1 and 0 < moved["relative_change"] < 1
     table = CliRunner().invoke(app, ["cards", "diff", "tiny-base", "zeroed"], env={"COLUMNS": "200"})
     assert table.exit_code == 0 and "loops.denoise.defaults.guidance" in table.stdout, table.stdout
+    assert re.search(r"loops\.denoise\.defaults\.guidance\s*│\s*4\.0\s*│\s*2\.0\s*│", table.stdout), "A's value, B's"
     assert f"1 of {len(base)}" in table.stdout and f"{QUERY} (1)" in table.stdout, table.stdout
     missing = CliRunner().invoke(app, ["cards", "diff", "tiny-base", "nope"])
     assert missing.exit_code == 2 and "nope" in missing.stderr

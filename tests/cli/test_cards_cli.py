@@ -63,14 +63,15 @@ def test_show_for_people_escapes_brackets(on_path):
 
 
 def test_show_for_people_lists_loops_adapters_and_what_made_the_card(on_path):
-    base = run("cards", "show", "tiny-base")
+    wide = {"COLUMNS": "250"}  # each table row on one line
+    base = CliRunner().invoke(app, ["cards", "show", "tiny-base"], env=wide)
     assert base.exit_code == 0 and "\nloops" in base.stdout and "\nadapters" in base.stdout
     assert "steps=30, guidance=4.0, shift=1.0, solver=euler" in base.stdout and "rank 4, alpha 4" in base.stdout
     assert "made by:" not in base.stdout and "metrics:" not in base.stdout
     manifest = on_path / "tiny-judge" / "card.yaml"
     manifest.write_text(manifest.read_text().replace("recipe:\n", "recipe:\n  command: cardtool train --recipe j.yaml"
                                                      "\n  metrics: {test_accuracy: 0.5}\n"))
-    judge = run("cards", "show", "tiny-judge")
+    judge = CliRunner().invoke(app, ["cards", "show", "tiny-judge"], env=wide)
     assert judge.exit_code == 0 and "\nloops" not in judge.stdout and "\nadapters" not in judge.stdout
     assert "made by: cardtool train --recipe j.yaml\nmetrics: test_accuracy=0.5\n" in judge.stdout
 
