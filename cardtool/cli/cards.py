@@ -162,7 +162,7 @@ def lineage_command(card: CardArgument, json_: JsonOption = False) -> None:
         out.print(tree)
         chain = root.chain()
         if chain and len(chain) > 1:
-            out.print(" → ".join(f"{n.id} ({n.method})" for n in chain))
+            out.print(" → ".join(f"{n.id} ({'missing' if n.missing else n.method})" for n in chain))
     if not complete:
         raise typer.Exit(1)
 

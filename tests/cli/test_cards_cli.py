@@ -128,7 +128,11 @@ def test_validate_ok_and_with_checksums(examples):
 def test_validate_catches_a_changed_weight_file_only_with_checksums(examples):
     (examples / "tiny-rl" / "transformer.safetensors").write_bytes(
         (examples / "tiny-distilled" / "transformer.safetensors").read_bytes())
-    assert run("cards", "validate", str(examples / "tiny-rl")).exit_code == 0
+    plain = run("cards", "validate", str(examples / "tiny-rl"))
+    assert plain.exit_code == 0 and plain.stdout.startswith("ok      tiny-rl  (") and "invalid" not in plain.stdout
+    checked = run("cards", "validate", "--checksums", str(examples / "tiny-rl"))
+    assert checked.exit_code == 1 and checked.stdout.startswith("invalid ") and "tiny-rl" in checked.stdout
+    assert "components.transformer.sha256" in checked.stderr
     result = run("cards", "validate", "--checksums", str(examples / "tiny-rl"), "--json")
     assert result.exit_code == 1
     [found] = json.loads(result.stdout)["results"]
@@ -150,11 +154,15 @@ def test_lineage_prints_the_chain(on_path):
     result = run("cards", "lineage", "tiny-distilled")
     assert result.exit_code == 0
     assert "tiny-base (pretrain) → tiny-rl (diffusion_nft) → tiny-distilled (dmd2)" in result.stdout
+    root = run("cards", "lineage", "tiny-base")
+    assert root.exit_code == 0 and root.stdout == "tiny-base (pretrain)\n", "a root alone: no chain to print"
 
 
 def test_lineage_json_and_missing_parent_exit_1(on_path):
     rl = on_path / "tiny-rl" / "card.toml"
     rl.write_text(rl.read_text().replace('parents = ["tiny-base"]', 'parents = ["lost-base"]'))
+    tree = run("cards", "lineage", "tiny-distilled")
+    assert tree.exit_code == 1 and "lost-base (missing)" in tree.stdout and "lost-base (None" not in tree.stdout
     result = run("cards", "lineage", "tiny-distilled", "--json")
     assert result.exit_code == 1
     report = json.loads(result.stdout)
