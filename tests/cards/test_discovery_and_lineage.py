@@ -358,6 +358,12 @@ def test_a_diamond_of_parents_is_walked_once_per_card(tmp_path):
                                                     "parents": []}
     [result] = validate_paths(["cards/a23"])
     assert result.valid
+    from typer.testing import CliRunner
+
+    from cardtool.cli import app
+
+    tree = CliRunner().invoke(app, ["cards", "lineage", "a23"]).stdout  # each card drawn once, then "(above)"
+    assert tree.count("(pretrain)") == 2 * levels - 1 and tree.count("(above)") == 2 * (levels - 2), tree
 
 
 @pytest.mark.parametrize(("ancestors", "message"), [
