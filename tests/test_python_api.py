@@ -80,5 +80,9 @@ def test_a_workflow_runs_from_its_file_with_overrides_and_resumes(tmp_path):
             cardtool.run_workflow(tour, **bad)
     with pytest.raises(cardtool.BadInput, match="a workflow is a manifest file"):
         cardtool.run_workflow(None)
+    from cardtool.core.workflows.manifest import load_workflow
+
+    with pytest.raises(cardtool.BadInput, match="overrides apply when the workflow is loaded: give its file, or load"):
+        cardtool.run_workflow(load_workflow(tour), overrides=nums, out=tmp_path)
     with pytest.raises(cardtool.CardValidationError):
         cardtool.run_workflow(tour, overrides=["steps.draft.generate.num=0"])
