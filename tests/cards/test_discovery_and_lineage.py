@@ -362,7 +362,8 @@ def test_a_diamond_of_parents_is_walked_once_per_card(tmp_path):
 
     from cardtool.cli import app
 
-    tree = CliRunner().invoke(app, ["cards", "lineage", "a23"]).stdout  # each card drawn once, then "(above)"
+    wide = {"COLUMNS": "1000"}  # each card once, then "(above)"
+    tree = CliRunner().invoke(app, ["cards", "lineage", "a23"], env=wide).stdout
     assert tree.count("(pretrain)") == 2 * levels - 1 and tree.count("(above)") == 2 * (levels - 2), tree
 
 

@@ -130,7 +130,8 @@ def test_validate_catches_a_changed_weight_file_only_with_checksums(examples):
         (examples / "tiny-distilled" / "transformer.safetensors").read_bytes())
     plain = run("cards", "validate", str(examples / "tiny-rl"))
     assert plain.exit_code == 0 and plain.stdout.startswith("ok      tiny-rl  (") and "invalid" not in plain.stdout
-    checked = run("cards", "validate", "--checksums", str(examples / "tiny-rl"))
+    checked = CliRunner().invoke(app, ["cards", "validate", "--checksums", str(examples / "tiny-rl")],
+                                 env={"COLUMNS": "1000"})  # the path on one line
     assert checked.exit_code == 1 and checked.stdout.startswith("invalid ") and "tiny-rl" in checked.stdout
     assert "components.transformer.sha256" in checked.stderr
     result = run("cards", "validate", "--checksums", str(examples / "tiny-rl"), "--json")
