@@ -13,6 +13,7 @@ from cardtool.cli.output import counted, emit_json, handled, quoted_prompt, say,
 
 app = typer.Typer(help="Workflow manifests: generate, chain, parallel and best-of-N steps over cards.",
                   no_args_is_help=True)
+SHOWN = 12  # steps `workflow validate` names for people
 
 
 @app.command("validate")
@@ -31,8 +32,9 @@ def validate_command(
     if json_:
         emit_json({"workflow": workflow.manifest.id, "ok": True, "order": workflow.order, "steps": steps})
         return
-    say(f"ok      {workflow.manifest.id}  ({counted(len(steps), 'step')}: "
-        f"{', '.join(f'{n} ({k})' for n, k in steps.items())})")
+    named = [f"{n} ({k})" for n, k in steps.items()]
+    more = f", … {len(named) - SHOWN} more" if len(named) > SHOWN else ""  # a generated workflow may have thousands
+    say(f"ok      {workflow.manifest.id}  ({counted(len(steps), 'step')}: {', '.join(named[:SHOWN])}{more})")
 
 
 @app.command("run")

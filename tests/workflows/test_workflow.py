@@ -181,6 +181,27 @@ def test_bad_workflows_are_located_errors_not_tracebacks(examples, tmp_path, cas
         assert hit["file"].endswith("w.yaml") and hit["line"] == line
 
 
+def test_a_chain_longer_than_pythons_recursion_limit_validates_in_order_and_its_cycle_is_located(examples, tmp_path):
+    # written last step first: finding the order walks the whole chain from its end (it once recursed per step)
+    chain = [f"  s{i}:\n    chain: {{input: s{i - 1}, card: EX/tiny-base}}\n" for i in range(1, 1500)]
+    head = "  s0:\n    generate: {card: EX/tiny-base, prompts: [x]}\n"
+    path = write(tmp_path, examples, "".join(chain[::-1]) + head)
+    result = CliRunner().invoke(app, ["workflow", "validate", str(path), "--json"])
+    assert result.exit_code == 0, result.output[-2000:]
+    assert json.loads(result.stdout)["order"] == [f"s{i}" for i in range(1500)]
+    plain = CliRunner().invoke(app, ["workflow", "validate", str(path)], env={"COLUMNS": "1000"})
+    named = ", ".join(f"s{i} (chain)" for i in range(1499, 1487, -1))
+    assert plain.exit_code == 0 and plain.stdout == f"ok      w  (1500 steps: {named}, … 1488 more)\n", plain.stdout
+    looped = head.replace("generate: {card: EX/tiny-base, prompts: [x]}", "chain: {input: s1499, card: EX/tiny-base}")
+    result = CliRunner().invoke(app, ["workflow", "validate", str(write(tmp_path, examples, "".join(chain) + looped)),
+                                      "--json"])
+    assert result.exit_code == 1, result.output[-2000:]
+    (problem,) = json.loads(result.stdout)["error"]["problems"]
+    # the walk starts at the file's first step, s1, and closes the loop at s2's input
+    assert problem["field"] == "steps.s2.chain.input" and problem["line"] == 8
+    assert problem["message"] == f"steps {' → '.join(f's{i}' for i in [1, 0, *range(1499, 0, -1)])} form a cycle"
+
+
 EDGES = [  # (step, accepted): a setting at its bound validates, one past it is refused at its field
     ("generate: {card: c, prompts: [a, b], num: 5000}", True),  # prompts × num = 10,000 images: the most a step takes
     ("generate: {card: c, prompts: [a, b], num: 5001}", "steps.s.generate"),

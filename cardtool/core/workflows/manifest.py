@@ -195,33 +195,36 @@ def _inputs(step: Step) -> list[str]:
 
 
 def _graph(manifest: WorkflowManifest, source: Source) -> tuple[list[Problem], list[str]]:
-    """Each input names a step; no cycles. Returns problems and a dependency order (depth-first)."""
+    """Each input names a step; no cycles. Returns problems and a dependency order (depth-first). Walked with a
+    stack of its own, not Python's: a chain of thousands of steps is a long workflow, not a RecursionError."""
     problems, order, state = [], [], {}
-
-    def visit(name: str, trail: list[str]) -> None:
-        if state.get(name) == "done":
-            return
-        if state.get(name) == "active":
-            cycle = trail[trail.index(name):] + [name]
-            step = manifest.steps[cycle[-2]]
-            problems.append(source.problem(("steps", cycle[-2], step.kind, "input"),
-                                           f"steps {' → '.join(cycle)} form a cycle",
-                                           "a step may only read the images of steps that do not read its own"))
-            return
-        state[name] = "active"
-        step = manifest.steps[name]
-        for needed in _inputs(step):
+    for root in manifest.steps:
+        if root in state:
+            continue
+        state[root] = "active"
+        stack = [(root, iter(_inputs(manifest.steps[root])))]
+        while stack:
+            name, pending = stack[-1]
+            needed = next(pending, None)
+            if needed is None:  # every input placed: this step comes next
+                stack.pop()
+                state[name] = "done"
+                order.append(name)
+                continue
+            step = manifest.steps[name]
             if needed not in manifest.steps:
                 problems.append(source.problem(("steps", name, step.kind, "input"),
                                                f"step '{name}' reads the output of '{needed}', which no step makes",
                                                f"name one of: {', '.join(manifest.steps)}"))
-            else:
-                visit(needed, trail + [name])
-        state[name] = "done"
-        order.append(name)
-
-    for name in manifest.steps:
-        visit(name, [])
+            elif state.get(needed) == "active":
+                trail = [n for n, _ in stack]
+                cycle = trail[trail.index(needed):] + [needed]
+                problems.append(source.problem(("steps", name, step.kind, "input"),
+                                               f"steps {' → '.join(cycle)} form a cycle",
+                                               "a step may only read the images of steps that do not read its own"))
+            elif needed not in state:
+                state[needed] = "active"
+                stack.append((needed, iter(_inputs(manifest.steps[needed]))))
     return problems, order
 
 
