@@ -86,7 +86,13 @@ def test_generate_names_nan_images_and_writes_none(examples, tmp_path):
     error = json.loads(result.stdout)["error"]
     assert error["kind"] == "failed"
     assert "made NaN or inf for 2 of 2 images" in error["message"] and "'a bag' seed 1" in error["message"]
+    assert error["message"].endswith(": check its weights or the settings (guidance, shift)")  # float32 is no cure
     assert not list((tmp_path / "out").glob("*.png"))
+    half = CliRunner().invoke(app, ["generate", str(examples / "tiny-base"), "-p", "a bag", "--steps", "2",
+                                    "--precision", "bfloat16", "--out", str(tmp_path / "out"), "--json"])
+    assert half.exit_code == 1, half.output
+    assert json.loads(half.stdout)["error"]["message"].endswith(
+        ": check its weights, the settings (guidance, shift), or a precision that overflows (try --precision float32)")
 
 
 def test_an_eval_row_of_nan_images_is_null_and_the_others_are_measured(examples, tmp_path, monkeypatch):

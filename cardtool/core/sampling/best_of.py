@@ -39,11 +39,11 @@ class Picked:
     reward: str  # the reward card's id
     finite: np.ndarray  # per request: whether any candidate was an image (a request without one has a black image)
 
-    def checked(self, card: str) -> Picked:
+    def checked(self, card: str, precision: str | None = None) -> Picked:
         """These picks, or NonFiniteImages naming the requests whose every candidate sampled NaN or inf."""
         lost = [r for r, ok in zip(self.requests, self.finite, strict=True) if not ok]
         if lost:
-            raise NonFiniteImages(card, lost, len(self.requests))
+            raise NonFiniteImages(card, lost, len(self.requests), precision=precision)
         return self
 
     def metadata(self) -> list[dict[str, str]]:

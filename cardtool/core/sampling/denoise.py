@@ -39,7 +39,7 @@ class NonFiniteImages(RunFailed):
     others were, where a command writes the finite ones)."""
 
     def __init__(self, card: str, requests: list, total: int, written: int | None = None,
-                 partial: dict | None = None):
+                 partial: dict | None = None, precision: str | None = None):
         self.images = [(r.prompt, r.seed) for r in requests]  # (prompt, seed) of each broken image
         shown = ", ".join(f"{p[:40]!r} seed {s}" for p, s in self.images[:3])
         more = f" and {len(requests) - 3} more" if len(requests) > 3 else ""
@@ -47,9 +47,11 @@ class NonFiniteImages(RunFailed):
         cause = "its weights, the adapters' (" + ", ".join(f"{n}={v:g}" for n, v in sorted(stack)) + ")" if stack \
             else "its weights"
         kept = f"; the other {written} are written" if written else ""
+        # at float32 or wider, overflow is the weights' or the settings' doing: a narrower precision is no cure
+        overflow = "" if precision in ("float32", "float64") else \
+            ", or a precision that overflows (try --precision float32)"
         super().__init__(f"'{card}' made NaN or inf for {len(requests)} of {total} images ({shown}{more}){kept}: check "
-                         f"{cause}, the settings (guidance, shift), or a precision that overflows (try --precision "
-                         "float32)", partial)
+                         f"{cause}{',' if overflow else ' or'} the settings (guidance, shift){overflow}", partial)
 
 
 def shifted_sigmas(steps: int, shift: float) -> np.ndarray:
@@ -465,7 +467,7 @@ class DenoiseLoop:
         images, finite = self.decode(states)
         if not finite.all():  # cast to uint8, NaN would be written as an arbitrary image
             broken = [s.request for s, ok in zip(states, finite, strict=True) if not ok]
-            raise NonFiniteImages(self.instance.card.id, broken, len(states))
+            raise NonFiniteImages(self.instance.card.id, broken, len(states), precision=self.instance.precision)
         return images
 
     def decode(self, states: list[LoopState]) -> tuple[np.ndarray, np.ndarray]:

@@ -248,7 +248,8 @@ class LoadedCard:
                                   rank=ranks.rank)
         if broken:  # the finite images are written, and listed
             raise NonFiniteImages(card.id, broken, len(requests), written=len(images),
-                                  partial={"images": [image.to_json() for image, _, _ in images]})
+                                  partial={"images": [image.to_json() for image, _, _ in images]},
+                                  precision=instance.precision)
         if kept:  # in the order asked for, as if made now
             made = dict(zip(order, images, strict=True))
             images = [kept.get(i) or made[i] for i in range(len(requests))]

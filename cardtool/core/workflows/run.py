@@ -178,7 +178,8 @@ class _Runner:
                 from cardtool.core.sampling.best_of import best_of_n
 
                 reward = loaded.reward(str(self.locate(body.reward)))
-                picked = best_of_n(loop, reward, requests, body.n, max_batch=self.max_batch).checked(loaded.card.id)
+                picked = best_of_n(loop, reward, requests, body.n, max_batch=self.max_batch)
+                picked = picked.checked(loaded.card.id, loop.instance.precision)
                 return [Output(image, r.prompt, {**image_metadata(loop, r), **extra})
                         for r, image, extra in zip(picked.requests, picked.images, picked.metadata(), strict=True)]
             # strength 1 re-noises all the way: the input is forgotten, the step is plain sampling of its prompts —
