@@ -242,6 +242,15 @@ def test_a_kept_row_or_floor_missing_a_field_or_of_another_type_is_measured_agai
         assert again.exit_code == 0, (key, value, again.output)
         resumed = json.loads(again.stdout)
         assert all(resumed[k] == written[k] for k in ("floors", "kid_floors", "manifold_floors")), (key, value)
+    document = json.loads(json.dumps(written))  # well formed, each kind of floor: kept as the report holds it
+    document["floors"]["train_vs_test"], document["kid_floors"]["vae_reconstruction"] = 123.5, 7
+    document["manifold_floors"]["train_vs_test"] = [0.25, 1]
+    report.write_text(json.dumps(document))
+    again = CliRunner().invoke(app, [*args, "--resume"])
+    assert again.exit_code == 0, again.output
+    resumed = json.loads(again.stdout)
+    assert resumed["floors"]["train_vs_test"] == 123.5 and resumed["kid_floors"]["vae_reconstruction"] == 7
+    assert resumed["manifold_floors"]["train_vs_test"] == [0.25, 1]
 
 
 def test_resume_starts_afresh_where_no_report_is_yet_and_refuses_one_past_64_mib(tmp_path):
