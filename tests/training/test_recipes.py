@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pydantic
 import pytest
@@ -61,6 +62,28 @@ def test_shipped_recipes_load():
 def test_bad_overrides_name_the_field(override, message):
     with pytest.raises(BadInput, match=message):
         load_recipe(REPO / "examples" / "recipes" / "fashion-vae.yaml", [override])
+
+
+@pytest.mark.parametrize(("section", "values", "message"), [
+    # pydantic's lax mode read a boolean as a number and a number or a word as a boolean: each trained
+    ("optim", {"steps": True}, "optim.steps: takes a number, not true or false (got True)"),
+    ("train", {"ema": False}, "train.ema: takes a number, not true or false"),
+    ("optim", {"betas": [False, 0.9]}, "optim.betas: takes numbers, not true or false"),
+    ("loss", {"student_steps": True}, "loss.student_steps: takes a number"),  # distilled a one-step student
+    ("loss", {"gan": 1}, "loss.gan: must be true or false, got 1"),
+    ("loss", {"gan": "yes"}, "loss.gan: must be true or false, got 'yes'"),
+    ("loss", {"t_range": [0, True]}, "loss.t_range: takes numbers"),
+    ("model", {"lora": {"rank": True}}, "model.lora.rank: takes a number"),
+])
+def test_a_boolean_is_no_number_and_a_number_no_boolean(section, values, message):
+    from cardtool.core.training.distill import check_recipe
+
+    recipe = {"method": "dmd2", "card": {"id": "s"}, "parents": ["t"], section: values}
+    with pytest.raises(BadInput, match=re.escape(message)):
+        check_recipe(load_recipe(None, method="dmd2", section=recipe))
+    fine = {"optim": {"steps": 3, "lr": "3e-4"}, "train": {"ema": 0.5}, "loss": {"gan": True, "t_range": [0.1, 1]},
+            "model": {"lora": {"rank": 2}}}[section]  # numbers as YAML reads them (3e-4 as text), booleans as such
+    check_recipe(load_recipe(None, method="dmd2", section={**recipe, section: fine}))
 
 
 def test_weight_decay_is_refused_where_adamw_would_zero_or_flip_the_weights():

@@ -3,10 +3,10 @@ whole transformer; the output card extends the parent and adds the LoRA, applied
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError
 
 from cardtool.backends.lora_targets import DEFAULT_TARGETS
-from cardtool.core.training.recipes import field_problems
+from cardtool.core.training.recipes import Section, field_problems
 from cardtool.errors import BadInput
 
 __all__ = ["LoraSettings", "lora_settings", "LORA_UNSHARDABLE"]
@@ -15,7 +15,7 @@ __all__ = ["LoraSettings", "lora_settings", "LORA_UNSHARDABLE"]
 LORA_UNSHARDABLE = "an adapter's weights are used inside the frozen base's forward (and are small)"
 
 
-class LoraSettings(BaseModel):
+class LoraSettings(Section):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     rank: int = Field(ge=1, le=1024)

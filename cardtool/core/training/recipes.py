@@ -8,17 +8,18 @@ import hashlib
 import json
 import math
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from cardtool.backends.precision import FLOAT32_MAX
 from cardtool.core.cards.schema import Name
 from cardtool.core.cards.source import plain_value_problems, read_source
 from cardtool.errors import BadInput, CardValidationError
 
-__all__ = ["Recipe", "LossSettings", "load_recipe", "apply_overrides", "field_problems", "loss_number", "only_keys"]
+__all__ = ["Recipe", "LossSettings", "Section", "load_recipe", "apply_overrides", "field_problems", "loss_number",
+           "only_keys"]
 
 TRAIN_METHODS = ("vae", "classifier", "pretrain", "finetune", "lora", "controlnet")  # `cardtool train`
 DISTILL_METHODS = ("dmd2",)  # `cardtool distill`
@@ -27,11 +28,38 @@ RUN_BY = {**{m: "cardtool distill TEACHER --recipe FILE" for m in DISTILL_METHOD
           **{m: "cardtool rl CARD --reward REWARD_CARD --recipe FILE" for m in RL_METHODS}}
 
 
-class _Strict(BaseModel):
+class Section(BaseModel):
+    """A recipe section's model. Numbers stay lax — PyYAML reads 3e-4 as a string, meant as a number — but booleans
+    do not: pydantic's lax mode reads true as 1 (`student_steps: true` distilled a one-step student) and 1 or "yes"
+    as true. A boolean goes only where a field takes one, and such a field takes only booleans."""
+
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # inf weight decay trains to NaN
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _booleans_only_as_booleans(cls, value, info: ValidationInfo):
+        kinds = _scalar_types(cls.model_fields[info.field_name].annotation)
+        numeric = bool(kinds & {int, float})
+        if bool in kinds and not numeric and value is not None and not isinstance(value, bool):
+            raise ValueError(f"must be true or false, got {value!r}"[:200])
+        listed = isinstance(value, (list, tuple))
+        if numeric and bool not in kinds and (isinstance(value, bool) or listed and any(isinstance(v, bool)
+                                                                                          for v in value)):
+            raise ValueError(f"takes {'numbers' if listed else 'a number'}, not true or false (got {value!r})"[:200])
+        return value
 
-class LossSettings(_Strict):
+
+def _scalar_types(annotation) -> set:
+    """The types an annotation is made of, through unions, tuples, lists and Annotated."""
+    args = get_args(annotation)
+    if not args:
+        return {annotation}
+    if get_origin(annotation) is Annotated:
+        return _scalar_types(args[0])
+    return set().union(*(_scalar_types(a) for a in args))
+
+
+class LossSettings(Section):
     """A method's `loss:` section; errors name the field as `loss.FIELD` and the method."""
 
     method: ClassVar[str] = ""
@@ -78,7 +106,7 @@ def loss_number(recipe: Recipe, key: str, default: float, low: float, high: floa
     return float(value)
 
 
-class CardSpec(_Strict):
+class CardSpec(Section):
     id: Name  # as the card it makes will be validated: refused before training, not after
     description: str = ""
     storage: Literal["float32", "float16", "bfloat16"] = "float32"  # dtype of the weights written
@@ -87,7 +115,7 @@ class CardSpec(_Strict):
 _Beta = Annotated[float, Field(ge=0, lt=1)]
 
 
-class Optim(_Strict):
+class Optim(Section):
     lr: float = Field(3e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[_Beta, _Beta] = (0.9, 0.999)  # AdamW's moment decays: a 1 would never forget, AdamW refuses it
@@ -106,7 +134,7 @@ class Optim(_Strict):
         return self
 
 
-class Schedule(_Strict):
+class Schedule(Section):
     seed: int = Field(0, ge=0)
     precision: Literal["float32", "bfloat16"] = "float32"  # autocast compute; master weights stay float32
     ema: float = Field(0.0, ge=0, lt=1)  # 0 = no EMA
@@ -116,7 +144,7 @@ class Schedule(_Strict):
     parallel: Literal["ddp", "fsdp"] = "ddp"
 
 
-class Recipe(_Strict):
+class Recipe(Section):
     method: Literal[TRAIN_METHODS + DISTILL_METHODS + RL_METHODS]  # type: ignore[valid-type]
     card: CardSpec
     # cards this one starts from or uses (a VAE, a base to fine-tune, a reward): each method takes one or two

@@ -17,7 +17,7 @@ from cardtool.core.sampling.control import PREPROCESSORS
 from cardtool.core.training.lora_settings import LORA_UNSHARDABLE, LoraSettings
 from cardtool.core.training.methods.flow_matching import FlowMatchingTask
 from cardtool.core.training.methods.vae import latents
-from cardtool.core.training.recipes import field_problems
+from cardtool.core.training.recipes import Section, field_problems
 from cardtool.errors import BadInput
 
 __all__ = ["LoraTask", "ControlNetTask", "adapter_task"]
@@ -30,7 +30,7 @@ class _LoraModel(LoraSettings):
     rank: int = Field(8, ge=1, le=1024)
 
 
-class _ControlNetModel(BaseModel):
+class _ControlNetModel(Section):
     """A controlnet recipe's `model:`: the adapter's name, the base blocks it copies and its control preprocessor."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
