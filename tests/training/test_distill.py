@@ -209,7 +209,7 @@ def test_the_example_recipe_spells_out_the_defaults():
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--steps", "0"], "--steps must be at least 1"),
+    (["--steps", "0"], "--steps must be a whole number, at least 1, got 0"),
     (["--set", "loss.no_such_knob=1"], "loss.no_such_knob"),
     (["--set", "optim.nope=1"], "optim.nope"),
     (["--set", "data.foldr=x"], "unknown data.foldr; its settings: folder"),

@@ -4,6 +4,7 @@ re-run, a run stopped after the rl stage going on at distill, and bad input."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -221,6 +222,38 @@ def test_a_flywheel_recipe_with_a_stray_key_is_a_located_error(examples, tmp_pat
     assert result.exit_code == 1
     problem = json.loads(result.stdout)["error"]["problems"][0]
     assert problem["line"] == 4 and problem["field"] == "distil"
+
+
+@pytest.mark.parametrize("text, message", [  # each was a traceback (AttributeError, TypeError)
+    ("rl:\n  method: [nft]\n", "flywheel rl.method: unknown rl method ['nft']; choose one of: diffusion_nft"),
+    ("distill:\n  loss: 3\n", "loss: Input should be a valid dictionary"),
+    ("distill:\n  loss: {student_steps: [2]}\n", "dmd2 recipe: loss.student_steps: Input should be a valid integer"),
+])
+def test_a_flywheel_recipe_of_the_wrong_types_is_a_clear_error(examples, tmp_path, text, message):
+    from cardtool.errors import BadInput
+
+    path = tmp_path / "flywheel.yaml"
+    path.write_text(text)
+    with pytest.raises(BadInput, match=re.escape(message)):
+        flywheel_recipe(str(examples / "tiny-base"), str(examples / "tiny-judge"), path=path)
+
+
+def test_the_students_steps_are_steps_then_set_then_the_files_then_two_and_name_it(examples, tmp_path):
+    from cardtool.core.training.methods.dmd2 import DMD2Settings
+
+    path = tmp_path / "flywheel.yaml"
+    path.write_text("distill:\n  loss: {student_steps: 6}\n")
+
+    def student(**options):
+        recipe = flywheel_recipe(str(examples / "tiny-base"), str(examples / "tiny-judge"), **options).distill
+        return recipe.card.id, DMD2Settings.from_recipe(recipe.loss).student_steps
+
+    assert student() == ("tiny-base-nft-2step", 2)
+    assert student(path=path) == ("tiny-base-nft-6step", 6)
+    three = ["distill.loss.student_steps=3"]
+    assert student(path=path, overrides=three) == ("tiny-base-nft-3step", 3)  # was 2: the flywheel's default won
+    assert student(path=path, overrides=three, steps=5) == ("tiny-base-nft-5step", 5)
+    assert student(overrides=["distill.card.id=mine"]) == ("mine", 2)
 
 
 def test_the_example_flywheel_recipe_spells_out_the_commands_defaults(examples):

@@ -67,6 +67,7 @@ def flywheel_recipe(base: str, reward: str, *, steps: int | None = None, path: P
     from cardtool.core.training import distill, rl
     from cardtool.core.training.derived import card_name
     from cardtool.core.training.distill import distill_recipe
+    from cardtool.core.training.methods.dmd2 import DMD2Settings
     from cardtool.core.training.rl import METHODS, rl_recipe
 
     sections = _read(path) if path is not None else {}
@@ -81,17 +82,21 @@ def flywheel_recipe(base: str, reward: str, *, steps: int | None = None, path: P
         prefix = card_name(base)
     _check_prefix(prefix, given)
     method = sections.get("rl", {}).get("method", "diffusion_nft")
-    if method not in METHODS:
-        raise BadInput(f"flywheel rl.method: unknown rl method '{method}'; choose one of: {', '.join(METHODS)}")
+    if not isinstance(method, str) or method not in METHODS:
+        raise BadInput(f"flywheel rl.method: unknown rl method {method!r}; choose one of: {', '.join(METHODS)}"[:300])
     stage1 = rl_recipe(base, reward, None, None, split["rl"],
                        section=_with_id(sections.get("rl"), f"{prefix}-{METHODS[method]}"))
     teacher = str(Path(out_dir) / stage1.card.id)
-    student_steps = steps if steps is not None else sections.get("distill", {}).get("loss", {}).get("student_steps")
-    student_steps = student_steps if student_steps is not None else 2
-    stage2 = distill_recipe(teacher, None, split["distill"], student_steps,
-                            section=_with_id(sections.get("distill"), f"{stage1.card.id}-{student_steps}step"))
+    section = dict(sections.get("distill") or {})
+    loss = section.get("loss", {})
+    if steps is None and isinstance(loss, dict) and "student_steps" not in loss:
+        section["loss"] = {**loss, "student_steps": 2}  # the flywheel's student: two steps unless the recipe says
+    provisional = f"{stage1.card.id}-step"  # until the student's steps are known: the file's, then --set's
+    stage2 = distill_recipe(teacher, None, split["distill"], steps, section=_with_id(section, provisional))
     rl.check_recipe(stage1)  # both stages now: a mistake in the distill section found after the rl stage's hours
     distill.check_recipe(stage2)
+    if stage2.card.id == provisional:  # not named by the recipe or --set: PREFIX-nft-Nstep
+        stage2.card.id = f"{stage1.card.id}-{DMD2Settings.from_recipe(stage2.loss).student_steps}step"
     return FlywheelRecipe(base, reward, stage1, stage2)
 
 
