@@ -1,6 +1,7 @@
 """Fuzz requests: what users and scripts hand cardtool besides cards — `generate`'s options, the PNG metadata that
-`generate --like` reads back, recipes through `--set` for `train`, `distill` and `rl`, `eval`'s options, workflow
-manifests, diffusers folders for `cards import` (config.json and the shard index), the Python API's arguments
+`generate --like` reads back, recipes through `--set` for `train`, `distill` and `rl` (and the flywheel's recipe
+file, a value changed), `eval`'s options, workflow manifests, diffusers folders for `cards import` (config.json and
+the shard index), the Python API's arguments
 (`LoadedCard` and its `generate`, `evaluate`, `compare`, `run_workflow`, `load_card`), whole command lines of the
 quick commands (`argv`: their options read from the app), the state `--resume` reads back (`resume`: a training
 checkpoint's tensors and metadata, an eval report), and `LoadedCard.generate` calls made from several threads at once
@@ -37,7 +38,7 @@ import time
 import traceback
 from pathlib import Path
 
-from fuzz_cards import VALUES, Hang, _alarm, _paths, _strict_json  # benchmarks/, this script's folder
+from fuzz_cards import VALUES, Hang, _alarm, _get, _paths, _strict_json, _value  # benchmarks/, this script's folder
 
 REPO = Path(__file__).resolve().parents[1]
 HANG_SECONDS = 120
@@ -214,6 +215,10 @@ def _recipes(rng: random.Random, env: Env, out: Path) -> list[str]:
                 "--out-dir", str(out / "cards"), "--run-dir", str(out / "runs")]
         for setting in tiny:
             args += ["--set", setting]
+        if rng.random() < 0.4:  # the example recipe file, one value changed (its sections read before validation)
+            args += ["--recipe", str(_flywheel_file(rng, out))]
+            if rng.random() < 0.5:  # the student's steps from the file, not --steps
+                del args[args.index("--steps"):args.index("--steps") + 2]
         keys = [f"rl.{k}" for k in rl_keys] + [f"distill.{k}" for k in distill_keys]
         return args + _watching(rng, env) + _recipe_sets(rng, keys + ["rl", "distill", "eval.per_class", "x.y"])
     if roll < 0.5:
@@ -227,6 +232,32 @@ def _recipes(rng: random.Random, env: Env, out: Path) -> list[str]:
         keys = rl_keys
     args += ["--lora", rng.choice(["4", "0", "-2", "x", "100000"])] if rng.random() < 0.15 else []
     return args + _watching(rng, env) + _recipe_sets(rng, keys)
+
+
+def _flywheel_file(rng: random.Random, out: Path) -> Path:
+    """examples/recipes/fashion-flywheel.yaml with a value replaced (any type: a section by a number, a list by a
+    mapping), a key dropped or a stray key added."""
+    import yaml
+
+    data = yaml.safe_load((REPO / "examples" / "recipes" / "fashion-flywheel.yaml").read_text())
+    data["distill"]["loss"]["student_steps"] = 2  # present, so that it too may be changed
+    read_first = [("method",), ("rl",), ("rl", "method"), ("distill",), ("distill", "loss"),
+                  ("distill", "loss", "student_steps"), ("distill", "card")]  # by the flywheel, before validation
+    for _ in range(rng.choice([1, 1, 2])):
+        paths = list(_paths(data))
+        path = rng.choice([p for p in read_first if p in paths] or paths) if rng.random() < 0.5 else rng.choice(paths)
+        parent = _get(data, path[:-1])
+        roll = rng.random()
+        if roll < 0.15:
+            del parent[path[-1]]
+        elif roll < 0.25 and isinstance(parent, dict):
+            parent[rng.choice(["x", "method", "loss", "lora", "student_steps"])] = copy.deepcopy(_value(rng, None))
+        else:  # a copy: a later change inside it must not change VALUES
+            parent[path[-1]] = copy.deepcopy(_value(rng, parent[path[-1]]))
+    file = out / "flywheel.yaml"
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(yaml.safe_dump(data))
+    return file
 
 
 def _watching(rng: random.Random, env: Env) -> list[str]:
