@@ -31,6 +31,9 @@ from cardtool.errors import BadInput
     ({"data": ["/usr/share/datasets"]}, "data must be a folder"),
     ({"on_row": "print"}, "on_row must be a function"),
     ({"on_step": 3}, "on_step must be a function"),  # else found only after the first row's sampling
+    ({"stop": 3}, "stop must be the list a stop_requests block yields, got 3"),
+    ({"max_batch": 0}, "--max-batch must be a whole number, at least 1, got 0"),
+    ({"per_class": 10_001}, r"--per-class 10001 asks for 100,010 images a row; at most 100,000 \(--per-class 10,000\)"),
     ({"resume": True}, "give --out"),
     ({"resume": "no", "out": "report.json"}, "resume must be True or False"),  # a non-empty string is truthy
     ({"out": "/"}, "--out / is a folder"),
@@ -54,6 +57,20 @@ def test_bad_settings_are_refused_before_anything_loads(examples, monkeypatch, s
     with pytest.raises(BadInput, match=message):
         evaluate_module.evaluate(str(examples / "tiny-base"),
                                  **{"judge": str(examples / "tiny-judge"), "per_class": 1, **settings})
+
+
+def test_per_class_is_checked_as_a_whole_number_up_to_a_rows_most_images():
+    assert evaluate_module.checked_per_class(10_000) == 10_000 and evaluate_module.checked_per_class(1) == 1
+    assert type(evaluate_module.checked_per_class(np.int64(3))) is int
+
+
+def test_more_images_a_row_than_the_floors_training_images_is_refused(examples, tmp_path):
+    from helpers import write_idx_folder
+
+    data = str(write_idx_folder(tmp_path / "idx", train=64, test=32))
+    with pytest.raises(BadInput, match="--per-class 7 asks for 70 images, more than the 64 training images the floors"):
+        evaluate_module.evaluate(str(examples / "tiny-base"), judge=str(examples / "tiny-judge"), per_class=7,
+                                 steps=1, data=data)
 
 
 @pytest.mark.parametrize(("value", "listed"), [

@@ -37,6 +37,17 @@ def test_a_rows_numbers_are_the_metrics_of_its_images(tmp_path):
     assert [row.manifold_precision, row.manifold_recall] == [round(v, 4) for v in precision_recall(features, real)]
     assert 0 < row.mean_reward < 1 and row.images == 30 and row.model_evaluations == 4, "guided: two a step"
     assert row.images_per_second > 0
+    # the hits themselves: the same 30 images made by generate (class prompts × seeds 0…2) and judged here
+    from cardtool.core.evaluation.reward import load_reward
+    from cardtool.core.prompts import class_prompt
+    from cardtool.core.sampling.generate import generate
+
+    made = generate(str(EXAMPLE_CARDS / "tiny-base"), [class_prompt(c) for c in range(10)], num=3, steps=2, out=None)
+    images = np.stack([image.pixels for image in made.images])
+    judge = load_reward(str(EXAMPLE_CARDS / "tiny-judge"))
+    np.testing.assert_array_equal(hits, judge.probabilities(images).argmax(1) == labels)
+    assert row.mean_reward == round(float(judge.score(images, [class_prompt(c) for c in labels]).mean()), 4)
+    np.testing.assert_allclose(features, judge.features(images), atol=1e-6)
 
 
 def test_the_vae_floor_reconstructs_the_images_through_the_cards_vae(fashion_mnist, monkeypatch):

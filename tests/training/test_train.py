@@ -842,6 +842,12 @@ def test_judge_scores_prompts_by_class_names_and_free_text(tmp_path, data):
                              (["warm", "cosy", "soft", "light"], "'warm', 'cosy', 'soft' … asks")]:
         with pytest.raises(BadInput, match=f"which class {shown} for"):
             bare.prompt_classes(unmatched)
+    with pytest.raises(BadInput, match="score: 4 images but 3 prompts"):
+        bare.score(images, ["a bag", "a coat", "a dress"])
+    none = np.zeros((0, 28, 28), np.uint8)  # an empty batch keeps the result's shape
+    assert bare.probabilities(none).shape == (0, 10) and bare.score(none, []).shape == (0,)
+    with pytest.raises(BadInput, match="card 'tiny-base' has no classifier component to judge with"):
+        FashionJudge(ModelInstance(load_card(REPO / "examples" / "cards" / "tiny-base"), Platform("cpu", "generic")))
 
 
 def test_lora_and_controlnet_training_write_adapter_cards_that_generate_serves(examples, tmp_path, data):
