@@ -32,6 +32,32 @@ def test_the_distance_to_a_fixed_real_side_is_the_frechet_distance():
     assert FrechetTo(b)(a) == pytest.approx(frechet_distance(a, b), rel=1e-9)
 
 
+def test_kid_is_the_unbiased_mmd_of_the_cubic_kernel_over_subsets_drawn_without_repeats():
+    """The estimator written out: a subset of each side drawn without replacement (a repeated row would pair with
+    itself in the within-side sums, which leave out only the diagonal), k(x, y) = (x·y/d + 1)³."""
+    rng = np.random.default_rng(4)
+    a, b = rng.standard_normal((40, 5)) + 0.3, rng.standard_normal((70, 5))
+
+    def mmd(x, y):
+        kxx, kyy, kxy = ((p @ q.T / 5 + 1) ** 3 for p, q in ((x, x), (y, y), (x, y)))
+        n = len(x)
+        return (kxx.sum() - np.trace(kxx)) / (n * (n - 1)) + (kyy.sum() - np.trace(kyy)) / (n * (n - 1)) \
+            - 2 * kxy.mean()
+
+    draw = np.random.default_rng(5)
+    estimates = [mmd(a[draw.choice(40, 30, replace=False)], b[draw.choice(70, 30, replace=False)]) for _ in range(3)]
+    assert kernel_distance(a, b, subsets=3, subset_size=30, seed=5) == pytest.approx(
+        (np.mean(estimates), np.std(estimates)), rel=1e-12)
+
+
+def test_the_bootstrapped_fid_spread_redraws_the_generated_rows_with_replacement():
+    rng = np.random.default_rng(6)
+    a, b = rng.standard_normal((60, 3)) * 1.2, rng.standard_normal((200, 3))
+    draw = np.random.default_rng(0)
+    spread = np.std([frechet_distance(a[draw.integers(0, 60, 60)], b) for _ in range(7)])
+    assert frechet_std(a, b, resamples=7) == pytest.approx(spread, rel=1e-9)
+
+
 def test_kernel_distance_is_near_zero_for_one_distribution_and_positive_for_two():
     rng = np.random.default_rng(1)
     real = rng.standard_normal((2000, 16))
@@ -113,6 +139,12 @@ def test_precision_recall_equals_its_definition_across_chunks():
     assert metrics._inside(point, line, metrics._kth_neighbour_distances(line, line, 1, same=True)).all()
     radii = metrics._kth_neighbour_distances(a, a, 3, same=True, chunk=7)  # rows split across chunks
     assert np.allclose(radii, metrics._kth_neighbour_distances(a, a, 3, same=True))
+    # a larger real side is drawn down to the generated side's size without repeats (a repeated row would be its
+    # copy's nearest neighbour at distance 0, shrinking the balls)
+    more = rng.standard_normal((500, 5))
+    drawn = more[np.random.default_rng(0).choice(500, 300, replace=False)]
+    assert precision_recall(a, more) == pytest.approx(_brute_precision_recall(a, drawn, 3), abs=1e-12)
+    assert precision_recall(more, a) == pytest.approx(_brute_precision_recall(drawn, a, 3), abs=1e-12)  # either side
 
 
 def test_precision_recall_tells_a_collapsed_sample_from_a_scattered_one():
