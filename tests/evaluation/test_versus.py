@@ -55,6 +55,33 @@ def test_paired_intervals_see_a_difference_independent_intervals_cannot():
     assert same["accuracy_ci95"] == [0, 0] and same["fid_fmnist_ci95"] == [0, 0], "a card against itself: no noise"
 
 
+def test_the_paired_bootstrap_draws_the_same_pairs_for_both_sides():
+    """Each resample draws n image pairs with replacement and takes B − A on the same draw; written out here."""
+    rng = np.random.default_rng(3)
+    hits_a, hits_b = rng.random(50) < 0.6, rng.random(50) < 0.7
+    a, b, real = rng.standard_normal((50, 3)), rng.standard_normal((50, 3)) + 0.3, rng.standard_normal((300, 3))
+    draw, accuracy, fid = np.random.default_rng(0), [], []
+    for _ in range(9):
+        i = draw.integers(0, 50, 50)
+        accuracy.append(hits_b[i].mean() - hits_a[i].mean())
+        fid.append(frechet_distance(b[i], real) - frechet_distance(a[i], real))
+    d = paired_differences(hits_a, a, hits_b, b, real, resamples=9)
+    assert d["accuracy_ci95"] == pytest.approx([round(v, 4) for v in np.percentile(accuracy, [2.5, 97.5])], abs=1e-9)
+    assert d["fid_fmnist_ci95"] == pytest.approx([round(v, 4) for v in np.percentile(fid, [2.5, 97.5])], abs=1e-4)
+    assert d["fid_fmnist_std"] == pytest.approx(np.std(fid), abs=1e-4)
+    unjudged = paired_differences(None, a, None, b, real, resamples=9)  # captions: FID only
+    assert set(unjudged) == {"fid_fmnist", "fid_fmnist_ci95", "fid_fmnist_std"}
+    assert unjudged["fid_fmnist_ci95"] == d["fid_fmnist_ci95"], "the same draws, with or without hits"
+
+
+def test_precision_differences_come_from_rank_0_only():
+    from cardtool.core.evaluation.evaluate import EvalReport
+    from cardtool.core.evaluation.paired import precision_differences
+
+    assert precision_differences(EvalReport("c", "j", "cpu/generic", 1, rank=1, samples=[None])) == []
+    assert precision_differences(EvalReport("c", "j", "cpu/generic", 1)) == []
+
+
 def run(tmp_path, *args):
     data = write_idx_folder(tmp_path / "idx")
     return CliRunner().invoke(app, ["eval", str(EXAMPLE_CARDS / "tiny-base"), "--judge",
