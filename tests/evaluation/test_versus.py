@@ -82,6 +82,21 @@ def test_precision_differences_come_from_rank_0_only():
     assert precision_differences(EvalReport("c", "j", "cpu/generic", 1)) == []
 
 
+def test_a_row_without_a_measurement_on_either_side_pairs_as_nulls():
+    from cardtool.core.evaluation.evaluate import EvalRow
+    from cardtool.core.evaluation.paired import difference
+
+    row = EvalRow(2, 4.0, [0.0, 1.0], "float32", 3, 1.0, 5.0, 0.1, 0.01, 0.9, 1.0)
+    kept = (np.array([True, False, True]), np.random.default_rng(0).standard_normal((3, 2)))
+    real = np.random.default_rng(1).standard_normal((10, 2))
+    for a, b in ((None, kept), (kept, None)):  # a row of NaN images kept nothing
+        d = difference(row, a, row, b, real)
+        assert d.a == d.b == {"steps": 2, "guidance": 4.0, "guidance_interval": [0.0, 1.0], "precision": "float32",
+                              "shift": 1.0, "solver": "euler"}
+        assert d.accuracy is d.fid_fmnist is d.mcnemar_p is None
+    assert difference(row, kept, row, kept, real).accuracy == 0
+
+
 def run(tmp_path, *args):
     data = write_idx_folder(tmp_path / "idx")
     return CliRunner().invoke(app, ["eval", str(EXAMPLE_CARDS / "tiny-base"), "--judge",
