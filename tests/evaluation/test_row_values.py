@@ -48,6 +48,14 @@ def test_a_rows_numbers_are_the_metrics_of_its_images(tmp_path):
     np.testing.assert_array_equal(hits, judge.probabilities(images).argmax(1) == labels)
     assert row.mean_reward == round(float(judge.score(images, [class_prompt(c) for c in labels]).mean()), 4)
     np.testing.assert_allclose(features, judge.features(images), atol=1e-6)
+    # the train-vs-test floor: 30 distinct training images (seeded) against the same real test images
+    from cardtool.core.data import load_split
+
+    train = load_split("train", str(tmp_path / "idx"))
+    floor = judge.features(train.images[np.random.default_rng(0).choice(len(train), 30, replace=False)])
+    assert report.floors["train_vs_test"] == round(frechet_distance(floor, real), 4)
+    assert report.kid_floors["train_vs_test"] == round(kernel_distance(floor, real)[0], 6)
+    assert report.manifold_floors["train_vs_test"] == [round(v, 4) for v in precision_recall(floor, real)]
 
 
 def test_the_vae_floor_reconstructs_the_images_through_the_cards_vae(fashion_mnist, monkeypatch):
@@ -108,3 +116,17 @@ def test_a_rows_speed_leaves_out_what_the_device_does_once(tmp_path, monkeypatch
     report = evaluate(str(EXAMPLE_CARDS / "tiny-base"), judge=str(EXAMPLE_CARDS / "tiny-judge"), steps=[2],
                       per_class=1, data=str(write_idx_folder(tmp_path / "idx")))
     assert calls == [1, 10] and report.rows[0].images_per_second == 10.0
+
+
+def test_samples_are_kept_only_when_asked_and_a_resumed_row_reaches_on_row(tmp_path):
+    card, report = str(EXAMPLE_CARDS / "tiny-base"), tmp_path / "report.json"
+    common = {"judge": str(EXAMPLE_CARDS / "tiny-judge"), "steps": [1], "per_class": 1,
+              "data": str(write_idx_folder(tmp_path / "idx"))}
+    plain = evaluate(card, **common, out=report)
+    assert plain.samples == [] and plain.real is None, "one precision, not asked: nothing held"
+    paired = evaluate(card, **common, precision=["float32", "bfloat16"])
+    assert len(paired.precision_differences) == 1 and paired.samples == [] and paired.real is None, \
+        "kept to pair the precisions, then dropped"
+    seen = []
+    again = evaluate(card, **common, out=report, resume=True, on_row=seen.append)
+    assert again.kept_rows == 1 and seen == again.rows == plain.rows
