@@ -162,10 +162,11 @@ def synced(path: Path | str) -> None:
         os.close(descriptor)
 
 
-def writable_folder(folder: Path | str, what: str) -> Path:
+def writable_folder(folder: Path | str, what: str, *, keep: bool = True) -> Path:
     """Make `folder` (and its parents) and prove a file can be created in it, before any work whose result goes
     there: BadInput naming it as `what` ("the output folder") otherwise. A real write, not os.access: root passes
-    access checks on /proc and on read-only mounts."""
+    access checks on /proc and on read-only mounts. `keep=False`: the folders made for the proof are removed again —
+    a check before work that may yet be refused leaves no empty folders; the write itself makes them."""
     import tempfile
 
     from cardtool.errors import BadInput
@@ -174,9 +175,15 @@ def writable_folder(folder: Path | str, what: str) -> Path:
     try:  # inside: a name too long for the file system fails even the exists()
         if folder.exists() and not folder.is_dir():
             raise BadInput(f"cannot write to {what} {folder}: it is a file, not a folder")
+        made = [] if keep else [p for p in (folder, *folder.parents) if not p.exists()]  # innermost first
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".cardtool-probe-"):
             pass
     except OSError as e:
         raise BadInput(f"cannot write to {what} {folder}: {e.strerror or e}") from None
+    for path in made:
+        try:
+            path.rmdir()  # only while empty: another process may have begun to use it
+        except OSError:
+            break
     return folder

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from cardtool.cli import app
 
+EXAMPLES = REPO / "examples" / "cards"
 TINY_TRAIN = ["train", "--recipe", str(REPO / "examples" / "recipes" / "fashion-base.yaml"),
               "--set", f"parents=[{REPO / 'examples' / 'cards' / 'tiny-base'}]", "--set", "model.dim=8",
               "--set", "model.heads=1", "--set", "model.ffn_dim=8", "--set", "model.depth=1", "--set", "optim.steps=1",
@@ -187,3 +188,15 @@ def test_a_failed_write_is_told_what_to_do_by_its_errno(code, remedy):
     from cardtool.errors import write_remedy
 
     assert write_remedy(OSError(code, "failed") if code else OSError("failed")) == remedy
+
+
+@pytest.mark.parametrize("command", ["distill", "rl"])
+def test_a_run_refused_after_its_folders_are_proven_writable_leaves_none_behind(tmp_path, command):
+    """The judge is checked after the card and run folders are proven writable: the refusal left an empty cards/ and
+    runs/ID behind."""
+    args = [command, str(EXAMPLES / "tiny-base"), *(["--reward", str(EXAMPLES / "tiny-judge")] * (command == "rl")),
+            "--judge", str(EXAMPLES / "tiny-base"), "--out", str(tmp_path / "new" / "cards" / "s"), "--run-dir",
+            str(tmp_path / "new" / "runs" / "r")]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and "card 'tiny-base' is not a reward" in result.output, result.output
+    assert not (tmp_path / "new").exists()

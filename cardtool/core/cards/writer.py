@@ -108,11 +108,12 @@ def card_folder(card_id: str, out: str | Path | None) -> Path:
 
 
 def card_folder_usable(folder: Path, card_id: str, overwrite: bool, flag: str = "--overwrite",
-                       fix: str = "give the new card another id, or write it off the card search path (--out)") -> Path:
+                       fix: str = "give the new card another id, or write it off the card search path (--out)", *,
+                       keep: bool = True) -> Path:
     """What would stop `write_card` putting card `card_id` at `folder`, found before the work that makes it: a path
     that names a folder by where it is ('.', '..', '/'), a folder there without `overwrite` (the command's `flag`),
-    or one that is no card's; the id another card's on the search path; a parent folder that cannot be written.
-    Returns that parent folder."""
+    or one that is no card's; the id another card's on the search path; a parent folder that cannot be written
+    (made for the proof, and removed again unless `keep`: see writable_folder). Returns that parent folder."""
     if folder.name in ("", ".."):  # no rename can put a new folder at such a path
         raise BadInput(f"{folder} names the current folder, a parent or the root, not a new folder: a card is put in "
                        f"place as a folder of its own; name one, e.g. {folder / card_id}")
@@ -121,7 +122,7 @@ def card_folder_usable(folder: Path, card_id: str, overwrite: bool, flag: str = 
             raise BadInput(f"{folder} already exists; choose another --out, or pass {flag} to replace it")
         replaceable(folder)
     unclaimed_id(card_id, folder, fix)
-    return writable_folder(folder.parent, "the card's folder")
+    return writable_folder(folder.parent, "the card's folder", keep=keep)
 
 
 def unclaimed_id(card_id: str, folder: Path,

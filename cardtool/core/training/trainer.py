@@ -277,13 +277,14 @@ def writable_outputs(out: Path, run_dir: Path, *, replace: bool, flag: str, card
 
     check_new_id(card_id, list(parents), f"give the new card another id ({rename})")
     check_new_folder(out, list(parents))
+    # proven writable, not made: a check after this one may yet refuse the run (the write makes the folders)
     card_folder_usable(Path(out), card_id, replace, flag, f"give the new card another id ({rename}), or write it "
-                       f"off the card search path ({relocate})")
+                       f"off the card search path ({relocate})", keep=False)
     card, run = Path(out).resolve(), Path(run_dir).resolve()
     if run == card or card in run.parents:
         raise BadInput(f"--run-dir {run_dir} is {'the card folder' if run == card else 'inside the card folder'} "
                        f"{out}: the card is written as a new folder of its own; give a --run-dir outside it")
-    writable_folder(run_dir, "the run folder")
+    writable_folder(run_dir, "the run folder", keep=False)
 
 
 def _kept(checkpoint: Path) -> str:
