@@ -200,3 +200,10 @@ def test_a_run_refused_after_its_folders_are_proven_writable_leaves_none_behind(
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2 and "card 'tiny-base' is not a reward" in result.output, result.output
     assert not (tmp_path / "new").exists()
+
+
+def test_an_eval_refused_after_its_reports_folder_is_proven_writable_leaves_none_behind(tmp_path):
+    result = CliRunner().invoke(app, ["eval", str(EXAMPLES / "tiny-base"), "--judge", str(EXAMPLES / "tiny-base"),
+                                      "--out", str(tmp_path / "new" / "reports" / "r.json")])
+    assert result.exit_code == 2 and "card 'tiny-base' is not a reward" in result.output, result.output
+    assert not (tmp_path / "new").exists()

@@ -222,7 +222,7 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
         if os.path.isdir(out):  # False for a name too long to exist, which replaceable_file says
             raise BadInput(f"--out {out} is a folder; give the report's file name")
         replaceable_file(out, "--out")
-        writable_folder(out.parent, "the report's folder")  # found now, not after the first row
+        writable_folder(out.parent, "the report's folder", keep=False)  # found now, not after the first row
     steps, guidance, precision = (_listed(name, value) for name, value in
                                   (("steps", steps), ("guidance", guidance), ("precision", precision)))
     card = load_card(card_ref)
