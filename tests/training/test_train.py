@@ -1123,6 +1123,35 @@ def test_the_scaling_factor_is_one_over_the_std_of_the_training_latents(data):
     assert 0 < metrics["test_psnr_db"] < 100
 
 
+def test_latents_spread_past_any_scaling_factor_fail_and_a_small_factor_keeps_its_significant_digits(data,
+                                                                                                       monkeypatch):
+    """The scaling factor 1/spread lies in [1e-6, 1e6]: latents spreading past 1e6 are a failed run naming the KL
+    weight, not a card that fails validation; a factor like 2e-4 keeps its digits (rounding to 6 decimals kept 3)."""
+    from cardtool.backends.conv_vae import ConvVAE
+    from cardtool.backends.platform import Platform
+    from cardtool.core.data import load_split
+    from cardtool.core.training.methods.vae import VAETask, to_unit
+
+    encode, scale = ConvVAE.encode, {"by": 1e8}
+
+    def spread_out(self, x):
+        mean, logvar = encode(self, x)
+        return mean * scale["by"], logvar
+
+    monkeypatch.setattr(ConvVAE, "encode", spread_out)
+    task = VAETask(tiny("fashion-vae"), Platform.detect("cpu"), load_split("train", data), load_split("test", data))
+    with torch.no_grad():
+        with pytest.raises(RunFailed, match=r"standard deviation of [\d.]+e\+0[6-9], beyond the 1e6 .* raise "
+                                             r"loss.kl_weight \(now 0.0001\)"):
+            task.finish(task.vae.eval())
+        scale["by"] = 1e4
+        config, metrics = task.finish(task.vae.eval())
+        spread = float(task.vae.encode(to_unit(task.images[:10000]))[0].std())
+    assert 1e-5 < config.scaling_factor < 1e-2 and config.scaling_factor == metrics["scaling_factor"]
+    assert config.scaling_factor == pytest.approx(1 / spread, rel=1e-5)
+    assert config.scaling_factor == float(f"{config.scaling_factor:.8g}")
+
+
 def test_a_run_lock_that_is_a_link_or_not_a_file_is_refused_and_its_target_left_alone(tmp_path):
     """The lock file is truncated and rewritten with the holder's process id: through a link it would clobber the
     file the link names (run as root, any file), so the lock is never opened through one."""

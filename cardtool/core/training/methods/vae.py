@@ -92,8 +92,12 @@ class VAETask(Task):
             raise RunFailed(f"the VAE's latents have no spread (standard deviation {spread:.3g}), so there is no "
                             f"scaling factor to give the denoiser: its posterior collapsed — lower loss.kl_weight "
                             f"(now {self.kl_weight:g}) or train on images that differ")
-        scale = 1.0 / spread
+        if not spread <= 1e6:  # and at least 1e-6
+            raise RunFailed(f"the VAE's latents spread with a standard deviation of {spread:.3g}, beyond the 1e6 a "
+                            f"card's scaling factor (1/spread, at least 1e-6) can bring to unit spread: the KL term "
+                            f"does not hold them — raise loss.kl_weight (now {self.kl_weight:g})")
+        scale = float(f"{1.0 / spread:.8g}")  # significant digits: a small factor keeps its precision
         reconstructions = torch.cat([vae.decode(vae.encode(to_unit(self.test[i:i + n]).to(self.device))[0]).cpu()
                                      for i in range(0, len(self.test), n)])
-        return self.config.model_copy(update={"scaling_factor": round(scale, 6)}), \
-            {"test_psnr_db": round(psnr(reconstructions, to_unit(self.test)), 3), "scaling_factor": round(scale, 6)}
+        return self.config.model_copy(update={"scaling_factor": scale}), \
+            {"test_psnr_db": round(psnr(reconstructions, to_unit(self.test)), 3), "scaling_factor": scale}
