@@ -171,7 +171,7 @@ def writable_folder(folder: Path | str, what: str, *, keep: bool = True) -> Path
 
     from cardtool.errors import BadInput
 
-    folder = Path(folder)
+    folder, made = Path(folder), []
     try:  # inside: a name too long for the file system fails even the exists()
         if folder.exists() and not folder.is_dir():
             raise BadInput(f"cannot write to {what} {folder}: it is a file, not a folder")
@@ -181,9 +181,10 @@ def writable_folder(folder: Path | str, what: str, *, keep: bool = True) -> Path
             pass
     except OSError as e:
         raise BadInput(f"cannot write to {what} {folder}: {e.strerror or e}") from None
-    for path in made:
-        try:
-            path.rmdir()  # only while empty: another process may have begun to use it
-        except OSError:
-            break
+    finally:  # also where the proof failed
+        for path in made:
+            try:
+                path.rmdir()  # only while empty: another process may have begun to use it
+            except OSError:
+                break
     return folder
