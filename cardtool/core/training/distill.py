@@ -50,7 +50,10 @@ def distill_recipe(teacher: str, path: Path | None = None, overrides: list[str] 
     from cardtool.core.training.methods.dmd2 import DEFAULTS
     from cardtool.core.training.recipes import load_recipe
 
-    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+    def counts(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+    if steps is not None and not counts(steps):
         raise BadInput(f"--steps must be a whole number, at least 1, got {steps!r}"[:300])
 
     def complete(data: dict) -> None:
@@ -58,9 +61,8 @@ def distill_recipe(teacher: str, path: Path | None = None, overrides: list[str] 
         card = data.setdefault("card", {})
         if isinstance(card, dict) and "id" not in card:
             loss = data.get("loss") if isinstance(data.get("loss"), dict) else {}
-            steps = loss.get("student_steps")
-            whole = isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1  # else loss's own error
-            card["id"] = student_id(teacher, steps if whole else DEFAULTS["loss"]["student_steps"])
+            asked = loss.get("student_steps")  # one the loss check refuses names no card: its own error comes
+            card["id"] = student_id(teacher, asked if counts(asked) else DEFAULTS["loss"]["student_steps"])
 
     sets = [*overrides, *([f"loss.student_steps={steps}"] if steps is not None else [])]
     return load_recipe(path, sets, "dmd2", defaults=DEFAULTS, complete=complete, section=section)

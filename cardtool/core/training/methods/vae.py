@@ -92,7 +92,7 @@ class VAETask(Task):
             raise RunFailed(f"the VAE's latents have no spread (standard deviation {spread:.3g}), so there is no "
                             f"scaling factor to give the denoiser: its posterior collapsed — lower loss.kl_weight "
                             f"(now {self.kl_weight:g}) or train on images that differ")
-        if not spread <= 1e6:  # and at least 1e-6
+        if not spread <= 1e6:  # and at least 1e-6 (1/spread)
             raise RunFailed(f"the VAE's latents spread with a standard deviation of {spread:.3g}, beyond the 1e6 a "
                             f"card's scaling factor (1/spread, at least 1e-6) can bring to unit spread: the KL term "
                             f"does not hold them — raise loss.kl_weight (now {self.kl_weight:g})")
