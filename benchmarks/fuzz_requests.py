@@ -234,6 +234,24 @@ def _recipes(rng: random.Random, env: Env, out: Path) -> list[str]:
     return args + _watching(rng, env) + _recipe_sets(rng, keys)
 
 
+def _mutate(rng: random.Random, data, times: int, keys: list[str], value, prefer: list[tuple] = ()) -> None:
+    """Change `data` in place `times` times at a random path (half the time one of `prefer`, where given): drop a key,
+    add one of `keys`, or replace the value with `value(old)` — a copy: a later change inside it must not change the
+    lists values are drawn from."""
+    for _ in range(times):
+        paths = list(_paths(data))
+        preferred = [p for p in prefer if p in paths] if prefer and rng.random() < 0.5 else []
+        path = rng.choice(preferred or paths)
+        parent = _get(data, path[:-1])
+        roll = rng.random()
+        if roll < 0.15 and isinstance(parent, dict):
+            del parent[path[-1]]
+        elif roll < 0.25 and isinstance(parent, dict):
+            parent[rng.choice(keys)] = copy.deepcopy(value(None))  # the value drawn first, then the key
+        else:
+            parent[path[-1]] = copy.deepcopy(value(parent[path[-1]]))
+
+
 def _flywheel_file(rng: random.Random, out: Path) -> Path:
     """examples/recipes/fashion-flywheel.yaml with a value replaced (any type: a section by a number, a list by a
     mapping), a key dropped or a stray key added."""
@@ -243,17 +261,8 @@ def _flywheel_file(rng: random.Random, out: Path) -> Path:
     data["distill"]["loss"]["student_steps"] = 2  # present, so that it too may be changed
     read_first = [("method",), ("rl",), ("rl", "method"), ("distill",), ("distill", "loss"),
                   ("distill", "loss", "student_steps"), ("distill", "card")]  # by the flywheel, before validation
-    for _ in range(rng.choice([1, 1, 2])):
-        paths = list(_paths(data))
-        path = rng.choice([p for p in read_first if p in paths] or paths) if rng.random() < 0.5 else rng.choice(paths)
-        parent = _get(data, path[:-1])
-        roll = rng.random()
-        if roll < 0.15:
-            del parent[path[-1]]
-        elif roll < 0.25 and isinstance(parent, dict):
-            parent[rng.choice(["x", "method", "loss", "lora", "student_steps"])] = copy.deepcopy(_value(rng, None))
-        else:  # a copy: a later change inside it must not change VALUES
-            parent[path[-1]] = copy.deepcopy(_value(rng, parent[path[-1]]))
+    _mutate(rng, data, rng.choice([1, 1, 2]), ["x", "method", "loss", "lora", "student_steps"],
+            lambda old: _value(rng, old), prefer=read_first)
     file = out / "flywheel.yaml"
     file.parent.mkdir(parents=True, exist_ok=True)
     file.write_text(yaml.safe_dump(data))
@@ -403,19 +412,9 @@ def _workflow(rng: random.Random, env: Env, out: Path) -> list[str]:
     data = copy.deepcopy(env.workflow)
     extra = [f"{env.cards}/tiny-judge", f"{env.cards}/tiny-base", "draft", "refine", "pick", "nope", -3, 0, 1, 10**5,
              1e9, 0.0, 2.0, -0.5, ["a"], [""], ["x" * 5000], [], {"generate": {}}, {"chain": {"input": "pick"}}]
-    for _ in range(rng.choice([1, 1, 1, 2, 3])):
-        path = rng.choice([p for p in _paths(data) if p])
-        parent = data
-        for key in path[:-1]:
-            parent = parent[key]
-        roll = rng.random()
-        if roll < 0.15 and isinstance(parent, dict):
-            del parent[path[-1]]
-        elif roll < 0.25 and isinstance(parent, dict):
-            parent[rng.choice(["input", "card", "cards", "reward", "n", "strength", "prompts", "seed", "steps",
-                               "guidance", "adapters", "precision", "num"])] = copy.deepcopy(rng.choice(VALUES + extra))
-        else:
-            parent[path[-1]] = copy.deepcopy(rng.choice(VALUES + extra))
+    _mutate(rng, data, rng.choice([1, 1, 1, 2, 3]), ["input", "card", "cards", "reward", "n", "strength", "prompts",
+                                                      "seed", "steps", "guidance", "adapters", "precision", "num"],
+            lambda old: rng.choice(VALUES + extra))
     # relative card paths resolve from the manifest's folder: put it where the tour's sits relative to its cards
     (env.root / "workflows").mkdir(exist_ok=True)
     file = env.root / "workflows" / f"w{out.name}.yaml"
