@@ -21,6 +21,7 @@ __all__ = ["TEMPORARY", "atomic_path", "replaceable_file", "running", "save_tens
 # pid means nothing here, and a writer elsewhere still writing touches its file far more often than this
 ABANDONED_SECONDS = 60
 _swept: set[Path] = set()
+_WRITING = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # what only a write raises
 _written = itertools.count()
 # a temporary's name (`_temporary_name`), its writer's pid in group 1; `.NAME.PID.tmp` as versions before
 # 2026-12-03 named them
@@ -50,7 +51,8 @@ def atomic_path(target: Path | str, *, durable: bool = False) -> Iterator[Path]:
         if durable:
             synced(target.parent)
     except OSError as e:  # a full disk, say: named by the file the user knows, not by our temporary one
-        if e.filename != str(temporary):
+        # a failed write() names no file: a full disk or quota mid-write is this file's too
+        if e.filename != str(temporary) and not (e.filename is None and e.errno in _WRITING):
             raise
         raise OSError(e.errno, e.strerror, str(target)) from None
     finally:
