@@ -297,3 +297,29 @@ def test_resume_keeps_a_captions_row_without_accuracy_and_no_classes_row_without
         report = {"identity": {}, "prompts": prompts, "rows": [judged_row]}
         (tmp_path / "r.json").write_text(json.dumps(report))
         assert len(previous_rows(tmp_path / "r.json", {})[1]) == kept, (prompts, judged)
+
+
+def test_resume_refuses_a_report_of_the_same_card_id_with_other_weights(examples, tmp_path):
+    """A card retrained in place (or a judge) keeps its id; its rows measured the old weights."""
+    import hashlib
+
+    from helpers import write_idx_folder
+    from safetensors.torch import load_file, save_file
+
+    from cardtool.core.evaluation.evaluate import evaluate
+
+    data, out = write_idx_folder(tmp_path / "idx"), tmp_path / "eval.json"
+    options = {"judge": str(examples / "tiny-judge"), "per_class": 1, "steps": [1], "data": str(data), "out": out}
+    evaluate(str(examples / "tiny-base"), **options)
+    assert evaluate(str(examples / "tiny-base"), **options, resume=True).kept_rows == 1
+    for card, differs in (("tiny-base", "card_weights"), ("tiny-judge", "judge_weights")):
+        file = next((examples / card).glob("*.safetensors"))
+        tensors = load_file(file)
+        name = sorted(tensors)[0]
+        before = hashlib.sha256(file.read_bytes()).hexdigest()
+        save_file({**tensors, name: tensors[name] + 1}, str(file))
+        manifest = examples / card / "card.yaml"  # the new weights intended: their sha256 declared
+        manifest.write_text(manifest.read_text().replace(before, hashlib.sha256(file.read_bytes()).hexdigest()))
+        with pytest.raises(BadInput, match=f"measured with other {differs}; drop --resume"):
+            evaluate(str(examples / "tiny-base"), **options, resume=True)
+        evaluate(str(examples / "tiny-base"), **options)  # measured afresh: the next card's change is its alone
