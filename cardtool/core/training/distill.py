@@ -47,14 +47,15 @@ def distill_recipe(teacher: str, path: Path | None = None, overrides: list[str] 
                    steps: int | None = None, section: dict | None = None) -> Recipe:
     """The recipe `cardtool distill` runs: the file (or DMD2's defaults) with `--set` and `--steps` applied, the
     teacher as its one parent, and the student id `TEACHER-Nstep` unless the recipe names one."""
+    from cardtool.core.cards.loops import MAX_STEPS
     from cardtool.core.training.methods.dmd2 import DEFAULTS
     from cardtool.core.training.recipes import load_recipe
 
     def counts(value) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
-    if steps is not None and not counts(steps):
-        raise BadInput(f"--steps must be a whole number, at least 1, got {steps!r}"[:300])
+    if steps is not None and not (counts(steps) and steps <= MAX_STEPS):  # said of --steps, not of the --set it becomes
+        raise BadInput(f"--steps must be a whole number from 1 to {MAX_STEPS}, got {steps!r}"[:300])
 
     def complete(data: dict) -> None:
         data["parents"] = [teacher]
