@@ -45,6 +45,7 @@ def distill_command(
     """Distil TEACHER into an N-step student with DMD2; the student card extends the teacher."""
     from cardtool.core.cards.source import display_path
     from cardtool.core.training.distill import distill, distill_recipe
+    from cardtool.core.training.lora_settings import lora_overrides
 
     def log(entry: dict) -> None:
         if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 logs the global batch (on stderr, as always)
@@ -55,8 +56,8 @@ def distill_command(
             say(f"eval at {row['steps']} steps: accuracy {row['class_accuracy']:.4f}  FID {row['fid_fmnist']:.3f}"
                 f"  {row['images_per_second']:.0f} img/s", stderr=True)
 
-    sets = [*(overrides or []), *([f"model.lora.rank={lora}"] if lora is not None else [])]
     with handled(json_):
+        sets = [*(overrides or []), *lora_overrides(lora)]
         loaded = distill_recipe(teacher, recipe, sets, steps)
         typed = sys.argv[1:2] == ["distill"]
         command = shlex.join(["cardtool", *sys.argv[1:]] if typed else

@@ -50,6 +50,7 @@ def rl_command(
 ) -> None:
     """Fine-tune CARD on a reward with DiffusionNFT (or Flow-GRPO); the tuned card extends CARD."""
     from cardtool.core.cards.source import display_path
+    from cardtool.core.training.lora_settings import lora_overrides
     from cardtool.core.training.rl import read_prompts, rl, rl_recipe
 
     def log(entry: dict) -> None:
@@ -62,8 +63,8 @@ def rl_command(
                 f"{row['class_accuracy']:.4f}  FID {row['fid_fmnist']:.3f}  {row['images_per_second']:.0f} img/s",
                 stderr=True)
 
-    sets = [*(overrides or []), *([f"model.lora.rank={lora}"] if lora is not None else [])]
     with handled(json_):
+        sets = [*(overrides or []), *lora_overrides(lora)]
         loaded = rl_recipe(card, reward, method, recipe, sets)
         chosen = read_prompts(prompts) if prompts is not None else None
         typed = sys.argv[1:2] == ["rl"]

@@ -212,6 +212,7 @@ def test_the_example_recipe_spells_out_the_defaults():
     (["--steps", "0"], "--steps must be a whole number from 1 to 1000, got 0"),
     (["--steps", "1001"], "--steps must be a whole number from 1 to 1000, got 1001"),
     (["--steps", str(2**64)], f"--steps must be a whole number from 1 to 1000, got {2**64}"),  # not a --set's error
+    (["--lora", "1025"], "--lora must be a whole number from 1 to 1024, got 1025"),
     (["--set", "loss.no_such_knob=1"], "loss.no_such_knob"),
     (["--set", "optim.nope=1"], "optim.nope"),
     (["--set", "data.foldr=x"], "unknown data.foldr; its settings: folder"),

@@ -423,6 +423,8 @@ def test_the_example_recipes_spell_out_the_defaults():
     (["--recipe", "listed.yaml"], "unknown rl method ['diffusion_nft']"),  # a list where the method's name goes
     (["--recipe", "broken.yaml"], "cannot read recipe: "),
     (["--set", "model.dim=8"], "tiny-base'; the recipe's model: may only hold lora: (got model.dim)"),
+    (["--lora", "0"], "--lora must be a whole number from 1 to 1024, got 0"),  # said of --lora, not of a --set
+    (["--lora", str(10**22)], f"--lora must be a whole number from 1 to 1024, got {10**22}"),
 ])
 def test_bad_input_is_a_clear_error(examples, tmp_path, args, message):
     (tmp_path / "empty.txt").write_text("\n# only a comment\n   \n")

@@ -9,16 +9,17 @@ from cardtool.backends.lora_targets import DEFAULT_TARGETS
 from cardtool.core.training.recipes import Section, field_problems
 from cardtool.errors import BadInput
 
-__all__ = ["LoraSettings", "lora_settings", "LORA_UNSHARDABLE"]
+__all__ = ["LoraSettings", "lora_overrides", "lora_settings", "LORA_UNSHARDABLE"]
 
 # why a LoRA run takes DDP, not FSDP2 (Task.unshardable)
 LORA_UNSHARDABLE = "an adapter's weights are used inside the frozen base's forward (and are small)"
+MAX_RANK = 1024
 
 
 class LoraSettings(Section):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    rank: int = Field(ge=1, le=1024)
+    rank: int = Field(ge=1, le=MAX_RANK)
     alpha: float | None = Field(None, gt=0)  # None: alpha = rank (α/r = 1)
     targets: tuple[str, ...] = Field(DEFAULT_TARGETS, min_length=1)  # an empty list is a mistake, not the default
 
@@ -41,3 +42,13 @@ def lora_settings(recipe, method: str, parent: str) -> LoraSettings | None:
         return LoraSettings.model_validate(section)
     except ValidationError as e:
         raise BadInput(f"{method} recipe: {field_problems(e, 'model.lora')}") from None
+
+
+def lora_overrides(rank) -> list[str]:
+    """`--lora RANK` as the recipe override it stands for, `model.lora.rank=RANK`; a rank out of range is said of
+    --lora, not of a --set the user never wrote."""
+    if rank is None:
+        return []
+    if not (isinstance(rank, int) and not isinstance(rank, bool) and 1 <= rank <= MAX_RANK):
+        raise BadInput(f"--lora must be a whole number from 1 to {MAX_RANK}, got {rank!r}"[:300])
+    return [f"model.lora.rank={rank}"]
