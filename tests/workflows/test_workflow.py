@@ -136,6 +136,11 @@ BAD = {
     # caught before any step runs, not after the steps before it
     "steps beyond the loop's": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], steps: 100000}\n", 6,
                                 "steps.a.generate.steps", "less than or equal to 1000"),
+    # as strictly as cards: what YAML reads as text or as a boolean is not taken for a number
+    "a step count written as text": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], steps: '3'}\n", 6,
+                                     "steps.a.generate.steps", "Input should be a valid integer, got '3'"),
+    "a boolean for a count": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], num: true}\n", 6,
+                              "steps.a.generate.num", "Input should be a valid integer, got True"),
     "unknown solver": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], solver: heun}\n", 6,
                        "steps.a.generate.solver", "'euler', 'dpmpp_2m', 'sde' or 'renoise'"),
     "an interval out of order": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], guidance_interval: [0.5, 0.2]}"
