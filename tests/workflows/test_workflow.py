@@ -219,6 +219,8 @@ EDGES = [  # (step, accepted): a setting at its bound validates, one past it is 
     ("generate: {card: c, prompts: [a], guidance: -100, steps: 1000, shift: 0.01}", True),
     ("generate: {card: c, prompts: [a], guidance: 100, shift: 100, guidance_interval: [0, 1]}", True),
     ("generate: {card: c, prompts: [a], guidance: -100.5}", "steps.s.generate.guidance"),
+    ("generate: {card: c, prompts: [a], guidance_interval: [0.3, 0.3]}", True),  # CFG at σ = 0.3 alone
+    ("generate: {card: c, prompts: [a], guidance_interval: [-0.01, 0.5]}", "steps.s.generate"),
     ("generate: {card: c, prompts: [a], guidance_interval: [0.5]}", "steps.s.generate.guidance_interval"),
     ("generate: {card: c, prompts: [a], guidance_interval: [0.5, 1.01]}", "steps.s.generate"),
     ("generate: {card: c, prompts: [a], guidance_interval: [0, 0.5, 1]}", "steps.s.generate.guidance_interval"),
