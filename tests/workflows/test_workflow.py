@@ -124,6 +124,8 @@ BAD = {
                             "      prompts: [a bag]\n", 8, "steps.a.best_of_n.reward", "is not a reward"),
     "two kinds": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x]}\n    chain: {input: a, card: EX/tiny-base}\n",
                   6, "steps.a", "exactly one kind"),
+    "no kind": ("  a: {}\n", 5, "steps.a",
+                "a step has exactly one kind (generate, chain, parallel, best_of_n); this one has none"),
     "self input": ("  a:\n    chain: {input: a, card: EX/tiny-base}\n", 6, "steps.a.chain.input", "a → a form a cycle"),
     "too many images": ("  a:\n    best_of_n: {card: EX/tiny-base, reward: EX/tiny-judge, n: 1000, prompts: [a, b],"
                         " num: 10}\n", 6, "steps.a.best_of_n", "at most 10,000"),
