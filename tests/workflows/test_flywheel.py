@@ -191,6 +191,7 @@ def test_a_killed_stage_resumes_from_its_checkpoint(examples, tmp_path):
     (["--out-prefix", "../x"], "--out-prefix '../x' cannot begin the new cards' ids (PREFIX-nft-Nstep)"),
     (["--out-prefix", ""], "--out-prefix '' cannot begin"),
     (["--out-prefix", "a" * 101], "give --out-prefix of at most 100 such characters"),
+    (["--set", "distill.card.id=tiny-base-nft"], "the rl and distill stages would both write card 'tiny-base-nft'"),
 ])
 def test_bad_input_is_a_clear_error(examples, tmp_path, args, message):
     result = run(examples, tmp_path, *args)
