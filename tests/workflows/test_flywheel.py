@@ -229,6 +229,7 @@ def test_a_flywheel_recipe_with_a_stray_key_is_a_located_error(examples, tmp_pat
     ("rl:\n  method: [nft]\n", "flywheel rl.method: unknown rl method ['nft']; choose one of: diffusion_nft"),
     ("distill:\n  loss: 3\n", "loss: Input should be a valid dictionary"),
     ("distill:\n  loss: {student_steps: [2]}\n", "dmd2 recipe: loss.student_steps: Input should be a valid integer"),
+    ("rl: [unclosed\n", "cannot read recipe: "),  # not YAML at all
 ])
 def test_a_flywheel_recipe_of_the_wrong_types_is_a_clear_error(examples, tmp_path, text, message):
     from cardtool.errors import BadInput
