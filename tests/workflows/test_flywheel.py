@@ -39,6 +39,8 @@ def test_the_flywheel_chains_base_rl_and_student_and_reports_the_three(examples,
     report = json.loads(result.stdout)
     assert [s["stage"] for s in report["stages"]] == ["rl", "distill", "eval"]
     assert not any(s["skipped"] for s in report["stages"])
+    said = [line.split(": done in")[0] for line in result.stderr.splitlines() if line.startswith("stage ")]
+    assert said == ["stage rl → tiny-base-nft", "stage distill → tiny-base-nft-1step", "stage eval"]
     assert 0 < sum(s["seconds"] for s in report["stages"]) <= elapsed + 0.15  # each rounded to 0.1 s
     tuned = load_card(tmp_path / "cards" / "tiny-base-nft")
     student = load_card(tmp_path / "cards" / "tiny-base-nft-1step")
