@@ -403,3 +403,15 @@ def test_a_card_names_at_most_256_parents(tmp_path):
     [result] = validate_paths(["cards/many"])
     assert not result.valid and result.problems[0].field == "recipe.parents"
     assert "at most 256" in result.problems[0].message
+
+
+def test_a_parent_id_two_cards_declare_is_a_problem_located_at_the_parent(tmp_path, builtin):
+    make(tmp_path / "cards", "x", "twin")
+    make(builtin, "y", "twin")
+    child = make(tmp_path / "elsewhere", "c", "child", method="finetune", parents="[single, twin]")
+    make(tmp_path / "elsewhere", "s", "single")
+    with pytest.raises(CardValidationError) as info:
+        lineage(load_card(child))
+    [problem] = info.value.problems
+    assert (problem.field, problem.line) == ("recipe.parents.1", 8)
+    assert "card id 'twin' is declared twice: cards/x (./cards) and builtin/y (builtin)" in problem.message
