@@ -239,6 +239,15 @@ def test_parents_cycle_is_a_validation_error(tmp_path):
     [problem] = info.value.problems
     assert (problem.file, problem.line, problem.field) == ("cards/b/card.yaml", 8, "recipe.parents.0")
     assert "parents form a cycle: a → b → a" in problem.message
+    # a card made from one whose lineage is broken checks against that card itself, not a traceback
+    from cardtool.core.cards.lineage import check_new_folder, check_new_id
+
+    check_new_id("c", [load_card("a")], "fix")
+    check_new_folder(tmp_path / "cards" / "c", [load_card("a")])
+    with pytest.raises(BadInput, match="card id 'a' is its parent's"):
+        check_new_id("a", [load_card("a")], "fix")
+    with pytest.raises(BadInput, match="is the folder of 'a'"):
+        check_new_folder(tmp_path / "cards" / "a", [load_card("a")])
 
 
 def test_missing_parent_is_marked_and_fails_validation(tmp_path):
