@@ -15,6 +15,7 @@ from cardtool.cli import app
 from cardtool.core.cards.loader import load_card
 from cardtool.core.training.derived import recipe_fingerprint
 from cardtool.core.workflows.flywheel import flywheel, flywheel_recipe
+from cardtool.errors import BadInput
 
 TINY = ["rl.optim.steps=2", "rl.optim.batch_size=2", "rl.loss.group_size=4", "rl.loss.rollout_steps=3",
         "rl.train.precision=float32", "distill.optim.steps=3", "distill.optim.batch_size=4",
@@ -122,6 +123,11 @@ def test_a_rerun_skips_finished_stages_and_a_changed_recipe_is_refused(examples,
     changed = run(examples, tmp_path, "--stop-after", "distill", overrides=[*TINY, "distill.optim.lr=1e-3"])
     assert changed.exit_code == 2
     assert "not made by this stage's recipe" in json.loads(changed.stdout)["error"]["message"]
+    recipe = flywheel_recipe(str(examples / "tiny-base"), str(examples / "tiny-judge"), steps=1,
+                             overrides=[*TINY, "rl.optim.lr=1e-3"], out_dir=tmp_path / "cards")
+    with pytest.raises(BadInput, match="not made by this stage's recipe"):  # the API too: replacing takes force=True
+        flywheel(recipe, command="c", out_dir=tmp_path / "cards", run_dir=tmp_path / "run", stop_after="rl",
+                 judge=str(examples / "tiny-judge"), held_out_judge=None, data=str(tmp_path / "idx"))
     manifest = tmp_path / "cards" / "tiny-base-nft" / "card.yaml"
     manifest.write_text(manifest.read_text() + "broken: [\n")  # a stage card a hand or a disk damaged: said so
     damaged = run(examples, tmp_path, "--stop-after", "distill")
@@ -205,8 +211,6 @@ def test_the_new_cards_are_named_by_the_bases_id_and_one_too_long_to_begin_them_
                                                                                                        tmp_path):
     import shutil
 
-    from cardtool.errors import BadInput
-
     copy = shutil.copytree(examples / "tiny-base", tmp_path / "my base")  # its folder's name is no id; its own is
     assert flywheel_recipe(str(copy), str(examples / "tiny-judge")).rl.card.id == "tiny-base-nft"
     manifest = copy / "card.yaml"
@@ -234,8 +238,6 @@ def test_a_flywheel_recipe_with_a_stray_key_is_a_located_error(examples, tmp_pat
     ("rl: [unclosed\n", "cannot read recipe: "),  # not YAML at all
 ])
 def test_a_flywheel_recipe_of_the_wrong_types_is_a_clear_error(examples, tmp_path, text, message):
-    from cardtool.errors import BadInput
-
     path = tmp_path / "flywheel.yaml"
     path.write_text(text)
     with pytest.raises(BadInput, match=re.escape(message)):
