@@ -250,6 +250,18 @@ def test_parents_cycle_is_a_validation_error(tmp_path):
         check_new_folder(tmp_path / "cards" / "a", [load_card("a")])
 
 
+def test_a_new_card_may_not_be_written_over_an_ancestors_folder(tmp_path):
+    """Not only the parent's: a grandparent's weights are what the parent was made from (and by id, its lineage)."""
+    from cardtool.core.cards.lineage import check_new_folder
+
+    make(tmp_path / "cards", "root", "root")
+    make(tmp_path / "cards", "mid", "mid", method="finetune", parents="[root]")
+    make(tmp_path / "cards", "leaf", "leaf", method="finetune", parents="[mid]")
+    with pytest.raises(BadInput, match="cards/root is the folder of 'root', which the new card is made from"):
+        check_new_folder(tmp_path / "cards" / "root", [load_card("leaf")])
+    check_new_folder(tmp_path / "cards" / "other", [load_card("leaf")])
+
+
 def test_missing_parent_is_marked_and_fails_validation(tmp_path):
     make(tmp_path / "cards", "orphan", "orphan", parents="[gone]")
     root = lineage(load_card("orphan"))
