@@ -176,6 +176,18 @@ def test_parity_checks_the_consistency_the_card_promises(examples, level):
         assert result.exit_code == 1 and "needs a second device" in contract[-1]["error"]
 
 
+def test_the_numpy_platform_checks_a_cards_contract_on_prompts_the_cpu_encodes(examples, tmp_path, monkeypatch):
+    """numpy runs no text encoder: `parity --device numpy --card` failed on any cache that had not seen its prompts,
+    telling the user to encode them with a --precision parity does not take."""
+    monkeypatch.setenv("CARDTOOL_CACHE", str(tmp_path / "empty-cache"))
+    result = CliRunner().invoke(app, ["parity", "--device", "numpy", "--card", str(examples / "tiny-base"), "--json"])
+    assert result.exit_code == 0, result.output
+    [contract] = [row for row in json.loads(result.stdout)["rows"] if row["cell"].startswith("contract:")]
+    assert (contract["cell"], contract["against"]) == ("contract:C1/numpy/generic", "a 2nd load")
+    assert contract["passed"] and contract["max_abs_err"] == 0
+    assert not (tmp_path / "empty-cache" / "text").exists(), "nothing put in the user's cache"
+
+
 def test_a_nondeterministic_platform_breaks_the_c1_contract(examples, monkeypatch):
     from cardtool.core.evaluation import card_parity as module
 

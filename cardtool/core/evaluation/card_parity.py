@@ -16,7 +16,7 @@ from cardtool.core.cards.loader import Card
 from cardtool.core.sampling.denoise import DenoiseLoop, Request
 from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.sampling.sampler import sample
-from cardtool.core.sampling.text_cache import TextFeatureCache
+from cardtool.core.sampling.text_cache import TextFeatureCache, encode_prompts
 
 __all__ = ["card_parity", "contract_rows", "generation_rows"]
 
@@ -41,7 +41,8 @@ def contract_rows(card: Card, platform: Platform, loop: str = "denoise") -> list
     """The card's promised consistency (LADDER), checked here at its precision on PARITY_REQUESTS — final latents
     and decoded images: C1 two fresh loads (separate instances and text caches) giving the same bits; C2 each request
     alone (its prompt encoded alone) giving the bits it gets in the batch; C3 is the generation rows against numpy;
-    C4 needs a second device and fails as unverifiable."""
+    C4 needs a second device and fails as unverifiable. On numpy, which runs no text encoder, each load's cache holds
+    the prompts as torch encodes them on the host CPU (as `generate` on numpy reads them from the disk cache)."""
     level = int(card.manifest.parity.consistency[1])
     if level == 0 or loop not in card.manifest.loops:
         return []
@@ -56,7 +57,12 @@ def contract_rows(card: Card, platform: Platform, loop: str = "denoise") -> list
 
     def fresh(instance: ModelInstance | None = None) -> DenoiseLoop:
         instance = instance or ModelInstance(card, platform, precision)
-        return DenoiseLoop(instance, loop, TextFeatureCache(disk=False))
+        denoise = DenoiseLoop(instance, loop, TextFeatureCache(disk=False))
+        if platform.device == "numpy":  # no text encoder of its own: the features the disk cache would give it
+            prompts = [r.prompt for r in PARITY_REQUESTS] + [r.negative_prompt for r in PARITY_REQUESTS]
+            encode_prompts(ModelInstance(card, Platform("cpu", "generic"), precision), prompts, denoise.cache,
+                           denoise.text_encoder)
+        return denoise
 
     first = fresh()
     batched = _sampled(first, list(PARITY_REQUESTS))
