@@ -55,7 +55,8 @@ class Platform:
     def torch_device(self) -> str:
         """The torch device string for tensors on this platform (`numpy` has none)."""
         if self.device == "numpy":
-            raise BadInput("the numpy platform has no torch device")
+            raise BadInput("the numpy platform has no torch device, which this needs (training, a classifier); use "
+                           "--device cpu or cuda")
         if self.simulated:
             raise BadInput(f"{self.device}/{self.arch} is simulated ({', '.join(self.why[-1:])}): there is no CUDA "
                            "device to run on; unset CARDTOOL_DEVICE and CARDTOOL_ARCH, or use --device cpu")

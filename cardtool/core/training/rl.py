@@ -120,6 +120,7 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
     check_recipe(recipe)
     check_every(watch_every)
     platform = Platform.detect(device)
+    platform.torch_device  # noqa: B018 - a device to train on, before the reward is loaded
     base = load_card(locate(recipe.parents[0]))
     reward = load_reward(recipe.parents[1], platform, scores=base)
     out = Path(out or Path("cards") / recipe.card.id)
