@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 
 from cardtool.core.cards.loader import load_card
 from cardtool.core.cards.record import record_eval
@@ -70,3 +72,21 @@ def test_a_recording_waits_for_another_into_the_same_card(examples):
         os.close(fd)
     recording.join(30)
     assert not recording.is_alive() and "mine: 1" in (folder / "card.yaml").read_text()
+
+
+def test_a_record_keeps_the_manifest_as_written_and_makes_it_durable(examples, monkeypatch):
+    """Its keys in their order, its text as typed (a σ stays a σ, not \\u03C3): a recorded card reads as before, in a
+    diff too; and the new manifest reaches the disk before the call returns."""
+    from helpers import fsynced
+
+    from cardtool.core.cards.record import record_metrics
+
+    manifest = examples / "tiny-base" / "card.yaml"
+    manifest.write_text(manifest.read_text().replace("description: ", "description: σ-shifted — ", 1))
+    keys = list(yaml.safe_load(manifest.read_text()))
+    flushed = fsynced(monkeypatch)
+    record_metrics(str(examples / "tiny-base"), {"note": "ü"})
+    text = manifest.read_text(encoding="utf-8")
+    assert list(yaml.safe_load(text)) == keys and "σ-shifted — " in text and "note: ü" in text
+    folder = str(manifest.parent.resolve())  # its data before the rename, the rename before returning
+    assert [Path(f).name.startswith('.card.yaml.') for f in flushed] == [True, False] and flushed[1] == folder
