@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from helpers import REPO, write_idx_folder
@@ -62,8 +64,12 @@ def test_the_watch_judges_the_images_the_card_generates_with_each_judge_and_fid_
                      platform, "float32", per_class=per_class, data=folder)
 
     watching = watch(2, data)
+    started = time.perf_counter()
     got = watching()
-    assert watching.seconds > 0, "the time spent watching, which rl_efficiency.py leaves out of training's"
+    elapsed = time.perf_counter() - started
+    assert 0 < watching.seconds <= elapsed, "the time spent watching, which rl_efficiency.py leaves out of training's"
+    watching()
+    assert watching.seconds <= time.perf_counter() - started, "added up over the calls"
     report = LoadedCard(card, device="cpu").generate([class_prompt(c) for c in range(len(CLASS_NAMES))], num=2,
                                                      out=None, **loop)
     images = np.stack([image.pixels for image in report.images])
