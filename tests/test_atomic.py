@@ -153,7 +153,6 @@ def test_a_failing_disk_under_safetensors_is_the_oserror_it_is(tmp_path):
     assert info.value.filename == str(tmp_path / "gone" / "x.bin"), "named by the target, not the temporary file"
 
 
-
 def test_a_disk_filling_mid_write_is_named_by_the_target(tmp_path):
     """write() on a full disk raises ENOSPC naming no file (open() names one): `eval --out` said only "No space left
     on device"."""
@@ -170,6 +169,7 @@ def test_a_disk_filling_mid_write_is_named_by_the_target(tmp_path):
             raise OSError(errno.EIO, os.strerror(errno.EIO))
     assert info.value.filename is None
     assert list(tmp_path.iterdir()) == []
+
 
 def test_names_at_the_file_systems_limit_are_written_and_names_past_it_refused_up_front(tmp_path):
     """A 255-byte name is written atomically (its temporary's name, longer by `.PID-N.tmp`, was refused by the file

@@ -89,4 +89,4 @@ def test_a_record_keeps_the_manifest_as_written_and_makes_it_durable(examples, m
     text = manifest.read_text(encoding="utf-8")
     assert list(yaml.safe_load(text)) == keys and "σ-shifted — " in text and "note: ü" in text
     folder = str(manifest.parent.resolve())  # its data before the rename, the rename before returning
-    assert [Path(f).name.startswith('.card.yaml.') for f in flushed] == [True, False] and flushed[1] == folder
+    assert [Path(f).name.startswith(".card.yaml.") for f in flushed] == [True, False] and flushed[1] == folder
