@@ -66,3 +66,38 @@ def test_a_bad_expectation_is_refused_before_the_eval_runs(examples, tmp_path, m
     monkeypatch.setattr(evaluating, "evaluate", lambda *a, **k: pytest.fail("evaluated"))
     result = run_eval(examples, tmp_path, "fid<=16")
     assert result.exit_code == 2 and "unknown metric 'fid'" in json.loads(result.stdout)["error"]["message"]
+
+
+def test_the_table_for_people_shows_each_rows_numbers_and_the_rows_kept(examples, tmp_path):
+    out = tmp_path / "eval.json"
+    args = ["eval", str(examples / "tiny-base"), "--judge", str(examples / "tiny-judge"), "--per-class", "1", "--steps",
+            "1", "--guidance", "2", "--guidance-interval", "0.2,0.7", "--data", str(write_idx_folder(tmp_path / "idx")),
+            "--out", str(out), "--expect", "class_accuracy>=0"]
+    first = CliRunner().invoke(app, args, env={"COLUMNS": "1000"})
+    assert first.exit_code == 0, first.output
+    [row] = json.loads(out.read_text())["rows"]
+    [line] = [line for line in first.stdout.splitlines() if line.strip().startswith("float32") and "σ" in line]
+    low, high = row["class_accuracy_ci95"]
+    for cell in ("2 on σ ∈ [0.2, 0.7]", f"{row['class_accuracy']:.4f} ({low:.3f}–{high:.3f})",
+                 f"{row['fid_fmnist']:.3f} ± {row['fid_fmnist_std']:.2f}", f"{row['mean_reward']:.4f}",
+                 f"{row['manifold_precision']:.3f} / {row['manifold_recall']:.3f}"):
+        assert cell in line, (cell, line)
+    said = f"precision {row['manifold_precision']:.3f} recall {row['manifold_recall']:.3f}"  # the row's progress line
+    assert said in first.stderr
+    assert "every row meets class_accuracy>=0" in first.stderr
+    again = CliRunner().invoke(app, [*args, "--resume"], env={"COLUMNS": "1000"})
+    assert f"1 of 1 rows kept from {out} (measured before)" in again.stderr and line in again.stdout
+
+
+def test_a_rows_cells_for_what_it_lacks_and_its_guidance_interval():
+    from types import SimpleNamespace
+
+    from cardtool.cli.evaluate import _accuracy, _interval, _reward
+
+    def row(guidance, interval, accuracy=None, reward=None):
+        return SimpleNamespace(guidance=guidance, guidance_interval=interval, class_accuracy=accuracy,
+                               class_accuracy_ci95=None, mean_reward=reward)
+
+    assert [_interval(row(g, i)) for g, i in ((2, (0, 0.4)), (2, (0, 1)), (1, (0.2, 0.4)))] == [" on σ ≤ 0.4", "", ""]
+    assert (_accuracy(row(2, (0, 1))), _reward(row(2, (0, 1)))) == ("–", "–")  # captions: no class, no reward
+    assert (_accuracy(row(2, (0, 1), float("nan"), float("nan"))), _accuracy(row(2, (0, 1), 0.5))) == ("–", "0.5000")
