@@ -85,6 +85,10 @@ def test_the_table_for_people_shows_each_rows_numbers_and_the_rows_kept(examples
     said = f"precision {row['manifold_precision']:.3f} recall {row['manifold_recall']:.3f}"  # the row's progress line
     assert said in first.stderr
     assert "every row meets class_accuracy>=0" in first.stderr
+    floors = json.loads(out.read_text())["floors"]
+    assert f"floors: real train vs test FID {floors['train_vs_test']:.3f} / KID×1000" in first.stdout
+    weakest = sorted(row["accuracy_by_class"].items(), key=lambda item: item[1])[:3]
+    assert "weakest classes " + " · ".join(f"{name} {value:.3f}" for name, value in weakest) in first.stdout
     again = CliRunner().invoke(app, [*args, "--resume"], env={"COLUMNS": "1000"})
     assert f"1 of 1 rows kept from {out} (measured before)" in again.stderr and line in again.stdout
 
