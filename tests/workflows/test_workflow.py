@@ -564,3 +564,52 @@ def test_memory_running_out_mid_step_is_a_failed_run_listing_the_images_written(
     assert error["kind"] == "failed" and error["message"].startswith("out of memory (")
     [step] = error["partial"]["steps"]
     assert len(step["images"]) == 2 and all(Path(i["path"]).is_file() for i in step["images"])
+
+
+@pytest.mark.parametrize("step, said", [
+    ("    chain: {input: one, card: EX/tiny-base, strength: 0.5, steps: 2}", "the VAE of 'tiny-base' on numpy has no "
+     "encoder"),
+    ('    best_of_n: {card: EX/tiny-base, reward: EX/tiny-judge, n: 2, prompts: ["a bag"], steps: 2}',
+     "nothing can run component"),
+    ('    generate: {card: EX/tiny-base, prompts: ["a bag"], steps: 2, adapters: {invert: 0.5}}',
+     "adapters run on the torch platform"),
+    ('    generate: {card: EX/tiny-base, prompts: ["a coat"], steps: 2}', "the numpy platform runs no text encoder and "
+     "reads encoded prompts from the cache, which holds none of 'a coat'"),
+])
+def test_a_step_the_platform_cannot_run_is_refused_before_the_first_image(examples, tmp_path, step, said):
+    one = '  one:\n    generate: {card: EX/tiny-base, prompts: ["a bag"], steps: 2}\n'
+    encoded = run(write(tmp_path, examples, one, "encode.yaml"), tmp_path / "cpu", "--device", "cpu")
+    assert encoded.exit_code == 0, encoded.output  # numpy reads the prompts' features from the cache
+    path = write(tmp_path, examples, f"{one}  two:\n{step}\n")
+    result = run(path, tmp_path, "--device", "numpy")
+    assert result.exit_code == 2, result.output
+    error = json.loads(result.stdout)["error"]
+    assert error["message"].startswith(f"step 'two': {said}"), error["message"]
+    assert "partial" not in error and not list((tmp_path / "out").rglob("*.png"))
+    alone = run(write(tmp_path, examples, one, "alone.yaml"), tmp_path, "--device", "numpy")
+    assert alone.exit_code == 0, alone.output  # what numpy can run, it runs
+
+
+def test_a_request_refused_mid_step_names_the_step_and_lists_the_images_written(examples, tmp_path, monkeypatch):
+    from cardtool.core.workflows import run as workflow_run
+    from cardtool.errors import BadInput
+
+    real, calls = workflow_run.sample, []
+
+    def refuse_the_third_wave(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise BadInput("not this one")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(workflow_run, "sample", refuse_the_third_wave)
+    path = write(tmp_path, examples, '  one:\n    generate: {card: EX/tiny-base, prompts: ["a bag"], steps: 1}\n'
+                                     '  two:\n    generate: {card: EX/tiny-base, prompts: ["a bag"], num: 4, '
+                                     'steps: 1}\n')
+    result = run(path, tmp_path, "--max-batch", "2")
+    assert result.exit_code == 2, result.output
+    error = json.loads(result.stdout)["error"]
+    assert error["message"] == "step 'two': not this one"
+    one, two = error["partial"]["steps"]
+    assert (one["step"], len(one["images"]), two["step"], len(two["images"])) == ("one", 1, "two", 2)
+    assert all(Path(i["path"]).is_file() for step in (one, two) for i in step["images"])

@@ -9,12 +9,14 @@ stopped resumes where it stopped."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
 import numbers
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +38,7 @@ from cardtool.core.sampling.outputs import (
 )
 from cardtool.core.sampling.planning import plan_requests
 from cardtool.core.sampling.sampler import sample
-from cardtool.core.sampling.text_cache import TextFeatureCache
+from cardtool.core.sampling.text_cache import TextFeatureCache, encode_prompts
 from cardtool.core.workflows.manifest import Workflow, load_workflow
 from cardtool.errors import BadInput, OutOfMemory, RunFailed
 
@@ -194,6 +196,10 @@ class _Runner:
 
         return self.ranks.spread(jobs, work)
 
+    def image_size(self, job: _Job) -> int:
+        loop = self.card(job.ref).loop(job.precision)
+        return loop.instance.component(loop.vae).config.image_size
+
     def already_made(self, jobs: list[_Job], paths: list[Path]) -> dict[int, Output]:
         """The images on disk as these jobs would make them — a PNG at the job's path whose metadata holds its tag
         and whose size is the card's — by index. Rank 0's folder decides (it writes every image); under torchrun
@@ -207,8 +213,7 @@ class _Runner:
                     image, metadata = read_png(path) if path.is_file() else (None, {})
                 except DAMAGED:  # not a PNG we can read: made again
                     continue
-                loop = self.card(job.ref).loop(job.precision)
-                size = loop.instance.component(loop.vae).config.image_size
+                size = self.image_size(job)
                 if metadata.get("tag") == job.tag and image.shape == (size, size):
                     found[k] = Output(image, job.request.prompt, metadata, path)
         return self.ranks.all_gather(found)[0]
@@ -243,6 +248,7 @@ def run_workflow(workflow: Workflow | str | os.PathLike, *, overrides: list[str]
     runner = _Runner(workflow, device, int(max_batch))
     manifest = workflow.manifest
     folder = writable_folder(Path(out) / manifest.id, "the output folder")  # before the first step, not after
+    _preflight(runner, workflow)
     report = WorkflowReport(manifest.id, f"{runner.platform.device}/{runner.platform.arch}")
     outputs: dict[str, list[Output]] = {}
     started = time.perf_counter()
@@ -250,7 +256,9 @@ def run_workflow(workflow: Workflow | str | os.PathLike, *, overrides: list[str]
     with stop_requests(runner.ranks.world == 1) as caught:  # Ctrl-C / SIGTERM: the wave in flight finishes first
         for number, name in enumerate(workflow.order):
             try:
-                _run_step(runner, workflow, name, outputs, folder, report, (on_step, on_wave), skip_existing, caught)
+                with _naming(name, report):
+                    _run_step(runner, workflow, name, outputs, folder, report, (on_step, on_wave), skip_existing,
+                              caught)
             except _Stopped as stop:
                 report.steps.append(stop.entry)
                 done = f"{number} of {len(workflow.order)} steps and {len(stop.entry['images'])} of {stop.images} " \
@@ -266,6 +274,43 @@ def run_workflow(workflow: Workflow | str | os.PathLike, *, overrides: list[str]
     report.seconds = time.perf_counter() - started
     report.warnings = runner.warnings + ([runner.cache.problem] if runner.cache.problem else [])
     return report
+
+
+@contextlib.contextmanager
+def _naming(step: str, report: WorkflowReport | None = None) -> Iterator[None]:
+    """A request the step cannot run (BadInput) is said of the step, with the finished steps as `partial`."""
+    try:
+        yield
+    except BadInput as error:
+        named = type(error)(f"step '{step}': {error}")
+        named.partial = report.to_json() if report is not None and report.steps else error.partial
+        raise named from None
+
+
+def _preflight(runner: _Runner, workflow: Workflow) -> None:
+    """Plan every step's images — chains on stand-in inputs, blank images of their input's size — encode their
+    prompts, and encode one image of each card a step starts from images with, before the first image is made: what
+    the platform or the cards cannot do (a reward, adapters or an image encoder on numpy, a prompt numpy's cache does
+    not hold) is refused now, naming the step, not after the steps before it have run."""
+    stand_ins: dict[str, list[Output]] = {}
+    for name in workflow.order:
+        with _naming(name):
+            jobs = _jobs(runner, workflow.manifest.steps[name], stand_ins)
+            for (ref, precision), group in itertools.groupby(jobs, key=lambda job: (job.ref, job.precision)):
+                loop, requests = runner.card(ref).loop(precision), [job.request for job in group]
+                prompts = [r.prompt for r in requests] + [r.negative_prompt for r in requests if r.guidance != 1]
+                encode_prompts(loop.instance, prompts, runner.cache, loop.text_encoder)
+            encoded = set()
+            for job in jobs:
+                if job.how == "refine" and (job.ref, job.precision) not in encoded and \
+                        (job.mask is not None or job.request.strength < 1):
+                    loop = runner.card(job.ref).loop(job.precision)
+                    loop.encode(job.source.image[None])
+                    if job.mask is not None:
+                        loop.latent_mask(job.mask)
+                    encoded.add((job.ref, job.precision))
+        stand_ins[name] = [Output(np.zeros((size, size), np.uint8), job.request.prompt, {})
+                           for job in jobs for size in [runner.image_size(job)]]
 
 
 class _Stopped(Exception):
@@ -326,7 +371,7 @@ def _run_step(runner: _Runner, workflow: Workflow, name: str, outputs: dict[str,
                 if runner.ranks.main:  # under torchrun the other ranks hold the same outputs
                     save_image(item.path, item.image, item.metadata)
                 produced[k] = item
-        except RunFailed:  # a full disk, NaN images: what this step wrote before is listed too
+        except (RunFailed, BadInput):  # a full disk, NaN images: what this step wrote before is listed too
             if produced:
                 report.steps.append(entry())
             raise
