@@ -123,6 +123,9 @@ class Registry:
             raise NoCellAvailable(f"no {self.title} cell named '{name}'; registered: {known}")
         lines = [f"  {c.name}: {'; '.join(self.reasons(c, platform)) or f'variant {c.key[-1]} was not asked for'}"
                  for c in cells]
+        devices = sorted({c.key[1] for c in cells})
+        if platform.device not in devices:  # no arch or variant of this device would do: say which device would
+            lines.append(f"  it runs on {' or '.join(devices)}: use --device {devices[0]}")
         raise NoCellAvailable(f"nothing can run {self.title} '{name}' (variant {variant}) on "
                               f"{platform.device}/{platform.arch}:\n" + "\n".join(lines))
 

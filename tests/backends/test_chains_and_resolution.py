@@ -97,6 +97,9 @@ def test_when_nothing_resolves_every_candidate_and_its_reasons_are_listed(kernel
     assert "nothing can run kernel 'only_on_hopper' (variant default) on cuda/sm100" in message
     assert "only_on_hopper/cuda/sm90a/default: cuda/sm90a is not on the chain of cuda/sm100" in message
     assert "only_on_hopper/cuda/generic/default: needs no_such_triton, which is not installed" in message
+    assert "it runs on" not in message  # the device is right; its arch or a module is not
+    with pytest.raises(NoCellAvailable, match="(?m)^  it runs on cuda: use --device cuda$"):
+        kernels.resolve("only_on_hopper", Platform("numpy", "generic"))
     with pytest.raises(NoCellAvailable, match="no kernel cell named 'nope'"):
         kernels.resolve("nope", SM100)
 
