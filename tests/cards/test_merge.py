@@ -157,6 +157,7 @@ def more(examples):
 
 @pytest.mark.parametrize(("shares", "make", "card_id", "message"), [
     (["tiny-base=0.5", "tiny-rl=0.6"], None, "soup", "the weights sum to 1.1"),
+    (["tiny-base=1e308", "tiny-rl=1e308"], None, "soup", "the weights sum to inf"),  # past a float, not a traceback
     (["tiny-base=half", "tiny-rl=0.5"], None, "soup", "the weight 'half' is not a number"),
     (["tiny-base=nan", "tiny-rl=0.5"], None, "soup", "must be a finite number"),
     (["tiny-base=0.5", "tiny-rl"], None, "soup", "give every card a weight"),

@@ -106,7 +106,10 @@ def _weights(given: list[float | None]) -> list[float]:
         return [1 / len(given)] * len(given)  # a uniform soup
     if any(w is None for w in given):
         raise BadInput("give every card a weight (CARD=WEIGHT), or none for an equal mix")
-    total = math.fsum(given)
+    try:
+        total = math.fsum(given)
+    except OverflowError:  # beyond a float: nowhere near 1
+        total = math.inf
     if abs(total - 1) > _SUM_TOLERANCE:
         raise BadInput(f"the weights sum to {total:g}; a merge's weights sum to 1 (θ = Σ wᵢ·θᵢ), e.g. A=0.7 B=0.3, "
                        "or A=1.5 B=-0.5 to extrapolate past B toward A")
