@@ -68,6 +68,9 @@ class Split:
 
 def data_dir(explicit: str | Path | None = None) -> Path:
     """The data folder: --data, else CARDTOOL_DATA, else Debian's fashion-mnist folder."""
+    if isinstance(explicit, str) and not explicit.strip():  # `--data "$UNSET"` is a mistake, not the default
+        raise BadInput(f"--data {explicit!r} names no folder; give one, or leave --data out for CARDTOOL_DATA or "
+                       "Fashion-MNIST")
     folder = Path(explicit or os.environ.get("CARDTOOL_DATA") or DEFAULT_DATA)
     if not folder.is_dir():
         raise BadInput(f"no Fashion-MNIST data at {folder}: {_HOW}")

@@ -214,6 +214,7 @@ def stranger(examples):
     (["tiny-base", "tiny-rl", "--rank", "2", "--adapter", "../../evil"], None,
      "--adapter '../../evil': an adapter name starts with a letter or digit"),
     (["tiny-base", "tiny-rl", "--rank", "2", "--adapter", "a/b"], None, "--adapter 'a/b': an adapter name"),
+    (["tiny-base", "tiny-rl", "--rank", "2", "--adapter", ""], None, "--adapter '': an adapter name"),
 ])
 def test_extractions_that_cannot_work_are_refused_with_exit_2(examples, args, make, message):
     if make:

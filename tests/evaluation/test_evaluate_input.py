@@ -27,6 +27,9 @@ from cardtool.errors import BadInput
     ({"steps": 1001}, "steps"),  # one value alone is a list of one, checked alike
     ({"precision": "float8"}, "unknown precision 'float8'"),  # one name, not its characters
     ({"solver": "nope"}, "unknown solver 'nope'"),
+    ({"solver": ""}, "unknown solver ''"),
+    ({"precision": [""]}, "unknown precision ''"),
+    ({"data": ""}, "--data '' names no folder"),
     ({"shift": 0}, "shift must be in 0.01…100"),
     ({"data": ["/usr/share/datasets"]}, "data must be a folder"),
     ({"on_row": "print"}, "on_row must be a function"),

@@ -137,6 +137,9 @@ def test_a_card_assuming_fixed_steps_warns_and_strict_refuses(on_path, tmp_path)
     (["tiny-base"], "no prompts"),
     (["tiny-base", "-p", "x", "--steps", "0"], "steps must be in 1…1000"),
     (["tiny-base", "-p", "x", "--solver", "heun"], "unknown solver"),
+    # an empty value ("$UNSET" in a script) is refused, not taken as the card's default
+    (["tiny-base", "-p", "x", "--solver", ""], "unknown solver ''"),
+    (["tiny-base", "-p", "x", "--precision", ""], "unknown precision ''"),
     (["tiny-base", "-p", "x", "-n", "0"], "--num must be at least 1"),
     (["tiny-base", "-p", "x", "--max-batch", "0"], "--max-batch must be at least 1"),
     (["tiny-base", "-p", "x", "-n", "2", "--seed", str(2**63 - 1)], "seed 9223372036854775807 numbers the 2 images "

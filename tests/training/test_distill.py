@@ -226,6 +226,16 @@ def test_bad_input_is_a_clear_error(examples, tmp_path, args, message):
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
 
 
+@pytest.mark.parametrize(("data", "message"), [
+    ("", "--data '' names no folder"), ("nowhere", "no Fashion-MNIST data at")])
+def test_data_the_eval_after_distilling_cannot_read_is_refused_before_training(examples, tmp_path, data, message):
+    result = CliRunner().invoke(app, ["distill", str(examples / "tiny-base"), "--data", data and str(tmp_path / data),
+                                      "--judge", str(examples / "tiny-judge"), "--out", str(tmp_path / "s"),
+                                      "--run-dir", str(tmp_path / "r"), *(f"--set={o}" for o in TINY)])
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert not (tmp_path / "r" / CHECKPOINT).exists() and not (tmp_path / "s").exists()
+
+
 def test_the_api_refuses_a_recipe_of_another_method_or_parents_before_loading_anything(examples, tmp_path):
     """distill() takes any Recipe: one made for rl, or a dmd2 recipe given a second parent, is refused at once."""
     from cardtool.core.training.rl import rl_recipe

@@ -169,7 +169,7 @@ def test_what_needs_classes_refuses_captioned_images(examples, tmp_path):
     assert result.exit_code == 2 and "a classifier needs class-labelled images" in result.stdout
     result = CliRunner().invoke(app, ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
                                       "--watch-every", "1", "--judge", str(examples / "tiny-judge"),
-                                      "--held-out-judge", "", "--data",
+                                      "--held-out-judge", "", "--no-eval", "--data",
                                       str(root), "--out", str(tmp_path / "w"), "--json"])
     assert result.exit_code == 2 and "--watch-every's class accuracy needs class-labelled" in result.stdout
     result = CliRunner().invoke(app, ["flywheel", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),

@@ -471,6 +471,13 @@ def test_a_reward_that_is_not_a_reward_and_a_base_without_a_loop_are_refused(exa
     result = CliRunner().invoke(app, ["rl", str(vae_only), "--reward", str(examples / "tiny-judge"), "--no-eval",
                                       "--out", str(tmp_path / "o")])
     assert result.exit_code == 2 and "has no denoise loop" in result.output
+    for data, message in (("", "--data '' names no folder"), ("nowhere", "no Fashion-MNIST data at")):
+        result = CliRunner().invoke(app, ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
+                                          "--judge", str(examples / "tiny-judge"), "--held-out-judge", "",
+                                          "--data", data and str(tmp_path / data), "--out", str(tmp_path / "o"),
+                                          "--run-dir", str(tmp_path / "r"), *(f"--set={o}" for o in TINY)])
+        assert result.exit_code == 2 and message in result.output, data  # what the eval after it reads: now
+        assert not (tmp_path / "r" / CHECKPOINT).exists() and not (tmp_path / "o").exists(), data
     result = CliRunner().invoke(app, ["train", "--recipe", str(REPO / "examples" / "recipes" / "fashion-nft.yaml")])
     assert result.exit_code == 2 and "cardtool rl" in result.output
 

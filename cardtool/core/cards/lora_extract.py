@@ -60,7 +60,7 @@ def extract_lora(base_ref: str, tuned_ref: str, rank: int, card_id: str, *, adap
     if others:
         raise BadInput(f"'{tuned.id}' also changes {', '.join(others)} of '{base.id}'; a LoRA on '{target}' carries "
                        "the transformer's change only")
-    adapter = adapter or tuned.id
+    adapter = tuned.id if adapter is None else adapter  # an empty --adapter is refused, not taken as the default
     try:
         checked_name(adapter)  # it names the weights file: 'adapters/../../x' would write outside the card
     except ValueError:

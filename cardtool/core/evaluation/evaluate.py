@@ -202,6 +202,7 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
         raise BadInput(f"judge must be a reward card's id or folder, got {judge!r}")
     if data is not None and not isinstance(data, (str, os.PathLike)):
         raise BadInput(f"data must be a folder of Fashion-MNIST files, got {data!r}"[:300])
+    data_dir(data)  # a folder that is not there, before any model loads
     for name, callback in (("on_row", on_row), ("on_step", on_step)):  # found after a row's work otherwise
         if callback is not None and not callable(callback):
             raise BadInput(f"{name} must be a function, got {callback!r}"[:300])

@@ -93,7 +93,7 @@ class LoadedCard:
         self.card = card_ref if isinstance(card_ref, Card) else load_card(card_ref, adapters=False)
         self.platform = Platform.detect(device)
         self.cache = cache or TextFeatureCache()
-        self.precision = precision or self.card.manifest.recipe.assumes.precision
+        self.precision = self.card.manifest.recipe.assumes.precision if precision is None else precision
         self._loops: dict[str, DenoiseLoop] = {}
         self._rewards: dict[str, object] = {}
         self._turn = threading.RLock()
@@ -106,7 +106,7 @@ class LoadedCard:
 
     @_one_at_a_time
     def loop(self, precision: str | None = None) -> DenoiseLoop:
-        precision = precision or self.precision
+        precision = self.precision if precision is None else precision
         if precision not in self._loops:
             self._loops[precision] = DenoiseLoop(ModelInstance(self.card, self.platform, precision), LOOP,
                                                  self.cache)

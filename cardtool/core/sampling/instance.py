@@ -25,7 +25,7 @@ class ModelInstance:
     def __init__(self, card: Card, platform: Platform | None = None, precision: str | None = None):
         self.card = card
         self.platform = platform or Platform.detect()
-        self.precision = precision or card.manifest.recipe.assumes.precision
+        self.precision = card.manifest.recipe.assumes.precision if precision is None else precision
         try:
             self.warnings = check_precision(self.platform, self.precision)
         except BadInput as e:

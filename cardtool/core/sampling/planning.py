@@ -80,7 +80,7 @@ def plan_requests(card: Card, prompts: list[str], *, num: int = 1, seed: int = 0
     requests = [Request(prompt=p, seed=seed + j, steps=steps,
                         guidance=float(guidance if guidance is not None else defaults.guidance),
                         shift=float(shift if shift is not None else defaults.shift),
-                        solver=solver or defaults.solver,
+                        solver=defaults.solver if solver is None else solver,
                         guidance_interval=tuple(map(float, guidance_interval or defaults.guidance_interval)),
                         adapters=stack, control=control, negative_prompt=negative_prompt or "")
                 for p in prompts for j in range(num)]

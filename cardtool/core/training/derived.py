@@ -59,6 +59,14 @@ def recipe_fingerprint(recipe) -> str:
     return hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()
 
 
+def check_eval_data(data: str | None, what: str) -> None:
+    """The test split an eval after the work reads (`data`, else the default), read before the work: a folder that
+    is not there, or holds no labelled images, is refused now, not after hours of training."""
+    from cardtool.core.data import load_split
+
+    load_split("test", data).classes(what)
+
+
 def evaluate_output(card: Card, judge: str, device: str | None, data: str | None = None, on_eval=None) -> Card:
     """`cardtool eval` at the card's own defaults, recorded (eval.json beside it, summary in the recipe)."""
     from cardtool.core.cards.record import record_eval

@@ -12,6 +12,7 @@ from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.training.derived import (
     card_name,
+    check_eval_data,
     evaluate_output,
     extends_reference,
     recipe_fingerprint,
@@ -92,12 +93,15 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
 
         for name in [judge] * evaluate + watch_judges * bool(watch_every):
             reward_card(name, scores=teacher)  # before hours of training, not after
+    if evaluate:
+        check_eval_data(data, "the eval after distilling")
     train = None
     settings = DMD2Settings.from_recipe(recipe.loss)
     if settings.gan and settings.gan_real == "data":  # the GAN term's real images; teacher samples need none
         from cardtool.core.data import load_split
 
-        train = load_split("train", data or recipe.data.get("folder")).classes("loss.gan's real images by class")
+        folder = recipe.data.get("folder") if data is None else data
+        train = load_split("train", folder).classes("loss.gan's real images by class")
     task = DMD2Task(recipe, platform, teacher, train)
     task.data = train.digest() if train is not None else None  # a resume must see the same real images
     student = {"steps": settings.student_steps, "guidance": 1.0, "shift": settings.shift, "solver": "renoise"}

@@ -21,6 +21,7 @@ from cardtool.core.prompts import training_prompts
 from cardtool.core.sampling.planning import read_prompts_file
 from cardtool.core.training.derived import (
     card_name,
+    check_eval_data,
     evaluate_output,
     extends_reference,
     recipe_fingerprint,
@@ -73,7 +74,8 @@ def rl_recipe(base: str, reward: str, method: str | None = None, path: Path | No
             method = read_source(Path(path)).data.get("method")
         except CardValidationError as e:
             raise BadInput(f"cannot read recipe: {e}") from None
-    method = method or (section or {}).get("method") or "diffusion_nft"
+    if method is None:  # an empty --method is refused below, not taken as the default
+        method = (section or {}).get("method") or "diffusion_nft"
     if not isinstance(method, str) or method not in METHODS:
         raise BadInput(f"unknown rl method {method!r}; choose one of: {', '.join(METHODS)}")
 
@@ -131,6 +133,8 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
     if evaluate or watch_every:
         for name in judges:
             reward_card(name, scores=base)  # before the run, not after
+    if evaluate:
+        check_eval_data(data, "the eval after rl")
     task = make_task(recipe, platform, base, reward, prompts or default_prompts())
     # what it trains on is its prompts: a resume given others (--prompts) would train the rest of the run on them
     task.data = hashlib.sha256("\n".join(task.prompts).encode()).hexdigest()

@@ -31,7 +31,7 @@ def train(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Pat
     run_dir = Path(run_dir or Path("runs") / recipe.card.id)
     writable_outputs(out, run_dir, replace=overwrite, flag="--overwrite", card_id=recipe.card.id,
                      parents=[load_card(locate(ref)) for ref in recipe.parents])
-    folder = data or recipe.data.get("folder")
+    folder = recipe.data.get("folder") if data is None else data
     method = recipe.method
     size = IMAGE_SIZE
     if method == "vae":  # the one component whose image size a recipe sets

@@ -21,7 +21,7 @@ from cardtool.core import distributed
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.source import read_source
-from cardtool.core.training.derived import recipe_fingerprint
+from cardtool.core.training.derived import check_eval_data, recipe_fingerprint
 from cardtool.core.training.recipes import Recipe
 from cardtool.errors import BadInput, CardtoolError, CardValidationError, RunFailed
 
@@ -170,9 +170,7 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
     per_class = checked_per_class(per_class)
     check_every(watch_every)
     if stop_after not in ("rl", "distill"):  # its eval stage judges classes: found now, not after two stages
-        from cardtool.core.data import load_split
-
-        load_split("test", data).classes("the flywheel's eval")
+        check_eval_data(data, "the flywheel's eval")
     for ref in [recipe.base, *compare]:
         locate(ref)  # before hours of training, not after
     base = load_card(locate(recipe.base))
