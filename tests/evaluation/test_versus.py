@@ -133,6 +133,27 @@ def test_versus_refuses_what_belongs_to_one_card(tmp_path, extra):
         compare("tiny-base", "tiny-base", out="x.json")
 
 
+def test_what_the_second_card_cannot_do_is_refused_before_the_first_is_measured(tmp_path, monkeypatch):
+    """A card B not found, with no loop, or of a size the judge does not take fails at once, not after A's rows."""
+    import shutil
+
+    def never(*args, **kwargs):
+        raise AssertionError("the first card was measured before the second was checked")
+
+    monkeypatch.setattr(evaluate_module, "_measure_row", never)
+    wide = tmp_path / "wide"
+    shutil.copytree(EXAMPLE_CARDS / "tiny-base", wide)
+    manifest = wide / "card.yaml"
+    manifest.write_text(manifest.read_text().replace("id: tiny-base", "id: wide").replace(
+        "channels: [8, 16, 32]}", "channels: [8, 16, 32], image_size: 32}"))
+    options = {"judge": str(EXAMPLE_CARDS / "tiny-judge"), "per_class": 1, "steps": [2],
+               "data": str(write_idx_folder(tmp_path / "idx"))}
+    for card_b, message in ((EXAMPLE_CARDS / "nowhere", "nowhere"), (EXAMPLE_CARDS / "tiny-judge", "no 'denoise' loop"),
+                            (wide, "32×32")):
+        with pytest.raises(BadInput, match=message):
+            compare(str(EXAMPLE_CARDS / "tiny-base"), str(card_b), **options)
+
+
 def test_the_python_api_reports_each_row_with_its_card_and_takes_a_false_resume(tmp_path):
     """compare() as a script calls it: on_row(card, row) for every row of both cards, in order; `resume=False` (what a
     caller passing its own defaults through sends) is no resume; a non-function on_row and a keyword evaluate() does

@@ -226,18 +226,11 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
         writable_folder(out.parent, "the report's folder", keep=False)  # found now, not after the first row
     steps, guidance, precision = (_listed(name, value) for name, value in
                                   (("steps", steps), ("guidance", guidance), ("precision", precision)))
-    card = load_card(card_ref)
-    judge_card = reward_card(judge, scores=card)[0]
+    card, judge_card, planned = plan_rows(card_ref, judge=judge, steps=steps, guidance=guidance, seed=seed,
+                                          guidance_interval=guidance_interval, adapters=adapters, shift=shift,
+                                          solver=solver)
     for read in (card, judge_card):
         _not_read_from(out, read)
-
-    def planned(prompts: list[str], num: int, apart: bool = False) -> dict:
-        return {(g, k): _seeded(plan_requests(card, prompts, num=num, seed=seed, steps=k, guidance=g,
-                                              guidance_interval=guidance_interval, adapters=adapters, shift=shift,
-                                              solver=solver)[0], apart)
-                for g, k in itertools.product(guidance or [None], steps or [None])}
-
-    # every row's requests, planned (and so checked: steps, guidance, seeds, adapters) before any data or model loads;
     # the class prompts × seeds seed … seed + per_class − 1 (plan_requests orders prompts × seeds)
     count, labels = per_class * len(CLASS_NAMES), np.repeat(np.arange(len(CLASS_NAMES)), per_class)
     plans = planned([class_prompt(c) for c in range(len(CLASS_NAMES))], per_class)
@@ -320,6 +313,27 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
         if not keep_samples:
             report.samples, report.real = [], None
     return report
+
+
+def plan_rows(card_ref: str, *, judge: str = "fashion-classifier", steps: list[int] | None = None,
+              guidance: list[float] | None = None, seed: int = 0, guidance_interval: tuple[float, float] | None = None,
+              adapters: list[tuple[str, float]] | None = None, shift: float | None = None,
+              solver: str | None = None) -> tuple:
+    """(card, judge card, planned) of an evaluation, where `planned(prompts, num, apart)` plans every row's requests;
+    the class prompts' are planned here, so that what cannot run (steps, guidance, seeds, adapters, a judge that
+    cannot score the card, a card with no loop) is refused before any data or model loads."""
+    steps, guidance = _listed("steps", steps), _listed("guidance", guidance)
+    card = load_card(card_ref)
+    judge_card = reward_card(judge, scores=card)[0]
+
+    def planned(prompts: list[str], num: int, apart: bool = False) -> dict:
+        return {(g, k): _seeded(plan_requests(card, prompts, num=num, seed=seed, steps=k, guidance=g,
+                                              guidance_interval=guidance_interval, adapters=adapters, shift=shift,
+                                              solver=solver)[0], apart)
+                for g, k in itertools.product(guidance or [None], steps or [None])}
+
+    planned([class_prompt(0)], 1)
+    return card, judge_card, planned
 
 
 def _not_read_from(out: Path | None, card) -> None:

@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from cardtool.core.evaluation.evaluate import EvalReport, EvalRow, evaluate
+from cardtool.core.evaluation.evaluate import EvalReport, EvalRow, evaluate, plan_rows
 from cardtool.core.evaluation.paired import Difference, difference
 from cardtool.core.interrupt import Interrupted, stop_requests
 from cardtool.errors import BadInput, RunFailed
@@ -41,6 +41,9 @@ def compare(card_a: str, card_b: str, *, on_row: Callable[[str, EvalRow], None] 
             raise BadInput(f"a comparison measures both cards in one run: {name} does not apply to it")
     if on_row is not None and not callable(on_row):
         raise BadInput(f"on_row must be a function, got {on_row!r}"[:300])
+
+    planning = inspect.signature(plan_rows).parameters
+    plan_rows(card_b, **{k: v for k, v in options.items() if k in planning})  # B's problems before A's hour, not after
 
     def rows_of(card: str):
         return None if on_row is None else lambda row: on_row(card, row)
