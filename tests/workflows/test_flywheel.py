@@ -195,6 +195,7 @@ def test_a_killed_stage_resumes_from_its_checkpoint(examples, tmp_path):
     (["--set", "distill.data.bogus=1"], "unknown data.bogus"),
     (["--set", "rl.loss.beta=0"], "loss.beta: Input should be greater than 0"),
     (["--held-out-judge", str(EXAMPLE_CARDS / "tiny-base")], "card 'tiny-base' is not a reward"),  # not at the end
+    (["--compare", str(EXAMPLE_CARDS / "tiny-judge")], "card 'tiny-judge' has no 'denoise' loop"),  # nor this
     # named as the option, not as a recipe's card.id
     (["--out-prefix", "../x"], "--out-prefix '../x' cannot begin the new cards' ids (PREFIX-nft-Nstep)"),
     (["--out-prefix", ""], "--out-prefix '' cannot begin"),

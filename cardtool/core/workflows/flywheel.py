@@ -10,6 +10,7 @@ overwritten without `--force`."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import Callable
@@ -173,6 +174,11 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
         check_eval_data(data, "the flywheel's eval")
     for ref in [recipe.base, *compare]:
         locate(ref)  # before hours of training, not after
+    if stop_after not in ("rl", "distill"):  # each card the eval stage compares: a loop each judge can score
+        from cardtool.core.evaluation.evaluate import plan_rows
+
+        for ref, judging in itertools.product(compare, [judge, *([held_out_judge] if held_out_judge else [])]):
+            plan_rows(ref, judge=judging)
     base = load_card(locate(recipe.base))
     for ref in [recipe.reward, judge, *([held_out_judge] if held_out_judge else [])]:
         reward_card(ref, scores=base)
