@@ -512,6 +512,18 @@ def test_cli_errors_exit_2(card, tmp_path):
     assert no_net.exit_code == 2 and "--control needs a ControlNet; card 'tiny-base' declares none" in no_net.output
 
 
+def test_eval_with_a_controlnet_says_it_takes_no_control_image_before_any_model_loads(card, monkeypatch):
+    from cardtool.core.evaluation import evaluate as evaluate_module
+
+    def never(*args, **kwargs):
+        raise AssertionError("a model loaded before the requests were planned")
+
+    monkeypatch.setattr(evaluate_module, "ModelInstance", never)
+    with pytest.raises(BadInput, match="ControlNet 'ctl' needs a control image .*; eval makes its images without one"):
+        evaluate_module.evaluate(str(card.folder), judge=str(EXAMPLE_CARDS / "tiny-judge"), per_class=1,
+                                 adapters=[("ctl", 1.0)])
+
+
 def test_a_lora_file_that_does_not_fit_is_refused(card, loop):
     torch.manual_seed(0)
     write_lora(card.folder / "adapters" / "b.safetensors", {"blocks.0.attn1.to_q": torch.randn(3, 7)},

@@ -44,7 +44,7 @@ from cardtool.core.interrupt import Interrupted, stop_requests
 from cardtool.core.prompts import class_prompt
 from cardtool.core.sampling.denoise import DenoiseLoop, NonFiniteImages
 from cardtool.core.sampling.instance import ModelInstance
-from cardtool.core.sampling.planning import MAX_IMAGES, plan_requests
+from cardtool.core.sampling.planning import MAX_IMAGES, MissingControl, plan_requests
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache
 from cardtool.errors import BadInput, OutOfMemory
@@ -332,7 +332,11 @@ def plan_rows(card_ref: str, *, judge: str = "fashion-classifier", steps: list[i
                                               solver=solver)[0], apart)
                 for g, k in itertools.product(guidance or [None], steps or [None])}
 
-    planned([class_prompt(0)], 1)
+    try:
+        planned([class_prompt(0)], 1)
+    except MissingControl as missing:
+        raise BadInput(f"{missing}; eval makes its images without one: drop it from --adapter (generate --control "
+                       "makes images with one)") from None
     return card, judge_card, planned
 
 

@@ -17,8 +17,8 @@ from cardtool.core.sampling.denoise import Request
 from cardtool.errors import BadInput
 from cardtool.files import read_small_file, read_stream
 
-__all__ = ["LOOP", "MAX_IMAGES", "adapter_stack", "checked_arguments", "parse_interval", "plan_requests",
-           "read_prompts_file"]
+__all__ = ["LOOP", "MAX_IMAGES", "MissingControl", "adapter_stack", "checked_arguments", "parse_interval",
+           "plan_requests", "read_prompts_file"]
 
 LOOP = "denoise"
 MAX_IMAGES = 100_000  # one command; beyond this a planning mistake, not a job (script several runs)
@@ -128,6 +128,10 @@ def checked_arguments(prompts, *, guidance_interval, adapters, out="", texts=Non
     return prompts
 
 
+class MissingControl(BadInput):
+    """A request whose stack holds a ControlNet and gives it no control image."""
+
+
 def adapter_stack(card: Card, stack: list[tuple[str, float]], control: ControlImage | None,
                   control_scale: float | None) -> tuple[tuple[str, float], ...]:
     """The request's stack, every name declared by the card; with a control image, its ControlNet in it."""
@@ -149,6 +153,8 @@ def adapter_stack(card: Card, stack: list[tuple[str, float]], control: ControlIm
             raise BadInput(f"--control needs a ControlNet; card '{card.id}' declares "
                            f"{'none' if not available else ', '.join(available) + ' (name one with --adapter)'}")
         stack = stack + [(available[0], 1.0 if control_scale is None else control_scale)]
+    if nets and control is None:  # found when the request is planned, before any model loads
+        raise MissingControl(f"ControlNet '{nets[0]}' needs a control image (--control IMAGE)")
     for name, scale in stack:  # the adapters' products run in float32 at most: a scale it cannot hold is no request
         if not math.isfinite(scale) or abs(scale) > FLOAT32_MAX:
             raise BadInput(f"adapter '{name}': a scale of {scale:g} is beyond float32's range (±3.4e38), which its "
