@@ -156,6 +156,22 @@ def test_integer_tensors_are_equal_or_not_and_an_all_zero_file_moved_by_nothing(
     assert moved["largest"] == [{"tensor": "step", "relative_change": None, "max_abs_change": None}]
     assert moved["tensors_changed"] == 1 and moved["relative_change"] == 0.0, "no float moved: 0, not unknown"
     assert diff._weights("components", "counter", Weights(files[0]), Weights(files[2]), 5)["status"] == "same"
+    # a float that moved beside integers that did not: only it is listed (each integer read to its own end)
+    save_file({"w": np.ones(4, np.float32), "step": np.array([1], np.int64), "index": np.arange(3)},
+              str(tmp_path / "moved.safetensors"))
+    moved = diff._weights("components", "counter", Weights(files[0]), Weights(tmp_path / "moved.safetensors"), 5)
+    assert [row["tensor"] for row in moved["largest"]] == ["w"] and moved["largest"][0]["max_abs_change"] == 1.0
+    # a float that became an integer of the same shape is changed, with no ratio
+    save_file({"w": np.zeros(4, np.int32), "step": np.array([1], np.int64), "index": np.arange(3)},
+              str(tmp_path / "cast.safetensors"))
+    cast = diff._weights("components", "counter", Weights(files[0]), Weights(tmp_path / "cast.safetensors"), 5)
+    assert cast["largest"] == [{"tensor": "w", "relative_change": None, "max_abs_change": None}]
+    # B's weights overflowed: how far they moved is not a number, not inf
+    save_file({"w": np.array([np.inf, 1, 1, 1], np.float32), "step": np.array([1], np.int64), "index": np.arange(3)},
+              str(tmp_path / "inf.safetensors"))
+    blown = diff._weights("components", "counter", Weights(tmp_path / "moved.safetensors"),
+                          Weights(tmp_path / "inf.safetensors"), 5)
+    assert blown["relative_change"] is None and blown["largest"][0]["relative_change"] is None
 
 
 def test_the_table_names_tensors_of_another_shape_or_in_one_card_only(examples, monkeypatch):
