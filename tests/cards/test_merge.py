@@ -18,7 +18,7 @@ from cardtool.cli import app
 from cardtool.core.cards.export import front_matter
 from cardtool.core.cards.lineage import lineage
 from cardtool.core.cards.loader import load_card
-from cardtool.core.cards.weight_files import sha256_file
+from cardtool.core.cards.weight_files import read_metadata, sha256_file
 from cardtool.core.sampling.generate import LoadedCard
 
 torch.set_num_threads(1)
@@ -90,6 +90,16 @@ def test_no_weights_mix_equally_and_a_note_says_whose_loop_runs(examples):
     assert load_card(examples / "soup").manifest.loops["denoise"].defaults["steps"] == 30
     two = merge(examples, "tiny-base", "tiny-distilled", card_id="pair")
     assert json.loads(two.stdout)["loops_differ"] == ["tiny-distilled"], two.output
+
+
+def test_the_merged_file_keeps_the_first_cards_file_metadata(examples):
+    path = examples / "tiny-rl" / "transformer.safetensors"
+    old = sha256_file(path)
+    save_torch(load_torch(str(path)), str(path), metadata={"trained_by": "tiny-rl's run"})
+    manifest = next((examples / "tiny-rl").glob("card.*"))
+    manifest.write_text(manifest.read_text().replace(old, sha256_file(path)))
+    assert merge(examples, "tiny-rl=0.5", "tiny-base=0.5").exit_code == 0
+    assert read_metadata(examples / "soup" / "transformer.safetensors") == {"trained_by": "tiny-rl's run"}
 
 
 def test_a_float16_card_merges_with_a_float32_one_into_float32_without_rounding(examples):
@@ -166,6 +176,7 @@ def more(examples):
     (["tiny-base", "stranger"], stranger, "soup", "share no ancestor"),
     (["tiny-base", "narrow"], narrower, "soup", "differs in its kind, impl, source or config"),
     (["tiny-base", "more"], more, "soup", "component 'vae2' is not in 'tiny-base'; merged cards have the same"),
+    (["=0.5", "tiny-rl=0.5"], None, "soup", "'=0.5' names no card before '='; write CARD=WEIGHT"),
     (["more", "tiny-base"], more, "soup", "'tiny-base' has no component 'vae2', which 'more' has"),
     (["tiny-base", "same"], renamed, "soup", "hold the same weights in every component: the merge would be "
                                              "'tiny-base' itself"),
@@ -219,3 +230,27 @@ def test_a_card_another_run_puts_at_the_output_while_this_one_is_written_is_kept
     monkeypatch.setattr(writer, "load_card", validate)
     assert merge(examples, "tiny-base", "tiny-rl", "--overwrite").exit_code == 0
     assert load_card(examples / "soup").manifest.recipe.method == "merge", "--overwrite replaces it"
+
+
+def test_tensors_a_plugins_layout_does_not_fix_average_only_when_they_match(tmp_path):
+    """A component with no layout its config implies may hold integer tensors and tensors of any name: equal integers
+    are kept, floats averaged; a missing, reshaped, differing-integer or float-and-integer tensor is refused."""
+    from safetensors.numpy import save_file
+
+    from cardtool.core.cards.merge import _average
+    from cardtool.errors import BadInput
+
+    def file(name, **tensors):
+        path = tmp_path / f"{name}.safetensors"
+        save_file({"w": np.ones(3, np.float32), "step": np.array([7], np.int64), **tensors}, str(path))
+        return path
+
+    base = file("base")
+    averaged = _average([base, file("doubled", w=np.full(3, 3.0, np.float32))], [0.5, 0.5], ["a", "b"], "counter")
+    assert averaged["w"].tolist() == [2.0, 2.0, 2.0] and averaged["step"].tolist() == [7]
+    for other, message in ((file("extra", x=np.zeros(1, np.float32)), "tensor 'x' is not the same in 'a' and 'b'"),
+                           (file("wide", w=np.ones(4, np.float32)), "tensor 'w' is not the same in 'a' and 'b'"),
+                           (file("later", step=np.array([8], np.int64)), "the integer tensor 'step' differs"),
+                           (file("cast", w=np.ones(3, np.int32)), "tensor 'w' is a float in one card and an integer")):
+        with pytest.raises(BadInput, match=message):
+            _average([base, other], [0.5, 0.5], ["a", "b"], "counter")
