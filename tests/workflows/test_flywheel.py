@@ -149,6 +149,12 @@ def test_a_run_stopped_after_the_rl_stage_goes_on_at_distill(examples, tmp_path)
     assert (tmp_path / "cards" / "tiny-base-nft" / "transformer.safetensors").read_bytes() == tuned
 
 
+def test_a_run_stopped_after_rl_asks_nothing_of_the_distill_stage_it_does_not_run(examples, tmp_path):
+    result = run(examples, tmp_path, "--stop-after", "rl", "--micro-batches", "2",
+                 "--set", "distill.optim.batch_size=3")
+    assert result.exit_code == 0, result.output
+
+
 def test_without_run_dir_the_stages_run_under_runs_named_for_the_rl_card(examples, tmp_path, monkeypatch):
     data = write_idx_folder(tmp_path / "idx")
     monkeypatch.chdir(tmp_path)
@@ -196,6 +202,9 @@ def test_a_killed_stage_resumes_from_its_checkpoint(examples, tmp_path):
     (["--set", "rl.loss.beta=0"], "loss.beta: Input should be greater than 0"),
     (["--held-out-judge", str(EXAMPLE_CARDS / "tiny-base")], "card 'tiny-base' is not a reward"),  # not at the end
     (["--compare", str(EXAMPLE_CARDS / "tiny-judge")], "card 'tiny-judge' has no 'denoise' loop"),  # nor this
+    # the rl stage's batch of 2 splits into 2 micro-batches; the distill stage's of 3 does not: found before either
+    (["--micro-batches", "2", "--set", "distill.optim.batch_size=3"], "distill.optim.batch_size 3 must split into 1 "
+                                                                      "process(es) × 2 micro-batch(es)"),
     # named as the option, not as a recipe's card.id
     (["--out-prefix", "../x"], "--out-prefix '../x' cannot begin the new cards' ids (PREFIX-nft-Nstep)"),
     (["--out-prefix", ""], "--out-prefix '' cannot begin"),

@@ -33,7 +33,7 @@ from cardtool.core.training.run_lock import run_claimed
 from cardtool.errors import BadInput, OutOfMemory, RunFailed, write_remedy
 from cardtool.files import is_regular_file, parse_json
 
-__all__ = ["Task", "TrainingDiverged", "TrainResult", "train_loop", "writable_outputs", "CHECKPOINT"]
+__all__ = ["Task", "TrainingDiverged", "TrainResult", "check_run", "train_loop", "writable_outputs", "CHECKPOINT"]
 
 CHECKPOINT = "checkpoint.safetensors"
 
@@ -153,18 +153,26 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
         return _train(task, recipe, platform, run_dir, resume, on_log, micro_batches)
 
 
-def _train(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, resume: bool,
-           on_log: Callable[[dict], None] | None, micro_batches: int) -> TrainResult:
-    if recipe.train.precision == "bfloat16" and not platform.supports_bf16:  # after each command checked its input
-        raise BadInput(f"train.precision bfloat16 needs bf16 compute, which {platform.device}/{platform.arch} "
-                       "lacks; use --set train.precision=float32")
-    ranks = distributed.ranks(platform.device)
-    parts = ranks.world * micro_batches
+def check_run(recipe: Recipe, platform: Platform, micro_batches: int, stage: str = "") -> None:
+    """What a run of `recipe` on `platform` needs of both: bf16 compute for a bfloat16 run, a batch that splits into
+    the processes × `micro_batches` — checked by the trainer, and by a chain of runs (the flywheel) for every run
+    before the first, its `stage` naming the recipe's section."""
+    if recipe.train.precision == "bfloat16" and not platform.supports_bf16:
+        raise BadInput(f"{stage}train.precision bfloat16 needs bf16 compute, which {platform.device}/{platform.arch} "
+                       f"lacks; use --set {stage}train.precision=float32")
     if micro_batches < 1:
         raise BadInput(f"--micro-batches must be at least 1, got {micro_batches}")
-    if recipe.optim.batch_size % parts:
-        raise BadInput(f"optim.batch_size {recipe.optim.batch_size} must split into {ranks.world} process(es) × "
+    world = distributed.ranks(platform.device).world
+    if recipe.optim.batch_size % (world * micro_batches):
+        raise BadInput(f"{stage}optim.batch_size {recipe.optim.batch_size} must split into {world} process(es) × "
                        f"{micro_batches} micro-batch(es)")
+
+
+def _train(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, resume: bool,
+           on_log: Callable[[dict], None] | None, micro_batches: int) -> TrainResult:
+    check_run(recipe, platform, micro_batches)  # after each command checked its input
+    ranks = distributed.ranks(platform.device)
+    parts = ranks.world * micro_batches
     if platform.torch_device == "cpu":
         keep_freed_memory()
     modules = task.modules()

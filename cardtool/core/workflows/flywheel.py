@@ -158,12 +158,13 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
     card's accuracy under both judges, FID-FMNIST, model evaluations per image and images/s. Under torchrun every
     stage splits its work by rank (`micro_batches` as in `train_loop`) and rank 0 writes the cards and the report.
     `watch_every`: both training stages watched as their own commands' `--watch-every` (training/watch.py)."""
+    from cardtool.backends.platform import Platform
     from cardtool.core.cards.lineage import check_new_folder, check_new_id
     from cardtool.core.evaluation.evaluate import checked_per_class
     from cardtool.core.evaluation.reward import reward_card
     from cardtool.core.training.distill import distill
     from cardtool.core.training.rl import rl
-    from cardtool.core.training.trainer import writable_outputs
+    from cardtool.core.training.trainer import check_run, writable_outputs
     from cardtool.core.training.watch import check_every
 
     if stop_after is not None and stop_after not in STAGES:
@@ -195,6 +196,9 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
                      card_id=recipe.rl.card.id, **elsewhere)
     writable_outputs(Path(out_dir) / recipe.distill.card.id, run_dir, replace=True, flag="--force",
                      card_id=recipe.distill.card.id, **elsewhere)
+    platform = Platform.detect(device)
+    for name, stage_recipe in (("rl", recipe.rl), ("distill", recipe.distill))[:1 if stop_after == "rl" else 2]:
+        check_run(stage_recipe, platform, micro_batches, f"{name}.")  # the distill stage's now, not after the rl's
     report = FlywheelReport(judge=judge, held_out_judge=held_out_judge, per_class=per_class)
     common = {"device": device, "data": data, "micro_batches": micro_batches}
 
