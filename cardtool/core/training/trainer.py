@@ -154,9 +154,9 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
 
 
 def check_run(recipe: Recipe, platform: Platform, micro_batches: int, stage: str = "") -> None:
-    """What a run of `recipe` on `platform` needs of both: a torch device, bf16 compute for a bfloat16 run, a batch
-    that splits into the processes × `micro_batches` — checked by the trainer, and by a chain of runs (the flywheel)
-    for every run before the first, its `stage` naming the recipe's section."""
+    """What a run of `recipe` needs: a torch device, bf16 compute for a bfloat16 run, a batch that splits into the
+    processes × `micro_batches`. The trainer checks it as a run begins; a chain of runs (the flywheel) checks every
+    run before the first, `stage` naming the recipe's section in the messages."""
     platform.torch_device  # noqa: B018 - numpy has none: said as such, before its lack of bf16
     if recipe.train.precision == "bfloat16" and not platform.supports_bf16:
         raise BadInput(f"{stage}train.precision bfloat16 needs bf16 compute, which {platform.device}/{platform.arch} "
