@@ -471,7 +471,10 @@ def test_a_reward_that_is_not_a_reward_and_a_base_without_a_loop_are_refused(exa
     result = CliRunner().invoke(app, ["rl", str(vae_only), "--reward", str(examples / "tiny-judge"), "--no-eval",
                                       "--out", str(tmp_path / "o")])
     assert result.exit_code == 2 and "has no denoise loop" in result.output
-    for data, message in (("", "--data '' names no folder"), ("nowhere", "no Fashion-MNIST data at")):
+    write_idx_folder(tmp_path / "small")  # 64 training images: too few for the eval's 1,000 a row
+    for data, message in (("", "--data '' names no folder"), ("nowhere", "no Fashion-MNIST data at"),
+                          ("small", "the eval after rl (--no-eval skips it): --per-class 100 asks for 1000 images, "
+                                    "more than the 64 training images")):
         result = CliRunner().invoke(app, ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
                                           "--judge", str(examples / "tiny-judge"), "--held-out-judge", "",
                                           "--data", data and str(tmp_path / data), "--out", str(tmp_path / "o"),

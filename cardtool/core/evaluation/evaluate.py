@@ -245,21 +245,13 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     keeping = keep_samples or len(loops) > 1  # several precisions: their rows paired at the end
     judge_instance = ModelInstance(judge_card, platform, "float32")
     referee = FashionJudge(judge_instance)
-    test, train = load_split("test", data), load_split("train", data)
-    if len(test) < 2:  # one row has no covariance: FID's would be NaN and KID's estimator undefined
-        raise BadInput(f"the test split of {data_dir(data)} holds {len(test)} image{'s' * (len(test) != 1)}; FID "
-                       'and KID need at least two (an image folder holds out every tenth image, or the rows marked '
-                       '"split": "test")')
+    test, train, count = eval_splits(data, per_class)
     if test.captions is not None:  # your own images: the first `count` test captions, one image each at seed + i
         plans, labels = planned(list(test.captions[:count]), 1, apart=True), None
-        count = len(next(iter(plans.values())))
     real = referee.features(test.images)
     report = EvalReport(card.id, judge_instance.card.id, f"{platform.device}/{platform.arch}", per_class,
                         rank=ranks.rank, real=real if keeping else None,
                         prompts="classes" if labels is not None else "captions")
-    if count > len(train):
-        raise BadInput(f"--per-class {per_class} asks for {count} images, more than the {len(train)} training images "
-                       "the floors are measured on")
     stack = [{"name": name, "scale": scale} for name, scale in next(iter(plans.values()))[0].adapters]
     ident = identity(first.instance, judge_instance, per_class, seed, data_dir(data), stack, report.platform)
     if labels is None:  # an image folder's images lie in subfolders the listing of its files does not reach
@@ -338,6 +330,24 @@ def plan_rows(card_ref: str, *, judge: str = "fashion-classifier", steps: list[i
         raise BadInput(f"{missing}; eval makes its images without one: drop it from --adapter (generate --control "
                        "makes images with one)") from None
     return card, judge_card, planned
+
+
+def eval_splits(data: str | None, per_class: int) -> tuple:
+    """(test split, train split, images a row) of an eval of `per_class` images a class on `data` — a class's prompt
+    per image, or with captioned images the first test captions, one image each — refused where it cannot be
+    measured: FID and KID need two test images, the floors as many training images as a row has."""
+    test, train = load_split("test", data), load_split("train", data)
+    if len(test) < 2:  # one row has no covariance: FID's would be NaN and KID's estimator undefined
+        raise BadInput(f"the test split of {data_dir(data)} holds {len(test)} image{'s' * (len(test) != 1)}; FID "
+                       'and KID need at least two (an image folder holds out every tenth image, or the rows marked '
+                       '"split": "test")')
+    count = per_class * len(CLASS_NAMES)
+    if test.captions is not None:
+        count = min(count, len(test.captions))
+    if count > len(train):
+        raise BadInput(f"--per-class {per_class} asks for {count} images, more than the {len(train)} training images "
+                       "the floors are measured on")
+    return test, train, count
 
 
 def _not_read_from(out: Path | None, card) -> None:

@@ -59,12 +59,17 @@ def recipe_fingerprint(recipe) -> str:
     return hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()
 
 
-def check_eval_data(data: str | None, what: str) -> None:
-    """The test split an eval after the work reads (`data`, else the default), read before the work: a folder that
-    is not there, or holds no labelled images, is refused now, not after hours of training."""
-    from cardtool.core.data import load_split
+def check_eval_data(data: str | None, what: str, per_class: int = 100) -> None:
+    """The splits an eval of `per_class` images a class after the work reads (`data`, else the default), read before
+    the work: a folder that is not there, that holds no labelled images, or too few for the eval, is refused now, not
+    after hours of training."""
+    from cardtool.core.evaluation.evaluate import eval_splits
 
-    load_split("test", data).classes(what)
+    try:
+        test = eval_splits(data, per_class)[0]
+    except BadInput as e:
+        raise BadInput(f"{what}: {e}") from None
+    test.classes(what)
 
 
 def evaluate_output(card: Card, judge: str, device: str | None, data: str | None = None, on_eval=None) -> Card:

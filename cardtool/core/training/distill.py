@@ -94,7 +94,7 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
         for name in [judge] * evaluate + watch_judges * bool(watch_every):
             reward_card(name, scores=teacher)  # before hours of training, not after
     if evaluate:
-        check_eval_data(data, "the eval after distilling")
+        check_eval_data(data, "the eval after distilling (--no-eval skips it)")
     train = None
     settings = DMD2Settings.from_recipe(recipe.loss)
     if settings.gan and settings.gan_real == "data":  # the GAN term's real images; teacher samples need none

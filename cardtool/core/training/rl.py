@@ -134,7 +134,7 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
         for name in judges:
             reward_card(name, scores=base)  # before the run, not after
     if evaluate:
-        check_eval_data(data, "the eval after rl")
+        check_eval_data(data, "the eval after rl (--no-eval skips it)")
     task = make_task(recipe, platform, base, reward, prompts or default_prompts())
     # what it trains on is its prompts: a resume given others (--prompts) would train the rest of the run on them
     task.data = hashlib.sha256("\n".join(task.prompts).encode()).hexdigest()

@@ -172,7 +172,7 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
     per_class = checked_per_class(per_class)
     check_every(watch_every)
     if stop_after not in ("rl", "distill"):  # its eval stage judges classes: found now, not after two stages
-        check_eval_data(data, "the flywheel's eval")
+        check_eval_data(data, "the flywheel's eval", per_class)
     for ref in [recipe.base, *compare]:
         locate(ref)  # before hours of training, not after
     if stop_after not in ("rl", "distill"):  # each card the eval stage compares: a loop each judge can score
