@@ -24,7 +24,7 @@ from cardtool.core.training.trainer import train_loop, writable_outputs
 from cardtool.core.training.watch import Watch, check_every, watched
 from cardtool.errors import BadInput
 
-__all__ = ["check_recipe", "distill", "distill_recipe", "student_id"]
+__all__ = ["check_recipe", "distill", "distill_recipe", "gan_real_images", "student_id"]
 
 
 def check_recipe(recipe: Recipe) -> None:
@@ -38,6 +38,20 @@ def check_recipe(recipe: Recipe) -> None:
     only_keys(recipe, "data", ("folder",))
     DMD2Settings.from_recipe(recipe.loss)
     lora_settings(recipe, "student", recipe.parents[0])
+
+
+def gan_real_images(recipe: Recipe, data: str | None):
+    """The class-labelled training images the GAN term takes as real (`loss.gan_real: data`; --data, else the
+    recipe's folder), else None — teacher samples need none."""
+    from cardtool.core.training.methods.dmd2 import DMD2Settings
+
+    settings = DMD2Settings.from_recipe(recipe.loss)
+    if not (settings.gan and settings.gan_real == "data"):
+        return None
+    from cardtool.core.data import load_split
+
+    folder = recipe.data.get("folder") if data is None else data
+    return load_split("train", folder).classes("loss.gan's real images by class")
 
 
 def student_id(teacher: str, steps) -> str:
@@ -95,13 +109,8 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
             reward_card(name, scores=teacher)  # before hours of training, not after
     if evaluate:
         check_eval_data(data, "the eval after distilling (--no-eval skips it)")
-    train = None
     settings = DMD2Settings.from_recipe(recipe.loss)
-    if settings.gan and settings.gan_real == "data":  # the GAN term's real images; teacher samples need none
-        from cardtool.core.data import load_split
-
-        folder = recipe.data.get("folder") if data is None else data
-        train = load_split("train", folder).classes("loss.gan's real images by class")
+    train = gan_real_images(recipe, data)
     task = DMD2Task(recipe, platform, teacher, train)
     task.data = train.digest() if train is not None else None  # a resume must see the same real images
     student = {"steps": settings.student_steps, "guidance": 1.0, "shift": settings.shift, "solver": "renoise"}

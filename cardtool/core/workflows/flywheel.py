@@ -162,7 +162,7 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
     from cardtool.core.cards.lineage import check_new_folder, check_new_id
     from cardtool.core.evaluation.evaluate import checked_per_class
     from cardtool.core.evaluation.reward import reward_card
-    from cardtool.core.training.distill import distill
+    from cardtool.core.training.distill import distill, gan_real_images
     from cardtool.core.training.rl import rl
     from cardtool.core.training.trainer import check_run, writable_outputs
     from cardtool.core.training.watch import check_every
@@ -199,6 +199,8 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
     platform = Platform.detect(device)
     for name, stage_recipe in (("rl", recipe.rl), ("distill", recipe.distill))[:1 if stop_after == "rl" else 2]:
         check_run(stage_recipe, platform, micro_batches, f"{name}.")  # the distill stage's now, not after the rl's
+    if stop_after != "rl":
+        gan_real_images(recipe.distill, data)  # its real images: a folder with no classes found before the rl stage
     report = FlywheelReport(judge=judge, held_out_judge=held_out_judge, per_class=per_class)
     common = {"device": device, "data": data, "micro_batches": micro_batches}
 
