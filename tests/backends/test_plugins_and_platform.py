@@ -184,6 +184,11 @@ def test_platform_detect_cli_json(monkeypatch):
     shown = json.loads(result.stdout)
     assert shown["kernel_chain"] == ["cpu/avx2", "cpu/generic", "numpy/generic"]
     assert CliRunner().invoke(app, ["platform", "detect", "--device", "tpu"]).exit_code == 2
+    people = CliRunner().invoke(app, ["platform", "detect", "--device", "cpu"], env={"COLUMNS": "1000"})
+    lines = people.stdout.splitlines()
+    assert people.exit_code == 0 and lines[0].startswith("cpu / avx2  "), people.stdout
+    assert lines[1:3] == ["kernel chain:    cpu/avx2 → cpu/generic → numpy/generic", "component chain: cpu → numpy"]
+    assert "  because device cpu asked for with --device" in lines[3:]
 
 
 def test_fast_bfloat16_is_cuda_from_sm80_and_cpus_on_the_avx512_bf16_tier():
