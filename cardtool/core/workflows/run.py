@@ -298,8 +298,10 @@ def _preflight(runner: _Runner, workflow: Workflow) -> None:
             jobs = _jobs(runner, workflow.manifest.steps[name], stand_ins)
             for (ref, precision), group in itertools.groupby(jobs, key=lambda job: (job.ref, job.precision)):
                 loop, requests = runner.card(ref).loop(precision), [job.request for job in group]
-                prompts = [r.prompt for r in requests] + [r.negative_prompt for r in requests if r.guidance != 1]
-                encode_prompts(loop.instance, prompts, runner.cache, loop.text_encoder)
+                prompts = list(dict.fromkeys([r.prompt for r in requests] +
+                                             [r.negative_prompt for r in requests if r.guidance != 1]))
+                for start in range(0, len(prompts), 256):  # the features are dropped, the cache keeps them
+                    encode_prompts(loop.instance, prompts[start:start + 256], runner.cache, loop.text_encoder)
             encoded = set()
             for job in jobs:
                 if job.how == "refine" and (job.ref, job.precision) not in encoded and \
