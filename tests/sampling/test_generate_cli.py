@@ -171,7 +171,7 @@ def test_a_pipe_named_as_the_one_image_is_refused_and_kept(on_path, tmp_path):
     assert result.exit_code == 2 and "is not a regular file" in result.stderr and (tmp_path / "pipe.png").is_fifo()
 
 
-def test_numpy_device_generates_from_cached_text_features(on_path, tmp_path):
+def test_numpy_device_generates_from_cached_text_features(on_path, tmp_path, monkeypatch):
     args = ["generate", "tiny-base", "-p", "a bag", "--steps", "2", "--guidance", "1", "--json"]
     torch_run = json.loads(run(*args, "--out", str(tmp_path / "t")).stdout)
     numpy_run = run(*args, "--device", "numpy", "--out", str(tmp_path / "n"))
@@ -180,7 +180,13 @@ def test_numpy_device_generates_from_cached_text_features(on_path, tmp_path):
     assert torch_run["images"][0]["prompt"] == "a bag"
     uncached = run("generate", "tiny-base", "-p", "never encoded", "--device", "numpy", "--out", str(tmp_path / "u"))
     assert uncached.exit_code == 2 and "encoded prompts from the cache, which holds none of 'never encoded'" \
-        in uncached.stderr and "run the same prompts once with --device cpu --precision float32" in uncached.stderr
+        in uncached.stderr and "; run the same command once with --device cpu to encode them (at float32), then " \
+        "again on numpy" in uncached.stderr
+    monkeypatch.setenv("CARDTOOL_CACHE_MAX", "0")  # the CPU's run would keep nothing for numpy's: said, not looped
+    uncached = run("generate", "tiny-base", "-p", "never encoded", "--device", "numpy", "--out", str(tmp_path / "u"))
+    assert uncached.exit_code == 2 and "; unset CARDTOOL_CACHE_MAX=0, which keeps none on disk; run the same " \
+        "command" in uncached.stderr
+    monkeypatch.delenv("CARDTOOL_CACHE_MAX")
     many = [f"{k} " + "x" * 70 for k in range(5)]  # the first three named, each cut at 60 characters
     uncached = run("generate", "tiny-base", *(a for p in many for a in ("-p", p)), "--guidance", "1", "--device",
                    "numpy", "--json")

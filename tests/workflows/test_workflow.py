@@ -573,8 +573,10 @@ def test_memory_running_out_mid_step_is_a_failed_run_listing_the_images_written(
      "nothing can run component"),
     ('    generate: {card: EX/tiny-base, prompts: ["a bag"], steps: 2, adapters: {invert: 0.5}}',
      "adapters run on the torch platform"),
+    # its advice is an option every command takes (`workflow run` has no --precision)
     ('    generate: {card: EX/tiny-base, prompts: ["a coat"], steps: 2}', "the numpy platform runs no text encoder and "
-     "reads encoded prompts from the cache, which holds none of 'a coat'"),
+     "reads encoded prompts from the cache, which holds none of 'a coat'; run the same command once with --device cpu "
+     "to encode them (at float32), then again on numpy"),
 ])
 def test_a_step_the_platform_cannot_run_is_refused_before_the_first_image(examples, tmp_path, step, said):
     one = '  one:\n    generate: {card: EX/tiny-base, prompts: ["a bag"], steps: 2}\n'

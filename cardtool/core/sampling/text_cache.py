@@ -158,9 +158,11 @@ def encode_prompts(instance, prompts: list[str], cache: TextFeatureCache, compon
         except NoCellAvailable:  # a platform with no encoder of its own (numpy, the reference rung) reads the cache
             shown = ", ".join(repr(first[k][:60]) for k in missing[:3]) + (" …" if len(missing) > 3 else "")
             device = instance.platform.device
+            # with CARDTOOL_CACHE_MAX=0 the CPU's run keeps nothing for this one to read: the advice alone would loop
+            kept = "" if cache.root is not None or limit() else "unset CARDTOOL_CACHE_MAX=0, which keeps none on disk; "
             raise BadInput(f"the {device} platform runs no text encoder and reads encoded prompts from the cache, "
-                           f"which holds none of {shown}; run the same prompts once with --device cpu --precision "
-                           f"{instance.precision} to encode them, then again on {device}") from None
+                           f"which holds none of {shown}; {kept}run the same command once with --device cpu to "
+                           f"encode them (at {instance.precision}), then again on {device}") from None
         for k in missing:
             states, mask = encoder([first[k]])
             found[k] = cache.put(k, arrays.to_numpy(states[0]), arrays.to_numpy(mask[0]))
