@@ -180,8 +180,8 @@ def test_what_needs_classes_refuses_captioned_images(examples, tmp_path):
     result = CliRunner().invoke(app, ["flywheel", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
                                       "--judge", str(examples / "tiny-judge"), "--held-out-judge", "",
                                       "--set", "distill.loss.gan=true", "--data", str(root), "--stop-after", "distill",
-                                      "--out-dir",
-                                      str(tmp_path / "cards"), "--run-dir", str(tmp_path / "run"), "--json"])
+                                      "--out-dir", str(tmp_path / "cards"), "--run-dir", str(tmp_path / "run"),
+                                      "--json"])
     assert result.exit_code == 2, result.output  # the distill stage's GAN term's real images, found before the rl's
     assert "loss.gan's real images by class needs class-labelled images" in result.stdout
     assert not (tmp_path / "cards").exists() and not (tmp_path / "run").exists()
