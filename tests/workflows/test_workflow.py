@@ -544,18 +544,24 @@ def test_validation_loads_each_card_once_however_many_steps_name_it(examples, tm
     assert len(calls) == 1, calls[:3]
 
 
-def test_memory_running_out_mid_step_is_a_failed_run_listing_the_images_written(examples, tmp_path, monkeypatch):
+def fail_wave(monkeypatch, wave: int, error: Exception) -> None:
+    """workflow run's sampling raises `error` at its `wave`-th call and samples as it does at the others."""
     from cardtool.core.workflows import run as workflow_run
 
     real, calls = workflow_run.sample, []
 
-    def sample_then_fail(*args, **kwargs):
+    def sample(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 163840000 bytes")
+        if len(calls) == wave:
+            raise error
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(workflow_run, "sample", sample_then_fail)
+    monkeypatch.setattr(workflow_run, "sample", sample)
+
+
+def test_memory_running_out_mid_step_is_a_failed_run_listing_the_images_written(examples, tmp_path, monkeypatch):
+    fail_wave(monkeypatch, 2, RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+                                           "163840000 bytes"))
     path = write(tmp_path, examples, '  one:\n    generate: {card: EX/tiny-base, prompts: ["a bag"], num: 4, '
                                      'steps: 1}\n')
     result = run(path, tmp_path, "--max-batch", "2")
@@ -593,18 +599,9 @@ def test_a_step_the_platform_cannot_run_is_refused_before_the_first_image(exampl
 
 
 def test_a_request_refused_mid_step_names_the_step_and_lists_the_images_written(examples, tmp_path, monkeypatch):
-    from cardtool.core.workflows import run as workflow_run
     from cardtool.errors import BadInput
 
-    real, calls = workflow_run.sample, []
-
-    def refuse_the_third_wave(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise BadInput("not this one")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(workflow_run, "sample", refuse_the_third_wave)
+    fail_wave(monkeypatch, 3, BadInput("not this one"))
     path = write(tmp_path, examples, '  one:\n    generate: {card: EX/tiny-base, prompts: ["a bag"], steps: 1}\n'
                                      '  two:\n    generate: {card: EX/tiny-base, prompts: ["a bag"], num: 4, '
                                      'steps: 1}\n')
