@@ -172,6 +172,16 @@ def test_a_forced_cuda_arch_without_cuda_is_simulated_and_runs_nothing(monkeypat
     assert matrix.exit_code == 0 and json.loads(matrix.stdout)["platform"]["simulated"] is True
 
 
+def test_the_matrix_for_people_marks_the_oracle_each_cell_that_runs_and_why_the_others_do_not():
+    table = CliRunner().invoke(app, ["platform", "matrix", "--device", "cpu", "--op", "linear"],
+                               env={"COLUMNS": "1000", "CARDTOOL_ARCH": "avx2"})
+    rows = {line.split()[0]: line.split(None, 1)[1].strip() for line in table.stdout.splitlines() if "linear/" in line}
+    assert table.exit_code == 0 and rows["linear/numpy/generic/default"].startswith("yes (oracle)   builtin")
+    assert rows["linear/cpu/avx2/default"].split() == ["yes", "builtin"]
+    assert rows["linear/cuda/generic/default"].split(None, 2) == ["no", "builtin",
+                                                                  "cuda/generic is not on the chain of cpu/avx2"]
+
+
 def test_matrix_refuses_an_unknown_op():
     result = CliRunner().invoke(app, ["platform", "matrix", "--op", "NOSUCHOP"])
     assert result.exit_code == 2 and "unknown op or component 'NOSUCHOP'" in result.stderr
