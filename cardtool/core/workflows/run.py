@@ -373,7 +373,7 @@ def _run_step(runner: _Runner, workflow: Workflow, name: str, outputs: dict[str,
                 if runner.ranks.main:  # under torchrun the other ranks hold the same outputs
                     save_image(item.path, item.image, item.metadata)
                 produced[k] = item
-        except (RunFailed, BadInput):  # a full disk, NaN images: what this step wrote before is listed too
+        except (RunFailed, BadInput):  # a full disk, NaN images, a refusal: what the step wrote is listed too
             if produced:
                 report.steps.append(entry())
             raise
