@@ -130,7 +130,11 @@ def test_what_is_not_an_image_cardtool_made_is_refused(made, on_path, tmp_path):
                 **{f"deep-{key}.png": f"'{key}' field is malformed" for key in ("adapters", "control", "image",
                                                                                  "mask")},
                 "path-card.png": "'card' field is malformed",
-                "lost-control.png": "gone.png, which is not there; give it with --control"}
+                "lost-control.png": "gone.png, which is not there; give it with --control",
+                "grid.png": "grid.png: records no request (a --grid of several images records none)"}
+    _, report = run("generate", "tiny-base", "-p", "a bag", "-n", "2", "--steps", "1", "--grid", "--out",
+                    tmp_path / "g")  # it was made again as an unconditional image of seed 0
+    cases["grid.png"] = Path(report["grid"]).read_bytes()
     for name, data in cases.items():
         (tmp_path / name).write_bytes(data)
         result, report = run("generate", "--like", tmp_path / name, "--out", tmp_path / "x")

@@ -50,6 +50,9 @@ def read_like(path: Path | str) -> Like:
         raise BadInput(f"--like {path}: not a readable image ({type(e).__name__}: {e})"[:300]) from None
     if "cardtool" not in metadata or "card" not in metadata:
         raise BadInput(f"--like {path}: not an image cardtool made (its PNG records no card and settings)")
+    if "seed" not in metadata and "request_seed" not in metadata:  # a --grid records its card, not one request
+        raise BadInput(f"--like {path}: records no request (a --grid of several images records none); give --like "
+                       "one of the images it shows")
     text = _Fields(path, metadata)
     image, control = text.picture("image"), text.control()
     if "input" in metadata:  # a workflow's chain: refined from another step's image, found where the workflow wrote it
