@@ -202,7 +202,8 @@ def test_a_killed_stage_resumes_from_its_checkpoint(examples, tmp_path):
     (["--set", "rl.loss.beta=0"], "loss.beta: Input should be greater than 0"),
     (["--held-out-judge", str(EXAMPLE_CARDS / "tiny-base")], "card 'tiny-base' is not a reward"),  # not at the end
     (["--compare", str(EXAMPLE_CARDS / "tiny-judge")], "card 'tiny-judge' has no 'denoise' loop"),  # nor this
-    (["--device", "numpy"], "the numpy platform has no torch device"),  # not that numpy has no bf16
+    # a bfloat16 stage on numpy: said to lack a torch device, not bf16 compute (TINY's stages are float32)
+    (["--device", "numpy", "--set", "rl.train.precision=bfloat16"], "the numpy platform has no torch device"),
     # the rl stage's batch of 2 splits into 2 micro-batches; the distill stage's of 3 does not: found before either
     (["--micro-batches", "2", "--set", "distill.optim.batch_size=3"], "distill.optim.batch_size 3 must split into 1 "
                                                                       "process(es) × 2 micro-batch(es)"),
