@@ -326,3 +326,60 @@ def test_resume_refuses_a_report_of_the_same_card_id_with_other_weights(examples
         with pytest.raises(BadInput, match=f"measured with other {differs}; drop --resume"):
             evaluate(str(examples / "tiny-base"), **options, resume=True)
         evaluate(str(examples / "tiny-base"), **options)  # measured afresh: the next card's change is its alone
+
+
+@pytest.mark.parametrize("versus", [False, True])
+def test_eval_with_no_options_passes_the_apis_defaults(monkeypatch, versus):
+    """The README's eval (a row of 1,000 images from seed 0, 256 rows a forward, the default judge) is the API's:
+    the command line states no default of its own that could drift from `evaluate`'s (nor from `compare`'s, which
+    hands its options to `evaluate`)."""
+    import inspect
+
+    from typer.testing import CliRunner
+
+    from cardtool.cli import app
+    from cardtool.core.evaluation import versus as versus_module
+
+    passed, signature = {}, inspect.signature(evaluate_module.evaluate)
+
+    def capture(*args, **options):
+        passed.update(options)
+        raise BadInput("captured")
+
+    monkeypatch.setattr(versus_module if versus else evaluate_module, "compare" if versus else "evaluate", capture)
+    result = CliRunner().invoke(app, ["eval", "some-card", *(["--versus", "other-card"] if versus else []), "--json"])
+    assert result.exit_code == 2 and "captured" in result.stdout, result.output
+    defaults = {name: p.default for name, p in signature.parameters.items()
+                if p.default is not inspect.Parameter.empty and name in passed and not name.startswith("on_")}
+    assert {"per_class", "seed", "max_batch", "judge", "steps", "guidance", "precision", "adapters"} <= set(defaults)
+    assert {name: passed[name] for name in defaults} == defaults
+    assert (defaults["per_class"], defaults["seed"], defaults["max_batch"]) == (100, 0, 256)
+
+
+def test_each_rows_progress_line_states_the_rows_measurements(examples, tmp_path):
+    """The line on stderr as each row is measured (the only output of a long sweep until the end) says what the
+    report says of that row, KID scaled by 1,000 as in the table."""
+    import json
+    import re
+
+    from helpers import write_idx_folder
+    from typer.testing import CliRunner
+
+    from cardtool.cli import app
+
+    result = CliRunner().invoke(app, ["eval", str(examples / "tiny-base"), "--judge", str(examples / "tiny-judge"),
+                                      "--per-class", "2", "--steps", "2", "--guidance", "2", "--guidance-interval",
+                                      "0,0.5", "--data", str(write_idx_folder(tmp_path / "idx")), "--json"],
+                           env={"COLUMNS": "1000"})
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.stdout)["rows"][0]
+    line = next(line for line in result.stderr.splitlines() if line.startswith("float32 steps 2"))
+    found = re.fullmatch(r"float32 steps 2 guidance 2 on σ ≤ 0.5: accuracy (\S+) \((\S+)–(\S+)\)  FID (\S+) ± (\S+)  "
+                         r"KID×1000 (\S+) ± (\S+)  precision (\S+) recall (\S+)  reward (\S+)  (\d+) img/s", line)
+    assert found, line
+    *shown, per_second = [float(v) for v in found.groups()]
+    assert shown == pytest.approx([row["class_accuracy"], *row["class_accuracy_ci95"], row["fid_fmnist"],
+                                   row["fid_fmnist_std"], 1000 * row["kid"], 1000 * row["kid_std"],
+                                   row["manifold_precision"], row["manifold_recall"], row["mean_reward"]],
+                                  rel=0, abs=0.0051)  # as rounded to two to four decimals
+    assert per_second == pytest.approx(row["images_per_second"], rel=0, abs=0.51)
