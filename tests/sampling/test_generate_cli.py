@@ -143,7 +143,9 @@ def test_a_card_assuming_fixed_steps_warns_and_strict_refuses(on_path, tmp_path)
     (["tiny-base", "-p", "x", "-n", "0"], "--num must be at least 1"),
     (["tiny-base", "-p", "x", "--max-batch", "0"], "--max-batch must be at least 1"),
     (["tiny-base", "-p", "x", "-n", "2", "--seed", str(2**63 - 1)], "seed 9223372036854775807 numbers the 2 images "
-                                                                    "of a prompt up to seed 9,223,372,036,854,775,808"),
+                                                                    "of a prompt up to seed 9,223,372,036,854,775,808, "
+                                                                    "past 2⁶³ − 1; give a seed of at most "
+                                                                    "9,223,372,036,854,775,806"),
     (["tiny-base", "-p", "x", "--seed", str(2**63)], "seed must be in [0, 2⁶³)"),
     (["tiny-base", "-p", "x", "-p", "y", "-n", "60000"], "got 2 prompts × 60,000 images; split the run"),
     (["tiny-base", "-p", "x", "-p", "y", "--out", "one.png"], "names one file"),
