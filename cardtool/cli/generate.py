@@ -152,8 +152,10 @@ def _like(path: Path, card, prompts, image, preprocessor, init, mask):
         try:
             locate(model.card)
         except CardNotFound as e:  # made from a card folder off the search path: the PNG records only its id
+            import shlex
+
             raise CardNotFound(f"{path.name} was made by card '{model.card}': give its folder as CARD (cardtool "
-                               f"generate FOLDER --like {path.name}) — {e}") from None
+                               f"generate FOLDER --like {shlex.quote(str(path))}) — {e}") from None
     same = card is None or load_card(card).id == model.card
     recorded = {"seed": model.seed, "negative_prompt": model.negative_prompt, **(model.settings if same else {})}
     if same and image is None and model.control is not None:

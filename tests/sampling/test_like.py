@@ -147,12 +147,18 @@ def test_what_is_not_an_image_cardtool_made_is_refused(made, on_path, tmp_path):
 
 
 def test_an_image_whose_card_is_off_the_search_path_says_to_give_its_folder(made, on_path, monkeypatch, tmp_path):
-    """The PNG records its card's id only: made from a folder off the path, --like alone cannot find it again."""
+    """The PNG records its card's id only: made from a folder off the path, --like alone cannot find it again. The
+    command it suggests names the image as given (from another folder, its name alone is no file), quoted."""
     monkeypatch.delenv("CARDTOOL_PATH")
-    result, report = run("generate", "--like", made, "--out", tmp_path / "x")
-    assert result.exit_code == 2 and report["error"]["message"].startswith(
-        f"{made.name} was made by card 'tiny-base': give its folder as CARD (cardtool generate FOLDER --like "
-        f"{made.name}) — no card with id 'tiny-base'")
+    spaced = made.with_name("my image.png")
+    made.rename(spaced)
+    monkeypatch.chdir(tmp_path)
+    given = spaced.relative_to(tmp_path)
+    result, report = run("generate", "--like", given, "--out", tmp_path / "x")
+    assert str(given) != spaced.name and result.exit_code == 2 and report["error"]["message"].startswith(
+        f"my image.png was made by card 'tiny-base': give its folder as CARD (cardtool generate FOLDER --like "
+        f"'{given}') — no card with id 'tiny-base'")
+    made = spaced
     result, _ = run("generate", on_path / "tiny-base", "--like", made, "--out", tmp_path / "x")
     assert result.exit_code == 0, result.output
 
