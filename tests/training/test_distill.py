@@ -459,8 +459,11 @@ def test_an_eval_that_fails_after_the_card_is_written_keeps_its_kind(examples, m
 
         monkeypatch.setattr(evaluate_module, "evaluate", failing)
         with pytest.raises(kind, match="was written, but its eval failed") as info:
-            evaluate_output(card, "tiny-judge", None)
+            evaluate_output(card, "tiny-judge", None, data="my data")
         assert type(info.value) is kind, "a run that failed is not reported as bad input, nor the other way"
+        # the eval to run again is the run's own, its judge and data (not eval's defaults), quoted for a shell
+        assert str(info.value).endswith(f"run `cardtool eval {card.folder} --judge tiny-judge --data 'my data' "
+                                        "--record` once it can")
 
 
 def test_lora_targets_that_name_no_layer_are_bad_input(examples):

@@ -80,9 +80,14 @@ def evaluate_output(card: Card, judge: str, device: str | None, data: str | None
     try:
         evaluated = evaluate(str(card.folder), judge=judge, device=device, data=data)
     except CardtoolError as e:  # bad input (a judge that is no reward card) or a failed run (NaN images), as it was
+        import shlex
+
+        # the eval this run would have recorded: its judge and data, not eval's defaults
+        command = ["cardtool", "eval", str(card.folder), "--judge", judge, *(["--data", data] if data else []),
+                   *(["--device", device] if device else []), "--record"]
         raise (RunFailed if isinstance(e, RunFailed) else BadInput)(
-            f"the card {card.folder} was written, but its eval failed: {e}; run `cardtool eval {card.folder} "
-            "--record` once it can") from None
+            f"the card {card.folder} was written, but its eval failed: {e}; run `{shlex.join(command)}` once it "
+            "can") from None
     if evaluated.rank == 0:  # under torchrun every rank samples its share, rank 0 records
         record_eval(str(card.folder), evaluated.to_json())
         if on_eval:
