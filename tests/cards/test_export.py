@@ -189,3 +189,28 @@ def test_a_text_encoder_inside_the_card_folder_goes_with_the_export(examples, tm
     from PIL import Image
 
     assert np.array_equal(np.asarray(Image.open(a.images[0].path)), np.asarray(Image.open(b.images[0].path)))
+
+
+@pytest.mark.parametrize("metrics, shown", [
+    # recipe.metrics is free-form: a hand-edited card validates with any of these, and its export must not fail
+    ({"eval": {"judge": "j", "rows": [{"steps": 2}]}, "held_out_judge": {"card": "r"}}, "| 2 | – | – | – | – | – |"),
+    ({"eval": {"rows": [{"steps": "2|3", "guidance": "high", "precision": "float32\nbf16"}]}},
+     r"| 2\|3 | high | float32 bf16 | – | – | – |"),
+    ({"eval": {"rows": [{"guidance": 2.50, "class_accuracy": 0.9}], "per_class": 3}, "held_out_judge": "x"},
+     "| – | 2.5 | – | 0.9 | – | – |"),
+    ({"eval": {"rows": "none"}}, None), ({"eval": ["x"]}, None), ({"eval": {"rows": [3]}}, None),
+], ids=["fields-missing", "text-with-pipes-and-newlines", "numbers", "rows-not-a-list", "eval-not-a-mapping",
+        "row-not-a-mapping"])
+def test_metrics_edited_by_hand_are_shown_as_written_and_never_fail_the_export(examples, tmp_path, metrics, shown):
+    manifest = examples / "tiny-base" / "card.yaml"
+    data = yaml.safe_load(manifest.read_text())
+    data["recipe"]["metrics"] = metrics
+    data["recipe"]["command"] = "cardtool train --set 'card.description=```'"  # would close a ``` fence
+    manifest.write_text(yaml.safe_dump(data))
+    export(examples / "tiny-base", tmp_path / "hf")
+    readme = (tmp_path / "hf" / "README.md").read_text()
+    assert ("## Metrics" in readme) == (shown is not None)
+    if shown:
+        assert readme.split("## Metrics")[1].split("\n\n")[2].splitlines()[2] == shown, readme
+    assert "\n````\ncardtool train --set 'card.description=```'\n````\n" in readme
+    assert "Class accuracy under the held-out judge" not in readme

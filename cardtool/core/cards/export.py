@@ -8,6 +8,7 @@ cardtool loads and validates the export back as it is on a disk without its pare
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 from pathlib import Path
 
@@ -110,7 +111,8 @@ def _readme(card: Card, text_mask: bool) -> str:
         lines += ["## Sampling", "", f"The weights assume the `denoise` loop with {settings}.", ""]
     lines += _metrics(recipe.metrics)
     if recipe.command:
-        lines += ["## Reproduce", "", "```", recipe.command, "```", ""]
+        fence = "`" * max(3, 1 + max((len(run) for run in re.findall("`+", recipe.command)), default=0))
+        lines += ["## Reproduce", "", fence, recipe.command, fence, ""]  # a fence no backticks inside it close
     lines += ["## Use", "", "```python", "from diffusers import WanTransformer3DModel", "",
               'transformer = WanTransformer3DModel.from_pretrained("PATH/TO/THIS/FOLDER", subfolder="transformer")',
               "```", ""]
@@ -125,18 +127,33 @@ def _readme(card: Card, text_mask: bool) -> str:
 
 
 def _metrics(metrics: dict) -> list[str]:
-    """The recorded eval at the card's defaults and the held-out judge, as a table."""
-    ev = metrics.get("eval") or {}
-    rows = ev.get("rows") or []
+    """The recorded eval at the card's defaults and the held-out judge, as a table. `recipe.metrics` is free-form (a
+    card edited by hand validates with any values there): a field that is missing or not a number shows as it is or
+    as '–', never failing the export."""
+    ev = metrics.get("eval") if isinstance(metrics.get("eval"), dict) else {}
+    rows = [r for r in ev.get("rows") or [] if isinstance(r, dict)] if isinstance(ev.get("rows"), list) else []
     if not rows:
         return []
-    lines = ["## Metrics", "", f"`cardtool eval`, judged by `{ev.get('judge')}` on {ev.get('platform')}, "
-             f"{ev.get('per_class')} images per class:", "",
+    lines = ["## Metrics", "", f"`cardtool eval`, judged by `{_cell(ev, 'judge')}` on {_cell(ev, 'platform')}, "
+             f"{_cell(ev, 'per_class')} images per class:", "",
              "| steps | guidance | precision | class accuracy | FID-FMNIST | images/s |", "|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['steps']} | {r['guidance']:g} | {r['precision']} | {r['class_accuracy']} | "
-                     f"{r['fid_fmnist']} | {r['images_per_second']} |")
+        cells = [_cell(r, "steps"), _cell(r, "guidance", "g"), *(_cell(r, k) for k in (
+            "precision", "class_accuracy", "fid_fmnist", "images_per_second"))]
+        lines.append("| " + " | ".join(cells) + " |")
     held = metrics.get("held_out_judge")
-    if held:
-        lines += ["", f"Class accuracy under the held-out judge `{held['card']}`: {held['class_accuracy']}."]
+    if isinstance(held, dict) and "class_accuracy" in held:
+        lines += ["", f"Class accuracy under the held-out judge `{_cell(held, 'card')}`: "
+                      f"{_cell(held, 'class_accuracy')}."]
     return lines + [""]
+
+
+def _cell(record: dict, key: str, number_format: str = "") -> str:
+    """One recorded value as Markdown table text: a number in `number_format`, anything else as written, on one line
+    and with its pipes escaped (they would split the cell)."""
+    value = record.get(key)
+    if value is None:
+        return "–"
+    if number_format and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return format(value, number_format)
+    return " ".join(str(value).split()).replace("|", "\\|")
