@@ -79,6 +79,7 @@ def test_every_weights_file_goes_once_in_its_place_and_a_root_card_has_no_lineag
     assert m.components["transformer"].weights == "transformer/diffusion_pytorch_model.safetensors"
     assert m.adapters["invert"].weights == "adapters/invert.safetensors" and m.recipe.ancestors == []
     body = (tmp_path / "hf" / "README.md").read_text().split("---\n", 2)[2]
+    assert body.startswith(f"\n# tiny-base\n\n{m.description}\n\n") and m.description
     assert "The weights assume the `denoise` loop with steps 30, guidance 4.0, shift 1.0, solver euler." in body
     assert "## Lineage" not in body and "## Metrics" not in body
 
@@ -122,6 +123,11 @@ def test_export_refuses_a_card_without_a_transformer_and_an_existing_folder(exam
     result = runner.invoke(app, ["cards", "export", str(examples / "tiny-base"), "--out", str(tmp_path / "taken"),
                                  "--json"])
     assert result.exit_code == 2 and "already exists" in json.loads(result.stdout)["error"]["message"]
+    from cardtool.core.cards.export import export_card
+    from cardtool.errors import BadInput
+
+    with pytest.raises(BadInput, match="already exists"):  # the API too replaces nothing unless told
+        export_card(str(examples / "tiny-base"), tmp_path / "taken")
     for own in ("tiny-distilled", "tiny-rl"):  # the card's folder, or the folder of a card it extends
         result = runner.invoke(app, ["cards", "export", str(examples / "tiny-distilled"), "--out", str(examples / own),
                                      "--overwrite", "--json"])
