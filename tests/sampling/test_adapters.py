@@ -495,14 +495,19 @@ def test_cli_errors_exit_2(card, tmp_path):
     bad_image.write_bytes(b"not a png")
     bomb = tmp_path / "bomb.png"  # 4,097 × 4,097 black pixels in a few kilobytes: refused before decoding
     bomb.write_bytes(png_bytes(np.zeros((4097, 4097), np.uint8), {}))
-    for extra, message in [(["--adapter", "nope"], "declares no adapter 'nope'"),
+    adapters = ", ".join(card.manifest.adapters)
+    good_image = tmp_path / "good.png"
+    save_png(good_image, np.zeros((28, 28), np.uint8))
+    for extra, message in [(["--adapter", "nope"], f"declares no adapter 'nope'; its adapters: {adapters}"),
                            (["--adapter", "a=big"], "is not a number"),
                            (["--adapter", "ctl"], "needs a control image"),
                            (["--control", str(bad_image)], "cannot read control image"),
                            (["--control", str(tmp_path / "missing.png")], "cannot read control image"),
                            (["--control", f"{bomb}:silhouette", "--adapter", "ctl"], "4097 × 4097 pixels, more than"),
                            (["--fuse"], "has none"),
-                           (["--adapter", "a", "--adapter", "a=0.5"], "adapter 'a' is named twice")]:
+                           (["--adapter", "a", "--adapter", "a=0.5"], "adapter 'a' is named twice"),
+                           (["--adapter", "ctl=0.5", "--control", str(good_image), "--control-scale", "0.7"],
+                            "give ControlNet 'ctl' one scale: NAME=SCALE in --adapter, or --control-scale")]:
         result = runner.invoke(app, base + extra)
         assert result.exit_code == 2 and message in result.output, (extra, result.output)
     shape = tmp_path / "shape.png"
