@@ -515,6 +515,9 @@ def test_cli_errors_exit_2(card, tmp_path):
     no_net = runner.invoke(app, ["generate", str(EXAMPLE_CARDS / "tiny-base"), "-p", "a bag", "--control", str(shape),
                                  "--out", str(tmp_path / "o")])
     assert no_net.exit_code == 2 and "--control needs a ControlNet; card 'tiny-base' declares none" in no_net.output
+    no_net = runner.invoke(app, ["generate", str(EXAMPLE_CARDS / "tiny-base"), "-p", "a bag", "--control",
+                                 f"{shape}:silhouette", "--out", str(tmp_path / "o")])  # preprocessed: no net asked
+    assert no_net.exit_code == 2 and "--control needs a ControlNet; card 'tiny-base' declares none" in no_net.output
 
 
 def test_eval_with_a_controlnet_says_it_takes_no_control_image_before_any_model_loads(card, monkeypatch):
