@@ -27,6 +27,22 @@ def test_vae_shapes_28_to_4x8x8_and_back():
     assert vae.decode(mean).shape == reconstruction.shape == (3, 1, 28, 28)
 
 
+def test_the_posterior_sample_is_mean_plus_std_times_noise_with_logvar_kept_in_range():
+    """Reparameterisation (Kingma & Welling 2014, eq. 10): z = μ + exp(½ log σ²)·ε with ε from the generator; log σ²
+    clamped to [−30, 20], so an encoder gone wild gives a finite σ, not inf or a zero that stops the KL gradient."""
+    torch.manual_seed(0)
+    vae = ConvVAE(SMALL).eval()
+    images = torch.rand(2, 1, 28, 28) * 2 - 1
+    with torch.no_grad():
+        reconstruction, mean, logvar = vae(images, generator=torch.Generator().manual_seed(5))
+        noise = torch.randn(mean.shape, generator=torch.Generator().manual_seed(5))
+        assert torch.equal(reconstruction, vae.decode(mean + torch.exp(0.5 * logvar) * noise))
+        half = vae.encoder.conv_out.bias.shape[0] // 2
+        for bias, bound in ((1e4, 20.0), (-1e4, -30.0)):  # log σ² is the second half of the encoder's output
+            vae.encoder.conv_out.bias[half:] = bias
+            assert torch.equal(vae.encode(images)[1], torch.full_like(logvar, bound))
+
+
 def test_vae_pads_with_the_background_value():
     """An all-background image (−1) and its padded border must look the same to the encoder."""
     vae = ConvVAE(SMALL).eval()
