@@ -520,6 +520,17 @@ def test_cli_errors_exit_2(card, tmp_path):
     assert no_net.exit_code == 2 and "--control needs a ControlNet; card 'tiny-base' declares none" in no_net.output
 
 
+def test_a_control_image_alone_adds_the_cards_one_controlnet_at_scale_1_or_control_scale(card):
+    """`--control IMAGE` without the ControlNet in --adapter takes the card's only one, at 1 unless --control-scale
+    says otherwise; named in --adapter, it keeps that stack's scale."""
+    from cardtool.core.sampling.planning import plan_requests
+
+    for extra, stack in (({}, (("ctl", 1.0),)), ({"control_scale": 0.3}, (("ctl", 0.3),)),
+                         ({"adapters": [("a", 0.5), ("ctl", 0.7)]}, (("a", 0.5), ("ctl", 0.7)))):
+        [request], _ = plan_requests(card, ["a bag"], control=control(0), **{"adapters": [], **extra})
+        assert request.adapters == stack, extra
+
+
 def test_eval_with_a_controlnet_says_it_takes_no_control_image_before_any_model_loads(card, monkeypatch):
     from cardtool.core.evaluation import evaluate as evaluate_module
 
