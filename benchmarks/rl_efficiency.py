@@ -22,7 +22,7 @@ from cardtool.atomic import write_atomic
 from cardtool.backends.platform import Platform
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import load_card
-from cardtool.core.evaluation.reward import load_reward
+from cardtool.core.evaluation.reward import check_held_out, load_reward
 from cardtool.core.training.rl import default_prompts, make_task, rl_recipe, serving_loop
 from cardtool.core.training.trainer import train_loop
 from cardtool.core.training.watch import Watch
@@ -119,6 +119,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args()
+    check_held_out(args.held_out_judge, args.reward)  # its accuracy would be the reward's again
     results = [run(method, args) for method in args.methods]
     write_atomic(args.out, (json.dumps({"budget_seconds": args.budget, "target": args.target, "base": args.base,
                                         "reward": args.reward, "held_out_judge": args.held_out_judge,

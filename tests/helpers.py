@@ -80,6 +80,20 @@ def write_vae_only_card(folder: Path) -> Path:
         """, weights=("vae.safetensors",), kinds={"vae.safetensors": "vae"})
 
 
+def tiny_referee(examples: Path) -> Path:
+    """A held-out judge beside the copy of examples/cards at `examples`: tiny-judge's weights under the id
+    tiny-referee (a held-out judge may not be the reward card, and the tiny family has one judge). Judging the same
+    images, it gives tiny-judge's numbers."""
+    referee = examples / "tiny-referee"
+    if not referee.exists():
+        referee.mkdir()
+        (referee / "classifier.safetensors").write_bytes((examples / "tiny-judge" / "classifier.safetensors")
+                                                         .read_bytes())
+        (referee / "card.yaml").write_text((examples / "tiny-judge" / "card.yaml").read_text()
+                                           .replace("id: tiny-judge", "id: tiny-referee"))
+    return referee
+
+
 def write_idx_folder(folder: Path, train: int = 64, test: int = 32, seed: int = 0) -> Path:
     """A small IDX folder in Fashion-MNIST's layout: blob-like random images, labels cycling over 10 classes."""
     import gzip

@@ -117,13 +117,14 @@ def test_distill_checkpoint_evaluates_a_runs_generator(tmp_path, examples, ema, 
 
 
 def test_rl_efficiency_runs_both_methods_to_the_budget_and_writes_their_curves(tmp_path, examples, monkeypatch):
-    from helpers import write_idx_folder
+    from helpers import tiny_referee, write_idx_folder
 
     out = tmp_path / "rl.json"
     tiny = ["optim.batch_size=2", "loss.group_size=2", "loss.rollout_steps=2", "train.precision=float32"]
     monkeypatch.setenv("CARDTOOL_PATH", str(examples))
+    tiny_referee(examples)
     run_script(monkeypatch, "rl_efficiency.py", "--base", "tiny-base",
-               "--reward", "tiny-judge", "--held-out-judge", "tiny-judge", "--budget", "0", "--watch-every", "1",
+               "--reward", "tiny-judge", "--held-out-judge", "tiny-referee", "--budget", "0", "--watch-every", "1",
                "--per-class", "1", "--data", str(write_idx_folder(tmp_path / "idx")), "--out", str(out),
                *(f"--set={o}" for o in tiny))
     report = json.loads(out.read_text())

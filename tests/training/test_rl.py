@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from helpers import REPO, write_idx_folder, write_vae_only_card
+from helpers import REPO, tiny_referee, write_idx_folder, write_vae_only_card
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -337,20 +337,28 @@ def test_the_tuned_card_extends_the_base_samples_without_cfg_and_traces_to_base_
 
 
 def test_the_cli_evaluates_the_tuned_card_under_the_judge_and_the_held_out_judge(examples, tmp_path):
-    """The eval row under --judge and, beside it, the accuracy under --held-out-judge: the same judge here, so the
-    same 1,000 images judged twice must give the same accuracy."""
+    """The eval row under --judge and, beside it, the accuracy under --held-out-judge: tiny-judge's weights here, so
+    the same 1,000 images judged twice must give the same accuracy. The reward card itself is no held-out judge."""
     data = write_idx_folder(tmp_path / "idx", train=1000, test=100)  # the floors need 100 images a class
-    result = CliRunner().invoke(app, ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
-                                      "--judge", str(examples / "tiny-judge"), "--held-out-judge",
-                                      str(examples / "tiny-judge"), "--data", str(data), "--out", str(tmp_path / "o"),
-                                      "--run-dir", str(tmp_path / "r"), "--json",
-                                      *(f"--set={o}" for o in [*TINY, "optim.steps=1"])])
+    args = ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"), "--judge",
+            str(examples / "tiny-judge"), "--data", str(data), "--out", str(tmp_path / "o"), "--run-dir",
+            str(tmp_path / "r"), "--json", *(f"--set={o}" for o in [*TINY, "optim.steps=1"])]
+    for reward in (examples / "tiny-judge", "tiny-judge"):  # its folder, or its id on the search path
+        refused = CliRunner().invoke(app, [*args, "--held-out-judge", str(reward)],
+                                     env={"CARDTOOL_PATH": str(examples)})
+        assert refused.exit_code == 2 and json.loads(refused.stdout)["error"]["message"].startswith(
+            f"--held-out-judge {reward} is the reward card 'tiny-judge': a held-out judge is one the policy is not "
+            "trained on"), refused.output
+        assert not (tmp_path / "r").exists(), "refused before the run"
+    result = CliRunner().invoke(app, [*args, "--held-out-judge", str(tiny_referee(examples))])
     assert result.exit_code == 0, result.output
     metrics = json.loads(result.stdout)["metrics"]
     [row] = metrics["eval"]["rows"]
-    assert metrics["held_out_judge"] == {"card": "tiny-judge", "images": 1000, "class_accuracy": row["class_accuracy"]}
+    assert metrics["held_out_judge"] == {"card": "tiny-referee", "images": 1000,
+                                         "class_accuracy": row["class_accuracy"]}
     assert load_card(tmp_path / "o").manifest.recipe.metrics["held_out_judge"] == metrics["held_out_judge"]
-    assert result.stderr.count("eval (tiny-judge) at 30 steps, guidance 1: accuracy") == 2
+    assert result.stderr.count("eval (tiny-judge) at 30 steps, guidance 1: accuracy") == 1
+    assert result.stderr.count("eval (tiny-referee) at 30 steps, guidance 1: accuracy") == 1
     alone = CliRunner().invoke(app, ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
                                      "--judge", str(examples / "tiny-judge"), "--held-out-judge", "", "--data",
                                      str(data), "--out", str(tmp_path / "o2"), "--run-dir", str(tmp_path / "r2"),
@@ -501,11 +509,7 @@ def test_the_classes_a_reward_tells_are_its_classifiers_whatever_comes_before_it
 
 
 def test_watching_logs_both_judges_accuracy_and_fid_of_the_live_policy(examples, tmp_path):
-    referee = examples / "tiny-referee"
-    referee.mkdir()
-    (referee / "classifier.safetensors").write_bytes((examples / "tiny-judge" / "classifier.safetensors").read_bytes())
-    (referee / "card.yaml").write_text((examples / "tiny-judge" / "card.yaml").read_text()
-                                       .replace("id: tiny-judge", "id: tiny-referee"))
+    referee = tiny_referee(examples)
     entries = []
     judge = examples / "tiny-judge"
     rl(recipe(examples / "tiny-base", extra=["optim.steps=4", "train.log_every=2"], reward=judge),

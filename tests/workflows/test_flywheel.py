@@ -8,7 +8,7 @@ import re
 import time
 
 import pytest
-from helpers import EXAMPLE_CARDS, write_idx_folder
+from helpers import EXAMPLE_CARDS, tiny_referee, write_idx_folder
 from typer.testing import CliRunner
 
 from cardtool.cli import app
@@ -27,7 +27,7 @@ def run(examples, tmp_path, *extra, overrides=TINY, json_=True):
     return CliRunner().invoke(app, ["flywheel", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
                                     "--steps", "1", *[f"--set={o}" for o in overrides], "--out-dir",
                                     str(tmp_path / "cards"), "--run-dir", str(tmp_path / "run"), "--judge",
-                                    str(examples / "tiny-judge"), "--held-out-judge", str(examples / "tiny-judge"),
+                                    str(examples / "tiny-judge"), "--held-out-judge", str(tiny_referee(examples)),
                                     "--per-class", "2", "--data", str(data), *(["--json"] if json_ else []), *extra],
                               env={"COLUMNS": "250"})  # the tables for people, unelided
 
@@ -67,7 +67,7 @@ def test_the_flywheel_chains_base_rl_and_student_and_reports_the_three(examples,
     for card in (tuned, student):  # the cards this run made keep their eval, and the held-out judge's accuracy
         metrics = load_card(card.folder).manifest.recipe.metrics
         assert metrics["eval"]["rows"][0]["images"] == 20
-        assert metrics["held_out_judge"] == {"card": "tiny-judge", "images": 20,
+        assert metrics["held_out_judge"] == {"card": "tiny-referee", "images": 20,
                                              "class_accuracy": rows[card.id]["held_out_accuracy"]}
     recorded = (tmp_path / "cards" / "tiny-base-nft" / "card.yaml").read_bytes()
     again = run(examples, tmp_path, "--compare", str(examples / "tiny-distilled"))
@@ -82,7 +82,7 @@ def test_the_flywheel_chains_base_rl_and_student_and_reports_the_three(examples,
     for row in report["cards"]:  # measured again: the same prompts and seeds
         assert f"{row['card']} {row['method']} {row['steps']} {row['model_evaluations']} " in table
         assert f"{row['class_accuracy']:.4f} {row['held_out_accuracy']:.4f} {row['fid_fmnist']:.3f}" in table
-    assert "accuracy (tiny-judge)" in table and "McNemar p" in table and "stage rl: skipped" in table
+    assert "accuracy (tiny-referee)" in table and "McNemar p" in table and "stage rl: skipped" in table
 
 
 
@@ -161,7 +161,7 @@ def test_without_run_dir_the_stages_run_under_runs_named_for_the_rl_card(example
     result = CliRunner().invoke(app, ["flywheel", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
                                       "--steps", "1", *[f"--set={o}" for o in TINY], "--out-dir", "cards",
                                       "--stop-after", "rl", "--judge", str(examples / "tiny-judge"), "--held-out-judge",
-                                      str(examples / "tiny-judge"), "--data", str(data), "--json"])
+                                      str(tiny_referee(examples)), "--data", str(data), "--json"])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "runs" / "tiny-base-nft-flywheel" / "rl").is_dir()
 
@@ -201,6 +201,8 @@ def test_a_killed_stage_resumes_from_its_checkpoint(examples, tmp_path):
     (["--set", "distill.data.bogus=1"], "unknown data.bogus"),
     (["--set", "rl.loss.beta=0"], "loss.beta: Input should be greater than 0"),
     (["--held-out-judge", str(EXAMPLE_CARDS / "tiny-base")], "card 'tiny-base' is not a reward"),  # not at the end
+    # the reward card measures the reward again, not what the policy was not trained on
+    (["--held-out-judge", str(EXAMPLE_CARDS / "tiny-judge")], "is the reward card 'tiny-judge': a held-out judge"),
     (["--compare", str(EXAMPLE_CARDS / "tiny-judge")], "card 'tiny-judge' has no 'denoise' loop"),  # nor this
     # a bfloat16 stage on numpy: said to lack a torch device, not bf16 compute (TINY's stages are float32)
     (["--device", "numpy", "--set", "rl.train.precision=bfloat16"], "the numpy platform has no torch device"),

@@ -146,6 +146,18 @@ def reward_card(ref: str, scores=None):
     return card, next(kind for kind in REWARD_KINDS if kind in kinds)
 
 
+def check_held_out(held_out: str | None, reward: str) -> None:
+    """A held-out judge is one the policy was not trained on — its accuracy beside the reward's is what shows reward
+    hacking; the reward card itself (the same folder, or a copy by its id) would only measure the reward again."""
+    if not held_out:
+        return
+    judge, trained_on = reward_card(held_out)[0], reward_card(reward)[0]
+    if judge.id == trained_on.id or judge.folder.resolve() == trained_on.folder.resolve():
+        raise BadInput(f"--held-out-judge {held_out} is the reward card '{trained_on.id}': a held-out judge is one "
+                       "the policy is not trained on, so that its accuracy can show reward hacking; give another "
+                       "judge (fashion-referee), or '' for none")
+
+
 def not_a_reward(card) -> str | None:
     """Why `card` serves no reward (None: it does): no component of a reward kind, or a classifier that does not
     tell Fashion-MNIST's classes — the judge takes the probability of the class a prompt names."""

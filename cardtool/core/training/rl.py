@@ -117,7 +117,7 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
        held_out_judge: str | None = "fashion-referee", watch_every: int = 0,
        on_log: Callable[[dict], None] | None = None, on_eval: Callable[[dict], None] | None = None,
        micro_batches: int = 1) -> Card:
-    from cardtool.core.evaluation.reward import load_reward, reward_card
+    from cardtool.core.evaluation.reward import check_held_out, load_reward, reward_card
 
     check_recipe(recipe)
     check_every(watch_every)
@@ -133,6 +133,7 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
     if evaluate or watch_every:
         for name in judges:
             reward_card(name, scores=base)  # before the run, not after
+        check_held_out(held_out_judge, recipe.parents[1])
     if evaluate:
         check_eval_data(data, "the eval after rl (--no-eval skips it)")
     task = make_task(recipe, platform, base, reward, prompts or default_prompts())

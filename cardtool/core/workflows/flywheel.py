@@ -161,7 +161,7 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
     from cardtool.backends.platform import Platform
     from cardtool.core.cards.lineage import check_new_folder, check_new_id
     from cardtool.core.evaluation.evaluate import checked_per_class
-    from cardtool.core.evaluation.reward import reward_card
+    from cardtool.core.evaluation.reward import check_held_out, reward_card
     from cardtool.core.training.distill import distill, gan_real_images
     from cardtool.core.training.rl import rl
     from cardtool.core.training.trainer import check_run, writable_outputs
@@ -183,6 +183,7 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
     base = load_card(locate(recipe.base))
     for ref in [recipe.reward, judge, *([held_out_judge] if held_out_judge else [])]:
         reward_card(ref, scores=base)
+    check_held_out(held_out_judge, recipe.reward)
     if recipe.distill.card.id == recipe.rl.card.id:
         raise BadInput(f"the rl and distill stages would both write card '{recipe.rl.card.id}'; give them two ids")
     parents = [base, reward_card(recipe.reward)[0]]  # the rl card's; the student's above
