@@ -118,3 +118,22 @@ def test_settings_given_replace_the_card_s_defaults_and_the_rest_come_from_it(ca
             given.negative_prompt) == (2, 1.5, 2.0, "dpmpp_2m", (0.1, 0.5), (("invert", 0.25),), "a coat")
     [listed], _ = plan_requests(card, ["a bag"], adapters=[["invert", 1]])  # a list is a pair too; its scale a float
     assert listed.adapters == (("invert", 1.0),)
+
+
+def test_a_guidance_interval_no_step_falls_in_is_warned_of(card):
+    """CFG applies on the steps whose starting σ lies in the interval: on 4 steps of shift 1 (σ 1, 0.75, 0.5, 0.25)
+    an interval of 0.3,0.4 or 0,0 guides none, so guidance 4 gives the images of guidance 1 — said, not silent."""
+    for interval, warned in (((0.3, 0.4), True), ((0.0, 0.0), True), ((0.25, 0.3), False), ((0.0, 1.0), False)):
+        requests, warnings = plan_requests(card, ["a bag"], steps=4, shift=1.0, guidance=4.0,
+                                           guidance_interval=interval)
+        assert any("applies to none" in w for w in warnings) == warned, interval
+        assert requests[0].model_evaluations() == (4 if warned else 4 + sum(
+            interval[0] <= s <= interval[1] for s in (1.0, 0.75, 0.5, 0.25))), "the cost says the same"
+    _, warnings = plan_requests(card, ["a bag"], steps=4, shift=1.0, guidance=1.0, guidance_interval=(0.3, 0.4))
+    assert warnings == [], "without CFG there is nothing to apply"
+    # shift 3 moves the grid up (σ 1, 0.9, 0.75, 0.5): 0,0.5 guides the last step, 0,0.45 none
+    _, warnings = plan_requests(card, ["a bag"], steps=4, shift=3.0, guidance=2.0, guidance_interval=(0.0, 0.5))
+    assert warnings == []
+    _, [warning] = plan_requests(card, ["a bag"], steps=4, shift=3.0, guidance=2.0, guidance_interval=(0.0, 0.45))
+    assert warning.startswith("no step's σ lies in the guidance interval 0,0.45 (4 steps on shift 3): guidance 2 "
+                              "applies to none, and the images are those of guidance 1")

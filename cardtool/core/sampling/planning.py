@@ -13,7 +13,7 @@ from cardtool.backends.precision import FLOAT32_MAX
 from cardtool.core.cards.loader import Card
 from cardtool.core.cards.loops import FlowDenoiseDefaults
 from cardtool.core.sampling.control import ControlImage
-from cardtool.core.sampling.denoise import Request
+from cardtool.core.sampling.denoise import Request, shifted_sigmas
 from cardtool.errors import BadInput
 from cardtool.files import read_small_file, read_stream
 
@@ -89,6 +89,12 @@ def plan_requests(card: Card, prompts: list[str], *, num: int = 1, seed: int = 0
     if negative_prompt and not any(r.guidance != 1 for r in requests):
         warnings.append("a negative prompt conditions CFG's unconditional branch; with guidance 1 (no CFG) it "
                         "changes nothing")
+    first = requests[0]  # every request shares the loop settings
+    if first.guidance != 1 and not any(map(first.guides_at, shifted_sigmas(first.steps, first.shift)[:-1])):
+        low, high = first.guidance_interval  # [0, 0], say: the grid's last σ is 0, and no step starts there
+        warnings.append(f"no step's σ lies in the guidance interval {low:g},{high:g} ({first.steps} steps on shift "
+                        f"{first.shift:g}): guidance {first.guidance:g} applies to none, and the images are those of "
+                        "guidance 1; widen the interval")
     return requests, warnings
 
 
