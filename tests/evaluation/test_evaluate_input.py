@@ -108,6 +108,19 @@ def test_eval_samples_with_the_shift_and_solver_asked_for_and_its_rows_say_so(ex
     assert refused.exit_code == 2 and "drop --adapter, --shift and --solver to record" in refused.stdout
 
 
+def test_a_row_whose_guidance_interval_guides_no_step_is_warned_of(examples, tmp_path):
+    """σ 0.6–0.7 holds the start of no step at 2 steps (σ 1, 0.5) and of one at 3 (σ 1, 0.67, 0.33): the 2-step
+    row's guidance 4 applies to none — its numbers are guidance 1's — and the report says so for that row alone."""
+    from helpers import write_idx_folder
+
+    report = evaluate_module.evaluate(str(examples / "tiny-base"), judge=str(examples / "tiny-judge"), per_class=1,
+                                      steps=[2, 3], guidance=[4.0], guidance_interval=(0.6, 0.7),
+                                      data=str(write_idx_folder(tmp_path / "idx")))
+    assert [w for w in report.warnings if "applies to none" in w] == [
+        "no step's σ lies in the guidance interval 0.6,0.7 (2 steps on shift 1): guidance 4 applies to none, and the "
+        "images are those of guidance 1; widen the interval"]
+
+
 def test_a_record_that_cannot_be_made_is_refused_before_the_eval_or_keeps_its_rows(examples, tmp_path, monkeypatch):
     import errno
     import json

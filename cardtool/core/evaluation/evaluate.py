@@ -44,7 +44,7 @@ from cardtool.core.interrupt import Interrupted, stop_requests
 from cardtool.core.prompts import class_prompt
 from cardtool.core.sampling.denoise import DenoiseLoop, NonFiniteImages
 from cardtool.core.sampling.instance import ModelInstance
-from cardtool.core.sampling.planning import MAX_IMAGES, MissingControl, plan_requests
+from cardtool.core.sampling.planning import MAX_IMAGES, MissingControl, plan_requests, unguided_warning
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache
 from cardtool.errors import BadInput, OutOfMemory
@@ -272,6 +272,7 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     warning = fid_warning(count, real.shape[1])
     report.warnings += [warning] if warning else []
     report.warnings += [w for loop in loops.values() for w in loop.instance.warnings]
+    report.warnings += list(dict.fromkeys(w for requests in plans.values() if (w := unguided_warning(requests[0]))))
     # None: the card's loop default for steps and guidance
     cells = list(itertools.product(loops.items(), guidance or [None], steps or [None]))
     saved = {tuple(json.dumps(row[k]) for k in ROW_SETTINGS): row for row in kept_rows}

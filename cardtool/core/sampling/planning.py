@@ -18,7 +18,7 @@ from cardtool.errors import BadInput
 from cardtool.files import read_small_file, read_stream
 
 __all__ = ["LOOP", "MAX_IMAGES", "MissingControl", "adapter_stack", "checked_arguments", "parse_interval",
-           "plan_requests", "read_prompts_file"]
+           "plan_requests", "read_prompts_file", "unguided_warning"]
 
 LOOP = "denoise"
 MAX_IMAGES = 100_000  # one command; beyond this a planning mistake, not a job (script several runs)
@@ -89,13 +89,19 @@ def plan_requests(card: Card, prompts: list[str], *, num: int = 1, seed: int = 0
     if negative_prompt and not any(r.guidance != 1 for r in requests):
         warnings.append("a negative prompt conditions CFG's unconditional branch; with guidance 1 (no CFG) it "
                         "changes nothing")
-    first = requests[0]  # every request shares the loop settings
-    if first.guidance != 1 and not any(map(first.guides_at, shifted_sigmas(first.steps, first.shift)[:-1])):
-        low, high = first.guidance_interval  # [0, 0], say: the grid's last σ is 0, and no step starts there
-        warnings.append(f"no step's σ lies in the guidance interval {low:g},{high:g} ({first.steps} steps on shift "
-                        f"{first.shift:g}): guidance {first.guidance:g} applies to none, and the images are those of "
-                        "guidance 1; widen the interval")
-    return requests, warnings
+    unguided = unguided_warning(requests[0])  # every request shares the loop settings
+    return requests, warnings + ([unguided] if unguided else [])
+
+
+def unguided_warning(request: Request) -> str | None:
+    """Where `request` asks for CFG but no step of its grid starts at a σ inside its guidance interval ([0, 0], say:
+    the grid's last σ is 0, and no step starts there), the images are those of guidance 1: said, not silent."""
+    if request.guidance == 1 or any(map(request.guides_at, shifted_sigmas(request.steps, request.shift)[:-1])):
+        return None
+    low, high = request.guidance_interval
+    return (f"no step's σ lies in the guidance interval {low:g},{high:g} ({request.steps} steps on shift "
+            f"{request.shift:g}): guidance {request.guidance:g} applies to none, and the images are those of "
+            "guidance 1; widen the interval")
 
 
 def checked_arguments(prompts, *, guidance_interval, adapters, out="", texts=None, on_step=None, switches=None,
