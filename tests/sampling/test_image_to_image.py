@@ -243,3 +243,19 @@ def test_an_all_white_mask_is_plain_sampling_and_an_all_black_one_the_image_itse
                    keeps=[loop.latent_mask(black)])[0]
     assert np.array_equal(np.asarray(state.latents), np.asarray(latent))
     assert np.array_equal(nothing.pixels, loop.finalize([state])[0]), "everything kept: the image's reconstruction"
+
+
+def test_an_image_start_below_the_guidance_interval_is_warned_of_once(tiny):
+    """4 steps on shift 1 start at σ 1, 0.75, 0.5, 0.25; strength 0.5 runs the last two, so an interval of 0.7,0.8
+    (inside the grid, above the start) guides no step the image is denoised by — said, with where it started; an
+    interval no step of the grid falls in is said once, not once for the grid and once for the start."""
+    start = np.zeros((28, 28), np.uint8)
+    for interval, said in (((0.7, 0.8), True), ((0.3, 0.4), True), ((0.4, 0.6), False)):
+        report = tiny.generate("a bag", steps=4, guidance=4.0, guidance_interval=interval, image=start, strength=0.5,
+                               out=None)
+        unguided = [w for w in report.warnings if "applies to none" in w]
+        assert unguided == ([f"no step's σ lies in the guidance interval {interval[0]:g},{interval[1]:g} (4 steps on "
+                             "shift 1, from σ 0.5 at strength 0.5): guidance 4 applies to none, and the images are "
+                             "those of guidance 1; widen the interval"] if said else []), interval
+    plain = tiny.generate("a bag", steps=4, guidance=4.0, guidance_interval=(0.7, 0.8), out=None)
+    assert not [w for w in plain.warnings if "applies to none" in w], "from noise the σ 0.75 step is guided"

@@ -94,13 +94,17 @@ def plan_requests(card: Card, prompts: list[str], *, num: int = 1, seed: int = 0
 
 
 def unguided_warning(request: Request) -> str | None:
-    """Where `request` asks for CFG but no step of its grid starts at a σ inside its guidance interval ([0, 0], say:
-    the grid's last σ is 0, and no step starts there), the images are those of guidance 1: said, not silent."""
-    if request.guidance == 1 or any(map(request.guides_at, shifted_sigmas(request.steps, request.shift)[:-1])):
+    """Where `request` asks for CFG but none of the steps it runs starts at a σ inside its guidance interval ([0, 0],
+    say: the grid's last σ is 0, and no step starts there; or an image-to-image start below the interval), the images
+    are those of guidance 1: said, not silent."""
+    sigmas = shifted_sigmas(request.steps, request.shift)
+    run = sigmas[request.first_step(sigmas):-1]
+    if request.guidance == 1 or any(map(request.guides_at, run)):
         return None
     low, high = request.guidance_interval
+    start = f", from σ {run[0]:g} at strength {request.strength:g}" if request.strength < 1 else ""
     return (f"no step's σ lies in the guidance interval {low:g},{high:g} ({request.steps} steps on shift "
-            f"{request.shift:g}): guidance {request.guidance:g} applies to none, and the images are those of "
+            f"{request.shift:g}{start}): guidance {request.guidance:g} applies to none, and the images are those of "
             "guidance 1; widen the interval")
 
 
