@@ -531,6 +531,21 @@ def test_a_run_says_what_generate_would_warn_of_once_each(examples, tmp_path):
     assert "warning card 'tiny-distilled' assumes 4 steps" in result.stderr
 
 
+def test_a_chain_whose_start_lies_below_its_guidance_interval_is_warned_of_as_generate_does(examples, tmp_path):
+    """At 4 steps (σ 1, 0.75, 0.5, 0.25) the interval 0.7,0.8 guides the draft's second step, but a chain at
+    strength 0.5 runs only the last two: its guidance applies to none — said once, with where it started."""
+    path = write(tmp_path, examples, """  draft:
+    generate: {card: EX/tiny-base, prompts: ["a bag"], steps: 4, guidance: 4, guidance_interval: [0.7, 0.8]}
+  refine:
+    chain: {input: draft, card: EX/tiny-base, strength: 0.5, steps: 4, guidance: 4, guidance_interval: [0.7, 0.8]}
+""")
+    result = run(path, tmp_path)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["warnings"] == [
+        "no step's σ lies in the guidance interval 0.7,0.8 (4 steps on shift 1, from σ 0.5 at strength 0.5): guidance "
+        "4 applies to none, and the images are those of guidance 1; widen the interval"]
+
+
 def test_validation_loads_each_card_once_however_many_steps_name_it(examples, tmp_path, monkeypatch):
     """6,000 chained steps on one card loaded it 6,000 times (11 s); once is enough."""
     from cardtool.core.cards import loader

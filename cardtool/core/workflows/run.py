@@ -36,7 +36,7 @@ from cardtool.core.sampling.outputs import (
     save_image,
     settings_tag,
 )
-from cardtool.core.sampling.planning import plan_requests
+from cardtool.core.sampling.planning import plan_requests, unguided_warning
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache, encode_prompts
 from cardtool.core.workflows.manifest import Workflow, load_workflow
@@ -105,13 +105,21 @@ class _Runner:
             self.cards[ref] = LoadedCard(str(self.locate(ref)), device=self.device, cache=self.cache)
         return self.cards[ref]
 
-    def _requests(self, ref: str, prompts: list[str], num: int, body, control=None) -> list[Request]:
+    def _requests(self, ref: str, prompts: list[str], num: int, body, control=None,
+                  strength: float | None = None) -> list[Request]:
+        """The step's requests, started at `strength` where it refines an image (its warnings then of the steps the
+        start runs, as `generate` says them)."""
         adapters = list(body.adapters.items()) if body.adapters is not None else None
         interval = tuple(body.guidance_interval) if body.guidance_interval is not None else None
         requests, warnings = plan_requests(self.card(ref).card, prompts, num=num, seed=body.seed, steps=body.steps,
                                            guidance=body.guidance, guidance_interval=interval, shift=body.shift,
                                            solver=body.solver, adapters=adapters, negative_prompt=body.negative_prompt,
                                            control=control, control_scale=body.control_scale)
+        if strength is not None:
+            planned = unguided_warning(requests[0])
+            requests = [dataclasses.replace(r, strength=strength) for r in requests]
+            started = unguided_warning(requests[0])
+            warnings = [w for w in warnings if w != planned] + ([started] if started else [])
         for warning in self.card(ref).loop(body.precision).instance.warnings + warnings:
             if warning not in self.warnings:
                 self.warnings.append(warning)
@@ -133,8 +141,8 @@ class _Runner:
         """Sample `prompts` with card `ref` — from the step's `image` file (and `mask`) where it gives one, as
         `generate --image` does."""
         loop = self.card(ref).loop(body.precision)
-        requests = self._requests(ref, prompts, num, body, self._control(ref, body))
         if getattr(body, "image", None) is None:
+            requests = self._requests(ref, prompts, num, body, self._control(ref, body))
             return [_Job(ref, "sample", r, body.precision, image_metadata(loop, r)) for r in requests]
         from cardtool.core.sampling.init_image import init_images
 
@@ -142,8 +150,7 @@ class _Runner:
         (start,) = init_images(files[0], body.strength, loop.instance.component(loop.vae).config.image_size, 1,
                                files[1])
         jobs = []
-        for r in requests:
-            r = dataclasses.replace(r, strength=start.strength)
+        for r in self._requests(ref, prompts, num, body, self._control(ref, body), start.strength):
             jobs.append(_Job(ref, "refine", r, body.precision, {**image_metadata(loop, r), **start.metadata()},
                              Output(start.image.pixels, r.prompt, {}), mask=start.mask.pixels if start.mask else None))
         return jobs
@@ -155,8 +162,7 @@ class _Runner:
         jobs = []
         for k, item in enumerate(inputs):
             (request,) = self._requests(ref, [item.prompt], 1, body.model_copy(update={"seed": body.seed + k}),
-                                        self._control(ref, body, item.image))
-            request = dataclasses.replace(request, strength=body.strength)
+                                        self._control(ref, body, item.image), body.strength)
             jobs.append(_Job(ref, "refine", request, body.precision, {
                 **image_metadata(loop, request), "input": f"{source}/{k}", "input_tag": item.metadata.get("tag", "")},
                 item))
