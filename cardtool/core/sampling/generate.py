@@ -36,7 +36,7 @@ from cardtool.core.sampling.outputs import (
     save_image,
     settings_tag,
 )
-from cardtool.core.sampling.planning import LOOP, MAX_IMAGES, checked_arguments, plan_requests, unguided_warning
+from cardtool.core.sampling.planning import LOOP, MAX_IMAGES, checked_arguments, plan_requests, started_warnings
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache
 from cardtool.errors import BadInput, OutOfMemory, RunFailed
@@ -188,10 +188,9 @@ class LoadedCard:
                                            strict=strict, adapters=adapters, control=control,
                                            control_scale=control_scale, negative_prompt=negative_prompt)
         starts = init_images(image, strength, instance.component(loop.vae).config.image_size, len(prompts), mask)
-        planned = unguided_warning(requests[0])
+        planned = requests[0]
         requests, latents, from_image = _started(loop, requests, starts, num)
-        started = unguided_warning(requests[0])  # an image's start skips the grid's first steps
-        warnings = instance.warnings + [w for w in warnings if w != planned] + ([started] if started else [])
+        warnings = instance.warnings + started_warnings(warnings, planned, requests[0])
         judge = self.reward(reward) if reward is not None else None
         selection = _selection(judge, best_of, fuse)
         tags = [settings_tag({**image_metadata(loop, r), **selection, **from_image[k]}) for k, r in enumerate(requests)]

@@ -18,7 +18,7 @@ from cardtool.errors import BadInput
 from cardtool.files import read_small_file, read_stream
 
 __all__ = ["LOOP", "MAX_IMAGES", "MissingControl", "adapter_stack", "checked_arguments", "parse_interval",
-           "plan_requests", "read_prompts_file", "unguided_warning"]
+           "plan_requests", "read_prompts_file", "started_warnings", "unguided_warning"]
 
 LOOP = "denoise"
 MAX_IMAGES = 100_000  # one command; beyond this a planning mistake, not a job (script several runs)
@@ -106,6 +106,13 @@ def unguided_warning(request: Request) -> str | None:
     return (f"no step's σ lies in the guidance interval {low:g},{high:g} ({request.steps} steps on shift "
             f"{request.shift:g}{start}): guidance {request.guidance:g} applies to none, and the images are those of "
             "guidance 1; widen the interval")
+
+
+def started_warnings(warnings: list[str], planned: Request, started: Request) -> list[str]:
+    """Planning's `warnings` for requests since started from an image (a strength below 1 skips the grid's first
+    steps): the unguided-interval warning said of the steps the start runs."""
+    before, after = unguided_warning(planned), unguided_warning(started)
+    return [w for w in warnings if w != before] + ([after] if after else [])
 
 
 def checked_arguments(prompts, *, guidance_interval, adapters, out="", texts=None, on_step=None, switches=None,

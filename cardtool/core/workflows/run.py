@@ -36,7 +36,7 @@ from cardtool.core.sampling.outputs import (
     save_image,
     settings_tag,
 )
-from cardtool.core.sampling.planning import plan_requests, unguided_warning
+from cardtool.core.sampling.planning import plan_requests, started_warnings
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache, encode_prompts
 from cardtool.core.workflows.manifest import Workflow, load_workflow
@@ -116,10 +116,8 @@ class _Runner:
                                            solver=body.solver, adapters=adapters, negative_prompt=body.negative_prompt,
                                            control=control, control_scale=body.control_scale)
         if strength is not None:
-            planned = unguided_warning(requests[0])
-            requests = [dataclasses.replace(r, strength=strength) for r in requests]
-            started = unguided_warning(requests[0])
-            warnings = [w for w in warnings if w != planned] + ([started] if started else [])
+            planned, requests = requests[0], [dataclasses.replace(r, strength=strength) for r in requests]
+            warnings = started_warnings(warnings, planned, requests[0])
         for warning in self.card(ref).loop(body.precision).instance.warnings + warnings:
             if warning not in self.warnings:
                 self.warnings.append(warning)
