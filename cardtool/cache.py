@@ -37,6 +37,9 @@ def parse_size(text: str) -> int:
         raise BadInput(f"{text!r} is not a size (for example 5GB, 500MB, 2GiB or a number of bytes)"[:300])
     from fractions import Fraction
 
+    if match[2].upper() in ("", "B") and Fraction(match[1]).denominator != 1:  # `0.5` meant 0.5GB, not 0 bytes
+        raise BadInput(f"{text.strip()!r} is a fraction of a byte: a size without a unit is a number of bytes; give a "
+                       "unit (0.5GB, 500MB)"[:300])
     size = int(Fraction(match[1]) * _UNITS[match[2].upper()])  # exact for any length of digits
     if size >= 2**63:
         raise BadInput(f"{text[:40]!r} is more bytes than a file system holds (at most 2⁶³ − 1)")

@@ -107,6 +107,10 @@ def test_prune_keeps_the_most_recently_used_within_the_size(tmp_path, monkeypatc
         123, 123, 1000, 1024, 2 * 10**12, 2**40, 2**19, 2**63 - 1]
     with pytest.raises(BadInput, match="more bytes than a file system holds"):
         parse_size(str(2**63))
+    for fraction in ("0.5", "1.5B", " 2.25 "):  # `--max-size 0.5` pruned every prompt (0 bytes); 0.5GB was meant
+        with pytest.raises(BadInput, match="is a fraction of a byte: a size without a unit is a number of bytes"):
+            parse_size(fraction)
+    assert [parse_size(size) for size in ("2.0", "0.5GB", "1.5k")] == [2, 5 * 10**8, 1500], "whole, or with a unit"
     monkeypatch.setenv("CARDTOOL_CACHE_MAX", "lots")
     result, report = cache("info")
     assert result.exit_code == 2 and "CARDTOOL_CACHE_MAX" in report["error"]["message"]
