@@ -138,9 +138,9 @@ class _Runner:
     def sampled(self, ref: str, prompts: list[str], num: int, body) -> list[_Job]:
         """Sample `prompts` with card `ref` — from the step's `image` file (and `mask`) where it gives one, as
         `generate --image` does."""
-        loop = self.card(ref).loop(body.precision)
+        loop, control = self.card(ref).loop(body.precision), self._control(ref, body)
         if getattr(body, "image", None) is None:
-            requests = self._requests(ref, prompts, num, body, self._control(ref, body))
+            requests = self._requests(ref, prompts, num, body, control)
             return [_Job(ref, "sample", r, body.precision, image_metadata(loop, r)) for r in requests]
         from cardtool.core.sampling.init_image import init_images
 
@@ -148,7 +148,7 @@ class _Runner:
         (start,) = init_images(files[0], body.strength, loop.instance.component(loop.vae).config.image_size, 1,
                                files[1])
         jobs = []
-        for r in self._requests(ref, prompts, num, body, self._control(ref, body), start.strength):
+        for r in self._requests(ref, prompts, num, body, control, start.strength):
             jobs.append(_Job(ref, "refine", r, body.precision, {**image_metadata(loop, r), **start.metadata()},
                              Output(start.image.pixels, r.prompt, {}), mask=start.mask.pixels if start.mask else None))
         return jobs
