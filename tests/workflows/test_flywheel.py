@@ -120,6 +120,9 @@ def test_a_rerun_skips_finished_stages_and_a_changed_recipe_is_refused(examples,
     assert again.exit_code == 0, again.output
     assert all(s["skipped"] for s in json.loads(again.stdout)["stages"])
     assert (tmp_path / "cards" / "tiny-base-nft-1step" / "transformer.safetensors").read_bytes() == weights
+    student = run(examples, tmp_path, "--compare", str(tmp_path / "cards" / "tiny-base-nft-1step"))  # a row already
+    assert student.exit_code == 2
+    assert "is the card the flywheel writes (tiny-base-nft-1step)" in json.loads(student.stdout)["error"]["message"]
     changed = run(examples, tmp_path, "--stop-after", "distill", overrides=[*TINY, "distill.optim.lr=1e-3"])
     assert changed.exit_code == 2
     assert "not made by this stage's recipe" in json.loads(changed.stdout)["error"]["message"]
@@ -204,6 +207,10 @@ def test_a_killed_stage_resumes_from_its_checkpoint(examples, tmp_path):
     # the reward card measures the reward again, not what the policy was not trained on
     (["--held-out-judge", str(EXAMPLE_CARDS / "tiny-judge")], "is the reward card 'tiny-judge': a held-out judge"),
     (["--compare", str(EXAMPLE_CARDS / "tiny-judge")], "card 'tiny-judge' has no 'denoise' loop"),  # nor this
+    # a card the table holds already would be evaluated again and shown twice: by its manifest, or repeated
+    (["--compare", str(EXAMPLE_CARDS / "tiny-base" / "card.yaml")], "card.yaml is the base ("),
+    (["--compare", str(EXAMPLE_CARDS / "tiny-rl"), "--compare", str(EXAMPLE_CARDS / "tiny-rl" / "card.toml")],
+     "card.toml is given twice (--compare " + str(EXAMPLE_CARDS / "tiny-rl") + ")"),
     # a bfloat16 stage on numpy: said to lack a torch device, not bf16 compute (TINY's stages are float32)
     (["--device", "numpy", "--set", "rl.train.precision=bfloat16"], "the numpy platform has no torch device"),
     # the rl stage's batch of 2 splits into 2 micro-batches; the distill stage's of 3 does not: found before either

@@ -173,8 +173,7 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
     check_every(watch_every)
     if stop_after not in ("rl", "distill"):  # its eval stage judges classes: found now, not after two stages
         check_eval_data(data, "the flywheel's eval", per_class)
-    for ref in [recipe.base, *compare]:
-        locate(ref)  # before hours of training, not after
+    _check_compare(recipe, compare, out_dir)  # before hours of training, not after
     if stop_after not in ("rl", "distill"):  # each card the eval stage compares: a loop each judge can score
         from cardtool.core.evaluation.evaluate import plan_rows
 
@@ -300,6 +299,24 @@ def _evaluate(folders: list[str], report: FlywheelReport, device: str | None, da
         other, theirs, _ = samples[folder]
         if mine and theirs and mine[0] is not None:  # both measured (no NaN images), with classes to judge
             report.paired.append({"a": other, "b": name, **paired_differences(*theirs, *mine, real)})
+
+
+def _check_compare(recipe: FlywheelRecipe, compare: list[str], out_dir: Path) -> None:
+    """Each --compare card is found, and is not a card the table holds already — the base, the two cards the stages
+    write, an earlier --compare — by folder or by id (the table names its rows by id): it would be evaluated again
+    and shown twice, and paired against the student, the base's row once more."""
+    base = locate(recipe.base)
+    seen = {key: f"the base ({recipe.base})" for key in (base.parent.resolve(), load_card(base).id)}
+    for stage in (recipe.rl, recipe.distill):
+        for key in ((Path(out_dir) / stage.card.id).resolve(), stage.card.id):
+            seen[key] = f"the card the flywheel writes ({stage.card.id})"
+    for ref in compare:
+        file = locate(ref)
+        keys = (file.parent.resolve(), load_card(file).id)
+        for key in keys:
+            if key in seen:
+                raise BadInput(f"--compare {ref} is {seen[key]}: the table has its row already; compare another card")
+        seen.update(dict.fromkeys(keys, f"given twice (--compare {ref})"))
 
 
 def _existing(out: Path) -> tuple[Card | None, str]:
