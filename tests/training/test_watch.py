@@ -84,6 +84,9 @@ def test_the_watch_judges_the_images_the_card_generates_with_each_judge_and_fid_
     with pytest.raises(BadInput, match="there is 1; give a data folder with more"):
         watch(1, str(write_idx_folder(tmp_path / "one", train=4, test=1)))
     watch(1, str(write_idx_folder(tmp_path / "two", train=4, test=2)), judges[:1])  # two are enough
+    # a judge named twice, by its folder and by its manifest, judges once: no second column of the same numbers
+    twice = watch(2, data, [judges[0], judges[0] / "card.yaml"])
+    assert len(twice.judges) == 1 and twice() == {k: v for k, v in got.items() if "fashion-classifier" not in k}
     # rl's and distill's watch, at its default: the class prompts × seeds 0…49 (the README's 50 seeds each)
     default = Watch(card, "transformer", module, TextFeatureCache(disk=False), loop, [str(judges[0])], platform,
                     "float32", data=data)

@@ -39,7 +39,9 @@ class Watch:
         instance = ModelInstance(card, platform, precision)
         instance.use(name, module)
         self.loop = DenoiseLoop(instance, cache=cache)
-        self.judges = [FashionJudge(ModelInstance(load_card(locate(j)), platform, "float32")) for j in judges]
+        # one judge named twice (--judge J --held-out-judge J, by id and by path) is judged once
+        files = dict.fromkeys(locate(j).resolve() for j in judges)
+        self.judges = [FashionJudge(ModelInstance(load_card(file), platform, "float32")) for file in files]
         test = load_split("test", data).classes("--watch-every's class accuracy")
         if len(test) < 2:  # FID's covariance of one image is undefined: every watch would log NaN
             raise BadInput(f"--watch-every measures FID against the test images, and there is {len(test)}; give a "
