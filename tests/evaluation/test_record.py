@@ -90,3 +90,58 @@ def test_a_record_keeps_the_manifest_as_written_and_makes_it_durable(examples, m
     assert list(yaml.safe_load(text)) == keys and "σ-shifted — " in text and "note: ü" in text
     folder = str(manifest.parent.resolve())  # its data before the rename, the rename before returning
     assert [Path(f).name.startswith(".card.yaml.") for f in flushed] == [True, False] and flushed[1] == folder
+
+
+def test_a_record_keeps_the_manifests_comments_and_layout_byte_for_byte(examples):
+    """A card written by hand keeps its comments, flow-style mappings and spacing: only its metrics block is
+    rewritten, in place, and a later record merges into that block."""
+    from cardtool.core.cards.record import record_metrics
+
+    manifest = examples / "tiny-base" / "card.yaml"
+    written = manifest.read_text(encoding="utf-8").replace("recipe:\n", "recipe:  # how it was made\n", 1) + \
+        "# the end of the card\n"
+    manifest.write_text(written, encoding="utf-8")
+    assumes = "  assumes: {loop: denoise, precision: float32}\n"  # the recipe's last entry; parity: follows
+    assert written.count(assumes) == 1
+    record_metrics(str(examples / "tiny-base"), {"loss": 0.5})
+    assert manifest.read_text(encoding="utf-8") == written.replace(assumes, assumes + "  metrics:\n    loss: 0.5\n")
+    record_metrics(str(examples / "tiny-base"), {"accuracy": {"fashion": 0.9}})
+    assert manifest.read_text(encoding="utf-8") == written.replace(
+        assumes, assumes + "  metrics:\n    loss: 0.5\n    accuracy:\n      fashion: 0.9\n")
+    assert load_card(examples / "tiny-base").manifest.recipe.metrics == {"loss": 0.5, "accuracy": {"fashion": 0.9}}
+
+
+@pytest.mark.parametrize("text, expected", [
+    # the block replaced; the comment and key after it kept
+    ("id: a\nrecipe:\n  metrics:\n    old: 1\n    older: [1, 2]  # old\n  # parents next\n  parents: []\n",
+     "id: a\nrecipe:\n  metrics:\n    new: 2\n  # parents next\n  parents: []\n"),
+    ("id: a\nrecipe:\n  metrics: {}\n  parents: []\n", "id: a\nrecipe:\n  metrics:\n    new: 2\n  parents: []\n"),
+    ("id: a\nrecipe:\n    metrics:\n    method: x\n", "id: a\nrecipe:\n    metrics:\n      new: 2\n    method: x\n"),
+    # none: the recipe's last entry, then the recipe itself at the end of the file
+    ("recipe:\n  parents: [a, b]\n\n# tail\n", "recipe:\n  parents: [a, b]\n  metrics:\n    new: 2\n\n# tail\n"),
+    ("id: a\nrecipe:\n  command: |\n    cardtool x\n# tail\n",
+     "id: a\nrecipe:\n  command: |\n    cardtool x\n  metrics:\n    new: 2\n# tail\n"),
+    ("id: a  # no recipe\n", "id: a  # no recipe\nrecipe:\n  metrics:\n    new: 2\n"),
+    ("id: a", "id: a\nrecipe:\n  metrics:\n    new: 2\n"),
+    # layouts it leaves to a whole dump
+    ("id: a\nrecipe: {method: x, metrics: {}}\n", None),
+    ("{id: a, recipe: {method: x}}\n", None),
+    ("id: a\nrecipe:\n", None),
+    ("id: a\n---\nid: b\n", None),
+    ("- a\n", None),
+])
+def test_metrics_are_spliced_into_the_text_or_left_to_a_whole_dump(text, expected):
+    from cardtool.core.cards.yaml_splice import with_metrics
+
+    assert with_metrics(text, {"new": 2}) == expected
+
+
+def test_a_record_into_a_layout_the_splice_leaves_alone_writes_the_whole_manifest(examples):
+    from cardtool.core.cards.record import record_metrics
+
+    manifest = examples / "tiny-base" / "card.yaml"
+    data = yaml.safe_load(manifest.read_text())
+    manifest.write_text(json.dumps(data))  # JSON is YAML: one flow mapping
+    record_metrics(str(examples / "tiny-base"), {"loss": 0.5})
+    assert yaml.safe_load(manifest.read_text()) == {**data, "recipe": {**data["recipe"], "metrics": {"loss": 0.5}}}
+    assert load_card(examples / "tiny-base").manifest.recipe.metrics == {"loss": 0.5}

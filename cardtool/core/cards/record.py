@@ -15,6 +15,7 @@ import yaml
 from cardtool.atomic import write_atomic
 from cardtool.core.cards.loader import load_card
 from cardtool.core.cards.loops import FlowDenoiseDefaults
+from cardtool.core.cards.yaml_splice import with_metrics
 from cardtool.errors import BadInput
 
 __all__ = ["EVAL_REPORT", "eval_summary", "record_eval", "record_metrics", "recordable"]
@@ -62,11 +63,16 @@ def record_metrics(card_ref: str, metrics: dict) -> None:
 
 
 def _merge(card, metrics: dict) -> None:
-    data = yaml.safe_load(card.file.read_text(encoding="utf-8"))  # read under the lock: another's record kept
-    data.setdefault("recipe", {}).setdefault("metrics", {}).update(metrics)
-    before = card.file.read_bytes()
-    write_atomic(card.file, yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=110).encode(),
-                 durable=True)
+    before = card.file.read_bytes()  # read under the lock: another's record kept
+    text = before.decode("utf-8")
+    data = yaml.safe_load(text)
+    recipe = data["recipe"] = data.get("recipe") or {}
+    recipe["metrics"] = {**(recipe.get("metrics") or {}), **metrics}
+    # the metrics written into the text as it is (its comments and layout kept); the whole manifest dumped anew only
+    # where its layout is not one that edit understands
+    after = with_metrics(text, recipe["metrics"]) or yaml.safe_dump(data, sort_keys=False, allow_unicode=True,
+                                                                    width=110)
+    write_atomic(card.file, after.encode("utf-8"), durable=True)
     try:
         load_card(card.file, checksums=True)
     except Exception:
