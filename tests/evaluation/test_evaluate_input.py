@@ -230,8 +230,16 @@ def test_memory_running_out_in_a_row_keeps_the_rows_measured(examples, tmp_path,
     assert "--resume keeps them" in error["message"]
     assert [row["steps"] for row in error["partial"]["rows"]] == [1]
     monkeypatch.setattr(module, "sample", real)
+    # the same command again without --resume would write the report from the start over the row it holds: refused
+    again = CliRunner().invoke(app, [*args, "--json"])
+    assert again.exit_code == 2 and "holds 1 row of this evaluation already (a stopped sweep's?): --resume keeps it" \
+        in json.loads(again.stdout)["error"]["message"]
+    assert [row["steps"] for row in json.loads(report.read_text())["rows"]] == [1], "the report as it was"
     resumed = CliRunner().invoke(app, [*args, "--resume", "--json"])
     assert resumed.exit_code == 0 and json.loads(resumed.stdout)["kept_rows"] == 1, resumed.output
+    # another evaluation's report (other rows, or another judge) is replaced, as --out says
+    other = CliRunner().invoke(app, [*args[:6], "--steps", "3", *args[-4:], "--json"])
+    assert other.exit_code == 0 and [row["steps"] for row in json.loads(report.read_text())["rows"]] == [3]
 
 
 def test_a_kept_row_or_floor_missing_a_field_or_of_another_type_is_measured_again(examples, tmp_path):

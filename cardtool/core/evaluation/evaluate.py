@@ -256,6 +256,10 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     ident = identity(first.instance, judge_instance, per_class, seed, data_dir(data), stack, report.platform)
     if labels is None:  # an image folder's images lie in subfolders the listing of its files does not reach
         ident["data"]["digest"] = {"train": train.digest(), "test": test.digest()}
+    # None: the card's loop default for steps and guidance
+    cells = list(itertools.product(loops.items(), guidance or [None], steps or [None]))
+    if out is not None and not resume:
+        _refuse_dropping(out, ident, {_settings(p, plans[(g, k)][0]) for (p, _), g, k in cells})
     kept_floors, kept_rows = previous_rows(out, ident) if resume else ({}, [])
     if _floors_kept(kept_floors):
         report.floors, report.kid_floors = kept_floors["floors"], kept_floors["kid_floors"]
@@ -273,8 +277,6 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     report.warnings += [warning] if warning else []
     report.warnings += [w for loop in loops.values() for w in loop.instance.warnings]
     report.warnings += list(dict.fromkeys(w for requests in plans.values() if (w := unguided_warning(requests[0]))))
-    # None: the card's loop default for steps and guidance
-    cells = list(itertools.product(loops.items(), guidance or [None], steps or [None]))
     saved = {tuple(json.dumps(row[k]) for k in ROW_SETTINGS): row for row in kept_rows}
     report.adapters = stack
     if out is not None and ranks.main:
@@ -362,6 +364,24 @@ def _seeded(requests: list, apart: bool) -> list:
     """The requests, each at its own seed (seed + i for the i-th) where `apart`: two test images with one caption
     then get two images, not one twice."""
     return [dataclasses.replace(r, seed=r.seed + i) for i, r in enumerate(requests)] if apart else requests
+
+
+def _refuse_dropping(out: Path, ident: dict, wanted: set) -> None:
+    """Without --resume, --out is written from the start: refused where it holds rows of this same evaluation that
+    this run measures again — a stopped sweep run again without --resume would lose its hours at the first write.
+    Another evaluation's report, or a file that is none, is replaced as --out says."""
+    if not out.exists():
+        return
+    try:
+        _, rows = previous_rows(out, ident)
+    except BadInput:
+        return
+    again = sum(tuple(json.dumps(row[k]) for k in ROW_SETTINGS) in wanted for row in rows)
+    if again:
+        them = "them" if again > 1 else "it"
+        raise BadInput(f"{out} holds {again} row{'s' if again > 1 else ''} of this evaluation already (a stopped "
+                       f"sweep's?): --resume keeps {them} and measures the rest; to measure {them} again, remove the "
+                       "file or give another --out")
 
 
 def _settings(precision: str, request) -> tuple[str, ...]:
