@@ -350,6 +350,13 @@ def test_the_cli_evaluates_the_tuned_card_under_the_judge_and_the_held_out_judge
             f"--held-out-judge {reward} is the reward card 'tiny-judge': a held-out judge is one the policy is not "
             "trained on"), refused.output
         assert not (tmp_path / "r").exists(), "refused before the run"
+    referee = tiny_referee(examples)
+    judged = [*args[:4], "--judge", str(referee), *args[6:]]  # the eval's judge held out too: the same eval twice
+    refused = CliRunner().invoke(app, [*judged, "--held-out-judge", str(referee / "card.yaml")])
+    assert refused.exit_code == 2 and json.loads(refused.stdout)["error"]["message"] == (
+        f"--held-out-judge {referee / 'card.yaml'} is the --judge card 'tiny-referee': its accuracy would be the "
+        "eval's again; give a second judge, or '' for none")
+    assert not (tmp_path / "r").exists(), "refused before the run"
     result = CliRunner().invoke(app, [*args, "--held-out-judge", str(tiny_referee(examples))])
     assert result.exit_code == 0, result.output
     metrics = json.loads(result.stdout)["metrics"]

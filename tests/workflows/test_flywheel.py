@@ -228,6 +228,15 @@ def test_bad_input_is_a_clear_error(examples, tmp_path, args, message):
     assert not (tmp_path / "cards").exists() or not any((tmp_path / "cards").iterdir()), "no stage ran"
 
 
+def test_the_eval_judge_as_the_held_out_judge_is_refused_before_any_stage(examples, tmp_path):
+    referee = tiny_referee(examples)  # not the reward: but each card would be evaluated twice by it, as two judges
+    result = run(examples, tmp_path, "--judge", str(referee), "--held-out-judge", str(referee))
+    assert result.exit_code == 2
+    assert "is the --judge card 'tiny-referee': its accuracy would be the eval's again" in \
+        json.loads(result.stdout)["error"]["message"]
+    assert not (tmp_path / "cards").exists() and not (tmp_path / "run").exists()
+
+
 def test_the_new_cards_are_named_by_the_bases_id_and_one_too_long_to_begin_them_asks_for_an_out_prefix(examples,
                                                                                                        tmp_path):
     import shutil

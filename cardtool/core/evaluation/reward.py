@@ -146,16 +146,25 @@ def reward_card(ref: str, scores=None):
     return card, next(kind for kind in REWARD_KINDS if kind in kinds)
 
 
-def check_held_out(held_out: str | None, reward: str) -> None:
+def check_held_out(held_out: str | None, reward: str, judge: str | None = None) -> None:
     """A held-out judge is one the policy was not trained on — its accuracy beside the reward's is what shows reward
-    hacking; the reward card itself (the same folder, or a copy by its id) would only measure the reward again."""
+    hacking; the reward card itself (the same folder, or a copy by its id) would only measure the reward again, and
+    the eval's own `judge` would measure the eval again (a second eval, recorded as another judge's)."""
     if not held_out:
         return
-    judge, trained_on = reward_card(held_out)[0], reward_card(reward)[0]
-    if judge.id == trained_on.id or judge.folder.resolve() == trained_on.folder.resolve():
+    card = reward_card(held_out)[0]
+
+    def same(other) -> bool:
+        return card.id == other.id or card.folder.resolve() == other.folder.resolve()
+
+    trained_on = reward_card(reward)[0]
+    if same(trained_on):
         raise BadInput(f"--held-out-judge {held_out} is the reward card '{trained_on.id}': a held-out judge is one "
                        "the policy is not trained on, so that its accuracy can show reward hacking; give another "
                        "judge (fashion-referee), or '' for none")
+    if judge is not None and same(eval_judge := reward_card(judge)[0]):
+        raise BadInput(f"--held-out-judge {held_out} is the --judge card '{eval_judge.id}': its accuracy would be the "
+                       "eval's again; give a second judge, or '' for none")
 
 
 def not_a_reward(card) -> str | None:

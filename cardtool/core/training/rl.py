@@ -133,7 +133,7 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
     if evaluate or watch_every:
         for name in judges:
             reward_card(name, scores=base)  # before the run, not after
-        check_held_out(held_out_judge, recipe.parents[1])
+        check_held_out(held_out_judge, recipe.parents[1], judge)
     if evaluate:
         check_eval_data(data, "the eval after rl (--no-eval skips it)")
     task = make_task(recipe, platform, base, reward, prompts or default_prompts())

@@ -182,7 +182,7 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
     base = load_card(locate(recipe.base))
     for ref in [recipe.reward, judge, *([held_out_judge] if held_out_judge else [])]:
         reward_card(ref, scores=base)
-    check_held_out(held_out_judge, recipe.reward)
+    check_held_out(held_out_judge, recipe.reward, judge)
     if recipe.distill.card.id == recipe.rl.card.id:
         raise BadInput(f"the rl and distill stages would both write card '{recipe.rl.card.id}'; give them two ids")
     parents = [base, reward_card(recipe.reward)[0]]  # the rl card's; the student's above
