@@ -160,6 +160,9 @@ def test_the_guidance_interval_holds_its_bounds_up_to_the_grids_rounding():
     (Request("x", shift=0), "shift must be in 0.01…100, got 0"),
     (Request("x", shift=1e-300), "shift must be in 0.01…100"),
     (Request("x", guidance=1e308), "guidance must be in -100…100"),
+    (Request("x", guidance=float("nan")), "guidance must be a finite number, got nan"),
+    (Request("x", shift=float("inf")), "shift must be a finite number, got inf"),
+    (Request("x", solver="sde", eta=float("nan")), "eta must be a finite number"),
     (Request("x", solver="sde", eta=-0.5), "eta .the SDE's noise level. must be in 0…10"),
     (Request("x", seed=-1), "seed must be in"),
     (Request("x", seed=2**63), "seed must be in"),
@@ -222,3 +225,23 @@ def test_a_request_with_strength_starts_from_its_source_re_noised_on_the_grid(lo
         loop.init([request])
     with pytest.raises(BadInput, match="strength must be in"):
         loop.init([Request("x", strength=0.0)], sources=[source])
+    with pytest.raises(BadInput, match="2 source latents and 1 masks for 1 requests"):
+        loop.init([request], sources=[source, source], keeps=[None])
+    with pytest.raises(BadInput, match="a mask keeps part of an image: the request needs the image too"):
+        loop.init([Request("x")], keeps=[loop.latent_mask(np.zeros((28, 28), np.uint8))])
+
+
+def test_a_loop_the_card_does_not_have_is_refused_by_name(loop):
+    with pytest.raises(BadInput, match="card 'tiny-base' has no loop 'upscale'"):
+        DenoiseLoop(loop.instance, "upscale")
+
+
+def test_non_finite_images_are_named_three_at_most_with_how_many_more():
+    from cardtool.core.sampling.denoise import NonFiniteImages
+
+    requests = [Request("a very long prompt about a garment " * 3, seed=s) for s in range(5)]
+    message = str(NonFiniteImages("c", requests, 8, written=3, precision="float32"))
+    shown = repr(requests[0].prompt[:40])
+    assert message == (f"'c' made NaN or inf for 5 of 8 images ({shown} seed 0, {shown} seed 1, {shown} seed 2 and 2 "
+                       "more); the other 3 are written: check its weights or the settings (guidance, shift)")
+    assert " more" not in str(NonFiniteImages("c", requests[:3], 3))
