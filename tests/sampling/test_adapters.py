@@ -378,6 +378,22 @@ def test_control_scale_zero_and_no_controlnet_are_the_same_image(loop):
     assert torch.equal(plain, zero)
 
 
+def test_a_control_image_without_its_controlnet_or_of_another_size_is_refused_by_the_loop(loop):
+    with pytest.raises(BadInput, match="ControlNet 'ctl' needs a control image"):
+        loop.init([Request("a bag", adapters=(("ctl", 1.0),))])
+    with pytest.raises(BadInput, match=r"a control image needs a ControlNet in the request's adapters \(--adapter "
+                                       r"NAME\); card 'tiny-adapters' declares: "):
+        loop.init([Request("a bag", adapters=(("a", 1.0),), control=control(0))])
+    wide = ControlImage.make(np.zeros((20, 24), np.uint8), "none")  # an array made by hand, not read and resized
+    with pytest.raises(BadInput, match="a control image for this card is 28×28, got 24×20"):
+        loop.init([Request("a bag", adapters=(("ctl", 1.0),), control=wide)])
+    states = loop.init([Request("a bag", adapters=(("ctl", 1.0),), control=control(0)),
+                        Request("a bag", seed=1, adapters=(("ctl", 0.5),), control=control(0)),
+                        Request("a bag", adapters=(("ctl", 1.0),), control=control(1))])
+    assert states[0].control is states[1].control, "one latent for one control image"
+    assert not torch.equal(states[0].control, states[2].control) and states[0].control.shape == (1, 4, 1, 8, 8)
+
+
 def test_silhouette_fills_enclosed_holes_and_edges_trace_the_outline():
     image = np.zeros((12, 12), np.uint8)
     image[2:10, 2:10] = 200
