@@ -83,6 +83,24 @@ def test_capture_records_training_inputs_without_changing_samples(loop):
         assert (capture.log_probs[0] is None) == (state.request.solver == "euler")
 
 
+def test_states_sharing_a_solver_call_capture_each_its_own_rows(loop):
+    """Two renoise and two SDE requests of one η, each pair stepped in one kernel call: each state takes its own row
+    of the sample, the log-probability and the velocity, as alone."""
+    requests = [Request("a bag", seed=s, steps=3, guidance=g, solver=solver)
+                for solver in ("renoise", "sde") for s, g in ((1, 1.0), (2, 3.0))]
+    together = sample(loop, requests, capture=True)
+    for state in together:
+        [alone] = sample(loop, [state.request], capture=True)
+        torch.testing.assert_close(state.latents, alone.latents, rtol=0, atol=1e-6)
+        for field in ("latents", "velocities", "log_probs"):
+            mine, theirs = getattr(state.capture, field), getattr(alone.capture, field)
+            assert [None if x is None else tuple(x.shape) for x in mine] == \
+                [None if x is None else tuple(x.shape) for x in theirs], field
+            for x, y in zip(mine, theirs, strict=True):
+                if x is not None:
+                    torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
+
+
 def test_captured_sde_log_probs_rescore_exactly(loop):
     [state] = sample(loop, [MIXED[1]], capture=True)
     c = state.capture
@@ -199,6 +217,7 @@ def test_text_keys_and_values_are_computed_once_per_run_and_change_nothing(loop,
         expected = []
         for state in loop.init(requests):  # the plain forward, text projected on every call
             while (inputs := loop.next(state)) is not None:
+                assert inputs.t.tolist() == [state.sigmas[state.step] * 1000.0] * 2, "σ·1000, on both CFG rows"
                 loop.advance([state], dit(inputs.x, inputs.t, inputs.text, inputs.mask))
             expected.append(state.latents.numpy())
     calls = []
