@@ -137,3 +137,14 @@ def test_a_guidance_interval_no_step_falls_in_is_warned_of(card):
     _, [warning] = plan_requests(card, ["a bag"], steps=4, shift=3.0, guidance=2.0, guidance_interval=(0.0, 0.45))
     assert warning.startswith("no step's σ lies in the guidance interval 0,0.45 (4 steps on shift 3): guidance 2 "
                               "applies to none, and the images are those of guidance 1")
+
+
+def test_a_prompt_given_twice_is_warned_of_its_images_repeating(card):
+    _, warnings = plan_requests(card, ["a bag", "a coat", "a bag"], num=3, seed=5)
+    assert warnings == ["prompt 'a bag' is given 2 times: each time with seeds 5…7, so its images repeat bit for bit; "
+                        "-n/--num N makes N images of a prompt from N seeds"]
+    long = "a coat " * 20
+    _, warnings = plan_requests(card, [long, "x", long, "x", "x", "y"])
+    assert warnings == [f"prompt {long[:59] + '…'!r} is given 2 times (and 1 other prompt): each time with seed 0, so "
+                        "its images repeat bit for bit; -n/--num N makes N images of a prompt from N seeds"]
+    assert plan_requests(card, ["a bag", "A bag", "a bag "], num=2)[1] == [], "other text, other prompts"

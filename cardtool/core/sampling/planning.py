@@ -89,8 +89,26 @@ def plan_requests(card: Card, prompts: list[str], *, num: int = 1, seed: int = 0
     if negative_prompt and not any(r.guidance != 1 for r in requests):
         warnings.append("a negative prompt conditions CFG's unconditional branch; with guidance 1 (no CFG) it "
                         "changes nothing")
+    repeated = repeated_prompts(prompts, num, seed)
     unguided = unguided_warning(requests[0])  # every request shares the loop settings
-    return requests, warnings + ([unguided] if unguided else [])
+    return requests, warnings + ([repeated] if repeated else []) + ([unguided] if unguided else [])
+
+
+def repeated_prompts(prompts: list[str], num: int, seed: int) -> str | None:
+    """A prompt given twice takes the same seeds twice: its images again, bit for bit — said, since more images of
+    one prompt is what --num makes."""
+    counts = {}
+    for prompt in prompts:
+        counts[prompt] = counts.get(prompt, 0) + 1
+    repeated = [(p, n) for p, n in counts.items() if n > 1]
+    if not repeated:
+        return None
+    (prompt, times), others = repeated[0], len(repeated) - 1
+    shown = repr(prompt if len(prompt) <= 60 else prompt[:59] + "…")
+    seeds = f"seed {seed}" if num == 1 else f"seeds {seed}…{seed + num - 1}"
+    also = f" (and {others} other prompt{'s' if others > 1 else ''})" if others else ""
+    return (f"prompt {shown} is given {times} times{also}: each time with {seeds}, so its images repeat bit for bit; "
+            "-n/--num N makes N images of a prompt from N seeds")
 
 
 def unguided_warning(request: Request) -> str | None:
