@@ -206,6 +206,16 @@ def test_inpainting_keeps_the_unmasked_cells_latent_exactly_and_generates_the_re
         np.testing.assert_allclose(path[kept], ((1 - sigma_next) * source + sigma_next * noise)[kept], atol=1e-6)
 
 
+def test_a_masks_white_from_128_is_generated_and_a_mask_of_another_size_is_refused(tiny):
+    loop = tiny.loop()
+    mask = np.zeros((28, 28), np.uint8)
+    mask[0, 0], mask[27, 27] = 127, 128  # padded (2, 2) in cell (0, 0), (29, 29) in cell (7, 7)
+    keep = np.asarray(loop.latent_mask(mask))[0, 0, 0]
+    assert keep[0, 0] == 1 and keep[7, 7] == 0 and keep.sum() == 63
+    with pytest.raises(BadInput, match="a mask for card 'tiny-base' is 28×28, got 20×10"):
+        loop.latent_mask(np.zeros((10, 20), np.uint8))
+
+
 def test_inpainting_from_the_command_line_keeps_the_top_and_is_made_again_by_like(tmp_path):
     card = LoadedCard(FASHION_BASE)
     dress = card.generate("a dress", out=tmp_path / "dress.png").images[0]
