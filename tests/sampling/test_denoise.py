@@ -264,3 +264,31 @@ def test_non_finite_images_are_named_three_at_most_with_how_many_more():
     assert message == (f"'c' made NaN or inf for 5 of 8 images ({shown} seed 0, {shown} seed 1, {shown} seed 2 and 2 "
                        "more); the other 3 are written: check its weights or the settings (guidance, shift)")
     assert " more" not in str(NonFiniteImages("c", requests[:3], 3))
+
+
+def test_decoding_maps_the_vaes_minus_one_to_one_onto_0_to_255_and_encoding_back(loop, monkeypatch):
+    """uint8 = round((y + 1)·127.5), clipped; a NaN or inf image is black and flagged, and `finalize` names exactly
+    the requests whose images those are. Encoding reads pixels as p / 127.5 − 1, times the VAE's scaling factor."""
+    vae = loop.instance.component(loop.vae)
+    values = torch.tensor([-1.0, 0.0, 1.0, 0.5, -2.0, 2.0], dtype=torch.float64)
+    decoded = torch.zeros((3, 1, 28, 28), dtype=torch.float64)
+    decoded[0, 0, 0, :6] = values
+    decoded[1, 0, 5, 5] = float("nan")
+    decoded[2, 0, 0, 0] = float("inf")
+    monkeypatch.setattr(vae, "decode", lambda latents: decoded[:len(latents)].to(latents.dtype))
+    states = loop.init([Request(f"image {i}", seed=i) for i in range(3)])
+    images, finite = loop.decode(states)
+    assert images.dtype == np.uint8 and images[0, 0, :6].tolist() == [0, 128, 255, 191, 0, 255]
+    assert finite.tolist() == [True, False, False] and images[1:].max() == 0, "broken images black"
+    from cardtool.core.sampling.denoise import NonFiniteImages
+
+    with pytest.raises(NonFiniteImages) as caught:
+        loop.finalize(states)
+    assert [(r.prompt, r.seed) for r in [s.request for s in states[1:]]] == caught.value.images == \
+        [("image 1", 1), ("image 2", 2)]
+    monkeypatch.setattr(vae, "encode", lambda x: (x, None))
+    pixels = np.zeros((1, 28, 28), np.uint8)
+    pixels[0, 0, :3] = [0, 255, 51]
+    [latent] = loop.encode(pixels)
+    scale = vae.config.scaling_factor
+    np.testing.assert_allclose(np.asarray(latent)[0, 0, 0, 0, :3], np.array([-1.0, 1.0, -0.6]) * scale, rtol=1e-6)
