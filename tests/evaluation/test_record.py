@@ -145,3 +145,29 @@ def test_a_record_into_a_layout_the_splice_leaves_alone_writes_the_whole_manifes
     record_metrics(str(examples / "tiny-base"), {"loss": 0.5})
     assert yaml.safe_load(manifest.read_text()) == {**data, "recipe": {**data["recipe"], "metrics": {"loss": 0.5}}}
     assert load_card(examples / "tiny-base").manifest.recipe.metrics == {"loss": 0.5}
+
+
+def test_checksums_hold_the_report_to_the_summary_recorded_from_it(examples, tmp_path):
+    """`cards validate --checksums`: the eval report beside the manifest is the one its summary was made from; one
+    edited since is a located problem, one missing leaves the summary standing; the report travels with an export."""
+    from cardtool.core.cards.export import export_card
+    from cardtool.errors import CardValidationError
+
+    card = examples / "tiny-base"
+    record_eval(str(card), {"judge": "j", "rows": [row(2, 4.0, "float32", 0.5)]})
+    load_card(card, checksums=True)
+    exported = export_card(str(card), tmp_path / "export")
+    assert (exported.folder / "eval.json").read_bytes() == (card / "eval.json").read_bytes()
+    load_card(exported.folder, checksums=True)
+    report = card / "eval.json"
+    report.write_text(report.read_text().replace("0.5", "0.9"))
+    with pytest.raises(CardValidationError, match=r"card.yaml:\d+:\d+: recipe.metrics.eval.sha256: sha256 of the eval "
+                                                  r"report 'eval.json' is [0-9a-f]{64}, the recorded summary declares"):
+        load_card(card, checksums=True)
+    load_card(card)  # read only under --checksums, as the weights' digests are
+    report.unlink()
+    load_card(card, checksums=True)
+    manifest = card / "card.yaml"
+    manifest.write_text(manifest.read_text().replace("report: eval.json", "report: ../eval.json"))
+    with pytest.raises(CardValidationError, match="the eval report '../eval.json' is not a file name beside the manif"):
+        load_card(card, checksums=True)

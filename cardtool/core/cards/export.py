@@ -17,7 +17,9 @@ import yaml
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.lineage import check_new_folder, lineage
 from cardtool.core.cards.loader import Card, load_card
+from cardtool.core.cards.record import EVAL_REPORT
 from cardtool.errors import BadInput
+from cardtool.files import is_regular_file
 
 __all__ = ["FORMATS", "export_card"]
 
@@ -72,6 +74,9 @@ def export_card(card_ref: str, out: Path, *, fmt: str = "hf", overwrite: bool = 
             copies.update({f"{rel}/{file.relative_to(folder).as_posix()}": file
                            for file in sorted(folder.rglob("*")) if file.is_file()})
             entry["source"] = rel
+    summary, report = m.recipe.metrics.get("eval"), card.folder / EVAL_REPORT
+    if isinstance(summary, dict) and summary.get("report") == EVAL_REPORT and is_regular_file(report):
+        copies[EVAL_REPORT] = report  # the full table the recorded summary is checked against
     with tempfile.TemporaryDirectory() as tmp:
         extra = {"README.md": _readme(card, dit_config.text_mask),
                  "transformer/config.json": json.dumps(config, indent=2) + "\n"}

@@ -132,6 +132,8 @@ def load_card(ref: str | Path, *, checksums: bool = False, adapters: bool = True
                 found = _file_problems(card, (section, name), entry.weights, entry.sha256, checksums)
                 files_ok &= not found
                 problems += found
+    if checksums:
+        problems += _report_problems(card)
     if not problems and files_ok:
         found, facts = component_problems(card)
         problems += found + loop_problems(card, facts) + (adapter_problems(card, facts) if adapters else [])
@@ -287,6 +289,29 @@ def _file_problems(card: Card, at: FieldPath, rel: str, sha256: str | None, chec
         if broken:
             return [card.problem(weights_at, f"'{rel}' holds NaN or inf in {few(broken)}",
                                  "restore the weights from a good checkpoint")]
+    return []
+
+
+def _report_problems(card: Card) -> list[Problem]:
+    """The eval report beside the manifest whose summary `eval --record` wrote into recipe.metrics.eval (its file name
+    and sha256): where it is there, it is the report the summary was made from — one changed since would contradict
+    the numbers the manifest shows. (A card copied without its report keeps its summary.)"""
+    summary = card.manifest.recipe.metrics.get("eval")
+    if not isinstance(summary, dict) or not isinstance(summary.get("report"), str) \
+            or not isinstance(summary.get("sha256"), str):
+        return []
+    name, at = summary["report"], ("recipe", "metrics", "eval")
+    if name in ("", ".", "..") or name != Path(name).name or "\\" in name:
+        return [card.problem(at + ("report",), f"the eval report {name!r} is not a file name beside the manifest",
+                             "record the eval again (cardtool eval CARD --record)")]
+    path = card.folder / name
+    if not is_regular_file(path):
+        return []
+    actual = sha256_file(path)
+    if actual != summary["sha256"]:
+        return [card.problem(at + ("sha256",), f"sha256 of the eval report '{name}' is {actual}, the recorded summary "
+                             f"declares {summary['sha256']}: the report changed after it was recorded",
+                             "restore the report, or record the eval again (cardtool eval CARD --record)")]
     return []
 
 
