@@ -468,6 +468,19 @@ def test_a_control_image_reads_by_its_modes_own_range(tmp_path):
     assert (read_grey(tmp_path / "half.png", 28) == 100).all()
     Image.fromarray(np.where(shape, 200, 0).astype(np.uint8)).save(tmp_path / "8.png")  # 8-bit grey as it was
     assert np.array_equal(read_grey(tmp_path / "8.png", 28), np.where(shape, 200, 0))
+    # each mode's own range, rounded: 16-bit v / 257 (60000 → 233, 2000 → 8), float32 v · 255 (0.9 → 229.49…), NaN 0
+    assert np.array_equal(read_grey(tmp_path / "16.png", 28), np.where(shape, 233, 8))
+    assert np.array_equal(read_grey(tmp_path / "float.tiff", 28), np.where(shape, 229, 0))
+    Image.fromarray(np.where(shape, np.nan, 2.0).astype(np.float32)).save(tmp_path / "nan.tiff")
+    assert np.array_equal(read_grey(tmp_path / "nan.tiff", 28), np.where(shape, 0, 255))
+    for unreadable in (tmp_path / "missing.png", tmp_path):
+        with pytest.raises(BadInput, match="cannot read control image: "):
+            read_grey(unreadable, 28)
+    (tmp_path / "half.txt").write_text("not an image")
+    with pytest.raises(BadInput, match="cannot read image to start from .*half.txt: UnidentifiedImageError"):
+        read_grey(tmp_path / "half.txt", 28, what="image to start from")
+    with pytest.raises(BadInput, match="unknown control preprocessor 'blur'; choose one of: silhouette, edges, none"):
+        ControlImage.make(np.zeros((28, 28), np.uint8), "blur")
     bar = np.zeros((28, 28), np.uint8)
     bar[2:10] = 200  # along the top as stored; a camera's EXIF orientation 6 shows it turned 90° clockwise
     photo = Image.fromarray(bar)
