@@ -640,6 +640,10 @@ def test_control_from_a_file_through_the_cli(card, tmp_path):
     image = np.zeros((28, 28), np.uint8)
     image[4:24, 8:20] = 180
     save_png(tmp_path / "c.png", image)
+    over = CliRunner().invoke(app, ["generate", str(card.folder), "-p", "a bag", "--steps", "2", "--control",
+                                    f"{tmp_path / 'c.png'}:edges", "--out", str(tmp_path / "c.png"), "--json"])
+    assert over.exit_code == 2 and json.loads(over.stdout)["error"]["message"].startswith(
+        f"--out {tmp_path / 'c.png'} is the --control file this call reads"), "never written over its control image"
     result = CliRunner().invoke(app, ["generate", str(card.folder), "-p", "a bag", "--steps", "2", "--control",
                                       f"{tmp_path / 'c.png'}:edges", "--control-scale", "0.5", "--json",
                                       "--out", str(tmp_path / "o")])

@@ -216,6 +216,24 @@ def test_a_masks_white_from_128_is_generated_and_a_mask_of_another_size_is_refus
         loop.latent_mask(np.zeros((10, 20), np.uint8))
 
 
+def test_an_image_is_never_written_over_the_image_or_mask_it_is_made_from(tiny, tmp_path, examples):
+    start = tiny.generate("a boot", steps=2, out=tmp_path / "start.png").images[0].path
+    mask = tmp_path / "mask.png"
+    Image.fromarray(np.full((28, 28), 255, np.uint8)).save(mask)
+    before = start.read_bytes(), mask.read_bytes()
+    for args, option, read in ((["--strength", "0.5"], "--image", start), (["--mask", str(mask)], "--mask", mask)):
+        out = tmp_path / ".." / tmp_path.name / read.name  # the same file, named another way
+        result = run("generate", str(examples / "tiny-base"), "-p", "a bag", "--steps", "2", "--image", str(start),
+                     *args, "--out", str(out), "--json")
+        assert result.exit_code == 2, result.output
+        assert json.loads(result.stdout)["error"]["message"] == (
+            f"--out {out} is the {option} file this call reads ({read}): the image written there would replace it; "
+            "give another --out")
+    assert (start.read_bytes(), mask.read_bytes()) == before
+    other = tiny.generate("a bag", steps=2, image=start, strength=0.5, out=tmp_path / "other.png").images[0]
+    assert other.path == tmp_path / "other.png" and start.read_bytes() == before[0]
+
+
 def test_inpainting_from_the_command_line_keeps_the_top_and_is_made_again_by_like(tmp_path):
     card = LoadedCard(FASHION_BASE)
     dress = card.generate("a dress", out=tmp_path / "dress.png").images[0]

@@ -32,6 +32,7 @@ from cardtool.core.sampling.outputs import (
     adapter_metadata,
     already_made,
     image_metadata,
+    not_over_inputs,
     output_paths,
     save_image,
     settings_tag,
@@ -182,6 +183,7 @@ class LoadedCard:
         card, platform = self.card, self.platform
         loop = self.loop(precision)
         instance = loop.instance
+        inputs = {"--image": image, "--mask": mask, "--control": control}
         control = control_image(loop, control, preprocessor, adapters)
         requests, warnings = plan_requests(card, prompts, num=num, seed=seed, steps=steps, guidance=guidance,
                                            shift=shift, solver=solver, guidance_interval=guidance_interval,
@@ -197,6 +199,7 @@ class LoadedCard:
         if out is None and (grid or skip_existing):
             raise BadInput(f"{'grid' if grid else 'skip_existing'} needs out, a folder; out=None writes nothing")
         paths = [None] * len(requests) if out is None else output_paths(Path(out), card.id, requests, tags)
+        not_over_inputs(paths, inputs)
         started = time.perf_counter()
         ranks = distributed.ranks(platform.device)
         kept = already_made(paths, tags, requests, ranks) if skip_existing else {}

@@ -65,6 +65,17 @@ def output_paths(out: Path, card_id: str, requests: list[Request], tags: list[st
     return paths
 
 
+def not_over_inputs(paths: list[Path | None], inputs: dict[str, object]) -> None:
+    """No image is written over a file the call reads (`--image`, `--mask`, `--control`, as given): it would replace the
+    input the image was made from, and which its metadata names."""
+    written = {os.path.realpath(path): path for path in paths if path is not None}
+    for option, value in inputs.items():
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(item, (str, os.PathLike)) and str(item) and os.path.realpath(item) in written:
+                raise BadInput(f"--out {written[os.path.realpath(item)]} is the {option} file this call reads "
+                               f"({item}): the image written there would replace it; give another --out")
+
+
 def already_made(paths: list[Path], tags: list[str], requests: list[Request], ranks) -> dict[int, tuple]:
     """The images already on disk as this call would make them — a file at the request's path whose metadata holds
     the request's settings tag — as (GeneratedImage, request, its pixels), by index. Rank 0's folder decides: it
