@@ -466,6 +466,8 @@ def test_a_control_image_reads_by_its_modes_own_range(tmp_path):
         assert grey[shape].min() >= 200 and grey[~shape].max() <= 8, name
     Image.new("LA", (28, 28), (200, 128)).save(tmp_path / "half.png")  # half transparent: half its grey on black
     assert (read_grey(tmp_path / "half.png", 28) == 100).all()
+    Image.new("LA", (28, 28), (255, 255)).save(tmp_path / "opaque.png")  # grey · alpha / 255: white stays white
+    assert (read_grey(tmp_path / "opaque.png", 28) == 255).all()
     Image.fromarray(np.where(shape, 200, 0).astype(np.uint8)).save(tmp_path / "8.png")  # 8-bit grey as it was
     assert np.array_equal(read_grey(tmp_path / "8.png", 28), np.where(shape, 200, 0))
     # each mode's own range, rounded: 16-bit v / 257 (60000 → 233, 2000 → 8), float32 v · 255 (0.9 → 229.49…), NaN 0
