@@ -80,6 +80,8 @@ def test_capture_records_training_inputs_without_changing_samples(loop):
         capture = state.capture
         assert len(capture.latents) == state.request.steps + 1 and len(capture.velocities) == state.request.steps
         assert torch.equal(capture.x0, state.latents)
+        seed_noise = np.random.default_rng(state.request.seed).standard_normal((1, *loop.latent_shape()))
+        np.testing.assert_allclose(capture.noise.numpy(), seed_noise, rtol=1e-6, atol=1e-6)  # the request's own
         assert (capture.log_probs[0] is None) == (state.request.solver == "euler")
 
 
