@@ -4,6 +4,7 @@ API's arguments checked as strictly as the command line's parser checks them."""
 
 from __future__ import annotations
 
+import collections
 import math
 import numbers
 import os
@@ -97,10 +98,7 @@ def plan_requests(card: Card, prompts: list[str], *, num: int = 1, seed: int = 0
 def repeated_prompts(prompts: list[str], num: int, seed: int) -> str | None:
     """A prompt given twice takes the same seeds twice: its images again, bit for bit — said, since more images of
     one prompt is what --num makes."""
-    counts = {}
-    for prompt in prompts:
-        counts[prompt] = counts.get(prompt, 0) + 1
-    repeated = [(p, n) for p, n in counts.items() if n > 1]
+    repeated = [(p, n) for p, n in collections.Counter(prompts).items() if n > 1]
     if not repeated:
         return None
     (prompt, times), others = repeated[0], len(repeated) - 1
