@@ -472,6 +472,8 @@ def test_a_control_image_reads_by_its_modes_own_range(tmp_path):
     assert np.array_equal(read_grey(tmp_path / "8.png", 28), np.where(shape, 200, 0))
     # each mode's own range, rounded: 16-bit v / 257 (60000 → 233, 2000 → 8), float32 v · 255 (0.9 → 229.49…), NaN 0
     assert np.array_equal(read_grey(tmp_path / "16.png", 28), np.where(shape, 233, 8))
+    Image.fromarray(np.full((28, 28), 65535, np.uint16)).save(tmp_path / "white16.png")
+    assert (read_grey(tmp_path / "white16.png", 28) == 255).all(), "16-bit white is white"
     assert np.array_equal(read_grey(tmp_path / "float.tiff", 28), np.where(shape, 229, 0))
     Image.fromarray(np.where(shape, np.nan, 2.0).astype(np.float32)).save(tmp_path / "nan.tiff")
     assert np.array_equal(read_grey(tmp_path / "nan.tiff", 28), np.where(shape, 0, 255))
