@@ -222,6 +222,8 @@ def test_text_keys_and_values_are_computed_once_per_run_and_change_nothing(loop,
                 assert inputs.t.tolist() == [state.sigmas[state.step] * 1000.0] * 2, "σ·1000, on both CFG rows"
                 loop.advance([state], dit(inputs.x, inputs.t, inputs.text, inputs.mask))
             expected.append(state.latents.numpy())
+    [unguided] = loop.init([Request("a bag", steps=4, guidance=1.0)])
+    assert loop.next(unguided).t.tolist() == [1000.0] and len(loop.next(unguided).x) == 1, "one row without CFG"
     calls = []
     monkeypatch.setattr(dit, "text_context", lambda text: calls.append(text.shape) or type(dit).text_context(dit, text))
     actual = final(sample(loop, requests))
