@@ -294,5 +294,7 @@ def test_decoding_maps_the_vaes_minus_one_to_one_onto_0_to_255_and_encoding_back
     pixels = np.zeros((1, 28, 28), np.uint8)
     pixels[0, 0, :3] = [0, 255, 51]
     [latent] = loop.encode(pixels)
+    with pytest.raises(BadInput, match="card 'tiny-base' takes 28×28 images, got 24×20"):
+        loop.encode(np.zeros((1, 20, 24), np.uint8))
     scale = vae.config.scaling_factor
     np.testing.assert_allclose(np.asarray(latent)[0, 0, 0, 0, :3], np.array([-1.0, 1.0, -0.6]) * scale, rtol=1e-6)

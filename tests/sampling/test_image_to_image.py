@@ -210,8 +210,9 @@ def test_a_masks_white_from_128_is_generated_and_a_mask_of_another_size_is_refus
     loop = tiny.loop()
     mask = np.zeros((28, 28), np.uint8)
     mask[0, 0], mask[27, 27] = 127, 128  # padded (2, 2) in cell (0, 0), (29, 29) in cell (7, 7)
+    mask[2, 2] = 255  # padded by 2 a side: (4, 4), the first pixel of cell (1, 1)
     keep = np.asarray(loop.latent_mask(mask))[0, 0, 0]
-    assert keep[0, 0] == 1 and keep[7, 7] == 0 and keep.sum() == 63
+    assert keep[0, 0] == 1 and keep[7, 7] == 0 and keep[1, 1] == 0 and keep.sum() == 62
     with pytest.raises(BadInput, match="a mask for card 'tiny-base' is 28×28, got 20×10"):
         loop.latent_mask(np.zeros((10, 20), np.uint8))
 
