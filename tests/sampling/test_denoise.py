@@ -294,6 +294,7 @@ def test_decoding_maps_the_vaes_minus_one_to_one_onto_0_to_255_and_encoding_back
     pixels = np.zeros((1, 28, 28), np.uint8)
     pixels[0, 0, :3] = [0, 255, 51]
     [latent] = loop.encode(pixels)
+    assert loop.encode(np.zeros((0, 28, 28), np.uint8)) == [], "no images, no latents"
     with pytest.raises(BadInput, match="card 'tiny-base' takes 28×28 images, got 24×20"):
         loop.encode(np.zeros((1, 20, 24), np.uint8))
     scale = vae.config.scaling_factor
