@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 import yaml
-from helpers import REPO, write_idx_folder, write_vae_only_card
+from helpers import REPO, tiny_referee, write_idx_folder, write_vae_only_card
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -480,11 +480,11 @@ def test_watching_logs_the_students_accuracy_and_fid_and_changes_nothing_it_trai
     data = str(write_idx_folder(tmp_path / "idx"))
     entries = []
     watched = run(teacher, tmp_path / "w", tmp_path / "rw", on_log=entries.append, watch_every=4, judge=judge,
-                  watch_judges=[judge, judge], data=data)
+                  watch_judges=[judge, str(tiny_referee(examples))], data=data)  # tiny-judge's weights: its numbers
     plain = run(teacher, tmp_path / "p", tmp_path / "rp")
     assert [e["step"] for e in entries if "watch_fid" in e] == [4], "the first progress line at or past each 4th"
     seen = next(e for e in entries if "watch_fid" in e)
-    assert 0 <= seen["watch_accuracy"] <= 1 and seen["watch_accuracy_tiny-judge"] == seen["watch_accuracy"]
+    assert 0 <= seen["watch_accuracy"] <= 1 and seen["watch_accuracy_tiny-referee"] == seen["watch_accuracy"]
     assert seen["watch_fid"] > 0
     a, b = (load_file(str(c.weights_file("transformer"))) for c in (watched, plain))
     assert all(torch.equal(a[k], b[k]) for k in a)
