@@ -546,6 +546,20 @@ def test_a_chain_whose_start_lies_below_its_guidance_interval_is_warned_of_as_ge
         "4 applies to none, and the images are those of guidance 1; widen the interval"]
 
 
+def test_repeated_prompts_and_a_card_named_twice_in_parallel_are_warned_of(examples, tmp_path):
+    """The same prompt twice, or one card twice in a fan-out (by folder and by manifest), makes the same images."""
+    path = write(tmp_path, examples, """  fan:
+    parallel: {cards: [EX/tiny-base, EX/tiny-rl, EX/tiny-base/card.yaml], prompts: ["a bag", "a bag"], steps: 2}
+""")
+    result = run(path, tmp_path)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["warnings"] == [
+        f"step 'fan': card {examples}/tiny-base/card.yaml is in its cards twice; the same requests make the same "
+        "images again",
+        "prompt 'a bag' is given 2 times: each time with seed 0, so its images repeat bit for bit; -n/--num N makes N "
+        "images of a prompt from N seeds"]
+
+
 def test_validation_loads_each_card_once_however_many_steps_name_it(examples, tmp_path, monkeypatch):
     """6,000 chained steps on one card loaded it 6,000 times (11 s); once is enough."""
     from cardtool.core.cards import loader

@@ -100,6 +100,14 @@ class _Runner:
 
         return locate(self.workflow.card_ref(ref), near=self.workflow.folder)
 
+    def repeated_cards(self, step: str, refs: list[str]) -> None:
+        """A parallel step naming one card twice (by id and by path, say) makes the same images twice: said."""
+        files = [self.locate(ref).resolve() for ref in refs]
+        twice = next((ref for i, ref in enumerate(refs) if files[i] in files[:i]), None)
+        warning = f"step '{step}': card {twice} is in its cards twice; the same requests make the same images again"
+        if twice is not None and warning not in self.warnings:
+            self.warnings.append(warning)
+
     def card(self, ref: str) -> LoadedCard:
         if ref not in self.cards:
             self.cards[ref] = LoadedCard(str(self.locate(ref)), device=self.device, cache=self.cache)
@@ -299,6 +307,8 @@ def _preflight(runner: _Runner, workflow: Workflow) -> None:
     stand_ins: dict[str, list[Output]] = {}
     for name in workflow.order:
         with _naming(name):
+            if workflow.manifest.steps[name].kind == "parallel":
+                runner.repeated_cards(name, workflow.manifest.steps[name].body.cards)
             jobs = _jobs(runner, workflow.manifest.steps[name], stand_ins)
             for (ref, precision), group in itertools.groupby(jobs, key=lambda job: (job.ref, job.precision)):
                 loop, requests = runner.card(ref).loop(precision), [job.request for job in group]
