@@ -277,7 +277,7 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     report.warnings += [warning] if warning else []
     report.warnings += [w for loop in loops.values() for w in loop.instance.warnings]
     report.warnings += list(dict.fromkeys(w for requests in plans.values() if (w := unguided_warning(requests[0]))))
-    saved = {tuple(json.dumps(row[k]) for k in ROW_SETTINGS): row for row in kept_rows}
+    saved = {_row_key(row): row for row in kept_rows}
     report.adapters = stack
     if out is not None and ranks.main:
         write_report(out, report.to_json(), ident)
@@ -376,7 +376,7 @@ def _refuse_dropping(out: Path, ident: dict, wanted: set) -> None:
         _, rows = previous_rows(out, ident)
     except BadInput:
         return
-    again = sum(tuple(json.dumps(row[k]) for k in ROW_SETTINGS) in wanted for row in rows)
+    again = sum(_row_key(row) in wanted for row in rows)
     if again:
         them = "them" if again > 1 else "it"
         raise BadInput(f"{out} holds {again} row{'s' if again > 1 else ''} of this evaluation already (a stopped "
@@ -386,9 +386,14 @@ def _refuse_dropping(out: Path, ident: dict, wanted: set) -> None:
 
 def _settings(precision: str, request) -> tuple[str, ...]:
     """A row's settings (ROW_SETTINGS) as a report on disk holds them."""
-    values = {"precision": precision, "steps": request.steps, "guidance": request.guidance,
-              "guidance_interval": list(request.guidance_interval), "shift": request.shift, "solver": request.solver}
-    return tuple(json.dumps(values[k]) for k in ROW_SETTINGS)
+    return _row_key({"precision": precision, "steps": request.steps, "guidance": request.guidance,
+                     "guidance_interval": list(request.guidance_interval), "shift": request.shift,
+                     "solver": request.solver})
+
+
+def _row_key(row: dict) -> tuple[str, ...]:
+    """What tells a report's rows apart: their ROW_SETTINGS, as JSON."""
+    return tuple(json.dumps(row[k]) for k in ROW_SETTINGS)
 
 
 def _measure_row(report: EvalReport, referee: FashionJudge, real: np.ndarray, labels: np.ndarray | None, count: int,

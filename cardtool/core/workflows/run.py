@@ -104,9 +104,9 @@ class _Runner:
         """A parallel step naming one card twice (by id and by path, say) makes the same images twice: said."""
         files = [self.locate(ref).resolve() for ref in refs]
         twice = next((ref for i, ref in enumerate(refs) if files[i] in files[:i]), None)
-        warning = f"step '{step}': card {twice} is in its cards twice; the same requests make the same images again"
-        if twice is not None and warning not in self.warnings:
-            self.warnings.append(warning)
+        if twice is not None:
+            self.warnings.append(f"step '{step}': card {twice} is in its cards twice; the same requests make the "
+                                 "same images again")
 
     def card(self, ref: str) -> LoadedCard:
         if ref not in self.cards:
