@@ -228,7 +228,8 @@ def export_command(
     out: Annotated[Path, typer.Option("--out", help="The export folder.")],
     fmt: Annotated[str, typer.Option("--format", help="hf: a Hugging Face model folder (README.md with front "
                                      "matter, the transformer in diffusers' layout, the card manifest).")] = "hf",
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing export folder.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", "--force",
+                                            help="Replace an existing export folder.")] = False,
     json_: JsonOption = False,
 ) -> None:
     """Export a card for people who do not use cardtool: diffusers loads its transformer, cardtool loads it all."""
@@ -251,7 +252,7 @@ def compose_command(
     adapter_cards: Annotated[list[str], typer.Argument(help="Adapter cards that extend BASE (lora, controlnet).")],
     card_id: Annotated[str, typer.Option("--id", help="The serving card's id.")],
     out: Annotated[Path | None, typer.Option("--out", help="The card folder (default cards/ID).")] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing card folder.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", "--force", help="Replace an existing card folder.")] = False,
     json_: JsonOption = False,
 ) -> None:
     """One card serving the adapters of several adapter cards made on BASE, chosen per request with --adapter."""
@@ -276,7 +277,7 @@ def merge_command(
                                                 "The first card's loops and adapters are kept.")],
     card_id: Annotated[str, typer.Option("--id", help="The merged card's id.")],
     out: Annotated[Path | None, typer.Option("--out", help="The card folder (default cards/ID).")] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing card folder.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", "--force", help="Replace an existing card folder.")] = False,
     json_: JsonOption = False,
 ) -> None:
     """A card whose weights are the weighted average of several cards' (a model soup; base → RL'd interpolation)."""
@@ -307,7 +308,7 @@ def extract_lora_command(
     card_id: Annotated[str, typer.Option("--id", help="The adapter card's id.")],
     adapter: Annotated[str | None, typer.Option("--adapter", help="The adapter's name (default: TUNED's id).")] = None,
     out: Annotated[Path | None, typer.Option("--out", help="The card folder (default cards/ID).")] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing card folder.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", "--force", help="Replace an existing card folder.")] = False,
     json_: JsonOption = False,
 ) -> None:
     """An adapter card on BASE whose LoRA approximates TUNED: an RL'd or distilled card served per request."""
@@ -336,7 +337,7 @@ def import_command(
     out: Annotated[Path | None, typer.Option("--out", help="The card folder (default cards/ID).")] = None,
     variant: Annotated[str | None, typer.Option("--variant", help="diffusers' weights variant, e.g. fp16 "
                                                 "(diffusion_pytorch_model.fp16.safetensors).")] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing card folder.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", "--force", help="Replace an existing card folder.")] = False,
     json_: JsonOption = False,
 ) -> None:
     """A card from a transformer in diffusers' layout, on another card's text encoder and VAE."""

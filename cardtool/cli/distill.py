@@ -31,7 +31,8 @@ def distill_command(
     device: Annotated[str | None, typer.Option("--device", help="Override the device (cuda, cpu).")] = None,
     data: Annotated[str | None, typer.Option("--data", help="An IDX folder for the GAN term and the eval "
                                              "(default: Fashion-MNIST).")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing student card folder.")] = False,
+    force: Annotated[bool, typer.Option("--force", "--overwrite",
+                                        help="Replace an existing student card folder.")] = False,
     evaluate: Annotated[bool, typer.Option("--eval/--no-eval", help="Evaluate the student at its own defaults "
                                            "and record it in the card.")] = True,
     judge: Annotated[str, typer.Option("--judge", help="The judge card for the eval.")] = "fashion-classifier",

@@ -36,7 +36,7 @@ def rl_command(
     device: Annotated[str | None, typer.Option("--device", help="Override the device (cuda, cpu).")] = None,
     data: Annotated[str | None, typer.Option("--data", help="An IDX folder for the eval (default: "
                                              "Fashion-MNIST).")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing card folder.")] = False,
+    force: Annotated[bool, typer.Option("--force", "--overwrite", help="Replace an existing card folder.")] = False,
     evaluate: Annotated[bool, typer.Option("--eval/--no-eval", help="Evaluate the tuned card at its defaults and "
                                            "record it.")] = True,
     judge: Annotated[str, typer.Option("--judge", help="The judge for the eval and FID.")] = "fashion-classifier",

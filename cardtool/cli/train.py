@@ -23,7 +23,7 @@ def train_command(
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --run-dir.")] = False,
     data: Annotated[str | None, typer.Option("--data", help="An IDX folder (default: Fashion-MNIST).")] = None,
     device: Annotated[str | None, typer.Option("--device", help="Override the device (cuda, cpu).")] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing card folder.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", "--force", help="Replace an existing card folder.")] = False,
     micro_batches: Annotated[int, typer.Option(
         "--micro-batches", help="Split each step's batch into M micro-batches (gradient accumulation); under "
         "torchrun each process takes M of the P·M, and P processes equal one with --micro-batches P·M.")] = 1,

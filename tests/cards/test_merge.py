@@ -230,6 +230,8 @@ def test_a_card_another_run_puts_at_the_output_while_this_one_is_written_is_kept
     monkeypatch.setattr(writer, "load_card", validate)
     assert merge(examples, "tiny-base", "tiny-rl", "--overwrite").exit_code == 0
     assert load_card(examples / "soup").manifest.recipe.method == "merge", "--overwrite replaces it"
+    assert merge(examples, "tiny-rl", "tiny-base", "--force").exit_code == 0, "--force is the same option"
+    assert load_card(examples / "soup").manifest.recipe.parents == ["tiny-rl", "tiny-base"]
 
 
 def test_tensors_a_plugins_layout_does_not_fix_average_only_when_they_match(tmp_path):

@@ -72,6 +72,26 @@ def test_help_shows_flags_as_flags_and_values_as_words():
     assert grid.split("--grid", 1)[1].split()[0] == "Also", "a flag takes no value, so no metavar follows it"
 
 
+
+def test_every_command_that_replaces_its_output_takes_both_spellings():
+    """`--force` and `--overwrite` mean the same on every command that can replace what it writes: a script that
+    passes one to `train` and the other to `distill` is not refused for the spelling."""
+    import typer
+
+    from cardtool.cli import app
+
+    def commands(group, path=()):
+        for name, command in group.commands.items():
+            yield from commands(command, (*path, name)) if hasattr(command, "commands") else [((*path, name), command)]
+
+    replacing = {}
+    for path, command in commands(typer.main.get_command(app)):
+        for param in command.params:
+            if {"--force", "--overwrite"} & set(param.opts):
+                replacing[" ".join(path)] = set(param.opts)
+    assert {"train", "distill", "rl", "flywheel", "cards merge", "cards export"} <= set(replacing), replacing
+    assert all(opts == {"--force", "--overwrite"} for opts in replacing.values()), replacing
+
 def test_a_heavy_command_imports_torch_once_with_the_collector_paused(tmp_path, monkeypatch):
     """torch's first import (arrays.py) runs without garbage collection and freezes what it made, so later full
     collections skip it; the collector is running again afterwards (a training run must still free cycles)."""
