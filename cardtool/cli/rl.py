@@ -20,8 +20,9 @@ def rl_command(
                                         "of the prompt's class).")],
     method: Annotated[str | None, typer.Option("--method", help="diffusion_nft (default) or flow_grpo; default: "
                                                "the recipe's.")] = None,
-    prompts: Annotated[Path | None, typer.Option("--prompts", help="A text file, one prompt per line (default: "
-                                                 "the class prompts with their synonyms and templates).")] = None,
+    prompts: Annotated[Path | None, typer.Option("--prompts", "--prompts-file", help="A text file, one prompt per "
+                                                 "line, as generate's --prompts-file (default: the class prompts "
+                                                 "with their synonyms and templates).")] = None,
     recipe: Annotated[Path | None, typer.Option("--recipe", help="An rl recipe (examples/recipes/fashion-nft.yaml "
                                                 "and fashion-grpo.yaml hold the defaults).")] = None,
     micro_batches: Annotated[int, typer.Option(

@@ -433,7 +433,7 @@ def test_the_example_recipes_spell_out_the_defaults():
     (["--prompts", "empty.txt"], "holds no prompts"),
     (["--prompts", "missing.txt"], "missing.txt does not exist"),
     (["--prompts", "/dev/zero"], "/dev/zero is not a regular file"),
-    (["--prompts", "latin1.txt"], "latin1.txt is not UTF-8 text"),
+    (["--prompts-file", "latin1.txt"], "latin1.txt is not UTF-8 text"),  # generate's spelling of the option
     (["--set", "data.folder=x"], "unknown data.folder; its settings: none"),
     (["--recipe", "listed.yaml"], "unknown rl method ['diffusion_nft']"),  # a list where the method's name goes
     (["--recipe", "broken.yaml"], "cannot read recipe: "),
