@@ -54,6 +54,10 @@ def test_rows_that_meet_every_expectation_exit_0_and_one_that_misses_exits_1_nam
     ("class_accuracy>=nan", "is not a finite number"),
     ("class_accuracy>=high", "is not a finite number"),
     ("fid_fmnist", "write METRIC>=VALUE"),
+    ("class_accuracy>=", "write METRIC>=VALUE"),  # not "'=' is not a finite number"
+    ("class_accuracy>==0.9", "write METRIC>=VALUE"),
+    ("class_accuracy>=0.5,fid_fmnist<=16", "one threshold per --expect; repeat the option"),
+    ("class_accuracy>=0,9", "is not a finite number .write a decimal point, not a comma"),
 ])
 def test_an_expectation_that_is_not_one_is_refused(text, message):
     with pytest.raises(BadInput, match=message):

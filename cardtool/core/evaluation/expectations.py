@@ -15,7 +15,7 @@ __all__ = ["METRICS", "Expectation", "parse_expectation"]
 METRICS = ("class_accuracy", "fid_fmnist", "kid", "manifold_precision", "manifold_recall", "mean_reward",
            "images_per_second")  # EvalRow's measurements
 _OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
-_FORM = re.compile(r"\s*([A-Za-z_]+)\s*(>=|<=|>|<)\s*(\S+)\s*")
+_FORM = re.compile(r"\s*([A-Za-z_]+)\s*(>=|<=|>|<)\s*([^\s<>=]+)\s*")  # `a>=` or `a>==1` is no form
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,8 @@ class Expectation:
 
 def parse_expectation(text: str) -> Expectation:
     match = _FORM.fullmatch(text) if isinstance(text, str) else None
+    if match is None and isinstance(text, str) and "," in text and all(map(_FORM.fullmatch, text.split(","))):
+        raise BadInput(f"--expect {text.strip()}"[:200] + ": one threshold per --expect; repeat the option")
     if match is None:
         raise BadInput(f"--expect {text!r}"[:200] + ": write METRIC>=VALUE (or <=, >, <), e.g. class_accuracy>=0.95 "
                        "or fid_fmnist<=16")
@@ -53,5 +55,6 @@ def parse_expectation(text: str) -> Expectation:
     except ValueError:
         number = math.nan
     if not math.isfinite(number):
-        raise BadInput(f"--expect {text.strip()}: '{value}' is not a finite number")
+        comma = " (write a decimal point, not a comma)" if "," in value else ""
+        raise BadInput(f"--expect {text.strip()}: '{value}' is not a finite number{comma}")
     return Expectation(metric, op, number)
