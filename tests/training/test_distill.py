@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -283,7 +284,17 @@ def test_the_gan_term_trains_a_head_on_the_critic_and_moves_the_generator(exampl
 
     teacher = examples / "tiny-base"
     gan = recipe(teacher, extra=["loss.gan=true", "loss.generator_every=1", "optim.steps=3", "loss.critic_lr_scale=3"])
-    task = DMD2Task(gan, _platform(), load_card(teacher), load_split("train", write_idx_folder(tmp_path / "idx")))
+    split = load_split("train", write_idx_folder(tmp_path / "idx"))
+    task = DMD2Task(gan, _platform(), load_card(teacher), split)
+    # a row's real at t = 0 is the VAE's posterior mean (not its spread) of a training image of the prompt's class
+    from cardtool.core.training.methods.vae import to_unit
+
+    with torch.no_grad():
+        mean, _ = task.loop.instance.component(task.loop.vae).encode(to_unit(split.images))
+    images = mean[:, :, None] * task.loop.instance.component(task.loop.vae).config.scaling_factor
+    shoe = 7 * task.per_class  # the first phrasing of class 7's prompt
+    real = task._real([shoe], torch.zeros(1), torch.Generator().manual_seed(0))[0]
+    assert any(torch.allclose(real, images[j], atol=1e-6) for j in np.flatnonzero(split.labels == 7))
     head = {k: v.clone() for k, v in task.head.state_dict().items()}
     logged = []
     train_loop(task, gan, _platform(), tmp_path / "run", on_log=logged.append)
