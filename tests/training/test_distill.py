@@ -20,7 +20,7 @@ from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache
 from cardtool.core.training.distill import distill, distill_recipe
-from cardtool.core.training.methods.dmd2 import DEFAULTS, DMD2Task, critic_loss, dm_gradient, generator_turn
+from cardtool.core.training.methods.dmd2 import DEFAULTS, DMD2Task, GANHead, critic_loss, dm_gradient, generator_turn
 from cardtool.core.training.trainer import CHECKPOINT, TrainingDiverged
 from cardtool.errors import BadInput
 
@@ -319,6 +319,14 @@ def test_the_gan_term_trains_a_head_on_the_critic_and_moves_the_generator(exampl
     few = load_split("train", write_idx_folder(tmp_path / "few", train=8))  # classes 0…7: no bag, no ankle boot
     with pytest.raises(BadInput, match="the training images hold none of: bag, ankle boot"):
         DMD2Task(gan, _platform(), load_card(teacher), few)
+
+
+def test_the_gan_head_gives_one_logit_per_row_from_the_mean_of_its_tokens():
+    head, features = GANHead(8), torch.randn(3, 5, 8)
+    logits = head(features)
+    assert logits.shape == (3,)
+    assert torch.allclose(head(features[:, torch.randperm(5)]), logits, atol=1e-6), "the tokens' order is no matter"
+    assert torch.allclose(head(features.mean(dim=1, keepdim=True)), logits, atol=1e-6)
 
 
 def test_the_gan_term_can_call_the_teachers_samples_of_the_same_prompt_real(examples, tmp_path):
