@@ -71,10 +71,11 @@ def distill_command(
                        watch_judges=[judge, *([held_out_judge] if held_out_judge else [])])
     if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 reports for every rank
         return
-    metrics = card.manifest.recipe.metrics
+    recipe_block = card.manifest.recipe
     if json_:
         emit_json({"card": card.id, "path": display_path(card.folder), "extends": card.manifest.extends,
-                   "steps": card.manifest.recipe.assumes.steps, "metrics": metrics})
+                   "method": recipe_block.method, "parents": recipe_block.parents,
+                   "steps": recipe_block.assumes.steps, "metrics": recipe_block.metrics})
         return
-    say(f"wrote student card {card.id} ({card.manifest.recipe.assumes.steps} steps) to {display_path(card.folder)}")
+    say(f"wrote student card {card.id} ({recipe_block.assumes.steps} steps) to {display_path(card.folder)}")
 

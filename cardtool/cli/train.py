@@ -56,7 +56,8 @@ def train_command(
         return
     metrics = card.manifest.recipe.metrics
     if json_:
-        emit_json({"card": card.id, "path": display_path(card.folder), "metrics": metrics})
+        emit_json({"card": card.id, "path": display_path(card.folder), "extends": card.manifest.extends,
+                   "method": card.manifest.recipe.method, "parents": card.manifest.recipe.parents, "metrics": metrics})
         return
     console().print(f"wrote card {card.id} to {display_path(card.folder)}", markup=False)
     console().print("metrics: " + ", ".join(f"{k}={v}" for k, v in metrics.items()), markup=False)

@@ -185,6 +185,8 @@ def test_the_cli_writes_the_student_and_reports_json(examples, tmp_path, monkeyp
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["card"] == "tiny-base-1step" and report["steps"] == 1
+    assert (report["method"], report["parents"]) == ("dmd2", ["tiny-base"])
+    assert (tmp_path / report["path"] / report["extends"]).resolve() == (examples / "tiny-base").resolve()
     assert report["path"] == "cards/tiny-base-1step" and (tmp_path / "runs" / "tiny-base-1step" / CHECKPOINT).is_file()
     assert "cardtool distill" in load_card(tmp_path / "cards" / "tiny-base-1step").manifest.recipe.command
     assert "iteration 1/" in result.stderr, "a script's stdout holds the document, a person still sees progress"

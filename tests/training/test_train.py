@@ -768,7 +768,9 @@ def test_train_cli(tmp_path, data):
     result = CliRunner().invoke(app, ["train", "--recipe", str(RECIPES / "fashion-vae.yaml"), *sets, "--data",
                                       str(data), "--out", str(tmp_path / "vae"), "--json"])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["card"] == "fashion-vae"
+    report = json.loads(result.stdout)
+    assert (report["card"], report["method"], report["parents"], report["extends"]) == ("fashion-vae", "vae", [], None)
+    assert report["metrics"] == load_card(tmp_path / "vae").manifest.recipe.metrics and "psnr" in str(report["metrics"])
     assert (tmp_path / "runs" / "fashion-vae" / CHECKPOINT).is_file(), "the run's folder defaults to runs/ID"
     bad = CliRunner().invoke(app, ["train", "--recipe", str(RECIPES / "fashion-vae.yaml"), "--set", "optim.lrr=1"])
     assert bad.exit_code == 2 and "optim.lrr" in bad.stderr
