@@ -65,8 +65,12 @@ def flywheel_command(
     with handled(json_):
         loaded = flywheel_recipe(card, reward, steps=steps, path=recipe, overrides=list(overrides or []),
                                  prefix=out_prefix, out_dir=out_dir)
+        # the command as typed, or rebuilt (from Python) with every option that shapes the stages' recipes
         command = shlex.join(["cardtool", *sys.argv[1:]] if sys.argv[1:2] == ["flywheel"] else
-                             ["cardtool", "flywheel", card, "--reward", reward])
+                             ["cardtool", "flywheel", card, "--reward", reward,
+                              *(["--steps", str(steps)] if steps else []),
+                              *(["--recipe", str(recipe)] if recipe else []), *(f"--set={o}" for o in overrides or []),
+                              *(["--out-prefix", out_prefix] if out_prefix else [])])
         report = flywheel(loaded, command=command, out_dir=out_dir, run_dir=run_dir, resume=resume, force=force,
                           device=device, data=data, judge=judge, held_out_judge=held_out_judge or None,
                           per_class=per_class, compare=list(compare or []), stop_after=stop_after, on_log=log,

@@ -49,6 +49,7 @@ def test_the_flywheel_chains_base_rl_and_student_and_reports_the_three(examples,
     assert tuned.manifest.recipe.parents == ["tiny-base", "tiny-judge"]
     assert student.manifest.recipe.method == "dmd2" and student.manifest.recipe.parents == ["tiny-base-nft"]
     assert student.manifest.recipe.assumes.steps == 1
+    assert "--steps 1 --set=rl.optim.steps=2" in student.manifest.recipe.command, "the command that made it, whole"
     # the student's teacher is the RL'd card, not the base
     assert student.manifest.extends == "tiny-base-nft" and tuned.manifest.extends.endswith("tiny-base")
     rows = {row["card"]: row for row in report["cards"]}
