@@ -105,7 +105,11 @@ class Platform:
             return cls("numpy", "generic", _cpu_name(), tuple(why))
         if forced_arch:
             if forced_arch not in ARCH_TIERS[device] and not (device == "cuda" and forced_arch.startswith("sm")):
-                raise BadInput(f"unknown {device} arch '{forced_arch}'; known: {', '.join(ARCH_TIERS[device])}")
+                source = "" if arch else "CARDTOOL_ARCH: "
+                cuda_arch = (f" ({forced_arch} is a CUDA arch: it applies with --device cuda)"
+                             if device == "cpu" and forced_arch.startswith("sm") else "")
+                raise BadInput(f"{source}unknown {device} arch '{forced_arch}'; known: "
+                               f"{', '.join(ARCH_TIERS[device])}{cuda_arch}")
             why.append(f"arch {forced_arch} forced by CARDTOOL_ARCH")
             simulated = device == "cuda" and not cuda
             if simulated:

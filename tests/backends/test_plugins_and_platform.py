@@ -129,7 +129,10 @@ def test_bad_overrides_are_bad_input(monkeypatch):
     with pytest.raises(BadInput, match=r"unknown device '\[1\]'"):  # the Python API's callers pass anything
         Platform.detect([1])
     monkeypatch.setenv("CARDTOOL_ARCH", "avx9000")
-    with pytest.raises(BadInput, match="unknown cpu arch 'avx9000'"):
+    with pytest.raises(BadInput, match="CARDTOOL_ARCH: unknown cpu arch 'avx9000'"):
+        Platform.detect("cpu")
+    monkeypatch.setenv("CARDTOOL_ARCH", "sm90")  # a GPU's arch on the CPU: said so, not only refused
+    with pytest.raises(BadInput, match=r"'sm90'; known: .* \(sm90 is a CUDA arch: it applies with --device cuda\)"):
         Platform.detect("cpu")
 
 
