@@ -28,7 +28,8 @@ def eval_command(
     per_class: Annotated[int, typer.Option("--per-class", help="Images per class (10 classes).")] = 100,
     seed: Annotated[int, typer.Option("--seed", help="First seed of each class.")] = 0,
     device: Annotated[str | None, typer.Option("--device", help="Override the device (cuda, cpu).")] = None,
-    data: Annotated[str | None, typer.Option("--data", help="An IDX folder (default: Fashion-MNIST).")] = None,
+    data: Annotated[str | None, typer.Option("--data", help="An IDX folder, or images with captions in "
+                                             "metadata.jsonl (default: Fashion-MNIST).")] = None,
     precision: Annotated[list[str] | None, typer.Option(
         "--precision", help="Sampling precision (float32, bfloat16, float16); repeat for several.")] = None,
     adapter: Annotated[list[str] | None, typer.Option(

@@ -21,7 +21,8 @@ def train_command(
     out: Annotated[Path | None, typer.Option("--out", help="The card folder to write (default cards/ID).")] = None,
     run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Checkpoints (default runs/ID).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --run-dir.")] = False,
-    data: Annotated[str | None, typer.Option("--data", help="An IDX folder (default: Fashion-MNIST).")] = None,
+    data: Annotated[str | None, typer.Option("--data", help="An IDX folder, or images with captions in "
+                                             "metadata.jsonl (default: Fashion-MNIST).")] = None,
     device: Annotated[str | None, typer.Option("--device", help="Override the device (cuda, cpu).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", "--force", help="Replace an existing card folder.")] = False,
     micro_batches: Annotated[int, typer.Option(
