@@ -356,6 +356,7 @@ def test_the_gan_term_can_call_the_teachers_samples_of_the_same_prompt_real(exam
     # per iteration: the critic's loss and the DM term at t ≥ 0.9; the head's fake, real and generator terms ≤ 0.3
     assert [bool((t <= 300).all()) for t in timesteps] == [False, True, True, False, True] * 2
     assert all(bool((t >= 900).all()) or bool(((t >= 20) & (t <= 300)).all()) for t in timesteps)
+    assert all(torch.equal(timesteps[i + 1], timesteps[i + 2]) for i in (0, 5)), "the head's fake and real at one t"
     sets = ["loss.gan=true", "loss.gan_real=teacher", f"loss.teacher_samples={n}", "optim.steps=1",
             "optim.batch_size=4", "train.precision=float32"]  # bfloat16 is refused where the CPU lacks bf16 compute
     result = CliRunner().invoke(app, ["distill", str(teacher), "--no-eval", "--data", str(tmp_path / "no-data"),
