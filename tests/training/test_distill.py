@@ -288,6 +288,7 @@ def test_the_gan_term_trains_a_head_on_the_critic_and_moves_the_generator(exampl
     gan = recipe(teacher, extra=["loss.gan=true", "loss.generator_every=1", "optim.steps=3", "loss.critic_lr_scale=3"])
     split = load_split("train", write_idx_folder(tmp_path / "idx"))
     task = DMD2Task(gan, _platform(), load_card(teacher), split)
+    assert not hasattr(task, "pairs"), "no teacher samples made (minutes on a real card) that nothing uses"
     # a row's real at t = 0 is the VAE's posterior mean (not its spread) of a training image of the prompt's class
     from cardtool.core.training.methods.vae import to_unit
 
