@@ -63,7 +63,13 @@ def test_compose_refuses_cards_made_on_another_base_and_clashing_names(examples,
     runner = CliRunner()
     clash = runner.invoke(app, ["cards", "compose", str(examples / "tiny-base"), str(examples / "tiny-a"),
                                 str(examples / "tiny-a2"), "--id", "x", "--out", str(tmp_path / "x")])
-    assert clash.exit_code == 2 and "two adapter cards declare an adapter 'alpha'" in clash.output
+    assert clash.exit_code == 2 and "cards 'tiny-a' and 'tiny-a2' both declare an adapter 'alpha'" in clash.output
+    twice = runner.invoke(app, ["cards", "compose", "tiny-base", str(examples / "tiny-a"), str(examples / "tiny-a"),
+                                "--id", "x", "--out", str(tmp_path / "x")], env={"CARDTOOL_PATH": str(examples)})
+    assert twice.exit_code == 2 and "adapter card 'tiny-a' is named twice" in twice.output, twice.output
+    itself = runner.invoke(app, ["cards", "compose", str(examples / "tiny-base"), str(examples / "tiny-base"),
+                                 "--id", "x", "--out", str(tmp_path / "x")])
+    assert itself.exit_code == 2 and "is BASE itself; name the adapter cards made on it" in itself.output
     other = runner.invoke(app, ["cards", "compose", str(examples / "tiny-rl"), str(examples / "tiny-a"), "--id", "y",
                                 "--out", str(tmp_path / "y")])
     assert other.exit_code == 2 and "does not extend 'tiny-rl'" in other.output

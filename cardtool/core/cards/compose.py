@@ -24,9 +24,14 @@ def compose_cards(base_ref: str, adapter_refs: list[str], card_id: str, out: Pat
     base = load_card(locate(base_ref))
     if not adapter_refs:
         raise BadInput("name at least one adapter card to compose")
-    adapters, copies, parents = {}, {}, [base.id]
+    adapters, copies, parents, owners, seen = {}, {}, [base.id], {}, set()
     for ref in adapter_refs:
         card = load_card(locate(ref))
+        if card.file.resolve() == base.file.resolve():
+            raise BadInput(f"'{ref}' is BASE itself; name the adapter cards made on it")
+        if card.file.resolve() in seen:
+            raise BadInput(f"adapter card '{card.id}' is named twice")
+        seen.add(card.file.resolve())
         parent = card.sources[1].file if len(card.sources) > 1 else None  # the manifest it extends
         if parent is None or parent.resolve() != base.file.resolve():
             raise BadInput(f"'{card.id}' does not extend '{base.id}' directly; its adapters were made for another "
@@ -36,7 +41,9 @@ def compose_cards(base_ref: str, adapter_refs: list[str], card_id: str, out: Pat
             raise BadInput(f"'{card.id}' adds no adapter to '{base.id}'")
         for name, spec in own.items():
             if name in adapters:
-                raise BadInput(f"two adapter cards declare an adapter '{name}'")
+                raise BadInput(f"adapter cards '{owners[name]}' and '{card.id}' both declare an adapter '{name}'; a "
+                               "serving card takes each name once")
+            owners[name] = card.id
             entry = spec.model_dump(mode="json", exclude_none=True)
             entry.pop("sha256", None)
             entry["weights"] = f"adapters/{name}.safetensors"
