@@ -132,6 +132,33 @@ def test_a_card_assuming_fixed_steps_warns_and_strict_refuses(on_path, tmp_path)
     assert run("generate", "tiny-distilled", "-p", "a bag", "--out", str(tmp_path)).stderr.count("warning") == 0
 
 
+
+def test_a_prompt_past_the_text_encoders_tokens_is_warned_of_and_a_kept_image_costs_no_encoding(on_path, tmp_path):
+    """Words past the encoder's max_length are cut: said (diffusers' pipelines say it too), also under --json, and
+    of a negative prompt CFG reads; an image --skip-existing keeps is not encoded again for the warning."""
+    long = "a dark grey pullover with long sleeves and a round neck on a white background"
+    args = ["generate", "tiny-base", "-p", long, "-p", "a bag", "--steps", "1", "--out", str(tmp_path)]
+    result = run(*args, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["warnings"] == [
+        "a prompt fills all 16 tokens the text encoder reads (its max_length): words past them do not reach the model "
+        f"— {long[:59] + '…'!r}; shorten it"]
+    dress = "a pale blue summer dress with thin straps and a flowing skirt to the knee"
+    negative = ["generate", "tiny-base", "-p", "a bag", "--negative-prompt", dress, "--steps", "1", "--json"]
+    [said] = json.loads(run(*negative, "--out", str(tmp_path / "n")).stdout)["warnings"]
+    assert said.startswith("a prompt fills all 16 tokens") and dress[:40] in said
+    unguided = json.loads(run(*negative, "--guidance", "1", "--out", str(tmp_path / "u")).stdout)["warnings"]
+    assert not any("fill" in warning for warning in unguided), "an unguided run reads no negative prompt"
+    from cardtool.core.sampling import text_cache
+
+    encoded = []
+    real = text_cache.encode_prompts
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(text_cache, "encode_prompts", lambda instance, prompts, *a: (encoded.extend(prompts),
+                                                                                      real(instance, prompts, *a))[1])
+        kept = run(*args, "--skip-existing", "--json")
+    assert kept.exit_code == 0 and json.loads(kept.stdout)["warnings"] == [] and encoded == []
+
 @pytest.mark.parametrize(("args", "message"), [
     (["nope", "-p", "x"], "no card with id 'nope'"),
     (["tiny-base"], "no prompts"),

@@ -11,7 +11,7 @@ from safetensors.numpy import load_file
 from cardtool.backends.platform import Platform
 from cardtool.core.cards.loader import load_card
 from cardtool.core.sampling.instance import ModelInstance
-from cardtool.core.sampling.text_cache import TextFeatureCache, cache_dir, encode_prompts
+from cardtool.core.sampling.text_cache import TextFeatureCache, cache_dir, encode_prompts, filled_prompts
 
 CPU = Platform("cpu", "generic")
 
@@ -150,3 +150,18 @@ def _prompts(cache, examples) -> set[str]:
         "text_encoder"), config=spec.config, adapters=(), precision=instance.precision)
     return {p for p in ("a bag", "a coat", "a shirt", "a dress", "a sock")
             if TextFeatureCache.key(**common, prompt=p) in cache._memory}
+
+
+def test_a_prompt_filling_every_token_the_encoder_reads_is_named_also_from_the_cache(examples, tmp_path):
+    """tiny-base reads 16 tokens, two of them [CLS] and [SEP]: 14 one-token words fill it, 13 do not."""
+    fits, fills = " ".join("abcdefghijklm"), " ".join("abcdefghijklmn")
+    long = "a dark grey pullover with long sleeves and a round neck on a white background"
+    instance = ModelInstance(load_card(examples / "tiny-base"), CPU)
+    assert filled_prompts(instance, [fits, "a bag", ""], TextFeatureCache(tmp_path / "c")) is None
+    warning = filled_prompts(instance, [fills, long, fills], TextFeatureCache(tmp_path / "c"))
+    assert warning == (f"2 prompts fill all 16 tokens the text encoder reads (its max_length): words past them do not "
+                       f"reach the model — {fills!r}, {long[:59] + '…'!r}; shorten them")
+    cache = TextFeatureCache(tmp_path / "c")  # a later process: the prompts come from the disk, and are named alike
+    again = ModelInstance(load_card(examples / "tiny-base"), CPU)
+    assert filled_prompts(again, [long], cache).startswith("a prompt fills all 16 tokens")
+    assert (cache.hits, cache.misses) == (1, 0) and not again.is_awake("text_encoder")

@@ -560,6 +560,20 @@ def test_repeated_prompts_and_a_card_named_twice_in_parallel_are_warned_of(examp
         "images of a prompt from N seeds"]
 
 
+
+def test_a_prompt_past_the_text_encoders_tokens_is_warned_of_with_its_step(examples, tmp_path):
+    long = "a dark grey pullover with long sleeves and a round neck on a white background"
+    path = write(tmp_path, examples, f"""  draft:
+    generate: {{card: EX/tiny-base, prompts: ["a bag", "{long}"], steps: 1}}
+  again:
+    parallel: {{cards: [EX/tiny-rl], prompts: ["{long}"], steps: 1}}
+""")
+    result = run(path, tmp_path)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["warnings"] == [
+        f"step '{step}': a prompt fills all 16 tokens the text encoder reads (its max_length): words past them do not "
+        f"reach the model — {long[:59] + '…'!r}; shorten it" for step in ("draft", "again")]
+
 def test_validation_loads_each_card_once_however_many_steps_name_it(examples, tmp_path, monkeypatch):
     """6,000 chained steps on one card loaded it 6,000 times (11 s); once is enough."""
     from cardtool.core.cards import loader

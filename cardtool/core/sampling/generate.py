@@ -39,7 +39,7 @@ from cardtool.core.sampling.outputs import (
 )
 from cardtool.core.sampling.planning import LOOP, MAX_IMAGES, checked_arguments, plan_requests, started_warnings
 from cardtool.core.sampling.sampler import sample
-from cardtool.core.sampling.text_cache import TextFeatureCache
+from cardtool.core.sampling.text_cache import TextFeatureCache, filled_prompts
 from cardtool.errors import BadInput, OutOfMemory, RunFailed
 
 __all__ = ["GenerateReport", "LoadedCard", "control_image", "generate"]
@@ -205,6 +205,11 @@ class LoadedCard:
         kept = already_made(paths, tags, requests, ranks) if skip_existing else {}
         written = "made (out=None: none is written)" if out is None else "written"
         todo = [i for i in range(len(requests)) if i not in kept]
+        if ranks.main:  # the rank that reports; the features its encoding makes the sampler reads from the cache
+            filled = filled_prompts(instance, [text for i in todo for text in (
+                requests[i].prompt, *([requests[i].negative_prompt] if requests[i].guidance != 1 else []))],
+                self.cache, loop.text_encoder)
+            warnings = [*warnings, filled] if filled else warnings
         # requests are made in waves of a forward's worth a process, each written when done, so an interrupted or
         # failing run keeps what it finished; under torchrun each rank makes its share of a wave, gathered to rank 0,
         # which writes them all

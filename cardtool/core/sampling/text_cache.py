@@ -18,7 +18,7 @@ import numpy as np
 from cardtool.atomic import write_atomic
 from cardtool.cache import cache_dir, limit, prune
 
-__all__ = ["TextFeatureCache", "cache_dir", "encode_prompts"]
+__all__ = ["TextFeatureCache", "cache_dir", "encode_prompts", "filled_prompts"]
 
 
 MEMORY_LIMIT = 256 * 2**20  # bytes of entries a process keeps in memory, the least recently used dropped beyond
@@ -167,3 +167,26 @@ def encode_prompts(instance, prompts: list[str], cache: TextFeatureCache, compon
             states, mask = encoder([first[k]])
             found[k] = cache.put(k, arrays.to_numpy(states[0]), arrays.to_numpy(mask[0]))
     return [found[k] for k in keys]
+
+
+def filled_prompts(instance, prompts: list[str], cache: TextFeatureCache,
+                   component: str = "text_encoder") -> str | None:
+    """A warning naming the prompts whose tokens fill every position the text encoder reads (its max_length): words
+    past them are cut without a word otherwise, as diffusers' pipelines warn. Read from the encoded mask, so a prompt
+    served from the cache is judged as one encoded now (the features stay in the cache for the sampler); an exact fit
+    is named too, and nothing it says is false of it."""
+    distinct = list(dict.fromkeys(prompts))
+    filled, length = [], 0
+    for start in range(0, len(distinct), 256):  # as the workflow's preflight: the cache keeps what a chunk encodes
+        chunk = distinct[start:start + 256]
+        for prompt, (_, mask) in zip(chunk, encode_prompts(instance, chunk, cache, component), strict=True):
+            if len(mask) and bool(np.asarray(mask).all()):
+                filled.append(prompt)
+                length = len(mask)
+    if not filled:
+        return None
+    shown = ", ".join(repr(p if len(p) <= 60 else p[:59] + "…") for p in filled[:3])
+    more = f" and {len(filled) - 3} more" if len(filled) > 3 else ""
+    which = "a prompt fills" if len(filled) == 1 else f"{len(filled)} prompts fill"
+    return (f"{which} all {length} tokens the text encoder reads (its max_length): words past them do not reach the "
+            f"model — {shown}{more}; shorten {'it' if len(filled) == 1 else 'them'}")

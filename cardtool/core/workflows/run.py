@@ -38,7 +38,7 @@ from cardtool.core.sampling.outputs import (
 )
 from cardtool.core.sampling.planning import plan_requests, started_warnings
 from cardtool.core.sampling.sampler import sample
-from cardtool.core.sampling.text_cache import TextFeatureCache, encode_prompts
+from cardtool.core.sampling.text_cache import TextFeatureCache, filled_prompts
 from cardtool.core.workflows.manifest import Workflow, load_workflow
 from cardtool.errors import BadInput, OutOfMemory, RunFailed
 
@@ -314,8 +314,9 @@ def _preflight(runner: _Runner, workflow: Workflow) -> None:
                 loop, requests = runner.card(ref).loop(precision), [job.request for job in group]
                 prompts = list(dict.fromkeys([r.prompt for r in requests] +
                                              [r.negative_prompt for r in requests if r.guidance != 1]))
-                for start in range(0, len(prompts), 256):  # the features are dropped, the cache keeps them
-                    encode_prompts(loop.instance, prompts[start:start + 256], runner.cache, loop.text_encoder)
+                filled = filled_prompts(loop.instance, prompts, runner.cache, loop.text_encoder)  # the cache keeps them
+                if filled and f"step '{name}': {filled}" not in runner.warnings:
+                    runner.warnings.append(f"step '{name}': {filled}")
             encoded = set()
             for job in jobs:
                 if job.how == "refine" and (job.ref, job.precision) not in encoded and \
