@@ -305,6 +305,11 @@ def test_the_gan_term_trains_a_head_on_the_critic_and_moves_the_generator(exampl
     assert any(not torch.equal(v, task.head.state_dict()[k]) for k, v in head.items())
     assert all({"d_loss", "g_loss", "dm_loss"} <= set(entry) for entry in logged)
     assert all(p.requires_grad for p in task.critic.parameters()), "the critic is trainable again after G's term"
+    last = []  # the head reads the critic's last block, DMD2's bottleneck features
+    task.critic.blocks[-1].register_forward_hook(lambda module, inputs, output: last.append(output))
+    x, text, mask = task.rollout(task.prompts[:2], [0, 1], 0, grad=False)
+    task.critic(x, torch.full((2,), 500.0), text, mask)
+    assert task._features is last[-1]
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "run" / CHECKPOINT), framework="pt") as f:
