@@ -299,9 +299,13 @@ def test_the_gan_term_trains_a_head_on_the_critic_and_moves_the_generator(exampl
     real = task._real([shoe], torch.zeros(1), torch.Generator().manual_seed(0))[0]
     assert any(torch.allclose(real, images[j], atol=1e-6) for j in np.flatnonzero(split.labels == 7))
     head = {k: v.clone() for k, v in task.head.state_dict().items()}
-    logged = []
+    logged, timesteps = [], []
+    task.critic.register_forward_pre_hook(lambda module, args: timesteps.append(args[1].clone()))
     train_loop(task, gan, _platform(), tmp_path / "run", on_log=logged.append)
     assert set(task.modules()) == {"transformer", "critic", "gan_head"}
+    # per iteration: the critic's loss, the head's real (its fake is the critic's forward), the DM term, G's GAN term —
+    # without gan_t_range the head's terms take the t of the critic's and the DM term's forward
+    assert len(timesteps) == 12 and all(torch.equal(timesteps[i], timesteps[i + 1]) for i in range(0, 12, 2))
     assert any(not torch.equal(v, task.head.state_dict()[k]) for k, v in head.items())
     assert all({"d_loss", "g_loss", "dm_loss"} <= set(entry) for entry in logged)
     assert all(p.requires_grad for p in task.critic.parameters()), "the critic is trainable again after G's term"
@@ -336,6 +340,19 @@ def test_the_gan_head_gives_one_logit_per_row_from_the_mean_of_its_tokens():
     assert torch.allclose(head(features[:, torch.randperm(5)]), logits, atol=1e-6), "the tokens' order is no matter"
     assert torch.allclose(head(features.mean(dim=1, keepdim=True)), logits, atol=1e-6)
 
+
+
+def test_frozen_modules_take_no_gradient_inside_the_block_and_are_as_they_were_after_it():
+    from cardtool.core.training.methods.dmd2 import _frozen
+
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    b.bias.requires_grad_(False)  # frozen before: stays frozen after
+    x = torch.ones(1, 2, requires_grad=True)
+    with _frozen(a, b):
+        assert not any(p.requires_grad for p in [*a.parameters(), *b.parameters()])
+        b(a(x)).sum().backward()
+    assert x.grad is not None and a.weight.grad is None, "the graph through the input remains, the weights take none"
+    assert a.weight.requires_grad and a.bias.requires_grad and b.weight.requires_grad and not b.bias.requires_grad
 
 def test_the_gan_term_can_call_the_teachers_samples_of_the_same_prompt_real(examples, tmp_path):
     """`gan_real: teacher`: no training images needed; each row's real latent is one of the teacher's samples for
