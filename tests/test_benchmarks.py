@@ -166,6 +166,21 @@ def test_adapter_throughput_benchmark_times_every_serving_mode(tmp_path, example
     assert 0 < round_ratios["min"] <= round_ratios["median"] <= round_ratios["max"]
 
 
+
+def test_adapter_forward_benchmark_times_the_transformer_in_every_serving_mode(tmp_path, examples, monkeypatch):
+    out = tmp_path / "adapters_forward.json"
+    run_script(monkeypatch, "adapters_forward.py", "--card", str(examples / "tiny-base"), "--batch", "4",
+               "--adapters", "2", "--rank", "2", "--forwards", "2", "--repeats", "1", "--out", str(out))
+    report = json.loads(out.read_text())
+    assert [r["mode"] for r in report["rows"]] == [
+        "no adapter", "mixed 2 LoRAs, one batch", "2 groups one after another, unfused",
+        "2 groups one after another, each fused", "one shared LoRA, unfused", "one shared LoRA, fused"]
+    assert (report["batch"], report["adapters"], report["rank"], report["forwards"]) == (4, 2, 2, 2)
+    assert set(report["ratios"]) == {"mixed / no adapter", "mixed / groups unfused", "mixed / groups fused",
+                                     "fused / unfused (one shared LoRA)"}
+    assert all(value > 0 for value in report["ratios"].values())
+    assert all(r["median_s"] > 0 and r["images_per_second"] > 0 for r in report["rows"])
+
 def test_adapter_effects_benchmark_measures_the_built_in_adapters(tmp_path, fashion_mnist, monkeypatch):
     out = tmp_path / "effects.json"
     run_script(monkeypatch, "adapter_effects.py", "--per-class", "1", "--control-images", "4", "--out", str(out))
