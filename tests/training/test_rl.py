@@ -454,6 +454,18 @@ def test_bad_input_is_a_clear_error(examples, tmp_path, args, message):
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
 
 
+
+def test_a_loss_key_a_recipe_leaves_out_takes_the_papers_value():
+    """A recipe written by hand with a partial `loss:` trains with these (ALGORITHMS.md: advantages clipped to ±5,
+    10 sampling steps in training; no KL term unless asked, against the plain base)."""
+    from cardtool.core.training.methods.grpo import GRPOSettings
+    from cardtool.core.training.methods.nft import NFTSettings
+
+    for settings in (NFTSettings.from_recipe({}), GRPOSettings.from_recipe({})):
+        assert (settings.group_size, settings.rollout_steps, settings.updates_per_rollout, settings.kl,
+                settings.kl_start, settings.reference_guidance, settings.reference_interval, settings.advantage_clip,
+                settings.reward_cap, settings.shift) == (16, 10, 1, 0.0, None, 1.0, None, 5.0, None, None)
+
 def test_each_method_starts_from_its_own_defaults_and_the_api_refuses_another_methods_recipe(examples, tmp_path):
     nft, grpo = rl_recipe("tiny-base", "tiny-judge"), rl_recipe("tiny-base", "tiny-judge", "flow_grpo")
     assert (nft.method, nft.optim.steps, nft.train.precision, nft.card.storage) == ("diffusion_nft", 600, "bfloat16",
