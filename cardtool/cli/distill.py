@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from cardtool.cli.output import emit_json, handled, progress_line, say
+from cardtool.cli.output import counted, emit_json, handled, progress_line, say
 
 
 def distill_command(
@@ -77,5 +77,5 @@ def distill_command(
                    "method": recipe_block.method, "parents": recipe_block.parents,
                    "steps": recipe_block.assumes.steps, "metrics": recipe_block.metrics})
         return
-    say(f"wrote student card {card.id} ({recipe_block.assumes.steps} steps) to {display_path(card.folder)}")
+    say(f"wrote student card {card.id} ({counted(recipe_block.assumes.steps, 'step')}) to {display_path(card.folder)}")
 

@@ -190,6 +190,9 @@ def test_the_cli_writes_the_student_and_reports_json(examples, tmp_path, monkeyp
     assert report["path"] == "cards/tiny-base-1step" and (tmp_path / "runs" / "tiny-base-1step" / CHECKPOINT).is_file()
     assert "cardtool distill" in load_card(tmp_path / "cards" / "tiny-base-1step").manifest.recipe.command
     assert "iteration 1/" in result.stderr, "a script's stdout holds the document, a person still sees progress"
+    again = CliRunner().invoke(app, ["distill", str(examples / "tiny-base"), "--steps", "1", "--no-eval", "--force",
+                                     "--run-dir", "runs/again", *(f"--set={o}" for o in TINY)])  # for people
+    assert again.stdout == "wrote student card tiny-base-1step (1 step) to cards/tiny-base-1step\n", again.output
 
 
 def test_the_cli_evaluates_the_student_at_its_own_steps_and_records_the_eval_in_it(examples, tmp_path):
