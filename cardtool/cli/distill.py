@@ -54,8 +54,8 @@ def distill_command(
 
     def eval_line(report: dict) -> None:
         for row in report["rows"]:
-            say(f"eval at {row['steps']} steps: accuracy {row['class_accuracy']:.4f}  FID {row['fid_fmnist']:.3f}"
-                f"  {row['images_per_second']:.0f} img/s", stderr=True)
+            say(f"eval at {counted(row['steps'], 'step')}: accuracy {row['class_accuracy']:.4f}  FID "
+                f"{row['fid_fmnist']:.3f}  {row['images_per_second']:.0f} img/s", stderr=True)
 
     with handled(json_):
         sets = [*(overrides or []), *lora_overrides(lora)]

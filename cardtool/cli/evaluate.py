@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from cardtool.cli.output import LateProgress, console, emit_json, handled, paired_cells, warn
+from cardtool.cli.output import LateProgress, console, counted, emit_json, handled, paired_cells, warn
 
 
 def eval_command(
@@ -166,7 +166,7 @@ def _print_report(shown, report) -> None:
     for r in report.rows:  # where a card falls short, class by class
         if r.accuracy_by_class:
             weakest = sorted(r.accuracy_by_class.items(), key=lambda item: item[1])[:3]
-            shown.print(f"{r.precision}, {r.steps} steps, guidance {r.guidance:g}: weakest classes "
+            shown.print(f"{r.precision}, {counted(r.steps, 'step')}, guidance {r.guidance:g}: weakest classes "
                         + " · ".join(f"{name} {value:.3f}" for name, value in weakest), markup=False)
     floors, kid, manifold = report.floors, report.kid_floors, report.manifold_floors
 
@@ -192,7 +192,7 @@ def _print_differences(shown, a: str, b: str, differences, by: str = "card") -> 
                    "Δ FID-FMNIST (95%)"):
         table.add_column(column, justify="right")
     for d in differences:
-        settings = [f"{s['precision']}, {s['steps']} steps, guidance {s['guidance']:g}" for s in (d.a, d.b)]
+        settings = [f"{s['precision']}, {counted(s['steps'], 'step')}, guidance {s['guidance']:g}" for s in (d.a, d.b)]
         table.add_row(*settings, *paired_cells(asdict(d)))
     shown.print(table)
 

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from cardtool.cli.output import emit_json, handled, progress_line, say
+from cardtool.cli.output import counted, emit_json, handled, progress_line, say
 
 
 def rl_command(
@@ -60,9 +60,9 @@ def rl_command(
 
     def eval_line(report: dict) -> None:
         for row in report["rows"]:
-            say(f"eval ({report['judge']}) at {row['steps']} steps, guidance {row['guidance']:g}: accuracy "
-                f"{row['class_accuracy']:.4f}  FID {row['fid_fmnist']:.3f}  {row['images_per_second']:.0f} img/s",
-                stderr=True)
+            say(f"eval ({report['judge']}) at {counted(row['steps'], 'step')}, guidance {row['guidance']:g}: "
+                f"accuracy {row['class_accuracy']:.4f}  FID {row['fid_fmnist']:.3f}  "
+                f"{row['images_per_second']:.0f} img/s", stderr=True)
 
     with handled(json_):
         sets = [*(overrides or []), *lora_overrides(lora)]

@@ -119,7 +119,7 @@ def test_an_eval_row_of_nan_images_is_null_and_the_others_are_measured(examples,
     result = CliRunner().invoke(app, [*args, "--json"])
     assert result.exit_code == 1, result.output  # no row measured: no result, whatever the report holds
     error = json.loads(result.stdout)["error"]
-    assert error["kind"] == "failed" and error["message"].startswith("no row measured: float32, 1 steps")
+    assert error["kind"] == "failed" and error["message"].startswith("no row measured: float32, 1 step,")
     report = error["partial"]
     assert report["rows"][0]["class_accuracy"] is None and report["rows"][0]["fid_fmnist"] is None
     assert any("no measurement" in w and "NaN or inf" in w for w in report["warnings"])

@@ -5,7 +5,7 @@ stack checked as the command line's."""
 from __future__ import annotations
 
 import pytest
-from helpers import EXAMPLE_CARDS
+from helpers import EXAMPLE_CARDS, REPO
 
 from cardtool.core.cards.loader import load_card
 from cardtool.core.sampling.planning import MAX_IMAGES, plan_requests, read_prompts_file
@@ -137,6 +137,14 @@ def test_a_guidance_interval_no_step_falls_in_is_warned_of(card):
     _, [warning] = plan_requests(card, ["a bag"], steps=4, shift=3.0, guidance=2.0, guidance_interval=(0.0, 0.45))
     assert warning.startswith("no step's σ lies in the guidance interval 0,0.45 (4 steps on shift 3): guidance 2 "
                               "applies to none, and the images are those of guidance 1")
+    _, [warning] = plan_requests(card, ["a bag"], steps=1, guidance=2.0, guidance_interval=(0.0, 0.5))
+    assert warning.startswith("no step's σ lies in the guidance interval 0,0.5 (1 step on shift 1)")
+
+
+def test_a_step_count_the_card_does_not_assume_is_warned_of_in_plain_words():
+    student = load_card(REPO / "cards" / "fashion-base-nft-1step")  # a built-in one-step student
+    _, [warning] = plan_requests(student, ["a bag"], steps=2)
+    assert warning == "card 'fashion-base-nft-1step' assumes 1 step; sampling with 2 may give poor images"
 
 
 def test_a_prompt_given_twice_is_warned_of_its_images_repeating(card):

@@ -204,7 +204,7 @@ def test_the_cli_evaluates_the_student_at_its_own_steps_and_records_the_eval_in_
                                       "--run-dir", str(tmp_path / "r"), "--json", *(f"--set={o}" for o in TINY)])
     assert result.exit_code == 0, result.output
     [row] = json.loads(result.stdout)["metrics"]["eval"]["rows"]
-    assert row["steps"] == 1 and 0 <= row["class_accuracy"] <= 1 and "eval at 1 steps: accuracy" in result.stderr
+    assert row["steps"] == 1 and 0 <= row["class_accuracy"] <= 1 and "eval at 1 step: accuracy" in result.stderr
     recorded = load_card(tmp_path / "s1").manifest.recipe.metrics["eval"]["rows"]
     assert recorded == [row] and (tmp_path / "s1" / "eval.json").is_file()
 

@@ -423,7 +423,8 @@ def _measure_row(report: EvalReport, referee: FashionJudge, real: np.ndarray, la
         row = EvalRow(first.steps, first.guidance, list(first.guidance_interval), p, count, nan, nan, nan, nan,
                       nan, nan, first.model_evaluations(), first.shift, first.solver)
         kept = None
-        report.warnings.append(f"{p}, {first.steps} steps, guidance {first.guidance:g}: no measurement, "
+        steps = f"{first.steps} step{'s' if first.steps != 1 else ''}"
+        report.warnings.append(f"{p}, {steps}, guidance {first.guidance:g}: no measurement, "
                                f"{broken or 'another rank made NaN or inf images'}")
     else:
         images = np.stack(made)

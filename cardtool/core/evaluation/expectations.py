@@ -35,8 +35,9 @@ class Expectation:
             got = getattr(row, self.metric)
             got = math.nan if got is None else got
             if not (math.isfinite(got) and _OPS[self.op](got, self.value)):
-                missed.append(f"{self.metric} {got:.6g} at {row.steps} steps, guidance {row.guidance:g}, "
-                              f"{row.precision} (expected {self})")
+                steps = f"{row.steps} step{'s' if row.steps != 1 else ''}"
+                missed.append(f"{self.metric} {got:.6g} at {steps}, guidance {row.guidance:g}, {row.precision} "
+                              f"(expected {self})")
         return missed
 
 

@@ -72,7 +72,8 @@ def plan_requests(card: Card, prompts: list[str], *, num: int = 1, seed: int = 0
     warnings = []
     assumed = card.manifest.recipe.assumes.steps
     if assumed is not None and steps != assumed:
-        message = f"card '{card.id}' assumes {assumed} steps; sampling with {steps} may give poor images"
+        message = (f"card '{card.id}' assumes {assumed} step{'s' if assumed != 1 else ''}; sampling with {steps} may "
+                   "give poor images")
         if strict:
             raise BadInput(message + " (--strict)")
         warnings.append(message)
@@ -119,7 +120,8 @@ def unguided_warning(request: Request) -> str | None:
         return None
     low, high = request.guidance_interval
     start = f", from σ {run[0]:g} at strength {request.strength:g}" if request.strength < 1 else ""
-    return (f"no step's σ lies in the guidance interval {low:g},{high:g} ({request.steps} steps on shift "
+    steps = f"{request.steps} step{'s' if request.steps != 1 else ''}"
+    return (f"no step's σ lies in the guidance interval {low:g},{high:g} ({steps} on shift "
             f"{request.shift:g}{start}): guidance {request.guidance:g} applies to none, and the images are those of "
             "guidance 1; widen the interval")
 
