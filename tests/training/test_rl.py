@@ -479,6 +479,9 @@ def test_each_method_starts_from_its_own_defaults_and_the_api_refuses_another_me
     for wrong in (distill_recipe("tiny-base"), one):
         with pytest.raises(BadInput, match=r"rl runs a diffusion_nft or flow_grpo recipe whose parents are \[BASE"):
             rl(wrong, command="c", out=tmp_path / "o", run_dir=tmp_path / "r", evaluate=False)
+    with pytest.raises(BadInput, match="no prompts to train on"):  # an empty list is no list: not the class prompts
+        rl(recipe(examples / "tiny-base", reward=examples / "tiny-judge"), command="c", prompts=[], out=tmp_path / "o",
+           run_dir=tmp_path / "r", evaluate=False)
     assert not (tmp_path / "o").exists() and not (tmp_path / "r").exists()
 
 

@@ -136,7 +136,7 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
         check_held_out(held_out_judge, recipe.parents[1], judge)
     if evaluate:
         check_eval_data(data, "the eval after rl (--no-eval skips it)")
-    task = make_task(recipe, platform, base, reward, prompts or default_prompts())
+    task = make_task(recipe, platform, base, reward, prompts if prompts is not None else default_prompts())
     # what it trains on is its prompts: a resume given others (--prompts) would train the rest of the run on them
     task.data = hashlib.sha256("\n".join(task.prompts).encode()).hexdigest()
     watch = Watch(task.base, task.name, task.policy, task.cache, serving_loop(base), judges, platform,
