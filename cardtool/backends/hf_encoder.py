@@ -31,8 +31,9 @@ class HFTextEncoder:
                                                    chunk_size_feed_forward=0, output_loading_info=True)
         if loading["missing_keys"]:  # transformers would initialise them at random: an encoder that is not the file's
             missing = sorted(loading["missing_keys"])
-            raise ValueError(f"model.safetensors lacks {len(missing)} tensors the {model.config.model_type} encoder "
-                             f"config.json describes needs (e.g. {', '.join(missing[:3])})")
+            tensors = "a tensor" if len(missing) == 1 else f"{len(missing)} tensors"
+            raise ValueError(f"model.safetensors lacks {tensors} of the {model.config.model_type} encoder config.json "
+                             f"describes (e.g. {', '.join(missing[:3])})")
         self.model = model.to(device).eval().requires_grad_(False)
         self.dim = self.model.config.hidden_size
         self.folder, self.rows = folder, self.model.get_input_embeddings().num_embeddings

@@ -150,7 +150,7 @@ def _print_report(shown, report) -> None:
 
     stack = ", ".join(f"{a['name']}={a['scale']:g}" for a in report.adapters)
     sampler = f", {report.rows[0].solver} on shift {report.rows[0].shift:g}" if report.rows else ""
-    what = f"{report.per_class} images per class" if report.prompts == "classes" else \
+    what = f"{counted(report.per_class, 'image')} per class" if report.prompts == "classes" else \
         "one image per test caption (no classes: no accuracy or reward)"
     title = f"{report.card}{f' with {stack}' if stack else ''} judged by {report.judge} on {report.platform}, " \
             f"{what}{sampler}"

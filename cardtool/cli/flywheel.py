@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from cardtool.cli.output import console, emit_json, handled, paired_cells, progress_line, say
+from cardtool.cli.output import console, counted, emit_json, handled, paired_cells, progress_line, say
 
 
 def flywheel_command(
@@ -87,7 +87,7 @@ def flywheel_command(
     from rich.table import Table
 
     table = Table(box=box.SIMPLE_HEAD, title=f"flywheel, judged by {report.judge} on {report.platform}, "
-                                             f"{report.per_class} images per class", title_justify="left")
+                                             f"{counted(report.per_class, 'image')} per class", title_justify="left")
     columns = ["card", "method", "steps", "model evals/image", "accuracy",
                *([f"accuracy ({report.held_out_judge})"] if report.held_out_judge else []), "FID-FMNIST", "images/s"]
     for column in columns:

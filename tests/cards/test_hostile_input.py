@@ -295,9 +295,12 @@ def rewrite(path, change):
 
 
 @pytest.mark.parametrize(("change", "expected"), [
-    (lambda t: t.pop("proj_out.bias"), "1 tensors the config implies are missing: proj_out.bias"),
-    (lambda t: t.update(extra=t["proj_out.bias"]), "1 tensors the config does not imply: extra"),
-    (lambda t: t.update({"proj_out.bias": t["proj_out.bias"][:2]}), "proj_out.bias is \\[2\\], the config implies"),
+    (lambda t: t.pop("proj_out.bias"), "1 tensor the config implies is missing: proj_out.bias"),
+    (lambda t: t.update(extra=t["proj_out.bias"]), "1 tensor the config does not imply: extra"),
+    (lambda t: (t.pop("proj_out.bias"), t.pop("proj_out.weight")),
+     "2 tensors the config implies are missing: proj_out.bias, proj_out.weight"),
+    (lambda t: t.update({"proj_out.bias": t["proj_out.bias"][:2]}),
+     "1 tensor has another shape: proj_out.bias is \\[2\\], the config implies"),
     (lambda t: t.update({"proj_out.bias": t["proj_out.bias"].astype("int32")}), "not floating point \\(I32\\)"),
 ])
 def test_weights_that_do_not_fit_the_config_are_validation_errors(base, change, expected):

@@ -106,6 +106,8 @@ def test_eval_samples_with_the_shift_and_solver_asked_for_and_its_rows_say_so(ex
     assert rows["asked"]["kid"] != rows["default"]["kid"], "other images were sampled"
     refused = CliRunner().invoke(app, [*args, "--shift", "3", "--record"])
     assert refused.exit_code == 2 and "drop --adapter, --shift and --solver to record" in refused.stdout
+    shown = CliRunner().invoke(app, args[:-1], env={"COLUMNS": "1000"})  # for people: the table's title
+    assert shown.exit_code == 0 and ", 1 image per class" in shown.stdout, shown.output
 
 
 def test_a_row_whose_guidance_interval_guides_no_step_is_warned_of(examples, tmp_path):

@@ -98,14 +98,16 @@ def tensor_problems(card, at, path, expected: dict[str, tuple[int, ...]]) -> lis
     missing, extra = sorted(set(expected) - set(header)), sorted(set(header) - set(expected))
     problems = []
     if missing:
-        problems.append(card.problem(where, f"{len(missing)} tensors the config implies are missing: {few(missing)}",
-                                     fix))
+        are = "tensor the config implies is" if len(missing) == 1 else "tensors the config implies are"
+        problems.append(card.problem(where, f"{len(missing)} {are} missing: {few(missing)}", fix))
     if extra:
-        problems.append(card.problem(where, f"{len(extra)} tensors the config does not imply: {few(extra)}", fix))
+        tensors = "tensor" if len(extra) == 1 else "tensors"
+        problems.append(card.problem(where, f"{len(extra)} {tensors} the config does not imply: {few(extra)}", fix))
     shaped = [f"{k} is {list(header[k][1])}, the config implies {list(v)}" for k, v in expected.items()
               if k in header and header[k][1] != v]
     if shaped:
-        problems.append(card.problem(where, f"{len(shaped)} tensors have other shapes: {few(shaped)}", fix))
+        have = "tensor has another shape" if len(shaped) == 1 else "tensors have other shapes"
+        problems.append(card.problem(where, f"{len(shaped)} {have}: {few(shaped)}", fix))
     typed = sorted(k for k in header if header[k][0] not in FLOAT_DTYPES)
     if typed:
         problems.append(card.problem(where, f"tensors that are not floating point ({header[typed[0]][0]}): "

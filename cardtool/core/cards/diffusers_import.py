@@ -64,8 +64,8 @@ def import_diffusers(source: Path, base_ref: str, card_id: str, out: Path | None
     wrong = [k for k, shape in expected.items() if tuple(state[k].shape) != shape]
     if wrong:
         k = wrong[0]
-        raise BadInput(f"the weights do not fit config.json: {k} is {tuple(state[k].shape)}, not {expected[k]} "
-                       f"({len(wrong)} tensors differ)")
+        more = f" ({len(wrong)} tensors differ)" if len(wrong) > 1 else ""
+        raise BadInput(f"the weights do not fit config.json: {k} is {tuple(state[k].shape)}, not {expected[k]}{more}")
     dtypes = {str(v.dtype) for v in state.values()}
     if not dtypes <= set(STORAGE):
         raise BadInput(f"the weights are {', '.join(sorted(dtypes))}; a card stores float32, float16 or bfloat16")

@@ -140,7 +140,7 @@ def _metrics(metrics: dict) -> list[str]:
     if not rows:
         return []
     lines = ["## Metrics", "", f"`cardtool eval`, judged by `{_cell(ev, 'judge')}` on {_cell(ev, 'platform')}, "
-             f"{_cell(ev, 'per_class')} images per class:", "",
+             f"{_cell(ev, 'per_class')} image{'' if ev.get('per_class') == 1 else 's'} per class:", "",
              "| steps | guidance | precision | class accuracy | FID-FMNIST | images/s |", "|---|---|---|---|---|---|"]
     for r in rows:
         cells = [_cell(r, "steps"), _cell(r, "guidance", "g"), *(_cell(r, k) for k in (
