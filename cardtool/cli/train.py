@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from cardtool.cli.output import console, emit_json, handled, progress_line
+from cardtool.cli.output import console, emit_json, handled, progress_line, warn
 
 
 def train_command(
@@ -50,7 +50,8 @@ def train_command(
                              ["cardtool", "train", "--recipe", str(recipe), *(f"--set={o}" for o in overrides or []),
                               *(["--method", method] if method else [])])
         card = train(loaded, command=command, out=out, run_dir=run_dir, resume=resume, data=data, device=device,
-                     overwrite=overwrite, on_log=log, micro_batches=micro_batches)
+                     overwrite=overwrite, on_log=log, micro_batches=micro_batches,
+                     on_warning=lambda message: warn(message) if os.environ.get("RANK", "0") == "0" else None)
     from cardtool.core.distributed import ranks
 
     if not ranks(device or "cpu").main:  # rank 0 reports for every rank

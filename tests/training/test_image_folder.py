@@ -150,6 +150,7 @@ def test_each_image_trains_on_its_own_caption(examples, tmp_path):
     train_split, test_split = load_split("train", root), load_split("test", root)
     task = adapter_task(recipe, Platform.detect("cpu"), train_split, test_split)
     assert task.per_class == 1 and len(task.text) == len(CAPTIONS) + 1, "three distinct captions and the empty one"
+    assert task.filled is None, "no caption reaches the encoder's 16 tokens"
     encoded = {c: task.text[i] for i, c in enumerate(CAPTIONS)}
     for i, caption in enumerate(train_split.captions):
         assert torch.equal(task.text[task.labels[i]], encoded[caption])
@@ -160,6 +161,22 @@ def test_each_image_trains_on_its_own_caption(examples, tmp_path):
                                       str(tmp_path / "o"), "--json"])
     assert result.exit_code == 0, result.output
 
+
+
+def test_a_caption_past_the_text_encoders_tokens_is_warned_of_before_training(examples, tmp_path):
+    long = "a dark grey pullover with long sleeves and a round neck on a white background"
+    root = write_folder(tmp_path / "mine", rows=lambda rows: [{**r, "text": long} if i % 4 == 0 else r
+                                                               for i, r in enumerate(rows)])
+    sets = ["optim.steps=1", "optim.batch_size=4", "train.precision=float32", "card.id=tiny-mine", "model.rank=2",
+            f"parents=[{examples / 'tiny-base'}]"]
+    result = CliRunner().invoke(app, ["train", "--recipe", str(RECIPES / "fashion-bold.yaml"), "--data", str(root),
+                                      *(f"--set={o}" for o in sets), "--out", str(tmp_path / "card"), "--run-dir",
+                                      str(tmp_path / "run"), "--json"])
+    assert result.exit_code == 0, result.output
+    warning = ("warning a caption fills all 16 tokens the text encoder reads (its max_length): words past them do not "
+               f"reach the model — {long[:59] + '…'!r}; shorten it")
+    assert warning in " ".join(result.stderr.split()), result.stderr
+    assert result.stderr.index("warning") < result.stderr.index("step 1/"), "said before the run, not after it"
 
 def test_what_needs_classes_refuses_captioned_images(examples, tmp_path):
     root = write_folder(tmp_path / "mine")

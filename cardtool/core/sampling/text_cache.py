@@ -18,7 +18,7 @@ import numpy as np
 from cardtool.atomic import write_atomic
 from cardtool.cache import cache_dir, limit, prune
 
-__all__ = ["TextFeatureCache", "cache_dir", "encode_prompts", "filled_prompts"]
+__all__ = ["TextFeatureCache", "cache_dir", "encode_prompts", "filled_prompts", "filled_warning"]
 
 
 MEMORY_LIMIT = 256 * 2**20  # bytes of entries a process keeps in memory, the least recently used dropped beyond
@@ -183,10 +183,15 @@ def filled_prompts(instance, prompts: list[str], cache: TextFeatureCache,
             if len(mask) and bool(np.asarray(mask).all()):
                 filled.append(prompt)
                 length = len(mask)
+    return filled_warning(filled, length)
+
+
+def filled_warning(filled: list[str], length: int, what: str = "prompt") -> str | None:
+    """What `filled_prompts` says of the prompts (or captions) `filled` whose tokens filled all `length` positions."""
     if not filled:
         return None
     shown = ", ".join(repr(p if len(p) <= 60 else p[:59] + "…") for p in filled[:3])
     more = f" and {len(filled) - 3} more" if len(filled) > 3 else ""
-    which = "a prompt fills" if len(filled) == 1 else f"{len(filled)} prompts fill"
+    which = f"a {what} fills" if len(filled) == 1 else f"{len(filled):,} {what}s fill"
     return (f"{which} all {length} tokens the text encoder reads (its max_length): words past them do not reach the "
             f"model — {shown}{more}; shorten {'it' if len(filled) == 1 else 'them'}")

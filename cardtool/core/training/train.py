@@ -21,9 +21,11 @@ __all__ = ["train"]
 
 def train(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Path | None = None, resume: bool = False,
           data: str | None = None, device: str | None = None, overwrite: bool = False,
-          on_log: Callable[[dict], None] | None = None, micro_batches: int = 1) -> Card:
+          on_log: Callable[[dict], None] | None = None, micro_batches: int = 1,
+          on_warning: Callable[[str], None] | None = None) -> Card:
     """Run the recipe and write its card. Under torchrun every rank trains its share of each batch (see
-    `train_loop`) and rank 0 writes the checkpoints and the card, which the other ranks then load."""
+    `train_loop`) and rank 0 writes the checkpoints and the card, which the other ranks then load. `on_warning`
+    hears what the run trains on that it should know of before it starts (captions cut at the encoder's length)."""
     if recipe.method in RUN_BY:
         raise BadInput(f"{recipe.method} is not a `cardtool train` method: `{RUN_BY[recipe.method]}` runs it")
     platform = Platform.detect(device)
@@ -56,6 +58,8 @@ def train(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Pat
 
         task = FlowMatchingTask(recipe, platform, train_split, test_split)
     task.data = train_split.digest()
+    if on_warning is not None and getattr(task, "filled", None):
+        on_warning(task.filled)
     result = train_loop(task, recipe, platform, run_dir, resume=resume, on_log=on_log, micro_batches=micro_batches)
     trained = {"steps": result.steps, "final_loss": round(result.final_loss, 6),
                "train_seconds": round(result.seconds, 1), "samples_per_second": round(result.samples_per_second, 1),

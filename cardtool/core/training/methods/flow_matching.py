@@ -19,6 +19,7 @@ from cardtool.core.data import Split
 from cardtool.core.prompts import TEXT_ENCODER, training_prompts
 from cardtool.core.sampling.denoise import DenoiseLoop
 from cardtool.core.sampling.instance import ModelInstance
+from cardtool.core.sampling.text_cache import filled_warning
 from cardtool.core.training.methods.frozen import merge_default_stack
 from cardtool.core.training.methods.vae import latents
 from cardtool.core.training.recipes import Recipe, field_problems, loss_number, only_keys
@@ -116,6 +117,10 @@ class FlowMatchingTask(Task):
             raise BadInput(f"model.text_dim is {self.config.text_dim}, but the text encoder gives "
                            f"{self.text.shape[-1]}-wide token states; set model.text_dim={self.text.shape[-1]}")
         self.empty = len(flat) - 1
+        # the prompts whose tokens fill every position the encoder reads: words past them train nothing
+        full = self.mask.all(dim=1).tolist()
+        self.filled = filled_warning([p for p, cut in zip(flat, full, strict=True) if cut],
+                                     self.mask.shape[1], "caption" if train.captions is not None else "prompt")
 
     def modules(self):
         return {"transformer": self.dit}
