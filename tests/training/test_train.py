@@ -772,6 +772,9 @@ def test_train_cli(tmp_path, data):
     assert (report["card"], report["method"], report["parents"], report["extends"]) == ("fashion-vae", "vae", [], None)
     assert report["metrics"] == load_card(tmp_path / "vae").manifest.recipe.metrics and "psnr" in str(report["metrics"])
     assert (tmp_path / "runs" / "fashion-vae" / CHECKPOINT).is_file(), "the run's folder defaults to runs/ID"
+    again = CliRunner().invoke(app, ["train", "--recipe", str(RECIPES / "fashion-vae.yaml"), *sets, "--data",
+                                     str(data), "--out", str(tmp_path / "vae"), "--run-dir", str(tmp_path / "again")])
+    assert again.exit_code == 2 and "already exists" in again.stderr and "--overwrite" in again.stderr, again.output
     bad = CliRunner().invoke(app, ["train", "--recipe", str(RECIPES / "fashion-vae.yaml"), "--set", "optim.lrr=1"])
     assert bad.exit_code == 2 and "optim.lrr" in bad.stderr
     for parts in ("0", "-1"):
