@@ -165,8 +165,8 @@ def test_each_image_trains_on_its_own_caption(examples, tmp_path):
 
 def test_a_caption_past_the_text_encoders_tokens_is_warned_of_before_training(examples, tmp_path):
     long = "a dark grey pullover with long sleeves and a round neck on a white background"
-    root = write_folder(tmp_path / "mine", rows=lambda rows: [{**r, "text": long} if i % 4 == 0 else r
-                                                               for i, r in enumerate(rows)])
+    root = write_folder(tmp_path / "mine", rows=lambda rows: [{**r, "text": long} if i % 4 == 0 or i % 10 == 9 else r
+                                                               for i, r in enumerate(rows)])  # held out: 9, 19
     sets = ["optim.steps=1", "optim.batch_size=4", "train.precision=float32", "card.id=tiny-mine", "model.rank=2",
             f"parents=[{examples / 'tiny-base'}]"]
     result = CliRunner().invoke(app, ["train", "--recipe", str(RECIPES / "fashion-bold.yaml"), "--data", str(root),
@@ -177,6 +177,10 @@ def test_a_caption_past_the_text_encoders_tokens_is_warned_of_before_training(ex
                f"reach the model — {long[:59] + '…'!r}; shorten it")
     assert warning in " ".join(result.stderr.split()), result.stderr
     assert result.stderr.index("warning") < result.stderr.index("step 1/"), "said before the run, not after it"
+    judged = CliRunner().invoke(app, ["eval", str(tmp_path / "card"), "--judge", str(examples / "tiny-judge"),
+                                      "--data", str(root), "--per-class", "1", "--steps", "1", "--json"])
+    assert judged.exit_code == 0, judged.output
+    assert warning.removeprefix("warning ") in json.loads(judged.stdout)["warnings"], "and of the captions eval samples"
 
 def test_what_needs_classes_refuses_captioned_images(examples, tmp_path):
     root = write_folder(tmp_path / "mine")

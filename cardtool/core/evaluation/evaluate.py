@@ -46,7 +46,7 @@ from cardtool.core.sampling.denoise import DenoiseLoop, NonFiniteImages
 from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.sampling.planning import MAX_IMAGES, MissingControl, plan_requests, unguided_warning
 from cardtool.core.sampling.sampler import sample
-from cardtool.core.sampling.text_cache import TextFeatureCache
+from cardtool.core.sampling.text_cache import TextFeatureCache, filled_prompts
 from cardtool.errors import BadInput, OutOfMemory
 
 __all__ = ["EvalRow", "EvalReport", "checked_per_class", "evaluate"]
@@ -277,6 +277,10 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     report.warnings += [warning] if warning else []
     report.warnings += [w for loop in loops.values() for w in loop.instance.warnings]
     report.warnings += list(dict.fromkeys(w for requests in plans.values() if (w := unguided_warning(requests[0]))))
+    if ranks.main:  # the prompts every row samples, encoded once here for all of them
+        filled = filled_prompts(first.instance, [r.prompt for r in next(iter(plans.values()))], cache,
+                                first.text_encoder, "prompt" if labels is not None else "caption")
+        report.warnings += [filled] if filled else []
     saved = {_row_key(row): row for row in kept_rows}
     report.adapters = stack
     if out is not None and ranks.main:

@@ -169,8 +169,8 @@ def encode_prompts(instance, prompts: list[str], cache: TextFeatureCache, compon
     return [found[k] for k in keys]
 
 
-def filled_prompts(instance, prompts: list[str], cache: TextFeatureCache,
-                   component: str = "text_encoder") -> str | None:
+def filled_prompts(instance, prompts: list[str], cache: TextFeatureCache, component: str = "text_encoder",
+                   what: str = "prompt") -> str | None:
     """A warning naming the prompts whose tokens fill every position the text encoder reads (its max_length): words
     past them are cut without a word otherwise, as diffusers' pipelines warn. Read from the encoded mask, so a prompt
     served from the cache is judged as one encoded now (the features stay in the cache for the sampler); an exact fit
@@ -183,7 +183,7 @@ def filled_prompts(instance, prompts: list[str], cache: TextFeatureCache,
             if len(mask) and bool(np.asarray(mask).all()):
                 filled.append(prompt)
                 length = len(mask)
-    return filled_warning(filled, length)
+    return filled_warning(filled, length, what)
 
 
 def filled_warning(filled: list[str], length: int, what: str = "prompt") -> str | None:
