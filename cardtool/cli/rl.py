@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from cardtool.cli.output import counted, emit_json, handled, progress_line, say
+from cardtool.cli.output import counted, emit_json, handled, progress_line, say, warn
 
 
 def rl_command(
@@ -76,7 +76,8 @@ def rl_command(
                               *(["--lora", str(lora)] if lora is not None else [])])
         tuned = rl(loaded, command=command, prompts=chosen, out=out, run_dir=run_dir, resume=resume, device=device,
                    data=data, force=force, evaluate=evaluate, judge=judge, held_out_judge=held_out_judge or None,
-                   watch_every=watch_every, on_log=log, on_eval=eval_line, micro_batches=micro_batches)
+                   watch_every=watch_every, on_log=log, on_eval=eval_line, micro_batches=micro_batches,
+                   on_warning=lambda message: warn(message) if os.environ.get("RANK", "0") == "0" else None)
     if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 reports for every rank
         return
     recipe_block = tuned.manifest.recipe

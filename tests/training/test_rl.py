@@ -385,6 +385,14 @@ def test_a_prompts_file_is_what_the_run_trains_on(examples, tmp_path, monkeypatc
     assert (tmp_path / "runs" / "tiny-base-nft" / CHECKPOINT).is_file()
     prompts = json.loads(result.stdout)["metrics"]["prompts"]
     assert prompts == {"count": 2, "sha256": hashlib.sha256(b"a bag\na red coat").hexdigest()}
+    assert "warning" not in result.stderr
+    long = "a dark grey pullover with long sleeves and a round neck on a white background"
+    (tmp_path / "long.txt").write_text(f"a bag\n{long}\n")
+    cut = CliRunner().invoke(app, ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
+                                   "--prompts", str(tmp_path / "long.txt"), "--no-eval", "--out", "o3", "--run-dir",
+                                   "r3", *(f"--set={o}" for o in [*TINY, "optim.steps=1"])])
+    assert cut.exit_code == 0 and "warning a prompt fills all 16 tokens the text encoder reads" in cut.stderr
+    assert cut.stderr.index("warning") < cut.stderr.index("update 1/"), "said before the run"
     (tmp_path / "others.txt").write_text("a shirt\n")  # a resume on other prompts would train on those
     again = CliRunner().invoke(app, ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
                                      "--prompts", str(tmp_path / "others.txt"), "--no-eval", "--out",

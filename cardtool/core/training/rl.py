@@ -116,7 +116,7 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
        force: bool = False, evaluate: bool = True, judge: str = "fashion-classifier",
        held_out_judge: str | None = "fashion-referee", watch_every: int = 0,
        on_log: Callable[[dict], None] | None = None, on_eval: Callable[[dict], None] | None = None,
-       micro_batches: int = 1) -> Card:
+       micro_batches: int = 1, on_warning: Callable[[str], None] | None = None) -> Card:
     from cardtool.core.evaluation.reward import check_held_out, load_reward, reward_card
 
     check_recipe(recipe)
@@ -139,6 +139,12 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
     task = make_task(recipe, platform, base, reward, prompts if prompts is not None else default_prompts())
     # what it trains on is its prompts: a resume given others (--prompts) would train the rest of the run on them
     task.data = hashlib.sha256("\n".join(task.prompts).encode()).hexdigest()
+    if prompts is not None and on_warning is not None:  # a prompts file's lines cut at the encoder's length
+        from cardtool.core.sampling.text_cache import filled_prompts
+
+        filled = filled_prompts(task.loop.instance, task.prompts, task.cache, task.loop.text_encoder)
+        if filled:
+            on_warning(filled)
     watch = Watch(task.base, task.name, task.policy, task.cache, serving_loop(base), judges, platform,
                   recipe.train.precision, data=data) if watch_every else None
     result = train_loop(task, recipe, platform, run_dir, resume=resume, on_log=watched(on_log, watch, watch_every),
