@@ -153,6 +153,22 @@ def test_advantages_and_clipping_match_hand_computed_values():
     torch.testing.assert_close(ratio, torch.tensor([1.5, 0.5, 1.0]))
 
 
+
+def test_a_reward_that_scores_nan_or_inf_stops_the_run_naming_the_reward(examples):
+    """A non-finite score would become a NaN advantage for its whole group and a NaN loss: said at the rollout."""
+    class Broken(Brightness):
+        card_id = "broken"
+
+        def score(self, images, prompts):
+            scores = super().score(images, prompts)
+            scores[3] = np.inf
+            return scores
+
+    base = examples / "tiny-base"
+    task = make_task(recipe(base, reward=base), CPU, load_card(base), Broken(), ["a bag", "a coat"])
+    with pytest.raises(BadInput, match="reward 'broken' returned a non-finite score"):
+        task.collect(np.array([0, 1]), torch.Generator().manual_seed(0))
+
 def test_grpo_log_probabilities_recomputed_from_the_capture_equal_the_captured_ones(examples):
     """The parity ladder's C2: the rollout's own weights give back each captured step's log-probability, so the
     first update's policy ratio is 1."""
