@@ -773,6 +773,8 @@ def test_train_cli(tmp_path, data):
     assert report["metrics"] == load_card(tmp_path / "vae").manifest.recipe.metrics and "psnr" in str(report["metrics"])
     assert (tmp_path / "runs" / "fashion-vae" / CHECKPOINT).is_file(), "the run's folder defaults to runs/ID"
     assert "step 6/6  loss " in result.stderr, "a script's stdout holds the document, a person still sees progress"
+    command = load_card(tmp_path / "vae").manifest.recipe.command  # rebuilt here (not typed): every override kept
+    assert command.startswith("cardtool train --recipe ") and all(f"--set={o}" in command for o in TINY_VAE), command
     again = CliRunner().invoke(app, ["train", "--recipe", str(RECIPES / "fashion-vae.yaml"), *sets, "--data",
                                      str(data), "--out", str(tmp_path / "vae"), "--run-dir", str(tmp_path / "again")])
     assert again.exit_code == 2 and "already exists" in again.stderr and "--overwrite" in again.stderr, again.output
