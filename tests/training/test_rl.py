@@ -409,6 +409,10 @@ def test_a_prompts_file_is_what_the_run_trains_on(examples, tmp_path, monkeypatc
                                    "r3", *(f"--set={o}" for o in [*TINY, "optim.steps=1"])])
     assert cut.exit_code == 0 and "warning a prompt fills all 16 tokens the text encoder reads" in cut.stderr
     assert cut.stderr.index("warning") < cut.stderr.index("update 1/"), "said before the run"
+    assert cut.stdout == "wrote diffusion_nft card tiny-base-nft to o3\n", "for people: one line on stdout"
+    kept = CliRunner().invoke(app, ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
+                                    "--no-eval", "--out", "o3", "--run-dir", "r4"])
+    assert kept.exit_code == 2 and "o3 already exists" in kept.stderr and "--force" in kept.stderr, kept.output
     (tmp_path / "others.txt").write_text("a shirt\n")  # a resume on other prompts would train on those
     again = CliRunner().invoke(app, ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
                                      "--prompts", str(tmp_path / "others.txt"), "--no-eval", "--out",
