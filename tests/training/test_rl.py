@@ -675,6 +675,29 @@ def test_a_rising_kl_weight_moves_linearly_from_kl_start_to_kl_and_weighs_the_te
     assert losses[3.0][0] - losses[1.0][0] == pytest.approx(2.0 * losses[1.0][1], rel=1e-3)
 
 
+
+def test_flow_grpos_kl_is_the_step_means_squared_gap_over_twice_the_noise_scale_squared(examples):
+    """ALGORITHMS.md (and Flow-GRPO's code): mean((μ_θ − μ_ref)²) / (2s²), s = a·√(σ/(1 − σ)) — not over the step's
+    variance s²·|Δt|, which made β = 0.04 ten times the paper's on a 10-step grid."""
+    base = examples / "tiny-base"
+    task = make_task(recipe(base, "flow_grpo", ["loss.kl=1", "loss.train_timesteps=2"], reward=base), CPU,
+                     load_card(base), Brightness(), ["a bag", "a coat"])
+    task.prepare(0)
+    task.micro_batch(0, 1, np.arange(2), torch.Generator().manual_seed(0))
+    _moved(task.policy)
+    _, metrics = task.loss(np.arange(2), torch.Generator().manual_seed(1))
+    settings, (buffer, rows) = task.settings, task.batch()
+    sigmas = shifted_sigmas(settings.rollout_steps, task.shift)
+    steps = sorted(torch.randperm(settings.rollout_steps, generator=torch.Generator().manual_seed(1))[:2].tolist())
+    text, mask = task.text(buffer.prompts[rows])
+    with torch.no_grad():
+        means = [transition_log_probs(task.loop.sde, model, buffer.latents[:, rows], sigmas, steps, text, mask,
+                                      settings.eta)[1] for model in (task.policy, task.reference_model)]
+    sigma = np.repeat(sigmas[steps], len(rows))
+    noise = settings.eta * np.sqrt(sigma / (1 - np.where(sigma == 1, sigmas[1], sigma)))
+    gaps = (means[0] - means[1]).pow(2).flatten(1).mean(1).double().numpy()
+    assert metrics["kl"] > 1e-6 and metrics["kl"] == pytest.approx(float(np.mean(gaps / (2 * noise**2))), rel=1e-4)
+
 @pytest.mark.parametrize("method", ["diffusion_nft", "flow_grpo"])
 def test_the_kl_term_pulls_a_moved_policy_back_to_the_reference(examples, tmp_path, method):
     """A reward that rates every sample alike gives zero advantages: only the KL term trains, and it must shrink."""

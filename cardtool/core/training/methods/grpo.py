@@ -2,9 +2,10 @@
 likelihood-based baseline. Rollouts sample with the loop's `sde` solver, whose every step is a Gaussian with a
 known log-probability, captured per step. An update recomputes the log-probability of each recorded transition
 x_j → x_{j+1} under the current weights, and optimises PPO's clipped objective on the policy ratio
-ρ = exp(logp_θ − logp_old) with group-normalised advantages, plus a KL term to the frozen reference, which for two
-Gaussians of the same σ is ‖μ_θ − μ_ref‖² / (2σ²) (ALGORITHMS.md). Defaults from the paper: noise level a = 0.7,
-clip ε = 1e-4, β = 0.04, 10 sampling steps in training."""
+ρ = exp(logp_θ − logp_old) with group-normalised advantages, plus a KL term to the frozen reference,
+mean(‖μ_θ − μ_ref‖²) / (2s²) with s = a·√(σ/(1 − σ)) the SDE's noise scale (ALGORITHMS.md, and Flow-GRPO's code): the
+exact KL of the two steps' Gaussians, whose std is s·√(−Δt), times |Δt| — so β means what it meant in the paper's runs.
+Defaults from the paper: noise level a = 0.7, clip ε = 1e-4, β = 0.04, 10 sampling steps in training."""
 
 from __future__ import annotations
 
@@ -99,7 +100,10 @@ class GRPOTask(RewardTask):
                 _, mean_ref, _ = transition_log_probs(self.loop.sde, self.reference_model, latents, sigmas, steps,
                                                       text, mask, s.eta)
             dims = tuple(range(1, mean.ndim))
-            kl = ((mean - mean_ref).pow(2).mean(dim=dims) / (2 * std.pow(2))).mean()
+            # s² from the step's std s·√(−Δt): each row's Δt from the grid, the rows in transition_log_probs' order
+            gaps = np.repeat(sigmas[steps] - sigmas[[j + 1 for j in steps]], len(rows))
+            scale = std.pow(2) / torch.as_tensor(gaps, device=std.device, dtype=std.dtype)
+            kl = ((mean - mean_ref).pow(2).mean(dim=dims) / (2 * scale)).mean()
             loss = loss + self.kl * kl
             metrics["kl"] = float(kl.detach())
         return loss, {**metrics, **self.metrics(buffer)}
