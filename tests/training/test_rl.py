@@ -493,6 +493,10 @@ def test_a_loss_key_a_recipe_leaves_out_takes_the_papers_value():
         assert (settings.group_size, settings.rollout_steps, settings.updates_per_rollout, settings.kl,
                 settings.kl_start, settings.reference_guidance, settings.reference_interval, settings.advantage_clip,
                 settings.reward_cap, settings.shift) == (16, 10, 1, 0.0, None, 1.0, None, 5.0, None, None)
+    nft, grpo = NFTSettings.from_recipe({}), GRPOSettings.from_recipe({})  # ALGORITHMS.md's β, d and a, ε
+    assert (nft.beta, nft.timesteps, nft.t_range, nft.decay_rate, nft.decay_max, nft.rollout_solver) == (
+        1.0, 2, (0.0, 1.0), 1e-3, 0.5, "euler")
+    assert (grpo.eta, grpo.clip_range, grpo.train_timesteps) == (0.7, 1e-4, None)
 
 def test_each_method_starts_from_its_own_defaults_and_the_api_refuses_another_methods_recipe(examples, tmp_path):
     nft, grpo = rl_recipe("tiny-base", "tiny-judge"), rl_recipe("tiny-base", "tiny-judge", "flow_grpo")
