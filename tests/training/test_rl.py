@@ -97,6 +97,35 @@ def test_the_old_policy_holds_through_a_rollout_and_then_follows_the_current_one
     assert torch.equal(old, previous)
     task.prepare(4)  # the third rollout: d = 0.25·1
     torch.testing.assert_close(old, 0.25 * previous + 0.75 * current)
+    one = make_task(recipe(base, reward=base), CPU, load_card(base), Brightness(), ["a bag"])  # one update a rollout
+    old, new = (next(m.parameters()) for m in (one.sampler(), one.policy))
+    _, current = moved()
+    one.prepare(1)  # the second rollout follows the first update at once
+    assert torch.equal(old, current)
+
+
+def test_diffusion_nft_trains_on_the_clean_samples_at_one_t_for_both_policies_with_a_squared_kl(examples, monkeypatch):
+    from cardtool.core.training.methods import nft
+
+    base = examples / "tiny-base"
+    task = make_task(recipe(base, extra=["loss.kl=1", "loss.timesteps=1"], reward=base), CPU, load_card(base),
+                     Brightness(), ["a bag", "a coat"])
+    task.prepare(0)
+    task.micro_batch(0, 1, np.arange(2), torch.Generator().manual_seed(0))
+    _moved(task.policy)
+    seen, real = {}, nft.nft_loss
+    for name in ("policy", "old"):
+        getattr(task, name).register_forward_pre_hook(lambda m, args, name=name: seen.__setitem__(name, args[1]))
+    monkeypatch.setattr(nft, "nft_loss", lambda v, v_old, x_t, x0, t, *a, **k: (
+        seen.update(v=v.detach(), x_t=x_t, x0=x0, t=t), real(v, v_old, x_t, x0, t, *a, **k))[1])
+    _, metrics = task.loss(np.arange(2), torch.Generator().manual_seed(1))
+    buffer, rows = task.batch()
+    assert torch.equal(seen["x0"], buffer.latents[-1][rows]), "the rollouts' clean samples, not a step before"
+    assert torch.equal(seen["policy"], seen["old"]) and torch.equal(seen["policy"], seen["t"] * 1000)
+    text, mask = task.text(buffer.prompts[rows])
+    with torch.no_grad():
+        v_ref = task.reference_velocity(seen["x_t"], seen["t"], text, mask).float()
+    assert metrics["kl"] == pytest.approx(float((seen["v"] - v_ref).pow(2).mean()), rel=1e-5)
 
 
 def test_a_rollout_buffer_serves_its_updates_and_micro_batches_and_is_sampled_once(examples):
