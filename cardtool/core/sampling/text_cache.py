@@ -173,8 +173,8 @@ def filled_prompts(instance, prompts: list[str], cache: TextFeatureCache, compon
                    what: str = "prompt") -> str | None:
     """A warning naming the prompts whose tokens fill every position the text encoder reads (its max_length): words
     past them are cut without a word otherwise, as diffusers' pipelines warn. Read from the encoded mask, so a prompt
-    served from the cache is judged as one encoded now (the features stay in the cache for the sampler); an exact fit
-    is named too, and nothing it says is false of it."""
+    served from the cache is judged as one encoded now (the features stay in the cache for the sampler). A prompt that
+    fits exactly is named too: the mask cannot tell it apart, and what the warning says holds of it as well."""
     distinct = list(dict.fromkeys(prompts))
     filled, length = [], 0
     for start in range(0, len(distinct), 256):  # as the workflow's preflight: the cache keeps what a chunk encodes
