@@ -175,6 +175,15 @@ def test_advantages_and_clipping_match_hand_computed_values():
     np.testing.assert_allclose(per_group[1], np.array([-1, -1, 2]) / (np.sqrt(2) + 1e-4))
     everyone = group_advantages(rewards, global_std=True)
     np.testing.assert_allclose(everyone, (rewards - rewards.mean(1, keepdims=True)) / (rewards.std() + 1e-4))
+    from types import SimpleNamespace
+
+    from cardtool.core.training.methods.grpo import GRPOTask
+    from cardtool.core.training.methods.nft import NFTTask
+
+    methods = {task: task.advantages(SimpleNamespace(settings=SimpleNamespace(advantage_clip=1.2)), rewards)
+               for task in (GRPOTask, NFTTask)}  # Flow-GRPO: its group's std, clipped; DiffusionNFT: the batch's
+    np.testing.assert_allclose(methods[GRPOTask], np.clip(per_group, -1.2, 1.2))
+    np.testing.assert_allclose(methods[NFTTask], everyone)
     log_probs = torch.log(torch.tensor([1.5, 0.5, 1.0]))
     loss, ratio = clipped_objective(log_probs, torch.zeros(3), torch.tensor([1.0, -2.0, 3.0]), 0.2)
     # ρ = 1.5 with A = 1: max(−1.5, −1.2) = −1.2; ρ = 0.5 with A = −2: max(1.0, 1.6) = 1.6; ρ = 1: −3
