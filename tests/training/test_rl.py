@@ -718,6 +718,27 @@ def test_a_rising_kl_weight_moves_linearly_from_kl_start_to_kl_and_weighs_the_te
 
 
 
+
+def test_flow_grpos_ratio_metrics_are_the_largest_deviation_and_the_share_clipped(examples):
+    base = examples / "tiny-base"
+    task = make_task(recipe(base, "flow_grpo", reward=base), CPU, load_card(base), Brightness(), ["a bag", "a coat"])
+    task.prepare(0)
+    task.micro_batch(0, 1, np.arange(2), torch.Generator().manual_seed(0))
+    _, fresh = task.loss(np.arange(2), torch.Generator().manual_seed(1))
+    assert fresh["ratio_deviation"] <= 1e-5 and fresh["clip_fraction"] == 0.0, "the rollout's own weights: ρ = 1"
+    _moved(task.policy)
+    _, moved = task.loss(np.arange(2), torch.Generator().manual_seed(1))
+    settings, (buffer, rows) = task.settings, task.batch()
+    text, mask = task.text(buffer.prompts[rows])
+    with torch.no_grad():  # every step trained (train_timesteps unset), in order
+        log_probs, _, _ = transition_log_probs(task.loop.sde, task.policy, buffer.latents[:, rows],
+                                               shifted_sigmas(settings.rollout_steps, task.shift),
+                                               list(range(settings.rollout_steps)), text, mask, settings.eta)
+    deviation = (torch.exp(log_probs - buffer.log_probs[:, rows].reshape(-1)) - 1).abs()
+    assert moved["ratio_deviation"] == pytest.approx(float(deviation.max()), rel=1e-4)
+    assert moved["clip_fraction"] == pytest.approx(float((deviation > settings.clip_range).float().mean()))
+    assert moved["clip_fraction"] > 0
+
 def test_flow_grpos_kl_is_the_step_means_squared_gap_over_twice_the_noise_scale_squared(examples):
     """ALGORITHMS.md (and Flow-GRPO's code): mean((μ_θ − μ_ref)²) / (2s²), s = a·√(σ/(1 − σ)) — not over the step's
     variance s²·|Δt|, which made β = 0.04 ten times the paper's on a 10-step grid."""
