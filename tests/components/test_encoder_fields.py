@@ -151,7 +151,8 @@ def test_weights_that_lack_what_the_config_builds_are_refused_at_load(tmp_path):
     """An albert config over BERT weights would load with its layers initialised at random: validation refuses it
     (the weights hold no ALBERT layer), and so does the load behind it, naming the missing tensors."""
     folder = _source(tmp_path, model_type="albert", embedding_size=384)
-    with pytest.raises(ValueError, match="model.safetensors lacks [0-9]+ tensors of the albert encoder config.json describes"):
+    with pytest.raises(ValueError, match="model.safetensors lacks [0-9]+ tensors of the albert encoder config.json "
+                                         "describes"):
         HFTextEncoder(folder, 16, "cpu", torch.float32)
 
 
