@@ -565,13 +565,16 @@ def test_repeated_prompts_and_a_card_named_twice_in_parallel_are_warned_of(examp
 def test_a_run_for_people_lists_each_image_and_says_its_progress_on_stderr(examples, tmp_path):
     path = write(tmp_path, examples, """  draft:
     generate: {card: EX/tiny-base, prompts: ["a bag"], num: 2, steps: 1}
+  pick:
+    best_of_n: {card: EX/tiny-base, reward: EX/tiny-judge, n: 2, prompts: ["a sneaker"], steps: 1}
 """)
     result = CliRunner().invoke(app, ["workflow", "run", str(path), "--out", str(tmp_path / "out"), "--max-batch",
                                       "1"])  # two waves of one image
     assert result.exit_code == 0, result.output
-    lines = result.stdout.splitlines()
+    *lines, picked = result.stdout.splitlines()
     assert len(lines) == 2 and all(line.endswith(f"  (draft: 'a bag', seed {seed})") for line, seed in zip(
         lines, (0, 1), strict=True)) and all(Path(line.split("  (")[0]).is_file() for line in lines), lines
+    assert "  (pick: 'a sneaker', seed 0, best of 2: " in picked, picked
     assert "step draft: 1 of 2 images" in result.stderr and "step draft (generate): 2 images in " in result.stderr
 
 def test_a_prompt_past_the_text_encoders_tokens_is_warned_of_with_its_step(examples, tmp_path):
