@@ -13,6 +13,7 @@ from contextlib import contextmanager
 import typer
 
 from cardtool.errors import BadInput, CardtoolError, CardValidationError, OutOfMemory, RunFailed
+from cardtool.words import counted  # noqa: F401 - the commands take it from here
 
 __all__ = ["LateProgress", "console", "emit_json", "handled", "printable", "quoted_prompt", "say", "warn"]
 
@@ -63,11 +64,6 @@ def paired_cells(d: dict) -> list[str]:
     fid = "–" if d.get("fid_fmnist") is None else \
         f"{d['fid_fmnist']:+.3f} ({d['fid_fmnist_ci95'][0]:+.2f}…{d['fid_fmnist_ci95'][1]:+.2f})"
     return [*judged, fid]
-
-
-def counted(number: int, noun: str) -> str:
-    """'1 image', '2 images'."""
-    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def clock(seconds: float) -> str:

@@ -48,6 +48,7 @@ from cardtool.core.sampling.planning import MAX_IMAGES, MissingControl, plan_req
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache, filled_prompts
 from cardtool.errors import BadInput, OutOfMemory
+from cardtool.words import counted
 
 __all__ = ["EvalRow", "EvalReport", "checked_per_class", "evaluate"]
 
@@ -427,8 +428,7 @@ def _measure_row(report: EvalReport, referee: FashionJudge, real: np.ndarray, la
         row = EvalRow(first.steps, first.guidance, list(first.guidance_interval), p, count, nan, nan, nan, nan,
                       nan, nan, first.model_evaluations(), first.shift, first.solver)
         kept = None
-        steps = f"{first.steps} step{'s' if first.steps != 1 else ''}"
-        report.warnings.append(f"{p}, {steps}, guidance {first.guidance:g}: no measurement, "
+        report.warnings.append(f"{p}, {counted(first.steps, 'step')}, guidance {first.guidance:g}: no measurement, "
                                f"{broken or 'another rank made NaN or inf images'}")
     else:
         images = np.stack(made)

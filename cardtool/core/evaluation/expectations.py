@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 
 from cardtool.errors import BadInput
+from cardtool.words import counted
 
 __all__ = ["METRICS", "Expectation", "parse_expectation"]
 
@@ -35,9 +36,8 @@ class Expectation:
             got = getattr(row, self.metric)
             got = math.nan if got is None else got
             if not (math.isfinite(got) and _OPS[self.op](got, self.value)):
-                steps = f"{row.steps} step{'s' if row.steps != 1 else ''}"
-                missed.append(f"{self.metric} {got:.6g} at {steps}, guidance {row.guidance:g}, {row.precision} "
-                              f"(expected {self})")
+                missed.append(f"{self.metric} {got:.6g} at {counted(row.steps, 'step')}, guidance {row.guidance:g}, "
+                              f"{row.precision} (expected {self})")
         return missed
 
 

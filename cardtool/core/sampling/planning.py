@@ -17,6 +17,7 @@ from cardtool.core.sampling.control import ControlImage
 from cardtool.core.sampling.denoise import Request, shifted_sigmas
 from cardtool.errors import BadInput
 from cardtool.files import read_small_file, read_stream
+from cardtool.words import counted
 
 __all__ = ["LOOP", "MAX_IMAGES", "MissingControl", "adapter_stack", "checked_arguments", "parse_interval",
            "plan_requests", "read_prompts_file", "started_warnings", "unguided_warning"]
@@ -72,8 +73,7 @@ def plan_requests(card: Card, prompts: list[str], *, num: int = 1, seed: int = 0
     warnings = []
     assumed = card.manifest.recipe.assumes.steps
     if assumed is not None and steps != assumed:
-        message = (f"card '{card.id}' assumes {assumed} step{'s' if assumed != 1 else ''}; sampling with {steps} may "
-                   "give poor images")
+        message = f"card '{card.id}' assumes {counted(assumed, 'step')}; sampling with {steps} may give poor images"
         if strict:
             raise BadInput(message + " (--strict)")
         warnings.append(message)
@@ -120,8 +120,7 @@ def unguided_warning(request: Request) -> str | None:
         return None
     low, high = request.guidance_interval
     start = f", from σ {run[0]:g} at strength {request.strength:g}" if request.strength < 1 else ""
-    steps = f"{request.steps} step{'s' if request.steps != 1 else ''}"
-    return (f"no step's σ lies in the guidance interval {low:g},{high:g} ({steps} on shift "
+    return (f"no step's σ lies in the guidance interval {low:g},{high:g} ({counted(request.steps, 'step')} on shift "
             f"{request.shift:g}{start}): guidance {request.guidance:g} applies to none, and the images are those of "
             "guidance 1; widen the interval")
 
