@@ -28,7 +28,8 @@ def flywheel_command(
                                                  "report (default runs/ID-flywheel).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the stage a stop interrupted.")] = False,
     force: Annotated[bool, typer.Option("--force", "--overwrite",
-                                        help="Replace a stage's card that another recipe made.")] = False,
+                                        help="Replace a stage's card that another recipe made (its run starts "
+                                        "afresh).")] = False,
     stop_after: Annotated[str | None, typer.Option("--stop-after", help="Stop after this stage: rl, distill or "
                                                    "eval.")] = None,
     compare: Annotated[list[str] | None, typer.Option("--compare", help="Another card for the table (e.g. a student "

@@ -466,8 +466,14 @@ def test_resume_after_a_kill_gives_the_same_final_weights(tmp_path, data):
     with safe_open(str(tmp_path / "rb" / CHECKPOINT), framework="pt") as f:
         trained_before = float(f.metadata()["seconds"])
     assert trained_before > 0
-    with pytest.raises(BadInput, match="already holds a run"):
+    with pytest.raises(BadInput, match="already holds a run; continue it with --resume"):
         train(tiny("fashion-vae"), command="c", out=tmp_path / "b", run_dir=tmp_path / "rb", data=str(data))
+    other = write_idx_folder(tmp_path / "other", seed=1)  # --resume would refuse either: not what to advise
+    for changed, folder in ((tiny("fashion-vae", ["optim.lr=2e-3"]), data), (tiny("fashion-vae"), other)):
+        with pytest.raises(BadInput, match=r"rb already holds the run of another recipe or other data.*; give this "
+                                           r"run another --run-dir, or remove the folder") as refused:
+            train(changed, command="c", out=tmp_path / "b", run_dir=tmp_path / "rb", data=str(folder))
+        assert ("optim.lr was 0.001, now 0.002" in str(refused.value)) == (folder == data)
     entries = []
     resumed = train(tiny("fashion-vae"), command="c", out=tmp_path / "b", run_dir=tmp_path / "rb", data=str(data),
                     resume=True, on_log=entries.append)

@@ -127,6 +127,9 @@ def test_a_rerun_skips_finished_stages_and_a_changed_recipe_is_refused(examples,
     changed = run(examples, tmp_path, "--stop-after", "distill", overrides=[*TINY, "distill.optim.lr=1e-3"])
     assert changed.exit_code == 2
     assert "not made by this stage's recipe" in json.loads(changed.stdout)["error"]["message"]
+    forced = run(examples, tmp_path, "--stop-after", "distill", "--force", overrides=[*TINY, "distill.optim.lr=1e-3"])
+    assert [s["skipped"] for s in json.loads(forced.stdout).get("stages", [])] == [True, False], forced.stdout
+    assert load_card(tmp_path / "cards" / "tiny-base-nft-1step").manifest.recipe.hyperparameters["optim"]["lr"] == 1e-3
     recipe = flywheel_recipe(str(examples / "tiny-base"), str(examples / "tiny-judge"), steps=1,
                              overrides=[*TINY, "rl.optim.lr=1e-3"], out_dir=tmp_path / "cards")
     with pytest.raises(BadInput, match="not made by this stage's recipe"):  # the API too: replacing takes force=True
@@ -138,6 +141,22 @@ def test_a_rerun_skips_finished_stages_and_a_changed_recipe_is_refused(examples,
     assert damaged.exit_code == 2
     assert "exists but is not a card that loads (" in json.loads(damaged.stdout)["error"]["message"]
     assert "card.yaml:" in json.loads(damaged.stdout)["error"]["message"], "located"
+
+
+def test_a_gan_student_trained_on_other_images_is_no_stage_to_skip(examples, tmp_path):
+    gan = [*TINY, "distill.loss.gan=true"]
+    assert run(examples, tmp_path, "--stop-after", "distill", overrides=gan).exit_code == 0
+    first = load_card(tmp_path / "cards" / "tiny-base-nft-1step").manifest.recipe.fingerprint
+    same = run(examples, tmp_path, "--stop-after", "distill", overrides=gan)
+    assert [s["skipped"] for s in json.loads(same.stdout)["stages"]] == [True, True], same.output
+    other = write_idx_folder(tmp_path / "other", seed=1)  # --data is no part of the recipe: its images are
+    changed = run(examples, tmp_path, "--stop-after", "distill", "--data", str(other), overrides=gan)
+    assert changed.exit_code == 2, changed.output
+    message = json.loads(changed.stdout)["error"]["message"]
+    assert "tiny-base-nft-1step exists but was not made by this stage's recipe and training images" in message
+    replaced = run(examples, tmp_path, "--stop-after", "distill", "--data", str(other), "--force", overrides=gan)
+    assert [s["skipped"] for s in json.loads(replaced.stdout).get("stages", [])] == [True, False], replaced.stdout
+    assert load_card(tmp_path / "cards" / "tiny-base-nft-1step").manifest.recipe.fingerprint != first
 
 
 def test_a_run_stopped_after_the_rl_stage_goes_on_at_distill(examples, tmp_path):

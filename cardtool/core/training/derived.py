@@ -42,10 +42,12 @@ def extends_reference(parent: Card, out: Path) -> str:
     return os.path.relpath(parent.folder.resolve(), out.parent.resolve() / out.name)
 
 
-def recipe_fingerprint(recipe) -> str:
+def recipe_fingerprint(recipe, data: str | None = None) -> str:
     """sha256 of the resolved recipe with each parent named by what it is — its id and the manifest parts that
-    decide a run (components with their weights' sha256, loops, adapters) — not by where it or its files lie. Two
-    runs with one fingerprint make the same card, so a re-run (the flywheel's stages) can skip it."""
+    decide a run (components with their weights' sha256, loops, adapters) — not by where it or its files lie, and
+    `data`, the digest of the training images where the run reads them (DMD2's GAN term), since --data is no part
+    of the recipe. Two runs with one fingerprint make the same card, so a re-run (the flywheel's stages) can skip
+    it."""
     parents = []
     for ref in recipe.parents:
         manifest = load_card(locate(ref)).manifest
@@ -55,7 +57,7 @@ def recipe_fingerprint(recipe) -> str:
                 if entry.get("sha256"):  # the content names the file; its path depends on where the cards lie
                     entry.pop("weights", None)
         parents.append({"id": manifest.id, **parts})
-    document = {"recipe": recipe.shaping(("parents",)), "parents": parents}
+    document = {"recipe": recipe.shaping(("parents",)), "parents": parents, **({"data": data} if data else {})}
     return hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()
 
 

@@ -132,7 +132,7 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
         **parts,
         "loops": {"denoise": {"defaults": {**student, **defaults}}},
         "recipe": {"method": "dmd2", "parents": [teacher.id], "assumes": {"loop": "denoise", "steps": steps},
-                   "command": command, "fingerprint": recipe_fingerprint(recipe),
+                   "command": command, "fingerprint": recipe_fingerprint(recipe, task.data),
                    "hyperparameters": recipe.hyperparameters(),
                    "metrics": metrics},
         "parity": {"consistency": "C1"},

@@ -190,6 +190,10 @@ def _train(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, resume
         stale.unlink(missing_ok=True)
     start, loss_value, before = 0, float("nan"), 0.0  # before: training seconds of the sessions a resume continues
     if checkpoint.exists() and not resume:
+        if not made_by(checkpoint, recipe, task.data):  # --resume would refuse it: not the advice to give
+            changed = recipe_changes(checkpoint_metadata(checkpoint).get("recipe"), recipe.shaping())
+            raise BadInput(f"{run_dir} already holds the run of another recipe or other data{changed}; give this "
+                           "run another --run-dir, or remove the folder")
         raise BadInput(f"{run_dir} already holds a run; continue it with --resume, or remove the folder")
     if resume:
         if not checkpoint.exists():
@@ -347,6 +351,26 @@ def _save(path: Path, recipe: Recipe, step: int, loss: float, seconds: float, mo
         kept = f"the previous checkpoint is kept — {write_remedy(e)} and continue with --resume" if path.is_file() \
             else f"there is no earlier checkpoint — {write_remedy(e)} and start the run again"
         raise RunFailed(f"cannot write the checkpoint of step {step} to {path}: {e.strerror or e}; {kept}") from None
+
+
+def checkpoint_metadata(path: Path) -> dict[str, str]:
+    """A checkpoint's recorded step, recipe, fingerprint and data digest; {} for a file that cannot be read."""
+    from safetensors import SafetensorError, safe_open
+
+    if not is_regular_file(path):
+        return {}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.metadata() or {}
+    except (SafetensorError, OSError):
+        return {}
+
+
+def made_by(path: Path, recipe: Recipe, data: str | None) -> bool:
+    """Whether the checkpoint at `path` is a run of `recipe` on the data of digest `data` — one --resume
+    continues (a checkpoint from before the digest was recorded: assumed so)."""
+    metadata = checkpoint_metadata(path)
+    return metadata.get("fingerprint") == recipe.fingerprint() and (not data or metadata.get("data", data) == data)
 
 
 def recipe_changes(recorded: str | None, now: dict, shown: int = 4) -> str:

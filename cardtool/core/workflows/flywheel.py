@@ -164,7 +164,7 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
     from cardtool.core.evaluation.reward import check_held_out, reward_card
     from cardtool.core.training.distill import distill, gan_real_images
     from cardtool.core.training.rl import rl
-    from cardtool.core.training.trainer import check_run, writable_outputs
+    from cardtool.core.training.trainer import CHECKPOINT, check_run, made_by, writable_outputs
     from cardtool.core.training.watch import check_every
 
     if stop_after is not None and stop_after not in STAGES:
@@ -199,8 +199,8 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
     platform = Platform.detect(device)
     for name, stage_recipe in (("rl", recipe.rl), ("distill", recipe.distill))[:1 if stop_after == "rl" else 2]:
         check_run(stage_recipe, platform, micro_batches, f"{name}.")  # the distill stage's now, not after the rl's
-    if stop_after != "rl":
-        gan_real_images(recipe.distill, data)  # its real images: a folder with no classes found before the rl stage
+    real = gan_real_images(recipe.distill, data) if stop_after != "rl" else None  # found before the rl stage
+    shaped_by = {"rl": None, "distill": real.digest() if real is not None else None}  # a new --data: a new student
     report = FlywheelReport(judge=judge, held_out_judge=held_out_judge, per_class=per_class)
     common = {"device": device, "data": data, "micro_batches": micro_batches}
 
@@ -210,16 +210,20 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
 
     def stage(name: str, stage_recipe: Recipe, run) -> Card:
         out = Path(out_dir) / stage_recipe.card.id
-        fingerprint = recipe_fingerprint(stage_recipe)
+        fingerprint = recipe_fingerprint(stage_recipe, shaped_by[name])
         existing, unreadable = _existing(out)
         if existing is not None and existing.manifest.recipe.fingerprint == fingerprint:
             entry = {"stage": name, "card": existing.id, "path": str(out), "skipped": True, "seconds": 0.0}
         else:
             if out.exists() and not force:
                 why = f"is not a card that loads ({unreadable})" if unreadable else \
-                    f"was not made by this stage's recipe (fingerprint {fingerprint[:12]}…)"
+                    f"was not made by this stage's recipe{' and training images' if shaped_by[name] else ''} " \
+                    f"(fingerprint {fingerprint[:12]}…)"
                 raise BadInput(f"{out} exists but {why}; pass --force to replace it, or choose another --out-prefix")
             stage_dir = run_dir / name
+            if force and _has_checkpoint(stage_dir) and not made_by(stage_dir / CHECKPOINT, stage_recipe,
+                                                                     shaped_by[name]):
+                (stage_dir / CHECKPOINT).unlink()  # the run of what --force replaces: no run of this recipe resumes it
             started = time.perf_counter()
             run(stage_recipe, command=f"{command}  # stage {name}", out=out, run_dir=stage_dir,
                 resume=resume and _has_checkpoint(stage_dir), force=force, evaluate=False,
