@@ -163,6 +163,9 @@ def test_a_run_stopped_after_the_rl_stage_goes_on_at_distill(examples, tmp_path)
     first = run(examples, tmp_path, "--stop-after", "rl")
     assert first.exit_code == 0, first.output
     assert [s["stage"] for s in json.loads(first.stdout)["stages"]] == ["rl"]
+    named = {k: json.loads(first.stdout)[k] for k in ("judge", "held_out_judge", "platform")}  # as the eval stage's
+    assert named == {"judge": "tiny-judge", "held_out_judge": "tiny-referee", "platform": named["platform"]}
+    assert re.fullmatch(r"cpu/\w+", named["platform"]), named
     assert not (tmp_path / "cards" / "tiny-base-nft-1step").exists()
     tuned = (tmp_path / "cards" / "tiny-base-nft" / "transformer.safetensors").read_bytes()
     second = run(examples, tmp_path, "--stop-after", "distill", "--resume")

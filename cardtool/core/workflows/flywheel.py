@@ -201,7 +201,10 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
         check_run(stage_recipe, platform, micro_batches, f"{name}.")  # the distill stage's now, not after the rl's
     real = gan_real_images(recipe.distill, data) if stop_after != "rl" else None  # found before the rl stage
     shaped_by = {"rl": None, "distill": real.digest() if real is not None else None}  # a new --data: a new student
-    report = FlywheelReport(judge=judge, held_out_judge=held_out_judge, per_class=per_class)
+    # named as the eval stage names them, also in the report of a run stopped before it
+    report = FlywheelReport(judge=reward_card(judge)[0].id,
+                            held_out_judge=reward_card(held_out_judge)[0].id if held_out_judge else None,
+                            per_class=per_class, platform=f"{platform.device}/{platform.arch}")
     common = {"device": device, "data": data, "micro_batches": micro_batches}
 
     judges = [judge, *([held_out_judge] if held_out_judge else [])]
@@ -245,7 +248,7 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
             _evaluate([str(locate(recipe.base)), str(tuned.folder), str(student.folder),
                        *(str(locate(c)) for c in compare)], report, device, data,
                       record={str(c.folder) for c in (tuned, student) if c.folder.resolve() in made},
-                      student=str(student.folder))
+                      student=str(student.folder), judge=judge, held_out_judge=held_out_judge)
             entry = {"stage": "eval", "card": None, "skipped": False,
                      "seconds": round(time.perf_counter() - started, 1)}
             report.stages.append(entry)
@@ -261,7 +264,7 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
 
 
 def _evaluate(folders: list[str], report: FlywheelReport, device: str | None, data: str | None,
-              record: set[str], student: str) -> None:
+              record: set[str], student: str, judge: str, held_out_judge: str | None) -> None:
     """Each card at its own loop defaults under the judge (accuracy, FID, speed) and the held-out judge; the cards
     this run made (`record`) keep theirs (eval.json and the summary, as `cardtool eval --record`). The `student`
     is then compared image pair by image pair with every card but the RL'd one (its teacher) under the judge, as
@@ -270,7 +273,6 @@ def _evaluate(folders: list[str], report: FlywheelReport, device: str | None, da
     from cardtool.core.evaluation.evaluate import evaluate
     from cardtool.core.evaluation.paired import paired_differences
 
-    judge, held_out_judge = report.judge, report.held_out_judge
     samples = {}
     for folder in folders:
         card = load_card(folder)
