@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
 from cardtool.backends.lora import linear_names, write_lora
 from cardtool.backends.platform import Platform
 from cardtool.cli import app
+from cardtool.core.cards.compose import compose_cards
 from cardtool.core.cards.loader import load_card
 from cardtool.core.cards.weight_files import sha256_file
 from cardtool.core.sampling.instance import ModelInstance
+from cardtool.errors import BadInput
 
 ADAPTER_CARD = """\
 schema: cardtool/v1
@@ -92,3 +95,39 @@ def test_a_card_that_would_not_validate_is_located_in_the_folder_asked_for(examp
     problem = json.loads(result.stdout)["error"]["problems"][0]
     assert problem["file"].endswith("served/card.yaml") and ".tmp" not in problem["file"] and problem["field"] == "id"
     assert not (tmp_path / "served").exists() and not list(tmp_path.glob(".served*"))
+
+
+def test_compose_from_python_needs_an_adapter_card_and_replaces_only_when_asked(examples, tmp_path):
+    adapter_card(examples, "tiny-base", "tiny-a", "alpha", 1)
+    with pytest.raises(BadInput, match="name at least one adapter card to compose"):
+        compose_cards(str(examples / "tiny-base"), [], "served", out=tmp_path / "served")
+    assert not (tmp_path / "served").exists()
+    compose_cards(str(examples / "tiny-base"), [str(examples / "tiny-a")], "served", out=tmp_path / "served")
+    with pytest.raises(BadInput, match="already exists"):
+        compose_cards(str(examples / "tiny-base"), [str(examples / "tiny-a")], "served", out=tmp_path / "served")
+    adapter_card(examples, "tiny-base", "tiny-b", "beta", 2)
+    card = compose_cards(str(examples / "tiny-base"), [str(examples / "tiny-b")], "served", out=tmp_path / "served",
+                         overwrite=True)
+    assert set(card.manifest.adapters) == {"invert", "beta"}
+
+
+def test_an_adapter_name_a_card_lacks_is_refused_with_what_it_likely_meant(examples, tmp_path):
+    adapter_card(examples, "tiny-base", "tiny-a", "alpha", 1)
+    compose_cards(str(examples / "tiny-base"), [str(examples / "tiny-a")], "tiny-served", out=examples / "tiny-served")
+
+    def refusal(card, name):
+        result = CliRunner().invoke(app, ["generate", card, "-p", "a bag", "--steps", "1", "--adapter", name, "--out",
+                                          str(tmp_path / "o")], env={"CARDTOOL_PATH": str(examples), "COLUMNS": "1000"})
+        assert result.exit_code == 2, result.output
+        return " ".join(result.output.split())
+
+    said = "card 'tiny-served' declares no adapter '{}'; its adapters: invert, alpha"
+    assert refusal("tiny-served", "tiny-a").endswith(said.format("tiny-a") + " ('tiny-a' is the card that made "
+                                                     "'alpha': name the adapter, not the card)")
+    assert refusal("tiny-served", "Alpha").endswith(said.format("Alpha") + " (did you mean 'alpha'?)")
+    assert refusal("tiny-served", "alpah").endswith(said.format("alpah") + " (did you mean 'alpha'?)")
+    assert refusal("tiny-base", "alpha").endswith("card 'tiny-base' declares no adapter 'alpha'; its adapters: "
+                                                  "invert; cards made on it that declare 'alpha': tiny-a, tiny-served "
+                                                  "(generate with one of those)")
+    assert refusal("tiny-rl", "alpha").endswith("card 'tiny-rl' declares no adapter 'alpha'; its adapters: invert")
+    assert refusal("tiny-base", "omega").endswith("card 'tiny-base' declares no adapter 'omega'; its adapters: invert")

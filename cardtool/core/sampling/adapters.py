@@ -69,7 +69,9 @@ class AdapterStore:
         card = self.instance.card
         spec = card.manifest.adapters.get(name)
         if spec is None:
-            raise BadInput(f"card '{card.id}' declares no adapter '{name}'; its adapters: {self.declared()}")
+            from cardtool.core.cards.adapter_names import no_such_adapter
+
+            raise BadInput(no_such_adapter(card, name))
         path = card.folder / spec.weights
         try:
             info = path.stat()

@@ -178,8 +178,9 @@ def adapter_stack(card: Card, stack: list[tuple[str, float]], control: ControlIm
     declared = card.manifest.adapters
     for i, (name, _) in enumerate(stack):
         if name not in declared:
-            raise BadInput(f"card '{card.id}' declares no adapter '{name}'; its adapters: "
-                           f"{', '.join(declared) or 'none'}")
+            from cardtool.core.cards.adapter_names import no_such_adapter
+
+            raise BadInput(no_such_adapter(card, name))
         if any(name == other for other, _ in stack[:i]):  # each copy would add its rank to the stack's product
             raise BadInput(f"adapter '{name}' is named twice; name it once, at the scale wanted (NAME=SCALE)")
     nets = [name for name, _ in stack if declared[name].kind == "controlnet"]
