@@ -76,6 +76,9 @@ def test_compose_refuses_cards_made_on_another_base_and_clashing_names(examples,
     other = runner.invoke(app, ["cards", "compose", str(examples / "tiny-rl"), str(examples / "tiny-a"), "--id", "y",
                                 "--out", str(tmp_path / "y")])
     assert other.exit_code == 2 and "does not extend 'tiny-rl'" in other.output
+    plain = runner.invoke(app, ["cards", "compose", str(examples / "tiny-base"), str(examples / "tiny-rl"), "--id", "x",
+                                "--out", str(tmp_path / "x")])  # tuned weights, no adapter of its own
+    assert plain.exit_code == 2 and "'tiny-rl' adds no adapter to 'tiny-base'" in plain.output, plain.output
     root = runner.invoke(app, ["cards", "compose", str(examples / "tiny-base"), str(examples / "tiny-judge"), "--id",
                                "z", "--out", str(tmp_path / "z")])  # a card that extends none
     assert root.exit_code == 2 and "'tiny-judge' does not extend 'tiny-base' directly" in root.output
