@@ -20,13 +20,14 @@ import numpy as np
 
 from cardtool.errors import BadInput
 
-__all__ = ["CLASS_NAMES", "DEFAULT_DATA", "IMAGE_SIZE", "Split", "data_dir", "load_split", "read_idx"]
+__all__ = ["CLASS_NAMES", "DEFAULT_DATA", "IMAGE_SIZE", "Split", "data_dir", "load_split", "provenance", "read_idx"]
 
 DEFAULT_DATA = Path("/usr/share/datasets/fashion-mnist")  # Debian's dataset-fashion-mnist
 IMAGE_SIZE = 28  # Fashion-MNIST's: what the judge's classifier and the family's VAE take
 MAX_IDX_BYTES = 1 << 32  # Fashion-MNIST's training images are 47 MB; EMNIST's largest split under 1 GB
 CLASS_NAMES = ("T-shirt/top", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag",
                "ankle boot")
+FASHION_MNIST = {"1f243a60b4b748a4": "train", "9a494dc49efeb996": "test"}  # Split.digest() of its two splits
 _FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
           "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
 _HOW = ("install Debian's package (apt-get install -y dataset-fashion-mnist), or give a folder holding "
@@ -75,6 +76,16 @@ def data_dir(explicit: str | Path | None = None) -> Path:
     if not folder.is_dir():
         raise BadInput(f"no Fashion-MNIST data at {folder}: {_HOW}")
     return folder
+
+
+def provenance(split: Split, name: str) -> dict:
+    """What a card's `recipe.data` records of the `name` split it was trained on: Fashion-MNIST's, known by its
+    content wherever its files lie; any other IDX folder's or image folder's by kind, size and digest."""
+    digest = split.digest()
+    if split.captions is None and FASHION_MNIST.get(digest) == name:
+        return {"dataset": "fashion-mnist", "split": name}
+    return {"dataset": "idx" if split.captions is None else "image-folder", "split": name, "images": len(split),
+            "digest": digest}
 
 
 def read_idx(path: Path) -> np.ndarray:

@@ -8,7 +8,7 @@ import struct
 import numpy as np
 import pytest
 
-from cardtool.core.data import CLASS_NAMES, load_split, read_idx
+from cardtool.core.data import CLASS_NAMES, DEFAULT_DATA, load_split, provenance, read_idx
 from cardtool.errors import BadInput
 
 
@@ -33,6 +33,23 @@ def test_debian_fashion_mnist_is_the_default(fashion_mnist):
     assert test.images.shape == (10000, 28, 28) and test.images.dtype == np.uint8
     assert np.bincount(test.labels).tolist() == [1000] * 10
     assert test.class_names[9] == "ankle boot" and len(CLASS_NAMES) == 10
+
+
+def test_a_cards_recorded_data_is_fashion_mnist_by_its_content_wherever_it_lies(fashion_mnist, tmp_path):
+    for split in ("train", "test"):
+        assert provenance(load_split(split), split) == {"dataset": "fashion-mnist", "split": split}
+    copy = tmp_path / "copy"  # uncompressed, elsewhere: the same images
+    copy.mkdir()
+    for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"):
+        copy.joinpath(name).write_bytes(gzip.decompress((DEFAULT_DATA / f"{name}.gz").read_bytes()))
+    assert provenance(load_split("train", copy), "train") == {"dataset": "fashion-mnist", "split": "train"}
+    images = bytearray(copy.joinpath("train-images-idx3-ubyte").read_bytes())
+    images[-1] ^= 1  # one pixel of one image: no longer Fashion-MNIST's
+    copy.joinpath("train-images-idx3-ubyte").write_bytes(bytes(images))
+    other = load_split("train", copy)
+    assert provenance(other, "train") == {"dataset": "idx", "split": "train", "images": 60000,
+                                          "digest": other.digest()}
+    assert provenance(load_split("train"), "test")["dataset"] == "idx", "the train split is no test split"
 
 
 @pytest.mark.parametrize("compress", [True, False])

@@ -272,13 +272,16 @@ def _platform():
     return Platform("cpu", "generic")
 
 
-
 def test_a_gan_run_resumed_on_other_real_images_is_refused(examples, tmp_path):
     """The GAN term's real images are the run's data: its checkpoint records their digest, as `train`'s does."""
     gan = recipe(examples / "tiny-base", extra=["loss.gan=true", "optim.steps=1"])
     data, other = write_idx_folder(tmp_path / "idx"), write_idx_folder(tmp_path / "other", seed=1)
     options = dict(command="c", run_dir=tmp_path / "run", evaluate=False)
-    distill(gan, out=tmp_path / "one", data=str(data), **options)
+    card = distill(gan, out=tmp_path / "one", data=str(data), **options)
+    from cardtool.core.data import load_split
+
+    assert card.manifest.recipe.data == {"dataset": "idx", "split": "train", "images": 64,  # the card says which
+                                         "digest": load_split("train", data).digest()}
     with pytest.raises(BadInput, match="was trained on other data than this run reads"):
         distill(gan, out=tmp_path / "two", data=str(other), resume=True, **options)
 

@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 
 from cardtool.cli import app
 from cardtool.core.cards.loader import load_card
+from cardtool.core.data import load_split
 from cardtool.core.interrupt import Interrupted
 from cardtool.core.training.recipes import load_recipe
 from cardtool.core.training.train import train
@@ -91,7 +92,6 @@ def test_a_card_continued_learns_on_its_own_text_encoders_features_and_a_finetun
 
     from cardtool.backends.platform import Platform
     from cardtool.core.cards.schema import Component
-    from cardtool.core.data import load_split
     from cardtool.core.training.methods.adapters import adapter_task
     from cardtool.core.training.methods.flow_matching import FlowMatchingTask, _carried
 
@@ -129,7 +129,6 @@ def test_the_dropped_condition_is_the_empty_prompts_token_states(data):
     from types import SimpleNamespace
 
     from cardtool.backends.platform import Platform
-    from cardtool.core.data import load_split
     from cardtool.core.training.methods.flow_matching import FlowMatchingTask
 
     task = object.__new__(FlowMatchingTask)
@@ -171,6 +170,8 @@ def test_vae_card_is_written_with_recipe_command_and_metrics(tmp_path, data):
     recipe = card.manifest.recipe
     assert recipe.method == "vae" and recipe.command == "cardtool train …"
     assert recipe.hyperparameters["loss"] == {"kl_weight": 1e-4}, "the default the recipe left out is recorded"
+    assert recipe.data == {"dataset": "idx", "split": "train", "images": 64,  # not Fashion-MNIST: --data's images
+                           "digest": load_split("train", data).digest()}
     assert {"test_psnr_db", "scaling_factor", "final_loss", "steps"} <= set(recipe.metrics)
     assert card.manifest.components["vae"].config["scaling_factor"] == recipe.metrics["scaling_factor"]
     seconds, pace = recipe.metrics["train_seconds"], recipe.metrics["samples_per_second"]  # both rounded to 0.1
@@ -397,7 +398,6 @@ def test_image_tasks_hold_the_dataset_as_its_bytes(data):
     """The VAE and the classifier convert a batch at a time: a dataset held as float32 takes 4× its bytes, and
     converting it whole took 12× at its peak (9.2 GB for 1.3 million images; 1.5 GB now)."""
     from cardtool.backends.platform import Platform
-    from cardtool.core.data import load_split
     from cardtool.core.training.methods.classifier import ClassifierTask
     from cardtool.core.training.methods.vae import VAETask, to_unit
 
@@ -413,7 +413,6 @@ def test_image_tasks_hold_the_dataset_as_its_bytes(data):
 def test_a_classifier_telling_fewer_classes_than_the_data_holds_is_refused_before_training(data):
     """cross-entropy raised an IndexError at the first batch holding a label past model.classes."""
     from cardtool.backends.platform import Platform
-    from cardtool.core.data import load_split
     from cardtool.core.training.methods.classifier import ClassifierTask
 
     splits = load_split("train", data), load_split("test", data)
@@ -1010,7 +1009,6 @@ def test_lora_scales_train_each_row_at_its_own_scale_on_a_mixture(examples, tmp_
     assert card.manifest.recipe.hyperparameters["loss"]["scales"] == [0.5, 1]
     assert any(t.abs().max() > 0 for k, t in weights(card, "mirror").items() if k.endswith("lora_B.weight"))
     # each row trains on its transformed image with probability s, the plain one otherwise, at scale s
-    from cardtool.core.data import load_split
     from cardtool.core.training.methods.adapters import LoraTask
 
     recipe = load_recipe(RECIPES / "fashion-mirror.yaml", [*common, "loss.scales=[0.25, 1]", "data.transform=invert"])
@@ -1112,7 +1110,6 @@ def test_latents_are_the_posterior_mean_and_std_times_the_scaling_factor_in_batc
 def test_the_vae_loss_is_mse_plus_the_weighted_gaussian_kl(data):
     """KL(N(μ, σ²) ‖ N(0, 1)) = ½(μ² + σ² − 1 − log σ²), averaged over latent elements (Kingma & Welling 2014)."""
     from cardtool.backends.platform import Platform
-    from cardtool.core.data import load_split
     from cardtool.core.training.methods.vae import VAETask
 
     task = VAETask(tiny("fashion-vae", ["loss.kl_weight=0.25"]), Platform.detect("cpu"), load_split("train", data),
@@ -1130,7 +1127,6 @@ def test_the_vae_loss_is_mse_plus_the_weighted_gaussian_kl(data):
 def test_the_scaling_factor_is_one_over_the_std_of_the_training_latents(data):
     """So the denoiser sees latents of unit spread (Rombach et al. 2022, the LDM's scale factor)."""
     from cardtool.backends.platform import Platform
-    from cardtool.core.data import load_split
     from cardtool.core.training.methods.vae import VAETask, to_unit
 
     task = VAETask(tiny("fashion-vae"), Platform.detect("cpu"), load_split("train", data), load_split("test", data))
@@ -1147,7 +1143,6 @@ def test_latents_spread_past_any_scaling_factor_fail_and_a_small_factor_keeps_it
     weight, not a card that fails validation; a factor like 2e-4 keeps its digits (rounding to 6 decimals kept 3)."""
     from cardtool.backends.conv_vae import ConvVAE
     from cardtool.backends.platform import Platform
-    from cardtool.core.data import load_split
     from cardtool.core.training.methods.vae import VAETask, to_unit
 
     encode, scale = ConvVAE.encode, {"by": 1e8}

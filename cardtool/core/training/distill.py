@@ -92,6 +92,7 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
             watch_judges: list[str] | None = None) -> Card:
     """`watch_every`: every N iterations the student, sampled at its own steps, judged by `watch_judges` (default:
     `judge`) — see watch.py."""
+    from cardtool.core.data import provenance
     from cardtool.core.training.methods.dmd2 import DMD2Settings, DMD2Task
 
     check_recipe(recipe)
@@ -133,6 +134,7 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
         "loops": {"denoise": {"defaults": {**student, **defaults}}},
         "recipe": {"method": "dmd2", "parents": [teacher.id], "assumes": {"loop": "denoise", "steps": steps},
                    "command": command, "fingerprint": recipe_fingerprint(recipe, task.data),
+                   **({"data": provenance(train, "train")} if train is not None else {}),  # the GAN term's images
                    "hyperparameters": recipe.hyperparameters(),
                    "metrics": metrics},
         "parity": {"consistency": "C1"},

@@ -9,7 +9,7 @@ from pathlib import Path
 from cardtool.backends.platform import Platform
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import Card, load_card
-from cardtool.core.data import IMAGE_SIZE, load_split
+from cardtool.core.data import IMAGE_SIZE, load_split, provenance
 from cardtool.core.prompts import TEXT_ENCODER
 from cardtool.core.training.derived import extends_reference, write_output
 from cardtool.core.training.recipes import RUN_BY, Recipe
@@ -65,9 +65,7 @@ def train(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Pat
                "train_seconds": round(result.seconds, 1), "samples_per_second": round(result.samples_per_second, 1),
                "platform": f"{platform.device}/{platform.arch}"}
     recipe_block = {"method": method, "parents": list(recipe.parents), "command": command,
-                    "data": {"dataset": "fashion-mnist", "split": "train"} if train_split.captions is None else
-                    {"dataset": "image-folder", "split": "train", "images": len(train_split),
-                     "digest": train_split.digest()},
+                    "data": provenance(train_split, "train"),
                     "hyperparameters": _hyperparameters(recipe, task)}
     storage, metadata, extends = recipe.card.storage, None, {}
     if method == "vae":
