@@ -187,7 +187,6 @@ recipe: {{method: controlnet, parents: [tiny-base]}}
     return card
 
 
-
 def race(work, threads: int = 8) -> list[Exception]:
     """`work(k)` from `threads` threads at once (k = 0 … threads − 1), the interpreter switching between them every
     microsecond so that a race shows within a second; what they raised."""

@@ -166,7 +166,6 @@ def test_adapter_throughput_benchmark_times_every_serving_mode(tmp_path, example
     assert 0 < round_ratios["min"] <= round_ratios["median"] <= round_ratios["max"]
 
 
-
 def test_adapter_forward_benchmark_times_the_transformer_in_every_serving_mode(tmp_path, examples, monkeypatch):
     out = tmp_path / "adapters_forward.json"
     run_script(monkeypatch, "adapters_forward.py", "--card", str(examples / "tiny-base"), "--batch", "4",
@@ -180,6 +179,7 @@ def test_adapter_forward_benchmark_times_the_transformer_in_every_serving_mode(t
                                      "fused / unfused (one shared LoRA)"}
     assert all(value > 0 for value in report["ratios"].values())
     assert all(r["median_s"] > 0 and r["images_per_second"] > 0 for r in report["rows"])
+
 
 def test_adapter_effects_benchmark_measures_the_built_in_adapters(tmp_path, fashion_mnist, monkeypatch):
     out = tmp_path / "effects.json"

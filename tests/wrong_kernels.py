@@ -11,7 +11,6 @@ def attention_drops_mask(q, k, v, mask=None):
     return torch_ops.attention(q, k, v)
 
 
-
 def rms_norm_eps_1e3(x, weight=None, eps=1e-6):
     """Subtly wrong: eps 1e-3 instead of the op's, ~5e-4 relative on inputs of unit scale."""
     return torch_ops.rms_norm(x, weight, eps=1e-3)

@@ -15,8 +15,6 @@ def silu(x):
     return x / (1 + np.exp(-x))
 
 
-
-
 class NumpyWanDiT:
     """v(x_t, t, text) in numpy; `state` maps diffusers' WanTransformer3DModel keys to arrays."""
 

@@ -72,7 +72,6 @@ def test_help_shows_flags_as_flags_and_values_as_words():
     assert grid.split("--grid", 1)[1].split()[0] == "Also", "a flag takes no value, so no metavar follows it"
 
 
-
 def test_every_command_that_replaces_its_output_takes_both_spellings():
     """`--force` and `--overwrite` mean the same on every command that can replace what it writes: a script that
     passes one to `train` and the other to `distill` is not refused for the spelling."""
@@ -91,6 +90,7 @@ def test_every_command_that_replaces_its_output_takes_both_spellings():
                 replacing[" ".join(path)] = set(param.opts)
     assert {"train", "distill", "rl", "flywheel", "cards merge", "cards export"} <= set(replacing), replacing
     assert all(opts == {"--force", "--overwrite"} for opts in replacing.values()), replacing
+
 
 def test_a_heavy_command_imports_torch_once_with_the_collector_paused(tmp_path, monkeypatch):
     """torch's first import (arrays.py) runs without garbage collection and freezes what it made, so later full

@@ -272,6 +272,7 @@ def test_a_kept_row_or_floor_missing_a_field_or_of_another_type_is_measured_agai
         assert again.exit_code == 0, (damage, again.output)
         resumed = json.loads(again.stdout)
         assert resumed["kept_rows"] == 1, damage
+
         def measured(rows):
             return [{k: v for k, v in row.items() if k != "images_per_second"} for row in rows]
 

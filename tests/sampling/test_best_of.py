@@ -62,6 +62,8 @@ def test_candidates_are_scored_in_one_batch_and_candidate_zero_is_the_plain_requ
         assert row[0] == pytest.approx(plain.scores[k][0], abs=1e-6)  # candidate 0 is the plain sample
         assert row[picked.chosen[k]] == max(row) >= plain.scores[k][0] - 1e-6
     assert len({candidate_seed(7, i) for i in range(100)}) == 100 and candidate_seed(7, 0) == 7
+    derived = [candidate_seed(7, i) for i in range(1, 200)]  # 63-bit seeds: within a seed's range, and using it
+    assert max(derived) < 2**63 and sum(seed >= 2**62 for seed in derived) > 50
 
 
 def test_progress_over_waves_of_candidates_counts_every_candidates_steps_once(examples, tmp_path):

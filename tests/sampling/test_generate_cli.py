@@ -132,7 +132,6 @@ def test_a_card_assuming_fixed_steps_warns_and_strict_refuses(on_path, tmp_path)
     assert run("generate", "tiny-distilled", "-p", "a bag", "--out", str(tmp_path)).stderr.count("warning") == 0
 
 
-
 def test_a_prompt_past_the_text_encoders_tokens_is_warned_of_and_a_kept_image_costs_no_encoding(on_path, tmp_path):
     """Words past the encoder's max_length are cut: said (diffusers' pipelines say it too), also under --json, and
     of a negative prompt CFG reads; an image --skip-existing keeps is not encoded again for the warning."""
@@ -158,6 +157,7 @@ def test_a_prompt_past_the_text_encoders_tokens_is_warned_of_and_a_kept_image_co
                                                                                       real(instance, prompts, *a))[1])
         kept = run(*args, "--skip-existing", "--json")
     assert kept.exit_code == 0 and json.loads(kept.stdout)["warnings"] == [] and encoded == []
+
 
 @pytest.mark.parametrize(("args", "message"), [
     (["nope", "-p", "x"], "no card with id 'nope'"),

@@ -347,7 +347,6 @@ def test_the_gan_head_gives_one_logit_per_row_from_the_mean_of_its_tokens():
     assert torch.allclose(head(features.mean(dim=1, keepdim=True)), logits, atol=1e-6)
 
 
-
 def test_frozen_modules_take_no_gradient_inside_the_block_and_are_as_they_were_after_it():
     from cardtool.core.training.methods.dmd2 import _frozen
 
@@ -359,6 +358,7 @@ def test_frozen_modules_take_no_gradient_inside_the_block_and_are_as_they_were_a
         b(a(x)).sum().backward()
     assert x.grad is not None and a.weight.grad is None, "the graph through the input remains, the weights take none"
     assert a.weight.requires_grad and a.bias.requires_grad and b.weight.requires_grad and not b.bias.requires_grad
+
 
 def test_the_gan_term_can_call_the_teachers_samples_of_the_same_prompt_real(examples, tmp_path):
     """`gan_real: teacher`: no training images needed; each row's real latent is one of the teacher's samples for

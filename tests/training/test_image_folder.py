@@ -162,7 +162,6 @@ def test_each_image_trains_on_its_own_caption(examples, tmp_path):
     assert result.exit_code == 0, result.output
 
 
-
 def test_a_caption_past_the_text_encoders_tokens_is_warned_of_before_training(examples, tmp_path):
     long = "a dark grey pullover with long sleeves and a round neck on a white background"
     root = write_folder(tmp_path / "mine", rows=lambda rows: [{**r, "text": long} if i % 4 == 0 or i % 10 == 9 else r
@@ -181,6 +180,7 @@ def test_a_caption_past_the_text_encoders_tokens_is_warned_of_before_training(ex
                                       "--data", str(root), "--per-class", "1", "--steps", "1", "--json"])
     assert judged.exit_code == 0, judged.output
     assert warning.removeprefix("warning ") in json.loads(judged.stdout)["warnings"], "and of the captions eval samples"
+
 
 def test_what_needs_classes_refuses_captioned_images(examples, tmp_path):
     root = write_folder(tmp_path / "mine")

@@ -191,7 +191,6 @@ def test_advantages_and_clipping_match_hand_computed_values():
     torch.testing.assert_close(ratio, torch.tensor([1.5, 0.5, 1.0]))
 
 
-
 def test_a_reward_that_scores_nan_or_inf_stops_the_run_naming_the_reward(examples):
     """A non-finite score would become a NaN advantage for its whole group and a NaN loss: said at the rollout."""
     class Broken(Brightness):
@@ -206,6 +205,7 @@ def test_a_reward_that_scores_nan_or_inf_stops_the_run_naming_the_reward(example
     task = make_task(recipe(base, reward=base), CPU, load_card(base), Broken(), ["a bag", "a coat"])
     with pytest.raises(BadInput, match="reward 'broken' returned a non-finite score"):
         task.collect(np.array([0, 1]), torch.Generator().manual_seed(0))
+
 
 def test_grpo_log_probabilities_recomputed_from_the_capture_equal_the_captured_ones(examples):
     """The parity ladder's C2: the rollout's own weights give back each captured step's log-probability, so the
@@ -520,7 +520,6 @@ def test_bad_input_is_a_clear_error(examples, tmp_path, args, message):
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
 
 
-
 def test_a_loss_key_a_recipe_leaves_out_takes_the_papers_value():
     """A recipe written by hand with a partial `loss:` trains with these (ALGORITHMS.md: advantages clipped to ±5,
     10 sampling steps in training; no KL term unless asked, against the plain base)."""
@@ -535,6 +534,7 @@ def test_a_loss_key_a_recipe_leaves_out_takes_the_papers_value():
     assert (nft.beta, nft.timesteps, nft.t_range, nft.decay_rate, nft.decay_max, nft.rollout_solver) == (
         1.0, 2, (0.0, 1.0), 1e-3, 0.5, "euler")
     assert (grpo.eta, grpo.clip_range, grpo.train_timesteps) == (0.7, 1e-4, None)
+
 
 def test_each_method_starts_from_its_own_defaults_and_the_api_refuses_another_methods_recipe(examples, tmp_path):
     nft, grpo = rl_recipe("tiny-base", "tiny-judge"), rl_recipe("tiny-base", "tiny-judge", "flow_grpo")
@@ -717,8 +717,6 @@ def test_a_rising_kl_weight_moves_linearly_from_kl_start_to_kl_and_weighs_the_te
     assert losses[3.0][0] - losses[1.0][0] == pytest.approx(2.0 * losses[1.0][1], rel=1e-3)
 
 
-
-
 def test_flow_grpos_ratio_metrics_are_the_largest_deviation_and_the_share_clipped(examples):
     base = examples / "tiny-base"
     task = make_task(recipe(base, "flow_grpo", reward=base), CPU, load_card(base), Brightness(), ["a bag", "a coat"])
@@ -738,6 +736,7 @@ def test_flow_grpos_ratio_metrics_are_the_largest_deviation_and_the_share_clippe
     assert moved["ratio_deviation"] == pytest.approx(float(deviation.max()), rel=1e-4)
     assert moved["clip_fraction"] == pytest.approx(float((deviation > settings.clip_range).float().mean()))
     assert moved["clip_fraction"] > 0
+
 
 def test_flow_grpos_kl_is_the_step_means_squared_gap_over_twice_the_noise_scale_squared(examples):
     """ALGORITHMS.md (and Flow-GRPO's code): mean((μ_θ − μ_ref)²) / (2s²), s = a·√(σ/(1 − σ)) — not over the step's
@@ -760,6 +759,7 @@ def test_flow_grpos_kl_is_the_step_means_squared_gap_over_twice_the_noise_scale_
     noise = settings.eta * np.sqrt(sigma / (1 - np.where(sigma == 1, sigmas[1], sigma)))
     gaps = (means[0] - means[1]).pow(2).flatten(1).mean(1).double().numpy()
     assert metrics["kl"] > 1e-6 and metrics["kl"] == pytest.approx(float(np.mean(gaps / (2 * noise**2))), rel=1e-4)
+
 
 @pytest.mark.parametrize("method", ["diffusion_nft", "flow_grpo"])
 def test_the_kl_term_pulls_a_moved_policy_back_to_the_reference(examples, tmp_path, method):

@@ -86,7 +86,6 @@ def test_the_flywheel_chains_base_rl_and_student_and_reports_the_three(examples,
     assert "accuracy (tiny-referee)" in table and "McNemar p" in table and "stage rl: skipped" in table
 
 
-
 def test_watching_the_flywheel_watches_both_training_stages(examples, tmp_path):
     result = run(examples, tmp_path, "--stop-after", "distill", "--watch-every", "2")
     assert result.exit_code == 0, result.output

@@ -560,8 +560,6 @@ def test_repeated_prompts_and_a_card_named_twice_in_parallel_are_warned_of(examp
         "images of a prompt from N seeds"]
 
 
-
-
 def test_a_run_for_people_lists_each_image_and_says_its_progress_on_stderr(examples, tmp_path):
     path = write(tmp_path, examples, """  draft:
     generate: {card: EX/tiny-base, prompts: ["a bag"], num: 2, steps: 1}
@@ -577,6 +575,7 @@ def test_a_run_for_people_lists_each_image_and_says_its_progress_on_stderr(examp
     assert "  (pick: 'a sneaker', seed 0, best of 2: " in picked, picked
     assert "step draft: 1 of 2 images" in result.stderr and "step draft (generate): 2 images in " in result.stderr
 
+
 def test_a_prompt_past_the_text_encoders_tokens_is_warned_of_with_its_step(examples, tmp_path):
     long = "a dark grey pullover with long sleeves and a round neck on a white background"
     path = write(tmp_path, examples, f"""  draft:
@@ -589,6 +588,7 @@ def test_a_prompt_past_the_text_encoders_tokens_is_warned_of_with_its_step(examp
     assert json.loads(result.stdout)["warnings"] == [
         f"step '{step}': a prompt fills all 16 tokens the text encoder reads (its max_length): words past them do not "
         f"reach the model — {long[:59] + '…'!r}; shorten it" for step in ("draft", "again")]
+
 
 def test_validation_loads_each_card_once_however_many_steps_name_it(examples, tmp_path, monkeypatch):
     """6,000 chained steps on one card loaded it 6,000 times (11 s); once is enough."""

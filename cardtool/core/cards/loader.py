@@ -160,6 +160,7 @@ def merge_extends(base: dict, override: dict) -> dict:
 MAX_EXTENDS = 32  # cards a manifest may reach through `extends`: far beyond real use, well within Python's recursion
 _INVALID = "which is invalid"
 
+
 def _load_parent(source: Source, extends: str, checksums: bool, chain: tuple[Path, ...]) -> Card:
     folder = source.file.parent
     here = source.problem(("extends",), "", key=False)
