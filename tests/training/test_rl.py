@@ -448,6 +448,8 @@ def test_a_prompts_file_is_what_the_run_trains_on(examples, tmp_path, monkeypatc
     assert cut.exit_code == 0 and "warning a prompt fills all 16 tokens the text encoder reads" in cut.stderr
     assert cut.stderr.index("warning") < cut.stderr.index("update 1/"), "said before the run"
     assert cut.stdout == "wrote diffusion_nft card tiny-base-nft to o3\n", "for people: one line on stdout"
+    fingerprints = {load_card(tmp_path / f).manifest.recipe.fingerprint for f in ("cards/tiny-base-nft", "o3")}
+    assert len(fingerprints) == 2, "one recipe on other prompts makes another card"
     kept = CliRunner().invoke(app, ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
                                     "--no-eval", "--out", "o3", "--run-dir", "r4"])
     assert kept.exit_code == 2 and "o3 already exists" in kept.stderr and "--force" in kept.stderr, kept.output

@@ -45,8 +45,8 @@ def extends_reference(parent: Card, out: Path) -> str:
 def recipe_fingerprint(recipe, data: str | None = None) -> str:
     """sha256 of the resolved recipe with each parent named by what it is — its id and the manifest parts that
     decide a run (components with their weights' sha256, loops, adapters) — not by where it or its files lie, and
-    `data`, the digest of the training images where the run reads them (DMD2's GAN term), since --data is no part
-    of the recipe. Two runs with one fingerprint make the same card, so a re-run (the flywheel's stages) can skip
+    `data`, the digest of what the run trains on where the recipe does not say it (DMD2's GAN images from --data,
+    rl's --prompts). Two runs with one fingerprint make the same card, so a re-run (the flywheel's stages) can skip
     it."""
     parents = []
     for ref in recipe.parents:

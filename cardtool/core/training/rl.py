@@ -192,7 +192,7 @@ def _manifest(recipe: Recipe, task, base: Card, reward_id: str, out: Path, comma
         "loops": {"denoise": {"defaults": {"steps": steps, "guidance": 1.0, "solver": "euler", **defaults}}},
         "recipe": {"method": recipe.method, "parents": [base.id, reward_id],
                    "assumes": {"loop": "denoise", "steps": steps}, "command": command,
-                   "fingerprint": recipe_fingerprint(recipe),
+                   "fingerprint": recipe_fingerprint(recipe, task.data if task.prompts != default_prompts() else None),
                    "hyperparameters": recipe.hyperparameters(),
                    "metrics": metrics},
         "parity": {"consistency": "C1"},
