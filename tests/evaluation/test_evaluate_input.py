@@ -352,6 +352,28 @@ def test_resume_refuses_a_report_of_the_same_card_id_with_other_weights(examples
         evaluate(str(examples / "tiny-base"), **options)  # measured afresh: the next card's change is its alone
 
 
+def test_resume_refuses_a_report_measured_on_other_images_of_the_same_file_sizes(examples, tmp_path):
+    """Uncompressed IDX files rewritten with other images keep their sizes: the rows are known by the images."""
+    import gzip
+
+    from helpers import write_idx_folder
+
+    from cardtool.core.evaluation.evaluate import evaluate
+
+    data, out = write_idx_folder(tmp_path / "idx"), tmp_path / "eval.json"
+    for packed in list(data.glob("*.gz")):
+        packed.with_suffix("").write_bytes(gzip.decompress(packed.read_bytes()))
+        packed.unlink()
+    options = {"judge": str(examples / "tiny-judge"), "per_class": 1, "steps": [1], "data": str(data), "out": out}
+    evaluate(str(examples / "tiny-base"), **options)
+    images = data / "t10k-images-idx3-ubyte"
+    changed = bytearray(images.read_bytes())
+    changed[-1] ^= 0x80
+    images.write_bytes(bytes(changed))
+    with pytest.raises(BadInput, match="measured with other data; drop --resume"):
+        evaluate(str(examples / "tiny-base"), **options, resume=True)
+
+
 @pytest.mark.parametrize("versus", [False, True])
 def test_eval_with_no_options_passes_the_apis_defaults(monkeypatch, versus):
     """The README's eval (a row of 1,000 images from seed 0, 256 rows a forward, the default judge) is the API's:

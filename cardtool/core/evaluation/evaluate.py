@@ -255,8 +255,9 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
                         prompts="classes" if labels is not None else "captions")
     stack = [{"name": name, "scale": scale} for name, scale in next(iter(plans.values()))[0].adapters]
     ident = identity(first.instance, judge_instance, per_class, seed, data_dir(data), stack, report.platform)
-    if labels is None:  # an image folder's images lie in subfolders the listing of its files does not reach
-        ident["data"]["digest"] = {"train": train.digest(), "test": test.digest()}
+    # by content: an uncompressed IDX file rewritten with other images keeps its size, and an image folder's images
+    # lie in subfolders the listing of its files does not reach
+    ident["data"]["digest"] = {"train": train.digest(), "test": test.digest()}
     # None: the card's loop default for steps and guidance
     cells = list(itertools.product(loops.items(), guidance or [None], steps or [None]))
     if out is not None and not resume:
