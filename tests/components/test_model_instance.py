@@ -29,6 +29,9 @@ def test_components_are_built_lazily_and_shared_between_loops(examples):
     assert isinstance(transformer, WanDiT) and not transformer.training
     assert instance.loop_components("denoise")["transformer"] is transformer
     assert next(transformer.parameters()).dtype == torch.float32
+    for name in ("transformer", "vae"):  # served frozen: a forward records no graph, whatever the caller's mode
+        module = instance.component(name)
+        assert not module.training and not any(p.requires_grad for p in module.parameters())
 
 
 def test_numpy_platform_builds_the_numpy_forward(examples):
@@ -202,3 +205,13 @@ def test_a_nondeterministic_platform_breaks_the_c1_contract(examples, monkeypatc
     monkeypatch.setattr(module, "sample", jittery)
     [row] = module.contract_rows(load_card(examples / "tiny-base"), CPU)
     assert not row.passed and 0 < row.max_abs_err <= 1  # the latents' jitter, or a pixel on a rounding edge: one level
+
+
+def test_a_builder_given_weights_of_another_config_names_what_does_not_fit(examples):
+    """Card validation checks the tensors against the config first; a builder called on its own checks them too."""
+    from cardtool.backends.builders import wan_dit_torch
+
+    card = load_card(examples / "tiny-base")
+    config = {**card.manifest.components["transformer"].config, "depth": 1}
+    with pytest.raises(BadInput, match=r"does not fit this WanDiT config \(missing \[\], unexpected \['blocks\.1\."):
+        wan_dit_torch(config, card.weights_file("transformer"), None, CPU, "float32")
