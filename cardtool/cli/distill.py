@@ -36,6 +36,7 @@ def distill_command(
     evaluate: Annotated[bool, typer.Option("--eval/--no-eval", help="Evaluate the student at its own defaults "
                                            "and record it in the card.")] = True,
     judge: Annotated[str, typer.Option("--judge", help="The judge card for the eval.")] = "fashion-classifier",
+    per_class: Annotated[int, typer.Option("--per-class", help="The eval's images per class (10 classes).")] = 100,
     held_out_judge: Annotated[str, typer.Option("--held-out-judge", help="A second judge for --watch-every ('' for "
                                                 "none).")] = "fashion-referee",
     watch_every: Annotated[int, typer.Option("--watch-every", help="Every N iterations (at the next progress line), "
@@ -68,7 +69,7 @@ def distill_command(
         card = distill(loaded, command=command, out=out, run_dir=run_dir, resume=resume, device=device, data=data,
                        force=force, evaluate=evaluate, judge=judge, on_log=log, on_eval=eval_line,
                        micro_batches=micro_batches, watch_every=watch_every,
-                       watch_judges=[judge, *([held_out_judge] if held_out_judge else [])])
+                       watch_judges=[judge, *([held_out_judge] if held_out_judge else [])], per_class=per_class)
     if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 reports for every rank
         return
     recipe_block = card.manifest.recipe

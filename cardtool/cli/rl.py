@@ -41,6 +41,7 @@ def rl_command(
     evaluate: Annotated[bool, typer.Option("--eval/--no-eval", help="Evaluate the tuned card at its defaults and "
                                            "record it.")] = True,
     judge: Annotated[str, typer.Option("--judge", help="The judge for the eval and FID.")] = "fashion-classifier",
+    per_class: Annotated[int, typer.Option("--per-class", help="The eval's images per class (10 classes).")] = 100,
     held_out_judge: Annotated[str, typer.Option("--held-out-judge", help="A judge that is never the reward; its "
                                                 "accuracy is recorded beside the reward's ('' for none).")]
     = "fashion-referee",
@@ -77,7 +78,8 @@ def rl_command(
         tuned = rl(loaded, command=command, prompts=chosen, out=out, run_dir=run_dir, resume=resume, device=device,
                    data=data, force=force, evaluate=evaluate, judge=judge, held_out_judge=held_out_judge or None,
                    watch_every=watch_every, on_log=log, on_eval=eval_line, micro_batches=micro_batches,
-                   on_warning=lambda message: warn(message) if os.environ.get("RANK", "0") == "0" else None)
+                   on_warning=lambda message: warn(message) if os.environ.get("RANK", "0") == "0" else None,
+                   per_class=per_class)
     if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 reports for every rank
         return
     recipe_block = tuned.manifest.recipe

@@ -198,13 +198,18 @@ def test_the_cli_writes_the_student_and_reports_json(examples, tmp_path, monkeyp
 def test_the_cli_evaluates_the_student_at_its_own_steps_and_records_the_eval_in_it(examples, tmp_path):
     from helpers import write_idx_folder
 
-    data = write_idx_folder(tmp_path / "idx", train=1000, test=100)  # the floors need 100 images a class
-    result = CliRunner().invoke(app, ["distill", str(examples / "tiny-base"), "--steps", "1", "--judge",
-                                      str(examples / "tiny-judge"), "--data", str(data), "--out", str(tmp_path / "s1"),
-                                      "--run-dir", str(tmp_path / "r"), "--json", *(f"--set={o}" for o in TINY)])
+    data = write_idx_folder(tmp_path / "idx")
+    args = ["distill", str(examples / "tiny-base"), "--steps", "1", "--judge", str(examples / "tiny-judge"), "--data",
+            str(data), "--out", str(tmp_path / "s1"), "--run-dir", str(tmp_path / "r"), "--json",
+            *(f"--set={o}" for o in TINY)]
+    refused = CliRunner().invoke(app, args)  # 1,000 images a row by default: their floors need as many
+    assert refused.exit_code == 2 and "--per-class 100 asks for 1000 images, more than the 64 training" in \
+        json.loads(refused.stdout)["error"]["message"] and not (tmp_path / "r").exists(), "refused before the run"
+    result = CliRunner().invoke(app, [*args, "--per-class", "3"])
     assert result.exit_code == 0, result.output
     [row] = json.loads(result.stdout)["metrics"]["eval"]["rows"]
     assert row["steps"] == 1 and 0 <= row["class_accuracy"] <= 1 and "eval at 1 step: accuracy" in result.stderr
+    assert row["images"] == 30
     recorded = load_card(tmp_path / "s1").manifest.recipe.metrics["eval"]["rows"]
     assert recorded == [row] and (tmp_path / "s1" / "eval.json").is_file()
 
@@ -515,6 +520,8 @@ def test_an_eval_that_fails_after_the_card_is_written_keeps_its_kind(examples, m
         # the eval to run again is the run's own, its judge and data (not eval's defaults), quoted for a shell
         assert str(info.value).endswith(f"run `cardtool eval {card.folder} --judge tiny-judge --data 'my data' "
                                         "--record` once it can")
+        with pytest.raises(kind, match="--data 'my data' --per-class 7 --record` once it can"):
+            evaluate_output(card, "tiny-judge", None, data="my data", per_class=7)
 
 
 def test_lora_targets_that_name_no_layer_are_bad_input(examples):

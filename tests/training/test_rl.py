@@ -392,11 +392,12 @@ def test_the_tuned_card_extends_the_base_samples_without_cfg_and_traces_to_base_
 
 def test_the_cli_evaluates_the_tuned_card_under_the_judge_and_the_held_out_judge(examples, tmp_path):
     """The eval row under --judge and, beside it, the accuracy under --held-out-judge: tiny-judge's weights here, so
-    the same 1,000 images judged twice must give the same accuracy. The reward card itself is no held-out judge."""
-    data = write_idx_folder(tmp_path / "idx", train=1000, test=100)  # the floors need 100 images a class
+    the same 30 images (--per-class 3) judged twice must give the same accuracy. The reward card itself is no
+    held-out judge."""
+    data = write_idx_folder(tmp_path / "idx")
     args = ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"), "--judge",
             str(examples / "tiny-judge"), "--data", str(data), "--out", str(tmp_path / "o"), "--run-dir",
-            str(tmp_path / "r"), "--json", *(f"--set={o}" for o in [*TINY, "optim.steps=1"])]
+            str(tmp_path / "r"), "--json", "--per-class", "3", *(f"--set={o}" for o in [*TINY, "optim.steps=1"])]
     for reward in (examples / "tiny-judge", "tiny-judge"):  # its folder, or its id on the search path
         refused = CliRunner().invoke(app, [*args, "--held-out-judge", str(reward)],
                                      env={"CARDTOOL_PATH": str(examples)})
@@ -415,15 +416,15 @@ def test_the_cli_evaluates_the_tuned_card_under_the_judge_and_the_held_out_judge
     assert result.exit_code == 0, result.output
     metrics = json.loads(result.stdout)["metrics"]
     [row] = metrics["eval"]["rows"]
-    assert metrics["held_out_judge"] == {"card": "tiny-referee", "images": 1000,
-                                         "class_accuracy": row["class_accuracy"]}
+    assert metrics["held_out_judge"] == {"card": "tiny-referee", "images": 30,
+                                         "class_accuracy": row["class_accuracy"]} and row["images"] == 30
     assert load_card(tmp_path / "o").manifest.recipe.metrics["held_out_judge"] == metrics["held_out_judge"]
     assert result.stderr.count("eval (tiny-judge) at 30 steps, guidance 1: accuracy") == 1
     assert result.stderr.count("eval (tiny-referee) at 30 steps, guidance 1: accuracy") == 1
     alone = CliRunner().invoke(app, ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
                                      "--judge", str(examples / "tiny-judge"), "--held-out-judge", "", "--data",
                                      str(data), "--out", str(tmp_path / "o2"), "--run-dir", str(tmp_path / "r2"),
-                                     "--json", *(f"--set={o}" for o in [*TINY, "optim.steps=1"])])
+                                     "--json", "--per-class", "3", *(f"--set={o}" for o in [*TINY, "optim.steps=1"])])
     assert alone.exit_code == 0, alone.output
     assert "held_out_judge" not in json.loads(alone.stdout)["metrics"] and alone.stderr.count("eval (") == 1
 

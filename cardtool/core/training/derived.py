@@ -74,18 +74,20 @@ def check_eval_data(data: str | None, what: str, per_class: int = 100) -> None:
     test.classes(what)
 
 
-def evaluate_output(card: Card, judge: str, device: str | None, data: str | None = None, on_eval=None) -> Card:
+def evaluate_output(card: Card, judge: str, device: str | None, data: str | None = None, on_eval=None,
+                    per_class: int = 100) -> Card:
     """`cardtool eval` at the card's own defaults, recorded (eval.json beside it, summary in the recipe)."""
     from cardtool.core.cards.record import record_eval
     from cardtool.core.evaluation.evaluate import evaluate
 
     try:
-        evaluated = evaluate(str(card.folder), judge=judge, device=device, data=data)
+        evaluated = evaluate(str(card.folder), judge=judge, device=device, data=data, per_class=per_class)
     except CardtoolError as e:  # bad input (a judge that is no reward card) or a failed run (NaN images), as it was
         import shlex
 
         # the eval this run would have recorded: its judge and data, not eval's defaults
         command = ["cardtool", "eval", str(card.folder), "--judge", judge, *(["--data", data] if data else []),
+                   *(["--per-class", str(per_class)] if per_class != 100 else []),
                    *(["--device", device] if device else []), "--record"]
         raise (RunFailed if isinstance(e, RunFailed) else BadInput)(
             f"the card {card.folder} was written, but its eval failed: {e}; run `{shlex.join(command)}` once it "

@@ -89,14 +89,16 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
             evaluate: bool = True,
             judge: str = "fashion-classifier", on_log: Callable[[dict], None] | None = None,
             on_eval: Callable[[dict], None] | None = None, micro_batches: int = 1, watch_every: int = 0,
-            watch_judges: list[str] | None = None) -> Card:
+            watch_judges: list[str] | None = None, per_class: int = 100) -> Card:
     """`watch_every`: every N iterations the student, sampled at its own steps, judged by `watch_judges` (default:
-    `judge`) — see watch.py."""
+    `judge`) — see watch.py. `per_class`: the eval's images a class."""
     from cardtool.core.data import provenance
+    from cardtool.core.evaluation.evaluate import checked_per_class
     from cardtool.core.training.methods.dmd2 import DMD2Settings, DMD2Task
 
     check_recipe(recipe)
     check_every(watch_every)
+    per_class = checked_per_class(per_class)
     watch_judges = watch_judges or [judge]
     platform = Platform.detect(device)
     teacher = load_card(locate(recipe.parents[0]))
@@ -109,7 +111,7 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
         for name in [judge] * evaluate + watch_judges * bool(watch_every):
             reward_card(name, scores=teacher)  # before hours of training, not after
     if evaluate:
-        check_eval_data(data, "the eval after distilling (--no-eval skips it)")
+        check_eval_data(data, "the eval after distilling (--no-eval skips it)", per_class)
     settings = DMD2Settings.from_recipe(recipe.loss)
     train = gan_real_images(recipe, data)
     task = DMD2Task(recipe, platform, teacher, train)
@@ -142,5 +144,5 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
     card = write_output(out, manifest, weights, run_dir, storage=recipe.card.storage, overwrite=force,
                         metadata=metadata)
     if evaluate:
-        card = evaluate_output(card, judge, device, data, on_eval)
+        card = evaluate_output(card, judge, device, data, on_eval, per_class)
     return card

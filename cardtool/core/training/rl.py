@@ -116,11 +116,13 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
        force: bool = False, evaluate: bool = True, judge: str = "fashion-classifier",
        held_out_judge: str | None = "fashion-referee", watch_every: int = 0,
        on_log: Callable[[dict], None] | None = None, on_eval: Callable[[dict], None] | None = None,
-       micro_batches: int = 1, on_warning: Callable[[str], None] | None = None) -> Card:
+       micro_batches: int = 1, on_warning: Callable[[str], None] | None = None, per_class: int = 100) -> Card:
+    from cardtool.core.evaluation.evaluate import checked_per_class
     from cardtool.core.evaluation.reward import check_held_out, load_reward, reward_card
 
     check_recipe(recipe)
     check_every(watch_every)
+    per_class = checked_per_class(per_class)
     platform = Platform.detect(device)
     platform.torch_device  # noqa: B018 - a device to train on, before the reward is loaded
     base = load_card(locate(recipe.parents[0]))
@@ -135,7 +137,7 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
             reward_card(name, scores=base)  # before the run, not after
         check_held_out(held_out_judge, recipe.parents[1], judge)
     if evaluate:
-        check_eval_data(data, "the eval after rl (--no-eval skips it)")
+        check_eval_data(data, "the eval after rl (--no-eval skips it)", per_class)
     task = make_task(recipe, platform, base, reward, prompts if prompts is not None else default_prompts())
     # what it trains on is its prompts: a resume given others (--prompts) would train the rest of the run on them
     task.data = hashlib.sha256("\n".join(task.prompts).encode()).hexdigest()
@@ -155,9 +157,9 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
     card = write_output(out, manifest, weights, run_dir, storage=recipe.card.storage, overwrite=force,
                         metadata=metadata)
     if evaluate:
-        card = evaluate_output(card, judge, device, data, on_eval)
+        card = evaluate_output(card, judge, device, data, on_eval, per_class)
         if held_out_judge:
-            card = _held_out(card, held_out_judge, device, data, on_eval)
+            card = _held_out(card, held_out_judge, device, data, on_eval, per_class)
     return card
 
 
@@ -199,12 +201,12 @@ def _manifest(recipe: Recipe, task, base: Card, reward_id: str, out: Path, comma
     }
 
 
-def _held_out(card: Card, judge: str, device: str | None, data: str | None, on_eval) -> Card:
+def _held_out(card: Card, judge: str, device: str | None, data: str | None, on_eval, per_class: int) -> Card:
     """Class accuracy at the card's defaults under a judge that was never the reward, beside the reward's own."""
     from cardtool.core.cards.record import record_metrics
     from cardtool.core.evaluation.evaluate import evaluate
 
-    evaluated = evaluate(str(card.folder), judge=judge, device=device, data=data)
+    evaluated = evaluate(str(card.folder), judge=judge, device=device, data=data, per_class=per_class)
     if evaluated.rank == 0:  # under torchrun every rank samples its share, rank 0 records
         report = evaluated.to_json()
         row = report["rows"][0]
