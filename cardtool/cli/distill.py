@@ -59,7 +59,7 @@ def distill_command(
                 f"{row['fid_fmnist']:.3f}  {row['images_per_second']:.0f} img/s", stderr=True)
 
     with handled(json_):
-        sets = [*(overrides or []), *lora_overrides(lora)]
+        sets = [*(overrides or []), *lora_overrides(lora, overrides or [])]
         loaded = distill_recipe(teacher, recipe, sets, steps)
         typed = sys.argv[1:2] == ["distill"]
         command = shlex.join(["cardtool", *sys.argv[1:]] if typed else

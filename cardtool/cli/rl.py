@@ -66,7 +66,7 @@ def rl_command(
                 f"{row['images_per_second']:.0f} img/s", stderr=True)
 
     with handled(json_):
-        sets = [*(overrides or []), *lora_overrides(lora)]
+        sets = [*(overrides or []), *lora_overrides(lora, overrides or [])]
         loaded = rl_recipe(card, reward, method, recipe, sets)
         chosen = read_prompts(prompts) if prompts is not None else None
         typed = sys.argv[1:2] == ["rl"]

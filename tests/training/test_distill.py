@@ -224,6 +224,8 @@ def test_the_example_recipe_spells_out_the_defaults():
     (["--steps", "1001"], "--steps must be a whole number from 1 to 1000, got 1001"),
     (["--steps", str(2**64)], f"--steps must be a whole number from 1 to 1000, got {2**64}"),  # not a --set's error
     (["--lora", "1025"], "--lora must be a whole number from 1 to 1024, got 1025"),
+    (["--steps", "1", "--set", "loss.student_steps=3"], "--steps 1 and a --set of loss.student_steps (3) give it two"),
+    (["--lora", "2", "--set", "model.lora.rank=4"], "--lora 2 and a --set of model.lora.rank (4) give it two values"),
     (["--set", "loss.no_such_knob=1"], "loss.no_such_knob"),
     (["--set", "optim.nope=1"], "optim.nope"),
     (["--set", "data.foldr=x"], "unknown data.foldr; its settings: folder"),

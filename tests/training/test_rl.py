@@ -508,6 +508,7 @@ def test_the_example_recipes_spell_out_the_defaults():
     (["--recipe", "broken.yaml"], "cannot read recipe: "),
     (["--set", "model.dim=8"], "tiny-base'; the recipe's model: may only hold lora: (got model.dim)"),
     (["--lora", "0"], "--lora must be a whole number from 1 to 1024, got 0"),  # said of --lora, not of a --set
+    (["--lora", "2", "--set", "model.lora.rank=3"], "--lora 2 and a --set of model.lora.rank (3) give it two values"),
     (["--device", "numpy"], "the numpy platform has no torch device, which this needs (training, a classifier)"),
     (["--lora", str(10**22)], f"--lora must be a whole number from 1 to 1024, got {10**22}"),
 ])

@@ -296,7 +296,7 @@ def test_a_flywheel_recipe_of_the_wrong_types_is_a_clear_error(examples, tmp_pat
         flywheel_recipe(str(examples / "tiny-base"), str(examples / "tiny-judge"), path=path)
 
 
-def test_the_students_steps_are_steps_then_set_then_the_files_then_two_and_name_it(examples, tmp_path):
+def test_the_students_steps_are_steps_or_set_then_the_files_then_two_and_name_it(examples, tmp_path):
     from cardtool.core.training.methods.dmd2 import DMD2Settings
 
     path = tmp_path / "flywheel.yaml"
@@ -310,7 +310,10 @@ def test_the_students_steps_are_steps_then_set_then_the_files_then_two_and_name_
     assert student(path=path) == ("tiny-base-nft-6step", 6)
     three = ["distill.loss.student_steps=3"]
     assert student(path=path, overrides=three) == ("tiny-base-nft-3step", 3)  # was 2: the flywheel's default won
-    assert student(path=path, overrides=three, steps=5) == ("tiny-base-nft-5step", 5)
+    assert student(path=path, overrides=three, steps=3) == ("tiny-base-nft-3step", 3)
+    with pytest.raises(BadInput, match=r"--steps 5 and a --set of loss.student_steps \(3\) give it two values"):
+        student(path=path, overrides=three, steps=5)  # two values on one command line: a mistake, not a precedence
+    assert student(path=path, steps=5) == ("tiny-base-nft-5step", 5), "over the file's"
     assert student(overrides=["distill.card.id=mine"]) == ("mine", 2)
 
 

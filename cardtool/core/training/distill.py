@@ -64,7 +64,7 @@ def distill_recipe(teacher: str, path: Path | None = None, overrides: list[str] 
     teacher as its one parent, and the student id `TEACHER-Nstep` unless the recipe names one."""
     from cardtool.core.cards.loops import MAX_STEPS
     from cardtool.core.training.methods.dmd2 import DEFAULTS
-    from cardtool.core.training.recipes import load_recipe
+    from cardtool.core.training.recipes import load_recipe, one_value
 
     def counts(value) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and value >= 1
@@ -80,6 +80,8 @@ def distill_recipe(teacher: str, path: Path | None = None, overrides: list[str] 
             asked = loss.get("student_steps")  # one the loss check refuses names no card: its own error comes
             card["id"] = student_id(teacher, asked if counts(asked) else DEFAULTS["loss"]["student_steps"])
 
+    if steps is not None:
+        one_value(overrides, "loss.student_steps", "--steps", steps)
     sets = [*overrides, *([f"loss.student_steps={steps}"] if steps is not None else [])]
     return load_recipe(path, sets, "dmd2", defaults=DEFAULTS, complete=complete, section=section)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pydantic import ConfigDict, Field, ValidationError
 
 from cardtool.backends.lora_targets import DEFAULT_TARGETS
-from cardtool.core.training.recipes import Section, field_problems
+from cardtool.core.training.recipes import Section, field_problems, one_value
 from cardtool.errors import BadInput
 
 __all__ = ["LoraSettings", "lora_overrides", "lora_settings", "LORA_UNSHARDABLE"]
@@ -44,11 +44,12 @@ def lora_settings(recipe, method: str, parent: str) -> LoraSettings | None:
         raise BadInput(f"{method} recipe: {field_problems(e, 'model.lora')}") from None
 
 
-def lora_overrides(rank) -> list[str]:
+def lora_overrides(rank, overrides: list[str] = ()) -> list[str]:
     """`--lora RANK` as the recipe override it stands for, `model.lora.rank=RANK`; a rank out of range is said of
-    --lora, not of a --set the user never wrote."""
+    --lora, not of a --set the user never wrote, and one `overrides` sets to another rank is refused."""
     if rank is None:
         return []
     if not (isinstance(rank, int) and not isinstance(rank, bool) and 1 <= rank <= MAX_RANK):
         raise BadInput(f"--lora must be a whole number from 1 to {MAX_RANK}, got {rank!r}"[:300])
+    one_value(list(overrides), "model.lora.rank", "--lora", rank)
     return [f"model.lora.rank={rank}"]

@@ -200,6 +200,19 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return out
 
 
+def one_value(overrides: list[str], key: str, option: str, value) -> None:
+    """A command's own option for recipe `key` (distill's --steps, --lora) given beside a --set of `key`: refused
+    where the two differ, not one of them dropped without a word."""
+    for item in overrides:
+        if item.partition("=")[0] != key:
+            continue
+        node = apply_overrides({}, [item])
+        for part in key.split("."):
+            node = node[part]
+        if node != value or isinstance(node, bool) != isinstance(value, bool):
+            raise BadInput(f"{option} {value} and a --set of {key} ({node!r}) give it two values; give one"[:300])
+
+
 def load_recipe(path: str | Path | None, overrides: list[str] = (), method: str | None = None,
                 defaults: dict | None = None, complete=None, section: dict | None = None) -> Recipe:
     """Read a recipe (or start from `defaults` alone), apply overrides (and --method), validate; errors name the
