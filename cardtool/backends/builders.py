@@ -13,7 +13,7 @@ from cardtool.backends.host_allocator import keep_freed_memory
 from cardtool.backends.platform import Platform
 from cardtool.backends.precision import LOW_PRECISIONS, kernel_variant, weights_dtype
 from cardtool.backends.vae_config import ConvVAEConfig
-from cardtool.backends.wan_config import WanDiTConfig
+from cardtool.backends.wan_config import CONTROLNET_BLOCKS, WanDiTConfig
 from cardtool.errors import BadInput
 
 __all__ = ["wan_dit_torch", "wan_controlnet_torch", "wan_dit_numpy", "conv_vae_torch", "conv_vae_numpy",
@@ -78,7 +78,7 @@ def wan_controlnet_torch(config: dict, weights: Path | None, base: dict, platfor
     from cardtool.backends.controlnet import WanControlNet
 
     settings = WanDiTConfig.from_card(base, "wan-dit")
-    depth = config.get("blocks", 2)
+    depth = config.get("blocks", CONTROLNET_BLOCKS)
     if not isinstance(depth, int) or isinstance(depth, bool) or not 1 <= depth <= settings.depth:
         raise BadInput(f"controlnet config.blocks must be a whole number in 1…{settings.depth}, got {depth!r}")
     module = _torch_module(lambda: WanControlNet(settings, depth, platform, kernel_variant(precision)), weights,

@@ -11,7 +11,9 @@ from pydantic import Field, model_validator
 from cardtool.backends.component_config import ComponentConfig, Count, FiniteFloat, Size
 from cardtool.errors import BadInput
 
-__all__ = ["WanDiTConfig", "from_diffusers"]
+__all__ = ["CONTROLNET_BLOCKS", "WanDiTConfig", "from_diffusers"]
+
+CONTROLNET_BLOCKS = 2  # the base's blocks a ControlNet adapter copies where its config names none
 
 PatchSize = Annotated[int, Field(strict=True, ge=1, le=16)]
 

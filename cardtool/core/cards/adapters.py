@@ -9,6 +9,7 @@ import math
 import re
 
 from cardtool.backends.lora_targets import DEFAULT_TARGETS, matching, module_key, rank_and_alpha, uses_prefix
+from cardtool.backends.wan_config import CONTROLNET_BLOCKS
 from cardtool.core.cards.components import tensor_problems
 from cardtool.core.cards.weight_files import FLOAT_DTYPES, read_header, read_metadata
 from cardtool.core.sampling.control_names import PREPROCESSORS
@@ -55,7 +56,7 @@ def _controlnet_problems(card, name: str, adapter, target: dict[str, tuple[int, 
         return [card.problem(at + ("config", unknown[0]), f"a ControlNet's config takes only blocks, not "
                              f"{', '.join(unknown)[:200]}", "remove it")]
     depth = len({key.split(".")[1] for key in target if key.startswith("blocks.")})
-    blocks = adapter.config.get("blocks", 2)
+    blocks = adapter.config.get("blocks", CONTROLNET_BLOCKS)
     if not isinstance(blocks, int) or isinstance(blocks, bool) or not 1 <= blocks <= depth:
         return [card.problem(at + ("config", "blocks"), f"blocks must be a whole number in 1…{depth} (the blocks of "
                              f"'{adapter.target}' it copies), got {blocks!r}"[:300], f"set blocks: 1 … {depth}")]
