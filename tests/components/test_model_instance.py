@@ -209,9 +209,16 @@ def test_a_nondeterministic_platform_breaks_the_c1_contract(examples, monkeypatc
 
 def test_a_builder_given_weights_of_another_config_names_what_does_not_fit(examples):
     """Card validation checks the tensors against the config first; a builder called on its own checks them too."""
-    from cardtool.backends.builders import wan_dit_torch
+    from cardtool.backends.builders import hf_encoder_torch, wan_controlnet_torch, wan_dit_torch
 
     card = load_card(examples / "tiny-base")
     config = {**card.manifest.components["transformer"].config, "depth": 1}
     with pytest.raises(BadInput, match=r"does not fit this WanDiT config \(missing \[\], unexpected \['blocks\.1\."):
         wan_dit_torch(config, card.weights_file("transformer"), None, CPU, "float32")
+    base = card.manifest.components["transformer"].config
+    for blocks in (0, 3, True, "2"):  # the base has two blocks to copy
+        with pytest.raises(BadInput, match=f"controlnet config.blocks must be a whole number in 1…2, got {blocks!r}"):
+            wan_controlnet_torch({"blocks": blocks}, None, base, CPU, "float32")
+    assert wan_controlnet_torch({}, None, base, CPU, "float32").depth == 2, "its blocks where the config names none"
+    with pytest.raises(BadInput, match="hf-encoder needs a `source` folder"):
+        hf_encoder_torch(card.manifest.components["text_encoder"].config, None, None, CPU, "float32")
