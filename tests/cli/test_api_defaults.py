@@ -1,0 +1,49 @@
+"""The training commands state no default of their own that could drift from the Python API's: run with no options
+but the ones they require, each hands its API function that function's own defaults (eval's: test_evaluate_input)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+
+import pytest
+from helpers import REPO
+from typer.testing import CliRunner
+
+from cardtool.cli import app
+from cardtool.errors import BadInput
+
+CASES = {  # the command line, the module the command imports its function from, the function
+    "flywheel": (["flywheel", "{examples}/tiny-base", "--reward", "{examples}/tiny-judge"],
+                 "cardtool.core.workflows.flywheel", "flywheel"),
+    "distill": (["distill", "{examples}/tiny-base"], "cardtool.core.training.distill", "distill"),
+    "rl": (["rl", "{examples}/tiny-base", "--reward", "{examples}/tiny-judge"], "cardtool.core.training.rl", "rl"),
+    "train": (["train", "--recipe", str(REPO / "examples" / "recipes" / "fashion-vae.yaml")],
+              "cardtool.core.training.train", "train"),
+}
+DERIVED = {"command", "watch_judges"}  # what the command works out from its options, not a default of its own
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_a_command_with_no_options_passes_its_apis_defaults(examples, monkeypatch, name):
+    args, module_name, function = CASES[name]
+    module = importlib.import_module(module_name)
+    signature, passed = inspect.signature(getattr(module, function)), {}
+
+    def capture(*positional, **options):
+        passed.update(options)
+        raise BadInput("captured")
+
+    monkeypatch.setattr(module, function, capture)
+    result = CliRunner().invoke(app, [*(a.format(examples=examples) for a in args), "--json"])
+    assert result.exit_code == 2 and json.loads(result.stdout)["error"]["message"] == "captured", result.output
+    defaults = {key: p.default for key, p in signature.parameters.items()
+                if p.default is not inspect.Parameter.empty and key in passed and key not in DERIVED
+                and not key.startswith("on_")}
+    assert {"device", "resume", "micro_batches", "data", "run_dir"} <= set(defaults), "what every one of them takes"
+
+    def plain(value):  # the command's [] for the API's ()
+        return list(value) if isinstance(value, tuple) else value
+
+    assert {key: plain(passed[key]) for key in defaults} == {key: plain(v) for key, v in defaults.items()}
