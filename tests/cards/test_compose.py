@@ -133,4 +133,15 @@ def test_an_adapter_name_a_card_lacks_is_refused_with_what_it_likely_meant(examp
                                                   "invert; cards made on it that declare 'alpha': tiny-a, tiny-served "
                                                   "(generate with one of those)")
     assert refusal("tiny-rl", "alpha").endswith("card 'tiny-rl' declares no adapter 'alpha'; its adapters: invert")
+
+    def record_sha256(card):
+        manifest, weights = examples / card / "card.yaml", examples / card / "adapters" / "alpha.safetensors"
+        manifest.write_text(manifest.read_text().replace("rank: 2,", f"sha256: {sha256_file(weights)}, rank: 2,"))
+
+    adapter_card(examples, "tiny-base", "tiny-a2", "alpha", 3)  # another 'alpha': not the weights tiny-served serves
+    record_sha256("tiny-a2")
+    assert refusal("tiny-served", "tiny-a2").endswith(said.format("tiny-a2")), "known by its weights' sha256"
+    record_sha256("tiny-a")
+    assert refusal("tiny-served", "tiny-a").endswith("('tiny-a' is the card that made 'alpha': name the adapter, not "
+                                                     "the card)")
     assert refusal("tiny-base", "omega").endswith("card 'tiny-base' declares no adapter 'omega'; its adapters: invert")

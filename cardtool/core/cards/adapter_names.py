@@ -27,7 +27,7 @@ def no_such_adapter(card: Card, name: str) -> str:
         own = named.sources[0].data.get("adapters")  # what it adds, not what it extends
         own = own if isinstance(own, dict) else {}
         served = [d for d, spec in card.manifest.adapters.items()
-                  if d in own and _same(spec, named.manifest.adapters.get(d))]
+                  if d in own and _same(spec, named.manifest.adapters[d])]
         if served:
             return f"{said} ('{name}' is the card that made {_names(served)}: name the adapter, not the card)"
     mine = card.file.resolve()
@@ -39,8 +39,6 @@ def no_such_adapter(card: Card, name: str) -> str:
 
 def _same(spec, other) -> bool:
     """One adapter: the same weights where both record their sha256, else the same kind."""
-    if other is None:
-        return False
     if spec.sha256 and other.sha256:
         return spec.sha256 == other.sha256
     return spec.kind == other.kind
