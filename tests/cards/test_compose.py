@@ -127,6 +127,7 @@ def test_an_adapter_name_a_card_lacks_is_refused_with_what_it_likely_meant(examp
     said = "card 'tiny-served' declares no adapter '{}'; its adapters: invert, alpha"
     assert refusal("tiny-served", "tiny-a").endswith(said.format("tiny-a") + " ('tiny-a' is the card that made "
                                                      "'alpha': name the adapter, not the card)")
+    assert refusal("tiny-served", "tiny-served").endswith(said.format("tiny-served")), "not itself"
     assert refusal("tiny-served", "Alpha").endswith(said.format("Alpha") + " (did you mean 'alpha'?)")
     assert refusal("tiny-served", "alpah").endswith(said.format("alpah") + " (did you mean 'alpha'?)")
     assert refusal("tiny-base", "alpha").endswith("card 'tiny-base' declares no adapter 'alpha'; its adapters: "
