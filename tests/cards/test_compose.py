@@ -125,14 +125,14 @@ def test_an_adapter_name_a_card_lacks_is_refused_with_what_it_likely_meant(examp
         return " ".join(result.output.split())
 
     said = "card 'tiny-served' declares no adapter '{}'; its adapters: invert, alpha"
-    assert refusal("tiny-served", "tiny-a").endswith(said.format("tiny-a") + " ('tiny-a' is the card that made "
-                                                     "'alpha': name the adapter, not the card)")
+    assert refusal("tiny-served", "tiny-a").endswith(said.format("tiny-a") + "; 'tiny-a' is the card that made "
+                                                     "'alpha': name the adapter, not the card")
     assert refusal("tiny-served", "tiny-served").endswith(said.format("tiny-served")), "not itself"
-    assert refusal("tiny-served", "Alpha").endswith(said.format("Alpha") + " (did you mean 'alpha'?)")
-    assert refusal("tiny-served", "alpah").endswith(said.format("alpah") + " (did you mean 'alpha'?)")
+    assert refusal("tiny-served", "Alpha").endswith(said.format("Alpha") + "; did you mean 'alpha'?")
+    assert refusal("tiny-served", "alpah").endswith(said.format("alpah") + "; did you mean 'alpha'?")
     assert refusal("tiny-base", "alpha").endswith("card 'tiny-base' declares no adapter 'alpha'; its adapters: "
                                                   "invert; cards made on it that declare 'alpha': tiny-a, tiny-served "
-                                                  "(generate with one of those)")
+                                                  "(use one of those)")
     assert refusal("tiny-rl", "alpha").endswith("card 'tiny-rl' declares no adapter 'alpha'; its adapters: invert")
 
     def record_sha256(card):
@@ -143,6 +143,14 @@ def test_an_adapter_name_a_card_lacks_is_refused_with_what_it_likely_meant(examp
     record_sha256("tiny-a2")
     assert refusal("tiny-served", "tiny-a2").endswith(said.format("tiny-a2")), "known by its weights' sha256"
     record_sha256("tiny-a")
-    assert refusal("tiny-served", "tiny-a").endswith("('tiny-a' is the card that made 'alpha': name the adapter, not "
-                                                     "the card)")
+    assert refusal("tiny-served", "tiny-a").endswith("; 'tiny-a' is the card that made 'alpha': name the adapter, not "
+                                                     "the card")
+    workflow = tmp_path / "flow.yaml"  # a workflow step's stack: the same hint, as the problem's fix
+    workflow.write_text("schema: cardtool/v1\nkind: workflow\nid: flow\nsteps:\n  a:\n    generate: {card: tiny-base, "
+                        "prompts: [a bag], adapters: {alpha: 1.0}}\n")
+    checked = CliRunner().invoke(app, ["workflow", "validate", str(workflow), "--json"],
+                                 env={"CARDTOOL_PATH": str(examples)})
+    [problem] = json.loads(checked.stdout)["error"]["problems"]
+    assert problem["message"] == "card 'tiny-base' declares no LoRA 'alpha'", problem
+    assert problem["fix"] == "cards made on it that declare 'alpha': tiny-a, tiny-a2, tiny-served (use one of those)"
     assert refusal("tiny-base", "omega").endswith("card 'tiny-base' declares no adapter 'omega'; its adapters: invert")

@@ -9,18 +9,25 @@ import difflib
 
 from cardtool.core.cards.loader import Card
 
-__all__ = ["no_such_adapter"]
+__all__ = ["likely_meant", "no_such_adapter"]
 
 _LOOKED_AT = 200  # cards on the search path read for the hint; past that, a refusal should not take seconds
 
 
 def no_such_adapter(card: Card, name: str) -> str:
+    """The refusal, with `likely_meant`'s sentence where there is one."""
+    said = f"card '{card.id}' declares no adapter '{name}'; its adapters: {', '.join(card.manifest.adapters) or 'none'}"
+    hint = likely_meant(card, name)
+    return f"{said}; {hint}" if hint else said
+
+
+def likely_meant(card: Card, name: str) -> str | None:
+    """What an adapter name `card` does not declare most likely meant, as a sentence; None where nothing is near."""
     declared = list(card.manifest.adapters)
-    said = f"card '{card.id}' declares no adapter '{name}'; its adapters: {', '.join(declared) or 'none'}"
     close = [d for d in declared if d.casefold() == name.casefold()] or \
         difflib.get_close_matches(name, declared, n=1, cutoff=0.8)
     if close:
-        return f"{said} (did you mean '{close[0]}'?)"
+        return f"did you mean '{close[0]}'?"
     others = _cards_beside(card)
     named = next((c for c in others if c.id == name), None)
     if named is not None:
@@ -29,12 +36,12 @@ def no_such_adapter(card: Card, name: str) -> str:
         served = [d for d, spec in card.manifest.adapters.items()
                   if d in own and _same(spec, named.manifest.adapters[d])]
         if served:
-            return f"{said} ('{name}' is the card that made {_names(served)}: name the adapter, not the card)"
+            return f"'{name}' is the card that made {_names(served)}: name the adapter, not the card"
     mine = card.file.resolve()
     serving = [c.id for c in others if name in c.manifest.adapters and mine in {s.file.resolve() for s in c.sources}]
     if serving:
-        return f"{said}; cards made on it that declare '{name}': {', '.join(serving)} (generate with one of those)"
-    return said
+        return f"cards made on it that declare '{name}': {', '.join(serving)} (use one of those)"
+    return None
 
 
 def _same(spec, other) -> bool:

@@ -237,6 +237,7 @@ def _made_size(card) -> int | None:
 
 def _card_problems(workflow: Workflow) -> list[Problem]:
     """Every card can be found and loaded; a `reward` is a reward card; a step that samples has a denoise loop."""
+    from cardtool.core.cards.adapter_names import likely_meant
     from cardtool.core.cards.discovery import locate
     from cardtool.core.cards.loader import load_card
     from cardtool.core.data import CLASS_NAMES
@@ -284,9 +285,10 @@ def _card_problems(workflow: Workflow) -> list[Problem]:
                 for adapter in body.adapters or {}:
                     if adapter not in declared or declared[adapter].kind != "lora":
                         loras = ", ".join(n for n, a in declared.items() if a.kind == "lora") or "none"
+                        hint = likely_meant(card, adapter) if adapter not in declared else None
                         problems.append(workflow.source.problem(
-                            ("steps", name, step.kind, "adapters", adapter),
-                            f"card '{card.id}' declares no LoRA '{adapter}'", f"name one of its LoRAs: {loras}"))
+                            ("steps", name, step.kind, "adapters", adapter), f"card '{card.id}' declares no LoRA "
+                            f"'{adapter}'", hint or f"name one of its LoRAs: {loras}"))
                 if body.control is not None and not any(a.kind == "controlnet" for a in declared.values()):
                     problems.append(workflow.source.problem(
                         ("steps", name, step.kind, "control"), f"card '{card.id}' has no ControlNet to take a "
