@@ -182,7 +182,9 @@ def writable_folder(folder: Path | str, what: str, *, keep: bool = True) -> Path
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".cardtool-probe-"):
             pass
     except OSError as e:
-        raise BadInput(f"cannot write to {what} {folder}: {e.strerror or e}") from None
+        blocking = next((p for p in reversed(folder.parents) if p.is_file()), None)  # the outermost: the first met
+        why = f"{blocking} is a file, not a folder" if blocking is not None else e.strerror or e
+        raise BadInput(f"cannot write to {what} {folder}: {why}") from None
     finally:  # also where the proof failed
         for path in made:
             try:

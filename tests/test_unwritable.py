@@ -93,6 +93,9 @@ def test_an_output_folder_that_is_a_file_is_named(tmp_path):
     result = CliRunner().invoke(app, ["generate", str(REPO / "examples" / "cards" / "tiny-base"), "-p", "a bag",
                                       "--steps", "1", "--out", str(tmp_path / "taken")])
     assert result.exit_code == 2 and "it is a file, not a folder" in result.output
+    below = CliRunner().invoke(app, ["workflow", "run", str(REPO / "examples" / "workflows" / "tiny-tour.yaml"),
+                                     "--out", str(tmp_path / "taken" / "runs")])  # the file is a parent: named
+    assert below.exit_code == 2 and f"{tmp_path / 'taken'} is a file, not a folder" in below.output, below.output
 
 
 def test_a_disk_failing_mid_run_is_a_message_not_a_traceback_and_keeps_what_was_written(tmp_path, monkeypatch):
