@@ -15,8 +15,8 @@ from cardtool.cli.output import counted, emit_json, handled, progress_line, say
 
 def distill_command(
     teacher: Annotated[str, typer.Argument(help="The teacher: a card id, folder or manifest with a denoise loop.")],
-    steps: Annotated[int | None, typer.Option("--steps", help="The student's step count (default: the recipe's, "
-                                              "4).")] = None,
+    steps: Annotated[int | None, typer.Option("--steps", help="The student's step count, loss.student_steps "
+                                              "(default: the recipe's, 4).")] = None,
     recipe: Annotated[Path | None, typer.Option("--recipe", help="A dmd2 recipe (examples/recipes/fashion-dmd2."
                                                 "yaml holds the defaults).")] = None,
     micro_batches: Annotated[int, typer.Option(

@@ -16,7 +16,8 @@ from cardtool.cli.output import console, counted, emit_json, handled, paired_cel
 def flywheel_command(
     card: Annotated[str, typer.Argument(help="The base: a card id, folder or manifest with a denoise loop.")],
     reward: Annotated[str, typer.Option("--reward", help="The reward card of the rl stage.")],
-    steps: Annotated[int | None, typer.Option("--steps", help="The student's step count (default 2).")] = None,
+    steps: Annotated[int | None, typer.Option("--steps", help="The student's step count, "
+                                              "distill.loss.student_steps (default 2).")] = None,
     recipe: Annotated[Path | None, typer.Option("--recipe", help="A flywheel recipe: an rl: and a distill: section "
                                                 "(examples/recipes/fashion-flywheel.yaml).")] = None,
     overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a stage's value: rl.optim.steps=100, "
