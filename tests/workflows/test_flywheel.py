@@ -172,6 +172,9 @@ def test_a_run_stopped_after_the_rl_stage_goes_on_at_distill(examples, tmp_path)
     stages = json.loads(second.stdout)["stages"]
     assert [(s["stage"], s["skipped"]) for s in stages] == [("rl", True), ("distill", False)]
     assert (tmp_path / "cards" / "tiny-base-nft" / "transformer.safetensors").read_bytes() == tuned
+    for stop in ("rl", "distill"):  # for people: where it stopped, and how to go on
+        said = run(examples, tmp_path, "--stop-after", stop, json_=False)
+        assert said.stdout == f"stopped after {stop}; the same command without --stop-after goes on from there\n"
 
 
 def test_a_run_stopped_after_rl_asks_nothing_of_the_distill_stage_it_does_not_run(examples, tmp_path):
