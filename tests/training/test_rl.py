@@ -451,6 +451,8 @@ def test_a_prompts_file_is_what_the_run_trains_on(examples, tmp_path, monkeypatc
     assert cut.stdout == "wrote diffusion_nft card tiny-base-nft to o3\n", "for people: one line on stdout"
     fingerprints = {load_card(tmp_path / f).manifest.recipe.fingerprint for f in ("cards/tiny-base-nft", "o3")}
     assert len(fingerprints) == 2, "one recipe on other prompts makes another card"
+    recorded = load_card(tmp_path / "o3").manifest.recipe.command
+    assert f"--prompts {tmp_path / 'long.txt'}" in recorded and "--lora" not in recorded, recorded
     kept = CliRunner().invoke(app, ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
                                     "--no-eval", "--out", "o3", "--run-dir", "r4"])
     assert kept.exit_code == 2 and "o3 already exists" in kept.stderr and "--force" in kept.stderr, kept.output
@@ -661,6 +663,7 @@ def test_rl_with_lora_trains_an_adapter_on_the_frozen_base(examples, tmp_path):
     card = load_card(examples / "tiny-nft-lora", checksums=True)
     m = card.manifest
     assert m.adapters["nft"].rank == 2 and m.loops["denoise"].defaults["adapters"] == {"nft": 1.0}
+    assert "--lora 2" in m.recipe.command and "None" not in m.recipe.command, "the command that made it, whole"
     assert "invert" in m.adapters, "the base's adapters still fit: its transformer is unchanged"
     assert card.weights_file("transformer").resolve() == (base / "transformer.safetensors").resolve()
     lora = load_file(str(card.weights_file("nft")))
