@@ -147,6 +147,30 @@ def test_a_record_into_a_layout_the_splice_leaves_alone_writes_the_whole_manifes
     assert load_card(examples / "tiny-base").manifest.recipe.metrics == {"loss": 0.5}
 
 
+def test_a_whole_dump_keeps_the_manifests_key_order_and_its_text_as_written(examples):
+    from cardtool.core.cards.record import record_metrics
+
+    manifest = examples / "tiny-base" / "card.yaml"
+    data = {**yaml.safe_load(manifest.read_text()), "description": "Größe: a tiny card — für Tests"}
+    manifest.write_text(json.dumps(data))  # a flow mapping: dumped whole
+    record_metrics(str(examples / "tiny-base"), {"loss": 0.5})
+    text = manifest.read_text(encoding="utf-8")
+    assert text.startswith("schema: cardtool/v1\nid: tiny-base\n"), "in the manifest's own order, not sorted"
+    assert "Größe: a tiny card — für Tests" in text, "as written, not \\u escapes"
+
+
+def test_a_record_that_would_leave_a_card_that_does_not_load_is_undone_and_said(examples, monkeypatch):
+    from cardtool.core.cards import record
+    from cardtool.errors import CardValidationError
+
+    manifest = examples / "tiny-base" / "card.yaml"
+    before = manifest.read_bytes()
+    monkeypatch.setattr(record, "with_metrics", lambda text, metrics: text.replace("schema: cardtool/v1", "schema: x"))
+    with pytest.raises(CardValidationError):
+        record.record_metrics(str(examples / "tiny-base"), {"loss": 0.5})
+    assert manifest.read_bytes() == before
+
+
 def test_checksums_hold_the_report_to_the_summary_recorded_from_it(examples, tmp_path):
     """`cards validate --checksums`: the eval report beside the manifest is the one its summary was made from; one
     edited since is a located problem, one missing leaves the summary standing; the report travels with an export."""
