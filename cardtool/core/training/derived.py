@@ -61,7 +61,7 @@ def recipe_fingerprint(recipe, data: str | None = None) -> str:
     return hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()
 
 
-def check_eval_data(data: str | None, what: str, per_class: int = 100) -> None:
+def check_eval_data(data: str | None, what: str, per_class: int) -> None:
     """The splits an eval of `per_class` images a class after the work reads (`data`, else the default), read before
     the work: a folder that is not there, that holds no labelled images, or too few for the eval, is refused now, not
     after hours of training."""
