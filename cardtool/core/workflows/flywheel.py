@@ -224,9 +224,15 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
                     f"(fingerprint {fingerprint[:12]}…)"
                 raise BadInput(f"{out} exists but {why}; pass --force to replace it, or choose another --out-prefix")
             stage_dir = run_dir / name
-            if force and _has_checkpoint(stage_dir) and not made_by(stage_dir / CHECKPOINT, stage_recipe,
-                                                                     shaped_by[name]):
-                (stage_dir / CHECKPOINT).unlink()  # the run of what --force replaces: no run of this recipe resumes it
+            # the run of what --force replaces: no run of this recipe resumes it. Every rank looks before rank 0
+            # removes it, and none starts the stage before it is gone
+            stale = force and _has_checkpoint(stage_dir) and not made_by(stage_dir / CHECKPOINT, stage_recipe,
+                                                                          shaped_by[name])
+            ranks = distributed.ranks()
+            ranks.barrier()
+            if stale and ranks.main:
+                (stage_dir / CHECKPOINT).unlink(missing_ok=True)
+            ranks.barrier()
             started = time.perf_counter()
             run(stage_recipe, command=f"{command}  # stage {name}", out=out, run_dir=stage_dir,
                 resume=resume and _has_checkpoint(stage_dir), force=force, evaluate=False,
