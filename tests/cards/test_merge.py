@@ -92,6 +92,16 @@ def test_no_weights_mix_equally_and_a_note_says_whose_loop_runs(examples):
     assert json.loads(two.stdout)["loops_differ"] == ["tiny-distilled"], two.output
 
 
+def test_a_card_folder_whose_path_holds_an_equals_sign_is_a_card_not_a_weight(examples, monkeypatch):
+    shutil.copytree(examples / "tiny-rl", examples / "runs=2" / "tiny-rl")
+    monkeypatch.chdir(examples)
+    result = merge(examples, "tiny-base", "runs=2/tiny-rl")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["weights"] == [0.5, 0.5]
+    weighted = merge(examples, "tiny-base=0.25", "runs=2/tiny-rl=0.75", card_id="soup2")
+    assert json.loads(weighted.stdout)["weights"] == [0.25, 0.75], weighted.output
+
+
 def test_the_merged_file_keeps_the_first_cards_file_metadata(examples):
     path = examples / "tiny-rl" / "transformer.safetensors"
     old = sha256_file(path)

@@ -9,6 +9,7 @@ adapters and every component whose weights are the same in all cards are the fir
 from __future__ import annotations
 
 import math
+import os
 import shlex
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -37,9 +38,9 @@ class Merge:
 
 
 def parse_share(text: str) -> tuple[str, float | None]:
-    """`CARD=WEIGHT` → (CARD, WEIGHT); a plain `CARD` → (CARD, None)."""
+    """`CARD=WEIGHT` → (CARD, WEIGHT); a plain `CARD` → (CARD, None), also a card folder whose path holds '='."""
     ref, sep, weight = text.rpartition("=")
-    if not sep:
+    if not sep or (os.path.exists(text) and not _is_number(weight)):
         return text, None
     if not ref:
         raise BadInput(f"'{text}' names no card before '='; write CARD=WEIGHT")
@@ -50,6 +51,14 @@ def parse_share(text: str) -> tuple[str, float | None]:
     if not math.isfinite(value):
         raise BadInput(f"'{text}': the weight must be a finite number")
     return ref, value
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def merge_cards(shares: list[str], card_id: str, out: Path | None = None, overwrite: bool = False,
