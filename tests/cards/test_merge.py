@@ -100,6 +100,9 @@ def test_a_card_folder_whose_path_holds_an_equals_sign_is_a_card_not_a_weight(ex
     assert json.loads(result.stdout)["weights"] == [0.5, 0.5]
     weighted = merge(examples, "tiny-base=0.25", "runs=2/tiny-rl=0.75", card_id="soup2")
     assert json.loads(weighted.stdout)["weights"] == [0.25, 0.75], weighted.output
+    shutil.copytree(examples / "tiny-rl", examples / "tiny-rl=0.75")  # a number after the last '=' is a weight
+    assert json.loads(merge(examples, "tiny-base=0.25", "tiny-rl=0.75", card_id="soup3").stdout)["weights"] == [
+        0.25, 0.75]
 
 
 def test_the_merged_file_keeps_the_first_cards_file_metadata(examples):
