@@ -81,6 +81,15 @@ def test_at_full_rank_the_adapter_card_makes_the_tuned_cards_images(examples):
     assert np.abs(plain[0].pixels.astype(int) - made[0][0].pixels).max() > 10, "the change must show for this test"
 
 
+def test_the_api_replaces_a_card_it_made_only_when_told_to(examples):
+    tuned(examples, every_linear)
+    made = extract_lora("tiny-base", "tuned", 1, "extracted", out=examples / "extracted")
+    with pytest.raises(BadInput, match="already"):
+        extract_lora("tiny-base", "tuned", 2, "extracted", out=examples / "extracted")
+    assert load_card(examples / "extracted").manifest.adapters["tuned"].rank == made.rank == 1
+    assert extract_lora("tiny-base", "tuned", 2, "extracted", out=examples / "extracted", overwrite=True).rank == 2
+
+
 def test_a_low_rank_lora_is_each_layers_truncated_svd(examples):
     base = load_file(str(examples / "tiny-base" / "transformer.safetensors"))
     tensors = tuned(examples, every_linear)

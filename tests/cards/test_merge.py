@@ -207,6 +207,24 @@ def test_merges_that_cannot_make_a_model_are_refused_with_exit_2(examples, share
     assert not (examples / "soup").exists()
 
 
+def test_the_api_replaces_a_merged_card_only_when_told_to(examples):
+    from cardtool.core.cards.merge import merge_cards
+    from cardtool.errors import BadInput
+
+    merge_cards(["tiny-base=0.5", "tiny-rl=0.5"], "soup", examples / "soup")
+    with pytest.raises(BadInput, match="already"):
+        merge_cards(["tiny-base=0.9", "tiny-rl=0.1"], "soup", examples / "soup")
+    assert load_card(examples / "soup").manifest.recipe.hyperparameters["weights"] == [0.5, 0.5]
+    merge_cards(["tiny-base=0.9", "tiny-rl=0.1"], "soup", examples / "soup", overwrite=True)
+    assert load_card(examples / "soup").manifest.recipe.hyperparameters["weights"] == [0.9, 0.1]
+
+
+def test_cards_of_the_same_weights_and_adapters_are_refused_without_an_adapter_hint(examples):
+    renamed(examples)
+    message = json.loads(merge(examples, "tiny-base", "same").stdout)["error"]["message"]
+    assert message.endswith("hold the same weights in every component: the merge would be 'tiny-base' itself")
+
+
 def test_an_output_that_cannot_be_written_is_refused_before_the_weights_are_averaged(examples, monkeypatch):
     from cardtool.core.cards import merge as merging
 
