@@ -212,6 +212,7 @@ def stranger(examples):
 @pytest.mark.parametrize(("args", "make", "message"), [
     (["tiny-base", "tiny-rl", "--rank", "0"], None, "--rank must be a whole number, at least 1"),
     (["tiny-base", "tiny-base", "--rank", "2"], None, "BASE and TUNED are both 'tiny-base'"),
+    (["tiny-base", "tiny-rl", "--rank", "33"], None, "(at most 32): a higher rank adds only zeros; give at most 32"),
     (["tiny-base", "tiny-rl", "--rank", "100000000"], None, "above the full rank of every linear layer"),
     (["tiny-base", "same", "--rank", "2"], lambda e: tuned(e, lambda t: None, "same"),
      "'same' does not change the linear weights of 'tiny-base'"),
