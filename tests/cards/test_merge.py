@@ -41,11 +41,11 @@ def transformer(folder) -> dict:
     return load_file(str(card.weights_file("transformer")))
 
 
-def float16_transformer(examples, card: str) -> None:
-    """Store the card's transformer in float16 (and declare the new file's sha256)."""
+def float16_transformer(examples, card: str, dtype=torch.float16) -> None:
+    """Store the card's transformer in float16 (or `dtype`; and declare the new file's sha256)."""
     path = examples / card / "transformer.safetensors"
     old = sha256_file(path)
-    save_torch({k: v.to(torch.float16) for k, v in load_torch(str(path)).items()}, str(path))
+    save_torch({k: v.to(dtype) for k, v in load_torch(str(path)).items()}, str(path))
     manifest = next((examples / card).glob("card.*"))
     manifest.write_text(manifest.read_text().replace(old, sha256_file(path)))
 
@@ -122,6 +122,17 @@ def test_a_float16_card_merges_with_a_float32_one_into_float32_without_rounding(
     name = "blocks.0.attn1.to_q.weight"
     assert b[name].dtype == np.float16 and soup[name].dtype == np.float32
     assert np.array_equal(soup[name], (0.5 * a[name].astype(np.float64) + 0.5 * b[name]).astype(np.float32))
+
+
+def test_a_float16_card_merges_with_a_bfloat16_one_into_float32_which_holds_both(examples):
+    float16_transformer(examples, "tiny-base", torch.bfloat16)
+    float16_transformer(examples, "tiny-rl")
+    assert merge(examples, "tiny-base=0.5", "tiny-rl=0.5").exit_code == 0
+    name = "blocks.0.attn1.to_q.weight"
+    a, b = (load_torch(str(examples / card / "transformer.safetensors"))[name] for card in ("tiny-base", "tiny-rl"))
+    soup = load_torch(str(examples / "soup" / "transformer.safetensors"))[name]
+    assert (a.dtype, b.dtype, soup.dtype) == (torch.bfloat16, torch.float16, torch.float32)
+    assert torch.equal(soup, (0.5 * a.double() + 0.5 * b.double()).float())
 
 
 def test_extrapolating_past_a_float16_range_is_refused(examples):
