@@ -71,17 +71,17 @@ class Platform:
     @classmethod
     def detect(cls, device: str | None = None, arch: str | None = None) -> Platform:
         """Detect the platform; `device` (from --device) beats CARDTOOL_DEVICE, CARDTOOL_ARCH forces the arch."""
-        why = []
+        why, source = [], ""  # source: where a device not given with --device came from, for the messages
         if device:
             why.append(f"device {device} asked for with --device")
         elif os.environ.get("CARDTOOL_DEVICE"):
-            device = os.environ["CARDTOOL_DEVICE"]
+            device, source = os.environ["CARDTOOL_DEVICE"], "CARDTOOL_DEVICE: "
             why.append(f"device {device} forced by CARDTOOL_DEVICE")
         if device is not None and device not in DEVICES:
             # torch's `cuda:1`: the GPU is chosen as CUDA chooses it, so every process of a run agrees on it
             hint = (f" (a GPU by number: CUDA_VISIBLE_DEVICES={device.partition(':')[2]} with --device cuda)"
                     if isinstance(device, str) and device.startswith("cuda:") else "")
-            raise BadInput(f"unknown device '{device}'; choose one of: {', '.join(DEVICES)}{hint}")
+            raise BadInput(f"{source}unknown device '{device}'; choose one of: {', '.join(DEVICES)}{hint}")
         forced_arch = arch or os.environ.get("CARDTOOL_ARCH") or None
         has_torch = importlib.util.find_spec("torch") is not None
 
@@ -117,8 +117,9 @@ class Platform:
             return cls(device, forced_arch, cuda["name"] if cuda else _cpu_name(), tuple(why), simulated)
         if device == "cuda":
             if not cuda:
-                raise BadInput(f"device cuda asked for, but torch reports no CUDA device: {_no_cuda_reason()}; use "
-                               "--device cpu (CARDTOOL_ARCH=sm90 simulates a GPU for `cardtool platform`)")
+                raise BadInput(f"{source}device cuda asked for, but torch reports no CUDA device: {_no_cuda_reason()}; "
+                               f"use --device cpu{' or unset CARDTOOL_DEVICE' if source else ''} (CARDTOOL_ARCH=sm90 "
+                               "simulates a GPU for `cardtool platform`)")
             major, minor = cuda["capability"]
             return cls("cuda", f"sm{major}{minor}", cuda["name"], tuple(why))
         tier, flags = cpu_tier()

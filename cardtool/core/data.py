@@ -74,7 +74,8 @@ def data_dir(explicit: str | Path | None = None) -> Path:
                        "Fashion-MNIST")
     folder = Path(explicit or os.environ.get("CARDTOOL_DATA") or DEFAULT_DATA)
     if not folder.is_dir():
-        raise BadInput(f"no Fashion-MNIST data at {folder}: {_HOW}")
+        source = " (CARDTOOL_DATA)" if not explicit and os.environ.get("CARDTOOL_DATA") else ""
+        raise BadInput(f"no Fashion-MNIST data at {folder}{source}: {_HOW}")
     return folder
 
 

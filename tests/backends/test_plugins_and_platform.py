@@ -128,6 +128,11 @@ def test_bad_overrides_are_bad_input(monkeypatch):
         Platform.detect("cuda:1")
     with pytest.raises(BadInput, match=r"unknown device '\[1\]'"):  # the Python API's callers pass anything
         Platform.detect([1])
+    monkeypatch.setenv("CARDTOOL_DEVICE", "CPU")  # set in a profile and forgotten: the message says where it is
+    with pytest.raises(BadInput, match="^CARDTOOL_DEVICE: unknown device 'CPU'; choose one of: cuda, cpu, numpy$"):
+        Platform.detect()
+    assert Platform.detect("cpu").device == "cpu", "--device beats the environment, also a bad one"
+    monkeypatch.delenv("CARDTOOL_DEVICE")
     monkeypatch.setenv("CARDTOOL_ARCH", "avx9000")
     with pytest.raises(BadInput, match="CARDTOOL_ARCH: unknown cpu arch 'avx9000'"):
         Platform.detect("cpu")
@@ -156,6 +161,10 @@ def test_asking_for_cuda_without_a_device_explains_why_as_far_as_it_can_tell(mon
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     with pytest.raises(BadInput, match=f"torch reports no CUDA device: {reason}; use --device cpu"):
         Platform.detect("cuda")
+    monkeypatch.setenv("CARDTOOL_DEVICE", "cuda")
+    with pytest.raises(BadInput, match=f"^CARDTOOL_DEVICE: device cuda asked for, but torch reports no CUDA device: "
+                                       f"{reason}; use --device cpu or unset CARDTOOL_DEVICE "):
+        Platform.detect()
 
 
 def test_a_forced_cuda_arch_without_cuda_is_simulated_and_runs_nothing(monkeypatch, examples, tmp_path):

@@ -63,6 +63,10 @@ def test_unusable_search_path_entries_are_searched_as_empty(tmp_path, builtin, m
     monkeypatch.setenv("CARDTOOL_PATH", os.pathsep.join([*unusable, str(tmp_path / "extra")]))
     assert locate("on-path") == tmp_path / "extra" / "b" / "card.yaml"
     assert [s.id for s in list_cards()] == ["on-path"]
+    with pytest.raises(BadInput) as info:  # a mistyped entry is said to be one where the id is not found
+        locate("nope")
+    assert "missing (CARDTOOL_PATH: no such folder), a-file (CARDTOOL_PATH: not a folder), /dev/null (CARDTOOL_PATH: " \
+           "not a folder), extra (CARDTOOL_PATH)," in str(info.value)
 
 
 def test_two_cards_with_one_id_is_an_error_naming_both(tmp_path, builtin, monkeypatch):

@@ -63,6 +63,11 @@ def test_any_idx_folder_gzipped_or_not(tmp_path, compress):
 def test_cardtool_data_environment_variable(tmp_path, monkeypatch):
     monkeypatch.setenv("CARDTOOL_DATA", str(make_folder(tmp_path / "env")))
     assert len(load_split("train")) == 5
+    monkeypatch.setenv("CARDTOOL_DATA", str(tmp_path / "gone"))  # set once and forgotten: the message says where
+    with pytest.raises(BadInput, match=r"^no Fashion-MNIST data at \S+gone \(CARDTOOL_DATA\): "):
+        load_split("train")
+    with pytest.raises(BadInput, match=r"^no Fashion-MNIST data at \S+elsewhere: "):
+        load_split("train", tmp_path / "elsewhere")
 
 
 def test_missing_folder_says_how_to_install(tmp_path):

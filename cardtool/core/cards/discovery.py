@@ -59,6 +59,13 @@ def search_roots(near: Path | None = None) -> list[Root]:
     return roots
 
 
+def _absent(root: Root) -> str:
+    """What a search root named in CARDTOOL_PATH is when it is no folder (a mistyped entry finds nothing silently)."""
+    if root.origin != "CARDTOOL_PATH" or os.path.isdir(root.path):
+        return ""
+    return ": not a folder" if os.path.lexists(root.path) else ": no such folder"
+
+
 def manifest_in(folder: Path) -> Path | None:
     """The manifest file of a card folder, None if there is none; both YAML and TOML is an error, and so is a
     manifest name held by anything but a file (a folder, a pipe, a link to nothing), which would read as no card."""
@@ -151,7 +158,7 @@ def locate(name: str, near: Path | None = None) -> Path:
     entries = scan(roots, ids_only=True)
     matches = [e for e in entries if e.id == name]
     if not matches:
-        searched = ", ".join(f"{display_path(r.path)} ({r.origin})" for r in roots) or "nothing"
+        searched = ", ".join(f"{display_path(r.path)} ({r.origin}{_absent(r)})" for r in roots) or "nothing"
         close = difflib.get_close_matches(name, sorted({e.id for e in entries if e.id}), n=1)
         hint = f"did you mean '{close[0]}'? " if close else ""
         if os.path.isdir(name):
