@@ -378,6 +378,8 @@ def test_mutated_cards_never_crash_hang_or_print_invalid_json():
     ("vocab_size", None, "config.json does not give vocab_size"),
     ("num_hidden_layers", None, "config.json does not give num_hidden_layers; model.safetensors holds 6 layers"),
     ("num_attention_heads", None, "config.json does not give num_attention_heads"),  # any count fits the shapes
+    ("hidden_size", None, "config.json does not give the encoder's hidden_size"),
+    ("hidden_size", "384", "config.json does not give the encoder's hidden_size"),
 ])
 def test_an_encoder_config_that_disagrees_with_its_weights_fails_validation(base, key, value, message):
     """Found from the weights' header, not by transformers building what the config describes (100,000 layers: 23 GB

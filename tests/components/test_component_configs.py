@@ -121,3 +121,4 @@ def test_an_encoder_max_length_is_a_whole_number_up_to_4096():
     for value, message in ((16.0, "valid integer, got 16.0"), (4097, "less than or equal to 4096, got 4097")):
         [(where, text, _)] = config_problems(HFEncoderConfig, {"max_length": value})
         assert where == ("max_length",) and message in text
+    assert HFEncoderConfig.model_validate({}).max_length == 32, "the default of a card that gives none"
