@@ -214,7 +214,7 @@ class LateProgress:
                                 console=console(stderr=True), transient=True)
             self.bar.start()
             self.task = self.bar.add_task("denoise", total=total)
-        self.bar.update(self.task, completed=done)
+        self.bar.update(self.task, completed=done, total=total)  # a caller with a new total (a next row) resizes it
 
     def stop(self) -> None:
         if self.bar is not None:

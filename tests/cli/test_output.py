@@ -297,6 +297,8 @@ def test_on_a_terminal_a_bar_appears_after_a_second_and_follows_the_count(clock,
         assert (task.completed, task.total) == (2, 40)
         progress(30, 40)
         assert progress.bar.tasks[0].completed == 30
+        progress(5, 80)  # the next row of a sweep: its own total
+        assert (progress.bar.tasks[0].completed, progress.bar.tasks[0].total) == (5, 80)
     finally:
         progress.stop()
     assert not progress.bar.live.is_started
