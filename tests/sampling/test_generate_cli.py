@@ -393,7 +393,9 @@ def test_a_run_with_other_settings_never_overwrites_an_earlier_image(on_path, tm
 
     loaded = LoadedCard("tiny-base")
     runs = [dict(steps=2), dict(steps=3), dict(steps=2, guidance=2.0), dict(steps=2, shift=2.0),
-            dict(steps=2, precision="bfloat16"), dict(steps=2, best_of=2, reward=str(on_path / "tiny-judge"))]
+            dict(steps=2, precision="bfloat16"), dict(steps=2, best_of=2, reward=str(on_path / "tiny-judge")),
+            dict(steps=2, adapters=[("invert", 0.5)]), dict(steps=2, adapters=[("invert", 1.0)]),
+            dict(steps=2, negative_prompt="a coat"), dict(steps=2, solver="dpmpp_2m")]
     made = [loaded.generate("a bag", out=tmp_path, **settings).images[0] for settings in runs]
     assert len({image.path for image in made}) == len(runs), "each setting is in the file name's tag"
     assert sorted(tmp_path.glob("*.png")) == sorted(image.path for image in made), "every earlier image is kept"
