@@ -103,7 +103,7 @@ def test_config_values_that_change_nothing_the_encoder_returns_validate_and_load
     """return_dict false (the encoder asks for the output object itself) and a feed-forward chunk that does not divide
     max_length (chunking is a memory setting, turned off at load)."""
     reference = HFTextEncoder(_source(tmp_path), 16, "cpu", torch.float32)(["a bag"])[0]
-    folder = _source(tmp_path, return_dict=False, chunk_size_feed_forward=5, eos_token_id=[], architectures="x")
+    folder = _source(tmp_path, return_dict=False, chunk_size_feed_forward=5, eos_token_id=[102, 0], architectures="x")
     assert HFEncoderConfig(max_length=16).source_problems(folder) == []
     assert torch.equal(HFTextEncoder(folder, 16, "cpu", torch.float32)(["a bag"])[0], reference)
 
