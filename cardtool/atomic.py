@@ -164,6 +164,9 @@ def synced(path: Path | str) -> None:
         os.close(descriptor)
 
 
+_PROBES = 5  # tries at proving a folder writable while other processes make and remove it
+
+
 def writable_folder(folder: Path | str, what: str, *, keep: bool = True) -> Path:
     """Make `folder` (and its parents) and prove a file can be created in it, before any work whose result goes
     there: BadInput naming it as `what` ("the output folder") otherwise. A real write, not os.access: root passes
@@ -178,9 +181,14 @@ def writable_folder(folder: Path | str, what: str, *, keep: bool = True) -> Path
         if folder.exists() and not folder.is_dir():
             raise BadInput(f"cannot write to {what} {folder}: it is a file, not a folder")
         made = [] if keep else [p for p in (folder, *folder.parents) if not p.exists()]  # innermost first
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".cardtool-probe-"):
-            pass
+        for attempt in range(_PROBES):
+            folder.mkdir(parents=True, exist_ok=True)
+            try:
+                with tempfile.NamedTemporaryFile(dir=folder, prefix=".cardtool-probe-"):
+                    break
+            except FileNotFoundError:  # another process's proof (a torchrun peer's) removed the folder it had made
+                if attempt == _PROBES - 1:
+                    raise
     except OSError as e:
         blocking = next((p for p in reversed(folder.parents) if p.is_file()), None)  # the outermost: the first met
         why = f"{blocking} is a file, not a folder" if blocking is not None else e.strerror or e

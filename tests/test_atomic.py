@@ -194,3 +194,24 @@ def test_names_at_the_file_systems_limit_are_written_and_names_past_it_refused_u
     card = str(EXAMPLE_CARDS / "tiny-base")
     result = CliRunner().invoke(app, ["generate", card, "-p", "a bag", "--out", f"{past}.png", "--json"])
     assert result.exit_code == 2 and "File name too long" in result.stdout
+
+
+def test_a_folder_a_peer_removes_between_its_making_and_the_proof_is_made_again(tmp_path, monkeypatch):
+    """Two torchrun ranks check one run folder at once (`keep=False`): one's proof may remove the folder it made while
+    the other is about to write its probe there. The other makes it again and proves it, not 'No such file'."""
+    import shutil
+    import tempfile
+
+    from cardtool.atomic import writable_folder
+
+    real, removed = tempfile.NamedTemporaryFile, []
+
+    def peer_removes_it_first(*args, **kwargs):
+        if not removed:
+            removed.append(kwargs["dir"])
+            shutil.rmtree(kwargs["dir"])  # as the peer's own proof cleans up after itself
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", peer_removes_it_first)
+    assert writable_folder(tmp_path / "runs" / "distill", "the run folder", keep=False) == tmp_path / "runs" / "distill"
+    assert removed == [tmp_path / "runs" / "distill"] and not (tmp_path / "runs").exists(), "made, proven, removed"

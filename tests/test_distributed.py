@@ -102,6 +102,20 @@ def test_more_processes_on_a_node_than_it_has_gpus_is_a_clear_error_before_joini
     assert str(caught.value) == message
 
 
+def test_a_rank_that_fails_alone_ends_the_run_instead_of_waiting_for_its_peers(tmp_path):
+    """A refusal only one rank meets (a race on a shared folder, say) while its peer is inside a collective: the
+    failing rank's exit barrier waited for a peer that never came, and the run hung for the group's timeout (30
+    minutes). A failing rank now leaves without waiting; its peer's collective ends with it, and torchrun reports the
+    rank's own exit code."""
+    script = tmp_path / "lone.py"
+    script.write_text("from cardtool.core.distributed import end_process, ranks\n\ngroup = ranks()\n"
+                      "if group.rank == 1:\n    end_process(2)\ngroup.all_gather('rank 0 waits in a collective')\n")
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(script)], cwd=tmp_path, env=launch_env(tmp_path), capture_output=True, text=True,
+                            timeout=120)  # a hang is a TimeoutExpired
+    assert result.returncode != 0 and "exitcode  : 2" in result.stderr, result.stderr[-4000:]
+
+
 def test_ranks_sum_in_float64_on_the_groups_device(monkeypatch):
     """One process: the values themselves. Several: one all_reduce of a float64 tensor on the group's device (nccl
     takes no CPU tensor: a GPU training run's loss summed on the CPU would fail its first step; found by reading)."""

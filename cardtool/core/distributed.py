@@ -83,12 +83,16 @@ class Ranks:
             dist.barrier()
 
 
+_FAILED = []  # set by end_process when this rank ends with an error
+
+
 def _leave() -> None:
     """At exit, wait for every rank, then close the group: a rank that tore its connections down while a peer still
-    used them would abort that peer."""
+    used them would abort that peer. A rank that failed waits for none: its peers may be inside another collective
+    (a refusal only it met), which its barrier would hold for the group's whole timeout; its exit ends theirs."""
     import torch.distributed as dist
 
-    if dist.is_initialized():
+    if dist.is_initialized() and not _FAILED:
         try:
             dist.barrier()
             dist.destroy_process_group()
@@ -107,6 +111,8 @@ def end_process(code) -> None:
 
     if not (dist.is_available() and dist.is_initialized()):
         return
+    if code in (1, 2) or isinstance(code, str):  # an error; a stop by signal (130, 143, 129) is every rank's
+        _FAILED.append(code)
     atexit._run_exitfuncs()
     if isinstance(code, str):  # as SystemExit would print it
         sys.stderr.write(code + "\n")
