@@ -182,8 +182,8 @@ def writable_folder(folder: Path | str, what: str, *, keep: bool = True) -> Path
             raise BadInput(f"cannot write to {what} {folder}: it is a file, not a folder")
         made = [] if keep else [p for p in (folder, *folder.parents) if not p.exists()]  # innermost first
         for attempt in range(_PROBES):
-            folder.mkdir(parents=True, exist_ok=True)
             try:
+                folder.mkdir(parents=True, exist_ok=True)
                 with tempfile.NamedTemporaryFile(dir=folder, prefix=".cardtool-probe-"):
                     break
             except FileNotFoundError:  # another process's proof (a torchrun peer's) removed the folder it had made
