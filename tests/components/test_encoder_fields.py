@@ -76,10 +76,13 @@ def _source(tmp_path, **changes):
     ({"hidden_act": "nope"}, "hidden_act 'nope' is not an activation transformers has"),
     ({"initializer_range": 384}, "initializer_range is 384; transformers wants float"),
     ({"layer_norm_eps": -1.0}, "layer_norm_eps is -1.0; it must lie in (0, 1)"),
+    ({"layer_norm_eps": 1.0}, "layer_norm_eps is 1.0; it must lie in (0, 1)"),
     ({"hidden_dropout_prob": 2}, "a dropout probability is between 0 and 1"),
+    ({"attention_probs_dropout_prob": 1.5}, "attention_probs_dropout_prob is 1.5; a dropout probability is between"),
     ({"tie_word_embeddings": 1}, "tie_word_embeddings is 1; transformers wants bool"),
     ({"output_hidden_states": "t5"}, "output_hidden_states is 't5'"),
     ({"pad_token_id": 40000}, "pad_token_id 40000 is not a token of its 30522-token vocabulary"),
+    ({"bos_token_id": 30522}, "bos_token_id 30522 is not a token of its 30522-token vocabulary"),
     ({"is_decoder": True}, "is_decoder is true; a text encoder is an encoder alone"),
     ({"add_cross_attention": True}, "add_cross_attention is true"),
     ({"dtype": "x"}, "dtype 'x' is not one of float32"),
@@ -100,10 +103,11 @@ def test_a_config_transformers_cannot_load_as_the_encoder_fails_validation(tmp_p
 
 
 def test_config_values_that_change_nothing_the_encoder_returns_validate_and_load(tmp_path):
-    """return_dict false (the encoder asks for the output object itself) and a feed-forward chunk that does not divide
-    max_length (chunking is a memory setting, turned off at load)."""
+    """return_dict false (the encoder asks for the output object itself), a feed-forward chunk that does not divide
+    max_length (chunking is a memory setting, turned off at load), a list of end ids and numbered labels."""
     reference = HFTextEncoder(_source(tmp_path), 16, "cpu", torch.float32)(["a bag"])[0]
-    folder = _source(tmp_path, return_dict=False, chunk_size_feed_forward=5, eos_token_id=[102, 0], architectures="x")
+    folder = _source(tmp_path, return_dict=False, chunk_size_feed_forward=5, eos_token_id=[102, 0], architectures="x",
+                     id2label={"0": "LABEL_0", "1": "LABEL_1"})
     assert HFEncoderConfig(max_length=16).source_problems(folder) == []
     assert torch.equal(HFTextEncoder(folder, 16, "cpu", torch.float32)(["a bag"])[0], reference)
 
