@@ -66,12 +66,13 @@ class FashionJudge:
         """Run fn over uint8 images (B, 28, 28) in batches; returns stacked numpy results."""
         import torch
 
+        from cardtool.core.training.methods.vae import to_unit  # the classifier's input as its training made it
+
         model, out = self._model(), []
         device = next(model.parameters()).device
         with torch.no_grad(), full_float32(self.instance.platform):  # a measure: the same float32 on every device
             for i in range(0, max(len(images), 1), size):  # no images: one empty batch, for the result's shape
-                x = torch.from_numpy(images[i:i + size].astype(np.float32) / 127.5 - 1.0)[:, None].to(device)
-                out.append(fn(model, x).float().cpu().numpy())
+                out.append(fn(model, to_unit(images[i:i + size]).to(device)).float().cpu().numpy())
         return np.concatenate(out)
 
     def probabilities(self, images: np.ndarray) -> np.ndarray:
