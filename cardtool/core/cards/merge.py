@@ -40,25 +40,19 @@ class Merge:
 def parse_share(text: str) -> tuple[str, float | None]:
     """`CARD=WEIGHT` → (CARD, WEIGHT); a plain `CARD` → (CARD, None), also a card folder whose path holds '='."""
     ref, sep, weight = text.rpartition("=")
-    if not sep or (os.path.exists(text) and not _is_number(weight)):
+    if not sep:
         return text, None
-    if not ref:
-        raise BadInput(f"'{text}' names no card before '='; write CARD=WEIGHT")
     try:
         value = float(weight)
     except ValueError:
+        if os.path.exists(text):  # no weight after the '=': the path of a card folder
+            return text, None
         raise BadInput(f"'{text}': the weight '{weight}' is not a number; write CARD=WEIGHT") from None
+    if not ref:
+        raise BadInput(f"'{text}' names no card before '='; write CARD=WEIGHT")
     if not math.isfinite(value):
         raise BadInput(f"'{text}': the weight must be a finite number")
     return ref, value
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 def merge_cards(shares: list[str], card_id: str, out: Path | None = None, overwrite: bool = False,
