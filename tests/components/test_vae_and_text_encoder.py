@@ -7,13 +7,14 @@ import re
 import numpy as np
 import pytest
 import torch
+from helpers import copy_encoder
 
 from cardtool.backends.conv_vae import ConvVAE
 from cardtool.backends.hf_encoder import HFTextEncoder
 from cardtool.backends.numpy_conv_vae import NumpyVAEDecoder
 from cardtool.backends.vae_config import ConvVAEConfig
 from cardtool.core.cards.loader import package_path
-from cardtool.errors import BadInput
+from cardtool.errors import BadInput, RunFailed
 
 SMALL = ConvVAEConfig(channels=(8, 16, 32))
 
@@ -110,6 +111,43 @@ def test_text_encoder_is_deterministic_and_tells_prompts_apart(minilm):
 def test_text_encoder_truncates_long_prompts(minilm):
     states, mask = minilm(["word " * 100])
     assert states.shape == (1, 16, 384) and mask.all()
+
+
+def test_the_text_encoder_is_frozen_and_in_eval_mode(minilm):
+    assert not minilm.model.training and not any(p.requires_grad for p in minilm.model.parameters())
+
+
+def test_a_prompt_the_tokenizer_cannot_encode_is_a_failed_run(minilm):
+    """A lone surrogate (what undecodable bytes become) makes the tokenizers library raise a bare TypeError."""
+    with pytest.raises(RunFailed, match="tokenizer in .* cannot encode the prompts: TypeError") as caught:
+        minilm(["a \ud800 bag"])
+    with pytest.raises(RunFailed, match="cannot encode the prompts: ValueError") as long:
+        minilm([None])  # transformers' message for a non-string runs to ~330 characters: it is cut at 200
+    assert len(str(long.value)) - len(str(long.value).split(": ValueError: ")[0]) <= len(": ValueError: ") + 200
+    assert caught.value.__cause__ is None
+
+
+def test_a_pickle_beside_the_safetensors_is_never_loaded(tmp_path, minilm):
+    """transformers prefers pytorch_model.bin unless told to use safetensors: weights of zeros there would replace the
+    encoder the card's model.safetensors holds."""
+    folder = copy_encoder(tmp_path / "encoder")
+    torch.save({name: torch.zeros_like(t) for name, t in minilm.model.state_dict().items()},
+               folder / "pytorch_model.bin")
+    encoder = HFTextEncoder(folder, 16, "cpu", torch.float32)
+    assert torch.equal(encoder(["a bag"])[0], minilm(["a bag"])[0])
+
+
+def test_weights_that_lack_one_tensor_are_refused_naming_it(tmp_path, minilm):
+    from safetensors.torch import save_file
+
+    folder = copy_encoder(tmp_path / "encoder")
+    tensors = {name: t.contiguous() for name, t in minilm.model.state_dict().items()
+               if name != "embeddings.LayerNorm.weight"}
+    (folder / "model.safetensors").unlink()  # a link to the installed package's weights: never written through
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(ValueError, match=r"^model.safetensors lacks a tensor of the bert encoder config.json describes "
+                                         r"\(e.g. embeddings.LayerNorm.weight\)$"):
+        HFTextEncoder(folder, 16, "cpu", torch.float32)
 
 
 def test_missing_text_encoder_package_is_a_clear_error():
