@@ -193,6 +193,37 @@ def killed_then_resumed_on_two(tmp_path, sets: list[str], args: list[str]) -> di
     return load_file(str(tmp_path / "resumed" / "transformer.safetensors"))
 
 
+def on_own_disks(args: list[str], cwd) -> subprocess.CompletedProcess:
+    """`cardtool args` on 2 processes as on two nodes with their own disks: rank R works in `nodeR/`, so a relative
+    path names a different folder on each rank."""
+    for rank in (0, 1):
+        (Path(cwd) / f"node{rank}").mkdir(exist_ok=True)
+    script = Path(cwd) / "nodes.py"
+    script.write_text("import os, runpy, sys\n\nos.chdir(f\"node{os.environ['RANK']}\")\nsys.argv[0] = 'cardtool'\n"
+                      "runpy.run_module('cardtool', run_name='__main__')\n")
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script), *args], cwd=cwd, env=launch_env(cwd), capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_a_run_folder_or_out_on_each_nodes_own_disk_is_refused_on_every_rank(tmp_path):
+    """Rank 0 writes the card and checkpoints and its peers read them back: on a disk only rank 0 sees, rank 1 said
+    "nothing to resume" or "no such card folder" alone, and rank 0 failed on the lost connection. Every rank now says
+    which ranks see the path and which option must be on a shared file system."""
+    args = finetune_args(tmp_path, FINETUNE)
+    result = on_own_disks([*args, "--out", "card", "--run-dir", str(tmp_path / "shared-run")], tmp_path)
+    assert result.returncode != 0 and (tmp_path / "node0" / "card" / "card.yaml").is_file()
+    said = "rank 0 sees card/card.yaml and rank 1 does not: under torchrun on several nodes, --out must be on a file " \
+           "system every node shares"
+    assert result.stderr.count(said) == 2, result.stderr[-8000:]  # each rank, and no lost-connection error
+    (tmp_path / "node0" / "run").mkdir()
+    (tmp_path / "shared-run" / "checkpoint.safetensors").rename(tmp_path / "node0" / "run" / "checkpoint.safetensors")
+    result = on_own_disks([*args, "--out", str(tmp_path / "card"), "--run-dir", "run", "--resume"], tmp_path)
+    said = "rank 0 sees run/checkpoint.safetensors and rank 1 does not: under torchrun on several nodes, --run-dir must"
+    assert result.returncode != 0 and result.stderr.count(said) == 2, result.stderr[-8000:]
+    assert not (tmp_path / "card").exists()
+
+
 def test_train_on_two_processes_equals_one_process_with_two_micro_batches(tmp_path, monkeypatch):
     sets = [*FINETUNE, "train.ema=0"]
     args = finetune_args(tmp_path, sets)

@@ -76,11 +76,27 @@ class Ranks:
         dist.all_reduce(total)
         return total.tolist()
 
+    def sees(self, path, option: str) -> bool:
+        """Whether `path` exists, as every rank sees it. Ranks that disagree — `option`'s folder on each node's own
+        disk, rank 0 writing where its peers never look — are refused together, where one rank's own refusal would
+        leave its peers to fail on a lost connection."""
+        seen = self.all_gather(os.path.exists(path))
+        if len(set(seen)) > 1:
+            have, lack = ([r for r, flag in enumerate(seen) if flag == want] for want in (True, False))
+            raise BadInput(f"{_named(have)} {'sees' if len(have) == 1 else 'see'} {path} and {_named(lack)} "
+                           f"{'does' if len(lack) == 1 else 'do'} not: under torchrun on several nodes, {option} must "
+                           "be on a file system every node shares")
+        return seen[0]
+
     def barrier(self) -> None:
         if self.world > 1:
             import torch.distributed as dist
 
             dist.barrier()
+
+
+def _named(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 _FAILED = []  # set by end_process when this rank ends with an error

@@ -54,7 +54,7 @@ class Parallel:
 
             # a method whose modules take turns (DMD2's generator every k-th step) leaves some parameters out of a
             # step's graph: DDP must look for them, and leaves their gradients None, as one process would
-            self._ddp = DistributedDataParallel(_Step(task, modules), broadcast_buffers=False,
+            self._ddp = DistributedDataParallel(_Step(task, modules),
                                                 device_ids=[ranks.local] if device == "cuda" else None,
                                                 find_unused_parameters=task.modules_take_turns)
         elif self.mode == "fsdp":

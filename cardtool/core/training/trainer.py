@@ -189,14 +189,15 @@ def _train(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, resume
     for stale in run_dir.glob(f".{CHECKPOINT}.*.tmp"):  # a write that a kill interrupted
         stale.unlink(missing_ok=True)
     start, loss_value, before = 0, float("nan"), 0.0  # before: training seconds of the sessions a resume continues
-    if checkpoint.exists() and not resume:
+    held = ranks.sees(checkpoint, "--run-dir")
+    if held and not resume:
         if not made_by(checkpoint, recipe, task.data):  # --resume would refuse it: not the advice to give
             changed = recipe_changes(checkpoint_metadata(checkpoint).get("recipe"), recipe.shaping())
             raise BadInput(f"{run_dir} already holds the run of another recipe or other data{changed}; give this "
                            "run another --run-dir, or remove the folder")
         raise BadInput(f"{run_dir} already holds a run; continue it with --resume, or remove the folder")
     if resume:
-        if not checkpoint.exists():
+        if not held:
             raise BadInput(f"nothing to resume: {checkpoint} does not exist")
         start, loss_value, before = _load(checkpoint, recipe, modules, ema, optimizer, task, parts, parallel)
     order = _Order(task.dataset_size(), o.batch_size, schedule.seed)

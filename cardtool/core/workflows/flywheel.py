@@ -213,6 +213,9 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
 
     def stage(name: str, stage_recipe: Recipe, run) -> Card:
         out = Path(out_dir) / stage_recipe.card.id
+        # what a stage finds decides whether it runs, skips or resumes: every rank must decide alike
+        distributed.ranks().sees(out, "--out-dir")
+        distributed.ranks().sees(run_dir / name / CHECKPOINT, "--run-dir")
         fingerprint = recipe_fingerprint(stage_recipe, shaped_by[name])
         existing, unreadable = _existing(out)
         if existing is not None and existing.manifest.recipe.fingerprint == fingerprint:
