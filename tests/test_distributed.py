@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,8 @@ from helpers import EXAMPLE_CARDS
 from typer.testing import CliRunner
 
 from cardtool.cli import app
+from cardtool.core import distributed
+from cardtool.errors import BadInput
 
 GENERATE = ["generate", "tiny-base", "-p", "a bag", "-p", "a coat", "-n", "3", "--steps", "4", "--grid", "--json"]
 
@@ -213,8 +217,8 @@ def test_a_run_folder_or_out_on_each_nodes_own_disk_is_refused_on_every_rank(tmp
     args = finetune_args(tmp_path, FINETUNE)
     result = on_own_disks([*args, "--out", "card", "--run-dir", str(tmp_path / "shared-run")], tmp_path)
     assert result.returncode != 0 and (tmp_path / "node0" / "card" / "card.yaml").is_file()
-    said = "rank 0 sees card/card.yaml and rank 1 does not: under torchrun on several nodes, --out must be on a file " \
-           "system every node shares"
+    said = "rank 0 sees card/card.yaml and rank 1 does not: under torchrun on several nodes, --out (the flywheel's " \
+           "--out-dir) must be on a file system every node shares"
     assert result.stderr.count(said) == 2, result.stderr[-8000:]  # each rank, and no lost-connection error
     (tmp_path / "node0" / "run").mkdir()
     (tmp_path / "shared-run" / "checkpoint.safetensors").rename(tmp_path / "node0" / "run" / "checkpoint.safetensors")
@@ -222,6 +226,49 @@ def test_a_run_folder_or_out_on_each_nodes_own_disk_is_refused_on_every_rank(tmp
     said = "rank 0 sees run/checkpoint.safetensors and rank 1 does not: under torchrun on several nodes, --run-dir must"
     assert result.returncode != 0 and result.stderr.count(said) == 2, result.stderr[-8000:]
     assert not (tmp_path / "card").exists()
+
+
+@dataclass(frozen=True)
+class _Disagreeing(distributed.Ranks):
+    """Rank 0 of two whose peer finds the path of the `at`-th check the other way round."""
+
+    at: int = 0
+    checks: list = field(default_factory=list)
+
+    def all_gather(self, value) -> list:
+        assert isinstance(value, bool), "no collective but sees() is expected before the refusal"
+        self.checks.append(value)
+        return [value, value != (len(self.checks) - 1 == self.at)]
+
+    def barrier(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("made", "option", "at"), [(None, "--out-dir", 0), ("cards/tiny-base-nft", "--out-dir", 0),
+                                                    ("run/rl/checkpoint.safetensors", "--run-dir", 1)])
+def test_a_flywheel_stage_seen_differently_by_the_ranks_is_refused_before_it_runs(tmp_path, monkeypatch, made,
+                                                                                   option, at):
+    """Whether a stage's card or checkpoint is there decides whether it runs, is skipped or resumes: ranks that see
+    it differently would take different paths and wait on each other."""
+    from helpers import write_idx_folder
+
+    from cardtool.core.workflows.flywheel import flywheel, flywheel_recipe
+
+    peer = _Disagreeing(world=2, at=at)
+    monkeypatch.setattr(distributed, "ranks", lambda device="cpu": peer)
+    if made:
+        (tmp_path / made).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / made).mkdir() if option == "--out-dir" else (tmp_path / made).write_bytes(b"")
+    recipe = flywheel_recipe(str(EXAMPLE_CARDS / "tiny-base"), str(EXAMPLE_CARDS / "tiny-judge"), steps=1,
+                             overrides=["rl.optim.batch_size=2", "rl.loss.group_size=4"], out_dir=tmp_path / "cards")
+    seen, unseen = ("rank 0", "rank 1") if made else ("rank 1", "rank 0")
+    path = re.escape(str(tmp_path / (made or "cards/tiny-base-nft")))
+    with pytest.raises(BadInput, match=f"^{seen} sees {path} and {unseen} does not: under torchrun on several nodes, "
+                                       f"{option} must be on a file system every node shares$"):
+        flywheel(recipe, command="c", out_dir=tmp_path / "cards", run_dir=tmp_path / "run",
+                 judge=str(EXAMPLE_CARDS / "tiny-judge"), held_out_judge=None,
+                 data=str(write_idx_folder(tmp_path / "idx")), per_class=2)
+    assert len(peer.checks) == at + 1 and not (tmp_path / "run" / "rl" / ".lock").exists()  # before the stage began
 
 
 def test_train_on_two_processes_equals_one_process_with_two_micro_batches(tmp_path, monkeypatch):

@@ -118,7 +118,7 @@ def write_output(folder: Path, manifest: dict, weights: dict, run_dir: Path, **o
         raise BadInput(f"{e}. The trained weights are in {Path(run_dir) / CHECKPOINT}: the same command with "
                        "--resume and the change writes the card without training again") from None
     ranks.barrier()
-    ranks.sees(folder / "card.yaml", "--out")  # where the others load what rank 0 wrote
+    ranks.sees(folder / "card.yaml", "--out (the flywheel's --out-dir)")  # the others load what rank 0 wrote
     return card if ranks.main else load_card(folder)
 
 
