@@ -228,6 +228,23 @@ def test_a_run_folder_or_out_on_each_nodes_own_disk_is_refused_on_every_rank(tmp
     assert not (tmp_path / "card").exists()
 
 
+def test_a_resumed_eval_keeps_on_every_rank_the_rows_rank_0s_report_holds(tmp_path, monkeypatch):
+    """The rows --resume keeps are the rows no rank samples: rank 0's report decides, read once. A rank that read its
+    own (here none, on its own disk) sampled the kept row while rank 0 waited for it in the next one's gather."""
+    from helpers import write_idx_folder
+
+    args = ["eval", "tiny-base", "--judge", "tiny-judge", "--per-class", "2", "--steps", "2", "--data",
+            str(write_idx_folder(tmp_path / "idx")), "--json"]
+    monkeypatch.setenv("CARDTOOL_PATH", str(EXAMPLE_CARDS))
+    (tmp_path / "node0").mkdir()
+    assert CliRunner().invoke(app, [*args, "--out", str(tmp_path / "node0" / "r.json")]).exit_code == 0
+    result = on_own_disks([*args, "--steps", "3", "--out", "r.json", "--resume"], tmp_path)
+    assert result.returncode == 0, result.stderr[-8000:]
+    report = json.loads(result.stdout)
+    assert [r["steps"] for r in report["rows"]] == [2, 3] and report["kept_rows"] == 1
+    assert report["rows"][1]["images"] == 20 and not (tmp_path / "node1" / "r.json").exists()
+
+
 @dataclass(frozen=True)
 class _Disagreeing(distributed.Ranks):
     """Rank 0 of two whose peer finds the path of the `at`-th check the other way round."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -87,7 +89,6 @@ def test_a_list_setting_takes_one_value_a_tuple_a_range_or_a_numpy_vector_as_pla
 
 
 def test_eval_samples_with_the_shift_and_solver_asked_for_and_its_rows_say_so(examples, tmp_path):
-    import json
 
     from helpers import write_idx_folder
     from typer.testing import CliRunner
@@ -125,7 +126,6 @@ def test_a_row_whose_guidance_interval_guides_no_step_is_warned_of(examples, tmp
 
 def test_a_record_that_cannot_be_made_is_refused_before_the_eval_or_keeps_its_rows(examples, tmp_path, monkeypatch):
     import errno
-    import json
     import tempfile
 
     from helpers import write_idx_folder
@@ -183,7 +183,6 @@ def test_off_a_terminal_each_row_logs_progress_lines(examples, tmp_path, monkeyp
 def test_a_lower_max_batch_measures_the_same_images(examples, tmp_path):
     """--max-batch is a memory knob: forwards of fewer rows, the same images and so the same measurements (within
     float32 rounding where a CPU's products round by batch size: tiny-base promises C1, not batch invariance)."""
-    import json
 
     from helpers import write_idx_folder
     from typer.testing import CliRunner
@@ -206,7 +205,6 @@ def test_a_lower_max_batch_measures_the_same_images(examples, tmp_path):
 
 
 def test_memory_running_out_in_a_row_keeps_the_rows_measured(examples, tmp_path, monkeypatch):
-    import json
 
     from helpers import write_idx_folder
     from typer.testing import CliRunner
@@ -247,7 +245,6 @@ def test_memory_running_out_in_a_row_keeps_the_rows_measured(examples, tmp_path,
 def test_a_kept_row_or_floor_missing_a_field_or_of_another_type_is_measured_again(examples, tmp_path):
     """--resume keeps the rows and floors of the report as measured: one edited or damaged by hand — a field gone, a
     count written as text — is measured again, not a traceback or a report carrying the damage."""
-    import json
 
     from helpers import write_idx_folder
     from typer.testing import CliRunner
@@ -312,7 +309,6 @@ def test_resume_starts_afresh_where_no_report_is_yet_and_refuses_one_past_64_mib
 
 def test_resume_keeps_a_captions_row_without_accuracy_and_no_classes_row_without_it(tmp_path):
     """A report on your own captioned images has no accuracy or reward (null); one on the classes must have both."""
-    import json
 
     from cardtool.core.evaluation.resume import ROW_SETTINGS, previous_rows
 
@@ -350,6 +346,31 @@ def test_resume_refuses_a_report_of_the_same_card_id_with_other_weights(examples
         with pytest.raises(BadInput, match=f"measured with other {differs}; drop --resume"):
             evaluate(str(examples / "tiny-base"), **options, resume=True)
         evaluate(str(examples / "tiny-base"), **options)  # measured afresh: the next card's change is its alone
+
+
+def test_a_resumed_run_stopped_before_it_reaches_a_kept_row_keeps_it_in_the_file(examples, tmp_path):
+    """The report on disk always holds every finished row: `--steps 2,4,3 --resume` over a report of steps 3 wrote
+    the file without that row until its cell came, and a run killed in a new row before it lost it."""
+    from helpers import write_idx_folder
+
+    from cardtool.core.evaluation.evaluate import evaluate
+
+    out = tmp_path / "eval.json"
+    options = {"judge": str(examples / "tiny-judge"), "per_class": 1, "data": str(write_idx_folder(tmp_path / "idx")),
+               "out": out}
+    evaluate(str(examples / "tiny-base"), steps=[3], **options)
+    measured = json.loads(out.read_text())["rows"]
+
+    def killed(done, total):
+        raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError, match="killed"):
+        evaluate(str(examples / "tiny-base"), steps=[2, 4, 3], resume=True, on_step=killed, **options)
+    assert json.loads(out.read_text())["rows"] == measured
+    report = evaluate(str(examples / "tiny-base"), steps=[2, 4, 3], resume=True, **options)
+    assert [r.steps for r in report.rows] == [2, 4, 3] and report.kept_rows == 1
+    assert [r["steps"] for r in json.loads(out.read_text())["rows"]] == [2, 4, 3]
+    assert json.loads(out.read_text())["rows"][2] == measured[0]
 
 
 def test_resume_refuses_a_report_measured_on_other_images_of_the_same_file_sizes(examples, tmp_path):
@@ -405,7 +426,6 @@ def test_eval_with_no_options_passes_the_apis_defaults(monkeypatch, versus):
 def test_each_rows_progress_line_states_the_rows_measurements(examples, tmp_path):
     """The line on stderr as each row is measured (the only output of a long sweep until the end) says what the
     report says of that row, KID scaled by 1,000 as in the table."""
-    import json
     import re
 
     from helpers import write_idx_folder

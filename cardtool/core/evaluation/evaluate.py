@@ -262,7 +262,7 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     cells = list(itertools.product(loops.items(), guidance or [None], steps or [None]))
     if out is not None and not resume:
         _refuse_dropping(out, ident, {_settings(p, plans[(g, k)][0]) for (p, _), g, k in cells})
-    kept_floors, kept_rows = previous_rows(out, ident) if resume else ({}, [])
+    kept_floors, kept_rows = _previous(out, ident, ranks) if resume else ({}, [])
     if _floors_kept(kept_floors):
         report.floors, report.kid_floors = kept_floors["floors"], kept_floors["kid_floors"]
         report.manifold_floors = kept_floors["manifold_floors"]
@@ -284,14 +284,23 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
                                 first.text_encoder, "prompt" if labels is not None else "caption")
         report.warnings += [filled] if filled else []
     saved = {_row_key(row): row for row in kept_rows}
+    keys = [_settings(p, plans[(g, k)][0]) for (p, _), g, k in cells]
     report.adapters = stack
-    if out is not None and ranks.main:
-        write_report(out, report.to_json(), ident)
+
+    def save(reached: int) -> None:
+        """The report so far, and the kept rows of the cells after the first `reached`: a run stopped before it
+        reaches them loses none."""
+        if out is not None and ranks.main:
+            document = report.to_json()
+            document["rows"] += [saved[key] for key in keys[reached:] if _restored(saved.get(key)) is not None]
+            write_report(out, document, ident)
+
+    save(0)
     stopping = stop_requests(ranks.world == 1) if stop is None else contextlib.nullcontext(stop)
     with stopping as caught:  # Ctrl-C / SIGTERM: the row in flight finishes, then a stop
         for number, ((p, loop), g, k) in enumerate(cells):
             requests = plans[(g, k)]
-            row = _restored(saved.get(_settings(p, requests[0])))
+            row = _restored(saved.get(keys[number]))
             if row is not None:  # measured before under the same identity: kept as it was measured
                 report.rows.append(row)
                 report.samples += [None] if keeping else []
@@ -303,8 +312,7 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
                 with OutOfMemory.raised(kept, report.to_json()):
                     _measure_row(report, referee, real, labels, count, ranks, p, loop, requests, on_row,
                                  on_step=on_step, max_batch=int(max_batch), keep=keeping)
-            if out is not None and ranks.main:
-                write_report(out, report.to_json(), ident)
+            save(number + 1)
             if caught and number < len(cells) - 1:
                 hint = f"; the same command with --resume measures the rest (rows so far in {out})" if out else ""
                 raise Interrupted.after(caught[0], f"{number + 1} of {len(cells)} rows{hint}", report.to_json())
@@ -370,6 +378,23 @@ def _seeded(requests: list, apart: bool) -> list:
     """The requests, each at its own seed (seed + i for the i-th) where `apart`: two test images with one caption
     then get two images, not one twice."""
     return [dataclasses.replace(r, seed=r.seed + i) for i, r in enumerate(requests)] if apart else requests
+
+
+def _previous(out: Path, ident: dict, ranks) -> tuple[dict, list[dict]]:
+    """`previous_rows` of --out as rank 0 reads it, on every rank: the rows it keeps are the rows no rank samples, and
+    rank 0 rewrites the file while a slower rank may still be about to read it."""
+    if ranks.world == 1:
+        return previous_rows(out, ident)
+    read = None
+    if ranks.main:
+        try:
+            read = previous_rows(out, ident)
+        except BadInput as e:  # said by every rank: its peers would wait for rank 0 in the first row
+            read = str(e)
+    read = ranks.all_gather(read)[0]
+    if isinstance(read, str):
+        raise BadInput(read)
+    return read
 
 
 def _refuse_dropping(out: Path, ident: dict, wanted: set) -> None:
