@@ -81,6 +81,35 @@ def test_at_full_rank_the_adapter_card_makes_the_tuned_cards_images(examples):
     assert np.abs(plain[0].pixels.astype(int) - made[0][0].pixels).max() > 10, "the change must show for this test"
 
 
+def test_an_adapter_named_like_a_component_is_served_exported_and_composed_as_the_adapter(examples):
+    """Extracted from a card whose id is `vae`, the LoRA is named `vae`: the card's weights lookup gave it the VAE
+    component's file ("adapter 'vae' (…/tiny-base/vae.safetensors) does not fit"), found by the card fuzzer."""
+    tuned(examples, every_linear, name="vae")
+    assert extract(examples, "tiny-base", "vae", "--rank", "32").exit_code == 0
+    made = [LoadedCard(str(examples / ref)).generate("a bag", out=None).images[0].pixels
+            for ref in ("vae", "extracted")]
+    assert np.abs(made[0].astype(int) - made[1]).max() <= 1
+    runner = CliRunner()
+    off_the_path = examples.parent  # the export keeps the card's id
+    for args in (["export", "extracted", "--format", "hf", "--out", str(off_the_path / "exported")],
+                 ["compose", "tiny-base", "extracted", "--id", "served", "--out", str(off_the_path / "served")]):
+        result = runner.invoke(app, ["cards", *args])
+        assert result.exit_code == 0, result.output
+    for folder in ("exported", "served"):
+        assert sha256_file(off_the_path / folder / "adapters" / "vae.safetensors") == \
+            sha256_file(examples / "extracted" / "adapters" / "vae.safetensors")
+        again = LoadedCard(str(off_the_path / folder)).generate("a bag", out=None, adapters=[("vae", 1.0)], steps=3,
+                                                           guidance=1.0).images[0].pixels
+        assert np.array_equal(again, made[1])
+    diff = json.loads(runner.invoke(app, ["cards", "diff", "--json", "tiny-base", "extracted"]).stdout)
+    assert {"section": "adapters", "name": "vae", "status": "added"} in diff["weights"]
+    assert {"section": "components", "name": "vae", "status": "same"} in diff["weights"]
+    result = extract(examples, "tiny-base", "extracted", "--rank", "32", card_id="again")  # its default stack read
+    assert result.exit_code == 0, result.output
+    again = LoadedCard(str(examples / "again")).generate("a bag", out=None).images[0].pixels
+    assert np.abs(again.astype(int) - made[1]).max() <= 1
+
+
 def test_the_api_replaces_a_card_it_made_only_when_told_to(examples):
     tuned(examples, every_linear)
     made = extract_lora("tiny-base", "tuned", 1, "extracted", out=examples / "extracted")

@@ -47,7 +47,7 @@ def compose_cards(base_ref: str, adapter_refs: list[str], card_id: str, out: Pat
             entry = spec.model_dump(mode="json", exclude_none=True)
             entry.pop("sha256", None)
             entry["weights"] = f"adapters/{name}.safetensors"
-            copies[entry["weights"]] = card.weights_file(name)
+            copies[entry["weights"]] = card.weights_file(name, "adapters")
             adapters[name] = entry
         parents.append(card.id)
         check_new_id(card_id, [base, card], "give the serving card another --id")

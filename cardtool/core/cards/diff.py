@@ -53,7 +53,7 @@ def _weights(section: str, name: str, a: Card | None, b: Card | None, top: int) 
     entry = {"section": section, "name": name}
     if a is None or b is None:
         return {**entry, "status": "added" if a is None else "removed"}
-    path_a, path_b = a.weights_file(name), b.weights_file(name)
+    path_a, path_b = a.weights_file(name, section), b.weights_file(name, section)
     if path_a.resolve() == path_b.resolve() or sha256_file(path_a) == sha256_file(path_b):
         return {**entry, "status": "same"}
     (header_a, _), (header_b, _) = read_header(path_a), read_header(path_b)

@@ -66,7 +66,7 @@ def export_card(card_ref: str, out: Path, *, fmt: str = "hf", overwrite: bool = 
                 entry["weights"] = TRANSFORMER
                 continue
             rel = f"{section}/{entry_name}.safetensors" if section == "adapters" else f"{entry_name}.safetensors"
-            copies[rel] = card.weights_file(entry_name)
+            copies[rel] = card.weights_file(entry_name, section)
             entry["weights"] = rel
     for entry_name, entry in manifest["components"].items():
         if entry.get("source") and not entry["source"].startswith("package:"):  # a folder of the card's goes with it

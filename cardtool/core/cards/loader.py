@@ -49,12 +49,12 @@ class Card:
     def problem(self, path: FieldPath, message: str, fix: str = "", *, key: bool = False) -> Problem:
         return locate_problem(self.sources, path, message, fix, key=key)
 
-    def weights_file(self, name: str) -> Path:
-        """The weights of component or adapter `name`, checked: a safetensors file whose sha256 matches."""
-        section = "components" if name in self.manifest.components else "adapters"
+    def weights_file(self, name: str, section: str = "components") -> Path:
+        """The weights of component `name` (or of adapter `name`, `section` "adapters": an adapter may share a
+        component's name, a LoRA called `vae`), checked: a safetensors file whose sha256 matches."""
         entry = getattr(self.manifest, section).get(name)
         if entry is None or entry.weights is None:
-            raise BadInput(f"card '{self.id}' has no component or adapter '{name}' with weights")
+            raise BadInput(f"card '{self.id}' has no {section[:-1]} '{name}' with weights")
         problems = _file_problems(self, (section, name), entry.weights, entry.sha256, checksums=True)
         if problems:
             raise CardValidationError(problems)

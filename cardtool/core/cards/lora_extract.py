@@ -121,7 +121,7 @@ def _served(card: Card, target: str) -> tuple[dict[str, float], dict]:
         if spec.kind != "lora" or spec.target != target:
             raise BadInput(f"'{card.id}' serves with adapter '{name}' by default, a {spec.kind} on '{spec.target}': "
                            f"no change to the weights of '{target}' a LoRA can carry")
-        lora = LoraWeights(name, spec.rank, spec.alpha, *lora_parts(read_lora(card.weights_file(name))[0],
+        lora = LoraWeights(name, spec.rank, spec.alpha, *lora_parts(read_lora(card.weights_file(name, "adapters"))[0],
                                                                      dtype=torch.float64))
         for module in lora.a:
             delta = lora.delta(module, scale)

@@ -80,7 +80,7 @@ class AdapterStore:
         stamp = (info.st_size, info.st_mtime_ns, info.st_ino)
         held = self._loaded.get(name)
         if held is None or held[0] != stamp:
-            held = (stamp, self._load(name, spec, card.weights_file(name)))  # verifies the declared sha256
+            held = (stamp, self._load(name, spec, card.weights_file(name, "adapters")))  # verifies the declared sha256
             self._loaded[name] = held
         return held[1]
 
