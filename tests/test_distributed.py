@@ -228,6 +228,21 @@ def test_a_run_folder_or_out_on_each_nodes_own_disk_is_refused_on_every_rank(tmp
     assert not (tmp_path / "card").exists()
 
 
+def test_training_data_that_differs_between_nodes_is_refused_on_every_rank(tmp_path):
+    """Each rank trains on its share of the images it read itself: from copies that differ, the run would mix two
+    datasets while the card records rank 0's."""
+    from helpers import write_idx_folder
+
+    for rank in (0, 1):
+        write_idx_folder(tmp_path / f"node{rank}" / "idx", seed=rank)
+    args = [a if a != str(tmp_path / "idx") else "idx" for a in finetune_args(tmp_path, FINETUNE)]
+    result = on_own_disks([*args, "--out", str(tmp_path / "card"), "--run-dir", str(tmp_path / "run")], tmp_path)
+    said = "under torchrun on several nodes, --data must hold the same images on every node"
+    assert result.returncode != 0 and result.stderr.count(said) == 2, result.stderr[-8000:]
+    assert "the ranks read different training data (rank 0 " in result.stderr
+    assert not (tmp_path / "card").exists() and not (tmp_path / "run" / "checkpoint.safetensors").exists()
+
+
 def test_a_resumed_eval_keeps_on_every_rank_the_rows_rank_0s_report_holds(tmp_path, monkeypatch):
     """The rows --resume keeps are the rows no rank samples: rank 0's report decides, read once. A rank that read its
     own (here none, on its own disk) sampled the kept row while rank 0 waited for it in the next one's gather."""

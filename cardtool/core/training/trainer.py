@@ -190,6 +190,11 @@ def _train(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, resume
         stale.unlink(missing_ok=True)
     start, loss_value, before = 0, float("nan"), 0.0  # before: training seconds of the sessions a resume continues
     held = ranks.sees(checkpoint, "--run-dir")
+    read = ranks.all_gather(task.data)
+    if len(set(read)) > 1:  # each rank trains on its own share of the images it read: a mix no card could record
+        digests = ", ".join(f"rank {r} {str(digest)[:12]}…" for r, digest in enumerate(read))
+        raise BadInput(f"the ranks read different training data ({digests}): under torchrun on several nodes, "
+                       "--data must hold the same images on every node")
     if held and not resume:
         if not made_by(checkpoint, recipe, task.data):  # --resume would refuse it: not the advice to give
             changed = recipe_changes(checkpoint_metadata(checkpoint).get("recipe"), recipe.shaping())
