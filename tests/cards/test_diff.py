@@ -144,7 +144,7 @@ def test_integer_tensors_are_equal_or_not_and_an_all_zero_file_moved_by_nothing(
         def __init__(self, path):
             self.path = path
 
-        def weights_file(self, name):
+        def weights_file(self, name, section):
             return self.path
 
     files = []

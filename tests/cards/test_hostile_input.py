@@ -475,6 +475,10 @@ def test_weights_of_a_name_without_any_and_load_cards_flags_are_clear_errors(bas
     for name in ("text_encoder", "nope"):  # a package's folder, no weights file; not declared at all
         with pytest.raises(BadInput, match=f"card 'tiny-base' has no component or adapter '{name}' with weights"):
             card.weights_file(name)
+    assert card.weights_file("invert", "adapters").name == "invert.safetensors"
+    for name, section in (("invert", "components"), ("transformer", "adapters")):  # a name of the other section
+        with pytest.raises(BadInput, match=f"card 'tiny-base' has no {section[:-1]} '{name}' with weights$"):
+            card.weights_file(name, section)
     for flags in ({"checksums": "yes"}, {"adapters": 0}, {"checksums": True, "adapters": None}):
         with pytest.raises(BadInput, match="checksums and adapters are True or False"):
             load_card(base, **flags)

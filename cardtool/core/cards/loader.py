@@ -49,13 +49,16 @@ class Card:
     def problem(self, path: FieldPath, message: str, fix: str = "", *, key: bool = False) -> Problem:
         return locate_problem(self.sources, path, message, fix, key=key)
 
-    def weights_file(self, name: str, section: str = "components") -> Path:
-        """The weights of component `name` (or of adapter `name`, `section` "adapters": an adapter may share a
-        component's name, a LoRA called `vae`), checked: a safetensors file whose sha256 matches."""
-        entry = getattr(self.manifest, section).get(name)
+    def weights_file(self, name: str, section: str | None = None) -> Path:
+        """The weights of component or adapter `name`, checked: a safetensors file whose sha256 matches. An adapter may
+        share a component's name (a LoRA called `vae`): `section` ("components" or "adapters") says which is meant;
+        without it a component is."""
+        where = section or ("components" if name in self.manifest.components else "adapters")
+        entry = getattr(self.manifest, where).get(name)
         if entry is None or entry.weights is None:
-            raise BadInput(f"card '{self.id}' has no {section[:-1]} '{name}' with weights")
-        problems = _file_problems(self, (section, name), entry.weights, entry.sha256, checksums=True)
+            what = where[:-1] if section else "component or adapter"
+            raise BadInput(f"card '{self.id}' has no {what} '{name}' with weights")
+        problems = _file_problems(self, (where, name), entry.weights, entry.sha256, checksums=True)
         if problems:
             raise CardValidationError(problems)
         return self.folder / entry.weights
