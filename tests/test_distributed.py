@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -274,6 +275,27 @@ class _Disagreeing(distributed.Ranks):
 
     def barrier(self) -> None:
         pass
+
+
+def test_sees_names_the_ranks_on_each_side_and_agreement_is_the_answer(tmp_path):
+    @dataclass(frozen=True)
+    class Gathered(distributed.Ranks):
+        seen: tuple = ()
+
+        def all_gather(self, value) -> list:
+            return [value, *self.seen[1:]]
+
+    path = tmp_path / "run"
+    for seen, said in (((False, True, True), "ranks 1, 2 see {} and rank 0 does not"),
+                       ((True, False, False), "rank 0 sees {} and ranks 1, 2 do not"),
+                       ((True, False, True), "ranks 0, 2 see {} and rank 1 does not")):
+        path.mkdir(exist_ok=True) if seen[0] else shutil.rmtree(path, ignore_errors=True)
+        with pytest.raises(BadInput, match=f"^{re.escape(said.format(path))}: under torchrun on several nodes, --x "
+                                           "must be on a file system every node shares$"):
+            Gathered(world=3, seen=seen).sees(path, "--x")
+    assert Gathered(world=3, seen=(True, True, True)).sees(path, "--x") is True
+    shutil.rmtree(path)
+    assert Gathered(world=2, seen=(False, False)).sees(path, "--x") is False
 
 
 @pytest.mark.parametrize(("made", "option", "at"), [(None, "--out-dir", 0), ("cards/tiny-base-nft", "--out-dir", 0),
