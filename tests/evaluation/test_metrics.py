@@ -92,6 +92,8 @@ def test_the_wilson_interval_holds_the_proportion_and_is_sound_at_the_ends():
     assert wilson_interval(0, 10) == pytest.approx((0.0, z * z / (10 + z * z)))  # p = 0: [0, z²/(n + z²)]
     low, high = wilson_interval(10, 10)
     assert high == pytest.approx(1.0) and low == pytest.approx(10 / (10 + z * z))
+    # exactly 0 and 1 at the ends, where the formula's rounding gives 3.5e-18 (n = 69) or 1 ± 2.2e-16 (n = 4, 20)
+    assert all(wilson_interval(n, n)[1] == 1.0 and wilson_interval(0, n)[0] == 0.0 for n in range(1, 200))
     low, high = wilson_interval(970, 1000)
     assert low < 0.97 < high and high - low == pytest.approx(2 * z * (0.97 * 0.03 / 1000) ** 0.5, rel=0.05), \
         "near the normal interval where that one is sound"

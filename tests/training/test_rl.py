@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -398,7 +399,8 @@ def test_the_cli_evaluates_the_tuned_card_under_the_judge_and_the_held_out_judge
     args = ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"), "--judge",
             str(examples / "tiny-judge"), "--data", str(data), "--out", str(tmp_path / "o"), "--run-dir",
             str(tmp_path / "r"), "--json", "--per-class", "3", *(f"--set={o}" for o in [*TINY, "optim.steps=1"])]
-    for reward in (examples / "tiny-judge", "tiny-judge"):  # its folder, or its id on the search path
+    copy = shutil.copytree(examples / "tiny-judge", tmp_path / "judge-copy")  # the same id, in another folder
+    for reward in (examples / "tiny-judge", "tiny-judge", copy):  # its folder, its id on the search path, a copy
         refused = CliRunner().invoke(app, [*args, "--held-out-judge", str(reward)],
                                      env={"CARDTOOL_PATH": str(examples)})
         assert refused.exit_code == 2 and json.loads(refused.stdout)["error"]["message"].startswith(

@@ -57,7 +57,8 @@ def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float,
     p = successes / n
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # exactly 0 below p = 0 and 1 above p = 1, where rounding gives 3e-18 or 1 ± 2e-16
+    return 0.0 if successes == 0 else max(0.0, centre - half), 1.0 if successes == n else min(1.0, centre + half)
 
 
 def kernel_distance(a: np.ndarray, b: np.ndarray, *, subsets: int = 100, subset_size: int = 1000,
