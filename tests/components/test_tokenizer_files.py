@@ -154,6 +154,12 @@ REFUSED = [
      "tokenizer.json encodes text into id 50000; the encoder's embeddings hold 30522", "past"),  # post-processor
     ({"tokenizer.json": None, "tokenizer_config.json": {"tokenizer_class": "RobertaTokenizer"}},
      "has no tokenizer.json, and its tokenizer class reads BPE", "lost"),
+    ({"tokenizer.json": lambda _: json.dumps({  # a BPE model whose unknown token is missing: it parses, then fails
+        "version": "1.0", "added_tokens": [], "pre_tokenizer": {"type": "Whitespace"},
+        "model": {"type": "BPE", "unk_token": "<unk>", "vocab": {"a": 0, "b": 1}, "merges": []}}),
+      "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast"}},
+     "tokenizer.json cannot encode text such as 'An Ankle-Boot, size 42: ☃ 😀 ü ß 中文 qzxjv \\t': Unk token `<unk>` "
+     "not found in the vocabulary", "fails"),
 ]
 
 
