@@ -89,7 +89,6 @@ def test_a_list_setting_takes_one_value_a_tuple_a_range_or_a_numpy_vector_as_pla
 
 
 def test_eval_samples_with_the_shift_and_solver_asked_for_and_its_rows_say_so(examples, tmp_path):
-
     from helpers import write_idx_folder
     from typer.testing import CliRunner
 
@@ -205,7 +204,6 @@ def test_a_lower_max_batch_measures_the_same_images(examples, tmp_path):
 
 
 def test_memory_running_out_in_a_row_keeps_the_rows_measured(examples, tmp_path, monkeypatch):
-
     from helpers import write_idx_folder
     from typer.testing import CliRunner
 
