@@ -10,7 +10,7 @@ import pytest
 from helpers import REPO
 
 from cardtool.backends.lora_targets import DEFAULT_TARGETS
-from cardtool.core.training.lora_settings import lora_settings
+from cardtool.core.training.lora_settings import MAX_RANK, lora_overrides, lora_settings
 from cardtool.core.training.recipes import Recipe, apply_overrides, load_recipe, loss_number
 from cardtool.errors import BadInput
 
@@ -155,3 +155,13 @@ def test_hostile_recipes_and_overrides_are_bad_input(tmp_path):
         load_recipe(REPO / "examples" / "recipes" / "fashion-vae.yaml", ["model.channels=&a [*a]"])
     with pytest.raises(BadInput, match="value is not YAML"):
         load_recipe(REPO / "examples" / "recipes" / "fashion-vae.yaml", ["optim.lr=!!int abc"])
+
+
+def test_lora_takes_every_rank_from_1_to_the_bound_and_says_so_of_itself():
+    assert lora_overrides(None) == []
+    for rank in (1, MAX_RANK):  # both ends are ranks a LoRA can have
+        assert lora_overrides(rank) == [f"model.lora.rank={rank}"]
+        assert lora_overrides(rank, [f"model.lora.rank={rank}"]) == [f"model.lora.rank={rank}"]
+    for rank in (0, MAX_RANK + 1, True, 2.0):
+        with pytest.raises(BadInput, match=f"^--lora must be a whole number from 1 to {MAX_RANK}, got {rank!r}$"):
+            lora_overrides(rank)
