@@ -285,6 +285,7 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
         report.warnings += [filled] if filled else []
     saved = {_row_key(row): row for row in kept_rows}
     keys = [_settings(p, plans[(g, k)][0]) for (p, _), g, k in cells]
+    restored = {key: _restored(saved.get(key)) for key in keys}  # None: measured (again)
     report.adapters = stack
 
     def save(reached: int) -> None:
@@ -292,7 +293,7 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
         reaches them loses none."""
         if out is not None and ranks.main:
             document = report.to_json()
-            document["rows"] += [saved[key] for key in keys[reached:] if _restored(saved.get(key)) is not None]
+            document["rows"] += [saved[key] for key in keys[reached:] if restored[key] is not None]
             write_report(out, document, ident)
 
     save(0)
@@ -300,7 +301,7 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     with stopping as caught:  # Ctrl-C / SIGTERM: the row in flight finishes, then a stop
         for number, ((p, loop), g, k) in enumerate(cells):
             requests = plans[(g, k)]
-            row = _restored(saved.get(keys[number]))
+            row = restored[keys[number]]
             if row is not None:  # measured before under the same identity: kept as it was measured
                 report.rows.append(row)
                 report.samples += [None] if keeping else []

@@ -212,10 +212,10 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
                 "distill": {"judge": judge, "watch_judges": judges}}
 
     def stage(name: str, stage_recipe: Recipe, run) -> Card:
-        out = Path(out_dir) / stage_recipe.card.id
+        out, stage_dir, ranks = Path(out_dir) / stage_recipe.card.id, run_dir / name, distributed.ranks()
         # what a stage finds decides whether it runs, skips or resumes: every rank must decide alike
-        distributed.ranks().sees(out, "--out-dir")
-        distributed.ranks().sees(run_dir / name / CHECKPOINT, "--run-dir")
+        ranks.sees(out, "--out-dir")
+        ranks.sees(stage_dir / CHECKPOINT, "--run-dir")
         fingerprint = recipe_fingerprint(stage_recipe, shaped_by[name])
         existing, unreadable = _existing(out)
         if existing is not None and existing.manifest.recipe.fingerprint == fingerprint:
@@ -226,12 +226,10 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
                     f"was not made by this stage's recipe{' and training images' if shaped_by[name] else ''} " \
                     f"(fingerprint {fingerprint[:12]}…)"
                 raise BadInput(f"{out} exists but {why}; pass --force to replace it, or choose another --out-prefix")
-            stage_dir = run_dir / name
             # the run of what --force replaces: no run of this recipe resumes it. Every rank looks before rank 0
             # removes it, and none starts the stage before it is gone
             stale = force and _has_checkpoint(stage_dir) and not made_by(stage_dir / CHECKPOINT, stage_recipe,
                                                                           shaped_by[name])
-            ranks = distributed.ranks()
             ranks.barrier()
             if stale and ranks.main:
                 (stage_dir / CHECKPOINT).unlink(missing_ok=True)
