@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import struct
 import sys
 
@@ -62,8 +63,11 @@ BOMB = "".join(f"{chr(97 + i)}: &{chr(97 + i)} [{', '.join([f'*{chr(96 + i)}'] *
     ('description: "\\ud800"\n', "lone surrogate|invalid Unicode"),
     ("description: .nan\n", r"a non-finite number \(nan\)"),
     ("1: one\n", "a key that is not text"),
+    ("<<: {description: merged}\n", "card.yaml:1:1: YAML type 'merge' is not allowed"),
+    ('recipe_notes: {"<<": 1, "<<": 2}\n', 'card.yaml:1:25: recipe_notes.<<: duplicate key'),  # quoted: a text key
 ], ids=["alias-bomb", "self-alias", "bool-tag", "int-tag", "timestamp-tag", "binary-tag", "implicit-date",
-        "python-tag", "deep-nesting", "5000-digits", "300-digits", "surrogate", "nan", "int-key"])
+        "python-tag", "deep-nesting", "5000-digits", "300-digits", "surrogate", "nan", "int-key", "merge-key",
+        "quoted-merge-key"])
 def test_hostile_yaml_is_a_located_error(base, snippet, expected):
     with_text(base, replace=("description: Minimal flow-matching text-to-image card (tiny random weights)\n", ""),
               before=snippet)
@@ -117,7 +121,28 @@ def test_yaml_and_toml_nest_equally_deep_the_top_level_mapping_the_first_level(t
 def test_a_manifest_beyond_the_size_limit_is_refused_unread(base):
     with_text(base, after="# " + "x" * MAX_BYTES + "\n")
     [problem] = problems_of(base)
-    assert "larger than the 1048576-byte limit" in problem
+    assert re.match(r"\S*card.yaml:1:1: \d+ bytes: larger than the 1048576-byte limit", problem), problem
+
+
+@pytest.mark.parametrize(("raw", "reason"), [(b"id: caf\xe9\n", "invalid continuation byte"),
+                                             ("id: x\n".encode("utf-16"), "invalid start byte")])  # as Notepad saved
+def test_a_manifest_that_is_not_utf8_is_a_located_error(tmp_path, raw, reason):
+    (tmp_path / "card.yaml").write_bytes(raw)
+    with pytest.raises(CardValidationError, match=f"card.yaml:1:1: not UTF-8 text \\({reason}\\) \\(fix: save it as"):
+        read_source(tmp_path / "card.yaml")
+
+
+def test_a_manifest_that_outgrows_its_stated_size_is_refused_too(tmp_path):
+    """A file that grows between the stat and the read (or states no size, as /proc's do) is held to the limit by
+    what is read."""
+    class Shrunk(type(tmp_path)):
+        def stat(self, **kwargs):
+            return os.stat_result((stat.S_IFREG | 0o644, 0, 0, 1, 0, 0, 10, 0, 0, 0))  # 10 bytes, it says
+
+    (tmp_path / "card.yaml").write_text("a: 1\n# " + "x" * MAX_BYTES + "\n")
+    with pytest.raises(CardValidationError, match="card.yaml:1:1: more bytes than its size stated: larger than the "
+                                                  "1048576-byte limit"):
+        read_source(Shrunk(tmp_path / "card.yaml"))
 
 
 @pytest.mark.parametrize(("second_line", "where", "message"), [

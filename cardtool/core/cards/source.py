@@ -73,10 +73,11 @@ def read_source(file: Path) -> Source:
             raise CardValidationError.at(shown, 1, 1, "", "not a regular file",
                                          "give a YAML or TOML file (a card, a recipe, a workflow)")
         if info.st_size > MAX_BYTES:
-            raise CardValidationError.at(shown, 1, 1, "", f"{info.st_size} bytes: larger than the {MAX_BYTES}-byte "
-                                         "limit for a manifest", "keep large results in files beside the card")
+            raise _too_large(shown, f"{info.st_size} bytes")
         with file.open("rb") as f:
             raw = f.read(MAX_BYTES + 1)
+        if len(raw) > MAX_BYTES:  # grown since the stat, or a file that states no size (as /proc's do)
+            raise _too_large(shown, "more bytes than its size stated")
         # keyed by content, not mtime: a manifest rewritten within one clock tick must not parse as its old self
         key = (str(file), hashlib.blake2b(raw, digest_size=16).digest())
         if key in _cache:
@@ -100,6 +101,11 @@ def read_source(file: Path) -> Source:
         _cache.pop(next(iter(_cache)))  # the least recently used
     _cache[key] = source
     return source
+
+
+def _too_large(shown: str, size: str) -> CardValidationError:
+    return CardValidationError.at(shown, 1, 1, "", f"{size}: larger than the {MAX_BYTES}-byte limit for a manifest",
+                                  "keep large results in files beside the card")
 
 
 def plain_value_problems(value, dotted: str) -> list[str]:
@@ -251,10 +257,7 @@ def _walk_yaml(node, path: FieldPath, source: Source, duplicates: list[Problem])
 
     if isinstance(node, yaml.MappingNode):
         for key_node, value_node in node.value:
-            name = str(key_node.value)
-            if name == "<<":  # YAML merge key: the merged fields keep their own positions
-                continue
-            sub = path + (name,)
+            sub = path + (str(key_node.value),)  # a merge key (`<<`) never gets here: _check_scalars refused it
             if sub in source.keys:
                 line, col = key_node.start_mark.line + 1, key_node.start_mark.column + 1
                 duplicates.append(Problem(display_path(source.file), line, col, ".".join(sub),
