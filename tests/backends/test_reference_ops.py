@@ -125,6 +125,10 @@ def test_timestep_embedding_is_cos_then_sin():
     np.testing.assert_allclose(odd[0, :8], emb[1])
     even = ref.timestep_embedding(np.array([2.0]), 6)
     assert even.shape == (1, 6) and np.all(even[0] != 0), "an even width has no padding"
+    # computed in float64, returned in the float dtype of t — or float64 for integer timesteps, never truncated
+    assert ref.timestep_embedding(np.array([2.0], np.float32), 8).dtype == np.float32
+    whole = ref.timestep_embedding(np.array([2]), 8)
+    assert whole.dtype == np.float64 and np.array_equal(whole, emb[1:])
 
 
 def test_lora_bgmv_gives_each_sample_its_own_adapter():
@@ -134,6 +138,9 @@ def test_lora_bgmv_gives_each_sample_its_own_adapter():
     np.testing.assert_allclose(out[0], y[0] + 2.0 * x[0] @ (b[1] @ a[1]).T)
     np.testing.assert_allclose(out[1], y[1])
     np.testing.assert_allclose(out[2], y[2] + 0.5 * x[2] @ (b[0] @ a[0]).T)
+    # no index: row i takes adapter i; no scales: each at 1
+    plain = ref.lora_bgmv(x[:2], y[:2], a, b, None, None)
+    np.testing.assert_allclose(plain, y[:2] + np.stack([x[i] @ (b[i] @ a[i]).T for i in range(2)]))
 
 
 def _double(*shape):

@@ -53,6 +53,7 @@ BOMB = "".join(f"{chr(97 + i)}: &{chr(97 + i)} [{', '.join([f'*{chr(96 + i)}'] *
     ("loop: &x [*x]\n", r"alias \*x"),
     ("description: !!bool maybe\n", "'maybe' is not a valid bool"),
     ("description: !!int abc\n", "'abc' is not a valid int"),
+    ("description: !!bool 5\n", "'5' is not a valid bool"),  # only a float tag takes an integer's text
     ("description: !!timestamp 2020-13-45\n", "YAML type 'timestamp' is not allowed"),
     ("description: !!binary '@@@'\n", "YAML type 'binary' is not allowed"),
     ("description: 2020-01-01\n", "YAML type 'timestamp' is not allowed"),
@@ -65,9 +66,9 @@ BOMB = "".join(f"{chr(97 + i)}: &{chr(97 + i)} [{', '.join([f'*{chr(96 + i)}'] *
     ("1: one\n", "a key that is not text"),
     ("<<: {description: merged}\n", "card.yaml:1:1: YAML type 'merge' is not allowed"),
     ('recipe_notes: {"<<": 1, "<<": 2}\n', 'card.yaml:1:25: recipe_notes.<<: duplicate key'),  # quoted: a text key
-], ids=["alias-bomb", "self-alias", "bool-tag", "int-tag", "timestamp-tag", "binary-tag", "implicit-date",
-        "python-tag", "deep-nesting", "5000-digits", "300-digits", "surrogate", "nan", "int-key", "merge-key",
-        "quoted-merge-key"])
+], ids=["alias-bomb", "self-alias", "bool-tag", "int-tag", "bool-tag-on-int", "timestamp-tag", "binary-tag",
+        "implicit-date", "python-tag", "deep-nesting", "5000-digits", "300-digits", "surrogate", "nan", "int-key",
+        "merge-key", "quoted-merge-key"])
 def test_hostile_yaml_is_a_located_error(base, snippet, expected):
     with_text(base, replace=("description: Minimal flow-matching text-to-image card (tiny random weights)\n", ""),
               before=snippet)
@@ -168,6 +169,15 @@ def test_integers_are_those_of_a_signed_64_bit_range_exactly():
     for value in (2**63, -(2**63) - 1):
         [problem] = plain_value_problems(value, "x")
         assert problem.startswith("x: an integer of 65 bits with its sign, beyond 64"), problem
+
+
+def test_a_number_is_written_with_400_characters_at_most(tmp_path):
+    """The bound keeps int()/float() of a number's text cheap; a float's text may be long and its value plain."""
+    (tmp_path / "card.yaml").write_text("a: 0." + "5" * 398 + "\n")
+    assert read_source(tmp_path / "card.yaml").data == {"a": 0.5555555555555556}
+    (tmp_path / "card.yaml").write_text("a: 0." + "5" * 399 + "\n")
+    with pytest.raises(CardValidationError, match="card.yaml:1:4: a number written with 401 characters"):
+        read_source(tmp_path / "card.yaml")
 
 
 def test_a_document_that_is_no_mapping_and_a_field_not_in_the_file_are_located_at_its_start(tmp_path):

@@ -390,6 +390,13 @@ def test_a_disk_failing_at_a_later_step_keeps_the_finished_steps_listed(examples
     [stopped] = json.loads(result.stdout)["error"]["partial"]["steps"]
     assert [Path(i["path"]) for i in stopped["images"]] == written
 
+    # failing at the first image: nothing to list
+    monkeypatch.setattr(outputs, "save_png", lambda path, *args, **kwargs: full_at_step_two(
+        Path(str(path).replace("/one/", "/two/")), *args, **kwargs))
+    result = run(path, tmp_path / "third")
+    assert result.exit_code == 1, result.output
+    assert "partial" not in json.loads(result.stdout)["error"], result.stdout
+
 
 def test_a_rerun_whose_input_step_changed_writes_its_refined_images_beside_the_old_ones(examples, tmp_path):
     """A chain's image is named by a tag that takes its input's: other drafts are other refinements, not overwrites."""
@@ -440,6 +447,9 @@ def test_skip_existing_keeps_each_image_written_with_its_settings_and_makes_only
     assert [s["kept"] for s in json.loads(other.stdout)["steps"]] == [0, 0, 0]
     plain = run(path, tmp_path)
     assert [s["kept"] for s in json.loads(plain.stdout)["steps"]] == [0, 0, 0], "without the flag all are made"
+    from cardtool.core.workflows.run import run_workflow
+
+    assert [s["kept"] for s in run_workflow(path, out=tmp_path / "out").steps] == [0, 0, 0], "nor by the API's default"
 
 
 def test_a_step_samples_as_generate_does_with_a_precision_an_interval_and_a_control_image(examples, tmp_path):
