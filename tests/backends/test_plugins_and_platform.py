@@ -194,6 +194,17 @@ def test_the_matrix_for_people_marks_the_oracle_each_cell_that_runs_and_why_the_
                                                                   "cuda/generic is not on the chain of cpu/avx2"]
 
 
+def test_matrix_available_lists_only_the_cells_that_run_here():
+    def cells(*extra):
+        result = CliRunner().invoke(app, ["platform", "matrix", "--device", "cpu", "--json", *extra],
+                                    env={"CARDTOOL_ARCH": "avx2"})
+        return {row["cell"]: row["available"] for row in json.loads(result.stdout)["cells"]}
+
+    every, here = cells(), cells("--available")
+    assert here == {cell: True for cell, available in every.items() if available}
+    assert "linear/cpu/avx2/default" in here and not any(cell.startswith("linear/cuda") for cell in here)
+
+
 def test_matrix_refuses_an_unknown_op():
     result = CliRunner().invoke(app, ["platform", "matrix", "--op", "NOSUCHOP"])
     assert result.exit_code == 2 and "unknown op or component 'NOSUCHOP'" in result.stderr

@@ -315,9 +315,11 @@ def test_peek_id_reads_what_the_full_parse_reads(tmp_path):
             continue  # aliases, complex keys: refused by the full read, which peek_id falls back to
         assert peek_id(file) == (full if isinstance(full, str) else None), text
     # manifests the full read refuses: not a mapping (no id), a duplicate key (the first id names the card, whose
-    # load then reports the duplicate), broken YAML before the id (the full read's located error)
+    # load then reports the duplicate), broken YAML, a complex key or an alias before the id (the full read's located
+    # error, not "no card with id c")
     for text, expected in (("- a\n", None), ("just text\n", None), ("id: a\nid: b\n", "a"),
-                           ("id: [unclosed\n", CardValidationError)):
+                           ("id: [unclosed\n", CardValidationError), ("? [a]\n: b\nid: c\n", CardValidationError),
+                           ("a: &x 1\nb: *x\nid: c\n", CardValidationError)):
         file = tmp_path / "odd" / "card.yaml"
         file.parent.mkdir(exist_ok=True)
         file.write_text(text)

@@ -592,12 +592,18 @@ def test_a_prompt_past_the_text_encoders_tokens_is_warned_of_with_its_step(examp
     generate: {{card: EX/tiny-base, prompts: ["a bag", "{long}"], steps: 1}}
   again:
     parallel: {{cards: [EX/tiny-rl], prompts: ["{long}"], steps: 1}}
+  negative:
+    generate: {{card: EX/tiny-base, prompts: ["a coat"], negative_prompt: "{long}", guidance: 3, steps: 1}}
+  unguided:
+    generate: {{card: EX/tiny-base, prompts: ["a coat"], negative_prompt: "{long}", guidance: 1, steps: 1}}
 """)
     result = run(path, tmp_path)
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["warnings"] == [
         f"step '{step}': a prompt fills all 16 tokens the text encoder reads (its max_length): words past them do not "
-        f"reach the model — {long[:59] + '…'!r}; shorten it" for step in ("draft", "again")]
+        f"reach the model — {long[:59] + '…'!r}; shorten it" for step in ("draft", "again", "negative")] + [
+        "a negative prompt conditions CFG's unconditional branch; with guidance 1 (no CFG) it changes nothing"], \
+        "a negative prompt is read where guidance uses it"
 
 
 def test_validation_loads_each_card_once_however_many_steps_name_it(examples, tmp_path, monkeypatch):
