@@ -17,7 +17,7 @@ from cardtool.core.training.derived import card_name, trained_parts
 from cardtool.core.training.distill import distill_recipe
 from cardtool.core.training.lora_settings import LoraSettings
 from cardtool.core.training.rl import rl_recipe
-from cardtool.errors import BadInput
+from cardtool.errors import BadInput, CardValidationError
 
 
 def with_default_invert(examples, tmp_path):
@@ -67,3 +67,24 @@ def test_a_new_card_is_named_after_the_id_its_parent_declares_however_the_parent
         assert rl_recipe(str(ref), str(examples / "tiny-judge")).card.id == "tiny-base-nft"
     # one that cannot be read is named after its folder; loading it later says what is wrong with it
     assert card_name(str(tmp_path / "gone" / "card.yaml")) == card_name(str(tmp_path / "gone")) == "gone"
+
+
+def test_a_default_id_that_is_no_card_id_is_refused_naming_the_way_out(examples, tmp_path):
+    """A parent whose id is near the 128-character limit makes an id past it: said of the default id, with the option
+    that names the card — not as an error of a card.id the command never gave."""
+    long = "a" * 125
+    copy = shutil.copytree(examples / "tiny-base", tmp_path / "long")
+    (copy / "card.yaml").write_text((copy / "card.yaml").read_text().replace("id: tiny-base", f"id: {long}"))
+    for make, suffix in ((lambda *sets: distill_recipe(str(copy), None, list(sets), steps=2), "2step"),
+                         (lambda *sets: rl_recipe(str(copy), str(examples / "tiny-judge"), None, None, list(sets)),
+                          "nft")):
+        with pytest.raises(BadInput, match=f"the new card's default id, '{long[:60]}'… \\({126 + len(suffix)} "
+                                           f"characters\\) \\(its parent's name and '-{suffix}'\\), is no card id: .* "
+                                           "name the card with --set card.id=ID"):
+            make()
+        assert make("card.id=short").card.id == "short"
+    # a parent that does not load, named by its folder (with a space): its own error, not the id's
+    broken = shutil.copytree(copy, tmp_path / "my card")
+    (broken / "card.yaml").write_text((broken / "card.yaml").read_text().replace(f"id: {long}\n", ""))
+    with pytest.raises(CardValidationError, match="id: required field is missing"):
+        distill_recipe(str(broken), steps=2)

@@ -14,7 +14,8 @@ from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.source import MANIFEST_NAMES, peek_id
 from cardtool.errors import BadInput, CardtoolError, RunFailed, write_remedy
 
-__all__ = ["card_name", "extends_reference", "evaluate_output", "recipe_fingerprint", "trained_parts", "write_output"]
+__all__ = ["card_name", "default_id", "extends_reference", "evaluate_output", "recipe_fingerprint", "trained_parts",
+           "write_output"]
 
 
 def card_name(ref: str) -> str:
@@ -29,6 +30,23 @@ def card_name(ref: str) -> str:
         return declared
     path = Path(ref)
     return path.parent.name if path.name in MANIFEST_NAMES else path.name or ref
+
+
+def default_id(ref: str, suffix: str) -> str:
+    """`NAME-SUFFIX`, the id of a card made from the card `ref` (NAME its `card_name`) where the recipe names none:
+    BadInput, naming the way out, where that is no card id (a long name, a folder named with spaces) — not a recipe
+    error of a card.id the command never gave."""
+    from cardtool.core.cards.schema import checked_name
+
+    card_id = f"{card_name(ref)}-{suffix}"
+    try:
+        return checked_name(card_id)
+    except ValueError:
+        load_card(locate(ref))  # a parent that does not load (named by its folder here) says its own error first
+        shown = repr(card_id) if len(card_id) <= 80 else repr(card_id[:60]) + f"… ({len(card_id)} characters)"
+        raise BadInput(f"the new card's default id, {shown} (its parent's name and '-{suffix}'), is no card id: one "
+                       "starts with a letter or digit and uses only letters, digits, '.', '_' and '-', at most 128; "
+                       "name the card with --set card.id=ID") from None
 
 
 def extends_reference(parent: Card, out: Path) -> str:

@@ -11,8 +11,8 @@ from cardtool.backends.platform import Platform
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.training.derived import (
-    card_name,
     check_eval_data,
+    default_id,
     evaluate_output,
     extends_reference,
     recipe_fingerprint,
@@ -55,7 +55,7 @@ def gan_real_images(recipe: Recipe, data: str | None):
 
 
 def student_id(teacher: str, steps) -> str:
-    return f"{card_name(teacher)}-{steps}step"
+    return default_id(teacher, f"{steps}step")
 
 
 def distill_recipe(teacher: str, path: Path | None = None, overrides: list[str] = (),

@@ -20,8 +20,8 @@ from cardtool.core.cards.loops import FlowDenoiseDefaults
 from cardtool.core.prompts import training_prompts
 from cardtool.core.sampling.planning import read_prompts_file
 from cardtool.core.training.derived import (
-    card_name,
     check_eval_data,
+    default_id,
     evaluate_output,
     extends_reference,
     recipe_fingerprint,
@@ -83,7 +83,7 @@ def rl_recipe(base: str, reward: str, method: str | None = None, path: Path | No
         data["parents"] = [base, reward]
         card = data.setdefault("card", {})
         if isinstance(card, dict) and "id" not in card:
-            card["id"] = f"{card_name(base)}-{METHODS[method]}"
+            card["id"] = default_id(base, METHODS[method])
 
     return load_recipe(path, list(overrides), method, defaults=_defaults(method), complete=complete, section=section)
 
