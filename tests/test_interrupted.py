@@ -135,6 +135,11 @@ def test_an_interrupted_workflow_keeps_its_finished_steps(tmp_path, monkeypatch,
     for path in made:
         assert path.read_bytes() == (tmp_path / "whole" / path.relative_to(tmp_path / "out")).read_bytes(), path
 
+    monkeypatch.setattr(run_module, "_run_step", sigterm_after("compare"))  # as the last step but one finishes
+    stopped = CliRunner().invoke(app, ["workflow", "run", str(REPO / "examples" / "workflows" / "tiny-tour.yaml"),
+                                       "--out", str(tmp_path / "late"), "--json"])
+    assert stopped.exit_code == 143 and json.loads(stopped.stdout)["error"]["message"].startswith(
+        "SIGTERM after 3 of 4 steps"), stopped.output
     monkeypatch.setattr(run_module, "_run_step", sigterm_after("pick"))  # the signal comes as the last step finishes
     finished = CliRunner().invoke(app, ["workflow", "run", str(REPO / "examples" / "workflows" / "tiny-tour.yaml"),
                                         "--out", str(tmp_path / "last"), "--json"])

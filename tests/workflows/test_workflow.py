@@ -17,6 +17,9 @@ from cardtool.core.sampling.generate import LoadedCard
 HEAD = "schema: cardtool/v1\nkind: workflow\nid: w\nsteps:\n"
 
 
+WORKFLOWS = Path(__file__).resolve().parents[2] / "examples" / "workflows"
+
+
 def write(tmp_path, examples, steps: str, name="w.yaml"):
     text = HEAD + steps.replace("EX", str(examples))
     path = tmp_path / name
@@ -652,6 +655,9 @@ def test_memory_running_out_mid_step_is_a_failed_run_listing_the_images_written(
      "encoder"),
     ('    best_of_n: {card: EX/tiny-base, reward: EX/tiny-judge, n: 2, prompts: ["a bag"], steps: 2}',
      "nothing can run component"),
+    # inpainting at strength 1 still encodes the image it keeps part of
+    (f'    generate: {{card: EX/tiny-base, prompts: ["a bag"], steps: 2, image: {WORKFLOWS}/dress.png, mask: '
+     f'{WORKFLOWS}/bottom-half.png, strength: 1}}', "the VAE of 'tiny-base' on numpy has no encoder"),
     ('    generate: {card: EX/tiny-base, prompts: ["a bag"], steps: 2, adapters: {invert: 0.5}}',
      "adapters run on the torch platform"),
     # its advice is an option every command takes (`workflow run` has no --precision)
