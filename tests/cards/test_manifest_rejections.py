@@ -135,6 +135,16 @@ def test_adapter_targeting_a_missing_component(tmp_path):
     assert message.startswith("cards/x/card.yaml:20:32: adapters.invert.target: adapter 'invert' targets 'unet'")
 
 
+def test_adapter_targeting_a_component_that_is_no_dit_and_a_lora_of_many_faults(tmp_path):
+    folder = card(tmp_path, MINIMAL.replace("target: transformer", "target: vae"))
+    assert problems(folder) == ["cards/x/card.yaml:20:32: adapters.invert.target: adapter 'invert' targets 'vae', a "
+                                "vae; adapters apply to a DiT (fix: target the card's DiT)"]
+    folder = card(tmp_path, name="y")
+    write_tensors(folder / "invert.safetensors", {f"x{i}.weight": (2, 2) for i in range(5)})
+    found = problems(folder)
+    assert len(found) == 3 and all("is not named <module>.lora_A.weight" in p for p in found), "the first three"
+
+
 def test_assumed_loop_not_declared(tmp_path):
     folder = card(tmp_path, MINIMAL.replace("assumes: {loop: denoise}", "assumes: {loop: sample}"))
     [message] = problems(folder)

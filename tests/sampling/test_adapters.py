@@ -739,3 +739,41 @@ def test_a_scale_float32_cannot_hold_is_refused_before_sampling(card, tmp_path):
     assert "a scale of 1e+308 is beyond float32's range" in json.loads(result.stdout)["error"]["message"]
     with pytest.raises(BadInput, match="a scale of -1e\\+39 is beyond float32's range"):
         LoadedCard(str(card.folder)).generate(["a bag"], adapters=[("a", -1e39)], steps=1, out=tmp_path / "o")
+
+
+Q = "blocks.0.attn1.to_q"
+TARGET = {f"{Q}.weight": (32, 16), "blocks.0.norm_q.weight": (32,), "patch_embedding.weight": (32, 4, 1, 2, 2)}
+
+
+def _pair(module: str, rank: int = 4, dtype: str = "F32", prefix: str = "") -> dict:
+    return {f"{prefix}{module}.lora_A.weight": (dtype, (rank, 16)),
+            f"{prefix}{module}.lora_B.weight": (dtype, (32, rank))}
+
+
+@pytest.mark.parametrize(("header", "metadata", "targets", "reasons"), [
+    (_pair(Q), {"rank": "4", "alpha": "4.0"}, None, []),
+    (_pair(Q, prefix="transformer."), {}, None, []),  # diffusers' pipeline prefix on every tensor
+    ({}, {}, None, ["the file holds no LoRA tensors"]),
+    ({"x.weight": ("F32", (4, 16))}, {}, None,
+     ["'x.weight' is not named <module>.lora_A.weight or <module>.lora_B.weight"]),
+    ({f"{Q}.lora_A.weight": ("F32", (4, 16))}, {}, None, [f"'{Q}' has lora_A without its pair"]),
+    (_pair("blocks.0.norm_q"), {}, None, ["'blocks.0.norm_q' is not a linear layer of the target"]),
+    (_pair("blocks.9.attn1.to_q"), {}, None, ["'blocks.9.attn1.to_q' is not a linear layer of the target"]),
+    (_pair(Q), {}, ["*.to_k"], [f"'{Q}' is not among the adapter's targets (*.to_k)"]),
+    (_pair(Q, rank=8), {}, None, [f"'{Q}': lora_A [8, 16] and lora_B [32, 8] are not [4, 16] and [32, 4] (rank 4 on a "
+                                  "[32, 16] layer)"]),
+    (_pair(Q, dtype="I32"), {}, None, [f"'{Q}.lora_A.weight' is I32; LoRA weights are floating point (F64, F32, F16, "
+                                       f"BF16)", f"'{Q}.lora_B.weight' is I32; LoRA weights are floating point (F64, "
+                                       "F32, F16, BF16)"]),
+    (_pair(Q), {"rank": "5", "alpha": "x"}, None, ["its header says rank 5, the card 4",
+                                                   "its header says alpha x, the card 4.0"]),
+], ids=["fits", "prefixed", "empty", "misnamed", "unpaired", "no-linear", "no-module", "untargeted", "rank", "dtype",
+        "header"])
+def test_each_way_a_lora_file_misses_its_target_is_named(header, metadata, targets, reasons):
+    """What `cards validate` and a request that loads the file say of it (lora_reasons), one reason each."""
+    from types import SimpleNamespace
+
+    from cardtool.core.cards.adapters import lora_reasons
+
+    adapter = SimpleNamespace(rank=4, alpha=4.0, targets=targets)
+    assert lora_reasons(header, metadata, adapter, TARGET) == reasons
