@@ -19,6 +19,8 @@ def test_overrides_parse_values_as_yaml():
     data = apply_overrides({"optim": {"lr": 1.0}}, ["optim.lr=3e-4", "train.ema=0.99", "parents=[a, b]",
                                                     "card.id=x"])
     assert data == {"optim": {"lr": 3e-4}, "train": {"ema": 0.99}, "parents": ["a", "b"], "card": {"id": "x"}}
+    # the later of two overrides of one key wins, as in a script that appends its own to a common list
+    assert apply_overrides({}, ["optim.lr=1", "optim.steps=5", "optim.lr=2"]) == {"optim": {"lr": 2, "steps": 5}}
 
 
 def test_what_a_recipe_omits_has_defaults_a_resume_relies_on():
