@@ -9,6 +9,7 @@ import yaml
 from helpers import write_card
 
 from cardtool.core.cards.loader import load_card, merge_extends
+from cardtool.core.cards.source import read_source
 from cardtool.errors import CardValidationError
 
 
@@ -125,6 +126,18 @@ def test_toml_locations_skip_multiline_strings_and_find_keys_after_a_nested_inli
     located = {str(p).split(": ")[1]: str(p).split(": ")[0] for p in info.value.problems}
     assert located["recipe.assumes.steps"] == "t/card.toml:15:62", located
     assert located["recipe.assumes.precision"] == "t/card.toml:15:43", located
+
+
+def test_toml_locations_of_arrays_of_tables_and_of_keys_after_a_one_line_multiline_string(tmp_path):
+    """Each [[table]] of an array is located at its own header, the array at its first; a string opened and closed
+    with \"\"\" on one line leaves the next lines' keys to the scan."""
+    (tmp_path / "card.toml").write_text('a = """one line"""\nb = 1\n\n[[c]]\nd = 1\n\n[[c]]\nd = 2\n')
+    source = read_source(tmp_path / "card.toml")
+    assert source.data == {"a": "one line", "b": 1, "c": [{"d": 1}, {"d": 2}]}
+    assert source.mark(("b",), key=True) == (2, 1) and source.mark(("b",)) == (2, 5)
+    assert source.mark(("c",), key=True) == (4, 3)
+    assert [source.mark(("c", str(i))) for i in (0, 1)] == [(4, 3), (7, 3)]
+    assert [source.mark(("c", str(i), "d")) for i in (0, 1)] == [(5, 5), (8, 5)]
 
 
 def test_toml_syntax_error_is_located(tmp_path):
