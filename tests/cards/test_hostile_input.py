@@ -53,7 +53,7 @@ BOMB = "".join(f"{chr(97 + i)}: &{chr(97 + i)} [{', '.join([f'*{chr(96 + i)}'] *
     ("loop: &x [*x]\n", r"alias \*x"),
     ("description: !!bool maybe\n", "'maybe' is not a valid bool"),
     ("description: !!int abc\n", "'abc' is not a valid int"),
-    ("description: !!bool 5\n", "'5' is not a valid bool"),  # only a float tag takes an integer's text
+    ("description: !!bool 5\n", "card.yaml:1:14: '5' is not a valid bool"),  # only a float tag takes an integer
     ("description: !!timestamp 2020-13-45\n", "YAML type 'timestamp' is not allowed"),
     ("description: !!binary '@@@'\n", "YAML type 'binary' is not allowed"),
     ("description: 2020-01-01\n", "YAML type 'timestamp' is not allowed"),
