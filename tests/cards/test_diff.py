@@ -99,7 +99,7 @@ def test_the_command_prints_a_table_or_one_json_document_and_imports_no_torch(ex
     assert f"1 of {len(base)}" in table.stdout and f"{QUERY} (1)" in table.stdout, table.stdout
     missing = CliRunner().invoke(app, ["cards", "diff", "tiny-base", "nope"])
     assert missing.exit_code == 2 and "nope" in missing.stderr
-    for top in (0, 3):  # the tensors listed per changed file (the one listed above, and the loop's guidance)
+    for top in (0, 3):  # the tensors listed per changed file: at most --top, here of the one that changed
         listed = CliRunner().invoke(app, ["cards", "diff", "tiny-base", "zeroed", "--top", str(top), "--json"])
         moved = next(w for w in json.loads(listed.stdout)["weights"] if w["name"] == "transformer")
         assert len(moved["largest"]) == min(top, moved["tensors_changed"]) and moved["tensors_changed"] == 1
