@@ -140,6 +140,11 @@ def test_composed_loras_sum_their_scaled_deltas():
     assert torch.equal(out[1], y[1]), "a row without a stack is the base output exactly"
     assert torch.allclose(out[2], x[2] @ (w + 0.5 * two.b["m"] @ two.a["m"]).T, atol=1e-5)
     assert torch.equal(plan("other", x, y), y)
+    # a LoRA whose rank is already a whole slot (8) is scaled after the stacking: the same delta
+    eight = LoraWeights("v3", 8, 4.0, {"m": torch.randn(8, 6)}, {"m": torch.randn(4, 8)})
+    out = LoraPlan([((eight, 3.0),), ((one, 1.0),)], [1, 0, -1], lora_bgmv, "cpu")("m", x, y)
+    assert torch.allclose(out[1], x[1] @ (w + 3.0 * 0.5 * eight.b["m"] @ eight.a["m"]).T, atol=1e-5)
+    assert torch.allclose(out[0], x[0] @ (w + 2.0 * one.b["m"] @ one.a["m"]).T, atol=1e-5)
 
 
 def test_plans_share_their_stacks_slot_weights_and_a_new_version_gets_its_own():
