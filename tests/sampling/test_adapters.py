@@ -367,6 +367,38 @@ def test_hot_swap_serves_a_new_version_to_the_next_request_only(card, loop):
     assert new != old and len(new) == 64
 
 
+def test_a_version_written_while_the_adapter_is_read_is_served_under_its_own_sha256(card, loop, monkeypatch):
+    """The file is hashed and then read in another open: a new version renamed over it in between is read again,
+    so the version that PNG metadata and cache keys record is the sha256 of the weights served."""
+    import cardtool.backends.lora as lora_module
+
+    dit = loop.instance.component("transformer")
+    path = card.folder / "adapters" / "b.safetensors"
+    old, read, calls = sha256_file(path), lora_module.read_lora, []
+
+    def swapped_after_hashing(file):
+        calls.append(file)
+        if len(calls) == 1:
+            write_lora_b(card.folder, dit, seed=99)
+        return read(file)
+
+    monkeypatch.setattr(lora_module, "read_lora", swapped_after_hashing)
+    served = loop.instance.adapters.get("b")
+    assert len(calls) == 2 and served.version == sha256_file(path) != old
+    on_disk, _ = lora_module.lora_parts(read(path)[0])
+    assert served.value.a.keys() == on_disk.keys() and all(torch.equal(served.value.a[m], on_disk[m]) for m in on_disk)
+
+    def never_settles(file):
+        write_lora_b(card.folder, dit, seed=100 + len(calls))
+        calls.append(file)
+        return read(file)
+
+    monkeypatch.setattr(lora_module, "read_lora", never_settles)
+    write_lora_b(card.folder, dit, seed=7)
+    with pytest.raises(BadInput, match="b.safetensors kept changing while it was read"):
+        loop.instance.adapters.get("b")
+
+
 def test_text_encoder_cache_entries_survive_an_adapter_change(card, tmp_path):
     cache = TextFeatureCache(tmp_path / "cache")
     loaded = LoadedCard(card, device="cpu", cache=cache)

@@ -73,16 +73,21 @@ class AdapterStore:
 
             raise BadInput(no_such_adapter(card, name))
         path = card.folder / spec.weights
-        try:
-            info = path.stat()
-        except OSError as e:
-            raise BadInput(f"adapter '{name}' of card '{card.id}': cannot read {path}: {e.strerror}") from None
-        stamp = (info.st_size, info.st_mtime_ns, info.st_ino)
+        stamp = _stamp(name, card, path)
         held = self._loaded.get(name)
-        if held is None or held[0] != stamp:
-            held = (stamp, self._load(name, spec, card.weights_file(name, "adapters")))  # verifies the declared sha256
-            self._loaded[name] = held
-        return held[1]
+        if held is not None and held[0] == stamp:
+            return held[1]
+        for _ in range(3):
+            loaded = self._load(name, spec, card.weights_file(name, "adapters"))  # verifies the declared sha256
+            # the file is hashed, checked and read in separate opens: a version written over it meanwhile would
+            # serve under the old one's sha256 (in PNG metadata, cache keys) or pass a declared one unchecked
+            now = _stamp(name, card, path)
+            if now == stamp:
+                self._loaded[name] = (stamp, loaded)
+                return loaded
+            stamp = now
+        raise BadInput(f"adapter '{name}' of card '{card.id}': {path} kept changing while it was read; write a new "
+                       "version whole (to a new file, then rename it over the old one)")
 
     def resolve(self, stack) -> tuple[AdapterUse, ...]:
         """A request's stack of (name, scale) as loaded versions; a scale of 0 is no adapter at all."""
@@ -108,6 +113,15 @@ class AdapterStore:
 
         net = wan_controlnet_torch(spec.config, path, target.config, instance.platform, instance.precision)
         return Loaded(name, "controlnet", version, net, spec.control)
+
+
+def _stamp(name: str, card, path: Path) -> tuple[int, int, int]:
+    """What changes when an adapter's file is written: its size, mtime and inode (a file renamed over it)."""
+    try:
+        info = path.stat()
+    except OSError as e:
+        raise BadInput(f"adapter '{name}' of card '{card.id}': cannot read {path}: {e.strerror}") from None
+    return info.st_size, info.st_mtime_ns, info.st_ino
 
 
 def _lora(name: str, spec, path: Path, version: str, model, precision: str):
