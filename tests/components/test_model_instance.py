@@ -112,6 +112,29 @@ def test_tampered_weights_are_refused_when_loaded(examples):
         ModelInstance(card, CPU).component("transformer")
 
 
+def test_weights_replaced_between_their_check_and_their_load_are_refused(examples, monkeypatch):
+    """The sha256 is checked in one open and the weights read in another: a file renamed over them in between (a run
+    overwriting the card) is refused, never served under the manifest's digest of the old one."""
+    from cardtool.core.cards.loader import Card
+
+    card, checked = load_card(examples / "tiny-base"), Card.weights_file
+    path = examples / "tiny-base" / "transformer.safetensors"
+
+    def replaced_after_the_check(self, name, section=None):
+        found = checked(self, name, section)
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        (path.parent / "new").write_bytes(bytes(data))
+        (path.parent / "new").replace(path)
+        return found
+
+    monkeypatch.setattr(Card, "weights_file", replaced_after_the_check)
+    instance = ModelInstance(card, CPU)
+    with pytest.raises(BadInput, match=r"the weights of 'transformer' \(.*transformer.safetensors\) changed while"):
+        instance.component("transformer")
+    assert not instance.is_awake("transformer")
+
+
 def test_unknown_component_and_loop(examples):
     instance = ModelInstance(load_card(examples / "tiny-base"), CPU)
     with pytest.raises(BadInput, match="has no component 'unet'"):

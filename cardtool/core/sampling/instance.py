@@ -43,9 +43,16 @@ class ModelInstance:
         if name not in self._awake:
             spec = self._spec(name)
             cell, build = COMPONENTS.resolve(spec.impl, self.platform)
+            before = spec.weights and _stamp(self.card.folder / spec.weights)
             weights = self.card.weights_file(name) if spec.weights else None
-            self._awake[name] = build(spec.config, weights, self.card.source_path(name),
-                                      _on(self.platform, cell.key[1]), self.precision)
+            module = build(spec.config, weights, self.card.source_path(name), _on(self.platform, cell.key[1]),
+                           self.precision)
+            # checked and read in separate opens: a file replaced in between (a run overwriting the card) would
+            # serve weights the manifest's sha256 does not describe
+            if weights and _stamp(weights) != before:
+                raise BadInput(f"card '{self.card.id}': the weights of '{name}' ({weights}) changed while they were "
+                               "loaded — another run is replacing the card? Load it again once that run is done")
+            self._awake[name] = module
         return self._awake[name]
 
     def use(self, name: str, module: Any) -> None:
@@ -128,6 +135,14 @@ _DECIDING = (".json", ".txt", ".model")  # a source folder's config and tokenize
 def _on(platform: Platform, device: str) -> Platform:
     """The platform a cell runs on: a numpy component on a CPU platform runs on the numpy rung."""
     return platform if device == platform.device else Platform(device, "generic")
+
+
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    try:
+        info = path.stat()
+    except OSError:  # gone: changed
+        return None
+    return info.st_size, info.st_mtime_ns, info.st_ino
 
 
 def _combine(digests: list[str]) -> str:
