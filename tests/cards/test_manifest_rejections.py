@@ -191,6 +191,32 @@ def test_the_writer_puts_no_weights_file_outside_the_card_folder(tmp_path, rel):
     assert not list(tmp_path.rglob("*"))
 
 
+def test_the_writer_keeps_the_manifest_as_given_and_puts_no_card_it_would_refuse_in_place(tmp_path):
+    """card.yaml is for people: the keys in the order given, unicode as typed. A card that would not load — weights
+    holding NaN — and a folder already there without overwrite leave the disk as it was."""
+    import torch
+    import yaml
+
+    from cardtool.core.cards.writer import write_card as write_new_card
+    from cardtool.errors import BadInput
+
+    manifest = yaml.safe_load(MINIMAL.replace("id: tiny", "id: x\ndescription: Ünïcode jacket 👕"))
+    del manifest["components"]["transformer"], manifest["adapters"], manifest["loops"], manifest["recipe"]["assumes"]
+    vae = {name: torch.full(shape, 0.5, dtype=torch.float64) for name, shape in tiny_tensors("vae").items()}
+    folder = tmp_path / "x"
+    card = write_new_card(folder, manifest, {"vae.safetensors": vae})
+    assert (folder / "card.yaml").read_text().splitlines()[:3] == [
+        "schema: cardtool/v1", "id: x", "description: Ünïcode jacket 👕"]
+    assert card.manifest.description == "Ünïcode jacket 👕" and card.manifest.components["vae"].sha256
+    with pytest.raises(BadInput, match="already exists"):
+        write_new_card(folder, manifest, {"vae.safetensors": vae})
+    broken = {name: tensor.clone() for name, tensor in vae.items()}
+    next(iter(broken.values())).view(-1)[0] = float("nan")
+    with pytest.raises(CardValidationError, match="NaN"):
+        write_new_card(tmp_path / "y", {**manifest, "id": "y"}, {"vae.safetensors": broken})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x"]
+
+
 @pytest.mark.parametrize("suffix", [".pt", ".pth", ".bin", ".ckpt"])
 def test_pickle_weight_formats_are_refused(tmp_path, suffix):
     folder = card(tmp_path, MINIMAL.replace("dit.safetensors", f"dit{suffix}"))

@@ -118,6 +118,28 @@ def test_a_mixed_batch_equals_each_request_alone(loop):
     assert (together[3] - together[1]).abs().max() > 1e-3, "composing b onto a changes the image"
 
 
+@pytest.mark.parametrize("typed, parsed", [("a", ("a", 1.0)), ("a=0.5", ("a", 0.5)), ("a=-2", ("a", -2.0)),
+                                           ("=0.5", "expected NAME or NAME=SCALE"),
+                                           ("a=half", "the scale 'half' is not a number"),
+                                           ("a=inf", "the scale must be a finite number"),
+                                           ("a=nan", "the scale must be a finite number")])
+def test_an_adapter_as_typed_is_a_name_and_a_finite_scale(typed, parsed):
+    from cardtool.core.sampling.adapters import parse_adapter
+
+    if isinstance(parsed, tuple):
+        assert parse_adapter(typed) == parsed
+    else:
+        with pytest.raises(BadInput, match=f"^--adapter '{typed}': {parsed}$"):
+            parse_adapter(typed)
+
+
+@pytest.mark.parametrize("scale", [0.0, 1.0])
+def test_a_name_the_card_does_not_declare_is_refused_by_the_loop_at_any_scale(loop, scale):
+    """Off at scale 0 is for a declared adapter: an unknown name is a typo, said before any work, never a KeyError."""
+    with pytest.raises(BadInput, match="declares no adapter 'zz'; its adapters: invert, a, b, ctl"):
+        loop.init([Request("a bag", steps=2, adapters=(("a", 1.0), ("zz", scale)))])
+
+
 def test_scale_zero_is_no_adapter_exactly(loop):
     plain, zero, zeros = run(loop, [Request("a bag", seed=5, steps=3),
                                     Request("a bag", seed=5, steps=3, adapters=(("a", 0.0),)),
@@ -419,7 +441,7 @@ def test_a_control_image_without_its_controlnet_or_of_another_size_is_refused_by
     with pytest.raises(BadInput, match="ControlNet 'ctl' needs a control image"):
         loop.init([Request("a bag", adapters=(("ctl", 1.0),))])
     with pytest.raises(BadInput, match=r"a control image needs a ControlNet in the request's adapters \(--adapter "
-                                       r"NAME\); card 'tiny-adapters' declares: "):
+                                       r"NAME\); card 'tiny-adapters' declares: invert, a, b, ctl$"):
         loop.init([Request("a bag", adapters=(("a", 1.0),), control=control(0))])
     wide = ControlImage.make(np.zeros((20, 24), np.uint8), "none")  # an array made by hand, not read and resized
     with pytest.raises(BadInput, match="a control image for this card is 28×28, got 24×20"):

@@ -66,12 +66,7 @@ class AdapterStore:
         return ", ".join(self.instance.card.manifest.adapters) or "none"
 
     def get(self, name: str) -> Loaded:
-        card = self.instance.card
-        spec = card.manifest.adapters.get(name)
-        if spec is None:
-            from cardtool.core.cards.adapter_names import no_such_adapter
-
-            raise BadInput(no_such_adapter(card, name))
+        card, spec = self.instance.card, self._spec(name)
         path = card.folder / spec.weights
         stamp = _stamp(name, card, path)
         held = self._loaded.get(name)
@@ -91,10 +86,20 @@ class AdapterStore:
 
     def resolve(self, stack) -> tuple[AdapterUse, ...]:
         """A request's stack of (name, scale) as loaded versions; a scale of 0 is no adapter at all."""
+        for name, _ in stack:
+            self._spec(name)
         uses = tuple(AdapterUse(self.get(name), float(scale)) for name, scale in stack if scale != 0)
         if sum(u.adapter.kind == "controlnet" for u in uses) > 1:
             raise BadInput("a request takes at most one ControlNet (one control image)")
         return uses
+
+    def _spec(self, name: str):
+        spec = self.instance.card.manifest.adapters.get(name)
+        if spec is None:  # at any scale: a name the card does not declare is a mistake, not an adapter switched off
+            from cardtool.core.cards.adapter_names import no_such_adapter
+
+            raise BadInput(no_such_adapter(self.instance.card, name))
+        return spec
 
     def _load(self, name: str, spec, path: Path) -> Loaded:
         from cardtool.core.cards.weight_files import sha256_file
