@@ -73,6 +73,8 @@ def test_a_launch_without_torchrun_variables_is_a_clear_error(tmp_path, monkeypa
     ({"RANK": "5"}, "RANK=5 is not below WORLD_SIZE=2: ranks are 0 … 1"),  # waited out the rendezvous before
     ({"RANK": "-1"}, "RANK='-1': each must be a whole number"),
     ({"LOCAL_RANK": "x"}, "LOCAL_RANK='x': each must be a whole number"),  # a ValueError traceback before
+    ({"RANK": "²"}, "RANK='²': each must be a whole number"),  # a digit to str.isdigit, no number to int()
+    ({"WORLD_SIZE": "²"}, "WORLD_SIZE must be a positive whole number, got '²'"),
     ({"MASTER_PORT": "abc"}, "MASTER_PORT='abc': each must be a whole number"),
 ])
 def test_launch_variables_that_cannot_be_are_a_clear_error_before_joining(tmp_path, monkeypatch, changed, message):

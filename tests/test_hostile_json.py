@@ -68,6 +68,16 @@ def test_a_checkpoint_whose_optimizer_groups_are_such_is_refused(text):
         check_optimizer_tensors(optimizer, {}, text)
 
 
+@pytest.mark.parametrize("index", ["²", "1", "x"])
+def test_a_checkpoint_whose_optimizer_state_names_no_parameter_is_refused(index):
+    from cardtool.backends.training import check_optimizer_tensors, optimizer_tensors
+
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    _, groups = optimizer_tensors(optimizer)
+    with pytest.raises(ValueError, match=f"^'optim.{index}.step' names no parameter of this optimizer$"):
+        check_optimizer_tensors(optimizer, {f"optim.{index}.step": torch.tensor(1.0)}, groups)
+
+
 def test_a_checkpoint_whose_recipe_is_deep_names_no_changes():
     from cardtool.core.training.trainer import recipe_changes
 

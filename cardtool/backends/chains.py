@@ -42,7 +42,7 @@ def arch_tiers(device: str, arch: str) -> tuple[str, ...]:
     table = ARCH_TIERS[device]
     if arch in table:
         return table[arch]
-    if device == "cuda" and arch.startswith("sm") and arch[2:].isdigit() and int(arch[2:]) >= 80:
+    if device == "cuda" and arch.startswith("sm") and arch[2:].isdecimal() and int(arch[2:]) >= 80:
         return ("sm80",)
     return ()
 

@@ -48,7 +48,7 @@ class Platform:
     def supports_bf16(self) -> bool:
         """Fast bfloat16 compute: CUDA from sm80 (Ampere) on, CPUs on the avx512_bf16 tier."""
         if self.device == "cuda":
-            return self.arch[2:].isdigit() and int(self.arch[2:]) >= 80
+            return self.arch[2:].isdecimal() and int(self.arch[2:]) >= 80
         return self.device == "cpu" and "avx512_bf16" in self.tiers
 
     @property

@@ -42,7 +42,7 @@ def check_optimizer_tensors(optimizer: torch.optim.Optimizer, tensors: dict, gro
             continue
         parts = key.split(".", 2)
         index, name = (parts[1], parts[2]) if len(parts) == 3 else ("", "")
-        if not index.isdigit() or int(index) >= len(params) or not name:
+        if not index.isdecimal() or int(index) >= len(params) or not name:
             raise ValueError(f"'{key}' names no parameter of this optimizer")
         param = params[int(index)][0]
         if name == "step" and (value.numel() != 1 or value.dtype == torch.bool or float(value) < 0

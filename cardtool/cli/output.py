@@ -28,7 +28,7 @@ def console(*, stderr: bool = False):
 
     stream = sys.stderr if stderr else sys.stdout
     columns = os.environ.get("COLUMNS", "")
-    if columns.isdigit() and int(columns) > 0:
+    if columns.isdecimal() and int(columns) > 0:
         width = max(int(columns), 80)
     else:
         width = shutil.get_terminal_size((160, 24)).columns if stream.isatty() else 160

@@ -143,7 +143,7 @@ def end_process(code) -> None:
 def ranks(device: str = "cpu") -> Ranks:
     """This process's place among the processes torchrun launched (joining their group the first time)."""
     world = os.environ.get("WORLD_SIZE", "1")
-    if not world.isdigit() or int(world) < 1:
+    if not world.isdecimal() or int(world) < 1:
         raise BadInput(f"WORLD_SIZE must be a positive whole number, got {world!r}")
     if int(world) == 1:
         return Ranks()
@@ -152,7 +152,7 @@ def ranks(device: str = "cpu") -> Ranks:
         raise BadInput(f"WORLD_SIZE={world}, but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: "
                        "launch with torchrun (torchrun --nproc-per-node P -m cardtool …), which sets them all")
     numbers = {name: os.environ[name] for name in ("RANK", "LOCAL_RANK", "MASTER_PORT")}
-    bad = [f"{name}={value!r}" for name, value in numbers.items() if not value.isdigit()]
+    bad = [f"{name}={value!r}" for name, value in numbers.items() if not value.isdecimal()]
     if bad:
         raise BadInput(f"{', '.join(bad)}: each must be a whole number (torchrun sets them)"[:300])
     if int(numbers["RANK"]) >= int(world):  # it would wait out the rendezvous timeout for a place no one has

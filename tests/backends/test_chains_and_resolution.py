@@ -27,6 +27,8 @@ def test_chains_are_explicit_and_never_reach_a_newer_arch():
     # an arch cardtool does not know yet gets only portable tiers
     assert kernel_chain("cuda", "sm110") == [("cuda", "sm80"), ("cuda", "generic")]
     assert kernel_chain("cuda", "sm61") == [("cuda", "generic")]
+    # CARDTOOL_ARCH as typed: '²' is a digit to str.isdigit and no number to int()
+    assert kernel_chain("cuda", "sm²") == [("cuda", "generic")] and not Platform("cuda", "sm²").supports_bf16
 
 
 @pytest.fixture

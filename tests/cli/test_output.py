@@ -26,7 +26,7 @@ class Terminal(io.StringIO):
 # --- the console ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("columns, width", [("100", 100), ("50", 80), ("80", 80), ("1", 80), ("0", 160),
-                                            ("wide", 160), (None, 160)])
+                                            ("wide", 160), ("²", 160), (None, 160)])
 def test_off_a_terminal_the_console_is_160_wide_unless_columns_says_otherwise(columns, width, monkeypatch):
     if columns is None:
         monkeypatch.delenv("COLUMNS", raising=False)

@@ -109,6 +109,8 @@ def test_what_is_not_an_image_cardtool_made_is_refused(made, on_path, tmp_path):
              # where a refined image's input is looked for comes from its PNG: never a path out of its workflow
              "escape.png": png_bytes(pixels, {**metadata, "workflow": "wf", "input": "../../etc/0",
                                               "input_tag": "deadbeef"}),
+             "superscript.png": png_bytes(pixels, {**metadata, "workflow": "wf", "step": "refine", "input": "draft/²",
+                                                   "input_tag": "deadbeef"}),
              "bad-steps.png": png_bytes(pixels, {**metadata, "steps": "many"}),
              "inf-guidance.png": png_bytes(pixels, {**metadata, "guidance": "inf"}),
              "bad-adapters.png": png_bytes(pixels, {**metadata, "adapters": "[{"}),
@@ -124,6 +126,7 @@ def test_what_is_not_an_image_cardtool_made_is_refused(made, on_path, tmp_path):
                 "no-cardtool.png": "not an image cardtool made", "no-card.png": "not an image cardtool made",
                 "workflow.png": "made by refining an image of step 'draft' in workflow 'wf', which is not beside it",
                 "escape.png": "made by refining an image of step '..' in workflow 'wf', which is not beside it",
+                "superscript.png": "made by refining an image of step 'draft' in workflow 'wf', which is not beside",
                 "bad-steps.png": "'steps' field is malformed",
                 "inf-guidance.png": "'guidance' field is malformed",
                 "bad-adapters.png": "'adapters' field is malformed",

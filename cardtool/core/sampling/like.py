@@ -81,7 +81,7 @@ def _workflow_input(path: Path, metadata: dict[str, str]) -> Path | None:
     not name one safely: a PNG from elsewhere may hold anything)."""
     step, _, index = metadata.get("input", "").partition("/")
     tag = metadata.get("input_tag", "")
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}", step) or not index.isdigit() or len(index) > 6 \
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}", step) or not index.isdecimal() or len(index) > 6 \
             or not re.fullmatch(r"[0-9a-f]{8}", tag):
         return None
     found = sorted(path.resolve().parent.parent.joinpath(step).glob(f"{int(index):03d}-*-{tag}.png"))
