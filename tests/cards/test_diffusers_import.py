@@ -90,6 +90,10 @@ def test_without_out_the_card_goes_to_cards_id_beside_other_cards_readable_by_al
         assert json.loads(result.stdout)["path"] == "cards/imported"
     card = load_card("imported")
     assert card.folder == tmp_path / "work" / "cards" / "imported" and card.manifest.extends == "tiny-base"
+    from cardtool.core.cards.diffusers_import import import_diffusers
+
+    with pytest.raises(BadInput, match="cards/imported already exists; choose another --out, or pass --overwrite"):
+        import_diffusers(tmp_path / "dm", "tiny-base", "imported")  # from Python too, nothing is replaced unasked
     weights = card.folder / "transformer.safetensors"
     assert os.stat(weights).st_mode & 0o777 == 0o644, "a card on a shared disk is readable by the team"
 
@@ -110,6 +114,10 @@ def test_a_bf16_checkpoint_with_float32_norms_and_a_variant_import_losslessly(ex
     result = run_import(tmp_path / "mixed", examples / "tiny-base", tmp_path / "card")
     assert result.exit_code == 2 and "holds the variant(s) bf16: pass --variant" in json.loads(result.stdout)[
         "error"]["message"]
+    for variant in ("../mixed/diffusion_pytorch_model.bf16", "bf16 "):  # a variant names a file, not a path
+        result = run_import(tmp_path / "mixed", examples / "tiny-base", tmp_path / "card", "--variant", variant)
+        assert result.exit_code == 2 and json.loads(result.stdout)["error"]["message"] == (
+            f"--variant {variant!r}: a variant is a short name such as fp16")
     assert run_import(tmp_path / "mixed", examples / "tiny-base", tmp_path / "card", "--variant", "bf16").exit_code == 0
     from safetensors.torch import load_file
 
@@ -136,11 +144,15 @@ def test_a_half_precision_checkpoint_is_stored_at_its_own_precision(examples, tm
 @pytest.mark.parametrize(("case", "message"), [
     ("image_to_video", "image_dim: image-to-video conditioning"),
     ("unknown_key", "sets future_option, which a wan-dit does not know"),
-    ("wrong_shapes", "the weights do not fit config.json"),
+    ("wrong_shapes", "the weights do not fit config.json: blocks.0.ffn.net.0.proj.weight is (64, 32), not (96, 32) "
+                     "(6 tensors differ)"),
+    ("list_config", "config.json is not a JSON object"),
     ("one_wrong_shape", "config.json: blocks.0.attn1.to_q.weight is (32, 16), not (32, 32)"),
     ("unexpected_tensor", "the weights do not fit config.json: unexpected extra.weight"),
     ("pickle", "pickle checkpoints are never loaded"),
     ("not_json", "is not JSON"),
+    ("not_utf8", "cannot read the transformer's config: "),
+    ("huge_config", "cannot read the transformer's config: "),
     ("escaping_shard", "which is not a file in"),
     ("nul_in_shard", "'a\\x00b', which is not a file in"),  # not "an argument holds a NUL byte"
     ("another_class", "holds a UNet2DModel"),
@@ -165,9 +177,13 @@ def test_what_cannot_be_the_same_model_is_refused(examples, tmp_path, case, mess
         config["ffn_dim"] = 96
     elif case == "another_class":
         config["_class_name"] = "UNet2DModel"
-    config_file.write_text(json.dumps(config))
+    config_file.write_text(json.dumps([config] if case == "list_config" else config))
     if case == "not_json":
         config_file.write_text("{not json")
+    elif case == "not_utf8":
+        config_file.write_bytes(b'{"_class_name": "\xff"}')
+    elif case == "huge_config":  # read whole, a config is small: a file this size is no config.json
+        config_file.write_text(json.dumps({**config, "padding": " " * (1 << 20)}))
     elif case in ("escaping_shard", "nul_in_shard"):
         index = source / "diffusion_pytorch_model.safetensors.index.json"
         data = json.loads(index.read_text())

@@ -140,6 +140,18 @@ def test_a_name_the_card_does_not_declare_is_refused_by_the_loop_at_any_scale(lo
         loop.init([Request("a bag", steps=2, adapters=(("a", 1.0), ("zz", scale)))])
 
 
+def test_the_loop_refuses_two_controlnets_in_one_request_and_adapters_on_numpy(card, loop):
+    """What planning refuses for the CLI, the loop refuses for a Request made in Python."""
+    with pytest.raises(BadInput, match="^a request takes at most one ControlNet"):
+        loop.init([Request("a bag", adapters=(("ctl", 1.0), ("ctl", 0.5)), control=control(0))])
+    on_numpy = DenoiseLoop(ModelInstance(card, Platform("numpy", "generic")), cache=TextFeatureCache(disk=False))
+    with pytest.raises(BadInput, match="^adapters run on the torch platform; 'a' cannot run with --device numpy$"):
+        on_numpy.init([Request("a bag", adapters=(("a", 1.0),))])
+    (card.folder / "adapters" / "a.safetensors").unlink()  # gone since the card was loaded
+    with pytest.raises(BadInput, match=r"^adapter 'a' of card 'tiny-adapters': cannot read .*a.safetensors: No such"):
+        loop.init([Request("a bag", adapters=(("a", 1.0),))])
+
+
 def test_scale_zero_is_no_adapter_exactly(loop):
     plain, zero, zeros = run(loop, [Request("a bag", seed=5, steps=3),
                                     Request("a bag", seed=5, steps=3, adapters=(("a", 0.0),)),
@@ -419,6 +431,7 @@ def test_a_version_written_while_the_adapter_is_read_is_served_under_its_own_sha
     write_lora_b(card.folder, dit, seed=7)
     with pytest.raises(BadInput, match="b.safetensors kept changing while it was read"):
         loop.instance.adapters.get("b")
+    assert len(calls) == 2 + 3, "read three times, then refused"
 
 
 def test_text_encoder_cache_entries_survive_an_adapter_change(card, tmp_path):
