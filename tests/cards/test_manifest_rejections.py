@@ -339,6 +339,21 @@ def test_a_config_the_weights_do_not_fit_lists_three_tensors_and_counts_the_rest
     assert few(["a", "b", "c"]) == "a, b, c" and few(["x" * 121, "y" * 120]) == "x" * 117 + "..., " + "y" * 120
 
 
+def test_a_loops_default_adapter_scale_generation_would_refuse_is_refused_by_validation(examples):
+    """A card that validates must run: generation refuses a scale past float32's range, so its defaults may not hold
+    one (float32's largest is fine)."""
+    manifest = examples / "tiny-base" / "card.yaml"
+    text = manifest.read_text()
+    manifest.write_text(text.replace("solver: euler}", "solver: euler, adapters: {invert: 3.4028234663852886e+38}}"))
+    assert load_card(examples / "tiny-base").manifest.loops["denoise"].defaults["adapters"]["invert"] > 3.4e38
+    manifest.write_text(text.replace("solver: euler}", "solver: euler, adapters: {invert: -1.0e+39}}"))
+    with pytest.raises(CardValidationError) as caught:
+        load_card(examples / "tiny-base")
+    [problem] = caught.value.problems
+    assert (problem.field, problem.message) == ("loops.denoise.defaults.adapters.invert", "a scale of -1e+39 is beyond "
+                                                "float32's range (±3.4e38), which adapters' products run in")
+
+
 def test_a_loops_default_adapters_must_be_loras_the_card_declares(examples):
     """A default stack naming an adapter the card lacks, or its ControlNet (which needs a control image, so cannot be
     on by default), is located at that name and lists the card's LoRAs; the card's own LoRA is fine."""

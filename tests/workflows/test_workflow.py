@@ -150,6 +150,13 @@ BAD = {
                        "steps.a.generate.solver", "'euler', 'dpmpp_2m', 'sde' or 'renoise'"),
     "an interval out of order": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], guidance_interval: [0.5, 0.2]}"
                                  "\n", 6, "steps.a.generate", "must be [LO, HI] with 0 ≤ LO ≤ HI ≤ 1"),
+    # generation refuses such a scale (its products run in float32): validation does, where it is written
+    "an adapter scale past float32": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], adapters: "
+                                      "{invert: 1.0e+39}}\n", 6, "steps.a.generate.adapters.invert",
+                                      "a scale of 1e+39 is beyond float32's"),
+    "a control scale past float32": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], control: v.png, "
+                                     "control_scale: -1.0e+39}\n", 6, "steps.a.generate.control_scale",
+                                     "a scale of -1e+39 is beyond float32's range (±3.4e38)"),
     "a control scale without control": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], control_scale: 0.5}\n",
                                         6, "steps.a.generate", "give control too"),
     "an unknown precision": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], precision: int8}\n", 6,

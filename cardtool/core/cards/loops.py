@@ -6,10 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+from cardtool.backends.precision import FLOAT32_MAX
 
 __all__ = ["SOLVERS", "LOOP_KINDS", "LoopKind", "FlowDenoiseDefaults", "MAX_STEPS", "MAX_GUIDANCE", "SHIFTS",
-           "MAX_ETA"]
+           "MAX_ETA", "Scale"]
 
 SOLVERS = ("euler", "dpmpp_2m", "sde", "renoise")
 MAX_STEPS = 1000
@@ -17,6 +19,17 @@ MAX_GUIDANCE = 100  # |w|: far past any useful CFG scale, short of overflowing f
 SHIFTS = (0.01, 100)  # the σ-grid shift's range: beyond it the grid collapses onto σ = 0 or 1
 MAX_ETA = 10  # the SDE solver's noise level a (Flow-GRPO: 0.7); far beyond it the step's noise overflows
 Finite = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # an int is a float too
+
+
+def _in_float32(scale: float) -> float:
+    """An adapter's products run in float32 at most: generation refuses a larger scale (planning.adapter_stack), so a
+    manifest that sets one is refused when it is validated, not each time it runs."""
+    if abs(scale) > FLOAT32_MAX:
+        raise ValueError(f"a scale of {scale:g} is beyond float32's range (±3.4e38), which adapters' products run in")
+    return scale
+
+
+Scale = Annotated[Finite, AfterValidator(_in_float32)]
 
 
 class FlowDenoiseDefaults(BaseModel):
@@ -31,7 +44,7 @@ class FlowDenoiseDefaults(BaseModel):
     # the σ range of the steps CFG applies to (Kynkäänniemi et al. 2024)
     guidance_interval: tuple[Annotated[Finite, Field(ge=0, le=1)], Annotated[Finite, Field(ge=0, le=1)]] = (0.0, 1.0)
     # the adapter stack of a request that names none (a LoRA card applies its LoRA), adapter name → scale
-    adapters: dict[Annotated[str, Field(max_length=128)], Finite] = {}
+    adapters: dict[Annotated[str, Field(max_length=128)], Scale] = {}
 
     @model_validator(mode="after")
     def _ordered(self):

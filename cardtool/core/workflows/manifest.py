@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cardtool.backends.precision import PRECISIONS
-from cardtool.core.cards.loops import MAX_GUIDANCE, MAX_STEPS, SHIFTS, SOLVERS, Finite
+from cardtool.core.cards.loops import MAX_GUIDANCE, MAX_STEPS, SHIFTS, SOLVERS, Finite, Scale
 from cardtool.core.cards.schema import Name
 from cardtool.core.cards.schema_errors import schema_problems
 from cardtool.core.cards.source import Source, read_source
@@ -40,12 +40,12 @@ class _Sampling(_Strict):
     solver: Literal[SOLVERS] | None = None  # type: ignore[valid-type]
     precision: Literal[PRECISIONS] | None = None  # type: ignore[valid-type]
     seed: int = Field(0, ge=0)
-    adapters: dict[Name, float] | None = None  # the stack (adapter → scale) instead of the card's default one
+    adapters: dict[Name, Scale] | None = None  # the stack (adapter → scale) instead of the card's default one
     negative_prompt: str = ""  # what CFG steers away from, instead of the empty prompt
     # the card's ControlNet's control image: IMAGE[:PREPROCESSOR] (a path relative to the workflow), or, for a step
     # with an input, input[:PREPROCESSOR] — each input image the control of its own output
     control: str | None = Field(None, min_length=1)
-    control_scale: Finite | None = None
+    control_scale: Scale | None = None
 
     @model_validator(mode="after")
     def _consistent(self):
