@@ -157,6 +157,13 @@ BAD = {
     "a control scale past float32": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], control: v.png, "
                                      "control_scale: -1.0e+39}\n", 6, "steps.a.generate.control_scale",
                                      "a scale of -1e+39 is beyond float32's range (±3.4e38)"),
+    # seeds seed … seed + num − 1 (per prompt) or seed + k (per input image): generate refuses one past 2⁶³ − 1
+    "seeds past 2⁶³ by num": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x, y], num: 3, "
+                              "seed: 9223372036854775806}\n", 6, "steps.a.generate.seed",
+                              "numbers the step's images up to seed 9,223,372,036,854,775,808, past 2⁶³ − 1"),
+    "seeds past 2⁶³ by inputs": ("  a:\n    parallel: {cards: [EX/tiny-base, EX/tiny-rl], prompts: [x]}\n  b:\n    "
+                                 "chain: {input: a, card: EX/tiny-base, seed: 9223372036854775807}\n", 8,
+                                 "steps.b.chain.seed", "up to seed 9,223,372,036,854,775,808, past 2⁶³ − 1"),
     "a control scale without control": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], control_scale: 0.5}\n",
                                         6, "steps.a.generate", "give control too"),
     "an unknown precision": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], precision: int8}\n", 6,

@@ -181,6 +181,7 @@ def load_workflow(file: str | Path, overrides: list[str] = (), *, check_cards: b
     except ValidationError as e:
         raise CardValidationError(schema_problems(e, data, (source,), WorkflowManifest)) from None
     problems, order = _graph(manifest, source)
+    problems += [] if problems else _seed_problems(manifest, source, order)
     workflow = Workflow(manifest, source, order)
     if check_cards and not problems:
         problems += _card_problems(workflow)
@@ -226,6 +227,22 @@ def _graph(manifest: WorkflowManifest, source: Source) -> tuple[list[Problem], l
                 state[needed] = "active"
                 stack.append((needed, iter(_inputs(manifest.steps[needed]))))
     return problems, order
+
+
+def _seed_problems(manifest: WorkflowManifest, source: Source, order: list[str]) -> list[Problem]:
+    """A step numbers its images' seeds from its `seed` — per prompt (seed … seed + num − 1) or per input image
+    (seed + k) — and each must stay below 2⁶³, as generate refuses otherwise: found here, not when the step runs."""
+    problems, made = [], {}
+    for name in order:
+        step = manifest.steps[name]
+        body, cards = step.body, len(getattr(step.body, "cards", [None]))
+        numbered = made[body.input] if getattr(body, "input", None) is not None else body.num
+        made[name] = cards * (numbered if getattr(body, "input", None) is not None else len(body.prompts) * body.num)
+        if body.seed + numbered - 1 >= 2**63:
+            problems.append(source.problem(
+                ("steps", name, step.kind, "seed"), f"seed {body.seed} numbers the step's images up to seed "
+                f"{body.seed + numbered - 1:,}, past 2⁶³ − 1", f"give a seed of at most {2**63 - numbered:,}"))
+    return problems
 
 
 def _made_size(card) -> int | None:
