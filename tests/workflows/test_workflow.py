@@ -164,6 +164,13 @@ BAD = {
     "seeds past 2⁶³ by inputs": ("  a:\n    parallel: {cards: [EX/tiny-base, EX/tiny-rl], prompts: [x]}\n  b:\n    "
                                  "chain: {input: a, card: EX/tiny-base, seed: 9223372036854775807}\n", 8,
                                  "steps.b.chain.seed", "up to seed 9,223,372,036,854,775,808, past 2⁶³ − 1"),
+    # generate refuses a prompt past 65,536 characters when the step runs: validation does, where it is written
+    "a prompt past generate's length": ("  a:\n    parallel: {cards: [EX/tiny-base], prompts: [a, "
+                                        + "x" * 65537 + "]}\n", 6, "steps.a.parallel.prompts.1",
+                                        "at most 65536 characters"),
+    "a negative prompt past its length": ("  a:\n    generate: {card: EX/tiny-base, prompts: [a], negative_prompt: "
+                                          + "x" * 65537 + "}\n", 6, "steps.a.generate.negative_prompt",
+                                          "at most 65536 characters"),
     "a control scale without control": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], control_scale: 0.5}\n",
                                         6, "steps.a.generate", "give control too"),
     "an unknown precision": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], precision: int8}\n", 6,

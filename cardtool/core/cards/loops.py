@@ -11,13 +11,14 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 from cardtool.backends.precision import FLOAT32_MAX
 
 __all__ = ["SOLVERS", "LOOP_KINDS", "LoopKind", "FlowDenoiseDefaults", "MAX_STEPS", "MAX_GUIDANCE", "SHIFTS",
-           "MAX_ETA", "Scale"]
+           "MAX_ETA", "MAX_PROMPT_CHARS", "Scale"]
 
 SOLVERS = ("euler", "dpmpp_2m", "sde", "renoise")
 MAX_STEPS = 1000
 MAX_GUIDANCE = 100  # |w|: far past any useful CFG scale, short of overflowing float32 velocities
 SHIFTS = (0.01, 100)  # the σ-grid shift's range: beyond it the grid collapses onto σ = 0 or 1
 MAX_ETA = 10  # the SDE solver's noise level a (Flow-GRPO: 0.7); far beyond it the step's noise overflows
+MAX_PROMPT_CHARS = 1 << 16  # the text encoder reads a few dozen tokens; more is a mistake, not a prompt
 Finite = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # an int is a float too
 
 

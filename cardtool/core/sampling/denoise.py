@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cardtool.backends.registry import KERNELS
-from cardtool.core.cards.loops import MAX_ETA, MAX_GUIDANCE, MAX_STEPS, SHIFTS, SOLVERS
+from cardtool.core.cards.loops import MAX_ETA, MAX_GUIDANCE, MAX_PROMPT_CHARS, MAX_STEPS, SHIFTS, SOLVERS
 from cardtool.core.sampling.control import ControlImage
 from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.sampling.text_cache import TextFeatureCache, encode_prompts
@@ -68,9 +68,6 @@ def _dpm_c(previous: tuple | None, sigma: float, sigma_next: float) -> float:
         return 0.0
     lam_prev, lam, lam_next = (math.log((1 - s) / s) for s in (previous[0], sigma, sigma_next))
     return (lam_next - lam) / (2 * (lam - lam_prev)) if lam > lam_prev else 0.0  # a grid step rounded to nothing
-
-
-MAX_PROMPT_CHARS = 1 << 16  # the text encoder reads a few dozen tokens; more is a mistake, not a prompt
 
 
 def _check_text(name: str, text) -> None:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cardtool.backends.precision import PRECISIONS
-from cardtool.core.cards.loops import MAX_GUIDANCE, MAX_STEPS, SHIFTS, SOLVERS, Finite, Scale
+from cardtool.core.cards.loops import MAX_GUIDANCE, MAX_PROMPT_CHARS, MAX_STEPS, SHIFTS, SOLVERS, Finite, Scale
 from cardtool.core.cards.schema import Name
 from cardtool.core.cards.schema_errors import schema_problems
 from cardtool.core.cards.source import Source, read_source
@@ -24,6 +24,7 @@ __all__ = ["KINDS", "Workflow", "WorkflowManifest", "load_workflow"]
 
 KINDS = ("generate", "chain", "parallel", "best_of_n")
 MAX_IMAGES = 10_000  # per step
+Prompt = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]  # as generate takes one
 
 
 class _Strict(BaseModel):
@@ -41,7 +42,7 @@ class _Sampling(_Strict):
     precision: Literal[PRECISIONS] | None = None  # type: ignore[valid-type]
     seed: int = Field(0, ge=0)
     adapters: dict[Name, Scale] | None = None  # the stack (adapter → scale) instead of the card's default one
-    negative_prompt: str = ""  # what CFG steers away from, instead of the empty prompt
+    negative_prompt: Prompt = ""  # what CFG steers away from, instead of the empty prompt
     # the card's ControlNet's control image: IMAGE[:PREPROCESSOR] (a path relative to the workflow), or, for a step
     # with an input, input[:PREPROCESSOR] — each input image the control of its own output
     control: str | None = Field(None, min_length=1)
@@ -59,7 +60,7 @@ class _Sampling(_Strict):
 
 
 class _Prompted(_Sampling):
-    prompts: list[str] = Field(min_length=1)
+    prompts: list[Prompt] = Field(min_length=1)
     num: int = Field(1, ge=1, le=MAX_IMAGES)  # images per prompt, seeds seed, seed + 1, …
 
 
@@ -94,7 +95,7 @@ class ParallelStep(_Sampling):
     with `strength`); outputs merged card by card in the listed order."""
 
     cards: list[str] = Field(min_length=1)
-    prompts: list[str] | None = Field(None, min_length=1)
+    prompts: list[Prompt] | None = Field(None, min_length=1)
     num: int = Field(1, ge=1, le=MAX_IMAGES)
     input: Name | None = None
     strength: float = Field(0.5, gt=0, le=1)
