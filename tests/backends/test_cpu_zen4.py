@@ -54,6 +54,7 @@ def test_lora_bgmv_gives_the_generic_deltas_in_place_and_with_a_gradient():
             temporary = y.clone()
             assert cpu_zen4.lora_bgmv(x, temporary, *args).data_ptr() == temporary.data_ptr()
             assert (temporary.double() - expected).abs().max() < 1e-4
+    assert cpu_zen4.lora_bgmv(x, y, a[:0], b[:0], None, None) is y, "a plan with no slots: y as it is"
     trained = a.clone().requires_grad_(True)
     cpu_zen4.lora_bgmv(x, y, trained, b, scales, index).sum().backward()
     reference = a.clone().requires_grad_(True)
@@ -78,6 +79,12 @@ def test_linear_gives_the_generic_values_and_keeps_its_gradient(activation):
         grads.append([t.grad for t in leaves])
     for mine, generic in zip(*grads, strict=True):
         assert (mine - generic).abs().max() < 1e-4 * max(1.0, float(generic.abs().max()))
+    for trains in range(3):  # one of input, weight and bias trains, the others frozen: its gradient, and theirs none
+        leaves = [t.detach().clone().requires_grad_(i == trains) for i, t in enumerate((x, w, b))]
+        (cpu_zen4.linear(*leaves, activation) * torch.linspace(-1, 1, 96)).sum().backward()
+        assert [t.grad is not None for t in leaves] == [i == trains for i in range(3)]
+        generic = grads[1][trains]
+        assert (leaves[trains].grad - generic).abs().max() < 1e-4 * max(1.0, float(generic.abs().max()))
     frozen = cpu_zen4.linear(x.requires_grad_(True), w, b)  # frozen weights (a LoRA's base): the input's gradient only
     frozen.sum().backward()
     assert torch.allclose(x.grad, w.sum(0).expand_as(x), atol=1e-5)
