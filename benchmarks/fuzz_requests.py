@@ -13,8 +13,9 @@ workflow manifest's, as a card's), `failed` (exit 1 with another JSON error: wor
 that overflowed — its messages are kept for reading), `check_failed` (exit 1 with `"ok": false`: a check that ran and
 did not pass — `eval --expect`, `parity`, `cards validate`), and the failures the target is zero of:
 `traceback`, `hang` (a command ran ≥ 120 s), `invalid_json` (anything but one strict JSON document on stdout),
-`other_exit` (an exit code that is none of 0, 1, 2) and `differs` (a call made beside others gave other images or
-metadata than alone).
+`other_exit` (an exit code that is none of 0, 1, 2), `differs` (a call made beside others gave other images or
+metadata than alone) and `validated_then_error` (a workflow that passed the validation `workflow run` begins with,
+refused from inside a step: what a step refuses, validation must find first).
 
     python benchmarks/fuzz_requests.py --cases 2000 --seed 0 [--out benchmarks/results/fuzz-requests.json]
         [--surfaces generate like recipes train eval workflow import api argv resume threads images]
@@ -411,9 +412,12 @@ def _workflow(rng: random.Random, env: Env, out: Path) -> list[str]:
         return ["workflow", "run", "--json", str(env.root / "workflows" / tour.name), "--out", str(out), *sets]
     data = copy.deepcopy(env.workflow)
     extra = [f"{env.cards}/tiny-judge", f"{env.cards}/tiny-base", "draft", "refine", "pick", "nope", -3, 0, 1, 10**5,
-             1e9, 0.0, 2.0, -0.5, ["a"], [""], ["x" * 5000], [], {"generate": {}}, {"chain": {"input": "pick"}}]
+             1e9, 0.0, 2.0, -0.5, ["a"], [""], ["x" * 5000], [], {"generate": {}}, {"chain": {"input": "pick"}},
+             # what generate refuses when the step runs: a scale past float32, seeds past 2⁶³ − 1, too long a prompt
+             {"invert": 3.5e38}, 2**63 - 1, 2**63 - 2, ["x" * 70000], "x" * 70000]
     _mutate(rng, data, rng.choice([1, 1, 1, 2, 3]), ["input", "card", "cards", "reward", "n", "strength", "prompts",
-                                                      "seed", "steps", "guidance", "adapters", "precision", "num"],
+                                                      "seed", "steps", "guidance", "adapters", "precision", "num",
+                                                      "negative_prompt"],
             lambda old: rng.choice(VALUES + extra))
     # relative card paths resolve from the manifest's folder: put it where the tour's sits relative to its cards
     (env.root / "workflows").mkdir(exist_ok=True)
@@ -845,10 +849,14 @@ def run_case(runner, app, args) -> tuple[str, str]:
         return "ok", ""  # help asked for (an argument drawn as `--help` is click's flag): for people, not JSON
     if not _strict_json(result.stdout):
         return "invalid_json", result.stdout[-300:]
+    document = json.loads(result.stdout)
+    message = (document.get("error") or {}).get("message", "") if isinstance(document, dict) else ""
+    if result.exit_code == 2 and args[:2] == ["workflow", "run"] and message.startswith("step '"):
+        # a refusal from inside a step: the workflow had validated (run validates first), so it must run
+        return "validated_then_error", message[:300]
     kind = {0: "ok", 2: "refused"}.get(result.exit_code)
     if kind is not None:
         return kind, ""
-    document = json.loads(result.stdout)
     if result.exit_code == 1 and document.get("ok") is False and "error" not in document:
         return "check_failed", ""  # a check that ran and did not pass (eval --expect, parity, validate)
     error = document.get("error")
