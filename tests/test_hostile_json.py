@@ -78,6 +78,20 @@ def test_a_checkpoint_whose_optimizer_state_names_no_parameter_is_refused(index)
         check_optimizer_tensors(optimizer, {f"optim.{index}.step": torch.tensor(1.0)}, groups)
 
 
+@pytest.mark.parametrize("step", [float("inf"), float("nan"), -1.0, 2.5, True])
+def test_a_checkpoint_whose_optimizer_step_is_no_count_is_refused(step):
+    from cardtool.backends.training import check_optimizer_tensors, optimizer_tensors
+
+    parameter = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.AdamW([parameter])
+    parameter.grad = torch.ones(2)
+    optimizer.step()
+    tensors, groups = optimizer_tensors(optimizer)
+    check_optimizer_tensors(optimizer, tensors, groups)
+    with pytest.raises(ValueError, match="^'optim.0.step' is not a count of steps$"):
+        check_optimizer_tensors(optimizer, {**tensors, "optim.0.step": torch.tensor(step)}, groups)
+
+
 def test_a_checkpoint_whose_recipe_is_deep_names_no_changes():
     from cardtool.core.training.trainer import recipe_changes
 

@@ -46,7 +46,7 @@ def check_optimizer_tensors(optimizer: torch.optim.Optimizer, tensors: dict, gro
             raise ValueError(f"'{key}' names no parameter of this optimizer")
         param = params[int(index)][0]
         if name == "step" and (value.numel() != 1 or value.dtype == torch.bool or float(value) < 0
-                               or float(value) != int(float(value))):
+                               or not float(value).is_integer()):  # inf and NaN are no count either
             raise ValueError(f"'{key}' is not a count of steps")
         if name != "step" and (not value.is_floating_point() or value.shape != param.shape):
             raise ValueError(f"'{key}' is {str(value.dtype).removeprefix('torch.')} {list(value.shape)}, its "
