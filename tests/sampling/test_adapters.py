@@ -152,6 +152,16 @@ def test_the_loop_refuses_two_controlnets_in_one_request_and_adapters_on_numpy(c
         loop.init([Request("a bag", adapters=(("a", 1.0),))])
 
 
+def test_a_controlnet_copies_its_base_s_first_blocks_and_no_more_than_it_has(loop):
+    dit = loop.instance.component("transformer")
+    net = WanControlNet.from_base(dit, 1, CPU)
+    assert torch.equal(net.blocks[0].attn1.to_q.weight, dit.blocks[0].attn1.to_q.weight)
+    assert not net.controlnet_blocks[0].weight.any(), "zero-initialised: at init the branch changes nothing"
+    for depth in (0, len(dit.blocks) + 1):
+        with pytest.raises(ValueError, match=f"a ControlNet copies 1…{len(dit.blocks)} blocks, not {depth}"):
+            WanControlNet.from_base(dit, depth, CPU)
+
+
 def test_scale_zero_is_no_adapter_exactly(loop):
     plain, zero, zeros = run(loop, [Request("a bag", seed=5, steps=3),
                                     Request("a bag", seed=5, steps=3, adapters=(("a", 0.0),)),
