@@ -78,6 +78,9 @@ def wan_controlnet_torch(config: dict, weights: Path | None, base: dict, platfor
     from cardtool.backends.controlnet import WanControlNet
 
     settings = WanDiTConfig.from_card(base, "wan-dit")
+    unknown = sorted(str(key) for key in config if key != "blocks")
+    if unknown:  # as validation says it (cards/adapters.py): a setting nothing reads is a mistake, not a default
+        raise BadInput(f"a ControlNet's config takes only blocks, not {', '.join(unknown)[:200]}")
     depth = config.get("blocks", CONTROLNET_BLOCKS)
     if not isinstance(depth, int) or isinstance(depth, bool) or not 1 <= depth <= settings.depth:
         raise BadInput(f"controlnet config.blocks must be a whole number in 1…{settings.depth}, got {depth!r}")

@@ -140,13 +140,20 @@ def test_a_name_the_card_does_not_declare_is_refused_by_the_loop_at_any_scale(lo
         loop.init([Request("a bag", steps=2, adapters=(("a", 1.0), ("zz", scale)))])
 
 
-def test_the_loop_refuses_two_controlnets_in_one_request_and_adapters_on_numpy(card, loop):
-    """What planning refuses for the CLI, the loop refuses for a Request made in Python."""
+def test_the_loop_refuses_what_planning_or_validation_would(card, loop):
+    """What planning refuses for the CLI, and `cards validate` of an adapter, the loop refuses for a Request made in
+    Python and for an adapter first checked when a request uses it: two ControlNets, adapters on numpy, a ControlNet
+    config key nothing reads, a file gone."""
     with pytest.raises(BadInput, match="^a request takes at most one ControlNet"):
         loop.init([Request("a bag", adapters=(("ctl", 1.0), ("ctl", 0.5)), control=control(0))])
     on_numpy = DenoiseLoop(ModelInstance(card, Platform("numpy", "generic")), cache=TextFeatureCache(disk=False))
     with pytest.raises(BadInput, match="^adapters run on the torch platform; 'a' cannot run with --device numpy$"):
         on_numpy.init([Request("a bag", adapters=(("a", 1.0),))])
+    manifest = card.folder / "card.yaml"  # served, a card's adapters are checked when a request uses them
+    manifest.write_text(manifest.read_text().replace("config: {blocks: 1}", "config: {blocks: 1, depth: 2}"))
+    served = DenoiseLoop(ModelInstance(load_card(card.folder, adapters=False), CPU), cache=TextFeatureCache(disk=False))
+    with pytest.raises(BadInput, match="^a ControlNet's config takes only blocks, not depth$"):
+        served.init([Request("a bag", adapters=(("ctl", 1.0),), control=control(0))])
     (card.folder / "adapters" / "a.safetensors").unlink()  # gone since the card was loaded
     with pytest.raises(BadInput, match=r"^adapter 'a' of card 'tiny-adapters': cannot read .*a.safetensors: No such"):
         loop.init([Request("a bag", adapters=(("a", 1.0),))])
