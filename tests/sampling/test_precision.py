@@ -131,3 +131,23 @@ def test_only_a_low_precision_on_torch_runs_under_autocast():
             assert not torch.is_autocast_enabled("cpu"), (platform, precision)
     with autocast(cpu, "bfloat16"):
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+
+
+@pytest.mark.parametrize("device", ["numpy", "cpu"])
+def test_the_loops_arrays_hold_floats_at_the_weights_dtype_and_keep_integers_and_masks(device):
+    """The one loop's array namespace: a float becomes the precision's weights dtype (float32 for bfloat16, which
+    rounds only products), an integer (a timestep index, a seed) and a boolean (a text mask) keep their kind."""
+    import numpy as np
+
+    from cardtool.backends.arrays import arrays_numpy, arrays_torch
+
+    build = arrays_numpy if device == "numpy" else arrays_torch
+    arrays = build({}, None, None, Platform(device, "generic"), "float64" if device == "numpy" else "bfloat16")
+    floats = arrays.asarray(np.array([0.5, 1.5]))
+    ints, mask = arrays.asarray(np.array([3, 4], np.int64)), arrays.asarray(np.array([True, False]))
+    assert str(floats.dtype).removeprefix("torch.") == ("float64" if device == "numpy" else "float32")
+    assert str(ints.dtype).removeprefix("torch.") == "int64" and str(mask.dtype).removeprefix("torch.") == "bool"
+    assert arrays.to_numpy(arrays.cat([floats, floats])).tolist() == [0.5, 1.5, 0.5, 1.5]
+    with arrays.inference(), arrays.compute():
+        assert not arrays.grad_enabled()
+    assert arrays.grad_enabled() is (device != "numpy")

@@ -421,6 +421,41 @@ def test_a_classifier_telling_fewer_classes_than_the_data_holds_is_refused_befor
         ClassifierTask(recipe, Platform.detect("cpu"), *splits)
 
 
+def test_the_classifier_trains_on_flipped_and_shifted_images_and_logs_its_accuracy(data):
+    """ClassifierTask.loss (the docstring's recipe): each image flipped left-right with probability ½, the batch rolled
+    by −2…2 pixels each way; the accuracy it logs is the share of the batch it classified right."""
+    from cardtool.backends.platform import Platform
+    from cardtool.core.training.methods.classifier import ClassifierTask
+    from cardtool.core.training.methods.vae import to_unit
+
+    splits = load_split("train", data), load_split("test", data)
+    task = ClassifierTask(tiny("fashion-classifier", ["model.width=8", "model.features=16"]), Platform.detect("cpu"),
+                          *splits)
+    seen, right = [], torch.arange(64) % 4 != 0
+
+    def model(images):
+        seen.append(images)
+        labels = task.labels[:len(images)]  # right on three rows in four, wrong on the fourth
+        return torch.nn.functional.one_hot(torch.where(right[:len(images)], labels, (labels + 1) % 10), 10).float()
+
+    task.model = model
+    plain, flips, shifts = to_unit(task.images[:64]), [], set()
+    for seed in range(8):
+        _, metrics = task.loss(torch.arange(64), torch.Generator().manual_seed(seed))
+        assert metrics["accuracy"] == 0.75
+        matched = [(dy, dx) for dy in range(-2, 3) for dx in range(-2, 3)
+                   if all(torch.equal(seen[-1][i], torch.roll(plain[i], (dy, dx), (1, 2))) or
+                          torch.equal(seen[-1][i], torch.roll(plain[i].flip(-1), (dy, dx), (1, 2))) for i in range(64))]
+        assert matched, "each image is itself or its mirror image, rolled by the batch's one shift"
+        dy, dx = matched[0]
+        flips.append(sum(not torch.equal(seen[-1][i], torch.roll(plain[i], (dy, dx), (1, 2))) for i in range(64)))
+        shifts.add((dy, dx))
+    assert 16 < sum(flips) / len(flips) < 48, flips  # about half of each batch mirrored
+    assert any(dy != dx for dy, dx in shifts) and {abs(d) for shift in shifts for d in shift} == {0, 1, 2}
+    task.test_images, task.test_labels = task.images[:64], task.labels[:64]
+    assert task.finish(model) == {"test_accuracy": 0.75}, "the share of the test split it classifies right"
+
+
 def test_a_run_resumed_on_other_data_is_refused(tmp_path, data):
     """The checkpoint records a digest of the training examples: a resume reading another --data folder would train
     the rest of the run on it without a word."""
