@@ -171,6 +171,11 @@ BAD = {
     "a negative prompt past its length": ("  a:\n    generate: {card: EX/tiny-base, prompts: [a], negative_prompt: "
                                           + "x" * 65537 + "}\n", 6, "steps.a.generate.negative_prompt",
                                           "at most 65536 characters"),
+    # counted through the input: 2 cards × the 6,000 images of step a
+    "too many images from an input": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x, y], num: 3000}\n  b:\n"
+                                      "    parallel: {cards: [EX/tiny-base, EX/tiny-rl], input: a}\n", 8,
+                                      "steps.b.parallel.input", "2 card(s) × the 6,000 images of step 'a' = 12,000 "
+                                      "images; a step samples at most 10,000"),
     "a control scale without control": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], control_scale: 0.5}\n",
                                         6, "steps.a.generate", "give control too"),
     "an unknown precision": ("  a:\n    generate: {card: EX/tiny-base, prompts: [x], precision: int8}\n", 6,

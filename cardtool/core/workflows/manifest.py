@@ -182,7 +182,7 @@ def load_workflow(file: str | Path, overrides: list[str] = (), *, check_cards: b
     except ValidationError as e:
         raise CardValidationError(schema_problems(e, data, (source,), WorkflowManifest)) from None
     problems, order = _graph(manifest, source)
-    problems += [] if problems else _seed_problems(manifest, source, order)
+    problems += [] if problems else _count_problems(manifest, source, order)
     workflow = Workflow(manifest, source, order)
     if check_cards and not problems:
         problems += _card_problems(workflow)
@@ -230,15 +230,22 @@ def _graph(manifest: WorkflowManifest, source: Source) -> tuple[list[Problem], l
     return problems, order
 
 
-def _seed_problems(manifest: WorkflowManifest, source: Source, order: list[str]) -> list[Problem]:
-    """A step numbers its images' seeds from its `seed` — per prompt (seed … seed + num − 1) or per input image
-    (seed + k) — and each must stay below 2⁶³, as generate refuses otherwise: found here, not when the step runs."""
+def _count_problems(manifest: WorkflowManifest, source: Source, order: list[str]) -> list[Problem]:
+    """The images each step makes, counted through the dependency order (a step that refines makes one per input image
+    and card): at most MAX_IMAGES a step, which a step's own fields cannot show for an input; and their seeds —
+    seed … seed + num − 1 per prompt, seed + k per input image — below 2⁶³, as generate refuses otherwise."""
     problems, made = [], {}
     for name in order:
         step = manifest.steps[name]
         body, cards = step.body, len(getattr(step.body, "cards", [None]))
-        numbered = made[body.input] if getattr(body, "input", None) is not None else body.num
-        made[name] = cards * (numbered if getattr(body, "input", None) is not None else len(body.prompts) * body.num)
+        refines = getattr(body, "input", None) is not None
+        numbered = made[body.input] if refines else body.num  # the seeds one card's images take
+        made[name] = cards * (numbered if refines else len(body.prompts) * body.num)
+        if refines and made[name] > MAX_IMAGES:
+            problems.append(source.problem(
+                ("steps", name, step.kind, "input"), f"{cards} card(s) × the {numbered:,} images of step "
+                f"'{body.input}' = {made[name]:,} images; a step samples at most {MAX_IMAGES:,}",
+                "refine fewer images, or with fewer cards"))
         if body.seed + numbered - 1 >= 2**63:
             problems.append(source.problem(
                 ("steps", name, step.kind, "seed"), f"seed {body.seed} numbers the step's images up to seed "
