@@ -93,6 +93,10 @@ def test_a_wrong_kernel_fails_parity_naming_its_cell(kernels, monkeypatch, op, t
     assert all(ok for (cell, _), ok in verdicts.items() if cell != wrong), "the correct cells still pass"
     table = CliRunner().invoke(app, ["parity", "--device", "cpu", "--op", op], env={"COLUMNS": "200"})  # no elision
     assert table.exit_code == 1 and "cpu/avx2/default" in table.stdout and "FAIL" in table.stdout
+    failed = sum(not r["passed"] for r in report["rows"])
+    assert f"\n{len(report['rows']) - failed} passed, {failed} failed\n" in table.stdout
+    shapes = next(r["shapes"] for r in report["rows"] if r["shapes"])  # the cases each op ran, as typed, brackets kept
+    assert f"\n  {op}: {'; '.join(shapes)}\n" in table.stdout
 
 
 def test_a_crashing_kernel_is_a_failed_row_not_a_crash(kernels, monkeypatch):
