@@ -7,8 +7,15 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["is_regular_file", "parse_json", "read_json_object", "read_small_file", "read_small_file_bytes",
-           "read_stream"]
+__all__ = ["file_stamp", "is_regular_file", "parse_json", "read_json_object", "read_small_file",
+           "read_small_file_bytes", "read_stream"]
+
+
+def file_stamp(path: Path) -> tuple[int, int, int]:
+    """What changes when a file is written: its size, mtime and inode (a file renamed over it). OSError where it
+    cannot be stat'ed."""
+    info = path.stat()
+    return info.st_size, info.st_mtime_ns, info.st_ino
 
 
 def is_regular_file(path: Path) -> bool:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cardtool.errors import BadInput
+from cardtool.files import file_stamp
 
 __all__ = ["AdapterUse", "Loaded", "AdapterStore", "parse_adapter", "stack_record"]
 
@@ -121,12 +122,10 @@ class AdapterStore:
 
 
 def _stamp(name: str, card, path: Path) -> tuple[int, int, int]:
-    """What changes when an adapter's file is written: its size, mtime and inode (a file renamed over it)."""
     try:
-        info = path.stat()
+        return file_stamp(path)
     except OSError as e:
         raise BadInput(f"adapter '{name}' of card '{card.id}': cannot read {path}: {e.strerror}") from None
-    return info.st_size, info.st_mtime_ns, info.st_ino
 
 
 def _lora(name: str, spec, path: Path, version: str, model, precision: str):

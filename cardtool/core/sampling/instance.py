@@ -13,7 +13,7 @@ from cardtool.backends.registry import COMPONENTS
 from cardtool.core.cards.loader import Card
 from cardtool.core.cards.weight_files import sha256_file, tensor_digest
 from cardtool.errors import BadInput
-from cardtool.files import is_regular_file
+from cardtool.files import file_stamp, is_regular_file
 
 __all__ = ["ModelInstance"]
 
@@ -139,10 +139,9 @@ def _on(platform: Platform, device: str) -> Platform:
 
 def _stamp(path: Path) -> tuple[int, int, int] | None:
     try:
-        info = path.stat()
+        return file_stamp(path)
     except OSError:  # gone: changed
         return None
-    return info.st_size, info.st_mtime_ns, info.st_ino
 
 
 def _combine(digests: list[str]) -> str:
