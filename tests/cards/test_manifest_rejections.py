@@ -323,6 +323,31 @@ def test_the_schema_takes_each_bound_and_refuses_one_past_it_without_coercing_ty
         LoraAdapter(**lora, rank=1, alpha=1).rank = 2
 
 
+def test_a_loops_defaults_take_each_bound_and_refuse_one_past_it_without_coercing_types():
+    import pydantic
+
+    from cardtool.core.cards.loops import FlowDenoiseDefaults
+
+    edge = FlowDenoiseDefaults(steps=1000, guidance=-100, shift=100, guidance_interval=(0.3, 0.3), adapters={"a": -2})
+    assert (edge.steps, edge.guidance, edge.shift, edge.guidance_interval) == (1000, -100, 100, (0.3, 0.3))
+    assert FlowDenoiseDefaults(guidance=4).guidance == 4.0 and FlowDenoiseDefaults(shift=0.01).shift == 0.01
+    # a card that sets none samples with 30 Euler steps at CFG 4 on the unshifted grid, guided throughout
+    assert FlowDenoiseDefaults().model_dump() == {"steps": 30, "guidance": 4.0, "shift": 1.0, "solver": "euler",
+                                                  "guidance_interval": (0.0, 1.0), "adapters": {}}
+    for fields, where in (({"steps": 0}, "steps"), ({"steps": 1001}, "steps"), ({"steps": "30"}, "steps"),
+                          ({"steps": 30.0}, "steps"), ({"guidance": "4"}, "guidance"), ({"guidance": True}, "guidance"),
+                          ({"guidance": 100.5}, "guidance"), ({"guidance": float("nan")}, "guidance"),
+                          ({"shift": 0.009}, "shift"), ({"shift": 100.5}, "shift"), ({"shift": "1"}, "shift"),
+                          ({"solver": "heun"}, "solver"), ({"guidance_interval": (0.5, 0.4)}, "LO ≤ HI"),
+                          ({"guidance_interval": (0, 1.5)}, "guidance_interval"),
+                          ({"adapters": {"a": "0.5"}}, "adapters"), ({"adapters": {"a": 3.5e38}}, "float32"),
+                          ({"adapters": {"a" * 129: 1}}, "adapters"), ({"eta": 0.7}, "eta")):
+        with pytest.raises(pydantic.ValidationError, match=where):
+            FlowDenoiseDefaults(**fields)
+    with pytest.raises(pydantic.ValidationError, match="frozen"):  # a loaded card's defaults are read, never edited
+        edge.steps = 2
+
+
 def test_a_config_the_weights_do_not_fit_lists_three_tensors_and_counts_the_rest(examples):
     """A VAE config one level narrower than its weights: 24 tensors of another shape, the first three named with
     both shapes and the rest counted, so the message stays readable for a model of thousands of tensors."""

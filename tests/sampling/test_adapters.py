@@ -359,6 +359,21 @@ def test_fuse_matches_unfused_and_unfusing_restores_the_base_bit_for_bit(loop):
     assert all(after[k] is obj and torch.equal(after[k], copy) for k, (obj, copy) in before.items())
 
 
+def test_at_float64_a_lora_runs_in_float64_so_fused_and_unfused_agree_to_its_rounding(card):
+    """The LoRA plan takes the weights' dtype at float64 (float32 otherwise): a float64 run, a parity reference,
+    is not rounded to float32 in its adapters' products."""
+    loop = DenoiseLoop(ModelInstance(card, CPU, "float64"), cache=TextFeatureCache(disk=False))
+    dit, request = loop.instance.component("transformer"), Request("a coat", seed=9, steps=3, adapters=(("a", 0.8),))
+    stack = loop.instance.adapters.resolve(request.adapters)
+    with fused(dit, tuple((u.adapter.value, u.scale) for u in stack)):
+        loop.fused = tuple((u.adapter, u.scale) for u in stack)
+        [merged] = run(loop, [request])
+        loop.fused = None
+    [unfused] = run(loop, [request])
+    assert unfused.dtype == torch.float64
+    assert 0 < (merged - unfused).abs().max() <= 1e-12
+
+
 def test_generate_fuse_and_metadata_record_the_stack_with_versions(card, tmp_path):
     loaded = LoadedCard(card, device="cpu")
     plain = loaded.generate(["a bag"], steps=2, adapters=[("a", 0.5), ("b", 1.0)], out=tmp_path / "p")
@@ -856,8 +871,15 @@ def _pair(module: str, rank: int = 4, dtype: str = "F32", prefix: str = "") -> d
                                        "F32, F16, BF16)"]),
     (_pair(Q), {"rank": "5", "alpha": "x"}, None, ["its header says rank 5, the card 4",
                                                    "its header says alpha x, the card 4.0"]),
+    # diffusers' LoraConfig fields when the file has no plain ones; the plain ones when it has both
+    (_pair(Q), {"lora_adapter_metadata": '{"transformer.r": 4, "transformer.lora_alpha": 8}'}, None,
+     ["its header says alpha 8, the card 4.0"]),
+    (_pair(Q), {"alpha": "4", "lora_adapter_metadata": '{"r": 4, "lora_alpha": 8}'}, None, []),
+    # the pipeline prefix is dropped only when every tensor carries it
+    ({**_pair(Q, prefix="transformer."), **_pair(Q)}, {}, None, [f"'transformer.{Q}' is not a linear layer of the "
+                                                                 "target"]),
 ], ids=["fits", "prefixed", "empty", "misnamed", "unpaired", "no-linear", "no-module", "untargeted", "rank", "dtype",
-        "header"])
+        "header", "diffusers-header", "both-headers", "half-prefixed"])
 def test_each_way_a_lora_file_misses_its_target_is_named(header, metadata, targets, reasons):
     """What `cards validate` and a request that loads the file say of it (lora_reasons), one reason each."""
     from types import SimpleNamespace

@@ -80,6 +80,31 @@ def test_the_patch_embedding_as_a_product_is_the_convolution():
         assert torch.allclose(patchify(Kernels(Platform.detect("cpu")), conv, x), expected, atol=1e-6, rtol=0)
 
 
+def test_a_forward_holds_at_most_max_batch_rows_a_guided_request_two(loop, monkeypatch):
+    """`max_batch` counts model rows: a request on a guided step is two (its conditional and unconditional rows)."""
+    step, forwards = loop.step, []
+
+    def recording(chunk):
+        forwards.append([2 if state.guided else 1 for state in chunk])
+        return step(chunk)
+
+    monkeypatch.setattr(loop, "step", recording)
+    guided = [Request("a bag", seed=s, steps=1, guidance=3.0) for s in range(3)]
+    plain = [Request("a coat", seed=s, steps=1, guidance=1.0) for s in range(3)]
+    sample(loop, guided + plain, max_batch=4)
+    assert forwards == [[2, 2], [2, 1, 1], [1]]
+
+
+def test_generation_runs_under_inference_mode_and_a_rollout_that_trains_does_not(loop):
+    """Without `grad` nothing is recorded for autograd (inference mode); with it the latents can enter autograd.
+    Nor is the trajectory kept unless asked for (`capture`)."""
+    [plain] = sample(loop, [Request("a bag", steps=1, guidance=3.0)])
+    assert torch.is_inference(plain.latents) and plain.capture is None
+    with torch.enable_grad():
+        [traced] = sample(loop, [Request("a bag", steps=1, guidance=3.0)], grad=True)
+    assert not torch.is_inference(traced.latents)
+
+
 @independent_rows
 def test_an_image_decodes_to_the_same_pixels_alone_and_in_a_batch(loop, monkeypatch):
     """The VAE always sees exactly VAE_GROUP latents (the fashion VAE's convolutions round ~1.7e-6 differently at
