@@ -346,6 +346,24 @@ def test_the_gan_term_trains_a_head_on_the_critic_and_moves_the_generator(exampl
         DMD2Task(gan, _platform(), load_card(teacher), few)
 
 
+def test_what_the_gan_term_needs_is_checked_before_the_teacher_loads_or_samples(examples, tmp_path, monkeypatch):
+    """A GAN run without the images it needs, or with fewer teacher samples than prompts, was refused only after the
+    teacher had made its samples (minutes) or the training images were encoded."""
+    from cardtool.core.data import load_split
+    from cardtool.core.training.methods import dmd2
+
+    teacher = load_card(examples / "tiny-base")
+    few = load_split("train", write_idx_folder(tmp_path / "few", train=8))  # classes 0…7: no bag, no ankle boot
+    monkeypatch.setattr(dmd2, "FrozenCard", lambda *args: pytest.fail("the teacher loaded before the refusal"))
+    for extra, train, message in [
+            (["loss.gan=true"], None, "needs the training images"),
+            (["loss.gan=true"], few, "the training images hold none of: bag, ankle boot"),
+            (["loss.gan=true", "loss.gan_real=teacher", "loss.teacher_samples=129"], few,
+             "loss.gan_real=teacher needs loss.teacher_samples ≥ 130 .*, got 129")]:
+        with pytest.raises(BadInput, match=message):
+            DMD2Task(recipe(examples / "tiny-base", extra=extra), _platform(), teacher, train)
+
+
 def test_the_gan_head_gives_one_logit_per_row_from_the_mean_of_its_tokens():
     head, features = GANHead(8), torch.randn(3, 5, 8)
     logits = head(features)

@@ -955,10 +955,26 @@ def test_lora_and_controlnet_training_write_adapter_cards_that_generate_serves(e
               out=tmp_path / "x", run_dir=tmp_path / "r3", data=str(data))
 
 
-def test_adapter_recipes_defaults_bounds_and_targets(examples, tmp_path, data):
+@pytest.fixture
+def no_encoding(monkeypatch):
+    """Training images encoded (the VAE's latents of more than one image: minutes on Fashion-MNIST) fail the test:
+    what the recipe or the parent's manifest can say is wrong is refused before."""
+    from cardtool.core.training.methods import flow_matching
+
+    real = flow_matching.latents
+
+    def one_at_most(vae, images, device):
+        assert len(images) <= 1, "the training images were encoded before the recipe was refused"
+        return real(vae, images, device)
+
+    monkeypatch.setattr(flow_matching, "latents", one_at_most)
+
+
+def test_adapter_recipes_defaults_bounds_and_targets(examples, tmp_path, data, request):
     """A lora recipe's rank defaults to 8 (1–1024) and its `model.targets` choose the layers it trains (recorded in
     the card when not the default ones; an empty list is refused, not read as the default); a controlnet's blocks
-    default to 2 and may copy every block of the base, and its control is a named preprocessor other than none."""
+    default to 2 and may copy every block of the base, and its control is a named preprocessor other than none.
+    Each is refused before the training images are encoded (minutes on Fashion-MNIST), not after."""
     common = ["optim.steps=1", "optim.batch_size=4", "train.precision=float32", f"parents=[{examples / 'tiny-base'}]"]
 
     def lora(out, *extra):
@@ -984,15 +1000,18 @@ def test_adapter_recipes_defaults_bounds_and_targets(examples, tmp_path, data):
     assert plain.model.pop("blocks") == 2
     assert train(plain, command="c", out=tmp_path / "net2", run_dir=tmp_path / "run-net2",
                  data=str(data)).manifest.adapters["silhouette"].config == {"blocks": 2}
+    request.getfixturevalue("no_encoding")  # the cards above were trained; the refusals below must encode nothing
     for method, extra, message in [
             (lora, "model.rank=0", "model.rank: Input should be greater than or equal to 1"),
             (lora, "model.rank=1025", "model.rank: Input should be less than or equal to 1024"),
             (lora, "model.targets=[]", "model.targets: .*at least 1 item"),
-            (lora, "model.targets=[head.*]", "no linear layer matches the LoRA targets"),
-            (controlnet, "model.blocks=3", "model.blocks 3 exceeds the base's 2 blocks"),
+            (lora, "model.targets=[head.*]", r"no linear layer of 'tiny-base' matches the LoRA targets \['head.\*'\]"),
+            (lora, "loss.scales=[0.5, 2]", r"loss.scales must be a list of numbers in \(0, 1\]"),
+            (lora, "model.adapter=invert", "'tiny-base' already declares an adapter 'invert'"),
+            (controlnet, "model.blocks=3", "model.blocks 3 exceeds the 2 blocks of 'tiny-base'"),
             (controlnet, "model.blocks=0", "model.blocks: Input should be greater than or equal to 1"),
-            (controlnet, "model.control=none", "model.control must be one of: silhouette, edges"),
-            (controlnet, "model.control=blur", "model.control must be one of: silhouette, edges")]:
+            (controlnet, "model.control=none", "model.control: Input should be 'silhouette' or 'edges'"),
+            (controlnet, "model.control=blur", "model.control: Input should be 'silhouette' or 'edges'")]:
         with pytest.raises(BadInput, match=message):
             method(tmp_path / "x", extra)
     assert not (tmp_path / "x").exists()
@@ -1088,7 +1107,7 @@ def test_lora_scales_train_each_row_at_its_own_scale_on_a_mixture(examples, tmp_
     ("fashion-vae", "model.image_size=24", "train images are 28×28 pixels; the components take 24×24"),
     ("fashion-bold", "model.adapter=1e-3", "model.adapter: Input should be a valid string"),  # a key the card refuses
     ("fashion-bold", "model.targets=true", "model.targets: Input should be a valid tuple"),
-    ("fashion-silhouette", "model.control=[edges]", "model.control: Input should be a valid string"),
+    ("fashion-silhouette", "model.control=[edges]", "model.control: Input should be 'silhouette' or 'edges'"),
     ("fashion-silhouette", "model.blocks=0", "model.blocks: Input should be greater than or equal to 1"),
     ("fashion-base", "data.transform=[1, 0]", r"unknown data.transform \[1, 0\]"),
     # parents the method cannot start from (EX: the tiny example cards)
@@ -1100,7 +1119,7 @@ def test_lora_scales_train_each_row_at_its_own_scale_on_a_mixture(examples, tmp_
      r"finetune keeps the architecture of 'tiny-base'; the recipe changes model\.heads \(leave model: empty\)"),
 ])
 def test_a_recipe_the_method_cannot_run_is_refused_before_training(examples, tmp_path, data, recipe_name, override,
-                                                                   message):
+                                                                   message, no_encoding):
     """A misspelt or foreign loss: or data: key would otherwise train with the default, silently; a loop default
     or a DiT shape that cannot work would otherwise cost the run."""
     extra = [f"parents=[{examples / 'tiny-base'}]"] if recipe_name in ("fashion-bold", "fashion-silhouette") else []

@@ -6,13 +6,16 @@ DiT (ALGORITHMS.md, "LoRA and ControlNet for DiTs"). The data are the training i
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cardtool.backends.controlnet import ControlRows, WanControlNet
 from cardtool.backends.lora import TrainableLora, lora_file
-from cardtool.backends.lora_targets import DEFAULT_TARGETS
+from cardtool.backends.lora_targets import DEFAULT_TARGETS, matching
 from cardtool.core.cards.schema import Name
+from cardtool.core.cards.weight_files import read_header
 from cardtool.core.sampling.control import PREPROCESSORS
 from cardtool.core.training.lora_settings import LORA_UNSHARDABLE, LoraSettings
 from cardtool.core.training.methods.flow_matching import FlowMatchingTask
@@ -21,6 +24,8 @@ from cardtool.core.training.recipes import Section, field_problems
 from cardtool.errors import BadInput
 
 __all__ = ["LoraTask", "ControlNetTask", "adapter_task"]
+
+CONTROLS = tuple(p for p in PREPROCESSORS if p != "none")  # a ControlNet learns to follow a control image
 
 
 class _LoraModel(LoraSettings):
@@ -36,7 +41,7 @@ class _ControlNetModel(Section):
     model_config = ConfigDict(extra="forbid", frozen=True)
     adapter: Name | None = None
     blocks: int = Field(2, ge=1)
-    control: str = "silhouette"
+    control: Literal[CONTROLS] = "silhouette"  # type: ignore[valid-type]
 
 
 def _scales(recipe) -> torch.Tensor | None:
@@ -68,11 +73,22 @@ class _AdapterTask(FlowMatchingTask):
             self.settings = self.MODEL.model_validate(recipe.model)
         except ValidationError as e:
             raise BadInput(f"{recipe.method} recipe: {field_problems(e, 'model')}") from None
+        self.name = self.settings.adapter or recipe.card.id
         super().__init__(recipe, platform, train, test)
         self.dit.requires_grad_(False).eval()
-        self.name = self.settings.adapter or recipe.card.id
+
+    def check_parent(self) -> None:
         if self.parent.manifest.adapters.get(self.name) is not None:
             raise BadInput(f"'{self.parent.id}' already declares an adapter '{self.name}'; set model.adapter")
+
+    def base_tensors(self) -> dict[str, tuple[int, ...]]:
+        """The base transformer's tensor shapes, from its weights file's header ({} without one: the base's own
+        loading then says what is wrong)."""
+        spec = self.parent.manifest.components.get("transformer")
+        if spec is None or spec.weights is None:
+            return {}
+        header, _ = read_header(self.parent.folder / spec.weights)
+        return {name: shape for name, (_, shape) in header.items()}
 
     @torch.no_grad()
     def finish(self, adapter) -> dict:
@@ -89,17 +105,23 @@ class LoraTask(_AdapterTask):
     LOSS_KEYS = ("condition_dropout", "scales")
 
     def __init__(self, recipe, platform, train, test):
+        self.scales = _scales(recipe)
         super().__init__(recipe, platform, train, test)
         self.rank, self.alpha = self.settings.rank, self.settings.alpha
         self.targets = list(self.settings.targets)
         torch.manual_seed(recipe.train.seed)
-        try:
-            self.lora = TrainableLora(self.dit, self.targets, self.rank, self.alpha)
-        except ValueError as e:
-            raise BadInput(f"lora recipe: model.targets: {e}") from None
-        self.scales = _scales(recipe)
+        self.lora = TrainableLora(self.dit, self.targets, self.rank, self.alpha)
         if self.scales is not None:  # the untransformed images too: a row at scale s keeps its own with 1 − s
             self.plain_mean, self.plain_std = latents(self.vae, train.images, self.device)
+
+    def check_parent(self) -> None:
+        super().check_parent()
+        tensors = self.base_tensors()
+        linear = [name.removesuffix(".weight") for name, shape in tensors.items()
+                  if name.endswith(".weight") and len(shape) == 2]
+        if tensors and not matching(linear, self.settings.targets):
+            raise BadInput(f"lora recipe: model.targets: no linear layer of '{self.parent.id}' matches the LoRA "
+                           f"targets {list(self.settings.targets)}"[:300])
 
     def modules(self):
         return {"lora": self.lora}
@@ -137,12 +159,6 @@ class ControlNetTask(_AdapterTask):
     def __init__(self, recipe, platform, train, test):
         super().__init__(recipe, platform, train, test)
         self.blocks, self.control = self.settings.blocks, self.settings.control
-        if self.blocks > self.config.depth:
-            raise BadInput(f"controlnet recipe: model.blocks {self.blocks} exceeds the base's {self.config.depth} "
-                           "blocks")
-        if self.control not in PREPROCESSORS or self.control == "none":
-            raise BadInput(f"controlnet recipe: model.control must be one of: "
-                           f"{', '.join(p for p in PREPROCESSORS if p != 'none')}")
         torch.manual_seed(recipe.train.seed)
         self.net = WanControlNet.from_base(self.dit, self.blocks, platform).train()
         vae = self.vae
@@ -152,6 +168,13 @@ class ControlNetTask(_AdapterTask):
 
     def modules(self):
         return {"controlnet": self.net}
+
+    def check_parent(self) -> None:
+        super().check_parent()
+        depth = len({name.split(".")[1] for name in self.base_tensors() if name.startswith("blocks.")})
+        if depth and self.settings.blocks > depth:
+            raise BadInput(f"controlnet recipe: model.blocks {self.settings.blocks} exceeds the {depth} blocks of "
+                           f"'{self.parent.id}'")
 
     def adapters(self, idx, test=False):
         controls = (self.test_controls if test else self.controls)[idx]

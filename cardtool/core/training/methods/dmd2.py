@@ -140,6 +140,8 @@ class DMD2Task(Task):
 
     def __init__(self, recipe: Recipe, platform: Platform, teacher: Card, train: Split | None = None):
         self.settings = s = DMD2Settings.from_recipe(recipe.loss)
+        self.prompts = [p for options in training_prompts() for p in options]  # (class, phrasing) pairs
+        by_class = _gan_data(s, len(self.prompts), train)  # before the teacher samples or the images are encoded
         self.teacher, self.device = teacher, platform.torch_device
         frozen = FrozenCard(teacher, platform, "teacher", "DMD2")
         self.lora = lora_settings(recipe, "student", teacher.id)
@@ -155,7 +157,6 @@ class DMD2Task(Task):
         self.loop = frozen.serving(self.generator)
         # the teacher as its card serves it (or as the recipe guides it): CFG on the steps in the guidance interval
         self.real_velocity = frozen.guided(s.guidance, s.guidance_interval)
-        self.prompts = [p for options in training_prompts() for p in options]  # (class, phrasing) pairs
         self.turn = True
         self.per_class = len(training_prompts()[0])
         self.head = None
@@ -166,22 +167,12 @@ class DMD2Task(Task):
             self.head = GANHead(self.config.dim).to(self.device)
             self.critic.blocks[-1].register_forward_hook(self._keep_features)
             if s.gan_real == "teacher":  # each row's real: a teacher sample of the same prompt
-                if s.teacher_samples < len(self.prompts):
-                    raise BadInput(f"loss.gan_real=teacher needs loss.teacher_samples ≥ {len(self.prompts)} (one "
-                                   f"sample per training prompt), got {s.teacher_samples}")
                 self.real_latents = self.pairs[2].to(self.device)
                 owner = np.array(self.pairs[0])
                 self.real_rows = [np.flatnonzero(owner == p) for p in self.prompts]
             else:  # each row's real: a training image of the prompt's class
-                if train is None:
-                    raise BadInput("loss.gan needs the training images (Fashion-MNIST, or --data DIR)")
                 self.real_latents = latents(frozen.instance.component(frozen.loop.vae), train.images,
                                             self.device)[0]
-                by_class = [np.flatnonzero(train.labels == c) for c in range(len(training_prompts()))]
-                if not all(len(rows) for rows in by_class):
-                    missing = [train.class_names[c] for c, rows in enumerate(by_class) if not len(rows)]
-                    raise BadInput(f"loss.gan takes each prompt's real images from its class, and the training "
-                                   f"images hold none of: {', '.join(missing)}")
                 self.real_rows = [by_class[i // self.per_class] for i in range(len(self.prompts))]
         if s.real == "sampler":
             self.real_critic = frozen.copy()
@@ -317,6 +308,25 @@ class DMD2Task(Task):
 
 
 PAIR_SEEDS = 1 << 40  # the pairs' seeds start here, far from the seeds eval samples (0, 1, …)
+
+
+def _gan_data(s: DMD2Settings, prompts: int, train: Split | None) -> list[np.ndarray] | None:
+    """For `loss.gan` on training images, the rows of each class's (None otherwise); what it needs, checked."""
+    if not s.gan:
+        return None
+    if s.gan_real == "teacher":
+        if s.teacher_samples < prompts:
+            raise BadInput(f"loss.gan_real=teacher needs loss.teacher_samples ≥ {prompts} (one sample per training "
+                           f"prompt), got {s.teacher_samples}")
+        return None
+    if train is None:
+        raise BadInput("loss.gan needs the training images (Fashion-MNIST, or --data DIR)")
+    by_class = [np.flatnonzero(train.labels == c) for c in range(len(training_prompts()))]
+    if not all(len(rows) for rows in by_class):
+        missing = [train.class_names[c] for c, rows in enumerate(by_class) if not len(rows)]
+        raise BadInput(f"loss.gan takes each prompt's real images from its class, and the training images hold none "
+                       f"of: {', '.join(missing)}")
+    return by_class
 
 
 def teacher_samples(frozen: FrozenCard, prompts: list[str], count: int) -> tuple[list[str], list[int], torch.Tensor]:
