@@ -20,7 +20,7 @@ from cardtool.core.training.derived import (
     write_output,
 )
 from cardtool.core.training.recipes import Recipe, only_keys
-from cardtool.core.training.trainer import train_loop, writable_outputs
+from cardtool.core.training.trainer import check_start, train_loop, writable_outputs
 from cardtool.core.training.watch import Watch, check_every, watched
 from cardtool.errors import BadInput
 
@@ -116,8 +116,10 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
         check_eval_data(data, "the eval after distilling (--no-eval skips it)", per_class)
     settings = DMD2Settings.from_recipe(recipe.loss)
     train = gan_real_images(recipe, data)
+    digest = train.digest() if train is not None else None  # a resume must see the same real images
+    check_start(recipe, platform, run_dir, resume=resume, micro_batches=micro_batches, data=digest)
     task = DMD2Task(recipe, platform, teacher, train)
-    task.data = train.digest() if train is not None else None  # a resume must see the same real images
+    task.data = digest
     student = {"steps": settings.student_steps, "guidance": 1.0, "shift": settings.shift, "solver": "renoise"}
     watch = Watch(teacher, task.name, task.generator, task.cache, student, watch_judges, platform,
                   recipe.train.precision, data=data) if watch_every else None

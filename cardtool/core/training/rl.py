@@ -29,7 +29,7 @@ from cardtool.core.training.derived import (
     write_output,
 )
 from cardtool.core.training.recipes import Recipe, only_keys
-from cardtool.core.training.trainer import train_loop, writable_outputs
+from cardtool.core.training.trainer import check_start, train_loop, writable_outputs
 from cardtool.core.training.watch import Watch, check_every, watched
 from cardtool.errors import BadInput
 
@@ -138,10 +138,13 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
         check_held_out(held_out_judge, recipe.parents[1], judge)
     if evaluate:
         check_eval_data(data, "the eval after rl (--no-eval skips it)", per_class)
-    task = make_task(recipe, platform, base, reward, prompts if prompts is not None else default_prompts())
+    given, prompts = prompts is not None, prompts if prompts is not None else default_prompts()
     # what it trains on is its prompts: a resume given others (--prompts) would train the rest of the run on them
-    task.data = hashlib.sha256("\n".join(task.prompts).encode()).hexdigest()
-    if prompts is not None and on_warning is not None:  # a prompts file's lines cut at the encoder's length
+    digest = hashlib.sha256("\n".join(prompts).encode()).hexdigest()
+    check_start(recipe, platform, run_dir, resume=resume, micro_batches=micro_batches, data=digest)
+    task = make_task(recipe, platform, base, reward, prompts)
+    task.data = digest
+    if given and on_warning is not None:  # a prompts file's lines cut at the encoder's length
         from cardtool.core.sampling.text_cache import filled_prompts
 
         filled = filled_prompts(task.loop.instance, task.prompts, task.cache, task.loop.text_encoder)

@@ -13,7 +13,7 @@ from cardtool.core.data import IMAGE_SIZE, load_split, provenance
 from cardtool.core.prompts import TEXT_ENCODER
 from cardtool.core.training.derived import extends_reference, write_output
 from cardtool.core.training.recipes import RUN_BY, Recipe
-from cardtool.core.training.trainer import train_loop, writable_outputs
+from cardtool.core.training.trainer import check_start, train_loop, writable_outputs
 from cardtool.errors import BadInput
 
 __all__ = ["train"]
@@ -41,6 +41,7 @@ def train(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Pat
 
         size = ConvVAEConfig.from_card(recipe.model).image_size
     train_split, test_split = load_split("train", folder, size), load_split("test", folder, size)
+    check_start(recipe, platform, run_dir, resume=resume, micro_batches=micro_batches, data=train_split.digest())
     if method == "vae":
         from cardtool.core.training.methods.vae import VAETask
 

@@ -29,11 +29,12 @@ from cardtool.core.interrupt import Interrupted, stop_requests
 from cardtool.core.sampling.denoise import NonFiniteImages
 from cardtool.core.training.parallel import Parallel
 from cardtool.core.training.recipes import Recipe
-from cardtool.core.training.run_lock import run_claimed
+from cardtool.core.training.run_lock import LOCK, run_claimed
 from cardtool.errors import BadInput, OutOfMemory, RunFailed, write_remedy
 from cardtool.files import is_regular_file, parse_json
 
-__all__ = ["Task", "TrainingDiverged", "TrainResult", "check_run", "train_loop", "writable_outputs", "CHECKPOINT"]
+__all__ = ["Task", "TrainingDiverged", "TrainResult", "check_run", "check_start", "train_loop", "writable_outputs",
+           "CHECKPOINT"]
 
 CHECKPOINT = "checkpoint.safetensors"
 
@@ -153,6 +154,34 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
         return _train(task, recipe, platform, run_dir, resume, on_log, micro_batches)
 
 
+def check_start(recipe: Recipe, platform: Platform, run_dir: Path, *, resume: bool, micro_batches: int,
+                data: str | None) -> None:
+    """What a run is refused for as it starts (`check_run`, the run folder: in use, holding a run, or none to
+    resume), checked before its task is made — which may encode a dataset or have a teacher sample for minutes.
+    `data`: the digest the task will train on."""
+    check_run(recipe, platform, micro_batches)
+    ranks = distributed.ranks(platform.device)
+    if ranks.main and (Path(run_dir) / LOCK).exists():
+        with run_claimed(run_dir):  # another run holds it: refused now; released again for the run itself
+            pass
+    _check_run_dir(run_dir, recipe, resume, data, ranks)
+
+
+def _check_run_dir(run_dir: Path, recipe: Recipe, resume: bool, data: str | None, ranks) -> bool:
+    """Whether `run_dir` holds a checkpoint; refused where a fresh run would overwrite one or a resume finds none."""
+    checkpoint = run_dir / CHECKPOINT
+    held = ranks.sees(checkpoint, "--run-dir")
+    if held and not resume:
+        if not made_by(checkpoint, recipe, data):  # --resume would refuse it: not the advice to give
+            changed = recipe_changes(checkpoint_metadata(checkpoint).get("recipe"), recipe.shaping())
+            raise BadInput(f"{run_dir} already holds the run of another recipe or other data{changed}; give this "
+                           "run another --run-dir, or remove the folder")
+        raise BadInput(f"{run_dir} already holds a run; continue it with --resume, or remove the folder")
+    if resume and not held:
+        raise BadInput(f"nothing to resume: {checkpoint} does not exist")
+    return held
+
+
 def check_run(recipe: Recipe, platform: Platform, micro_batches: int, stage: str = "") -> None:
     """What a run of `recipe` needs: a torch device, bf16 compute for a bfloat16 run, a batch that splits into the
     processes × `micro_batches`. The trainer checks it as a run begins; a chain of runs (the flywheel) checks every
@@ -189,21 +218,12 @@ def _train(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, resume
     for stale in run_dir.glob(f".{CHECKPOINT}.*.tmp"):  # a write that a kill interrupted
         stale.unlink(missing_ok=True)
     start, loss_value, before = 0, float("nan"), 0.0  # before: training seconds of the sessions a resume continues
-    held = ranks.sees(checkpoint, "--run-dir")
     read = ranks.all_gather(task.data)
     if len(set(read)) > 1:  # each rank trains on its own share of the images it read: a mix no card could record
         digests = ", ".join(f"rank {r} {str(digest)[:12]}…" for r, digest in enumerate(read))
         raise BadInput(f"the ranks read different training data ({digests}): under torchrun on several nodes, "
                        "--data must hold the same images on every node")
-    if held and not resume:
-        if not made_by(checkpoint, recipe, task.data):  # --resume would refuse it: not the advice to give
-            changed = recipe_changes(checkpoint_metadata(checkpoint).get("recipe"), recipe.shaping())
-            raise BadInput(f"{run_dir} already holds the run of another recipe or other data{changed}; give this "
-                           "run another --run-dir, or remove the folder")
-        raise BadInput(f"{run_dir} already holds a run; continue it with --resume, or remove the folder")
-    if resume:
-        if not held:
-            raise BadInput(f"nothing to resume: {checkpoint} does not exist")
+    if _check_run_dir(run_dir, recipe, resume, task.data, ranks):
         start, loss_value, before = _load(checkpoint, recipe, modules, ema, optimizer, task, parts, parallel)
     order = _Order(task.dataset_size(), o.batch_size, schedule.seed)
     scaled = {name: scales[name] for name in modules if scales.get(name, 1.0) != 1.0}  # named if the run diverges
