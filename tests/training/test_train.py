@@ -1275,9 +1275,9 @@ def test_a_run_folder_another_process_is_training_in_is_refused_until_that_proce
 @pytest.mark.parametrize("command", ["train", "distill", "rl"])
 def test_a_run_folder_or_batch_split_that_refuses_a_run_is_said_before_its_task_is_made(command, examples, tmp_path,
                                                                                         data, monkeypatch):
-    """The run folder (in use, holding another run, holding none to resume) and the batch's split into micro-batches
-    were checked only as training began: after the task had encoded the dataset or the teacher had sampled (two
-    minutes for a ControlNet recipe on Fashion-MNIST)."""
+    """The run folder (in use, holding another run, holding none to resume or one of another recipe, other data or
+    another split) and the batch's split into micro-batches were checked only as training began: after the task had
+    encoded the dataset or the teacher had sampled (two minutes for a ControlNet recipe on Fashion-MNIST)."""
     from safetensors.torch import save_file
 
     from cardtool.core.training import rl as rl_module
@@ -1307,13 +1307,20 @@ def test_a_run_folder_or_batch_split_that_refuses_a_run_is_said_before_its_task_
         where = {"data": str(data)} if command == "train" else {"evaluate": False}
         return start(recipe, command="c", out=tmp_path / "out", run_dir=run_dir, **where, **kwargs)
 
-    held = tmp_path / "held"
-    held.mkdir()
-    save_file({"x": torch.zeros(1)}, str(held / CHECKPOINT))
-    for run_dir, kwargs, message in [
-            (tmp_path / "r", {"micro_batches": 3}, r"optim.batch_size 4 must split into 1 process\(es\) × 3"),
-            (tmp_path / "r", {"resume": True}, "nothing to resume"),
-            (held, {}, "already holds the run of another recipe or other data")]:
+    def held(name, **metadata):
+        (tmp_path / name).mkdir()
+        save_file({"x": torch.zeros(1)}, str(tmp_path / name / CHECKPOINT), metadata={"step": "1", **metadata})
+        return tmp_path / name
+
+    ours = {"fingerprint": recipe.fingerprint()}
+    cases = [(tmp_path / "r", {"micro_batches": 3}, r"optim.batch_size 4 must split into 1 process\(es\) × 3"),
+             (tmp_path / "r", {"resume": True}, "nothing to resume"),
+             (held("held"), {}, "already holds the run of another recipe or other data"),
+             (held("other"), {"resume": True}, "was made by a different recipe"),
+             (held("split", **ours, micro_batches="2"), {"resume": True}, r"split into 2 micro-batch\(es\)")]
+    if command != "distill":  # a distillation without the GAN term reads no data
+        cases.append((held("data", **ours, data="0" * 64), {"resume": True}, "was trained on other data"))
+    for run_dir, kwargs, message in cases:
         with pytest.raises(BadInput, match=message):
             run(run_dir, **kwargs)
     busy = f"in use by another run \\(process {os.getpid()}\\)"

@@ -164,7 +164,9 @@ def check_start(recipe: Recipe, platform: Platform, run_dir: Path, *, resume: bo
     if ranks.main and (Path(run_dir) / LOCK).exists():
         with run_claimed(run_dir):  # another run holds it: refused now; released again for the run itself
             pass
-    _check_run_dir(run_dir, recipe, resume, data, ranks)
+    if _check_run_dir(run_dir, recipe, resume, data, ranks):
+        _check_resumable(checkpoint_metadata(run_dir / CHECKPOINT), run_dir / CHECKPOINT, recipe, data,
+                         ranks.world * micro_batches)
 
 
 def _check_run_dir(run_dir: Path, recipe: Recipe, resume: bool, data: str | None, ranks) -> bool:
@@ -180,6 +182,26 @@ def _check_run_dir(run_dir: Path, recipe: Recipe, resume: bool, data: str | None
     if resume and not held:
         raise BadInput(f"nothing to resume: {checkpoint} does not exist")
     return held
+
+
+def _check_resumable(metadata: dict[str, str], path: Path, recipe: Recipe, data: str | None, parts: int) -> None:
+    """What a checkpoint's header says a resume of it must match: its recipe, its data and how its steps were split
+    (their randomness depends on it). A header it cannot read is left to `_load` to name."""
+    if not metadata:
+        return
+    if metadata.get("fingerprint") != recipe.fingerprint():
+        changed = recipe_changes(metadata.get("recipe"), recipe.shaping())
+        raise BadInput(f"{path} was made by a different recipe{changed}; resume with the same recipe and overrides")
+    if data and metadata.get("data", data) != data:  # a checkpoint from before the digest: unknown
+        raise BadInput(f"{path} was trained on other data than this run reads (the --data folder or the recipe's "
+                       "data.folder; rl's --prompts); resume with the data it started on")
+    try:
+        made = int(metadata.get("micro_batches", "1"))
+    except ValueError:
+        return
+    if made != parts:
+        raise BadInput(f"{path} was trained with each step split into {made} micro-batch(es) (processes × "
+                       f"--micro-batches); resume with the same product, not {parts}")
 
 
 def check_run(recipe: Recipe, platform: Platform, micro_batches: int, stage: str = "") -> None:
@@ -443,9 +465,7 @@ def _load(path: Path, recipe: Recipe, modules, ema, optimizer, task: Task, parts
         tensors = load_file(str(path))
     except (SafetensorError, OSError) as e:  # damaged on disk: the trainer itself writes atomically
         raise BadInput(unreadable.format(str(e).splitlines()[0][:160])) from None
-    if metadata.get("fingerprint") != recipe.fingerprint():
-        changed = recipe_changes(metadata.get("recipe"), recipe.shaping())
-        raise BadInput(f"{path} was made by a different recipe{changed}; resume with the same recipe and overrides")
+    _check_resumable(metadata, path, recipe, task.data, parts)
     broken = sorted(k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all()))
     if broken:  # this trainer stops before saving a step gone NaN: a file altered since would make a NaN card
         raise BadInput(unreadable.format(f"it holds NaN or inf in {few(broken)}"))
@@ -453,18 +473,13 @@ def _load(path: Path, recipe: Recipe, modules, ema, optimizer, task: Task, parts
     if integral:  # torch would load them, rounding the weights to whole numbers
         raise BadInput(unreadable.format(f"its weights {few(integral)} are not floating point"))
     try:
-        step, made = int(metadata["step"]), int(metadata.get("micro_batches", "1"))
+        step = int(metadata["step"])
+        int(metadata.get("micro_batches", "1"))  # compared by _check_resumable, which leaves one it cannot read here
         loss, seconds = float(metadata.get("loss", "nan")), float(metadata.get("seconds", "0"))
     except (KeyError, ValueError) as e:
         raise BadInput(unreadable.format(f"its step record: {e}")) from None
     if not 0 <= step <= recipe.optim.steps or not math.isfinite(seconds) or seconds < 0:
         raise BadInput(unreadable.format(f"step {step} of {recipe.optim.steps}, {seconds} s"))
-    if task.data and metadata.get("data", task.data) != task.data:  # a checkpoint from before the digest: unknown
-        raise BadInput(f"{path} was trained on other data than this run reads (the --data folder or the recipe's "
-                       "data.folder; rl's --prompts); resume with the data it started on")
-    if made != parts:  # the randomness of a step depends on how it was split
-        raise BadInput(f"{path} was trained with each step split into {made} micro-batch(es) (processes × "
-                       f"--micro-batches); resume with the same product, not {parts}")
     try:
         for prefix, group in (("model", modules), ("ema", ema or {})):
             for name, module in group.items():
