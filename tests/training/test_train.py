@@ -1110,11 +1110,13 @@ def test_lora_scales_train_each_row_at_its_own_scale_on_a_mixture(examples, tmp_
     ("fashion-silhouette", "model.control=[edges]", "model.control: Input should be 'silhouette' or 'edges'"),
     ("fashion-silhouette", "model.blocks=0", "model.blocks: Input should be greater than or equal to 1"),
     ("fashion-base", "data.transform=[1, 0]", r"unknown data.transform \[1, 0\]"),
-    # parents the method cannot start from (EX: the tiny example cards)
+    # parents the method cannot start from (EX: the tiny example cards; FV: the built-in VAE card)
     ("fashion-base", "parents=[]", "pretrain needs exactly one parent card"),
     ("fashion-base", "parents=[EX/tiny-base, EX/tiny-judge]", "pretrain needs exactly one parent card"),
     ("fashion-base", "parents=[EX/tiny-judge]", "parent card 'tiny-judge' has no VAE component"),
     ("fashion-base", "method=finetune", "finetune: parent card 'fashion-vae' has no transformer to continue"),
+    ("fashion-bold", "parents=[FV]", "lora: parent card 'fashion-vae' has no transformer to continue"),
+    ("fashion-silhouette", "parents=[FV]", "controlnet: parent card 'fashion-vae' has no transformer to continue"),
     ("fashion-base", "{method: finetune, parents: [EX/tiny-base], model: {dim: 32, heads: 4}}",
      r"finetune keeps the architecture of 'tiny-base'; the recipe changes model\.heads \(leave model: empty\)"),
 ])
@@ -1125,7 +1127,7 @@ def test_a_recipe_the_method_cannot_run_is_refused_before_training(examples, tmp
     extra = [f"parents=[{examples / 'tiny-base'}]"] if recipe_name in ("fashion-bold", "fashion-silhouette") else []
     if recipe_name == "fashion-base":
         extra = [f"parents=[{REPO / 'cards' / 'fashion-vae'}]", "model.dim=32", "model.heads=2", "model.depth=1"]
-    override = override.replace("EX", str(examples))
+    override = override.replace("EX", str(examples)).replace("FV", str(REPO / "cards" / "fashion-vae"))
     sets = [f"{k}={v}" for k, v in yaml.safe_load(override).items()] if override.startswith("{") else [override]
     recipe = tiny(recipe_name, [*extra, *sets])
     with pytest.raises(BadInput, match=message):
@@ -1326,4 +1328,4 @@ def test_a_run_folder_or_batch_split_that_refuses_a_run_is_said_before_its_task_
     busy = f"in use by another run \\(process {os.getpid()}\\)"
     with run_claimed(tmp_path / "busy"), pytest.raises(BadInput, match=busy):
         run(tmp_path / "busy")
-    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "out").exists() and not (tmp_path / "r").exists(), "a refused run makes no folders"
