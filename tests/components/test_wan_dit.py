@@ -60,7 +60,7 @@ def test_our_weights_load_into_diffusers_and_agree(tmp_path):
 
 @pytest.mark.parametrize("text_mask", [True, False])
 def test_numpy_forward_matches_torch_in_float64_with_and_without_the_text_mask(text_mask):
-    config = TINY.model_copy(update={"text_mask": text_mask})
+    config = TINY.model_copy(update={"text_mask": text_mask, "heads": 3})  # heads ≠ batch: no shape mix-up hides
     torch.manual_seed(2)
     model = WanDiT(config, CPU).double().eval()
     torch.nn.init.normal_(model.proj_out.weight, std=0.2)

@@ -1006,6 +1006,7 @@ def test_adapter_recipes_defaults_bounds_and_targets(examples, tmp_path, data, r
             (lora, "model.rank=1025", "model.rank: Input should be less than or equal to 1024"),
             (lora, "model.targets=[]", "model.targets: .*at least 1 item"),
             (lora, "model.targets=[head.*]", r"no linear layer of 'tiny-base' matches the LoRA targets \['head.\*'\]"),
+            (lora, "model.targets=[blocks.*.norm_q]", "no linear layer of 'tiny-base' matches"),  # a norm's weight
             (lora, "loss.scales=[0.5, 2]", r"loss.scales must be a list of numbers in \(0, 1\]"),
             (lora, "model.adapter=invert", "'tiny-base' already declares an adapter 'invert'"),
             (controlnet, "model.blocks=3", "model.blocks 3 exceeds the 2 blocks of 'tiny-base'"),
