@@ -41,7 +41,8 @@ def train(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Pat
 
         size = ConvVAEConfig.from_card(recipe.model).image_size
     train_split, test_split = load_split("train", folder, size), load_split("test", folder, size)
-    check_start(recipe, platform, run_dir, resume=resume, micro_batches=micro_batches, data=train_split.digest())
+    digest = train_split.digest()
+    check_start(recipe, platform, run_dir, resume=resume, micro_batches=micro_batches, data=digest)
     if method == "vae":
         from cardtool.core.training.methods.vae import VAETask
 
@@ -58,7 +59,7 @@ def train(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Pat
         from cardtool.core.training.methods.flow_matching import FlowMatchingTask
 
         task = FlowMatchingTask(recipe, platform, train_split, test_split)
-    task.data = train_split.digest()
+    task.data = digest
     if on_warning is not None and getattr(task, "filled", None):
         on_warning(task.filled)
     result = train_loop(task, recipe, platform, run_dir, resume=resume, on_log=on_log, micro_batches=micro_batches)
