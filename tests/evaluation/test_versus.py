@@ -19,7 +19,7 @@ from cardtool.core.evaluation.metrics import frechet_distance, wilson_interval
 from cardtool.core.evaluation.paired import mcnemar_p, paired_differences
 from cardtool.core.evaluation.versus import compare
 from cardtool.core.interrupt import Interrupted
-from cardtool.errors import BadInput
+from cardtool.errors import BadInput, CardValidationError
 
 
 def test_mcnemar_p_is_the_doubled_binomial_tail_of_the_discordant_pairs():
@@ -134,7 +134,8 @@ def test_versus_refuses_what_belongs_to_one_card(tmp_path, extra):
 
 
 def test_what_the_second_card_cannot_do_is_refused_before_the_first_is_measured(tmp_path, monkeypatch):
-    """A card B not found, with no loop, or of a size the judge does not take fails at once, not after A's rows."""
+    """A card B not found, with no loop, of a size the judge does not take or with weights other than its manifest
+    declares fails at once, not after A's rows."""
     import shutil
 
     def never(*args, **kwargs):
@@ -152,6 +153,12 @@ def test_what_the_second_card_cannot_do_is_refused_before_the_first_is_measured(
                             (wide, "32×32")):
         with pytest.raises(BadInput, match=message):
             compare(str(EXAMPLE_CARDS / "tiny-base"), str(card_b), **options)
+    damaged = shutil.copytree(EXAMPLE_CARDS / "tiny-base", tmp_path / "damaged")  # weights not the manifest's
+    weights = bytearray((damaged / "transformer.safetensors").read_bytes())
+    weights[-100] ^= 0xFF
+    (damaged / "transformer.safetensors").write_bytes(bytes(weights))
+    with pytest.raises(CardValidationError, match="sha256 of 'transformer.safetensors' is"):
+        compare(str(EXAMPLE_CARDS / "tiny-base"), str(damaged), **options)
 
 
 def test_the_python_api_reports_each_row_with_its_card_and_takes_a_false_resume(tmp_path):

@@ -331,9 +331,11 @@ def plan_rows(card_ref: str, *, judge: str = "fashion-classifier", steps: list[i
               solver: str | None = None) -> tuple:
     """(card, judge card, planned) of an evaluation, where `planned(prompts, num, apart)` plans every row's requests;
     the class prompts' are planned here, so that what cannot run (steps, guidance, seeds, adapters, a judge that
-    cannot score the card, a card with no loop) is refused before any data or model loads."""
+    cannot score the card, a card with no loop, weights that are not the ones its manifest declares) is refused before
+    any data or model loads — also for a card measured only after another's hour (`--versus`, the flywheel's
+    `--compare`)."""
     steps, guidance = _listed("steps", steps), _listed("guidance", guidance)
-    card = load_card(card_ref)
+    card = load_card(card_ref, checksums=True)
     judge_card = reward_card(judge, scores=card)[0]
 
     def planned(prompts: list[str], num: int, apart: bool = False) -> dict:
