@@ -575,6 +575,15 @@ def test_a_reward_that_is_not_a_reward_and_a_base_without_a_loop_are_refused(exa
                                           "--run-dir", str(tmp_path / "r"), *(f"--set={o}" for o in TINY)])
         assert result.exit_code == 2 and "is not a reward" in result.output, judge
         assert not (tmp_path / "r" / CHECKPOINT).exists() and not (tmp_path / "o").exists(), judge
+    damaged = shutil.copytree(examples / "tiny-judge", tmp_path / "damaged")  # its weights not the manifest's
+    weights = bytearray((damaged / "classifier.safetensors").read_bytes())
+    weights[-100] ^= 0xFF
+    (damaged / "classifier.safetensors").write_bytes(bytes(weights))
+    result = CliRunner().invoke(app, ["rl", str(examples / "tiny-base"), "--reward", str(examples / "tiny-judge"),
+                                      "--judge", str(damaged), "--held-out-judge", "", "--out", str(tmp_path / "o"),
+                                      "--run-dir", str(tmp_path / "r"), *(f"--set={o}" for o in TINY)])
+    assert result.exit_code == 1 and "sha256 of 'classifier.safetensors' is" in result.output, result.output
+    assert not (tmp_path / "r" / CHECKPOINT).exists() and not (tmp_path / "o").exists(), "refused before the run"
     vae_only = write_vae_only_card(tmp_path / "vae-only")
     result = CliRunner().invoke(app, ["rl", str(vae_only), "--reward", str(examples / "tiny-judge"), "--no-eval",
                                       "--out", str(tmp_path / "o")])

@@ -134,12 +134,12 @@ def load_reward(ref: str, platform=None, scores=None) -> Reward:
 
 def reward_card(ref: str, scores=None):
     """The card `ref` and the kind of the component its reward is served from, or a clear error for a card that serves
-    none, or that cannot score the images the card `scores` (a Card) makes — from the manifests alone, so a command
-    checks its judges before hours of training, not after."""
+    none, or that cannot score the images the card `scores` (a Card) makes — from the manifests and the weights'
+    digests, so a command checks its judges before hours of training, not after."""
     from cardtool.core.cards.discovery import locate
     from cardtool.core.cards.loader import load_card
 
-    card = load_card(locate(ref))
+    card = load_card(locate(ref), checksums=True)
     problem = not_a_reward(card) or (cannot_score(card, scores) if scores is not None else None)
     if problem:
         raise BadInput(problem)
