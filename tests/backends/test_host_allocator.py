@@ -82,3 +82,22 @@ def test_datasets_go_through_the_vae_and_the_judge_in_batches_whose_activations_
     assert ENCODE_BATCH * widest * 4 <= MMAP_THRESHOLD
     judge = yaml.safe_load((cards / "fashion-classifier" / "card.yaml").read_text())["components"]["classifier"]
     assert JUDGE_BATCH * judge["config"]["width"] * 28 * 28 * 4 <= MMAP_THRESHOLD  # its first two layers' output
+
+
+def test_another_c_library_leaves_the_allocator_alone(monkeypatch):
+    """Without glibc's `gnu_get_libc_version` (musl, macOS) mallopt's numbers mean other things: nothing is set."""
+    import ctypes
+
+    from cardtool.backends import host_allocator
+
+    class NotGlibc:
+        def __init__(self, name):
+            pass
+
+        def __getattr__(self, name):
+            raise AttributeError(name)
+
+    monkeypatch.setattr(ctypes, "CDLL", NotGlibc)
+    monkeypatch.setattr(host_allocator, "_done", None)
+    monkeypatch.delenv("CARDTOOL_HOST_ALLOCATOR", raising=False)
+    assert host_allocator.keep_freed_memory() is False

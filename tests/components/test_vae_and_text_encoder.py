@@ -53,10 +53,12 @@ def test_vae_pads_with_the_background_value():
         assert torch.equal(vae.encode(background)[0], vae.encoder(padded).chunk(2, dim=1)[0])
 
 
-def test_numpy_decode_matches_torch_in_float64():
+@pytest.mark.parametrize("channels", [(8, 16, 32), (4, 8, 16)])  # the second: a norm of fewer channels than groups
+def test_numpy_decode_matches_torch_in_float64(channels):
     torch.manual_seed(0)
-    vae = ConvVAE(SMALL).double().eval()
-    reference = NumpyVAEDecoder(SMALL, {k: v.numpy() for k, v in vae.state_dict().items()})
+    config = ConvVAEConfig(channels=channels)
+    vae = ConvVAE(config).double().eval()
+    reference = NumpyVAEDecoder(config, {k: v.numpy() for k, v in vae.state_dict().items()})
     z = torch.randn(2, 4, 8, 8, dtype=torch.float64)
     with torch.no_grad():
         np.testing.assert_allclose(vae.decode(z).numpy(), reference.decode(z.numpy()), atol=1e-12, rtol=1e-10)
