@@ -340,6 +340,8 @@ def test_a_loops_defaults_take_each_bound_and_refuse_one_past_it_without_coercin
                           ({"shift": 0.009}, "shift"), ({"shift": 100.5}, "shift"), ({"shift": "1"}, "shift"),
                           ({"solver": "heun"}, "solver"), ({"guidance_interval": (0.5, 0.4)}, "LO ≤ HI"),
                           ({"guidance_interval": (0, 1.5)}, "guidance_interval"),
+                          ({"guidance_interval": (1.5, 1.5)}, "guidance_interval"),
+                          ({"adapters": {"a": float("nan")}}, "adapters"),
                           ({"adapters": {"a": "0.5"}}, "adapters"), ({"adapters": {"a": 3.5e38}}, "float32"),
                           ({"adapters": {"a" * 129: 1}}, "adapters"), ({"eta": 0.7}, "eta")):
         with pytest.raises(pydantic.ValidationError, match=where):
