@@ -73,6 +73,27 @@ def test_the_avx2_bf16_emulation_rounds_as_a_bf16_product_does():
     assert ((gelu.double() - expected).abs() <= half_step * expected.abs() + 5e-4).all()  # erf form: ≤ 4.7e-4 off
 
 
+def test_the_avx2_bf16_emulation_of_lora_rounds_once_also_under_the_samplers_autocast():
+    """A mixed-adapter delta from bf16-rounded operands, summed in float32 and rounded once to bfloat16 — also when
+    called, as a bfloat16 run calls it, under the precision's autocast (which would compute the down-projection in
+    bf16 and round it a second time)."""
+    import torch
+
+    from cardtool.backends import cpu_bf16_emulated
+
+    torch.manual_seed(0)
+    x, a, b = torch.randn(2, 5, 32), torch.randn(3, 4, 32), torch.randn(3, 24, 4)
+    scales, index = torch.tensor([0.5, 1.0, 2.0]), torch.tensor([2, 0])
+    r = [t.bfloat16().double() for t in (x, a, b, scales)]
+    exact = torch.stack([(r[0][i] @ r[1][k].T) @ (r[2][k] * r[3][k]).T for i, k in enumerate(index.tolist())])
+    half_step = 2.0 ** -8
+    for autocast in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            delta = cpu_bf16_emulated.lora_bgmv(x, torch.zeros(2, 5, 24).bfloat16(), a, b, scales, index)
+        assert delta.dtype == torch.bfloat16
+        assert ((delta.double() - exact).abs() <= half_step * exact.abs() + 1e-5).all(), autocast
+
+
 def test_numpy_platform_has_nothing_to_compare():
     assert run_parity(Platform("numpy", "generic")) == []
 
