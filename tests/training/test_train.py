@@ -504,8 +504,8 @@ def test_resume_after_a_kill_gives_the_same_final_weights(tmp_path, data):
         train(tiny("fashion-vae"), command="c", out=tmp_path / "b", run_dir=tmp_path / "rb", data=str(data))
     other = write_idx_folder(tmp_path / "other", seed=1)  # --resume would refuse either: not what to advise
     for changed, folder in ((tiny("fashion-vae", ["optim.lr=2e-3"]), data), (tiny("fashion-vae"), other)):
-        with pytest.raises(BadInput, match=r"rb already holds the run of another recipe or other data.*; give this "
-                                           r"run another --run-dir, or remove the folder") as refused:
+        with pytest.raises(BadInput, match=r"rb already holds the run of another recipe, other data or other "
+                                           r"parents.*; give this run another --run-dir, or remove") as refused:
             train(changed, command="c", out=tmp_path / "b", run_dir=tmp_path / "rb", data=str(folder))
         assert ("optim.lr was 0.001, now 0.002" in str(refused.value)) == (folder == data)
     entries = []
@@ -1318,7 +1318,7 @@ def test_a_run_folder_or_batch_split_that_refuses_a_run_is_said_before_its_task_
     ours = {"fingerprint": recipe.fingerprint()}
     cases = [(tmp_path / "r", {"micro_batches": 3}, r"optim.batch_size 4 must split into 1 process\(es\) × 3"),
              (tmp_path / "r", {"resume": True}, "nothing to resume"),
-             (held("held"), {}, "already holds the run of another recipe or other data"),
+             (held("held"), {}, "already holds the run of another recipe, other data or other parents"),
              (held("other"), {"resume": True}, "was made by a different recipe"),
              (held("split", **ours, micro_batches="2"), {"resume": True}, r"split into 2 micro-batch\(es\)")]
     if command != "distill":  # a distillation without the GAN term reads no data
@@ -1330,3 +1330,40 @@ def test_a_run_folder_or_batch_split_that_refuses_a_run_is_said_before_its_task_
     with run_claimed(tmp_path / "busy"), pytest.raises(BadInput, match=busy):
         run(tmp_path / "busy")
     assert not (tmp_path / "out").exists() and not (tmp_path / "r").exists(), "a refused run makes no folders"
+
+
+def test_a_run_resumed_after_its_parent_card_changed_is_refused(examples, tmp_path, data):
+    """A base retrained in place (or the flywheel's rl card replaced under --force) between a run's checkpoint and its
+    resume: the run would finish against other weights than it started on, and the card would name them as its
+    parent. The checkpoint records its parents by content, as the card's fingerprint does."""
+    import shutil
+
+    import yaml
+    from safetensors.torch import save_file
+
+    from cardtool.core.cards.weight_files import sha256_file
+
+    base = shutil.copytree(examples / "tiny-base", tmp_path / "base")
+    recipe = load_recipe(RECIPES / "fashion-bold.yaml", [
+        "optim.steps=4", "optim.batch_size=4", "train.precision=float32", "train.checkpoint_every=2",
+        "train.log_every=1", f"parents=[{base}]", "card.id=tiny-bold"])
+
+    def stop_at_step_3(entry):
+        if entry["step"] == 3:
+            raise KeyboardInterrupt
+
+    def run(**kwargs):
+        return train(recipe, command="c", out=tmp_path / "o", run_dir=tmp_path / "r", data=str(data), **kwargs)
+
+    with pytest.raises(KeyboardInterrupt):
+        run(on_log=stop_at_step_3)
+    manifest = base / "card.yaml"
+    before = yaml.safe_load(manifest.read_text())["components"]["transformer"]["sha256"]
+    weights = base / "transformer.safetensors"
+    save_file({k: v + 0.01 for k, v in load_file(str(weights)).items()}, str(weights))  # a valid card, other weights
+    manifest.write_text(manifest.read_text().replace(before, sha256_file(weights)))
+    assert load_card(base).id == "tiny-base"
+    with pytest.raises(BadInput, match=r"was trained from parent cards that have changed since \(.*base\)"):
+        run(resume=True)
+    with pytest.raises(BadInput, match="already holds the run of another recipe, other data or other parents"):
+        run()

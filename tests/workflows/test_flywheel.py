@@ -177,6 +177,26 @@ def test_a_run_stopped_after_the_rl_stage_goes_on_at_distill(examples, tmp_path)
         assert said.stdout == f"stopped after {stop}; the same command without --stop-after goes on from there\n"
 
 
+def test_a_distill_checkpoint_of_a_replaced_rl_card_is_not_resumed(examples, tmp_path):
+    """--force --resume after the rl stage's recipe changed: the rl card is made again, and the distill stage's
+    checkpoint, trained from the old one, is a run of other parents — removed, not continued (its recipe alone is
+    unchanged)."""
+    import shutil
+
+    from cardtool.core.cards.weight_files import sha256_file
+
+    assert run(examples, tmp_path, "--stop-after", "distill").exit_code == 0
+    student = tmp_path / "cards" / "tiny-base-nft-1step" / "transformer.safetensors"
+    old = sha256_file(student)
+    assert (tmp_path / "run" / "distill" / "checkpoint.safetensors").is_file()
+    shutil.rmtree(student.parent)
+    again = run(examples, tmp_path, "--stop-after", "distill", "--force", "--resume",
+                overrides=[*TINY, "rl.optim.lr=2e-4"])
+    assert again.exit_code == 0, again.output
+    assert [s["skipped"] for s in json.loads(again.stdout)["stages"]] == [False, False]
+    assert sha256_file(student) != old, "the student of the new rl card, not the old one's resumed"
+
+
 def test_a_run_stopped_after_rl_asks_nothing_of_the_distill_stage_it_does_not_run(examples, tmp_path):
     result = run(examples, tmp_path, "--stop-after", "rl", "--micro-batches", "2",
                  "--set", "distill.optim.batch_size=3")

@@ -66,6 +66,18 @@ def recipe_fingerprint(recipe, data: str | None = None) -> str:
     `data`, the digest of what the run trains on where the recipe does not say it (DMD2's GAN images from --data,
     rl's --prompts). Two runs with one fingerprint make the same card, so a re-run (the flywheel's stages) can skip
     it."""
+    document = {"recipe": recipe.shaping(("parents",)), "parents": _by_content(recipe),
+                **({"data": data} if data else {})}
+    return hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()
+
+
+def parents_digest(recipe) -> str:
+    """sha256 of the recipe's parent cards named by what they are (as `recipe_fingerprint` names them): what a
+    resumed run must train from again — a parent replaced in place since its checkpoint would change the run midway."""
+    return hashlib.sha256(json.dumps(_by_content(recipe), sort_keys=True).encode()).hexdigest()
+
+
+def _by_content(recipe) -> list[dict]:
     parents = []
     for ref in recipe.parents:
         manifest = load_card(locate(ref)).manifest
@@ -75,8 +87,7 @@ def recipe_fingerprint(recipe, data: str | None = None) -> str:
                 if entry.get("sha256"):  # the content names the file; its path depends on where the cards lie
                     entry.pop("weights", None)
         parents.append({"id": manifest.id, **parts})
-    document = {"recipe": recipe.shaping(("parents",)), "parents": parents, **({"data": data} if data else {})}
-    return hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()
+    return parents
 
 
 def check_eval_data(data: str | None, what: str, per_class: int) -> None:

@@ -15,6 +15,7 @@ from cardtool.core.training.derived import (
     default_id,
     evaluate_output,
     extends_reference,
+    parents_digest,
     recipe_fingerprint,
     trained_parts,
     write_output,
@@ -117,9 +118,10 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
     settings = DMD2Settings.from_recipe(recipe.loss)
     train = gan_real_images(recipe, data)
     digest = train.digest() if train is not None else None  # a resume must see the same real images
-    check_start(recipe, platform, run_dir, resume=resume, micro_batches=micro_batches, data=digest)
+    parents = parents_digest(recipe)
+    check_start(recipe, platform, run_dir, resume=resume, micro_batches=micro_batches, data=digest, parents=parents)
     task = DMD2Task(recipe, platform, teacher, train)
-    task.data = digest
+    task.data, task.parents = digest, parents
     student = {"steps": settings.student_steps, "guidance": 1.0, "shift": settings.shift, "solver": "renoise"}
     watch = Watch(teacher, task.name, task.generator, task.cache, student, watch_judges, platform,
                   recipe.train.precision, data=data) if watch_every else None

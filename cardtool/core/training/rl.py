@@ -24,6 +24,7 @@ from cardtool.core.training.derived import (
     default_id,
     evaluate_output,
     extends_reference,
+    parents_digest,
     recipe_fingerprint,
     trained_parts,
     write_output,
@@ -141,9 +142,10 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
     given, prompts = prompts is not None, prompts if prompts is not None else default_prompts()
     # what it trains on is its prompts: a resume given others (--prompts) would train the rest of the run on them
     digest = hashlib.sha256("\n".join(prompts).encode()).hexdigest()
-    check_start(recipe, platform, run_dir, resume=resume, micro_batches=micro_batches, data=digest)
+    parents = parents_digest(recipe)
+    check_start(recipe, platform, run_dir, resume=resume, micro_batches=micro_batches, data=digest, parents=parents)
     task = make_task(recipe, platform, base, reward, prompts)
-    task.data = digest
+    task.data, task.parents = digest, parents
     if given and on_warning is not None:  # a prompts file's lines cut at the encoder's length
         from cardtool.core.sampling.text_cache import filled_prompts
 

@@ -11,7 +11,7 @@ from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.data import IMAGE_SIZE, load_split, provenance
 from cardtool.core.prompts import TEXT_ENCODER
-from cardtool.core.training.derived import extends_reference, write_output
+from cardtool.core.training.derived import extends_reference, parents_digest, write_output
 from cardtool.core.training.recipes import RUN_BY, Recipe
 from cardtool.core.training.trainer import check_start, train_loop, writable_outputs
 from cardtool.errors import BadInput
@@ -41,8 +41,8 @@ def train(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Pat
 
         size = ConvVAEConfig.from_card(recipe.model).image_size
     train_split, test_split = load_split("train", folder, size), load_split("test", folder, size)
-    digest = train_split.digest()
-    check_start(recipe, platform, run_dir, resume=resume, micro_batches=micro_batches, data=digest)
+    digest, parents = train_split.digest(), parents_digest(recipe)
+    check_start(recipe, platform, run_dir, resume=resume, micro_batches=micro_batches, data=digest, parents=parents)
     if method == "vae":
         from cardtool.core.training.methods.vae import VAETask
 
@@ -59,7 +59,7 @@ def train(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Pat
         from cardtool.core.training.methods.flow_matching import FlowMatchingTask
 
         task = FlowMatchingTask(recipe, platform, train_split, test_split)
-    task.data = digest
+    task.data, task.parents = digest, parents
     if on_warning is not None and getattr(task, "filled", None):
         on_warning(task.filled)
     result = train_loop(task, recipe, platform, run_dir, resume=resume, on_log=on_log, micro_batches=micro_batches)

@@ -55,6 +55,7 @@ class Task(ABC):
     even_forwards: bool = True
     sharded: bool = False  # set when FSDP2 has sharded the trainable modules
     data: str | None = None  # a digest of the examples it trains on: a resumed run must train on the same
+    parents: str | None = None  # a digest of its parent cards by content: a resumed run must train from the same
 
     @abstractmethod
     def modules(self) -> dict[str, torch.nn.Module]:
@@ -155,38 +156,40 @@ def train_loop(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, *,
 
 
 def check_start(recipe: Recipe, platform: Platform, run_dir: Path, *, resume: bool, micro_batches: int,
-                data: str | None) -> None:
+                data: str | None, parents: str | None) -> None:
     """What a run is refused for as it starts (`check_run`, the run folder: in use, holding a run, or none to
     resume), checked before its task is made — which may encode a dataset or have a teacher sample for minutes.
-    `data`: the digest the task will train on."""
+    `data` and `parents`: the digests of what the task will train on and from (`Task`)."""
     check_run(recipe, platform, micro_batches)
     ranks = distributed.ranks(platform.device)
     if ranks.main and (Path(run_dir) / LOCK).exists():
         with run_claimed(run_dir):  # another run holds it: refused now; released again for the run itself
             pass
-    if _check_run_dir(run_dir, recipe, resume, data, ranks):
-        _check_resumable(checkpoint_metadata(run_dir / CHECKPOINT), run_dir / CHECKPOINT, recipe, data,
+    if _check_run_dir(run_dir, recipe, resume, data, parents, ranks):
+        _check_resumable(checkpoint_metadata(run_dir / CHECKPOINT), run_dir / CHECKPOINT, recipe, data, parents,
                          ranks.world * micro_batches)
 
 
-def _check_run_dir(run_dir: Path, recipe: Recipe, resume: bool, data: str | None, ranks) -> bool:
+def _check_run_dir(run_dir: Path, recipe: Recipe, resume: bool, data: str | None, parents: str | None,
+                   ranks) -> bool:
     """Whether `run_dir` holds a checkpoint; refused where a fresh run would overwrite one or a resume finds none."""
     checkpoint = run_dir / CHECKPOINT
     held = ranks.sees(checkpoint, "--run-dir")
     if held and not resume:
-        if not made_by(checkpoint, recipe, data):  # --resume would refuse it: not the advice to give
+        if not made_by(checkpoint, recipe, data, parents):  # --resume would refuse it: not the advice to give
             changed = recipe_changes(checkpoint_metadata(checkpoint).get("recipe"), recipe.shaping())
-            raise BadInput(f"{run_dir} already holds the run of another recipe or other data{changed}; give this "
-                           "run another --run-dir, or remove the folder")
+            raise BadInput(f"{run_dir} already holds the run of another recipe, other data or other parents"
+                           f"{changed}; give this run another --run-dir, or remove the folder")
         raise BadInput(f"{run_dir} already holds a run; continue it with --resume, or remove the folder")
     if resume and not held:
         raise BadInput(f"nothing to resume: {checkpoint} does not exist")
     return held
 
 
-def _check_resumable(metadata: dict[str, str], path: Path, recipe: Recipe, data: str | None, parts: int) -> None:
-    """What a checkpoint's header says a resume of it must match: its recipe, its data and how its steps were split
-    (their randomness depends on it). A header it cannot read is left to `_load` to name."""
+def _check_resumable(metadata: dict[str, str], path: Path, recipe: Recipe, data: str | None, parents: str | None,
+                     parts: int) -> None:
+    """What a checkpoint's header says a resume of it must match: its recipe, its data, its parent cards and how its
+    steps were split (their randomness depends on it). A header it cannot read is left to `_load` to name."""
     if not metadata:
         return
     if metadata.get("fingerprint") != recipe.fingerprint():
@@ -195,6 +198,10 @@ def _check_resumable(metadata: dict[str, str], path: Path, recipe: Recipe, data:
     if data and metadata.get("data", data) != data:  # a checkpoint from before the digest: unknown
         raise BadInput(f"{path} was trained on other data than this run reads (the --data folder or the recipe's "
                        "data.folder; rl's --prompts); resume with the data it started on")
+    if parents and metadata.get("parents", parents) != parents:  # a checkpoint from before the digest: unknown
+        named = ", ".join(recipe.parents)[:200]
+        raise BadInput(f"{path} was trained from parent cards that have changed since ({named}); resume from the "
+                       "cards it started from, or start the run again in a new --run-dir")
     try:
         made = int(metadata.get("micro_batches", "1"))
     except ValueError:
@@ -245,7 +252,7 @@ def _train(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, resume
         digests = ", ".join(f"rank {r} {str(digest)[:12]}…" for r, digest in enumerate(read))
         raise BadInput(f"the ranks read different training data ({digests}): under torchrun on several nodes, "
                        "--data must hold the same images on every node")
-    if _check_run_dir(run_dir, recipe, resume, task.data, ranks):
+    if _check_run_dir(run_dir, recipe, resume, task.data, task.parents, ranks):
         start, loss_value, before = _load(checkpoint, recipe, modules, ema, optimizer, task, parts, parallel)
     order = _Order(task.dataset_size(), o.batch_size, schedule.seed)
     scaled = {name: scales[name] for name in modules if scales.get(name, 1.0) != 1.0}  # named if the run diverges
@@ -391,7 +398,8 @@ def _save(path: Path, recipe: Recipe, step: int, loss: float, seconds: float, mo
         return
     metadata = {"step": str(step), "loss": repr(loss), "seconds": repr(seconds), "fingerprint": recipe.fingerprint(),
                 "recipe": json.dumps(recipe.shaping(), sort_keys=True), "param_groups": groups,
-                "micro_batches": str(parts), **({"data": task.data} if task.data else {})}
+                "micro_batches": str(parts), **({"data": task.data} if task.data else {}),
+                **({"parents": task.parents} if task.parents else {})}
     try:
         with atomic_path(path, durable=True) as temporary:
             save_tensors(temporary, {k: v.contiguous().cpu() for k, v in tensors.items()}, metadata)
@@ -414,11 +422,12 @@ def checkpoint_metadata(path: Path) -> dict[str, str]:
         return {}
 
 
-def made_by(path: Path, recipe: Recipe, data: str | None) -> bool:
-    """Whether the checkpoint at `path` is a run of `recipe` on the data of digest `data` — one --resume
-    continues (a checkpoint from before the digest was recorded: assumed so)."""
+def made_by(path: Path, recipe: Recipe, data: str | None, parents: str | None = None) -> bool:
+    """Whether the checkpoint at `path` is a run of `recipe` on the data of digest `data` from the parents of digest
+    `parents` — one --resume continues (a checkpoint from before a digest was recorded: assumed so)."""
     metadata = checkpoint_metadata(path)
-    return metadata.get("fingerprint") == recipe.fingerprint() and (not data or metadata.get("data", data) == data)
+    return metadata.get("fingerprint") == recipe.fingerprint() and all(
+        not digest or metadata.get(key, digest) == digest for key, digest in (("data", data), ("parents", parents)))
 
 
 def recipe_changes(recorded: str | None, now: dict, shown: int = 4) -> str:
@@ -465,7 +474,7 @@ def _load(path: Path, recipe: Recipe, modules, ema, optimizer, task: Task, parts
         tensors = load_file(str(path))
     except (SafetensorError, OSError) as e:  # damaged on disk: the trainer itself writes atomically
         raise BadInput(unreadable.format(str(e).splitlines()[0][:160])) from None
-    _check_resumable(metadata, path, recipe, task.data, parts)
+    _check_resumable(metadata, path, recipe, task.data, task.parents, parts)
     broken = sorted(k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all()))
     if broken:  # this trainer stops before saving a step gone NaN: a file altered since would make a NaN card
         raise BadInput(unreadable.format(f"it holds NaN or inf in {few(broken)}"))

@@ -22,7 +22,7 @@ from cardtool.core import distributed
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.source import read_source
-from cardtool.core.training.derived import check_eval_data, recipe_fingerprint
+from cardtool.core.training.derived import check_eval_data, parents_digest, recipe_fingerprint
 from cardtool.core.training.recipes import Recipe
 from cardtool.errors import BadInput, CardtoolError, CardValidationError, RunFailed
 
@@ -229,7 +229,7 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
             # the run of what --force replaces: no run of this recipe resumes it. Every rank looks before rank 0
             # removes it, and none starts the stage before it is gone
             stale = force and _has_checkpoint(stage_dir) and not made_by(stage_dir / CHECKPOINT, stage_recipe,
-                                                                          shaped_by[name])
+                                                                          shaped_by[name], parents_digest(stage_recipe))
             ranks.barrier()
             if stale and ranks.main:
                 (stage_dir / CHECKPOINT).unlink(missing_ok=True)
