@@ -15,7 +15,7 @@ from cardtool.core.cards.weight_files import FLOAT_DTYPES, read_header, read_met
 from cardtool.core.sampling.control_names import PREPROCESSORS
 from cardtool.errors import Problem
 
-__all__ = ["adapter_problems", "lora_reasons"]
+__all__ = ["adapter_problems", "block_count", "lora_reasons"]
 
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<part>[AB])\.weight$")
 
@@ -55,7 +55,7 @@ def _controlnet_problems(card, name: str, adapter, target: dict[str, tuple[int, 
     if unknown:
         return [card.problem(at + ("config", unknown[0]), f"a ControlNet's config takes only blocks, not "
                              f"{', '.join(unknown)[:200]}", "remove it")]
-    depth = len({key.split(".")[1] for key in target if key.startswith("blocks.")})
+    depth = block_count(target)
     blocks = adapter.config.get("blocks", CONTROLNET_BLOCKS)
     if not isinstance(blocks, int) or isinstance(blocks, bool) or not 1 <= blocks <= depth:
         return [card.problem(at + ("config", "blocks"), f"blocks must be a whole number in 1…{depth} (the blocks of "
@@ -67,6 +67,11 @@ def _controlnet_problems(card, name: str, adapter, target: dict[str, tuple[int, 
         expected |= {key: shape for key, shape in target.items() if key.startswith(f"blocks.{i}.")}
         expected |= {f"controlnet_blocks.{i}.weight": (dim, dim), f"controlnet_blocks.{i}.bias": (dim,)}
     return tensor_problems(card, at, card.folder / adapter.weights, expected)
+
+
+def block_count(tensors) -> int:
+    """How many transformer blocks a DiT's tensor names (`blocks.N.…`) hold."""
+    return len({key.split(".")[1] for key in tensors if key.startswith("blocks.")})
 
 
 def lora_reasons(header: dict, metadata: dict[str, str], adapter, target: dict[str, tuple[int, ...]]) -> list[str]:

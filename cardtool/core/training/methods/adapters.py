@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from cardtool.backends.controlnet import ControlRows, WanControlNet
 from cardtool.backends.lora import TrainableLora, lora_file
 from cardtool.backends.lora_targets import DEFAULT_TARGETS, matching
+from cardtool.core.cards.adapters import block_count
 from cardtool.core.cards.schema import Name
 from cardtool.core.cards.weight_files import read_header
 from cardtool.core.sampling.control import PREPROCESSORS
@@ -171,7 +172,7 @@ class ControlNetTask(_AdapterTask):
 
     def check_parent(self) -> None:
         super().check_parent()
-        depth = len({name.split(".")[1] for name in self.base_tensors() if name.startswith("blocks.")})
+        depth = block_count(self.base_tensors())
         if depth and self.settings.blocks > depth:
             raise BadInput(f"controlnet recipe: model.blocks {self.settings.blocks} exceeds the {depth} blocks of "
                            f"'{self.parent.id}'")
