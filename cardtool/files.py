@@ -11,11 +11,13 @@ __all__ = ["file_stamp", "is_regular_file", "parse_json", "read_json_object", "r
            "read_small_file_bytes", "read_stream"]
 
 
-def file_stamp(path: Path) -> tuple[int, int, int]:
-    """What changes when a file is written: its size, mtime and inode (a file renamed over it). OSError where it
+def file_stamp(path: Path) -> tuple[int, int, int, int]:
+    """What changes when a file is written (git's index keeps the same): its size, mtime, inode (a file renamed over
+    it) and ctime — size and mtime alone miss a rewrite in place whose timestamp was put back (`cp --preserve`,
+    `rsync -t`, `touch -r`), while the ctime, which no user call sets, moves with any change. OSError where it
     cannot be stat'ed."""
     info = path.stat()
-    return info.st_size, info.st_mtime_ns, info.st_ino
+    return info.st_size, info.st_mtime_ns, info.st_ino, info.st_ctime_ns
 
 
 def is_regular_file(path: Path) -> bool:

@@ -14,7 +14,7 @@ import importlib.util
 from pathlib import Path
 
 from cardtool.backends.hf_encoder_fields import BOOL, NONE, STR, fits
-from cardtool.files import is_regular_file, read_json_object, read_small_file
+from cardtool.files import file_stamp, is_regular_file, read_json_object, read_small_file
 
 __all__ = ["CLASSES", "GENERIC", "MODEL_CLASSES", "PROBES", "special_tokens", "tokenizer_problems",
            "tokenizer_files_problems"]
@@ -82,10 +82,9 @@ def _key(source: Path, settings: dict) -> tuple:
 
 def _version(path: Path) -> tuple | None:
     try:
-        s = path.stat()
+        return file_stamp(path)
     except (OSError, ValueError):
         return None
-    return s.st_ino, s.st_size, s.st_mtime_ns
 
 
 @functools.lru_cache(maxsize=32)

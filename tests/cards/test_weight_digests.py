@@ -169,3 +169,27 @@ def test_a_digest_is_of_each_tensor_s_name_dtype_shape_and_bytes_in_name_order(t
     expected = hashlib.sha256(b"a|F16|[1]|" + a.numpy().tobytes() + b"b|F32|[2, 3]|" + b.numpy().tobytes()
                               + b"c|F32|[2]|" + c.numpy().tobytes())
     assert tensor_digest(tmp_path / "w.safetensors") == expected.hexdigest()
+
+
+def test_weights_rewritten_in_place_with_their_old_mtime_are_hashed_again(examples):
+    """A process checks a card's weights, then they are rewritten in place at the same size with their timestamp put
+    back (`cp --preserve`, `rsync -t`, `touch -r`): the same process checking again must read them again — a memo
+    keyed by size and mtime alone reported the old weights' sha256 and no NaN."""
+    import os
+    import time
+
+    from cardtool.core.cards.loader import load_card
+    from cardtool.errors import CardValidationError
+
+    load_card(examples / "tiny-base", checksums=True)
+    weights = examples / "tiny-base" / "transformer.safetensors"
+    before = weights.stat()
+    time.sleep(0.05)  # past the file system's timestamp tick, as any later rewrite is
+    with weights.open("r+b") as f:  # the last tensor's last four bytes: a float32 NaN, the size unchanged
+        f.seek(-4, os.SEEK_END)
+        f.write(struct.pack("<f", float("nan")))
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (weights.stat().st_size, weights.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    with pytest.raises(CardValidationError, match="sha256 of 'transformer.safetensors' is"):
+        load_card(examples / "tiny-base", checksums=True)
+    assert weight_files.non_finite_tensors(weights), "and its NaN is found"

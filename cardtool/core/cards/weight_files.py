@@ -12,20 +12,24 @@ from pathlib import Path
 
 from cardtool.atomic import write_atomic
 from cardtool.cache import cache_dir
-from cardtool.files import parse_json, read_small_file
+from cardtool.files import file_stamp, parse_json, read_small_file
 
 __all__ = ["PICKLE_SUFFIXES", "FLOAT_DTYPES", "RAW_VIEWS", "format_problem", "non_finite_tensors", "read_header",
            "read_metadata", "sha256_file", "tensor_digest"]
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle")
 
-_digests: dict[tuple[str, int, int], str] = {}
+_digests: dict[tuple, str] = {}
+
+
+def _identity(path: Path) -> tuple:
+    """The file's resolved path and its `file_stamp`: what says it is unchanged without reading it."""
+    return str(path.resolve()), *file_stamp(path)
 
 
 def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file, remembered per (path, size, mtime) so a process hashes each file once."""
-    stat = path.stat()
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    """Hex sha256 of a file, remembered per file identity (`_identity`) so a process hashes each file once."""
+    key = _identity(path)
     if key not in _digests:
         digest = hashlib.sha256()
         with path.open("rb") as f:
@@ -145,16 +149,15 @@ RAW_VIEWS = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}  # numpy v
 _BF16_EXPONENT = 0x7F80
 
 
-_scanned: dict[tuple[str, int, int], list[str]] = {}
+_scanned: dict[tuple, list[str]] = {}
 
 
 def non_finite_tensors(path: Path) -> list[str]:
     """The floating tensors of a sound safetensors file (`read_header` found no problem) holding NaN or inf, read
     from the raw bytes a chunk at a time, so any dtype (bf16 too) is checked without a framework: float32 at 2 GB/s,
     bf16 at 0.8 GB/s on the 2-core machine, beside the 1.2 GB/s of the sha256 the same checks compute. Remembered per
-    (path, size, mtime), as `sha256_file`: a parent's weights are checked once, not once per card extending it."""
-    stat = path.stat()
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    identity, as `sha256_file`: a parent's weights are checked once, not once per card extending it."""
+    key = _identity(path)
     if key not in _scanned:
         _scanned[key] = _non_finite(path)
     return _scanned[key]
@@ -186,10 +189,8 @@ def tensor_digest(path: Path) -> str:
     """A content hash of the tensors in a safetensors file (names, dtypes, shapes, bytes), blind to its
     metadata and tensor order: the weights version used in cache keys. Read from the raw layout, so any
     dtype (bf16 included) hashes without a framework. Remembered across processes by the file's identity
-    (path, size, inode, mtime and ctime, as git's index does): a 90 MB encoder is hashed once, not per call."""
-    stat = path.stat()
-    resolved = str(path.resolve())
-    identity = [stat.st_size, stat.st_ino, stat.st_mtime_ns, stat.st_ctime_ns]
+    (`_identity`): a 90 MB encoder is hashed once, not per call."""
+    resolved, *identity = _identity(path)
     with _MEMO_HELD:
         known = _digest_memo().get(resolved)
     if isinstance(known, list) and known[:4] == identity and isinstance(known[-1], str):

@@ -121,7 +121,7 @@ class AdapterStore:
         return Loaded(name, "controlnet", version, net, spec.control)
 
 
-def _stamp(name: str, card, path: Path) -> tuple[int, int, int]:
+def _stamp(name: str, card, path: Path) -> tuple[int, int, int, int]:
     try:
         return file_stamp(path)
     except OSError as e:

@@ -137,7 +137,7 @@ def _on(platform: Platform, device: str) -> Platform:
     return platform if device == platform.device else Platform(device, "generic")
 
 
-def _stamp(path: Path) -> tuple[int, int, int] | None:
+def _stamp(path: Path) -> tuple[int, int, int, int] | None:
     try:
         return file_stamp(path)
     except OSError:  # gone: changed
