@@ -544,6 +544,22 @@ def test_a_loss_key_a_recipe_leaves_out_takes_the_papers_value():
     assert (grpo.eta, grpo.clip_range, grpo.train_timesteps) == (0.7, 1e-4, None)
 
 
+@pytest.mark.parametrize("command", ["rl", "distill"])
+@pytest.mark.parametrize("card", ["foo", "[1]", "7"])
+def test_a_recipe_whose_card_is_no_mapping_is_refused_by_its_field_not_given_an_id(examples, tmp_path, command,
+                                                                                   card):
+    """The default id goes into the recipe's `card:` only when that is a mapping without one: into a string it
+    would be a TypeError (a traceback), and its own error is the field's."""
+    file = tmp_path / "r.yaml"
+    file.write_text(f"method: {'dmd2' if command == 'distill' else 'diffusion_nft'}\ncard: {card}\n")
+    args = [command, str(examples / "tiny-base"), *(["--reward", str(examples / "tiny-judge")] if command == "rl"
+                                                    else []), "--recipe", str(file), "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert json.loads(result.stdout)["error"]["message"] == \
+        f"recipe {file}: card: Input should be a valid dictionary or instance of CardSpec"
+
+
 def test_each_method_starts_from_its_own_defaults_and_the_api_refuses_another_methods_recipe(examples, tmp_path):
     nft, grpo = rl_recipe("tiny-base", "tiny-judge"), rl_recipe("tiny-base", "tiny-judge", "flow_grpo")
     assert (nft.method, nft.optim.steps, nft.train.precision, nft.card.storage) == ("diffusion_nft", 600, "bfloat16",
