@@ -311,12 +311,21 @@ def test_a_flywheel_recipe_with_a_stray_key_is_a_located_error(examples, tmp_pat
     ("distill:\n  loss: 3\n", "loss: Input should be a valid dictionary"),
     ("distill:\n  loss: {student_steps: [2]}\n", "dmd2 recipe: loss.student_steps: Input should be a valid integer"),
     ("rl: [unclosed\n", "cannot read recipe: "),  # not YAML at all
+    # a card: that is no mapping was dropped for the flywheel's own id, and the stage trained on without a word
+    ("rl:\n  card: foo\n", "{path}'s rl section: card: Input should be a valid dictionary"),
+    ("distill:\n  card: [1]\n", "{path}'s distill section: card: Input should be a valid dictionary"),
+    ("rl:\n  optim: {lr: x}\n", "{path}'s rl section: optim.lr: Input should be a valid number"),
 ])
 def test_a_flywheel_recipe_of_the_wrong_types_is_a_clear_error(examples, tmp_path, text, message):
     path = tmp_path / "flywheel.yaml"
     path.write_text(text)
-    with pytest.raises(BadInput, match=re.escape(message)):
+    with pytest.raises(BadInput, match=re.escape(message.format(path=path))):
         flywheel_recipe(str(examples / "tiny-base"), str(examples / "tiny-judge"), path=path)
+
+
+def test_a_bad_stage_override_is_named_by_its_stage(examples):
+    with pytest.raises(BadInput, match=re.escape("recipe distill (defaults and --set distill.…): optim.lr: Input")):
+        flywheel_recipe(str(examples / "tiny-base"), str(examples / "tiny-judge"), overrides=["distill.optim.lr=x"])
 
 
 def test_the_students_steps_are_steps_or_set_then_the_files_then_two_and_name_it(examples, tmp_path):

@@ -214,11 +214,12 @@ def one_value(overrides: list[str], key: str, option: str, value) -> None:
 
 
 def load_recipe(path: str | Path | None, overrides: list[str] = (), method: str | None = None,
-                defaults: dict | None = None, complete=None, section: dict | None = None) -> Recipe:
+                defaults: dict | None = None, complete=None, section: dict | None = None,
+                label: str | None = None) -> Recipe:
     """Read a recipe (or start from `defaults` alone), apply overrides (and --method), validate; errors name the
     field. The file's values win over `defaults`, overrides over both; `section` (a flywheel recipe's stage) stands
-    in for a file; `complete(data)` may fill in what depends on the merged values (distill's student id) before
-    validation."""
+    in for a file, and `label` names it in errors; `complete(data)` may fill in what depends on the merged values
+    (distill's student id) before validation."""
     data = section or {}
     if path is not None:
         try:  # the manifest reader: bounded size and depth, no aliases, plain types, located errors
@@ -238,13 +239,13 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), method: str 
         complete(data)
     too_large = _beyond_float32(data)
     if too_large:
-        raise BadInput(f"recipe {path or '(defaults and --set)'}: {too_large}: beyond float32's range (±3.4e38), "
-                       "which training computes in (torch refuses such a learning rate or clip as a scalar); use a "
-                       "smaller number")
+        raise BadInput(f"recipe {path or label or '(defaults and --set)'}: {too_large}: beyond float32's range "
+                       "(±3.4e38), which training computes in (torch refuses such a learning rate or clip as a "
+                       "scalar); use a smaller number")
     try:
         return Recipe.model_validate(data)
     except ValidationError as e:
-        raise BadInput(f"recipe {path or '(defaults and --set)'}: {field_problems(e)}")
+        raise BadInput(f"recipe {path or label or '(defaults and --set)'}: {field_problems(e)}")
 
 
 def _beyond_float32(value, path: str = "") -> str | None:

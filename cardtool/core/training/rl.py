@@ -62,7 +62,7 @@ def _defaults(method: str) -> dict:
 
 
 def rl_recipe(base: str, reward: str, method: str | None = None, path: Path | None = None,
-              overrides: list[str] = (), section: dict | None = None) -> Recipe:
+              overrides: list[str] = (), section: dict | None = None, label: str | None = None) -> Recipe:
     """The recipe `cardtool rl` runs: the file (or `section`, or the method's defaults) with `--set` applied, parents
     [BASE, REWARD], and the card id `BASE-nft` / `BASE-grpo` unless the recipe names one. Without --method, the
     file's method, else diffusion_nft."""
@@ -86,7 +86,8 @@ def rl_recipe(base: str, reward: str, method: str | None = None, path: Path | No
         if isinstance(card, dict) and "id" not in card:
             card["id"] = default_id(base, METHODS[method])
 
-    return load_recipe(path, list(overrides), method, defaults=_defaults(method), complete=complete, section=section)
+    return load_recipe(path, list(overrides), method, defaults=_defaults(method), complete=complete, section=section,
+                       label=label)
 
 
 def check_recipe(recipe: Recipe) -> None:

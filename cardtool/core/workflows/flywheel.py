@@ -85,15 +85,20 @@ def flywheel_recipe(base: str, reward: str, *, steps: int | None = None, path: P
     method = sections.get("rl", {}).get("method", "diffusion_nft")
     if not isinstance(method, str) or method not in METHODS:
         raise BadInput(f"flywheel rl.method: unknown rl method {method!r}; choose one of: {', '.join(METHODS)}"[:300])
+
+    def label(stage: str) -> str:  # what a stage recipe's error names: the file's section, or defaults and --set
+        return f"{path}'s {stage} section" if path is not None else f"{stage} (defaults and --set {stage}.…)"
+
     stage1 = rl_recipe(base, reward, None, None, split["rl"],
-                       section=_with_id(sections.get("rl"), f"{prefix}-{METHODS[method]}"))
+                       section=_with_id(sections.get("rl"), f"{prefix}-{METHODS[method]}"), label=label("rl"))
     teacher = str(Path(out_dir) / stage1.card.id)
     section = dict(sections.get("distill") or {})
     loss = section.get("loss", {})
     if steps is None and isinstance(loss, dict) and "student_steps" not in loss:
         section["loss"] = {**loss, "student_steps": 2}  # the flywheel's student: two steps unless the recipe says
     provisional = f"{stage1.card.id}-step"  # until the student's steps are known: the file's, then --set's
-    stage2 = distill_recipe(teacher, None, split["distill"], steps, section=_with_id(section, provisional))
+    stage2 = distill_recipe(teacher, None, split["distill"], steps, section=_with_id(section, provisional),
+                            label=label("distill"))
     rl.check_recipe(stage1)  # both stages now: a mistake in the distill section found after the rl stage's hours
     distill.check_recipe(stage2)
     if stage2.card.id == provisional:  # not named by the recipe or --set: PREFIX-nft-Nstep
@@ -124,10 +129,12 @@ def _read(path: Path) -> dict:
 
 
 def _with_id(section: dict | None, card_id: str) -> dict:
-    """The stage's section with the flywheel's card id, unless the section names its own."""
+    """The stage's section with the flywheel's card id, unless the section names its own; a `card:` that is no
+    mapping is left for the stage's recipe to refuse."""
     out = dict(section or {})
-    card = out.get("card") if isinstance(out.get("card"), dict) else {}
-    out["card"] = {"id": card_id, **card}
+    card = out.get("card", {})
+    if isinstance(card, dict):
+        out["card"] = {"id": card_id, **card}
     return out
 
 
