@@ -176,7 +176,8 @@ def test_weights_rewritten_in_place_with_their_old_mtime_are_hashed_again(exampl
     back (`cp --preserve`, `rsync -t`, `touch -r`): the same process checking again must read them again — a memo
     keyed by size and mtime alone reported the old weights' sha256 and no NaN."""
     import os
-    import time
+
+    from helpers import put_timestamp_back
 
     from cardtool.core.cards.loader import load_card
     from cardtool.errors import CardValidationError
@@ -184,11 +185,10 @@ def test_weights_rewritten_in_place_with_their_old_mtime_are_hashed_again(exampl
     load_card(examples / "tiny-base", checksums=True)
     weights = examples / "tiny-base" / "transformer.safetensors"
     before = weights.stat()
-    time.sleep(0.05)  # past the file system's timestamp tick, as any later rewrite is
     with weights.open("r+b") as f:  # the last tensor's last four bytes: a float32 NaN, the size unchanged
         f.seek(-4, os.SEEK_END)
         f.write(struct.pack("<f", float("nan")))
-    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    put_timestamp_back(weights, before)
     assert (weights.stat().st_size, weights.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
     with pytest.raises(CardValidationError, match="sha256 of 'transformer.safetensors' is"):
         load_card(examples / "tiny-base", checksums=True)

@@ -436,19 +436,18 @@ def test_hot_swap_serves_a_new_version_to_the_next_request_only(card, loop):
 def test_a_version_written_in_place_with_the_old_timestamp_is_served(card, loop):
     """A new version of the same size copied over the old one with its timestamp kept (`cp --preserve`, `rsync -t`):
     the file's size, mtime and inode say nothing changed — its ctime does."""
-    import time
+    from helpers import put_timestamp_back
 
     dit = loop.instance.component("transformer")
     request = Request("a bag", seed=2, steps=3, adapters=(("b", 1.0),))
     [first] = run(loop, [request])
     path = card.folder / "adapters" / "b.safetensors"
     before, old = path.stat(), loop.instance.adapters.get("b").version
-    time.sleep(0.05)  # past the file system's timestamp tick, as any later copy is
     staged = card.folder / "staged"
     staged.mkdir()
     write_lora_b(staged, dit, seed=99)
     path.write_bytes((staged / "adapters" / "b.safetensors").read_bytes())  # in place: the same inode
-    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    put_timestamp_back(path, before)
     assert (path.stat().st_size, path.stat().st_ino, path.stat().st_mtime_ns) == \
         (before.st_size, before.st_ino, before.st_mtime_ns)
     [after] = run(loop, [request])
