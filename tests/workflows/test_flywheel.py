@@ -323,9 +323,14 @@ def test_a_flywheel_recipe_of_the_wrong_types_is_a_clear_error(examples, tmp_pat
         flywheel_recipe(str(examples / "tiny-base"), str(examples / "tiny-judge"), path=path)
 
 
-def test_a_bad_stage_override_is_named_by_its_stage(examples):
-    with pytest.raises(BadInput, match=re.escape("recipe distill (defaults and --set distill.…): optim.lr: Input")):
+def test_a_bad_stage_override_is_named_by_its_stage(examples, tmp_path):
+    with pytest.raises(BadInput, match=re.escape("recipe distill (defaults with --set distill.…): optim.lr: Input")):
         flywheel_recipe(str(examples / "tiny-base"), str(examples / "tiny-judge"), overrides=["distill.optim.lr=x"])
+    path = tmp_path / "flywheel.yaml"
+    path.write_text("rl:\n  optim: {steps: 2}\n")
+    with pytest.raises(BadInput, match=re.escape(f"recipe {path}'s rl section with --set rl.…: optim.lr: Input")):
+        flywheel_recipe(str(examples / "tiny-base"), str(examples / "tiny-judge"), path=path,
+                        overrides=["rl.optim.lr=x"])
 
 
 def test_the_students_steps_are_steps_or_set_then_the_files_then_two_and_name_it(examples, tmp_path):

@@ -86,8 +86,9 @@ def flywheel_recipe(base: str, reward: str, *, steps: int | None = None, path: P
     if not isinstance(method, str) or method not in METHODS:
         raise BadInput(f"flywheel rl.method: unknown rl method {method!r}; choose one of: {', '.join(METHODS)}"[:300])
 
-    def label(stage: str) -> str:  # what a stage recipe's error names: the file's section, or defaults and --set
-        return f"{path}'s {stage} section" if path is not None else f"{stage} (defaults and --set {stage}.…)"
+    def label(stage: str) -> str:  # what a stage recipe's error names: the file's section and --set, or defaults
+        sets = f" with --set {stage}.…" if split[stage] else ""
+        return f"{path}'s {stage} section{sets}" if path is not None else f"{stage} (defaults{sets})"
 
     stage1 = rl_recipe(base, reward, None, None, split["rl"],
                        section=_with_id(sections.get("rl"), f"{prefix}-{METHODS[method]}"), label=label("rl"))
