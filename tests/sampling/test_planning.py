@@ -130,7 +130,12 @@ def test_a_guidance_interval_no_step_falls_in_is_warned_of(card):
         assert requests[0].model_evaluations() == (4 if warned else 4 + sum(
             interval[0] <= s <= interval[1] for s in (1.0, 0.75, 0.5, 0.25))), "the cost says the same"
     _, warnings = plan_requests(card, ["a bag"], steps=4, shift=1.0, guidance=1.0, guidance_interval=(0.3, 0.4))
-    assert warnings == [], "without CFG there is nothing to apply"
+    assert warnings == ["a guidance interval limits CFG to a σ range; with guidance 1 (no CFG) it changes nothing"], \
+        "without CFG there is nothing to apply: the interval asked for is said to change nothing, not dropped silently"
+    _, warnings = plan_requests(card, ["a bag"], steps=4, guidance=1.0, guidance_interval=(0.0, 1.0))
+    assert warnings == [], "the card's own interval (what --like passes again) is no setting of the user's"
+    _, warnings = plan_requests(card, ["a bag"], steps=4, guidance=3.0, guidance_interval=(0.0, 1.0))
+    assert warnings == []
     # shift 3 moves the grid up (σ 1, 0.9, 0.75, 0.5): 0,0.5 guides the last step, 0,0.45 none
     _, warnings = plan_requests(card, ["a bag"], steps=4, shift=3.0, guidance=2.0, guidance_interval=(0.0, 0.5))
     assert warnings == []

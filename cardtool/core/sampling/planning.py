@@ -88,9 +88,12 @@ def plan_requests(card: Card, prompts: list[str], *, num: int = 1, seed: int = 0
                 for p in prompts for j in range(num)]
     for request in requests:
         request.check()
-    if negative_prompt and not any(r.guidance != 1 for r in requests):
-        warnings.append("a negative prompt conditions CFG's unconditional branch; with guidance 1 (no CFG) it "
-                        "changes nothing")
+    if not any(r.guidance != 1 for r in requests):  # settings of CFG's, asked for without CFG: said, not dropped
+        if negative_prompt:
+            warnings.append("a negative prompt conditions CFG's unconditional branch; with guidance 1 (no CFG) it "
+                            "changes nothing")
+        if guidance_interval is not None and tuple(map(float, guidance_interval)) != tuple(defaults.guidance_interval):
+            warnings.append("a guidance interval limits CFG to a σ range; with guidance 1 (no CFG) it changes nothing")
     repeated = repeated_prompts(prompts, num, seed)
     unguided = unguided_warning(requests[0])  # every request shares the loop settings
     return requests, warnings + ([repeated] if repeated else []) + ([unguided] if unguided else [])
