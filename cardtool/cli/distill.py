@@ -37,7 +37,8 @@ def distill_command(
                                            "and record it in the card.")] = True,
     judge: Annotated[str, typer.Option("--judge", help="The judge card for the eval.")] = "fashion-classifier",
     per_class: Annotated[int, typer.Option("--per-class", help="The eval's images per class (10 classes).")] = 100,
-    held_out_judge: Annotated[str, typer.Option("--held-out-judge", help="A second judge for --watch-every ('' for "
+    held_out_judge: Annotated[str, typer.Option("--held-out-judge", help="A second judge: the student's accuracy under "
+                                                "it is recorded beside the eval's, and --watch-every logs it ('' for "
                                                 "none).")] = "fashion-referee",
     watch_every: Annotated[int, typer.Option("--watch-every", help="Every N iterations (at the next progress line), "
                                              "sample the class prompts with the student at its own steps and log "
@@ -55,8 +56,8 @@ def distill_command(
 
     def eval_line(report: dict) -> None:
         for row in report["rows"]:
-            say(f"eval at {counted(row['steps'], 'step')}: accuracy {row['class_accuracy']:.4f}  FID "
-                f"{row['fid_fmnist']:.3f}  {row['images_per_second']:.0f} img/s", stderr=True)
+            say(f"eval ({report['judge']}) at {counted(row['steps'], 'step')}: accuracy {row['class_accuracy']:.4f}  "
+                f"FID {row['fid_fmnist']:.3f}  {row['images_per_second']:.0f} img/s", stderr=True)
 
     with handled(json_):
         sets = [*(overrides or []), *lora_overrides(lora, overrides or [])]
@@ -67,8 +68,8 @@ def distill_command(
                               *(["--recipe", str(recipe)] if recipe else []), *(f"--set={o}" for o in overrides or []),
                               *(["--lora", str(lora)] if lora is not None else [])])
         card = distill(loaded, command=command, out=out, run_dir=run_dir, resume=resume, device=device, data=data,
-                       force=force, evaluate=evaluate, judge=judge, on_log=log, on_eval=eval_line,
-                       micro_batches=micro_batches, watch_every=watch_every,
+                       force=force, evaluate=evaluate, judge=judge, held_out_judge=held_out_judge or None, on_log=log,
+                       on_eval=eval_line, micro_batches=micro_batches, watch_every=watch_every,
                        watch_judges=[judge, *([held_out_judge] if held_out_judge else [])], per_class=per_class)
     if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 reports for every rank
         return

@@ -202,16 +202,30 @@ def test_the_cli_evaluates_the_student_at_its_own_steps_and_records_the_eval_in_
     args = ["distill", str(examples / "tiny-base"), "--steps", "1", "--judge", str(examples / "tiny-judge"), "--data",
             str(data), "--out", str(tmp_path / "s1"), "--run-dir", str(tmp_path / "r"), "--json",
             *(f"--set={o}" for o in TINY)]
-    refused = CliRunner().invoke(app, args)  # 1,000 images a row by default: their floors need as many
+    refused = CliRunner().invoke(app, [*args, "--held-out-judge", ""])  # 1,000 images a row by default: their
+    # floors need as many
     assert refused.exit_code == 2 and "--per-class 100 asks for 1000 images, more than the 64 training" in \
         json.loads(refused.stdout)["error"]["message"] and not (tmp_path / "r").exists(), "refused before the run"
-    result = CliRunner().invoke(app, [*args, "--per-class", "3"])
+    referee = tiny_referee(examples)  # tiny-judge's weights: the same images judged twice, the same accuracy
+    refused = CliRunner().invoke(app, [*args, "--per-class", "3", "--held-out-judge", str(examples / "tiny-judge")])
+    assert refused.exit_code == 2 and json.loads(refused.stdout)["error"]["message"].startswith(
+        f"--held-out-judge {examples / 'tiny-judge'} is the --judge card 'tiny-judge'")
+    assert not (tmp_path / "r").exists(), "refused before the run"
+    result = CliRunner().invoke(app, [*args, "--per-class", "3", "--held-out-judge", str(referee)])
     assert result.exit_code == 0, result.output
-    [row] = json.loads(result.stdout)["metrics"]["eval"]["rows"]
-    assert row["steps"] == 1 and 0 <= row["class_accuracy"] <= 1 and "eval at 1 step: accuracy" in result.stderr
-    assert row["images"] == 30
-    recorded = load_card(tmp_path / "s1").manifest.recipe.metrics["eval"]["rows"]
-    assert recorded == [row] and (tmp_path / "s1" / "eval.json").is_file()
+    metrics = json.loads(result.stdout)["metrics"]
+    [row] = metrics["eval"]["rows"]
+    assert row["steps"] == 1 and 0 <= row["class_accuracy"] <= 1 and row["images"] == 30
+    assert metrics["held_out_judge"] == {"card": "tiny-referee", "images": 30, "class_accuracy": row["class_accuracy"]}
+    assert result.stderr.count("eval (tiny-judge) at 1 step: accuracy") == 1
+    assert result.stderr.count("eval (tiny-referee) at 1 step: accuracy") == 1
+    recorded = load_card(tmp_path / "s1").manifest.recipe.metrics
+    assert recorded["eval"]["rows"] == [row] and (tmp_path / "s1" / "eval.json").is_file()
+    assert recorded["held_out_judge"] == metrics["held_out_judge"]
+    alone = CliRunner().invoke(app, [*args, "--per-class", "3", "--held-out-judge", "", "--out", str(tmp_path / "s2"),
+                                     "--run-dir", str(tmp_path / "r2")])
+    assert alone.exit_code == 0, alone.output
+    assert "held_out_judge" not in json.loads(alone.stdout)["metrics"] and alone.stderr.count("eval (") == 1
 
 
 def test_the_example_recipe_spells_out_the_defaults():
@@ -243,8 +257,9 @@ def test_bad_input_is_a_clear_error(examples, tmp_path, args, message):
     ("", "--data '' names no folder"), ("nowhere", "no Fashion-MNIST data at")])
 def test_data_the_eval_after_distilling_cannot_read_is_refused_before_training(examples, tmp_path, data, message):
     result = CliRunner().invoke(app, ["distill", str(examples / "tiny-base"), "--data", data and str(tmp_path / data),
-                                      "--judge", str(examples / "tiny-judge"), "--out", str(tmp_path / "s"),
-                                      "--run-dir", str(tmp_path / "r"), *(f"--set={o}" for o in TINY)])
+                                      "--judge", str(examples / "tiny-judge"), "--held-out-judge", "", "--out",
+                                      str(tmp_path / "s"), "--run-dir", str(tmp_path / "r"),
+                                      *(f"--set={o}" for o in TINY)])
     assert result.exit_code == 2 and message in result.output, result.output
     assert not (tmp_path / "r" / CHECKPOINT).exists() and not (tmp_path / "s").exists()
 

@@ -147,10 +147,11 @@ def reward_card(ref: str, scores=None):
     return card, next(kind for kind in REWARD_KINDS if kind in kinds)
 
 
-def check_held_out(held_out: str | None, reward: str, judge: str | None = None) -> None:
+def check_held_out(held_out: str | None, reward: str | None, judge: str | None = None) -> None:
     """A held-out judge is one the policy was not trained on — its accuracy beside the reward's is what shows reward
     hacking; the reward card itself (the same folder, or a copy by its id) would only measure the reward again, and
-    the eval's own `judge` would measure the eval again (a second eval, recorded as another judge's)."""
+    the eval's own `judge` would measure the eval again (a second eval, recorded as another judge's). `reward`: None
+    for a run without one (a distillation)."""
     if not held_out:
         return
     card = reward_card(held_out)[0]
@@ -158,8 +159,8 @@ def check_held_out(held_out: str | None, reward: str, judge: str | None = None) 
     def same(other) -> bool:
         return card.id == other.id or card.folder.resolve() == other.folder.resolve()
 
-    trained_on = reward_card(reward)[0]
-    if same(trained_on):
+    trained_on = reward_card(reward)[0] if reward is not None else None
+    if trained_on is not None and same(trained_on):
         raise BadInput(f"--held-out-judge {held_out} is the reward card '{trained_on.id}': a held-out judge is one "
                        "the policy is not trained on, so that its accuracy can show reward hacking; give another "
                        "judge (fashion-referee), or '' for none")

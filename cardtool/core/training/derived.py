@@ -14,8 +14,8 @@ from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.source import MANIFEST_NAMES, peek_id
 from cardtool.errors import BadInput, CardtoolError, RunFailed, write_remedy
 
-__all__ = ["card_name", "default_id", "extends_reference", "evaluate_output", "recipe_fingerprint", "trained_parts",
-           "write_output"]
+__all__ = ["card_name", "default_id", "extends_reference", "evaluate_output", "held_out_output", "recipe_fingerprint",
+           "trained_parts", "write_output"]
 
 
 def card_name(ref: str) -> str:
@@ -125,6 +125,24 @@ def evaluate_output(card: Card, judge: str, device: str | None, data: str | None
         record_eval(str(card.folder), evaluated.to_json())
         if on_eval:
             on_eval(evaluated.to_json())
+    distributed.ranks().barrier()
+    return load_card(card.folder)
+
+
+def held_out_output(card: Card, judge: str, device: str | None, data: str | None, on_eval, per_class: int) -> Card:
+    """Class accuracy at the card's defaults under a judge that was never the reward (nor the eval's judge), recorded
+    beside the eval as `held_out_judge`."""
+    from cardtool.core.cards.record import record_metrics
+    from cardtool.core.evaluation.evaluate import evaluate
+
+    evaluated = evaluate(str(card.folder), judge=judge, device=device, data=data, per_class=per_class)
+    if evaluated.rank == 0:  # under torchrun every rank samples its share, rank 0 records
+        report = evaluated.to_json()
+        row = report["rows"][0]
+        record_metrics(str(card.folder), {"held_out_judge": {"card": report["judge"], "images": row["images"],
+                                                             "class_accuracy": row["class_accuracy"]}})
+        if on_eval:
+            on_eval(report)
     distributed.ranks().barrier()
     return load_card(card.folder)
 

@@ -1,6 +1,7 @@
 """`cardtool distill TEACHER`: DMD2 through the shared trainer, then the student card — it `extends` the teacher
 (text encoder and VAE by reference), replaces the transformer, and its loop defaults are exactly the sampling rule
-it was trained with (`steps: N`, `solver: renoise`, `guidance: 1`) — and, unless asked not to, its eval at them."""
+it was trained with (`steps: N`, `solver: renoise`, `guidance: 1`) — and, unless asked not to, its eval at them and
+its accuracy under a held-out judge."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from cardtool.core.training.derived import (
     default_id,
     evaluate_output,
     extends_reference,
+    held_out_output,
     parents_digest,
     recipe_fingerprint,
     trained_parts,
@@ -90,11 +92,14 @@ def distill_recipe(teacher: str, path: Path | None = None, overrides: list[str] 
 def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Path | None = None,
             resume: bool = False, device: str | None = None, data: str | None = None, force: bool = False,
             evaluate: bool = True,
-            judge: str = "fashion-classifier", on_log: Callable[[dict], None] | None = None,
-            on_eval: Callable[[dict], None] | None = None, micro_batches: int = 1, watch_every: int = 0,
-            watch_judges: list[str] | None = None, per_class: int = 100) -> Card:
-    """`watch_every`: every N iterations the student, sampled at its own steps, judged by `watch_judges` (default:
-    `judge`) — see watch.py. `per_class`: the eval's images a class."""
+            judge: str = "fashion-classifier", held_out_judge: str | None = "fashion-referee",
+            on_log: Callable[[dict], None] | None = None, on_eval: Callable[[dict], None] | None = None,
+            micro_batches: int = 1, watch_every: int = 0, watch_judges: list[str] | None = None,
+            per_class: int = 100) -> Card:
+    """`held_out_judge`: after the eval under `judge`, the student's class accuracy under this second judge (None:
+    none) is recorded beside it, as `rl` records it — a student of an RL'd teacher inherits what the reward taught it,
+    hacks included. `watch_every`: every N iterations the student, sampled at its own steps, judged by `watch_judges`
+    (default: `judge`) — see watch.py. `per_class`: the eval's images a class."""
     from cardtool.core.data import provenance
     from cardtool.core.evaluation.evaluate import checked_per_class
     from cardtool.core.training.methods.dmd2 import DMD2Settings, DMD2Task
@@ -109,10 +114,13 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
     run_dir = Path(run_dir or Path("runs") / recipe.card.id)
     writable_outputs(out, run_dir, replace=force, flag="--force", card_id=recipe.card.id, parents=[teacher])
     if evaluate or watch_every:
-        from cardtool.core.evaluation.reward import reward_card
+        from cardtool.core.evaluation.reward import check_held_out, reward_card
 
-        for name in [judge] * evaluate + watch_judges * bool(watch_every):
+        judges = [judge, *([held_out_judge] if held_out_judge else [])]
+        for name in judges * evaluate + watch_judges * bool(watch_every):
             reward_card(name, scores=teacher)  # before hours of training, not after
+        if evaluate:
+            check_held_out(held_out_judge, None, judge)
     if evaluate:
         check_eval_data(data, "the eval after distilling (--no-eval skips it)", per_class)
     settings = DMD2Settings.from_recipe(recipe.loss)
@@ -151,4 +159,6 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
                         metadata=metadata)
     if evaluate:
         card = evaluate_output(card, judge, device, data, on_eval, per_class)
+        if held_out_judge:
+            card = held_out_output(card, held_out_judge, device, data, on_eval, per_class)
     return card

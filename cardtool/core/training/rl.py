@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 
 from cardtool.backends.platform import Platform
-from cardtool.core import distributed
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.loops import FlowDenoiseDefaults
@@ -24,6 +23,7 @@ from cardtool.core.training.derived import (
     default_id,
     evaluate_output,
     extends_reference,
+    held_out_output,
     parents_digest,
     recipe_fingerprint,
     trained_parts,
@@ -165,7 +165,7 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
     if evaluate:
         card = evaluate_output(card, judge, device, data, on_eval, per_class)
         if held_out_judge:
-            card = _held_out(card, held_out_judge, device, data, on_eval, per_class)
+            card = held_out_output(card, held_out_judge, device, data, on_eval, per_class)
     return card
 
 
@@ -205,20 +205,3 @@ def _manifest(recipe: Recipe, task, base: Card, reward_id: str, out: Path, comma
                    "metrics": metrics},
         "parity": {"consistency": "C1"},
     }
-
-
-def _held_out(card: Card, judge: str, device: str | None, data: str | None, on_eval, per_class: int) -> Card:
-    """Class accuracy at the card's defaults under a judge that was never the reward, beside the reward's own."""
-    from cardtool.core.cards.record import record_metrics
-    from cardtool.core.evaluation.evaluate import evaluate
-
-    evaluated = evaluate(str(card.folder), judge=judge, device=device, data=data, per_class=per_class)
-    if evaluated.rank == 0:  # under torchrun every rank samples its share, rank 0 records
-        report = evaluated.to_json()
-        row = report["rows"][0]
-        record_metrics(str(card.folder), {"held_out_judge": {"card": report["judge"], "images": row["images"],
-                                                             "class_accuracy": row["class_accuracy"]}})
-        if on_eval:
-            on_eval(report)
-    distributed.ranks().barrier()
-    return load_card(card.folder)
