@@ -127,7 +127,8 @@ def generate_command(
     count = counted(len(report.images), "image") + (f" ({report.skipped} already there)" if report.skipped else "")
     made = len(report.images) - report.skipped
     rate = f"{made / report.seconds:.1f} images/s" if made and report.seconds else "none made"
-    say(f"{count} from {report.card} on {report.platform} in {report.seconds:.2f}s ({rate})", stderr=True)
+    loading = f"; {report.load_seconds:.2f}s loading the card" if report.load_seconds >= 0.005 else ""
+    say(f"{count} from {report.card} on {report.platform} in {report.seconds:.2f}s ({rate}{loading})", stderr=True)
 
 
 _DEFAULTS = {"seed": 0, "best_of": 1}  # None above means "not given" (for --like); these are the defaults

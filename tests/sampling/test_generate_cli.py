@@ -240,6 +240,34 @@ def test_a_loaded_card_generates_many_times_and_gives_the_one_shot_images(on_pat
     assert all((p == pixels[0]).all() for p in pixels), "the same request gives the same image however it is run"
 
 
+def test_loading_the_card_is_counted_apart_from_making_the_images(on_path, tmp_path, monkeypatch):
+    """A first call builds the components it uses (the text encoder alone takes seconds): that time is
+    `load_seconds`, left out of `seconds` and images/s, so the first call reports the rate of the next."""
+    import time
+
+    from cardtool.core.sampling import instance
+    from cardtool.core.sampling.generate import LoadedCard
+
+    resolve, built = instance.COMPONENTS.resolve, []
+
+    def slow(*args, **kwargs):  # every build takes at least 0.2 s longer
+        cell, build = resolve(*args, **kwargs)
+        return cell, lambda *a, **k: (built.append(cell.key), time.sleep(0.2), build(*a, **k))[2]
+
+    monkeypatch.setattr(instance.COMPONENTS, "resolve", slow)
+    loaded = LoadedCard("tiny-base")
+    started, made = time.perf_counter(), len(built)
+    first = loaded.generate(["a bag"], steps=2, out=None)
+    wall = time.perf_counter() - started
+    assert len(built) - made >= 2 and first.load_seconds >= (len(built) - made) * 0.2, "the transformer and the VAE"
+    assert 0 < first.seconds <= wall - first.load_seconds, "the builds are not in the making of the images"
+    again = loaded.generate(["a coat"], steps=2, out=None)
+    assert again.load_seconds == 0 and again.to_json()["load_seconds"] == 0, "nothing left to build"
+    assert first.to_json()["images_per_second"] == round(1 / first.seconds, 3)
+    result = run("generate", "tiny-base", "-p", "a bag", "--steps", "2", "--out", str(tmp_path / "b.png"))
+    assert result.exit_code == 0 and "s loading the card)" in result.stderr, result.output
+
+
 def test_out_none_writes_nothing_and_returns_the_images_pixels(on_path, tmp_path, monkeypatch):
     from cardtool.core.sampling.generate import LoadedCard
     from cardtool.errors import BadInput

@@ -54,14 +54,15 @@ class GenerateReport:
     images: list[GeneratedImage]
     grid: Path | None = None
     warnings: list[str] = field(default_factory=list)
-    seconds: float = 0.0
+    seconds: float = 0.0  # making the images: encoding, sampling, decoding, writing
+    load_seconds: float = 0.0  # building the card's components on first use (a LoadedCard's first call)
     rank: int = 0  # under torchrun, the process this report is from: rank 0 has every image, the others none
     skipped: int = 0  # images kept from an earlier run (skip_existing), listed with the others
 
     def to_json(self) -> dict:
         return {"card": self.card, "platform": self.platform, "images": [i.to_json() for i in self.images],
                 "grid": str(self.grid) if self.grid else None, "warnings": self.warnings,
-                "seconds": round(self.seconds, 3), "skipped": self.skipped,
+                "seconds": round(self.seconds, 3), "load_seconds": round(self.load_seconds, 3), "skipped": self.skipped,
                 "images_per_second": round((len(self.images) - self.skipped) / self.seconds, 3) if self.seconds
                 else None}
 
@@ -183,6 +184,7 @@ class LoadedCard:
         card, platform = self.card, self.platform
         loop = self.loop(precision)
         instance = loop.instance
+        before = instance.build_seconds  # components built by this call: the VAE for a start image, say, right here
         inputs = {"--image": image, "--mask": mask, "--control": control}
         control = control_image(loop, control, preprocessor, adapters)
         requests, warnings = plan_requests(card, prompts, num=num, seed=seed, steps=steps, guidance=guidance,
@@ -200,7 +202,7 @@ class LoadedCard:
             raise BadInput(f"{'grid' if grid else 'skip_existing'} needs out, a folder; out=None writes nothing")
         paths = [None] * len(requests) if out is None else output_paths(Path(out), card.id, requests, tags)
         not_over_inputs(paths, inputs)
-        started = time.perf_counter()
+        started, built = time.perf_counter(), instance.build_seconds
         ranks = distributed.ranks(platform.device)
         kept = already_made(paths, tags, requests, ranks) if skip_existing else {}
         written = "made (out=None: none is written)" if out is None else "written"
@@ -249,11 +251,14 @@ class LoadedCard:
                         f"those are written in {paths[0].parent}; the same command with --skip-existing makes the rest"
                     raise Interrupted.after(caught[0], f"{len(images) + len(kept)} of {len(requests)} images: {where}",
                                             {"images": [image.to_json() for image, _, _ in [*kept.values(), *images]]})
-        seconds = time.perf_counter() - started
+        # a first call builds the components it uses as it goes: that is loading the card, not making images, and
+        # counted apart — else its images/s is a twentieth of the next call's (the text encoder alone takes seconds)
+        seconds = time.perf_counter() - started - (instance.build_seconds - built)
+        load = instance.build_seconds - before
         if self.cache.problem:  # said once: the cache writes nothing more
             warnings, self.cache.problem = [*warnings, self.cache.problem], None
         if not ranks.main:
-            return GenerateReport(card.id, f"{platform.device}/{platform.arch}", [], None, warnings, seconds,
+            return GenerateReport(card.id, f"{platform.device}/{platform.arch}", [], None, warnings, seconds, load,
                                   rank=ranks.rank)
         if broken:  # the finite images are written, and listed
             raise NonFiniteImages(card.id, broken, len(requests), written=len(images),
@@ -275,7 +280,7 @@ class LoadedCard:
                 rows = [(prompt, row[:GRID_SIDE]) for prompt, row in rows[:GRID_SIDE]]
             save_image(grid_path, grid_image(rows), {"card": card.id, "cardtool": __version__})
         return GenerateReport(card.id, f"{platform.device}/{platform.arch}", [image for image, _, _ in images],
-                              grid_path, warnings, seconds, skipped=len(kept))
+                              grid_path, warnings, seconds, load, skipped=len(kept))
 
 
 def _started(loop: DenoiseLoop, requests: list[Request], starts, num: int) -> tuple[list[Request], list, list]:

@@ -4,6 +4,7 @@ their tensors (the key caches use, DESIGN.md invariant 6)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ class ModelInstance:
         self._versions: dict[str, str] = {}
         self._arrays = None
         self._adapters = None
+        self.build_seconds = 0.0  # spent building components: loading the card, not making images with it
 
     def __repr__(self) -> str:
         return f"ModelInstance({self.card.id} on {self.platform.device}/{self.platform.arch}, {self.precision})"
@@ -41,6 +43,7 @@ class ModelInstance:
     def component(self, name: str) -> Any:
         """Component `name`, built on first use (its weights' sha256 verified) and kept until `sleep`."""
         if name not in self._awake:
+            started = time.perf_counter()
             spec = self._spec(name)
             cell, build = COMPONENTS.resolve(spec.impl, self.platform)
             before = spec.weights and _stamp(self.card.folder / spec.weights)
@@ -53,6 +56,7 @@ class ModelInstance:
                 raise BadInput(f"card '{self.card.id}': the weights of '{name}' ({weights}) changed while they were "
                                "loaded — another run is replacing the card? Load it again once that run is done")
             self._awake[name] = module
+            self.build_seconds += time.perf_counter() - started
         return self._awake[name]
 
     def use(self, name: str, module: Any) -> None:
