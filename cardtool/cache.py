@@ -9,8 +9,9 @@ import tempfile
 from pathlib import Path
 
 from cardtool.atomic import TEMPORARY
+from cardtool.errors import BadInput
 
-__all__ = ["DEFAULT_LIMIT", "cache_dir", "clear", "limit", "parse_size", "problem", "prune", "usage"]
+__all__ = ["DEFAULT_LIMIT", "NoCacheFolder", "cache_dir", "clear", "limit", "parse_size", "problem", "prune", "usage"]
 
 DEFAULT_LIMIT = 5 * 10**9  # bytes of encoded prompts kept; the least recently used go beyond it (as ccache does)
 # decimal units, binary with an i; the B may be left out (`5G`, `500M`, `2Gi`, as ccache and du write them)
@@ -19,19 +20,29 @@ _UNITS = {"": 1, "B": 1, **{f"{prefix}{i}{b}": (2**(10 * n) if i else 10**(3 * n
 _TEXT_ENTRY = re.compile(r"[0-9a-f]{64}\.npz")
 
 
+class NoCacheFolder(BadInput):
+    """`cache_dir()` has no folder to give: no home folder, and neither CARDTOOL_CACHE nor XDG_CACHE_HOME set."""
+
+
 def cache_dir() -> Path:
     """CARDTOOL_CACHE, else $XDG_CACHE_HOME/cardtool, else ~/.cache/cardtool. A relative XDG_CACHE_HOME is ignored,
-    as the XDG spec says: it would put a cache in every working folder."""
+    as the XDG spec says: it would put a cache in every working folder. Without a home folder (HOME unset, a user id
+    the password database does not know: a container run as an arbitrary user), NoCacheFolder — runs then keep their
+    encoded prompts in memory only, never in a guessed shared folder another user could have filled."""
     if os.environ.get("CARDTOOL_CACHE"):
         return Path(os.environ["CARDTOOL_CACHE"])
     xdg = os.environ.get("XDG_CACHE_HOME", "")
-    return Path(xdg if os.path.isabs(xdg) else Path.home() / ".cache") / "cardtool"
+    if os.path.isabs(xdg):
+        return Path(xdg) / "cardtool"
+    try:
+        return Path.home() / ".cache" / "cardtool"
+    except (RuntimeError, KeyError):  # pathlib's "Could not determine home directory"
+        raise NoCacheFolder("no folder for cardtool's cache: HOME is not set and this user has no home folder in the "
+                            "password database; set CARDTOOL_CACHE (or XDG_CACHE_HOME) to a folder") from None
 
 
 def parse_size(text: str) -> int:
     """Bytes of a size such as `5GB`, `500 MB`, `2GiB`, `1.5G` or `123456` (decimal units, binary with an i)."""
-    from cardtool.errors import BadInput
-
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
     if not match or match[2].upper() not in _UNITS:
         raise BadInput(f"{text!r} is not a size (for example 5GB, 500MB, 2GiB or a number of bytes)"[:300])
@@ -48,8 +59,6 @@ def parse_size(text: str) -> int:
 
 def limit() -> int:
     """CARDTOOL_CACHE_MAX (a size; 0 keeps no encoded prompt on disk), else DEFAULT_LIMIT."""
-    from cardtool.errors import BadInput
-
     text = os.environ.get("CARDTOOL_CACHE_MAX", "")
     if not text:
         return DEFAULT_LIMIT

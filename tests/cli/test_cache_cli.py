@@ -151,6 +151,31 @@ def test_a_cache_that_cannot_be_written_is_said_once_by_generate_and_by_info(tmp
     assert cache("info")[1]["problem"].startswith("/proc/cardtool-cache cannot be written (")
 
 
+def test_without_a_home_folder_runs_keep_their_prompts_in_memory_and_say_so(tmp_path, monkeypatch):
+    """HOME unset and a user id the password database does not know (a container run as an arbitrary user):
+    pathlib cannot find ~, and every command that reads the cache died with its RuntimeError. Runs now keep their
+    encoded prompts in memory (said once), `cache` commands name the fix, and `~` in a card name stays as written."""
+    import pwd
+
+    for name in ("CARDTOOL_CACHE", "XDG_CACHE_HOME", "HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(pwd, "getpwuid", lambda uid: (_ for _ in ()).throw(KeyError(f"uid not found: {uid}")))
+    made = CliRunner().invoke(app, ["generate", str(EXAMPLE_CARDS / "tiny-base"), "-p", "a bag", "--steps", "1",
+                                    "--out", str(tmp_path / "a.png"), "--json"])
+    assert made.exit_code == 0 and (tmp_path / "a.png").is_file(), made.output
+    assert [w for w in json.loads(made.stdout)["warnings"] if "cache" in w] == [
+        "no folder for cardtool's cache: HOME is not set and this user has no home folder in the password database; "
+        "set CARDTOOL_CACHE (or XDG_CACHE_HOME) to a folder; encoded prompts are kept in memory only"]
+    for command in ("info", "prune", "clear"):
+        result, report = cache(command)
+        assert result.exit_code == 2 and "set CARDTOOL_CACHE" in report["error"]["message"], (command, result.output)
+    for name in ("~/tiny-base", "~no-such-user-here/tiny-base"):
+        result = CliRunner().invoke(app, ["cards", "show", name])
+        assert result.exit_code == 2 and f"no such card folder or manifest: {name}" in result.output, result.output
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache("info")[1]["path"] == str(tmp_path / "xdg" / "cardtool"), "no home needed where a folder is set"
+
+
 def test_a_loaded_card_says_an_unwritable_cache_in_its_first_call_only(tmp_path, monkeypatch):
     from cardtool.core.sampling.generate import LoadedCard
 

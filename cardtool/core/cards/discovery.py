@@ -124,7 +124,10 @@ def scan(roots: list[Root], *, ids_only: bool = False) -> list[Entry]:
 
 
 def _as_path(name: str) -> Path | None:
-    path = Path(name).expanduser()
+    try:
+        path = Path(name).expanduser()
+    except RuntimeError:  # ~USER of no user, or ~ without a home folder: the name as written, as a shell leaves it
+        path = Path(name)
     try:
         is_file, is_dir = path.is_file(), path.is_dir()
     except (OSError, ValueError) as e:  # a NUL byte, a name too long for the file system

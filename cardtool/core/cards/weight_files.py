@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 
 from cardtool.atomic import write_atomic
-from cardtool.cache import cache_dir
+from cardtool.cache import NoCacheFolder, cache_dir
 from cardtool.files import file_stamp, parse_json, read_small_file
 
 __all__ = ["PICKLE_SUFFIXES", "FLOAT_DTYPES", "RAW_VIEWS", "format_problem", "non_finite_tensors", "read_header",
@@ -223,13 +223,17 @@ def _digest_memo() -> dict:
     """The remembered digests (per process, read once per cache folder: a process that moves CARDTOOL_CACHE reads and
     writes the new one's); an unreadable or foreign file counts as empty."""
     global _memo
-    if _memo is None or _memo[0] != cache_dir():
-        text, problem = read_small_file(cache_dir() / _MEMO_FILE, limit=4 << 20)
+    try:
+        folder = cache_dir()
+    except NoCacheFolder:  # nowhere to remember them: each process hashes again
+        return {}
+    if _memo is None or _memo[0] != folder:
+        text, problem = read_small_file(folder / _MEMO_FILE, limit=4 << 20)
         try:
             memo = parse_json(text) if not problem else {}
         except ValueError:
             memo = {}
-        _memo = (cache_dir(), memo if isinstance(memo, dict) else {})
+        _memo = (folder, memo if isinstance(memo, dict) else {})
     return _memo[1]
 
 
@@ -237,7 +241,8 @@ def _save_digest_memo(memo: dict) -> None:
     for stale in list(memo)[:-_MEMO_ENTRIES]:
         del memo[stale]
     try:
-        cache_dir().mkdir(parents=True, exist_ok=True)
-        write_atomic(cache_dir() / _MEMO_FILE, json.dumps(memo).encode())
-    except OSError:  # a read-only cache only costs the next process a re-hash
+        folder = cache_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        write_atomic(folder / _MEMO_FILE, json.dumps(memo).encode())
+    except (OSError, NoCacheFolder):  # a read-only cache, or none, only costs the next process a re-hash
         pass

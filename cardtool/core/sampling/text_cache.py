@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from cardtool.atomic import write_atomic
-from cardtool.cache import cache_dir, limit, prune
+from cardtool.cache import NoCacheFolder, cache_dir, limit, prune
 
 __all__ = ["TextFeatureCache", "cache_dir", "encode_prompts", "filled_prompts", "filled_warning"]
 
@@ -32,12 +32,15 @@ class TextFeatureCache:
 
     def __init__(self, root: Path | None = None, *, disk: bool = True, memory_limit: int = MEMORY_LIMIT):
         self.limit = limit() if disk else 0
-        self.root = (root or cache_dir()) / "text" if disk and self.limit > 0 else None
+        self.problem: str | None = None  # why encoded prompts stopped going to disk, said once by the command
+        try:
+            self.root = (root or cache_dir()) / "text" if disk and self.limit > 0 else None
+        except NoCacheFolder as e:
+            self.root, self.problem = None, f"{e}; encoded prompts are kept in memory only"
         self._memory: OrderedDict[str, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self._memory_bytes, self.memory_limit = 0, memory_limit
         self._held = threading.Lock()  # the memory's order and size: LoadedCards in several threads may share one
         self.hits = self.misses = 0
-        self.problem: str | None = None  # why encoded prompts stopped going to disk, said once by the command
         self._written = 0  # bytes put on disk since the cache was last held to its limit
 
     @staticmethod
