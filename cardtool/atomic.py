@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["TEMPORARY", "atomic_path", "replaceable_file", "running", "save_tensors", "synced", "write_atomic",
-           "writable_folder"]
+__all__ = ["TEMPORARY", "atomic_path", "replaceable_file", "running", "save_tensors", "stream_refused", "synced",
+           "write_atomic", "writable_folder"]
 
 # a killed writer's temporary is left alone this long after its last write: on a folder shared between machines a
 # pid means nothing here, and a writer elsewhere still writing touches its file far more often than this
@@ -200,3 +200,11 @@ def writable_folder(folder: Path | str, what: str, *, keep: bool = True) -> Path
             except OSError:
                 break
     return folder
+
+
+def stream_refused(what: str, kind: str = "a folder", alternative: str = "") -> str:
+    """Why `--out -` — the shell's "standard output", which would otherwise be a file or folder named '-' — is
+    refused: `what` says how the output is written. Once a path, './-' is '-' too: one named '-' is given by its
+    whole path."""
+    return (f"--out -: {what}, not to standard output; give {kind} ({os.path.abspath('-')} for one named "
+            f"'-'){alternative}; --json prints the report on standard output")

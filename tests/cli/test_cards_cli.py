@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import REPO
 from typer.testing import CliRunner
 
 from cardtool import __version__
@@ -192,3 +193,24 @@ def test_an_ascii_only_stdout_gets_escapes_not_a_traceback(examples, tmp_path):
     assert json.loads(made.stdout)["images"][0]["prompt"] == "café ☕"
     missing = cardtool("cards", "show", "no-such-é")
     assert missing.returncode == 2 and "no-such-\\xe9" in missing.stderr and "Traceback" not in missing.stderr
+
+
+@pytest.mark.parametrize("out", ["-", "./-"])
+def test_out_dash_is_no_folder_of_any_command_and_one_named_so_is_given_by_its_whole_path(on_path, tmp_path, out):
+    """`--out -` made a card folder named '-' (merge, extract-lora, export, train …) while generate, eval and workflow
+    refused it, advising './-' — which a path makes '-' again. Every command refuses it and names the whole path."""
+    whole = f"{tmp_path / '-'} for one named '-'"
+    commands = [["cards", "merge", "tiny-base", "tiny-rl", "--id", "tiny-m"],
+                ["cards", "extract-lora", "tiny-base", "tiny-rl", "--rank", "2", "--id", "tiny-e"],
+                ["cards", "export", "tiny-base", "--format", "hf"],
+                ["distill", "tiny-base", "--no-eval", "--set", "optim.steps=1"],
+                ["generate", "tiny-base", "-p", "a bag", "--steps", "1"],
+                ["eval", "tiny-base", "--judge", "tiny-judge", "--per-class", "1"],
+                ["workflow", "run", str(REPO / "examples" / "workflows" / "tiny-tour.yaml")]]
+    for command in commands:
+        result = run(*command, "--out", out, "--json")
+        message = json.loads(result.stdout)["error"]["message"]
+        assert result.exit_code == 2 and message.startswith("--out -: ") and whole in message, (command, message)
+    assert not (tmp_path / "-").exists() and not (tmp_path / "runs").exists()
+    made = run("cards", "merge", "tiny-base", "tiny-rl", "--id", "tiny-m", "--out", str(tmp_path / "-"))
+    assert made.exit_code == 0 and (tmp_path / "-" / "card.yaml").is_file(), made.output

@@ -44,8 +44,8 @@ from cardtool.errors import BadInput
     ({"out": "/"}, "--out / is a folder"),
     ({"out": "/dev/null"}, "--out /dev/null is not a regular file"),  # a rename would swap the device for a file
     ({"out": 3}, "out must be the report's file name"),
-    ({"out": "-"}, "--out -: the report is a file, which --resume continues"),  # was a file named '-'
-    ({"out": "-", "resume": True}, "--out -: the report is a file"),
+    ({"out": "-"}, "--out -: the report is written to a file that --resume continues"),  # was a file named '-'
+    ({"out": "-", "resume": True}, "--out -: the report is written to a file"),
     ({"out": "/proc/nope/eval.json"}, "cannot write to the report's folder /proc/nope"),
     # the report would replace the card's manifest, a weights file, the judge's
     ({"out": "tiny-base/card.yaml"}, "tiny-base/card.yaml is a file of card 'tiny-base' .its manifest or weights."),
