@@ -214,3 +214,19 @@ def test_out_dash_is_no_folder_of_any_command_and_one_named_so_is_given_by_its_w
     assert not (tmp_path / "-").exists() and not (tmp_path / "runs").exists()
     made = run("cards", "merge", "tiny-base", "tiny-rl", "--id", "tiny-m", "--out", str(tmp_path / "-"))
     assert made.exit_code == 0 and (tmp_path / "-" / "card.yaml").is_file(), made.output
+
+
+def test_an_image_or_weights_given_where_a_manifest_is_read_is_named_as_such(on_path, tmp_path):
+    """A PNG given as the card (meant for --like?) said "not UTF-8 text … save it as UTF-8"."""
+    made = run("generate", "tiny-base", "-p", "a bag", "--steps", "1", "--out", str(tmp_path / "bag.png"))
+    assert made.exit_code == 0, made.output
+    for command in (["generate", str(tmp_path / "bag.png"), "-p", "x"], ["workflow", "run", str(tmp_path / "bag.png")],
+                    ["cards", "validate", str(tmp_path / "bag.png")]):
+        result = run(*command)
+        assert result.exit_code in (1, 2) and "not a YAML or TOML file: it is a PNG image" in result.output and \
+            "generate --like IMAGE" in result.output, (command, result.output)
+    result = run("cards", "show", str(on_path / "tiny-base" / "transformer.safetensors"))
+    assert result.exit_code in (1, 2) and "it is safetensors weights" in result.output, result.output
+    (tmp_path / "latin1.yaml").write_bytes("id: caf\xe9\n".encode("latin-1"))
+    result = run("cards", "validate", str(tmp_path / "latin1.yaml"))
+    assert result.exit_code == 1 and "not UTF-8 text" in result.output and "save it as UTF-8" in result.output

@@ -62,6 +62,21 @@ _cache: dict[tuple[str, bytes], Source] = {}
 _CACHE_ENTRIES = 256  # the most recently used manifests a process keeps parsed (one that writes cards parses new ones)
 
 
+_SIGNATURES = ((b"\x89PNG\r\n\x1a\n", "a PNG image"), (b"\xff\xd8\xff", "a JPEG image"), (b"GIF8", "a GIF image"),
+               (b"PK\x03\x04", "a zip archive (a pickle checkpoint?)"), (b"\x1f\x8b", "a gzip file"),
+               (b"\x80", "a pickle"))
+
+
+def _binary_kind(raw: bytes) -> str | None:
+    """What a file that is not UTF-8 is, by its first bytes, where that is clear: an image, an archive, a pickle,
+    safetensors weights (an 8-byte header length, then the JSON header)."""
+    if raw[:4] == b"RIFF" and raw[8:12] == b"WEBP":
+        return "a WebP image"
+    if len(raw) > 9 and raw[8:10] in (b'{"', b"{ ") and int.from_bytes(raw[:8], "little") < len(raw):
+        return "safetensors weights"
+    return next((kind for signature, kind in _SIGNATURES if raw.startswith(signature)), None)
+
+
 def read_source(file: Path) -> Source:
     """Parse `file` (card.yaml or card.toml); any problem is a located CardValidationError. Linear in the
     input: bounded size and nesting, no YAML aliases, only the plain YAML types. The result is cached per
@@ -85,6 +100,12 @@ def read_source(file: Path) -> Source:
             return _cache[key]
         text = raw.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark (some editors write one) is no content
     except UnicodeDecodeError as e:
+        kind = _binary_kind(raw)
+        if kind:  # not text gone wrong: another kind of file given where a manifest is read
+            fix = "give a YAML or TOML file (a card, a recipe, a workflow)" + (
+                "; `cardtool generate --like IMAGE` makes an image again from the settings it records"
+                if kind.endswith("image") else "")
+            raise CardValidationError.at(shown, 1, 1, "", f"not a YAML or TOML file: it is {kind}", fix)
         raise CardValidationError.at(shown, 1, 1, "", f"not UTF-8 text ({e.reason})", "save it as UTF-8")
     except OSError as e:
         raise CardValidationError.at(shown, 1, 1, "", f"cannot read: {e.strerror}", "check the path")
