@@ -680,7 +680,8 @@ def _argv(rng: random.Random, env: Env, out: Path) -> list[str]:
               str(out), str(out / "x.png"), str(out / "card"), "/dev/null", "/dev/zero", "/proc", "-", "", " ", "\x00",
               "a bag", "invert=0.5", "invert=nan", "=1", "euler", "renoise", "bfloat16", "float16", "numpy", "cuda",
               "5GB", "-5MB", "0,0.4", "0.4,0", "steps.draft.generate.num=2", "a=b=c", "x" * 5000, "../x", "hf",
-              "%s%n", "ünïcode 👜", "--help", "--json", f"{env.card('tiny-rl')}=0.7", f"{env.card('tiny-base')}=0.3",
+              "%s%n", "ünïcode 👜", "--help", "--json", "~", "~no-such-user/x", "./-", f"{env.card('tiny-rl')}=0.7",
+              f"{env.card('tiny-base')}=0.3",
               "tiny-base=1.5", f"{env.card('tiny-rl')}=-1e300", f"{env.card('tiny-rl')}=1e308", "tiny-base=1e308"]
     path = rng.choice(ARGV_COMMANDS)
     options, arguments = _command_options()[path]
