@@ -191,7 +191,8 @@ class LoadedCard:
                                            shift=shift, solver=solver, guidance_interval=guidance_interval,
                                            strict=strict, adapters=adapters, control=control,
                                            control_scale=control_scale, negative_prompt=negative_prompt)
-        starts = init_images(image, strength, instance.component(loop.vae).config.image_size, len(prompts), mask)
+        size = instance.component(loop.vae).config.image_size if image is not None else None  # no VAE built for none
+        starts = init_images(image, strength, size, len(prompts), mask)
         planned = requests[0]
         requests, latents, from_image = _started(loop, requests, starts, num)
         warnings = instance.warnings + started_warnings(warnings, planned, requests[0])

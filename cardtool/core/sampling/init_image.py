@@ -51,7 +51,7 @@ class InitImage:
         return {"image": self.image.record(), **({"mask": self.mask.record()} if self.mask else {})}
 
 
-def init_images(image, strength, size: int, prompts: int, mask=None) -> list[InitImage] | None:
+def init_images(image, strength, size: int | None, prompts: int, mask=None) -> list[InitImage] | None:
     """What each prompt's requests start from — an image (and a mask) for all of them (a file, a PIL image or a grey
     uint8 (H, W) array), or a list or tuple of one per prompt —, files resized to the card's `size`, at `strength`
     (default DEFAULT_STRENGTH, with a mask 1: the masked part generated from noise); None without an image. BadInput for
