@@ -184,7 +184,7 @@ class LoadedCard:
         card, platform = self.card, self.platform
         loop = self.loop(precision)
         instance = loop.instance
-        before = instance.build_seconds  # components built by this call: the VAE for a start image, say, right here
+        before = instance.build_seconds  # what this call builds from here on is loading (a start image's VAE, say)
         inputs = {"--image": image, "--mask": mask, "--control": control}
         control = control_image(loop, control, preprocessor, adapters)
         requests, warnings = plan_requests(card, prompts, num=num, seed=seed, steps=steps, guidance=guidance,
