@@ -539,7 +539,7 @@ def test_a_lora_student_trains_only_its_lora_and_serves_as_it_was_trained(exampl
 def test_an_eval_that_fails_after_the_card_is_written_keeps_its_kind(examples, monkeypatch):
     from cardtool.core.evaluation import evaluate as evaluate_module
     from cardtool.core.sampling.denoise import NonFiniteImages
-    from cardtool.core.training.derived import evaluate_output
+    from cardtool.core.training.derived import evaluate_output, held_out_output
     from cardtool.errors import RunFailed
 
     card = load_card(examples / "tiny-base")
@@ -557,6 +557,12 @@ def test_an_eval_that_fails_after_the_card_is_written_keeps_its_kind(examples, m
                                         "--record` once it can")
         with pytest.raises(kind, match="--data 'my data' --per-class 7 --record` once it can"):
             evaluate_output(card, "tiny-judge", None, data="my data", per_class=7)
+        with pytest.raises(kind, match="was written and its eval recorded, but the held-out judge's eval failed") \
+                as info:  # the held-out judge's eval after it (rl, distill): the same
+            held_out_output(card, "tiny-referee", None, data="my data", on_eval=None, per_class=7)
+        assert type(info.value) is kind and str(info.value).endswith(
+            f"`cardtool eval {card.folder} --judge tiny-referee --data 'my data' --per-class 7` measures it once it "
+            "can")
 
 
 def test_lora_targets_that_name_no_layer_are_bad_input(examples):

@@ -112,15 +112,9 @@ def evaluate_output(card: Card, judge: str, device: str | None, data: str | None
     try:
         evaluated = evaluate(str(card.folder), judge=judge, device=device, data=data, per_class=per_class)
     except CardtoolError as e:  # bad input (a judge that is no reward card) or a failed run (NaN images), as it was
-        import shlex
-
-        # the eval this run would have recorded: its judge and data, not eval's defaults
-        command = ["cardtool", "eval", str(card.folder), "--judge", judge, *(["--data", data] if data else []),
-                   *(["--per-class", str(per_class)] if per_class != 100 else []),
-                   *(["--device", device] if device else []), "--record"]
         raise (RunFailed if isinstance(e, RunFailed) else BadInput)(
-            f"the card {card.folder} was written, but its eval failed: {e}; run `{shlex.join(command)}` once it "
-            "can") from None
+            f"the card {card.folder} was written, but its eval failed: {e}; run "
+            f"`{_eval_command(card, judge, device, data, per_class)}` once it can") from None
     if evaluated.rank == 0:  # under torchrun every rank samples its share, rank 0 records
         record_eval(str(card.folder), evaluated.to_json())
         if on_eval:
@@ -129,13 +123,28 @@ def evaluate_output(card: Card, judge: str, device: str | None, data: str | None
     return load_card(card.folder)
 
 
+def _eval_command(card: Card, judge: str, device: str | None, data: str | None, per_class: int,
+                  record: bool = True) -> str:
+    """The eval a run would have made of its card: its judge and data, not eval's defaults, quoted for a shell."""
+    import shlex
+
+    return shlex.join(["cardtool", "eval", str(card.folder), "--judge", judge, *(["--data", data] if data else []),
+                       *(["--per-class", str(per_class)] if per_class != 100 else []),
+                       *(["--device", device] if device else []), *(["--record"] if record else [])])
+
+
 def held_out_output(card: Card, judge: str, device: str | None, data: str | None, on_eval, per_class: int) -> Card:
     """Class accuracy at the card's defaults under a judge that was never the reward (nor the eval's judge), recorded
     beside the eval as `held_out_judge`."""
     from cardtool.core.cards.record import record_metrics
     from cardtool.core.evaluation.evaluate import evaluate
 
-    evaluated = evaluate(str(card.folder), judge=judge, device=device, data=data, per_class=per_class)
+    try:
+        evaluated = evaluate(str(card.folder), judge=judge, device=device, data=data, per_class=per_class)
+    except CardtoolError as e:  # as evaluate_output's: the card and its eval are kept, and said so
+        raise (RunFailed if isinstance(e, RunFailed) else BadInput)(
+            f"the card {card.folder} was written and its eval recorded, but the held-out judge's eval failed: {e}; "
+            f"`{_eval_command(card, judge, device, data, per_class, record=False)}` measures it once it can") from None
     if evaluated.rank == 0:  # under torchrun every rank samples its share, rank 0 records
         report = evaluated.to_json()
         row = report["rows"][0]
