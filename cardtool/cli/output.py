@@ -21,18 +21,19 @@ __all__ = ["LateProgress", "console", "emit_json", "handled", "printable", "quot
 def console(*, stderr: bool = False):
     """A Rich console; when not a terminal (a log, a pipe) it is 160 columns wide, not Rich's 80, so
     tables stay readable. COLUMNS overrides both when it is a width (at least 80); Rich would render nothing at 0.
-    No emoji codes: a path or a description with `:dog:` in it is shown as written."""
+    No emoji codes: a path or a description with `:dog:` in it is shown as written. Its height is given too: Rich
+    reads COLUMNS and LINES itself wherever a size is left to it, with str.isdigit, and int('²') then raised
+    (COLUMNS=² or LINES=² ended every command that prints a table with a traceback)."""
     import shutil
 
     from rich.console import Console
 
     stream = sys.stderr if stderr else sys.stdout
-    columns = os.environ.get("COLUMNS", "")
-    if columns.isdecimal() and int(columns) > 0:
-        width = max(int(columns), 80)
-    else:
-        width = shutil.get_terminal_size((160, 24)).columns if stream.isatty() else 160
-    return Console(stderr=stderr, highlight=False, soft_wrap=stderr, width=width, emoji=False)
+    columns, lines = os.environ.get("COLUMNS", ""), os.environ.get("LINES", "")
+    size = shutil.get_terminal_size((160, 24)) if stream.isatty() else os.terminal_size((160, 24))
+    width = max(int(columns), 80) if columns.isdecimal() and int(columns) > 0 else size.columns
+    height = int(lines) if lines.isdecimal() and int(lines) > 0 else size.lines
+    return Console(stderr=stderr, highlight=False, soft_wrap=stderr, width=width, height=height, emoji=False)
 
 
 def say(line: str, *, stderr: bool = False) -> None:

@@ -28,12 +28,26 @@ class Terminal(io.StringIO):
 @pytest.mark.parametrize("columns, width", [("100", 100), ("50", 80), ("80", 80), ("1", 80), ("0", 160),
                                             ("wide", 160), ("²", 160), (None, 160)])
 def test_off_a_terminal_the_console_is_160_wide_unless_columns_says_otherwise(columns, width, monkeypatch):
+    monkeypatch.delenv("LINES", raising=False)  # set (as under xdist), it kept Rich from reading COLUMNS itself
     if columns is None:
         monkeypatch.delenv("COLUMNS", raising=False)
     else:
         monkeypatch.setenv("COLUMNS", columns)
     assert output.console().width == width
     assert output.console(stderr=True).width == width
+
+
+@pytest.mark.parametrize("lines, height", [("40", 40), ("0", 24), ("²", 24), ("tall", 24), (None, 24)])
+def test_lines_is_the_console_s_height_where_it_is_one(lines, height, monkeypatch):
+    """Rich read LINES (and COLUMNS) with str.isdigit: '²' passes it, and int() then raised in every table."""
+    monkeypatch.setenv("COLUMNS", "²")
+    if lines is None:
+        monkeypatch.delenv("LINES", raising=False)
+    else:
+        monkeypatch.setenv("LINES", lines)
+    console = output.console()
+    assert (console.width, console.height) == (160, height)
+    console.print("a table's worth")
 
 
 def test_on_a_terminal_the_console_is_the_terminal_s_width(monkeypatch):
