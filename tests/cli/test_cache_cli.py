@@ -34,6 +34,14 @@ def test_info_counts_and_clear_removes_only_cardtools_files(tmp_path, monkeypatc
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("not cardtool's")
     os.symlink(tmp_path / "a.png", root / "text" / "ab" / ("1" * 64 + ".npz"))  # never followed, never removed
+    outside = tmp_path / "outside"  # a folder of someone else's, reached through links named as cardtool's files
+    outside.mkdir()
+    for name in ("3" * 64 + ".npz", "notes.json", ".digests.json.888888.tmp"):
+        (outside / name).write_text("not cardtool's")
+        foreign.append(outside / name)
+    shard = next(f"{i:02x}" for i in range(256) if not (root / "text" / f"{i:02x}").exists())
+    os.symlink(outside, root / "text" / shard)
+    os.symlink(outside / ".digests.json.888888.tmp", root / ".digests.json.777777.tmp")
     (root / ".digests.json.999999.tmp").write_text("{")  # as versions before 2026-12-03 named them
     (root / "text" / "ab" / f".{'2' * 64}.npz.999999-7.tmp").write_text("half")
     result, cleared = cache("clear")
@@ -42,6 +50,10 @@ def test_info_counts_and_clear_removes_only_cardtools_files(tmp_path, monkeypatc
     assert all(path.exists() for path in foreign) and (tmp_path / "a.png").exists()
     assert [(k, v["files"]) for k, v in cache("info")[1].items() if k not in ("path", "limit", "problem")] == [
         ("text", 0), ("digests", 0), ("temporary", 0)]
+    os.symlink(outside / "notes.json", root / "digests.json")  # the digests' name, linked elsewhere: not ours
+    assert cache("info")[1]["digests"]["files"] == 0 and cache("clear")[0].exit_code == 0
+    assert (outside / "notes.json").read_text() == "not cardtool's"
+    (root / "digests.json").unlink()
     again = CliRunner().invoke(app, ["generate", str(EXAMPLE_CARDS / "tiny-base"), "-p", "a bag", "--steps", "1",
                                      "--out", str(tmp_path / "b.png")])
     assert again.exit_code == 0 and (tmp_path / "a.png").read_bytes() == (tmp_path / "b.png").read_bytes()
