@@ -27,6 +27,12 @@ def test_version():
     assert result.exit_code == 0 and result.stdout.strip() == f"cardtool {__version__}"
 
 
+def test_no_arguments_show_the_commands():
+    result = run()
+    assert "Usage: cardtool" in result.output and all(c in result.output for c in ("generate", "distill", "cards"))
+    assert "--install-completion" not in result.output, "no shell-completion options: the tool stays light"
+
+
 def test_list_json_shape(on_path):
     result = run("cards", "list", "--json")
     assert result.exit_code == 0
