@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -168,3 +169,19 @@ def test_a_closed_stdout_or_stderr_is_not_a_traceback(tmp_path):
         assert done.returncode == status and said in done.stdout + done.stderr, done.stderr
         assert "Traceback" not in done.stdout + done.stderr, done.stderr
     assert [len(list((tmp_path / d).glob("*.png"))) for d in "ab"] == [1, 1]
+    # the closed descriptor is /dev/null while the command runs: left free, the next file opened (a PNG, a
+    # checkpoint) would take its number and receive what C code writes to standard error or output
+    seen = tmp_path / "fds"
+    probe = ("import os, cardtool.cli as cli\n"
+             "def command():\n"
+             f"    open({str(seen)!r}, 'w').write(os.readlink('/proc/self/fd/1') + ' ' + os.readlink("
+             "'/proc/self/fd/2'))\n"
+             "    raise SystemExit(0)\n"
+             "cli.app = command\n"
+             "cli.main()\n")
+    for redirect in (">&-", "2>&-", ">&- 2>&-"):
+        done = subprocess.run(["bash", "-c", f"{sys.executable} -c {shlex.quote(probe)} {redirect}"], timeout=60,
+                              capture_output=True, text=True)
+        assert done.returncode == 0, (redirect, done.stderr)
+        assert seen.read_text().count("/dev/null") == redirect.count("&-"), (redirect, seen.read_text())
+        seen.unlink()
