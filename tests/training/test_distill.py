@@ -202,8 +202,8 @@ def test_the_cli_evaluates_the_student_at_its_own_steps_and_records_the_eval_in_
     args = ["distill", str(examples / "tiny-base"), "--steps", "1", "--judge", str(examples / "tiny-judge"), "--data",
             str(data), "--out", str(tmp_path / "s1"), "--run-dir", str(tmp_path / "r"), "--json",
             *(f"--set={o}" for o in TINY)]
-    refused = CliRunner().invoke(app, [*args, "--held-out-judge", ""])  # 1,000 images a row by default: their
-    # floors need as many
+    # 1,000 images a row by default: their floors need as many
+    refused = CliRunner().invoke(app, [*args, "--held-out-judge", ""])
     assert refused.exit_code == 2 and "--per-class 100 asks for 1000 images, more than the 64 training" in \
         json.loads(refused.stdout)["error"]["message"] and not (tmp_path / "r").exists(), "refused before the run"
     referee = tiny_referee(examples)  # tiny-judge's weights: the same images judged twice, the same accuracy

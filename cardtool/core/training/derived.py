@@ -107,18 +107,46 @@ def evaluate_output(card: Card, judge: str, device: str | None, data: str | None
                     per_class: int = 100) -> Card:
     """`cardtool eval` at the card's own defaults, recorded (eval.json beside it, summary in the recipe)."""
     from cardtool.core.cards.record import record_eval
+
+    command = _eval_command(card, judge, device, data, per_class)
+    return _evaluated(card, judge, device, data, on_eval, per_class,
+                      lambda report: record_eval(str(card.folder), report),
+                      lambda e: f"the card {card.folder} was written, but its eval failed: {e}; run `{command}` "
+                                "once it can")
+
+
+def held_out_output(card: Card, judge: str, device: str | None, data: str | None, on_eval, per_class: int) -> Card:
+    """Class accuracy at the card's defaults under a judge that was never the reward (nor the eval's judge), recorded
+    beside the eval as `held_out_judge`."""
+    from cardtool.core.cards.record import record_metrics
+
+    def record(report: dict) -> None:
+        row = report["rows"][0]
+        record_metrics(str(card.folder), {"held_out_judge": {"card": report["judge"], "images": row["images"],
+                                                             "class_accuracy": row["class_accuracy"]}})
+
+    command = _eval_command(card, judge, device, data, per_class, record=False)
+    return _evaluated(card, judge, device, data, on_eval, per_class, record,
+                      lambda e: f"the card {card.folder} was written and its eval recorded, but the held-out judge's "
+                                f"eval failed: {e}; `{command}` measures it once it can")
+
+
+def _evaluated(card: Card, judge: str, device: str | None, data: str | None, on_eval, per_class: int, record,
+               failed) -> Card:
+    """The written card evaluated at its defaults under `judge`, the report given to `record` (and `on_eval`) on rank
+    0, and the card loaded again. An eval that fails keeps its kind — bad input (a judge that is no reward card) or a
+    failed run (NaN images) — and says `failed(error)`: the card is kept, and how to measure it later."""
     from cardtool.core.evaluation.evaluate import evaluate
 
     try:
         evaluated = evaluate(str(card.folder), judge=judge, device=device, data=data, per_class=per_class)
-    except CardtoolError as e:  # bad input (a judge that is no reward card) or a failed run (NaN images), as it was
-        raise (RunFailed if isinstance(e, RunFailed) else BadInput)(
-            f"the card {card.folder} was written, but its eval failed: {e}; run "
-            f"`{_eval_command(card, judge, device, data, per_class)}` once it can") from None
+    except CardtoolError as e:
+        raise (RunFailed if isinstance(e, RunFailed) else BadInput)(failed(e)) from None
     if evaluated.rank == 0:  # under torchrun every rank samples its share, rank 0 records
-        record_eval(str(card.folder), evaluated.to_json())
+        report = evaluated.to_json()
+        record(report)
         if on_eval:
-            on_eval(evaluated.to_json())
+            on_eval(report)
     distributed.ranks().barrier()
     return load_card(card.folder)
 
@@ -131,29 +159,6 @@ def _eval_command(card: Card, judge: str, device: str | None, data: str | None, 
     return shlex.join(["cardtool", "eval", str(card.folder), "--judge", judge, *(["--data", data] if data else []),
                        *(["--per-class", str(per_class)] if per_class != 100 else []),
                        *(["--device", device] if device else []), *(["--record"] if record else [])])
-
-
-def held_out_output(card: Card, judge: str, device: str | None, data: str | None, on_eval, per_class: int) -> Card:
-    """Class accuracy at the card's defaults under a judge that was never the reward (nor the eval's judge), recorded
-    beside the eval as `held_out_judge`."""
-    from cardtool.core.cards.record import record_metrics
-    from cardtool.core.evaluation.evaluate import evaluate
-
-    try:
-        evaluated = evaluate(str(card.folder), judge=judge, device=device, data=data, per_class=per_class)
-    except CardtoolError as e:  # as evaluate_output's: the card and its eval are kept, and said so
-        raise (RunFailed if isinstance(e, RunFailed) else BadInput)(
-            f"the card {card.folder} was written and its eval recorded, but the held-out judge's eval failed: {e}; "
-            f"`{_eval_command(card, judge, device, data, per_class, record=False)}` measures it once it can") from None
-    if evaluated.rank == 0:  # under torchrun every rank samples its share, rank 0 records
-        report = evaluated.to_json()
-        row = report["rows"][0]
-        record_metrics(str(card.folder), {"held_out_judge": {"card": report["judge"], "images": row["images"],
-                                                             "class_accuracy": row["class_accuracy"]}})
-        if on_eval:
-            on_eval(report)
-    distributed.ranks().barrier()
-    return load_card(card.folder)
 
 
 def write_output(folder: Path, manifest: dict, weights: dict, run_dir: Path, **options) -> Card:
