@@ -10,6 +10,7 @@ from pathlib import Path
 
 from cardtool.atomic import TEMPORARY
 from cardtool.errors import BadInput
+from cardtool.paths import home_expanded
 
 __all__ = ["DEFAULT_LIMIT", "NoCacheFolder", "cache_dir", "clear", "limit", "parse_size", "problem", "prune", "usage"]
 
@@ -25,12 +26,13 @@ class NoCacheFolder(BadInput):
 
 
 def cache_dir() -> Path:
-    """CARDTOOL_CACHE, else $XDG_CACHE_HOME/cardtool, else ~/.cache/cardtool. A relative XDG_CACHE_HOME is ignored,
-    as the XDG spec says: it would put a cache in every working folder. Without a home folder (HOME unset, a user id
-    the password database does not know: a container run as an arbitrary user), NoCacheFolder — runs then keep their
-    encoded prompts in memory only, never in a guessed shared folder another user could have filled."""
+    """CARDTOOL_CACHE (a leading ~ is the home folder), else $XDG_CACHE_HOME/cardtool, else ~/.cache/cardtool. A
+    relative XDG_CACHE_HOME is ignored, as the XDG spec says: it would put a cache in every working folder. Without a
+    home folder (HOME unset, a user id the password database does not know: a container run as an arbitrary user),
+    NoCacheFolder — runs then keep their encoded prompts in memory only, never in a guessed shared folder another user
+    could have filled."""
     if os.environ.get("CARDTOOL_CACHE"):
-        return Path(os.environ["CARDTOOL_CACHE"])
+        return Path(home_expanded(os.environ["CARDTOOL_CACHE"]))
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     if os.path.isabs(xdg):
         return Path(xdg) / "cardtool"

@@ -13,7 +13,12 @@ _UsageError = typer.BadParameter.__base__  # click's UsageError, from the click 
 
 class _Root(TyperGroup):
     """The root group: a usage error (an unknown option, a value of the wrong type, a missing argument) under
-    `--json` also prints the JSON error document, so a script reading stdout always gets one."""
+    `--json` also prints the JSON error document, so a script reading stdout always gets one. Every path option takes a
+    leading ~ as the home folder (`_home_in_paths`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _home_in_paths(self)
 
     def make_context(self, info_name, args, parent=None, **extra):
         self._argv = list(args)
@@ -33,6 +38,23 @@ class _Root(TyperGroup):
 
                 emit_json({"error": {"kind": "bad_input", "message": error.format_message(), "problems": []}})
             raise  # and the usual message on stderr, exit 2
+
+
+def _home_in_paths(command) -> None:
+    """Give every path option of `command` and its subcommands `paths.home_expanded`: bash leaves `--out=~/x` as
+    written, and click would make a folder named ~ of it."""
+    from typer.models import TyperPath  # the click that typer carries, not the one `import click` finds
+
+    from cardtool.paths import home_expanded
+
+    def expanding(convert):
+        return lambda value, param, ctx: convert(home_expanded(value) if isinstance(value, str) else value, param, ctx)
+
+    for param in command.params:
+        if isinstance(param.type, TyperPath):
+            param.type.convert = expanding(param.type.convert)
+    for sub in getattr(command, "commands", {}).values():
+        _home_in_paths(sub)
 
 
 app = typer.Typer(

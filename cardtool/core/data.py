@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from cardtool.errors import BadInput
+from cardtool.paths import home_expanded
 
 __all__ = ["CLASS_NAMES", "DEFAULT_DATA", "IMAGE_SIZE", "Split", "data_dir", "load_split", "provenance", "read_idx"]
 
@@ -68,11 +69,12 @@ class Split:
 
 
 def data_dir(explicit: str | Path | None = None) -> Path:
-    """The data folder: --data, else CARDTOOL_DATA, else Debian's fashion-mnist folder."""
+    """The data folder: --data, else CARDTOOL_DATA (a leading ~ is the home folder in either), else Debian's
+    fashion-mnist folder."""
     if isinstance(explicit, str) and not explicit.strip():  # `--data "$UNSET"` is a mistake, not the default
         raise BadInput(f"--data {explicit!r} names no folder; give one, or leave --data out for CARDTOOL_DATA or "
                        "Fashion-MNIST")
-    folder = Path(explicit or os.environ.get("CARDTOOL_DATA") or DEFAULT_DATA)
+    folder = Path(home_expanded(str(explicit or os.environ.get("CARDTOOL_DATA") or DEFAULT_DATA)))
     if not folder.is_dir():
         source = " (CARDTOOL_DATA)" if not explicit and os.environ.get("CARDTOOL_DATA") else ""
         raise BadInput(f"no Fashion-MNIST data at {folder}{source}: {_HOW}")

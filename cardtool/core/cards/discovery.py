@@ -10,6 +10,7 @@ from pathlib import Path
 
 from cardtool.core.cards.source import MANIFEST_NAMES, display_path, peek_id, read_source
 from cardtool.errors import AmbiguousCard, BadInput, CardNotFound, CardValidationError
+from cardtool.paths import home_expanded
 
 __all__ = ["Root", "Entry", "builtin_dir", "search_roots", "scan", "manifest_in", "locate", "bare_name"]
 
@@ -52,7 +53,8 @@ def search_roots(near: Path | None = None) -> list[Root]:
     id, in `extends` or `recipe.parents`) is searched first, so a family of cards can live together."""
     roots = [Root(near, "beside")] if near is not None else []
     roots.append(Root(Path.cwd() / "cards", "./cards"))
-    roots += [Root(Path(p), "CARDTOOL_PATH") for p in os.environ.get("CARDTOOL_PATH", "").split(os.pathsep) if p]
+    entries = os.environ.get("CARDTOOL_PATH", "").split(os.pathsep)
+    roots += [Root(Path(home_expanded(p)), "CARDTOOL_PATH") for p in entries if p]
     builtin = builtin_dir()
     if builtin is not None:
         roots.append(Root(builtin, "builtin"))
@@ -124,10 +126,7 @@ def scan(roots: list[Root], *, ids_only: bool = False) -> list[Entry]:
 
 
 def _as_path(name: str) -> Path | None:
-    try:
-        path = Path(name).expanduser()
-    except RuntimeError:  # ~USER of no user, or ~ without a home folder: the name as written, as a shell leaves it
-        path = Path(name)
+    path = Path(home_expanded(name))
     try:
         is_file, is_dir = path.is_file(), path.is_dir()
     except (OSError, ValueError) as e:  # a NUL byte, a name too long for the file system

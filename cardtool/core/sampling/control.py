@@ -15,6 +15,7 @@ from cardtool.core.sampling.control_names import PREPROCESSORS as NAMES
 from cardtool.core.sampling.images import DAMAGED, open_image
 from cardtool.errors import BadInput
 from cardtool.files import read_small_file_bytes
+from cardtool.paths import home_expanded
 
 __all__ = ["PREPROCESSORS", "ControlImage", "silhouette", "edges", "pixels_digest", "read_grey", "parse_control"]
 
@@ -147,7 +148,7 @@ def parse_control(text: str) -> tuple[Path, str | None]:
     """`IMAGE[:PREPROCESSOR]` as typed after --control (the preprocessor defaults to the ControlNet's own)."""
     path, sep, name = text.rpartition(":")
     if sep and name in PREPROCESSORS:
-        return Path(path), name
+        return Path(home_expanded(path)), name
     if sep and "/" not in name and "." not in name and name:
         raise BadInput(f"--control {text}: unknown preprocessor '{name}'; choose one of: {', '.join(PREPROCESSORS)}")
-    return Path(text), None
+    return Path(home_expanded(text)), None
