@@ -1,5 +1,6 @@
-"""The training commands state no default of their own that could drift from the Python API's: run with no options
-but the ones they require, each hands its API function that function's own defaults (eval's: test_evaluate_input)."""
+"""The training commands and `generate` state no default of their own that could drift from the Python API's: run
+with no options but the ones they require, each hands its API function that function's own defaults (eval's:
+test_evaluate_input)."""
 
 from __future__ import annotations
 
@@ -47,3 +48,21 @@ def test_a_command_with_no_options_passes_its_apis_defaults(examples, monkeypatc
         return list(value) if isinstance(value, tuple) else value
 
     assert {key: plain(passed[key]) for key in defaults} == {key: plain(v) for key, v in defaults.items()}
+
+
+def test_generate_with_only_a_card_and_a_prompt_passes_the_apis_defaults(examples, monkeypatch):
+    from cardtool.core.sampling import generate as module
+
+    api = {**inspect.signature(module.LoadedCard.generate).parameters, **inspect.signature(module.generate).parameters}
+    passed = {}
+
+    def capture(card, prompts, **options):
+        passed.update(options)
+        raise BadInput("captured")
+
+    monkeypatch.setattr(module, "generate", capture)
+    result = CliRunner().invoke(app, ["generate", str(examples / "tiny-base"), "-p", "a bag", "--json"])
+    assert result.exit_code == 2 and json.loads(result.stdout)["error"]["message"] == "captured", result.output
+    defaults = {key: api[key].default for key in passed if not key.startswith("on_")}
+    assert {"skip_existing", "max_batch", "out", "seed", "best_of", "fuse", "grid", "strict"} <= set(defaults)
+    assert {key: str(v) if key == "out" else v for key, v in passed.items() if key in defaults} == defaults
