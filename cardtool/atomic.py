@@ -202,9 +202,9 @@ def writable_folder(folder: Path | str, what: str, *, keep: bool = True) -> Path
     return folder
 
 
-def stream_refused(what: str, kind: str = "a folder", alternative: str = "") -> str:
-    """Why `--out -` — the shell's "standard output", which would otherwise be a file or folder named '-' — is
-    refused: `what` says how the output is written. Once a path, './-' is '-' too: one named '-' is given by its
-    whole path."""
-    return (f"--out -: {what}, not to standard output; give {kind} ({os.path.abspath('-')} for one named "
+def stream_refused(what: str, kind: str = "a folder", alternative: str = "", option: str = "--out") -> str:
+    """Why `--out -` (or another output `option`) — the shell's "standard output", which would otherwise be a file or
+    folder named '-' — is refused: `what` says how the output is written. Once a path, './-' is '-' too: one named '-'
+    is given by its whole path."""
+    return (f"{option} -: {what}, not to standard output; give {kind} ({os.path.abspath('-')} for one named "
             f"'-'){alternative}; --json prints the report on standard output")

@@ -222,6 +222,26 @@ def test_out_dash_is_no_folder_of_any_command_and_one_named_so_is_given_by_its_w
     assert made.exit_code == 0 and (tmp_path / "-" / "card.yaml").is_file(), made.output
 
 
+@pytest.mark.parametrize("out", ["-", "./-"])
+def test_run_dir_dash_and_the_flywheels_out_dir_dash_are_refused_too(on_path, tmp_path, out):
+    """`--run-dir -` and flywheel's `--out-dir -` made folders named '-', unlike every `--out -`."""
+    whole = f"{tmp_path / '-'} for one named '-'"
+    small = ["--set", "optim.steps=1", "--set", "optim.batch_size=2"]
+    rl = ["--reward", "tiny-judge", "--set", "loss.group_size=4"]
+    flywheel = ["flywheel", "tiny-base", *rl[:2], "--judge", "tiny-judge", "--held-out-judge", "", "--stop-after", "rl",
+                "--set", "rl.optim.steps=1"]
+    commands = [(["train", "--recipe", str(REPO / "examples" / "recipes" / "fashion-vae.yaml"), "--set", "card.id=v",
+                  "--out", str(tmp_path / "v"), *small], "--run-dir"),
+                (["distill", "tiny-base", "--no-eval", *small], "--run-dir"),
+                (["rl", "tiny-base", "--no-eval", *rl, *small], "--run-dir"),
+                (flywheel, "--run-dir"), (flywheel, "--out-dir")]
+    for command, option in commands:
+        result = run(*command, option, out, "--json")
+        message = json.loads(result.stdout)["error"]["message"]
+        assert result.exit_code == 2 and message.startswith(f"{option} -: ") and whole in message, (command, message)
+    assert not (tmp_path / "-").exists() and not (tmp_path / "runs").exists()
+
+
 def test_an_image_or_weights_given_where_a_manifest_is_read_is_named_as_such(on_path, tmp_path):
     """A PNG given as the card (meant for --like?) said "not UTF-8 text … save it as UTF-8"."""
     made = run("generate", "tiny-base", "-p", "a bag", "--steps", "1", "--out", str(tmp_path / "bag.png"))
