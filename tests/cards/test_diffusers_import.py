@@ -218,6 +218,27 @@ def test_what_cannot_be_the_same_model_is_refused(examples, tmp_path, case, mess
     assert not (tmp_path / "card").exists()
 
 
+def test_a_hub_id_given_as_a_folder_or_card_says_that_nothing_is_downloaded(examples, tmp_path, monkeypatch):
+    """`cards import Wan-AI/Wan2.1-T2V-1.3B` said the (missing) folder "is not a diffusers transformer folder"."""
+    monkeypatch.chdir(tmp_path)
+    repo = "Wan-AI/Wan2.1-T2V-1.3B"
+    hub = f"huggingface-cli download {repo} --local-dir DIR"
+    message = json.loads(run_import(repo, examples / "tiny-base", "card").stdout)["error"]["message"]
+    assert message.startswith(f"{repo}: no such folder;") and f"never downloads: {hub} first" in message
+    generate = CliRunner().invoke(app, ["generate", repo, "-p", "a bag", "--json"])
+    message = json.loads(generate.stdout)["error"]["message"]
+    assert generate.exit_code == 2 and "never downloads" in message and hub in message and "cards import DIR" in message
+    (tmp_path / "weights").write_text("")
+    for source, kind in (("nowhere", "no such folder"), ("weights", "not a folder")):
+        message = json.loads(run_import(source, examples / "tiny-base", "card").stdout)["error"]["message"]
+        assert message.startswith(f"{source}: {kind};") and "download" not in message, message
+    (tmp_path / "owner").mkdir()
+    (tmp_path / "owner" / "name").write_text("")  # there: a path, not a Hub id
+    message = json.loads(run_import("owner/name", examples / "tiny-base", "card").stdout)["error"]["message"]
+    assert "not a folder" in message and "download" not in message
+    assert not (tmp_path / "card").exists()
+
+
 def test_keys_a_config_json_leaves_out_take_diffusers_defaults():
     """A config.json saved by an older diffusers (or written by hand) may omit a key; diffusers builds its own default
     for it, so the imported card must too."""

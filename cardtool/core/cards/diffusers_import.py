@@ -93,6 +93,14 @@ def import_diffusers(source: Path, base_ref: str, card_id: str, out: Path | None
 
 
 def _transformer_folder(source: Path, weights: str) -> Path:
+    if not source.is_dir():
+        from cardtool.core.cards.discovery import hub_download
+
+        hub = hub_download(str(source))
+        kind = "not a folder" if source.exists() else "no such folder"
+        raise BadInput(f"{source}: {kind}; give the folder of a diffusers WanTransformer3DModel (or of a pipeline with "
+                       "a transformer/ folder)" + (f"; cardtool never downloads: {hub} first, then give DIR" if hub
+                                                  else ""))
     for folder in (source, source / "transformer"):
         if is_regular_file(folder / "config.json") and (
                 is_regular_file(folder / weights) or is_regular_file(folder / f"{weights}.index.json")):

@@ -139,8 +139,21 @@ def _as_path(name: str) -> Path | None:
             raise BadInput(f"{display_path(path)} is not a card folder: it holds no card.yaml or card.toml")
         return file  # None for an id that also names a folder here that is no card (a generate --out, say)
     if not bare_name(name):
-        raise BadInput(f"no such card folder or manifest: {name}")
+        hub = hub_download(name)
+        raise BadInput(f"no such card folder or manifest: {name}" + (
+            f"; cardtool reads cards from disk and never downloads: a diffusers Wan transformer from the Hub becomes a "
+            f"card once downloaded ({hub}; cardtool cards import DIR --base CARD --id ID)" if hub else ""))
     return None
+
+
+def hub_download(name: str) -> str:
+    """For a missing path written as a Hugging Face repository id (`owner/name`), the command that downloads it (a
+    user who types one expects a download, which cardtool never makes); else ''."""
+    import re
+
+    if not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name) or os.path.lexists(name):
+        return ""
+    return f"huggingface-cli download {name} --local-dir DIR"
 
 
 def bare_name(name: str) -> bool:
