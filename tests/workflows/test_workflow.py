@@ -300,6 +300,21 @@ def test_a_steps_defaults_and_card_paths_relative_to_the_workflow(examples, tmp_
     assert steps["c"].chain.strength == 0.5 and steps["p"].parallel.strength == 0.5 and steps["p"].parallel.num == 1
 
 
+def test_a_card_and_an_image_named_from_the_home_folder(examples, tmp_path, monkeypatch):
+    """`card: ~/cards/tiny-base` was looked for in a folder named ~ beside the workflow, as was `image: ~/start.png`."""
+    home = tmp_path / "home"
+    (home / "cards").mkdir(parents=True)
+    (home / "cards" / "tiny-base").symlink_to(examples / "tiny-base")
+    LoadedCard(str(examples / "tiny-base")).generate("a boot", steps=2, out=home / "start.png")
+    monkeypatch.setenv("HOME", str(home))
+    path = write(tmp_path, examples, "  t:\n    generate: {card: ~/cards/tiny-base, prompts: [a bag], steps: 2, "
+                 "image: ~/start.png, strength: 0.5}\n")
+    result = run(path, tmp_path)
+    assert result.exit_code == 0, result.output
+    (made,) = json.loads(result.stdout)["steps"][0]["images"]
+    assert made["card"] == "tiny-base" and made["image"]["source"] == str(home / "start.png")
+
+
 def test_an_adapter_a_card_does_not_declare_is_refused_naming_the_loras_it_does(examples, tmp_path):
     from cardtool.core.workflows.manifest import load_workflow
     from cardtool.errors import CardValidationError

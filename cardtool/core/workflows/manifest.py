@@ -19,6 +19,7 @@ from cardtool.core.cards.schema_errors import schema_problems
 from cardtool.core.cards.source import Source, read_source
 from cardtool.core.training.recipes import apply_overrides
 from cardtool.errors import CardtoolError, CardValidationError, Problem
+from cardtool.paths import home_expanded
 
 __all__ = ["KINDS", "Workflow", "WorkflowManifest", "load_workflow"]
 
@@ -168,8 +169,14 @@ class Workflow:
         return self.source.file.parent
 
     def card_ref(self, ref: str) -> str:
-        """A card named in the workflow: an id (searched from the workflow's folder too), or a path relative to it."""
+        """A card named in the workflow: an id (searched from the workflow's folder too), or a path relative to it
+        (a leading ~: the home folder)."""
+        ref = home_expanded(ref)
         return str(self.folder / ref) if "/" in ref or ref.startswith(".") else ref
+
+    def file(self, path: str | Path) -> Path:
+        """An image file the workflow names: relative to its folder, a leading ~ the home folder."""
+        return self.folder / home_expanded(str(path))
 
 
 def load_workflow(file: str | Path, overrides: list[str] = (), *, check_cards: bool = True) -> Workflow:
@@ -334,12 +341,12 @@ def _unreadable(workflow: Workflow, path, what: str) -> str | None:
     from cardtool.core.sampling.control import read_grey
     from cardtool.files import is_regular_file
 
-    if not is_regular_file(workflow.folder / path):
+    if not is_regular_file(workflow.file(path)):
         return f"{what} {path} is not a file (paths are relative to the workflow)"
     try:
-        read_grey(workflow.folder / path, 1, what)
+        read_grey(workflow.file(path), 1, what)
     except CardtoolError as e:
-        return str(e).replace(str(workflow.folder / path), str(path))
+        return str(e).replace(str(workflow.file(path)), str(path))
     return None
 
 

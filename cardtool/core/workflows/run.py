@@ -140,7 +140,7 @@ class _Runner:
             return None
         path, preprocessor = parse_control(body.control)
         adapters = list(body.adapters.items()) if body.adapters is not None else None
-        source = image if str(path) == "input" else str(self.workflow.folder / path)
+        source = image if str(path) == "input" else str(self.workflow.file(path))
         return control_image(self.card(ref).loop(body.precision), source, preprocessor, adapters)
 
     def sampled(self, ref: str, prompts: list[str], num: int, body) -> list[_Job]:
@@ -152,7 +152,7 @@ class _Runner:
             return [_Job(ref, "sample", r, body.precision, image_metadata(loop, r)) for r in requests]
         from cardtool.core.sampling.init_image import init_images
 
-        files = [None if p is None else str(self.workflow.folder / p) for p in (body.image, body.mask)]
+        files = [None if p is None else str(self.workflow.file(p)) for p in (body.image, body.mask)]
         (start,) = init_images(files[0], body.strength, loop.instance.component(loop.vae).config.image_size, 1,
                                files[1])
         jobs = []
