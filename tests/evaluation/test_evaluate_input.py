@@ -96,11 +96,14 @@ def test_eval_samples_with_the_shift_and_solver_asked_for_and_its_rows_say_so(ex
 
     args = ["eval", str(examples / "tiny-base"), "--judge", str(examples / "tiny-judge"), "--per-class", "1",
             "--steps", "3", "--data", str(write_idx_folder(tmp_path / "idx")), "--json"]
+    folder = sorted((p.name, p.read_bytes()) for p in (examples / "tiny-base").rglob("*") if p.is_file())
     rows = {}
     for name, extra in (("default", []), ("asked", ["--shift", "3", "--solver", "sde"])):
         result = CliRunner().invoke(app, [*args, *extra])
         assert result.exit_code == 0, result.output
         [rows[name]] = json.loads(result.stdout)["rows"]
+    assert sorted((p.name, p.read_bytes()) for p in (examples / "tiny-base").rglob("*") if p.is_file()) == folder, \
+        "without --record the card is left as it was"
     assert (rows["default"]["shift"], rows["default"]["solver"]) == (1.0, "euler")
     assert (rows["asked"]["shift"], rows["asked"]["solver"]) == (3.0, "sde")
     assert rows["asked"]["kid"] != rows["default"]["kid"], "other images were sampled"
