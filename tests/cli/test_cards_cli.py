@@ -48,6 +48,15 @@ def test_list_table(on_path):
     assert "tiny-distilled" in result.stdout and "dmd2" in result.stdout
 
 
+@pytest.mark.parametrize("args", [["list"], ["show", "tiny-rl"], ["validate", "tiny-rl"], ["lineage", "tiny-rl"],
+                                  ["diff", "tiny-base", "tiny-rl"]])
+def test_without_json_a_cards_command_writes_for_people(on_path, args):
+    result = run("cards", *args)
+    assert result.exit_code == 0 and "tiny-rl" in result.stdout, result.output
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(result.stdout)
+
+
 @pytest.mark.parametrize("columns", ["0", "-3", "wide", "7"])
 def test_a_columns_that_is_no_width_still_shows_the_table(on_path, columns):
     result = CliRunner().invoke(app, ["cards", "list"], env={"COLUMNS": columns})  # Rich drew nothing at 0
