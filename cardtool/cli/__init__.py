@@ -40,18 +40,21 @@ class _Root(TyperGroup):
             raise  # and the usual message on stderr, exit 2
 
 
+def is_path_type(kind) -> bool:
+    """Whether a parameter type is click's Path: typer's own TyperPath since it carries click, click.Path before."""
+    return all(hasattr(kind, name) for name in ("file_okay", "dir_okay", "resolve_path", "convert"))
+
+
 def _home_in_paths(command) -> None:
     """Give every path option of `command` and its subcommands `paths.home_expanded`: bash leaves `--out=~/x` as
     written, and click would make a folder named ~ of it."""
-    from typer.models import TyperPath  # the click that typer carries, not the one `import click` finds
-
     from cardtool.paths import home_expanded
 
     def expanding(convert):
         return lambda value, param, ctx: convert(home_expanded(value) if isinstance(value, str) else value, param, ctx)
 
     for param in command.params:
-        if isinstance(param.type, TyperPath):
+        if is_path_type(param.type):
             param.type.convert = expanding(param.type.convert)
     for sub in getattr(command, "commands", {}).values():
         _home_in_paths(sub)

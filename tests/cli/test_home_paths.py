@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 import typer.main
 from helpers import EXAMPLE_CARDS
-from typer.models import TyperPath
 from typer.testing import CliRunner
 
-from cardtool.cli import app
+from cardtool.cli import app, is_path_type
 from cardtool.core.data import data_dir
 from cardtool.core.sampling.control import parse_control
 from cardtool.paths import home_expanded
@@ -53,7 +52,7 @@ def test_every_path_option_of_every_command_expands_the_home_folder(home):
     def walk(command):
         nonlocal checked
         for param in command.params:
-            if isinstance(param.type, TyperPath):
+            if is_path_type(param.type):
                 name = "d" if param.type.dir_okay and not param.type.file_okay else "f.png"
                 assert Path(param.type.convert(f"~/{name}", param, None)) == home / name, (command.name, param.name)
                 checked += 1
