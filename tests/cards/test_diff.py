@@ -129,6 +129,9 @@ def test_changes_are_listed_largest_first_five_by_default_and_read_a_chunk_at_a_
     assert moved["tensors_changed"] == 7 and len(ratios) == 5
     assert ratios == pytest.approx([1.0, 0.7, 0.6, 0.5, 0.4], rel=1e-6)
     assert [r["tensor"] for r in moved["largest"]] == [names[0], *names[6:2:-1]]
+    listed = CliRunner().invoke(app, ["cards", "diff", str(a.folder), str(b.folder), "--json"])  # the command's too
+    assert [w for w in json.loads(listed.stdout)["weights"] if w["name"] == "transformer"][0]["largest"] == \
+        json.loads(json.dumps(moved["largest"]))
     back = next(w for w in diff_cards(b, a)["weights"] if w["name"] == "transformer")
     assert back["largest"][0] == {"tensor": names[0], "relative_change": None,
                                   "max_abs_change": pytest.approx(float(np.abs(base[names[0]]).max()))}, \
