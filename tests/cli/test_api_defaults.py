@@ -1,6 +1,6 @@
-"""The training commands and `generate` state no default of their own that could drift from the Python API's: run
-with no options but the ones they require, each hands its API function that function's own defaults (eval's:
-test_evaluate_input)."""
+"""The training commands, `generate` and `workflow run` state no default of their own that could drift from the
+Python API's: run with no options but the ones they require, each hands its API function that function's own defaults
+(eval's: test_evaluate_input)."""
 
 from __future__ import annotations
 
@@ -65,4 +65,23 @@ def test_generate_with_only_a_card_and_a_prompt_passes_the_apis_defaults(example
     assert result.exit_code == 2 and json.loads(result.stdout)["error"]["message"] == "captured", result.output
     defaults = {key: api[key].default for key in passed if not key.startswith("on_")}
     assert {"skip_existing", "max_batch", "out", "seed", "best_of", "fuse", "grid", "strict"} <= set(defaults)
+    assert {key: str(v) if key == "out" else v for key, v in passed.items() if key in defaults} == defaults
+
+
+def test_workflow_run_with_only_a_file_passes_the_apis_defaults(monkeypatch):
+    from cardtool.core.workflows import run as module
+
+    api = inspect.signature(module.run_workflow).parameters
+    passed = {}
+
+    def capture(workflow, **options):
+        passed.update(options)
+        raise BadInput("captured")
+
+    monkeypatch.setattr(module, "run_workflow", capture)
+    tour = REPO / "examples" / "workflows" / "tiny-tour.yaml"
+    result = CliRunner().invoke(app, ["workflow", "run", str(tour), "--json"])
+    assert result.exit_code == 2 and json.loads(result.stdout)["error"]["message"] == "captured", result.output
+    defaults = {key: api[key].default for key in passed if not key.startswith("on_")}
+    assert {"max_batch", "skip_existing", "out", "device"} <= set(defaults)
     assert {key: str(v) if key == "out" else v for key, v in passed.items() if key in defaults} == defaults
