@@ -85,3 +85,22 @@ def test_workflow_run_with_only_a_file_passes_the_apis_defaults(monkeypatch):
     defaults = {key: api[key].default for key in passed if not key.startswith("on_")}
     assert {"max_batch", "skip_existing", "out", "device"} <= set(defaults)
     assert {key: str(v) if key == "out" else v for key, v in passed.items() if key in defaults} == defaults
+
+
+def test_no_command_replaces_resumes_records_or_prints_json_unless_asked():
+    """Every on/off option is off by default — replacing a folder, resuming, recording into a card, --json … —
+    except `--eval` (rl and distill evaluate the card they write unless --no-eval)."""
+    import typer.main
+
+    flags = {}
+
+    def walk(command, path):
+        for param in command.params:
+            if getattr(param, "is_flag", False):
+                flags[(path, param.name)] = param.default
+        for name, sub in getattr(command, "commands", {}).items():
+            walk(sub, f"{path} {name}".strip())
+
+    walk(typer.main.get_command(app), "")
+    assert {key for key, on in flags.items() if on} == {("distill", "evaluate"), ("rl", "evaluate")}
+    assert len(flags) > 40 and {name for _, name in flags} >= {"json_", "overwrite", "force", "resume", "record"}
