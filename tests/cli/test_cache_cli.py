@@ -163,6 +163,27 @@ def test_a_cache_that_cannot_be_written_is_said_once_by_generate_and_by_info(tmp
     assert cache("info")[1]["problem"].startswith("/proc/cardtool-cache cannot be written (")
 
 
+def test_info_for_people_counts_in_decimal_units_and_warns_of_a_cache_it_cannot_write(tmp_path, monkeypatch):
+    from cardtool.cli.cache import _size
+
+    assert [_size(n) for n in (0, 999, 1000, 26_400, 16_240_000, 1_300_000_000, 2 * 10**12)] == [
+        "0 bytes", "999 bytes", "1.0 KB", "26.4 KB", "16.2 MB", "1.3 GB", "2.0 TB"]
+    monkeypatch.setenv("CARDTOOL_CACHE", str(tmp_path / "cache"))
+    made = CliRunner().invoke(app, ["generate", str(EXAMPLE_CARDS / "tiny-base"), "-p", "a bag", "--steps", "1",
+                                    "--out", str(tmp_path / "a.png")])
+    assert made.exit_code == 0, made.output
+    _, info = cache("info")
+    shown = CliRunner().invoke(app, ["cache", "info"], env={"COLUMNS": "1000"})
+    lines = shown.stdout.splitlines()
+    assert shown.exit_code == 0 and lines[0].startswith(f"cache {tmp_path / 'cache'}  (encoded prompts kept up to")
+    assert lines[1].split() == ["encoded", "prompts", "2", "files", *_size(info["text"]["bytes"]).split()]
+    assert len(lines) == 3 and "left by interrupted writes" not in shown.stdout and not shown.stderr
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("CARDTOOL_CACHE", str(tmp_path / "a-file"))
+    shown = CliRunner().invoke(app, ["cache", "info"], env={"COLUMNS": "1000"})
+    assert shown.exit_code == 0 and "a-file is not a folder: runs keep nothing here" in shown.stderr, shown.output
+
+
 def test_without_a_home_folder_runs_keep_their_prompts_in_memory_and_say_so(tmp_path, monkeypatch):
     """HOME unset and a user id the password database does not know (a container run as an arbitrary user):
     pathlib cannot find ~, and every command that reads the cache died with its RuntimeError. Runs now keep their
