@@ -39,6 +39,18 @@ def test_without_cfg_a_negative_prompt_changes_nothing_and_says_so(card, tmp_pat
     assert any("with guidance 1 (no CFG) it changes nothing" in w for w in report.warnings)
 
 
+def test_an_empty_prompt_under_cfg_is_said_to_gain_nothing_from_it_unless_a_negative_prompt_steers_it(card, tmp_path):
+    """`-p "$UNSET"`: an unconditional image, CFG's two rows a step spent on the null condition against itself."""
+    guided = card.generate(["", "a bag"], steps=3, out=tmp_path / "guided")
+    unguided = card.generate("", steps=3, guidance=1.0, out=tmp_path / "unguided")
+    said = [w for w in guided.warnings if w.startswith("an empty prompt samples unconditionally")]
+    assert len(said) == 1 and "guidance 4 changes nothing for it" in said[0], guided.warnings
+    assert abs(read_png(guided.images[0].path)[0].astype(int) - read_png(unguided.images[0].path)[0]).max() <= 1
+    for quiet in (card.generate("  ", steps=3, negative_prompt="a coat", out=None),
+                  card.generate("", steps=3, guidance=1.0, out=None), card.generate("a bag", steps=3, out=None)):
+        assert not [w for w in quiet.warnings if "empty prompt" in w], quiet.warnings
+
+
 def test_the_command_takes_it_and_like_makes_it_again(examples, tmp_path):
     args = ["generate", str(examples / "tiny-base"), "-p", "a bag", "--steps", "2", "--json"]
     result = CliRunner().invoke(app, [*args, "--negative-prompt", "a coat", "--out", str(tmp_path / "a")])

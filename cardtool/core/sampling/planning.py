@@ -94,6 +94,11 @@ def plan_requests(card: Card, prompts: list[str], *, num: int = 1, seed: int = 0
                             "changes nothing")
         if guidance_interval is not None and tuple(map(float, guidance_interval)) != tuple(defaults.guidance_interval):
             warnings.append("a guidance interval limits CFG to a σ range; with guidance 1 (no CFG) it changes nothing")
+    empty = next((r for r in requests if r.guidance != 1 and not r.prompt.strip() and not r.negative_prompt), None)
+    if empty is not None:  # CFG between the null condition and itself: two rows a step for nothing
+        warnings.append(f"an empty prompt samples unconditionally: CFG's two branches are then the same, so guidance "
+                        f"{empty.guidance:g} changes nothing for it (guidance 1 makes it at half the cost; or is a "
+                        "shell variable unset?)")
     repeated = repeated_prompts(prompts, num, seed)
     unguided = unguided_warning(requests[0])  # every request shares the loop settings
     return requests, warnings + ([repeated] if repeated else []) + ([unguided] if unguided else [])
