@@ -236,6 +236,10 @@ def test_a_hub_id_given_as_a_folder_or_card_says_that_nothing_is_downloaded(exam
     (tmp_path / "owner" / "name").write_text("")  # there: a path, not a Hub id
     message = json.loads(run_import("owner/name", examples / "tiny-base", "card").stdout)["error"]["message"]
     assert "not a folder" in message and "download" not in message
+    for typo in (["cards", "import", "owner/nmae", "--base", str(examples / "tiny-base"), "--id", "x", "--json"],
+                 ["generate", "owner/nmae", "-p", "a bag", "--json"]):  # a local folder's path mistyped
+        message = json.loads(CliRunner().invoke(app, typo).stdout)["error"]["message"]
+        assert "owner/nmae" in message and "download" not in message, message
     assert not (tmp_path / "card").exists()
 
 

@@ -147,11 +147,12 @@ def _as_path(name: str) -> Path | None:
 
 
 def hub_download(name: str) -> str:
-    """For a missing path written as a Hugging Face repository id (`owner/name`), the command that downloads it (a
-    user who types one expects a download, which cardtool never makes); else ''."""
+    """For a missing path written as a Hugging Face repository id (`owner/name`, no folder `owner` here: else a local
+    path mistyped), the command that downloads it (a user who types one expects a download, which cardtool never
+    makes); else ''."""
     import re
 
-    if not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name) or os.path.lexists(name):
+    if not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name) or os.path.lexists(name.split("/")[0]):
         return ""
     return f"huggingface-cli download {name} --local-dir DIR"
 
