@@ -1,5 +1,5 @@
 """Paths a user writes where no shell expands them: `--out=~/x` (bash expands `~` only at a word's start or after the
-`=` of a variable assignment), a quoted `~` in a CI file's or a Dockerfile's environment, a card's option value."""
+`=` of a variable assignment), a quoted `~` in a CI file's or a Dockerfile's environment, a workflow's paths."""
 
 from __future__ import annotations
 
