@@ -169,6 +169,9 @@ def test_info_for_people_counts_in_decimal_units_and_warns_of_a_cache_it_cannot_
     assert [_size(n) for n in (0, 999, 1000, 26_400, 16_240_000, 1_300_000_000, 2 * 10**12)] == [
         "0 bytes", "999 bytes", "1.0 KB", "26.4 KB", "16.2 MB", "1.3 GB", "2.0 TB"]
     monkeypatch.setenv("CARDTOOL_CACHE", str(tmp_path / "cache"))
+    empty = CliRunner().invoke(app, ["cache", "info"], env={"COLUMNS": "1000"}).stdout.splitlines()
+    assert [line.split() for line in empty[1:]] == [["encoded", "prompts", "0", "files", "0", "bytes"],
+                                                    ["weights", "digests", "0", "files", "0", "bytes"]], empty
     made = CliRunner().invoke(app, ["generate", str(EXAMPLE_CARDS / "tiny-base"), "-p", "a bag", "--steps", "1",
                                     "--out", str(tmp_path / "a.png")])
     assert made.exit_code == 0, made.output
