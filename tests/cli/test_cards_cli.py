@@ -63,6 +63,21 @@ def test_a_columns_that_is_no_width_still_shows_the_table(on_path, columns):
     assert result.exit_code == 0 and "tiny-distilled" in result.stdout
 
 
+def test_what_a_card_records_is_shown_as_written_brackets_and_all(on_path):
+    """A recorded command such as `--set parents=[tiny-base]` lost its brackets' text to Rich's markup."""
+    folder = on_path / "tiny-mine"
+    folder.mkdir()
+    command = "cardtool train --recipe r.yaml --set parents=[tiny-base] --set model.adapter=[bold]"
+    (folder / "card.yaml").write_text(
+        "schema: cardtool/v1\nid: tiny-mine\nextends: tiny-base\nrecipe:\n  method: finetune\n"
+        f"  parents: [tiny-base]\n  command: {json.dumps(command)}\n  metrics: {{note: '[red]x'}}\n")
+    shown = CliRunner().invoke(app, ["cards", "show", "tiny-mine"], env={"COLUMNS": "1000"})
+    assert shown.exit_code == 0, shown.output
+    assert f"made by: {command}" in shown.stdout and "note=[red]x" in shown.stdout, shown.stdout
+    lineage = CliRunner().invoke(app, ["cards", "lineage", "tiny-mine"], env={"COLUMNS": "1000"})
+    assert lineage.stdout.splitlines()[-1] == "tiny-base (pretrain) → tiny-mine (finetune)", lineage.output
+
+
 def test_show_json_has_the_resolved_manifest(on_path):
     result = run("cards", "show", "tiny-distilled", "--json")
     assert result.exit_code == 0
