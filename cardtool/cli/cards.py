@@ -118,9 +118,9 @@ def validate_command(
         out, err = console(), console(stderr=True)
         for r in results:
             if r.valid:
-                out.print(f"[green]ok[/green]      {r.id}  ({r.path})")
+                out.print(f"[green]ok[/green]      {r.id}  ({escape(r.path)})")
             else:
-                out.print(f"[red]invalid[/red] {r.path}")
+                out.print(f"[red]invalid[/red] {escape(r.path)}")
                 for problem in r.problems:
                     err.print(f"  {escape(printable(str(problem)))}")
     if not ok:

@@ -26,7 +26,9 @@ def detect_command(device: DeviceOption = None, json_: JsonOption = False) -> No
         emit_json(platform.to_json())
         return
     out = console()
-    out.print(f"[bold]{platform.device}[/bold] / [bold]{platform.arch}[/bold]  {platform.name}")
+    from rich.markup import escape
+
+    out.print(f"[bold]{platform.device}[/bold] / [bold]{platform.arch}[/bold]  {escape(platform.name)}")
     out.print("kernel chain:    " + " → ".join("/".join(c) for c in platform.kernel_chain()), markup=False)
     out.print("component chain: " + " → ".join(platform.component_chain()), markup=False)
     for reason in platform.why:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from helpers import REPO
@@ -76,6 +77,12 @@ def test_what_a_card_records_is_shown_as_written_brackets_and_all(on_path):
     assert f"made by: {command}" in shown.stdout and "note=[red]x" in shown.stdout, shown.stdout
     lineage = CliRunner().invoke(app, ["cards", "lineage", "tiny-mine"], env={"COLUMNS": "1000"})
     assert lineage.stdout.splitlines()[-1] == "tiny-base (pretrain) → tiny-mine (finetune)", lineage.output
+    odd = on_path.parent / "[bold]runs" / "tiny-mine"  # a folder named with brackets: `cards validate` printed "runs/…"
+    shutil.copytree(folder, odd)
+    (odd.parent / "bad").mkdir()
+    (odd.parent / "bad" / "card.yaml").write_text("schema: cardtool/v1\nid: bad\n")
+    checked = CliRunner().invoke(app, ["cards", "validate", str(odd), str(odd.parent / "bad")], env={"COLUMNS": "1000"})
+    assert "[bold]runs/tiny-mine)" in checked.stdout and "invalid [bold]runs/bad" in checked.stdout, checked.output
 
 
 def test_show_json_has_the_resolved_manifest(on_path):
