@@ -85,6 +85,18 @@ def test_what_a_card_records_is_shown_as_written_brackets_and_all(on_path):
     assert "[bold]runs/tiny-mine)" in checked.stdout and "invalid [bold]runs/bad" in checked.stdout, checked.output
 
 
+def test_the_summaries_for_people_name_the_base_an_adapter_card_is_made_on(on_path, tmp_path):
+    wide = {"COLUMNS": "1000"}
+    extracted = CliRunner().invoke(app, ["cards", "extract-lora", "tiny-base", "tiny-rl", "--rank", "2", "--id",
+                                         "tiny-e", "--out", str(tmp_path / "tiny-e")], env=wide)
+    assert extracted.exit_code == 0 and "LoRA 'tiny-rl' (rank 2, " in extracted.stdout, extracted.output
+    assert " layers) on tiny-base; it keeps " in extracted.stdout
+    composed = CliRunner().invoke(app, ["cards", "compose", "tiny-base", str(tmp_path / "tiny-e"), "--id", "tiny-c",
+                                        "--out", str(tmp_path / "tiny-c")], env=wide)
+    assert composed.exit_code == 0, composed.output
+    assert composed.stdout.rstrip().endswith(": invert, tiny-rl on tiny-base"), composed.stdout
+
+
 def test_show_json_has_the_resolved_manifest(on_path):
     result = run("cards", "show", "tiny-distilled", "--json")
     assert result.exit_code == 0
