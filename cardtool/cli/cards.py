@@ -47,6 +47,7 @@ def list_command(json_: JsonOption = False) -> None:
 @app.command("show")
 def show_command(card: CardArgument, json_: JsonOption = False) -> None:
     """Show a card's manifest with `extends` resolved: components, loops, adapters, recipe."""
+    from cardtool.backends.wan_config import CONTROLNET_BLOCKS
     from cardtool.core.cards.loader import load_card
     from cardtool.core.cards.schema import LADDER
     from cardtool.core.cards.source import display_path
@@ -85,7 +86,7 @@ def show_command(card: CardArgument, json_: JsonOption = False) -> None:
             table.add_column(column, overflow="fold")
         for name, a in m.adapters.items():
             settings = f"rank {a.rank}, alpha {a.alpha:g}" if a.kind == "lora" else \
-                f"control {a.control}, {a.config.get('blocks', 2)} blocks"
+                f"control {a.control}, {a.config.get('blocks', CONTROLNET_BLOCKS)} blocks"
             table.add_row(*map(escape, (name, a.kind, a.target, settings, a.weights)))
         out.print(table)
     r = m.recipe

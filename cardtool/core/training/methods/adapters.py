@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from cardtool.backends.controlnet import ControlRows, WanControlNet
 from cardtool.backends.lora import TrainableLora, lora_file
 from cardtool.backends.lora_targets import DEFAULT_TARGETS, matching
+from cardtool.backends.wan_config import CONTROLNET_BLOCKS
 from cardtool.core.cards.adapters import block_count
 from cardtool.core.cards.schema import Name
 from cardtool.core.cards.weight_files import read_header
@@ -41,7 +42,7 @@ class _ControlNetModel(Section):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     adapter: Name | None = None
-    blocks: int = Field(2, ge=1)
+    blocks: int = Field(CONTROLNET_BLOCKS, ge=1)
     control: Literal[CONTROLS] = "silhouette"  # type: ignore[valid-type]
 
 
