@@ -21,6 +21,8 @@ def _size(count: int) -> str:
     if count < 1000:
         return f"{count} bytes"
     exponent = min(6, (len(str(count)) - 1) // 3)
+    if exponent < 6 and round(count / 1000 ** exponent, 1) >= 1000:  # 999,999 bytes: 1.0 MB, not 1000.0 KB
+        exponent += 1
     return f"{count / 1000 ** exponent:.1f} {('KB', 'MB', 'GB', 'TB', 'PB', 'EB')[exponent - 1]}"
 
 

@@ -166,8 +166,8 @@ def test_a_cache_that_cannot_be_written_is_said_once_by_generate_and_by_info(tmp
 def test_info_for_people_counts_in_decimal_units_and_warns_of_a_cache_it_cannot_write(tmp_path, monkeypatch):
     from cardtool.cli.cache import _size
 
-    assert [_size(n) for n in (0, 999, 1000, 26_400, 16_240_000, 1_300_000_000, 2 * 10**12)] == [
-        "0 bytes", "999 bytes", "1.0 KB", "26.4 KB", "16.2 MB", "1.3 GB", "2.0 TB"]
+    assert [_size(n) for n in (0, 999, 1000, 26_400, 999_949, 999_999, 16_240_000, 1_300_000_000, 2 * 10**12)] == [
+        "0 bytes", "999 bytes", "1.0 KB", "26.4 KB", "999.9 KB", "1.0 MB", "16.2 MB", "1.3 GB", "2.0 TB"]
     monkeypatch.setenv("CARDTOOL_CACHE", str(tmp_path / "cache"))
     empty = CliRunner().invoke(app, ["cache", "info"], env={"COLUMNS": "1000"}).stdout.splitlines()
     assert [line.split() for line in empty[1:]] == [["encoded", "prompts", "0", "files", "0", "bytes"],
