@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["TEMPORARY", "atomic_path", "replaceable_file", "running", "save_tensors", "stream_refused", "synced",
+__all__ = ["TEMPORARY", "atomic_path", "refuse_stream", "replaceable_file", "running", "save_tensors", "synced",
            "write_atomic", "writable_folder"]
 
 # a killed writer's temporary is left alone this long after its last write: on a folder shared between machines a
@@ -202,9 +202,12 @@ def writable_folder(folder: Path | str, what: str, *, keep: bool = True) -> Path
     return folder
 
 
-def stream_refused(what: str, kind: str = "a folder", alternative: str = "", option: str = "--out") -> str:
-    """Why `--out -` (or another output `option`) — the shell's "standard output", which would otherwise be a file or
-    folder named '-' — is refused: `what` says how the output is written. Once a path, './-' is '-' too: one named '-'
-    is given by its whole path."""
-    return (f"{option} -: {what}, not to standard output; give {kind} ({os.path.abspath('-')} for one named "
-            f"'-'){alternative}; --json prints the report on standard output")
+def refuse_stream(path, what: str, kind: str = "a folder", alternative: str = "", option: str = "--out") -> None:
+    """BadInput where `path` is `-` — the shell's "standard output", which would otherwise be a file or folder named
+    '-' — given as an output `option`; `what` says how the output is written. Once a path, './-' is '-' too: one named
+    '-' is given by its whole path."""
+    if str(path) == "-":
+        from cardtool.errors import BadInput
+
+        raise BadInput(f"{option} -: {what}, not to standard output; give {kind} ({os.path.abspath('-')} for one "
+                       f"named '-'){alternative}; --json prints the report on standard output")

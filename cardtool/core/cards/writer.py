@@ -10,7 +10,7 @@ from pathlib import Path, PurePosixPath
 
 import yaml
 
-from cardtool.atomic import running, save_tensors, stream_refused, synced, writable_folder
+from cardtool.atomic import refuse_stream, running, save_tensors, synced, writable_folder
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.source import MANIFEST_NAMES, display_path
 from cardtool.core.cards.weight_files import sha256_file
@@ -114,8 +114,7 @@ def card_folder_usable(folder: Path, card_id: str, overwrite: bool, flag: str = 
     that names a folder by where it is ('.', '..', '/'), a folder there without `overwrite` (the command's `flag`),
     or one that is no card's; the id another card's on the search path; a parent folder that cannot be written
     (made for the proof, and removed again unless `keep`: see writable_folder). Returns that parent folder."""
-    if str(folder) == "-":
-        raise BadInput(stream_refused("a card is written as a folder of files"))
+    refuse_stream(folder, "a card is written as a folder of files")
     if folder.name in ("", ".."):  # no rename can put a new folder at such a path
         raise BadInput(f"{folder} names the current folder, a parent or the root, not a new folder: a card is put in "
                        f"place as a folder of its own; name one, e.g. {folder / card_id}")

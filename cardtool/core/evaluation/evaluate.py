@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cardtool.atomic import replaceable_file, stream_refused, writable_folder
+from cardtool.atomic import refuse_stream, replaceable_file, writable_folder
 from cardtool.backends.platform import Platform
 from cardtool.backends.precision import check_precision
 from cardtool.core import distributed
@@ -217,8 +217,7 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     if out is not None:
         if not isinstance(out, (str, os.PathLike)) or str(out) == "":
             raise BadInput(f"out must be the report's file name, got {out!r}"[:300])
-        if str(out) == "-":
-            raise BadInput(stream_refused("the report is written to a file that --resume continues", "a file name"))
+        refuse_stream(out, "the report is written to a file that --resume continues", "a file name")
         out = Path(out)
         if os.path.isdir(out):  # False for a name too long to exist, which replaceable_file says
             raise BadInput(f"--out {out} is a folder; give the report's file name")

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cardtool import __version__
-from cardtool.atomic import replaceable_file, stream_refused, writable_folder
+from cardtool.atomic import refuse_stream, replaceable_file, writable_folder
 from cardtool.core.sampling.control import ControlImage
 from cardtool.core.sampling.denoise import DenoiseLoop, Request
 from cardtool.core.sampling.images import IMAGE_SUFFIXES, save_png
@@ -28,7 +28,7 @@ __all__ = ["JSON_FIELDS", "STREAM_REFUSED", "GeneratedImage", "adapter_metadata"
 # reads like JSON ("[a dress", '{"x": 1}') too
 JSON_FIELDS = ("weights", "adapters", "control", "image", "mask", "scores")
 
-STREAM_REFUSED = "images are written as PNG files that carry their metadata"  # `--out -` (atomic.stream_refused)
+STREAM_REFUSED = "images are written as PNG files that carry their metadata"  # `--out -` (atomic.refuse_stream)
 
 
 @dataclass
@@ -47,8 +47,7 @@ class GeneratedImage:
 def output_paths(out: Path, card_id: str, requests: list[Request], tags: list[str]) -> list[Path]:
     """A file for a single image given as NAME.png, else numbered files in the folder `out`, each name ending in
     its request's settings tag; checked writable before any work is done."""
-    if str(out) == "-":
-        raise BadInput(stream_refused(STREAM_REFUSED, alternative=", or NAME.png for one image"))
+    refuse_stream(out, STREAM_REFUSED, alternative=", or NAME.png for one image")
     if out.suffix.lower() in set(IMAGE_SUFFIXES) - {".png"} and not os.path.isdir(out):
         raise BadInput(f"--out {out}: images are written as PNG, which holds their metadata; name the file "
                        f"{out.with_suffix('.png').name}, or give a folder")

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from cardtool.atomic import atomic_path, save_tensors, stream_refused, writable_folder
+from cardtool.atomic import atomic_path, refuse_stream, save_tensors, writable_folder
 from cardtool.backends.host_allocator import keep_freed_memory
 from cardtool.backends.platform import Platform
 from cardtool.backends.precision import autocast
@@ -343,8 +343,7 @@ def writable_outputs(out: Path, run_dir: Path, *, replace: bool, flag: str, card
     from cardtool.core.cards.lineage import check_new_folder, check_new_id
     from cardtool.core.cards.writer import card_folder_usable
 
-    if str(run_dir) == "-":
-        raise BadInput(stream_refused("a run's checkpoints are written as files in a folder", option="--run-dir"))
+    refuse_stream(run_dir, "a run's checkpoints are written as files in a folder", option="--run-dir")
     check_new_id(card_id, list(parents), f"give the new card another id ({rename})")
     check_new_folder(out, list(parents))
     # proven writable, not made: a check after this one may yet refuse the run (the write makes the folders)

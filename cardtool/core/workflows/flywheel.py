@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cardtool.atomic import stream_refused, write_atomic
+from cardtool.atomic import refuse_stream, write_atomic
 from cardtool.core import distributed
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import Card, load_card
@@ -177,8 +177,7 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
 
     if stop_after is not None and stop_after not in STAGES:
         raise BadInput(f"--stop-after must be one of {', '.join(STAGES)}, got '{stop_after}'")
-    if str(out_dir) == "-":
-        raise BadInput(stream_refused("the stages' cards are written into a folder", option="--out-dir"))
+    refuse_stream(out_dir, "the stages' cards are written into a folder", option="--out-dir")
     per_class = checked_per_class(per_class)
     check_every(watch_every)
     if stop_after not in ("rl", "distill"):  # its eval stage judges classes: found now, not after two stages

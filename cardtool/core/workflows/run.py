@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cardtool.atomic import stream_refused, writable_folder
+from cardtool.atomic import refuse_stream, writable_folder
 from cardtool.backends.platform import Platform
 from cardtool.core import distributed
 from cardtool.core.interrupt import Interrupted, stop_requests
@@ -240,8 +240,7 @@ def run_workflow(workflow: Workflow | str | os.PathLike, *, overrides: list[str]
     keep each image already written there with the settings it would be made with, and make only the others."""
     if not isinstance(out, (str, os.PathLike)):
         raise BadInput(f"out must be a path, got {out!r}"[:300])
-    if str(out) == "-":
-        raise BadInput(stream_refused(STREAM_REFUSED))
+    refuse_stream(out, STREAM_REFUSED)
     if isinstance(max_batch, bool) or not isinstance(max_batch, numbers.Integral) or max_batch < 1:  # numpy's too
         raise BadInput(f"--max-batch must be at least 1, got {max_batch!r}")
     if not isinstance(skip_existing, bool):
