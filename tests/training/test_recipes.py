@@ -66,6 +66,22 @@ def test_bad_overrides_name_the_field(override, message):
         load_recipe(REPO / "examples" / "recipes" / "fashion-vae.yaml", [override])
 
 
+def test_a_refused_value_is_blamed_on_the_set_that_gave_it_not_on_the_recipe_file(tmp_path):
+    vae = REPO / "examples" / "recipes" / "fashion-vae.yaml"
+    with pytest.raises(BadInput, match=r"^--set 'optim.steps=1.5': optim.steps: .*fractional"):
+        load_recipe(vae, ["optim.steps=2", "optim.steps=1.5"])
+    with pytest.raises(BadInput, match=r"^--set 'optim.lr=1e39': optim.lr = 1e\+39: beyond"):
+        load_recipe(vae, ["optim.lr=1e39"])
+    with pytest.raises(BadInput, match=r"^--set 'optim=\{lr: -1\}', --set 'optim.steps=0': optim.lr: .*; optim.steps"):
+        load_recipe(vae, ["optim={lr: -1}", "optim.steps=0"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(re.sub(r"(?m)^  steps: .*$", "  steps: 1.5", vae.read_text()))
+    with pytest.raises(BadInput, match=f"^recipe {re.escape(str(bad))}: optim.steps"):  # the file's, a --set aside
+        load_recipe(bad, ["optim.lr=0.001"])
+    with pytest.raises(BadInput, match=f"^recipe {re.escape(str(bad))}: optim.lr: .*; optim.steps"):  # one of two
+        load_recipe(bad, ["optim.lr=-1"])
+
+
 @pytest.mark.parametrize(("section", "values", "message"), [
     # pydantic's lax mode read a boolean as a number and a number or a word as a boolean: each trained
     ("optim", {"steps": True}, "optim.steps: takes a number, not true or false (got True)"),

@@ -323,14 +323,16 @@ def test_a_flywheel_recipe_of_the_wrong_types_is_a_clear_error(examples, tmp_pat
         flywheel_recipe(str(examples / "tiny-base"), str(examples / "tiny-judge"), path=path)
 
 
-def test_a_bad_stage_override_is_named_by_its_stage(examples, tmp_path):
-    with pytest.raises(BadInput, match=re.escape("recipe distill (defaults with --set distill.…): optim.lr: Input")):
-        flywheel_recipe(str(examples / "tiny-base"), str(examples / "tiny-judge"), overrides=["distill.optim.lr=x"])
+def test_a_bad_stage_override_is_named_as_typed_and_a_bad_section_by_the_file(examples, tmp_path):
+    base, judge = str(examples / "tiny-base"), str(examples / "tiny-judge")
+    with pytest.raises(BadInput, match=re.escape("--set 'distill.optim.lr=x': optim.lr: Input")):
+        flywheel_recipe(base, judge, overrides=["distill.optim.lr=x"])
+    with pytest.raises(BadInput, match=re.escape("--set 'rl.optim.lr=-1': optim.lr: Input should be greater")):
+        flywheel_recipe(base, judge, overrides=["rl.optim.lr=-1"])
     path = tmp_path / "flywheel.yaml"
-    path.write_text("rl:\n  optim: {steps: 2}\n")
+    path.write_text("rl:\n  optim: {lr: x}\n")  # the file's mistake, beside a --set of another value
     with pytest.raises(BadInput, match=re.escape(f"recipe {path}'s rl section with --set rl.…: optim.lr: Input")):
-        flywheel_recipe(str(examples / "tiny-base"), str(examples / "tiny-judge"), path=path,
-                        overrides=["rl.optim.lr=x"])
+        flywheel_recipe(base, judge, path=path, overrides=["rl.optim.steps=2"])
 
 
 def test_the_students_steps_are_steps_or_set_then_the_files_then_two_and_name_it(examples, tmp_path):

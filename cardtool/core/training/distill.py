@@ -62,7 +62,8 @@ def student_id(teacher: str, steps) -> str:
 
 
 def distill_recipe(teacher: str, path: Path | None = None, overrides: list[str] = (),
-                   steps: int | None = None, section: dict | None = None, label: str | None = None) -> Recipe:
+                   steps: int | None = None, section: dict | None = None, label: str | None = None,
+                   set_prefix: str = "") -> Recipe:
     """The recipe `cardtool distill` runs: the file (or DMD2's defaults) with `--set` and `--steps` applied, the
     teacher as its one parent, and the student id `TEACHER-Nstep` unless the recipe names one."""
     from cardtool.core.cards.loops import MAX_STEPS
@@ -86,7 +87,8 @@ def distill_recipe(teacher: str, path: Path | None = None, overrides: list[str] 
     if steps is not None:
         one_value(overrides, "loss.student_steps", "--steps", steps)
     sets = [*overrides, *([f"loss.student_steps={steps}"] if steps is not None else [])]
-    return load_recipe(path, sets, "dmd2", defaults=DEFAULTS, complete=complete, section=section, label=label)
+    return load_recipe(path, sets, "dmd2", defaults=DEFAULTS, complete=complete, section=section, label=label,
+                       set_prefix=set_prefix)
 
 
 def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Path | None = None,

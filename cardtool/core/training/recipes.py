@@ -215,11 +215,12 @@ def one_value(overrides: list[str], key: str, option: str, value) -> None:
 
 def load_recipe(path: str | Path | None, overrides: list[str] = (), method: str | None = None,
                 defaults: dict | None = None, complete=None, section: dict | None = None,
-                label: str | None = None) -> Recipe:
+                label: str | None = None, set_prefix: str = "") -> Recipe:
     """Read a recipe (or start from `defaults` alone), apply overrides (and --method), validate; errors name the
     field. The file's values win over `defaults`, overrides over both; `section` (a flywheel recipe's stage) stands
     in for a file, and `label` names it in errors; `complete(data)` may fill in what depends on the merged values
-    (distill's student id) before validation."""
+    (distill's student id) before validation. An error in a value an override gave names that --set, as typed:
+    `set_prefix` and the override (the flywheel's `rl.`)."""
     data = section or {}
     if path is not None:
         try:  # the manifest reader: bounded size and depth, no aliases, plain types, located errors
@@ -237,15 +238,30 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), method: str 
                        f"`{RUN_BY[data['method']]}` does")
     if complete is not None:
         complete(data)
+    source = f"recipe {path or label or '(defaults and --set)'}"
     too_large = _beyond_float32(data)
     if too_large:
-        raise BadInput(f"recipe {path or label or '(defaults and --set)'}: {too_large}: beyond float32's range "
-                       "(±3.4e38), which training computes in (torch refuses such a learning rate or clip as a "
-                       "scalar); use a smaller number")
+        where = _set_by(overrides, [too_large.partition(" = ")[0]], set_prefix) or source
+        raise BadInput(f"{where}: {too_large}: beyond float32's range (±3.4e38), which training computes in (torch "
+                       "refuses such a learning rate or clip as a scalar); use a smaller number")
     try:
         return Recipe.model_validate(data)
     except ValidationError as e:
-        raise BadInput(f"recipe {path or label or '(defaults and --set)'}: {field_problems(e)}")
+        where = _set_by(overrides, [".".join(map(str, err["loc"])) for err in e.errors()], set_prefix) or source
+        raise BadInput(f"{where}: {field_problems(e)}")
+
+
+def _set_by(overrides, keys: list[str], prefix: str = "") -> str | None:
+    """The --set that gave every one of `keys` (dotted settings a check refused) its value, as the error's subject,
+    or None where one came from the recipe file: a user who typed `--set optim.steps=1.5` looks there, not in a file
+    whose steps are fine."""
+    found = []
+    for key in keys:
+        givers = [item for item in overrides if key == (k := item.partition("=")[0]) or key.startswith(k + ".")]
+        if not givers:
+            return None
+        found.append(givers[-1])
+    return "--set " + ", --set ".join(dict.fromkeys(repr((prefix + item)[:200]) for item in found))
 
 
 def _beyond_float32(value, path: str = "") -> str | None:

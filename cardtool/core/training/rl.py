@@ -62,7 +62,8 @@ def _defaults(method: str) -> dict:
 
 
 def rl_recipe(base: str, reward: str, method: str | None = None, path: Path | None = None,
-              overrides: list[str] = (), section: dict | None = None, label: str | None = None) -> Recipe:
+              overrides: list[str] = (), section: dict | None = None, label: str | None = None,
+              set_prefix: str = "") -> Recipe:
     """The recipe `cardtool rl` runs: the file (or `section`, or the method's defaults) with `--set` applied, parents
     [BASE, REWARD], and the card id `BASE-nft` / `BASE-grpo` unless the recipe names one. Without --method, the
     file's method, else diffusion_nft."""
@@ -87,7 +88,7 @@ def rl_recipe(base: str, reward: str, method: str | None = None, path: Path | No
             card["id"] = default_id(base, METHODS[method])
 
     return load_recipe(path, list(overrides), method, defaults=_defaults(method), complete=complete, section=section,
-                       label=label)
+                       label=label, set_prefix=set_prefix)
 
 
 def check_recipe(recipe: Recipe) -> None:

@@ -91,7 +91,8 @@ def flywheel_recipe(base: str, reward: str, *, steps: int | None = None, path: P
         return f"{path}'s {stage} section{sets}" if path is not None else f"{stage} (defaults{sets})"
 
     stage1 = rl_recipe(base, reward, None, None, split["rl"],
-                       section=_with_id(sections.get("rl"), f"{prefix}-{METHODS[method]}"), label=label("rl"))
+                       section=_with_id(sections.get("rl"), f"{prefix}-{METHODS[method]}"), label=label("rl"),
+                       set_prefix="rl.")
     teacher = str(Path(out_dir) / stage1.card.id)
     section = dict(sections.get("distill") or {})
     loss = section.get("loss", {})
@@ -99,7 +100,7 @@ def flywheel_recipe(base: str, reward: str, *, steps: int | None = None, path: P
         section["loss"] = {**loss, "student_steps": 2}  # the flywheel's student: two steps unless the recipe says
     provisional = f"{stage1.card.id}-step"  # until the student's steps are known: the file's, then --set's
     stage2 = distill_recipe(teacher, None, split["distill"], steps, section=_with_id(section, provisional),
-                            label=label("distill"))
+                            label=label("distill"), set_prefix="distill.")
     rl.check_recipe(stage1)  # both stages now: a mistake in the distill section found after the rl stage's hours
     distill.check_recipe(stage2)
     if stage2.card.id == provisional:  # not named by the recipe or --set: PREFIX-nft-Nstep
