@@ -109,6 +109,48 @@ def test_more_processes_on_a_node_than_it_has_gpus_is_a_clear_error_before_joini
     assert str(caught.value) == message
 
 
+@pytest.mark.parametrize(("environment", "reports"), [
+    ({}, True), ({"RANK": "1"}, True), ({"RANK": "1", "WORLD_SIZE": "1"}, True),
+    ({"RANK": "0", "WORLD_SIZE": "2"}, True), ({"RANK": "1", "WORLD_SIZE": "2"}, False),
+    ({"RANK": "x", "WORLD_SIZE": "2"}, True),  # ranks() refuses it, and that is said
+])
+def test_only_a_torchrun_rank_other_than_0_keeps_quiet(monkeypatch, environment, reports):
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    assert distributed.reporting() is reports
+
+
+WORKFLOW = Path(__file__).resolve().parents[1] / "examples" / "workflows" / "tiny-tour.yaml"
+
+
+@pytest.mark.parametrize("command", [
+    ["distill", "tiny-base", "--steps", "1", "--no-eval", "--set", "optim.steps=1"],
+    ["rl", "tiny-base", "--reward", "tiny-judge", "--no-eval", "--set", "optim.steps=1"],
+    ["train", "--recipe", str(WORKFLOW.parents[1] / "recipes" / "fashion-bold.yaml"), "--data",
+     str(WORKFLOW.parents[1] / "images"), "--set", "parents=[tiny-base]", "--set", "data.transform=none", "--set",
+     "optim.steps=1"],
+    ["flywheel", "tiny-base", "--reward", "tiny-judge", "--stop-after", "rl", "--set", "rl.optim.steps=1",
+     "--judge", "tiny-judge", "--held-out-judge", ""],
+    ["workflow", "run", str(WORKFLOW)],
+])
+def test_a_rank_the_shell_holds_without_torchrun_silences_no_command(tmp_path, monkeypatch, command):
+    """A RANK left in the environment by another tool, with no WORLD_SIZE: every process is rank 0 to the work, but
+    the commands read RANK alone for whether to speak — a training run showed no progress and `--json` printed
+    nothing."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CARDTOOL_PATH", str(EXAMPLE_CARDS))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    result = CliRunner().invoke(app, [*command, "--json"])
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    assert document.get("card") or document.get("stages") or document.get("steps"), document
+    if command[0] != "workflow":
+        assert re.search(r"(step|iteration|update|rl) 1/1  loss ", result.stderr), result.stderr
+
+
 def test_a_rank_that_fails_alone_ends_the_run_instead_of_waiting_for_its_peers(tmp_path):
     """A refusal only one rank meets (a race on a shared folder, say) while its peer is inside a collective: the
     failing rank's exit barrier waited for a peer that never came, and the run hung for the group's timeout (30

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Annotated
 import typer
 
 from cardtool.cli.output import counted, emit_json, handled, progress_line, say
+from cardtool.core.distributed import reporting
 
 
 def distill_command(
@@ -51,7 +51,7 @@ def distill_command(
     from cardtool.core.training.lora_settings import lora_overrides
 
     def log(entry: dict) -> None:
-        if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 logs the global batch (on stderr, as always)
+        if reporting():  # under torchrun rank 0 logs the global batch (on stderr, as always)
             say(progress_line("iteration", entry), stderr=True)
 
     def eval_line(report: dict) -> None:
@@ -71,7 +71,7 @@ def distill_command(
                        force=force, evaluate=evaluate, judge=judge, held_out_judge=held_out_judge or None, on_log=log,
                        on_eval=eval_line, micro_batches=micro_batches, watch_every=watch_every,
                        watch_judges=[judge, *([held_out_judge] if held_out_judge else [])], per_class=per_class)
-    if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 reports for every rank
+    if not reporting():  # under torchrun rank 0 reports for every rank
         return
     recipe_block = card.manifest.recipe
     if json_:

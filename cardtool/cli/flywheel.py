@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Annotated
 import typer
 
 from cardtool.cli.output import console, counted, emit_json, handled, paired_cells, progress_line, say
+from cardtool.core.distributed import reporting
 
 
 def flywheel_command(
@@ -52,7 +52,7 @@ def flywheel_command(
     """RL CARD on a reward, distil the RL'd card into an N-step student, evaluate the three side by side."""
     from cardtool.core.workflows.flywheel import flywheel, flywheel_recipe
 
-    main = os.environ.get("RANK", "0") == "0"  # under torchrun rank 0 logs and reports for every rank
+    main = reporting()  # under torchrun rank 0 logs and reports for every rank
 
     def log(stage: str, entry: dict) -> None:  # on stderr, also under --json: the stages take minutes
         if main:

@@ -3,7 +3,6 @@ fine-tuning into a card that samples without CFG."""
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Annotated
 import typer
 
 from cardtool.cli.output import counted, emit_json, handled, progress_line, say, warn
+from cardtool.core.distributed import reporting
 
 
 def rl_command(
@@ -56,7 +56,7 @@ def rl_command(
     from cardtool.core.training.rl import read_prompts, rl, rl_recipe
 
     def log(entry: dict) -> None:
-        if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 logs the global batch (on stderr, as always)
+        if reporting():  # under torchrun rank 0 logs the global batch (on stderr, as always)
             say(progress_line("update", entry), stderr=True)
 
     def eval_line(report: dict) -> None:
@@ -78,9 +78,9 @@ def rl_command(
         tuned = rl(loaded, command=command, prompts=chosen, out=out, run_dir=run_dir, resume=resume, device=device,
                    data=data, force=force, evaluate=evaluate, judge=judge, held_out_judge=held_out_judge or None,
                    watch_every=watch_every, on_log=log, on_eval=eval_line, micro_batches=micro_batches,
-                   on_warning=lambda message: warn(message) if os.environ.get("RANK", "0") == "0" else None,
+                   on_warning=lambda message: warn(message) if reporting() else None,
                    per_class=per_class)
-    if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 reports for every rank
+    if not reporting():  # under torchrun rank 0 reports for every rank
         return
     recipe_block = tuned.manifest.recipe
     if json_:

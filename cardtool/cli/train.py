@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Annotated
 import typer
 
 from cardtool.cli.output import console, emit_json, handled, progress_line, warn
+from cardtool.core.distributed import reporting
 
 
 def train_command(
@@ -38,7 +38,7 @@ def train_command(
     err = console(stderr=True)
 
     def log(entry: dict) -> None:  # on stderr, also under --json: a long run shows its progress to whoever watches
-        if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 logs the global batch
+        if not reporting():  # under torchrun rank 0 logs the global batch
             return
         err.print(progress_line("step", entry), markup=False, highlight=False)
 
@@ -51,10 +51,8 @@ def train_command(
                               *(["--method", method] if method else [])])
         card = train(loaded, command=command, out=out, run_dir=run_dir, resume=resume, data=data, device=device,
                      overwrite=overwrite, on_log=log, micro_batches=micro_batches,
-                     on_warning=lambda message: warn(message) if os.environ.get("RANK", "0") == "0" else None)
-    from cardtool.core.distributed import ranks
-
-    if not ranks(device or "cpu").main:  # rank 0 reports for every rank
+                     on_warning=lambda message: warn(message) if reporting() else None)
+    if not reporting():  # rank 0 reports for every rank
         return
     metrics = card.manifest.recipe.metrics
     if json_:

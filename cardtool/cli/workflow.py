@@ -3,13 +3,13 @@ parallel and best-of-N steps over cards."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from cardtool.cli.output import counted, emit_json, handled, quoted_prompt, say, warn
+from cardtool.core.distributed import reporting
 
 app = typer.Typer(help="Workflow manifests: generate, chain, parallel and best-of-N steps over cards.",
                   no_args_is_help=True)
@@ -56,20 +56,20 @@ def run_command(
     from cardtool.core.workflows.run import run_workflow
 
     def progress(entry: dict) -> None:
-        if os.environ.get("RANK", "0") == "0":  # on stderr, also under --json
+        if reporting():  # on stderr, also under --json
             kept = f" ({entry['kept']} already there)" if entry["kept"] else ""
             say(f"step {entry['step']} ({entry['kind']}): {counted(len(entry['images']), 'image')}{kept} in "
                 f"{entry['seconds']:.2f}s", stderr=True)
 
     def wave(step: str, done: int, total: int) -> None:
-        if os.environ.get("RANK", "0") == "0":
+        if reporting():
             say(f"step {step}: {done:,} of {counted(total, 'image')}", stderr=True)
 
     with handled(json_):
         workflow = load_workflow(file, list(overrides or []))
         report = run_workflow(workflow, out=out, device=device, max_batch=max_batch, on_step=progress, on_wave=wave,
                               skip_existing=skip_existing)
-    if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 reports for every rank
+    if not reporting():  # under torchrun rank 0 reports for every rank
         return
     for warning in report.warnings:
         warn(warning)

@@ -15,7 +15,7 @@ from datetime import timedelta
 
 from cardtool.errors import BadInput
 
-__all__ = ["Ranks", "end_process", "ranks"]
+__all__ = ["Ranks", "end_process", "ranks", "reporting"]
 
 LAUNCH = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 TIMEOUT = timedelta(minutes=30)  # a rank that died is reported by its peers' collectives within this
@@ -138,6 +138,16 @@ def end_process(code) -> None:
         except (OSError, ValueError):  # a reader gone, a stream closed: the exit status still says what happened
             pass
     os._exit(code if isinstance(code, int) else 0 if code is None else 1)
+
+
+def reporting() -> bool:
+    """Whether this process logs and reports for the run, known without joining the group (so without torch): rank 0
+    of the processes torchrun started, or a process torchrun did not start. A RANK the shell holds without WORLD_SIZE
+    above 1 (exported by another tool) is no rank, as `ranks` reads it — not a reason to say nothing."""
+    world, rank = os.environ.get("WORLD_SIZE", "1"), os.environ.get("RANK", "0")
+    if not (world.isdecimal() and int(world) > 1):
+        return True
+    return not rank.isdecimal() or int(rank) == 0
 
 
 def ranks(device: str = "cpu") -> Ranks:

@@ -822,6 +822,10 @@ def test_train_cli(tmp_path, data):
                                      str(data), "--out", str(tmp_path / "vae"), "--run-dir", str(tmp_path / "again"),
                                      "--force"])  # replaced, and said for people
     assert shown.exit_code == 0 and shown.stdout.startswith("wrote card fashion-vae to vae\nmetrics: test_psnr_db=")
+    bracketed = CliRunner().invoke(app, ["train", "--recipe", str(RECIPES / "fashion-vae.yaml"), *sets, "--data",
+                                         str(data), "--out", str(tmp_path / "[red]vae"), "--run-dir",
+                                         str(tmp_path / "b")])
+    assert bracketed.stdout.startswith("wrote card fashion-vae to [red]vae\n"), "a path is printed, not read as markup"
     bad = CliRunner().invoke(app, ["train", "--recipe", str(RECIPES / "fashion-vae.yaml"), "--set", "optim.lrr=1"])
     assert bad.exit_code == 2 and "optim.lrr" in bad.stderr
     for parts in ("0", "-1"):
