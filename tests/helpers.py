@@ -9,6 +9,17 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE_CARDS = REPO / "examples" / "cards"
+# one-step runs of every card-making command on the example cards (CARDTOOL_PATH=EXAMPLE_CARDS), each writing its card
+# under ./cards
+TINY_RUNS = {
+    "distill": ["distill", "tiny-base", "--steps", "1", "--no-eval", "--set", "optim.steps=1"],
+    "rl": ["rl", "tiny-base", "--reward", "tiny-judge", "--no-eval", "--set", "optim.steps=1"],
+    "train": ["train", "--recipe", str(REPO / "examples" / "recipes" / "fashion-bold.yaml"), "--data",
+              str(REPO / "examples" / "images"), "--set", "parents=[tiny-base]", "--set", "data.transform=none",
+              "--set", "optim.steps=1"],
+    "flywheel": ["flywheel", "tiny-base", "--reward", "tiny-judge", "--stop-after", "rl", "--set", "rl.optim.steps=1",
+                 "--judge", "tiny-judge", "--held-out-judge", ""],
+}
 
 
 def write_weights(path: Path, seed: int = 0) -> str:

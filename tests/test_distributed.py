@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from helpers import EXAMPLE_CARDS
+from helpers import EXAMPLE_CARDS, TINY_RUNS
 from typer.testing import CliRunner
 
 from cardtool.cli import app
@@ -125,16 +125,7 @@ def test_only_a_torchrun_rank_other_than_0_keeps_quiet(monkeypatch, environment,
 WORKFLOW = Path(__file__).resolve().parents[1] / "examples" / "workflows" / "tiny-tour.yaml"
 
 
-@pytest.mark.parametrize("command", [
-    ["distill", "tiny-base", "--steps", "1", "--no-eval", "--set", "optim.steps=1"],
-    ["rl", "tiny-base", "--reward", "tiny-judge", "--no-eval", "--set", "optim.steps=1"],
-    ["train", "--recipe", str(WORKFLOW.parents[1] / "recipes" / "fashion-bold.yaml"), "--data",
-     str(WORKFLOW.parents[1] / "images"), "--set", "parents=[tiny-base]", "--set", "data.transform=none", "--set",
-     "optim.steps=1"],
-    ["flywheel", "tiny-base", "--reward", "tiny-judge", "--stop-after", "rl", "--set", "rl.optim.steps=1",
-     "--judge", "tiny-judge", "--held-out-judge", ""],
-    ["workflow", "run", str(WORKFLOW)],
-])
+@pytest.mark.parametrize("command", [*TINY_RUNS.values(), ["workflow", "run", str(WORKFLOW)]])
 def test_a_rank_the_shell_holds_without_torchrun_silences_no_command(tmp_path, monkeypatch, command):
     """A RANK left in the environment by another tool, with no WORLD_SIZE: every process is rank 0 to the work, but
     the commands read RANK alone for whether to speak — a training run showed no progress and `--json` printed

@@ -1,0 +1,29 @@
+"""The command a card records (recipe.command): as typed at the shell, or rebuilt with every option that shaped its
+recipe when the command line was not cardtool's own (a caller of the CLI from Python)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+
+import pytest
+from helpers import EXAMPLE_CARDS, TINY_RUNS
+from typer.testing import CliRunner
+
+from cardtool.cli import app
+from cardtool.core.cards.loader import load_card
+
+
+@pytest.mark.parametrize("name", TINY_RUNS)
+def test_a_card_records_the_command_as_it_was_typed(tmp_path, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CARDTOOL_PATH", str(EXAMPLE_CARDS))
+    args = [*TINY_RUNS[name], "--json"]
+    monkeypatch.setattr(sys, "argv", ["/usr/local/bin/cardtool", *args])  # what the console script sees
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    folder = document["path"] if name != "flywheel" else f"cards/{document['stages'][0]['card']}"
+    typed = shlex.join(["cardtool", *args]) + ("  # stage rl" if name == "flywheel" else "")
+    assert load_card(tmp_path / folder).manifest.recipe.command == typed
