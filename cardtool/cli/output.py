@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import sys
@@ -26,21 +27,34 @@ def console(*, stderr: bool = False):
     (COLUMNS=² or LINES=² ended every command that prints a table with a traceback)."""
     import shutil
 
-    from rich.console import Console
-
     stream = sys.stderr if stderr else sys.stdout
     columns, lines = os.environ.get("COLUMNS", ""), os.environ.get("LINES", "")
     size = shutil.get_terminal_size((160, 24)) if stream.isatty() else os.terminal_size((160, 24))
     width = max(int(columns), 80) if columns.isdecimal() and int(columns) > 0 else size.columns
     height = int(lines) if lines.isdecimal() and int(lines) > 0 else size.lines
-    return Console(stderr=stderr, highlight=False, soft_wrap=stderr, width=width, height=height, emoji=False)
+    return _printable_console()(stderr=stderr, highlight=False, soft_wrap=stderr, width=width, height=height,
+                                emoji=False)
+
+
+@functools.cache
+def _printable_console():
+    """Rich's Console, but every string it renders (a line, a table's cells and title) goes through `printable`
+    first: a folder or file named with an ESC in it (`cards list`, `cards validate`) must not send the terminal an
+    escape sequence. Rich itself drops only a few control codes (bell, backspace, CR), not ESC."""
+    from rich.console import Console
+
+    class PrintableConsole(Console):
+        def render_str(self, text: str, **options):
+            return super().render_str(printable(text), **options)
+
+    return PrintableConsole
 
 
 def say(line: str, *, stderr: bool = False) -> None:
     """One plain line (no markup, no wrapping): the per-image lines of `generate` need no Rich, whose import is
     a measurable part of a one-image command."""
     stream = sys.stderr if stderr else sys.stdout
-    stream.write(line + "\n")
+    stream.write(printable(line) + "\n")
     stream.flush()
 
 
@@ -83,7 +97,7 @@ def quoted_prompt(prompt: str, limit: int = 80) -> str:
 def printable(text: str) -> str:
     """`text` with its control characters (tab and newline aside) written as escapes: a message that quotes a file
     from elsewhere (a tokenizer's parse error, a path) never sends a terminal an escape sequence."""
-    from cardtool.core.cards.source import CONTROL_CHARACTERS  # the pattern manifests refuse; only on errors
+    from cardtool.core.cards.source import CONTROL_CHARACTERS  # the pattern manifests refuse
 
     return CONTROL_CHARACTERS.sub(lambda m: repr(m[0])[1:-1], text)
 

@@ -70,6 +70,39 @@ def test_the_error_console_writes_to_stderr_without_wrapping(capsys):
     assert captured.err == "x" * 300 + "\n" and captured.out == ""
 
 
+def test_the_console_shows_control_characters_as_escapes_in_lines_tables_and_titles(capsys):
+    from rich.table import Table
+
+    table = Table(title="title \x1b]0;x\x07")
+    table.add_column("c\x1b[2J")
+    table.add_row("a folder\x1b[31m", "tab\tkept")
+    out = output.console()
+    out.print(table)
+    out.print("[bold]line\x1b[0m[/bold]", markup=True)
+    out.print("plain \x9b", markup=False)
+    shown = capsys.readouterr().out
+    assert "\x1b" not in shown and "\x07" not in shown and "\x9b" not in shown, repr(shown)
+    for escaped in ("title \\x1b]0;x\\x07", "c\\x1b[2J", "a folder\\x1b[31m", "line\\x1b[0m", "plain \\x9b"):
+        assert escaped in shown, (escaped, shown)
+
+
+def test_a_card_folder_named_with_an_escape_sequence_is_listed_and_validated_with_it_escaped(tmp_path, monkeypatch):
+    import shutil
+
+    from helpers import EXAMPLE_CARDS
+    from typer.testing import CliRunner
+
+    from cardtool.cli import app
+
+    folder = tmp_path / "cards" / "x\x1b]0;owned\x07"
+    shutil.copytree(EXAMPLE_CARDS / "tiny-base", folder)
+    monkeypatch.setenv("CARDTOOL_PATH", str(tmp_path / "cards"))
+    for args in (["cards", "list"], ["cards", "validate", str(folder)]):
+        result = CliRunner().invoke(app, args, env={"COLUMNS": "1000"})
+        assert result.exit_code == 0, result.output
+        assert "\x1b" not in result.stdout and "x\\x1b]0;owned\\x07" in result.stdout, result.stdout
+
+
 # --- the formatters ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("seconds, text", [(0, "0:00"), (59.4, "0:59"), (59.6, "1:00"), (61, "1:01"),
@@ -112,8 +145,9 @@ def test_printable_escapes_control_characters_but_keeps_tabs_and_newlines():
 def test_say_writes_one_line_to_the_stream_asked_for(capsys):
     output.say("to stdout")
     output.say("[bold]to stderr[/bold]", stderr=True)
+    output.say("out/\x1b[2J/a.png\ttab")  # a path from --out: its escape is shown, not sent
     captured = capsys.readouterr()
-    assert captured.out == "to stdout\n" and captured.err == "[bold]to stderr[/bold]\n"
+    assert captured.out == "to stdout\nout/\\x1b[2J/a.png\ttab\n" and captured.err == "[bold]to stderr[/bold]\n"
 
 
 def test_off_a_terminal_a_warning_is_one_plain_line_on_stderr(capsys):
