@@ -442,3 +442,38 @@ def test_a_parent_id_two_cards_declare_is_a_problem_located_at_the_parent(tmp_pa
     [problem] = info.value.problems
     assert (problem.field, problem.line) == ("recipe.parents.1", 8)
     assert "card id 'twin' is declared twice: cards/x (./cards) and builtin/y (builtin)" in problem.message
+
+
+def test_listing_or_validating_many_cards_that_extend_one_reads_each_manifest_header_a_bounded_number_of_times(
+        tmp_path, monkeypatch):
+    """Each card's `extends` is found by id: a fresh scan of every root per card read N² headers (300 cards
+    extending one base took a minute to list)."""
+    shutil.copytree(EXAMPLE_CARDS / "tiny-base", tmp_path / "family" / "tiny-base")
+    for i in range(40):
+        folder = tmp_path / "family" / f"c{i:02d}"
+        folder.mkdir()
+        (folder / "card.yaml").write_text(f"schema: cardtool/v1\nid: c{i:02d}\nextends: tiny-base\n"
+                                          "recipe: {method: import, parents: [tiny-base]}\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CARDTOOL_PATH", str(tmp_path / "family"))
+    peeks = []
+    monkeypatch.setattr(discovery, "peek_id", lambda file: peeks.append(file) or discovery.read_source(file).data["id"])
+    listed = list_cards()
+    assert sum(s.valid for s in listed if s.id.startswith("c")) == 40 and len(peeks) <= 3 * 41, len(peeks)
+    peeks.clear()
+    results = validate_paths([str(tmp_path / "family")])
+    assert len(results) == 41 and all(r.valid for r in results) and len(peeks) <= 3 * 41, len(peeks)
+    peeks.clear()
+    locate("c00"), locate("c01")  # outside a bulk command every search reads the roots afresh: a new card is found
+    assert len(peeks) >= 2 * 41
+
+
+def test_a_search_inside_scans_once_is_read_once_and_a_card_written_after_the_block_is_found(tmp_path, monkeypatch):
+    shutil.copytree(EXAMPLE_CARDS / "tiny-base", tmp_path / "family" / "tiny-base")
+    monkeypatch.setenv("CARDTOOL_PATH", str(tmp_path / "family"))
+    with discovery.scans_once():
+        assert locate("tiny-base").parent.name == "tiny-base"
+        shutil.copytree(EXAMPLE_CARDS / "tiny-judge", tmp_path / "family" / "tiny-judge")
+        with discovery.scans_once(), pytest.raises(CardNotFound):  # nested: the same reading
+            locate("tiny-judge")
+    assert locate("tiny-judge").parent.name == "tiny-judge"

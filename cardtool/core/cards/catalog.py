@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cardtool.core.cards.discovery import Entry, bare_name, locate, manifest_in, scan, search_roots
+from cardtool.core.cards.discovery import Entry, bare_name, locate, manifest_in, scan, scans_once, search_roots
 from cardtool.core.cards.lineage import lineage, missing_parent_problems
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.source import MANIFEST_NAMES, display_path, peek_id
@@ -51,6 +51,11 @@ class ValidationResult:
 
 def list_cards() -> list[CardSummary]:
     """Every card on the search roots, in search order; an invalid card is listed with its problems."""
+    with scans_once():
+        return _listed()
+
+
+def _listed() -> list[CardSummary]:
     summaries, cards = [], []
     for entry in scan(search_roots()):
         summary = CardSummary(entry.id, display_path(entry.folder), entry.origin)
@@ -81,6 +86,11 @@ def validate_paths(paths: list[str], *, checksums: bool = False) -> list[Validat
     card.
 
     Beyond loading, a card's parents must be found and must not form a cycle."""
+    with scans_once():
+        return _validated(paths, checksums)
+
+
+def _validated(paths: list[str], checksums: bool) -> list[ValidationResult]:
     results, cards = [], {}
     for target in _expand(paths):
         try:
