@@ -477,3 +477,19 @@ def test_a_search_inside_scans_once_is_read_once_and_a_card_written_after_the_bl
         with discovery.scans_once(), pytest.raises(CardNotFound):  # nested: the same reading
             locate("tiny-judge")
     assert locate("tiny-judge").parent.name == "tiny-judge"
+
+
+def test_a_long_lineage_reads_the_search_roots_once(tmp_path, monkeypatch):
+    shutil.copytree(EXAMPLE_CARDS / "tiny-base", tmp_path / "family" / "tiny-base")
+    for i in range(30):
+        folder = tmp_path / "family" / f"c{i:02d}"
+        folder.mkdir()
+        parent = f"c{i - 1:02d}" if i else "tiny-base"
+        (folder / "card.yaml").write_text(f"schema: cardtool/v1\nid: c{i:02d}\nextends: tiny-base\n"
+                                          f"recipe: {{method: import, parents: [{parent}]}}\n")
+    monkeypatch.setenv("CARDTOOL_PATH", str(tmp_path / "family"))
+    card = load_card(tmp_path / "family" / "c29")
+    peeks = []
+    monkeypatch.setattr(discovery, "peek_id", lambda file: peeks.append(file) or discovery.read_source(file).data["id"])
+    assert [node.id for node in lineage(card).chain()][:3] == ["tiny-base", "c00", "c01"]
+    assert len(peeks) <= 3 * 31, len(peeks)  # a fresh scan per parent read 30 × 31

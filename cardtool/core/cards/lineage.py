@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cardtool.core.cards.discovery import locate
+from cardtool.core.cards.discovery import locate, scans_once
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.source import display_path
 from cardtool.errors import AmbiguousCard, BadInput, CardNotFound, CardValidationError, Problem
@@ -66,8 +66,10 @@ class LineageNode:
 def lineage(card: Card) -> LineageNode:
     """The tree of `card`'s parents, grandparents … to the roots: each parent found on the search roots, else read
     from the ancestors a card on the way recorded (the nearest record first), else marked missing; each card walked
-    once however many descendants name it. A cycle, or a lineage deeper than MAX_DEPTH, is a CardValidationError."""
-    return _walk(card, (), {}, {})
+    once however many descendants name it. A cycle, or a lineage deeper than MAX_DEPTH, is a CardValidationError.
+    The search roots are read once for the whole walk."""
+    with scans_once():
+        return _walk(card, (), {}, {})
 
 
 def _walk(card: Card, below: tuple[str, ...], recorded: dict, walked: dict[str, LineageNode]) -> LineageNode:
