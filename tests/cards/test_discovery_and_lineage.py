@@ -493,3 +493,64 @@ def test_a_long_lineage_reads_the_search_roots_once(tmp_path, monkeypatch):
     monkeypatch.setattr(discovery, "peek_id", lambda file: peeks.append(file) or discovery.read_source(file).data["id"])
     assert [node.id for node in lineage(card).chain()][:3] == ["tiny-base", "c00", "c01"]
     assert len(peeks) <= 3 * 31, len(peeks)  # a fresh scan per parent read 30 × 31
+
+
+def _unreadable(folder_name: str, real):
+    """`real` (a function of a path first), raising what the OS raises for a folder whose mode denies this user."""
+    import errno
+
+    def call(path, *args, **kwargs):
+        if folder_name in Path(path).parts:
+            raise PermissionError(errno.EACCES, "Permission denied", str(Path(path) / "card.yaml"))
+        return real(path, *args, **kwargs)
+    return call
+
+
+def test_a_card_folder_this_user_may_not_read_fails_alone_not_every_search(tmp_path, monkeypatch):
+    """Another user's private folder on a team disk on CARDTOOL_PATH ended `cards list`, `cards validate` of the
+    folder and every lookup by id (`generate tiny-base`) with "Permission denied"."""
+    from cardtool.core.cards import catalog
+
+    for name in ("tiny-base", "private"):
+        shutil.copytree(EXAMPLE_CARDS / ("tiny-judge" if name == "private" else name), tmp_path / "team" / name)
+    monkeypatch.setenv("CARDTOOL_PATH", str(tmp_path / "team"))
+    monkeypatch.setattr(discovery, "manifest_in", _unreadable("private", discovery.manifest_in))
+    monkeypatch.setattr(catalog, "load_card", _unreadable("private", catalog.load_card))
+    assert locate("tiny-base").parent.name == "tiny-base"
+    with pytest.raises(CardNotFound, match=r"1 card folder there could not be read \(.*private"):
+        locate("tiny-judge")
+    listed = {s.path.rsplit("/", 1)[-1]: s for s in list_cards()}
+    assert listed["tiny-base"].valid and "cannot read" in listed["private"].problems[0].message
+    results = {r.path.rsplit("/", 1)[-1]: r for r in validate_paths([str(tmp_path / "team")])}
+    assert results["tiny-base"].valid and not results["private"].valid
+    assert results["private"].problems[0].message.endswith("card.yaml: Permission denied")
+
+
+def test_without_the_right_to_read_a_folder_the_commands_go_on_with_the_others(tmp_path):
+    """The same, for real: root without the capabilities that let it read any file (skipped where setpriv cannot
+    drop them)."""
+    import subprocess
+    import sys
+
+    shutil.copytree(EXAMPLE_CARDS / "tiny-base", tmp_path / "team" / "tiny-base")
+    shutil.copytree(EXAMPLE_CARDS / "tiny-judge", tmp_path / "team" / "private")
+    (tmp_path / "team" / "private").chmod(0)
+    drop = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-dac_override,-dac_read_search"]
+    try:
+        probe = subprocess.run([*drop, "cat", str(tmp_path / "team" / "private" / "card.yaml")], capture_output=True)
+    except OSError:
+        pytest.skip("no setpriv here")
+    if probe.returncode == 0 or b"Permission denied" not in probe.stderr:
+        pytest.skip("this process reads the folder anyway (not root with droppable capabilities, or not Linux)")
+    env = {**os.environ, "CARDTOOL_PATH": str(tmp_path / "team")}
+    try:
+        listed = subprocess.run([*drop, sys.executable, "-m", "cardtool", "cards", "list", "--json"], env=env,
+                                capture_output=True, text=True, cwd=tmp_path)
+        checked = subprocess.run([*drop, sys.executable, "-m", "cardtool", "cards", "validate", "team", "--json"],
+                                 env=env, capture_output=True, text=True, cwd=tmp_path)
+    finally:
+        (tmp_path / "team" / "private").chmod(0o755)
+    assert listed.returncode == 0, listed.stderr
+    cards = {c["path"]: c for c in __import__("json").loads(listed.stdout)["cards"]}
+    assert cards["team/tiny-base"]["valid"] and "Permission denied" in cards["team/private"]["problems"][0]["message"]
+    assert checked.returncode == 1 and "Permission denied" in checked.stdout and '"valid": true' in checked.stdout

@@ -100,6 +100,10 @@ def _validated(paths: list[str], checksums: bool) -> list[ValidationResult]:
             cards[len(results) - 1] = card
         except CardValidationError as e:
             results.append(ValidationResult(display_path(target), _declared_id(target), e.problems))
+        except OSError as e:  # a card this user may not read (another's, on a team disk): that card fails, not all
+            where = display_path(e.filename) if e.filename else display_path(target)
+            results.append(ValidationResult(display_path(target), None, [Problem(
+                where, 1, 1, "", f"cannot read {where}: {e.strerror or e}", "ask its owner for read access")]))
     for i, card in cards.items():  # siblings: wherever their folder is searched, the id names no card
         twins = [results[j].path for j, other in cards.items()
                  if other.id == card.id and other.folder.resolve() != card.folder.resolve()
@@ -140,5 +144,14 @@ def _expand(paths: list[str]) -> list[Path]:
 
 
 def _has_manifest(folder: Path) -> bool:
-    """Whether the folder holds a manifest name, as a file or not (`manifest_in` says what is wrong with the rest)."""
-    return any(os.path.lexists(folder / name) for name in MANIFEST_NAMES)
+    """Whether the folder holds a manifest name, as a file or not (`manifest_in` says what is wrong with the rest);
+    a folder this user may not look into may hold one, and loading it says it cannot be read."""
+    for name in MANIFEST_NAMES:
+        try:
+            os.lstat(folder / name)
+            return True
+        except PermissionError:
+            return True
+        except (OSError, ValueError):
+            continue
+    return False

@@ -144,6 +144,12 @@ def scan(roots: list[Root], *, ids_only: bool = False) -> list[Entry]:
             except CardValidationError as e:
                 seen.add(folder.resolve())
                 entries.append(Entry(None, file or folder / MANIFEST_NAMES[0], root.origin, e))
+            except OSError as e:  # a folder this user may not read (another's, on a team disk): that card only
+                seen.add(folder.resolve())
+                file = file or folder / MANIFEST_NAMES[0]
+                entries.append(Entry(None, file, root.origin, CardValidationError.at(
+                    display_path(file), 1, 1, "", f"cannot read {display_path(file)}: {e.strerror or e}",
+                    "ask its owner for read access, or take its folder off the search path")))
     if _scans is not None:
         _scans[key] = list(entries)
     return entries
