@@ -98,6 +98,27 @@ def _files(root: Path) -> dict[str, list[os.DirEntry]]:
     return found
 
 
+def _unreadable(root: Path) -> list[str]:
+    """The text shards this user may not look into (made by another user whose umask keeps them private, on a shared
+    cache), each with why: what they hold is neither counted nor removable here."""
+    try:
+        with os.scandir(root / "text") as found:
+            shards = [s for s in found if re.fullmatch(r"[0-9a-f]{2}", s.name) and s.is_dir(follow_symlinks=False)]
+    except PermissionError as e:
+        return [f"{root / 'text'}: {e.strerror or e}"]
+    except OSError:  # none yet
+        return []
+    out = []
+    for shard in shards:
+        try:
+            os.scandir(shard.path).close()
+        except PermissionError as e:
+            out.append(f"{shard.path}: {e.strerror or e}")
+        except OSError:  # gone meanwhile
+            pass
+    return sorted(out)
+
+
 def _size(entry: os.DirEntry) -> int:
     try:
         return entry.stat(follow_symlinks=False).st_size
@@ -137,7 +158,7 @@ def usage() -> dict:
     root = cache_dir()
     return {"path": str(root), "limit": limit(), "problem": problem(root),
             **{kind: {"files": len(entries), "bytes": sum(_size(e) for e in entries)}
-               for kind, entries in _files(root).items()}}
+               for kind, entries in _files(root).items()}, "unreadable": _unreadable(root)}
 
 
 def prune(to: int | None = None, root: Path | None = None, strict: bool = False) -> dict:
@@ -204,7 +225,8 @@ def clear() -> dict:
             shard.rmdir()  # only when empty
         except OSError:
             pass
+    refused += _unreadable(root)  # folders of entries that could not even be listed
     if refused:
-        raise RunFailed(f"{len(refused)} of cardtool's cache files could not be removed, e.g. {refused[0]}",
-                        {"path": str(root), **removed})
+        raise RunFailed(f"{len(refused)} of cardtool's cache files or folders could not be removed, e.g. "
+                        f"{refused[0]}", {"path": str(root), **removed})
     return {"path": str(root), **removed}

@@ -48,7 +48,8 @@ def test_info_counts_and_clear_removes_only_cardtools_files(tmp_path, monkeypatc
     assert result.exit_code == 0
     assert (cleared["cleared"]["text"]["files"], cleared["cleared"]["temporary"]["files"]) == (2, 2)
     assert all(path.exists() for path in foreign) and (tmp_path / "a.png").exists()
-    assert [(k, v["files"]) for k, v in cache("info")[1].items() if k not in ("path", "limit", "problem")] == [
+    left = cache("info")[1]
+    assert [(k, v["files"]) for k, v in left.items() if k not in ("path", "limit", "problem", "unreadable")] == [
         ("text", 0), ("digests", 0), ("temporary", 0)]
     os.symlink(outside / "notes.json", root / "digests.json")  # the digests' name, linked elsewhere: not ours
     assert cache("info")[1]["digests"]["files"] == 0 and cache("clear")[0].exit_code == 0
@@ -75,6 +76,31 @@ def test_a_cache_that_is_not_there_is_empty_and_a_file_that_cannot_be_removed_fa
     result, report = cache("clear")
     assert result.exit_code == 1 and report["error"]["kind"] == "failed"
     assert "could not be removed" in report["error"]["message"] and "Permission denied" in report["error"]["message"]
+
+
+def test_a_shard_another_user_keeps_private_is_said_by_info_and_fails_clear(tmp_path, monkeypatch):
+    """On a shared cache, a text shard made under another user's umask 077 cannot be listed: info counted it as
+    nothing and clear said 'cleared' while its entries stayed."""
+    monkeypatch.setenv("CARDTOOL_CACHE", str(tmp_path))
+    (tmp_path / "text" / "ab").mkdir(parents=True)
+    (tmp_path / "text" / "ab" / ("ab" + "0" * 62 + ".npz")).write_bytes(b"theirs")
+    (tmp_path / "text" / "cd").mkdir()
+    listing = os.scandir
+
+    def private(path, *args):
+        if str(path).endswith(os.sep + "ab"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return listing(path, *args)
+
+    monkeypatch.setattr(os, "scandir", private)
+    result, info = cache("info")
+    assert result.exit_code == 0 and info["unreadable"] == [f"{tmp_path / 'text' / 'ab'}: Permission denied"]
+    shown = CliRunner().invoke(app, ["cache", "info"])
+    assert "warning 1 folder of encoded prompts could not be read (another user's?)" in shown.stderr, shown.output
+    result, report = cache("clear")
+    assert result.exit_code == 1 and "text/ab: Permission denied" in report["error"]["message"], report
+    monkeypatch.setattr(os, "scandir", listing)
+    assert cache("info")[1]["unreadable"] == [] and cache("clear")[0].exit_code == 0
 
 
 def test_prune_keeps_the_most_recently_used_within_the_size(tmp_path, monkeypatch):
