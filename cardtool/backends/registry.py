@@ -60,6 +60,8 @@ class Registry:
                  kind: str | None = None, schema: str | None = None) -> Cell:
         if len(key) != len(self.fields):
             raise ValueError(f"{self.title} keys are ({', '.join(self.fields)}), got {key}")
+        if dtypes is None and key[self.fields.index("device")] == "numpy":  # numpy has no bfloat16 to run one at
+            dtypes = ("float64", "float32")
         extra = {"dtypes": dtypes} if dtypes is not None else {}
         cell = Cell(tuple(key), target, tuple(requires), check, reference=reference, source=source, kind=kind,
                     schema=schema, **extra)

@@ -120,6 +120,20 @@ def test_a_wrong_kernel_fails_parity_naming_its_cell(kernels, monkeypatch, op, t
     assert f"\n  {op}: {'; '.join(shapes)}\n" in table.stdout
 
 
+def test_a_plugins_numpy_cell_is_held_to_the_reference_with_its_masks_as_given(kernels):
+    """Not a reference itself (say a numba kernel on the numpy device): compared like any other, at each precision
+    it declares, on numpy arrays — the right one passes, the one that drops the mask fails."""
+    kernels.register("attention", "numpy", "generic", "plugin", target="wrong_kernels:numpy_attention",
+                     dtypes=("float32", "float16"))
+    kernels.register("attention", "numpy", "generic", "careless", target="wrong_kernels:numpy_attention_drops_mask")
+    rows = {(r.cell, r.dtype): r for r in run_parity(Platform("numpy", "generic"), "attention")}
+    plugin, careless = "attention/numpy/generic/plugin", "attention/numpy/generic/careless"
+    assert {key: row.passed for key, row in rows.items()} == {
+        (plugin, "float32"): True, (plugin, "float16"): True, (careless, "float64"): False,
+        (careless, "float32"): False}, {k: r.error for k, r in rows.items()}  # no bfloat16 row: numpy has none
+    assert rows[("attention/numpy/generic/plugin", "float32")].max_abs_err > 0, "float32 against float64, measured"
+
+
 def test_a_crashing_kernel_is_a_failed_row_not_a_crash(kernels, monkeypatch):
     kernels.register("rms_norm", "cpu", "avx2", "default", target="wrong_kernels:no_such_function")
     rows = run_parity(Platform("cpu", "avx2"), "rms_norm")
