@@ -535,6 +535,7 @@ def test_without_the_right_to_read_a_folder_the_commands_go_on_with_the_others(t
     shutil.copytree(EXAMPLE_CARDS / "tiny-base", tmp_path / "team" / "tiny-base")
     shutil.copytree(EXAMPLE_CARDS / "tiny-judge", tmp_path / "team" / "private")
     (tmp_path / "team" / "private").chmod(0)
+    (tmp_path / "closed").mkdir(mode=0)  # a whole root this user may not list
     drop = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-dac_override,-dac_read_search"]
     try:
         probe = subprocess.run([*drop, "cat", str(tmp_path / "team" / "private" / "card.yaml")], capture_output=True)
@@ -542,14 +543,19 @@ def test_without_the_right_to_read_a_folder_the_commands_go_on_with_the_others(t
         pytest.skip("no setpriv here")
     if probe.returncode == 0 or b"Permission denied" not in probe.stderr:
         pytest.skip("this process reads the folder anyway (not root with droppable capabilities, or not Linux)")
-    env = {**os.environ, "CARDTOOL_PATH": str(tmp_path / "team")}
+    env = {**os.environ, "CARDTOOL_PATH": os.pathsep.join([str(tmp_path / "team"), str(tmp_path / "closed")])}
     try:
         listed = subprocess.run([*drop, sys.executable, "-m", "cardtool", "cards", "list", "--json"], env=env,
                                 capture_output=True, text=True, cwd=tmp_path)
         checked = subprocess.run([*drop, sys.executable, "-m", "cardtool", "cards", "validate", "team", "--json"],
                                  env=env, capture_output=True, text=True, cwd=tmp_path)
+        missing = subprocess.run([*drop, sys.executable, "-m", "cardtool", "cards", "show", "nowhere"], env=env,
+                                 capture_output=True, text=True, cwd=tmp_path)
     finally:
         (tmp_path / "team" / "private").chmod(0o755)
+        (tmp_path / "closed").chmod(0o755)
+    assert missing.returncode == 2 and "closed (CARDTOOL_PATH: cannot be read, Permission denied)" in missing.stderr, \
+        missing.stderr
     assert listed.returncode == 0, listed.stderr
     cards = {c["path"]: c for c in __import__("json").loads(listed.stdout)["cards"]}
     assert cards["team/tiny-base"]["valid"] and "Permission denied" in cards["team/private"]["problems"][0]["message"]

@@ -66,8 +66,17 @@ def search_roots(near: Path | None = None) -> list[Root]:
 
 
 def _absent(root: Root) -> str:
-    """What a search root named in CARDTOOL_PATH is when it is no folder (a mistyped entry finds nothing silently)."""
-    if root.origin != "CARDTOOL_PATH" or os.path.isdir(root.path):
+    """What a search root named in CARDTOOL_PATH is when it is no folder (a mistyped entry finds nothing silently),
+    and what any root is that this user may not list (searched as empty)."""
+    if os.path.isdir(root.path):
+        try:
+            os.scandir(root.path).close()
+        except PermissionError as e:
+            return f": cannot be read, {e.strerror or e}"
+        except OSError:
+            pass
+        return ""
+    if root.origin != "CARDTOOL_PATH":
         return ""
     return ": not a folder" if os.path.lexists(root.path) else ": no such folder"
 
