@@ -78,6 +78,10 @@ def data_dir(explicit: str | Path | None = None) -> Path:
     if not folder.is_dir():
         source = " (CARDTOOL_DATA)" if not explicit and os.environ.get("CARDTOOL_DATA") else ""
         raise BadInput(f"no Fashion-MNIST data at {folder}{source}: {_HOW}")
+    try:
+        os.scandir(folder).close()
+    except PermissionError as e:  # said of the folder, not of the first file in it the data is looked for by
+        raise BadInput(f"the data folder {folder} cannot be read: {e.strerror or e}") from None
     return folder
 
 

@@ -279,3 +279,26 @@ def test_a_folder_of_images_without_metadata_says_what_is_missing(tmp_path, insi
     (tmp_path / "mine" / inside / "red.PNG").rename(tmp_path / "mine" / inside / "notes.txt")
     with pytest.raises(BadInput, match="has no train-images-idx3-ubyte"):
         load_split("train", tmp_path / "mine")
+
+
+def test_a_data_folder_this_user_may_not_read_is_said_of_the_folder(tmp_path, monkeypatch):
+    """It was said of the first file looked for in it ('d0/metadata.jsonl: Permission denied')."""
+    import errno
+    import re
+    from pathlib import Path
+
+    from cardtool.core.data import data_dir
+
+    folder = tmp_path / "theirs"
+    folder.mkdir()
+    listing = os.scandir
+
+    def private(path, *args):
+        if Path(path) == folder:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return listing(path, *args)
+
+    monkeypatch.setattr(os, "scandir", private)
+    with pytest.raises(BadInput, match=f"^the data folder {re.escape(str(folder))} cannot be read: Permission denied$"):
+        data_dir(str(folder))
+    assert data_dir(str(tmp_path)) == tmp_path
