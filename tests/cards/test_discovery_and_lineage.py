@@ -479,6 +479,21 @@ def test_a_search_inside_scans_once_is_read_once_and_a_card_written_after_the_bl
     assert locate("tiny-judge").parent.name == "tiny-judge"
 
 
+def test_another_threads_search_is_not_answered_from_a_bulk_commands_reading(tmp_path, monkeypatch):
+    import threading
+
+    shutil.copytree(EXAMPLE_CARDS / "tiny-base", tmp_path / "family" / "tiny-base")
+    monkeypatch.setenv("CARDTOOL_PATH", str(tmp_path / "family"))
+    found = []
+    with discovery.scans_once():
+        locate("tiny-base")
+        shutil.copytree(EXAMPLE_CARDS / "tiny-judge", tmp_path / "family" / "tiny-judge")  # the thread wrote it
+        worker = threading.Thread(target=lambda: found.append(locate("tiny-judge").parent.name))
+        worker.start()
+        worker.join()
+    assert found == ["tiny-judge"]
+
+
 def test_a_long_lineage_reads_the_search_roots_once(tmp_path, monkeypatch):
     shutil.copytree(EXAMPLE_CARDS / "tiny-base", tmp_path / "family" / "tiny-base")
     for i in range(30):

@@ -7,6 +7,7 @@ import os
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +17,9 @@ from cardtool.paths import home_expanded
 
 __all__ = ["Root", "Entry", "builtin_dir", "search_roots", "scan", "scans_once", "manifest_in", "locate", "bare_name"]
 
-_scans: dict | None = None  # inside `scans_once`: each search's entries, by its roots
+# inside `scans_once`: each search's entries, by its roots — per thread (and task), so that a script's other thread
+# writing a card and looking it up is never answered from this one's reading
+_scans: ContextVar[dict | None] = ContextVar("cardtool_scans", default=None)
 
 
 @dataclass(frozen=True)
@@ -109,15 +112,13 @@ def _kind(path: Path) -> str:
 def scans_once() -> Iterator[None]:
     """Within this block each search (the same roots) reads the card folders once. A command over many cards (`cards
     list`, `cards validate`) resolves each card's `extends` by id, and a fresh scan of every root per card read N²
-    manifest headers: 300 cards extending one base took a minute to list. A card written inside the block is not
-    seen by a search made before it, so only commands that write no card use it."""
-    global _scans
-    outer = _scans
-    _scans = {} if outer is None else outer
+    manifest headers: 300 cards extending one base took tens of seconds to list. A card written inside the block is
+    not seen by a search made before it, so only commands that write no card use it."""
+    token = _scans.set({} if _scans.get() is None else _scans.get())
     try:
         yield
     finally:
-        _scans = outer
+        _scans.reset(token)
 
 
 def scan(roots: list[Root], *, ids_only: bool = False) -> list[Entry]:
@@ -126,9 +127,9 @@ def scan(roots: list[Root], *, ids_only: bool = False) -> list[Entry]:
     killed while writing its card leaves, which would otherwise declare the card's id a second time. With
     `ids_only` each manifest is read only as far as its id (`peek_id`): finding one card by id need not parse them
     all."""
-    key = (tuple(roots), ids_only)
-    if _scans is not None and key in _scans:
-        return list(_scans[key])
+    key, read = (tuple(roots), ids_only), _scans.get()
+    if read is not None and key in read:
+        return list(read[key])
     entries: list[Entry] = []
     seen: set[Path] = set()
     for root in roots:
@@ -159,8 +160,8 @@ def scan(roots: list[Root], *, ids_only: bool = False) -> list[Entry]:
                 entries.append(Entry(None, file, root.origin, CardValidationError.at(
                     display_path(file), 1, 1, "", f"cannot read {display_path(file)}: {e.strerror or e}",
                     "ask its owner for read access, or take its folder off the search path")))
-    if _scans is not None:
-        _scans[key] = list(entries)
+    if read is not None:
+        read[key] = list(entries)
     return entries
 
 
