@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from cardtool.cli.output import console, emit_json, handled, printable
+from cardtool.cli.output import console, emit_json, handled, printable, warn
 
 app = typer.Typer(help="Find, inspect, check and trace cards.", no_args_is_help=True)
 
@@ -20,9 +20,12 @@ CardArgument = Annotated[str, typer.Argument(help="A card id, card folder or man
 def list_command(json_: JsonOption = False) -> None:
     """List the cards on the search path: ./cards, CARDTOOL_PATH, then the built-in cards."""
     from cardtool.core.cards.catalog import list_cards
+    from cardtool.core.cards.discovery import search_roots, unsearchable
 
     with handled(json_):
         summaries = list_cards()
+    for root in unsearchable(search_roots()):  # on stderr, also under --json: why cards expected there are missing
+        warn(f"searched nothing in {root}")
     if json_:
         emit_json({"cards": [s.to_json() for s in summaries]})
         return

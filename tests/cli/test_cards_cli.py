@@ -299,3 +299,28 @@ def test_an_image_or_weights_given_where_a_manifest_is_read_is_named_as_such(on_
     (tmp_path / "latin1.yaml").write_bytes("id: caf\xe9\n".encode("latin-1"))
     result = run("cards", "validate", str(tmp_path / "latin1.yaml"))
     assert result.exit_code == 1 and "not UTF-8 text" in result.output and "save it as UTF-8" in result.output
+
+
+def test_cards_list_says_which_roots_it_could_not_search(tmp_path, monkeypatch):
+    """A mistyped CARDTOOL_PATH entry, or another user's folder, listed nothing in silence: the cards expected from it
+    were simply missing."""
+    import errno
+    import os
+
+    closed = tmp_path / "closed"
+    closed.mkdir()
+    monkeypatch.setenv("CARDTOOL_PATH", os.pathsep.join([str(tmp_path / "typo"), str(closed)]))
+    listing = os.scandir
+
+    def private(path, *args):
+        if str(path) == str(closed):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return listing(path, *args)
+
+    monkeypatch.setattr(os, "scandir", private)
+    result = CliRunner().invoke(app, ["cards", "list", "--json"])
+    assert result.exit_code == 0 and "cards" in json.loads(result.stdout)
+    assert "warning searched nothing in typo (CARDTOOL_PATH: no such folder)\n" in result.stderr, result.stderr
+    assert "warning searched nothing in closed (CARDTOOL_PATH: cannot be read, Permission denied)\n" in result.stderr
+    monkeypatch.delenv("CARDTOOL_PATH")
+    assert "searched nothing" not in CliRunner().invoke(app, ["cards", "list"]).stderr  # no ./cards here: no warning

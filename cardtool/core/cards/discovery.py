@@ -15,7 +15,8 @@ from cardtool.core.cards.source import MANIFEST_NAMES, display_path, peek_id, re
 from cardtool.errors import AmbiguousCard, BadInput, CardNotFound, CardValidationError
 from cardtool.paths import home_expanded
 
-__all__ = ["Root", "Entry", "builtin_dir", "search_roots", "scan", "scans_once", "manifest_in", "locate", "bare_name"]
+__all__ = ["Root", "Entry", "builtin_dir", "search_roots", "scan", "scans_once", "manifest_in", "locate", "bare_name",
+           "unsearchable"]
 
 # inside `scans_once`: each search's entries, by its roots — per thread (and task), so that a script's other thread
 # writing a card and looking it up is never answered from this one's reading
@@ -66,6 +67,12 @@ def search_roots(near: Path | None = None) -> list[Root]:
     if builtin is not None:
         roots.append(Root(builtin, "builtin"))
     return roots
+
+
+def unsearchable(roots: list[Root]) -> list[str]:
+    """Each root that finds nothing because it is not there or cannot be listed, with why: a mistyped CARDTOOL_PATH
+    entry, another user's folder."""
+    return [f"{display_path(r.path)} ({r.origin}{why})" for r in roots if (why := _absent(r))]
 
 
 def _absent(root: Root) -> str:
