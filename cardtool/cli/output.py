@@ -94,12 +94,18 @@ def quoted_prompt(prompt: str, limit: int = 80) -> str:
     return repr(prompt if len(prompt) <= limit else prompt[:limit] + "…")
 
 
+# the bidi embeddings, overrides and isolates, each to its escape
+_REORDERING = {code: f"\\u{code:04x}" for code in (*range(0x202A, 0x202F), *range(0x2066, 0x206A))}
+
+
 def printable(text: str) -> str:
     """`text` with its control characters (tab and newline aside) written as escapes: a message that quotes a file
-    from elsewhere (a tokenizer's parse error, a path) never sends a terminal an escape sequence."""
+    from elsewhere (a tokenizer's parse error, a path) never sends a terminal an escape sequence. So are the bidi
+    controls that reorder what follows them on screen ('Trojan Source'): a folder named 'x', U+202E, 'gpj.png' must
+    not read as 'xgnp.jpg'."""
     from cardtool.core.cards.source import CONTROL_CHARACTERS  # the pattern manifests refuse
 
-    return CONTROL_CHARACTERS.sub(lambda m: repr(m[0])[1:-1], text)
+    return CONTROL_CHARACTERS.sub(lambda m: repr(m[0])[1:-1], text).translate(_REORDERING)
 
 
 def warn(message: str) -> None:

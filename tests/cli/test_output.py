@@ -146,8 +146,10 @@ def test_say_writes_one_line_to_the_stream_asked_for(capsys):
     output.say("to stdout")
     output.say("[bold]to stderr[/bold]", stderr=True)
     output.say("out/\x1b[2J/a.png\ttab")  # a path from --out: its escape is shown, not sent
+    output.say("x\u202egpj.png \u2066y")  # bidi controls would show it as xgnp.jpg
     captured = capsys.readouterr()
-    assert captured.out == "to stdout\nout/\\x1b[2J/a.png\ttab\n" and captured.err == "[bold]to stderr[/bold]\n"
+    assert captured.out == "to stdout\nout/\\x1b[2J/a.png\ttab\nx\\u202egpj.png \\u2066y\n"
+    assert captured.err == "[bold]to stderr[/bold]\n"
 
 
 def test_off_a_terminal_a_warning_is_one_plain_line_on_stderr(capsys):
