@@ -148,6 +148,15 @@ def test_parity_cli_passes_here_and_rejects_unknown_ops():
     assert CliRunner().invoke(app, ["parity", "--op", "nope"]).exit_code == 2
 
 
+def test_an_op_only_a_plugin_registers_is_known_to_parity_and_fails_for_want_of_a_reference(kernels):
+    kernels.register("fancy_norm", "cpu", "generic", "default", target="wrong_kernels:rms_norm_eps_1e3")
+    result = CliRunner().invoke(app, ["parity", "--op", "fancy_norm", "--json"])
+    assert result.exit_code == 1, result.output  # a failed check, not an unknown op (2)
+    rows = {r["dtype"]: r for r in json.loads(result.stdout)["rows"]}
+    assert not any(r["passed"] for r in rows.values()) and set(rows) == {"float64", "float32", "bfloat16"}
+    assert "nothing can run kernel 'fancy_norm' (variant default) on numpy/generic" in rows["float32"]["error"]
+
+
 def test_bf16_attention_keeps_short_key_sequences_in_float32_even_under_autocast():
     import torch
 
