@@ -37,6 +37,11 @@ def cache_dir() -> Path:
     if os.path.isabs(xdg):
         return Path(xdg) / "cardtool"
     try:
+        # HOME empty (the root folder, to Python) or relative (the working folder): the password database's home
+        if not os.path.isabs(os.environ.get("HOME", "/")):
+            import pwd
+
+            return Path(pwd.getpwuid(os.getuid()).pw_dir) / ".cache" / "cardtool"
         return Path.home() / ".cache" / "cardtool"
     except (RuntimeError, KeyError):  # pathlib's "Could not determine home directory"
         raise NoCacheFolder("no folder for cardtool's cache: HOME is not set and this user has no home folder in the "

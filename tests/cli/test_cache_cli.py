@@ -259,3 +259,21 @@ def test_eval_says_an_unwritable_cache_in_its_warnings(tmp_path, monkeypatch):
                                       str(write_idx_folder(tmp_path / "idx")), "--json"])
     assert result.exit_code == 0, result.output
     assert [w for w in json.loads(result.stdout)["warnings"] if "a-file cannot be written" in w]
+
+
+@pytest.mark.parametrize("home", ["", "relative/home"])
+def test_a_home_that_is_empty_or_relative_is_not_where_the_cache_goes(tmp_path, monkeypatch, home):
+    """HOME="" put the cache in /.cache (Python reads an empty HOME as the root folder), a relative HOME in the
+    working folder — a cache in every folder a command runs in. The password database's home stands in for both."""
+    import pwd
+    from types import SimpleNamespace
+
+    from cardtool.cache import cache_dir
+
+    for name in ("CARDTOOL_CACHE", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", home)
+    monkeypatch.setattr(pwd, "getpwuid", lambda uid: SimpleNamespace(pw_dir=str(tmp_path / "home")))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "cardtool"
+    monkeypatch.setenv("HOME", str(tmp_path / "set"))
+    assert cache_dir() == tmp_path / "set" / ".cache" / "cardtool"
