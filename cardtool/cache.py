@@ -106,22 +106,16 @@ def _files(root: Path) -> dict[str, list[os.DirEntry]]:
 def _unreadable(root: Path) -> list[str]:
     """The text shards this user may not look into (made by another user whose umask keeps them private, on a shared
     cache), each with why: what they hold is neither counted nor removable here."""
+    from cardtool.files import unlistable
+
+    if why := unlistable(root / "text"):
+        return [f"{root / 'text'}: {why}"]
     try:
         with os.scandir(root / "text") as found:
-            shards = [s for s in found if re.fullmatch(r"[0-9a-f]{2}", s.name) and s.is_dir(follow_symlinks=False)]
-    except PermissionError as e:
-        return [f"{root / 'text'}: {e.strerror or e}"]
+            shards = [s.path for s in found if re.fullmatch(r"[0-9a-f]{2}", s.name) and s.is_dir(follow_symlinks=False)]
     except OSError:  # none yet
         return []
-    out = []
-    for shard in shards:
-        try:
-            os.scandir(shard.path).close()
-        except PermissionError as e:
-            out.append(f"{shard.path}: {e.strerror or e}")
-        except OSError:  # gone meanwhile
-            pass
-    return sorted(out)
+    return sorted(f"{shard}: {why}" for shard in shards if (why := unlistable(shard)))
 
 
 def _size(entry: os.DirEntry) -> int:

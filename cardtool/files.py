@@ -8,7 +8,7 @@ import stat
 from pathlib import Path
 
 __all__ = ["file_stamp", "is_regular_file", "parse_json", "read_json_object", "read_small_file",
-           "read_small_file_bytes", "read_stream"]
+           "read_small_file_bytes", "read_stream", "unlistable"]
 
 
 def file_stamp(path: Path) -> tuple[int, int, int, int]:
@@ -18,6 +18,18 @@ def file_stamp(path: Path) -> tuple[int, int, int, int]:
     cannot be stat'ed."""
     info = path.stat()
     return info.st_size, info.st_mtime_ns, info.st_ino, info.st_ctime_ns
+
+
+def unlistable(folder: Path | str) -> str | None:
+    """Why this user may not list `folder` (another user's, kept private by its mode), or None: also where it is no
+    folder or is gone, which callers say in their own words."""
+    try:
+        os.scandir(folder).close()
+    except PermissionError as e:
+        return e.strerror or str(e)
+    except OSError:
+        pass
+    return None
 
 
 def is_regular_file(path: Path) -> bool:

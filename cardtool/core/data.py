@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from cardtool.errors import BadInput
+from cardtool.files import unlistable
 from cardtool.paths import home_expanded
 
 __all__ = ["CLASS_NAMES", "DEFAULT_DATA", "IMAGE_SIZE", "Split", "data_dir", "load_split", "provenance", "read_idx"]
@@ -78,10 +79,9 @@ def data_dir(explicit: str | Path | None = None) -> Path:
     if not folder.is_dir():
         source = " (CARDTOOL_DATA)" if not explicit and os.environ.get("CARDTOOL_DATA") else ""
         raise BadInput(f"no Fashion-MNIST data at {folder}{source}: {_HOW}")
-    try:
-        os.scandir(folder).close()
-    except PermissionError as e:  # said of the folder, not of the first file in it the data is looked for by
-        raise BadInput(f"the data folder {folder} cannot be read: {e.strerror or e}") from None
+    why = unlistable(folder)
+    if why:  # said of the folder, not of the first file in it the data is looked for by
+        raise BadInput(f"the data folder {folder} cannot be read: {why}")
     return folder
 
 

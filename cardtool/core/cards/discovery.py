@@ -13,6 +13,7 @@ from pathlib import Path
 
 from cardtool.core.cards.source import MANIFEST_NAMES, display_path, peek_id, read_source
 from cardtool.errors import AmbiguousCard, BadInput, CardNotFound, CardValidationError
+from cardtool.files import unlistable
 from cardtool.paths import home_expanded
 
 __all__ = ["Root", "Entry", "builtin_dir", "search_roots", "scan", "scans_once", "manifest_in", "locate", "bare_name",
@@ -79,13 +80,8 @@ def _absent(root: Root) -> str:
     """What a search root named in CARDTOOL_PATH is when it is no folder (a mistyped entry finds nothing silently),
     and what any root is that this user may not list (searched as empty)."""
     if os.path.isdir(root.path):
-        try:
-            os.scandir(root.path).close()
-        except PermissionError as e:
-            return f": cannot be read, {e.strerror or e}"
-        except OSError:
-            pass
-        return ""
+        why = unlistable(root.path)
+        return f": cannot be read, {why}" if why else ""
     if root.origin != "CARDTOOL_PATH":
         return ""
     return ": not a folder" if os.path.lexists(root.path) else ": no such folder"
