@@ -268,3 +268,15 @@ def test_caption_concept_benchmark_makes_the_folder_and_measures_base_and_lora(t
     for measured in cards.values():
         assert set(measured) == {"plain", "negative"}
         assert all(0 <= m["mean_intensity"] <= 255 and 0 <= m["class_accuracy"] <= 1 for m in measured.values())
+
+
+def test_text_encoding_benchmark_times_both_ways_and_finds_the_same_features(tmp_path, examples, monkeypatch):
+    out = tmp_path / "text.json"
+    run_script(monkeypatch, "text_encoding.py", "--card", str(examples / "tiny-base"), "--prompts", "70",
+               "--repeats", "1", "--threads", "1", "--out", str(out))
+    report = json.loads(out.read_text())
+    assert report["same_features"] is True and report["prompts"] == 70
+    assert all(len(report["seconds"][way][what]) == 1 and report["median_s"][way][what] > 0
+               for way in ("alone", "grouped") for what in ("encode", "generate"))
+    assert report["speedup"]["encode"] == pytest.approx(report["median_s"]["alone"]["encode"]
+                                                        / report["median_s"]["grouped"]["encode"])
