@@ -575,3 +575,13 @@ def test_without_the_right_to_read_a_folder_the_commands_go_on_with_the_others(t
     cards = {c["path"]: c for c in __import__("json").loads(listed.stdout)["cards"]}
     assert cards["team/tiny-base"]["valid"] and "Permission denied" in cards["team/private"]["problems"][0]["message"]
     assert checked.returncode == 1 and "Permission denied" in checked.stdout and '"valid": true' in checked.stdout
+
+
+@pytest.mark.parametrize("long", ["x" * 5000, "{tmp}/" + "y" * 300])
+def test_a_name_too_long_for_the_file_system_is_a_bad_input_from_the_api(long, tmp_path):
+    """A name the file system refuses outright (a component over 255 bytes): said as such, not an OSError from the
+    path check. A NUL byte is no card id found, as a script passing one reads."""
+    with pytest.raises(BadInput, match="not a usable card name or path"):
+        locate(long.format(tmp=tmp_path))
+    with pytest.raises(CardNotFound, match="no card with id 'a\x00b'"):
+        locate("a\x00b")

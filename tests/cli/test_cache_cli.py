@@ -277,3 +277,55 @@ def test_a_home_that_is_empty_or_relative_is_not_where_the_cache_goes(tmp_path, 
     assert cache_dir() == tmp_path / "home" / ".cache" / "cardtool"
     monkeypatch.setenv("HOME", str(tmp_path / "set"))
     assert cache_dir() == tmp_path / "set" / ".cache" / "cardtool"
+
+
+def test_a_text_folder_another_user_keeps_private_is_said_whole(tmp_path, monkeypatch):
+    """The whole `text` folder unlistable (not one shard): info names it, and clear fails for it."""
+    monkeypatch.setenv("CARDTOOL_CACHE", str(tmp_path))
+    (tmp_path / "text" / "ab").mkdir(parents=True)
+    listing = os.scandir
+
+    def private(path, *args):
+        if str(path).endswith(os.sep + "text"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return listing(path, *args)
+
+    monkeypatch.setattr(os, "scandir", private)
+    result, info = cache("info")
+    assert result.exit_code == 0 and info["unreadable"] == [f"{tmp_path / 'text'}: Permission denied"]
+    result, report = cache("clear")
+    assert result.exit_code == 1 and "text: Permission denied" in report["error"]["message"], report
+
+
+def test_a_cache_folder_this_user_may_not_write_is_the_problem_info_names(tmp_path, monkeypatch):
+    """As another user sees a shared cache root owns (root itself passes os.access everywhere)."""
+    monkeypatch.setenv("CARDTOOL_CACHE", str(tmp_path / "cache"))
+    granted = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if str(path) == str(tmp_path) else
+                        granted(path, mode, **kw))
+    assert cache("info")[1]["problem"] == f"{tmp_path} is not writable", "the first folder that exists decides"
+
+
+def test_entries_another_process_removes_while_they_are_counted_count_as_nothing(tmp_path, monkeypatch):
+    """`cache info` or a prune racing another process's `cache clear`: an entry listed and then gone is no error."""
+    import cardtool.cache as module
+
+    monkeypatch.setenv("CARDTOOL_CACHE", str(tmp_path))
+    (tmp_path / "text" / "ab").mkdir(parents=True)
+    for name in ("ab" + "0" * 62, "ab" + "1" * 62):
+        (tmp_path / "text" / "ab" / f"{name}.npz").write_bytes(b"x" * 100)
+    listed = module._files
+
+    def racing(root):
+        found = listed(root)
+        gone = min(found["text"], key=lambda entry: entry.name)
+        if os.path.exists(gone.path):
+            os.unlink(gone.path)
+        return found
+
+    monkeypatch.setattr(module, "_files", racing)
+    result, info = cache("info")
+    assert result.exit_code == 0 and info["text"] == {"files": 2, "bytes": 100}, info
+    (tmp_path / "text" / "ab" / ("ab" + "0" * 62 + ".npz")).write_bytes(b"x" * 100)  # listed, then gone again
+    report = prune(0, tmp_path)
+    assert report["removed"] == {"files": 1, "bytes": 100} and report["text"] == {"files": 0, "bytes": 0}, report
