@@ -63,7 +63,8 @@ def main() -> None:
                for a, b in zip(one, other, strict=True))
     median = {way: {what: statistics.median(t) for what, t in whats.items()} for way, whats in times.items()}
     results = {"card": args.card, "prompts": args.prompts, "repeats": args.repeats, "threads": args.threads,
-               "machine": platform.machine(), "processor": platform.processor(), "cpus": os.cpu_count(),
+               "machine": platform.machine(), "platform": f"{card.platform.device}/{card.platform.arch}",
+               "cpus": os.cpu_count(),
                "grouped_is_exact": bool(text_cache._verdict(card.loop().instance.component(card.loop().text_encoder))),
                "same_features": same, "seconds": times, "median_s": median,
                "prompts_per_s": {way: args.prompts / m["encode"] for way, m in median.items()},
