@@ -80,6 +80,19 @@ def test_where_a_group_rounds_differently_every_prompt_is_encoded_alone(drift):
     assert sum(len(call) > 1 for call in encoder.calls) == 1  # the trial's group alone
 
 
+def test_an_encoder_that_refuses_a_probe_encodes_each_prompt_alone_without_an_error():
+    """A plugin's encoder may refuse a prompt longer than it reads: the trial's probe is not the user's to fail on."""
+    class Refusing(Encoder):
+        def __call__(self, prompts):
+            if any(len(p) > 1000 for p in prompts):
+                raise ValueError("prompt too long for this encoder")
+            return super().__call__(prompts)
+
+    encoder = Refusing()
+    assert same(list(text_cache._encoded(encoder, Arrays, PROMPTS)), alone(PROMPTS))
+    assert text_cache._exact[encoder] is False and all(len(call) == 1 for call in encoder.calls)
+
+
 def test_a_few_prompts_are_encoded_alone_without_a_trial():
     encoder = Encoder()
     list(text_cache._encoded(encoder, Arrays, PROMPTS[:GROUPED_FROM - 1]))

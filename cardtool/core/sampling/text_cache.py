@@ -198,14 +198,10 @@ def _encoded(encoder, arrays, prompts: list[str]) -> Iterator[tuple[np.ndarray, 
     rows = TEXT_GROUP - 1  # prompts a group carries beside its empty prompt
     exact = _verdict(encoder)
     if exact is None:
-        tried = prompts[:rows - 1]
-        probes = [*tried, "", "x " * 4096]  # tokenizers truncate the long one at max_length
-        singles = [alone(p) for p in probes]
-        yield from singles[:len(tried)]
-        prompts = prompts[len(tried):]
-        grouped = _group(encoder, arrays, probes)
-        exact = all(np.array_equal(a, b) for one, other in zip(singles, grouped, strict=True)
-                    for a, b in zip(one, other, strict=True))
+        tried, prompts = prompts[:rows - 1], prompts[rows - 1:]
+        singles = [alone(p) for p in tried]
+        yield from singles
+        exact = _trial(encoder, arrays, tried, singles)
         _remember(encoder, exact)
     if not exact:
         yield from map(alone, prompts)
@@ -213,6 +209,18 @@ def _encoded(encoder, arrays, prompts: list[str]) -> Iterator[tuple[np.ndarray, 
     for start in range(0, len(prompts), rows):
         chunk = prompts[start:start + rows]
         yield from _group(encoder, arrays, chunk + [""] * (TEXT_GROUP - len(chunk)))[:len(chunk)]
+
+
+def _trial(encoder, arrays, tried: list[str], singles: list[tuple]) -> bool:
+    """Whether one group of `tried` and the probes gives each row the bits it got alone (`singles` for `tried`)."""
+    probes = ["", "x " * 4096]  # tokenizers truncate the long one at max_length
+    try:
+        expected = singles + [_group(encoder, arrays, [probe])[0] for probe in probes]
+        grouped = _group(encoder, arrays, tried + probes)
+    except Exception:  # noqa: BLE001 - an encoder that refuses a probe (a plugin's, too long for it) is not grouped:
+        return False   # the user's prompts were encoded alone, and go on so
+    return all(np.array_equal(a, b) for one, other in zip(expected, grouped, strict=True)
+               for a, b in zip(one, other, strict=True))
 
 
 def _group(encoder, arrays, prompts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
