@@ -192,6 +192,17 @@ def test_validate_catches_a_changed_weight_file_only_with_checksums(examples):
     assert (found["id"], found["valid"]) == ("tiny-rl", False), "the invalid card is named by the id it declares"
 
 
+def test_validating_a_folder_of_cards_skips_a_killed_runs_hidden_staging_copy(examples):
+    """`.ID.tmp-PID` (a card being written when its run was killed) is no card on the search roots; validating the
+    folder holding it failed for its missing weights, or found the card's id twice. Named itself, it is validated."""
+    staging = examples / ".tiny-base.tmp-1234"
+    shutil.copytree(examples / "tiny-base", staging)
+    (staging / "vae.safetensors").unlink()
+    result = run("cards", "validate", str(examples), "--json")
+    assert result.exit_code == 0 and len(json.loads(result.stdout)["results"]) == 4, result.stdout
+    assert run("cards", "validate", str(staging)).exit_code == 1
+
+
 def test_validate_missing_path_is_bad_input():
     result = run("cards", "validate", "nowhere")
     assert result.exit_code == 2 and "no card with id 'nowhere'" in result.stderr

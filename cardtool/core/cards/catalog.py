@@ -131,7 +131,10 @@ def _expand(paths: list[str]) -> list[Path]:
         if path.is_file():
             targets.append(path)
         elif path.is_dir():
-            children = [path] if _has_manifest(path) else sorted(p for p in path.iterdir() if _has_manifest(p))
+            # hidden folders are no cards, as on the search roots: a killed run's staging copy (`.ID.tmp-PID`) would
+            # fail the folder's check, or declare the card's id twice
+            children = [path] if _has_manifest(path) else sorted(
+                p for p in path.iterdir() if not p.name.startswith(".") and _has_manifest(p))
             if children:
                 targets += children
             elif bare_name(name):  # an id that also names a folder here that is no card (a generate --out, say)
