@@ -585,3 +585,13 @@ def test_a_name_too_long_for_the_file_system_is_a_bad_input_from_the_api(long, t
         locate(long.format(tmp=tmp_path))
     with pytest.raises(CardNotFound, match="no card with id 'a\x00b'"):
         locate("a\x00b")
+
+
+def test_a_path_that_is_there_but_no_file_or_folder_is_said_to_be_what_it_is(tmp_path):
+    """A manifest path that is a pipe, a device or a link to nothing was "no such card folder or manifest"."""
+    os.mkfifo(tmp_path / "card.yaml")
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    for path, what in [(tmp_path / "card.yaml", "a pipe"), ("/dev/null", "a device or socket"),
+                       (tmp_path / "gone", "a link to nothing")]:
+        with pytest.raises(BadInput, match=f"is {what}, not a card folder or manifest file"):
+            locate(str(path))

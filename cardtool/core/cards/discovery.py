@@ -181,6 +181,8 @@ def _as_path(name: str) -> Path | None:
         if file is None and not bare_name(name):
             raise BadInput(f"{display_path(path)} is not a card folder: it holds no card.yaml or card.toml")
         return file  # None for an id that also names a folder here that is no card (a generate --out, say)
+    if not bare_name(name) and os.path.lexists(path):  # a pipe, a device, a link to nothing: there, but no card
+        raise BadInput(f"{display_path(path)} is {_kind(path)}, not a card folder or manifest file")
     if not bare_name(name):
         hub = hub_download(name)
         raise BadInput(f"no such card folder or manifest: {name}" + (
