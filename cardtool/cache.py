@@ -1,5 +1,6 @@
-"""Where cardtool keeps what it can recompute — encoded prompts (`text/`) and weights digests (`digests.json`) — and
-what it holds, and clearing it. Only cardtool's own files are counted or removed, whatever else shares the folder."""
+"""Where cardtool keeps what it can recompute — encoded prompts (`text/`), weights digests (`digests.json`) and FID's
+reference features (`features/`) — and what it holds, and clearing it. Only cardtool's own files are counted or
+removed, whatever else shares the folder."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ DEFAULT_LIMIT = 5 * 10**9  # bytes of encoded prompts kept; the least recently u
 # decimal units, binary with an i; the B may be left out (`5G`, `500M`, `2Gi`, as ccache and du write them)
 _UNITS = {"": 1, "B": 1, **{f"{prefix}{i}{b}": (2**(10 * n) if i else 10**(3 * n))
                             for n, prefix in enumerate("KMGT", 1) for i in ("", "I") for b in ("", "B")}}
-_TEXT_ENTRY = re.compile(r"[0-9a-f]{64}\.npz")
+_TEXT_ENTRY = re.compile(r"[0-9a-f]{64}\.npz")  # a key's file: an encoded prompt, reference features
 
 
 class NoCacheFolder(BadInput):
@@ -77,8 +78,9 @@ def limit() -> int:
 
 def _files(root: Path) -> dict[str, list[os.DirEntry]]:
     """cardtool's files in the cache by kind, symlinks never followed: `text` the encoded prompts (text/XX/KEY.npz),
-    `digests` the weights digests, `temporary` what interrupted writes left."""
-    found: dict[str, list[os.DirEntry]] = {"text": [], "digests": [], "temporary": []}
+    `digests` the weights digests, `features` FID's reference features (features/KEY.npz), `temporary` what
+    interrupted writes left."""
+    found: dict[str, list[os.DirEntry]] = {"text": [], "digests": [], "features": [], "temporary": []}
 
     def scan(folder: Path) -> list[os.DirEntry]:
         try:
@@ -92,6 +94,12 @@ def _files(root: Path) -> dict[str, list[os.DirEntry]]:
             found["digests"].append(entry)
         elif TEMPORARY.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
             found["temporary"].append(entry)
+    for entry in scan(root / "features"):
+        if entry.is_file(follow_symlinks=False):
+            kind = "features" if _TEXT_ENTRY.fullmatch(entry.name) else \
+                "temporary" if TEMPORARY.fullmatch(entry.name) else None
+            if kind:
+                found[kind].append(entry)
     for shard in scan(root / "text"):
         if re.fullmatch(r"[0-9a-f]{2}", shard.name) and shard.is_dir(follow_symlinks=False):
             for entry in scan(Path(shard.path)):

@@ -54,10 +54,13 @@ ENCODER_WEIGHTS, ENCODER_WEIGHTS_STAT = _installed_encoder_weights()
 @pytest.fixture(autouse=True)
 def isolated(tmp_path, monkeypatch):
     """Each test runs in its own empty folder with no CARDTOOL_PATH and the built-in cards hidden, so only the
-    cards it makes exist, and with its own feature cache; and leaves the installed text encoder's weights alone."""
+    cards it makes exist, and with its own feature caches (text, FID's reference: on disk and this process's); and
+    leaves the installed text encoder's weights alone."""
     from cardtool.core.cards import discovery
+    from cardtool.core.evaluation import reference
 
     monkeypatch.setattr(discovery, "builtin_dir", lambda: None)
+    monkeypatch.setattr(reference, "_memory", {})
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("CARDTOOL_PATH", raising=False)
     monkeypatch.setenv("CARDTOOL_CACHE", str(tmp_path / "cache"))

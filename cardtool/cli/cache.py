@@ -1,5 +1,5 @@
 """`cardtool cache info | clear` — light: what cardtool keeps to recompute faster (encoded prompts, weights
-digests), where, and clearing it."""
+digests, FID reference features), where, and clearing it."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ import typer
 
 from cardtool.cli.output import counted, emit_json, handled, say, warn
 
-app = typer.Typer(help="cardtool's cache of encoded prompts and weights digests: where it is, its size, clearing it.",
-                  no_args_is_help=True)
+app = typer.Typer(help="cardtool's cache of encoded prompts, weights digests and FID reference features: where it is, "
+                  "its size, clearing it.", no_args_is_help=True)
 
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (see README).")]
-_KINDS = {"text": "encoded prompts", "digests": "weights digests", "temporary": "left by interrupted writes"}
+_KINDS = {"text": "encoded prompts", "digests": "weights digests", "features": "FID reference features",
+          "temporary": "left by interrupted writes"}
 
 
 def _size(count: int) -> str:

@@ -44,13 +44,19 @@ def test_info_counts_and_clear_removes_only_cardtools_files(tmp_path, monkeypatc
     os.symlink(outside / ".digests.json.888888.tmp", root / ".digests.json.777777.tmp")
     (root / ".digests.json.999999.tmp").write_text("{")  # as versions before 2026-12-03 named them
     (root / "text" / "ab" / f".{'2' * 64}.npz.999999-7.tmp").write_text("half")
+    (root / "features").mkdir()
+    (root / "features" / ("4" * 64 + ".npz")).write_text("reference features")  # FID's, as an eval keeps them
+    (root / "features" / f".{'4' * 64}.npz.999999.tmp").write_text("half")
+    foreign.append(root / "features" / "notes.npz")
+    foreign[-1].write_text("not cardtool's")
+    assert cache("info")[1]["features"] == {"files": 1, "bytes": len("reference features")}
     result, cleared = cache("clear")
     assert result.exit_code == 0
-    assert (cleared["cleared"]["text"]["files"], cleared["cleared"]["temporary"]["files"]) == (2, 2)
+    assert [cleared["cleared"][kind]["files"] for kind in ("text", "features", "temporary")] == [2, 1, 3]
     assert all(path.exists() for path in foreign) and (tmp_path / "a.png").exists()
     left = cache("info")[1]
     assert [(k, v["files"]) for k, v in left.items() if k not in ("path", "limit", "problem", "unreadable")] == [
-        ("text", 0), ("digests", 0), ("temporary", 0)]
+        ("text", 0), ("digests", 0), ("features", 0), ("temporary", 0)]
     os.symlink(outside / "notes.json", root / "digests.json")  # the digests' name, linked elsewhere: not ours
     assert cache("info")[1]["digests"]["files"] == 0 and cache("clear")[0].exit_code == 0
     assert (outside / "notes.json").read_text() == "not cardtool's"
@@ -197,7 +203,8 @@ def test_info_for_people_counts_in_decimal_units_and_warns_of_a_cache_it_cannot_
     monkeypatch.setenv("CARDTOOL_CACHE", str(tmp_path / "cache"))
     empty = CliRunner().invoke(app, ["cache", "info"], env={"COLUMNS": "1000"}).stdout.splitlines()
     assert [line.split() for line in empty[1:]] == [["encoded", "prompts", "0", "files", "0", "bytes"],
-                                                    ["weights", "digests", "0", "files", "0", "bytes"]], empty
+                                                    ["weights", "digests", "0", "files", "0", "bytes"],
+                                                    ["FID", "reference", "features", "0", "files", "0", "bytes"]], empty
     made = CliRunner().invoke(app, ["generate", str(EXAMPLE_CARDS / "tiny-base"), "-p", "a bag", "--steps", "1",
                                     "--out", str(tmp_path / "a.png")])
     assert made.exit_code == 0, made.output
@@ -206,7 +213,7 @@ def test_info_for_people_counts_in_decimal_units_and_warns_of_a_cache_it_cannot_
     lines = shown.stdout.splitlines()
     assert shown.exit_code == 0 and lines[0].startswith(f"cache {tmp_path / 'cache'}  (encoded prompts kept up to")
     assert lines[1].split() == ["encoded", "prompts", "2", "files", *_size(info["text"]["bytes"]).split()]
-    assert len(lines) == 3 and "left by interrupted writes" not in shown.stdout and not shown.stderr
+    assert len(lines) == 4 and "left by interrupted writes" not in shown.stdout and not shown.stderr
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv("CARDTOOL_CACHE", str(tmp_path / "a-file"))
     shown = CliRunner().invoke(app, ["cache", "info"], env={"COLUMNS": "1000"})

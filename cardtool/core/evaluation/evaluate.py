@@ -38,6 +38,7 @@ from cardtool.core.evaluation.metrics import (
     wilson_interval,
 )
 from cardtool.core.evaluation.paired import precision_differences
+from cardtool.core.evaluation.reference import reference_features
 from cardtool.core.evaluation.resume import ROW_SETTINGS, identity, previous_rows, write_report
 from cardtool.core.evaluation.reward import FashionJudge, reward_card
 from cardtool.core.interrupt import Interrupted, stop_requests
@@ -247,7 +248,8 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     test, train, count = eval_splits(data, per_class)
     if test.captions is not None:  # your own images: the first `count` test captions, one image each at seed + i
         plans, labels = planned(list(test.captions[:count]), 1, apart=True), None
-    real = referee.features(test.images)
+    test_digest = test.digest()
+    real = reference_features(referee, test.images, test_digest)
     report = EvalReport(card.id, judge_instance.card.id, f"{platform.device}/{platform.arch}", per_class,
                         rank=ranks.rank, real=real if keeping else None,
                         prompts="classes" if labels is not None else "captions")
@@ -255,7 +257,7 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     ident = identity(first.instance, judge_instance, per_class, seed, data_dir(data), stack, report.platform)
     # by content: an uncompressed IDX file rewritten with other images keeps its size, and an image folder's images
     # lie in subfolders the listing of its files does not reach
-    ident["data"]["digest"] = {"train": train.digest(), "test": test.digest()}
+    ident["data"]["digest"] = {"train": train.digest(), "test": test_digest}
     # None: the card's loop default for steps and guidance
     cells = list(itertools.product(loops.items(), guidance or [None], steps or [None]))
     if out is not None and not resume:

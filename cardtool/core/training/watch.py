@@ -31,6 +31,7 @@ class Watch:
     def __init__(self, card: Card, name: str, module: torch.nn.Module, cache, loop: dict, judges: list[str],
                  platform: Platform, precision: str, per_class: int = 50, data: str | None = None):
         from cardtool.core.data import CLASS_NAMES, load_split
+        from cardtool.core.evaluation.reference import reference_features
         from cardtool.core.evaluation.reward import FashionJudge
         from cardtool.core.prompts import class_prompt
         from cardtool.core.sampling.denoise import DenoiseLoop, Request
@@ -46,7 +47,7 @@ class Watch:
         if len(test) < 2:  # FID's covariance of one image is undefined: every watch would log NaN
             raise BadInput(f"--watch-every measures FID against the test images, and there is {len(test)}; give a "
                            "data folder with more")
-        self.real = self.judges[0].features(test.images)
+        self.real = reference_features(self.judges[0], test.images, test.digest())
         self.requests = [Request(class_prompt(c), seed=i, **loop)
                          for c in range(len(CLASS_NAMES)) for i in range(per_class)]
         self.labels = np.repeat(np.arange(len(CLASS_NAMES)), per_class)
