@@ -182,8 +182,8 @@ _exact: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _encoded(encoder, arrays, prompts: list[str]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Each prompt's (states, mask) as `encoder` gives it alone, as numpy arrays. One by one, each prompt costs an
-    encoder call's whole overhead: with many prompts missing (a prompts file of thousands) the text encoder took more
-    time than the denoising. So those go in groups of exactly TEXT_GROUP where a trial on this encoder shows a group
+    encoder call's whole overhead: with many prompts missing (a prompts file of hundreds) the text encoder took nearly
+    half a generation's time. So those go in groups of exactly TEXT_GROUP where a trial on this encoder shows a group
     gives every row the bits it gets alone — the first prompts and two probes (the empty prompt, and one that fills
     every token, whose attention needs no mask alone but gets one in a group), alone and as one group. Each group
     holds at least one empty prompt, so it always takes the path the trial compared. Where the trial finds a
