@@ -33,6 +33,7 @@ def test_a_second_process_reads_the_features_the_first_computed(judge, tmp_path,
     monkeypatch.setattr(reference, "_memory", {})
     again = reference_features(referee, IMAGES, "digest-a")
     assert computed == [40] and again.dtype == np.float32 and np.array_equal(again, first)
+    assert not first.flags.writeable and not again.flags.writeable, "shared: no eval may change another's reference"
     assert np.array_equal(first, FashionJudge.features(referee, IMAGES)), "the bits computing them now gives"
 
 

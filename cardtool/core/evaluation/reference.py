@@ -34,6 +34,7 @@ def reference_features(referee, images: np.ndarray, digest: str) -> np.ndarray:
     if found is None:
         found = referee.features(images)
         _write(key, found)
+    found.setflags(write=False)  # shared by every eval of this process that asks: none may change it for the others
     with _held:
         if len(_memory) >= 4 and key not in _memory:
             _memory.pop(next(iter(_memory)))
