@@ -20,6 +20,7 @@ DEFAULT_LIMIT = 5 * 10**9  # bytes of encoded prompts kept; the least recently u
 _UNITS = {"": 1, "B": 1, **{f"{prefix}{i}{b}": (2**(10 * n) if i else 10**(3 * n))
                             for n, prefix in enumerate("KMGT", 1) for i in ("", "I") for b in ("", "B")}}
 _TEXT_ENTRY = re.compile(r"[0-9a-f]{64}\.npz")  # a key's file: an encoded prompt, reference features
+_FLOORS_ENTRY = re.compile(r"[0-9a-f]{64}\.json")  # an eval's floors
 
 
 class NoCacheFolder(BadInput):
@@ -78,8 +79,8 @@ def limit() -> int:
 
 def _files(root: Path) -> dict[str, list[os.DirEntry]]:
     """cardtool's files in the cache by kind, symlinks never followed: `text` the encoded prompts (text/XX/KEY.npz),
-    `digests` the weights digests, `features` FID's reference features (features/KEY.npz), `temporary` what
-    interrupted writes left."""
+    `digests` the weights digests, `features` FID's reference features and an eval's floors (features/KEY.npz,
+    KEY.json), `temporary` what interrupted writes left."""
     found: dict[str, list[os.DirEntry]] = {"text": [], "digests": [], "features": [], "temporary": []}
 
     def scan(folder: Path) -> list[os.DirEntry]:
@@ -96,7 +97,7 @@ def _files(root: Path) -> dict[str, list[os.DirEntry]]:
             found["temporary"].append(entry)
     for entry in scan(root / "features"):
         if entry.is_file(follow_symlinks=False):
-            kind = "features" if _TEXT_ENTRY.fullmatch(entry.name) else \
+            kind = "features" if _TEXT_ENTRY.fullmatch(entry.name) or _FLOORS_ENTRY.fullmatch(entry.name) else \
                 "temporary" if TEMPORARY.fullmatch(entry.name) else None
             if kind:
                 found[kind].append(entry)

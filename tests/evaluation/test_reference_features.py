@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
 import torch
@@ -67,3 +69,34 @@ def test_without_a_cache_folder_the_features_are_kept_in_memory(judge, monkeypat
     monkeypatch.setattr("pwd.getpwuid", lambda uid: (_ for _ in ()).throw(KeyError(uid)))
     first = reference_features(referee, IMAGES, "digest-a")
     assert np.array_equal(reference_features(referee, IMAGES, "digest-a"), first) and computed == [40]
+
+
+def test_an_evals_floors_are_kept_and_measured_again_for_another_vae(examples, tmp_path, monkeypatch):
+    """The second eval reads the floors (no VAE reconstruction, no features of the training images); a card whose VAE
+    weights differ measures them again, and so does another seed."""
+    from helpers import write_idx_folder
+    from safetensors.numpy import load_file, save_file
+
+    from cardtool.core.evaluation import evaluate as module
+
+    reconstructed = []
+    real = module._reconstruct
+    monkeypatch.setattr(module, "_reconstruct", lambda *a: reconstructed.append(1) or real(*a))
+    options = {"judge": str(examples / "tiny-judge"), "per_class": 2, "steps": [1],
+               "data": str(write_idx_folder(tmp_path / "idx"))}
+    first = module.evaluate(str(examples / "tiny-base"), **options)
+    monkeypatch.setattr(reference, "_memory", {})  # as a new process
+    again = module.evaluate(str(examples / "tiny-base"), **options)
+    assert len(reconstructed) == 1 and (again.floors, again.kid_floors) == (first.floors, first.kid_floors)
+    assert again.manifold_floors == first.manifold_floors and len(first.floors) == 2
+    assert len(list((tmp_path / "cache" / "features").glob("*.json"))) == 1
+    module.evaluate(str(examples / "tiny-base"), **options, seed=1)
+    vae = examples / "tiny-base" / "vae.safetensors"
+    tensors = load_file(vae)
+    save_file({k: v * 1.01 for k, v in tensors.items()}, vae)
+    manifest = examples / "tiny-base" / "card.yaml"
+    manifest.write_text(manifest.read_text().replace("2cb79df0a8bfd8bfa3efe7a51e1944d7142b7029e925a4c4bb3c48d0d829abdb",
+                                                     hashlib.sha256(vae.read_bytes()).hexdigest()))
+    changed = module.evaluate(str(examples / "tiny-base"), **options)
+    assert len(reconstructed) == 3 and changed.floors["vae_reconstruction"] != first.floors["vae_reconstruction"]
+    assert changed.floors["train_vs_test"] == first.floors["train_vs_test"]

@@ -38,7 +38,7 @@ from cardtool.core.evaluation.metrics import (
     wilson_interval,
 )
 from cardtool.core.evaluation.paired import precision_differences
-from cardtool.core.evaluation.reference import reference_features
+from cardtool.core.evaluation.reference import cached_floors, reference_features
 from cardtool.core.evaluation.resume import ROW_SETTINGS, identity, previous_rows, write_report
 from cardtool.core.evaluation.reward import FashionJudge, reward_card
 from cardtool.core.interrupt import Interrupted, stop_requests
@@ -267,14 +267,19 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
         report.floors, report.kid_floors = kept_floors["floors"], kept_floors["kid_floors"]
         report.manifold_floors = kept_floors["manifold_floors"]
     else:
-        picked = np.random.default_rng(seed).choice(len(train), count, replace=False)
-        floors = {"train_vs_test": referee.features(train.images[picked]),
-                  "vae_reconstruction": referee.features(_reconstruct(first.instance, first.vae,
-                                                                      train.images[picked]))}
-        for name, features in floors.items():
-            report.floors[name] = round(frechet_distance(features, real), 4)
-            report.kid_floors[name] = round(kernel_distance(features, real)[0], 6)
-            report.manifold_floors[name] = _rounded(precision_recall(features, real))
+        def measured() -> dict:
+            picked = np.random.default_rng(seed).choice(len(train), count, replace=False)
+            floors = {"train_vs_test": referee.features(train.images[picked]),
+                      "vae_reconstruction": referee.features(_reconstruct(first.instance, first.vae,
+                                                                          train.images[picked]))}
+            return {"floors": {name: round(frechet_distance(f, real), 4) for name, f in floors.items()},
+                    "kid_floors": {name: round(kernel_distance(f, real)[0], 6) for name, f in floors.items()},
+                    "manifold_floors": {name: _rounded(precision_recall(f, real)) for name, f in floors.items()}}
+
+        kept = cached_floors(referee, first.instance, first.vae, {"data": ident["data"]["digest"], "seed": seed,
+                                                                "count": count}, measured, _floors_kept)
+        report.floors, report.kid_floors, report.manifold_floors = (kept[k] for k in ("floors", "kid_floors",
+                                                                                      "manifold_floors"))
     warning = fid_warning(count, real.shape[1])
     report.warnings += [warning] if warning else []
     report.warnings += [w for loop in loops.values() for w in loop.instance.warnings]
