@@ -100,3 +100,10 @@ def test_an_evals_floors_are_kept_and_measured_again_for_another_vae(examples, t
     changed = module.evaluate(str(examples / "tiny-base"), **options)
     assert len(reconstructed) == 3 and changed.floors["vae_reconstruction"] != first.floors["vae_reconstruction"]
     assert changed.floors["train_vs_test"] == first.floors["train_vs_test"]
+
+
+def test_a_cache_limited_to_nothing_keeps_nothing_on_disk(judge, tmp_path, monkeypatch):
+    referee, computed = judge
+    monkeypatch.setenv("CARDTOOL_CACHE_MAX", "0")
+    reference_features(referee, IMAGES, "digest-a")
+    assert computed == [40] and not (tmp_path / "cache" / "features").exists()

@@ -83,10 +83,11 @@ def _key(referee, images: np.ndarray | None, digest: str, **more) -> str:
 
 
 def _folder():
-    from cardtool.cache import NoCacheFolder, cache_dir
+    """The cache's `features/`, or None where nothing is kept on disk: no cache folder, or CARDTOOL_CACHE_MAX=0."""
+    from cardtool.cache import NoCacheFolder, cache_dir, limit
 
     try:
-        return cache_dir() / "features"
+        return cache_dir() / "features" if limit() else None
     except NoCacheFolder:  # memory only, as the text cache
         return None
 
