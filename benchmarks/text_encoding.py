@@ -32,6 +32,8 @@ def main() -> None:
     import numpy as np
     import torch
 
+    from cardtool.atomic import write_atomic
+
     torch.set_num_threads(args.threads)
     from cardtool.core.sampling import text_cache
     from cardtool.core.sampling.generate import LoadedCard
@@ -75,10 +77,7 @@ def main() -> None:
     speedup = results["speedup"]
     print(f"grouped / alone: encode {speedup['encode']:.2f}×, generate {speedup['generate']:.2f}×; trial exact: "
           f"{results['grouped_is_exact']}; same features: {same}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(results, indent=2) + "\n")
-    tmp.replace(args.out)
+    write_atomic(args.out, (json.dumps(results, indent=2) + "\n").encode())
     print(f"wrote {args.out}")
 
 
