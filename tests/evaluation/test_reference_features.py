@@ -107,3 +107,12 @@ def test_a_cache_limited_to_nothing_keeps_nothing_on_disk(judge, tmp_path, monke
     monkeypatch.setenv("CARDTOOL_CACHE_MAX", "0")
     reference_features(referee, IMAGES, "digest-a")
     assert computed == [40] and not (tmp_path / "cache" / "features").exists()
+
+
+def test_a_cache_an_earlier_way_of_measuring_filled_is_not_read(judge, monkeypatch):
+    referee, computed = judge
+    reference_features(referee, IMAGES, "digest-a")
+    monkeypatch.setattr(reference, "_memory", {})
+    monkeypatch.setattr(reference, "MEASURES", reference.MEASURES + 1)  # a cardtool that measures otherwise
+    reference_features(referee, IMAGES, "digest-a")
+    assert computed == [40, 40]

@@ -23,6 +23,9 @@ from cardtool.atomic import write_atomic
 
 __all__ = ["cached_floors", "reference_features"]
 
+# in every key: raise it when what is kept would be computed otherwise (the judge's features, FID, KID, the floors'
+# images), so that a cache filled by an earlier cardtool is not read as this one's
+MEASURES = 1
 _memory: dict[str, np.ndarray] = {}  # this process's, by key: a flywheel evaluates three cards against one reference
 _held = threading.Lock()
 
@@ -78,7 +81,7 @@ def _key(referee, images: np.ndarray | None, digest: str, **more) -> str:
     fields = {"weights_version": instance.weights_version(name), "impl": spec.impl, "config": spec.config,
               "images": [digest, None if images is None else list(images.shape)],
               "platform": f"{platform.device}/{platform.arch}", "torch": torch.__version__,
-              "threads": torch.get_num_threads(), **more}
+              "threads": torch.get_num_threads(), "measures": MEASURES, **more}
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
 
 
