@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 
 import numpy as np
 import pytest
@@ -116,3 +117,31 @@ def test_a_cache_an_earlier_way_of_measuring_filled_is_not_read(judge, monkeypat
     monkeypatch.setattr(reference, "MEASURES", reference.MEASURES + 1)  # a cardtool that measures otherwise
     reference_features(referee, IMAGES, "digest-a")
     assert computed == [40, 40]
+
+
+def test_the_process_keeps_the_four_latest_references(judge):
+    referee, _ = judge
+    for n in range(6):
+        reference_features(referee, IMAGES[:10 + n], f"digest-{n}")
+    assert len(reference._memory) == 4
+
+
+def test_floors_kept_for_another_key_or_damaged_are_measured_again(judge, tmp_path):
+    referee, _ = judge
+    measured = []
+
+    def measure():
+        measured.append(1)
+        return {"floors": {"a": 1.0}}
+
+    def kept():
+        return reference.cached_floors(referee, referee.instance, referee.classifier_name, {"seed": 0}, measure,
+                                       lambda floors: set(floors) == {"floors"})
+
+    assert kept() == {"floors": {"a": 1.0}} and kept() == {"floors": {"a": 1.0}} and len(measured) == 1
+    [file] = (tmp_path / "cache" / "features").glob("*.json")
+    for damaged in ({"key": "0" * 64, "floors": {"floors": {"a": 2.0}}}, {"key": file.stem, "floors": {"other": 1}},
+                    ["not", "a", "document"]):
+        file.write_text(json.dumps(damaged))
+        assert kept() == {"floors": {"a": 1.0}}
+    assert len(measured) == 4
