@@ -113,18 +113,20 @@ def _files(root: Path) -> dict[str, list[os.DirEntry]]:
 
 
 def _unreadable(root: Path) -> list[str]:
-    """The text shards this user may not look into (made by another user whose umask keeps them private, on a shared
-    cache), each with why: what they hold is neither counted nor removable here."""
+    """The folders of cardtool's this user may not look into — `features/`, `text/` or a text shard, made by another
+    user whose umask keeps them private, on a shared cache — each with why: what they hold is neither counted nor
+    removable here."""
     from cardtool.files import unlistable
 
+    features = [f"{root / 'features'}: {why}"] if (why := unlistable(root / "features")) else []
     if why := unlistable(root / "text"):
-        return [f"{root / 'text'}: {why}"]
+        return [*features, f"{root / 'text'}: {why}"]
     try:
         with os.scandir(root / "text") as found:
             shards = [s.path for s in found if re.fullmatch(r"[0-9a-f]{2}", s.name) and s.is_dir(follow_symlinks=False)]
     except OSError:  # none yet
-        return []
-    return sorted(f"{shard}: {why}" for shard in shards if (why := unlistable(shard)))
+        return features
+    return features + sorted(f"{shard}: {why}" for shard in shards if (why := unlistable(shard)))
 
 
 def _size(entry: os.DirEntry) -> int:

@@ -47,7 +47,7 @@ def info_command(json_: JsonOption = False) -> None:
         return
     _lines(report, "cache")
     if report["unreadable"]:
-        warn(f"{counted(len(report['unreadable']), 'folder')} of encoded prompts could not be read (another user's?) "
+        warn(f"{counted(len(report['unreadable']), 'folder')} of cardtool's cache could not be read (another user's?) "
              f"and what they hold is not counted, e.g. {report['unreadable'][0]}")
     if report["problem"]:
         warn(f"{report['problem']}: runs keep nothing here and encode their prompts again (set CARDTOOL_CACHE)")

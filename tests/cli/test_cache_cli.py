@@ -102,7 +102,7 @@ def test_a_shard_another_user_keeps_private_is_said_by_info_and_fails_clear(tmp_
     result, info = cache("info")
     assert result.exit_code == 0 and info["unreadable"] == [f"{tmp_path / 'text' / 'ab'}: Permission denied"]
     shown = CliRunner().invoke(app, ["cache", "info"])
-    assert "warning 1 folder of encoded prompts could not be read (another user's?)" in shown.stderr, shown.output
+    assert "warning 1 folder of cardtool's cache could not be read (another user's?)" in shown.stderr, shown.output
     result, report = cache("clear")
     assert result.exit_code == 1 and "text/ab: Permission denied" in report["error"]["message"], report
     monkeypatch.setattr(os, "scandir", listing)
@@ -286,22 +286,25 @@ def test_a_home_that_is_empty_or_relative_is_not_where_the_cache_goes(tmp_path, 
     assert cache_dir() == tmp_path / "set" / ".cache" / "cardtool"
 
 
-def test_a_text_folder_another_user_keeps_private_is_said_whole(tmp_path, monkeypatch):
-    """The whole `text` folder unlistable (not one shard): info names it, and clear fails for it."""
+@pytest.mark.parametrize("folder", ["text", "features"])
+def test_a_text_or_features_folder_another_user_keeps_private_is_said_whole(tmp_path, monkeypatch, folder):
+    """The whole `text` folder unlistable (not one shard), or `features/` (FID's reference and floors): info names it,
+    and clear fails for it."""
     monkeypatch.setenv("CARDTOOL_CACHE", str(tmp_path))
     (tmp_path / "text" / "ab").mkdir(parents=True)
+    (tmp_path / "features").mkdir()
     listing = os.scandir
 
     def private(path, *args):
-        if str(path).endswith(os.sep + "text"):
+        if str(path).endswith(os.sep + folder):
             raise PermissionError(13, "Permission denied", str(path))
         return listing(path, *args)
 
     monkeypatch.setattr(os, "scandir", private)
     result, info = cache("info")
-    assert result.exit_code == 0 and info["unreadable"] == [f"{tmp_path / 'text'}: Permission denied"]
+    assert result.exit_code == 0 and info["unreadable"] == [f"{tmp_path / folder}: Permission denied"]
     result, report = cache("clear")
-    assert result.exit_code == 1 and "text: Permission denied" in report["error"]["message"], report
+    assert result.exit_code == 1 and f"{folder}: Permission denied" in report["error"]["message"], report
 
 
 def test_a_cache_folder_this_user_may_not_write_is_the_problem_info_names(tmp_path, monkeypatch):
