@@ -20,6 +20,7 @@ from collections.abc import Callable
 import numpy as np
 
 from cardtool.atomic import write_atomic
+from cardtool.core.sampling.text_cache import entry_check
 
 __all__ = ["cached_floors", "reference_features"]
 
@@ -95,13 +96,6 @@ def _folder():
         return None
 
 
-def _check(key: str, features: np.ndarray) -> np.ndarray:
-    digest = hashlib.sha256(key.encode())
-    digest.update(f"{features.dtype.str}{features.shape}".encode())
-    digest.update(np.ascontiguousarray(features).tobytes())
-    return np.frombuffer(digest.digest(), dtype=np.uint8)
-
-
 def _read(key: str) -> np.ndarray | None:
     folder = _folder()
     if folder is None:
@@ -111,7 +105,7 @@ def _read(key: str) -> np.ndarray | None:
             features, check = f["features"], f["check"]
     except Exception:  # noqa: BLE001 - not there, unreadable or damaged in any of numpy's and zipfile's ways: a miss
         return None
-    if features.dtype != np.float32 or features.ndim != 2 or not np.array_equal(check, _check(key, features)):
+    if features.dtype != np.float32 or features.ndim != 2 or not np.array_equal(check, entry_check(key, features)):
         return None
     return features
 
@@ -121,7 +115,7 @@ def _write(key: str, features: np.ndarray) -> None:
     if folder is None:
         return
     buffer = io.BytesIO()
-    np.savez(buffer, features=features, check=_check(key, features))
+    np.savez(buffer, features=features, check=entry_check(key, features))
     try:
         write_atomic(folder / f"{key}.npz", buffer.getvalue())
     except OSError:  # an unwritable cache costs the next eval these seconds, never this one its run

@@ -2,7 +2,7 @@
 field that changes them — card, component, that component's weights version and config, the adapter
 stack on it, precision, and the prompt. The transformer's weights are not in the key, so retraining the
 DiT keeps these entries; a different text encoder misses them. An entry on disk carries a digest of its key and
-arrays (`_check`): one not written for its key is a miss."""
+arrays (`entry_check`): one not written for its key is a miss."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ class TextFeatureCache:
                         found, check = (f["states"], f["mask"]), f["check"]
                 except Exception:  # noqa: BLE001 - numpy's and zipfile's many errors: any damaged entry is a miss
                     found = None  # (rewritten below), never a failed run
-                if found is not None and not (_well_formed(*found) and np.array_equal(check, _check(key, *found))):
+                if found is not None and not (_well_formed(*found) and np.array_equal(check, entry_check(key, *found))):
                     found = None
                 if found is not None:
                     self._remember(key, found)
@@ -84,7 +84,7 @@ class TextFeatureCache:
         self._remember(key, entry)
         if self.root is not None:
             buffer = io.BytesIO()
-            np.savez(buffer, states=entry[0], mask=entry[1], check=_check(key, *entry))
+            np.savez(buffer, states=entry[0], mask=entry[1], check=entry_check(key, *entry))
             try:
                 write_atomic(self.root / key[:2] / f"{key}.npz", buffer.getvalue())
             except OSError as e:  # an unwritable cache costs a later process the encoding, never this one its run
@@ -132,12 +132,12 @@ def _well_formed(states: np.ndarray, mask: np.ndarray) -> bool:
         and states.dtype in (np.float32, np.float64) and bool(np.isfinite(states).all())
 
 
-def _check(key: str, states: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """sha256 of an entry's key and arrays, stored beside them: arrays not written for this key — a file damaged
+def entry_check(key: str, *arrays: np.ndarray) -> np.ndarray:
+    """sha256 of a cache entry's key and arrays, stored beside them: arrays not written for this key — a file damaged
     in a way the zip format does not see, or replaced — are a miss, even when their shape would pass (text states
-    of another width reach the DiT's projection and fail the run there)."""
+    of another width reach the DiT's projection and fail the run there). FID's reference features use it too."""
     digest = hashlib.sha256(key.encode())
-    for array in (states, mask):
+    for array in arrays:
         digest.update(f"{array.dtype.str}{array.shape}".encode())
         digest.update(np.ascontiguousarray(array).tobytes())
     return np.frombuffer(digest.digest(), dtype=np.uint8)
