@@ -71,7 +71,7 @@ def test_the_judge_measures_in_full_float32_on_cuda(tf32_on, examples):
     judge = FashionJudge(ModelInstance(load_card(examples / "tiny-judge"), Platform("cpu", "generic")))
     judge.instance.platform = CUDA  # the model stays on the CPU; only the device's settings are asked for
     seen = []
-    judge._batches(np.zeros((3, 28, 28), np.uint8), lambda model, x: seen.append(flags()) or x.flatten(1))
+    judge._batches(np.zeros((3, 28, 28), np.uint8), lambda model, x: seen.append(flags()) or (x.flatten(1),))
     assert seen == [("ieee", "ieee")] and flags() == ("tf32", "tf32")
 
 

@@ -32,11 +32,14 @@ def test_the_distance_to_a_fixed_real_side_is_the_frechet_distance():
     assert FrechetTo(b)(a) == pytest.approx(frechet_distance(a, b), rel=1e-9)
 
 
-def test_kid_is_the_unbiased_mmd_of_the_cubic_kernel_over_subsets_drawn_without_repeats():
+@pytest.mark.parametrize(("generated", "real", "size"), [(40, 70, 30), (30, 2100, 30), (30, 70, 50)],
+                         ids=["a-subset-of-each", "all-of-a-and-real-in-chunks", "all-of-a-larger-than-real"])
+def test_kid_is_the_unbiased_mmd_of_the_cubic_kernel_over_subsets_drawn_without_repeats(generated, real, size):
     """The estimator written out: a subset of each side drawn without replacement (a repeated row would pair with
-    itself in the within-side sums, which leave out only the diagonal), k(x, y) = (x·y/d + 1)³."""
+    itself in the within-side sums, which leave out only the diagonal), k(x, y) = (x·y/d + 1)³ — also where every
+    subset holds all of the generated rows, whose sums kernel_distance then takes once."""
     rng = np.random.default_rng(4)
-    a, b = rng.standard_normal((40, 5)) + 0.3, rng.standard_normal((70, 5))
+    a, b = rng.standard_normal((generated, 5)) + 0.3, rng.standard_normal((real, 5))
 
     def mmd(x, y):
         kxx, kyy, kxy = ((p @ q.T / 5 + 1) ** 3 for p, q in ((x, x), (y, y), (x, y)))
@@ -44,10 +47,30 @@ def test_kid_is_the_unbiased_mmd_of_the_cubic_kernel_over_subsets_drawn_without_
         return (kxx.sum() - np.trace(kxx)) / (n * (n - 1)) + (kyy.sum() - np.trace(kyy)) / (n * (n - 1)) \
             - 2 * kxy.mean()
 
-    draw = np.random.default_rng(5)
-    estimates = [mmd(a[draw.choice(40, 30, replace=False)], b[draw.choice(70, 30, replace=False)]) for _ in range(3)]
-    assert kernel_distance(a, b, subsets=3, subset_size=30, seed=5) == pytest.approx(
+    n, draw = min(generated, real, size), np.random.default_rng(5)
+    estimates = [mmd(a[draw.choice(generated, n, replace=False)], b[draw.choice(real, n, replace=False)])
+                 for _ in range(3)]
+    assert kernel_distance(a, b, subsets=3, subset_size=size, seed=5) == pytest.approx(
         (np.mean(estimates), np.std(estimates)), rel=1e-12)
+
+
+def test_kid_of_another_real_side_or_sample_size_is_measured_anew():
+    """The real side's within-subset sums are kept between calls (an eval's rows share them), by the real rows'
+    content and the draws that pick the subsets: never another real side's of the same shape, or another N's."""
+    from cardtool.core.evaluation import metrics
+
+    def afresh(x, y, size):
+        metrics._WITHIN_REAL.clear()
+        return kernel_distance(x, y, subsets=4, subset_size=size)
+
+    rng = np.random.default_rng(7)
+    a, b = rng.standard_normal((50, 4)), rng.standard_normal((90, 4))
+    changed = b.copy()
+    changed[:45] += 0.5
+    for x, y, size in ((a, changed, 40), (a[:40], b, 30), (a, b, 30), (a[:45], b, 40)):
+        kept = [kernel_distance(z, b, subsets=4, subset_size=s) for z, s in ((a, 40), (a[:40], 40), (a, 30))]
+        assert kernel_distance(x, y, subsets=4, subset_size=size) == afresh(x, y, size)
+        assert kept == [afresh(z, b, s) for z, s in ((a, 40), (a[:40], 40), (a, 30))], "kept sums are the same sums"
 
 
 def test_the_bootstrapped_fid_spread_redraws_the_generated_rows_with_replacement():

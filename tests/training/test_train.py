@@ -881,8 +881,11 @@ def test_judge_scores_prompts_by_class_names_and_free_text(tmp_path, data):
     probabilities = judge.probabilities(many)
     hook.remove()
     assert sizes == [128, 128, 44], "classified 128 at a time: 13 MB of activations a call, not 100 MB"
-    np.testing.assert_allclose(probabilities, judge._batches(many, lambda m, x: m(x).softmax(-1), size=300),
+    np.testing.assert_allclose(probabilities, judge._batches(many, lambda m, x: (m(x).softmax(-1),), size=300)[0],
                                atol=1e-6)
+    features, judged = judge.judged(many)  # one pass below the head: the same bits as the two calls
+    assert np.array_equal(features, judge.features(many)) and np.array_equal(judged, probabilities)
+    assert features.shape == (300, judge._model().head[-1].in_features)
     images = np.random.default_rng(0).integers(0, 255, (4, 28, 28), dtype=np.uint8)
     scores = judge.score(images, ["a bag", "a coat", "a dress", "a sneaker"])
     probabilities = judge.probabilities(images)

@@ -466,12 +466,11 @@ def _measure_row(report: EvalReport, referee: FashionJudge, real: np.ndarray, la
                                f"{broken or 'another rank made NaN or inf images'}")
     else:
         images = np.stack(made)
-        features = referee.features(images)
+        features, probabilities = referee.judged(images)
         kid, kid_std = kernel_distance(features, real)
         fidelity, coverage = _rounded(precision_recall(features, real)) or (None, None)
         hits, judged = None, (math.nan, math.nan, None, None)
         if labels is not None:
-            probabilities = referee.probabilities(images)
             hits = probabilities.argmax(1) == labels
             judged = (round(float(hits.mean()), 4), round(float(probabilities[np.arange(count), labels].mean()), 4),
                       [round(bound, 4) for bound in wilson_interval(int(hits.sum()), count)],

@@ -60,10 +60,12 @@ class Watch:
         started = time.perf_counter()
         images = self.loop.finalize(sample(self.loop, self.requests, max_batch=256))
         out = {}
+        features, probabilities = self.judges[0].judged(images)
         for i, judge in enumerate(self.judges):
-            accuracy = float((judge.probabilities(images).argmax(1) == self.labels).mean())
-            out["watch_accuracy" if i == 0 else f"watch_accuracy_{judge.card_id}"] = accuracy
-        out["watch_fid"] = frechet_distance(self.judges[0].features(images), self.real)
+            probabilities = probabilities if i == 0 else judge.probabilities(images)
+            out["watch_accuracy" if i == 0 else f"watch_accuracy_{judge.card_id}"] = float(
+                (probabilities.argmax(1) == self.labels).mean())
+        out["watch_fid"] = frechet_distance(features, self.real)
         self.seconds += time.perf_counter() - started
         return out
 
