@@ -200,6 +200,14 @@ class TextContext(NamedTuple):
     context: torch.Tensor  # the projected text states (B, Lt, D)
     keys_values: list  # each block's cross-attention (k, v)
 
+    def rows(self, index: torch.Tensor) -> TextContext:
+        """The context of the text rows `index` picks, laid out as if computed for them: keys and values gathered
+        in their (B, L, H, Dh) order and transposed back, with the strides attention sees for computed ones."""
+        def pick(t):
+            return t.transpose(1, 2)[index].transpose(1, 2)
+
+        return TextContext(self.context[index], [tuple(map(pick, kv)) for kv in self.keys_values])
+
 
 def name_linears(model: nn.Module) -> None:
     """Give each linear layer its state-dict module name, the key a LoRA plan looks its weights up by."""

@@ -227,8 +227,18 @@ def test_text_keys_and_values_are_computed_once_per_run_and_change_nothing(loop,
     calls = []
     monkeypatch.setattr(dit, "text_context", lambda text: calls.append(text.shape) or type(dit).text_context(dit, text))
     actual = final(sample(loop, requests))
-    assert calls == [(6, 16, 384)], "one projection for the batch's six rows, reused on all four steps"
+    assert calls == [(2, 16, 384)], "one projection of the batch's two texts (prompt, negative), reused on all steps"
     np.testing.assert_allclose(np.concatenate(actual), np.concatenate(expected), atol=1e-6)
+    calls.clear()
+    mixed = [Request(p, seed=1, steps=2, guidance=g) for p, g in (("a bag", 3.0), ("a coat", 1.0), ("a bag", 1.0))]
+    together = final(sample(loop, mixed))
+    assert calls == [(3, 16, 384)], "'a bag', its negative, 'a coat': each projected once for the four rows"
+    for request, image in zip(mixed, together, strict=True):  # the copied rows are the rows computed alone
+        np.testing.assert_allclose(image, final(sample(loop, [request]))[0], atol=1e-6)
+    with torch.enable_grad():
+        calls.clear()
+        sample(loop, requests[:2], grad=True)
+    assert calls == [(4, 16, 384)], "with autograd on, each row its own: a gradient is not summed over copies"
 
 
 def test_a_request_with_strength_starts_from_its_source_re_noised_on_the_grid(loop):
