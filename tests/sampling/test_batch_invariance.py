@@ -109,7 +109,7 @@ def test_generation_runs_under_inference_mode_and_a_rollout_that_trains_does_not
 def test_an_image_decodes_to_the_same_pixels_alone_and_in_a_batch(loop, monkeypatch):
     """The VAE always sees exactly VAE_GROUP latents (the fashion VAE's convolutions round ~1.7e-6 differently at
     other batch sizes), so an image's pixels are the same alone and among others."""
-    requests = [Request(p, seed=s, steps=2, guidance=3.0) for s, p in enumerate(["a bag", "a coat", "a dress"] * 2)]
+    requests = [Request(p, seed=s, steps=2, guidance=3.0) for s, p in enumerate(["a bag", "a coat", "a dress"] * 6)]
     states = sample(loop, requests)
     assert len(states) > VAE_GROUP
     vae = loop.instance.component(loop.vae)
