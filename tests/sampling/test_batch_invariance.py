@@ -6,6 +6,7 @@ round alike at every batch size (probed), a tiny card promising C2 passes `parit
 from __future__ import annotations
 
 import json
+import weakref
 
 import numpy as np
 import pytest
@@ -18,7 +19,8 @@ from cardtool.backends.platform import Platform
 from cardtool.backends.wan_dit import MIN_ROWS, Kernels, patchify, product
 from cardtool.cli import app
 from cardtool.core.cards.loader import load_card
-from cardtool.core.sampling.denoise import VAE_GROUP, DenoiseLoop, Request
+from cardtool.core.sampling import denoise
+from cardtool.core.sampling.denoise import SMALL_GROUP, VAE_GROUP, DenoiseLoop, Request
 from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache, encode_prompts
@@ -107,18 +109,44 @@ def test_generation_runs_under_inference_mode_and_a_rollout_that_trains_does_not
 
 @independent_rows
 def test_an_image_decodes_to_the_same_pixels_alone_and_in_a_batch(loop, monkeypatch):
-    """The VAE always sees exactly VAE_GROUP latents (the fashion VAE's convolutions round ~1.7e-6 differently at
-    other batch sizes), so an image's pixels are the same alone and among others."""
-    requests = [Request(p, seed=s, steps=2, guidance=3.0) for s, p in enumerate(["a bag", "a coat", "a dress"] * 6)]
+    """The VAE sees groups of one fixed size (the fashion VAE's convolutions round ~1.7e-6 differently at other batch
+    sizes): SMALL_GROUP, or VAE_GROUP where a trial on the first images shows those give the same bits. So an image's
+    pixels are the same alone and among others."""
+    monkeypatch.setattr(denoise, "_groups_agree", weakref.WeakKeyDictionary())
+    requests = [Request(p, seed=s, steps=2, guidance=3.0) for s, p in enumerate(["a bag", "a coat", "a dress"] * 12)]
     states = sample(loop, requests)
-    assert len(states) > VAE_GROUP
     vae = loop.instance.component(loop.vae)
     decode, sizes = vae.decode, []
     monkeypatch.setattr(vae, "decode", lambda latents: sizes.append(len(latents)) or decode(latents))
     together, _ = loop.decode(states)
+    trial = [SMALL_GROUP] * 4 + [VAE_GROUP]  # the first 16 both ways
+    agree = denoise._groups_agree[vae]["decode"]
+    assert sizes == trial + ([VAE_GROUP, SMALL_GROUP] if agree else [SMALL_GROUP] * 5), agree
+    sizes.clear()
     for k, state in enumerate(states):
         assert np.array_equal(loop.decode([state])[0][0], together[k]), k
-    assert set(sizes) == {VAE_GROUP}
+    assert set(sizes) == {SMALL_GROUP}, "one image: one small group"
+    sizes.clear()
+    assert np.array_equal(loop.decode(states)[0], together)
+    assert sizes == ([VAE_GROUP] * 2 + [SMALL_GROUP] if agree else [SMALL_GROUP] * 9), "tried once per VAE"
+
+
+def test_large_groups_that_round_otherwise_are_never_used(loop, monkeypatch):
+    monkeypatch.setattr(denoise, "_groups_agree", weakref.WeakKeyDictionary())
+    states = sample(loop, [Request("a bag", seed=s, steps=1, guidance=3.0) for s in range(20)])
+    vae = loop.instance.component(loop.vae)
+    decode, sizes = vae.decode, []
+
+    def rounding_otherwise(latents):  # a VAE whose groups of 16 give other bits
+        sizes.append(len(latents))
+        return decode(latents) + (1e-3 if len(latents) == VAE_GROUP else 0)
+
+    monkeypatch.setattr(vae, "decode", rounding_otherwise)
+    pixels, _ = loop.decode(states)
+    assert sizes == [SMALL_GROUP] * 4 + [VAE_GROUP] + [SMALL_GROUP] * 1 and not denoise._groups_agree[vae]["decode"]
+    sizes.clear()
+    again, _ = loop.decode(states)
+    assert sizes == [SMALL_GROUP] * 5 and np.array_equal(again, pixels), "the verdict kept: groups of four"
 
 
 @independent_rows
