@@ -90,8 +90,7 @@ class FashionJudge:
             features = model.embed(x)
             return features, model.head(features).softmax(-1)
 
-        features, probabilities = self._batches(images, both)
-        return features, probabilities
+        return self._batches(images, both)
 
     def prompt_classes(self, prompts: list[str]) -> np.ndarray:
         labels, unmatched = [], []
