@@ -71,6 +71,17 @@ def test_kid_of_another_real_side_or_sample_size_is_measured_anew():
         kept = [kernel_distance(z, b, subsets=4, subset_size=s) for z, s in ((a, 40), (a[:40], 40), (a, 30))]
         assert kernel_distance(x, y, subsets=4, subset_size=size) == afresh(x, y, size)
         assert kept == [afresh(z, b, s) for z, s in ((a, 40), (a[:40], 40), (a, 30))], "kept sums are the same sums"
+    for seed in range(12):
+        kernel_distance(a, b, subsets=1, subset_size=10, seed=seed)
+    assert len(metrics._WITHIN_REAL) == 8, "a process evaluating many real sides keeps the latest eight"
+
+
+def test_kid_and_the_fid_spread_default_to_the_published_protocol():
+    """KID over 100 subsets of 1,000 rows (Bińkowski et al.), FID's bootstrap over 50 redraws, seeded with 0."""
+    rng = np.random.default_rng(8)
+    a, b = rng.standard_normal((1001, 2)), rng.standard_normal((1002, 2)) + 0.1
+    assert kernel_distance(a, b) == kernel_distance(a, b, subsets=100, subset_size=1000, seed=0)
+    assert frechet_std(a[:60], b) == frechet_std(a[:60], b, resamples=50, seed=0)
 
 
 def test_the_bootstrapped_fid_spread_redraws_the_generated_rows_with_replacement():

@@ -264,6 +264,10 @@ EDGES = [  # (step, accepted): a setting at its bound validates, one past it is 
     ("parallel: {input: t, cards: [c], strength: 1}", True),
     ("parallel: {input: t, cards: [c], strength: 1.01}", "steps.s.parallel.strength"),
     ("parallel: {input: t, cards: []}", "steps.s.parallel.cards"),
+    ("generate: {card: c, prompts: [a], num: 1, image: i, mask: m, control: x}", True),  # one character a name
+    ("generate: {card: c, prompts: [a], num: 0}", "steps.s.generate.num"),
+    ("generate: {card: c, prompts: [a], num: '4'}", "steps.s.generate.num"),  # strict: text is not a number
+    ("generate: {card: c, prompts: [a], image: ''}", "steps.s.generate.image"),
 ]
 
 
