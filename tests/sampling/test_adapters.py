@@ -118,6 +118,22 @@ def test_a_mixed_batch_equals_each_request_alone(loop):
     assert (together[3] - together[1]).abs().max() > 1e-3, "composing b onto a changes the image"
 
 
+def test_a_text_is_projected_once_for_each_lora_stack_that_reads_it(loop, monkeypatch):
+    dit = loop.instance.component("transformer")
+    rows, project = [], dit.text_context
+    monkeypatch.setattr(dit, "text_context", lambda text, lora=None: rows.append(len(text)) or project(text, lora))
+    requests = [Request("a bag", seed=1, steps=2, guidance=1.0, adapters=(("a", 1.0),)),
+                Request("a bag", seed=2, steps=2, guidance=1.0, adapters=(("a", 1.0),)),
+                Request("a bag", seed=1, steps=2, guidance=1.0),
+                Request("a coat", seed=1, steps=2, guidance=1.0, adapters=(("a", 1.0),))]
+    together = run(loop, requests)
+    assert rows == [3], "'a bag' with LoRA a and without it, 'a coat' with it: three texts for four rows"
+    for request, mixed in zip(requests, together, strict=True):
+        [alone] = run(loop, [request])
+        assert (mixed - alone).abs().max() <= MIXED_TOLERANCE, request
+    assert (together[0] - together[2]).abs().max() > 1e-3, "the LoRA's text rows are not the base's"
+
+
 @pytest.mark.parametrize("typed, parsed", [("a", ("a", 1.0)), ("a=0.5", ("a", 0.5)), ("a=-2", ("a", -2.0)),
                                            ("=0.5", "expected NAME or NAME=SCALE"),
                                            ("a=half", "the scale 'half' is not a number"),

@@ -268,6 +268,8 @@ EDGES = [  # (step, accepted): a setting at its bound validates, one past it is 
     ("generate: {card: c, prompts: [a], num: 0}", "steps.s.generate.num"),
     ("generate: {card: c, prompts: [a], num: '4'}", "steps.s.generate.num"),  # strict: text is not a number
     ("generate: {card: c, prompts: [a], image: ''}", "steps.s.generate.image"),
+    ("parallel: {cards: [c], prompts: [a], num: 1}", True),
+    ("parallel: {cards: [c], prompts: [a], num: 0}", "steps.s.parallel.num"),
 ]
 
 

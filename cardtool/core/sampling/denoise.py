@@ -409,22 +409,33 @@ class DenoiseLoop:
             text, mask = a.cat([p[0] for p in parts]), a.cat([p[1] for p in parts])
             transformer = self.instance.component(self.transformer)
             encode = getattr(transformer, "text_context", None)
-            adapters = self._adapter_rows([s for s in states for _ in range(2 if s.guided else 1)], transformer)
-            distinct = {id(p): p for p in parts}  # requests with one prompt share its rows (`init`)
+            rows = [s for s in states for _ in range(2 if s.guided else 1)]
+            adapters = self._adapter_rows(rows, transformer)
+            # requests with one prompt share its rows (`init`); a row's text context depends on its LoRA stack too
+            distinct = {}
+            for part, state in zip(parts, rows, strict=True):
+                distinct.setdefault((id(part), self._lora_stack(state)), (part, state))
             if encode is None:
                 context = None
-            elif adapters:
-                context = encode(text, adapters["lora"])
             elif len(distinct) < len(parts) and not a.grad_enabled():
                 # an eval's 1,000 requests name 11 texts: each projected once, its rows copied (the same bits where
                 # products are batch-invariant, as a request's are alone and in a batch)
                 order = {k: i for i, k in enumerate(distinct)}
-                context = encode(a.cat([p[0] for p in distinct.values()])).rows(
-                    a.asarray(np.array([order[id(p)] for p in parts])))
+                once = a.cat([part[0] for part, _ in distinct.values()])
+                lora = self._adapter_rows([state for _, state in distinct.values()], transformer).get("lora")
+                context = (encode(once, lora) if lora is not None else encode(once)).rows(a.asarray(np.array(
+                    [order[(id(part), self._lora_stack(state))] for part, state in zip(parts, rows, strict=True)])))
+            elif adapters:
+                context = encode(text, adapters["lora"])
             else:
                 context = encode(text)
             self._text_rows = (key, text, mask, context, adapters)
         return self._text_rows[1:]
+
+    def _lora_stack(self, state: LoopState) -> tuple:
+        """The LoRAs (adapter, scale) a state's rows add to the transformer: none where they are the fused stack."""
+        loras = tuple((u.adapter, u.scale) for u in state.adapters if u.adapter.kind == "lora")
+        return () if loras == self.fused else loras
 
     def _adapter_rows(self, rows: list[LoopState], transformer) -> dict:
         """The DiT's per-row adapter work for a batch whose model rows belong to `rows`: one LoRA plan for all the
@@ -435,8 +446,8 @@ class DenoiseLoop:
 
         slots, stacks, index, nets = {}, [], [], {}
         for row, state in enumerate(rows):
-            loras = tuple((u.adapter, u.scale) for u in state.adapters if u.adapter.kind == "lora")
-            if not loras or loras == self.fused:
+            loras = self._lora_stack(state)
+            if not loras:
                 index.append(-1)
             else:
                 if loras not in slots:
