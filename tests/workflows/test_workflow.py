@@ -217,6 +217,20 @@ def test_bad_workflows_are_located_errors_not_tracebacks(examples, tmp_path, cas
         assert hit["file"].endswith("w.yaml") and hit["line"] == line
 
 
+def test_the_seed_a_step_past_2_63_is_told_to_give_validates(tmp_path):
+    from cardtool.core.workflows.manifest import load_workflow
+    from cardtool.errors import CardValidationError
+
+    path = tmp_path / "w.yaml"
+    path.write_text(f"{HEAD}  a:\n    generate: {{card: c, prompts: [x, y], num: 3, seed: {2**63 - 2}}}\n")
+    with pytest.raises(CardValidationError) as error:
+        load_workflow(path, check_cards=False)
+    [problem] = error.value.problems
+    assert problem.fix == "give a seed of at most 9,223,372,036,854,775,805"
+    path.write_text(path.read_text().replace(str(2**63 - 2), str(2**63 - 3)))
+    load_workflow(path, check_cards=False)
+
+
 def test_a_chain_longer_than_pythons_recursion_limit_validates_in_order_and_its_cycle_is_located(examples, tmp_path):
     # written last step first: finding the order walks the whole chain from its end (it once recursed per step)
     chain = [f"  s{i}:\n    chain: {{input: s{i - 1}, card: EX/tiny-base}}\n" for i in range(1, 1500)]
