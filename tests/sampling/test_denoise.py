@@ -240,6 +240,16 @@ def test_text_keys_and_values_are_computed_once_per_run_and_change_nothing(loop,
         sample(loop, requests[:2], grad=True)
     assert calls == [(4, 16, 384)], "with autograd on, each row its own: a gradient is not summed over copies"
 
+    class Projected:  # another transformer's context, which cannot pick rows: the batch's rows projected each
+        def __init__(self, context):
+            self.context, self.keys_values = context
+
+    calls.clear()
+    monkeypatch.setattr(dit, "text_context", lambda text: calls.append(len(text)) or Projected(
+        type(dit).text_context(dit, text)))
+    np.testing.assert_allclose(np.concatenate(final(sample(loop, requests))), np.concatenate(expected), atol=1e-6)
+    assert calls == [2, 6]
+
 
 def test_a_request_with_strength_starts_from_its_source_re_noised_on_the_grid(loop):
     request = Request("a bag", seed=9, steps=10, guidance=1.0, strength=0.35)

@@ -415,20 +415,19 @@ class DenoiseLoop:
             distinct = {}
             for part, state in zip(parts, rows, strict=True):
                 distinct.setdefault((id(part), self._lora_stack(state)), (part, state))
-            if encode is None:
-                context = None
-            elif len(distinct) < len(parts) and not a.grad_enabled():
+            context = None
+            if encode is not None and len(distinct) < len(parts) and not a.grad_enabled():
                 # an eval's 1,000 requests name 11 texts: each projected once, its rows copied (the same bits where
                 # products are batch-invariant, as a request's are alone and in a batch)
                 order = {k: i for i, k in enumerate(distinct)}
                 once = a.cat([part[0] for part, _ in distinct.values()])
                 lora = self._adapter_rows([state for _, state in distinct.values()], transformer).get("lora")
-                context = (encode(once, lora) if lora is not None else encode(once)).rows(a.asarray(np.array(
-                    [order[(id(part), self._lora_stack(state))] for part, state in zip(parts, rows, strict=True)])))
-            elif adapters:
-                context = encode(text, adapters["lora"])
-            else:
-                context = encode(text)
+                projected = encode(once, lora) if lora is not None else encode(once)
+                if hasattr(projected, "rows"):  # Wan's TextContext; another transformer's is projected row by row
+                    context = projected.rows(a.asarray(np.array(
+                        [order[(id(part), self._lora_stack(state))] for part, state in zip(parts, rows, strict=True)])))
+            if encode is not None and context is None:
+                context = encode(text, adapters["lora"]) if adapters else encode(text)
             self._text_rows = (key, text, mask, context, adapters)
         return self._text_rows[1:]
 
