@@ -412,9 +412,10 @@ class DenoiseLoop:
             rows = [s for s in states for _ in range(2 if s.guided else 1)]
             adapters = self._adapter_rows(rows, transformer)
             # requests with one prompt share its rows (`init`); a row's text context depends on its LoRA stack too
+            keys = [(id(part), self._lora_stack(state)) for part, state in zip(parts, rows, strict=True)]
             distinct = {}
-            for part, state in zip(parts, rows, strict=True):
-                distinct.setdefault((id(part), self._lora_stack(state)), (part, state))
+            for k, part, state in zip(keys, parts, rows, strict=True):
+                distinct.setdefault(k, (part, state))
             context = None
             if encode is not None and len(distinct) < len(parts) and not a.grad_enabled():
                 # an eval's 1,000 requests name 11 texts: each projected once, its rows copied (the same bits where
@@ -424,8 +425,7 @@ class DenoiseLoop:
                 lora = self._adapter_rows([state for _, state in distinct.values()], transformer).get("lora")
                 projected = encode(once, lora) if lora is not None else encode(once)
                 if hasattr(projected, "rows"):  # Wan's TextContext; another transformer's is projected row by row
-                    context = projected.rows(a.asarray(np.array(
-                        [order[(id(part), self._lora_stack(state))] for part, state in zip(parts, rows, strict=True)])))
+                    context = projected.rows(a.asarray(np.array([order[k] for k in keys])))
             if encode is not None and context is None:
                 context = encode(text, adapters["lora"]) if adapters else encode(text)
             self._text_rows = (key, text, mask, context, adapters)
