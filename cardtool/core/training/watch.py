@@ -60,9 +60,9 @@ class Watch:
         started = time.perf_counter()
         images = self.loop.finalize(sample(self.loop, self.requests, max_batch=256))
         out = {}
-        features, probabilities = self.judges[0].judged(images)
+        features, first = self.judges[0].judged(images)  # FID's features and the first judge's classes, one pass
         for i, judge in enumerate(self.judges):
-            probabilities = probabilities if i == 0 else judge.probabilities(images)
+            probabilities = first if i == 0 else judge.probabilities(images)
             out["watch_accuracy" if i == 0 else f"watch_accuracy_{judge.card_id}"] = float(
                 (probabilities.argmax(1) == self.labels).mean())
         out["watch_fid"] = frechet_distance(features, self.real)
