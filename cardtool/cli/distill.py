@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from cardtool.cli.output import counted, emit_json, handled, progress_line, say
+from cardtool.cli.output import counted, emit_json, handled, progress_line, say, warn
 from cardtool.core.distributed import reporting
 
 
@@ -70,7 +70,8 @@ def distill_command(
         card = distill(loaded, command=command, out=out, run_dir=run_dir, resume=resume, device=device, data=data,
                        force=force, evaluate=evaluate, judge=judge, held_out_judge=held_out_judge or None, on_log=log,
                        on_eval=eval_line, micro_batches=micro_batches, watch_every=watch_every,
-                       watch_judges=[judge, *([held_out_judge] if held_out_judge else [])], per_class=per_class)
+                       watch_judges=[judge, *([held_out_judge] if held_out_judge else [])], per_class=per_class,
+                       on_warning=lambda message: warn(message) if reporting() else None)
     if not reporting():  # under torchrun rank 0 reports for every rank
         return
     recipe_block = card.manifest.recipe

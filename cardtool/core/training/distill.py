@@ -97,7 +97,7 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
             judge: str = "fashion-classifier", held_out_judge: str | None = "fashion-referee",
             on_log: Callable[[dict], None] | None = None, on_eval: Callable[[dict], None] | None = None,
             micro_batches: int = 1, watch_every: int = 0, watch_judges: list[str] | None = None,
-            per_class: int = 100) -> Card:
+            per_class: int = 100, on_warning: Callable[[str], None] | None = None) -> Card:
     """`held_out_judge`: after the eval under `judge`, the student's class accuracy under this second judge (None:
     none) is recorded beside it, as `rl` records it — a student of an RL'd teacher inherits what the reward taught it,
     hacks included. `watch_every`: every N iterations the student, sampled at its own steps, judged by `watch_judges`
@@ -132,6 +132,8 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
     check_start(recipe, platform, run_dir, resume=resume, micro_batches=micro_batches, data=digest, parents=parents)
     task = DMD2Task(recipe, platform, teacher, train)
     task.data, task.parents = digest, parents
+    if task.cache.problem and on_warning is not None:  # the cache cannot be written: the run goes on, in memory
+        on_warning(task.cache.problem)
     student = {"steps": settings.student_steps, "guidance": 1.0, "shift": settings.shift, "solver": "renoise"}
     watch = Watch(teacher, task.name, task.generator, task.cache, student, watch_judges, platform,
                   recipe.train.precision, data=data) if watch_every else None

@@ -154,6 +154,8 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
         filled = filled_prompts(task.loop.instance, task.prompts, task.cache, task.loop.text_encoder)
         if filled:
             on_warning(filled)
+    if task.cache.problem and on_warning is not None:  # the cache cannot be written: the run goes on, in memory
+        on_warning(task.cache.problem)
     watch = Watch(task.base, task.name, task.policy, task.cache, serving_loop(base), judges, platform,
                   recipe.train.precision, data=data) if watch_every else None
     result = train_loop(task, recipe, platform, run_dir, resume=resume, on_log=watched(on_log, watch, watch_every),

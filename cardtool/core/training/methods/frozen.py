@@ -30,7 +30,9 @@ class FrozenCard:
             raise BadInput(f"{role} '{card.id}' has no denoise loop: {method} trains a card's denoise sampling")
         self.card, self.platform, self.device = card, platform, platform.torch_device
         self.instance = ModelInstance(card, platform, "float32")
-        self.cache = TextFeatureCache(disk=False)  # each prompt encoded once per run
+        # on disk as generate and eval keep it: a run again on the same prompts (a resume, the next flywheel turn, a
+        # CI job) reads them back and never builds the text encoder, most of a short run's start-up
+        self.cache = TextFeatureCache()
         self.loop = DenoiseLoop(self.instance, cache=self.cache)
         self.name = self.loop.transformer
         spec = card.manifest.components[self.name]
