@@ -80,7 +80,8 @@ def generate_command(
     from cardtool.core.sampling.planning import parse_interval, read_prompts_file
 
     with handled(json_):
-        prompts = list(prompt or []) + (read_prompts_file(prompts_file) if prompts_file else [])
+        prompts = [typed(p) for p in prompt or []] + (read_prompts_file(prompts_file) if prompts_file else [])
+        negative_prompt = typed(negative_prompt) if negative_prompt is not None else None
         progress = LateProgress(enabled=not json_ or not sys.stderr.isatty(), terminal=sys.stderr.isatty())
         try:
             asked = {"seed": seed, "negative_prompt": negative_prompt, "steps": steps, "guidance": guidance,
@@ -129,6 +130,21 @@ def generate_command(
     rate = f"{made / report.seconds:.1f} images/s" if made and report.seconds else "none made"
     loading = f"; {report.load_seconds:.2f}s loading the card" if report.load_seconds >= 0.005 else ""
     say(f"{count} from {report.card} on {report.platform} in {report.seconds:.2f}s ({rate}{loading})", stderr=True)
+
+
+def typed(text: str) -> str:
+    """A prompt as it was typed. Where Python decodes the command line as ASCII (the C locale with its coercion to
+    UTF-8 turned off) it keeps each byte past 127 as a lone surrogate (PEP 383): `-p "a café"` arrives as
+    'a caf\\udcc3\\udca9'. Those bytes, where they are UTF-8 (as a prompts file is read), are the prompt; others stay
+    as they came, for the prompt's check to refuse."""
+    if not any("\udc80" <= c <= "\udcff" for c in text):
+        return text
+    import os
+
+    try:
+        return os.fsencode(text).decode("utf-8")
+    except UnicodeError:
+        return text
 
 
 _DEFAULTS = {"seed": 0, "best_of": 1}  # None above means "not given" (for --like); these are the defaults

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -507,3 +508,22 @@ def test_off_a_terminal_a_long_run_logs_progress_lines(on_path, tmp_path, monkey
     lines = [line for line in result.stderr.splitlines() if line.startswith("denoising ")]
     assert lines and all("of 12 request-steps" in line and "elapsed" in line and "left" in line for line in lines)
     assert len(json.loads(result.stdout)["images"]) == 3
+
+
+def test_a_prompt_typed_under_an_ascii_locale_is_the_prompt_typed(on_path, tmp_path):
+    """Python decoding the command line as ASCII (C locale, coercion off) hands `-p "a café bag"` over as lone
+    surrogates, one a byte; its UTF-8 is the prompt (as from a prompts file). Bytes that are not UTF-8 stay refused."""
+    ascii_argv = "a café bag".encode().decode("ascii", "surrogateescape")
+    result = run("generate", "tiny-base", "-p", ascii_argv, "--negative-prompt", "naïve".encode().decode(
+        "ascii", "surrogateescape"), "--steps", "1", "--out", str(tmp_path / "a"), "--json")
+    assert result.exit_code == 0, result.output
+    metadata = read_png_metadata(json.loads(result.stdout)["images"][0]["path"])
+    assert (metadata["prompt"], metadata["negative_prompt"]) == ("a café bag", "naïve")
+    (tmp_path / "prompts.txt").write_text("a café bag\n", encoding="utf-8")
+    typed = run("generate", "tiny-base", "--prompts-file", str(tmp_path / "prompts.txt"), "--negative-prompt", "naïve",
+                "--steps", "1", "--out", str(tmp_path / "b"), "--json")
+    [a], [b] = (json.loads(r.stdout)["images"] for r in (result, typed))
+    assert Path(a["path"]).name == Path(b["path"]).name and Path(a["path"]).read_bytes() == Path(b["path"]).read_bytes()
+    refused = run("generate", "tiny-base", "-p", b"a \xff bag".decode("ascii", "surrogateescape"), "--steps", "1",
+                  "--out", str(tmp_path / "c"))
+    assert refused.exit_code == 2 and "not valid UTF-8" in refused.output
