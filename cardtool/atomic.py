@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import json
 import os
 import re
 import stat
@@ -149,6 +150,24 @@ def save_tensors(path: Path | str, tensors: dict, metadata: dict | None = None) 
         if code is None:
             raise
         raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from None
+    if metadata and len(metadata) > 1:
+        _metadata_in_key_order(path)
+
+
+def _metadata_in_key_order(path: Path | str) -> None:
+    """safetensors writes a header's metadata in its hash map's order, which changes from process to process: the
+    same tensors and metadata (a LoRA's rank, alpha and format) made files of other bytes and sha256 — a run made
+    again could not be checked by its files' digests. Rewritten in place in key order: the header keeps its length,
+    so the tensors' offsets hold; a header the JSON here would not write at that length is left as written."""
+    with open(path, "r+b") as file:
+        length = int.from_bytes(file.read(8), "little")
+        written = file.read(length)
+        header = json.loads(written)
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        ordered = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        if len(ordered) == len(written.rstrip(b" ")):  # the rest of the header is its padding
+            file.seek(8)
+            file.write(ordered)
 
 
 def synced(path: Path | str) -> None:

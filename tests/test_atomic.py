@@ -153,6 +153,30 @@ def test_a_failing_disk_under_safetensors_is_the_oserror_it_is(tmp_path):
     assert info.value.filename == str(tmp_path / "gone" / "x.bin"), "named by the target, not the temporary file"
 
 
+def test_the_same_tensors_and_metadata_make_the_same_file_bytes(tmp_path):
+    """safetensors writes the header's metadata in its hash map's order, another on each write: a run made again
+    would have had files of other sha256 (a LoRA's rank, alpha, format and config). Key order, the offsets kept."""
+    import json
+
+    import torch
+    from safetensors import safe_open
+
+    from cardtool.atomic import save_tensors
+
+    tensors = {"b.lora_A.weight": torch.arange(6.0).reshape(2, 3), "a": torch.ones(3, dtype=torch.float16)}
+    metadata = {"rank": "8", "format": "pt", "alpha": "8.0", "lora_adapter_metadata": json.dumps({"r": 8, "é": 1}),
+                "note": 'a "quoted"\\ line\nand\ttab\x01 ✓ 𝄞'}
+    for i in range(6):
+        save_tensors(tmp_path / f"{i}.safetensors", tensors, metadata)
+    files = {(tmp_path / f"{i}.safetensors").read_bytes() for i in range(6)}
+    assert len(files) == 1, "one file, whatever order the writer took"
+    [data] = files
+    header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+    assert list(header["__metadata__"]) == sorted(metadata) and header["__metadata__"] == metadata
+    with safe_open(str(tmp_path / "0.safetensors"), "pt") as f:
+        assert f.metadata() == metadata and all(torch.equal(f.get_tensor(k), v) for k, v in tensors.items())
+
+
 def test_a_disk_filling_mid_write_is_named_by_the_target(tmp_path):
     """write() on a full disk raises ENOSPC naming no file (open() names one): `eval --out` said only "No space left
     on device"."""
