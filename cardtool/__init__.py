@@ -15,6 +15,10 @@ The Python API, for scripts (each name is imported on first use, so `import card
     cardtool.compare("fashion-base-2step", "fashion-base-nft-2step").differences   # paired: same prompts, seeds
     cardtool.load_card("fashion-base").manifest.recipe.parents
     cardtool.run_workflow("examples/workflows/tiny-tour.yaml", out="outputs", skip_existing=True).steps
+    student = cardtool.distill("fashion-base", steps=2, overrides=["optim.steps=500"], on_log=print)   # a Card
+    tuned = cardtool.rl("fashion-base", reward="fashion-classifier", prompts=["a bag", "a coat"])
+    cardtool.train("examples/recipes/fashion-bold.yaml", overrides=["optim.steps=100"])
+    cardtool.flywheel("fashion-base", reward="fashion-classifier", steps=2).to_json()    # the --json document
 
 Errors the caller can act on are `cardtool.BadInput` (the request), `cardtool.CardValidationError` (the card,
 with located `problems`) and `cardtool.RunFailed` (the work), all `cardtool.CardtoolError`.
@@ -29,6 +33,10 @@ _API = {
     "compare": "cardtool.core.evaluation.versus",
     "load_card": "cardtool.core.cards.loader",
     "run_workflow": "cardtool.core.workflows.run",
+    "train": "cardtool.core.training.calls",
+    "distill": "cardtool.core.training.calls",
+    "rl": "cardtool.core.training.calls",
+    "flywheel": "cardtool.core.training.calls",
     "CardtoolError": "cardtool.errors",
     "BadInput": "cardtool.errors",
     "CardValidationError": "cardtool.errors",

@@ -21,11 +21,14 @@ def test_the_api_names_are_the_modules_own_objects():
     from cardtool.core.evaluation.evaluate import evaluate
     from cardtool.core.evaluation.versus import compare
     from cardtool.core.sampling.generate import LoadedCard, generate
+    from cardtool.core.training import calls
     from cardtool.core.workflows.run import run_workflow
     from cardtool.errors import BadInput, CardtoolError, CardValidationError, RunFailed
 
     assert (cardtool.LoadedCard, cardtool.generate, cardtool.evaluate, cardtool.compare, cardtool.load_card,
             cardtool.run_workflow) == (LoadedCard, generate, evaluate, compare, load_card, run_workflow)
+    assert (cardtool.train, cardtool.distill, cardtool.rl, cardtool.flywheel) == (
+        calls.train, calls.distill, calls.rl, calls.flywheel)
     assert all(issubclass(e, CardtoolError) for e in (BadInput, CardValidationError, RunFailed))
     assert cardtool.BadInput is BadInput and set(cardtool.__all__) <= set(dir(cardtool))
     with pytest.raises(AttributeError, match="no attribute 'generator'"):

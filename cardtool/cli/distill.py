@@ -47,8 +47,7 @@ def distill_command(
 ) -> None:
     """Distil TEACHER into an N-step student with DMD2; the student card extends the teacher."""
     from cardtool.core.cards.source import display_path
-    from cardtool.core.training.distill import distill, distill_recipe
-    from cardtool.core.training.lora_settings import lora_overrides
+    from cardtool.core.training.calls import distill
 
     def log(entry: dict) -> None:
         if reporting():  # under torchrun rank 0 logs the global batch (on stderr, as always)
@@ -60,18 +59,14 @@ def distill_command(
                 f"FID {row['fid_fmnist']:.3f}  {row['images_per_second']:.0f} img/s", stderr=True)
 
     with handled(json_):
-        sets = [*(overrides or []), *lora_overrides(lora, overrides or [])]
-        loaded = distill_recipe(teacher, recipe, sets, steps)
+        # the command as typed (console script or python -m cardtool); rebuilt by the call when run from Python
         typed = sys.argv[1:2] == ["distill"]
-        command = shlex.join(["cardtool", *sys.argv[1:]] if typed else
-                             ["cardtool", "distill", teacher, *(["--steps", str(steps)] if steps else []),
-                              *(["--recipe", str(recipe)] if recipe else []), *(f"--set={o}" for o in overrides or []),
-                              *(["--lora", str(lora)] if lora is not None else [])])
-        card = distill(loaded, command=command, out=out, run_dir=run_dir, resume=resume, device=device, data=data,
-                       force=force, evaluate=evaluate, judge=judge, held_out_judge=held_out_judge or None, on_log=log,
-                       on_eval=eval_line, micro_batches=micro_batches, watch_every=watch_every,
-                       watch_judges=[judge, *([held_out_judge] if held_out_judge else [])], per_class=per_class,
-                       on_warning=lambda message: warn(message) if reporting() else None)
+        card = distill(teacher, steps=steps, recipe=recipe, overrides=list(overrides or []), lora=lora, out=out,
+                       run_dir=run_dir, resume=resume, device=device, data=data, force=force, evaluate=evaluate,
+                       judge=judge, held_out_judge=held_out_judge or None, per_class=per_class,
+                       watch_every=watch_every, micro_batches=micro_batches, on_log=log, on_eval=eval_line,
+                       on_warning=lambda message: warn(message) if reporting() else None,
+                       command=shlex.join(["cardtool", *sys.argv[1:]]) if typed else None)
     if not reporting():  # under torchrun rank 0 reports for every rank
         return
     recipe_block = card.manifest.recipe

@@ -50,7 +50,7 @@ def flywheel_command(
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (see README).")] = False,
 ) -> None:
     """RL CARD on a reward, distil the RL'd card into an N-step student, evaluate the three side by side."""
-    from cardtool.core.workflows.flywheel import flywheel, flywheel_recipe
+    from cardtool.core.training.calls import flywheel
 
     main = reporting()  # under torchrun rank 0 logs and reports for every rank
 
@@ -65,18 +65,14 @@ def flywheel_command(
             say(f"stage {entry['stage']}{' → ' + entry['card'] if entry['card'] else ''}: {done}", stderr=True)
 
     with handled(json_):
-        loaded = flywheel_recipe(card, reward, steps=steps, path=recipe, overrides=list(overrides or []),
-                                 prefix=out_prefix, out_dir=out_dir)
-        # the command as typed, or rebuilt (from Python) with every option that shapes the stages' recipes
-        command = shlex.join(["cardtool", *sys.argv[1:]] if sys.argv[1:2] == ["flywheel"] else
-                             ["cardtool", "flywheel", card, "--reward", reward,
-                              *(["--steps", str(steps)] if steps else []),
-                              *(["--recipe", str(recipe)] if recipe else []), *(f"--set={o}" for o in overrides or []),
-                              *(["--out-prefix", out_prefix] if out_prefix else [])])
-        report = flywheel(loaded, command=command, out_dir=out_dir, run_dir=run_dir, resume=resume, force=force,
-                          device=device, data=data, judge=judge, held_out_judge=held_out_judge or None,
-                          per_class=per_class, compare=list(compare or []), stop_after=stop_after, on_log=log,
-                          on_stage=stage_line, micro_batches=micro_batches, watch_every=watch_every)
+        # the command as typed (console script or python -m cardtool); rebuilt by the call when run from Python
+        typed = sys.argv[1:2] == ["flywheel"]
+        report = flywheel(card, reward=reward, steps=steps, recipe=recipe, overrides=list(overrides or []),
+                          out_prefix=out_prefix, out_dir=out_dir, run_dir=run_dir, resume=resume, force=force,
+                          stop_after=stop_after, compare=list(compare or []), per_class=per_class, judge=judge,
+                          held_out_judge=held_out_judge or None, device=device, data=data,
+                          micro_batches=micro_batches, watch_every=watch_every, on_log=log, on_stage=stage_line,
+                          command=shlex.join(["cardtool", *sys.argv[1:]]) if typed else None)
     if not main:
         return
     if json_:

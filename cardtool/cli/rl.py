@@ -52,8 +52,7 @@ def rl_command(
 ) -> None:
     """Fine-tune CARD on a reward with DiffusionNFT (or Flow-GRPO); the tuned card extends CARD."""
     from cardtool.core.cards.source import display_path
-    from cardtool.core.training.lora_settings import lora_overrides
-    from cardtool.core.training.rl import read_prompts, rl, rl_recipe
+    from cardtool.core.training.calls import rl
 
     def log(entry: dict) -> None:
         if reporting():  # under torchrun rank 0 logs the global batch (on stderr, as always)
@@ -66,20 +65,14 @@ def rl_command(
                 f"{row['images_per_second']:.0f} img/s", stderr=True)
 
     with handled(json_):
-        sets = [*(overrides or []), *lora_overrides(lora, overrides or [])]
-        loaded = rl_recipe(card, reward, method, recipe, sets)
-        chosen = read_prompts(prompts) if prompts is not None else None
+        # the command as typed (console script or python -m cardtool); rebuilt by the call when run from Python
         typed = sys.argv[1:2] == ["rl"]
-        command = shlex.join(["cardtool", *sys.argv[1:]] if typed else
-                             ["cardtool", "rl", card, "--reward", reward, *(["--method", method] if method else []),
-                              *(["--prompts", str(prompts)] if prompts else []),
-                              *(["--recipe", str(recipe)] if recipe else []), *(f"--set={o}" for o in overrides or []),
-                              *(["--lora", str(lora)] if lora is not None else [])])
-        tuned = rl(loaded, command=command, prompts=chosen, out=out, run_dir=run_dir, resume=resume, device=device,
+        tuned = rl(card, reward=reward, method=method, prompts_file=prompts, recipe=recipe,
+                   overrides=list(overrides or []), lora=lora, out=out, run_dir=run_dir, resume=resume, device=device,
                    data=data, force=force, evaluate=evaluate, judge=judge, held_out_judge=held_out_judge or None,
-                   watch_every=watch_every, on_log=log, on_eval=eval_line, micro_batches=micro_batches,
-                   on_warning=lambda message: warn(message) if reporting() else None,
-                   per_class=per_class)
+                   per_class=per_class, watch_every=watch_every, micro_batches=micro_batches, on_log=log,
+                   on_eval=eval_line, on_warning=lambda message: warn(message) if reporting() else None,
+                   command=shlex.join(["cardtool", *sys.argv[1:]]) if typed else None)
     if not reporting():  # under torchrun rank 0 reports for every rank
         return
     recipe_block = tuned.manifest.recipe

@@ -32,8 +32,7 @@ def train_command(
 ) -> None:
     """Train a card: the recipe's method, its data and hyperparameters; checkpoints, resume, a card at the end."""
     from cardtool.core.cards.source import display_path
-    from cardtool.core.training.recipes import load_recipe
-    from cardtool.core.training.train import train
+    from cardtool.core.training.calls import train
 
     err = console(stderr=True)
 
@@ -43,15 +42,12 @@ def train_command(
         err.print(progress_line("step", entry), markup=False, highlight=False)
 
     with handled(json_):
-        loaded = load_recipe(recipe, overrides or [], method)
-        # the command as typed (console script or python -m cardtool); rebuilt when called from Python
+        # the command as typed (console script or python -m cardtool); rebuilt by the call when run from Python
         typed = sys.argv[1:2] == ["train"]
-        command = shlex.join(["cardtool", *sys.argv[1:]] if typed else
-                             ["cardtool", "train", "--recipe", str(recipe), *(f"--set={o}" for o in overrides or []),
-                              *(["--method", method] if method else [])])
-        card = train(loaded, command=command, out=out, run_dir=run_dir, resume=resume, data=data, device=device,
-                     overwrite=overwrite, on_log=log, micro_batches=micro_batches,
-                     on_warning=lambda message: warn(message) if reporting() else None)
+        card = train(recipe, method=method, overrides=list(overrides or []), out=out, run_dir=run_dir, resume=resume,
+                     data=data, device=device, overwrite=overwrite, micro_batches=micro_batches, on_log=log,
+                     on_warning=lambda message: warn(message) if reporting() else None,
+                     command=shlex.join(["cardtool", *sys.argv[1:]]) if typed else None)
     if not reporting():  # rank 0 reports for every rank
         return
     metrics = card.manifest.recipe.metrics
