@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 __all__ = ["CardtoolError", "BadInput", "RunFailed", "OutOfMemory", "CardNotFound", "AmbiguousCard", "Problem",
-           "CardValidationError", "write_remedy"]
+           "CardValidationError", "as_cardtool_error", "write_remedy"]
 
 
 class CardtoolError(Exception):
@@ -117,3 +119,43 @@ class CardValidationError(CardtoolError):
     @classmethod
     def at(cls, file: Path | str, line: int, column: int, field: str, message: str, fix: str = ""):
         return cls([Problem(str(file), line, column, field, message, fix)])
+
+
+@contextlib.contextmanager
+def as_cardtool_error() -> Iterator[None]:
+    """Within the block, the machine's errors as cardtool's own, each with its message: a path no file system holds
+    or whose links go round in a circle is the request's (BadInput); any other OSError the disk's (RunFailed: full,
+    read-only, a path that vanished mid-run); an allocation that failed OutOfMemory. Anything else as it is."""
+    try:
+        yield
+    except OSError as error:
+        raise _os_failure(error) from error
+    except (MemoryError, RuntimeError) as error:
+        loop = _symlink_loop(error)
+        if loop is not None:
+            raise _os_failure(loop) from error
+        failed = OutOfMemory.of(error)
+        if failed is None:
+            raise
+        raise failed from error
+
+
+def _os_failure(error: OSError) -> CardtoolError:
+    where = f"{error.filename}: " if error.filename else ""
+    failure = BadInput if error.errno in (errno.ENAMETOOLONG, errno.ELOOP) else RunFailed
+    return failure(f"{where}{error.strerror or error}")
+
+
+def _symlink_loop(error: BaseException) -> OSError | None:
+    """Path.resolve's RuntimeError for a symlink loop (before Python 3.13, which raises OSError ELOOP) as that
+    OSError, naming the path; None for any other error."""
+    import ast
+
+    prefix = "Symlink loop from "
+    if not (isinstance(error, RuntimeError) and str(error).startswith(prefix)):
+        return None
+    try:
+        path = ast.literal_eval(str(error)[len(prefix):])
+    except (ValueError, SyntaxError):
+        path = str(error)[len(prefix):]
+    return OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)

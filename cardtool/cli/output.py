@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import functools
 import json
 import os
@@ -13,7 +12,7 @@ from contextlib import contextmanager
 
 import typer
 
-from cardtool.errors import BadInput, CardtoolError, CardValidationError, OutOfMemory, RunFailed
+from cardtool.errors import CardtoolError, CardValidationError, as_cardtool_error
 from cardtool.words import counted  # noqa: F401 - the commands take it from here
 
 __all__ = ["LateProgress", "console", "emit_json", "handled", "printable", "quoted_prompt", "say", "warn"]
@@ -153,7 +152,8 @@ def error_json(error: CardtoolError) -> dict:
 def handled(json_mode: bool) -> Iterator[None]:
     """Turn cardtool's own errors into a message (and a JSON error document) and its exit code."""
     try:
-        yield
+        with as_cardtool_error():  # the machine's errors — a full disk, too much memory asked — as cardtool's
+            yield
     except CardtoolError as error:
         if json_mode:
             emit_json(error_json(error))
@@ -164,37 +164,6 @@ def handled(json_mode: bool) -> Iterator[None]:
         for line in lines:
             err.print(f"[red]error[/red] {escape(printable(str(line)))}")
         raise typer.Exit(error.exit_code) from None
-    except OSError as error:  # the disk, not cardtool: full, read-only, a path that vanished mid-run
-        where = f"{error.filename}: " if error.filename else ""
-        # a path no file system holds, or one whose links go round in a circle: the request's, not the disk's
-        failure = BadInput if error.errno in (errno.ENAMETOOLONG, errno.ELOOP) else RunFailed
-        with handled(json_mode):
-            raise failure(f"{where}{error.strerror or error}") from None
-    except (MemoryError, RuntimeError) as error:  # the machine's memory, not cardtool: too much asked at once
-        loop = _symlink_loop(error)
-        if loop is not None:
-            with handled(json_mode):
-                raise loop from None
-        failed = OutOfMemory.of(error)
-        if failed is None:
-            raise
-        with handled(json_mode):
-            raise failed from None
-
-
-def _symlink_loop(error: BaseException) -> OSError | None:
-    """Path.resolve's RuntimeError for a symlink loop (before Python 3.13, which raises OSError ELOOP) as that
-    OSError, naming the path; None for any other error."""
-    import ast
-
-    prefix = "Symlink loop from "
-    if not (isinstance(error, RuntimeError) and str(error).startswith(prefix)):
-        return None
-    try:
-        path = ast.literal_eval(str(error)[len(prefix):])
-    except (ValueError, SyntaxError):
-        path = str(error)[len(prefix):]
-    return OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
 
 
 class LateProgress:

@@ -66,6 +66,9 @@ def test_a_call_makes_the_card_its_recorded_command_makes_again(tmp_path, monkey
     (lambda: cardtool.distill("tiny-base", overrides={"optim.steps": 1}), "overrides must be a list of strings"),
     (lambda: cardtool.distill("tiny-base", evaluate="no"), "evaluate must be True or False, got 'no'"),
     (lambda: cardtool.distill("tiny-base", out=3), "out must be a path (or None), got 3"),
+    (lambda: cardtool.distill("tiny-base", out="a\0b"), "out holds a NUL byte"),
+    (lambda: cardtool.distill("tiny\0base"), "teacher holds a NUL byte"),
+    (lambda: cardtool.distill("tiny-base", recipe=b"r.yaml"), "recipe must be a path (or None)"),
     (lambda: cardtool.distill("tiny-base", on_log="print"), "on_log must be a function (or None)"),
     (lambda: cardtool.distill("tiny-base", judge=["a"]), "judge must be text (or None)"),
     (lambda: cardtool.distill("tiny-base", command=b"x"), "command must be text"),
@@ -102,7 +105,9 @@ def test_the_calls_check_values_as_their_commands_do(tmp_path, monkeypatch):
                           (lambda: cardtool.rl("tiny-base", reward="tiny-judge", method="ppo"), "unknown rl method"),
                           (lambda: cardtool.distill("no-such-card"), "no-such-card"),
                           (lambda: cardtool.flywheel("tiny-base", reward="tiny-judge", stop_after="eval2"),
-                           "--stop-after must be one of")]:
+                           "--stop-after must be one of"),
+                          (lambda: cardtool.distill("tiny-base", out="x" * 5000, evaluate=False),
+                           "File name too long")]:
         with pytest.raises(cardtool.BadInput, match=message):
             call()
     assert list(tmp_path.iterdir()) == []

@@ -9,17 +9,30 @@ BadInput naming it, not a TypeError deep in a run."""
 
 from __future__ import annotations
 
+import functools
 import numbers
 import os
 import shlex
 from collections.abc import Callable
 from pathlib import Path
 
-from cardtool.errors import BadInput
+from cardtool.errors import BadInput, as_cardtool_error
 
 __all__ = ["distill", "flywheel", "rl", "train"]
 
 
+def _said_as_commands_say(call):
+    """The machine's errors in a call — a path too long for the file system, a full disk, memory — raised as
+    cardtool's own, with the message its command prints (`as_cardtool_error`)."""
+    @functools.wraps(call)
+    def said(*args, **kwargs):
+        with as_cardtool_error():
+            return call(*args, **kwargs)
+
+    return said
+
+
+@_said_as_commands_say
 def train(recipe: str | os.PathLike, *, method: str | None = None, overrides: list[str] | str = (),
           out: str | os.PathLike | None = None, run_dir: str | os.PathLike | None = None, resume: bool = False,
           data: str | os.PathLike | None = None, device: str | None = None, overwrite: bool = False,
@@ -42,6 +55,7 @@ def train(recipe: str | os.PathLike, *, method: str | None = None, overrides: li
                micro_batches=micro_batches, on_warning=on_warning)
 
 
+@_said_as_commands_say
 def distill(teacher: str | os.PathLike, *, steps: int | None = None, recipe: str | os.PathLike | None = None,
             overrides: list[str] | str = (), lora: int | None = None, out: str | os.PathLike | None = None,
             run_dir: str | os.PathLike | None = None, resume: bool = False, device: str | None = None,
@@ -73,6 +87,7 @@ def distill(teacher: str | os.PathLike, *, steps: int | None = None, recipe: str
                per_class=per_class, on_warning=on_warning)
 
 
+@_said_as_commands_say
 def rl(card: str | os.PathLike, *, reward: str | os.PathLike, method: str | None = None,
        prompts: list[str] | str | None = None, prompts_file: str | os.PathLike | None = None,
        recipe: str | os.PathLike | None = None, overrides: list[str] | str = (), lora: int | None = None,
@@ -112,6 +127,7 @@ def rl(card: str | os.PathLike, *, reward: str | os.PathLike, method: str | None
                micro_batches=micro_batches, on_warning=on_warning, per_class=per_class)
 
 
+@_said_as_commands_say
 def flywheel(card: str | os.PathLike, *, reward: str | os.PathLike, steps: int | None = None,
              recipe: str | os.PathLike | None = None, overrides: list[str] | str = (), out_prefix: str | None = None,
              out_dir: str | os.PathLike = "cards", run_dir: str | os.PathLike | None = None, resume: bool = False,
@@ -172,8 +188,8 @@ def _check(*, texts: dict, paths: dict, flags: dict, whole: dict, callbacks: dic
         if value is not None and not isinstance(value, str):
             raise BadInput(f"{name} must be text (or None), got {value!r}"[:300])
     for name, value in paths.items():
-        if value is not None and not isinstance(value, (str, os.PathLike)):
-            raise BadInput(f"{name} must be a path (or None), got {value!r}"[:300])
+        if value is not None:
+            _path(name, value, "a path (or None)")
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise BadInput(f"{name} must be True or False, got {value!r}"[:300])
@@ -190,14 +206,17 @@ def _check(*, texts: dict, paths: dict, flags: dict, whole: dict, callbacks: dic
 
 def _ref(name: str, value) -> str:
     """A card named by id, folder or manifest."""
-    if not isinstance(value, (str, os.PathLike)):
-        raise BadInput(f"{name} must be a card id or path, got {value!r}"[:300])
-    return os.fspath(value)
+    _path(name, value, "a card id or path")
+    return os.fspath(value)  # as given: `./x` is a folder where `x` may be an id
 
 
-def _path(name: str, value) -> Path:
-    if not isinstance(value, (str, os.PathLike)) or os.fspath(value) == "":
-        raise BadInput(f"{name} must be a path, got {value!r}"[:300])
+def _path(name: str, value, what: str = "a path") -> Path:
+    """A path the operating system can be given: text or a path object, not empty, without a NUL byte (which no
+    file name holds, and which Python's file calls refuse with a ValueError)."""
+    if not isinstance(value, (str, os.PathLike)) or not isinstance(os.fspath(value), str) or os.fspath(value) == "":
+        raise BadInput(f"{name} must be {what}, got {value!r}"[:300])
+    if "\0" in os.fspath(value):
+        raise BadInput(f"{name} holds a NUL byte, which no file name can: {value!r}"[:300])
     return Path(value)
 
 
