@@ -506,8 +506,9 @@ class ApiCall:
 
 
 def _api(rng: random.Random, env: Env, out: Path) -> ApiCall:
-    """`LoadedCard.generate` most often; else `LoadedCard`, `evaluate`, `compare`, `run_workflow` or `load_card`, each
-    with a few arguments of any type and the rest plausible, so that some calls run."""
+    """`LoadedCard.generate` most often; else `LoadedCard`, `evaluate`, `compare`, `run_workflow`, `load_card` or a
+    training call (`train`, `distill`, `rl`, `flywheel`), each with a few arguments of any type and the rest
+    plausible, so that some calls run."""
     from PIL import Image
 
     pictures = [Image.new("RGB", (40, 40), (200, 30, 90)), Image.new("LAB", (28, 28)), Image.new("L", (0, 0)),
@@ -523,8 +524,8 @@ def _api(rng: random.Random, env: Env, out: Path) -> ApiCall:
         chosen = {k: rng.choice(values) for k in rng.sample(keywords, rng.choice([1, 1, 2]))}
         return {**plausible, **chosen}
 
-    function = rng.choice(["LoadedCard.generate"] * 5 + ["LoadedCard", "evaluate", "compare", "run_workflow",
-                                                          "load_card"])
+    function = rng.choice(["LoadedCard.generate"] * 10 + ["LoadedCard", "evaluate", "compare", "run_workflow",
+                                                           "load_card"] * 2 + ["train", "distill", "rl", "flywheel"])
     if function == "LoadedCard.generate":
         keywords = ["num", "seed", "steps", "guidance", "shift", "solver", "guidance_interval", "precision", "grid",
                     "strict", "on_step", "max_batch", "best_of", "reward", "adapters", "control", "preprocessor",
@@ -547,12 +548,46 @@ def _api(rng: random.Random, env: Env, out: Path) -> ApiCall:
         keywords = ["overrides", "out", "device", "max_batch", "on_step", "on_wave", "skip_existing"]
         args = [str(REPO / "examples" / "workflows" / "tiny-tour.yaml")]
         options = hostile(keywords, {"overrides": ["steps.draft.generate.num=1"]})
+    elif function in ("train", "distill", "rl", "flywheel"):
+        args, options = _training_call(rng, env, out, function, values, hostile)
     else:
         args, options = [rng.choice([env.card("tiny-base")] * 3 + values)], hostile(["checksums", "adapters"], {})
     if function in ("LoadedCard.generate", "run_workflow", "evaluate") and (
             isinstance(options.get("out"), str) or "out" not in options):  # never into the working directory
         options["out"] = out / "report.json" if function == "evaluate" else out
     return ApiCall(env, function, args, options)
+
+
+def _training_call(rng: random.Random, env: Env, out: Path, function: str, values: list, hostile) -> tuple:
+    """`cardtool.train`, `distill`, `rl` or `flywheel` on the tiny cards, one step, no eval, a few arguments of any
+    type; what it writes goes under `out` whatever a path argument says."""
+    card = rng.choice([env.card("tiny-base")] * len(values) + values)  # mostly plausible: some runs run
+    common = {"out": out / "card", "run_dir": out / "run"}
+    if function == "train":
+        args = [rng.choice([str(REPO / "examples" / "recipes" / "fashion-bold.yaml")] * len(values) + values)]
+        plausible = {**common, "data": str(env.images), "overrides": [
+            f"parents=[{env.card('tiny-base')}]", "data.transform=none", "optim.steps=1", "optim.batch_size=2"]}
+        keywords = ["method", "overrides", "resume", "data", "device", "overwrite", "micro_batches", "on_log"]
+    elif function == "flywheel":
+        args = [card]
+        plausible = {"reward": env.card("tiny-judge"), "overrides": ["rl.optim.steps=1"], "stop_after": "rl",
+                     "judge": env.card("tiny-judge"), "held_out_judge": None, "out_dir": out / "cards",
+                     "run_dir": out / "run"}
+        keywords = ["reward", "steps", "overrides", "out_prefix", "resume", "force", "stop_after", "compare",
+                    "per_class", "judge", "held_out_judge", "device", "data", "micro_batches", "on_log", "on_stage"]
+    else:
+        args = [card]
+        plausible = {**common, "overrides": ["optim.steps=1"], "evaluate": False,
+                     **({"reward": env.card("tiny-judge")} if function == "rl" else {"steps": 1})}
+        keywords = ["steps", "overrides", "lora", "resume", "device", "data", "force", "evaluate", "judge",
+                    "held_out_judge", "per_class", "watch_every", "micro_batches", "on_log", "on_warning"]
+        if function == "rl":
+            keywords = [k for k in keywords if k != "steps"] + ["reward", "method", "prompts", "prompts_file"]
+    options = hostile(keywords, plausible)
+    for where in ("out", "run_dir", "out_dir"):  # never into the working directory
+        if isinstance(options.get(where), (str, Path)):
+            options[where] = plausible.get(where, out / where)
+    return args, options
 
 
 class Differs(Exception):
