@@ -1,5 +1,5 @@
 """cardtool from Python: load a card once, generate with and without an adapter and from an image, catch a
-bad request.
+bad request, distil the card into a one-step student and sample it.
 
     python examples/python_api.py [OUT_DIR]
 
@@ -9,6 +9,7 @@ Runs on the tiny example card in seconds (its weights are random, so the images 
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import cardtool
@@ -31,3 +32,12 @@ try:
     card.generate("a bag", adapters=[("no-such-adapter", 1.0)], out=out / "never")
 except cardtool.BadInput as error:  # what the command line reports with exit 2
     print(f"refused: {error}")
+
+# post-training is a call too: DMD2 into a 1-step student (one real iteration here), the card it wrote returned
+steps = []
+with tempfile.TemporaryDirectory() as run_dir:  # its checkpoints: a scratch run, made afresh on each run of this file
+    student = cardtool.distill(card.card.folder, steps=1, overrides=["optim.steps=1"], evaluate=False,
+                               out=out / "student", run_dir=run_dir, force=True, on_log=steps.append)
+sampled = cardtool.LoadedCard(str(student.folder)).generate("a bag", out=None).images[0]
+print(json.dumps({"student": student.id, "steps": sampled.metadata["steps"], "logged": len(steps),
+                  "command": student.manifest.recipe.command}))
