@@ -15,7 +15,7 @@ import cardtool
 from cardtool.cli import app
 from cardtool.core.cards.loader import load_card
 
-JUDGES = {"judge": "tiny-judge", "held_out_judge": None}
+JUDGES = {"judge": EXAMPLE_CARDS / "tiny-judge", "held_out_judge": ""}  # a path, and none as the option says it
 CALLS = {
     "train": lambda: cardtool.train(REPO / "examples" / "recipes" / "fashion-bold.yaml",
                                     data=REPO / "examples" / "images",
@@ -70,7 +70,8 @@ def test_a_call_makes_the_card_its_recorded_command_makes_again(tmp_path, monkey
     (lambda: cardtool.distill("tiny\0base"), "teacher holds a NUL byte"),
     (lambda: cardtool.distill("tiny-base", recipe=b"r.yaml"), "recipe must be a path (or None)"),
     (lambda: cardtool.distill("tiny-base", on_log="print"), "on_log must be a function (or None)"),
-    (lambda: cardtool.distill("tiny-base", judge=["a"]), "judge must be text (or None)"),
+    (lambda: cardtool.distill("tiny-base", judge=["a"]), "judge must be a card id or path, got ['a']"),
+    (lambda: cardtool.rl("tiny-base", reward="tiny-judge", held_out_judge=3), "held_out_judge must be a card id"),
     (lambda: cardtool.distill("tiny-base", command=b"x"), "command must be text"),
     (lambda: cardtool.rl("tiny-base", reward=None), "reward must be a card id or path, got None"),
     (lambda: cardtool.rl("tiny-base", reward="tiny-judge", prompts=[]), "prompts is empty"),

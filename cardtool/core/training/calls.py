@@ -60,7 +60,8 @@ def distill(teacher: str | os.PathLike, *, steps: int | None = None, recipe: str
             overrides: list[str] | str = (), lora: int | None = None, out: str | os.PathLike | None = None,
             run_dir: str | os.PathLike | None = None, resume: bool = False, device: str | None = None,
             data: str | os.PathLike | None = None, force: bool = False, evaluate: bool = True,
-            judge: str = "fashion-classifier", held_out_judge: str | None = "fashion-referee", per_class: int = 100,
+            judge: str | os.PathLike = "fashion-classifier",
+       held_out_judge: str | os.PathLike | None = "fashion-referee", per_class: int = 100,
             watch_every: int = 0, micro_batches: int = 1, on_log: Callable[[dict], None] | None = None,
             on_eval: Callable[[dict], None] | None = None, on_warning: Callable[[str], None] | None = None,
             command: str | None = None):
@@ -71,8 +72,8 @@ def distill(teacher: str | os.PathLike, *, steps: int | None = None, recipe: str
     from cardtool.core.training.lora_settings import lora_overrides
 
     teacher, sets = _ref("teacher", teacher), _overrides(overrides)
-    _check(texts={"device": device, "judge": judge, "held_out_judge": held_out_judge},
-           paths={"recipe": recipe, "out": out, "run_dir": run_dir, "data": data},
+    judge, held_out_judge = _ref("judge", judge), _optional_ref("held_out_judge", held_out_judge)
+    _check(texts={"device": device}, paths={"recipe": recipe, "out": out, "run_dir": run_dir, "data": data},
            flags={"resume": resume, "force": force, "evaluate": evaluate},
            whole={"per_class": per_class, "watch_every": watch_every, "micro_batches": micro_batches},
            optional_whole={"steps": steps, "lora": lora},
@@ -82,7 +83,7 @@ def distill(teacher: str | os.PathLike, *, steps: int | None = None, recipe: str
                                                          ("--lora", lora), ("--data", data)])
     return run(loaded, command=command, out=_maybe_path(out), run_dir=_maybe_path(run_dir), resume=resume,
                device=device, data=_maybe_text(data), force=force, evaluate=evaluate, judge=judge,
-               held_out_judge=held_out_judge or None, on_log=on_log, on_eval=on_eval, micro_batches=micro_batches,
+               held_out_judge=held_out_judge, on_log=on_log, on_eval=on_eval, micro_batches=micro_batches,
                watch_every=watch_every, watch_judges=[judge, *([held_out_judge] if held_out_judge else [])],
                per_class=per_class, on_warning=on_warning)
 
@@ -93,7 +94,8 @@ def rl(card: str | os.PathLike, *, reward: str | os.PathLike, method: str | None
        recipe: str | os.PathLike | None = None, overrides: list[str] | str = (), lora: int | None = None,
        out: str | os.PathLike | None = None, run_dir: str | os.PathLike | None = None, resume: bool = False,
        device: str | None = None, data: str | os.PathLike | None = None, force: bool = False, evaluate: bool = True,
-       judge: str = "fashion-classifier", held_out_judge: str | None = "fashion-referee", per_class: int = 100,
+       judge: str | os.PathLike = "fashion-classifier",
+       held_out_judge: str | os.PathLike | None = "fashion-referee", per_class: int = 100,
        watch_every: int = 0, micro_batches: int = 1, on_log: Callable[[dict], None] | None = None,
        on_eval: Callable[[dict], None] | None = None, on_warning: Callable[[str], None] | None = None,
        command: str | None = None):
@@ -105,7 +107,8 @@ def rl(card: str | os.PathLike, *, reward: str | os.PathLike, method: str | None
     from cardtool.core.training.rl import rl as run
 
     card, reward, sets = _ref("card", card), _ref("reward", reward), _overrides(overrides)
-    _check(texts={"method": method, "device": device, "judge": judge, "held_out_judge": held_out_judge},
+    judge, held_out_judge = _ref("judge", judge), _optional_ref("held_out_judge", held_out_judge)
+    _check(texts={"method": method, "device": device},
            paths={"prompts_file": prompts_file, "recipe": recipe, "out": out, "run_dir": run_dir, "data": data},
            flags={"resume": resume, "force": force, "evaluate": evaluate},
            whole={"per_class": per_class, "watch_every": watch_every, "micro_batches": micro_batches},
@@ -123,7 +126,7 @@ def rl(card: str | os.PathLike, *, reward: str | os.PathLike, method: str | None
                                                  ("--data", data)])
     return run(loaded, command=command, prompts=chosen, out=_maybe_path(out), run_dir=_maybe_path(run_dir),
                resume=resume, device=device, data=_maybe_text(data), force=force, evaluate=evaluate, judge=judge,
-               held_out_judge=held_out_judge or None, watch_every=watch_every, on_log=on_log, on_eval=on_eval,
+               held_out_judge=held_out_judge, watch_every=watch_every, on_log=on_log, on_eval=on_eval,
                micro_batches=micro_batches, on_warning=on_warning, per_class=per_class)
 
 
@@ -132,8 +135,8 @@ def flywheel(card: str | os.PathLike, *, reward: str | os.PathLike, steps: int |
              recipe: str | os.PathLike | None = None, overrides: list[str] | str = (), out_prefix: str | None = None,
              out_dir: str | os.PathLike = "cards", run_dir: str | os.PathLike | None = None, resume: bool = False,
              force: bool = False, stop_after: str | None = None, compare: list[str] | str = (),
-             per_class: int = 100, judge: str = "fashion-classifier",
-             held_out_judge: str | None = "fashion-referee", device: str | None = None,
+             per_class: int = 100, judge: str | os.PathLike = "fashion-classifier",
+             held_out_judge: str | os.PathLike | None = "fashion-referee", device: str | None = None,
              data: str | os.PathLike | None = None, micro_batches: int = 1, watch_every: int = 0,
              on_log: Callable[[str, dict], None] | None = None, on_stage: Callable[[dict], None] | None = None,
              command: str | None = None):
@@ -146,8 +149,8 @@ def flywheel(card: str | os.PathLike, *, reward: str | os.PathLike, steps: int |
     card, reward, sets = _ref("card", card), _ref("reward", reward), _overrides(overrides)
     compared = [_ref("compare", c) for c in ([compare] if isinstance(compare, (str, os.PathLike)) else
                                              _sequence("compare", compare))]
-    _check(texts={"out_prefix": out_prefix, "stop_after": stop_after, "judge": judge,
-                  "held_out_judge": held_out_judge, "device": device},
+    judge, held_out_judge = _ref("judge", judge), _optional_ref("held_out_judge", held_out_judge)
+    _check(texts={"out_prefix": out_prefix, "stop_after": stop_after, "device": device},
            paths={"recipe": recipe, "run_dir": run_dir, "data": data}, flags={"resume": resume, "force": force},
            whole={"per_class": per_class, "micro_batches": micro_batches, "watch_every": watch_every},
            optional_whole={"steps": steps}, callbacks={"on_log": on_log, "on_stage": on_stage}, command=command)
@@ -158,7 +161,7 @@ def flywheel(card: str | os.PathLike, *, reward: str | os.PathLike, steps: int |
                                                        ("--recipe", recipe), *_sets(sets),
                                                        ("--out-prefix", out_prefix), ("--data", data)])
     return run(loaded, command=command, out_dir=out_dir, run_dir=_maybe_path(run_dir), resume=resume, force=force,
-               device=device, data=_maybe_text(data), judge=judge, held_out_judge=held_out_judge or None,
+               device=device, data=_maybe_text(data), judge=judge, held_out_judge=held_out_judge,
                per_class=per_class, compare=compared, stop_after=stop_after, on_log=on_log, on_stage=on_stage,
                micro_batches=micro_batches, watch_every=watch_every)
 
@@ -208,6 +211,11 @@ def _ref(name: str, value) -> str:
     """A card named by id, folder or manifest."""
     _path(name, value, "a card id or path")
     return os.fspath(value)  # as given: `./x` is a folder where `x` may be an id
+
+
+def _optional_ref(name: str, value) -> str | None:
+    """A card, or none (None or '', as `--held-out-judge ''` says none)."""
+    return None if value is None or value == "" else _ref(name, value)
 
 
 def _path(name: str, value, what: str = "a path") -> Path:
