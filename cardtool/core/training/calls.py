@@ -191,8 +191,8 @@ def _check(*, texts: dict, paths: dict, flags: dict, whole: dict, callbacks: dic
         if value is not None and not isinstance(value, str):
             raise BadInput(f"{name} must be text (or None), got {value!r}"[:300])
     for name, value in paths.items():
-        if value is not None:
-            _path(name, value, "a path (or None)")
+        if value is not None:  # an empty one is the run's to refuse, naming its option (`--data ''`)
+            _path(name, value, "a path (or None)", empty=True)
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise BadInput(f"{name} must be True or False, got {value!r}"[:300])
@@ -218,10 +218,11 @@ def _optional_ref(name: str, value) -> str | None:
     return None if value is None or value == "" else _ref(name, value)
 
 
-def _path(name: str, value, what: str = "a path") -> Path:
-    """A path the operating system can be given: text or a path object, not empty, without a NUL byte (which no
-    file name holds, and which Python's file calls refuse with a ValueError)."""
-    if not isinstance(value, (str, os.PathLike)) or not isinstance(os.fspath(value), str) or os.fspath(value) == "":
+def _path(name: str, value, what: str = "a path", empty: bool = False) -> Path:
+    """A path the operating system can be given: text or a path object, without a NUL byte (which no file name
+    holds, and which Python's file calls refuse with a ValueError); not empty unless `empty`."""
+    if not isinstance(value, (str, os.PathLike)) or not isinstance(os.fspath(value), str) or \
+            (os.fspath(value) == "" and not empty):
         raise BadInput(f"{name} must be {what}, got {value!r}"[:300])
     if "\0" in os.fspath(value):
         raise BadInput(f"{name} holds a NUL byte, which no file name can: {value!r}"[:300])
