@@ -47,6 +47,8 @@ def test_a_call_makes_the_card_its_recorded_command_makes_again(tmp_path, monkey
     assert command.startswith(f"cardtool {name} ") and "None" not in command, command
     if name == "rl":
         assert "--prompts - " in command and card.manifest.recipe.metrics["prompts"]["count"] == 2
+    if name == "train":  # trained on the call's captioned images, not the default Fashion-MNIST
+        assert card.manifest.recipe.data["dataset"] == "image-folder" and f"--data {REPO}" in command
     (tmp_path / "command").mkdir()
     monkeypatch.chdir(tmp_path / "command")
     again = CliRunner().invoke(app, [*shlex.split(command, comments=True)[1:], *NOT_RECORDED.get(name, [])],
