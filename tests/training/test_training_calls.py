@@ -114,3 +114,21 @@ def test_the_calls_check_values_as_their_commands_do(tmp_path, monkeypatch):
         with pytest.raises(cardtool.BadInput, match=message):
             call()
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", CALLS)
+def test_a_call_without_an_option_does_what_its_command_without_it_does(name):
+    """Each keyword's default is its option's: a call and its command differ only in what they are given."""
+    import inspect
+
+    from cardtool.cli import distill, flywheel, rl, train
+
+    command = {"train": train.train_command, "distill": distill.distill_command, "rl": rl.rl_command,
+               "flywheel": flywheel.flywheel_command}[name]
+    options = inspect.signature(command).parameters
+    keywords = inspect.signature(getattr(cardtool, name)).parameters
+    shared = set(options) & set(keywords) - {"overrides", "compare", "prompts"}  # lists: None there, () here
+    assert len(shared) >= 6, shared
+    for option in shared:
+        assert keywords[option].default == options[option].default, option
+    assert all(keywords[k].default in ((), None) for k in {"overrides", "compare"} & set(keywords))

@@ -61,7 +61,7 @@ def distill(teacher: str | os.PathLike, *, steps: int | None = None, recipe: str
             run_dir: str | os.PathLike | None = None, resume: bool = False, device: str | None = None,
             data: str | os.PathLike | None = None, force: bool = False, evaluate: bool = True,
             judge: str | os.PathLike = "fashion-classifier",
-       held_out_judge: str | os.PathLike | None = "fashion-referee", per_class: int = 100,
+            held_out_judge: str | os.PathLike | None = "fashion-referee", per_class: int = 100,
             watch_every: int = 0, micro_batches: int = 1, on_log: Callable[[dict], None] | None = None,
             on_eval: Callable[[dict], None] | None = None, on_warning: Callable[[str], None] | None = None,
             command: str | None = None):
@@ -133,7 +133,7 @@ def rl(card: str | os.PathLike, *, reward: str | os.PathLike, method: str | None
 @_said_as_commands_say
 def flywheel(card: str | os.PathLike, *, reward: str | os.PathLike, steps: int | None = None,
              recipe: str | os.PathLike | None = None, overrides: list[str] | str = (), out_prefix: str | None = None,
-             out_dir: str | os.PathLike = "cards", run_dir: str | os.PathLike | None = None, resume: bool = False,
+             out_dir: str | os.PathLike = Path("cards"), run_dir: str | os.PathLike | None = None, resume: bool = False,
              force: bool = False, stop_after: str | None = None, compare: list[str] | str = (),
              per_class: int = 100, judge: str | os.PathLike = "fashion-classifier",
              held_out_judge: str | os.PathLike | None = "fashion-referee", device: str | None = None,
