@@ -7,6 +7,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers import EXAMPLE_CARDS, REPO
 from typer.testing import CliRunner
@@ -21,7 +22,7 @@ CALLS = {
                                     data=REPO / "examples" / "images",
                                     overrides=["parents=[tiny-base]", "data.transform=none", "model.adapter=mine",
                                                "card.id=tiny-mine", "optim.steps=1", "optim.batch_size=4"]),
-    "distill": lambda: cardtool.distill("tiny-base", steps=1, overrides="optim.steps=1", evaluate=False),
+    "distill": lambda: cardtool.distill("tiny-base", steps=np.int64(1), overrides="optim.steps=1", evaluate=False),
     "rl": lambda: cardtool.rl("tiny-base", reward="tiny-judge", prompts=["a bag", "a long coat"],
                               overrides=["optim.steps=1"], lora=2, evaluate=False),
     "flywheel": lambda: cardtool.flywheel("tiny-base", reward="tiny-judge", overrides=["rl.optim.steps=1"],

@@ -47,6 +47,7 @@ def train(recipe: str | os.PathLike, *, method: str | None = None, overrides: li
     _check(texts={"method": method, "device": device}, paths={"out": out, "run_dir": run_dir, "data": data},
            flags={"resume": resume, "overwrite": overwrite}, whole={"micro_batches": micro_batches},
            callbacks={"on_log": on_log, "on_warning": on_warning}, command=command)
+    micro_batches = int(micro_batches)  # numpy's integers too, as Python's
     loaded = load_recipe(recipe, sets, method)
     command = command or _command("train", [], [("--recipe", recipe), *_sets(sets), ("--method", method),
                                                  ("--data", data)])
@@ -78,6 +79,8 @@ def distill(teacher: str | os.PathLike, *, steps: int | None = None, recipe: str
            whole={"per_class": per_class, "watch_every": watch_every, "micro_batches": micro_batches},
            optional_whole={"steps": steps, "lora": lora},
            callbacks={"on_log": on_log, "on_eval": on_eval, "on_warning": on_warning}, command=command)
+    steps, lora, per_class, watch_every, micro_batches = map(_int, (steps, lora, per_class, watch_every,
+                                                                    micro_batches))
     loaded = distill_recipe(teacher, _maybe_path(recipe), [*sets, *lora_overrides(lora, sets)], steps)
     command = command or _command("distill", [teacher], [("--steps", steps), ("--recipe", recipe), *_sets(sets),
                                                          ("--lora", lora), ("--data", data)])
@@ -114,6 +117,7 @@ def rl(card: str | os.PathLike, *, reward: str | os.PathLike, method: str | None
            whole={"per_class": per_class, "watch_every": watch_every, "micro_batches": micro_batches},
            optional_whole={"lora": lora},
            callbacks={"on_log": on_log, "on_eval": on_eval, "on_warning": on_warning}, command=command)
+    lora, per_class, watch_every, micro_batches = map(_int, (lora, per_class, watch_every, micro_batches))
     if prompts is not None and prompts_file is not None:
         raise BadInput("give prompts or prompts_file, not both")
     chosen = _prompts(prompts) if prompts is not None else \
@@ -154,6 +158,7 @@ def flywheel(card: str | os.PathLike, *, reward: str | os.PathLike, steps: int |
            paths={"recipe": recipe, "run_dir": run_dir, "data": data}, flags={"resume": resume, "force": force},
            whole={"per_class": per_class, "micro_batches": micro_batches, "watch_every": watch_every},
            optional_whole={"steps": steps}, callbacks={"on_log": on_log, "on_stage": on_stage}, command=command)
+    steps, per_class, micro_batches, watch_every = map(_int, (steps, per_class, micro_batches, watch_every))
     out_dir = _path("out_dir", out_dir)
     loaded = flywheel_recipe(card, reward, steps=steps, path=_maybe_path(recipe), overrides=sets, prefix=out_prefix,
                              out_dir=out_dir)
@@ -227,6 +232,11 @@ def _path(name: str, value, what: str = "a path", empty: bool = False) -> Path:
     if "\0" in os.fspath(value):
         raise BadInput(f"{name} holds a NUL byte, which no file name can: {value!r}"[:300])
     return Path(value)
+
+
+def _int(value) -> int | None:
+    """A whole number as Python's int (numpy's integers pass the checks, and the runs compare with int)."""
+    return None if value is None else int(value)
 
 
 def _maybe_path(value) -> Path | None:
