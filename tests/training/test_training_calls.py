@@ -133,3 +133,13 @@ def test_a_call_without_an_option_does_what_its_command_without_it_does(name):
     for option in shared:
         assert keywords[option].default == options[option].default, option
     assert all(keywords[k].default in ((), None) for k in {"overrides", "compare"} & set(keywords))
+
+
+def test_prompts_given_as_a_list_are_held_to_a_prompts_files_bound(tmp_path, monkeypatch):
+    """At most 1 MiB as a file would hold them, a line each: exactly that passes on (to the next check here)."""
+    monkeypatch.setenv("CARDTOOL_PATH", str(EXAMPLE_CARDS))
+    exactly = ["x" * 1023] * 1024  # 1,024 lines of 1,023 bytes and a newline
+    with pytest.raises(cardtool.BadInput, match="unknown rl method"):
+        cardtool.rl("tiny-base", reward="tiny-judge", prompts=exactly, method="ppo")
+    with pytest.raises(cardtool.BadInput, match="more than 1 MiB"):
+        cardtool.rl("tiny-base", reward="tiny-judge", prompts=[*exactly[:-1], "x" * 1024], method="ppo")
