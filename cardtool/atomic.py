@@ -155,7 +155,7 @@ def save_tensors(path: Path | str, tensors: dict, metadata: dict | None = None) 
 
 
 def _metadata_in_key_order(path: Path | str) -> None:
-    """safetensors writes a header's metadata in its hash map's order, which changes from process to process: the
+    """safetensors writes a header's metadata in its hash map's order, which changes from write to write: the
     same tensors and metadata (a LoRA's rank, alpha and format) made files of other bytes and sha256 — a run made
     again could not be checked by its files' digests. Rewritten in place in key order: the header keeps its length,
     so the tensors' offsets hold; a header the JSON here would not write at that length is left as written."""
