@@ -515,7 +515,7 @@ def _api(rng: random.Random, env: Env, out: Path) -> ApiCall:
                 Image.new("F", (28, 28), float("nan"))]  # a script's Pillow images: any mode and size, and unusable
     values = [None, 0, -1, 1, 2, 2.5, float("nan"), float("inf"), True, "", "x", "2", [], [1], ["a"], {}, (0, 1),
               (1, 0), (0.2, 0.4), [("invert", 0.5)], [("invert", "x")], [("nope", 1)], [("invert",)], "invert", b"x",
-              10**30, "euler", "dpmpp_2m", "renoise", "bfloat16", "float64", env.card("tiny-judge"),
+              10**30, "a\x00b", "euler", "dpmpp_2m", "renoise", "bfloat16", "float64", env.card("tiny-judge"),
               str(env.root / "control.png"),
               lambda *a: None, ["bfloat16"], [2], [0.5, 4.0], ["a=1"], ("steps.draft.generate.num=2",), object(),
               *pictures]
@@ -546,14 +546,15 @@ def _api(rng: random.Random, env: Env, out: Path) -> ApiCall:
                                      "data": str(env.data)})
     elif function == "run_workflow":
         keywords = ["overrides", "out", "device", "max_batch", "on_step", "on_wave", "skip_existing"]
-        args = [str(REPO / "examples" / "workflows" / "tiny-tour.yaml")]
+        args = [rng.choice([str(REPO / "examples" / "workflows" / "tiny-tour.yaml")] * 5 + values)]
         options = hostile(keywords, {"overrides": ["steps.draft.generate.num=1"]})
     elif function in ("train", "distill", "rl", "flywheel"):
         args, options = _training_call(rng, env, out, function, values, hostile)
     else:
         args, options = [rng.choice([env.card("tiny-base")] * 3 + values)], hostile(["checksums", "adapters"], {})
     if function in ("LoadedCard.generate", "run_workflow", "evaluate") and (
-            isinstance(options.get("out"), str) or "out" not in options):  # never into the working directory
+            isinstance(options.get("out"), str) and "\0" not in options["out"]  # NUL: no file is written
+            or "out" not in options):  # never into the working directory
         options["out"] = out / "report.json" if function == "evaluate" else out
     return ApiCall(env, function, args, options)
 

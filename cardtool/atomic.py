@@ -224,9 +224,12 @@ def writable_folder(folder: Path | str, what: str, *, keep: bool = True) -> Path
 def refuse_stream(path, what: str, kind: str = "a folder", alternative: str = "", option: str = "--out") -> None:
     """BadInput where `path` is `-` — the shell's "standard output", which would otherwise be a file or folder named
     '-' — given as an output `option`; `what` says how the output is written. Once a path, './-' is '-' too: one named
-    '-' is given by its whole path."""
-    if str(path) == "-":
-        from cardtool.errors import BadInput
+    '-' is given by its whole path. Also where it holds a NUL byte, which no file name can (the Python API's
+    callers can give one; Python's file calls raise a bare ValueError for it)."""
+    from cardtool.errors import BadInput
 
+    if "\0" in str(path):
+        raise BadInput(f"{option} {str(path)!r} holds a NUL byte, which no file name can"[:300])
+    if str(path) == "-":
         raise BadInput(f"{option} -: {what}, not to standard output; give {kind} ({os.path.abspath('-')} for one "
                        f"named '-'){alternative}; --json prints the report on standard output")

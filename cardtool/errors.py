@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 __all__ = ["CardtoolError", "BadInput", "RunFailed", "OutOfMemory", "CardNotFound", "AmbiguousCard", "Problem",
-           "CardValidationError", "as_cardtool_error", "write_remedy"]
+           "CardValidationError", "as_cardtool_error", "said_as_cardtool_errors", "write_remedy"]
 
 
 class CardtoolError(Exception):
@@ -123,13 +123,18 @@ class CardValidationError(CardtoolError):
 
 @contextlib.contextmanager
 def as_cardtool_error() -> Iterator[None]:
-    """Within the block, the machine's errors as cardtool's own, each with its message: a path no file system holds
-    or whose links go round in a circle is the request's (BadInput); any other OSError the disk's (RunFailed: full,
-    read-only, a path that vanished mid-run); an allocation that failed OutOfMemory. Anything else as it is."""
+    """Within the block, the machine's errors as cardtool's own, each with its message: a path no file system holds,
+    whose links go round in a circle or that holds a NUL byte is the request's (BadInput); any other OSError the
+    disk's (RunFailed: full, read-only, a path that vanished mid-run); an allocation that failed OutOfMemory.
+    Anything else as it is."""
     try:
         yield
     except OSError as error:
         raise _os_failure(error) from error
+    except ValueError as error:
+        if str(error) != "embedded null byte":  # Python's file calls, given a path with a NUL in it
+            raise
+        raise BadInput("a path holds a NUL byte, which no file name can") from error
     except (MemoryError, RuntimeError) as error:
         loop = _symlink_loop(error)
         if loop is not None:
@@ -138,6 +143,19 @@ def as_cardtool_error() -> Iterator[None]:
         if failed is None:
             raise
         raise failed from error
+
+
+def said_as_cardtool_errors(call):
+    """`call` (an entry point of the Python API) with the machine's errors in it raised as cardtool's own — a path
+    too long for the file system, a full disk, memory — with the message its command prints (`as_cardtool_error`)."""
+    import functools
+
+    @functools.wraps(call)
+    def said(*args, **kwargs):
+        with as_cardtool_error():
+            return call(*args, **kwargs)
+
+    return said
 
 
 def _os_failure(error: OSError) -> CardtoolError:

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -93,3 +94,46 @@ def test_a_workflow_runs_from_its_file_with_overrides_and_resumes(tmp_path):
         cardtool.run_workflow(load_workflow(tour), overrides=nums, out=tmp_path)
     with pytest.raises(cardtool.CardValidationError):
         cardtool.run_workflow(tour, overrides=["steps.draft.generate.num=0"])
+
+
+def test_a_nul_byte_in_a_path_is_bad_input_in_every_call(tmp_path, monkeypatch):
+    """No file name holds a NUL byte and Python's file calls raise a bare ValueError for one; a caller of the API
+    (the command line cannot pass one) gets BadInput or a located CardValidationError, and nothing is written."""
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    monkeypatch.setenv("CARDTOOL_PATH", str(REPO / "examples" / "cards"))
+    tour = REPO / "examples" / "workflows" / "tiny-tour.yaml"
+    calls = {
+        "generate out": lambda: cardtool.generate("tiny-base", "a bag", steps=1, out="o\0"),
+        "LoadedCard out": lambda: cardtool.LoadedCard("tiny-base").generate("a bag", steps=1, out=Path("o\0")),
+        "evaluate out": lambda: cardtool.evaluate("tiny-base", judge="tiny-judge", steps=[1], per_class=1,
+                                                  out="r\0.json"),
+        "workflow out": lambda: cardtool.run_workflow(tour, out="o\0"),
+    }
+    for name, call in calls.items():
+        with pytest.raises(cardtool.BadInput, match=r"^--out '[or]\\x00(\.json)?' holds a NUL byte"):
+            call()
+    with pytest.raises(cardtool.CardValidationError, match=r"a\\0\.yaml:1:1: a path holding a NUL byte"):
+        cardtool.run_workflow("a\0.yaml")
+    assert list((tmp_path / "work").iterdir()) == []
+
+
+def test_the_machines_errors_in_a_call_are_cardtools(tmp_path, monkeypatch):
+    """A disk's error where a call reads is RunFailed, as its command says it; a NUL byte that reaches a file call
+    is BadInput; any other error as it is."""
+    import errno
+
+    from cardtool.core.sampling import generate
+    from cardtool.errors import as_cardtool_error
+
+    def failing(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error", str(tmp_path / "card.yaml"))
+
+    monkeypatch.setattr(generate, "load_card", failing)
+    for call in (lambda: cardtool.generate("tiny-base", "a bag", out=None), lambda: cardtool.LoadedCard("tiny-base")):
+        with pytest.raises(cardtool.RunFailed, match=r"card.yaml: Input/output error$"):
+            call()
+    with pytest.raises(cardtool.BadInput, match="a path holds a NUL byte"), as_cardtool_error():
+        open("a\0")  # noqa: SIM115
+    with pytest.raises(ValueError, match="^other$"), as_cardtool_error():
+        raise ValueError("other")

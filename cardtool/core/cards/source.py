@@ -82,6 +82,9 @@ def read_source(file: Path) -> Source:
     input: bounded size and nesting, no YAML aliases, only the plain YAML types. The result is cached per
     (path, content) and must not be modified."""
     shown = display_path(file)
+    if "\0" in str(file):  # which no file name holds; Python's file calls raise a bare ValueError for it
+        raise CardValidationError.at(shown.replace("\0", "\\0"), 1, 1, "", "a path holding a NUL byte",
+                                     "give the file's path")
     try:
         info = file.stat()
         if not stat.S_ISREG(info.st_mode):

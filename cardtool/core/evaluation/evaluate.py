@@ -48,7 +48,7 @@ from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.sampling.planning import MAX_IMAGES, MissingControl, plan_requests, unguided_warning
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache, filled_prompts
-from cardtool.errors import BadInput, OutOfMemory
+from cardtool.errors import BadInput, OutOfMemory, said_as_cardtool_errors
 from cardtool.words import counted
 
 __all__ = ["EvalRow", "EvalReport", "checked_per_class", "evaluate"]
@@ -179,6 +179,7 @@ def checked_per_class(per_class) -> int:
     return int(per_class)
 
 
+@said_as_cardtool_errors
 def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[int] | None = None,
              guidance: list[float] | None = None, guidance_interval: tuple[float, float] | None = None,
              per_class: int = 100, seed: int = 0, device: str | None = None, data: str | None = None,

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from cardtool.core.evaluation.evaluate import EvalReport, EvalRow, evaluate, plan_rows
 from cardtool.core.evaluation.paired import Difference, difference
 from cardtool.core.interrupt import Interrupted, stop_requests
-from cardtool.errors import BadInput, RunFailed
+from cardtool.errors import BadInput, RunFailed, said_as_cardtool_errors
 
 __all__ = ["Comparison", "compare"]
 
@@ -26,6 +26,7 @@ class Comparison:
                                                "differences": [asdict(d) for d in self.differences]}}
 
 
+@said_as_cardtool_errors
 def compare(card_a: str, card_b: str, *, on_row: Callable[[str, EvalRow], None] | None = None,
             **options) -> Comparison:
     """Evaluate both cards with the same `evaluate` options (each at its own loop defaults for what they leave out)

@@ -40,7 +40,7 @@ from cardtool.core.sampling.outputs import (
 from cardtool.core.sampling.planning import LOOP, MAX_IMAGES, checked_arguments, plan_requests, started_warnings
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache, filled_prompts
-from cardtool.errors import BadInput, OutOfMemory, RunFailed
+from cardtool.errors import BadInput, OutOfMemory, RunFailed, said_as_cardtool_errors
 
 __all__ = ["GenerateReport", "LoadedCard", "control_image", "generate"]
 
@@ -86,6 +86,7 @@ class LoadedCard:
     components it has built, and all share the text-feature cache of encoded prompts, so a script that
     generates a hundred times loads once. Safe to share between threads: their calls take turns."""
 
+    @said_as_cardtool_errors
     def __init__(self, card_ref: str | Card, *, device: str | None = None, cache: TextFeatureCache | None = None,
                  precision: str | None = None):
         if cache is not None and not isinstance(cache, TextFeatureCache):
@@ -140,6 +141,7 @@ class LoadedCard:
         return list(zip(picked.requests, picked.images, extras, picked.finite, strict=True))
 
     @_one_at_a_time
+    @said_as_cardtool_errors
     def generate(self, prompts: str | list[str], *, num: int = 1, seed: int = 0, steps: int | None = None,
                  guidance: float | None = None, shift: float | None = None, solver: str | None = None,
                  guidance_interval: tuple[float, float] | None = None, precision: str | None = None,
@@ -342,6 +344,7 @@ def _fusing(loop: DenoiseLoop, stack: tuple):
             loop.fused = None
 
 
+@said_as_cardtool_errors
 def generate(card_ref: str, prompts: str | list[str], *, device: str | None = None,
              cache: TextFeatureCache | None = None, precision: str | None = None, **options) -> GenerateReport:
     """One call: load the card, generate (options as `LoadedCard.generate`), done."""

@@ -9,30 +9,18 @@ BadInput naming it, not a TypeError deep in a run."""
 
 from __future__ import annotations
 
-import functools
 import numbers
 import os
 import shlex
 from collections.abc import Callable
 from pathlib import Path
 
-from cardtool.errors import BadInput, as_cardtool_error
+from cardtool.errors import BadInput, said_as_cardtool_errors
 
 __all__ = ["distill", "flywheel", "rl", "train"]
 
 
-def _said_as_commands_say(call):
-    """The machine's errors in a call — a path too long for the file system, a full disk, memory — raised as
-    cardtool's own, with the message its command prints (`as_cardtool_error`)."""
-    @functools.wraps(call)
-    def said(*args, **kwargs):
-        with as_cardtool_error():
-            return call(*args, **kwargs)
-
-    return said
-
-
-@_said_as_commands_say
+@said_as_cardtool_errors
 def train(recipe: str | os.PathLike, *, method: str | None = None, overrides: list[str] | str = (),
           out: str | os.PathLike | None = None, run_dir: str | os.PathLike | None = None, resume: bool = False,
           data: str | os.PathLike | None = None, device: str | None = None, overwrite: bool = False,
@@ -56,7 +44,7 @@ def train(recipe: str | os.PathLike, *, method: str | None = None, overrides: li
                micro_batches=micro_batches, on_warning=on_warning)
 
 
-@_said_as_commands_say
+@said_as_cardtool_errors
 def distill(teacher: str | os.PathLike, *, steps: int | None = None, recipe: str | os.PathLike | None = None,
             overrides: list[str] | str = (), lora: int | None = None, out: str | os.PathLike | None = None,
             run_dir: str | os.PathLike | None = None, resume: bool = False, device: str | None = None,
@@ -91,7 +79,7 @@ def distill(teacher: str | os.PathLike, *, steps: int | None = None, recipe: str
                per_class=per_class, on_warning=on_warning)
 
 
-@_said_as_commands_say
+@said_as_cardtool_errors
 def rl(card: str | os.PathLike, *, reward: str | os.PathLike, method: str | None = None,
        prompts: list[str] | str | None = None, prompts_file: str | os.PathLike | None = None,
        recipe: str | os.PathLike | None = None, overrides: list[str] | str = (), lora: int | None = None,
@@ -134,7 +122,7 @@ def rl(card: str | os.PathLike, *, reward: str | os.PathLike, method: str | None
                micro_batches=micro_batches, on_warning=on_warning, per_class=per_class)
 
 
-@_said_as_commands_say
+@said_as_cardtool_errors
 def flywheel(card: str | os.PathLike, *, reward: str | os.PathLike, steps: int | None = None,
              recipe: str | os.PathLike | None = None, overrides: list[str] | str = (), out_prefix: str | None = None,
              out_dir: str | os.PathLike = Path("cards"), run_dir: str | os.PathLike | None = None, resume: bool = False,

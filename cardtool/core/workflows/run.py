@@ -40,7 +40,7 @@ from cardtool.core.sampling.planning import plan_requests, started_warnings
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache, filled_prompts
 from cardtool.core.workflows.manifest import Workflow, load_workflow
-from cardtool.errors import BadInput, OutOfMemory, RunFailed
+from cardtool.errors import BadInput, OutOfMemory, RunFailed, said_as_cardtool_errors
 
 __all__ = ["Output", "WorkflowReport", "run_workflow"]
 
@@ -231,6 +231,7 @@ class _Runner:
         return self.ranks.all_gather(found)[0]
 
 
+@said_as_cardtool_errors
 def run_workflow(workflow: Workflow | str | os.PathLike, *, overrides: list[str] = (), out: str | Path = "outputs",
                  device: str | None = None, max_batch: int = 128, on_step=None, on_wave=None,
                  skip_existing: bool = False) -> WorkflowReport:
