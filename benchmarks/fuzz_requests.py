@@ -506,9 +506,9 @@ class ApiCall:
 
 
 def _api(rng: random.Random, env: Env, out: Path) -> ApiCall:
-    """`LoadedCard.generate` most often; else `LoadedCard`, `evaluate`, `compare`, `run_workflow`, `load_card` or a
-    training call (`train`, `distill`, `rl`, `flywheel`), each with a few arguments of any type and the rest
-    plausible, so that some calls run."""
+    """`LoadedCard.generate` most often; else `LoadedCard`, `evaluate`, `compare`, `run_workflow`, `load_card`, a
+    training call (`train`, `distill`, `rl`, `flywheel`) or a card call (`merge`, `compose`, `extract_lora`, `export`,
+    `import_diffusers`), each with a few arguments of any type and the rest plausible, so that some calls run."""
     from PIL import Image
 
     pictures = [Image.new("RGB", (40, 40), (200, 30, 90)), Image.new("LAB", (28, 28)), Image.new("L", (0, 0)),
@@ -525,7 +525,8 @@ def _api(rng: random.Random, env: Env, out: Path) -> ApiCall:
         return {**plausible, **chosen}
 
     function = rng.choice(["LoadedCard.generate"] * 10 + ["LoadedCard", "evaluate", "compare", "run_workflow",
-                                                           "load_card"] * 2 + ["train", "distill", "rl", "flywheel"])
+                                                           "load_card"] * 2 + ["train", "distill", "rl", "flywheel"]
+                          + ["merge", "compose", "extract_lora", "export", "import_diffusers"])
     if function == "LoadedCard.generate":
         keywords = ["num", "seed", "steps", "guidance", "shift", "solver", "guidance_interval", "precision", "grid",
                     "strict", "on_step", "max_batch", "best_of", "reward", "adapters", "control", "preprocessor",
@@ -550,6 +551,8 @@ def _api(rng: random.Random, env: Env, out: Path) -> ApiCall:
         options = hostile(keywords, {"overrides": ["steps.draft.generate.num=1"]})
     elif function in ("train", "distill", "rl", "flywheel"):
         args, options = _training_call(rng, env, out, function, values, hostile)
+    elif function in ("merge", "compose", "extract_lora", "export", "import_diffusers"):
+        args, options = _card_call(rng, env, out, function, values, hostile)
     else:
         args, options = [rng.choice([env.card("tiny-base")] * 3 + values)], hostile(["checksums", "adapters"], {})
     if function in ("LoadedCard.generate", "run_workflow", "evaluate") and (
@@ -588,6 +591,33 @@ def _training_call(rng: random.Random, env: Env, out: Path, function: str, value
     for where in ("out", "run_dir", "out_dir"):  # never into the working directory
         if isinstance(options.get(where), (str, Path)):
             options[where] = plausible.get(where, out / where)
+    return args, options
+
+
+def _card_call(rng: random.Random, env: Env, out: Path, function: str, values: list, hostile) -> tuple:
+    """`cardtool.merge`, `compose`, `extract_lora`, `export` or `import_diffusers` on the tiny cards, a few arguments
+    of any type; what it writes goes under `out` whatever a path argument says."""
+    base, tuned = (rng.choice([env.card(c)] * len(values) + values) for c in ("tiny-base", "tiny-rl"))
+    plausible = {"card_id": "made", "out": out / "made"}
+    keywords = ["card_id", "out", "overwrite"]
+    if function == "merge":
+        args = [rng.choice([[base, tuned], [(base, 0.3), (tuned, 0.7)], [(base, rng.choice(values)), tuned]]
+                           + values)]
+    elif function == "compose":
+        args = [base, rng.choice([[env.card("tiny-rl")], [tuned]] + values)]
+    elif function == "extract_lora":
+        args, plausible = [base, tuned], {**plausible, "rank": 2}
+        keywords += ["rank", "adapter"]
+    elif function == "export":
+        args, plausible, keywords = [tuned, rng.choice([out / "export"] * 3 + values)], {}, ["format", "overwrite"]
+    else:
+        args, plausible = [rng.choice([out, str(out / "none")] * 3 + values)], {**plausible, "base": base}
+        keywords += ["base", "variant"]
+    options = hostile(keywords, plausible)
+    if isinstance(options.get("out"), (str, Path)) and "\0" not in str(options["out"]):
+        options["out"] = out / "made"  # never into the working directory
+    if function == "export" and isinstance(args[1], str) and "\0" not in args[1]:
+        args[1] = out / "export"
     return args, options
 
 

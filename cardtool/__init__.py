@@ -19,6 +19,9 @@ The Python API, for scripts (each name is imported on first use, so `import card
     tuned = cardtool.rl("fashion-base", reward="fashion-classifier", prompts=["a bag", "a coat"])
     cardtool.train("examples/recipes/fashion-bold.yaml", overrides=["optim.steps=100"])
     cardtool.flywheel("fashion-base", reward="fashion-classifier", steps=2).to_json()    # the --json document
+    cardtool.merge([("fashion-base", 0.5), ("fashion-base-nft", 0.5)], card_id="soup")   # as `cardtool cards …`
+    cardtool.extract_lora("fashion-base", "fashion-base-nft", rank=8, card_id="nft-lora")
+    cardtool.export("fashion-base", "exports/fashion-base")   # also compose, import_diffusers
 
 Errors the caller can act on are `cardtool.BadInput` (the request), `cardtool.CardValidationError` (the card,
 with located `problems`) and `cardtool.RunFailed` (the work), all `cardtool.CardtoolError`.
@@ -37,6 +40,11 @@ _API = {
     "distill": "cardtool.core.training.calls",
     "rl": "cardtool.core.training.calls",
     "flywheel": "cardtool.core.training.calls",
+    "merge": "cardtool.core.cards.calls",
+    "compose": "cardtool.core.cards.calls",
+    "extract_lora": "cardtool.core.cards.calls",
+    "export": "cardtool.core.cards.calls",
+    "import_diffusers": "cardtool.core.cards.calls",
     "CardtoolError": "cardtool.errors",
     "BadInput": "cardtool.errors",
     "CardValidationError": "cardtool.errors",

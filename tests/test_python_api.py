@@ -30,6 +30,9 @@ def test_the_api_names_are_the_modules_own_objects():
             cardtool.run_workflow) == (LoadedCard, generate, evaluate, compare, load_card, run_workflow)
     assert (cardtool.train, cardtool.distill, cardtool.rl, cardtool.flywheel) == (
         calls.train, calls.distill, calls.rl, calls.flywheel)
+    from cardtool.core.cards import calls as card_calls
+
+    assert [getattr(cardtool, name) for name in card_calls.__all__] == [getattr(card_calls, n) for n in card_calls.__all__]
     assert all(issubclass(e, CardtoolError) for e in (BadInput, CardValidationError, RunFailed))
     assert cardtool.BadInput is BadInput and set(cardtool.__all__) <= set(dir(cardtool))
     with pytest.raises(AttributeError, match="no attribute 'generator'"):

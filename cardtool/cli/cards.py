@@ -237,11 +237,11 @@ def export_command(
     json_: JsonOption = False,
 ) -> None:
     """Export a card for people who do not use cardtool: diffusers loads its transformer, cardtool loads it all."""
-    from cardtool.core.cards.export import export_card
+    from cardtool.core.cards.calls import export
     from cardtool.core.cards.source import display_path
 
     with handled(json_):
-        exported = export_card(card, out, fmt=fmt, overwrite=overwrite)
+        exported = export(card, out, format=fmt, overwrite=overwrite)
     files = sorted(str(p.relative_to(exported.folder)) for p in exported.folder.rglob("*") if p.is_file())
     if json_:
         emit_json({"card": exported.id, "format": fmt, "path": display_path(exported.folder), "files": files})
@@ -260,11 +260,11 @@ def compose_command(
     json_: JsonOption = False,
 ) -> None:
     """One card serving the adapters of several adapter cards made on BASE, chosen per request with --adapter."""
-    from cardtool.core.cards.compose import compose_cards
+    from cardtool.core.cards.calls import compose
     from cardtool.core.cards.source import display_path
 
     with handled(json_):
-        card = compose_cards(base, adapter_cards, card_id, out, overwrite)
+        card = compose(base, adapter_cards, card_id=card_id, out=out, overwrite=overwrite)
     adapters = sorted(card.manifest.adapters)
     if json_:
         emit_json({"card": card.id, "path": display_path(card.folder), "extends": card.manifest.extends,
@@ -285,11 +285,11 @@ def merge_command(
     json_: JsonOption = False,
 ) -> None:
     """A card whose weights are the weighted average of several cards' (a model soup; base → RL'd interpolation)."""
-    from cardtool.core.cards.merge import merge_cards
+    from cardtool.core.cards.calls import merge as merge_cards
     from cardtool.core.cards.source import display_path
 
     with handled(json_):
-        merge = merge_cards(shares, card_id, out, overwrite)
+        merge = merge_cards(shares, card_id=card_id, out=out, overwrite=overwrite)
     card, parents = merge.card, merge.card.manifest.recipe.parents
     if json_:
         emit_json({"card": card.id, "path": display_path(card.folder), "extends": card.manifest.extends,
@@ -316,11 +316,11 @@ def extract_lora_command(
     json_: JsonOption = False,
 ) -> None:
     """An adapter card on BASE whose LoRA approximates TUNED: an RL'd or distilled card served per request."""
-    from cardtool.core.cards.lora_extract import extract_lora
+    from cardtool.core.cards.calls import extract_lora
     from cardtool.core.cards.source import display_path
 
     with handled(json_):
-        made = extract_lora(base, tuned, rank, card_id, adapter=adapter, out=out, overwrite=overwrite)
+        made = extract_lora(base, tuned, rank=rank, card_id=card_id, adapter=adapter, out=out, overwrite=overwrite)
     card = made.card
     if json_:
         emit_json({"card": card.id, "path": display_path(card.folder), "extends": card.manifest.extends,
@@ -345,11 +345,11 @@ def import_command(
     json_: JsonOption = False,
 ) -> None:
     """A card from a transformer in diffusers' layout, on another card's text encoder and VAE."""
-    from cardtool.core.cards.diffusers_import import import_diffusers
+    from cardtool.core.cards.calls import import_diffusers
     from cardtool.core.cards.source import display_path
 
     with handled(json_):
-        card = import_diffusers(source, base, card_id, out, variant=variant, overwrite=overwrite)
+        card = import_diffusers(source, base=base, card_id=card_id, out=out, variant=variant, overwrite=overwrite)
     config = card.manifest.components["transformer"].config
     if json_:
         emit_json({"card": card.id, "path": display_path(card.folder), "extends": card.manifest.extends,

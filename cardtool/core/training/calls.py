@@ -9,12 +9,22 @@ BadInput naming it, not a TypeError deep in a run."""
 
 from __future__ import annotations
 
-import numbers
 import os
-import shlex
 from collections.abc import Callable
 from pathlib import Path
 
+from cardtool.core.arguments import (
+    as_int,
+    card_ref,
+    check,
+    command_line,
+    maybe_path,
+    maybe_text,
+    optional_card_ref,
+    override_items,
+    path,
+    sequence,
+)
 from cardtool.errors import BadInput, said_as_cardtool_errors
 
 __all__ = ["distill", "flywheel", "rl", "train"]
@@ -31,16 +41,16 @@ def train(recipe: str | os.PathLike, *, method: str | None = None, overrides: li
     from cardtool.core.training.recipes import load_recipe
     from cardtool.core.training.train import train as run
 
-    recipe, sets = _path("recipe", recipe), _overrides(overrides)
-    _check(texts={"method": method, "device": device}, paths={"out": out, "run_dir": run_dir, "data": data},
+    recipe, sets = path("recipe", recipe), override_items(overrides)
+    check(texts={"method": method, "device": device}, paths={"out": out, "run_dir": run_dir, "data": data},
            flags={"resume": resume, "overwrite": overwrite}, whole={"micro_batches": micro_batches},
            callbacks={"on_log": on_log, "on_warning": on_warning}, command=command)
     micro_batches = int(micro_batches)  # numpy's integers too, as Python's
     loaded = load_recipe(recipe, sets, method)
-    command = command or _command("train", [], [("--recipe", recipe), *_sets(sets), ("--method", method),
+    command = command or command_line("train", [], [("--recipe", recipe), *_sets(sets), ("--method", method),
                                                  ("--data", data)])
-    return run(loaded, command=command, out=_maybe_path(out), run_dir=_maybe_path(run_dir), resume=resume,
-               data=_maybe_text(data), device=device, overwrite=overwrite, on_log=on_log,
+    return run(loaded, command=command, out=maybe_path(out), run_dir=maybe_path(run_dir), resume=resume,
+               data=maybe_text(data), device=device, overwrite=overwrite, on_log=on_log,
                micro_batches=micro_batches, on_warning=on_warning)
 
 
@@ -60,20 +70,20 @@ def distill(teacher: str | os.PathLike, *, steps: int | None = None, recipe: str
     from cardtool.core.training.distill import distill_recipe
     from cardtool.core.training.lora_settings import lora_overrides
 
-    teacher, sets = _ref("teacher", teacher), _overrides(overrides)
-    judge, held_out_judge = _ref("judge", judge), _optional_ref("held_out_judge", held_out_judge)
-    _check(texts={"device": device}, paths={"recipe": recipe, "out": out, "run_dir": run_dir, "data": data},
+    teacher, sets = card_ref("teacher", teacher), override_items(overrides)
+    judge, held_out_judge = card_ref("judge", judge), optional_card_ref("held_out_judge", held_out_judge)
+    check(texts={"device": device}, paths={"recipe": recipe, "out": out, "run_dir": run_dir, "data": data},
            flags={"resume": resume, "force": force, "evaluate": evaluate},
            whole={"per_class": per_class, "watch_every": watch_every, "micro_batches": micro_batches},
            optional_whole={"steps": steps, "lora": lora},
            callbacks={"on_log": on_log, "on_eval": on_eval, "on_warning": on_warning}, command=command)
-    steps, lora, per_class, watch_every, micro_batches = map(_int, (steps, lora, per_class, watch_every,
+    steps, lora, per_class, watch_every, micro_batches = map(as_int, (steps, lora, per_class, watch_every,
                                                                     micro_batches))
-    loaded = distill_recipe(teacher, _maybe_path(recipe), [*sets, *lora_overrides(lora, sets)], steps)
-    command = command or _command("distill", [teacher], [("--steps", steps), ("--recipe", recipe), *_sets(sets),
+    loaded = distill_recipe(teacher, maybe_path(recipe), [*sets, *lora_overrides(lora, sets)], steps)
+    command = command or command_line("distill", [teacher], [("--steps", steps), ("--recipe", recipe), *_sets(sets),
                                                          ("--lora", lora), ("--data", data)])
-    return run(loaded, command=command, out=_maybe_path(out), run_dir=_maybe_path(run_dir), resume=resume,
-               device=device, data=_maybe_text(data), force=force, evaluate=evaluate, judge=judge,
+    return run(loaded, command=command, out=maybe_path(out), run_dir=maybe_path(run_dir), resume=resume,
+               device=device, data=maybe_text(data), force=force, evaluate=evaluate, judge=judge,
                held_out_judge=held_out_judge, on_log=on_log, on_eval=on_eval, micro_batches=micro_batches,
                watch_every=watch_every, watch_judges=[judge, *([held_out_judge] if held_out_judge else [])],
                per_class=per_class, on_warning=on_warning)
@@ -97,27 +107,27 @@ def rl(card: str | os.PathLike, *, reward: str | os.PathLike, method: str | None
     from cardtool.core.training.rl import read_prompts, rl_recipe
     from cardtool.core.training.rl import rl as run
 
-    card, reward, sets = _ref("card", card), _ref("reward", reward), _overrides(overrides)
-    judge, held_out_judge = _ref("judge", judge), _optional_ref("held_out_judge", held_out_judge)
-    _check(texts={"method": method, "device": device},
+    card, reward, sets = card_ref("card", card), card_ref("reward", reward), override_items(overrides)
+    judge, held_out_judge = card_ref("judge", judge), optional_card_ref("held_out_judge", held_out_judge)
+    check(texts={"method": method, "device": device},
            paths={"prompts_file": prompts_file, "recipe": recipe, "out": out, "run_dir": run_dir, "data": data},
            flags={"resume": resume, "force": force, "evaluate": evaluate},
            whole={"per_class": per_class, "watch_every": watch_every, "micro_batches": micro_batches},
            optional_whole={"lora": lora},
            callbacks={"on_log": on_log, "on_eval": on_eval, "on_warning": on_warning}, command=command)
-    lora, per_class, watch_every, micro_batches = map(_int, (lora, per_class, watch_every, micro_batches))
+    lora, per_class, watch_every, micro_batches = map(as_int, (lora, per_class, watch_every, micro_batches))
     if prompts is not None and prompts_file is not None:
         raise BadInput("give prompts or prompts_file, not both")
     chosen = _prompts(prompts) if prompts is not None else \
         read_prompts(Path(prompts_file)) if prompts_file is not None else None
-    loaded = rl_recipe(card, reward, method, _maybe_path(recipe), [*sets, *lora_overrides(lora, sets)])
+    loaded = rl_recipe(card, reward, method, maybe_path(recipe), [*sets, *lora_overrides(lora, sets)])
     # prompts given as a list have no file to name: `--prompts -` (standard input) is how the command takes them
     source = "-" if prompts is not None else prompts_file
-    command = command or _command("rl", [card], [("--reward", reward), ("--method", method), ("--prompts", source),
+    command = command or command_line("rl", [card], [("--reward", reward), ("--method", method), ("--prompts", source),
                                                  ("--recipe", recipe), *_sets(sets), ("--lora", lora),
                                                  ("--data", data)])
-    return run(loaded, command=command, prompts=chosen, out=_maybe_path(out), run_dir=_maybe_path(run_dir),
-               resume=resume, device=device, data=_maybe_text(data), force=force, evaluate=evaluate, judge=judge,
+    return run(loaded, command=command, prompts=chosen, out=maybe_path(out), run_dir=maybe_path(run_dir),
+               resume=resume, device=device, data=maybe_text(data), force=force, evaluate=evaluate, judge=judge,
                held_out_judge=held_out_judge, watch_every=watch_every, on_log=on_log, on_eval=on_eval,
                micro_batches=micro_batches, on_warning=on_warning, per_class=per_class)
 
@@ -138,116 +148,29 @@ def flywheel(card: str | os.PathLike, *, reward: str | os.PathLike, steps: int |
     from cardtool.core.workflows.flywheel import flywheel as run
     from cardtool.core.workflows.flywheel import flywheel_recipe
 
-    card, reward, sets = _ref("card", card), _ref("reward", reward), _overrides(overrides)
-    compared = [_ref("compare", c) for c in ([compare] if isinstance(compare, (str, os.PathLike)) else
-                                             _sequence("compare", compare))]
-    judge, held_out_judge = _ref("judge", judge), _optional_ref("held_out_judge", held_out_judge)
-    _check(texts={"out_prefix": out_prefix, "stop_after": stop_after, "device": device},
+    card, reward, sets = card_ref("card", card), card_ref("reward", reward), override_items(overrides)
+    compared = [card_ref("compare", c) for c in ([compare] if isinstance(compare, (str, os.PathLike)) else
+                                             sequence("compare", compare))]
+    judge, held_out_judge = card_ref("judge", judge), optional_card_ref("held_out_judge", held_out_judge)
+    check(texts={"out_prefix": out_prefix, "stop_after": stop_after, "device": device},
            paths={"recipe": recipe, "run_dir": run_dir, "data": data}, flags={"resume": resume, "force": force},
            whole={"per_class": per_class, "micro_batches": micro_batches, "watch_every": watch_every},
            optional_whole={"steps": steps}, callbacks={"on_log": on_log, "on_stage": on_stage}, command=command)
-    steps, per_class, micro_batches, watch_every = map(_int, (steps, per_class, micro_batches, watch_every))
-    out_dir = _path("out_dir", out_dir)
-    loaded = flywheel_recipe(card, reward, steps=steps, path=_maybe_path(recipe), overrides=sets, prefix=out_prefix,
+    steps, per_class, micro_batches, watch_every = map(as_int, (steps, per_class, micro_batches, watch_every))
+    out_dir = path("out_dir", out_dir)
+    loaded = flywheel_recipe(card, reward, steps=steps, path=maybe_path(recipe), overrides=sets, prefix=out_prefix,
                              out_dir=out_dir)
-    command = command or _command("flywheel", [card], [("--reward", reward), ("--steps", steps),
+    command = command or command_line("flywheel", [card], [("--reward", reward), ("--steps", steps),
                                                        ("--recipe", recipe), *_sets(sets),
                                                        ("--out-prefix", out_prefix), ("--data", data)])
-    return run(loaded, command=command, out_dir=out_dir, run_dir=_maybe_path(run_dir), resume=resume, force=force,
-               device=device, data=_maybe_text(data), judge=judge, held_out_judge=held_out_judge,
+    return run(loaded, command=command, out_dir=out_dir, run_dir=maybe_path(run_dir), resume=resume, force=force,
+               device=device, data=maybe_text(data), judge=judge, held_out_judge=held_out_judge,
                per_class=per_class, compare=compared, stop_after=stop_after, on_log=on_log, on_stage=on_stage,
                micro_batches=micro_batches, watch_every=watch_every)
 
 
-def _command(name: str, positional: list[str], options: list[tuple[str, object]]) -> str:
-    """The command line a call equals: what shapes the card — the recipe, its overrides and options, the data —
-    those not given left out (`--set` as `--set=K=V`, which a value starting with a dash needs); not where it is
-    written or whether it is evaluated."""
-    words = ["cardtool", name, *positional]
-    for option, value in options:
-        if option == "--set":
-            words.append(f"--set={value}")
-        elif value is not None:
-            words += [option, str(value)]
-    return shlex.join(words)
-
-
 def _sets(sets: list[str]) -> list[tuple[str, str]]:
     return [("--set", item) for item in sets]
-
-
-def _check(*, texts: dict, paths: dict, flags: dict, whole: dict, callbacks: dict, optional_whole: dict | None = None,
-           command=None) -> None:
-    """Each argument of the type the command line's parser guarantees its option."""
-    optional_whole = optional_whole or {}
-    for name, value in texts.items():
-        if value is not None and not isinstance(value, str):
-            raise BadInput(f"{name} must be text (or None), got {value!r}"[:300])
-    for name, value in paths.items():
-        if value is not None:  # an empty one is the run's to refuse, naming its option (`--data ''`)
-            _path(name, value, "a path (or None)", empty=True)
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise BadInput(f"{name} must be True or False, got {value!r}"[:300])
-    for name, value in [*whole.items(), *((k, v) for k, v in optional_whole.items() if v is not None)]:
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-            raise BadInput(f"{name} must be a whole number{' (or None)' if name in optional_whole else ''}, got "
-                           f"{value!r}"[:300])
-    for name, value in callbacks.items():
-        if value is not None and not callable(value):
-            raise BadInput(f"{name} must be a function (or None), got {value!r}"[:300])
-    if command is not None and not isinstance(command, str):
-        raise BadInput(f"command must be text (or None: the command line the call equals), got {command!r}"[:300])
-
-
-def _ref(name: str, value) -> str:
-    """A card named by id, folder or manifest."""
-    _path(name, value, "a card id or path")
-    return os.fspath(value)  # as given: `./x` is a folder where `x` may be an id
-
-
-def _optional_ref(name: str, value) -> str | None:
-    """A card, or none (None or '', as `--held-out-judge ''` says none)."""
-    return None if value is None or value == "" else _ref(name, value)
-
-
-def _path(name: str, value, what: str = "a path", empty: bool = False) -> Path:
-    """A path the operating system can be given: text or a path object, without a NUL byte (which no file name
-    holds, and which Python's file calls refuse with a ValueError); not empty unless `empty`."""
-    if not isinstance(value, (str, os.PathLike)) or not isinstance(os.fspath(value), str) or \
-            (os.fspath(value) == "" and not empty):
-        raise BadInput(f"{name} must be {what}, got {value!r}"[:300])
-    if "\0" in os.fspath(value):
-        raise BadInput(f"{name} holds a NUL byte, which no file name can: {value!r}"[:300])
-    return Path(value)
-
-
-def _int(value) -> int | None:
-    """A whole number as Python's int (numpy's integers pass the checks, and the runs compare with int)."""
-    return None if value is None else int(value)
-
-
-def _maybe_path(value) -> Path | None:
-    return None if value is None else Path(value)
-
-
-def _maybe_text(value) -> str | None:
-    return None if value is None else os.fspath(value)
-
-
-def _sequence(name: str, value) -> list:
-    if not isinstance(value, (list, tuple)):
-        raise BadInput(f"{name} must be a list of strings (or one string), got {type(value).__name__}")
-    return list(value)
-
-
-def _overrides(value) -> list[str]:
-    """`overrides`: KEY.PATH=VALUE strings, as `--set` takes them; one string is one override."""
-    items = [value] if isinstance(value, str) else _sequence("overrides", value)
-    for item in items:
-        if not isinstance(item, str):
-            raise BadInput(f"overrides must be KEY.PATH=VALUE strings, got {item!r}"[:300])
-    return items
 
 
 def _prompts(value) -> list[str]:
@@ -255,7 +178,7 @@ def _prompts(value) -> list[str]:
     size bound."""
     from cardtool.core.training.rl import MAX_PROMPTS_BYTES
 
-    items = [value] if isinstance(value, str) else _sequence("prompts", value)
+    items = [value] if isinstance(value, str) else sequence("prompts", value)
     if not items:
         raise BadInput("prompts is empty; give at least one prompt (or None for the class prompts)")
     for item in items:
