@@ -744,6 +744,7 @@ def _argv(rng: random.Random, env: Env, out: Path) -> list[str]:
               f"{r}/prompts.txt", str(env.export / "transformer"),
               str(REPO / "examples" / "workflows" / "tiny-tour.yaml"),
               str(out), str(out / "x.png"), str(out / "card"), "/dev/null", "/dev/zero", "/proc", "-", "", " ", "\x00",
+              os.fsdecode(os.fsencode(out) + b"/caf\xe9"), "a \udcff bag",  # bytes a shell passes that are not UTF-8
               "a bag", "invert=0.5", "invert=nan", "=1", "euler", "renoise", "bfloat16", "float16", "numpy", "cuda",
               "5GB", "-5MB", "0,0.4", "0.4,0", "steps.draft.generate.num=2", "a=b=c", "x" * 5000, "../x", "hf",
               "%s%n", "ünïcode 👜", "--help", "--json", "~", "~no-such-user/x", "./-", f"{env.card('tiny-rl')}=0.7",

@@ -221,15 +221,29 @@ def writable_folder(folder: Path | str, what: str, *, keep: bool = True) -> Path
     return folder
 
 
+def unnamable(path) -> str | None:
+    """What in `path` no file name can hold — a NUL byte, or a lone surrogate that is no undecodable byte of the
+    command line's (os.fsencode's surrogateescape) — said for a message; None for a path the system can be given.
+    Only the Python API's callers can give these; Python's file calls raise a bare ValueError for them."""
+    text = os.fspath(path)
+    if "\0" in text:
+        return "a NUL byte"
+    try:
+        os.fsencode(text)
+    except UnicodeEncodeError as e:
+        return f"{text[e.start]!r}, a lone surrogate"
+    return None
+
+
 def refuse_stream(path, what: str, kind: str = "a folder", alternative: str = "", option: str = "--out") -> None:
     """BadInput where `path` is `-` — the shell's "standard output", which would otherwise be a file or folder named
     '-' — given as an output `option`; `what` says how the output is written. Once a path, './-' is '-' too: one named
-    '-' is given by its whole path. Also where it holds a NUL byte, which no file name can (the Python API's
-    callers can give one; Python's file calls raise a bare ValueError for it)."""
+    '-' is given by its whole path. Also where it holds what no file name can (`unnamable`)."""
     from cardtool.errors import BadInput
 
-    if "\0" in str(path):
-        raise BadInput(f"{option} {str(path)!r} holds a NUL byte, which no file name can"[:300])
+    held = unnamable(path)
+    if held is not None:
+        raise BadInput(f"{option} {str(path)!r} holds {held}, which no file name can"[:300])
     if str(path) == "-":
         raise BadInput(f"{option} -: {what}, not to standard output; give {kind} ({os.path.abspath('-')} for one "
                        f"named '-'){alternative}; --json prints the report on standard output")

@@ -124,13 +124,18 @@ class CardValidationError(CardtoolError):
 @contextlib.contextmanager
 def as_cardtool_error() -> Iterator[None]:
     """Within the block, the machine's errors as cardtool's own, each with its message: a path no file system holds,
-    whose links go round in a circle or that holds a NUL byte is the request's (BadInput); any other OSError the
-    disk's (RunFailed: full, read-only, a path that vanished mid-run); an allocation that failed OutOfMemory.
-    Anything else as it is."""
+    whose links go round in a circle or that holds a NUL byte or a lone surrogate is the request's (BadInput); any
+    other OSError the disk's (RunFailed: full, read-only, a path that vanished mid-run); an allocation that failed
+    OutOfMemory. Anything else as it is."""
     try:
         yield
     except OSError as error:
         raise _os_failure(error) from error
+    except UnicodeEncodeError as error:  # Python's file calls, given a path with a lone surrogate in it
+        if not isinstance(error.object, str) or not 0xD800 <= ord(error.object[error.start]) <= 0xDFFF:
+            raise
+        raise BadInput(f"{error.object[:200]!r} holds {error.object[error.start]!r}, a lone surrogate, which no file "
+                       "name or UTF-8 text can") from error
     except ValueError as error:
         if str(error) != "embedded null byte":  # Python's file calls, given a path with a NUL in it
             raise

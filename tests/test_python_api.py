@@ -99,25 +99,30 @@ def test_a_workflow_runs_from_its_file_with_overrides_and_resumes(tmp_path):
         cardtool.run_workflow(tour, overrides=["steps.draft.generate.num=0"])
 
 
-def test_a_nul_byte_in_a_path_is_bad_input_in_every_call(tmp_path, monkeypatch):
-    """No file name holds a NUL byte and Python's file calls raise a bare ValueError for one; a caller of the API
-    (the command line cannot pass one) gets BadInput or a located CardValidationError, and nothing is written."""
+@pytest.mark.parametrize(("bad", "shown", "held"), [("\0", r"\\x00", "a NUL byte"),
+                                                   ("\ud800", r"\\ud800", r"'\\ud800', a lone surrogate")])
+def test_a_path_no_file_name_can_be_is_bad_input_in_every_call(tmp_path, monkeypatch, bad, shown, held):
+    """No file name holds a NUL byte or a lone surrogate (other than the command line's undecoded bytes), and
+    Python's file calls raise a bare ValueError for them; a caller of the API (the command line cannot pass these)
+    gets BadInput or a located CardValidationError, and nothing is written."""
     (tmp_path / "work").mkdir()
     monkeypatch.chdir(tmp_path / "work")
     monkeypatch.setenv("CARDTOOL_PATH", str(REPO / "examples" / "cards"))
     tour = REPO / "examples" / "workflows" / "tiny-tour.yaml"
     calls = {
-        "generate out": lambda: cardtool.generate("tiny-base", "a bag", steps=1, out="o\0"),
-        "LoadedCard out": lambda: cardtool.LoadedCard("tiny-base").generate("a bag", steps=1, out=Path("o\0")),
+        "generate out": lambda: cardtool.generate("tiny-base", "a bag", steps=1, out=f"o{bad}"),
+        "LoadedCard out": lambda: cardtool.LoadedCard("tiny-base").generate("a bag", steps=1, out=Path(f"o{bad}")),
         "evaluate out": lambda: cardtool.evaluate("tiny-base", judge="tiny-judge", steps=[1], per_class=1,
-                                                  out="r\0.json"),
-        "workflow out": lambda: cardtool.run_workflow(tour, out="o\0"),
+                                                  out=f"o{bad}.json"),
+        "workflow out": lambda: cardtool.run_workflow(tour, out=f"o{bad}"),
     }
-    for name, call in calls.items():
-        with pytest.raises(cardtool.BadInput, match=r"^--out '[or]\\x00(\.json)?' holds a NUL byte"):
+    for call in calls.values():
+        with pytest.raises(cardtool.BadInput, match=rf"^--out 'o{shown}(\.json)?' holds {held}, which no file"):
             call()
-    with pytest.raises(cardtool.CardValidationError, match=r"a\\0\.yaml:1:1: a path holding a NUL byte"):
-        cardtool.run_workflow("a\0.yaml")
+    with pytest.raises(cardtool.CardValidationError, match=rf"^a{shown}\.yaml:1:1: a path holding {held}"):
+        cardtool.run_workflow(f"a{bad}.yaml")
+    with pytest.raises(cardtool.BadInput, match=f"out holds {held}"):
+        cardtool.export(REPO / "examples" / "cards" / "tiny-base", f"e{bad}")
     assert list((tmp_path / "work").iterdir()) == []
 
 
@@ -138,5 +143,7 @@ def test_the_machines_errors_in_a_call_are_cardtools(tmp_path, monkeypatch):
             call()
     with pytest.raises(cardtool.BadInput, match="a path holds a NUL byte"), as_cardtool_error():
         open("a\0")  # noqa: SIM115
+    with pytest.raises(cardtool.BadInput, match=r"'a\\ud800' holds '\\ud800', a lone surrogate"), as_cardtool_error():
+        open("a\ud800")  # noqa: SIM115
     with pytest.raises(ValueError, match="^other$"), as_cardtool_error():
         raise ValueError("other")

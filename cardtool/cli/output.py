@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -121,10 +122,16 @@ def warn(message: str) -> None:
 def emit_json(document: dict) -> None:
     """Print exactly one valid JSON document: `document`, or, if it cannot be written as strict JSON (a
     non-finite number, an integer past int-to-str's limit, a lone surrogate, an object JSON has no form
-    for), an error document saying so — never `NaN`, `Infinity` or half a document."""
+    for), an error document saying so — never `NaN`, `Infinity` or half a document. A byte of a path that is not
+    UTF-8 (the file system's and the command line's, which Python holds as U+DC80–U+DCFF) is written as the
+    text `\\udcXX`, as the messages print it: the work that path named was done."""
     try:
         text = json.dumps(document, indent=2, ensure_ascii=False, allow_nan=False)
-        text.encode("utf-8")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            text = json.dumps(_bytes_shown(document), indent=2, ensure_ascii=False, allow_nan=False)
+            text.encode("utf-8")
     except (ValueError, TypeError, RecursionError, UnicodeEncodeError) as e:
         message = f"the result cannot be written as JSON ({type(e).__name__}: {str(e)[:200]})"
         text = json.dumps({"error": {"kind": "internal", "message": message, "problems": []}}, indent=2)
@@ -135,6 +142,20 @@ def emit_json(document: dict) -> None:
     except (UnicodeEncodeError, LookupError):  # a stdout that cannot hold a prompt's é (PYTHONIOENCODING=ascii)
         text = json.dumps(document, indent=2, ensure_ascii=True, allow_nan=False)
     sys.stdout.write(text + "\n")
+
+
+_UNDECODED = re.compile("[\udc80-\udcff]")
+
+
+def _bytes_shown(value):
+    """`value` with each undecoded byte of a path (surrogateescape's U+DC80–U+DCFF) as the text `\\udcXX`."""
+    if isinstance(value, str):
+        return _UNDECODED.sub(lambda m: f"\\u{ord(m.group()):04x}", value)
+    if isinstance(value, dict):
+        return {_bytes_shown(k): _bytes_shown(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_bytes_shown(v) for v in value]
+    return value
 
 
 def error_json(error: CardtoolError) -> dict:

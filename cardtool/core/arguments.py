@@ -9,6 +9,7 @@ import os
 import shlex
 from pathlib import Path
 
+from cardtool.atomic import unnamable
 from cardtool.errors import BadInput
 
 
@@ -66,8 +67,9 @@ def path(name: str, value, what: str = "a path", empty: bool = False) -> Path:
     if not isinstance(value, (str, os.PathLike)) or not isinstance(os.fspath(value), str) or \
             (os.fspath(value) == "" and not empty):
         raise BadInput(f"{name} must be {what}, got {value!r}"[:300])
-    if "\0" in os.fspath(value):
-        raise BadInput(f"{name} holds a NUL byte, which no file name can: {value!r}"[:300])
+    held = unnamable(value)
+    if held is not None:
+        raise BadInput(f"{name} holds {held}, which no file name can: {value!r}"[:300])
     return Path(value)
 
 

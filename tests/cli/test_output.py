@@ -194,6 +194,14 @@ def test_json_on_a_stdout_that_cannot_hold_unicode_is_escaped(encoding, monkeypa
     assert json.loads(stream.getvalue()) == {"prompt": "café"}
 
 
+def test_an_undecoded_byte_of_a_path_is_written_as_its_escape_a_lone_surrogate_is_an_error(capsys):
+    output.emit_json({"path": "/a/caf\udce9", "list": ["\udc80"], "\udcff": 1})
+    assert json.loads(capsys.readouterr().out) == {"path": "/a/caf\\udce9", "list": ["\\udc80"], "\\udcff": 1}
+    with pytest.raises(typer.Exit):
+        output.emit_json({"path": "/a/caf\udce9", "x": "\ud800"})  # no byte's: not a path's undecoded byte
+    assert json.loads(capsys.readouterr().out)["error"]["kind"] == "internal"
+
+
 def test_json_that_cannot_be_written_is_an_internal_error_document_and_exit_1(capsys):
     with pytest.raises(typer.Exit) as exit_:
         output.emit_json({"x": float("nan")})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -527,3 +528,18 @@ def test_a_prompt_typed_under_an_ascii_locale_is_the_prompt_typed(on_path, tmp_p
     refused = run("generate", "tiny-base", "-p", b"a \xff bag".decode("ascii", "surrogateescape"), "--steps", "1",
                   "--out", str(tmp_path / "c"))
     assert refused.exit_code == 2 and "not valid UTF-8" in refused.output
+
+
+def test_a_folder_whose_name_is_not_utf8_gets_the_images_and_a_json_report(on_path, tmp_path):
+    """A Linux file name may hold any byte; the command line hands a non-UTF-8 one over as U+DC80–U+DCFF. The images
+    go into that folder, and --json writes the path with the byte as the text \\udcXX (as messages print it) —
+    not an error document and exit 1 after the work was done."""
+    folder = os.fsdecode(bytes(tmp_path) + b"/caf\xe9")
+    result = run("generate", "tiny-base", "-p", "a bag", "--steps", "1", "--out", folder, "--json")
+    assert result.exit_code == 0, result.output
+    [image] = json.loads(result.stdout)["images"]
+    assert image["path"].startswith(f"{tmp_path}/caf\\udce9/tiny-base-000-a-bag-seed0-")
+    assert os.listdir(bytes(tmp_path) + b"/caf\xe9") == [os.fsencode(Path(image["path"]).name)]
+    missing = run("generate", "tiny-base", "-p", "a bag", "--steps", "1", "--image", folder + ".png", "--json")
+    assert missing.exit_code == 2 and json.loads(missing.stdout)["error"]["message"].endswith("caf\\udce9.png does "
+                                                                                              "not exist")

@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cardtool.atomic import unnamable
 from cardtool.errors import CardValidationError, Problem
 
 __all__ = ["CONTROL_CHARACTERS", "MANIFEST_NAMES", "Source", "display_path", "peek_id", "plain_value_problems",
@@ -82,8 +83,9 @@ def read_source(file: Path) -> Source:
     input: bounded size and nesting, no YAML aliases, only the plain YAML types. The result is cached per
     (path, content) and must not be modified."""
     shown = display_path(file)
-    if "\0" in str(file):  # which no file name holds; Python's file calls raise a bare ValueError for it
-        raise CardValidationError.at(shown.replace("\0", "\\0"), 1, 1, "", "a path holding a NUL byte",
+    held = unnamable(file)
+    if held is not None:
+        raise CardValidationError.at(ascii(str(file))[1:-1], 1, 1, "", f"a path holding {held}, which no file name can",
                                      "give the file's path")
     try:
         info = file.stat()
