@@ -141,10 +141,13 @@ def save_tensors(path: Path | str, tensors: dict, metadata: dict | None = None) 
     """safetensors' `save_file`, a failing disk raised as the OSError it is: the Rust writer raises its own error
     type, which would otherwise reach the user as a traceback instead of "No space left on device"."""
     from safetensors import SafetensorError
-    from safetensors.torch import save_file
+    from safetensors.torch import save, save_file
 
     try:
-        save_file(tensors, str(path), metadata=metadata)
+        if _utf8(os.fspath(path)):
+            save_file(tensors, str(path), metadata=metadata)
+        else:  # safetensors takes UTF-8 paths only, and writes beside the path (no descriptor of ours will do)
+            Path(path).write_bytes(save(tensors, metadata=metadata))
     except SafetensorError as e:
         code = re.search(r"os error (\d+)", str(e))
         if code is None:
@@ -152,6 +155,14 @@ def save_tensors(path: Path | str, tensors: dict, metadata: dict | None = None) 
         raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from None
     if metadata and len(metadata) > 1:
         _metadata_in_key_order(path)
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _metadata_in_key_order(path: Path | str) -> None:
@@ -221,25 +232,12 @@ def writable_folder(folder: Path | str, what: str, *, keep: bool = True) -> Path
     return folder
 
 
-def unnamable(path) -> str | None:
-    """What in `path` no file name can hold — a NUL byte, or a lone surrogate that is no undecodable byte of the
-    command line's (os.fsencode's surrogateescape) — said for a message; None for a path the system can be given.
-    Only the Python API's callers can give these; Python's file calls raise a bare ValueError for them."""
-    text = os.fspath(path)
-    if "\0" in text:
-        return "a NUL byte"
-    try:
-        os.fsencode(text)
-    except UnicodeEncodeError as e:
-        return f"{text[e.start]!r}, a lone surrogate"
-    return None
-
-
 def refuse_stream(path, what: str, kind: str = "a folder", alternative: str = "", option: str = "--out") -> None:
     """BadInput where `path` is `-` — the shell's "standard output", which would otherwise be a file or folder named
     '-' — given as an output `option`; `what` says how the output is written. Once a path, './-' is '-' too: one named
     '-' is given by its whole path. Also where it holds what no file name can (`unnamable`)."""
     from cardtool.errors import BadInput
+    from cardtool.paths import unnamable
 
     held = unnamable(path)
     if held is not None:

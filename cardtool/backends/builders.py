@@ -16,6 +16,7 @@ from cardtool.backends.vae_config import ConvVAEConfig
 from cardtool.backends.wan_config import CONTROLNET_BLOCKS, WanDiTConfig
 from cardtool.errors import BadInput
 from cardtool.files import file_stamp
+from cardtool.paths import opened_by_utf8_name
 
 __all__ = ["wan_dit_torch", "wan_controlnet_torch", "wan_dit_numpy", "conv_vae_torch", "conv_vae_numpy",
            "hf_encoder_torch", "fashion_cnn_torch"]
@@ -32,7 +33,8 @@ def _torch_module(make, weights: Path | None, device: str, dtype: str):
         keep_freed_memory()
     if weights is None:
         return make()
-    state = load_file(str(weights), device=device)
+    with opened_by_utf8_name(weights) as name:
+        state = load_file(name, device=device)
     with torch.device("meta"):
         module = make()
     missing, unexpected = module.load_state_dict(state, strict=False, assign=True)
@@ -46,7 +48,7 @@ def _numpy_state(weights: Path, dtype: str) -> dict:
     import numpy as np
     from safetensors import safe_open
 
-    with safe_open(str(weights), framework="pt") as f:  # bf16 files too: numpy has no bfloat16
+    with opened_by_utf8_name(weights) as name, safe_open(name, framework="pt") as f:  # bf16 too: numpy has none
         return {k: f.get_tensor(k).double().numpy().astype(np.dtype(dtype)) for k in f.keys()}
 
 

@@ -57,7 +57,9 @@ def read_lora(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """A LoRA file's tensors and header metadata (safetensors only)."""
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt") as f:
+    from cardtool.paths import opened_by_utf8_name
+
+    with opened_by_utf8_name(path) as name, safe_open(name, framework="pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
 
 

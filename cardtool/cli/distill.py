@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shlex
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -11,6 +10,7 @@ import typer
 
 from cardtool.cli.output import counted, emit_json, handled, progress_line, say, warn
 from cardtool.core.distributed import reporting
+from cardtool.shell_words import shell_join
 
 
 def distill_command(
@@ -66,7 +66,7 @@ def distill_command(
                        judge=judge, held_out_judge=held_out_judge or None, per_class=per_class,
                        watch_every=watch_every, micro_batches=micro_batches, on_log=log, on_eval=eval_line,
                        on_warning=lambda message: warn(message) if reporting() else None,
-                       command=shlex.join(["cardtool", *sys.argv[1:]]) if typed else None)
+                       command=shell_join(["cardtool", *sys.argv[1:]]) if typed else None)
     if not reporting():  # under torchrun rank 0 reports for every rank
         return
     recipe_block = card.manifest.recipe

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shlex
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -11,6 +10,7 @@ import typer
 
 from cardtool.cli.output import console, counted, emit_json, handled, paired_cells, progress_line, say
 from cardtool.core.distributed import reporting
+from cardtool.shell_words import shell_join
 
 
 def flywheel_command(
@@ -72,7 +72,7 @@ def flywheel_command(
                           stop_after=stop_after, compare=list(compare or []), per_class=per_class, judge=judge,
                           held_out_judge=held_out_judge or None, device=device, data=data,
                           micro_batches=micro_batches, watch_every=watch_every, on_log=log, on_stage=stage_line,
-                          command=shlex.join(["cardtool", *sys.argv[1:]]) if typed else None)
+                          command=shell_join(["cardtool", *sys.argv[1:]]) if typed else None)
     if not main:
         return
     if json_:

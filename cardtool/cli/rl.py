@@ -3,7 +3,6 @@ fine-tuning into a card that samples without CFG."""
 
 from __future__ import annotations
 
-import shlex
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -12,6 +11,7 @@ import typer
 
 from cardtool.cli.output import counted, emit_json, handled, progress_line, say, warn
 from cardtool.core.distributed import reporting
+from cardtool.shell_words import shell_join
 
 
 def rl_command(
@@ -72,7 +72,7 @@ def rl_command(
                    data=data, force=force, evaluate=evaluate, judge=judge, held_out_judge=held_out_judge or None,
                    per_class=per_class, watch_every=watch_every, micro_batches=micro_batches, on_log=log,
                    on_eval=eval_line, on_warning=lambda message: warn(message) if reporting() else None,
-                   command=shlex.join(["cardtool", *sys.argv[1:]]) if typed else None)
+                   command=shell_join(["cardtool", *sys.argv[1:]]) if typed else None)
     if not reporting():  # under torchrun rank 0 reports for every rank
         return
     recipe_block = tuned.manifest.recipe

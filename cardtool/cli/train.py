@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shlex
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -11,6 +10,7 @@ import typer
 
 from cardtool.cli.output import console, emit_json, handled, progress_line, warn
 from cardtool.core.distributed import reporting
+from cardtool.shell_words import shell_join
 
 
 def train_command(
@@ -47,7 +47,7 @@ def train_command(
         card = train(recipe, method=method, overrides=list(overrides or []), out=out, run_dir=run_dir, resume=resume,
                      data=data, device=device, overwrite=overwrite, micro_batches=micro_batches, on_log=log,
                      on_warning=lambda message: warn(message) if reporting() else None,
-                     command=shlex.join(["cardtool", *sys.argv[1:]]) if typed else None)
+                     command=shell_join(["cardtool", *sys.argv[1:]]) if typed else None)
     if not reporting():  # rank 0 reports for every rank
         return
     metrics = card.manifest.recipe.metrics

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import numbers
 import os
-import shlex
 from pathlib import Path
 
-from cardtool.atomic import unnamable
 from cardtool.errors import BadInput
+from cardtool.paths import unnamable
+from cardtool.shell_words import shell_join
 
 
 def command_line(name: str, positional: list[str], options: list[tuple[str, object]]) -> str:
@@ -23,7 +23,7 @@ def command_line(name: str, positional: list[str], options: list[tuple[str, obje
             words.append(f"--set={value}")
         elif value is not None:
             words += [option, str(value)]
-    return shlex.join(words)
+    return shell_join(words)
 
 
 def check(*, texts: dict, paths: dict, flags: dict, whole: dict, callbacks: dict, optional_whole: dict | None = None,

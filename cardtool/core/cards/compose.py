@@ -5,7 +5,6 @@ BASE and every adapter card as parents, so a lineage walks back to how each adap
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
 
 from cardtool.core.cards.discovery import locate
@@ -14,6 +13,7 @@ from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.writer import card_folder, write_card
 from cardtool.core.training.derived import extends_reference
 from cardtool.errors import BadInput
+from cardtool.shell_words import shell_join
 
 __all__ = ["compose_cards"]
 
@@ -57,7 +57,7 @@ def compose_cards(base_ref: str, adapter_refs: list[str], card_id: str, out: Pat
                 "extends": extends_reference(base, out),
                 "adapters": adapters,
                 "recipe": {"method": "import", "parents": parents, "assumes": {"loop": "denoise"},
-                           "command": command or shlex.join(["cardtool", "cards", "compose", base_ref, *adapter_refs,
+                           "command": command or shell_join(["cardtool", "cards", "compose", base_ref, *adapter_refs,
                                                              "--id", card_id])},
                 "parity": {"consistency": "C1"}}
     return write_card(out, manifest, {}, copies=copies, overwrite=overwrite)

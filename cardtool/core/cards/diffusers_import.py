@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import shlex
 from pathlib import Path
 
 from cardtool.core.cards.components import few
@@ -17,6 +16,8 @@ from cardtool.core.cards.lineage import check_new_id
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.errors import BadInput
 from cardtool.files import is_regular_file, parse_json, read_small_file
+from cardtool.paths import opened_by_utf8_name
+from cardtool.shell_words import shell_join
 
 __all__ = ["import_diffusers"]
 
@@ -86,7 +87,7 @@ def import_diffusers(source: Path, base_ref: str, card_id: str, out: Path | None
         **({"adapters": {name: None for name in base.manifest.adapters}} if base.manifest.adapters else {}),
         **({"loops": {"denoise": {"defaults": {"adapters": None}}}} if loop_defaults.get("adapters") else {}),
         "recipe": {"method": "import", "parents": [base.id], "assumes": {"loop": "denoise"},
-                   "command": command or shlex.join(["cardtool", "cards", "import", str(source), "--base", base_ref,
+                   "command": command or shell_join(["cardtool", "cards", "import", str(source), "--base", base_ref,
                                                      "--id", card_id, *(["--variant", variant] if variant else [])])},
         "parity": {"consistency": "C1"}}
     return write_card(out, manifest, {"transformer.safetensors": state}, storage=storage, overwrite=overwrite)
@@ -142,7 +143,8 @@ def _weights(folder: Path, weights: str) -> dict:
     state = {}
     for file in files:
         try:
-            tensors = load_file(str(file))
+            with opened_by_utf8_name(file) as name:
+                tensors = load_file(name)
         except (SafetensorError, OSError) as e:
             raise BadInput(f"{file} is not a readable safetensors file: {str(e).splitlines()[0][:160]}") from None
         twice = sorted(tensors.keys() & state.keys())

@@ -20,6 +20,7 @@ from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.record import EVAL_REPORT
 from cardtool.errors import BadInput
 from cardtool.files import is_regular_file
+from cardtool.paths import opened_by_utf8_name
 
 __all__ = ["FORMATS", "export_card"]
 
@@ -49,7 +50,8 @@ def export_card(card_ref: str, out: Path, *, fmt: str = "hf", overwrite: bool = 
     name = dits[0]
     dit_config = WanDiTConfig.from_card(m.components[name].config, "wan-dit")
     config = {"_class_name": DIFFUSERS_CLASS, **dit_config.to_diffusers(unpadded_text=True)}
-    state = {k: v.float() for k, v in load_file(str(card.weights_file(name))).items()}  # diffusers loads float32
+    with opened_by_utf8_name(card.weights_file(name)) as file:
+        state = {k: v.float() for k, v in load_file(file).items()}  # diffusers loads float32
 
     manifest = m.to_json()
     manifest["extends"] = None

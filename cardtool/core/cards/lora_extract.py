@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import re
-import shlex
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,8 @@ from cardtool.core.cards.weight_files import FLOAT_DTYPES, read_header, sha256_f
 from cardtool.core.cards.writer import card_folder, card_folder_usable, write_card
 from cardtool.core.training.derived import extends_reference
 from cardtool.errors import BadInput
+from cardtool.paths import opened_by_utf8_name
+from cardtool.shell_words import shell_join
 
 __all__ = ["Extraction", "extract_lora"]
 
@@ -99,7 +100,7 @@ def extract_lora(base_ref: str, tuned_ref: str, rank: int, card_id: str, *, adap
                            "hyperparameters": {"rank": rank},
                            "metrics": {"modules": len(a), "linear_share": round(linear_share, 6),
                                        "kept": round(kept, 6)},
-                           "command": command or shlex.join(["cardtool", "cards", "extract-lora", base_ref, tuned_ref,
+                           "command": command or shell_join(["cardtool", "cards", "extract-lora", base_ref, tuned_ref,
                                                              "--rank", str(rank), "--id", card_id])}}
     card = write_card(out, manifest, {rel: tensors}, overwrite=overwrite, metadata={rel: metadata})
     return Extraction(card, adapter, rank, len(a), linear_share, kept)
@@ -140,7 +141,8 @@ def _factor(base_path: Path, tuned_path: Path, rank: int, base_id: str, tuned_id
     a, b = {}, {}
     whole = linear = kept = 0.0
     with ExitStack() as files:
-        old, new = (files.enter_context(safe_open(str(p), framework="pt")) for p in (base_path, tuned_path))
+        old, new = (files.enter_context(safe_open(files.enter_context(opened_by_utf8_name(p)), framework="pt"))
+                    for p in (base_path, tuned_path))
         for tensor, (dtype, shape) in sorted(header.items()):
             if dtype not in FLOAT_DTYPES:
                 continue

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import shlex
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,8 @@ from cardtool.core.cards.weight_files import FLOAT_DTYPES, read_header, read_met
 from cardtool.core.cards.writer import card_folder, card_folder_usable, write_card
 from cardtool.core.training.derived import extends_reference
 from cardtool.errors import BadInput
+from cardtool.paths import opened_by_utf8_name
+from cardtool.shell_words import shell_join
 
 __all__ = ["Merge", "check_architecture", "check_related", "merge_cards", "parse_share"]
 
@@ -87,7 +88,7 @@ def merge_cards(shares: list[str], card_id: str, out: Path | None = None, overwr
                 "components": {name: {"weights": f"{name}.safetensors"} for name in merged},
                 "recipe": {"method": "merge", "parents": ids, "hyperparameters": {"weights": weights},
                            "assumes": first.manifest.recipe.assumes.model_dump(mode="json", exclude_none=True),
-                           "command": command or shlex.join(["cardtool", "cards", "merge", *shares, "--id", card_id])}}
+                           "command": command or shell_join(["cardtool", "cards", "merge", *shares, "--id", card_id])}}
     card = write_card(out, manifest, state, storage=None, overwrite=overwrite, metadata=metadata)
     loops = first.manifest.model_dump(mode="json")["loops"]
     differ = [c.id for c in cards[1:] if c.manifest.model_dump(mode="json")["loops"] != loops]
@@ -165,7 +166,8 @@ def _average(paths: list[Path], weights: list[float], ids: list[str], name: str)
                            "another shape); only the weights of one architecture combine")
     state = {}
     with ExitStack() as files:
-        readers = [files.enter_context(safe_open(str(path), framework="pt")) for path in paths]
+        readers = [files.enter_context(safe_open(files.enter_context(opened_by_utf8_name(path)), framework="pt"))
+                   for path in paths]
         for tensor in sorted(headers[0]):
             values = [reader.get_tensor(tensor) for reader in readers]
             kinds = {header[tensor][0] in FLOAT_DTYPES for header in headers}

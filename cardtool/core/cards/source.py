@@ -11,8 +11,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cardtool.atomic import unnamable
 from cardtool.errors import CardValidationError, Problem
+from cardtool.paths import unnamable
 
 __all__ = ["CONTROL_CHARACTERS", "MANIFEST_NAMES", "Source", "display_path", "peek_id", "plain_value_problems",
            "read_source"]

@@ -154,9 +154,9 @@ def _evaluated(card: Card, judge: str, device: str | None, data: str | None, on_
 def _eval_command(card: Card, judge: str, device: str | None, data: str | None, per_class: int,
                   record: bool = True) -> str:
     """The eval a run would have made of its card: its judge and data, not eval's defaults, quoted for a shell."""
-    import shlex
+    from cardtool.shell_words import shell_join
 
-    return shlex.join(["cardtool", "eval", str(card.folder), "--judge", judge, *(["--data", data] if data else []),
+    return shell_join(["cardtool", "eval", str(card.folder), "--judge", judge, *(["--data", data] if data else []),
                        *(["--per-class", str(per_class)] if per_class != 100 else []),
                        *(["--device", device] if device else []), *(["--record"] if record else [])])
 

@@ -32,6 +32,7 @@ from cardtool.core.training.recipes import Recipe
 from cardtool.core.training.run_lock import LOCK, run_claimed
 from cardtool.errors import BadInput, OutOfMemory, RunFailed, write_remedy
 from cardtool.files import is_regular_file, parse_json
+from cardtool.paths import opened_by_utf8_name
 
 __all__ = ["Task", "TrainingDiverged", "TrainResult", "check_run", "check_start", "train_loop", "writable_outputs",
            "CHECKPOINT"]
@@ -417,7 +418,7 @@ def checkpoint_metadata(path: Path) -> dict[str, str]:
     if not is_regular_file(path):
         return {}
     try:
-        with safe_open(str(path), framework="pt") as f:
+        with opened_by_utf8_name(path) as name, safe_open(name, framework="pt") as f:
             return f.metadata() or {}
     except (SafetensorError, OSError):
         return {}
@@ -470,9 +471,10 @@ def _load(path: Path, recipe: Recipe, modules, ema, optimizer, task: Task, parts
     if not is_regular_file(path):  # a FIFO would block the read for ever; a device or a folder is no checkpoint
         raise BadInput(unreadable.format("it is not a regular file"))
     try:
-        with safe_open(str(path), framework="pt") as f:
-            metadata = f.metadata() or {}
-        tensors = load_file(str(path))
+        with opened_by_utf8_name(path) as name:
+            with safe_open(name, framework="pt") as f:
+                metadata = f.metadata() or {}
+            tensors = load_file(name)
     except (SafetensorError, OSError) as e:  # damaged on disk: the trainer itself writes atomically
         raise BadInput(unreadable.format(str(e).splitlines()[0][:160])) from None
     _check_resumable(metadata, path, recipe, task.data, task.parents, parts)

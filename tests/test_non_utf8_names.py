@@ -1,0 +1,79 @@
+"""A Linux file name may hold any byte; the command line hands a byte that is not UTF-8 over as U+DC80–U+DCFF.
+Cards in such folders load, and every command that writes a card or a checkpoint there writes it (safetensors
+itself takes UTF-8 paths only), recording a command line a shell runs again to the same bytes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import EXAMPLE_CARDS
+from typer.testing import CliRunner
+
+from cardtool.cli import app
+from cardtool.core.cards.loader import load_card
+from cardtool.core.training.trainer import checkpoint_metadata
+from cardtool.shell_words import shell_join
+
+torch.set_num_threads(1)
+
+
+def named(folder, name: bytes) -> str:
+    return os.fsdecode(os.fsencode(folder) + b"/" + name)
+
+
+def run(*args: str) -> dict:
+    result = CliRunner().invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("word", ["plain", "a b", "it's", "", "café", "caf\udce9", "a\x1b[31mb", "two\nlines",
+                                  "back\\slash 'q' \udcff\udc80", "tab\there", "zero\u200bwidth", "-", "$HOME"])
+def test_a_recorded_command_reads_back_in_a_shell_as_the_same_bytes(word):
+    joined = shell_join(["printf", "%s\\0", word, "x"])
+    if word.isprintable() and "\udce9" not in word:
+        assert joined == shlex.join(["printf", "%s\\0", word, "x"]), "as shlex writes it where it can"
+    assert joined.isprintable(), "what a manifest can hold: no control character, no lone surrogate"
+    out = subprocess.run(["bash", "-c", joined], capture_output=True, check=True, timeout=30).stdout
+    assert out == os.fsencode(word) + b"\0x\0"
+
+
+def test_cards_in_a_folder_whose_name_is_not_utf8(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CARDTOOL_PATH", str(EXAMPLE_CARDS))
+    tuned = named(tmp_path, b"rl-caf\xe9")
+    shutil.copytree(EXAMPLE_CARDS / "tiny-rl", tuned)
+    assert run("cards", "validate", tuned, "--checksums")["ok"]
+    image = run("generate", tuned, "-p", "a bag", "--steps", "1", "--out", named(tmp_path, b"out\xff"))["images"][0]
+    assert "out\\udcff" in image["path"]
+    merged = run("cards", "merge", "tiny-base", tuned, "--id", "soup", "--out", named(tmp_path, b"soup\xe9"))
+    assert merged["merged"] == ["transformer"]
+    assert load_card(named(tmp_path, b"soup\xe9")).manifest.recipe.command == \
+        f"cardtool cards merge tiny-base $'{tmp_path}/rl-caf\\xe9' --id soup"
+    run("cards", "extract-lora", "tiny-base", tuned, "--rank", "2", "--id", "lora", "--out", named(tmp_path, b"l\xe9"))
+    run("cards", "export", tuned, "--out", named(tmp_path, b"hf\xe9"))
+    back = named(tmp_path, b"back\xe9")
+    run("cards", "import", named(tmp_path, b"hf\xe9"), "--base", "tiny-base", "--id", "back", "--out", back)
+    for card in (named(tmp_path, b"soup\xe9"), named(tmp_path, b"l\xe9"), back):
+        assert run("generate", card, "-p", "a bag", "--steps", "1", "--out", "o")["images"], card
+
+
+def test_a_run_in_a_folder_whose_name_is_not_utf8_writes_its_checkpoint_and_card(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CARDTOOL_PATH", str(EXAMPLE_CARDS))
+    (tmp_path / "prompts.txt").write_text("a bag\n")
+    run_dir, out = named(tmp_path, b"run\xe9"), named(tmp_path, b"card\xe9")
+    args = ["rl", "tiny-base", "--reward", "tiny-judge", "--prompts-file", "prompts.txt", "--set", "optim.steps=1",
+            "--no-eval", "--run-dir", run_dir]
+    monkeypatch.setattr("sys.argv", ["cardtool", *args, "--out", out])  # the command as typed: what a card records
+    run(*args, "--out", out)
+    assert checkpoint_metadata(Path(run_dir) / "checkpoint.safetensors")["step"] == "1"
+    card = load_card(out)
+    assert card.manifest.recipe.command.endswith("--run-dir $'" + f"{tmp_path}/run\\xe9' --out $'{tmp_path}/card\\xe9'")
