@@ -22,6 +22,7 @@ The Python API, for scripts (each name is imported on first use, so `import card
     cardtool.merge([("fashion-base", 0.5), ("fashion-base-nft", 0.5)], card_id="soup")   # as `cardtool cards …`
     cardtool.extract_lora("fashion-base", "fashion-base-nft", rank=8, card_id="nft-lora")
     cardtool.export("fashion-base", "exports/fashion-base")   # also compose, import_diffusers
+    cardtool.diff("fashion-base", "fashion-base-nft")["weights"]   # what one card changes of another
 
 Errors the caller can act on are `cardtool.BadInput` (the request), `cardtool.CardValidationError` (the card,
 with located `problems`) and `cardtool.RunFailed` (the work), all `cardtool.CardtoolError`.
@@ -45,6 +46,7 @@ _API = {
     "extract_lora": "cardtool.core.cards.calls",
     "export": "cardtool.core.cards.calls",
     "import_diffusers": "cardtool.core.cards.calls",
+    "diff": "cardtool.core.cards.calls",
     "CardtoolError": "cardtool.errors",
     "BadInput": "cardtool.errors",
     "CardValidationError": "cardtool.errors",

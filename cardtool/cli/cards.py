@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from cardtool.cli.output import console, emit_json, handled, printable, warn
+from cardtool.core.cards.calls import MAX_TOP
 
 app = typer.Typer(help="Find, inspect, check and trace cards.", no_args_is_help=True)
 
@@ -175,16 +176,15 @@ def lineage_command(card: CardArgument, json_: JsonOption = False) -> None:
 def diff_command(
     a: Annotated[str, typer.Argument(help="The card compared against (a base, say).")],
     b: Annotated[str, typer.Argument(help="The card whose changes are shown (its RL'd or distilled card, say).")],
-    top: Annotated[int, typer.Option("--top", min=0, max=1000,
+    top: Annotated[int, typer.Option("--top", min=0, max=MAX_TOP,
                                      help="The tensors listed per changed weights file, largest change first.")] = 5,
     json_: JsonOption = False,
 ) -> None:
     """What card B changes of card A: manifest fields, and how far each component's weights moved (‖B − A‖ / ‖A‖)."""
-    from cardtool.core.cards.diff import diff_cards
-    from cardtool.core.cards.loader import load_card
+    from cardtool.core.cards.calls import diff
 
     with handled(json_):
-        report = diff_cards(load_card(a), load_card(b), top)
+        report = diff(a, b, top=top)
     if json_:
         emit_json(report)
         return

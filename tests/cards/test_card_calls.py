@@ -4,6 +4,7 @@ not give are BadInput naming them before anything is written."""
 
 from __future__ import annotations
 
+import json
 import shlex
 from pathlib import Path
 
@@ -92,6 +93,20 @@ def test_an_argument_the_command_line_could_not_give_is_bad_input(examples, tmp_
     with pytest.raises(cardtool.BadInput, match=message):
         call(str(examples / "tiny-base"), str(examples / "tiny-rl"), tmp_path / "made")
     assert not (tmp_path / "made").exists()
+
+
+def test_diff_is_its_commands_json_document(examples, tmp_path):
+    base, tuned = str(examples / "tiny-base"), str(examples / "tiny-rl")
+    result = CliRunner().invoke(app, ["cards", "diff", base, tuned, "--top", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    report = cardtool.diff(Path(base), tuned, top=np.int64(2))
+    assert report == json.loads(result.stdout) and len(report["weights"][0]["largest"]) == 2
+    for top, message in ((-1, "--top must be from 0 to 1000, got -1"), (1001, "--top must be from 0 to 1000"),
+                         (2.0, "top must be a whole number"), (None, "top must be a whole number")):
+        with pytest.raises(cardtool.BadInput, match=message):
+            cardtool.diff(base, tuned, top=top)
+    with pytest.raises(cardtool.BadInput, match="b must be a card id or path"):
+        cardtool.diff(base, 3)
 
 
 def test_a_call_names_the_card_it_would_replace_and_replaces_it_only_when_told(examples, tmp_path):

@@ -1,8 +1,8 @@
 """Cards made from cards, from Python — `cardtool.merge`, `cardtool.compose`, `cardtool.extract_lora`,
-`cardtool.export` and `cardtool.import_diffusers` — each the `cardtool cards` command of that name as one call:
-the same checks before any work, the same card written atomically, and the command line it equals recorded in it
-(`recipe.command`), as the command records it. An argument of a type the command line could not have given is
-BadInput naming it, not a TypeError deep in the work."""
+`cardtool.export` and `cardtool.import_diffusers` (and `cardtool.diff`, which compares two) — each the `cardtool
+cards` command of that name as one call: the same checks before any work, the same card written atomically, and the
+command line it equals recorded in it (`recipe.command`), as the command records it. An argument of a type the
+command line could not have given is BadInput naming it, not a TypeError deep in the work."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import os
 from cardtool.core.arguments import as_int, card_ref, check, maybe_path, path, sequence
 from cardtool.errors import BadInput, said_as_cardtool_errors
 
-__all__ = ["compose", "export", "extract_lora", "import_diffusers", "merge"]
+MAX_TOP = 1000  # tensors listed per weights file
+
+__all__ = ["compose", "diff", "export", "extract_lora", "import_diffusers", "merge"]
 
 
 @said_as_cardtool_errors
@@ -80,6 +82,20 @@ def import_diffusers(source: str | os.PathLike, *, base: str | os.PathLike, card
     check(texts={"variant": variant}, paths={}, flags={}, whole={}, callbacks={})
     _card_out(card_id, out, overwrite)
     return run(source, base, card_id, maybe_path(out), variant=variant, overwrite=overwrite)
+
+
+@said_as_cardtool_errors
+def diff(a: str | os.PathLike, b: str | os.PathLike, *, top: int = 5) -> dict:
+    """`cardtool cards diff A B`: what card `b` changes of card `a` — its manifest fields, and how far each weights
+    file moved (‖B − A‖ / ‖A‖, the `top` tensors that moved most listed) — as the command's `--json` document."""
+    from cardtool.core.cards.diff import diff_cards
+    from cardtool.core.cards.loader import load_card
+
+    a, b = card_ref("a", a), card_ref("b", b)
+    check(texts={}, paths={}, flags={}, whole={"top": top}, callbacks={})
+    if not 0 <= top <= MAX_TOP:
+        raise BadInput(f"--top must be from 0 to {MAX_TOP}, got {top}")
+    return diff_cards(load_card(a), load_card(b), as_int(top))
 
 
 def _share(item) -> str:
