@@ -116,3 +116,18 @@ def test_a_call_names_the_card_it_would_replace_and_replaces_it_only_when_told(e
         cardtool.merge([(base, 0.9), (tuned, 0.1)], card_id="soup", out=tmp_path / "soup")
     assert cardtool.merge([(base, 0.9), (tuned, 0.1)], card_id="soup", out=tmp_path / "soup",
                           overwrite=True).weights == [0.9, 0.1]
+
+
+@pytest.mark.parametrize("name", ["merge", "compose", "extract_lora", "export", "import_diffusers", "diff"])
+def test_a_call_without_an_option_does_what_its_command_without_it_does(name):
+    """Each keyword's default is its option's (`format` is `--format`, the command's `fmt`)."""
+    import inspect
+
+    from cardtool.cli import cards
+
+    command = getattr(cards, f"{'import' if name == 'import_diffusers' else name}_command")
+    options = {{"fmt": "format"}.get(k, k): p.default for k, p in inspect.signature(command).parameters.items()}
+    keywords = {k: p.default for k, p in inspect.signature(getattr(cardtool, name)).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    assert keywords and {k: options[k] for k in keywords} == keywords
+    assert set(keywords) <= {"out", "overwrite", "adapter", "variant", "format", "top"}
