@@ -143,8 +143,10 @@ def save_tensors(path: Path | str, tensors: dict, metadata: dict | None = None) 
     from safetensors import SafetensorError
     from safetensors.torch import save, save_file
 
+    from cardtool.paths import utf8_name
+
     try:
-        if _utf8(os.fspath(path)):
+        if utf8_name(path):
             save_file(tensors, str(path), metadata=metadata)
         else:  # safetensors takes UTF-8 paths only, and writes beside the path (no descriptor of ours will do)
             Path(path).write_bytes(save(tensors, metadata=metadata))
@@ -155,14 +157,6 @@ def save_tensors(path: Path | str, tensors: dict, metadata: dict | None = None) 
         raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from None
     if metadata and len(metadata) > 1:
         _metadata_in_key_order(path)
-
-
-def _utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _metadata_in_key_order(path: Path | str) -> None:

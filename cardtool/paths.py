@@ -8,7 +8,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["home_expanded", "opened_by_utf8_name", "unnamable"]
+__all__ = ["home_expanded", "opened_by_utf8_name", "unnamable", "utf8_name"]
 
 
 def home_expanded(text: str) -> str:
@@ -34,18 +34,22 @@ def unnamable(path) -> str | None:
     return None
 
 
+def utf8_name(path) -> bool:
+    """Whether `path` is UTF-8 text (no byte of it left undecoded), as safetensors takes paths."""
+    try:
+        os.fspath(path).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def opened_by_utf8_name(path: Path | str) -> Iterator[str]:
     """A UTF-8 name for the file at `path` that safetensors can read: the path itself where it is UTF-8, else the
     file's descriptor under /proc/self/fd (/dev/fd elsewhere), open for the block — a Linux file name may hold any
     byte, and safetensors refuses such a path ("not valid UTF-8") where Python's own calls take it."""
-    text = os.fspath(path)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        pass
-    else:
-        yield text
+    if utf8_name(path):
+        yield os.fspath(path)
         return
     descriptor = os.open(path, os.O_RDONLY)
     try:

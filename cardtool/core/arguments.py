@@ -62,8 +62,9 @@ def optional_card_ref(name: str, value) -> str | None:
 
 
 def path(name: str, value, what: str = "a path", empty: bool = False) -> Path:
-    """A path the operating system can be given: text or a path object, without a NUL byte (which no file name
-    holds, and which Python's file calls refuse with a ValueError); not empty unless `empty`."""
+    """A path the operating system can be given: text or a path object, without what no file name holds (a NUL
+    byte, a lone surrogate: `paths.unnamable`), which Python's file calls refuse with a bare ValueError; not empty
+    unless `empty`."""
     if not isinstance(value, (str, os.PathLike)) or not isinstance(os.fspath(value), str) or \
             (os.fspath(value) == "" and not empty):
         raise BadInput(f"{name} must be {what}, got {value!r}"[:300])
