@@ -87,9 +87,9 @@ def maybe_text(value) -> str | None:
     return None if value is None else os.fspath(value)
 
 
-def sequence(name: str, value) -> list:
+def sequence(name: str, value, what: str = "a list of strings (or one string)") -> list:
     if not isinstance(value, (list, tuple)):
-        raise BadInput(f"{name} must be a list of strings (or one string), got {type(value).__name__}")
+        raise BadInput(f"{name} must be {what}, got {type(value).__name__}")
     return list(value)
 
 

@@ -24,7 +24,7 @@ def merge(cards: list, *, card_id: str, out: str | os.PathLike | None = None, ov
     the Merge: `card`, `weights`, `merged` (the components averaged) and `loops_differ`."""
     from cardtool.core.cards.merge import merge_cards
 
-    shares = [_share(item) for item in sequence("cards", cards)]
+    shares = [_share(item) for item in sequence("cards", cards, "a list of cards, each alone or with its weight")]
     _card_out(card_id, out, overwrite)
     return merge_cards(shares, card_id, maybe_path(out), overwrite)
 
@@ -36,9 +36,9 @@ def compose(base: str | os.PathLike, adapter_cards: list, *, card_id: str, out: 
     cards made on `base` (a list of them, or one), chosen per request. Returns the Card."""
     from cardtool.core.cards.compose import compose_cards
 
-    one = isinstance(adapter_cards, (str, os.PathLike))
-    refs = [card_ref("adapter_cards", item) for item in ([adapter_cards] if one else
-                                                          sequence("adapter_cards", adapter_cards))]
+    listed = [adapter_cards] if isinstance(adapter_cards, (str, os.PathLike)) else \
+        sequence("adapter_cards", adapter_cards, "a list of cards (or one card)")
+    refs = [card_ref("adapter_cards", item) for item in listed]
     base = card_ref("base", base)
     _card_out(card_id, out, overwrite)
     return compose_cards(base, refs, card_id, maybe_path(out), overwrite)
