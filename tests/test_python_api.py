@@ -32,7 +32,8 @@ def test_the_api_names_are_the_modules_own_objects():
         calls.train, calls.distill, calls.rl, calls.flywheel)
     from cardtool.core.cards import calls as card_calls
 
-    assert [getattr(cardtool, name) for name in card_calls.__all__] == [getattr(card_calls, n) for n in card_calls.__all__]
+    names = card_calls.__all__
+    assert [getattr(cardtool, name) for name in names] == [getattr(card_calls, name) for name in names]
     assert all(issubclass(e, CardtoolError) for e in (BadInput, CardValidationError, RunFailed))
     assert cardtool.BadInput is BadInput and set(cardtool.__all__) <= set(dir(cardtool))
     with pytest.raises(AttributeError, match="no attribute 'generator'"):

@@ -213,9 +213,9 @@ def test_builtin_dir_of_an_installed_wheel_is_inside_the_package(tmp_path, monke
     package = tmp_path / "site" / "cardtool"
     (package / "core" / "cards").mkdir(parents=True)
     monkeypatch.setattr(discovery, "__file__", str(package / "core" / "cards" / "discovery.py"))
-    assert discovery.builtin_dir() is None
+    assert discovery.builtin_dir() is None and discovery.installed_dir() is None
     (package / "cards").mkdir()
-    assert discovery.builtin_dir() == package / "cards"
+    assert discovery.builtin_dir() == discovery.installed_dir() == package / "cards"
 
 
 def test_lineage_walks_parents_to_the_root(examples):

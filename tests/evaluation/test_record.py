@@ -195,3 +195,25 @@ def test_checksums_hold_the_report_to_the_summary_recorded_from_it(examples, tmp
     manifest.write_text(manifest.read_text().replace("report: eval.json", "report: ../eval.json"))
     with pytest.raises(CardValidationError, match="the eval report '../eval.json' is not a file name beside the manif"):
         load_card(card, checksums=True)
+
+
+def test_a_built_in_card_inside_the_installed_package_is_not_recorded_into(examples, monkeypatch, tmp_path):
+    """pip replaces an installed package's files: a row recorded into a built-in card there would go with the next
+    upgrade. Refused before any work, with how to record into a copy; a checkout's cards/ stays recordable."""
+    from typer.testing import CliRunner
+
+    from cardtool.cli import app
+    from cardtool.core.cards import discovery
+
+    monkeypatch.setattr(discovery, "installed_dir", lambda: examples)
+    result = CliRunner().invoke(app, ["eval", str(examples / "tiny-base"), "--judge", str(examples / "tiny-judge"),
+                                      "--steps", "1", "--per-class", "1", "--record", "--json"])
+    assert result.exit_code == 2, result.output
+    message = json.loads(result.stdout)["error"]["message"]
+    assert message.startswith("card 'tiny-base' is built in, installed with cardtool in ") and \
+        message.endswith("my-tiny-base) and record into the copy by its path")
+    assert not (examples / "tiny-base" / "eval.json").exists()
+    monkeypatch.setattr(discovery, "installed_dir", lambda: tmp_path / "site-packages" / "cardtool" / "cards")
+    from cardtool.core.cards.record import recordable
+
+    assert recordable(str(examples / "tiny-base")).id == "tiny-base"

@@ -16,8 +16,8 @@ from cardtool.errors import AmbiguousCard, BadInput, CardNotFound, CardValidatio
 from cardtool.files import unlistable
 from cardtool.paths import home_expanded
 
-__all__ = ["Root", "Entry", "builtin_dir", "search_roots", "scan", "scans_once", "manifest_in", "locate", "bare_name",
-           "unsearchable"]
+__all__ = ["Root", "Entry", "builtin_dir", "installed_dir", "search_roots", "scan", "scans_once", "manifest_in",
+           "locate", "bare_name", "unsearchable"]
 
 # inside `scans_once`: each search's entries, by its roots — per thread (and task), so that a script's other thread
 # writing a card and looking it up is never answered from this one's reading
@@ -48,13 +48,19 @@ class Entry:
 
 def builtin_dir() -> Path | None:
     """The built-in cards: `cardtool/cards` in an installed wheel, `cards/` beside the package in a checkout."""
-    package = Path(__file__).resolve().parents[2]  # …/cardtool/core/cards/discovery.py → …/cardtool
-    if (package / "cards").is_dir():
-        return package / "cards"
-    checkout = package.parent
+    installed = installed_dir()
+    if installed is not None:
+        return installed
+    checkout = Path(__file__).resolve().parents[3]
     if (checkout / "pyproject.toml").is_file() and (checkout / "cards").is_dir():
         return checkout / "cards"
     return None
+
+
+def installed_dir() -> Path | None:
+    """The built-in cards of an installed wheel (`cardtool/cards`, inside the package); None in a checkout."""
+    package = Path(__file__).resolve().parents[2]  # …/cardtool/core/cards/discovery.py → …/cardtool
+    return package / "cards" if (package / "cards").is_dir() else None
 
 
 def search_roots(near: Path | None = None) -> list[Root]:

@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shlex
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,12 +26,19 @@ EVAL_REPORT = "eval.json"
 
 def recordable(card_ref: str):
     """The card, if results can be recorded in its manifest (a YAML one, in a folder that can be written — a card
-    installed read-only cannot): checked before the work, not after it."""
+    installed read-only cannot — and not a built-in card inside the installed package, which pip replaces):
+    checked before the work, not after it."""
     from cardtool.atomic import writable_folder
+    from cardtool.core.cards.discovery import installed_dir
 
     card = load_card(card_ref)
     if card.file.suffix != ".yaml":
         raise BadInput(f"--record writes YAML manifests; {card.file} is TOML")
+    installed = installed_dir()
+    if installed is not None and card.folder.resolve().is_relative_to(installed.resolve()):
+        raise BadInput(f"card '{card.id}' is built in, installed with cardtool in {card.folder}: an upgrade or a "
+                       "reinstall would replace it and the record with it; copy its folder (cp -r "
+                       f"{shlex.quote(str(card.folder))} my-{card.id}) and record into the copy by its path")
     writable_folder(card.folder, "the card folder --record writes into")
     return card
 
