@@ -27,7 +27,7 @@ from cardtool.errors import BadInput
     ({"steps": {2}}, "steps must be a list of values"),
     ({"steps": np.ones((1, 2))}, "steps must be a list of values"),  # a matrix is no list
     ({"steps": 1001}, "steps"),  # one value alone is a list of one, checked alike
-    ({"steps": [[2], 4]}, r"steps must be a whole number, got \[2\]"),  # an unhashable value: refused with the others, not taken as none given
+    ({"steps": [[2], 4]}, r"steps must be a whole number, got \[2\]"),  # unhashable: refused, not taken as none
     ({"guidance": [{"a": 1}]}, "guidance must be a number, got {.a.: 1}"),
     ({"precision": "float8"}, "unknown precision 'float8'"),  # one name, not its characters
     ({"solver": "nope"}, "unknown solver 'nope'"),
