@@ -508,7 +508,8 @@ class ApiCall:
 def _api(rng: random.Random, env: Env, out: Path) -> ApiCall:
     """`LoadedCard.generate` most often; else `LoadedCard`, `evaluate`, `compare`, `run_workflow`, `load_card`, a
     training call (`train`, `distill`, `rl`, `flywheel`) or a card call (`merge`, `compose`, `extract_lora`, `export`,
-    `import_diffusers`), each with a few arguments of any type and the rest plausible, so that some calls run."""
+    `import_diffusers`, `diff`), each with a few arguments of any type and the rest plausible, so that some calls
+    run."""
     from PIL import Image
 
     pictures = [Image.new("RGB", (40, 40), (200, 30, 90)), Image.new("LAB", (28, 28)), Image.new("L", (0, 0)),
@@ -526,7 +527,7 @@ def _api(rng: random.Random, env: Env, out: Path) -> ApiCall:
 
     function = rng.choice(["LoadedCard.generate"] * 10 + ["LoadedCard", "evaluate", "compare", "run_workflow",
                                                            "load_card"] * 2 + ["train", "distill", "rl", "flywheel"]
-                          + ["merge", "compose", "extract_lora", "export", "import_diffusers"])
+                          + ["merge", "compose", "extract_lora", "export", "import_diffusers", "diff"])
     if function == "LoadedCard.generate":
         keywords = ["num", "seed", "steps", "guidance", "shift", "solver", "guidance_interval", "precision", "grid",
                     "strict", "on_step", "max_batch", "best_of", "reward", "adapters", "control", "preprocessor",
@@ -551,7 +552,7 @@ def _api(rng: random.Random, env: Env, out: Path) -> ApiCall:
         options = hostile(keywords, {"overrides": ["steps.draft.generate.num=1"]})
     elif function in ("train", "distill", "rl", "flywheel"):
         args, options = _training_call(rng, env, out, function, values, hostile)
-    elif function in ("merge", "compose", "extract_lora", "export", "import_diffusers"):
+    elif function in ("merge", "compose", "extract_lora", "export", "import_diffusers", "diff"):
         args, options = _card_call(rng, env, out, function, values, hostile)
     else:
         args, options = [rng.choice([env.card("tiny-base")] * 3 + values)], hostile(["checksums", "adapters"], {})
@@ -595,8 +596,8 @@ def _training_call(rng: random.Random, env: Env, out: Path, function: str, value
 
 
 def _card_call(rng: random.Random, env: Env, out: Path, function: str, values: list, hostile) -> tuple:
-    """`cardtool.merge`, `compose`, `extract_lora`, `export` or `import_diffusers` on the tiny cards, a few arguments
-    of any type; what it writes goes under `out` whatever a path argument says."""
+    """`cardtool.merge`, `compose`, `extract_lora`, `export`, `import_diffusers` or `diff` on the tiny cards, a few
+    arguments of any type; what it writes goes under `out` whatever a path argument says."""
     base, tuned = (rng.choice([env.card(c)] * len(values) + values) for c in ("tiny-base", "tiny-rl"))
     plausible = {"card_id": "made", "out": out / "made"}
     keywords = ["card_id", "out", "overwrite"]
@@ -608,6 +609,8 @@ def _card_call(rng: random.Random, env: Env, out: Path, function: str, values: l
     elif function == "extract_lora":
         args, plausible = [base, tuned], {**plausible, "rank": 2}
         keywords += ["rank", "adapter"]
+    elif function == "diff":
+        args, plausible, keywords = [base, tuned], {}, ["top"]
     elif function == "export":
         args, plausible, keywords = [tuned, rng.choice([out / "export"] * 3 + values)], {}, ["format", "overwrite"]
     else:
