@@ -522,7 +522,7 @@ def _api(rng: random.Random, env: Env, out: Path) -> ApiCall:
               *pictures]
 
     def hostile(keywords, plausible):
-        chosen = {k: rng.choice(values) for k in rng.sample(keywords, rng.choice([1, 1, 2]))}
+        chosen = {k: rng.choice(values) for k in rng.sample(keywords, min(len(keywords), rng.choice([1, 1, 2])))}
         return {**plausible, **chosen}
 
     function = rng.choice(["LoadedCard.generate"] * 10 + ["LoadedCard", "evaluate", "compare", "run_workflow",
