@@ -296,6 +296,16 @@ def test_a_resumed_eval_keeps_on_every_rank_the_rows_rank_0s_report_holds(tmp_pa
     assert report["rows"][1]["images"] == 20 and not (tmp_path / "node1" / "r.json").exists()
 
 
+def test_a_report_rank_0_cannot_resume_from_is_refused_on_every_rank(tmp_path):
+    """Rank 0 reads --out for every rank; its refusal is every rank's, not a peer's traceback or wait."""
+    (tmp_path / "node0").mkdir()
+    (tmp_path / "node0" / "r.json").write_text("{}")
+    result = on_own_disks(["eval", "tiny-base", "--judge", "tiny-judge", "--per-class", "1", "--steps", "2", "--out",
+                           "r.json", "--resume"], tmp_path)
+    said = "error cannot resume from r.json: it is not an eval report written by eval --out"
+    assert result.returncode != 0 and result.stderr.count(said) == 2, result.stderr[-8000:]  # each rank says it
+
+
 @dataclass(frozen=True)
 class _Disagreeing(distributed.Ranks):
     """Rank 0 of two whose peer finds the path of the `at`-th check the other way round."""
