@@ -43,12 +43,12 @@ def train(recipe: str | os.PathLike, *, method: str | None = None, overrides: li
 
     recipe, sets = path("recipe", recipe), override_items(overrides)
     check(texts={"method": method, "device": device}, paths={"out": out, "run_dir": run_dir, "data": data},
-           flags={"resume": resume, "overwrite": overwrite}, whole={"micro_batches": micro_batches},
-           callbacks={"on_log": on_log, "on_warning": on_warning}, command=command)
+          flags={"resume": resume, "overwrite": overwrite}, whole={"micro_batches": micro_batches},
+          callbacks={"on_log": on_log, "on_warning": on_warning}, command=command)
     micro_batches = int(micro_batches)  # numpy's integers too, as Python's
     loaded = load_recipe(recipe, sets, method)
     command = command or command_line("train", [], [("--recipe", recipe), *_sets(sets), ("--method", method),
-                                                 ("--data", data)])
+                                                    ("--data", data)])
     return run(loaded, command=command, out=maybe_path(out), run_dir=maybe_path(run_dir), resume=resume,
                data=maybe_text(data), device=device, overwrite=overwrite, on_log=on_log,
                micro_batches=micro_batches, on_warning=on_warning)
@@ -73,15 +73,15 @@ def distill(teacher: str | os.PathLike, *, steps: int | None = None, recipe: str
     teacher, sets = card_ref("teacher", teacher), override_items(overrides)
     judge, held_out_judge = card_ref("judge", judge), optional_card_ref("held_out_judge", held_out_judge)
     check(texts={"device": device}, paths={"recipe": recipe, "out": out, "run_dir": run_dir, "data": data},
-           flags={"resume": resume, "force": force, "evaluate": evaluate},
-           whole={"per_class": per_class, "watch_every": watch_every, "micro_batches": micro_batches},
-           optional_whole={"steps": steps, "lora": lora},
-           callbacks={"on_log": on_log, "on_eval": on_eval, "on_warning": on_warning}, command=command)
+          flags={"resume": resume, "force": force, "evaluate": evaluate},
+          whole={"per_class": per_class, "watch_every": watch_every, "micro_batches": micro_batches},
+          optional_whole={"steps": steps, "lora": lora},
+          callbacks={"on_log": on_log, "on_eval": on_eval, "on_warning": on_warning}, command=command)
     steps, lora, per_class, watch_every, micro_batches = map(as_int, (steps, lora, per_class, watch_every,
-                                                                    micro_batches))
+                                                                      micro_batches))
     loaded = distill_recipe(teacher, maybe_path(recipe), [*sets, *lora_overrides(lora, sets)], steps)
     command = command or command_line("distill", [teacher], [("--steps", steps), ("--recipe", recipe), *_sets(sets),
-                                                         ("--lora", lora), ("--data", data)])
+                                                             ("--lora", lora), ("--data", data)])
     return run(loaded, command=command, out=maybe_path(out), run_dir=maybe_path(run_dir), resume=resume,
                device=device, data=maybe_text(data), force=force, evaluate=evaluate, judge=judge,
                held_out_judge=held_out_judge, on_log=on_log, on_eval=on_eval, micro_batches=micro_batches,
@@ -110,11 +110,11 @@ def rl(card: str | os.PathLike, *, reward: str | os.PathLike, method: str | None
     card, reward, sets = card_ref("card", card), card_ref("reward", reward), override_items(overrides)
     judge, held_out_judge = card_ref("judge", judge), optional_card_ref("held_out_judge", held_out_judge)
     check(texts={"method": method, "device": device},
-           paths={"prompts_file": prompts_file, "recipe": recipe, "out": out, "run_dir": run_dir, "data": data},
-           flags={"resume": resume, "force": force, "evaluate": evaluate},
-           whole={"per_class": per_class, "watch_every": watch_every, "micro_batches": micro_batches},
-           optional_whole={"lora": lora},
-           callbacks={"on_log": on_log, "on_eval": on_eval, "on_warning": on_warning}, command=command)
+          paths={"prompts_file": prompts_file, "recipe": recipe, "out": out, "run_dir": run_dir, "data": data},
+          flags={"resume": resume, "force": force, "evaluate": evaluate},
+          whole={"per_class": per_class, "watch_every": watch_every, "micro_batches": micro_batches},
+          optional_whole={"lora": lora},
+          callbacks={"on_log": on_log, "on_eval": on_eval, "on_warning": on_warning}, command=command)
     lora, per_class, watch_every, micro_batches = map(as_int, (lora, per_class, watch_every, micro_batches))
     if prompts is not None and prompts_file is not None:
         raise BadInput("give prompts or prompts_file, not both")
@@ -124,8 +124,8 @@ def rl(card: str | os.PathLike, *, reward: str | os.PathLike, method: str | None
     # prompts given as a list have no file to name: `--prompts -` (standard input) is how the command takes them
     source = "-" if prompts is not None else prompts_file
     command = command or command_line("rl", [card], [("--reward", reward), ("--method", method), ("--prompts", source),
-                                                 ("--recipe", recipe), *_sets(sets), ("--lora", lora),
-                                                 ("--data", data)])
+                                                     ("--recipe", recipe), *_sets(sets), ("--lora", lora),
+                                                     ("--data", data)])
     return run(loaded, command=command, prompts=chosen, out=maybe_path(out), run_dir=maybe_path(run_dir),
                resume=resume, device=device, data=maybe_text(data), force=force, evaluate=evaluate, judge=judge,
                held_out_judge=held_out_judge, watch_every=watch_every, on_log=on_log, on_eval=on_eval,
@@ -150,19 +150,19 @@ def flywheel(card: str | os.PathLike, *, reward: str | os.PathLike, steps: int |
 
     card, reward, sets = card_ref("card", card), card_ref("reward", reward), override_items(overrides)
     compared = [card_ref("compare", c) for c in ([compare] if isinstance(compare, (str, os.PathLike)) else
-                                             sequence("compare", compare))]
+                                                 sequence("compare", compare))]
     judge, held_out_judge = card_ref("judge", judge), optional_card_ref("held_out_judge", held_out_judge)
     check(texts={"out_prefix": out_prefix, "stop_after": stop_after, "device": device},
-           paths={"recipe": recipe, "run_dir": run_dir, "data": data}, flags={"resume": resume, "force": force},
-           whole={"per_class": per_class, "micro_batches": micro_batches, "watch_every": watch_every},
-           optional_whole={"steps": steps}, callbacks={"on_log": on_log, "on_stage": on_stage}, command=command)
+          paths={"recipe": recipe, "run_dir": run_dir, "data": data}, flags={"resume": resume, "force": force},
+          whole={"per_class": per_class, "micro_batches": micro_batches, "watch_every": watch_every},
+          optional_whole={"steps": steps}, callbacks={"on_log": on_log, "on_stage": on_stage}, command=command)
     steps, per_class, micro_batches, watch_every = map(as_int, (steps, per_class, micro_batches, watch_every))
     out_dir = path("out_dir", out_dir)
     loaded = flywheel_recipe(card, reward, steps=steps, path=maybe_path(recipe), overrides=sets, prefix=out_prefix,
                              out_dir=out_dir)
     command = command or command_line("flywheel", [card], [("--reward", reward), ("--steps", steps),
-                                                       ("--recipe", recipe), *_sets(sets),
-                                                       ("--out-prefix", out_prefix), ("--data", data)])
+                                                           ("--recipe", recipe), *_sets(sets),
+                                                           ("--out-prefix", out_prefix), ("--data", data)])
     return run(loaded, command=command, out_dir=out_dir, run_dir=maybe_path(run_dir), resume=resume, force=force,
                device=device, data=maybe_text(data), judge=judge, held_out_judge=held_out_judge,
                per_class=per_class, compare=compared, stop_after=stop_after, on_log=on_log, on_stage=on_stage,
