@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -153,8 +154,6 @@ def as_cardtool_error() -> Iterator[None]:
 def said_as_cardtool_errors(call):
     """`call` (an entry point of the Python API) with the machine's errors in it raised as cardtool's own — a path
     too long for the file system, a full disk, memory — with the message its command prints (`as_cardtool_error`)."""
-    import functools
-
     @functools.wraps(call)
     def said(*args, **kwargs):
         with as_cardtool_error():

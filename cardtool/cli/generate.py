@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from cardtool.cli.output import LateProgress, counted, emit_json, handled, quoted_prompt, say, warn
+from cardtool.cli.output import UNDECODED, LateProgress, counted, emit_json, handled, quoted_prompt, say, warn
 from cardtool.errors import BadInput
 
 
@@ -137,7 +137,7 @@ def typed(text: str) -> str:
     UTF-8 turned off) it keeps each byte past 127 as a lone surrogate (PEP 383): `-p "a café"` arrives as
     'a caf\\udcc3\\udca9'. Those bytes, where they are UTF-8 (as a prompts file is read), are the prompt; others stay
     as they came, for the prompt's check to refuse."""
-    if not any("\udc80" <= c <= "\udcff" for c in text):
+    if not UNDECODED.search(text):
         return text
     import os
 

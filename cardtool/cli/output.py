@@ -144,13 +144,13 @@ def emit_json(document: dict) -> None:
     sys.stdout.write(text + "\n")
 
 
-_UNDECODED = re.compile("[\udc80-\udcff]")
+UNDECODED = re.compile("[\udc80-\udcff]")  # a byte Python could not decode (PEP 383)
 
 
 def _bytes_shown(value):
     """`value` with each undecoded byte of a path (surrogateescape's U+DC80–U+DCFF) as the text `\\udcXX`."""
     if isinstance(value, str):
-        return _UNDECODED.sub(lambda m: f"\\u{ord(m.group()):04x}", value)
+        return UNDECODED.sub(lambda m: f"\\u{ord(m.group()):04x}", value)
     if isinstance(value, dict):
         return {_bytes_shown(k): _bytes_shown(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
