@@ -84,6 +84,7 @@ def kernels(monkeypatch):
     registry.load_plugins()
     for reg in (registry.KERNELS, registry.COMPONENTS):
         monkeypatch.setattr(reg, "_cells", dict(reg._cells))
+        monkeypatch.setattr(reg, "_inputs", dict(reg._inputs))
         monkeypatch.setattr(reg, "_resolved", {})
     yield registry.KERNELS
     for reg in (registry.KERNELS, registry.COMPONENTS):

@@ -65,10 +65,24 @@ class Case:
 
 
 def cases(op: str) -> list[Case]:
-    """Seeded inputs at several shapes for `op`, covering its options (masks, per-sample σ, adapters)."""
-    if op not in _CASES:
-        raise KeyError(f"no parity inputs for op '{op}'")
-    return _CASES[op](np.random.default_rng(0))
+    """Seeded inputs at several shapes for `op`, covering its options (masks, per-sample σ, adapters); for an op a
+    plugin adds, those it registers (`kernels.register_inputs`, registry.ParityInputs)."""
+    if op in _CASES:
+        return _CASES[op](np.random.default_rng(0))
+    given = KERNELS.parity_inputs(op)
+    if given is None:
+        raise KeyError(f"no parity inputs for op '{op}': the plugin that adds it registers none "
+                       "(kernels.register_inputs)")
+    made = given.load()(np.random.default_rng(0))
+    if not isinstance(made, (list, tuple)) or not made or not all(_is_case(item) for item in made):
+        raise TypeError(f"{given.target} ({given.source}), the parity inputs of '{op}', must return a list of "
+                        f"(label, floats, fixed): text, then two dicts of keyword arguments; got {made!r}"[:400])
+    return [Case(label, dict(floats), dict(fixed)) for label, floats, fixed in made]
+
+
+def _is_case(item) -> bool:
+    return isinstance(item, (list, tuple)) and len(item) == 3 and isinstance(item[0], str) and all(
+        isinstance(part, dict) and all(isinstance(k, str) for k in part) for part in item[1:])
 
 
 def _flow_match_step(rng):
@@ -231,7 +245,8 @@ def _check(cell: Cell, dtype: str, platform: Platform) -> ParityRow:
 
 def _tolerance(op: str, dtype: str) -> tuple[float, float]:
     table = TOLERANCES[dtype]
-    return table.get(op, table["*"])
+    given = KERNELS.parity_inputs(op) if op not in table else None  # a plugin op's own, where it gives them
+    return given.tolerances.get(dtype, table["*"]) if given is not None else table.get(op, table["*"])
 
 
 def _round(value, dtype: str):

@@ -3,7 +3,8 @@
 A cell is a key plus a dotted import path held as a string and the availability checks that give the
 *reasons* it cannot run here (an empty list means it can). Nothing is imported until a cell is resolved,
 so listing every cell stays light. Out-of-tree packages add cells through the entry-point group
-`cardtool.backends`: each entry point names a function `register(components, kernels)`.
+`cardtool.backends`: each entry point names a function `register(components, kernels)`; a plugin that adds an op
+gives `cardtool parity` its inputs with `kernels.register_inputs` (`ParityInputs`).
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ import importlib
 import importlib.metadata
 import importlib.util
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cardtool.backends.platform import Platform
 from cardtool.errors import BadInput
 
-__all__ = ["Cell", "Registry", "COMPONENTS", "KERNELS", "NoCellAvailable", "load_plugins", "plugin_errors"]
+__all__ = ["Cell", "ParityInputs", "Registry", "COMPONENTS", "KERNELS", "NoCellAvailable", "load_plugins",
+           "plugin_errors"]
 
 ENTRY_POINT_GROUP = "cardtool.backends"
 
@@ -47,6 +49,27 @@ class Cell:
         return getattr(importlib.import_module(module), attribute)
 
 
+PARITY_DTYPES = ("float64", "float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ParityInputs:
+    """What `cardtool parity` runs the cells of an op a plugin adds on — the built-in ops have theirs in
+    backends/parity.py. `target` ("package.module:function") is called as function(rng), rng a seeded numpy
+    Generator, and returns a list of (label, floats, fixed): the label the report shows (the shapes), `floats` the
+    keyword arguments each precision rounds (numpy float arrays or numbers), `fixed` those passed as they are
+    (integer or boolean arrays, options). `tolerances`: dtype → (atol, rtol) where the op's conditioning is not
+    that of the table's default for the dtype."""
+    op: str
+    target: str
+    tolerances: dict[str, tuple[float, float]] = field(default_factory=dict)
+    source: str = "builtin"
+
+    def load(self) -> Callable:
+        module, _, attribute = self.target.partition(":")
+        return getattr(importlib.import_module(module), attribute)
+
+
 class Registry:
     """Cells keyed by (name, device[, arch], variant), resolved along a platform's chain."""
 
@@ -54,6 +77,7 @@ class Registry:
         self.title, self.fields = title, fields
         self._cells: dict[tuple[str, ...], Cell] = {}
         self._resolved: dict[tuple, tuple[Cell, Callable]] = {}
+        self._inputs: dict[str, ParityInputs] = {}
 
     def register(self, *key: str, target: str, requires: tuple[str, ...] = (), check: str | None = None,
                  dtypes: tuple[str, ...] | None = None, reference: bool = False, source: str = "builtin",
@@ -68,6 +92,29 @@ class Registry:
         self._cells[cell.key] = cell
         self._resolved.clear()
         return cell
+
+    def register_inputs(self, op: str, *, target: str, tolerances: dict | None = None,
+                        source: str = "builtin") -> ParityInputs:
+        """The parity inputs of `op`, an op a plugin adds (see ParityInputs). A built-in op's inputs are cardtool's:
+        every cell of it, a plugin's too, is held to the same ones."""
+        if any(c.key[0] == op and c.source == "builtin" for c in self._cells.values()):
+            raise ValueError(f"'{op}' is a built-in op: its parity inputs are cardtool's, and a plugin's cells of it "
+                             "are checked on them")
+        if not isinstance(target, str) or ":" not in target:
+            raise ValueError(f"parity inputs of '{op}': target must be 'package.module:function', got {target!r}")
+        checked = {}
+        for dtype, pair in (tolerances or {}).items():
+            if dtype not in PARITY_DTYPES or not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(
+                    isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t < float("inf") for t in pair)):
+                raise ValueError(f"parity inputs of '{op}': tolerances map a dtype ({', '.join(PARITY_DTYPES)}) to "
+                                 f"(atol, rtol), two numbers at least 0; got {dtype!r}: {pair!r}")
+            checked[dtype] = (float(pair[0]), float(pair[1]))
+        self._inputs[op] = ParityInputs(op, target, checked, source)
+        return self._inputs[op]
+
+    def parity_inputs(self, op: str) -> ParityInputs | None:
+        load_plugins()
+        return self._inputs.get(op)
 
     def unregister(self, *key: str) -> None:
         self._cells.pop(tuple(key), None)
@@ -175,3 +222,6 @@ class _Scoped:
 
     def register(self, *key: str, **kwargs) -> Cell:
         return self._registry.register(*key, **{**kwargs, "source": self._source})
+
+    def register_inputs(self, op: str, **kwargs) -> ParityInputs:
+        return self._registry.register_inputs(op, **{**kwargs, "source": self._source})

@@ -155,6 +155,11 @@ def test_an_op_only_a_plugin_registers_is_known_to_parity_and_fails_for_want_of_
     rows = {r["dtype"]: r for r in json.loads(result.stdout)["rows"]}
     assert not any(r["passed"] for r in rows.values()) and set(rows) == {"float64", "float32", "bfloat16"}
     assert "nothing can run kernel 'fancy_norm' (variant default) on numpy/generic" in rows["float32"]["error"]
+    kernels.register("fancy_norm", "numpy", "generic", "default", target="wrong_kernels:numpy_attention",
+                     reference=True)  # a reference, and still no inputs to run the two on: said how to give them
+    errors = {r.error for r in run_parity(Platform("cpu", "generic"), "fancy_norm")}
+    assert errors == {"KeyError: \"no parity inputs for op 'fancy_norm': the plugin that adds it registers none "
+                      "(kernels.register_inputs)\""}, errors
 
 
 def test_bf16_attention_keeps_short_key_sequences_in_float32_even_under_autocast():

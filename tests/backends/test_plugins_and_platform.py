@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from cardtool.backends import platform as platform_module
 from cardtool.backends import registry
+from cardtool.backends.parity import run_parity
 from cardtool.backends.platform import Platform, cpu_tier
 from cardtool.cli import app
 from cardtool.errors import BadInput
@@ -29,21 +30,28 @@ class ToyVae:
 '''
 
 
-@pytest.fixture
-def installed_plugin(tmp_path, monkeypatch, kernels):
-    """A small installed distribution (a package plus its dist-info) registering one kernel and one component."""
+def install(tmp_path, monkeypatch, package: str, register: str, ops: str):
+    """A small installed distribution (a package plus its dist-info) whose entry point is `register`; the plugins
+    are loaded again on next use."""
     site = tmp_path / "site"
-    (site / "dummy_backend").mkdir(parents=True)
-    (site / "dummy_backend" / "__init__.py").write_text(PLUGIN)
-    (site / "dummy_backend" / "ops.py").write_text(OPS)
-    info = site / "dummy_backend-0.1.dist-info"
+    (site / package).mkdir(parents=True)
+    (site / package / "__init__.py").write_text(register)
+    (site / package / "ops.py").write_text(ops)
+    info = site / f"{package}-0.1.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: dummy-backend\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[cardtool.backends]\ndummy = dummy_backend:register\n")
+    name = package.replace("_", "-")
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[cardtool.backends]\ndummy = {package}:register\n")
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.setattr(registry, "_plugins_loaded", False)
     monkeypatch.setattr(registry, "_plugin_errors", [])
-    yield site
+    return site
+
+
+@pytest.fixture
+def installed_plugin(tmp_path, monkeypatch, kernels):
+    """A plugin registering one kernel and one component."""
+    yield install(tmp_path, monkeypatch, "dummy_backend", PLUGIN, OPS)
     for module in ("dummy_backend", "dummy_backend.ops"):
         sys.modules.pop(module, None)
 
@@ -73,6 +81,107 @@ def test_a_broken_plugin_is_reported_not_fatal(installed_plugin):
     cell = registry.KERNELS.resolve("cfg_combine", Platform("cpu", "avx2"))[0]
     assert cell.name == "cfg_combine/cpu/generic/default"
     assert registry.plugin_errors() == ["dummy_backend:register (dummy): RuntimeError: boom"]
+
+
+SOFT_CAP = '''
+def register(components, kernels):
+    for key, target, reference in [(("numpy", "generic"), "numpy_soft_cap", True),
+                                   (("cpu", "generic"), "soft_cap", False), (("cpu", "avx2"), "clamped", False)]:
+        kernels.register("soft_cap", *key, "default", target="soft_cap_backend.ops:" + target, reference=reference)
+    kernels.register_inputs("soft_cap", target="soft_cap_backend.ops:INPUTS_FUNCTION", tolerances=TOLERANCES)
+'''
+SOFT_CAP_OPS = '''
+import numpy as np
+
+
+def numpy_soft_cap(x, cap):
+    """Logit soft-capping (Gemma 2): cap · tanh(x / cap)."""
+    return cap * np.tanh(x / cap)
+
+
+def soft_cap(x, cap):
+    import torch
+
+    return cap * torch.tanh(x / cap)
+
+
+def clamped(x, cap):  # wrong: a hard clamp agrees only where |x| is far below the cap
+    return x.clamp(-cap, cap)
+
+
+def inputs(rng):
+    return [("4x8, cap 2", {"x": 3 * rng.standard_normal((4, 8))}, {"cap": 2.0}),
+            ("2x3x5, cap 50", {"x": rng.standard_normal((2, 3, 5))}, {"cap": 50.0})]
+
+
+def not_inputs(rng):
+    return [("4x8", {"x": rng.standard_normal((4, 8))})]
+'''
+
+
+@pytest.fixture
+def soft_cap_plugin(tmp_path, monkeypatch, kernels):
+    def installed(inputs="inputs", tolerances="{'bfloat16': (0.03, 0.03)}"):
+        register = SOFT_CAP.replace("INPUTS_FUNCTION", inputs).replace("TOLERANCES", tolerances)
+        return install(tmp_path, monkeypatch, "soft_cap_backend", register, SOFT_CAP_OPS)
+
+    yield installed
+    for module in ("soft_cap_backend", "soft_cap_backend.ops"):
+        sys.modules.pop(module, None)
+
+
+def test_an_op_a_plugin_adds_is_held_to_its_reference_on_the_inputs_the_plugin_gives(soft_cap_plugin, monkeypatch):
+    soft_cap_plugin()
+    monkeypatch.setenv("CARDTOOL_ARCH", "avx2")
+    result = CliRunner().invoke(app, ["parity", "--device", "cpu", "--op", "soft_cap", "--json"])
+    assert result.exit_code == 1, result.output  # the clamp fails
+    rows = {(r["cell"], r["dtype"]): r for r in json.loads(result.stdout)["rows"]}
+    assert {key: row["passed"] for key, row in rows.items()} == {
+        ("soft_cap/cpu/generic/default", "float64"): True, ("soft_cap/cpu/generic/default", "float32"): True,
+        ("soft_cap/cpu/generic/default", "bfloat16"): True, ("soft_cap/cpu/avx2/default", "float64"): False,
+        ("soft_cap/cpu/avx2/default", "float32"): False,
+        ("soft_cap/cpu/avx2/default", "bfloat16"): True,  # against itself in float32, which fails against numpy
+    }, {key: row["error"] for key, row in rows.items()}
+    right = rows[("soft_cap/cpu/generic/default", "float64")]
+    assert right["shapes"] == ["4x8, cap 2", "2x3x5, cap 50"] and 0 <= right["max_abs_err"] < 1e-12
+    assert rows[("soft_cap/cpu/avx2/default", "float64")]["max_abs_err"] > 0.1
+    # the plugin's bfloat16 tolerance, the table's elsewhere
+    assert (rows[("soft_cap/cpu/generic/default", "bfloat16")]["atol"],
+            rows[("soft_cap/cpu/generic/default", "float32")]["atol"]) == (0.03, 1e-5)
+    source = registry.KERNELS.parity_inputs("soft_cap").source
+    assert source == "soft-cap-backend", "the inputs record the plugin that gave them"
+
+
+@pytest.mark.parametrize(("inputs", "tolerances", "error"), [
+    ("not_inputs", "{}", "must return a list of (label, floats, fixed)"),
+    ("missing", "{}", "AttributeError"),
+])
+def test_parity_inputs_that_are_not_cases_fail_the_rows_naming_the_function(soft_cap_plugin, inputs, tolerances,
+                                                                           error):
+    soft_cap_plugin(inputs, tolerances)
+    rows = run_parity(Platform("cpu", "generic"), "soft_cap")
+    assert rows and all(not r.passed and error in r.error for r in rows), [r.error for r in rows]
+    if inputs == "not_inputs":
+        assert "soft_cap_backend.ops:not_inputs (soft-cap-backend)" in rows[0].error
+
+
+@pytest.mark.parametrize(("tolerances", "said"), [("{'bfloat8': (1, 1)}", "'bfloat8'"),
+                                                   ("{'float16': (1e-3,)}", "(0.001,)"),
+                                                   ("{'float16': (1e-3, float('nan'))}", "nan")])
+def test_tolerances_a_plugin_cannot_mean_are_its_load_error(soft_cap_plugin, tolerances, said):
+    soft_cap_plugin(tolerances=tolerances)
+    errors = registry.plugin_errors()
+    assert len(errors) == 1 and "tolerances map a dtype" in errors[0] and said in errors[0], errors
+
+
+def test_a_plugin_cannot_give_a_built_in_op_other_inputs(kernels, tmp_path, monkeypatch):
+    register = ("def register(components, kernels):\n"
+                "    kernels.register_inputs('rms_norm', target='x.ops:inputs')\n")
+    install(tmp_path, monkeypatch, "other_inputs", register, "")
+    assert registry.plugin_errors() == ["other_inputs:register (dummy): ValueError: 'rms_norm' is a built-in op: its "
+                                        "parity inputs are cardtool's, and a plugin's cells of it are checked on them"]
+    assert registry.KERNELS.parity_inputs("rms_norm") is None
+    sys.modules.pop("other_inputs", None)
 
 
 def test_cpu_tier_from_flags():
