@@ -77,3 +77,36 @@ def test_a_run_in_a_folder_whose_name_is_not_utf8_writes_its_checkpoint_and_card
     assert checkpoint_metadata(Path(run_dir) / "checkpoint.safetensors")["step"] == "1"
     card = load_card(out)
     assert card.manifest.recipe.command.endswith("--run-dir $'" + f"{tmp_path}/run\\xe9' --out $'{tmp_path}/card\\xe9'")
+
+
+def test_a_card_extending_one_whose_folder_name_is_not_utf8_is_refused_before_the_work(tmp_path, monkeypatch):
+    """A manifest names the card it extends by id where it can, else by a relative path — which, through a folder
+    named with bytes that are not UTF-8, no manifest (UTF-8 text) holds: the card was refused at its write, after
+    the training. Now each command refuses before its work and writes nothing; a card written beside its parent
+    names it by id, and is made."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CARDTOOL_PATH", str(EXAMPLE_CARDS))
+    folder = named(tmp_path, b"caf\xe9")
+    base, tuned = f"{folder}/tiny-base", f"{folder}/tiny-rl"
+    shutil.copytree(EXAMPLE_CARDS / "tiny-base", base)
+    shutil.copytree(EXAMPLE_CARDS / "tiny-rl", tuned)
+    quick = ["--set", "optim.steps=1", "--set", "optim.batch_size=4", "--set", "train.precision=float32"]
+    commands = {
+        "distill": ["distill", base, "--steps", "2", *quick, "--no-eval", "--run-dir", "runs"],
+        "rl": ["rl", base, "--reward", "tiny-judge", *quick, "--no-eval", "--run-dir", "runs"],
+        "flywheel": ["flywheel", base, "--reward", "tiny-judge", "--judge", "tiny-judge", "--held-out-judge", "",
+                     "--stop-after", "distill", "--run-dir", "runs", "--out-dir", "cards"],
+        "extract-lora": ["cards", "extract-lora", base, tuned, "--rank", "2", "--id", "lora"],
+        "merge": ["cards", "merge", base, tuned, "--id", "soup"],
+    }
+    for name, args in commands.items():
+        result = CliRunner().invoke(app, [*args, *(["--out", "new"] if name != "flywheel" else []), "--json"])
+        assert result.exit_code == 2, (name, result.output)
+        said = json.loads(result.stdout)["error"]["message"]
+        assert said.startswith("the new card extends 'tiny-base', which its manifest names by the path '../") and \
+            "caf\\udce9/tiny-base', and a manifest (UTF-8 text) cannot hold it" in said, (name, said)
+        assert sorted(os.listdir(tmp_path)) == [os.fsdecode(b"caf\xe9")], (name, "nothing written")
+    student = run("distill", base, "--steps", "2", *quick, "--no-eval", "--run-dir", "runs", "--out",
+                  f"{folder}/student")
+    assert student["extends"] == "tiny-base", "beside its parent: named by id"
+    assert run("generate", f"{folder}/student", "-p", "a bag", "--out", "o.png")["images"]

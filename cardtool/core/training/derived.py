@@ -13,6 +13,7 @@ from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.source import MANIFEST_NAMES, peek_id
 from cardtool.errors import BadInput, CardtoolError, RunFailed, write_remedy
+from cardtool.paths import utf8_name
 
 __all__ = ["card_name", "default_id", "extends_reference", "evaluate_output", "held_out_output", "recipe_fingerprint",
            "trained_parts", "write_output"]
@@ -51,13 +52,20 @@ def default_id(ref: str, suffix: str) -> str:
 
 def extends_reference(parent: Card, out: Path) -> str:
     """The id where that finds this very parent from the new card's folder (a built-in parent, or one beside it),
-    else the relative path."""
+    else the relative path — refused (BadInput) where that path is no text a manifest can hold: a folder on it named
+    with bytes that are not UTF-8. The commands ask before their work (`writable_outputs`), not at the card's write."""
     try:
         if locate(parent.id, near=out.parent.resolve()).resolve() == parent.file.resolve():
             return parent.id
     except BadInput:
         pass
-    return os.path.relpath(parent.folder.resolve(), out.parent.resolve() / out.name)
+    reference = os.path.relpath(parent.folder.resolve(), out.parent.resolve() / out.name)
+    if not utf8_name(reference):
+        raise BadInput(f"the new card extends '{parent.id}', which its manifest names by the path {reference!r}, and "
+                       "a manifest (UTF-8 text) cannot hold it: a folder on it is named with bytes that are not UTF-8; "
+                       f"rename that folder, copy the card to one whose name is UTF-8, or write the new card "
+                       f"(--out) where '{parent.id}' is found by its id"[:600])
+    return reference
 
 
 def recipe_fingerprint(recipe, data: str | None = None) -> str:

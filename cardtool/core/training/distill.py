@@ -114,7 +114,8 @@ def distill(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: P
     teacher = load_card(locate(recipe.parents[0]))
     out = Path(out or Path("cards") / recipe.card.id)
     run_dir = Path(run_dir or Path("runs") / recipe.card.id)
-    writable_outputs(out, run_dir, replace=force, flag="--force", card_id=recipe.card.id, parents=[teacher])
+    writable_outputs(out, run_dir, replace=force, flag="--force", card_id=recipe.card.id, parents=[teacher],
+                     extends=teacher)
     if evaluate or watch_every:
         from cardtool.core.evaluation.reward import check_held_out, reward_card
 

@@ -133,7 +133,7 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
     out = Path(out or Path("cards") / recipe.card.id)
     run_dir = Path(run_dir or Path("runs") / recipe.card.id)
     writable_outputs(out, run_dir, replace=force, flag="--force", card_id=recipe.card.id,
-                     parents=[base, reward_card(recipe.parents[1])[0]])
+                     parents=[base, reward_card(recipe.parents[1])[0]], extends=base)
     judges = [judge, *([held_out_judge] if held_out_judge else [])]
     if evaluate or watch_every:
         for name in judges:

@@ -31,8 +31,9 @@ def train(recipe: Recipe, *, command: str, out: Path | None = None, run_dir: Pat
     platform = Platform.detect(device)
     out = Path(out or Path("cards") / recipe.card.id)
     run_dir = Path(run_dir or Path("runs") / recipe.card.id)
-    writable_outputs(out, run_dir, replace=overwrite, flag="--overwrite", card_id=recipe.card.id,
-                     parents=[load_card(locate(ref)) for ref in recipe.parents])
+    made_from = [load_card(locate(ref)) for ref in recipe.parents]
+    writable_outputs(out, run_dir, replace=overwrite, flag="--overwrite", card_id=recipe.card.id, parents=made_from,
+                     extends=made_from[0] if recipe.method in ("lora", "controlnet") and made_from else None)
     folder = recipe.data.get("folder") if data is None else data
     method = recipe.method
     size = IMAGE_SIZE

@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -33,6 +34,9 @@ from cardtool.core.training.run_lock import LOCK, run_claimed
 from cardtool.errors import BadInput, OutOfMemory, RunFailed, write_remedy
 from cardtool.files import is_regular_file, parse_json
 from cardtool.paths import opened_by_utf8_name
+
+if TYPE_CHECKING:
+    from cardtool.core.cards.loader import Card
 
 __all__ = ["Task", "TrainingDiverged", "TrainResult", "check_run", "check_start", "train_loop", "writable_outputs",
            "CHECKPOINT"]
@@ -335,16 +339,19 @@ def _train(task: Task, recipe: Recipe, platform: Platform, run_dir: Path, resume
 
 
 def writable_outputs(out: Path, run_dir: Path, *, replace: bool, flag: str, card_id: str, parents=(),
-                     rename: str = "--set card.id=NAME", relocate: str = "--out") -> None:
+                     rename: str = "--set card.id=NAME", relocate: str = "--out", extends: Card | None = None) -> None:
     """The folder the card goes in and the run folder, proven usable before training, not after it: writable, apart
     (a card is written as a whole new folder, so a run folder at or inside it would stop the card at the end), no
     folder at `out` unless `replace` (the command's `flag`) — and then one `write_card` may replace — and `card_id`
     neither another card's on the search path `out` is in nor one in the lineage of the `parents` it is made from,
-    nor `out` the folder of such a card."""
+    nor `out` the folder of such a card; the card it `extends` one its manifest can name from `out`."""
     from cardtool.core.cards.lineage import check_new_folder, check_new_id
     from cardtool.core.cards.writer import card_folder_usable
+    from cardtool.core.training.derived import extends_reference
 
     refuse_stream(run_dir, "a run's checkpoints are written as files in a folder", option="--run-dir")
+    if extends is not None:
+        extends_reference(extends, Path(out))
     check_new_id(card_id, list(parents), f"give the new card another id ({rename})")
     check_new_folder(out, list(parents))
     # proven writable, not made: a check after this one may yet refuse the run (the write makes the folders)

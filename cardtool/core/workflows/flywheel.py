@@ -203,7 +203,7 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
     # before the first stage, not after it; an existing stage card is the stage's to skip or (--force) replace
     elsewhere = {"rename": "--out-prefix NAME", "relocate": "--out-dir"}
     writable_outputs(Path(out_dir) / recipe.rl.card.id, run_dir, replace=True, flag="--force",
-                     card_id=recipe.rl.card.id, **elsewhere)
+                     card_id=recipe.rl.card.id, extends=base, **elsewhere)
     writable_outputs(Path(out_dir) / recipe.distill.card.id, run_dir, replace=True, flag="--force",
                      card_id=recipe.distill.card.id, **elsewhere)
     platform = Platform.detect(device)
