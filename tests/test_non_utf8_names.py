@@ -110,3 +110,23 @@ def test_a_card_extending_one_whose_folder_name_is_not_utf8_is_refused_before_th
                   f"{folder}/student")
     assert student["extends"] == "tiny-base", "beside its parent: named by id"
     assert run("generate", f"{folder}/student", "-p", "a bag", "--out", "o.png")["images"]
+
+
+def test_a_card_whose_parent_is_found_by_id_in_a_folder_whose_name_is_not_utf8_loads_and_runs(tmp_path, monkeypatch):
+    """The parent on CARDTOOL_PATH in such a folder, the new card beside the working folder: `extends` names it by id,
+    and the inherited weights' paths, rebased from the parent's folder, hold the byte — refused by the manifest's
+    text fields, so the student trained and then failed to load. Taken as the file names they are."""
+    monkeypatch.chdir(tmp_path)
+    folder = named(tmp_path, b"caf\xe9")
+    shutil.copytree(EXAMPLE_CARDS / "tiny-base", f"{folder}/tiny-base")
+    monkeypatch.setenv("CARDTOOL_PATH", f"{folder}{os.pathsep}{EXAMPLE_CARDS / 'tiny-judge'}")
+    made = run("distill", "tiny-base", "--steps", "2", "--set", "optim.steps=1", "--set", "optim.batch_size=4",
+               "--set", "train.precision=float32", "--no-eval", "--run-dir", "runs", "--out", "student")
+    assert made["extends"] == "tiny-base"
+    student = load_card("student")
+    assert student.manifest.components["vae"].weights == os.fsdecode(b"../caf\xe9/tiny-base/vae.safetensors")
+    assert run("cards", "validate", "student", "--checksums")["ok"]
+    assert run("generate", "student", "-p", "a bag", "--out", "o.png")["images"]
+    shown = run("cards", "show", "student")
+    assert shown["card"]["components"]["vae"]["weights"] == "../caf\\udce9/tiny-base/vae.safetensors"
+    assert run("cards", "export", "student", "--out", "hf")["files"]

