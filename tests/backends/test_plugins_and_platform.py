@@ -6,6 +6,7 @@ import json
 import sys
 
 import pytest
+from helpers import REPO
 from typer.testing import CliRunner
 
 from cardtool.backends import platform as platform_module
@@ -30,18 +31,18 @@ class ToyVae:
 '''
 
 
-def install(tmp_path, monkeypatch, package: str, register: str, ops: str):
-    """A small installed distribution (a package plus its dist-info) whose entry point is `register`; the plugins
-    are loaded again on next use."""
+def install(tmp_path, monkeypatch, package: str, register: str, ops: str, name: str | None = None,
+            entry: str = "dummy", target: str | None = None):
+    """A small installed distribution (a package plus its dist-info) whose entry point `entry` is `target`
+    (`package:register`); the plugins are loaded again on next use."""
     site = tmp_path / "site"
     (site / package).mkdir(parents=True)
     (site / package / "__init__.py").write_text(register)
     (site / package / "ops.py").write_text(ops)
     info = site / f"{package}-0.1.dist-info"
     info.mkdir()
-    name = package.replace("_", "-")
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(f"[cardtool.backends]\ndummy = {package}:register\n")
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name or package.replace('_', '-')}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[cardtool.backends]\n{entry} = {target or package + ':register'}\n")
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.setattr(registry, "_plugins_loaded", False)
     monkeypatch.setattr(registry, "_plugin_errors", [])
@@ -83,55 +84,42 @@ def test_a_broken_plugin_is_reported_not_fatal(installed_plugin):
     assert registry.plugin_errors() == ["dummy_backend:register (dummy): RuntimeError: boom"]
 
 
-SOFT_CAP = '''
-def register(components, kernels):
-    for key, target, reference in [(("numpy", "generic"), "numpy_soft_cap", True),
-                                   (("cpu", "generic"), "soft_cap", False), (("cpu", "avx2"), "clamped", False)]:
-        kernels.register("soft_cap", *key, "default", target="soft_cap_backend.ops:" + target, reference=reference)
-    kernels.register_inputs("soft_cap", target="soft_cap_backend.ops:INPUTS_FUNCTION", tolerances=TOLERANCES)
-'''
-SOFT_CAP_OPS = '''
-import numpy as np
-
-
-def numpy_soft_cap(x, cap):
-    """Logit soft-capping (Gemma 2): cap · tanh(x / cap)."""
-    return cap * np.tanh(x / cap)
-
-
-def soft_cap(x, cap):
-    import torch
-
-    return cap * torch.tanh(x / cap)
-
-
-def clamped(x, cap):  # wrong: a hard clamp agrees only where |x| is far below the cap
-    return x.clamp(-cap, cap)
-
-
-def inputs(rng):
-    return [("4x8, cap 2", {"x": 3 * rng.standard_normal((4, 8))}, {"cap": 2.0}),
-            ("2x3x5, cap 50", {"x": rng.standard_normal((2, 3, 5))}, {"cap": 50.0})]
-
-
-def not_inputs(rng):
-    return [("4x8", {"x": rng.standard_normal((4, 8))})]
-'''
-
-
 @pytest.fixture
 def soft_cap_plugin(tmp_path, monkeypatch, kernels):
-    def installed(inputs="inputs", tolerances="{'bfloat16': (0.03, 0.03)}"):
-        register = SOFT_CAP.replace("INPUTS_FUNCTION", inputs).replace("TOLERANCES", tolerances)
-        return install(tmp_path, monkeypatch, "soft_cap_backend", register, SOFT_CAP_OPS)
+    """examples/plugin installed as pip would: its package, and a dist-info with its pyproject's entry point; the
+    parity inputs it registers are replaced where a test asks."""
+    from cardtool.core.cards.source import _toml
+
+    plugin = REPO / "examples" / "plugin"
+    project = _toml().loads((plugin / "pyproject.toml").read_text())["project"]
+    [(name, target)] = project["entry-points"]["cardtool.backends"].items()
+
+    def installed(inputs: str | None = None, tolerances: str | None = None):
+        register = (plugin / "cardtool_soft_cap" / "__init__.py").read_text()
+        if inputs is not None:
+            register = register.replace("ops:parity_inputs", f"ops:{inputs}")
+        if tolerances is not None:
+            register = register.replace('{"bfloat16": (3e-2, 3e-2)}', tolerances)
+        ops = (plugin / "cardtool_soft_cap" / "ops.py").read_text() + NOT_INPUTS
+        return install(tmp_path, monkeypatch, "cardtool_soft_cap", register, ops, project["name"], name, target)
 
     yield installed
-    for module in ("soft_cap_backend", "soft_cap_backend.ops"):
+    for module in ("cardtool_soft_cap", "cardtool_soft_cap.ops"):
         sys.modules.pop(module, None)
 
 
-def test_an_op_a_plugin_adds_is_held_to_its_reference_on_the_inputs_the_plugin_gives(soft_cap_plugin, monkeypatch):
+NOT_INPUTS = """
+
+def not_inputs(rng):
+    return [("4x8", {"x": rng.standard_normal((4, 8))})]
+"""
+
+
+def test_an_op_a_plugin_adds_is_held_to_its_reference_on_the_inputs_the_plugin_gives(soft_cap_plugin, kernels,
+                                                                                    monkeypatch):
     soft_cap_plugin()
+    registry.load_plugins()
+    kernels.register("soft_cap", "cpu", "avx2", "default", target="wrong_kernels:soft_cap_clamped")
     monkeypatch.setenv("CARDTOOL_ARCH", "avx2")
     result = CliRunner().invoke(app, ["parity", "--device", "cpu", "--op", "soft_cap", "--json"])
     assert result.exit_code == 1, result.output  # the clamp fails
@@ -143,26 +131,24 @@ def test_an_op_a_plugin_adds_is_held_to_its_reference_on_the_inputs_the_plugin_g
         ("soft_cap/cpu/avx2/default", "bfloat16"): True,  # against itself in float32, which fails against numpy
     }, {key: row["error"] for key, row in rows.items()}
     right = rows[("soft_cap/cpu/generic/default", "float64")]
-    assert right["shapes"] == ["4x8, cap 2", "2x3x5, cap 50"] and 0 <= right["max_abs_err"] < 1e-12
+    assert right["shapes"] == ["4x8, cap 2: most values saturate", "2x3x5, cap 50: nearly the identity"]
+    assert 0 <= right["max_abs_err"] < 1e-12
     assert rows[("soft_cap/cpu/avx2/default", "float64")]["max_abs_err"] > 0.1
     # the plugin's bfloat16 tolerance, the table's elsewhere
     assert (rows[("soft_cap/cpu/generic/default", "bfloat16")]["atol"],
             rows[("soft_cap/cpu/generic/default", "float32")]["atol"]) == (0.03, 1e-5)
     source = registry.KERNELS.parity_inputs("soft_cap").source
-    assert source == "soft-cap-backend", "the inputs record the plugin that gave them"
+    assert source == "cardtool-soft-cap", "the inputs record the plugin that gave them"
 
 
-@pytest.mark.parametrize(("inputs", "tolerances", "error"), [
-    ("not_inputs", "{}", "must return a list of (label, floats, fixed)"),
-    ("missing", "{}", "AttributeError"),
-])
-def test_parity_inputs_that_are_not_cases_fail_the_rows_naming_the_function(soft_cap_plugin, inputs, tolerances,
-                                                                           error):
-    soft_cap_plugin(inputs, tolerances)
+@pytest.mark.parametrize(("inputs", "error"), [("not_inputs", "must return a list of (label, floats, fixed)"),
+                                               ("missing", "AttributeError")])
+def test_parity_inputs_that_are_not_cases_fail_the_rows_naming_the_function(soft_cap_plugin, inputs, error):
+    soft_cap_plugin(inputs)
     rows = run_parity(Platform("cpu", "generic"), "soft_cap")
     assert rows and all(not r.passed and error in r.error for r in rows), [r.error for r in rows]
     if inputs == "not_inputs":
-        assert "soft_cap_backend.ops:not_inputs (soft-cap-backend)" in rows[0].error
+        assert "cardtool_soft_cap.ops:not_inputs (cardtool-soft-cap)" in rows[0].error
 
 
 @pytest.mark.parametrize(("tolerances", "said"), [("{'bfloat8': (1, 1)}", "'bfloat8'"),
