@@ -97,6 +97,9 @@ class Registry:
                         source: str = "builtin") -> ParityInputs:
         """The parity inputs of `op`, an op a plugin adds (see ParityInputs). A built-in op's inputs are cardtool's:
         every cell of it, a plugin's too, is held to the same ones."""
+        if "op" not in self.fields:  # a component is checked by `parity --card` on a card's own weights
+            raise ValueError(f"parity inputs are a kernel op's (kernels.register_inputs); '{op}' was given to the "
+                             f"{self.title} registry")
         if any(c.key[0] == op and c.source == "builtin" for c in self._cells.values()):
             raise ValueError(f"'{op}' is a built-in op: its parity inputs are cardtool's, and a plugin's cells of it "
                              "are checked on them")

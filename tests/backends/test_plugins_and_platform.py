@@ -160,13 +160,19 @@ def test_tolerances_a_plugin_cannot_mean_are_its_load_error(soft_cap_plugin, tol
     assert len(errors) == 1 and "tolerances map a dtype" in errors[0] and said in errors[0], errors
 
 
-def test_a_plugin_cannot_give_a_built_in_op_other_inputs(kernels, tmp_path, monkeypatch):
-    register = ("def register(components, kernels):\n"
-                "    kernels.register_inputs('rms_norm', target='x.ops:inputs')\n")
-    install(tmp_path, monkeypatch, "other_inputs", register, "")
-    assert registry.plugin_errors() == ["other_inputs:register (dummy): ValueError: 'rms_norm' is a built-in op: its "
-                                        "parity inputs are cardtool's, and a plugin's cells of it are checked on them"]
-    assert registry.KERNELS.parity_inputs("rms_norm") is None
+@pytest.mark.parametrize(("call", "said"), [
+    ("kernels.register_inputs('rms_norm', target='x.ops:inputs')",
+     "ValueError: 'rms_norm' is a built-in op: its parity inputs are cardtool's, and a plugin's cells of it are "
+     "checked on them"),
+    ("components.register_inputs('toy', target='x.ops:inputs')",
+     "ValueError: parity inputs are a kernel op's (kernels.register_inputs); 'toy' was given to the component "
+     "registry"),
+    ("kernels.register_inputs('toy', target='x.ops.inputs')",
+     "ValueError: parity inputs of 'toy': target must be 'package.module:function', got 'x.ops.inputs'")])
+def test_parity_inputs_a_plugin_cannot_give_are_its_load_error(kernels, tmp_path, monkeypatch, call, said):
+    install(tmp_path, monkeypatch, "other_inputs", f"def register(components, kernels):\n    {call}\n", "")
+    assert registry.plugin_errors() == [f"other_inputs:register (dummy): {said}"]
+    assert registry.KERNELS.parity_inputs("rms_norm") is None and registry.KERNELS.parity_inputs("toy") is None
     sys.modules.pop("other_inputs", None)
 
 
