@@ -6,6 +6,7 @@ import contextlib
 import errno
 import functools
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,6 +21,15 @@ class CardtoolError(Exception):
     exit_code = 2
     kind = "bad_input"  # the `--json` error document's kind
     partial: dict | None = None  # the finished work a failed or interrupted command keeps, for `--json`
+
+    def __str__(self) -> str:
+        """The message with each lone surrogate it quotes — a byte of a path that is not UTF-8 (U+DC80–U+DCFF), or
+        what a Python caller passed — as the text `\\udcXX`, as the command line prints it: text any stream can
+        write (`print(error)` to a UTF-8 stdout raised UnicodeEncodeError)."""
+        return _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", super().__str__())
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class RunFailed(CardtoolError):

@@ -127,6 +127,22 @@ def test_a_path_no_file_name_can_be_is_bad_input_in_every_call(tmp_path, monkeyp
     assert list((tmp_path / "work").iterdir()) == []
 
 
+def test_an_errors_message_is_text_any_stream_writes_whatever_the_caller_passed(monkeypatch):
+    """A message quoting a caller's lone surrogate (a card id, an adapter's name) made `print(error)` raise
+    UnicodeEncodeError on a UTF-8 stdout; it says each as the text \\udXXX, as the command line prints an undecoded
+    byte, and `args` keeps the value as given."""
+    monkeypatch.setenv("CARDTOOL_PATH", str(REPO / "examples" / "cards"))
+    with pytest.raises(cardtool.BadInput) as found:
+        cardtool.LoadedCard("tiny-\ud800")
+    with pytest.raises(cardtool.BadInput) as named:
+        cardtool.generate("tiny-base", "a bag", steps=1, out=None, adapters=[("x\udce9", 1.0)])
+    assert str(found.value).startswith("no card with id 'tiny-\\ud800'; searched ")
+    assert str(named.value) == "card 'tiny-base' declares no adapter 'x\\udce9'; its adapters: invert"
+    for error in (found.value, named.value):
+        str(error).encode("utf-8")
+    assert "\ud800" in found.value.args[0]
+
+
 def test_the_machines_errors_in_a_call_are_cardtools(tmp_path, monkeypatch):
     """A disk's error where a call reads is RunFailed, as its command says it; a NUL byte that reaches a file call
     is BadInput; any other error as it is."""

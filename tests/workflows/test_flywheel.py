@@ -109,7 +109,9 @@ def test_a_report_the_disk_cannot_take_is_not_lost(examples, tmp_path, monkeypat
     result = run(examples, tmp_path)
     assert result.exit_code == 1, result.output
     error = json.loads(result.stdout)["error"]
-    assert "report could not be written" in error["message"] and "No space left on device" in error["message"]
+    report = tmp_path / "run" / "flywheel.json"
+    assert error["message"] == f"the flywheel ran, but its report could not be written to {report}: No space left on " \
+                               "device; the report is under 'partial' (--json)", "the system's words, once"
     assert [row["card"] for row in error["partial"]["cards"]] == ["tiny-base", "tiny-base-nft", "tiny-base-nft-1step"]
 
 
