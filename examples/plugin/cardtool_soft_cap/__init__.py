@@ -13,4 +13,4 @@ def register(components, kernels):
     # the inputs every cell of the op runs on; tolerances only where the op's conditioning needs its own (the
     # table's bfloat16 default would do for tanh: declared here to show where one goes)
     kernels.register_inputs("soft_cap", target="cardtool_soft_cap.ops:parity_inputs",
-                            tolerances={"bfloat16": (3e-2, 3e-2)})
+                            tolerances={"bfloat16": (2e-2, 3e-2)})
