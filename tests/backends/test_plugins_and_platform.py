@@ -112,6 +112,26 @@ NOT_INPUTS = """
 
 def not_inputs(rng):
     return [("4x8", {"x": rng.standard_normal((4, 8))})]
+
+
+def floats_not_a_dict(rng):
+    return [("4x8", [rng.standard_normal((4, 8))], {"cap": 2.0})]
+
+
+def fixed_not_a_dict(rng):
+    return [("4x8", {"x": rng.standard_normal((4, 8))}, 2.0)]
+
+
+def keys_not_text(rng):
+    return [("4x8", {"x": rng.standard_normal((4, 8))}, {1: 2.0})]
+
+
+def label_not_text(rng):
+    return [(48, {"x": rng.standard_normal((4, 8))}, {"cap": 2.0})]
+
+
+def no_inputs(rng):
+    return []
 """
 
 
@@ -142,8 +162,10 @@ def test_an_op_a_plugin_adds_is_held_to_its_reference_on_the_inputs_the_plugin_g
     assert source == "cardtool-soft-cap", "the inputs record the plugin that gave them"
 
 
-@pytest.mark.parametrize(("inputs", "error"), [("not_inputs", "must return a list of (label, floats, fixed)"),
-                                               ("missing", "AttributeError")])
+@pytest.mark.parametrize(("inputs", "error"), [
+    *((name, "must return a list of (label, floats, fixed)") for name in (
+        "not_inputs", "floats_not_a_dict", "fixed_not_a_dict", "keys_not_text", "label_not_text", "no_inputs")),
+    ("missing", "AttributeError")])
 def test_parity_inputs_that_are_not_cases_fail_the_rows_naming_the_function(soft_cap_plugin, inputs, error):
     soft_cap_plugin(inputs)
     rows = run_parity(Platform("cpu", "generic"), "soft_cap")
