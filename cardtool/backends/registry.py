@@ -45,8 +45,13 @@ class Cell:
         return "/".join(self.key)
 
     def load(self) -> Callable:
-        module, _, attribute = self.target.partition(":")
-        return getattr(importlib.import_module(module), attribute)
+        return _imported(self.target)
+
+
+def _imported(target: str) -> Callable:
+    """The attribute a "package.module:attribute" target names, its module imported now."""
+    module, _, attribute = target.partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 PARITY_DTYPES = ("float64", "float32", "float16", "bfloat16")
@@ -66,8 +71,7 @@ class ParityInputs:
     source: str = "builtin"
 
     def load(self) -> Callable:
-        module, _, attribute = self.target.partition(":")
-        return getattr(importlib.import_module(module), attribute)
+        return _imported(self.target)
 
 
 class Registry:
