@@ -196,7 +196,7 @@ def test_a_lower_max_batch_measures_the_same_images(examples, tmp_path):
     args = ["eval", str(examples / "tiny-base"), "--judge", str(examples / "tiny-judge"), "--per-class", "2",
             "--steps", "2", "--data", str(write_idx_folder(tmp_path / "idx")), "--json"]
     rows = []
-    for extra in ([], ["--max-batch", "3"]):
+    for extra in ([], ["--max-batch", "1"]):  # the least: one request a forward
         result = CliRunner().invoke(app, [*args, *extra])
         assert result.exit_code == 0, result.output
         [row] = json.loads(result.stdout)["rows"]
