@@ -55,6 +55,7 @@ def _imported(target: str) -> Callable:
 
 
 PARITY_DTYPES = ("float64", "float32", "float16", "bfloat16")
+ORACLE = ("numpy", "generic", "default")  # (device, arch, variant) of an op's numpy reference
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,17 @@ class Registry:
                  kind: str | None = None, schema: str | None = None) -> Cell:
         if len(key) != len(self.fields):
             raise ValueError(f"{self.title} keys are ({', '.join(self.fields)}), got {key}")
+        name = "/".join(key)
+        # parity resolves an op's oracle at numpy/generic/default and checks every other cell against it: a
+        # reference elsewhere would only take that cell out of parity, and a plugin replacing the built-in
+        # oracle would hold cardtool's cells to its own kernel
+        if reference and "op" in self.fields and tuple(key[1:]) != ORACLE:
+            raise ValueError(f"{name}: an op's oracle is its {'/'.join(ORACLE)} cell, where parity finds it; "
+                             "register this one without reference=True and parity checks it")
+        replaced = self._cells.get(tuple(key))
+        if source != "builtin" and replaced is not None and replaced.source == "builtin" and replaced.reference:
+            raise ValueError(f"{name} is cardtool's numpy oracle of '{key[0]}', which parity holds every cell of it "
+                             f"to; add a numpy kernel as another variant ({key[0]}/numpy/generic/NAME)")
         if dtypes is None and key[self.fields.index("device")] == "numpy":  # numpy has no bfloat16 to run one at
             dtypes = ("float64", "float32")
         extra = {"dtypes": dtypes} if dtypes is not None else {}

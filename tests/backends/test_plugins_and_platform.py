@@ -44,6 +44,8 @@ def install(tmp_path, monkeypatch, package: str, register: str, ops: str, name: 
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name or package.replace('_', '-')}\nVersion: 0.1\n")
     (info / "entry_points.txt").write_text(f"[cardtool.backends]\n{entry} = {target or package + ':register'}\n")
     monkeypatch.syspath_prepend(str(site))
+    for module in (package, f"{package}.ops"):  # another test's package of that name, imported before
+        monkeypatch.delitem(sys.modules, module, raising=False)
     monkeypatch.setattr(registry, "_plugins_loaded", False)
     monkeypatch.setattr(registry, "_plugin_errors", [])
     return site
@@ -197,6 +199,37 @@ def test_parity_inputs_a_plugin_cannot_give_are_its_load_error(kernels, tmp_path
     assert registry.plugin_errors() == [f"other_inputs:register (dummy): {said}"]
     assert registry.KERNELS.parity_inputs("rms_norm") is None and registry.KERNELS.parity_inputs("toy") is None
     sys.modules.pop("other_inputs", None)
+
+
+@pytest.mark.parametrize(("call", "said"), [
+    ("kernels.register('rms_norm', 'numpy', 'generic', 'default', target='wrong_kernels:numpy_attention')",
+     "ValueError: rms_norm/numpy/generic/default is cardtool's numpy oracle of 'rms_norm', which parity holds every "
+     "cell of it to; add a numpy kernel as another variant (rms_norm/numpy/generic/NAME)"),
+    ("kernels.register('rms_norm', 'numpy', 'generic', 'fast', target='x:y', reference=True)",
+     "ValueError: rms_norm/numpy/generic/fast: an op's oracle is its numpy/generic/default cell, where parity finds "
+     "it; register this one without reference=True and parity checks it")])
+def test_a_plugin_neither_replaces_an_ops_oracle_nor_takes_its_cell_out_of_parity(kernels, tmp_path, monkeypatch,
+                                                                                 call, said):
+    """Parity holds every cell of an op to its numpy/generic/default cell and skips reference cells: a plugin's cell
+    there would make cardtool's kernels answer to the plugin's, and one marked reference elsewhere would go unchecked.
+    Replacing a built-in cell that is not the oracle is what a plugin may do: parity then checks the plugin's."""
+    install(tmp_path, monkeypatch, "other_cells", f"def register(components, kernels):\n    {call}\n", "")
+    assert registry.plugin_errors() == [f"other_cells:register (dummy): {said}"]
+    oracle = registry.KERNELS.resolve("rms_norm", Platform("numpy", "generic"))[0]
+    assert (oracle.source, oracle.reference) == ("builtin", True)
+    assert all(c.key[3] != "fast" for c in registry.KERNELS.cells() if c.key[0] == "rms_norm")
+    sys.modules.pop("other_cells", None)
+
+
+def test_a_plugin_may_replace_a_built_in_cell_that_is_not_the_oracle_and_parity_checks_it(kernels, tmp_path,
+                                                                                         monkeypatch):
+    call = "kernels.register('rms_norm', 'cpu', 'generic', 'default', target='wrong_kernels:rms_norm_eps_1e3')"
+    install(tmp_path, monkeypatch, "other_cells", f"def register(components, kernels):\n    {call}\n", "")
+    cell = registry.KERNELS.resolve("rms_norm", Platform("cpu", "generic"))[0]
+    assert (cell.source, registry.plugin_errors()) == ("other-cells", [])
+    rows = [r for r in run_parity(Platform("cpu", "generic"), "rms_norm") if r.cell == "rms_norm/cpu/generic/default"]
+    assert rows and not any(r.passed for r in rows if r.dtype != "bfloat16"), "held to cardtool's oracle, and failed"
+    sys.modules.pop("other_cells", None)
 
 
 def test_cpu_tier_from_flags():
