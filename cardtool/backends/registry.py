@@ -98,8 +98,9 @@ class Registry:
                              "register this one without reference=True and parity checks it")
         replaced = self._cells.get(tuple(key))
         if source != "builtin" and replaced is not None and replaced.source == "builtin" and replaced.reference:
-            raise ValueError(f"{name} is cardtool's numpy oracle of '{key[0]}', which parity holds every cell of it "
-                             f"to; add a numpy kernel as another variant ({key[0]}/numpy/generic/NAME)")
+            other = "/".join((*key[:-1], "NAME"))
+            raise ValueError(f"{name} is cardtool's numpy oracle of '{key[0]}', which parity holds the other cells "
+                             f"to; add a numpy {self.title} as another variant ({other})")
         if dtypes is None and key[self.fields.index("device")] == "numpy":  # numpy has no bfloat16 to run one at
             dtypes = ("float64", "float32")
         extra = {"dtypes": dtypes} if dtypes is not None else {}

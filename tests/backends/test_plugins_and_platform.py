@@ -203,8 +203,11 @@ def test_parity_inputs_a_plugin_cannot_give_are_its_load_error(kernels, tmp_path
 
 @pytest.mark.parametrize(("call", "said"), [
     ("kernels.register('rms_norm', 'numpy', 'generic', 'default', target='wrong_kernels:numpy_attention')",
-     "ValueError: rms_norm/numpy/generic/default is cardtool's numpy oracle of 'rms_norm', which parity holds every "
-     "cell of it to; add a numpy kernel as another variant (rms_norm/numpy/generic/NAME)"),
+     "ValueError: rms_norm/numpy/generic/default is cardtool's numpy oracle of 'rms_norm', which parity holds the "
+     "other cells to; add a numpy kernel as another variant (rms_norm/numpy/generic/NAME)"),
+    ("components.register('wan-dit', 'numpy', 'default', target='wrong_kernels:numpy_attention')",
+     "ValueError: wan-dit/numpy/default is cardtool's numpy oracle of 'wan-dit', which parity holds the other cells "
+     "to; add a numpy component as another variant (wan-dit/numpy/NAME)"),
     ("kernels.register('rms_norm', 'numpy', 'generic', 'fast', target='x:y', reference=True)",
      "ValueError: rms_norm/numpy/generic/fast: an op's oracle is its numpy/generic/default cell, where parity finds "
      "it; register this one without reference=True and parity checks it")])
@@ -215,8 +218,9 @@ def test_a_plugin_neither_replaces_an_ops_oracle_nor_takes_its_cell_out_of_parit
     Replacing a built-in cell that is not the oracle is what a plugin may do: parity then checks the plugin's."""
     install(tmp_path, monkeypatch, "other_cells", f"def register(components, kernels):\n    {call}\n", "")
     assert registry.plugin_errors() == [f"other_cells:register (dummy): {said}"]
-    oracle = registry.KERNELS.resolve("rms_norm", Platform("numpy", "generic"))[0]
-    assert (oracle.source, oracle.reference) == ("builtin", True)
+    for found in (registry.KERNELS, registry.COMPONENTS):
+        oracle = found.resolve("rms_norm" if found is registry.KERNELS else "wan-dit", Platform("numpy", "generic"))[0]
+        assert (oracle.source, oracle.reference) == ("builtin", True)
     assert all(c.key[3] != "fast" for c in registry.KERNELS.cells() if c.key[0] == "rms_norm")
     sys.modules.pop("other_cells", None)
 
