@@ -75,6 +75,27 @@ def test_an_interrupted_eval_with_out_resumes_measuring_only_the_rest(tmp_path, 
     assert no_out.exit_code == 2 and "give --out" in json.loads(no_out.stdout)["error"]["message"]
 
 
+def test_a_resume_stopped_before_its_kept_rows_keeps_them_in_out(tmp_path, monkeypatch, interactive_signals):
+    """A resumed eval whose first row is new and the next ones kept, stopped after that first row: --out holds the
+    new row and every kept one, so the next --resume measures none of them again."""
+    report = tmp_path / "eval.json"
+    args = ["eval", str(EXAMPLE_CARDS / "tiny-base"), "--judge", str(EXAMPLE_CARDS / "tiny-judge"), "--per-class", "1",
+            "--data", str(write_idx_folder(tmp_path / "idx")), "--out", str(report), "--json"]
+    assert CliRunner().invoke(app, [*args, "--steps", "2", "--steps", "3"]).exit_code == 0
+    kept = json.loads(report.read_text())["rows"]
+    measure = evaluate_module._measure_row
+
+    def measure_then_sigint(*args, **kwargs):
+        measure(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(evaluate_module, "_measure_row", measure_then_sigint)
+    stopped = CliRunner().invoke(app, [*args, "--steps", "1", "--steps", "2", "--steps", "3", "--resume"])
+    assert stopped.exit_code == 130, stopped.output
+    rows = json.loads(report.read_text())["rows"]
+    assert [row["steps"] for row in rows] == [1, 2, 3] and rows[1:] == kept
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])  # a scheduler's preemption, a closed terminal
 def test_an_interrupted_generate_lists_the_images_it_wrote(tmp_path, monkeypatch, interactive_signals, signum):
     from cardtool.core.sampling import generate as generate_module
