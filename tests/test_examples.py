@@ -46,6 +46,7 @@ def test_the_example_plugin_installs_and_its_own_op_passes_parity(tmp_path):
         "soft_cap/cpu/generic/default": ("cardtool-soft-cap", False),
         "soft_cap/cuda/generic/default": ("cardtool-soft-cap", False)}
     report = cardtool("parity", "--op", "soft_cap")
-    assert report["ok"] and [(r["cell"], r["dtype"], r["passed"]) for r in report["rows"]] == [
-        ("soft_cap/cpu/generic/default", dtype, True) for dtype in ("float64", "float32", "bfloat16")]
+    rows = [(r["cell"], r["dtype"], r["passed"], r["source"]) for r in report["rows"]]
+    assert report["ok"] and rows == [("soft_cap/cpu/generic/default", dtype, True, "cardtool-soft-cap")
+                                     for dtype in ("float64", "float32", "bfloat16")], "each row names the plugin"
     assert report["rows"][0]["shapes"] == ["4x8, cap 2: most values saturate", "2x3x5, cap 50: nearly the identity"]

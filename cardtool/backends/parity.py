@@ -48,6 +48,7 @@ class ParityRow:
     rtol: float
     passed: bool
     error: str = ""
+    source: str = "builtin"  # the distribution whose entry point registered the cell checked
 
     def to_json(self) -> dict:
         """Errors that are not finite (inf or NaN outputs) are null: strict JSON has no inf or NaN."""
@@ -219,7 +220,7 @@ def _check(cell: Cell, dtype: str, platform: Platform) -> ParityRow:
     low = dtype in ("float16", "bfloat16") or variant == "bf16"
     atol, rtol = _tolerance(op, "bfloat16" if variant == "bf16" else dtype)
     against = "numpy float64" if not low else f"{op} in float32"
-    row = ParityRow(cell.name, dtype, against, [], 0.0, 0.0, atol, rtol, True)
+    row = ParityRow(cell.name, dtype, against, [], 0.0, 0.0, atol, rtol, True, source=cell.source)
     try:
         fn = cell.load()
         # a bf16 variant against the device's portable float32 op (itself held to numpy), not this tier's, so

@@ -145,6 +145,7 @@ def test_parity_cli_passes_here_and_rejects_unknown_ops():
     result = CliRunner().invoke(app, ["parity", "--json"])
     assert result.exit_code == 0, result.stdout[-2000:]
     assert json.loads(result.stdout)["ok"]
+    assert {row["source"] for row in json.loads(result.stdout)["rows"]} == {"builtin"}
     assert CliRunner().invoke(app, ["parity", "--op", "nope"]).exit_code == 2
 
 
