@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 __all__ = ["CardtoolError", "BadInput", "RunFailed", "OutOfMemory", "CardNotFound", "AmbiguousCard", "Problem",
-           "CardValidationError", "as_cardtool_error", "said_as_cardtool_errors", "write_remedy"]
+           "CardValidationError", "as_cardtool_error", "escaped_surrogates", "said_as_cardtool_errors", "write_remedy"]
 
 
 class CardtoolError(Exception):
@@ -26,10 +26,15 @@ class CardtoolError(Exception):
         """The message with each lone surrogate it quotes — a byte of a path that is not UTF-8 (U+DC80–U+DCFF), or
         what a Python caller passed — as the text `\\udcXX`, as the command line prints it: text any stream can
         write (`print(error)` to a UTF-8 stdout raised UnicodeEncodeError)."""
-        return _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", super().__str__())
+        return escaped_surrogates(super().__str__())
 
 
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def escaped_surrogates(text: str, pattern: re.Pattern = LONE_SURROGATE) -> str:
+    """`text` with each character `pattern` matches (lone surrogates) written as the text `\\udXXX`."""
+    return pattern.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 class RunFailed(CardtoolError):

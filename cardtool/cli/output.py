@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import typer
 
-from cardtool.errors import CardtoolError, CardValidationError, as_cardtool_error
+from cardtool.errors import CardtoolError, CardValidationError, as_cardtool_error, escaped_surrogates
 from cardtool.words import counted  # noqa: F401 - the commands take it from here
 
 __all__ = ["LateProgress", "console", "emit_json", "handled", "printable", "quoted_prompt", "say", "warn"]
@@ -150,7 +150,7 @@ UNDECODED = re.compile("[\udc80-\udcff]")  # a byte Python could not decode (PEP
 def _bytes_shown(value):
     """`value` with each undecoded byte of a path (surrogateescape's U+DC80–U+DCFF) as the text `\\udcXX`."""
     if isinstance(value, str):
-        return UNDECODED.sub(lambda m: f"\\u{ord(m.group()):04x}", value)
+        return escaped_surrogates(value, UNDECODED)
     if isinstance(value, dict):
         return {_bytes_shown(k): _bytes_shown(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
