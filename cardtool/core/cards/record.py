@@ -7,7 +7,6 @@ import contextlib
 import hashlib
 import json
 import os
-import shlex
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +29,7 @@ def recordable(card_ref: str):
     checked before the work, not after it."""
     from cardtool.atomic import writable_folder
     from cardtool.core.cards.discovery import installed_dir
+    from cardtool.shell_words import shell_join
 
     card = load_card(card_ref)
     if card.file.suffix != ".yaml":
@@ -37,8 +37,9 @@ def recordable(card_ref: str):
     installed = installed_dir()
     if installed is not None and card.folder.resolve().is_relative_to(installed.resolve()):
         raise BadInput(f"card '{card.id}' is built in, installed with cardtool in {card.folder}: an upgrade or a "
-                       "reinstall would replace it and the record with it; copy its folder (cp -r "
-                       f"{shlex.quote(str(card.folder))} my-{card.id}) and record into the copy by its path")
+                       "reinstall would replace it and the record with it; copy its folder "
+                       f"({shell_join(['cp', '-r', card.folder, f'my-{card.id}'])}) and record into the copy by its "
+                       "path")
     writable_folder(card.folder, "the card folder --record writes into")
     return card
 
