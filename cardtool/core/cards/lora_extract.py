@@ -72,6 +72,7 @@ def extract_lora(base_ref: str, tuned_ref: str, rank: int, card_id: str, *, adap
     out = card_folder(card_id, out)
     check_new_folder(out, [base, tuned])
     card_folder_usable(out, card_id, overwrite)  # before the work, not after it
+    extends = extends_reference(base, out)
     shapes = {n.removesuffix(".weight"): shape for n, (_, shape) in read_header(base.weights_file(target))[0].items()
               if n.endswith(".weight") and len(shape) == 2}
     full = max((min(shape) for shape in shapes.values()), default=0)
@@ -92,7 +93,7 @@ def extract_lora(base_ref: str, tuned_ref: str, rank: int, card_id: str, *, adap
     manifest = {"schema": "cardtool/v1", "id": card_id,
                 "description": f"Rank-{rank} LoRA on {base.id} extracted from {tuned.id}: {base.id} with it "
                                f"approximates {tuned.id}",
-                "extends": extends_reference(base, out), "loops": loops,
+                "extends": extends, "loops": loops,
                 "adapters": {adapter: {"kind": "lora", "target": target, "weights": rel, "rank": rank,
                                        "alpha": float(rank), "targets": _patterns(sorted(a), list(shapes))}},
                 "recipe": {"method": "lora_extract", "parents": [base.id, tuned.id],

@@ -69,6 +69,7 @@ def merge_cards(shares: list[str], card_id: str, out: Path | None = None, overwr
     check_new_folder(out, cards)
     card_folder_usable(out, card_id, overwrite)  # before the work, not after it
     first = cards[0]
+    extends = extends_reference(first, out)
     merged, state, metadata = [], {}, {}
     for name, component in first.manifest.components.items():
         check_architecture(cards, name)
@@ -84,7 +85,7 @@ def merge_cards(shares: list[str], card_id: str, out: Path | None = None, overwr
     ids = [c.id for c in cards]
     mix = ", ".join(f"{i} ({w:g})" for i, w in zip(ids, weights, strict=True))
     manifest = {"schema": "cardtool/v1", "id": card_id, "description": f"Weight average of {mix}",
-                "extends": extends_reference(first, out),
+                "extends": extends,
                 "components": {name: {"weights": f"{name}.safetensors"} for name in merged},
                 "recipe": {"method": "merge", "parents": ids, "hyperparameters": {"weights": weights},
                            "assumes": first.manifest.recipe.assumes.model_dump(mode="json", exclude_none=True),
