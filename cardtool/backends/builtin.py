@@ -28,6 +28,9 @@ COMPONENT_IMPLS = {
     "fashion-cnn": ("classifier", "cardtool.backends.cnn_config:FashionCNNConfig", f"{_B}:fashion_cnn_torch", None,
                     ("torch",)),
 }
+# what `parity --card` runs the components with a numpy forward on
+COMPONENT_INPUTS = {"wan-dit": "cardtool.backends.component_parity:wan_dit_inputs",
+                    "conv-vae": "cardtool.backends.component_parity:conv_vae_inputs"}
 # the array namespace the denoise loop works in on each device: a cell of COMPONENTS, but no card component
 ARRAYS = ("cardtool.backends.arrays:arrays_torch", "cardtool.backends.arrays:arrays_numpy")
 
@@ -40,6 +43,7 @@ def register(components, kernels) -> None:
         if numpy_builder:
             components.register(impl, "numpy", "default", target=numpy_builder, reference=True, kind=kind,
                                 schema=schema)
+            components.register_inputs(impl, target=COMPONENT_INPUTS[impl])
     for device in ("cuda", "cpu"):
         components.register("arrays", device, "default", target=ARRAYS[0], requires=("torch",))
     components.register("arrays", "numpy", "default", target=ARRAYS[1], reference=True)

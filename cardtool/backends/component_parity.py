@@ -1,5 +1,6 @@
-"""Component parity (`cardtool parity --card`): a card's torch DiT and VAE decode against their numpy
-forwards on the card's own weights — float64 tightly, float32 within a tolerance for deep networks."""
+"""Component parity (`cardtool parity --card`): a card's component, built by the platform's cell, against its numpy
+forward on the card's own weights — float64 tightly, float32 within a tolerance for deep networks — on the inputs
+its implementation registers (`components.register_inputs`; the DiT's and the VAE's decode are below)."""
 
 from __future__ import annotations
 
@@ -7,65 +8,100 @@ from pathlib import Path
 
 import numpy as np
 
-from cardtool.backends.parity import ParityRow, compare_arrays
+from cardtool.backends.parity import ParityRow, _convert, _fixed, _outputs, _round, compare_arrays
 from cardtool.backends.platform import Platform
 from cardtool.backends.precision import full_float32
-from cardtool.backends.registry import COMPONENTS
+from cardtool.backends.registry import COMPONENTS, NoCellAvailable
+from cardtool.backends.vae_config import ConvVAEConfig
+from cardtool.backends.wan_config import WanDiTConfig
 
-__all__ = ["COMPONENT_TOLERANCES", "component_rows"]
+__all__ = ["COMPONENT_TOLERANCES", "component_rows", "conv_vae_inputs", "wan_dit_inputs"]
 
 # dtype → (atol, rtol) for whole networks: float32 error grows with depth, float64 should stay at rounding
 COMPONENT_TOLERANCES = {"float64": (1e-9, 1e-9), "float32": (1e-4, 1e-4)}
+NUMPY = Platform("numpy", "generic")
 
 
 def component_rows(name: str, impl: str, config: dict, weights: Path, platform: Platform) -> list[ParityRow]:
-    """Rows for one component if it has a numpy forward (wan-dit, conv-vae decode), else none."""
-    if impl not in ("wan-dit", "conv-vae") or platform.device == "numpy":
+    """Rows for one component whose implementation has a numpy forward or parity inputs, else none; on numpy, or
+    where the platform's chain ends at the numpy forward itself, there is nothing to compare either."""
+    inputs = COMPONENTS.parity_inputs(impl)
+    numpy_forward = any(c.key[0] == impl and c.key[1] == "numpy" for c in COMPONENTS.cells())
+    if platform.device == "numpy" or not (inputs or numpy_forward):
         return []
+    try:
+        cell = COMPONENTS.resolve(impl, platform)[0]
+    except NoCellAvailable:
+        cell = None  # each row says why
+    if cell is not None and cell.key[1] == "numpy":
+        return []
+    given = inputs.tolerances if inputs else {}
     rows = []
     for dtype in ("float64", "float32"):
-        atol, rtol = COMPONENT_TOLERANCES[dtype]
+        atol, rtol = given.get(dtype, COMPONENT_TOLERANCES[dtype])
         label = f"{name}:{impl}/{platform.device}/generic"  # the op column shows the component
-        row = ParityRow(label, dtype, "numpy float64", [], 0.0, 0.0, atol, rtol, True)
+        row = ParityRow(label, dtype, "numpy float64", [], 0.0, 0.0, atol, rtol, True,
+                        source=getattr(cell or inputs, "source", "builtin"))
         try:
+            if inputs is None:
+                raise LookupError(f"'{impl}' has a numpy forward but no parity inputs: the plugin that adds it "
+                                  "registers none (components.register_inputs)")
             torch_model = COMPONENTS.resolve(impl, platform)[1](config, weights, None, platform, dtype)
-            numpy_model = COMPONENTS.resolve(impl, Platform("numpy", "generic"))[1](config, weights, None,
-                                                                                     platform, "float64")
-            for shapes, actual, expected in _run(impl, torch_model, numpy_model, platform, dtype):
-                abs_err, rel_err, ok = compare_arrays(actual, expected, atol, rtol)
-                row.max_abs_err, row.max_rel_err = max(row.max_abs_err, abs_err), max(row.max_rel_err, rel_err)
-                row.passed &= ok
-                row.shapes.append(shapes)
+            numpy_model = COMPONENTS.resolve(impl, NUMPY)[1](config, weights, None, platform, "float64")
+            for case in _cases(inputs, config):
+                actual, expected = _run(case, torch_model, numpy_model, platform, dtype)
+                for a, e in zip(actual, expected, strict=True):
+                    abs_err, rel_err, ok = compare_arrays(a, e, atol, rtol)
+                    row.max_abs_err, row.max_rel_err = max(row.max_abs_err, abs_err), max(row.max_rel_err, rel_err)
+                    row.passed &= ok
+                row.shapes.append(case[0])
         except Exception as error:  # noqa: BLE001 - a component that cannot run is a failed row
             row.passed, row.error = False, f"{type(error).__name__}: {error}"
         rows.append(row)
     return rows
 
 
-def _run(impl, torch_model, numpy_model, platform, dtype):
+def _run(case: tuple, torch_model, numpy_model, platform: Platform, dtype: str) -> tuple[list, list]:
+    """The outputs of one case's method, by torch in `dtype` (in full float32 on CUDA) and by numpy in float64, on
+    the same inputs rounded to `dtype`."""
     import torch
 
-    device = platform.torch_device
-    rng = np.random.default_rng(0)
-    tensor = lambda a: torch.as_tensor(a, device=device).to(getattr(torch, dtype))  # noqa: E731
-    rounded = lambda a: a.astype(dtype).astype(np.float64)  # noqa: E731 - both sides see the same numbers
-    if impl == "wan-dit":
-        c = torch_model.config
-        # a grid the patch tiles, at least 2 patches a side (a patch of 3 or 16 does not tile 8 × 8)
-        frames, rows, cols = c.patch[0], c.patch[1] * max(2, 8 // c.patch[1]), c.patch[2] * max(2, 8 // c.patch[2])
-        x = rounded(rng.standard_normal((2, c.in_channels, frames, rows, cols)))
-        t = np.array([999.0, 250.0])
-        text = rounded(rng.standard_normal((2, 8, c.text_dim)))
-        mask = np.ones((2, 8), dtype=bool)
-        mask[1, 5:] = False
-        with torch.no_grad(), full_float32(platform):
-            actual = torch_model(tensor(x), tensor(t), tensor(text), torch.as_tensor(mask, device=device))
-        yield f"2x{c.in_channels}x{frames}x{rows}x{cols}, text 2x8 masked", actual.double().cpu().numpy(), \
-            numpy_model(x, t, text, mask)
-    else:
-        c = torch_model.config
-        z = rounded(rng.standard_normal((2, c.latent_channels, c.latent_size, c.latent_size)))
-        with torch.no_grad(), full_float32(platform):
-            actual = torch_model.decode(tensor(z))
-        yield f"decode 2x{c.latent_channels}x{c.latent_size}x{c.latent_size}", actual.double().cpu().numpy(), \
-            numpy_model.decode(z)
+    _, method, floats, fixed = case
+    rounded = {k: _round(v, dtype) for k, v in floats.items()}
+    with torch.no_grad(), full_float32(platform):
+        actual = _outputs(getattr(torch_model, method)(**_convert(rounded, platform.torch_device, dtype),
+                                                       **_fixed(fixed, platform.torch_device)))
+    return actual, _outputs(getattr(numpy_model, method)(**rounded, **fixed))
+
+
+def _cases(inputs, config: dict) -> list[tuple]:
+    made = inputs.load()(config, np.random.default_rng(0))
+    if not isinstance(made, (list, tuple)) or not made or not all(_is_case(item) for item in made):
+        raise TypeError(f"{inputs.target} ({inputs.source}), the parity inputs of '{inputs.name}', must return a list "
+                        f"of (label, method, floats, fixed): two texts, then two dicts of keyword arguments; got "
+                        f"{made!r}"[:400])
+    return made
+
+
+def _is_case(item) -> bool:
+    return isinstance(item, (list, tuple)) and len(item) == 4 and all(isinstance(t, str) for t in item[:2]) and all(
+        isinstance(part, dict) and all(isinstance(k, str) for k in part) for part in item[2:])
+
+
+def wan_dit_inputs(config: dict, rng) -> list[tuple]:
+    """Two latents at noise levels 999 and 250 with 8 text tokens, the second's last three masked, on a grid the
+    patch tiles with at least 2 patches a side (a patch of 3 or 16 does not tile 8 × 8)."""
+    c = WanDiTConfig.from_card(config, "wan-dit")
+    frames, rows, cols = c.patch[0], c.patch[1] * max(2, 8 // c.patch[1]), c.patch[2] * max(2, 8 // c.patch[2])
+    mask = np.ones((2, 8), dtype=bool)
+    mask[1, 5:] = False
+    floats = dict(x=rng.standard_normal((2, c.in_channels, frames, rows, cols)), t=np.array([999.0, 250.0]),
+                  text=rng.standard_normal((2, 8, c.text_dim)))
+    return [(f"2x{c.in_channels}x{frames}x{rows}x{cols}, text 2x8 masked", "__call__", floats, {"text_mask": mask})]
+
+
+def conv_vae_inputs(config: dict, rng) -> list[tuple]:
+    """Two latents at the VAE's latent size, decoded."""
+    c = ConvVAEConfig.from_card(config, "conv-vae")
+    z = rng.standard_normal((2, c.latent_channels, c.latent_size, c.latent_size))
+    return [(f"decode 2x{c.latent_channels}x{c.latent_size}x{c.latent_size}", "decode", {"latents": z}, {})]

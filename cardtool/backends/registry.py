@@ -4,7 +4,8 @@ A cell is a key plus a dotted import path held as a string and the availability 
 *reasons* it cannot run here (an empty list means it can). Nothing is imported until a cell is resolved,
 so listing every cell stays light. Out-of-tree packages add cells through the entry-point group
 `cardtool.backends`: each entry point names a function `register(components, kernels)`; a plugin that adds an op
-gives `cardtool parity` its inputs with `kernels.register_inputs` (`ParityInputs`).
+gives `cardtool parity` its inputs with `kernels.register_inputs`, one that adds a component with a numpy forward
+gives `parity --card` its inputs with `components.register_inputs` (`ParityInputs`).
 """
 
 from __future__ import annotations
@@ -60,13 +61,16 @@ ORACLE = ("numpy", "generic", "default")  # (device, arch, variant) of an op's n
 
 @dataclass(frozen=True)
 class ParityInputs:
-    """What `cardtool parity` runs the cells of an op a plugin adds on — the built-in ops have theirs in
-    backends/parity.py. `target` ("package.module:function") is called as function(rng), rng a seeded numpy
-    Generator, and returns a list of (label, floats, fixed): the label the report shows (the shapes), `floats` the
-    keyword arguments each precision rounds (numpy float arrays or numbers), `fixed` those passed as they are
-    (integer or boolean arrays, options). `tolerances`: dtype → (atol, rtol) where the op's conditioning is not
-    that of the table's default for the dtype."""
-    op: str
+    """What `cardtool parity` runs an op's cells on (an op a plugin adds: the built-in ops have theirs in
+    backends/parity.py), or what `parity --card` runs a component implementation on, by torch and by its numpy
+    forward, with a card's weights. `target` ("package.module:function") is called as function(rng) for an op and
+    function(config, rng) for a component (config: the card's mapping), rng a seeded numpy Generator. An op's
+    returns a list of (label, floats, fixed): the label the report shows (the shapes), `floats` the keyword arguments
+    each precision rounds (numpy float arrays or numbers), `fixed` those passed as they are (integer or boolean
+    arrays, options). A component's returns (label, method, floats, fixed): the method of the built component to call
+    ("__call__" for the component itself) with those arguments. `tolerances`: dtype → (atol, rtol) where the op's or
+    component's conditioning is not that of the default for the dtype."""
+    name: str
     target: str
     tolerances: dict[str, tuple[float, float]] = field(default_factory=dict)
     source: str = "builtin"
@@ -110,31 +114,29 @@ class Registry:
         self._resolved.clear()
         return cell
 
-    def register_inputs(self, op: str, *, target: str, tolerances: dict | None = None,
+    def register_inputs(self, name: str, *, target: str, tolerances: dict | None = None,
                         source: str = "builtin") -> ParityInputs:
-        """The parity inputs of `op`, an op a plugin adds (see ParityInputs). A built-in op's inputs are cardtool's:
-        every cell of it, a plugin's too, is held to the same ones."""
-        if "op" not in self.fields:  # a component is checked by `parity --card` on a card's own weights
-            raise ValueError(f"parity inputs are a kernel op's (kernels.register_inputs); '{op}' was given to the "
-                             f"{self.title} registry")
-        if any(c.key[0] == op and c.source == "builtin" for c in self._cells.values()):
-            raise ValueError(f"'{op}' is a built-in op: its parity inputs are cardtool's, and a plugin's cells of it "
-                             "are checked on them")
+        """The parity inputs of `name`: an op or a component implementation (see ParityInputs). A built-in op's or
+        implementation's inputs are cardtool's: every cell of it, a plugin's too, is held to the same ones."""
+        what = "op" if "op" in self.fields else "component implementation"
+        if source != "builtin" and any(c.key[0] == name and c.source == "builtin" for c in self._cells.values()):
+            raise ValueError(f"'{name}' is a built-in {what}: its parity inputs are cardtool's, and a plugin's cells "
+                             "of it are checked on them")
         if not isinstance(target, str) or ":" not in target:
-            raise ValueError(f"parity inputs of '{op}': target must be 'package.module:function', got {target!r}")
+            raise ValueError(f"parity inputs of '{name}': target must be 'package.module:function', got {target!r}")
         checked = {}
         for dtype, pair in (tolerances or {}).items():
             if dtype not in PARITY_DTYPES or not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(
                     isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t < float("inf") for t in pair)):
-                raise ValueError(f"parity inputs of '{op}': tolerances map a dtype ({', '.join(PARITY_DTYPES)}) to "
+                raise ValueError(f"parity inputs of '{name}': tolerances map a dtype ({', '.join(PARITY_DTYPES)}) to "
                                  f"(atol, rtol), two numbers at least 0; got {dtype!r}: {pair!r}")
             checked[dtype] = (float(pair[0]), float(pair[1]))
-        self._inputs[op] = ParityInputs(op, target, checked, source)
-        return self._inputs[op]
+        self._inputs[name] = ParityInputs(name, target, checked, source)
+        return self._inputs[name]
 
-    def parity_inputs(self, op: str) -> ParityInputs | None:
+    def parity_inputs(self, name: str) -> ParityInputs | None:
         load_plugins()
-        return self._inputs.get(op)
+        return self._inputs.get(name)
 
     def unregister(self, *key: str) -> None:
         self._cells.pop(tuple(key), None)
@@ -243,5 +245,5 @@ class _Scoped:
     def register(self, *key: str, **kwargs) -> Cell:
         return self._registry.register(*key, **{**kwargs, "source": self._source})
 
-    def register_inputs(self, op: str, **kwargs) -> ParityInputs:
-        return self._registry.register_inputs(op, **{**kwargs, "source": self._source})
+    def register_inputs(self, name: str, **kwargs) -> ParityInputs:
+        return self._registry.register_inputs(name, **{**kwargs, "source": self._source})

@@ -77,9 +77,10 @@ def test_the_judge_measures_in_full_float32_on_cuda(tf32_on, examples):
 
 def test_component_parity_runs_the_torch_forward_in_full_float32_on_cuda(tf32_on):
     seen = []
-    config = SimpleNamespace(latent_channels=1, latent_size=2)
-    torch_vae = SimpleNamespace(config=config, decode=lambda z: seen.append(flags()) or z)
-    numpy_vae = SimpleNamespace(decode=lambda z: z)
+    torch_vae = SimpleNamespace(decode=lambda latents: seen.append(flags()) or latents)
+    numpy_vae = SimpleNamespace(decode=lambda latents: latents)
     platform = SimpleNamespace(device="cuda", torch_device="cpu")  # CUDA's settings, tensors on the CPU
-    [(shapes, actual, expected)] = component_parity._run("conv-vae", torch_vae, numpy_vae, platform, "float32")
-    assert seen == [("ieee", "ieee")] and shapes == "decode 2x1x2x2" and np.array_equal(actual, expected)
+    z = np.arange(8.0).reshape(2, 1, 2, 2)
+    [actual], [expected] = component_parity._run(("decode 2x1x2x2", "decode", {"latents": z}, {}), torch_vae,
+                                                 numpy_vae, platform, "float32")
+    assert seen == [("ieee", "ieee")] and np.array_equal(actual, expected) and np.array_equal(actual, z)

@@ -189,15 +189,16 @@ def test_tolerances_a_plugin_cannot_mean_are_its_load_error(soft_cap_plugin, tol
     ("kernels.register_inputs('rms_norm', target='x.ops:inputs')",
      "ValueError: 'rms_norm' is a built-in op: its parity inputs are cardtool's, and a plugin's cells of it are "
      "checked on them"),
-    ("components.register_inputs('toy', target='x.ops:inputs')",
-     "ValueError: parity inputs are a kernel op's (kernels.register_inputs); 'toy' was given to the component "
-     "registry"),
+    ("components.register_inputs('wan-dit', target='x.ops:inputs')",
+     "ValueError: 'wan-dit' is a built-in component implementation: its parity inputs are cardtool's, and a "
+     "plugin's cells of it are checked on them"),
     ("kernels.register_inputs('toy', target='x.ops.inputs')",
      "ValueError: parity inputs of 'toy': target must be 'package.module:function', got 'x.ops.inputs'")])
 def test_parity_inputs_a_plugin_cannot_give_are_its_load_error(kernels, tmp_path, monkeypatch, call, said):
     install(tmp_path, monkeypatch, "other_inputs", f"def register(components, kernels):\n    {call}\n", "")
     assert registry.plugin_errors() == [f"other_inputs:register (dummy): {said}"]
     assert registry.KERNELS.parity_inputs("rms_norm") is None and registry.KERNELS.parity_inputs("toy") is None
+    assert registry.COMPONENTS.parity_inputs("wan-dit").source == "builtin"
     sys.modules.pop("other_inputs", None)
 
 
@@ -223,6 +224,129 @@ def test_a_plugin_neither_replaces_an_ops_oracle_nor_takes_its_cell_out_of_parit
         assert (oracle.source, oracle.reference) == ("builtin", True)
     assert all(c.key[3] != "fast" for c in registry.KERNELS.cells() if c.key[0] == "rms_norm")
     sys.modules.pop("other_cells", None)
+
+
+COMPONENT_PLUGIN = '''
+def register(components, kernels):
+    schema = "cardtool.backends.vae_config:ConvVAEConfig"
+    components.register("toy-vae", "cpu", "default", target="toy_components.ops:torch_vae", kind="vae", schema=schema)
+    components.register("toy-vae", "numpy", "default", target="toy_components.ops:numpy_vae", kind="vae", schema=schema)
+    components.register_inputs("toy-vae", target="toy_components.ops:inputs", tolerances={"float32": (1e-3, 1e-3)})
+'''
+COMPONENT_OPS = '''
+from cardtool.backends.builders import conv_vae_numpy, conv_vae_torch
+
+
+def torch_vae(config, weights, source, platform, precision):
+    return conv_vae_torch(config, weights, source, platform, precision)
+
+
+def numpy_vae(config, weights, source, platform, precision):
+    return conv_vae_numpy(config, weights, source, platform, precision)
+
+
+class Shifted:
+    """The VAE, its decode 2e-3 off."""
+
+    def __init__(self, vae):
+        self.vae = vae
+
+    def decode(self, latents):
+        return self.vae.decode(latents) + 2e-3
+
+
+def shifted_vae(config, weights, source, platform, precision):
+    return Shifted(conv_vae_torch(config, weights, source, platform, precision))
+
+
+def inputs(config, rng):
+    z = rng.standard_normal((3, config["latent_channels"], 8, 8))
+    return [("decode 3x4x8x8", "decode", {"latents": z}, {}), ("decode one", "decode", {"latents": z[:1]}, {})]
+
+
+def not_inputs(config, rng):
+    return [("decode", {"latents": rng.standard_normal((1, 4, 8, 8))}, {})]
+'''
+
+
+@pytest.fixture
+def toy_vae_card(tmp_path, monkeypatch, kernels, examples):
+    """A plugin adding the component 'toy-vae' in torch and numpy (the built-in VAE under another name) with its
+    parity inputs, and tiny-base using it; `installed(...)` edits the plugin's registration first."""
+    manifest = examples / "tiny-base" / "card.yaml"
+    manifest.write_text(manifest.read_text().replace("impl: conv-vae", "impl: toy-vae"))
+
+    def installed(*edits: tuple[str, str]):
+        register = COMPONENT_PLUGIN
+        for old, new in edits:
+            register = register.replace(old, new)
+        install(tmp_path, monkeypatch, "toy_components", register, COMPONENT_OPS)
+        return examples / "tiny-base"
+
+    yield installed
+    for module in ("toy_components", "toy_components.ops"):
+        sys.modules.pop(module, None)
+
+
+def test_a_component_a_plugin_adds_is_held_to_its_numpy_forward_on_the_inputs_it_gives(toy_vae_card, kernels):
+    """`parity --card` runs a plugin's component by the platform's cell and by its numpy forward on the card's
+    weights, on the inputs the plugin registers, at its tolerances; a cell 2e-3 off fails both dtypes."""
+    from cardtool.backends.component_parity import component_rows
+    from cardtool.core.cards.loader import load_card
+
+    card = toy_vae_card()
+    result = CliRunner().invoke(app, ["parity", "--card", str(card), "--device", "cpu", "--op", "cfg_combine",
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {(r["cell"], r["dtype"]): r for r in json.loads(result.stdout)["rows"] if r["cell"].startswith("vae:")}
+    assert set(rows) == {("vae:toy-vae/cpu/generic", "float64"), ("vae:toy-vae/cpu/generic", "float32")}
+    for (_, dtype), row in rows.items():
+        assert row["passed"] and row["source"] == "toy-components" and row["shapes"] == ["decode 3x4x8x8",
+                                                                                          "decode one"]
+        assert (row["atol"], row["rtol"]) == {"float64": (1e-9, 1e-9), "float32": (1e-3, 1e-3)}[dtype]
+        assert 0 <= row["max_abs_err"] < {"float64": 1e-12, "float32": 1e-4}[dtype]
+    registry.COMPONENTS.register("toy-vae", "cpu", "default", target="toy_components.ops:shifted_vae", kind="vae")
+    component = load_card(card).manifest.components["vae"]
+    shifted = component_rows("vae", "toy-vae", component.config, card / "vae.safetensors", Platform("cpu", "generic"))
+    assert [(r.dtype, r.passed) for r in shifted] == [("float64", False), ("float32", False)]
+    assert all(abs(r.max_abs_err - 2e-3) < 1e-5 for r in shifted), [r.max_abs_err for r in shifted]
+
+
+@pytest.mark.parametrize(("edit", "error"), [
+    (("components.register_inputs(", "0 and components.register_inputs("),
+     "LookupError: 'toy-vae' has a numpy forward but no parity inputs: the plugin that adds it registers none "
+     "(components.register_inputs)"),
+    (("ops:inputs", "ops:not_inputs"),
+     "TypeError: toy_components.ops:not_inputs (toy-components), the parity inputs of 'toy-vae', must return a list "
+     "of (label, method, floats, fixed)"),
+    (('components.register("toy-vae", "numpy"', '0 and components.register("toy-vae", "numpy"'),
+     "NoCellAvailable: nothing can run component 'toy-vae' (variant default) on numpy/generic")])
+def test_a_plugin_component_that_cannot_be_compared_fails_its_rows_saying_why(toy_vae_card, edit, error):
+    from cardtool.backends.component_parity import component_rows
+    from cardtool.core.cards.loader import load_card
+
+    card = toy_vae_card(edit)
+    assert registry.plugin_errors() == []
+    component = load_card(card).manifest.components["vae"]
+    rows = component_rows("vae", "toy-vae", component.config, card / "vae.safetensors", Platform("cpu", "generic"))
+    assert [r.dtype for r in rows] == ["float64", "float32"]
+    assert all(not r.passed and r.error.startswith(error) for r in rows), [r.error for r in rows]
+
+
+def test_a_component_compared_with_nothing_has_no_rows(toy_vae_card):
+    """Without a numpy forward or inputs (the text encoder), or where the platform's chain ends at the numpy forward
+    itself (no cpu cell), there is nothing to compare."""
+    from cardtool.backends.component_parity import component_rows
+    from cardtool.core.cards.loader import load_card
+
+    card = toy_vae_card(('components.register("toy-vae", "cpu"', '0 and components.register("toy-vae", "cpu"'))
+    component = load_card(card).manifest.components["vae"]
+    assert registry.COMPONENTS.resolve("toy-vae", Platform("cpu", "generic"))[0].key[1] == "numpy"
+    assert component_rows("vae", "toy-vae", component.config, card / "vae.safetensors",
+                          Platform("cpu", "generic")) == []
+    encoder = load_card(card).manifest.components["text_encoder"]
+    assert component_rows("text_encoder", encoder.impl, encoder.config, card / "missing.safetensors",
+                          Platform("cpu", "generic")) == []
 
 
 def test_a_plugin_may_replace_a_built_in_cell_that_is_not_the_oracle_and_parity_checks_it(kernels, tmp_path,
