@@ -23,6 +23,7 @@ The Python API, for scripts (each name is imported on first use, so `import card
     cardtool.extract_lora("fashion-base", "fashion-base-nft", rank=8, card_id="nft-lora")
     cardtool.export("fashion-base", "exports/fashion-base")   # also compose, import_diffusers
     cardtool.diff("fashion-base", "fashion-base-nft")["weights"]   # what one card changes of another
+    cardtool.parity("fashion-base").ok   # every kernel cell here, and the card, against the numpy reference
 
 Errors the caller can act on are `cardtool.BadInput` (the request), `cardtool.CardValidationError` (the card,
 with located `problems`) and `cardtool.RunFailed` (the work), all `cardtool.CardtoolError`.
@@ -47,6 +48,7 @@ _API = {
     "export": "cardtool.core.cards.calls",
     "import_diffusers": "cardtool.core.cards.calls",
     "diff": "cardtool.core.cards.calls",
+    "parity": "cardtool.core.evaluation.parity_report",
     "CardtoolError": "cardtool.errors",
     "BadInput": "cardtool.errors",
     "CardValidationError": "cardtool.errors",

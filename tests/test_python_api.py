@@ -36,6 +36,9 @@ def test_the_api_names_are_the_modules_own_objects():
     assert [getattr(cardtool, name) for name in names] == [getattr(card_calls, name) for name in names]
     assert all(issubclass(e, CardtoolError) for e in (BadInput, CardValidationError, RunFailed))
     assert cardtool.BadInput is BadInput and set(cardtool.__all__) <= set(dir(cardtool))
+    from cardtool.core.evaluation.parity_report import parity
+
+    assert cardtool.parity is parity
     with pytest.raises(AttributeError, match="no attribute 'generator'"):
         cardtool.generator  # noqa: B018
 
@@ -98,6 +101,36 @@ def test_a_workflow_runs_from_its_file_with_overrides_and_resumes(tmp_path):
         cardtool.run_workflow(load_workflow(tour), overrides=nums, out=tmp_path)
     with pytest.raises(cardtool.CardValidationError):
         cardtool.run_workflow(tour, overrides=["steps.draft.generate.num=0"])
+
+
+def test_parity_is_a_call_whose_report_is_the_commands(monkeypatch, kernels):
+    """`cardtool.parity(card, device=, op=)`: the rows `cardtool parity` prints, `.to_json()` its `--json` document;
+    a failed row is a finding in the report (`ok` False), a bad argument a BadInput before any work."""
+    from typer.testing import CliRunner
+
+    from cardtool.cli import app
+
+    monkeypatch.setenv("CARDTOOL_PATH", str(REPO / "examples" / "cards"))
+    report = cardtool.parity("tiny-base", device="cpu", op="cfg_combine")
+    assert report.ok and report.failed == [] and report.platform.device == "cpu"
+    cells = {(row.cell.split("/")[0], row.dtype) for row in report.rows}
+    assert {("cfg_combine", "float64"), ("vae:conv-vae", "float32"), ("transformer:wan-dit", "float64"),
+            ("generate:denoise", "float32"), ("contract:C1", "float32")} <= cells
+    shown = CliRunner().invoke(app, ["parity", "--card", "tiny-base", "--device", "cpu", "--op", "cfg_combine",
+                                     "--json"])
+    assert shown.exit_code == 0 and json.loads(shown.stdout) == report.to_json()
+    kernels.register("cfg_combine", "cpu", "generic", "default", target="wrong_kernels:cfg_combine_sign_flipped")
+    wrong = cardtool.parity(device="cpu", op="cfg_combine")
+    assert not wrong.ok and {row.dtype for row in wrong.failed} >= {"float64", "float32"}
+    assert all(row.cell == "cfg_combine/cpu/generic/default" and not row.error for row in wrong.rows)
+    for call, said in [(lambda: cardtool.parity(device=3), "device must be text"),
+                       (lambda: cardtool.parity(op=["rms_norm"]), "op must be text"),
+                       (lambda: cardtool.parity(op="rms_nrom"), "unknown op 'rms_nrom'; ops: attention, "),
+                       (lambda: cardtool.parity(device="tpu"), "unknown device 'tpu'"),
+                       (lambda: cardtool.parity(7), "card must be a card id or path, got 7"),
+                       (lambda: cardtool.parity("no-such-card", op="rms_norm"), "no-such-card")]:
+        with pytest.raises(cardtool.BadInput, match=said):
+            call()
 
 
 @pytest.mark.parametrize(("bad", "shown", "held"), [("\0", r"\\x00", "a NUL byte"),

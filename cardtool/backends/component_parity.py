@@ -4,6 +4,7 @@ its implementation registers (`components.register_inputs`; the DiT's and the VA
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
@@ -75,7 +76,7 @@ def _run(case: tuple, torch_model, numpy_model, platform: Platform, dtype: str) 
 
 
 def _cases(inputs, config: dict) -> list[tuple]:
-    made = inputs.load()(config, np.random.default_rng(0))
+    made = inputs.load()(copy.deepcopy(config), np.random.default_rng(0))  # the card's own stays as loaded
     if not isinstance(made, (list, tuple)) or not made or not all(_is_case(item) for item in made):
         raise TypeError(f"{inputs.target} ({inputs.source}), the parity inputs of '{inputs.name}', must return a list "
                         f"of (label, method, floats, fixed): two texts, then two dicts of keyword arguments; got "

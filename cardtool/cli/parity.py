@@ -16,26 +16,13 @@ def parity_command(
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (see README).")] = False,
 ) -> None:
     """Run every available kernel cell on seeded inputs and compare; exit 1 if any cell fails."""
-    from cardtool.backends.builtin import OPS
-    from cardtool.backends.parity import run_parity
-    from cardtool.backends.platform import Platform
-    from cardtool.backends.registry import KERNELS
-    from cardtool.errors import BadInput
+    from cardtool.core.evaluation.parity_report import parity
 
     with handled(json_):
-        platform = Platform.detect(device)
-        known = {cell.key[0] for cell in KERNELS.cells()} | set(OPS)
-        if op is not None and op not in known:
-            raise BadInput(f"unknown op '{op}'; ops: {', '.join(sorted(known))}")
-        rows = run_parity(platform, op)
-        if card is not None:
-            from cardtool.core.cards.loader import load_card
-            from cardtool.core.evaluation.card_parity import card_parity
-
-            rows += card_parity(load_card(card), platform)
-    ok = all(r.passed for r in rows)
+        report = parity(card, device=device, op=op)
+    platform, rows, ok = report.platform, report.rows, report.ok
     if json_:
-        emit_json({"platform": platform.to_json(), "ok": ok, "rows": [r.to_json() for r in rows]})
+        emit_json(report.to_json())
     else:
         from rich import box
         from rich.markup import escape
@@ -56,7 +43,7 @@ def parity_command(
         shapes = {r.cell.split("/", 1)[0]: r.shapes for r in rows if r.shapes}
         for name, cases in shapes.items():
             out.print(f"  {name}: {'; '.join(cases)}", markup=False)
-        failed = [r for r in rows if not r.passed]
+        failed = report.failed
         out.print(f"{len(rows) - len(failed)} passed, {len(failed)} failed" if rows else
                   f"no accelerated kernel cells can run on {platform.device}/{platform.arch}; nothing to compare")
     if not ok:

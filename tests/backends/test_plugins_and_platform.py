@@ -264,6 +264,11 @@ def inputs(config, rng):
     return [("decode 3x4x8x8", "decode", {"latents": z}, {}), ("decode one", "decode", {"latents": z[:1]}, {})]
 
 
+def popping_inputs(config, rng):
+    config.pop("latent_channels")
+    return inputs({**config, "latent_channels": 4}, rng)
+
+
 def not_inputs(config, rng):
     return [("decode", {"latents": rng.standard_normal((1, 4, 8, 8))}, {})]
 '''
@@ -331,6 +336,16 @@ def test_a_plugin_component_that_cannot_be_compared_fails_its_rows_saying_why(to
     rows = component_rows("vae", "toy-vae", component.config, card / "vae.safetensors", Platform("cpu", "generic"))
     assert [r.dtype for r in rows] == ["float64", "float32"]
     assert all(not r.passed and r.error.startswith(error) for r in rows), [r.error for r in rows]
+
+
+def test_a_plugins_inputs_get_a_copy_of_the_cards_config(toy_vae_card):
+    from cardtool.backends.component_parity import component_rows
+    from cardtool.core.cards.loader import load_card
+
+    card = toy_vae_card(("ops:inputs", "ops:popping_inputs"))
+    component = load_card(card).manifest.components["vae"]
+    rows = component_rows("vae", "toy-vae", component.config, card / "vae.safetensors", Platform("cpu", "generic"))
+    assert [r.passed for r in rows] == [True, True] and component.config["latent_channels"] == 4
 
 
 def test_a_component_compared_with_nothing_has_no_rows(toy_vae_card):

@@ -1,0 +1,54 @@
+"""`cardtool parity` as a call (invariant 4): every kernel cell that can run on the platform against the numpy
+reference (low precisions against the op in float32), or one op's, and with a card its components, generation and
+promised consistency (card_parity.py) — the report the command prints; `.to_json()` is its `--json` document."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from cardtool.backends.parity import ParityRow
+from cardtool.backends.platform import Platform
+from cardtool.core.arguments import card_ref, check
+from cardtool.errors import BadInput
+
+__all__ = ["ParityReport", "parity"]
+
+
+@dataclass
+class ParityReport:
+    platform: Platform
+    rows: list[ParityRow]
+
+    @property
+    def ok(self) -> bool:
+        return all(row.passed for row in self.rows)
+
+    @property
+    def failed(self) -> list[ParityRow]:
+        return [row for row in self.rows if not row.passed]
+
+    def to_json(self) -> dict:
+        return {"platform": self.platform.to_json(), "ok": self.ok, "rows": [row.to_json() for row in self.rows]}
+
+
+def parity(card: str | os.PathLike | None = None, *, device: str | None = None, op: str | None = None) -> ParityReport:
+    """`cardtool parity [--card CARD] [--device D] [--op OP]`: a row per cell and dtype compared, `ok` when all
+    passed. A failed row is a finding, not an error: BadInput is for an unknown device, op or card."""
+    from cardtool.backends.builtin import OPS
+    from cardtool.backends.parity import run_parity
+    from cardtool.backends.registry import KERNELS
+
+    check(texts={"device": device, "op": op}, paths={}, flags={}, whole={}, callbacks={})
+    card = None if card is None else card_ref("card", card)
+    platform = Platform.detect(device)
+    known = {cell.key[0] for cell in KERNELS.cells()} | set(OPS)
+    if op is not None and op not in known:
+        raise BadInput(f"unknown op '{op}'; ops: {', '.join(sorted(known))}")
+    rows = run_parity(platform, op)
+    if card is not None:
+        from cardtool.core.cards.loader import load_card
+        from cardtool.core.evaluation.card_parity import card_parity
+
+        rows += card_parity(load_card(card), platform)
+    return ParityReport(platform, rows)
