@@ -1,5 +1,5 @@
 """cardtool from Python: load a card once, generate with and without an adapter and from an image, catch a
-bad request, distil the card into a one-step student and sample it.
+bad request, distil the card into a one-step student, sample it and check it against the numpy reference.
 
     python examples/python_api.py [OUT_DIR]
 
@@ -41,3 +41,7 @@ with tempfile.TemporaryDirectory() as run_dir:  # its checkpoints: a scratch run
 sampled = cardtool.LoadedCard(str(student.folder)).generate("a bag", out=None).images[0]
 print(json.dumps({"student": student.id, "steps": sampled.metadata["steps"], "logged": len(steps),
                   "command": student.manifest.recipe.command}))
+
+# a CI gate: the student's components, generation and promised consistency against numpy on this machine
+report = cardtool.parity(student.folder, op="cfg_combine")
+print(json.dumps({"parity": report.ok, "checked": sorted({row.cell.split("/")[0] for row in report.rows})}))

@@ -56,17 +56,19 @@ def test_the_python_api_example_runs(tmp_path):
                             capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
-    records = [json.loads(line) for line in lines[:-3]]
-    assert json.loads(lines[-3]) == {"from_image": "0.6", "shape": [28, 28]}
+    records = [json.loads(line) for line in lines[:-4]]
+    assert json.loads(lines[-4]) == {"from_image": "0.6", "shape": [28, 28]}
     assert [(r["prompt"], r["seed"]) for r in records] == [("a sneaker", "0"), ("a sneaker", "1"), ("a bag", "0"),
                                                            ("a bag", "1"), ("a sneaker", "0"), ("a sneaker", "1")]
     assert [a["scale"] for a in records[4]["adapters"]] == [0.5] and records[0]["adapters"] == []
     plain, inverted = (np.asarray(Image.open(records[i]["path"]), dtype=int) for i in (0, 4))
     assert np.abs(plain - inverted).max() > 0, "the adapter changed the same seed's image"
-    assert lines[-2].startswith("refused: card 'tiny-base' declares no adapter 'no-such-adapter'")
-    student = json.loads(lines[-1])
+    assert lines[-3].startswith("refused: card 'tiny-base' declares no adapter 'no-such-adapter'")
+    student = json.loads(lines[-2])
     assert (student["student"], student["steps"], student["logged"]) == ("tiny-base-1step", "1", 1)
     assert student["command"].startswith("cardtool distill ") and "--steps 1 --set=optim.steps=1" in student["command"]
+    assert json.loads(lines[-1]) == {"parity": True, "checked": [
+        "cfg_combine", "contract:C1", "generate:denoise", "transformer:wan-dit", "vae:conv-vae"]}
     assert not (tmp_path / "out" / "never").exists()
     assert len(list((tmp_path / "out" / "plain").iterdir())) == 4, "its four images, and no grid unless asked"
 
