@@ -19,7 +19,7 @@ from cardtool.files import file_stamp
 from cardtool.paths import opened_by_utf8_name
 
 __all__ = ["wan_dit_torch", "wan_controlnet_torch", "wan_dit_numpy", "conv_vae_torch", "conv_vae_numpy",
-           "hf_encoder_torch", "fashion_cnn_torch"]
+           "hf_encoder_torch", "fashion_cnn_torch", "fashion_cnn_numpy"]
 
 
 def _torch_module(make, weights: Path | None, device: str, dtype: str):
@@ -106,9 +106,9 @@ def conv_vae_torch(config: dict, weights: Path | None, source: Path | None, plat
 
 
 def conv_vae_numpy(config: dict, weights: Path | None, source: Path | None, platform: Platform, precision: str):
-    from cardtool.backends.numpy_conv_vae import NumpyVAEDecoder
+    from cardtool.backends.numpy_conv_vae import NumpyConvVAE
 
-    return NumpyVAEDecoder(ConvVAEConfig.from_card(config, "conv-vae"), _numpy_state(weights, precision))
+    return NumpyConvVAE(ConvVAEConfig.from_card(config, "conv-vae"), _numpy_state(weights, precision))
 
 
 def hf_encoder_torch(config: dict, weights: Path | None, source: Path | None, platform: Platform, precision: str):
@@ -154,3 +154,9 @@ def fashion_cnn_torch(config: dict, weights: Path | None, source: Path | None, p
     settings = FashionCNNConfig.from_card(config, "fashion-cnn").model_dump()
     return _torch_module(lambda: FashionCNN(**settings), weights, platform.torch_device,
                          weights_dtype(precision))
+
+
+def fashion_cnn_numpy(config: dict, weights: Path | None, source: Path | None, platform: Platform, precision: str):
+    from cardtool.backends.numpy_fashion_cnn import NumpyFashionCNN
+
+    return NumpyFashionCNN(FashionCNNConfig.from_card(config, "fashion-cnn"), _numpy_state(weights, precision))

@@ -25,12 +25,12 @@ COMPONENT_IMPLS = {
                  ("torch",)),
     "hf-encoder": ("text_encoder", "cardtool.backends.hf_encoder_config:HFEncoderConfig", f"{_B}:hf_encoder_torch",
                    None, ("torch", "transformers")),
-    "fashion-cnn": ("classifier", "cardtool.backends.cnn_config:FashionCNNConfig", f"{_B}:fashion_cnn_torch", None,
-                    ("torch",)),
+    "fashion-cnn": ("classifier", "cardtool.backends.cnn_config:FashionCNNConfig", f"{_B}:fashion_cnn_torch",
+                    f"{_B}:fashion_cnn_numpy", ("torch",)),
 }
 # what `parity --card` runs the components with a numpy forward on
-COMPONENT_INPUTS = {"wan-dit": "cardtool.backends.component_parity:wan_dit_inputs",
-                    "conv-vae": "cardtool.backends.component_parity:conv_vae_inputs"}
+COMPONENT_INPUTS = {impl: f"cardtool.backends.component_parity:{impl.replace('-', '_')}_inputs"
+                    for impl in ("wan-dit", "conv-vae", "fashion-cnn")}
 # the array namespace the denoise loop works in on each device: a cell of COMPONENTS, but no card component
 ARRAYS = ("cardtool.backends.arrays:arrays_torch", "cardtool.backends.arrays:arrays_numpy")
 

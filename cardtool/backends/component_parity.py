@@ -1,6 +1,7 @@
 """Component parity (`cardtool parity --card`): a card's component, built by the platform's cell, against its numpy
 forward on the card's own weights — float64 tightly, float32 within a tolerance for deep networks — on the inputs
-its implementation registers (`components.register_inputs`; the DiT's and the VAE's decode are below)."""
+its implementation registers (`components.register_inputs`; the DiT's, the VAE's and the judge's classifier's are
+below)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from cardtool.backends.registry import COMPONENTS, NoCellAvailable
 from cardtool.backends.vae_config import ConvVAEConfig
 from cardtool.backends.wan_config import WanDiTConfig
 
-__all__ = ["COMPONENT_TOLERANCES", "component_rows", "conv_vae_inputs", "wan_dit_inputs"]
+__all__ = ["COMPONENT_TOLERANCES", "component_rows", "conv_vae_inputs", "fashion_cnn_inputs",
+           "wan_dit_inputs"]
 
 # dtype → (atol, rtol) for whole networks: float32 error grows with depth, float64 should stay at rounding
 COMPONENT_TOLERANCES = {"float64": (1e-9, 1e-9), "float32": (1e-4, 1e-4)}
@@ -102,7 +104,17 @@ def wan_dit_inputs(config: dict, rng) -> list[tuple]:
 
 
 def conv_vae_inputs(config: dict, rng) -> list[tuple]:
-    """Two latents at the VAE's latent size, decoded."""
+    """Two latents at the VAE's latent size, decoded; two images (uniform in [−1, 1]), encoded."""
     c = ConvVAEConfig.from_card(config, "conv-vae")
     z = rng.standard_normal((2, c.latent_channels, c.latent_size, c.latent_size))
-    return [(f"decode 2x{c.latent_channels}x{c.latent_size}x{c.latent_size}", "decode", {"latents": z}, {})]
+    images = rng.uniform(-1.0, 1.0, (2, c.image_channels, c.image_size, c.image_size))
+    return [(f"decode 2x{c.latent_channels}x{c.latent_size}x{c.latent_size}", "decode", {"latents": z}, {}),
+            (f"encode 2x{c.image_channels}x{c.image_size}x{c.image_size}", "encode", {"images": images}, {})]
+
+
+def fashion_cnn_inputs(config: dict, rng) -> list[tuple]:
+    """Three images (uniform in [−1, 1]) at the CNN's 28 × 28 (7 × 7 after its two pools): their features (what
+    FID is computed on) and their logits."""
+    images = rng.uniform(-1.0, 1.0, (3, 1, 28, 28))
+    return [("features of 3x1x28x28", "embed", {"images": images}, {}),
+            ("logits of 3x1x28x28", "__call__", {"images": images}, {})]

@@ -220,7 +220,7 @@ def test_a_component_that_cannot_run_is_a_failed_row_and_one_without_a_numpy_for
     save_file({"x": np.zeros(1, np.float32)}, tmp_path / "other.safetensors")  # not this DiT's tensors
     rows = component_rows("transformer", "wan-dit", config, tmp_path / "other.safetensors", Platform("cpu", "generic"))
     assert [r.passed for r in rows] == [False, False] and all(r.error for r in rows), rows
-    assert component_rows("judge", "fashion-cnn", {}, tmp_path / "other.safetensors", Platform("cpu", "generic")) == []
+    assert component_rows("text", "hf-encoder", {}, tmp_path / "other.safetensors", Platform("cpu", "generic")) == []
     assert component_rows("transformer", "wan-dit", config, tmp_path / "other.safetensors",
                           Platform("numpy", "generic")) == [], "numpy against itself compares nothing"
 

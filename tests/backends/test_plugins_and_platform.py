@@ -245,6 +245,21 @@ def numpy_vae(config, weights, source, platform, precision):
     return conv_vae_numpy(config, weights, source, platform, precision)
 
 
+class Paired:
+    """The VAE, its decode giving the images twice where the numpy forward gives them once."""
+
+    def __init__(self, vae):
+        self.vae = vae
+
+    def decode(self, latents):
+        images = self.vae.decode(latents)
+        return images, images
+
+
+def paired_vae(config, weights, source, platform, precision):
+    return Paired(conv_vae_torch(config, weights, source, platform, precision))
+
+
 class Shifted:
     """The VAE, its decode 2e-3 off."""
 
@@ -271,6 +286,18 @@ def popping_inputs(config, rng):
 
 def not_inputs(config, rng):
     return [("decode", {"latents": rng.standard_normal((1, 4, 8, 8))}, {})]
+
+
+def floats_not_a_dict(config, rng):
+    return [("decode", "decode", ["latents"], {})]
+
+
+def keys_not_text(config, rng):
+    return [("decode", "decode", {"latents": rng.standard_normal((1, 4, 8, 8))}, {0: 1})]
+
+
+def method_not_text(config, rng):
+    return [("decode", None, {"latents": rng.standard_normal((1, 4, 8, 8))}, {})]
 '''
 
 
@@ -321,21 +348,25 @@ def test_a_component_a_plugin_adds_is_held_to_its_numpy_forward_on_the_inputs_it
     (("components.register_inputs(", "0 and components.register_inputs("),
      "LookupError: 'toy-vae' has a numpy forward but no parity inputs: the plugin that adds it registers none "
      "(components.register_inputs)"),
-    (("ops:inputs", "ops:not_inputs"),
-     "TypeError: toy_components.ops:not_inputs (toy-components), the parity inputs of 'toy-vae', must return a list "
-     "of (label, method, floats, fixed)"),
+    *((("ops:inputs", f"ops:{name}"),
+       f"TypeError: toy_components.ops:{name} (toy-components), the parity inputs of 'toy-vae', must return a list "
+       "of (label, method, floats, fixed)") for name in ("not_inputs", "floats_not_a_dict", "keys_not_text",
+                                                         "method_not_text")),
     (('components.register("toy-vae", "numpy"', '0 and components.register("toy-vae", "numpy"'),
-     "NoCellAvailable: nothing can run component 'toy-vae' (variant default) on numpy/generic")])
+     "NoCellAvailable: nothing can run component 'toy-vae' (variant default) on numpy/generic"),
+    (('components.register("toy-vae"', '0 and components.register("toy-vae"'),
+     "NoCellAvailable: no component cell named 'toy-vae'"),  # its inputs alone
+    (("ops:torch_vae", "ops:paired_vae"), "ValueError: zip() argument 2 is shorter than argument 1")])
 def test_a_plugin_component_that_cannot_be_compared_fails_its_rows_saying_why(toy_vae_card, edit, error):
     from cardtool.backends.component_parity import component_rows
-    from cardtool.core.cards.loader import load_card
 
     card = toy_vae_card(edit)
     assert registry.plugin_errors() == []
-    component = load_card(card).manifest.components["vae"]
-    rows = component_rows("vae", "toy-vae", component.config, card / "vae.safetensors", Platform("cpu", "generic"))
+    config = {"latent_channels": 4, "channels": [8, 16, 32]}  # tiny-base's
+    rows = component_rows("vae", "toy-vae", config, card / "vae.safetensors", Platform("cpu", "generic"))
     assert [r.dtype for r in rows] == ["float64", "float32"]
     assert all(not r.passed and r.error.startswith(error) for r in rows), [r.error for r in rows]
+    assert all(r.source == "toy-components" for r in rows), "the rows name the plugin, whatever failed"
 
 
 def test_a_plugins_inputs_get_a_copy_of_the_cards_config(toy_vae_card):

@@ -203,11 +203,14 @@ def test_parity_cli_with_a_card(examples):
 
 
 def test_a_card_without_the_loop_or_a_promise_has_no_generation_or_contract_rows(examples):
-    """A judge has no denoise loop (and its CNN no numpy forward): nothing to compare, not a crash; a card that
-    promises C0 has no contract to check."""
+    """A judge has no denoise loop: its classifier against its numpy forward, no generation, not a crash; a card
+    that promises C0 has no contract to check."""
     judge = examples / "tiny-judge" / "card.yaml"
     judge.write_text(judge.read_text() + "parity:\n  consistency: C1\n")  # promised, with no loop to keep it
-    assert card_parity(load_card(judge.parent), CPU) == []
+    rows = card_parity(load_card(judge.parent), CPU)
+    assert [(r.cell, r.dtype, r.passed) for r in rows] == [("classifier:fashion-cnn/cpu/generic", "float64", True),
+                                                          ("classifier:fashion-cnn/cpu/generic", "float32", True)]
+    assert rows[0].shapes == ["features of 3x1x28x28", "logits of 3x1x28x28"]
     manifest = examples / "tiny-base" / "card.yaml"
     manifest.write_text(manifest.read_text().replace("consistency: C1", "consistency: C0"))
     rows = card_parity(load_card(examples / "tiny-base"), CPU)

@@ -11,7 +11,7 @@ from helpers import copy_encoder
 
 from cardtool.backends.conv_vae import ConvVAE
 from cardtool.backends.hf_encoder import HFTextEncoder
-from cardtool.backends.numpy_conv_vae import NumpyVAEDecoder
+from cardtool.backends.numpy_conv_vae import NumpyConvVAE
 from cardtool.backends.vae_config import ConvVAEConfig
 from cardtool.core.cards.loader import package_path
 from cardtool.errors import BadInput, RunFailed
@@ -53,15 +53,24 @@ def test_vae_pads_with_the_background_value():
         assert torch.equal(vae.encode(background)[0], vae.encoder(padded).chunk(2, dim=1)[0])
 
 
-@pytest.mark.parametrize("channels", [(8, 16, 32), (4, 8, 16)])  # the second: a norm of fewer channels than groups
-def test_numpy_decode_matches_torch_in_float64(channels):
+@pytest.mark.parametrize("settings", [{"channels": (8, 16, 32)},
+                                      {"channels": (4, 8, 16)},  # a norm of fewer channels than groups
+                                      {"channels": (8, 16), "image_size": 27, "padded_size": 32}])  # padded 2 and 3
+def test_numpy_encode_and_decode_match_torch_in_float64(settings):
     torch.manual_seed(0)
-    config = ConvVAEConfig(channels=channels)
+    config = ConvVAEConfig(**settings)
     vae = ConvVAE(config).double().eval()
-    reference = NumpyVAEDecoder(config, {k: v.numpy() for k, v in vae.state_dict().items()})
-    z = torch.randn(2, 4, 8, 8, dtype=torch.float64)
+    with torch.no_grad():
+        vae.encoder.conv_out.bias[-1] = 60.0  # one logvar channel past the clamp at 20
+    reference = NumpyConvVAE(config, {k: v.numpy() for k, v in vae.state_dict().items()})
+    z = torch.randn(2, 4, config.latent_size, config.latent_size, dtype=torch.float64)
+    images = torch.rand(2, 1, config.image_size, config.image_size, dtype=torch.float64) * 2 - 1
     with torch.no_grad():
         np.testing.assert_allclose(vae.decode(z).numpy(), reference.decode(z.numpy()), atol=1e-12, rtol=1e-10)
+        for mine, theirs in zip(vae.encode(images), reference.encode(images.numpy()), strict=True):
+            assert mine.shape == (2, 4, config.latent_size, config.latent_size)
+            np.testing.assert_allclose(mine.numpy(), theirs, atol=1e-12, rtol=1e-10)
+        assert reference.encode(images.numpy())[1][:, -1].max() == 20.0
 
 
 def test_vae_config_is_checked():

@@ -97,6 +97,28 @@ def test_the_judge_reads_images_in_the_range_it_was_trained_on(fashion_mnist, mo
     assert judge.score(none, []).shape == (0,)
 
 
+def test_the_judge_on_numpy_is_its_reference_forward_giving_torchs_numbers(fashion_mnist, monkeypatch):
+    """On the numpy platform the judge runs its classifier's numpy forward (float32, as on every device): the same
+    classes, probabilities and FID features as torch's within float32 rounding, and none for no images."""
+    from cardtool.backends.numpy_fashion_cnn import NumpyFashionCNN
+    from cardtool.backends.platform import Platform
+    from cardtool.core.cards import discovery
+    from cardtool.core.data import load_split
+    from cardtool.core.evaluation.reward import load_reward
+
+    monkeypatch.setattr(discovery, "builtin_dir", lambda: REPO / "cards")
+    test = load_split("test")
+    images = test.images[:64]
+    judges = {device: load_reward("fashion-classifier", Platform(device, "generic")) for device in ("cpu", "numpy")}
+    assert isinstance(judges["numpy"]._model(), NumpyFashionCNN)
+    (torch_features, torch_probs), (numpy_features, numpy_probs) = (judges[d].judged(images) for d in judges)
+    assert numpy_features.dtype == numpy_probs.dtype == np.float32
+    assert np.abs(numpy_probs - torch_probs).max() < 1e-5 and (numpy_probs.argmax(1) == test.labels[:64]).mean() > 0.9
+    assert np.abs(numpy_features - torch_features).max() < 1e-4 * np.abs(torch_features).max()
+    assert np.array_equal(judges["numpy"].probabilities(images), numpy_probs)
+    assert judges["numpy"].features(np.zeros((0, 28, 28), np.uint8)).shape == (0, 256)
+
+
 def test_a_rows_speed_leaves_out_what_the_device_does_once(tmp_path, monkeypatch):
     """The first sampling at a precision pays one-time costs (on an H200 1.7 s for bfloat16, as long as a 1,000-image
     row's whole work): the row samples one request untimed first, so images/s is the steady rate. A clock that moves

@@ -82,8 +82,6 @@ def test_progress_over_waves_of_candidates_counts_every_candidates_steps_once(ex
     (["--best-of", "1025", "--reward", "REWARD"], "--best-of must be at most 1024 candidates a request, got 1025"),
     (["--best-of", "2", "--reward", "BASE"], "is not a reward"),
     (["--best-of", "2", "--reward", "FIVE"], "not a Fashion-MNIST judge: its classifier tells 5 classes, not the 10"),
-    # the judge has no numpy cell: said before the candidates are sampled, not after
-    (["--best-of", "2", "--reward", "REWARD", "--device", "numpy"], "nothing can run component 'fashion-cnn'"),
 ])
 def test_bad_best_of_requests_are_clear_errors(examples, tmp_path, args, message):
     if "FIVE" in args:  # a classifier of 5 classes: an IndexError scoring a prompt of class 8 ('a bag')

@@ -132,7 +132,6 @@ def test_best_of_n_starts_every_candidate_from_the_image(tiny, examples, tmp_pat
     (["--image", "{start}", "--strength", "0"], "--strength must be a number in (0, 1)"),
     (["--image", "{tmp}/missing.png"], "cannot read the image to start from"),
     (["--image", "{tmp}/broken.png"], "cannot read the image to start from"),
-    (["--image", "{start}", "--device", "numpy"], "has no encoder; starting from an image needs the torch platform"),
 ])
 def test_bad_image_to_image_requests_are_clear_errors(tiny, tmp_path, args, message):
     start = tiny.generate("an ankle boot", steps=1, out=tmp_path / "boot.png").images[0].path
@@ -140,6 +139,35 @@ def test_bad_image_to_image_requests_are_clear_errors(tiny, tmp_path, args, mess
     args = [a.format(start=start, tmp=tmp_path) for a in args]
     result = run("generate", "tiny-base", "-p", "a bag", "--steps", "2", *args, "--out", str(tmp_path / "out"))
     assert result.exit_code == 2 and message in result.stderr, result.output
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_numpy_starts_from_an_image_as_torch_does(tiny, tmp_path, mask):
+    """numpy's VAE encodes too (its reference forward): image-to-image and inpainting there give torch's images, and
+    a VAE with no encoder (a plugin's) is refused before any work."""
+    start = tiny.generate("an ankle boot", steps=2, out=tmp_path / "boot.png").images[0].path
+    masked = ["--mask", str(REPO / "examples" / "workflows" / "bottom-half.png")] if mask else []
+    made = {}
+    for device in ("cpu", "numpy"):  # cpu first: numpy reads the prompt's features from the cache it fills
+        result = run("generate", "tiny-base", "-p", "a bag", "-n", "2", "--steps", "3", "--image", str(start),
+                     "--strength", "0.6", *masked, "--device", device, "--json", "--out", str(tmp_path / device))
+        assert result.exit_code == 0, result.output
+        made[device] = [pixels(image["path"]).astype(int) for image in json.loads(result.stdout)["images"]]
+    assert all(np.abs(a - b).max() <= 1 for a, b in zip(made["cpu"], made["numpy"], strict=True))
+    assert np.abs(made["numpy"][0] - made["numpy"][1]).max() > 0, "two seeds, two images"
+
+
+def test_a_vae_with_no_encoder_is_refused_an_image_to_start_from(tiny, tmp_path, monkeypatch):
+    from cardtool.backends.numpy_conv_vae import NumpyConvVAE
+
+    start = tiny.generate("an ankle boot", steps=1, out=tmp_path / "boot.png").images[0].path
+    monkeypatch.delattr(NumpyConvVAE, "encode")
+    result = run("generate", "tiny-base", "-p", "an ankle boot", "--steps", "2", "--image", str(start), "--device",
+                 "numpy", "--out", str(tmp_path / "out"))
+    assert result.exit_code == 2, result.output
+    assert "the VAE of 'tiny-base' on numpy has no encoder; starting from an image needs the torch platform" in \
+        result.stderr
     assert not (tmp_path / "out").exists()
 
 

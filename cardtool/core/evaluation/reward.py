@@ -14,7 +14,7 @@ from typing import Protocol
 import numpy as np
 
 from cardtool.backends.precision import full_float32
-from cardtool.core.data import CLASS_NAMES, IMAGE_SIZE
+from cardtool.core.data import CLASS_NAMES, IMAGE_SIZE, unit_images
 from cardtool.core.prompts import SYNONYMS, class_prompt
 from cardtool.core.sampling.instance import ModelInstance
 from cardtool.errors import BadInput
@@ -57,27 +57,33 @@ class FashionJudge:
             raise BadInput(f"card '{instance.card.id}' has no classifier component to judge with")
         self.instance, self.card_id = instance, instance.card.id
         self._class_embeddings = None
-        self._model()  # built now: a platform that cannot run it (numpy) says so before any sampling, not after
+        self._model()  # built now: a platform that cannot run it says so before any sampling, not after
 
     def _model(self):
         return self.instance.component(self.classifier_name)
 
     def _batches(self, images: np.ndarray, fn, size: int = JUDGE_BATCH) -> tuple[np.ndarray, ...]:
-        """Run fn over uint8 images (B, 28, 28) in batches; returns each of the tensors it gives, stacked, in numpy."""
-        import torch
-
-        from cardtool.core.training.methods.vae import to_unit  # the classifier's input as its training made it
-
+        """Run fn over uint8 images (B, 28, 28) in batches, in the classifier's input as its training made it
+        (data.unit_images); returns each of the arrays it gives, stacked, in numpy. On the numpy platform the
+        classifier is its numpy forward, in float32 as on every device."""
         model, out = self._model(), []
-        device = next(model.parameters()).device
-        with torch.no_grad(), full_float32(self.instance.platform):  # a measure: the same float32 on every device
-            for i in range(0, max(len(images), 1), size):  # no images: one empty batch, for the result's shape
-                out.append([t.float().cpu().numpy() for t in fn(model, to_unit(images[i:i + size]).to(device))])
+        starts = range(0, max(len(images), 1), size)  # no images: one empty batch, for the result's shape
+        if self.instance.platform.device == "numpy":
+            for i in starts:
+                out.append([np.asarray(a, dtype=np.float32) for a in fn(model, unit_images(images[i:i + size]))])
+        else:
+            import torch
+
+            device = next(model.parameters()).device
+            with torch.no_grad(), full_float32(self.instance.platform):  # a measure: the same float32 on every device
+                for i in starts:
+                    x = torch.from_numpy(unit_images(images[i:i + size])).to(device)
+                    out.append([t.float().cpu().numpy() for t in fn(model, x)])
         return tuple(np.concatenate(parts) for parts in zip(*out, strict=True))
 
     def probabilities(self, images: np.ndarray) -> np.ndarray:
         """Class probabilities (B, 10) of uint8 images (B, 28, 28)."""
-        return self._batches(images, lambda m, x: (m(x).softmax(-1),))[0]
+        return self._batches(images, lambda m, x: (_softmax(m(x)),))[0]
 
     def features(self, images: np.ndarray) -> np.ndarray:
         """Penultimate-layer features (B, 256): the space FID-FMNIST is measured in."""
@@ -88,7 +94,7 @@ class FashionJudge:
         same numbers, at about half the work of the two calls."""
         def both(model, x):
             features = model.embed(x)
-            return features, model.head(features).softmax(-1)
+            return features, _softmax(model.head(features))
 
         return self._batches(images, both)
 
@@ -129,6 +135,14 @@ class FashionJudge:
             raise BadInput(f"score: {len(images)} images but {len(prompts)} prompts")
         labels = self.prompt_classes(prompts)
         return self.probabilities(images)[np.arange(len(labels)), labels]
+
+
+def _softmax(logits):
+    """Over the classes, of a torch tensor or of the numpy forward's array."""
+    if not isinstance(logits, np.ndarray):
+        return logits.softmax(-1)
+    exp = np.exp(logits - logits.max(-1, keepdims=True))
+    return exp / exp.sum(-1, keepdims=True)
 
 
 REWARD_KINDS = {"classifier": FashionJudge}  # component kind → the reward served from it

@@ -9,7 +9,7 @@ import torch
 from cardtool.backends.conv_vae import ConvVAE
 from cardtool.backends.platform import Platform
 from cardtool.backends.vae_config import ConvVAEConfig
-from cardtool.core.data import Split
+from cardtool.core.data import Split, unit_images
 from cardtool.core.training.recipes import Recipe, loss_number, only_keys
 from cardtool.core.training.trainer import Task
 from cardtool.errors import BadInput, RunFailed
@@ -18,11 +18,8 @@ __all__ = ["VAETask", "to_unit", "psnr", "latents"]
 
 
 def to_unit(images: np.ndarray) -> torch.Tensor:
-    """uint8 (B, 28, 28) → float32 (B, 1, 28, 28) in [−1, 1], computed in place: one float copy, not three."""
-    unit = images.astype(np.float32)
-    unit /= 127.5
-    unit -= 1.0
-    return torch.from_numpy(unit)[:, None]
+    """uint8 (B, 28, 28) → float32 (B, 1, 28, 28) in [−1, 1] (data.unit_images) as a tensor."""
+    return torch.from_numpy(unit_images(images))
 
 
 # Images a VAE call encodes when a dataset is turned into latents: at 256 the widest activation is 16 MiB; at 1,000 it
