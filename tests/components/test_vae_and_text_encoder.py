@@ -61,7 +61,7 @@ def test_numpy_encode_and_decode_match_torch_in_float64(settings):
     config = ConvVAEConfig(**settings)
     vae = ConvVAE(config).double().eval()
     with torch.no_grad():
-        vae.encoder.conv_out.bias[-1] = 60.0  # one logvar channel past the clamp at 20
+        vae.encoder.conv_out.bias[-2:] = torch.tensor([-60.0, 60.0])  # logvar channels past its clamps at −30, 20
     reference = NumpyConvVAE(config, {k: v.numpy() for k, v in vae.state_dict().items()})
     z = torch.randn(2, 4, config.latent_size, config.latent_size, dtype=torch.float64)
     images = torch.rand(2, 1, config.image_size, config.image_size, dtype=torch.float64) * 2 - 1
@@ -70,7 +70,8 @@ def test_numpy_encode_and_decode_match_torch_in_float64(settings):
         for mine, theirs in zip(vae.encode(images), reference.encode(images.numpy()), strict=True):
             assert mine.shape == (2, 4, config.latent_size, config.latent_size)
             np.testing.assert_allclose(mine.numpy(), theirs, atol=1e-12, rtol=1e-10)
-        assert reference.encode(images.numpy())[1][:, -1].max() == 20.0
+        logvar = reference.encode(images.numpy())[1]
+        assert (logvar[:, -2].min(), logvar[:, -1].max()) == (-30.0, 20.0)
 
 
 def test_vae_config_is_checked():
