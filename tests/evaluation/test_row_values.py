@@ -119,6 +119,19 @@ def test_the_judge_on_numpy_is_its_reference_forward_giving_torchs_numbers(fashi
     assert judges["numpy"].features(np.zeros((0, 28, 28), np.uint8)).shape == (0, 256)
 
 
+def test_an_eval_on_numpy_gives_torchs_row(tmp_path):
+    """The whole eval on the reference rung — sampling, the judge, the FID reference and the VAE floor (which encodes
+    the test images) — gives the row torch gives, to float32 rounding (numpy reads the prompts torch encoded)."""
+    data = str(write_idx_folder(tmp_path / "idx"))
+    reports = {device: evaluate(str(EXAMPLE_CARDS / "tiny-base"), judge=str(EXAMPLE_CARDS / "tiny-judge"),
+                                steps=[2], per_class=2, data=data, device=device) for device in ("cpu", "numpy")}
+    assert reports["numpy"].to_json()["platform"] == "numpy/generic"
+    cpu, numpy_ = reports["cpu"].rows[0], reports["numpy"].rows[0]
+    assert numpy_.accuracy_by_class == cpu.accuracy_by_class and numpy_.images == cpu.images == 20
+    assert abs(numpy_.fid_fmnist - cpu.fid_fmnist) < 1e-3 * max(1.0, cpu.fid_fmnist)
+    assert abs(numpy_.mean_reward - cpu.mean_reward) < 1e-4
+
+
 def test_a_rows_speed_leaves_out_what_the_device_does_once(tmp_path, monkeypatch):
     """The first sampling at a precision pays one-time costs (on an H200 1.7 s for bfloat16, as long as a 1,000-image
     row's whole work): the row samples one request untimed first, so images/s is the steady rate. A clock that moves
