@@ -121,9 +121,17 @@ def test_parity_is_a_call_whose_report_is_the_commands(monkeypatch, kernels):
     shown = CliRunner().invoke(app, ["parity", "--card", "tiny-base", "--device", "cpu", "--op", "cfg_combine",
                                      "--json"])
     assert shown.exit_code == 0 and json.loads(shown.stdout) == report.to_json()
+    assert report.unchecked == [  # what no row compared, said so that a passing report is not read as covering it
+        {"name": "text_encoder", "impl": "hf-encoder", "why": "hf-encoder has no numpy forward"},
+        {"name": "adapters.invert", "impl": "lora", "why": "a LoRA runs on torch only (its product, the lora_bgmv "
+                                                           "kernel, is checked on generic inputs)"}]
+    printed = CliRunner().invoke(app, ["parity", "--card", "tiny-base", "--device", "cpu", "--op", "cfg_combine"],
+                                 env={"COLUMNS": "1000"})
+    assert "  not compared with numpy:\n    text_encoder: hf-encoder has no numpy forward\n    adapters.invert: a " \
+           "LoRA runs on torch only" in printed.stdout
     kernels.register("cfg_combine", "cpu", "generic", "default", target="wrong_kernels:cfg_combine_sign_flipped")
     wrong = cardtool.parity(device="cpu", op="cfg_combine")
-    assert not wrong.ok and {row.dtype for row in wrong.failed} >= {"float64", "float32"}
+    assert not wrong.ok and {row.dtype for row in wrong.failed} >= {"float64", "float32"} and wrong.unchecked == []
     assert all(row.cell == "cfg_combine/cpu/generic/default" and not row.error for row in wrong.rows)
     for call, said in [(lambda: cardtool.parity(device=3), "device must be text"),
                        (lambda: cardtool.parity(op=["rms_norm"]), "op must be text"),

@@ -43,6 +43,10 @@ def parity_command(
         shapes = {r.cell.split("/", 1)[0]: r.shapes for r in rows if r.shapes}
         for name, cases in shapes.items():
             out.print(f"  {name}: {'; '.join(cases)}", markup=False)
+        if report.unchecked:
+            out.print("  not compared with numpy:", markup=False)
+            for item in report.unchecked:
+                out.print(f"    {item['name']}: {item['why']}", markup=False)
         failed = report.failed
         out.print(f"{len(rows) - len(failed)} passed, {len(failed)} failed" if rows else
                   f"no accelerated kernel cells can run on {platform.device}/{platform.arch}; nothing to compare")

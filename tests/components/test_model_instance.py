@@ -183,6 +183,20 @@ def test_card_parity_compares_dit_and_vae_with_numpy(examples):
             } == {("float64", 1e-9, 1e-9), ("float32", 1e-4, 1e-4)}
 
 
+def test_a_cards_controlnet_and_loras_are_reported_unchecked():
+    """Adapters run on torch only: a card's report lists each, so a passing `parity --card` is not read as covering
+    them (fashion-adapters: four LoRAs and a ControlNet)."""
+    from helpers import REPO
+
+    from cardtool.core.evaluation.card_parity import unchecked
+
+    said = {u["name"]: (u["impl"], u["why"]) for u in unchecked(load_card(REPO / "cards" / "fashion-adapters"), CPU,
+                                                                [])}
+    assert said["adapters.silhouette"] == ("controlnet", "a ControlNet has no numpy forward")
+    assert [name for name, (impl, _) in said.items() if impl == "lora"] == [
+        "adapters.mirror", "adapters.bright", "adapters.bold", "adapters.invert"]
+
+
 def test_card_parity_has_teeth(examples, monkeypatch):
     manifest = examples / "tiny-base" / "card.yaml"
     manifest.write_text(manifest.read_text().replace("freq_dim: 64}", "freq_dim: 64, text_mask: true}"))

@@ -18,7 +18,7 @@ from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache, encode_prompts
 
-__all__ = ["card_parity", "contract_rows", "generation_rows"]
+__all__ = ["card_parity", "contract_rows", "generation_rows", "unchecked"]
 
 
 # one CFG request on the ODE, one unguided request on the SDE with a shifted grid, one on the re-noising rule, one
@@ -35,6 +35,31 @@ def card_parity(card: Card, platform: Platform) -> list[ParityRow]:
         if component.weights:
             rows += component_rows(name, component.impl, component.config, card.weights_file(name), platform)
     return rows + generation_rows(card, platform) + contract_rows(card, platform)
+
+
+def unchecked(card: Card, platform: Platform, rows: list[ParityRow]) -> list[dict]:
+    """The card's components and adapters no row held to numpy, each with why: a passing report covers what it
+    compared, and a CI gate should see what it did not."""
+    from cardtool.backends.registry import COMPONENTS
+
+    out = []
+    for name, spec in card.manifest.components.items():
+        if any(row.cell.startswith(f"{name}:{spec.impl}/") for row in rows):
+            continue
+        if platform.device == "numpy":
+            why = "numpy is the reference: nothing to compare it with"
+        elif not any(c.key[0] == spec.impl and c.key[1] == "numpy" for c in COMPONENTS.cells()):
+            why = f"{spec.impl} has no numpy forward"
+        elif not spec.weights:
+            why = "it reads a source folder: parity compares a component on its weights file"
+        else:
+            why = f"the {platform.device} platform runs its numpy forward itself"
+        out.append({"name": name, "impl": spec.impl, "why": why})
+    for name, adapter in card.manifest.adapters.items():
+        why = ("a LoRA runs on torch only (its product, the lora_bgmv kernel, is checked on generic inputs)"
+               if adapter.kind == "lora" else "a ControlNet has no numpy forward")
+        out.append({"name": f"adapters.{name}", "impl": adapter.kind, "why": why})
+    return out
 
 
 def contract_rows(card: Card, platform: Platform, loop: str = "denoise") -> list[ParityRow]:

@@ -5,7 +5,7 @@ promised consistency (card_parity.py) — the report the command prints; `.to_js
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cardtool.backends.parity import ParityRow
 from cardtool.backends.platform import Platform
@@ -19,6 +19,7 @@ __all__ = ["ParityReport", "parity"]
 class ParityReport:
     platform: Platform
     rows: list[ParityRow]
+    unchecked: list[dict] = field(default_factory=list)  # with a card: what no row compared, {"name", "impl", "why"}
 
     @property
     def ok(self) -> bool:
@@ -29,12 +30,14 @@ class ParityReport:
         return [row for row in self.rows if not row.passed]
 
     def to_json(self) -> dict:
-        return {"platform": self.platform.to_json(), "ok": self.ok, "rows": [row.to_json() for row in self.rows]}
+        return {"platform": self.platform.to_json(), "ok": self.ok, "rows": [row.to_json() for row in self.rows],
+                "unchecked": self.unchecked}
 
 
 def parity(card: str | os.PathLike | None = None, *, device: str | None = None, op: str | None = None) -> ParityReport:
     """`cardtool parity [--card CARD] [--device D] [--op OP]`: a row per cell and dtype compared, `ok` when all
-    passed. A failed row is a finding, not an error: BadInput is for an unknown device, op or card."""
+    passed, and with a card what of it no row compared (`unchecked`). A failed row is a finding, not an error:
+    BadInput is for an unknown device, op or card."""
     from cardtool.backends.builtin import OPS
     from cardtool.backends.parity import run_parity
     from cardtool.backends.registry import KERNELS
@@ -45,10 +48,13 @@ def parity(card: str | os.PathLike | None = None, *, device: str | None = None, 
     known = {cell.key[0] for cell in KERNELS.cells()} | set(OPS)
     if op is not None and op not in known:
         raise BadInput(f"unknown op '{op}'; ops: {', '.join(sorted(known))}")
-    rows = run_parity(platform, op)
+    report = ParityReport(platform, run_parity(platform, op))
     if card is not None:
         from cardtool.core.cards.loader import load_card
-        from cardtool.core.evaluation.card_parity import card_parity
+        from cardtool.core.evaluation.card_parity import card_parity, unchecked
 
-        rows += card_parity(load_card(card), platform)
-    return ParityReport(platform, rows)
+        loaded = load_card(card)
+        found = card_parity(loaded, platform)
+        report.rows += found
+        report.unchecked = unchecked(loaded, platform, found)
+    return report
