@@ -68,7 +68,8 @@ def test_the_python_api_example_runs(tmp_path):
     assert (student["student"], student["steps"], student["logged"]) == ("tiny-base-1step", "1", 1)
     assert student["command"].startswith("cardtool distill ") and "--steps 1 --set=optim.steps=1" in student["command"]
     assert json.loads(lines[-1]) == {"parity": True, "checked": [
-        "cfg_combine", "contract:C1", "generate:denoise", "transformer:wan-dit", "vae:conv-vae"]}
+        "cfg_combine", "contract:C1", "generate:denoise", "text_encoder:hf-encoder", "transformer:wan-dit",
+        "vae:conv-vae"]}
     assert not (tmp_path / "out" / "never").exists()
     assert len(list((tmp_path / "out" / "plain").iterdir())) == 4, "its four images, and no grid unless asked"
 
@@ -117,18 +118,17 @@ def test_parity_is_a_call_whose_report_is_the_commands(monkeypatch, kernels):
     assert report.ok and report.failed == [] and report.platform.device == "cpu"
     cells = {(row.cell.split("/")[0], row.dtype) for row in report.rows}
     assert {("cfg_combine", "float64"), ("vae:conv-vae", "float32"), ("transformer:wan-dit", "float64"),
+            ("text_encoder:hf-encoder", "float32"),
             ("generate:denoise", "float32"), ("contract:C1", "float32")} <= cells
     shown = CliRunner().invoke(app, ["parity", "--card", "tiny-base", "--device", "cpu", "--op", "cfg_combine",
                                      "--json"])
     assert shown.exit_code == 0 and json.loads(shown.stdout) == report.to_json()
     assert report.unchecked == [  # what no row compared, said so that a passing report is not read as covering it
-        {"name": "text_encoder", "impl": "hf-encoder", "why": "hf-encoder has no numpy forward"},
         {"name": "adapters.invert", "impl": "lora", "why": "a LoRA runs on torch only (its product, the lora_bgmv "
                                                            "kernel, is checked on generic inputs)"}]
     printed = CliRunner().invoke(app, ["parity", "--card", "tiny-base", "--device", "cpu", "--op", "cfg_combine"],
                                  env={"COLUMNS": "1000"})
-    assert "  not compared with numpy:\n    text_encoder: hf-encoder has no numpy forward\n    adapters.invert: a " \
-           "LoRA runs on torch only" in printed.stdout
+    assert "  not compared with numpy:\n    adapters.invert: a LoRA runs on torch only" in printed.stdout
     kernels.register("cfg_combine", "cpu", "generic", "default", target="wrong_kernels:cfg_combine_sign_flipped")
     wrong = cardtool.parity(device="cpu", op="cfg_combine")
     assert not wrong.ok and {row.dtype for row in wrong.failed} >= {"float64", "float32"} and wrong.unchecked == []

@@ -19,7 +19,7 @@ from cardtool.files import file_stamp
 from cardtool.paths import opened_by_utf8_name
 
 __all__ = ["wan_dit_torch", "wan_controlnet_torch", "wan_dit_numpy", "conv_vae_torch", "conv_vae_numpy",
-           "hf_encoder_torch", "fashion_cnn_torch", "fashion_cnn_numpy"]
+           "hf_encoder_torch", "hf_encoder_numpy", "fashion_cnn_torch", "fashion_cnn_numpy"]
 
 
 def _torch_module(make, weights: Path | None, device: str, dtype: str):
@@ -122,6 +122,16 @@ def hf_encoder_torch(config: dict, weights: Path | None, source: Path | None, pl
                        "was loaded?)")
     return _hf_encoder(str(source), _stamps(source), settings.max_length, platform.torch_device,
                        getattr(torch, weights_dtype(precision)))
+
+
+def hf_encoder_numpy(config: dict, weights: Path | None, source: Path | None, platform: Platform, precision: str):
+    from cardtool.backends.numpy_hf_encoder import NumpyBertEncoder
+
+    settings = HFEncoderConfig.from_card(config, "hf-encoder")
+    if source is None or not Path(source).is_dir():
+        raise BadInput(f"the text encoder's source folder {source} is not there (moved or deleted since the card "
+                       "was loaded?)")
+    return NumpyBertEncoder(Path(source), settings.max_length, weights_dtype(precision))
 
 
 def _stamps(folder: Path) -> tuple:

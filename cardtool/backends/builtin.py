@@ -24,13 +24,13 @@ COMPONENT_IMPLS = {
     "conv-vae": ("vae", "cardtool.backends.vae_config:ConvVAEConfig", f"{_B}:conv_vae_torch", f"{_B}:conv_vae_numpy",
                  ("torch",)),
     "hf-encoder": ("text_encoder", "cardtool.backends.hf_encoder_config:HFEncoderConfig", f"{_B}:hf_encoder_torch",
-                   None, ("torch", "transformers")),
+                   f"{_B}:hf_encoder_numpy", ("torch", "transformers")),
     "fashion-cnn": ("classifier", "cardtool.backends.cnn_config:FashionCNNConfig", f"{_B}:fashion_cnn_torch",
                     f"{_B}:fashion_cnn_numpy", ("torch",)),
 }
 # what `parity --card` runs the components with a numpy forward on
 COMPONENT_INPUTS = {impl: f"cardtool.backends.component_parity:{impl.replace('-', '_')}_inputs"
-                    for impl in ("wan-dit", "conv-vae", "fashion-cnn")}
+                    for impl in ("wan-dit", "conv-vae", "fashion-cnn", "hf-encoder")}
 # the array namespace the denoise loop works in on each device: a cell of COMPONENTS, but no card component
 ARRAYS = ("cardtool.backends.arrays:arrays_torch", "cardtool.backends.arrays:arrays_numpy")
 

@@ -1,7 +1,7 @@
 """Component parity (`cardtool parity --card`): a card's component, built by the platform's cell, against its numpy
 forward on the card's own weights — float64 tightly, float32 within a tolerance for deep networks — on the inputs
-its implementation registers (`components.register_inputs`; the DiT's, the VAE's and the judge's classifier's are
-below)."""
+its implementation registers (`components.register_inputs`; the DiT's, the VAE's, the judge classifier's and the
+text encoder's are below)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from cardtool.backends.registry import COMPONENTS, NoCellAvailable
 from cardtool.backends.vae_config import ConvVAEConfig
 from cardtool.backends.wan_config import WanDiTConfig
 
-__all__ = ["COMPONENT_TOLERANCES", "component_rows", "conv_vae_inputs", "fashion_cnn_inputs",
+__all__ = ["COMPONENT_TOLERANCES", "component_rows", "conv_vae_inputs", "fashion_cnn_inputs", "hf_encoder_inputs",
            "wan_dit_inputs"]
 
 # dtype → (atol, rtol) for whole networks: float32 error grows with depth, float64 should stay at rounding
@@ -25,7 +25,8 @@ COMPONENT_TOLERANCES = {"float64": (1e-9, 1e-9), "float32": (1e-4, 1e-4)}
 NUMPY = Platform("numpy", "generic")
 
 
-def component_rows(name: str, impl: str, config: dict, weights: Path, platform: Platform) -> list[ParityRow]:
+def component_rows(name: str, impl: str, config: dict, weights: Path | None, platform: Platform,
+                   source: Path | None = None) -> list[ParityRow]:
     """Rows for one component whose implementation has a numpy forward or parity inputs, else none; on numpy, or
     where the platform's chain ends at the numpy forward itself, there is nothing to compare either."""
     inputs = COMPONENTS.parity_inputs(impl)
@@ -49,8 +50,8 @@ def component_rows(name: str, impl: str, config: dict, weights: Path, platform: 
             if inputs is None:
                 raise LookupError(f"'{impl}' has a numpy forward but no parity inputs: the plugin that adds it "
                                   "registers none (components.register_inputs)")
-            torch_model = COMPONENTS.resolve(impl, platform)[1](config, weights, None, platform, dtype)
-            numpy_model = COMPONENTS.resolve(impl, NUMPY)[1](config, weights, None, platform, "float64")
+            torch_model = COMPONENTS.resolve(impl, platform)[1](config, weights, source, platform, dtype)
+            numpy_model = COMPONENTS.resolve(impl, NUMPY)[1](config, weights, source, platform, "float64")
             for case in _cases(inputs, config):
                 actual, expected = _run(case, torch_model, numpy_model, platform, dtype)
                 for a, e in zip(actual, expected, strict=True):
@@ -118,3 +119,10 @@ def fashion_cnn_inputs(config: dict, rng) -> list[tuple]:
     images = rng.uniform(-1.0, 1.0, (3, 1, 28, 28))
     return [("features of 3x1x28x28", "embed", {"images": images}, {}),
             ("logits of 3x1x28x28", "__call__", {"images": images}, {})]
+
+
+def hf_encoder_inputs(config: dict, rng) -> list[tuple]:
+    """Four prompts, one empty (the null condition) and one past `max_length` (cut there), encoded together."""
+    prompts = ["an ankle boot", "", "a long pleated summer dress with a belt, buttons, two pockets and a wide collar "
+               "in a light fabric", "a bag"]
+    return [("4 prompts, one empty, one cut at max_length", "__call__", {}, {"prompts": prompts})]

@@ -215,12 +215,18 @@ def test_a_dit_of_any_valid_patch_is_compared_with_numpy(tmp_path, patch):
     assert 0 < rows[0].max_abs_err < 1e-9 and rows[0].shapes[0].startswith("2x4x1x")
 
 
-def test_a_component_that_cannot_run_is_a_failed_row_and_one_without_a_numpy_forward_has_none(tmp_path):
+def test_a_component_that_cannot_run_is_a_failed_row_and_one_without_a_numpy_forward_has_none(tmp_path, kernels):
     config = SMALL_DIT
     save_file({"x": np.zeros(1, np.float32)}, tmp_path / "other.safetensors")  # not this DiT's tensors
     rows = component_rows("transformer", "wan-dit", config, tmp_path / "other.safetensors", Platform("cpu", "generic"))
     assert [r.passed for r in rows] == [False, False] and all(r.error for r in rows), rows
-    assert component_rows("text", "hf-encoder", {}, tmp_path / "other.safetensors", Platform("cpu", "generic")) == []
+    rows = component_rows("text", "hf-encoder", {}, None, Platform("cpu", "generic"))  # no source folder
+    assert [r.passed for r in rows] == [False, False] and all("needs a `source` folder" in r.error for r in rows)
+    from cardtool.backends import registry  # the fixture restores it after this torch-only implementation
+
+    registry.COMPONENTS.register("torch-only", "cpu", "default", target="cardtool.backends.builders:conv_vae_torch",
+                                 kind="vae")
+    assert component_rows("vae", "torch-only", {}, tmp_path / "other.safetensors", Platform("cpu", "generic")) == []
     assert component_rows("transformer", "wan-dit", config, tmp_path / "other.safetensors",
                           Platform("numpy", "generic")) == [], "numpy against itself compares nothing"
 

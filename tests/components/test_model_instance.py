@@ -173,11 +173,12 @@ def test_unknown_component_and_loop(examples):
 def test_card_parity_compares_dit_and_vae_with_numpy(examples):
     rows = card_parity(load_card(examples / "tiny-base"), CPU)
     assert {(r.cell, r.dtype) for r in rows} == {
-        (f"{n}/cpu/generic", d) for n in ("vae:conv-vae", "transformer:wan-dit", "generate:denoise")
+        (f"{n}/cpu/generic", d) for n in ("text_encoder:hf-encoder", "vae:conv-vae", "transformer:wan-dit",
+                                          "generate:denoise")
         for d in ("float64", "float32")} | {("contract:C1/cpu/generic", "float32")}
     assert all(r.passed for r in rows), [(r.cell, r.dtype, r.max_abs_err, r.error) for r in rows]
     assert all(r.max_abs_err < 1e-12 for r in rows if r.dtype == "float64")
-    assert all(0 < r.max_rel_err < 1e-3 for r in rows if not r.cell.startswith("contract"))
+    assert all(0 < r.max_rel_err < 1e-2 for r in rows if not r.cell.startswith("contract"))  # the encoder's 4e-3
     # whole networks: float64 at rounding, float32's error grown with depth
     assert {(r.dtype, r.atol, r.rtol) for r in rows if ":" in r.cell and not r.cell.startswith(("generate", "contract"))
             } == {("float64", 1e-9, 1e-9), ("float32", 1e-4, 1e-4)}
@@ -228,7 +229,7 @@ def test_a_card_without_the_loop_or_a_promise_has_no_generation_or_contract_rows
     manifest = examples / "tiny-base" / "card.yaml"
     manifest.write_text(manifest.read_text().replace("consistency: C1", "consistency: C0"))
     rows = card_parity(load_card(examples / "tiny-base"), CPU)
-    assert len(rows) == 6 and not [r for r in rows if r.cell.startswith("contract:")]
+    assert len(rows) == 8 and not [r for r in rows if r.cell.startswith("contract:")]
 
 
 @pytest.mark.parametrize("level", ["C1", "C2", "C4"])

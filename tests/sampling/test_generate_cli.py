@@ -202,7 +202,35 @@ def test_a_pipe_named_as_the_one_image_is_refused_and_kept(on_path, tmp_path):
     assert result.exit_code == 2 and "is not a regular file" in result.stderr and (tmp_path / "pipe.png").is_fifo()
 
 
-def test_numpy_device_generates_from_cached_text_features(on_path, tmp_path, monkeypatch):
+def test_numpy_encodes_prompts_with_its_bert_forward_and_keeps_them_off_the_shared_cache(on_path, tmp_path,
+                                                                                        monkeypatch):
+    """numpy runs the BERT text encoder itself (its reference forward): a prompt no run encoded makes torch's image
+    (within a grey level), and its features stay in the process — the cache's key holds no platform, so a torch run
+    reading numpy's would make bits that depend on which platform encoded the prompt first."""
+    from cardtool.cache import cache_dir
+
+    monkeypatch.setenv("CARDTOOL_CACHE", str(tmp_path / "cache"))
+    args = ["generate", "tiny-base", "-p", "never encoded", "-n", "2", "--steps", "3", "--json"]
+    numpy_run = run(*args, "--device", "numpy", "--out", str(tmp_path / "n"))
+    assert numpy_run.exit_code == 0, numpy_run.output
+    assert not list((cache_dir() / "text").rglob("*.npz")), "numpy's encodings are not shared"
+    torch_run = run(*args, "--device", "cpu", "--out", str(tmp_path / "t"))
+    assert torch_run.exit_code == 0 and len(list((cache_dir() / "text").rglob("*.npz"))) == 2  # and the empty one
+    made = {name: [read_png_pixels(i["path"]).astype(int) for i in json.loads(r.stdout)["images"]]
+            for name, r in (("numpy", numpy_run), ("cpu", torch_run))}
+    assert all(np.abs(a - b).max() <= 1 for a, b in zip(made["numpy"], made["cpu"], strict=True))
+
+
+def test_numpy_reads_the_cache_for_a_text_encoder_it_cannot_run(on_path, tmp_path, monkeypatch):
+    """numpy's text encoder is BERT's; for another kind (simulated here) it reads what a torch run encoded, and a
+    prompt none did is refused, saying how to encode it."""
+    from cardtool.backends import numpy_hf_encoder
+    from cardtool.backends.registry import NoCellAvailable
+
+    def other_kind(self, folder, max_length, dtype):
+        raise NoCellAvailable(f"numpy's text encoder is BERT's; {folder} holds 'roberta'")
+
+    monkeypatch.setattr(numpy_hf_encoder.NumpyBertEncoder, "__init__", other_kind)
     args = ["generate", "tiny-base", "-p", "a bag", "--steps", "2", "--guidance", "1", "--json"]
     torch_run = json.loads(run(*args, "--out", str(tmp_path / "t")).stdout)
     numpy_run = run(*args, "--device", "numpy", "--out", str(tmp_path / "n"))

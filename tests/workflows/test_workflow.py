@@ -738,12 +738,20 @@ def test_numpy_runs_a_step_that_encodes_an_image_or_judges_as_torch_does(example
 @pytest.mark.parametrize("step, said", [
     ('    generate: {card: EX/tiny-base, prompts: ["a bag"], steps: 2, adapters: {invert: 0.5}}',
      "adapters run on the torch platform"),
-    # its advice is an option every command takes (`workflow run` has no --precision)
-    ('    generate: {card: EX/tiny-base, prompts: ["a coat"], steps: 2}', "the numpy platform runs no text encoder and "
-     "reads encoded prompts from the cache, which holds none of 'a coat'; run the same command once with --device cpu "
-     "to encode them (at float32), then again on numpy"),
+    # a text encoder numpy cannot run (its is BERT's; another kind simulated): the prompts come from the cache, and
+    # the advice is an option every command takes (`workflow run` has no --precision)
+    ('    generate: {card: EX/tiny-base, prompts: ["a coat"], steps: 2}', "the numpy platform runs no text encoder of "
+     "this kind and reads encoded prompts from the cache, which holds none of 'a coat'; run the same command once with "
+     "--device cpu to encode them (at float32), then again on numpy"),
 ])
-def test_a_step_the_platform_cannot_run_is_refused_before_the_first_image(examples, tmp_path, step, said):
+def test_a_step_the_platform_cannot_run_is_refused_before_the_first_image(examples, tmp_path, monkeypatch, step, said):
+    from cardtool.backends import numpy_hf_encoder
+    from cardtool.backends.registry import NoCellAvailable
+
+    def other_kind(self, folder, max_length, dtype):
+        raise NoCellAvailable(f"numpy's text encoder is BERT's; {folder} holds 'roberta'")
+
+    monkeypatch.setattr(numpy_hf_encoder.NumpyBertEncoder, "__init__", other_kind)
     one = '  one:\n    generate: {card: EX/tiny-base, prompts: ["a bag"], steps: 2}\n'
     encoded = run(write(tmp_path, examples, one, "encode.yaml"), tmp_path / "cpu", "--device", "cpu")
     assert encoded.exit_code == 0, encoded.output  # numpy reads the prompts' features from the cache

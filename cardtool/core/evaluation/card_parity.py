@@ -32,8 +32,10 @@ PARITY_REQUESTS = (Request("an ankle boot", seed=0, steps=3, guidance=3.0, guida
 def card_parity(card: Card, platform: Platform) -> list[ParityRow]:
     rows = []
     for name, component in card.manifest.components.items():
-        if component.weights:
-            rows += component_rows(name, component.impl, component.config, card.weights_file(name), platform)
+        if component.weights or component.source:
+            rows += component_rows(name, component.impl, component.config,
+                                   card.weights_file(name) if component.weights else None, platform,
+                                   card.source_path(name))
     return rows + generation_rows(card, platform) + contract_rows(card, platform)
 
 
@@ -50,10 +52,12 @@ def unchecked(card: Card, platform: Platform, rows: list[ParityRow]) -> list[dic
             why = "numpy is the reference: nothing to compare it with"
         elif not any(c.key[0] == spec.impl and c.key[1] == "numpy" for c in COMPONENTS.cells()):
             why = f"{spec.impl} has no numpy forward"
-        elif not spec.weights:
-            why = "it reads a source folder: parity compares a component on its weights file"
-        else:
+        elif not (spec.weights or spec.source):
+            why = "it has no weights file or source folder to compare on"
+        elif _runs_numpy(spec.impl, platform):
             why = f"the {platform.device} platform runs its numpy forward itself"
+        else:
+            why = "no row compared it"
         out.append({"name": name, "impl": spec.impl, "why": why})
     for name, adapter in card.manifest.adapters.items():
         why = ("a LoRA runs on torch only (its product, the lora_bgmv kernel, is checked on generic inputs)"
@@ -62,12 +66,22 @@ def unchecked(card: Card, platform: Platform, rows: list[ParityRow]) -> list[dic
     return out
 
 
+def _runs_numpy(impl: str, platform: Platform) -> bool:
+    from cardtool.backends.registry import COMPONENTS, NoCellAvailable
+
+    try:
+        return COMPONENTS.resolve(impl, platform)[0].key[1] == "numpy"
+    except NoCellAvailable:
+        return False
+
+
 def contract_rows(card: Card, platform: Platform, loop: str = "denoise") -> list[ParityRow]:
     """The card's promised consistency (LADDER), checked here at its precision on PARITY_REQUESTS — final latents
     and decoded images: C1 two fresh loads (separate instances and text caches) giving the same bits; C2 each request
     alone (its prompt encoded alone) giving the bits it gets in the batch; C3 is the generation rows against numpy;
-    C4 needs a second device and fails as unverifiable. On numpy, which runs no text encoder, each load's cache holds
-    the prompts as torch encodes them on the host CPU (as `generate` on numpy reads them from the disk cache)."""
+    C4 needs a second device and fails as unverifiable. On numpy, whose text encoder is BERT's only, each load's cache
+    holds the prompts as torch encodes them on the host CPU (as `generate` on numpy reads them from the disk cache),
+    so that any card's contract can be checked there."""
     level = int(card.manifest.parity.consistency[1])
     if level == 0 or loop not in card.manifest.loops:
         return []
@@ -80,7 +94,7 @@ def contract_rows(card: Card, platform: Platform, loop: str = "denoise") -> list
         result.max_abs_err, result.max_rel_err, result.passed = compare_arrays(actual, expected, 0.0, 0.0)
         return result
 
-    # numpy runs no text encoder: each load's cache gets the features the disk cache would give it, encoded once
+    # numpy may run no encoder of the card's kind: each load's cache gets the features the disk cache would give it
     encoder = ModelInstance(card, Platform("cpu", "generic"), precision) if platform.device == "numpy" else None
     prompts = [r.prompt for r in PARITY_REQUESTS] + [r.negative_prompt for r in PARITY_REQUESTS]
 

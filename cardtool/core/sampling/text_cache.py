@@ -77,12 +77,13 @@ class TextFeatureCache:
             self.hits += 1
         return found
 
-    def put(self, key: str, states: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Store an entry and return it as stored, so a first use sees exactly what later hits will."""
+    def put(self, key: str, states: np.ndarray, mask: np.ndarray, disk: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Store an entry (on disk too unless `disk` is False) and return it as stored, so a first use sees exactly
+        what later hits will."""
         states = np.asarray(states)
         entry = (states.astype(np.float64 if states.dtype == np.float64 else np.float32), np.asarray(mask, dtype=bool))
         self._remember(key, entry)
-        if self.root is not None:
+        if self.root is not None and disk:
             buffer = io.BytesIO()
             np.savez(buffer, states=entry[0], mask=entry[1], check=entry_check(key, *entry))
             try:
@@ -161,16 +162,19 @@ def encode_prompts(instance, prompts: list[str], cache: TextFeatureCache, compon
 
         try:
             encoder, arrays = instance.component(component), instance.arrays
-        except NoCellAvailable:  # a platform with no encoder of its own (numpy, the reference rung) reads the cache
+        except NoCellAvailable:  # no encoder of its own on this platform (numpy's is BERT's only): it reads the cache
             shown = ", ".join(repr(first[k][:60]) for k in missing[:3]) + (" …" if len(missing) > 3 else "")
             device = instance.platform.device
             # with CARDTOOL_CACHE_MAX=0 the CPU's run keeps nothing for this one to read: the advice alone would loop
             kept = "" if cache.root is not None or limit() else "unset CARDTOOL_CACHE_MAX=0, which keeps none on disk; "
-            raise BadInput(f"the {device} platform runs no text encoder and reads encoded prompts from the cache, "
-                           f"which holds none of {shown}; {kept}run the same command once with --device cpu to "
-                           f"encode them (at {instance.precision}), then again on {device}") from None
+            raise BadInput(f"the {device} platform runs no text encoder of this kind and reads encoded prompts from "
+                           f"the cache, which holds none of {shown}; {kept}run the same command once with --device cpu "
+                           f"to encode them (at {instance.precision}), then again on {device}") from None
+        # the numpy reference's encodings stay in this process: the key holds no platform, and a torch run reading
+        # them from disk would make bits that depend on which platform encoded a prompt first
+        shared = instance.platform.device != "numpy"
         for k, (states, mask) in zip(missing, _encoded(encoder, arrays, [first[k] for k in missing]), strict=True):
-            found[k] = cache.put(k, states, mask)
+            found[k] = cache.put(k, states, mask, disk=shared)
     return [found[k] for k in keys]
 
 
