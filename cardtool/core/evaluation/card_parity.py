@@ -56,8 +56,9 @@ def unchecked(card: Card, platform: Platform, rows: list[ParityRow]) -> list[dic
             why = "it has no weights file or source folder to compare on"
         elif _runs_numpy(spec.impl, platform):
             why = f"the {platform.device} platform runs its numpy forward itself"
-        else:
-            why = "no row compared it"
+        else:  # component_rows had none: the numpy forward refused this one
+            why = f"the numpy forward of {spec.impl} does not run this one (numpy's text encoder is BERT's only)" \
+                if spec.kind == "text_encoder" else f"the numpy forward of {spec.impl} does not run this one"
         out.append({"name": name, "impl": spec.impl, "why": why})
     for name, adapter in card.manifest.adapters.items():
         why = ("a LoRA runs on torch only (its product, the lora_bgmv kernel, is checked on generic inputs)"
