@@ -100,6 +100,19 @@ def test_a_writer_killed_mid_write_leaves_a_temporary_the_next_write_into_its_fo
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, recent.name, "step-000200.safetensors"])
 
 
+def test_a_temporary_whose_pid_no_process_can_have_is_left_alone(tmp_path):
+    """A pid past what `kill` takes (a name from elsewhere, or made up) is not ours to judge: kept, and no crash."""
+    import time
+
+    from cardtool.atomic import running
+
+    odd = tmp_path / f".x.png.{2 ** 70}-0.tmp"
+    odd.write_bytes(b"?")
+    os.utime(odd, (time.time() - 3600, time.time() - 3600))
+    write_atomic(tmp_path / "y.png", b"y")
+    assert odd.exists() and running(2 ** 70) is True
+
+
 def test_a_running_writers_temporary_is_kept_and_the_writer_left_alone(tmp_path):
     """Whether a pid runs is asked with signal 0, which sends nothing."""
     import subprocess
