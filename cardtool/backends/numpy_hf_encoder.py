@@ -120,5 +120,10 @@ def bert_state(folder: Path) -> dict[str, np.ndarray]:
     file = folder / "model.safetensors"
     if not file.is_file():
         raise BadInput(f"the text encoder's folder {folder} has no model.safetensors")
-    with opened_by_utf8_name(file) as name, safe_open(name, framework="pt") as f:  # numpy has no bfloat16
-        return {k: f.get_tensor(k).double().numpy() for k in f.keys() if not k.endswith("position_ids")}
+    with opened_by_utf8_name(file) as name:
+        try:  # without torch where the file allows
+            with safe_open(name, framework="numpy") as f:
+                return {k: f.get_tensor(k).astype(np.float64) for k in f.keys() if not k.endswith("position_ids")}
+        except (TypeError, ValueError):  # bfloat16, which numpy has not: read through torch
+            with safe_open(name, framework="pt") as f:
+                return {k: f.get_tensor(k).double().numpy() for k in f.keys() if not k.endswith("position_ids")}

@@ -178,9 +178,10 @@ def test_missing_text_encoder_package_is_a_clear_error():
 
 def test_numpy_bert_is_transformers_encoder_and_refuses_another_kind(tmp_path):
     """numpy's hf-encoder (its BERT forward) gives transformers' states and mask — float64 to rounding, float32 within
-    parity's tolerance, zero past each prompt — reads a file saved under `bert.` the same, and refuses another kind
-    as a missing cell (numpy then reads the cache)."""
+    parity's tolerance, zero past each prompt — reads a file saved under `bert.` the same and a bfloat16 file as
+    transformers does, and refuses another kind as a missing cell (numpy then reads the cache)."""
     from safetensors.numpy import load_file, save_file
+    from safetensors.torch import save_file as save_torch
 
     from cardtool.backends.numpy_hf_encoder import NumpyBertEncoder
     from cardtool.backends.registry import NoCellAvailable
@@ -200,6 +201,13 @@ def test_numpy_bert_is_transformers_encoder_and_refuses_another_kind(tmp_path):
     save_file(tensors, prefixed / "model.safetensors")
     assert np.array_equal(NumpyBertEncoder(prefixed, 16, "float64")(prompts)[0],
                           NumpyBertEncoder(folder, 16, "float64")(prompts)[0])
+    halved = copy_encoder(tmp_path / "bfloat16")  # a bfloat16 file: numpy has no such dtype, read through torch
+    tensors = load_file(halved / "model.safetensors")
+    (halved / "model.safetensors").unlink()
+    save_torch({k: torch.from_numpy(v).to(torch.bfloat16) if v.dtype == np.float32 else torch.from_numpy(v)
+                for k, v in tensors.items()}, halved / "model.safetensors")
+    states, _ = NumpyBertEncoder(halved, 16, "float32")(prompts)
+    np.testing.assert_allclose(states, HFTextEncoder(halved, 16, "cpu", torch.float32)(prompts)[0].numpy(), atol=1e-4)
     other = copy_encoder(tmp_path / "other")
     (other / "config.json").write_text((other / "config.json").read_text().replace('"bert"', '"roberta"'))
     with pytest.raises(NoCellAvailable, match="numpy's text encoder is BERT's .* holds 'roberta'"):
