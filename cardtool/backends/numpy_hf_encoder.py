@@ -79,12 +79,15 @@ class NumpyBertEncoder:
         if ids.shape[1] != self.max_length:
             raise RunFailed(f"the text encoder's tokenizer in {self.folder} cannot fit a prompt in max_length "
                             f"{self.max_length} (it made {ids.shape[1]} tokens); raise max_length")
-        if (ids >= self.rows).any():
+        if (ids >= self.rows).any():  # a token the tokenizer added past the embeddings
             token = int(ids[ids >= self.rows][0])
-            raise RunFailed(f"the text encoder's tokenizer in {self.folder} gives token id {token}; the encoder's "
-                            f"embeddings hold {self.rows}")
-        if (types >= len(self.state["embeddings.token_type_embeddings.weight"])).any():
-            raise RunFailed(f"the text encoder's tokenizer in {self.folder} gives token type {int(types.max())}")
+            raise RunFailed(f"the text encoder's tokenizer in {self.folder} gives token id {token} "
+                            f"({self.tokenizer.convert_ids_to_tokens(token)!r}); the encoder's embeddings hold "
+                            f"{self.rows}")
+        kinds = len(self.state["embeddings.token_type_embeddings.weight"])
+        if (types >= kinds).any():
+            raise RunFailed(f"the text encoder's tokenizer in {self.folder} gives token type {int(types.max())}; the "
+                            f"encoder's embeddings hold {kinds}")
         return ids, mask, types
 
     def __call__(self, prompts: list[str]) -> tuple[np.ndarray, np.ndarray]:

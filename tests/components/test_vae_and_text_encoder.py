@@ -212,3 +212,38 @@ def test_numpy_bert_is_transformers_encoder_and_refuses_another_kind(tmp_path):
     (other / "config.json").write_text((other / "config.json").read_text().replace('"bert"', '"roberta"'))
     with pytest.raises(NoCellAvailable, match="numpy's text encoder is BERT's .* holds 'roberta'"):
         NumpyBertEncoder(other, 16, "float32")
+
+
+def test_numpy_berts_guards_are_the_torch_encoders(tmp_path):
+    """What the torch encoder refuses with a clear RunFailed, the numpy one does too: a prompt the tokenizer cannot
+    encode, a max_length that leaves no token for it, a token or token type past the embeddings; and a folder without
+    its weights is bad input."""
+    from cardtool.backends.numpy_hf_encoder import NumpyBertEncoder
+
+    folder = copy_encoder(tmp_path / "encoder")
+    encoder = NumpyBertEncoder(folder, 16, "float32")
+    with pytest.raises(RunFailed, match="tokenizer in .* cannot encode the prompts: TypeError"):
+        encoder(["a \ud800 bag"])
+    with pytest.raises(RunFailed, match=r"cannot fit a prompt in max_length 1 \(it made 2 tokens\)"):
+        NumpyBertEncoder(folder, 1, "float32")([""])
+    encoder.tokenizer.add_tokens(["<new>"])
+    with pytest.raises(RunFailed, match=r"gives token id 30522 \('<new>'\); the encoder's embeddings hold 30522"):
+        encoder(["a <new> bag"])
+    types = "embeddings.token_type_embeddings.weight"
+    encoder.state[types] = encoder.state[types][:0]  # as if they held none: the type every token gets is past them
+    with pytest.raises(RunFailed, match="gives token type 0; the encoder's embeddings hold 0"):
+        encoder(["a bag"])
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(BadInput, match="has no model.safetensors"):
+        NumpyBertEncoder(folder, 16, "float32")
+
+
+@pytest.mark.parametrize(("name", "torch_form"), [("gelu", "none"), ("gelu_new", "tanh"), ("gelu_pytorch_tanh", "tanh"),
+                                                  ("relu", None)])
+def test_numpy_berts_activations_are_transformers(name, torch_form):
+    from cardtool.backends.numpy_hf_encoder import _ACTIVATIONS
+
+    x = torch.linspace(-6, 6, 101, dtype=torch.float64)
+    expected = torch.relu(x) if torch_form is None else torch.nn.functional.gelu(x, approximate=torch_form)
+    np.testing.assert_allclose(_ACTIVATIONS[name](x.numpy()), expected.numpy(), atol=1e-15, rtol=1e-13)
+
