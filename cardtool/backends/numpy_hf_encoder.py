@@ -17,14 +17,6 @@ from cardtool.errors import BadInput, RunFailed
 
 __all__ = ["NumpyBertEncoder"]
 
-_ACTIVATIONS = {
-    "gelu": lambda x: 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0))),
-    "gelu_new": lambda x: 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3))),
-    "relu": lambda x: np.maximum(x, 0.0),
-}
-_ACTIVATIONS["gelu_pytorch_tanh"] = _ACTIVATIONS["gelu_new"]
-
-
 _math_erf = np.frompyfunc(math.erf, 1, 1)
 
 
@@ -32,6 +24,14 @@ def _erf(x):
     """The error function elementwise, by Python's math.erf (numpy has none; a closed-form approximation would
     miss float64's rounding): slow, but a prompt is encoded once."""
     return _math_erf(x).astype(x.dtype)
+
+
+_ACTIVATIONS = {
+    "gelu": lambda x: 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0))),
+    "gelu_new": lambda x: 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3))),
+    "relu": lambda x: np.maximum(x, 0.0),
+}
+_ACTIVATIONS["gelu_pytorch_tanh"] = _ACTIVATIONS["gelu_new"]
 
 
 def _layer_norm(x, weight, bias, eps):

@@ -12,6 +12,7 @@ import numpy as np
 from cardtool.backends.component_parity import COMPONENT_TOLERANCES, component_rows
 from cardtool.backends.parity import TOLERANCES, ParityRow, compare_arrays
 from cardtool.backends.platform import Platform
+from cardtool.backends.registry import COMPONENTS, NoCellAvailable
 from cardtool.core.cards.loader import Card
 from cardtool.core.sampling.denoise import DenoiseLoop, Request
 from cardtool.core.sampling.instance import ModelInstance
@@ -42,8 +43,6 @@ def card_parity(card: Card, platform: Platform) -> list[ParityRow]:
 def unchecked(card: Card, platform: Platform, rows: list[ParityRow]) -> list[dict]:
     """The card's components and adapters no row held to numpy, each with why: a passing report covers what it
     compared, and a CI gate should see what it did not."""
-    from cardtool.backends.registry import COMPONENTS
-
     out = []
     for name, spec in card.manifest.components.items():
         if any(row.cell.startswith(f"{name}:{spec.impl}/") for row in rows):
@@ -68,8 +67,6 @@ def unchecked(card: Card, platform: Platform, rows: list[ParityRow]) -> list[dic
 
 
 def _runs_numpy(impl: str, platform: Platform) -> bool:
-    from cardtool.backends.registry import COMPONENTS, NoCellAvailable
-
     try:
         return COMPONENTS.resolve(impl, platform)[0].key[1] == "numpy"
     except NoCellAvailable:
