@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cardtool.backends.parity import ParityRow, _convert, _fixed, _outputs, _round, compare_arrays
+from cardtool.backends.parity import ParityRow, as_dtype, as_float64, compare_arrays, fixed_on, is_case, rounded_to
 from cardtool.backends.platform import Platform
 from cardtool.backends.precision import full_float32
 from cardtool.backends.registry import COMPONENTS, NoCellAvailable
@@ -85,25 +85,20 @@ def _run(case: tuple, torch_model, numpy_model, platform: Platform, dtype: str) 
     import torch
 
     _, method, floats, fixed = case
-    rounded = {k: _round(v, dtype) for k, v in floats.items()}
+    rounded = {k: rounded_to(v, dtype) for k, v in floats.items()}
     with torch.no_grad(), full_float32(platform):
-        actual = _outputs(getattr(torch_model, method)(**_convert(rounded, platform.torch_device, dtype),
-                                                       **_fixed(fixed, platform.torch_device)))
-    return actual, _outputs(getattr(numpy_model, method)(**rounded, **fixed))
+        actual = as_float64(getattr(torch_model, method)(**as_dtype(rounded, platform.torch_device, dtype),
+                                                       **fixed_on(fixed, platform.torch_device)))
+    return actual, as_float64(getattr(numpy_model, method)(**rounded, **fixed))
 
 
 def _cases(inputs, config: dict) -> list[tuple]:
     made = inputs.load()(copy.deepcopy(config), np.random.default_rng(0))  # the card's own stays as loaded
-    if not isinstance(made, (list, tuple)) or not made or not all(_is_case(item) for item in made):
+    if not isinstance(made, (list, tuple)) or not made or not all(is_case(item, texts=2) for item in made):
         raise TypeError(f"{inputs.target} ({inputs.source}), the parity inputs of '{inputs.name}', must return a list "
                         f"of (label, method, floats, fixed): two texts, then two dicts of keyword arguments; got "
                         f"{made!r}"[:400])
     return made
-
-
-def _is_case(item) -> bool:
-    return isinstance(item, (list, tuple)) and len(item) == 4 and all(isinstance(t, str) for t in item[:2]) and all(
-        isinstance(part, dict) and all(isinstance(k, str) for k in part) for part in item[2:])
 
 
 def wan_dit_inputs(config: dict, rng) -> list[tuple]:

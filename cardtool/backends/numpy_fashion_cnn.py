@@ -8,6 +8,7 @@ import numpy as np
 from cardtool.backends.cnn_config import FashionCNNConfig
 from cardtool.backends.numpy_conv_vae import conv2d, group_norm
 from cardtool.backends.numpy_wan_dit import silu
+from cardtool.backends.reference import linear
 
 __all__ = ["NumpyFashionCNN"]
 
@@ -34,11 +35,11 @@ class NumpyFashionCNN:
                 h = conv2d(h, s[f"conv.{conv}.weight"], s[f"conv.{conv}.bias"])
                 h = silu(group_norm(h, 8, s[f"conv.{norm}.weight"], s[f"conv.{norm}.bias"]))
             h = _max_pool(h)
-        weight = s["features.2.weight"]
-        return silu(h.reshape(len(h), weight.shape[1]) @ weight.T + s["features.2.bias"])  # (B, C·7·7), as Flatten
+        flat = h.reshape(len(h), s["features.2.weight"].shape[1])  # (B, C·7·7), as Flatten
+        return silu(linear(flat, s["features.2.weight"], s["features.2.bias"]))
 
     def head(self, features):
-        return features @ self.state["head.1.weight"].T + self.state["head.1.bias"]
+        return linear(features, self.state["head.1.weight"], self.state["head.1.bias"])
 
     def __call__(self, images):
         return self.head(self.embed(images))

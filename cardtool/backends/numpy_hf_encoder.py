@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cardtool.backends import reference
 from cardtool.backends.registry import NoCellAvailable
 from cardtool.errors import BadInput, RunFailed
 
@@ -28,16 +29,15 @@ def _erf(x):
 
 _ACTIVATIONS = {
     "gelu": lambda x: 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0))),
-    "gelu_new": lambda x: 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3))),
+    "gelu_new": reference.gelu_tanh,
+    "gelu_pytorch_tanh": reference.gelu_tanh,
     "relu": lambda x: np.maximum(x, 0.0),
 }
-_ACTIVATIONS["gelu_pytorch_tanh"] = _ACTIVATIONS["gelu_new"]
 
 
 def _layer_norm(x, weight, bias, eps):
-    mean = x.mean(-1, keepdims=True)
-    var = ((x - mean) ** 2).mean(-1, keepdims=True)
-    return (x - mean) / np.sqrt(var + eps) * weight + bias
+    """LayerNorm with its affine: the reference's adaLN with no modulation, then weight and bias."""
+    return reference.modulated_layer_norm(x, 0.0, 0.0, eps) * weight + bias
 
 
 class NumpyBertEncoder:
@@ -63,7 +63,7 @@ class NumpyBertEncoder:
         self.rows = self.state["embeddings.word_embeddings.weight"].shape[0]
 
     def _linear(self, name, x):
-        return x @ self.state[f"{name}.weight"].T + self.state[f"{name}.bias"]
+        return reference.linear(x, self.state[f"{name}.weight"], self.state[f"{name}.bias"])
 
     def _norm(self, name, x):
         return _layer_norm(x, self.state[f"{name}.weight"], self.state[f"{name}.bias"], self.eps)
@@ -97,16 +97,12 @@ class NumpyBertEncoder:
             s["embeddings.token_type_embeddings.weight"][types]
         h = self._norm("embeddings.LayerNorm", h)
         b, head_dim = len(ids), self.dim // self.heads
-        # the padded keys get the dtype's lowest number added, as transformers' extended attention mask does
-        blocked = np.where(mask, 0.0, np.finfo(self.dtype).min).astype(self.dtype)[:, None, None, :]
+        keys = mask[:, None, None, :]  # every query attends to the prompt's tokens only
         for i in range(self.layers):
             at = f"encoder.layer.{i}"
             q, k, v = (self._linear(f"{at}.attention.self.{n}", h).reshape(b, length, self.heads, head_dim)
                        .transpose(0, 2, 1, 3) for n in ("query", "key", "value"))
-            scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(head_dim) + blocked
-            scores = np.exp(scores - scores.max(-1, keepdims=True))
-            context = (scores / scores.sum(-1, keepdims=True)) @ v
-            context = context.transpose(0, 2, 1, 3).reshape(b, length, self.dim)
+            context = reference.attention(q, k, v, keys).transpose(0, 2, 1, 3).reshape(b, length, self.dim)
             attended = self._linear(f"{at}.attention.output.dense", context)
             h = self._norm(f"{at}.attention.output.LayerNorm", attended + h)
             inner = _ACTIVATIONS[self.act](self._linear(f"{at}.intermediate.dense", h))

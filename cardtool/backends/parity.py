@@ -16,7 +16,8 @@ import numpy as np
 from cardtool.backends.platform import Platform
 from cardtool.backends.registry import KERNELS, Cell
 
-__all__ = ["TOLERANCES", "ParityRow", "cases", "compare_arrays", "run_parity"]
+__all__ = ["TOLERANCES", "ParityRow", "as_dtype", "as_float64", "cases", "compare_arrays", "fixed_on", "is_case",
+           "rounded_to", "run_parity"]
 
 # dtype → op → (atol, rtol); "*" is the dtype's default.
 TOLERANCES: dict[str, dict[str, tuple[float, float]]] = {
@@ -75,15 +76,18 @@ def cases(op: str) -> list[Case]:
         raise KeyError(f"no parity inputs for op '{op}': the plugin that adds it registers none "
                        "(kernels.register_inputs)")
     made = given.load()(np.random.default_rng(0))
-    if not isinstance(made, (list, tuple)) or not made or not all(_is_case(item) for item in made):
+    if not isinstance(made, (list, tuple)) or not made or not all(is_case(item) for item in made):
         raise TypeError(f"{given.target} ({given.source}), the parity inputs of '{op}', must return a list of "
                         f"(label, floats, fixed): text, then two dicts of keyword arguments; got {made!r}"[:400])
     return [Case(label, dict(floats), dict(fixed)) for label, floats, fixed in made]
 
 
-def _is_case(item) -> bool:
-    return isinstance(item, (list, tuple)) and len(item) == 3 and isinstance(item[0], str) and all(
-        isinstance(part, dict) and all(isinstance(k, str) for k in part) for part in item[1:])
+def is_case(item, texts: int = 1) -> bool:
+    """Whether a plugin's parity input is `texts` texts (an op's label; a component's label and method), then two
+    dicts of keyword arguments (floats, fixed)."""
+    return isinstance(item, (list, tuple)) and len(item) == texts + 2 and all(
+        isinstance(t, str) for t in item[:texts]) and all(
+        isinstance(part, dict) and all(isinstance(k, str) for k in part) for part in item[texts:])
 
 
 def _flow_match_step(rng):
@@ -228,12 +232,12 @@ def _check(cell: Cell, dtype: str, platform: Platform) -> ParityRow:
         oracle = (KERNELS.resolve(op, Platform(device, "generic"), "default")[1] if variant == "bf16"
                   else fn if low else KERNELS.resolve(op, Platform("numpy", "generic"))[1])
         for case in cases(op):
-            rounded = {k: _round(v, dtype) for k, v in case.floats.items()}
-            actual = _outputs(fn(**_convert(rounded, device, dtype), **_fixed(case.fixed, device)))
+            rounded = {k: rounded_to(v, dtype) for k, v in case.floats.items()}
+            actual = as_float64(fn(**as_dtype(rounded, device, dtype), **fixed_on(case.fixed, device)))
             if low:
-                expected = _outputs(oracle(**_convert(rounded, device, "float32"), **_fixed(case.fixed, device)))
+                expected = as_float64(oracle(**as_dtype(rounded, device, "float32"), **fixed_on(case.fixed, device)))
             else:
-                expected = _outputs(oracle(**rounded, **case.fixed))
+                expected = as_float64(oracle(**rounded, **case.fixed))
             for a, e in zip(actual, expected, strict=True):
                 abs_err, rel_err, ok = compare_arrays(a, e, atol, rtol)
                 row.max_abs_err, row.max_rel_err = max(row.max_abs_err, abs_err), max(row.max_rel_err, rel_err)
@@ -250,7 +254,7 @@ def _tolerance(op: str, dtype: str) -> tuple[float, float]:
     return given.tolerances.get(dtype, table["*"]) if given is not None else table.get(op, table["*"])
 
 
-def _round(value, dtype: str):
+def rounded_to(value, dtype: str):
     """`value` rounded to `dtype` and back to float64, so every implementation sees the same numbers."""
     if dtype in ("float64", "float32", "float16"):
         return np.asarray(value, dtype=dtype).astype(np.float64) if isinstance(value, np.ndarray) else \
@@ -261,7 +265,8 @@ def _round(value, dtype: str):
     return rounded if isinstance(value, np.ndarray) else float(rounded)
 
 
-def _convert(values: dict, device: str, dtype: str) -> dict:
+def as_dtype(values: dict, device: str, dtype: str) -> dict:
+    """The float arguments as the cell takes them: arrays in `dtype`, tensors on a torch device."""
     if device == "numpy":
         return {k: v.astype(dtype) if isinstance(v, np.ndarray) else v for k, v in values.items()}
     import torch
@@ -271,7 +276,8 @@ def _convert(values: dict, device: str, dtype: str) -> dict:
             for k, v in values.items()}
 
 
-def _fixed(values: dict, device: str) -> dict:
+def fixed_on(values: dict, device: str) -> dict:
+    """The fixed arguments (integer and boolean arrays, options) as they are, arrays as tensors on a torch device."""
     if device == "numpy":
         return values
     import torch
@@ -279,7 +285,8 @@ def _fixed(values: dict, device: str) -> dict:
     return {k: torch.as_tensor(v, device=device) if isinstance(v, np.ndarray) else v for k, v in values.items()}
 
 
-def _outputs(result) -> list[np.ndarray]:
+def as_float64(result) -> list[np.ndarray]:
+    """A cell's output (one array or tensor, or a tuple of them) as float64 numpy arrays."""
     items = result if isinstance(result, tuple) else (result,)
     out = []
     for item in items:
