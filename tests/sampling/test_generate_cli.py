@@ -213,6 +213,7 @@ def test_numpy_encodes_prompts_with_its_bert_forward_and_keeps_them_off_the_shar
     args = ["generate", "tiny-base", "-p", "never encoded", "-n", "2", "--steps", "3", "--json"]
     numpy_run = run(*args, "--device", "numpy", "--out", str(tmp_path / "n"))
     assert numpy_run.exit_code == 0, numpy_run.output
+    assert json.loads(numpy_run.stdout)["platform"] == "numpy/generic"
     assert not list((cache_dir() / "text").rglob("*.npz")), "numpy's encodings are not shared"
     torch_run = run(*args, "--device", "cpu", "--out", str(tmp_path / "t"))
     assert torch_run.exit_code == 0 and len(list((cache_dir() / "text").rglob("*.npz"))) == 2  # and the empty one

@@ -152,7 +152,7 @@ def test_numpy_starts_from_an_image_as_torch_does(tiny, tmp_path, mask):
     for device in ("cpu", "numpy"):  # cpu first: numpy reads the prompt's features from the cache it fills
         result = run("generate", "tiny-base", "-p", "a bag", "-n", "2", "--steps", "3", "--image", str(start),
                      "--strength", "0.6", *masked, "--device", device, "--json", "--out", str(tmp_path / device))
-        assert result.exit_code == 0, result.output
+        assert result.exit_code == 0 and json.loads(result.stdout)["platform"].startswith(device), result.output
         made[device] = [pixels(image["path"]).astype(int) for image in json.loads(result.stdout)["images"]]
     assert all(np.abs(a - b).max() <= 1 for a, b in zip(made["cpu"], made["numpy"], strict=True))
     assert np.abs(made["numpy"][0] - made["numpy"][1]).max() > 0, "two seeds, two images"

@@ -728,7 +728,7 @@ def test_numpy_runs_a_step_that_encodes_an_image_or_judges_as_torch_does(example
     made = {}
     for device in ("cpu", "numpy"):  # cpu first: numpy reads the prompts' features from the cache it fills
         result = run(workflow, tmp_path / device, "--device", device)
-        assert result.exit_code == 0, result.output
+        assert result.exit_code == 0 and json.loads(result.stdout)["platform"].startswith(device), result.output
         images = [image for step in json.loads(result.stdout)["steps"] for image in step["images"]]
         made[device] = [np.asarray(Image.open(image["path"]), dtype=int) for image in images]
     assert len(made["numpy"]) == len(made["cpu"]) == 2
