@@ -119,16 +119,17 @@ def test_parity_is_a_call_whose_report_is_the_commands(monkeypatch, kernels):
     cells = {(row.cell.split("/")[0], row.dtype) for row in report.rows}
     assert {("cfg_combine", "float64"), ("vae:conv-vae", "float32"), ("transformer:wan-dit", "float64"),
             ("text_encoder:hf-encoder", "float32"),
-            ("generate:denoise", "float32"), ("contract:C1", "float32")} <= cells
+            ("generate:denoise", "float32"), ("adapters.invert:lora", "float64"), ("adapters.invert:lora", "float32"),
+            ("contract:C1", "float32")} <= cells
     shown = CliRunner().invoke(app, ["parity", "--card", "tiny-base", "--device", "cpu", "--op", "cfg_combine",
                                      "--json"])
     assert shown.exit_code == 0 and json.loads(shown.stdout) == report.to_json()
-    assert report.unchecked == [  # what no row compared, said so that a passing report is not read as covering it
-        {"name": "adapters.invert", "impl": "lora", "why": "a LoRA runs on torch only (its product, the lora_bgmv "
-                                                           "kernel, is checked on generic inputs)"}]
-    printed = CliRunner().invoke(app, ["parity", "--card", "tiny-base", "--device", "cpu", "--op", "cfg_combine"],
+    assert report.unchecked == []  # what no row compared, said so that a passing report is not read as covering it
+    printed = CliRunner().invoke(app, ["parity", "--card", "tiny-base", "--device", "numpy", "--op", "cfg_combine"],
                                  env={"COLUMNS": "1000"})
-    assert "  not compared with numpy:\n    adapters.invert: a LoRA runs on torch only" in printed.stdout
+    assert printed.exit_code == 0, printed.output
+    assert "  not compared with numpy:\n    text_encoder: numpy is the reference: nothing to compare it with" in \
+        printed.stdout and "    adapters.invert: numpy is the reference" in printed.stdout
     kernels.register("cfg_combine", "cpu", "generic", "default", target="wrong_kernels:cfg_combine_sign_flipped")
     wrong = cardtool.parity(device="cpu", op="cfg_combine")
     assert not wrong.ok and {row.dtype for row in wrong.failed} >= {"float64", "float32"} and wrong.unchecked == []

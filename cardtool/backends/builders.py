@@ -18,7 +18,7 @@ from cardtool.errors import BadInput
 from cardtool.files import file_stamp
 from cardtool.paths import opened_by_utf8_name
 
-__all__ = ["wan_dit_torch", "wan_controlnet_torch", "wan_dit_numpy", "conv_vae_torch", "conv_vae_numpy",
+__all__ = ["wan_dit_torch", "wan_controlnet", "wan_dit_numpy", "conv_vae_torch", "conv_vae_numpy",
            "hf_encoder_torch", "hf_encoder_numpy", "fashion_cnn_torch", "fashion_cnn_numpy"]
 
 
@@ -76,10 +76,22 @@ def _round_products(module, precision: str):
     return module
 
 
-def wan_controlnet_torch(config: dict, weights: Path | None, base: dict, platform: Platform, precision: str):
-    """A ControlNet branch for the DiT whose config is `base`; `config.blocks` says how many blocks it copies."""
+def wan_controlnet(config: dict, weights: Path | None, base: dict, platform: Platform, precision: str):
+    """A ControlNet branch for the DiT whose config is `base`; `config.blocks` says how many blocks it copies. In
+    numpy on the numpy platform (the reference), else in torch."""
+    settings, depth = WanDiTConfig.from_card(base, "wan-dit"), _controlnet_depth(config, base)
+    if platform.device == "numpy":
+        from cardtool.backends.numpy_adapters import NumpyControlNet
+
+        return NumpyControlNet(settings, depth, _numpy_state(weights, precision))
     from cardtool.backends.controlnet import WanControlNet
 
+    module = _torch_module(lambda: WanControlNet(settings, depth, platform, kernel_variant(precision)), weights,
+                           platform.torch_device, weights_dtype(precision))
+    return _round_products(module, precision)
+
+
+def _controlnet_depth(config: dict, base: dict) -> int:
     settings = WanDiTConfig.from_card(base, "wan-dit")
     unknown = sorted(str(key) for key in config if key != "blocks")
     if unknown:  # as validation says it (cards/adapters.py): a setting nothing reads is a mistake, not a default
@@ -87,9 +99,7 @@ def wan_controlnet_torch(config: dict, weights: Path | None, base: dict, platfor
     depth = config.get("blocks", CONTROLNET_BLOCKS)
     if not isinstance(depth, int) or isinstance(depth, bool) or not 1 <= depth <= settings.depth:
         raise BadInput(f"controlnet config.blocks must be a whole number in 1…{settings.depth}, got {depth!r}")
-    module = _torch_module(lambda: WanControlNet(settings, depth, platform, kernel_variant(precision)), weights,
-                           platform.torch_device, weights_dtype(precision))
-    return _round_products(module, precision)
+    return depth
 
 
 def wan_dit_numpy(config: dict, weights: Path | None, source: Path | None, platform: Platform, precision: str):

@@ -77,9 +77,15 @@ def lora_parts(tensors: dict[str, torch.Tensor], **to) -> tuple[dict, dict]:
 
 def lora_weights(tensors: dict[str, torch.Tensor], version: str, rank: int, alpha: float, model: nn.Module,
                  precision: str) -> LoraWeights:
-    """A checked LoRA file's tensors as LoraWeights on the model's device, at the precision's weight dtype."""
+    """A checked LoRA file's tensors as LoraWeights on the model's device, at the precision's weight dtype; numpy
+    arrays at the numpy reference DiT's dtype for that one."""
     from cardtool.backends.precision import weights_dtype
 
+    if not isinstance(model, nn.Module):
+        dtype = next(iter(model.state_dict().values())).dtype
+        a, b = (({k: v.numpy().astype(dtype) for k, v in part.items()})
+                for part in lora_parts(tensors, dtype=torch.float64))
+        return LoraWeights(version, rank, alpha, a, b)
     device, dtype = next(model.parameters()).device, getattr(torch, weights_dtype(precision))
     return LoraWeights(version, rank, alpha, *lora_parts(tensors, device=device, dtype=dtype))
 
@@ -259,6 +265,12 @@ def _slots(module: str, stacks: list[tuple], device, dtype) -> tuple[torch.Tenso
 def fused(model: nn.Module, stack: tuple):
     """Merge one stack into the base weights (`W0 + Σ scale·(α/r)·B·A`) for a batch that shares it; on exit the
     original weight tensors are put back — the same objects, so the base is restored bit for bit."""
+    if not isinstance(model, nn.Module):  # the numpy reference's DiT
+        from cardtool.backends.numpy_adapters import fused as fused_numpy
+
+        with fused_numpy(model, stack):
+            yield model
+        return
     layers = linear_names(model)
     originals = {}
     try:

@@ -14,7 +14,7 @@ from cardtool.backends.wan_dit import WanDiT
 from cardtool.cli import app
 from cardtool.core.cards.loader import load_card
 from cardtool.core.cards.weight_files import tensor_digest
-from cardtool.core.evaluation.card_parity import card_parity
+from cardtool.core.evaluation.card_parity import card_parity, unchecked
 from cardtool.core.sampling.instance import ModelInstance
 from cardtool.errors import BadInput, CardValidationError
 
@@ -174,7 +174,7 @@ def test_card_parity_compares_dit_and_vae_with_numpy(examples):
     rows = card_parity(load_card(examples / "tiny-base"), CPU)
     assert {(r.cell, r.dtype) for r in rows} == {
         (f"{n}/cpu/generic", d) for n in ("text_encoder:hf-encoder", "vae:conv-vae", "transformer:wan-dit",
-                                          "generate:denoise")
+                                          "generate:denoise", "adapters.invert:lora")
         for d in ("float64", "float32")} | {("contract:C1/cpu/generic", "float32")}
     assert all(r.passed for r in rows), [(r.cell, r.dtype, r.max_abs_err, r.error) for r in rows]
     assert all(r.max_abs_err < 1e-12 for r in rows if r.dtype == "float64")
@@ -182,20 +182,21 @@ def test_card_parity_compares_dit_and_vae_with_numpy(examples):
     # whole networks: float64 at rounding, float32's error grown with depth
     assert {(r.dtype, r.atol, r.rtol) for r in rows if ":" in r.cell and not r.cell.startswith(("generate", "contract"))
             } == {("float64", 1e-9, 1e-9), ("float32", 1e-4, 1e-4)}
+    assert unchecked(load_card(examples / "tiny-base"), CPU, rows) == []
 
 
-def test_a_cards_controlnet_and_loras_are_reported_unchecked():
-    """Adapters run on torch only: a card's report lists each, so a passing `parity --card` is not read as covering
-    them (fashion-adapters: four LoRAs and a ControlNet)."""
+def test_an_adapter_no_generation_compared_is_reported_unchecked_with_why():
+    """fashion-adapters (four LoRAs and a ControlNet): rows without its adapters' leave each listed, so a passing
+    report is not read as covering them; on numpy each is the reference."""
     from helpers import REPO
 
-    from cardtool.core.evaluation.card_parity import unchecked
-
-    said = {u["name"]: (u["impl"], u["why"]) for u in unchecked(load_card(REPO / "cards" / "fashion-adapters"), CPU,
-                                                                [])}
-    assert said["adapters.silhouette"] == ("controlnet", "a ControlNet has no numpy forward")
+    card = load_card(REPO / "cards" / "fashion-adapters")
+    said = {u["name"]: (u["impl"], u["why"]) for u in unchecked(card, CPU, [])}
+    assert said["adapters.silhouette"] == ("controlnet", "no generation with it was compared")
     assert [name for name, (impl, _) in said.items() if impl == "lora"] == [
         "adapters.mirror", "adapters.bright", "adapters.bold", "adapters.invert"]
+    on_numpy = {u["name"]: u["why"] for u in unchecked(card, Platform("numpy", "generic"), [])}
+    assert on_numpy["adapters.mirror"] == "numpy is the reference: nothing to compare it with"
 
 
 def test_a_text_encoder_numpy_cannot_run_is_reported_unchecked_not_failed(examples, monkeypatch):
@@ -203,7 +204,6 @@ def test_a_text_encoder_numpy_cannot_run_is_reported_unchecked_not_failed(exampl
     listed as not compared, and why — not a failed row, which would fail every such card's CI gate."""
     from cardtool.backends import numpy_hf_encoder
     from cardtool.backends.registry import NoCellAvailable
-    from cardtool.core.evaluation.card_parity import unchecked
 
     def other_kind(self, folder, max_length, dtype):
         raise NoCellAvailable(f"numpy's text encoder is BERT's; {folder} holds 'roberta'")
@@ -224,7 +224,8 @@ def test_card_parity_has_teeth(examples, monkeypatch):
     rows = [r for r in card_parity(load_card(examples / "tiny-base"), CPU) if r.cell.startswith("transformer")]
     assert [r.passed for r in rows] == [True, True], "a card that masks: the masked DiT agrees with numpy's"
     original = NumpyWanDiT.__call__
-    monkeypatch.setattr(NumpyWanDiT, "__call__", lambda self, x, t, text, text_mask=None: original(self, x, t, text))
+    monkeypatch.setattr(NumpyWanDiT, "__call__", lambda self, x, t, text, text_mask=None, **adapters: original(
+        self, x, t, text, **adapters))
     rows = card_parity(load_card(examples / "tiny-base"), CPU)
     assert [r.passed for r in rows if r.cell.startswith("transformer")] == [False, False], "the mask was dropped"
 
@@ -249,7 +250,7 @@ def test_a_card_without_the_loop_or_a_promise_has_no_generation_or_contract_rows
     manifest = examples / "tiny-base" / "card.yaml"
     manifest.write_text(manifest.read_text().replace("consistency: C1", "consistency: C0"))
     rows = card_parity(load_card(examples / "tiny-base"), CPU)
-    assert len(rows) == 8 and not [r for r in rows if r.cell.startswith("contract:")]
+    assert len(rows) == 10 and not [r for r in rows if r.cell.startswith("contract:")]
 
 
 @pytest.mark.parametrize("level", ["C1", "C2", "C4"])
@@ -303,7 +304,7 @@ def test_a_nondeterministic_platform_breaks_the_c1_contract(examples, monkeypatc
 
 def test_a_builder_given_weights_of_another_config_names_what_does_not_fit(examples):
     """Card validation checks the tensors against the config first; a builder called on its own checks them too."""
-    from cardtool.backends.builders import hf_encoder_torch, wan_controlnet_torch, wan_dit_torch
+    from cardtool.backends.builders import hf_encoder_torch, wan_controlnet, wan_dit_torch
 
     card = load_card(examples / "tiny-base")
     config = {**card.manifest.components["transformer"].config, "depth": 1}
@@ -312,7 +313,7 @@ def test_a_builder_given_weights_of_another_config_names_what_does_not_fit(examp
     base = card.manifest.components["transformer"].config
     for blocks in (0, 3, True, "2"):  # the base has two blocks to copy
         with pytest.raises(BadInput, match=f"controlnet config.blocks must be a whole number in 1…2, got {blocks!r}"):
-            wan_controlnet_torch({"blocks": blocks}, None, base, CPU, "float32")
-    assert wan_controlnet_torch({}, None, base, CPU, "float32").depth == 2, "its blocks where the config names none"
+            wan_controlnet({"blocks": blocks}, None, base, CPU, "float32")
+    assert wan_controlnet({}, None, base, CPU, "float32").depth == 2, "its blocks where the config names none"
     with pytest.raises(BadInput, match="hf-encoder needs a `source` folder"):
         hf_encoder_torch(card.manifest.components["text_encoder"].config, None, None, CPU, "float32")

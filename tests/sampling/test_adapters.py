@@ -158,13 +158,10 @@ def test_a_name_the_card_does_not_declare_is_refused_by_the_loop_at_any_scale(lo
 
 def test_the_loop_refuses_what_planning_or_validation_would(card, loop):
     """What planning refuses for the CLI, and `cards validate` of an adapter, the loop refuses for a Request made in
-    Python and for an adapter first checked when a request uses it: two ControlNets, adapters on numpy, a ControlNet
-    config key nothing reads, a file gone."""
+    Python and for an adapter first checked when a request uses it: two ControlNets, a ControlNet config key nothing
+    reads, a file gone."""
     with pytest.raises(BadInput, match="^a request takes at most one ControlNet"):
         loop.init([Request("a bag", adapters=(("ctl", 1.0), ("ctl", 0.5)), control=control(0))])
-    on_numpy = DenoiseLoop(ModelInstance(card, Platform("numpy", "generic")), cache=TextFeatureCache(disk=False))
-    with pytest.raises(BadInput, match="^adapters run on the torch platform; 'a' cannot run with --device numpy$"):
-        on_numpy.init([Request("a bag", adapters=(("a", 1.0),))])
     manifest = card.folder / "card.yaml"  # served, a card's adapters are checked when a request uses them
     manifest.write_text(manifest.read_text().replace("config: {blocks: 1}", "config: {blocks: 1, depth: 2}"))
     served = DenoiseLoop(ModelInstance(load_card(card.folder, adapters=False), CPU), cache=TextFeatureCache(disk=False))
@@ -388,6 +385,68 @@ def test_at_float64_a_lora_runs_in_float64_so_fused_and_unfused_agree_to_its_rou
     [unfused] = run(loop, [request])
     assert unfused.dtype == torch.float64
     assert 0 < (merged - unfused).abs().max() <= 1e-12
+
+
+NUMPY = Platform("numpy", "generic")
+MIXED = [Request("a bag", seed=1, steps=3, guidance=2.0),
+         Request("a bag", seed=1, steps=3, adapters=(("a", 0.7),)),
+         Request("a coat", seed=2, steps=2, guidance=1.0, adapters=(("a", 1.0), ("b", -0.6))),
+         Request("a shirt", seed=3, steps=3, adapters=(("ctl", 1.5), ("b", 1.0)), control=control(1)),
+         Request("a dress", seed=4, steps=3, guidance=2.0, adapters=(("ctl", 0.5),), control=control(2))]
+
+
+def test_numpy_runs_a_mixed_adapter_batch_as_torch_does_at_float64(card):
+    """The numpy reference forwards of LoRA stacks and the ControlNet (invariant 4): the same files, the same mixed
+    batch, the same latents as torch's loop to float64 rounding — and each adapter changes them."""
+    cache = TextFeatureCache(disk=False)  # numpy reads the features torch encodes: the DiTs are what is compared
+    torch_run, numpy_run = (np.stack([np.asarray(latent, dtype=np.float64) for latent in run(
+        DenoiseLoop(ModelInstance(card, platform, "float64"), cache=cache), MIXED)]) for platform in (CPU, NUMPY))
+    assert np.abs(numpy_run - torch_run).max() <= 1e-12
+    [plain] = run(DenoiseLoop(ModelInstance(card, NUMPY, "float64"), cache=cache), [Request("a bag", seed=1, steps=3)])
+    assert np.abs(numpy_run[1] - plain).max() > 1e-3, "the LoRA changes the image"
+    loop = DenoiseLoop(ModelInstance(card, NUMPY, "float64"), cache=cache)
+    [shirt] = run(loop, [Request("a shirt", seed=3, steps=3, adapters=(("b", 1.0),))])
+    assert np.abs(numpy_run[3] - shirt).max() > 1e-3, "the ControlNet changes the image"
+    [alone] = run(loop, [MIXED[3]])
+    assert np.abs(alone - numpy_run[3]).max() <= 1e-12, "in numpy too a request's rows are its own"
+
+
+def test_numpy_fuses_a_stack_as_torch_does_and_restores_its_base(card):
+    request = Request("a coat", seed=9, steps=3, adapters=(("a", 0.8), ("b", 0.5)))
+    cache, made = TextFeatureCache(disk=False), {}
+    for platform in (CPU, NUMPY):
+        loop = DenoiseLoop(ModelInstance(card, platform, "float64"), cache=cache)
+        dit, stack = loop.instance.component("transformer"), loop.instance.adapters.resolve(request.adapters)
+        before = {k: np.array(np.asarray(v)) for k, v in dit.state_dict().items()}
+        with fused(dit, tuple((u.adapter.value, u.scale) for u in stack)):
+            loop.fused = tuple((u.adapter, u.scale) for u in stack)
+            [made[platform.device]] = run(loop, [request])
+            loop.fused = None
+        [unfused] = run(loop, [request])
+        assert np.abs(np.asarray(made[platform.device]) - np.asarray(unfused)).max() <= 1e-12
+        assert all(np.array_equal(before[k], np.asarray(v)) for k, v in dit.state_dict().items())
+    assert np.abs(np.asarray(made["cpu"]) - made["numpy"]).max() <= 1e-12
+
+
+def test_parity_compares_each_adapter_with_numpy_and_a_wrong_one_fails_its_row_only(card, monkeypatch):
+    """`parity --card`: a row per adapter (its request in one mixed batch) at float64 and float32 against the numpy
+    reference; LoRAs whose torch delta is twice what it should be fail their rows, not the ControlNet's."""
+    from cardtool.backends import lora as lora_module
+    from cardtool.core.evaluation.card_parity import adapter_rows, unchecked
+
+    rows = adapter_rows(card, CPU)
+    assert [(r.cell, r.dtype) for r in rows] == [(f"adapters.{name}:{kind}/cpu/generic", dtype)
+                                                 for dtype in ("float64", "float32")
+                                                 for name, kind in (("invert", "lora"), ("a", "lora"), ("b", "lora"),
+                                                                    ("ctl", "controlnet"))]
+    assert all(r.passed for r in rows) and all(r.max_abs_err < 1e-12 for r in rows if r.dtype == "float64")
+    assert all(r.max_abs_err > 0 for r in rows if r.dtype == "float32"), "the rows compare what each request made"
+    assert not [u for u in unchecked(card, CPU, rows) if u["name"].startswith("adapters.")]
+    slots = lora_module._slots
+    monkeypatch.setattr(lora_module, "_SLOT_CACHE", {})
+    monkeypatch.setattr(lora_module, "_slots", lambda *args: (lambda a, b: (a, 2 * b))(*slots(*args)))  # twice B
+    failed = {(r.cell.split(":")[0], r.dtype) for r in adapter_rows(card, CPU) if not r.passed}
+    assert failed == {(f"adapters.{name}", dtype) for name in ("invert", "a", "b") for dtype in ("float64", "float32")}
 
 
 def test_generate_fuse_and_metadata_record_the_stack_with_versions(card, tmp_path):

@@ -716,13 +716,14 @@ NUMPY_RUNS = {
     "best_of_n": '    best_of_n: {card: EX/tiny-base, reward: EX/tiny-judge, n: 2, prompts: ["a bag"], steps: 2}',
     # inpainting at strength 1 still encodes the image it keeps part of
     "inpaint": f'    generate: {{card: EX/tiny-base, prompts: ["a bag"], steps: 2, image: {WORKFLOWS}/dress.png, '
-               f'mask: {WORKFLOWS}/bottom-half.png, strength: 1}}'}
+               f'mask: {WORKFLOWS}/bottom-half.png, strength: 1}}',
+    "lora": '    generate: {card: EX/tiny-base, prompts: ["a bag"], steps: 2, adapters: {invert: 0.5}}'}
 
 
 @pytest.mark.parametrize("kind", list(NUMPY_RUNS))
 def test_numpy_runs_a_step_that_encodes_an_image_or_judges_as_torch_does(examples, tmp_path, kind):
-    """numpy has the VAE's encoder and the judge's classifier (their reference forwards): a chain, an inpainting
-    step and best-of-N run there and make torch's images."""
+    """numpy has the VAE's encoder, the judge's classifier and the DiT's adapters (their reference forwards): a
+    chain, an inpainting step, best-of-N and a LoRA run there and make torch's images."""
     workflow = write(tmp_path, examples, '  one:\n    generate: {card: EX/tiny-base, prompts: ["a bag"], steps: 2}\n'
                                          f"  two:\n{NUMPY_RUNS[kind]}\n")
     made = {}
@@ -736,8 +737,6 @@ def test_numpy_runs_a_step_that_encodes_an_image_or_judges_as_torch_does(example
 
 
 @pytest.mark.parametrize("step, said", [
-    ('    generate: {card: EX/tiny-base, prompts: ["a bag"], steps: 2, adapters: {invert: 0.5}}',
-     "adapters run on the torch platform"),
     # a text encoder numpy cannot run (its is BERT's; another kind simulated): the prompts come from the cache, and
     # the advice is an option every command takes (`workflow run` has no --precision)
     ('    generate: {card: EX/tiny-base, prompts: ["a coat"], steps: 2}', "the numpy platform runs no text encoder of "

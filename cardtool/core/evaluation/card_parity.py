@@ -1,7 +1,8 @@
 """Parity of a card: each component with a numpy forward, run by torch and by numpy on the card's weights;
 a short generation through the denoise loop on the torch platform and on the numpy platform, comparing the final
-latents (the same loop, the same seeds, the same cached text features); and the consistency the card's manifest
-promises (`parity.consistency`, a level of the schema's LADDER), checked on this platform."""
+latents (the same loop, the same seeds, the same cached text features) — with no adapter, and with each of the card's
+adapters in one mixed batch; and the consistency the card's manifest promises (`parity.consistency`, a level of the
+schema's LADDER), checked on this platform."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache, encode_prompts
 
-__all__ = ["card_parity", "contract_rows", "generation_rows", "unchecked"]
+__all__ = ["card_parity", "adapter_rows", "contract_rows", "generation_rows", "unchecked"]
 
 
 # one CFG request on the ODE, one unguided request on the SDE with a shifted grid, one on the re-noising rule, one
@@ -37,7 +38,7 @@ def card_parity(card: Card, platform: Platform) -> list[ParityRow]:
             rows += component_rows(name, component.impl, component.config,
                                    card.weights_file(name) if component.weights else None, platform,
                                    card.source_path(name))
-    return rows + generation_rows(card, platform) + contract_rows(card, platform)
+    return rows + generation_rows(card, platform) + adapter_rows(card, platform) + contract_rows(card, platform)
 
 
 def unchecked(card: Card, platform: Platform, rows: list[ParityRow]) -> list[dict]:
@@ -45,7 +46,7 @@ def unchecked(card: Card, platform: Platform, rows: list[ParityRow]) -> list[dic
     compared, and a CI gate should see what it did not."""
     out = []
     for name, spec in card.manifest.components.items():
-        if any(row.cell.startswith(f"{name}:{spec.impl}/") for row in rows):
+        if _compared(rows, name, spec.impl):
             continue
         if platform.device == "numpy":
             why = "numpy is the reference: nothing to compare it with"
@@ -60,10 +61,17 @@ def unchecked(card: Card, platform: Platform, rows: list[ParityRow]) -> list[dic
                 if spec.kind == "text_encoder" else f"the numpy forward of {spec.impl} does not run this one"
         out.append({"name": name, "impl": spec.impl, "why": why})
     for name, adapter in card.manifest.adapters.items():
-        why = ("a LoRA runs on torch only (its product, the lora_bgmv kernel, is checked on generic inputs)"
-               if adapter.kind == "lora" else "a ControlNet has no numpy forward")
+        if _compared(rows, f"adapters.{name}", adapter.kind):
+            continue
+        why = ("numpy is the reference: nothing to compare it with" if platform.device == "numpy" else
+               f"the card has no {ADAPTER_LOOP} loop to run it in" if ADAPTER_LOOP not in card.manifest.loops else
+               "no generation with it was compared")
         out.append({"name": f"adapters.{name}", "impl": adapter.kind, "why": why})
     return out
+
+
+def _compared(rows: list[ParityRow], name: str, impl: str) -> bool:
+    return any(row.cell.startswith(f"{name}:{impl}/") for row in rows)
 
 
 def _runs_numpy(impl: str, platform: Platform) -> bool:
@@ -141,6 +149,54 @@ def generation_rows(card: Card, platform: Platform, loop: str = "denoise") -> li
                         [f"{len(requests)} requests × 3–4 steps, mixed precision"], 0.0, 0.0, atol, rtol, True)
         row.max_abs_err, row.max_rel_err, row.passed = compare_arrays(actual, runs["float32"], atol, rtol)
         rows.append(row)
+    return rows
+
+
+ADAPTER_LOOP = "denoise"  # the loop `generate` serves adapters in
+
+
+def adapter_rows(card: Card, platform: Platform) -> list[ParityRow]:
+    """Each of the card's adapters in one mixed batch (a request each, at scale 1, a ControlNet's on a fixed control
+    image through its preprocessor, beside a request with none): the torch platform's latents (float64, float32)
+    against the numpy reference's adapters (float64), and at the platform's fast low precisions against its
+    float32. A row per adapter: its request's final latents."""
+    adapters = card.manifest.adapters
+    if not adapters or ADAPTER_LOOP not in card.manifest.loops or platform.device == "numpy":
+        return []
+    from cardtool.core.sampling.control import ControlImage
+
+    cache, first = TextFeatureCache(disk=False), ModelInstance(card, platform, "float64")
+    vae = DenoiseLoop(first, ADAPTER_LOOP, cache).vae
+    size = first.component(vae).config.image_size
+    garment = np.zeros((size, size), np.uint8)  # a bright block with a darker band, the size of a garment
+    garment[size // 7:size - size // 7, size // 4:size - size // 4] = 200
+    garment[size // 2 - 1:size // 2 + 1, size // 4:size - size // 4] = 90
+    requests = [Request("a shirt", seed=7, steps=3, guidance=2.0)]
+    for i, (name, spec) in enumerate(adapters.items()):
+        control = ControlImage.make(garment, spec.control or "none") if spec.kind == "controlnet" else None
+        requests.append(Request(PARITY_REQUESTS[i % len(PARITY_REQUESTS)].prompt or "a bag", seed=8 + i, steps=3,
+                                guidance=2.0 if i % 2 else 1.0, adapters=((name, 1.0),), control=control))
+    runs = {dtype: _latents(first if dtype == "float64" else ModelInstance(card, platform, dtype), ADAPTER_LOOP,
+                            cache, requests) for dtype in ("float64", "float32")}
+    expected = _latents(ModelInstance(card, Platform("numpy", "generic"), "float64"), ADAPTER_LOOP, cache, requests)
+    low = (["bfloat16"] if platform.supports_bf16 else []) + (["float16"] if platform.device == "cuda" else [])
+    rows = []
+    for dtype in [*runs, *low]:
+        if dtype in runs:
+            actual, reference, against = runs[dtype], expected, "numpy float64"
+            atol, rtol = COMPONENT_TOLERANCES[dtype]
+        else:
+            actual = _latents(ModelInstance(card, platform, dtype), ADAPTER_LOOP, cache, requests)
+            reference, against = runs["float32"], "the same batch in float32"
+            atol, rtol = TOLERANCES[dtype]["generate"]
+        for i, (name, spec) in enumerate(adapters.items(), start=1):
+            row = ParityRow(f"adapters.{name}:{spec.kind}/{platform.device}/{platform.arch}", dtype, against,
+                            [f"1 of {len(requests)} requests × 3 steps, scale 1" +
+                             (f", control '{spec.control or 'none'}'" if spec.kind == "controlnet" else "")],
+                            0.0, 0.0, atol, rtol, True)
+            row.max_abs_err, row.max_rel_err, row.passed = compare_arrays(actual[i:i + 1], reference[i:i + 1],
+                                                                          atol, rtol)
+            rows.append(row)
     return rows
 
 

@@ -106,8 +106,6 @@ class AdapterStore:
         from cardtool.core.cards.weight_files import sha256_file
 
         instance = self.instance
-        if instance.platform.device == "numpy":
-            raise BadInput(f"adapters run on the torch platform; '{name}' cannot run with --device numpy")
         target = instance.card.manifest.components[spec.target]
         if target.kind != "dit":
             raise BadInput(f"adapter '{name}' targets '{spec.target}', a {target.kind}; adapters apply to a DiT")
@@ -115,9 +113,9 @@ class AdapterStore:
         if spec.kind == "lora":
             return Loaded(name, "lora", version, _lora(name, spec, path, version, instance.component(spec.target),
                                                        instance.precision))
-        from cardtool.backends.builders import wan_controlnet_torch
+        from cardtool.backends.builders import wan_controlnet
 
-        net = wan_controlnet_torch(spec.config, path, target.config, instance.platform, instance.precision)
+        net = wan_controlnet(spec.config, path, target.config, instance.platform, instance.precision)
         return Loaded(name, "controlnet", version, net, spec.control)
 
 

@@ -390,7 +390,7 @@ class DenoiseLoop:
         text, mask, context, adapters = self._batch_text(active)
         transformer = self.instance.component(self.transformer)
         x = a.cat([s.latents for s in rows])
-        velocity = transformer(x, t, text, mask) if context is None else \
+        velocity = transformer(x, t, text, mask, **adapters) if context is None else \
             transformer(x, t, text, mask, context, **adapters)
         self.advance(active, a.to_state(velocity))  # CFG and the solver in the state's dtype, whatever the precision
 
@@ -456,7 +456,7 @@ class DenoiseLoop:
             for use in state.adapters:
                 if use.adapter.kind == "controlnet":
                     nets.setdefault(use.adapter.value, []).append((row, state.control, use.scale))
-        return adapter_arguments(transformer, self.instance.platform.torch_device, stacks, index, nets)
+        return adapter_arguments(transformer, stacks, index, nets)
 
     def latent_mask(self, mask: np.ndarray):
         """A keep mask (1, 1, 1, h, w) on the latent grid from a pixel mask (H, W) whose white (≥ 128) is to be

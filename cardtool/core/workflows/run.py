@@ -302,8 +302,8 @@ def _naming(step: str, report: WorkflowReport | None = None) -> Iterator[None]:
 def _preflight(runner: _Runner, workflow: Workflow) -> None:
     """Plan every step's images — chains on stand-in inputs, blank images of their input's size — encode their
     prompts, and encode one image of each card a step starts from images with, before the first image is made: what
-    the platform or the cards cannot do (adapters on numpy, a VAE with no encoder, a prompt numpy's cache does not
-    hold) is refused now, naming the step, not after the steps before it have run."""
+    the platform or the cards cannot do (an adapter file that does not fit, a VAE with no encoder, a prompt numpy's
+    cache does not hold) is refused now, naming the step, not after the steps before it have run."""
     stand_ins: dict[str, list[Output]] = {}
     for name in workflow.order:
         with _naming(name):
