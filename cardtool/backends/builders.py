@@ -79,7 +79,8 @@ def _round_products(module, precision: str):
 def wan_controlnet(config: dict, weights: Path | None, base: dict, platform: Platform, precision: str):
     """A ControlNet branch for the DiT whose config is `base`; `config.blocks` says how many blocks it copies. In
     numpy on the numpy platform (the reference), else in torch."""
-    settings, depth = WanDiTConfig.from_card(base, "wan-dit"), _controlnet_depth(config, base)
+    settings = WanDiTConfig.from_card(base, "wan-dit")
+    depth = _controlnet_depth(config, settings)
     if platform.device == "numpy":
         from cardtool.backends.numpy_adapters import NumpyControlNet
 
@@ -91,8 +92,7 @@ def wan_controlnet(config: dict, weights: Path | None, base: dict, platform: Pla
     return _round_products(module, precision)
 
 
-def _controlnet_depth(config: dict, base: dict) -> int:
-    settings = WanDiTConfig.from_card(base, "wan-dit")
+def _controlnet_depth(config: dict, settings: WanDiTConfig) -> int:
     unknown = sorted(str(key) for key in config if key != "blocks")
     if unknown:  # as validation says it (cards/adapters.py): a setting nothing reads is a mistake, not a default
         raise BadInput(f"a ControlNet's config takes only blocks, not {', '.join(unknown)[:200]}")

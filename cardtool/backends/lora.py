@@ -81,11 +81,11 @@ def lora_weights(tensors: dict[str, torch.Tensor], version: str, rank: int, alph
     arrays at the numpy reference DiT's dtype for that one."""
     from cardtool.backends.precision import weights_dtype
 
-    if not isinstance(model, nn.Module):
+    if not isinstance(model, nn.Module):  # the numpy reference's DiT
         dtype = next(iter(model.state_dict().values())).dtype
-        a, b = (({k: v.numpy().astype(dtype) for k, v in part.items()})
-                for part in lora_parts(tensors, dtype=torch.float64))
-        return LoraWeights(version, rank, alpha, a, b)
+        parts = lora_parts(tensors, dtype=torch.float64)
+        return LoraWeights(version, rank, alpha, *({k: v.numpy().astype(dtype) for k, v in part.items()}
+                                                   for part in parts))
     device, dtype = next(model.parameters()).device, getattr(torch, weights_dtype(precision))
     return LoraWeights(version, rank, alpha, *lora_parts(tensors, device=device, dtype=dtype))
 
