@@ -159,9 +159,14 @@ def test_a_name_the_card_does_not_declare_is_refused_by_the_loop_at_any_scale(lo
 def test_the_loop_refuses_what_planning_or_validation_would(card, loop):
     """What planning refuses for the CLI, and `cards validate` of an adapter, the loop refuses for a Request made in
     Python and for an adapter first checked when a request uses it: two ControlNets, a ControlNet config key nothing
-    reads, a file gone."""
+    reads, a file gone, a DiT (a plugin's) whose forward takes no adapters."""
     with pytest.raises(BadInput, match="^a request takes at most one ControlNet"):
         loop.init([Request("a bag", adapters=(("ctl", 1.0), ("ctl", 0.5)), control=control(0))])
+    plugin = DenoiseLoop(ModelInstance(card, CPU), cache=TextFeatureCache(disk=False))
+    plugin.instance.component("transformer").forward = lambda x, t, text, text_mask=None, text_context=None: x
+    with pytest.raises(BadInput, match="^adapter 'a': the 'wan-dit' DiT on cpu takes no adapters \\(its forward has "
+                                       "no lora and control arguments\\)$"):
+        plugin.init([Request("a bag", adapters=(("a", 1.0),))])
     manifest = card.folder / "card.yaml"  # served, a card's adapters are checked when a request uses them
     manifest.write_text(manifest.read_text().replace("config: {blocks: 1}", "config: {blocks: 1, depth: 2}"))
     served = DenoiseLoop(ModelInstance(load_card(card.folder, adapters=False), CPU), cache=TextFeatureCache(disk=False))

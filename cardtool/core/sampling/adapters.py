@@ -109,14 +109,30 @@ class AdapterStore:
         target = instance.card.manifest.components[spec.target]
         if target.kind != "dit":
             raise BadInput(f"adapter '{name}' targets '{spec.target}', a {target.kind}; adapters apply to a DiT")
+        model = instance.component(spec.target)
+        if not _takes_adapters(model):  # a plugin's DiT that would ignore them, or fail inside its forward
+            raise BadInput(f"adapter '{name}': the '{target.impl}' DiT on {instance.platform.device} takes no "
+                           "adapters (its forward has no lora and control arguments)")
         version = sha256_file(path)
         if spec.kind == "lora":
-            return Loaded(name, "lora", version, _lora(name, spec, path, version, instance.component(spec.target),
-                                                       instance.precision))
+            return Loaded(name, "lora", version, _lora(name, spec, path, version, model, instance.precision))
         from cardtool.backends.builders import wan_controlnet
 
         net = wan_controlnet(spec.config, path, target.config, instance.platform, instance.precision)
         return Loaded(name, "controlnet", version, net, spec.control)
+
+
+def _takes_adapters(model) -> bool:
+    """Whether the DiT's forward takes a batch's adapters (`lora`, `control`, or any keyword), as cardtool's Wan
+    DiTs do."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(getattr(model, "forward", model)).parameters
+    except (TypeError, ValueError):  # a signature Python cannot read: the forward is left to say
+        return True
+    return {"lora", "control"} <= set(parameters) or \
+        any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 def _stamp(name: str, card, path: Path) -> tuple[int, int, int, int]:
