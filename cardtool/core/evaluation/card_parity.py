@@ -128,26 +128,15 @@ def generation_rows(card: Card, platform: Platform, loop: str = "denoise") -> li
     platform's fast low precisions (bfloat16 where it has fast bf16, float16 on CUDA) against its float32."""
     if loop not in card.manifest.loops or platform.device == "numpy":
         return []
-    cache = TextFeatureCache(disk=False)  # the numpy run reads the features the float64 torch run encodes
-    requests = list(PARITY_REQUESTS)
-    runs = {dtype: _latents(ModelInstance(card, platform, dtype), loop, cache, requests)
-            for dtype in ("float64", "float32")}
-    expected = _latents(ModelInstance(card, Platform("numpy", "generic"), "float64"), loop, cache, requests)
-    rows = []
-    for dtype, actual in runs.items():
-        atol, rtol = COMPONENT_TOLERANCES[dtype]
-        row = ParityRow(f"generate:{loop}/{platform.device}/{platform.arch}", dtype, "numpy float64",
-                        [f"{len(requests)} requests × 3–4 steps: euler with CFG, sde with shift, renoise, "
-                         "dpmpp_2m"], 0.0, 0.0, atol, rtol, True)
-        row.max_abs_err, row.max_rel_err, row.passed = compare_arrays(actual, expected, atol, rtol)
-        rows.append(row)
-    low = (["bfloat16"] if platform.supports_bf16 else []) + (["float16"] if platform.device == "cuda" else [])
-    for dtype in low:
-        actual = _latents(ModelInstance(card, platform, dtype), loop, cache, requests)
-        atol, rtol = TOLERANCES[dtype]["generate"]
-        row = ParityRow(f"generate:{loop}/{platform.device}/{platform.arch}", dtype, "the same loop in float32",
-                        [f"{len(requests)} requests × 3–4 steps, mixed precision"], 0.0, 0.0, atol, rtol, True)
-        row.max_abs_err, row.max_rel_err, row.passed = compare_arrays(actual, runs["float32"], atol, rtol)
+    requests, rows = list(PARITY_REQUESTS), []
+    for dtype, actual, reference, atol, rtol in _by_precision(card, platform, loop, requests):
+        low = dtype not in ("float64", "float32")
+        row = ParityRow(f"generate:{loop}/{platform.device}/{platform.arch}", dtype,
+                        "the same loop in float32" if low else "numpy float64",
+                        [f"{len(requests)} requests × 3–4 steps, mixed precision" if low else
+                         f"{len(requests)} requests × 3–4 steps: euler with CFG, sde with shift, renoise, dpmpp_2m"],
+                        0.0, 0.0, atol, rtol, True)
+        row.max_abs_err, row.max_rel_err, row.passed = compare_arrays(actual, reference, atol, rtol)
         rows.append(row)
     return rows
 
@@ -157,17 +146,15 @@ ADAPTER_LOOP = "denoise"  # the loop `generate` serves adapters in
 
 def adapter_rows(card: Card, platform: Platform) -> list[ParityRow]:
     """Each of the card's adapters in one mixed batch (a request each, at scale 1, a ControlNet's on a fixed control
-    image through its preprocessor, beside a request with none): the torch platform's latents (float64, float32)
-    against the numpy reference's adapters (float64), and at the platform's fast low precisions against its
-    float32. A row per adapter: its request's final latents."""
+    image through its preprocessor, beside a request with none), compared as `generation_rows` compares: a row per
+    adapter and precision, its request's final latents."""
     adapters = card.manifest.adapters
     if not adapters or ADAPTER_LOOP not in card.manifest.loops or platform.device == "numpy":
         return []
     from cardtool.core.sampling.control import ControlImage
 
-    cache, first = TextFeatureCache(disk=False), ModelInstance(card, platform, "float64")
-    vae = DenoiseLoop(first, ADAPTER_LOOP, cache).vae
-    size = first.component(vae).config.image_size
+    probe = DenoiseLoop(ModelInstance(card, platform), ADAPTER_LOOP, TextFeatureCache(disk=False))
+    size = probe.instance.component(probe.vae).config.image_size
     garment = np.zeros((size, size), np.uint8)  # a bright block with a darker band, the size of a garment
     garment[size // 7:size - size // 7, size // 4:size - size // 4] = 200
     garment[size // 2 - 1:size // 2 + 1, size // 4:size - size // 4] = 90
@@ -176,19 +163,9 @@ def adapter_rows(card: Card, platform: Platform) -> list[ParityRow]:
         control = ControlImage.make(garment, spec.control or "none") if spec.kind == "controlnet" else None
         requests.append(Request(PARITY_REQUESTS[i % len(PARITY_REQUESTS)].prompt or "a bag", seed=8 + i, steps=3,
                                 guidance=2.0 if i % 2 else 1.0, adapters=((name, 1.0),), control=control))
-    runs = {dtype: _latents(first if dtype == "float64" else ModelInstance(card, platform, dtype), ADAPTER_LOOP,
-                            cache, requests) for dtype in ("float64", "float32")}
-    expected = _latents(ModelInstance(card, Platform("numpy", "generic"), "float64"), ADAPTER_LOOP, cache, requests)
-    low = (["bfloat16"] if platform.supports_bf16 else []) + (["float16"] if platform.device == "cuda" else [])
     rows = []
-    for dtype in [*runs, *low]:
-        if dtype in runs:
-            actual, reference, against = runs[dtype], expected, "numpy float64"
-            atol, rtol = COMPONENT_TOLERANCES[dtype]
-        else:
-            actual = _latents(ModelInstance(card, platform, dtype), ADAPTER_LOOP, cache, requests)
-            reference, against = runs["float32"], "the same batch in float32"
-            atol, rtol = TOLERANCES[dtype]["generate"]
+    for dtype, actual, reference, atol, rtol in _by_precision(card, platform, ADAPTER_LOOP, requests):
+        against = "numpy float64" if dtype in ("float64", "float32") else "the same batch in float32"
         for i, (name, spec) in enumerate(adapters.items(), start=1):
             row = ParityRow(f"adapters.{name}:{spec.kind}/{platform.device}/{platform.arch}", dtype, against,
                             [f"1 of {len(requests)} requests × 3 steps, scale 1" +
@@ -198,6 +175,21 @@ def adapter_rows(card: Card, platform: Platform) -> list[ParityRow]:
                                                                           atol, rtol)
             rows.append(row)
     return rows
+
+
+def _by_precision(card: Card, platform: Platform, loop: str, requests: list[Request]) -> list[tuple]:
+    """(dtype, latents, reference, atol, rtol) of `requests` on the platform: float64 and float32 against the numpy
+    platform's float64, the platform's fast low precisions against its float32."""
+    cache = TextFeatureCache(disk=False)  # the numpy run reads the features the float64 torch run encodes
+    runs = {dtype: _latents(ModelInstance(card, platform, dtype), loop, cache, requests)
+            for dtype in ("float64", "float32")}
+    expected = _latents(ModelInstance(card, Platform("numpy", "generic"), "float64"), loop, cache, requests)
+    out = [(dtype, actual, expected, *COMPONENT_TOLERANCES[dtype]) for dtype, actual in runs.items()]
+    low = (["bfloat16"] if platform.supports_bf16 else []) + (["float16"] if platform.device == "cuda" else [])
+    for dtype in low:
+        out.append((dtype, _latents(ModelInstance(card, platform, dtype), loop, cache, requests), runs["float32"],
+                    *TOLERANCES[dtype]["generate"]))
+    return out
 
 
 def _latents(instance: ModelInstance, loop: str, cache: TextFeatureCache, requests: list[Request]) -> np.ndarray:
