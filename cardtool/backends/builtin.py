@@ -1,7 +1,8 @@
 """cardtool's own registrations: every op's numpy reference, its device-generic torch implementation on
 cpu and cuda, float32 variants by CPU tier, the bfloat16 variants on the avx512_bf16 CPU tier and their float32
-emulations on the avx2 tier, linear and attention in both on AMD's AVX-512 cores (zen4); and the components (keyed
-by the implementation name a card's `impl` gives) in torch and, where one exists, numpy."""
+emulations on the avx2 tier, attention in both and the bfloat16 linear on AMD's AVX-512 cores (zen4), the float32
+linear on its full-width ones (zen5); and the components (keyed by the implementation name a card's `impl` gives) in
+torch and, where one exists, numpy."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ OPS = ("flow_match_step", "flow_sde_step", "flow_renoise_step", "flow_dpm_step",
 # the ops with bfloat16 variants on the CPU tiers: avx512_bf16 computes in bf16, avx2 emulates it in float32
 BF16_OPS = ("attention", "lora_bgmv", "gelu_tanh", "linear", "modulated_layer_norm", "rms_norm")
 AVX2_OPS = ("linear", "lora_bgmv")  # the float32 ops the avx2 tier computes its own way
-ZEN4_OPS = ("attention", "linear")  # the ops AMD's AVX-512 cores compute their own way, in float32 and bfloat16
+ZEN4_OPS = ("attention", "linear")  # the ops AMD's AVX-512 cores compute their own way in bfloat16
 
 
 _B = "cardtool.backends.builders"
@@ -65,11 +66,15 @@ def register(components, kernels) -> None:
                          requires=("torch",), dtypes=("float32",))
         kernels.register(op, "cpu", "avx2", "bf16", target=f"cardtool.backends.cpu_bf16_emulated:{op}",
                          requires=("torch",), dtypes=("float32",))
-    # AMD's AVX-512 cores: products through oneDNN, short attention written out (cpu_zen4.py)
+    # AMD's AVX-512 cores: short attention written out, bfloat16 products through oneDNN, and float32 products too
+    # where the AVX-512 units are full width (cpu_zen4.py)
+    kernels.register("attention", "cpu", "zen4", "default", target="cardtool.backends.cpu_zen4:attention",
+                     requires=("torch",))
     for op in ZEN4_OPS:
-        kernels.register(op, "cpu", "zen4", "default", target=f"cardtool.backends.cpu_zen4:{op}", requires=("torch",))
         kernels.register(op, "cpu", "zen4", "bf16", target=f"cardtool.backends.cpu_zen4:{op}_bf16",
                          requires=("torch",), dtypes=("float32",))
+    kernels.register("linear", "cpu", "zen5", "default", target="cardtool.backends.cpu_zen4:linear",
+                     requires=("torch",))
     # and LoRA's down-projection transposed: MKL, its AVX2 code on AMD's cores, is faster at it that way
     kernels.register("lora_bgmv", "cpu", "zen4", "default", target="cardtool.backends.cpu_zen4:lora_bgmv",
                      requires=("torch",))

@@ -25,6 +25,7 @@ ARCH_TIERS: dict[str, dict[str, tuple[str, ...]]] = {
         "sm70": ("sm70",),
     },
     "cpu": {
+        "zen5": ("zen5", "zen4", "avx512_bf16", "avx2"),  # AMD's full-width AVX-512 cores
         "zen4": ("zen4", "avx512_bf16", "avx2"),  # AMD's AVX-512 cores: the avx512_bf16 ISA, other fast paths
         "avx512_bf16": ("avx512_bf16", "avx2"),
         "avx2": ("avx2",),

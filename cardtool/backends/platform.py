@@ -127,13 +127,17 @@ class Platform:
         return cls("cpu", tier, _cpu_name(), tuple(why))
 
 
-def cpu_tier(flags_text: str | None = None, vendor: str | None = None) -> tuple[str, str]:
-    """The CPU's tier (zen4, avx512_bf16, avx2 or generic) and the flags (and vendor) that decided it. zen4 is
-    avx512_bf16 on an AMD CPU (Zen 4 is AMD's first with AVX-512): the same ISA, other fastest paths."""
+def cpu_tier(flags_text: str | None = None, vendor: str | None = None, family: str | None = None) -> tuple[str, str]:
+    """The CPU's tier (zen5, zen4, avx512_bf16, avx2 or generic) and the flags (vendor and family) that decided it.
+    zen4 is avx512_bf16 on an AMD CPU (Zen 4 is AMD's first with AVX-512): the same ISA, other fastest paths; zen5 is
+    one of family 26 (Zen 5) or later, whose AVX-512 units are full width where Zen 4's run two 256-bit halves
+    (`cpu_zen4.py` says what that changes)."""
     if flags_text is None:
-        flags_text, vendor = _cpu_field("flags"), _cpu_field("vendor_id")
+        flags_text, vendor, family = _cpu_field("flags"), _cpu_field("vendor_id"), _cpu_field("cpu family")
     flags = set(flags_text.split())
     if "avx512_bf16" in flags and vendor == "AuthenticAMD":
+        if (family or "").isdecimal() and int(family) >= 26:
+            return "zen5", f"include avx512_bf16 on an AMD CPU (AuthenticAMD) of family {family}: Zen 5 or later"
         return "zen4", "include avx512_bf16 on an AMD CPU (AuthenticAMD)"
     for tier in ("avx512_bf16", "avx2"):
         if tier in flags:

@@ -22,6 +22,8 @@ def test_chains_are_explicit_and_never_reach_a_newer_arch():
                                                   ("numpy", "generic")]
     assert kernel_chain("cpu", "zen4") == [("cpu", "zen4"), ("cpu", "avx512_bf16"), ("cpu", "avx2"),
                                            ("cpu", "generic"), ("numpy", "generic")]
+    assert kernel_chain("cpu", "zen5")[:3] == [("cpu", "zen5"), ("cpu", "zen4"), ("cpu", "avx512_bf16")]
+    assert ("cpu", "zen5") not in kernel_chain("cpu", "zen4"), "never the newer core's code"
     assert kernel_chain("cpu", "avx2") == [("cpu", "avx2"), ("cpu", "generic"), ("numpy", "generic")]
     assert kernel_chain("numpy", "generic") == [("numpy", "generic")]
     # an arch cardtool does not know yet gets only portable tiers

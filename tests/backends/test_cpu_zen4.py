@@ -1,5 +1,6 @@
-"""The zen4 tier (AMD's AVX-512 cores): its own linear and attention in float32 and for bfloat16, the rest of the
-avx512_bf16 tier's cells, and values the generic cells give (runs on any CPU: the tier can be forced)."""
+"""The zen4 tier (AMD's AVX-512 cores): its own attention in float32 and for bfloat16 and its own bfloat16 linear,
+the rest of the avx512_bf16 tier's cells; the zen5 tier (full-width AVX-512) the float32 linear too; and values the
+generic cells give (runs on any CPU: the tiers can be forced)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from cardtool.backends.parity import run_parity
 from cardtool.backends.platform import Platform
 from cardtool.backends.registry import KERNELS
 
-ZEN4 = Platform("cpu", "zen4")
+ZEN4, ZEN5 = Platform("cpu", "zen4"), Platform("cpu", "zen5")
 
 
 @pytest.fixture(autouse=True)
@@ -20,21 +21,25 @@ def one_thread():
     torch.set_num_threads(1)
 
 
-def test_zen4_resolves_its_own_linear_and_attention_and_the_avx512_tiers_other_cells():
-    for op in ("linear", "attention"):
-        assert KERNELS.resolve(op, ZEN4)[1] is getattr(cpu_zen4, op)
-        assert KERNELS.resolve(op, ZEN4, "bf16")[1] is getattr(cpu_zen4, f"{op}_bf16")
-    assert KERNELS.resolve("rms_norm", ZEN4, "bf16")[1] is cpu_bf16.rms_norm
-    assert KERNELS.resolve("lora_bgmv", ZEN4)[1] is cpu_zen4.lora_bgmv
-    assert ZEN4.supports_bf16
+def test_zen4_resolves_its_own_cells_and_the_avx512_tiers_others_and_zen5_the_float32_linear_too():
+    for platform in (ZEN4, ZEN5):
+        assert KERNELS.resolve("attention", platform)[1] is cpu_zen4.attention
+        for op in ("linear", "attention"):
+            assert KERNELS.resolve(op, platform, "bf16")[1] is getattr(cpu_zen4, f"{op}_bf16")
+        assert KERNELS.resolve("rms_norm", platform, "bf16")[1] is cpu_bf16.rms_norm
+        assert KERNELS.resolve("lora_bgmv", platform)[1] is cpu_zen4.lora_bgmv
+        assert platform.supports_bf16
+    assert KERNELS.resolve("linear", ZEN4)[1] is torch_ops.linear, "Zen 4: MKL's float32 products, as avx512_bf16"
+    assert KERNELS.resolve("linear", ZEN5)[1] is cpu_zen4.linear
 
 
-def test_every_zen4_cell_passes_parity_here():
-    rows = run_parity(ZEN4)
-    zen4 = [r for r in rows if "/zen4/" in r.cell]
-    own = {f"{op}/cpu/zen4/{v}" for op in ("linear", "attention") for v in ("default", "bf16")}
-    assert {r.cell for r in zen4} == own | {"lora_bgmv/cpu/zen4/default"}
-    assert all(r.passed for r in zen4), [(r.cell, r.dtype, r.max_abs_err) for r in zen4 if not r.passed]
+def test_every_zen4_and_zen5_cell_passes_parity_here():
+    rows = run_parity(ZEN5)
+    own = [r for r in rows if "/zen4/" in r.cell or "/zen5/" in r.cell]
+    expected = {"attention/cpu/zen4/default", "linear/cpu/zen4/bf16", "attention/cpu/zen4/bf16",
+                "lora_bgmv/cpu/zen4/default", "linear/cpu/zen5/default"}
+    assert {r.cell for r in own} == expected
+    assert all(r.passed for r in own), [(r.cell, r.dtype, r.max_abs_err) for r in own if not r.passed]
 
 
 def test_lora_bgmv_gives_the_generic_deltas_in_place_and_with_a_gradient():

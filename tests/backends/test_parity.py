@@ -30,18 +30,19 @@ def test_every_torch_cell_passes_at_float64_float32_bfloat16():
     assert all(0 <= r.max_abs_err < 1e-9 for r in rows if r.dtype == "float64"), rows
 
 
-@pytest.mark.skipif(HERE.arch not in ("zen4", "avx512_bf16", "avx2"), reason="the bf16 variants live on the CPU tiers")
+@pytest.mark.skipif(HERE.arch not in ("zen5", "zen4", "avx512_bf16", "avx2"),
+                    reason="the bf16 variants live on the CPU tiers")
 def test_bf16_variants_are_held_to_bf16_tolerances_against_float32():
-    """This machine's tier: avx512_bf16 computes in bf16 (zen4 too, with its own attention and linear), avx2
+    """This machine's tier: avx512_bf16 computes in bf16 (zen4 and zen5 too, with their own attention and linear), avx2
     emulates it in float32 (and an avx512_bf16 machine may run the avx2 cells too, further down its chain)."""
     from cardtool.backends.builtin import BF16_OPS, ZEN4_OPS
 
     bf16_tier = "avx2" if HERE.arch == "avx2" else "avx512_bf16"
     rows = {r.cell: r for r in run_parity(HERE) if r.cell.endswith(f"/{bf16_tier}/bf16") or
-            (HERE.arch == "zen4" and r.cell.endswith("/zen4/bf16"))}
+            (HERE.arch in ("zen4", "zen5") and r.cell.endswith("/zen4/bf16"))}
     lowered = ("attention", "lora_bgmv", "gelu_tanh", "linear", "modulated_layer_norm")
     expected = {f"{op}/cpu/{bf16_tier}/bf16" for op in BF16_OPS}
-    if HERE.arch == "zen4":
+    if HERE.arch in ("zen4", "zen5"):
         expected |= {f"{op}/cpu/zen4/bf16" for op in ZEN4_OPS}
     assert set(rows) == expected and set(BF16_OPS) == set(lowered + ("rms_norm",))
     for row in rows.values():
@@ -49,7 +50,7 @@ def test_bf16_variants_are_held_to_bf16_tolerances_against_float32():
     for op in lowered:
         assert rows[f"{op}/cpu/{bf16_tier}/bf16"].max_abs_err > 1e-4, "bf16 accuracy is really lower precision"
     assert rows[f"rms_norm/cpu/{bf16_tier}/bf16"].max_abs_err == 0, "computed and handed on in float32"
-    if HERE.arch == "zen4":
+    if HERE.arch in ("zen4", "zen5"):
         assert rows["linear/cpu/zen4/bf16"].max_abs_err > 1e-4, "a bfloat16 product"
         assert rows["attention/cpu/zen4/bf16"].max_abs_err < 1e-5, "short sequences written out in float32"
 
