@@ -136,9 +136,11 @@ def cpu_tier(flags_text: str | None = None, vendor: str | None = None, family: s
         flags_text, vendor, family = _cpu_field("flags"), _cpu_field("vendor_id"), _cpu_field("cpu family")
     flags = set(flags_text.split())
     if "avx512_bf16" in flags and vendor == "AuthenticAMD":
-        if (family or "").isdecimal() and int(family) >= 26:
-            return "zen5", f"include avx512_bf16 on an AMD CPU (AuthenticAMD) of family {family}: Zen 5 or later"
-        return "zen4", "include avx512_bf16 on an AMD CPU (AuthenticAMD)"
+        if not (family or "").isdecimal():
+            return "zen4", "include avx512_bf16 on an AMD CPU (AuthenticAMD)"
+        if int(family) >= 26:
+            return "zen5", f"include avx512_bf16 on an AMD CPU (AuthenticAMD, family {family}: Zen 5 or later)"
+        return "zen4", f"include avx512_bf16 on an AMD CPU (AuthenticAMD, family {family}: Zen 4)"
     for tier in ("avx512_bf16", "avx2"):
         if tier in flags:
             return tier, f"include {tier}"

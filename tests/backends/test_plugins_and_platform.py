@@ -420,9 +420,10 @@ def test_cpu_tier_from_flags():
     assert cpu_tier("fpu sse") == ("generic", "have neither avx512_bf16 nor avx2")
     amd = "fpu sse avx2 avx512f avx512_bf16"
     assert cpu_tier(amd, "AuthenticAMD") == ("zen4", "include avx512_bf16 on an AMD CPU (AuthenticAMD)")
-    assert cpu_tier(amd, "AuthenticAMD", "25")[0] == "zen4", "Zen 4: AVX-512 as two 256-bit halves"
+    assert cpu_tier(amd, "AuthenticAMD", "25") == (
+        "zen4", "include avx512_bf16 on an AMD CPU (AuthenticAMD, family 25: Zen 4)"), "AVX-512 as two halves"
     assert cpu_tier(amd, "AuthenticAMD", "26") == (
-        "zen5", "include avx512_bf16 on an AMD CPU (AuthenticAMD) of family 26: Zen 5 or later")
+        "zen5", "include avx512_bf16 on an AMD CPU (AuthenticAMD, family 26: Zen 5 or later)")
     assert cpu_tier(amd, "AuthenticAMD", "27")[0] == "zen5" and cpu_tier(amd, "AuthenticAMD", "x")[0] == "zen4"
     assert cpu_tier(amd, "GenuineIntel", "26")[0] == "avx512_bf16"
     assert cpu_tier(amd, "GenuineIntel")[0] == "avx512_bf16"
