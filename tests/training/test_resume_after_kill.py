@@ -88,3 +88,21 @@ def test_a_run_killed_at_a_random_moment_resumes_to_the_uninterrupted_weights(me
     assert a.keys() == b.keys() and not differing, f"killed at step {step} (+{delay:.3f} s): {differing[:3]} differ"
     assert resumed.manifest.recipe.metrics["final_loss"] == whole.manifest.recipe.metrics["final_loss"]
     assert not list((tmp_path / "run-killed").glob(".*.tmp")), "no half-written checkpoint is left behind"
+
+
+def test_a_run_killed_before_its_first_checkpoint_resumes_from_the_start(family, tmp_path):
+    """A job re-run with --resume after a kill -9 must not fail where the kill came before the first checkpoint:
+    the folder the run started in holds only its lock, and `--resume` starts over."""
+    name, sets = overrides("pretrain", family)
+    sets = [*sets, "optim.steps=6", "train.checkpoint_every=6"]  # the only checkpoint: the last step's
+    recipe = load_recipe(RECIPES / f"{name}.yaml", sets)
+    data = str(family["data"])
+    whole = train(recipe, command="c", out=tmp_path / "whole", run_dir=tmp_path / "run-whole", data=data)
+    args = ["train", "--recipe", str(RECIPES / f"{name}.yaml"), *(f"--set={s}" for s in sets), "--data", data,
+            "--run-dir", str(tmp_path / "run-killed"), "--out", str(tmp_path / "killed")]
+    kill_at(args, 1, 0)
+    assert sorted(p.name for p in (tmp_path / "run-killed").iterdir()) == [".lock"], "killed before a checkpoint"
+    resumed = train(recipe, command="c", out=tmp_path / "killed", run_dir=tmp_path / "run-killed", data=data,
+                    resume=True)
+    a, b = load_file(str(whole.weights_file("transformer"))), load_file(str(resumed.weights_file("transformer")))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -177,7 +177,8 @@ def check_start(recipe: Recipe, platform: Platform, run_dir: Path, *, resume: bo
 
 def _check_run_dir(run_dir: Path, recipe: Recipe, resume: bool, data: str | None, parents: str | None,
                    ranks) -> bool:
-    """Whether `run_dir` holds a checkpoint; refused where a fresh run would overwrite one or a resume finds none."""
+    """Whether `run_dir` holds a checkpoint; refused where a fresh run would overwrite one, or a resume finds neither a
+    checkpoint nor a run that started there (one stopped before its first checkpoint starts over)."""
     checkpoint = run_dir / CHECKPOINT
     held = ranks.sees(checkpoint, "--run-dir")
     if held and not resume:
@@ -186,8 +187,11 @@ def _check_run_dir(run_dir: Path, recipe: Recipe, resume: bool, data: str | None
             raise BadInput(f"{run_dir} already holds the run of another recipe, other data or other parents"
                            f"{changed}; give this run another --run-dir, or remove the folder")
         raise BadInput(f"{run_dir} already holds a run; continue it with --resume, or remove the folder")
-    if resume and not held:
-        raise BadInput(f"nothing to resume: {checkpoint} does not exist")
+    if resume and not held and not ranks.sees(run_dir / LOCK, "--run-dir"):
+        # a folder a run started in (its lock is there) and was stopped in before its first checkpoint has nothing
+        # to continue, and loses nothing by starting over: a script that always resumes after a kill -9 still runs
+        raise BadInput(f"nothing to resume: {checkpoint} does not exist and no run has started in {run_dir}; "
+                       "start it without --resume")
     return held
 
 
