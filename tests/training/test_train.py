@@ -869,6 +869,11 @@ def test_judge_scores_prompts_by_class_names_and_free_text(tmp_path, data):
     # naming no class (nor a word for one): the class whose prompt the text encoder puts nearest
     assert judge.prompt_classes(["a leather purse", "something warm for winter", "jeans"]).tolist() == [8, 4, 1]
     assert judge.prompt_classes(["a red t-shirt", "a shirt"]).tolist() == [0, 6], "the longest name found wins"
+    # of two names as long the later, a compound's head (a dress shirt is a shirt); plurals are names too
+    assert judge.prompt_classes(["a dress shirt", "a shirt dress", "high-top sneakers", "winter boots", "two dresses",
+                                 "tops"]).tolist() == [6, 3, 7, 9, 3, 0]
+    # nearest among every class's training phrasings, not its one canonical prompt (which puts both at class 9)
+    assert judge.prompt_classes(["a tennis shoe", "sports shoes"]).tolist() == [7, 7]
     # the nearest class by cosine of mean-pooled token states (padding left out)
     encoder = judge.instance.component("text_encoder")
     states, mask = (judge.instance.arrays.to_numpy(t) for t in encoder(["a b", "something warm for winter"]))
