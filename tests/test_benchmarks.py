@@ -326,3 +326,43 @@ def test_free_text_benchmark_judges_each_phrasing_as_its_images_made_alone(tmp_p
     assert row["held_out_accuracy"] == round(float((judge.probabilities(images).argmax(1) == 2).mean()), 4)
     monkeypatch.setattr("free_text.HELD_OUT", (("a T-shirt", 0), *HELD_OUT))
     assert ("a T-shirt", 0, "held_out") not in prompts(), "a phrasing training holds is not held out"
+
+
+def test_kill_fuzzer_stops_a_command_finishes_it_and_compares_every_file(tmp_path, monkeypatch):
+    import signal
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from fuzz_kills import _files, fuzz
+
+    report = fuzz(["merge"], 2, 0, [signal.SIGKILL, signal.SIGTERM], tmp_path / "scratch")
+    assert report["counts"] == {"ok": 2} and [c["command"] for c in report["cases"]] == ["merge", "merge"]
+    assert all(c["stopped_exit"] in (0, -9, -15, 143) for c in report["cases"])
+    # a finishing run that left a temporary, or other bytes, is told from one that did not
+    import fuzz_kills
+
+    finish = fuzz_kills._run
+
+    def leaving(args, where, env):
+        done = finish(args, where, env)
+        if where.name == "0":
+            (where / "soup" / ".card.yaml.1.tmp").write_text("")
+        elif where.name == "1":
+            (where / "soup" / "transformer.safetensors").write_bytes(b"other")
+        return done
+
+    monkeypatch.setattr(fuzz_kills, "_run", leaving)
+    report = fuzz(["merge"], 2, 0, [signal.SIGKILL], tmp_path / "scratch-2")
+    assert [c["outcome"] for c in report["cases"]] == ["stray", "differs"]
+    assert [c["detail"] for c in report["cases"]] == ["soup/.card.yaml.1.tmp", "soup/transformer.safetensors"]
+    # what the comparison sees: every file by its bytes, a card's recorded training time set aside, temporaries too
+    for folder, seconds in (("a", "0.7"), ("b", "0.6")):
+        (tmp_path / folder / "card").mkdir(parents=True)
+        (tmp_path / folder / "card" / "card.yaml").write_text(f"id: x\nmetrics:\n  train_seconds: {seconds}\n")
+        (tmp_path / folder / "run").mkdir()
+        (tmp_path / folder / "run" / "checkpoint.safetensors").write_text(folder)  # the run folder is not output
+    assert _files(tmp_path / "a") == _files(tmp_path / "b") and list(_files(tmp_path / "a")) == ["card/card.yaml"]
+    (tmp_path / "b" / "card" / "card.yaml").write_text("id: y\nmetrics:\n  train_seconds: 0.6\n")
+    (tmp_path / "b" / ".card.123.tmp").mkdir()
+    (tmp_path / "b" / ".card.123.tmp" / "w.safetensors").write_text("")
+    assert _files(tmp_path / "a")["card/card.yaml"] != _files(tmp_path / "b")["card/card.yaml"]
+    assert ".card.123.tmp/w.safetensors" in _files(tmp_path / "b")

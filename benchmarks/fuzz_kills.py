@@ -1,0 +1,173 @@
+"""Fuzz interruptions: each command that writes (images, cards, checkpoints, a workflow's outputs) is stopped at a
+random moment — SIGKILL (an OOM kill, a lost node) or SIGTERM (a scheduler's preemption) — then run again as a user
+would finish it (`--resume` for a training run, `--skip-existing` for images), and what it leaves must be what an
+uninterrupted run leaves, file for file, with no temporary left behind.
+
+Every run of a command works in a folder of its own with the same relative paths, so the cards' recorded commands
+match; a card's recorded `*seconds` (training time) are the only lines set aside. Outcomes per round: `ok` (the same
+files), `restarted` (killed before a training run had started — `--resume` refuses a folder no run started in —, run
+again without it: the same files), and the failures the target is zero of: `differs`, `stray` (a temporary left),
+`rerun_failed` (the run to finish it exited non-zero), `traceback` (on either run's stderr), `exit` (the stopped run
+exited with neither 0, the signal's death, nor 128 + the signal).
+
+    python benchmarks/fuzz_kills.py --rounds 3 --seed 0 [--signal kill|term|both] [--out fuzz-kills.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT = 600
+SMALL = ["--set", "train.precision=float32", "--no-eval"]
+COMMANDS = {  # name: (arguments, how a user finishes it after a stop)
+    "generate": (["generate", "tiny-base", "-p", "an ankle boot", "-p", "a bag", "-n", "3", "--steps", "8", "--grid",
+                  "--out", "images"], "--skip-existing"),
+    "generate-one": (["generate", "tiny-base", "-p", "a bag", "--steps", "8", "--adapter", "invert=0.5", "--out",
+                      "one.png"], "--skip-existing"),
+    "best-of": (["generate", "tiny-base", "-p", "a bag", "-n", "2", "--steps", "4", "--best-of", "4", "--reward",
+                 "tiny-judge", "--out", "best"], "--skip-existing"),
+    "workflow": (["workflow", "run", str(REPO / "examples" / "workflows" / "tiny-tour.yaml"), "--out", "flow"],
+                 "--skip-existing"),
+    "merge": (["cards", "merge", "tiny-base=0.5", "tiny-rl=0.5", "--id", "tiny-soup", "--out", "soup"], None),
+    "extract-lora": (["cards", "extract-lora", "tiny-base", "tiny-rl", "--rank", "4", "--id", "tiny-rl-lora", "--out",
+                      "lora"], None),
+    "export": (["cards", "export", "tiny-distilled", "--format", "hf", "--out", "hf"], None),
+    "distill": (["distill", "tiny-base", "--steps", "2", "--set", "optim.steps=6", "--set", "optim.batch_size=8",
+                 "--set", "train.checkpoint_every=2", *SMALL, "--out", "student", "--run-dir", "run"], "--resume"),
+    "rl": (["rl", "tiny-base", "--reward", "tiny-judge", "--set", "optim.steps=4", "--set", "optim.batch_size=2",
+            "--set", "loss.group_size=4", "--set", "train.checkpoint_every=1", *SMALL, "--out", "tuned", "--run-dir",
+            "run"], "--resume"),
+    "flywheel": (["flywheel", "tiny-base", "--reward", "tiny-judge", "--steps", "1", "--set", "rl.optim.steps=2",
+                  "--set", "rl.optim.batch_size=2", "--set", "rl.loss.group_size=4", "--set",
+                  "rl.train.precision=float32", "--set", "distill.optim.steps=2", "--set", "distill.optim.batch_size=4",
+                  "--set", "distill.train.precision=float32", "--stop-after", "distill", "--out-dir", "fw",
+                  "--run-dir", "run"], "--resume"),
+}
+BAD = ("differs", "stray", "rerun_failed", "traceback", "exit")
+_SECONDS = re.compile(rb"^\s*\w*seconds: .*$", re.MULTILINE)  # a card's recorded training time
+
+
+def _files(folder: Path) -> dict[str, str]:
+    """Every file under `folder` but the run folder and the cache, by a digest of its bytes (a card's recorded
+    training time set aside); temporaries too, which the comparison then names."""
+    found = {}
+    for path in sorted(folder.rglob("*")):
+        relative = path.relative_to(folder)
+        if relative.parts[0] in ("run", "cache") or path.is_dir():
+            continue
+        data = path.read_bytes()
+        if path.name == "card.yaml":
+            data = _SECONDS.sub(b"", data)
+        found[str(relative)] = hashlib.sha256(data).hexdigest()[:16]
+    return found
+
+
+def _run(args: list[str], where: Path, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cardtool", *args], cwd=where, env=env, capture_output=True,
+                          text=True, timeout=TIMEOUT)
+
+
+def _stopped(args: list[str], where: Path, env: dict, delay: float, signum: int) -> tuple[int, str]:
+    """Start the command, send `signum` after `delay` seconds (if it is still running); its exit code and stderr."""
+    process = subprocess.Popen([sys.executable, "-m", "cardtool", *args], cwd=where, env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        process.wait(delay)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signum)
+    _, stderr = process.communicate(timeout=TIMEOUT)
+    return process.returncode, stderr
+
+
+def fuzz(names: list[str], rounds: int, seed: int, signals: list[int], root: Path) -> dict:
+    rng = random.Random(seed)
+    cards = root / "cards"
+    shutil.copytree(REPO / "examples" / "cards", cards, ignore=shutil.ignore_patterns("*.py"))
+    counts: dict[str, int] = {}
+    details: list[dict] = []
+    for name in names:
+        args, finish = COMMANDS[name]
+        reference = root / name / "reference"
+        reference.mkdir(parents=True)
+        env = {**os.environ, "CARDTOOL_PATH": str(cards), "CARDTOOL_CACHE": str(reference / "cache")}
+        started = time.perf_counter()
+        done = _run(args, reference, env)
+        seconds = time.perf_counter() - started
+        if done.returncode:
+            raise SystemExit(f"{name}: the uninterrupted run failed ({done.returncode}): {done.stderr[-2000:]}")
+        want = _files(reference)
+        for k in range(rounds):
+            signum = rng.choice(signals)
+            where = root / name / str(k)
+            where.mkdir()
+            env["CARDTOOL_CACHE"] = str(where / "cache")
+            delay = rng.uniform(0.05, seconds)
+            code, stderr = _stopped(args, where, env, delay, signum)
+            outcome, detail = "ok", ""
+            if code not in (0, -signum, 128 + signum):
+                outcome, detail = "exit", f"exit {code}: {stderr[-600:]}"
+            elif "Traceback" in stderr:
+                outcome, detail = "traceback", stderr[-1200:]
+            else:
+                again = _run([*args, finish] if finish else args, where, env)
+                if again.returncode == 2 and finish == "--resume" and "no run has started" in again.stderr:
+                    outcome, again = "restarted", _run(args, where, env)
+                elif again.returncode == 2 and "already exists" in again.stderr:  # written before the signal came
+                    again = subprocess.CompletedProcess(again.args, 0, "", "")
+                if "Traceback" in again.stderr:
+                    outcome, detail = "traceback", again.stderr[-1200:]
+                elif again.returncode:
+                    outcome, detail = "rerun_failed", f"exit {again.returncode}: {again.stderr[-600:]}"
+                else:
+                    got = _files(where)
+                    stray = sorted(f for f in got if f not in want and any(p.startswith(".") for p in Path(f).parts))
+                    differing = sorted({f for f in {*want, *got} if want.get(f) != got.get(f)} - set(stray))
+                    if stray:
+                        outcome, detail = "stray", ", ".join(stray[:5])
+                    elif differing:
+                        outcome, detail = "differs", ", ".join(differing[:5])
+            counts[outcome] = counts.get(outcome, 0) + 1
+            row = {"command": name, "round": k, "signal": signal.Signals(signum).name, "after_s": round(delay, 2),
+                   "of_s": round(seconds, 2), "stopped_exit": code, "outcome": outcome}
+            if detail:
+                row["detail"] = detail
+            details.append(row)
+            print(json.dumps(row), flush=True)
+    return {"seed": seed, "rounds": rounds, "counts": counts, "cases": details}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3, help="Stops per command.")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--signal", choices=["kill", "term", "both"], default="both")
+    parser.add_argument("--commands", nargs="+", choices=list(COMMANDS), default=list(COMMANDS))
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    signals = {"kill": [signal.SIGKILL], "term": [signal.SIGTERM], "both": [signal.SIGKILL, signal.SIGTERM]}
+    with tempfile.TemporaryDirectory() as scratch:
+        report = fuzz(args.commands, args.rounds, args.seed, signals[args.signal], Path(scratch))
+    print(json.dumps(report["counts"]))
+    if args.out:
+        from cardtool.atomic import write_atomic
+
+        write_atomic(args.out, (json.dumps(report, indent=1) + "\n").encode())
+    if any(report["counts"].get(bad) for bad in BAD):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
