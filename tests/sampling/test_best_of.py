@@ -9,7 +9,7 @@ import shutil
 
 import numpy as np
 import pytest
-from helpers import rows_are_independent, write_tensors
+from helpers import reading_judge, rows_are_independent, write_tensors
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -128,3 +128,19 @@ def test_a_candidate_sampled_as_nan_is_never_kept_and_a_request_of_only_such_fai
                         out=tmp_path)
     assert [p.name[:25] for p in tmp_path.glob("*.png")] == ["tiny-base-000-a-bag-seed0"], "the finite one is kept"
     assert [image["path"] for image in info.value.partial["images"]] == [str(p) for p in tmp_path.glob("*.png")]
+
+
+def test_prompts_naming_no_garment_are_said_with_the_class_the_reward_reads_them_as(examples):
+    """Best-of-N keeps the candidate the reward scores highest for the class it reads the prompt as: where the prompt
+    names no class word, that is the nearest phrasing's class, which the warnings name before the images are made."""
+    card = LoadedCard(examples / "tiny-base")
+    report = card.generate(["a camisole", "a bag", "flip-flops", "a camisole"], steps=2, best_of=2,
+                           reward=str(reading_judge(examples)), out=None)
+    [said] = [w for w in report.warnings if "name no garment" in w]
+    assert said == ("2 prompt(s) name no garment, and reward 'tiny-reader' reads them by the nearest phrasing it "
+                    "knows: 'a camisole' as coat, 'flip-flops' as sandal; name the garment where that is not the one "
+                    "meant")
+    named = card.generate(["a bag", "two boots"], steps=2, best_of=2, reward=str(reading_judge(examples)), out=None)
+    assert not [w for w in named.warnings if "name no garment" in w]
+    plain = card.generate(["a camisole"], steps=2, out=None)
+    assert not [w for w in plain.warnings if "name no garment" in w], "no reward reads it"

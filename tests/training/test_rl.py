@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from helpers import REPO, tiny_referee, write_idx_folder, write_vae_only_card
+from helpers import REPO, reading_judge, tiny_referee, write_idx_folder, write_vae_only_card
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -464,6 +464,15 @@ def test_a_prompts_file_is_what_the_run_trains_on(examples, tmp_path, monkeypatc
                                      str(tmp_path / "o2"), "--run-dir", "runs/tiny-base-nft", "--resume",
                                      *(f"--set={o}" for o in [*TINY, "optim.steps=1"])])
     assert again.exit_code == 2 and "was trained on other data than this run reads" in again.output, again.output
+    # a prompt naming no garment is rewarded for the class the reward reads it as: said before the run
+    (tmp_path / "free.txt").write_text("a bag\na camisole\ntwo coats\n")
+    free = CliRunner().invoke(app, ["rl", str(examples / "tiny-base"), "--reward", str(reading_judge(examples)),
+                                    "--prompts", str(tmp_path / "free.txt"), "--no-eval", "--out", "o5", "--run-dir",
+                                    "r5", *(f"--set={o}" for o in [*TINY, "optim.steps=1"])])
+    assert free.exit_code == 0, free.output
+    said = ("warning 1 prompt(s) name no garment, and reward 'tiny-reader' reads them by the nearest phrasing it "
+            "knows: 'a camisole' as coat; name the garment where that is not the one meant")
+    assert said in free.stderr and free.stderr.index(said) < free.stderr.index("update 1/"), free.stderr
 
 
 def test_a_prompts_file_is_read_as_generate_reads_one(tmp_path):

@@ -23,8 +23,8 @@ from cardtool.core.prompts import SYNONYMS, training_prompts
 from cardtool.core.sampling.instance import ModelInstance
 from cardtool.errors import BadInput
 
-__all__ = ["FashionJudge", "Reward", "REWARD_KINDS", "cannot_score", "image_size", "load_reward", "named_class",
-           "not_a_reward", "reward_card"]
+__all__ = ["FashionJudge", "Reward", "REWARD_KINDS", "cannot_score", "free_text_reading", "image_size", "load_reward",
+           "named_class", "not_a_reward", "reward_card"]
 
 
 class Reward(Protocol):
@@ -145,6 +145,22 @@ class FashionJudge:
             raise BadInput(f"score: {len(images)} images but {len(prompts)} prompts")
         labels = self.prompt_classes(prompts)
         return self.probabilities(images)[np.arange(len(labels)), labels]
+
+
+def free_text_reading(reward, prompts: list[str], shown: int = 6) -> str | None:
+    """What the reward scores prompts that name no class word as — the class of the nearest phrasing it knows, which
+    may not be the garment meant ("a camisole" reads as a coat) — said before a run trains on them or best-of-N
+    selects by them; None where every prompt names its class (or the reward reads no prompts)."""
+    if not isinstance(reward, FashionJudge):
+        return None
+    unnamed = [p for p in dict.fromkeys(prompts) if named_class(p) is None]
+    if not unnamed:
+        return None
+    read = reward.prompt_classes(unnamed)
+    listed = ", ".join(f"{p[:40]!r} as {CLASS_NAMES[int(c)]}" for p, c in zip(unnamed[:shown], read, strict=False))
+    more = f", and {len(unnamed) - shown} more" if len(unnamed) > shown else ""
+    return (f"{len(unnamed)} prompt(s) name no garment, and reward '{reward.card_id}' reads them by the nearest "
+            f"phrasing it knows: {listed}{more}; name the garment where that is not the one meant")
 
 
 def _softmax(logits):

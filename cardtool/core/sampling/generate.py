@@ -20,6 +20,7 @@ from cardtool import __version__
 from cardtool.backends.platform import Platform
 from cardtool.core import distributed
 from cardtool.core.cards.loader import Card, load_card
+from cardtool.core.evaluation.reward import free_text_reading
 from cardtool.core.interrupt import Interrupted, stop_requests
 from cardtool.core.sampling.best_of import MAX_CANDIDATES, best_of_n
 from cardtool.core.sampling.control import ControlImage
@@ -214,7 +215,8 @@ class LoadedCard:
             filled = filled_prompts(instance, [text for i in todo for text in (
                 requests[i].prompt, *([requests[i].negative_prompt] if requests[i].guidance != 1 else []))],
                 self.cache, loop.text_encoder)
-            warnings = [*warnings, filled] if filled else warnings
+            read = free_text_reading(judge, [requests[i].prompt for i in todo]) if judge is not None else None
+            warnings = [*warnings, *(w for w in (filled, read) if w)]
         # requests are made in waves of a forward's worth a process, each written when done, so an interrupted or
         # failing run keeps what it finished; under torchrun each rank makes its share of a wave, gathered to rank 0,
         # which writes them all

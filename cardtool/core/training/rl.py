@@ -148,12 +148,14 @@ def rl(recipe: Recipe, *, command: str, prompts: list[str] | None = None, out: P
     check_start(recipe, platform, run_dir, resume=resume, micro_batches=micro_batches, data=digest, parents=parents)
     task = make_task(recipe, platform, base, reward, prompts)
     task.data, task.parents = digest, parents
-    if given and on_warning is not None:  # a prompts file's lines cut at the encoder's length
+    if given and on_warning is not None:  # a prompts file's lines cut at the encoder's length, or naming no garment
+        from cardtool.core.evaluation.reward import free_text_reading
         from cardtool.core.sampling.text_cache import filled_prompts
 
         filled = filled_prompts(task.loop.instance, task.prompts, task.cache, task.loop.text_encoder)
-        if filled:
-            on_warning(filled)
+        for warning in (filled, free_text_reading(reward, task.prompts)):
+            if warning:
+                on_warning(warning)
     if task.cache.problem and on_warning is not None:  # the cache cannot be written: the run goes on, in memory
         on_warning(task.cache.problem)
     watch = Watch(task.base, task.name, task.policy, task.cache, serving_loop(base), judges, platform,
