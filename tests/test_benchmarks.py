@@ -351,7 +351,8 @@ def test_kill_fuzzer_stops_a_command_finishes_it_and_compares_every_file(tmp_pat
     # what the comparison sees: every file by its bytes, a card's recorded training time set aside, temporaries too
     for folder, seconds in (("a", "0.7"), ("b", "0.6")):
         (tmp_path / folder / "card").mkdir(parents=True)
-        (tmp_path / folder / "card" / "card.yaml").write_text(f"id: x\nmetrics:\n  train_seconds: {seconds}\n")
+        (tmp_path / folder / "card" / "card.yaml").write_text(
+            f"id: x\nmetrics:\n  train_seconds: {seconds}\n  text_cache_hit_rate: {seconds}\n")
         (tmp_path / folder / "run").mkdir()
         (tmp_path / folder / "run" / "checkpoint.safetensors").write_text(folder)  # the run folder is not output
     assert _files(tmp_path / "a") == _files(tmp_path / "b") and list(_files(tmp_path / "a")) == ["card/card.yaml"]

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from cardtool.cli.output import console, counted, emit_json, handled, paired_cells, progress_line, say
+from cardtool.cli.output import console, counted, emit_json, handled, paired_cells, progress_line, say, typed_command
 from cardtool.core.distributed import reporting
-from cardtool.shell_words import shell_join
 
 
 def flywheel_command(
@@ -65,14 +63,12 @@ def flywheel_command(
             say(f"stage {entry['stage']}{' → ' + entry['card'] if entry['card'] else ''}: {done}", stderr=True)
 
     with handled(json_):
-        # the command as typed (console script or python -m cardtool); rebuilt by the call when run from Python
-        typed = sys.argv[1:2] == ["flywheel"]
         report = flywheel(card, reward=reward, steps=steps, recipe=recipe, overrides=list(overrides or []),
                           out_prefix=out_prefix, out_dir=out_dir, run_dir=run_dir, resume=resume, force=force,
                           stop_after=stop_after, compare=list(compare or []), per_class=per_class, judge=judge,
                           held_out_judge=held_out_judge or None, device=device, data=data,
                           micro_batches=micro_batches, watch_every=watch_every, on_log=log, on_stage=stage_line,
-                          command=shell_join(["cardtool", *sys.argv[1:]]) if typed else None)
+                          command=typed_command("flywheel"))
     if not main:
         return
     if json_:

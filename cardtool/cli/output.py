@@ -108,6 +108,17 @@ def printable(text: str) -> str:
     return CONTROL_CHARACTERS.sub(lambda m: repr(m[0])[1:-1], text).translate(_REORDERING)
 
 
+def typed_command(name: str) -> str | None:
+    """The command as typed — console script or `python -m cardtool` — for the card it makes to record, or None where
+    `name` is not the command run (a call from Python rebuilds its own). Less `--resume`: a resumed run makes the
+    card an uninterrupted one makes, and the command must run again where no run has started."""
+    from cardtool.shell_words import shell_join
+
+    if sys.argv[1:2] != [name]:
+        return None
+    return shell_join(["cardtool", *(word for word in sys.argv[1:] if word != "--resume")])
+
+
 def warn(message: str) -> None:
     """A warning on stderr, yellow on a terminal."""
     message = printable(message)

@@ -3,15 +3,13 @@ fine-tuning into a card that samples without CFG."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from cardtool.cli.output import counted, emit_json, handled, progress_line, say, warn
+from cardtool.cli.output import counted, emit_json, handled, progress_line, say, typed_command, warn
 from cardtool.core.distributed import reporting
-from cardtool.shell_words import shell_join
 
 
 def rl_command(
@@ -65,14 +63,12 @@ def rl_command(
                 f"{row['images_per_second']:.0f} img/s", stderr=True)
 
     with handled(json_):
-        # the command as typed (console script or python -m cardtool); rebuilt by the call when run from Python
-        typed = sys.argv[1:2] == ["rl"]
         tuned = rl(card, reward=reward, method=method, prompts_file=prompts, recipe=recipe,
                    overrides=list(overrides or []), lora=lora, out=out, run_dir=run_dir, resume=resume, device=device,
                    data=data, force=force, evaluate=evaluate, judge=judge, held_out_judge=held_out_judge or None,
                    per_class=per_class, watch_every=watch_every, micro_batches=micro_batches, on_log=log,
                    on_eval=eval_line, on_warning=lambda message: warn(message) if reporting() else None,
-                   command=shell_join(["cardtool", *sys.argv[1:]]) if typed else None)
+                   command=typed_command("rl"))
     if not reporting():  # under torchrun rank 0 reports for every rank
         return
     recipe_block = tuned.manifest.recipe

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from cardtool.cli.output import console, emit_json, handled, progress_line, warn
+from cardtool.cli.output import console, emit_json, handled, progress_line, typed_command, warn
 from cardtool.core.distributed import reporting
-from cardtool.shell_words import shell_join
 
 
 def train_command(
@@ -42,12 +40,10 @@ def train_command(
         err.print(progress_line("step", entry), markup=False, highlight=False)
 
     with handled(json_):
-        # the command as typed (console script or python -m cardtool); rebuilt by the call when run from Python
-        typed = sys.argv[1:2] == ["train"]
         card = train(recipe, method=method, overrides=list(overrides or []), out=out, run_dir=run_dir, resume=resume,
                      data=data, device=device, overwrite=overwrite, micro_batches=micro_batches, on_log=log,
                      on_warning=lambda message: warn(message) if reporting() else None,
-                     command=shell_join(["cardtool", *sys.argv[1:]]) if typed else None)
+                     command=typed_command("train"))
     if not reporting():  # rank 0 reports for every rank
         return
     metrics = card.manifest.recipe.metrics

@@ -27,3 +27,21 @@ def test_a_card_records_the_command_as_it_was_typed(tmp_path, monkeypatch, name)
     folder = document["path"] if name != "flywheel" else f"cards/{document['stages'][0]['card']}"
     typed = shlex.join(["cardtool", *args]) + ("  # stage rl" if name == "flywheel" else "")
     assert load_card(tmp_path / folder).manifest.recipe.command == typed
+
+
+@pytest.mark.parametrize("name", TINY_RUNS)
+def test_a_resumed_run_records_the_command_without_resume(tmp_path, monkeypatch, name):
+    """A resumed run makes the card an uninterrupted one makes: the card records the command that runs again where
+    no run has started (`--resume` there is refused)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CARDTOOL_PATH", str(EXAMPLE_CARDS))
+    args = [*TINY_RUNS[name], "--run-dir", "run", "--json"]
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / ".lock").write_text("")  # a run started here, stopped before its first checkpoint
+    monkeypatch.setattr(sys, "argv", ["/usr/local/bin/cardtool", *args, "--resume"])
+    result = CliRunner().invoke(app, [*args, "--resume"])
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    folder = document["path"] if name != "flywheel" else f"cards/{document['stages'][0]['card']}"
+    typed = shlex.join(["cardtool", *args]) + ("  # stage rl" if name == "flywheel" else "")
+    assert load_card(tmp_path / folder).manifest.recipe.command == typed
