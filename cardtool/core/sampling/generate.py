@@ -211,11 +211,12 @@ class LoadedCard:
         kept = already_made(paths, tags, requests, ranks) if skip_existing else {}
         written = "made (out=None: none is written)" if out is None else "written"
         todo = [i for i in range(len(requests)) if i not in kept]
+        # on every rank: a reward that cannot read a prompt refuses it on all of them, not on rank 0 alone
+        read = free_text_reading(judge, [requests[i].prompt for i in todo]) if judge is not None else None
         if ranks.main:  # the rank that reports; the features its encoding makes the sampler reads from the cache
             filled = filled_prompts(instance, [text for i in todo for text in (
                 requests[i].prompt, *([requests[i].negative_prompt] if requests[i].guidance != 1 else []))],
                 self.cache, loop.text_encoder)
-            read = free_text_reading(judge, [requests[i].prompt for i in todo]) if judge is not None else None
             warnings = [*warnings, *(w for w in (filled, read) if w)]
         # requests are made in waves of a forward's worth a process, each written when done, so an interrupted or
         # failing run keeps what it finished; under torchrun each rank makes its share of a wave, gathered to rank 0,
