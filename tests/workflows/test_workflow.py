@@ -605,6 +605,20 @@ def test_a_run_says_what_generate_would_warn_of_once_each(examples, tmp_path):
     assert "warning card 'tiny-distilled' assumes 4 steps" in result.stderr
 
 
+def test_a_best_of_n_prompt_naming_no_garment_is_warned_of_with_the_class_the_reward_reads(examples, tmp_path):
+    from helpers import reading_judge
+
+    reading_judge(examples)
+    path = write(tmp_path, examples, """  pick:
+    best_of_n: {card: EX/tiny-base, reward: EX/tiny-reader, n: 2, prompts: ["flip-flops", "a bag"], steps: 2}
+""")
+    result = run(path, tmp_path)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["warnings"] == [
+        "1 prompt(s) name no garment, and reward 'tiny-reader' reads them by the nearest phrasing it knows: "
+        "'flip-flops' as sandal; name the garment where that is not the one meant"]
+
+
 def test_a_chain_whose_start_lies_below_its_guidance_interval_is_warned_of_as_generate_does(examples, tmp_path):
     """At 4 steps (σ 1, 0.75, 0.5, 0.25) the interval 0.7,0.8 guides the draft's second step, but a chain at
     strength 0.5 runs only the last two: its guidance applies to none — said once, with where it started."""

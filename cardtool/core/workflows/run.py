@@ -25,6 +25,7 @@ import numpy as np
 from cardtool.atomic import refuse_stream, writable_folder
 from cardtool.backends.platform import Platform
 from cardtool.core import distributed
+from cardtool.core.evaluation.reward import free_text_reading
 from cardtool.core.interrupt import Interrupted, stop_requests
 from cardtool.core.sampling.denoise import Request
 from cardtool.core.sampling.generate import LoadedCard
@@ -178,6 +179,9 @@ class _Runner:
         reward = self.card(body.card).reward(str(self.locate(body.reward)))
         selection = {"best_of": str(body.n),
                      "reward": f"{reward.card_id}@{reward.instance.weights_version(reward.classifier_name)}"}
+        read = free_text_reading(reward, body.prompts)  # as `generate --best-of` says it
+        if read and read not in self.warnings:
+            self.warnings.append(read)
         return [dataclasses.replace(job, how="best_of", selection=selection)
                 for job in self.sampled(body.card, body.prompts, body.num, body)]
 
