@@ -4,8 +4,8 @@ would finish it (`--resume` for a training run, `--skip-existing` for images), a
 uninterrupted run leaves, file for file, with no temporary left behind.
 
 Every run of a command works in a folder of its own with the same relative paths, so the cards' recorded commands
-match; a card's recorded `*seconds` (training time) and `text_cache_hit_rate` (the stopped run filled the cache the
-finishing one reads) are the only lines set aside. Outcomes per round: `ok` (the same
+match; a card's recorded timings (`*seconds`, `*per_second`) and `text_cache_hit_rate` (the stopped run filled the
+cache the finishing one reads) are the only lines set aside. Outcomes per round: `ok` (the same
 files), `restarted` (killed before a training run had started — `--resume` refuses a folder no run started in —, run
 again without it: the same files), and the failures the target is zero of: `differs`, `stray` (a temporary left),
 `rerun_failed` (the run to finish it exited non-zero), `traceback` (on either run's stderr), `exit` (the stopped run
@@ -51,6 +51,11 @@ COMMANDS = {  # name: (arguments, how a user finishes it after a stop)
     "rl": (["rl", "tiny-base", "--reward", "tiny-judge", "--set", "optim.steps=4", "--set", "optim.batch_size=2",
             "--set", "loss.group_size=4", "--set", "train.checkpoint_every=1", *SMALL, "--out", "tuned", "--run-dir",
             "run"], "--resume"),
+    "train": (["train", "--recipe", str(REPO / "examples" / "recipes" / "fashion-bold.yaml"), "--data",
+               str(REPO / "examples" / "images"), "--set", "parents=[tiny-base]", "--set", "data.transform=none",
+               "--set", "model.adapter=mine", "--set", "card.id=tiny-mine", "--set", "optim.steps=60", "--set",
+               "optim.batch_size=4", "--set", "train.checkpoint_every=5", "--set", "train.precision=float32", "--out",
+               "mine", "--run-dir", "run"], "--resume"),
     "flywheel": (["flywheel", "tiny-base", "--reward", "tiny-judge", "--steps", "1", "--set", "rl.optim.steps=2",
                   "--set", "rl.optim.batch_size=2", "--set", "rl.loss.group_size=4", "--set",
                   "rl.train.precision=float32", "--set", "distill.optim.steps=2", "--set", "distill.optim.batch_size=4",
@@ -58,13 +63,13 @@ COMMANDS = {  # name: (arguments, how a user finishes it after a stop)
                   "--run-dir", "run"], "--resume"),
 }
 BAD = ("differs", "stray", "rerun_failed", "traceback", "exit")
-# a card's recorded training time, and its text cache's hit rate (the stopped run filled the cache)
-_SECONDS = re.compile(rb"^\s*(\w*seconds|text_cache_hit_rate): .*$", re.MULTILINE)
+# a card's recorded training time and pace, and its text cache's hit rate (the stopped run filled the cache)
+_SECONDS = re.compile(rb"^\s*(\w*seconds|\w*per_second|text_cache_hit_rate): .*$", re.MULTILINE)
 
 
 def _files(folder: Path) -> dict[str, str]:
     """Every file under `folder` but the run folder and the cache, by a digest of its bytes (a card's recorded
-    training time and text cache hit rate set aside); temporaries too, which the comparison then names."""
+    timings and text cache hit rate set aside); temporaries too, which the comparison then names."""
     found = {}
     for path in sorted(folder.rglob("*")):
         relative = path.relative_to(folder)
