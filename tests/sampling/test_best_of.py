@@ -144,3 +144,14 @@ def test_prompts_naming_no_garment_are_said_with_the_class_the_reward_reads_them
     assert not [w for w in named.warnings if "name no garment" in w]
     plain = card.generate(["a camisole"], steps=2, out=None)
     assert not [w for w in plain.warnings if "name no garment" in w], "no reward reads it"
+
+
+def test_the_reading_lists_six_prompts_and_counts_the_rest_and_a_reward_that_reads_no_prompts_says_nothing(examples):
+    from types import SimpleNamespace
+
+    from cardtool.core.evaluation.reward import free_text_reading
+
+    reader = load_reward(str(reading_judge(examples)))
+    said = free_text_reading(reader, [f"a thing number {i}" for i in range(9)] + ["a bag"])
+    assert said.startswith("9 prompt(s) name no garment") and said.count(" as ") == 6 and ", and 3 more;" in said
+    assert free_text_reading(SimpleNamespace(card_id="other", score=None), ["a thing"]) is None, "not a class judge"
