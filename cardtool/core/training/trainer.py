@@ -189,7 +189,7 @@ def _check_run_dir(run_dir: Path, recipe: Recipe, resume: bool, data: str | None
         raise BadInput(f"{run_dir} already holds a run; continue it with --resume, or remove the folder")
     if resume and not held and not ranks.sees(run_dir / LOCK, "--run-dir"):
         # a folder a run started in (its lock is there) and was stopped in before its first checkpoint has nothing
-        # to continue, and loses nothing by starting over: a script that always resumes after a kill -9 still runs
+        # to continue, and loses nothing by starting over: a job re-run with --resume after a kill -9 still runs
         raise BadInput(f"nothing to resume: {checkpoint} does not exist and no run has started in {run_dir}; "
                        "start it without --resume")
     return held
