@@ -1,5 +1,6 @@
 """Fuzz interruptions: each command that writes (images, cards, checkpoints, a workflow's outputs) is stopped at a
-random moment — SIGKILL (an OOM kill, a lost node) or SIGTERM (a scheduler's preemption) — then run again as a user
+random moment — SIGKILL (an OOM kill, a lost node), SIGTERM (a scheduler's preemption), SIGINT (Ctrl-C) or SIGHUP (the
+terminal closed) — then run again as a user
 would finish it (`--resume` for a training run, `--skip-existing` for images), and what it leaves must be what an
 uninterrupted run leaves, file for file, with no temporary left behind.
 
@@ -11,7 +12,7 @@ again without it: the same files), and the failures the target is zero of: `diff
 `rerun_failed` (the run to finish it exited non-zero), `traceback` (on either run's stderr), `exit` (the stopped run
 exited with neither 0, the signal's death, nor 128 + the signal).
 
-    python benchmarks/fuzz_kills.py --rounds 3 --seed 0 [--signal kill|term|both] [--out fuzz-kills.json]
+    python benchmarks/fuzz_kills.py --rounds 3 --seed 0 [--signal kill|term|int|hup|all] [--out fuzz-kills.json]
 """
 
 from __future__ import annotations
@@ -87,10 +88,17 @@ def _run(args: list[str], where: Path, env: dict) -> subprocess.CompletedProcess
                           text=True, timeout=TIMEOUT)
 
 
+def _heeding() -> None:
+    """In the command's process: SIGINT and SIGHUP as a terminal's job gets them. A fuzzer started in the background
+    (`nohup … &`) passes them on ignored, and the command rightly keeps them so: no stop would be tried."""
+    for signum in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 def _stopped(args: list[str], where: Path, env: dict, delay: float, signum: int) -> tuple[int, str]:
     """Start the command, send `signum` after `delay` seconds (if it is still running); its exit code and stderr."""
     process = subprocess.Popen([sys.executable, "-m", "cardtool", *args], cwd=where, env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=_heeding)
     try:
         process.wait(delay)
     except subprocess.TimeoutExpired:
@@ -160,11 +168,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="Stops per command.")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--signal", choices=["kill", "term", "both"], default="both")
+    signals = {"kill": [signal.SIGKILL], "term": [signal.SIGTERM], "int": [signal.SIGINT], "hup": [signal.SIGHUP]}
+    signals["all"] = [s for kind in signals.values() for s in kind]
+    parser.add_argument("--signal", choices=list(signals), default="all")
     parser.add_argument("--commands", nargs="+", choices=list(COMMANDS), default=list(COMMANDS))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    signals = {"kill": [signal.SIGKILL], "term": [signal.SIGTERM], "both": [signal.SIGKILL, signal.SIGTERM]}
     with tempfile.TemporaryDirectory() as scratch:
         report = fuzz(args.commands, args.rounds, args.seed, signals[args.signal], Path(scratch))
     print(json.dumps(report["counts"]))

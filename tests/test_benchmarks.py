@@ -331,6 +331,21 @@ def test_kill_fuzzer_stops_a_command_finishes_it_and_compares_every_file(tmp_pat
     report = fuzz(["merge"], 2, 0, [signal.SIGKILL, signal.SIGTERM], tmp_path / "scratch")
     assert report["counts"] == {"ok": 2} and [c["command"] for c in report["cases"]] == ["merge", "merge"]
     assert all(c["stopped_exit"] in (0, -9, -15, 143) for c in report["cases"])
+    # a fuzzer started in the background passes SIGINT and SIGHUP on ignored: the command it stops must heed them
+    import subprocess
+    import sys
+
+    from fuzz_kills import _heeding
+
+    for signum in (signal.SIGINT, signal.SIGHUP):
+        previous = signal.signal(signum, signal.SIG_IGN)
+        try:
+            ignored = f"import signal; print(signal.getsignal({int(signum)}) == signal.SIG_IGN)"
+            shown = subprocess.run([sys.executable, "-c", ignored], capture_output=True, text=True,
+                                   preexec_fn=_heeding).stdout
+        finally:
+            signal.signal(signum, previous)
+        assert shown == "False\n", f"{signum.name} ignored in the command"
     # a finishing run that left a temporary, or other bytes, is told from one that did not
     import fuzz_kills
 

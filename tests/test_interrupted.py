@@ -242,3 +242,65 @@ steps:
     assert [(s["step"], s["kept"], len(s["images"])) for s in json.loads(resumed.stdout)["steps"]] == [
         ("draft", 1, 3), ("refine", 0, 3)]
     assert "step draft: 2 of 3 images\n" in resumed.stderr and "step refine: 1 of 3 images\n" in resumed.stderr
+
+
+# A Ctrl-C that lands while Python imports a module, made certain: a finder ahead of the others raises
+# KeyboardInterrupt the first time the named module is looked for.
+_CTRL_C_IN_IMPORT = """
+import sys
+class CtrlC:
+    def find_spec(self, name, path=None, target=None):
+        if name == {module!r} and not getattr(self, "done", False):
+            self.done = True
+            raise KeyboardInterrupt
+sys.meta_path.insert(0, CtrlC())
+sys.argv = ["cardtool", *{argv!r}]
+import runpy
+runpy.run_module("cardtool", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("module, argv", [
+    ("cardtool.cli", ["--help"]),  # before the CLI is loaded
+    ("torch._prims", ["generate", "tiny-base", "-p", "a bag", "--steps", "1"]),  # halfway into a command's torch import
+])
+def test_a_ctrl_c_inside_an_import_exits_130_without_a_traceback(tmp_path, module, argv):
+    """Once a Ctrl-C halts torch's import, importing torch again raises (its operators are registered twice): the
+    CLI's exit must not import it again to leave a process group it never joined."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CARDTOOL_PATH": str(EXAMPLE_CARDS)}
+    done = subprocess.run([sys.executable, "-c", _CTRL_C_IN_IMPORT.format(module=module, argv=argv)], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 130, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and not list(tmp_path.iterdir()), done.stderr[-2000:]
+
+
+def test_an_error_a_ctrl_c_caused_exits_130_and_any_other_still_raises(monkeypatch):
+    """Python 3.11 wraps a KeyboardInterrupt raised while a class is made in a RuntimeError ("Error calling
+    __set_name__"): that is the user's Ctrl-C, not a bug to show a traceback for."""
+    import sys
+
+    import cardtool.cli as cli
+
+    for stream in ("stdout", "stderr"):  # main wraps them; the test's own come back after it
+        monkeypatch.setattr(sys, stream, getattr(sys, stream))
+
+    def wrapped():
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as stop:
+            raise RuntimeError("Error calling __set_name__ on 'Field' instance 'name' in 'Platform'") from stop
+
+    monkeypatch.setattr(cli, "app", wrapped)
+    with pytest.raises(SystemExit) as stopped:
+        cli.main()
+    assert stopped.value.code == 130
+
+    def bug():
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(cli, "app", bug)
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli.main()

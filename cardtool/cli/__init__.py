@@ -171,6 +171,18 @@ def _reopened(fd: int):
     return open(fd, "w", encoding="utf-8", closefd=False)
 
 
+def _interrupted(error: BaseException) -> bool:
+    """Whether a Ctrl-C caused `error`: Python 3.11 turns one that lands while a class is made (a dataclass field's
+    `__set_name__`, inside a lazy import) into a RuntimeError whose cause is the KeyboardInterrupt."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def main() -> None:
     import sys
 
@@ -191,6 +203,12 @@ def main() -> None:
         app()
     except SystemExit as done:
         code = done.code
+    except KeyboardInterrupt:  # Ctrl-C outside a command's own handling: the exit a shell gives, no traceback
+        code = 130
+    except Exception as error:
+        if not _interrupted(error):
+            raise
+        code = 130
     sys.stdout.flush()  # a --json document is still buffered: its write error shows only now
     if getattr(out, "failed", None) is not None:
         sys.stderr.write(f"error cannot write standard output: {out.failed}\n")

@@ -100,6 +100,7 @@ def _named(ranks: list[int]) -> str:
 
 
 _FAILED = []  # set by end_process when this rank ends with an error
+_JOINED = []  # set once this process has joined a group: without one, end_process has nothing to do
 
 
 def _leave() -> None:
@@ -120,12 +121,11 @@ def end_process(code) -> None:
     """Under torchrun, end this process with `code` (SystemExit's): leave the group while the interpreter is whole
     (the exit handlers run now, `_leave` among them), then exit without finalising it. Once every rank had left, a
     rank could still abort ("terminate called without an active exception", SIGABRT) as the runtime tore down — 2 in
-    74 two-process runs on 2 cores — and turn a finished job into a failed one. Without a group, it returns."""
+    74 two-process runs on 2 cores — and turn a finished job into a failed one. Without a group, it returns, and
+    imports nothing: a Ctrl-C inside torch's import leaves it half made, and importing it again raises."""
     import sys
 
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
+    if not _JOINED:
         return
     if code in (1, 2) or isinstance(code, str):  # an error; a stop by signal (130, 143, 129) is every rank's
         _FAILED.append(code)
@@ -186,6 +186,7 @@ def ranks(device: str = "cpu") -> Ranks:
             raise BadInput(f"cannot join the torchrun process group ({os.environ['MASTER_ADDR']}:"
                            f"{os.environ['MASTER_PORT']}, rank {os.environ['RANK']} of {world}): {e}") from None
         atexit.register(_leave)
+        _JOINED.append(True)
     # the group's own backend, not the caller's device: a later ranks() call without one joins nothing new
     on_gpu = dist.get_backend() == "nccl"
     return Ranks(dist.get_rank(), dist.get_world_size(), local, f"cuda:{local}" if on_gpu else "cpu")
