@@ -304,3 +304,29 @@ def test_an_error_a_ctrl_c_caused_exits_130_and_any_other_still_raises(monkeypat
     monkeypatch.setattr(cli, "app", bug)
     with pytest.raises(RuntimeError, match="a bug"):
         cli.main()
+
+
+def test_a_ctrl_c_during_torchs_import_is_raised_once_its_code_has_run(tmp_path):
+    """torch's import calls back into Python from C++, where a KeyboardInterrupt can abort the process: the CLI holds
+    a Ctrl-C back until torch's own code has run (here: until after `torch._refs`, which torch imports after
+    `torch._prims`, where the signal comes)."""
+    import subprocess
+    import sys
+
+    script = """
+import os, signal, sys
+class CtrlC:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch._prims" and not getattr(self, "done", False):
+            self.done = True
+            os.kill(os.getpid(), signal.SIGINT)
+from cardtool.core.interrupt import hold_ctrl_c_in_imports
+hold_ctrl_c_in_imports("torch")
+sys.meta_path.insert(1, CtrlC())
+try:
+    import torch
+except KeyboardInterrupt:
+    print("torch._refs" in sys.modules)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.stdout == "True\n", done.stderr[-2000:]

@@ -199,6 +199,9 @@ def main() -> None:
         sys.stderr = _Output(sys.stderr)
     code = 0
     try:
+        from cardtool.core.interrupt import hold_ctrl_c_in_imports
+
+        hold_ctrl_c_in_imports("torch")
         _working_folder_exists()
         app()
     except SystemExit as done:

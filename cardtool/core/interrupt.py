@@ -6,13 +6,14 @@ ran in closed; a command started under `nohup` ignores it, and keeps ignoring it
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from cardtool.errors import RunFailed
 
-__all__ = ["Interrupted", "stop_requests"]
+__all__ = ["Interrupted", "hold_ctrl_c_in_imports", "stop_requests"]
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else []))  # none on Windows
 
@@ -58,3 +59,47 @@ def stop_requests(enabled: bool = True) -> Iterator[list[int]]:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+class _Held:
+    """A module's loader whose `exec_module` runs with SIGINT blocked; the rest is the loader's own."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def exec_module(self, module) -> None:
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            self._loader.exec_module(module)
+        finally:  # a Ctrl-C that came meanwhile is raised now, in Python
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+class _HoldingFinder:
+    """Finds `names` as the finders after it do, with a loader that holds Ctrl-C back while the module runs."""
+
+    def __init__(self, names: tuple[str, ...]):
+        self.names = names
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in self.names:
+            return None
+        for finder in sys.meta_path:
+            found = None if finder is self else finder.find_spec(name, path, target)
+            if found is not None:
+                if hasattr(found.loader, "exec_module"):
+                    found.loader = _Held(found.loader)
+                return found
+        return None
+
+
+def hold_ctrl_c_in_imports(*names: str) -> None:
+    """A Ctrl-C during the import of `names` (top-level modules) is raised once their code has run. torch's import
+    runs C++ that calls back into Python, and a KeyboardInterrupt raised inside such a call aborts the process
+    ("terminate called … what(): KeyboardInterrupt", SIGABRT) instead of letting the command exit 130. The import
+    takes under a second. Where signals cannot be blocked (Windows), nothing changes."""
+    if hasattr(signal, "pthread_sigmask") and not any(isinstance(f, _HoldingFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _HoldingFinder(names))
