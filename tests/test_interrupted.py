@@ -183,6 +183,19 @@ def test_a_signal_the_process_was_told_to_ignore_stays_ignored(interactive_signa
     assert caught == [signal.SIGTERM] and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
+def test_the_first_signal_asks_and_a_second_acts_at_once(interactive_signals):
+    """A user who pressed Ctrl-C and will not wait for the unit in flight presses it again: that one is Python's
+    KeyboardInterrupt, at once."""
+    from cardtool.core.interrupt import stop_requests
+
+    with pytest.raises(KeyboardInterrupt), stop_requests() as caught:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert caught == [signal.SIGINT]
+        os.kill(os.getpid(), signal.SIGINT)
+        raise AssertionError("the second Ctrl-C did not stop the block")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_disabled_or_off_the_main_thread_the_handlers_stay_as_they_were(interactive_signals):
     """Under torchrun (disabled: the ranks must stop together) and in a worker thread (Python installs handlers only
     on the main thread) nothing is caught."""
@@ -322,11 +335,20 @@ class CtrlC:
             os.kill(os.getpid(), signal.SIGINT)
 from cardtool.core.interrupt import hold_ctrl_c_in_imports
 hold_ctrl_c_in_imports("torch")
+hold_ctrl_c_in_imports("torch")  # once is enough: a second call adds nothing
+assert sum(type(f).__name__ == "_HoldingFinder" for f in sys.meta_path) == 1
 sys.meta_path.insert(1, CtrlC())
 try:
     import torch
 except KeyboardInterrupt:
     print("torch._refs" in sys.modules)
+sys.path.insert(0, sys.argv[1])
+try:
+    import other  # a module not named: a Ctrl-C inside it is raised at once
+except KeyboardInterrupt:
+    print("OTHER_RAN_ON" in os.environ)
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert done.stdout == "True\n", done.stderr[-2000:]
+    (tmp_path / "other.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGINT)\n"
+                                       "os.environ['OTHER_RAN_ON'] = '1'\n")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.stdout == "True\nFalse\n", done.stderr[-2000:]
