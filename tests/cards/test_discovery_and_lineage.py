@@ -164,6 +164,11 @@ def test_path_like_names_that_do_not_exist_are_bad_input(tmp_path, builtin):
     with pytest.raises(CardNotFound, match=r"no card with id 'empty'; .*\(\./empty is a folder, not a card: it holds "
                                            r"no card.yaml or card.toml\.\)"):
         locate("empty")
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nothing")
+    for name, kind in (("pipe", "a pipe"), ("dangling", "a link to nothing")):
+        with pytest.raises(CardNotFound, match=rf"no card with id '{name}'; .*\(\./{name} is {kind}, not a card\.\)"):
+            locate(name)
 
 
 def test_an_id_that_also_names_a_folder_here_that_is_no_card_finds_the_card(tmp_path, builtin):

@@ -230,6 +230,8 @@ def locate(name: str, near: Path | None = None) -> Path:
         hint = f"did you mean '{close[0]}'? " if close else ""
         if os.path.isdir(name):
             hint += f"(./{name} is a folder, not a card: it holds no card.yaml or card.toml.) "
+        elif os.path.lexists(name):  # not a file either (_as_path took that): a pipe, a device, a link to nothing
+            hint += f"(./{name} is {_kind(Path(name))}, not a card.) "
         unread = [display_path(e.folder) for e in entries if e.id is None and e.error is not None]
         if unread:  # the card asked for may be one of them: a manifest whose id cannot even be read
             hint += (f"{len(unread)} card folder{'s' if len(unread) > 1 else ''} there could not be read "
