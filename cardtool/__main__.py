@@ -1,6 +1,13 @@
-try:
-    from cardtool.cli import main
-except KeyboardInterrupt:  # Ctrl-C while Python loads the CLI: nothing has started, so nothing to report
-    raise SystemExit(130) from None
+"""`python -m cardtool` and the `cardtool` console script."""
 
-main()
+
+def run() -> None:
+    try:
+        from cardtool.cli import main
+    except KeyboardInterrupt:  # Ctrl-C while Python loads the CLI: nothing has started, so nothing to report
+        raise SystemExit(130) from None
+    main()
+
+
+if __name__ == "__main__":
+    run()

@@ -268,24 +268,30 @@ class CtrlC:
             raise KeyboardInterrupt
 sys.meta_path.insert(0, CtrlC())
 sys.argv = ["cardtool", *{argv!r}]
-import runpy
-runpy.run_module("cardtool", run_name="__main__")
+if {script!r}:  # as the console script runs: its entry point, called
+    from importlib.metadata import entry_points
+    entry_points(group="console_scripts")["cardtool"].load()()
+else:
+    import runpy
+    runpy.run_module("cardtool", run_name="__main__")
 """
 
 
-@pytest.mark.parametrize("module, argv", [
-    ("cardtool.cli", ["--help"]),  # before the CLI is loaded
-    ("torch._prims", ["generate", "tiny-base", "-p", "a bag", "--steps", "1"]),  # halfway into a command's torch import
+@pytest.mark.parametrize("module, argv, script", [
+    ("cardtool.cli", ["--help"], False),  # before the CLI is loaded: `python -m cardtool`
+    ("cardtool.cli", ["--help"], True),  # the console script
+    ("torch._prims", ["generate", "tiny-base", "-p", "a bag", "--steps", "1"], False),  # in a command's torch import
 ])
-def test_a_ctrl_c_inside_an_import_exits_130_without_a_traceback(tmp_path, module, argv):
+def test_a_ctrl_c_inside_an_import_exits_130_without_a_traceback(tmp_path, module, argv, script):
     """Once a Ctrl-C halts torch's import, importing torch again raises (its operators are registered twice): the
     CLI's exit must not import it again to leave a process group it never joined."""
     import subprocess
     import sys
 
     env = {**os.environ, "CARDTOOL_PATH": str(EXAMPLE_CARDS)}
-    done = subprocess.run([sys.executable, "-c", _CTRL_C_IN_IMPORT.format(module=module, argv=argv)], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=120)
+    code = _CTRL_C_IN_IMPORT.format(module=module, argv=argv, script=script)
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode == 130, done.stderr[-2000:]
     assert "Traceback" not in done.stderr and not list(tmp_path.iterdir()), done.stderr[-2000:]
 
