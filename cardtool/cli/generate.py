@@ -82,7 +82,8 @@ def generate_command(
     with handled(json_):
         prompts = [typed(p) for p in prompt or []] + (read_prompts_file(prompts_file) if prompts_file else [])
         negative_prompt = typed(negative_prompt) if negative_prompt is not None else None
-        progress = LateProgress(enabled=not json_ or not sys.stderr.isatty(), terminal=sys.stderr.isatty())
+        shown = {"enabled": not json_ or not sys.stderr.isatty(), "terminal": sys.stderr.isatty()}
+        progress, encoding = LateProgress(**shown), LateProgress(**shown, what="encoding prompts", unit="prompts")
         try:
             asked = {"seed": seed, "negative_prompt": negative_prompt, "steps": steps, "guidance": guidance,
                      "shift": shift, "solver": solver, "precision": precision, "best_of": best_of, "reward": reward,
@@ -100,9 +101,10 @@ def generate_command(
             report = generate(card, prompts, num=num, device=device, max_batch=max_batch, out=out, grid=grid,
                               control=image, preprocessor=preprocessor, control_scale=control_scale, fuse=fuse,
                               image=_one_or_each(start), mask=_one_or_each(keep),
-                              strict=strict, on_step=progress, skip_existing=skip_existing,
+                              strict=strict, on_step=progress, on_encode=encoding, skip_existing=skip_existing,
                               **{**_DEFAULTS, **{k: v for k, v in asked.items() if v is not None}})
         finally:
+            encoding.stop()
             progress.stop()
     if report.rank != 0:  # under torchrun rank 0 reports for every rank
         return

@@ -205,8 +205,8 @@ class LateProgress:
 
     LINE_EVERY = 10.0
 
-    def __init__(self, enabled: bool, terminal: bool = True, what: str = "denoising"):
-        self.enabled, self.terminal, self.what = enabled, terminal, what
+    def __init__(self, enabled: bool, terminal: bool = True, what: str = "denoising", unit: str = "request-steps"):
+        self.enabled, self.terminal, self.what, self.unit = enabled, terminal, what, unit
         self.started = time.perf_counter()
         self.first: tuple[float, int] | None = None  # (when, done) of this run's first report
         self.last_line, self.previous = self.started, 0
@@ -224,7 +224,7 @@ class LateProgress:
             if now - self.last_line >= self.LINE_EVERY and first_done < done < total:
                 self.last_line, spent = now, now - since
                 left = clock(spent * (total - done) / (done - first_done))
-                say(f"{self.what} {done:,} of {total:,} request-steps ({100 * done // total}%), {clock(spent)} "
+                say(f"{self.what} {done:,} of {total:,} {self.unit} ({100 * done // total}%), {clock(spent)} "
                     f"elapsed, {left} left", stderr=True)
             return
         if self.bar is None:
@@ -237,7 +237,10 @@ class LateProgress:
             self.bar.start()
             self.task = self.bar.add_task("denoise", total=total)
         self.bar.update(self.task, completed=done, total=total)  # a caller with a new total (a next row) resizes it
+        if done >= total:  # done: off the screen, for the next bar (one live display at a time)
+            self.stop()
 
     def stop(self) -> None:
         if self.bar is not None:
             self.bar.stop()
+            self.bar = None

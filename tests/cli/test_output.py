@@ -332,6 +332,26 @@ def test_off_a_terminal_the_first_and_last_counts_print_nothing(clock, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_progress_names_its_unit_and_a_finished_bar_leaves_the_screen_for_the_next(clock, capsys):
+    """generate shows the prompts' encoding, then the sampling: one live bar at a time, so the first goes when done."""
+    progress = output.LateProgress(True, terminal=False, what="encoding prompts", unit="prompts")
+    for at, done in [(100, 256), (111, 2_560), (120, 20_000)]:
+        clock[0] = at
+        progress(done, 20_000)
+    assert capsys.readouterr().err == "encoding prompts 2,560 of 20,000 prompts (12%), 0:11 elapsed, 1:23 left\n"
+    bar = output.LateProgress(True, terminal=True)
+    clock[0] += 2
+    bar(5, 10)
+    assert bar.bar is not None and bar.bar.live.is_started
+    shown = bar.bar
+    bar(10, 10)
+    assert bar.bar is None and not shown.live.is_started
+    bar(1, 4)  # the next count: a bar of its own
+    assert bar.bar is not None and bar.bar is not shown
+    bar.stop()
+    assert bar.bar is None
+
+
 def test_disabled_progress_reports_nothing(clock, capsys):
     for terminal in (True, False):
         progress = output.LateProgress(False, terminal=terminal)
@@ -358,5 +378,6 @@ def test_on_a_terminal_a_bar_appears_after_a_second_and_follows_the_count(clock,
         progress(5, 80)  # the next row of a sweep: its own total
         assert (progress.bar.tasks[0].completed, progress.bar.tasks[0].total) == (5, 80)
     finally:
+        shown = progress.bar
         progress.stop()
-    assert not progress.bar.live.is_started
+    assert not shown.live.is_started and progress.bar is None

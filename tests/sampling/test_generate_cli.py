@@ -348,6 +348,7 @@ def test_the_python_api_takes_one_prompt_as_a_string_and_refuses_wrong_types(on_
                                ({"out": 3}, "out must be a path"), ({"solver": 3}, "solver must be a name"),
                                ({"best_of": 2, "reward": 3}, "reward must be a name"),
                                ({"on_step": 3}, "on_step must be a function"),
+                               ({"on_encode": "print"}, "on_encode must be a function of \\(encoded, prompts\\)"),
                                ({"fuse": np.zeros(2)}, "fuse must be True or False"),
                                ({"grid": "yes"}, "grid must be True or False")]:
         with pytest.raises(BadInput, match=message):
@@ -572,3 +573,16 @@ def test_a_folder_whose_name_is_not_utf8_gets_the_images_and_a_json_report(on_pa
     missing = run("generate", "tiny-base", "-p", "a bag", "--steps", "1", "--image", folder + ".png", "--json")
     assert missing.exit_code == 2 and json.loads(missing.stdout)["error"]["message"].endswith("caf\\udce9.png does "
                                                                                               "not exist")
+
+
+def test_the_prompts_encoding_before_the_first_image_reports_its_progress(on_path):
+    """20,000 new prompts keep the built-in encoder busy for a minute and a half before the first image: the encoding
+    reports each chunk of distinct prompts it has encoded (a repeated prompt is encoded once; a negative prompt, with
+    guidance, is one more)."""
+    from cardtool.core.sampling.generate import LoadedCard
+
+    seen = []
+    prompts = [f"a bag number {i}" for i in range(300)]
+    report = LoadedCard("tiny-base").generate([*prompts, prompts[0]], steps=1, out=None,
+                                              on_encode=lambda done, total: seen.append((done, total)))
+    assert len(report.images) == 301 and seen == [(256, 301), (301, 301)], "300 prompts and the empty negative one"

@@ -147,7 +147,8 @@ class LoadedCard:
                  guidance: float | None = None, shift: float | None = None, solver: str | None = None,
                  guidance_interval: tuple[float, float] | None = None, precision: str | None = None,
                  out: str | Path | None = "outputs", grid: bool = False, strict: bool = False,
-                 on_step: Callable[[int, int], None] | None = None, max_batch: int = 128, best_of: int = 1,
+                 on_step: Callable[[int, int], None] | None = None,
+                 on_encode: Callable[[int, int], None] | None = None, max_batch: int = 128, best_of: int = 1,
                  reward: str | None = None, adapters: list[tuple[str, float]] | None = None,
                  control=None, preprocessor: str | None = None, control_scale: float | None = None,
                  fuse: bool = False, skip_existing: bool = False, negative_prompt: str = "", image=None,
@@ -164,11 +165,12 @@ class LoadedCard:
         `negative_prompt`: what CFG steers away from (default: the empty prompt, the null condition); `image`: an image
         file, a PIL image or a grey uint8 array to start from (image-to-image, SDEdit), or a list of one per prompt,
         re-noised to σ = `strength` (default 0.8) and denoised from there; `mask` (likewise): inpainting — its white
-        part generated anew (strength default 1), its black part kept from the image."""
+        part generated anew (strength default 1), its black part kept from the image. `on_step(done, total)` reports
+        the sampling in request-steps; `on_encode(done, total)` the encoding of the distinct prompts, before it."""
         prompts = checked_arguments(prompts, num=num, seed=seed, steps=steps, guidance=guidance, shift=shift,
                                     best_of=best_of, max_batch=max_batch, guidance_interval=guidance_interval,
                                     adapters=adapters, control_scale=control_scale, strength=strength, out=out,
-                                    on_step=on_step,
+                                    on_step=on_step, on_encode=on_encode,
                                     switches={"grid": grid, "strict": strict, "fuse": fuse,
                                               "skip_existing": skip_existing},
                                     texts={"reward": reward, "solver": solver, "precision": precision,
@@ -216,7 +218,7 @@ class LoadedCard:
         if ranks.main:  # the rank that reports; the features its encoding makes the sampler reads from the cache
             filled = filled_prompts(instance, [text for i in todo for text in (
                 requests[i].prompt, *([requests[i].negative_prompt] if requests[i].guidance != 1 else []))],
-                self.cache, loop.text_encoder)
+                self.cache, loop.text_encoder, on_encoded=on_encode)
             warnings = [*warnings, *(w for w in (filled, read) if w)]
         # requests are made in waves of a forward's worth a process, each written when done, so an interrupted or
         # failing run keeps what it finished; under torchrun each rank makes its share of a wave, gathered to rank 0,

@@ -140,8 +140,8 @@ def started_warnings(warnings: list[str], planned: Request, started: Request) ->
     return [w for w in warnings if w != before] + ([after] if after else [])
 
 
-def checked_arguments(prompts, *, guidance_interval, adapters, out="", texts=None, on_step=None, switches=None,
-             **values) -> list[str] | tuple[str, ...]:
+def checked_arguments(prompts, *, guidance_interval, adapters, out="", texts=None, on_step=None, on_encode=None,
+                      switches=None, **values) -> list[str] | tuple[str, ...]:
     """The prompts — one string is one prompt, as diffusers' pipelines take it, not one image per character — once
     the Python API's arguments have the types the command line's parser guarantees: a wrong one is BadInput naming
     it, not a TypeError deep in the loop or a value silently coerced."""
@@ -162,8 +162,9 @@ def checked_arguments(prompts, *, guidance_interval, adapters, out="", texts=Non
     for name, value in (switches or {}).items():
         if not isinstance(value, bool):
             raise BadInput(f"{name} must be True or False, got {value!r}"[:300])
-    if on_step is not None and not callable(on_step):
-        raise BadInput(f"on_step must be a function of (step, steps), got {on_step!r}")
+    for name, value, of in (("on_step", on_step, "(step, steps)"), ("on_encode", on_encode, "(encoded, prompts)")):
+        if value is not None and not callable(value):
+            raise BadInput(f"{name} must be a function of {of}, got {value!r}"[:300])
     if guidance_interval is not None and not (
             isinstance(guidance_interval, (list, tuple)) and len(guidance_interval) == 2
             and all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in guidance_interval)):

@@ -247,11 +247,13 @@ def _remember(encoder, exact: bool) -> None:
 
 
 def filled_prompts(instance, prompts: list[str], cache: TextFeatureCache, component: str = "text_encoder",
-                   what: str = "prompt") -> str | None:
+                   what: str = "prompt", on_encoded=None) -> str | None:
     """A warning naming the prompts whose tokens fill every position the text encoder reads (its max_length): words
     past them are cut without a word otherwise, as diffusers' pipelines warn. Read from the encoded mask, so a prompt
     served from the cache is judged as one encoded now (the features stay in the cache for the sampler). A prompt that
-    fits exactly is named too: the mask cannot tell it apart, and what the warning says holds of it as well."""
+    fits exactly is named too: the mask cannot tell it apart, and what the warning says holds of it as well.
+    `on_encoded(done, distinct)` after each chunk: 20,000 new prompts take the built-in encoder a minute and a half
+    on two cores, before the first image."""
     distinct = list(dict.fromkeys(prompts))
     filled, length = [], 0
     for start in range(0, len(distinct), 256):  # as the workflow's preflight: the cache keeps what a chunk encodes
@@ -260,6 +262,8 @@ def filled_prompts(instance, prompts: list[str], cache: TextFeatureCache, compon
             if len(mask) and bool(np.asarray(mask).all()):
                 filled.append(prompt)
                 length = len(mask)
+        if on_encoded is not None:
+            on_encoded(start + len(chunk), len(distinct))
     return filled_warning(filled, length, what)
 
 
