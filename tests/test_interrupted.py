@@ -334,6 +334,7 @@ def test_a_ctrl_c_during_torchs_import_is_raised_once_its_code_has_run(tmp_path)
 
     script = """
 import os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal: pytest-xdist's workers ignore it
 class CtrlC:
     def find_spec(self, name, path=None, target=None):
         if name == "torch._prims" and not getattr(self, "done", False):
