@@ -303,8 +303,8 @@ def test_an_error_a_ctrl_c_caused_exits_130_and_any_other_still_raises(monkeypat
 
     import cardtool.cli as cli
 
-    for stream in ("stdout", "stderr"):  # main wraps them; the test's own come back after it
-        monkeypatch.setattr(sys, stream, getattr(sys, stream))
+    for name in ("stdout", "stderr", "meta_path"):  # main wraps the streams and adds a finder: the test's come back
+        monkeypatch.setattr(sys, name, getattr(sys, name) if name != "meta_path" else list(sys.meta_path))
 
     def wrapped():
         try:
