@@ -1,8 +1,7 @@
 """Fuzz interruptions: each command that writes (images, cards, checkpoints, a workflow's outputs) is stopped at a
 random moment — SIGKILL (an OOM kill, a lost node), SIGTERM (a scheduler's preemption), SIGINT (Ctrl-C) or SIGHUP (the
-terminal closed) — then run again as a user
-would finish it (`--resume` for a training run, `--skip-existing` for images), and what it leaves must be what an
-uninterrupted run leaves, file for file, with no temporary left behind.
+terminal closed) — then run again as a user would finish it (`--resume` for a training run, `--skip-existing` for
+images), and what it leaves must be what an uninterrupted run leaves, file for file, with no temporary left behind.
 
 Every run of a command works in a folder of its own with the same relative paths, so the cards' recorded commands
 match; a card's recorded timings (`*seconds`, `*per_second`) and `text_cache_hit_rate` (the stopped run filled the
