@@ -576,7 +576,7 @@ def test_a_folder_whose_name_is_not_utf8_gets_the_images_and_a_json_report(on_pa
 
 
 def test_the_prompts_encoding_before_the_first_image_reports_its_progress(on_path):
-    """20,000 new prompts keep the built-in encoder busy for a minute and a half before the first image: the encoding
+    """20,000 new prompts kept the built-in encoder busy for 73 s before the first image: the encoding
     reports each chunk of distinct prompts it has encoded (a repeated prompt is encoded once; a negative prompt, with
     guidance, is one more)."""
     from cardtool.core.sampling.generate import LoadedCard
