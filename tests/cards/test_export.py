@@ -220,3 +220,35 @@ def test_metrics_edited_by_hand_are_shown_as_written_and_never_fail_the_export(e
         assert readme.split("## Metrics")[1].split("\n\n")[2].splitlines()[2] == shown, readme
     assert "\n````\ncardtool train --set 'card.description=```'\n````\n" in readme
     assert "Class accuracy under the held-out judge" not in readme
+
+
+@pytest.mark.parametrize("description, as_markdown", [
+    ("A card with **bold**, a list:\n\n- one\n- two\n\n```\nclosed fence\n```", True),
+    ("An open fence:\n\n```python\nx = 1", False),
+    ("A longer fence not closed by a shorter one:\n\n````\n```\n", False),
+    ("~~~\ntildes", False),
+    ("<!-- an unclosed comment", False),
+    ("<script>\nalert(1)", False),
+    ("<details><summary>an open tag</summary>", False),
+    ("Inline <b>html</b> too", False),
+    ("> ```\n> quoted fence", True),  # closed by the end of its block quote
+    ("- item\n  ```\n  a fence in a list item", True),  # closed by the end of its list item
+], ids=["markdown", "open-fence", "longer-fence", "tildes", "comment", "script", "open-tag", "inline-html",
+        "quoted-fence", "list-fence"])
+def test_a_description_never_swallows_the_readme_sections_after_it(examples, tmp_path, description, as_markdown):
+    """The description is free text: one that is self-contained Markdown is kept as Markdown; one that would reach
+    past its end (an open fence or comment) or holds raw HTML is shown as written in a code block no backticks in it
+    close. Either way a CommonMark reader sees every section after it."""
+    from markdown_it import MarkdownIt
+
+    manifest = examples / "tiny-base" / "card.yaml"
+    manifest.write_text(yaml.safe_dump({**yaml.safe_load(manifest.read_text()), "description": description}))
+    export(examples / "tiny-base", tmp_path / "hf")
+    body = (tmp_path / "hf" / "README.md").read_text().split("---\n", 2)[2]
+    tokens = MarkdownIt("commonmark").parse(body)
+    headings = [tokens[i + 1].content for i, t in enumerate(tokens) if t.type == "heading_open" and t.level == 0]
+    assert headings[0] == "tiny-base" and headings[-2:] == ["Sampling", "Use"], body
+    code = [t.content for t in tokens if t.type == "fence"]
+    assert (description + "\n" in code) != as_markdown, body
+    html = [t for t in tokens for t in [t, *(t.children or [])] if t.type.startswith("html")]
+    assert not html and description in body

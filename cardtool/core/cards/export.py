@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 import yaml
+from markdown_it import MarkdownIt
 
 from cardtool.core.cards.discovery import locate
 from cardtool.core.cards.lineage import check_new_folder, lineage
@@ -105,7 +106,7 @@ def _readme(card: Card, text_mask: bool) -> str:
     m, recipe = card.manifest, card.manifest.recipe
     lines = ["---", yaml.safe_dump(front_matter(card), sort_keys=False).strip(), "---", "", f"# {m.id}", ""]
     if m.description:
-        lines += [m.description, ""]
+        lines += _description(m.description)
     chain = lineage(card).chain()
     if chain and len(chain) > 1:
         lines += ["## Lineage", "", " → ".join(f"`{node.id}` ({node.method or 'not found'})" for node in chain), ""]
@@ -118,8 +119,7 @@ def _readme(card: Card, text_mask: bool) -> str:
         lines += ["## Sampling", "", f"The weights assume the `denoise` loop with {settings}.", ""]
     lines += _metrics(recipe.metrics)
     if recipe.command:
-        fence = "`" * max(3, 1 + max((len(run) for run in re.findall("`+", recipe.command)), default=0))
-        lines += ["## Reproduce", "", fence, recipe.command, fence, ""]  # a fence no backticks inside it close
+        lines += ["## Reproduce", "", *_verbatim(recipe.command)]
     lines += ["## Use", "", "```python", "from diffusers import WanTransformer3DModel", "",
               'transformer = WanTransformer3DModel.from_pretrained("PATH/TO/THIS/FOLDER", subfolder="transformer")',
               "```", ""]
@@ -131,6 +131,23 @@ def _readme(card: Card, text_mask: bool) -> str:
     lines += ["The whole model (text encoder, VAE, sampling loop) runs with cardtool:", "", "```",
               'cardtool generate PATH/TO/THIS/FOLDER -p "an ankle boot"', "```", ""]
     return "\n".join(lines)
+
+
+def _description(text: str) -> list[str]:
+    """The card's description as README lines: as Markdown when it is self-contained, else verbatim in a code block.
+    A description is free text; an unclosed ``` fence or `<!--` would swallow the sections after it (CommonMark, which
+    markdown-it follows), and an unclosed HTML tag would wrap them, so a description that reaches past its end or holds
+    raw HTML is shown as written."""
+    tokens = MarkdownIt("commonmark").parse(text + "\n\n# end\n")
+    ends_it = [t.type for t in tokens[-3:]] == ["heading_open", "inline", "heading_close"] and tokens[-3].level == 0
+    html = any(t.type == "html_block" or any(c.type == "html_inline" for c in t.children or []) for t in tokens)
+    return [text, ""] if ends_it and tokens[-2].content == "end" and not html else _verbatim(text)
+
+
+def _verbatim(text: str) -> list[str]:
+    """`text` in a fenced code block that no run of backticks inside it can close."""
+    fence = "`" * max(3, 1 + max((len(run) for run in re.findall("`+", text)), default=0))
+    return [fence, text, fence, ""]
 
 
 def _metrics(metrics: dict) -> list[str]:
