@@ -199,7 +199,10 @@ def main() -> None:
         sys.stderr = _Output(sys.stderr)
     code = 0
     try:
+        from cardtool.cli.output import keep_plausible_terminal_sizes
         from cardtool.core.interrupt import hold_ctrl_c_in_imports
+
+        keep_plausible_terminal_sizes()
 
         hold_ctrl_c_in_imports("torch")
         _working_folder_exists()

@@ -22,18 +22,38 @@ __all__ = ["LateProgress", "console", "emit_json", "handled", "printable", "quot
 def console(*, stderr: bool = False):
     """A Rich console; when not a terminal (a log, a pipe) it is 160 columns wide, not Rich's 80, so
     tables stay readable. COLUMNS overrides both when it is a width (at least 80); Rich would render nothing at 0.
-    No emoji codes: a path or a description with `:dog:` in it is shown as written. Its height is given too: Rich
-    reads COLUMNS and LINES itself wherever a size is left to it, with str.isdigit, and int('²') then raised
-    (COLUMNS=² or LINES=² ended every command that prints a table with a traceback)."""
+    No emoji codes: a path or a description with `:dog:` in it is shown as written. Its height is given too, so that
+    Rich never reads the environment's size itself (`terminal_size_from_environment`)."""
     import shutil
 
     stream = sys.stderr if stderr else sys.stdout
-    columns, lines = os.environ.get("COLUMNS", ""), os.environ.get("LINES", "")
     size = shutil.get_terminal_size((160, 24)) if stream.isatty() else os.terminal_size((160, 24))
-    width = max(int(columns), 80) if columns.isdecimal() and int(columns) > 0 else size.columns
-    height = int(lines) if lines.isdecimal() and int(lines) > 0 else size.lines
-    return _printable_console()(stderr=stderr, highlight=False, soft_wrap=stderr, width=width, height=height,
-                                emoji=False)
+    columns, lines = terminal_size_from_environment("COLUMNS"), terminal_size_from_environment("LINES")
+    width = max(columns, 80) if columns else size.columns
+    return _printable_console()(stderr=stderr, highlight=False, soft_wrap=stderr, width=width,
+                                height=lines or size.lines, emoji=False)
+
+
+TERMINAL_SIZES = ("COLUMNS", "LINES", "TERMINAL_WIDTH")  # Rich's, and Typer's for its help and usage errors
+MOST_CELLS = 10_000
+
+
+def terminal_size_from_environment(name: str) -> int | None:
+    """The size the environment variable `name` gives, when it is one a terminal can have (1 to 10,000 cells); else
+    None. Rich and Typer read COLUMNS, LINES and TERMINAL_WIDTH with `int()` after `str.isdigit` or nothing:
+    COLUMNS=² or TERMINAL_WIDTH=abc raised, one of 5,000 digits passed Python's int limit, and COLUMNS=10¹⁰ asked
+    for lines of that many spaces (MemoryError, or a help screen of gigabytes)."""
+    value = os.environ.get(name, "")
+    plausible = value.isascii() and value.isdecimal() and len(value) <= 5 and 0 < int(value) <= MOST_CELLS
+    return int(value) if plausible else None
+
+
+def keep_plausible_terminal_sizes() -> None:
+    """Removes each of TERMINAL_SIZES from the environment unless it is a size a terminal can have, before Rich or
+    Typer read it: they then use the terminal's own size (or their defaults off a terminal)."""
+    for name in TERMINAL_SIZES:
+        if name in os.environ and terminal_size_from_environment(name) is None:
+            del os.environ[name]
 
 
 @functools.cache

@@ -26,7 +26,9 @@ class Terminal(io.StringIO):
 # --- the console ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("columns, width", [("100", 100), ("50", 80), ("80", 80), ("1", 80), ("0", 160),
-                                            ("wide", 160), ("²", 160), (None, 160)])
+                                            ("wide", 160), ("²", 160), (None, 160), ("10000", 10_000),
+                                            ("10001", 160), pytest.param("9" * 5000, 160, id="5000-digits"),
+                                            ("000080", 160)])
 def test_off_a_terminal_the_console_is_160_wide_unless_columns_says_otherwise(columns, width, monkeypatch):
     monkeypatch.delenv("LINES", raising=False)  # set (as under xdist), it kept Rich from reading COLUMNS itself
     if columns is None:
@@ -37,7 +39,8 @@ def test_off_a_terminal_the_console_is_160_wide_unless_columns_says_otherwise(co
     assert output.console(stderr=True).width == width
 
 
-@pytest.mark.parametrize("lines, height", [("40", 40), ("0", 24), ("²", 24), ("tall", 24), (None, 24)])
+@pytest.mark.parametrize("lines, height", [("40", 40), ("0", 24), ("²", 24), ("tall", 24), (None, 24),
+                                          pytest.param("9" * 5000, 24, id="5000-digits")])
 def test_lines_is_the_console_s_height_where_it_is_one(lines, height, monkeypatch):
     """Rich read LINES (and COLUMNS) with str.isdigit: '²' passes it, and int() then raised in every table."""
     monkeypatch.setenv("COLUMNS", "²")
@@ -48,6 +51,24 @@ def test_lines_is_the_console_s_height_where_it_is_one(lines, height, monkeypatc
     console = output.console()
     assert (console.width, console.height) == (160, height)
     console.print("a table's worth")
+
+
+@pytest.mark.parametrize("size", ["²", "0", "abc", "9" * 5000, "10000000000"],
+                         ids=["superscript", "zero", "word", "5000-digits", "ten-billion"])
+def test_a_size_no_terminal_has_leaves_help_and_usage_errors_at_the_default_width(size):
+    """Rich and Typer read COLUMNS, LINES and TERMINAL_WIDTH themselves for the help and a usage error: with `int()`
+    of anything (TERMINAL_WIDTH=abc), Python's int limit (5,000 digits), and a line of 10¹⁰ spaces (MemoryError, or
+    a help screen of gigabytes) each ended in a traceback. The CLI drops such a size before they read it."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "COLUMNS": size, "LINES": size, "TERMINAL_WIDTH": size}
+    for args, code in ((["--help"], 0), (["cards", "list", "--bogus"], 2)):
+        shown = subprocess.run([sys.executable, "-m", "cardtool", *args], env=env, capture_output=True, text=True,
+                               timeout=120)
+        assert shown.returncode == code and "Traceback" not in shown.stderr, shown.stderr[-2000:]
+        text = shown.stdout + shown.stderr
+        assert "Usage: " in text and max(len(line) for line in text.splitlines()) == 80, text
 
 
 def test_on_a_terminal_the_console_is_the_terminal_s_width(monkeypatch):
