@@ -54,6 +54,17 @@ def test_the_python_api_raises_it_as_a_failed_run(tmp_path, monkeypatch):
     assert isinstance(info.value, RunFailed) and info.value.partial == {"images": []}
 
 
+def test_the_message_quotes_the_allocator_s_first_line_cut_to_200_characters():
+    """CUDA's message runs to several lines of allocator statistics; a MemoryError usually says nothing."""
+    from cardtool.errors import OutOfMemory
+
+    cuda = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB " + "x" * 400 + "\nOf the allocated memory …")
+    assert str(OutOfMemory.of(cuda)).startswith(f"out of memory ({str(cuda)[:200]}); ask for less at once")
+    assert str(OutOfMemory.of(MemoryError(), kept="; kept")).startswith("out of memory (MemoryError); ask")
+    assert str(OutOfMemory.of(MemoryError(), kept="; kept")).endswith("continues from its last checkpoint); kept")
+    assert OutOfMemory.of(RuntimeError("shapes do not match")) is None
+
+
 def test_another_runtime_error_is_not_taken_for_one(tmp_path, monkeypatch):
     result = generate_failing_in_the_second_wave(tmp_path, monkeypatch, RuntimeError("shapes do not match"))
     assert isinstance(result.exception, RuntimeError) and str(result.exception) == "shapes do not match"

@@ -208,3 +208,13 @@ def test_the_machines_errors_in_a_call_are_cardtools(tmp_path, monkeypatch):
         open("a\ud800")  # noqa: SIM115
     with pytest.raises(ValueError, match="^other$"), as_cardtool_error():
         raise ValueError("other")
+    for surrogate in ("\udfff", "\udbff"):  # U+DC80–U+DCFF are a name's bytes that are not UTF-8, and open
+        with pytest.raises(cardtool.BadInput, match="a lone surrogate"), as_cardtool_error():
+            open("a" + surrogate)  # noqa: SIM115
+    with pytest.raises(cardtool.BadInput, match=r"^'a{200}' holds '\\ud800', a lone"), as_cardtool_error():
+        open("a" * 300 + "\ud800")  # noqa: SIM115 - a long path is quoted as far as 200 characters
+    for text in ("é", "\ud7ff", "\ue000"):  # not surrogates: an encoding that cannot write them is not a bad path
+        with pytest.raises(UnicodeEncodeError), as_cardtool_error():
+            text.encode("ascii")
+    with pytest.raises(ValueError, match="at least one problem"):
+        cardtool.errors.CardValidationError([])
