@@ -5,8 +5,10 @@ the shard index), the Python API's arguments
 (`LoadedCard` and its `generate`, `evaluate`, `compare`, `run_workflow`, `load_card`), whole command lines of the
 quick commands (`argv`: their options read from the app), the state `--resume` reads back (`resume`: a training
 checkpoint's tensors and metadata, an eval report), and `LoadedCard.generate` calls made from several threads at once
-(`threads`: each must give what it gives alone), and image files in many formats, damaged (`images`) — mutated and
-run in process on the tiny example cards and a tiny IDX folder, counted by outcome per surface.
+(`threads`: each must give what it gives alone), image files in many formats, damaged (`images`), and the
+environment a command starts in (`environment`: what cardtool, Rich, Typer, torch and transformers read from it, run
+as a shell runs the command, in a process of its own) — mutated and run in process on the tiny example cards and a
+tiny IDX folder, counted by outcome per surface.
 
 Outcomes: `ok` (exit 0), `refused` (exit 2: bad input, said so; or exit 1 with located validation problems — a
 workflow manifest's, as a card's), `failed` (exit 1 with another JSON error: work that could not finish, e.g. a loss
@@ -18,7 +20,7 @@ metadata than alone) and `validated_then_error` (a workflow that passed the vali
 refused from inside a step: what a step refuses, validation must find first).
 
     python benchmarks/fuzz_requests.py --cases 2000 --seed 0 [--out benchmarks/results/fuzz-requests.json]
-        [--surfaces generate like recipes train eval workflow import api argv resume threads images]
+        [--surfaces generate like recipes train eval workflow import api argv resume threads images environment]
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import functools
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import sys
@@ -889,9 +892,67 @@ def _resumed_eval(rng: random.Random, env: Env, out: Path) -> list[str]:
     return [*args, "--out", str(out / "report.json"), "--resume", *(["--steps", "3"] if rng.random() < 0.5 else [])]
 
 
+# what cardtool and the libraries it starts read from the environment, and values a shell, a scheduler or a
+# container might hand them
+ENVIRONMENT = ("CARDTOOL_ARCH", "CARDTOOL_DEVICE", "CARDTOOL_DATA", "CARDTOOL_PATH", "CARDTOOL_CACHE",
+               "CARDTOOL_CACHE_MAX", "CARDTOOL_HOST_ALLOCATOR", "HOME", "XDG_CACHE_HOME", "COLUMNS", "LINES",
+               "TERMINAL_WIDTH", "NO_COLOR", "FORCE_COLOR", "TERM", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+               "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "HF_HUB_OFFLINE",
+               "OMP_NUM_THREADS", "LC_ALL", "LANG", "PYTHONIOENCODING")
+ENVIRONMENT_VALUES = ["", " ", "0", "1", "-1", "2", "80", "200", "1e400", "nan", "inf", "1.5", "²", "9" * 5000,
+                      "99999999999999999999", "x" * 5000, "../x", "/dev/null", "/nonexistent/x", "/proc/self/mem",
+                      "\x1b[31m", "caf\udce9", "cuda", "cuda:1", "numpy", "cpu", "zen4", "avx2", "generic", "a,b",
+                      "C", "C.UTF-8", "5GB", "1KB", "-5MB", "localhost", "::"]
+
+
+class InShell:
+    """A command line run as a shell runs it — `python -m cardtool`, in a process of its own — with one to three of
+    ENVIRONMENT set to what a shell might hand it, or unset: Rich, Typer and torch read theirs as they load, which an
+    in-process run has done long before."""
+
+    def __init__(self, args: list[str], changes: dict[str, str | None]):
+        self.args, self.changes = args, changes
+
+    def run(self):
+        import subprocess
+        from types import SimpleNamespace
+
+        env = dict(os.environ)
+        for key, value in self.changes.items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
+        done = subprocess.run([sys.executable, "-m", "cardtool", *self.args], env=env, capture_output=True,
+                              cwd=tempfile.gettempdir(), stdin=subprocess.DEVNULL)
+        stderr = done.stderr.decode(errors="replace")
+        crashed = "Traceback (most recent call last)" in stderr or done.returncode < 0
+        return SimpleNamespace(exit_code=done.returncode, stdout=done.stdout.decode(errors="replace"),
+                               exception=RuntimeError(f"exit {done.returncode}: {stderr[-1500:]}") if crashed else None)
+
+    def shown(self) -> list[str]:
+        return [*(f"{k}={v!r}"[:60] if v is not None else f"-u {k}" for k, v in self.changes.items()), *self.args]
+
+
+def _environment_case(rng: random.Random, env: Env, out: Path) -> InShell:
+    """A quick command — a one-step generate, the light commands, help, a usage error, now and then an eval — in an
+    environment with one to three variables changed."""
+    tiny = env.card("tiny-base")
+    args = rng.choice([["generate", tiny, "-p", "a bag", "--steps", "1", "--out", str(out / "o"), "--json"],
+                       ["generate", "tiny-base", "-p", "a bag", "--steps", "1", "--out", str(out / "o"), "--json"],
+                       ["cards", "list", "--json"], ["platform", "detect", "--json"], ["cache", "info", "--json"],
+                       ["--help"], ["cards", "show", tiny, "--json", "--bogus"], ["cards", "validate", tiny, "--json"],
+                       ["eval", tiny, "--per-class", "1", "--steps", "1", "--json"]])
+    values = [*ENVIRONMENT_VALUES, str(out), str(out / "cache"), str(env.cards), str(env.data)]
+    encodings = ["ascii", "latin-1", "cp1252", "utf-8:strict", "ascii:strict"]  # another stops Python itself
+    changes = {key: (None if rng.random() < 0.1 else rng.choice(encodings if key == "PYTHONIOENCODING" else values))
+               for key in rng.sample(ENVIRONMENT, rng.choice([1, 1, 2, 3]))}
+    return InShell(args, changes)
+
+
 SURFACES = {"generate": _generate, "like": _like, "recipes": _recipes, "train": _train, "eval": _eval,
             "workflow": _workflow, "import": _import, "api": _api, "argv": _argv, "resume": _resume,
-            "threads": _threads, "images": _images}
+            "threads": _threads, "images": _images, "environment": _environment_case}
 
 
 def run_case(runner, app, args) -> tuple[str, str]:
@@ -903,7 +964,8 @@ def run_case(runner, app, args) -> tuple[str, str]:
         if isinstance(args, ApiCall | ThreadedCalls):
             args()
             return "ok", ""
-        result = runner.invoke(app, args)
+        result = args.run() if isinstance(args, InShell) else runner.invoke(app, args)
+        args = args.args if isinstance(args, InShell) else args
     except CardtoolError:
         return "refused", ""
     except Hang:
@@ -916,7 +978,7 @@ def run_case(runner, app, args) -> tuple[str, str]:
         signal.alarm(0)
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         return "traceback", "".join(traceback.format_exception(result.exception))[-1500:]
-    if "--help" in args and result.exit_code == 0 and "Usage: cardtool" in result.stdout:
+    if "--help" in args and result.exit_code == 0 and re.search(r"Usage: (python -m )?cardtool", result.stdout):
         return "ok", ""  # help asked for (an argument drawn as `--help` is click's flag): for people, not JSON
     if not _strict_json(result.stdout):
         return "invalid_json", result.stdout[-300:]
@@ -980,7 +1042,7 @@ def fuzz(cases: int, seed: int, surfaces: list[str], on_case=None) -> dict:
             outcome, detail = run_case(runner, app, args)
             counts[surface][outcome] += 1
             if outcome not in ("ok", "refused", "check_failed"):
-                shown = args.shown() if isinstance(args, ApiCall | ThreadedCalls) else \
+                shown = args.shown() if isinstance(args, ApiCall | ThreadedCalls | InShell) else \
                     [a if len(a) < 100 else a[:40] + "…" for a in args]
                 print(f"case {case} {surface} {outcome}: {shown} → {detail}", file=sys.stderr, flush=True)
                 if len(details[outcome]) < 20:

@@ -34,17 +34,19 @@ def console(*, stderr: bool = False):
                                 height=lines or size.lines, emoji=False)
 
 
-TERMINAL_SIZES = ("COLUMNS", "LINES", "TERMINAL_WIDTH")  # Rich's, and Typer's for its help and usage errors
+TERMINAL_SIZES = {"COLUMNS": 20, "LINES": 1, "TERMINAL_WIDTH": 20}  # Rich's and Typer's, each with its least
 MOST_CELLS = 10_000
 
 
 def terminal_size_from_environment(name: str) -> int | None:
-    """The size the environment variable `name` gives, when it is one a terminal can have (1 to 10,000 cells); else
-    None. Rich and Typer read COLUMNS, LINES and TERMINAL_WIDTH with `int()` after `str.isdigit` or nothing:
-    COLUMNS=² or TERMINAL_WIDTH=abc raised, one of 5,000 digits passed Python's int limit, and COLUMNS=10¹⁰ asked
-    for lines of that many spaces (MemoryError, or a help screen of gigabytes)."""
+    """The size the environment variable `name` gives, when it is one a terminal can have (20 to 10,000 columns, 1
+    to 10,000 lines); else None. Rich and Typer read COLUMNS, LINES and TERMINAL_WIDTH with `int()` after
+    `str.isdigit` or nothing: COLUMNS=² or TERMINAL_WIDTH=abc raised, one of 5,000 digits passed Python's int limit,
+    COLUMNS=10¹⁰ asked for lines of that many spaces (MemoryError, or a help screen of gigabytes), and a width of 2
+    left the help blank."""
     value = os.environ.get(name, "")
-    plausible = value.isascii() and value.isdecimal() and len(value) <= 5 and 0 < int(value) <= MOST_CELLS
+    plausible = value.isascii() and value.isdecimal() and len(value) <= 5 and \
+        TERMINAL_SIZES[name] <= int(value) <= MOST_CELLS
     return int(value) if plausible else None
 
 

@@ -25,7 +25,7 @@ class Terminal(io.StringIO):
 
 # --- the console ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("columns, width", [("100", 100), ("50", 80), ("80", 80), ("1", 80), ("0", 160),
+@pytest.mark.parametrize("columns, width", [("100", 100), ("50", 80), ("80", 80), ("20", 80), ("19", 160), ("0", 160),
                                             ("wide", 160), ("²", 160), (None, 160), ("10000", 10_000),
                                             ("10001", 160), pytest.param("9" * 5000, 160, id="5000-digits"),
                                             ("000080", 160)])
@@ -53,12 +53,13 @@ def test_lines_is_the_console_s_height_where_it_is_one(lines, height, monkeypatc
     console.print("a table's worth")
 
 
-@pytest.mark.parametrize("size", ["²", "0", "abc", "9" * 5000, "10000000000"],
-                         ids=["superscript", "zero", "word", "5000-digits", "ten-billion"])
+@pytest.mark.parametrize("size", ["²", "0", "2", "abc", "9" * 5000, "10000000000"],
+                         ids=["superscript", "zero", "two", "word", "5000-digits", "ten-billion"])
 def test_a_size_no_terminal_has_leaves_help_and_usage_errors_at_the_default_width(size):
     """Rich and Typer read COLUMNS, LINES and TERMINAL_WIDTH themselves for the help and a usage error: with `int()`
     of anything (TERMINAL_WIDTH=abc), Python's int limit (5,000 digits), and a line of 10¹⁰ spaces (MemoryError, or
-    a help screen of gigabytes) each ended in a traceback. The CLI drops such a size before they read it."""
+    a help screen of gigabytes) each ended in a traceback, and a width of 2 left the help blank. The CLI drops such
+    a size before they read it."""
     import subprocess
     import sys
 
