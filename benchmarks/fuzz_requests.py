@@ -978,7 +978,8 @@ def run_case(runner, app, args) -> tuple[str, str]:
         signal.alarm(0)
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         return "traceback", "".join(traceback.format_exception(result.exception))[-1500:]
-    if "--help" in args and result.exit_code == 0 and re.search(r"Usage: (python -m )?cardtool", result.stdout):
+    plain = re.sub("\x1b\\[[0-9;]*m", "", result.stdout)  # FORCE_COLOR colours the help
+    if "--help" in args and result.exit_code == 0 and re.search(r"Usage: (python -m )?cardtool", plain):
         return "ok", ""  # help asked for (an argument drawn as `--help` is click's flag): for people, not JSON
     if not _strict_json(result.stdout):
         return "invalid_json", result.stdout[-300:]
