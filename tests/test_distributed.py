@@ -86,6 +86,34 @@ def test_launch_variables_that_cannot_be_are_a_clear_error_before_joining(tmp_pa
     assert result.exit_code == 2 and message in json.loads(result.stdout)["error"]["message"], result.output
 
 
+@pytest.mark.parametrize("joins_after, says", [(0.4, True), (0.0, False)])
+def test_a_rank_waiting_for_its_group_says_so_once_and_not_when_the_group_forms(monkeypatch, capfd, joins_after,
+                                                                                 says):
+    """The rendezvous waits up to 30 minutes, in C++, for every rank to start: a rank whose peers never came (a node
+    not started, a wrong MASTER_ADDR) sat silent all that time."""
+    import time
+
+    import torch.distributed as dist
+
+    from cardtool.core import distributed
+    from cardtool.errors import BadInput
+
+    def rendezvous(*args, **kwargs):
+        time.sleep(joins_after)
+        raise RuntimeError("the store timed out")
+
+    launch = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "10.0.0.9", "MASTER_PORT": "29599"}
+    for name, value in launch.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(distributed, "SAY_WAITING_AFTER", 0.1)
+    monkeypatch.setattr(dist, "init_process_group", rendezvous)
+    with pytest.raises(BadInput, match=r"cannot join the torchrun process group \(10.0.0.9:29599, rank 0 of 2\)"):
+        distributed.ranks()
+    time.sleep(0.3)  # a timer left running would say it now
+    waiting = "waiting for the torchrun group's other ranks (10.0.0.9:29599, rank 0 of 2); it waits up to 30 minutes"
+    assert capfd.readouterr().err.count(waiting) == says
+
+
 @pytest.mark.parametrize(("visible", "message"), [
     (1, "LOCAL_RANK=1, but this process sees 1 CUDA device (one per process): start at most 1 per node (torchrun "
         "--nproc-per-node 1), or run on the CPU with --device cpu"),

@@ -19,6 +19,7 @@ __all__ = ["Ranks", "end_process", "ranks", "reporting"]
 
 LAUNCH = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 TIMEOUT = timedelta(minutes=30)  # a rank that died is reported by its peers' collectives within this
+SAY_WAITING_AFTER = 10.0  # seconds: torchrun starts a group's ranks together; longer, one is missing
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,22 @@ def reporting() -> bool:
     return not rank.isdecimal() or int(rank) == 0
 
 
+def _say_once_after(seconds: float, line: str):
+    """A timer that writes `line` to stderr after `seconds` unless cancelled first: the rendezvous is a C++ wait
+    that says nothing, for up to TIMEOUT, while a rank the group needs has not started."""
+    import sys
+    import threading
+
+    def say():
+        sys.stderr.write(f"{line}\n")
+        sys.stderr.flush()
+
+    timer = threading.Timer(seconds, say)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
 def ranks(device: str = "cpu") -> Ranks:
     """This process's place among the processes torchrun launched (joining their group the first time)."""
     world = os.environ.get("WORLD_SIZE", "1")
@@ -180,11 +197,15 @@ def ranks(device: str = "cpu") -> Ranks:
                                f"{'' if visible == 1 else 's'} (one per process): {fewer}run on the CPU with --device "
                                "cpu")
             torch.cuda.set_device(local)
+        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}, rank {os.environ['RANK']} of {world}"
+        waiting = _say_once_after(SAY_WAITING_AFTER, f"waiting for the torchrun group's other ranks ({where}); it "
+                                  f"waits up to {TIMEOUT.total_seconds() / 60:g} minutes for all of them to start")
         try:
             dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=TIMEOUT)
         except (RuntimeError, ValueError) as e:
-            raise BadInput(f"cannot join the torchrun process group ({os.environ['MASTER_ADDR']}:"
-                           f"{os.environ['MASTER_PORT']}, rank {os.environ['RANK']} of {world}): {e}") from None
+            raise BadInput(f"cannot join the torchrun process group ({where}): {e}") from None
+        finally:
+            waiting.cancel()
         atexit.register(_leave)
         _JOINED.append(True)
     # the group's own backend, not the caller's device: a later ranks() call without one joins nothing new
