@@ -55,6 +55,9 @@ def parse_size(text: str) -> int:
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
     if not match or match[2].upper() not in _UNITS:
         raise BadInput(f"{text!r} is not a size (for example 5GB, 500MB, 2GiB or a number of bytes)"[:300])
+    if len(match[1]) > 40:  # Fraction() would pass Python's 4,300-digit limit; bytes below 2⁶³ need 19
+        raise BadInput(f"{text.strip()[:40]!r}… has {len(match[1])} digits: more bytes than a file system holds, "
+                       "or more decimals than a byte has (for example 5GB, 500MB or 2GiB)")
     from fractions import Fraction
 
     if match[2].upper() in ("", "B") and Fraction(match[1]).denominator != 1:  # `0.5` meant 0.5GB, not 0 bytes

@@ -203,7 +203,6 @@ def main() -> None:
         from cardtool.core.interrupt import hold_ctrl_c_in_imports
 
         keep_plausible_terminal_sizes()
-
         hold_ctrl_c_in_imports("torch")
         _working_folder_exists()
         app()

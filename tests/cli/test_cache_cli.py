@@ -155,6 +155,13 @@ def test_prune_keeps_the_most_recently_used_within_the_size(tmp_path, monkeypatc
         with pytest.raises(BadInput, match="is a fraction of a byte: a size without a unit is a number of bytes"):
             parse_size(fraction)
     assert [parse_size(size) for size in ("2.0", "0.5GB", "1.5k")] == [2, 5 * 10**8, 1500], "whole, or with a unit"
+    for digits in ("9" * 5000, "0." + "0" * 5000 + "1GB", "1" * 41):  # Fraction() raised past Python's int limit
+        with pytest.raises(BadInput, match=f"has {len(digits.removesuffix('GB'))} digits: more bytes than a file"):
+            parse_size(digits)
+    assert parse_size("0." + "0" * 37 + "1TB") == 0 and parse_size("1" * 19) == int("1" * 19)
+    monkeypatch.setenv("CARDTOOL_CACHE_MAX", "9" * 5000)
+    result, report = cache("info")
+    assert result.exit_code == 2 and "CARDTOOL_CACHE_MAX: '9999" in report["error"]["message"]
     monkeypatch.setenv("CARDTOOL_CACHE_MAX", "lots")
     result, report = cache("info")
     assert result.exit_code == 2 and "CARDTOOL_CACHE_MAX" in report["error"]["message"]
