@@ -76,6 +76,8 @@ def test_a_launch_without_torchrun_variables_is_a_clear_error(tmp_path, monkeypa
     ({"RANK": "²"}, "RANK='²': each must be a whole number"),  # a digit to str.isdigit, no number to int()
     ({"WORLD_SIZE": "²"}, "WORLD_SIZE must be a positive whole number, got '²'"),
     ({"MASTER_PORT": "abc"}, "MASTER_PORT='abc': each must be a whole number"),
+    ({"WORLD_SIZE": "9" * 5000}, "WORLD_SIZE must be a positive whole number, got '9999"),  # int() passed its limit
+    ({"RANK": "9" * 5000}, f"RANK='{'9' * 40}': each must be a whole number"),
 ])
 def test_launch_variables_that_cannot_be_are_a_clear_error_before_joining(tmp_path, monkeypatch, changed, message):
     launch = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "localhost", "MASTER_PORT": "29599"}
@@ -141,6 +143,7 @@ def test_more_processes_on_a_node_than_it_has_gpus_is_a_clear_error_before_joini
     ({}, True), ({"RANK": "1"}, True), ({"RANK": "1", "WORLD_SIZE": "1"}, True),
     ({"RANK": "0", "WORLD_SIZE": "2"}, True), ({"RANK": "1", "WORLD_SIZE": "2"}, False),
     ({"RANK": "x", "WORLD_SIZE": "2"}, True),  # ranks() refuses it, and that is said
+    ({"RANK": "9" * 5000, "WORLD_SIZE": "2"}, True), ({"RANK": "1", "WORLD_SIZE": "9" * 5000}, True),  # int() raised
 ])
 def test_only_a_torchrun_rank_other_than_0_keeps_quiet(monkeypatch, environment, reports):
     for name in ("RANK", "WORLD_SIZE"):

@@ -145,10 +145,15 @@ def reporting() -> bool:
     """Whether this process logs and reports for the run, known without joining the group (so without torch): rank 0
     of the processes torchrun started, or a process torchrun did not start. A RANK the shell holds without WORLD_SIZE
     above 1 (exported by another tool) is no rank, as `ranks` reads it — not a reason to say nothing."""
-    world, rank = os.environ.get("WORLD_SIZE", "1"), os.environ.get("RANK", "0")
-    if not (world.isdecimal() and int(world) > 1):
+    world, rank = _number(os.environ.get("WORLD_SIZE", "1")), _number(os.environ.get("RANK", "0"))
+    if world is None or world <= 1:
         return True
-    return not rank.isdecimal() or int(rank) == 0
+    return rank is None or rank == 0
+
+
+def _number(text: str) -> int | None:
+    """A launch variable's whole number, or None: ASCII digits, at most 9 of them (int() of 5,000 digits raises)."""
+    return int(text) if text.isascii() and text.isdecimal() and len(text) <= 9 else None
 
 
 def _say_once_after(seconds: float, line: str):
@@ -169,21 +174,21 @@ def _say_once_after(seconds: float, line: str):
 
 def ranks(device: str = "cpu") -> Ranks:
     """This process's place among the processes torchrun launched (joining their group the first time)."""
-    world = os.environ.get("WORLD_SIZE", "1")
-    if not world.isdecimal() or int(world) < 1:
-        raise BadInput(f"WORLD_SIZE must be a positive whole number, got {world!r}")
-    if int(world) == 1:
+    world = _number(os.environ.get("WORLD_SIZE", "1"))
+    if world is None or world < 1:
+        raise BadInput(f"WORLD_SIZE must be a positive whole number, got {os.environ['WORLD_SIZE'][:40]!r}")
+    if world == 1:
         return Ranks()
     missing = [name for name in LAUNCH if not os.environ.get(name)]
     if missing:
         raise BadInput(f"WORLD_SIZE={world}, but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: "
                        "launch with torchrun (torchrun --nproc-per-node P -m cardtool …), which sets them all")
     numbers = {name: os.environ[name] for name in ("RANK", "LOCAL_RANK", "MASTER_PORT")}
-    bad = [f"{name}={value!r}" for name, value in numbers.items() if not value.isdecimal()]
+    bad = [f"{name}={value[:40]!r}" for name, value in numbers.items() if _number(value) is None]
     if bad:
-        raise BadInput(f"{', '.join(bad)}: each must be a whole number (torchrun sets them)"[:300])
-    if int(numbers["RANK"]) >= int(world):  # it would wait out the rendezvous timeout for a place no one has
-        raise BadInput(f"RANK={numbers['RANK']} is not below WORLD_SIZE={world}: ranks are 0 … {int(world) - 1}")
+        raise BadInput(f"{', '.join(bad)}: each must be a whole number (torchrun sets them)")
+    if int(numbers["RANK"]) >= world:  # it would wait out the rendezvous timeout for a place no one has
+        raise BadInput(f"RANK={numbers['RANK']} is not below WORLD_SIZE={world}: ranks are 0 … {world - 1}")
     import torch
     import torch.distributed as dist
 
