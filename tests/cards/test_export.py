@@ -252,3 +252,30 @@ def test_a_description_never_swallows_the_readme_sections_after_it(examples, tmp
     assert (description + "\n" in code) != as_markdown, body
     html = [t for t in tokens for t in [t, *(t.children or [])] if t.type.startswith("html")]
     assert not html and description in body
+
+
+@pytest.mark.parametrize("text", ["<!-- open comment", "<script>alert(1)</script>", "a\\|b | c", "*x* _y_ [z](w) &amp;",
+                                  "``two`` `one` ~~s~~", "`"])
+def test_metrics_edited_by_hand_never_become_markup(examples, tmp_path, text):
+    """Hand-edited metrics text is shown as itself: in the table (a CommonMark + GFM-table reader sees six cells, the
+    text as written, no HTML) and in the code spans naming the judges, and the sections after it are all there."""
+    from markdown_it import MarkdownIt
+
+    manifest = examples / "tiny-base" / "card.yaml"
+    data = yaml.safe_load(manifest.read_text())
+    data["recipe"]["metrics"] = {"eval": {"judge": text, "platform": text, "rows": [{"steps": 2, "precision": text}]},
+                                 "held_out_judge": {"card": text, "class_accuracy": text}}
+    data["recipe"]["command"] = "cardtool train"
+    manifest.write_text(yaml.safe_dump(data))
+    export(examples / "tiny-base", tmp_path / "hf")
+    body = (tmp_path / "hf" / "README.md").read_text().split("---\n", 2)[2]
+    tokens = MarkdownIt("commonmark").enable("table").parse(body)
+    everything = [t for t in tokens for t in [t, *(t.children or [])]]
+    assert not [t for t in everything if t.type.startswith("html")], body
+    headings = [tokens[i + 1].content for i, t in enumerate(tokens) if t.type == "heading_open" and t.level == 0]
+    assert headings[headings.index("Metrics"):] == ["Metrics", "Reproduce", "Use"], body
+    cells = [tokens[i + 1].children for i, t in enumerate(tokens) if t.type == "td_open"]
+    assert len(cells) == 6
+    shown = ["".join(c.content for c in children if c.type in ("text", "code_inline")) for children in cells]
+    assert shown == ["2", "–", text, "–", "–", "–"], shown
+    assert [t.content for t in everything if t.type == "code_inline"].count(text) >= 2, body

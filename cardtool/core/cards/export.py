@@ -158,7 +158,7 @@ def _metrics(metrics: dict) -> list[str]:
     rows = [r for r in ev.get("rows") or [] if isinstance(r, dict)] if isinstance(ev.get("rows"), list) else []
     if not rows:
         return []
-    lines = ["## Metrics", "", f"`cardtool eval`, judged by `{_cell(ev, 'judge')}` on {_cell(ev, 'platform')}, "
+    lines = ["## Metrics", "", f"`cardtool eval`, judged by {_code(ev, 'judge')} on {_cell(ev, 'platform')}, "
              f"{_cell(ev, 'per_class')} image{'' if ev.get('per_class') == 1 else 's'} per class:", "",
              "| steps | guidance | precision | class accuracy | FID-FMNIST | images/s |", "|---|---|---|---|---|---|"]
     for r in rows:
@@ -167,17 +167,33 @@ def _metrics(metrics: dict) -> list[str]:
         lines.append("| " + " | ".join(cells) + " |")
     held = metrics.get("held_out_judge")
     if isinstance(held, dict) and "class_accuracy" in held:
-        lines += ["", f"Class accuracy under the held-out judge `{_cell(held, 'card')}`: "
+        lines += ["", f"Class accuracy under the held-out judge {_code(held, 'card')}: "
                       f"{_cell(held, 'class_accuracy')}."]
     return lines + [""]
 
 
+MARKUP = set("\\`*_[]<>&|~")
+
+
 def _cell(record: dict, key: str, number_format: str = "") -> str:
-    """One recorded value as Markdown table text: a number in `number_format`, anything else as written, on one line
-    and with its pipes escaped (they would split the cell)."""
+    """One recorded value as Markdown text: a number in `number_format`, anything else as written, on one line and with
+    each character that can start Markdown or HTML backslash-escaped (CommonMark shows it as itself), so that a pipe
+    cannot split a table cell, nor `<!--` or a tag become HTML that hides the sections after it."""
     value = record.get(key)
     if value is None:
         return "–"
-    if number_format and isinstance(value, (int, float)) and not isinstance(value, bool):
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
         return format(value, number_format)
-    return " ".join(str(value).split()).replace("|", "\\|")
+    return "".join("\\" + c if c in MARKUP else c for c in " ".join(str(value).split()))
+
+
+def _code(record: dict, key: str) -> str:
+    """One recorded value as a code span: delimited by a run of backticks longer than any inside it, so none closes
+    it early (CommonMark 6.1)."""
+    value = record.get(key)
+    if value is None:
+        return "–"
+    text = " ".join(str(value).split())
+    ticks = "`" * (1 + max((len(run) for run in re.findall("`+", text)), default=0))
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{ticks}{pad}{text}{pad}{ticks}"
