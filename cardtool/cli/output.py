@@ -27,11 +27,26 @@ def console(*, stderr: bool = False):
     import shutil
 
     stream = sys.stderr if stderr else sys.stdout
-    size = shutil.get_terminal_size((160, 24)) if stream.isatty() else os.terminal_size((160, 24))
+    terminal = stream.isatty()
+    size = shutil.get_terminal_size((160, 24)) if terminal else os.terminal_size((160, 24))
     columns, lines = terminal_size_from_environment("COLUMNS"), terminal_size_from_environment("LINES")
     width = max(columns, 80) if columns else size.columns
-    return _printable_console()(stderr=stderr, highlight=False, soft_wrap=stderr, width=width,
-                                height=lines or size.lines, emoji=False)
+    return _printable_console()(file=stream if terminal else _TrimmedLines(stream), stderr=stderr, highlight=False,
+                                soft_wrap=stderr, width=width, height=lines or size.lines, emoji=False)
+
+
+class _TrimmedLines:
+    """A stream whose lines lose the spaces Rich pads them with to the console's width: off a terminal, a table's
+    last column padded every line of a piped `cards list` to 160 columns."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return self._stream.write(re.sub(r" +(?=\n)", "", text))
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
 
 
 TERMINAL_SIZES = {"COLUMNS": 20, "LINES": 1, "TERMINAL_WIDTH": 20}  # Rich's and Typer's, each with its least

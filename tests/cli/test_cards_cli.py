@@ -49,6 +49,16 @@ def test_list_table(on_path):
     assert "tiny-distilled" in result.stdout and "dmd2" in result.stdout
 
 
+@pytest.mark.parametrize("args", [["list"], ["show", "tiny-rl"], ["diff", "tiny-base", "tiny-rl"]])
+def test_piped_tables_end_their_lines_where_their_text_ends(on_path, args):
+    """Off a terminal the console is 160 columns wide; Rich pads a table's lines to its width, which a pipe or a
+    log must not get."""
+    result = run("cards", *args)
+    lines = result.stdout.splitlines()
+    assert result.exit_code == 0 and len(lines) > 3 and "tiny-rl" in result.stdout
+    assert [line for line in lines if line.endswith(" ")] == [], result.stdout
+
+
 @pytest.mark.parametrize("args", [["list"], ["show", "tiny-rl"], ["validate", "tiny-rl"], ["lineage", "tiny-rl"],
                                   ["diff", "tiny-base", "tiny-rl"]])
 def test_without_json_a_cards_command_writes_for_people(on_path, args):
