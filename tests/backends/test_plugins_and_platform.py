@@ -209,6 +209,9 @@ def test_parity_inputs_a_plugin_cannot_give_are_its_load_error(kernels, tmp_path
     ("components.register('wan-dit', 'numpy', 'default', target='wrong_kernels:numpy_attention')",
      "ValueError: wan-dit/numpy/default is cardtool's numpy oracle of 'wan-dit', which parity holds the other cells "
      "to; add a numpy component as another variant (wan-dit/numpy/NAME)"),
+    ("components.register('arrays', 'numpy', 'default', target='wrong_kernels:numpy_attention')",  # reference loop's
+     "ValueError: arrays/numpy/default is cardtool's numpy oracle of 'arrays', which parity holds the other cells "
+     "to; add a numpy component as another variant (arrays/numpy/NAME)"),
     ("kernels.register('rms_norm', 'numpy', 'generic', 'fast', target='x:y', reference=True)",
      "ValueError: rms_norm/numpy/generic/fast: an op's oracle is its numpy/generic/default cell, where parity finds "
      "it; register this one without reference=True and parity checks it")])

@@ -116,6 +116,29 @@ def test_fashion_cnn_config_problems_name_the_field(config, expected):
 def test_fashion_cnn_sizes_at_their_bounds_validate():
     assert config_problems(FashionCNNConfig, {"width": 512, "dropout": 0.0, "classes": 1}) == []
     assert config_problems(FashionCNNConfig, {"width": 8}) == []
+    defaults = FashionCNNConfig.model_validate({})  # what a card that gives none runs: the judge of the README
+    assert (defaults.classes, defaults.width, defaults.features, defaults.dropout) == (10, 32, 256, 0.3)
+
+
+@pytest.mark.parametrize(("config", "expected"), [
+    ({"scaling_factor": 1e-45}, "scaling_factor: Input should be greater than or equal to 0.000001, got 1e-45"),
+    ({"scaling_factor": 2e6}, "scaling_factor: Input should be less than or equal to 1000000, got 2000000.0"),
+    ({"image_size": 33}, "padded_size 32 must hold image_size 33 and halve 2 times exactly"),
+    ({"padded_size": 30}, "padded_size 30 must hold image_size 28 and halve 2 times exactly"),
+    ({"channels": [8, 12]}, "channels [12] do not split into GroupNorm's min(8, channels) groups"),
+    ({"image_channels": 5}, "image_channels: Input should be less than or equal to 4, got 5"),
+])
+def test_conv_vae_config_problems_name_the_field(config, expected):
+    text = "; ".join(f"{'.'.join(where)}: {message}" for where, message, _ in config_problems(ConvVAEConfig, config))
+    assert expected in text, text
+
+
+def test_conv_vae_sizes_at_their_bounds_validate():
+    assert config_problems(ConvVAEConfig, {"scaling_factor": 1e6, "channels": [4, 8, 8]}) == []
+    assert config_problems(ConvVAEConfig, {"scaling_factor": 1e-6, "image_size": 32}) == []
+    defaults = ConvVAEConfig.model_validate({})  # what a card that gives none runs: 28×28 grey in 4×8×8 latents
+    assert (defaults.image_size, defaults.padded_size, defaults.latent_size) == (28, 32, 8)
+    assert defaults.channels == (32, 64, 128) and defaults.scaling_factor == 1.0
 
 
 def test_an_encoder_max_length_is_a_whole_number_up_to_4096():
