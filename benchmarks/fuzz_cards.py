@@ -4,12 +4,14 @@ for each LoRA and (with a control image) each ControlNet → `generate --best-of
 --image --mask` (inpainting the control image) → `cards lineage` → `cards diff` against tiny-base → `cards export
 --format hf` → `cards validate` of the export → `cards merge` with tiny-base and `generate` from the merged card →
 `cards extract-lora` of its change to tiny-base and `generate` from the adapter card (a refused merge or extraction is
-no failure), in process, with counts by outcome. The seed cards: the tiny example
+no failure) → a step of `distill`, of `rl` and of a LoRA `train` on it → its `eval` (with Fashion-MNIST here), in
+process, with counts by outcome. The seed cards: the tiny example
 cards and `tiny-control`, a ControlNet on tiny-base made here.
 
 Outcomes: `rejected` (validation refused it with a clean error), `ran` (it validated, and show, generate and
 parity all succeeded), `check_failed` (it ran, and parity reported a numeric mismatch or generate found the images
-NaN or inf — e.g. weights of 1e30 that overflow; weights holding NaN or inf themselves `--checksums` rejects),
+NaN or inf — e.g. weights of 1e30 that overflow; weights holding NaN or inf themselves `--checksums` rejects — or a
+training step stopped as failed, its loss not finite),
 `validated_then_error` (it validated, then a command exited with a
 clean error — a gap in validation), and the failures the target is zero of: `traceback`, `hang` (a command ran ≥ 20 s),
 `invalid_json` (a --json command printed anything but one strict JSON document).
@@ -507,7 +509,7 @@ def _error_kind(stdout: str) -> str | None:
 def run_case(runner, app, card: Path, out: Path, control: Path) -> tuple[str, str]:
     """(outcome, detail) of one mutated card through the commands: validate, show, generate, parity, generate
     with each LoRA and ControlNet it declares, lineage, export and the export's validation, a merge with tiny-base and
-    a LoRA extracted against it, each generating."""
+    a LoRA extracted against it, each generating, and the training commands and eval on it."""
     commands = [["cards", "validate", "--checksums", "--json", str(card)], ["cards", "show", "--json", str(card)],
                 ["generate", str(card), "-p", "a bag", "--steps", "2", "--json", "--out", str(out)],
                 ["parity", "--card", str(card), "--op", "cfg_combine", "--json"]]
@@ -532,6 +534,7 @@ def run_case(runner, app, card: Path, out: Path, control: Path) -> tuple[str, st
     commands += [["cards", "extract-lora", str(card.parent / "tiny-base"), str(card), "--rank", "3", "--id",
                   "fuzz-lora", "--out", str(lora), "--overwrite", "--json"],
                  ["generate", str(lora), "-p", "a bag", "--steps", "2", "--json", "--out", str(out)]]
+    commands += training_commands(card, out.parent)
     valid, errors, checks, skip = None, [], [], False
     for i, args in enumerate(commands):
         if i >= 2 and not valid:
@@ -558,8 +561,11 @@ def run_case(runner, app, card: Path, out: Path, control: Path) -> tuple[str, st
                                                  if not r["passed"]))
         elif args[0] == "generate" and result.exit_code == 1 and _error_kind(result.stdout) == "failed":
             checks.append(f"generate: {json.loads(result.stdout)['error']['message'][:200]}")
-        elif "--best-of" in args and result.exit_code == 2 and "'tiny-judge'" in result.stdout:
+        elif ("--best-of" in args or args[0] in ("rl", "eval")) and result.exit_code == 2 and \
+                "'tiny-judge'" in result.stdout:
             continue  # the judge refused (its sizes mutated, or other than the card's images): not the card
+        elif args[0] in ("distill", "rl", "train") and result.exit_code == 1 and _error_kind(result.stdout) == "failed":
+            checks.append(f"{args[0]}: {json.loads(result.stdout)['error']['message'][:200]}")
         elif args[1] in ("merge", "extract-lora") and result.exit_code == 2:
             skip = True  # refused (unrelated, another architecture, the same weights): nothing to generate
             continue
@@ -570,6 +576,26 @@ def run_case(runner, app, card: Path, out: Path, control: Path) -> tuple[str, st
     if errors:
         return "validated_then_error", "; ".join(errors)
     return ("check_failed", "; ".join(checks)) if checks else ("ran", "")
+
+
+def training_commands(card: Path, work: Path) -> list[list[str]]:
+    """What makes a card from the mutated one, a step each (a card that validates must train too): a 1-step `distill`,
+    an `rl` step under the tiny judge, a LoRA `train` on it as the parent; and its `eval` where Fashion-MNIST is on
+    this machine."""
+    tiny = ["--set", "optim.steps=1", "--set", "optim.batch_size=2", "--set", "train.precision=float32"]
+    commands = [
+        ["distill", str(card), "--steps", "1", *tiny, "--no-eval", "--out", str(work / "student"), "--run-dir",
+         str(work / "runs" / "distill"), "--overwrite", "--json"],
+        ["rl", str(card), "--reward", str(card.parent / "tiny-judge"), *tiny, "--set", "loss.group_size=2", "--no-eval",
+         "--out", str(work / "tuned"), "--run-dir", str(work / "runs" / "rl"), "--overwrite", "--json"],
+        ["train", "--recipe", str(REPO / "examples" / "recipes" / "fashion-bold.yaml"), "--data",
+         str(REPO / "examples" / "images"), "--set", f"parents=[{card}]", "--set", "data.transform=none", "--set",
+         "model.adapter=mine", "--set", "card.id=fuzz-mine", *tiny, "--out", str(work / "mine"), "--run-dir",
+         str(work / "runs" / "train"), "--overwrite", "--json"]]
+    if os.environ.get("CARDTOOL_DATA") or Path("/usr/share/datasets/fashion-mnist").is_dir():
+        commands.append(["eval", str(card), "--steps", "2", "--per-class", "1", "--judge",
+                         str(card.parent / "tiny-judge"), "--out", str(work / "eval.json"), "--json"])
+    return commands
 
 
 def fuzz(cases: int, seed: int, on_case=None) -> dict:
@@ -605,6 +631,7 @@ def fuzz(cases: int, seed: int, on_case=None) -> dict:
             if outcome not in ("rejected", "ran") and len(details[outcome]) < 20:  # check_failed's, to read
                 details[outcome].append(f"{description} → {detail}"[:2000])
             shutil.rmtree(root, ignore_errors=True)
+            shutil.rmtree(Path(tmp) / "runs", ignore_errors=True)  # each case's training starts afresh
             if on_case:
                 on_case(case + 1, counts)
     return {"cases": cases, "seed": seed, "seconds": round(time.perf_counter() - started, 1),
