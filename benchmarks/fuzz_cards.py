@@ -4,9 +4,9 @@ for each LoRA and (with a control image) each ControlNet → `generate --best-of
 --image --mask` (inpainting the control image) → `cards lineage` → `cards diff` against tiny-base → `cards export
 --format hf` → `cards validate` of the export → `cards merge` with tiny-base and `generate` from the merged card →
 `cards extract-lora` of its change to tiny-base and `generate` from the adapter card (a refused merge or extraction is
-no failure) → a step of `distill`, of `rl` and of a LoRA `train` on it → its `eval` (with Fashion-MNIST here), in
-process, with counts by outcome. The seed cards: the tiny example
-cards and `tiny-control`, a ControlNet on tiny-base made here.
+no failure) → a step of `distill`, of `rl` and of a LoRA `train` on it, the LoRA composed onto it as a serving card
+that generates with it → its `eval` (with Fashion-MNIST here), in process, with counts by outcome. The seed cards:
+the tiny example cards and `tiny-control`, a ControlNet on tiny-base made here.
 
 Outcomes: `rejected` (validation refused it with a clean error), `ran` (it validated, and show, generate and
 parity all succeeded), `check_failed` (it ran, and parity reported a numeric mismatch or generate found the images
@@ -535,12 +535,12 @@ def run_case(runner, app, card: Path, out: Path, control: Path) -> tuple[str, st
                   "fuzz-lora", "--out", str(lora), "--overwrite", "--json"],
                  ["generate", str(lora), "-p", "a bag", "--steps", "2", "--json", "--out", str(out)]]
     commands += training_commands(card, out.parent)
-    valid, errors, checks, skip = None, [], [], False
+    valid, errors, checks, skip = None, [], [], 0
     for i, args in enumerate(commands):
         if i >= 2 and not valid:
             break
-        if skip:  # the generate after a refused merge or extraction
-            skip = False
+        if skip:  # the generate after a refused merge or extraction, the serving card of a LoRA not trained
+            skip -= 1
             continue
         signal.alarm(HANG_SECONDS)
         try:
@@ -566,8 +566,9 @@ def run_case(runner, app, card: Path, out: Path, control: Path) -> tuple[str, st
             continue  # the judge refused (its sizes mutated, or other than the card's images): not the card
         elif args[0] in ("distill", "rl", "train") and result.exit_code == 1 and _error_kind(result.stdout) == "failed":
             checks.append(f"{args[0]}: {json.loads(result.stdout)['error']['message'][:200]}")
+            skip = 2 if args[0] == "train" else 0
         elif args[1] in ("merge", "extract-lora") and result.exit_code == 2:
-            skip = True  # refused (unrelated, another architecture, the same weights): nothing to generate
+            skip = 1  # refused (unrelated, another architecture, the same weights): nothing to generate
             continue
         elif result.exit_code != 0:
             errors.append(f"{args[0]}: {result.stdout[:300]}")
@@ -580,8 +581,8 @@ def run_case(runner, app, card: Path, out: Path, control: Path) -> tuple[str, st
 
 def training_commands(card: Path, work: Path) -> list[list[str]]:
     """What makes a card from the mutated one, a step each (a card that validates must train too): a 1-step `distill`,
-    an `rl` step under the tiny judge, a LoRA `train` on it as the parent; and its `eval` where Fashion-MNIST is on
-    this machine."""
+    an `rl` step under the tiny judge, a LoRA `train` on it as the parent, composed onto it as a serving card that
+    generates with the LoRA; and its `eval` where Fashion-MNIST is on this machine."""
     tiny = ["--set", "optim.steps=1", "--set", "optim.batch_size=2", "--set", "train.precision=float32"]
     commands = [
         ["distill", str(card), "--steps", "1", *tiny, "--no-eval", "--out", str(work / "student"), "--run-dir",
@@ -591,7 +592,11 @@ def training_commands(card: Path, work: Path) -> list[list[str]]:
         ["train", "--recipe", str(REPO / "examples" / "recipes" / "fashion-bold.yaml"), "--data",
          str(REPO / "examples" / "images"), "--set", f"parents=[{card}]", "--set", "data.transform=none", "--set",
          "model.adapter=mine", "--set", "card.id=fuzz-mine", *tiny, "--out", str(work / "mine"), "--run-dir",
-         str(work / "runs" / "train"), "--overwrite", "--json"]]
+         str(work / "runs" / "train"), "--overwrite", "--json"],
+        ["cards", "compose", str(card), str(work / "mine"), "--id", "fuzz-served", "--out", str(work / "served"),
+         "--overwrite", "--json"],
+        ["generate", str(work / "served"), "-p", "a bag", "--steps", "2", "--adapter", "mine", "--json", "--out",
+         str(work / "out")]]
     if os.environ.get("CARDTOOL_DATA") or Path("/usr/share/datasets/fashion-mnist").is_dir():
         commands.append(["eval", str(card), "--steps", "2", "--per-class", "1", "--judge",
                          str(card.parent / "tiny-judge"), "--out", str(work / "eval.json"), "--json"])
