@@ -206,16 +206,24 @@ _CASES = {"flow_match_step": _flow_match_step, "flow_sde_step": _flow_sde_step,
           "gelu_tanh": _gelu_tanh, "linear": _linear}
 
 
-def run_parity(platform: Platform, op: str | None = None) -> list[ParityRow]:
-    """A row per (available non-reference cell, dtype) on `platform`, optionally for one op."""
-    rows = []
+def parity_checks(platform: Platform, op: str | None = None) -> list[tuple[Cell, str]]:
+    """Each (available non-reference cell, dtype) on `platform` that parity compares, optionally for one op."""
+    checks = []
     for cell in KERNELS.cells():
-        name = cell.key[0]
-        if cell.reference or (op is not None and name != op) or KERNELS.reasons(cell, platform):
+        if cell.reference or (op is not None and cell.key[0] != op) or KERNELS.reasons(cell, platform):
             continue
         # float32 always runs against numpy: the low-precision rows compare with the op in float32
-        for dtype in cell.dtypes if "float32" in cell.dtypes else ("float32",) + cell.dtypes:
-            rows.append(_check(cell, dtype, platform))
+        checks += [(cell, dtype) for dtype in (cell.dtypes if "float32" in cell.dtypes else ("float32",) + cell.dtypes)]
+    return checks
+
+
+def run_parity(platform: Platform, op: str | None = None, on_row=None) -> list[ParityRow]:
+    """A row per check of `parity_checks`, calling `on_row()` after each."""
+    rows = []
+    for cell, dtype in parity_checks(platform, op):
+        rows.append(_check(cell, dtype, platform))
+        if on_row:
+            on_row()
     return rows
 
 

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from cardtool.cli.output import console, emit_json, handled
+from cardtool.cli.output import LateProgress, console, emit_json, handled
 
 
 def parity_command(
@@ -16,10 +16,17 @@ def parity_command(
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (see README).")] = False,
 ) -> None:
     """Run every available kernel cell on seeded inputs and compare; exit 1 if any cell fails."""
+    import sys
+
     from cardtool.core.evaluation.parity_report import parity
 
     with handled(json_):
-        report = parity(card, device=device, op=op)
+        progress = LateProgress(enabled=not json_ or not sys.stderr.isatty(), terminal=sys.stderr.isatty(),
+                                what="comparing", unit="checks")
+        try:
+            report = parity(card, device=device, op=op, on_progress=progress)
+        finally:
+            progress.stop()
     platform, rows, ok = report.platform, report.rows, report.ok
     if json_:
         emit_json(report.to_json())

@@ -6,6 +6,7 @@ schema's LADDER), checked on this platform."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -20,7 +21,7 @@ from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache, encode_prompts
 
-__all__ = ["card_parity", "adapter_rows", "contract_rows", "generation_rows", "unchecked"]
+__all__ = ["card_parity", "card_parts", "adapter_rows", "contract_rows", "generation_rows", "unchecked"]
 
 
 # one CFG request on the ODE, one unguided request on the SDE with a shifted grid, one on the re-noising rule, one
@@ -31,14 +32,24 @@ PARITY_REQUESTS = (Request("an ankle boot", seed=0, steps=3, guidance=3.0, guida
                    Request("a coat", seed=3, steps=4, guidance=2.0, solver="dpmpp_2m"))
 
 
-def card_parity(card: Card, platform: Platform) -> list[ParityRow]:
+def card_parity(card: Card, platform: Platform, on_part=None) -> list[ParityRow]:
+    """The rows of each part of `card_parts`, calling `on_part()` after each."""
     rows = []
-    for name, component in card.manifest.components.items():
-        if component.weights or component.source:
-            rows += component_rows(name, component.impl, component.config,
-                                   card.weights_file(name) if component.weights else None, platform,
-                                   card.source_path(name))
-    return rows + generation_rows(card, platform) + adapter_rows(card, platform) + contract_rows(card, platform)
+    for part in card_parts(card, platform):
+        rows += part()
+        if on_part:
+            on_part()
+    return rows
+
+
+def card_parts(card: Card, platform: Platform) -> list:
+    """What `parity --card` runs, in order, each a call giving rows: a component against its numpy forward (each
+    one with weights or a source), the generation, the adapters and the contract."""
+    parts = [functools.partial(component_rows, name, component.impl, component.config,
+                               card.weights_file(name) if component.weights else None, platform,
+                               card.source_path(name))
+             for name, component in card.manifest.components.items() if component.weights or component.source]
+    return parts + [functools.partial(made, card, platform) for made in (generation_rows, adapter_rows, contract_rows)]
 
 
 def unchecked(card: Card, platform: Platform, rows: list[ParityRow]) -> list[dict]:

@@ -5,6 +5,7 @@ promised consistency (card_parity.py) — the report the command prints; `.to_js
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cardtool.backends.parity import ParityRow
@@ -34,27 +35,41 @@ class ParityReport:
                 "unchecked": self.unchecked}
 
 
-def parity(card: str | os.PathLike | None = None, *, device: str | None = None, op: str | None = None) -> ParityReport:
+def parity(card: str | os.PathLike | None = None, *, device: str | None = None, op: str | None = None,
+           on_progress: Callable[[int, int], None] | None = None) -> ParityReport:
     """`cardtool parity [--card CARD] [--device D] [--op OP]`: a row per cell and dtype compared, `ok` when all
     passed, and with a card what of it no row compared (`unchecked`). A failed row is a finding, not an error:
-    BadInput is for an unknown device, op or card."""
+    BadInput is for an unknown device, op or card. `on_progress(done, total)` follows the checks: each kernel cell
+    and dtype, and each part of the card's (a component, the generation, the adapters, the contract)."""
     from cardtool.backends.builtin import OPS
-    from cardtool.backends.parity import run_parity
+    from cardtool.backends.parity import parity_checks, run_parity
     from cardtool.backends.registry import KERNELS
 
-    check(texts={"device": device, "op": op}, paths={}, flags={}, whole={}, callbacks={})
+    check(texts={"device": device, "op": op}, paths={}, flags={}, whole={}, callbacks={"on_progress": on_progress})
     card = None if card is None else card_ref("card", card)
     platform = Platform.detect(device)
     known = {cell.key[0] for cell in KERNELS.cells()} | set(OPS)
     if op is not None and op not in known:
         raise BadInput(f"unknown op '{op}'; ops: {', '.join(sorted(known))}")
-    report = ParityReport(platform, run_parity(platform, op))
+    loaded = None
     if card is not None:
         from cardtool.core.cards.loader import load_card
-        from cardtool.core.evaluation.card_parity import card_parity, unchecked
+        from cardtool.core.evaluation.card_parity import card_parts
 
         loaded = load_card(card)
-        found = card_parity(loaded, platform)
+    done, total = 0, len(parity_checks(platform, op)) + (len(card_parts(loaded, platform)) if loaded else 0)
+
+    def one_more() -> None:
+        nonlocal done
+        done += 1
+        if on_progress:
+            on_progress(done, total)
+
+    report = ParityReport(platform, run_parity(platform, op, one_more))
+    if loaded is not None:
+        from cardtool.core.evaluation.card_parity import card_parity, unchecked
+
+        found = card_parity(loaded, platform, one_more)
         report.rows += found
         report.unchecked = unchecked(loaded, platform, found)
     return report
