@@ -57,7 +57,7 @@ def parity(card: str | os.PathLike | None = None, *, device: str | None = None, 
         from cardtool.core.evaluation.card_parity import card_parts
 
         loaded = load_card(card)
-    done, total = 0, len(parity_checks(platform, op)) + (len(card_parts(loaded, platform)) if loaded else 0)
+    done, total = 0, len(parity_checks(platform, op)) + (len(card_parts(loaded, platform)) if loaded is not None else 0)
 
     def one_more() -> None:
         nonlocal done
