@@ -171,7 +171,9 @@ def test_unknown_component_and_loop(examples):
 
 
 def test_card_parity_compares_dit_and_vae_with_numpy(examples):
-    rows = card_parity(load_card(examples / "tiny-base"), CPU)
+    parts = []
+    rows = card_parity(load_card(examples / "tiny-base"), CPU, lambda: parts.append(True))
+    assert len(parts) == 6, "its three components, the generation, the adapters and the contract, each said when done"
     assert {(r.cell, r.dtype) for r in rows} == {
         (f"{n}/cpu/generic", d) for n in ("text_encoder:hf-encoder", "vae:conv-vae", "transformer:wan-dit",
                                           "generate:denoise", "adapters.invert:lora")
@@ -321,17 +323,20 @@ def test_a_builder_given_weights_of_another_config_names_what_does_not_fit(examp
 
 def test_parity_reports_its_progress_through_each_kernel_check_and_each_part_of_the_card(examples, monkeypatch):
     """`parity --card` ran 12 s (16 with adapters) on fashion-base saying nothing: `on_progress(done, total)` follows
-    each kernel cell and dtype and each part of the card (a component, the generation, the adapters, the contract),
-    and the command shows it (a bar on a terminal, a line now and then in a log)."""
+    each kernel cell and dtype and each part of the card (a component, the generation, the adapters, the contract:
+    `card_parts`, counted in the test above), and the command shows it (a bar on a terminal, a line now and then in a
+    log)."""
     from cardtool.cli import output
+    from cardtool.core.evaluation import card_parity as parts_of
     from cardtool.core.evaluation.parity_report import parity
 
     seen = []
-    report = parity(examples / "tiny-base", device="cpu", on_progress=lambda done, total: seen.append((done, total)))
-    parts = ("text_encoder:", "vae:", "transformer:", "generate:", "adapters.", "contract:")
-    kernel_rows = [r for r in report.rows if not r.cell.startswith(parts)]
-    total = len(kernel_rows) + len(parts)
-    assert seen == [(i, total) for i in range(1, total + 1)] and len(kernel_rows) > 20
+    kernels = len(parity(device="cpu", on_progress=lambda done, total: seen.append((done, total))).rows)
+    assert seen == [(i, kernels) for i in range(1, kernels + 1)] and kernels > 20
+    monkeypatch.setattr(parts_of, "card_parts", lambda card, platform: [lambda: [], lambda: []])  # two quick parts
+    seen.clear()
+    parity(examples / "tiny-base", device="cpu", on_progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(i, kernels + 2) for i in range(1, kernels + 3)]
     monkeypatch.setattr(output.LateProgress, "LINE_EVERY", 0.0)
-    result = CliRunner().invoke(app, ["parity", "--card", str(examples / "tiny-base")])
-    assert result.exit_code == 0 and f"comparing 2 of {total} checks" in result.stderr, result.stderr
+    result = CliRunner().invoke(app, ["parity", "--device", "cpu"])
+    assert result.exit_code == 0 and f"comparing 2 of {kernels} checks" in result.stderr, result.stderr
