@@ -8,8 +8,8 @@ no failure) → a step of `distill`, of `rl` and of a LoRA `train` on it, the Lo
 that generates with it → its `eval` (with Fashion-MNIST here), in process, with counts by outcome. The seed cards:
 the tiny example cards and `tiny-control`, a ControlNet on tiny-base made here.
 
-Outcomes: `rejected` (validation refused it with a clean error), `ran` (it validated, and show, generate and
-parity all succeeded), `check_failed` (it ran, and parity reported a numeric mismatch or generate found the images
+Outcomes: `rejected` (validation refused it with a clean error), `ran` (it validated, and every command after
+succeeded), `check_failed` (it ran, and parity reported a numeric mismatch or generate found the images
 NaN or inf — e.g. weights of 1e30 that overflow; weights holding NaN or inf themselves `--checksums` rejects — or a
 training step stopped as failed, its loss not finite),
 `validated_then_error` (it validated, then a command exited with a
