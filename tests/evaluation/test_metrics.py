@@ -32,6 +32,19 @@ def test_the_distance_to_a_fixed_real_side_is_the_frechet_distance():
     assert FrechetTo(b)(a) == pytest.approx(frechet_distance(a, b), rel=1e-9)
 
 
+def test_one_feature_gives_the_univariate_frechet_distance():
+    """A judge with `features: 1` validates: its FID is (μa − μb)² + (σa − σb)², where numpy's covariance of one
+    column (a 0-d array) ended `eval` in a LinAlgError."""
+    from cardtool.core.evaluation.metrics import FrechetTo
+
+    rng = np.random.default_rng(5)
+    a, b = rng.standard_normal((300, 1)) * 2.0 + 1.0, rng.standard_normal((500, 1)) * 0.5
+    expected = (a.mean() - b.mean()) ** 2 + (a.std(ddof=1) - b.std(ddof=1)) ** 2
+    assert frechet_distance(a, b) == pytest.approx(expected, rel=1e-9)
+    assert FrechetTo(b)(a) == pytest.approx(expected, rel=1e-9) and frechet_std(a, b, resamples=5) > 0
+    assert np.isfinite(kernel_distance(a, b, subsets=3)[0]) and precision_recall(a, b, k=3)[0] >= 0
+
+
 @pytest.mark.parametrize(("generated", "real", "size"), [(40, 70, 30), (30, 2100, 30), (30, 70, 50)],
                          ids=["a-subset-of-each", "all-of-a-and-real-in-chunks", "all-of-a-larger-than-real"])
 def test_kid_is_the_unbiased_mmd_of_the_cubic_kernel_over_subsets_drawn_without_repeats(generated, real, size):

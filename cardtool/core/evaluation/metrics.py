@@ -16,6 +16,12 @@ __all__ = ["FrechetTo", "frechet_distance", "frechet_std", "kernel_distance", "f
            "wilson_interval"]
 
 
+def _covariance(rows: np.ndarray) -> np.ndarray:
+    """The (d, d) covariance of feature rows (N, d): numpy's is a 0-d array for one feature (a judge with
+    `features: 1`), which the eigendecompositions refuse."""
+    return np.atleast_2d(np.cov(rows, rowvar=False))
+
+
 def _sqrtm_psd(matrix: np.ndarray) -> np.ndarray:
     values, vectors = np.linalg.eigh((matrix + matrix.T) / 2)
     return (vectors * np.sqrt(np.clip(values, 0, None))) @ vectors.T
@@ -29,7 +35,7 @@ def _trace_sqrtm_psd(matrix: np.ndarray) -> float:
 def frechet_distance(a: np.ndarray, b: np.ndarray) -> float:
     """‖μa − μb‖² + Tr(Σa + Σb − 2(Σa^½ Σb Σa^½)^½) for feature rows a (N, d) and b (M, d)."""
     mu_a, mu_b = a.mean(0), b.mean(0)
-    cov_a, cov_b = np.cov(a, rowvar=False), np.cov(b, rowvar=False)
+    cov_a, cov_b = _covariance(a), _covariance(b)
     root_a = _sqrtm_psd(cov_a)
     cross = _trace_sqrtm_psd(root_a @ cov_b @ root_a)
     return float(((mu_a - mu_b) ** 2).sum() + np.trace(cov_a) + np.trace(cov_b) - 2 * cross)
@@ -40,11 +46,11 @@ class FrechetTo:
     once: Tr((Σa^½ Σb Σa^½)^½) = Tr((Σb^½ Σa Σb^½)^½)."""
 
     def __init__(self, b: np.ndarray):
-        self.mu, self.cov = b.mean(0), np.cov(b, rowvar=False)
+        self.mu, self.cov = b.mean(0), _covariance(b)
         self.root = _sqrtm_psd(self.cov)
 
     def __call__(self, a: np.ndarray) -> float:
-        cov_a = np.cov(a, rowvar=False)
+        cov_a = _covariance(a)
         cross = _trace_sqrtm_psd(self.root @ cov_a @ self.root)
         return float(((a.mean(0) - self.mu) ** 2).sum() + np.trace(cov_a) + np.trace(self.cov) - 2 * cross)
 
