@@ -54,7 +54,7 @@ def parity(card: str | os.PathLike | None = None, *, device: str | None = None, 
     loaded = None
     if card is not None:
         from cardtool.core.cards.loader import load_card
-        from cardtool.core.evaluation.card_parity import card_parts
+        from cardtool.core.evaluation.card_parity import card_parity, card_parts, unchecked
 
         loaded = load_card(card)
     done, total = 0, len(parity_checks(platform, op)) + (len(card_parts(loaded, platform)) if loaded is not None else 0)
@@ -67,8 +67,6 @@ def parity(card: str | os.PathLike | None = None, *, device: str | None = None, 
 
     report = ParityReport(platform, run_parity(platform, op, one_more))
     if loaded is not None:
-        from cardtool.core.evaluation.card_parity import card_parity, unchecked
-
         found = card_parity(loaded, platform, one_more)
         report.rows += found
         report.unchecked = unchecked(loaded, platform, found)
