@@ -340,3 +340,15 @@ def test_parity_reports_its_progress_through_each_kernel_check_and_each_part_of_
     monkeypatch.setattr(output.LateProgress, "LINE_EVERY", 0.0)
     result = CliRunner().invoke(app, ["parity", "--device", "cpu"])
     assert result.exit_code == 0 and f"comparing 2 of {kernels} checks" in result.stderr, result.stderr
+
+
+def test_parity_refuses_a_card_it_cannot_find_before_any_kernel_runs(monkeypatch):
+    from cardtool.backends import parity as kernel_parity
+    from cardtool.core.evaluation.parity_report import parity
+
+    def ran(*args):
+        raise AssertionError("a kernel check ran before the card was found")
+
+    monkeypatch.setattr(kernel_parity, "_check", ran)
+    with pytest.raises(BadInput, match="no card with id 'no-such-card'"):
+        parity("no-such-card", device="cpu")
