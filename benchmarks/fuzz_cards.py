@@ -1,12 +1,13 @@
 """Fuzz cards: mutated manifests, weights (LoRA headers too), files and component sizes (with weights rewritten to
-fit) run through `cards validate --checksums` → `cards show` → `generate` → `parity --card` → `generate --adapter`
-for each LoRA and (with a control image) each ControlNet → `generate --best-of 2` under the tiny judge → `generate
---image --mask` (inpainting the control image) → `cards lineage` → `cards diff` against tiny-base → `cards export
---format hf` → `cards validate` of the export → `cards merge` with tiny-base and `generate` from the merged card →
-`cards extract-lora` of its change to tiny-base and `generate` from the adapter card (a refused merge or extraction is
-no failure) → a step of `distill`, of `rl` and of a LoRA `train` on it, the LoRA composed onto it as a serving card
-that generates with it → its `eval` (with Fashion-MNIST here), in process, with counts by outcome. The seed cards:
-the tiny example cards and `tiny-control`, a ControlNet on tiny-base made here.
+fit) run through `cards validate --checksums` → `cards show` → `generate` (and again on the numpy platform or at
+bfloat16, float16 or float64, drawn per case) → `parity --card` → `generate --adapter` for each LoRA and (with a
+control image) each ControlNet → `generate --best-of 2` under the tiny judge → `generate --image --mask` (inpainting
+the control image) → `cards lineage` → `cards diff` against tiny-base → `cards export --format hf` → `cards validate`
+of the export → `cards merge` with tiny-base and `generate` from the merged card → `cards extract-lora` of its change
+to tiny-base and `generate` from the adapter card (a refused merge or extraction is no failure) → a step of `distill`,
+of `rl` and of a LoRA `train` on it (at float32 or bfloat16, drawn per case), the LoRA composed onto it as a serving
+card that generates with it → its `eval` (with Fashion-MNIST here), in process, with counts by outcome. The seed
+cards: the tiny example cards and `tiny-control`, a ControlNet on tiny-base made here.
 
 Outcomes: `rejected` (validation refused it with a clean error), `ran` (it validated, and every command after
 succeeded), `check_failed` (it ran, and parity reported a numeric mismatch or generate found the images
@@ -506,13 +507,24 @@ def _error_kind(stdout: str) -> str | None:
     return error.get("kind") if isinstance(error, dict) else None
 
 
-def run_case(runner, app, card: Path, out: Path, control: Path) -> tuple[str, str]:
-    """(outcome, detail) of one mutated card through the commands: validate, show, generate, parity, generate
-    with each LoRA and ControlNet it declares, lineage, export and the export's validation, a merge with tiny-base and
-    a LoRA extracted against it, each generating, and the training commands and eval on it."""
+# a card that validates must run at every precision and on the numpy reference platform, not only at its default:
+# each case generates once more under one of these, and trains at one of TRAIN_PRECISIONS
+VARIANTS = (["--device", "numpy"], ["--precision", "bfloat16"], ["--precision", "float16"], ["--precision", "float64"])
+TRAIN_PRECISIONS = ("float32", "bfloat16")
+
+
+def run_case(runner, app, card: Path, out: Path, control: Path, variant: tuple[list[str], str] = ([], "float32")) \
+        -> tuple[str, str]:
+    """(outcome, detail) of one mutated card through the commands: validate, show, generate (also under `variant`'s
+    device or precision), parity, generate with each LoRA and ControlNet it declares, lineage, export and the export's
+    validation, a merge with tiny-base and a LoRA extracted against it, each generating, and the training commands
+    (at `variant`'s training precision) and eval on it."""
+    options, training_precision = variant
     commands = [["cards", "validate", "--checksums", "--json", str(card)], ["cards", "show", "--json", str(card)],
                 ["generate", str(card), "-p", "a bag", "--steps", "2", "--json", "--out", str(out)],
                 ["parity", "--card", str(card), "--op", "cfg_combine", "--json"]]
+    if options:
+        commands.append(["generate", str(card), "-p", "a bag", "--steps", "2", *options, "--json", "--out", str(out)])
     commands += [["generate", str(card), "-p", "a bag", "--steps", "2", "--adapter", name, "--json", "--out", str(out)]
                  for name in _adapter_names(card, "lora")]  # a card that validates must serve every adapter it declares
     commands += [["generate", str(card), "-p", "a bag", "--steps", "2", "--adapter", name, "--control", str(control),
@@ -534,7 +546,7 @@ def run_case(runner, app, card: Path, out: Path, control: Path) -> tuple[str, st
     commands += [["cards", "extract-lora", str(card.parent / "tiny-base"), str(card), "--rank", "3", "--id",
                   "fuzz-lora", "--out", str(lora), "--overwrite", "--json"],
                  ["generate", str(lora), "-p", "a bag", "--steps", "2", "--json", "--out", str(out)]]
-    commands += training_commands(card, out.parent)
+    commands += training_commands(card, out.parent, training_precision)
     valid, errors, checks, skip = None, [], [], 0
     for i, args in enumerate(commands):
         if i >= 2 and not valid:
@@ -581,11 +593,11 @@ def run_case(runner, app, card: Path, out: Path, control: Path) -> tuple[str, st
     return ("check_failed", "; ".join(checks)) if checks else ("ran", "")
 
 
-def training_commands(card: Path, work: Path) -> list[list[str]]:
-    """What makes a card from the mutated one, a step each (a card that validates must train too): a 1-step `distill`,
-    an `rl` step under the tiny judge, a LoRA `train` on it as the parent, composed onto it as a serving card that
-    generates with the LoRA; and its `eval` where Fashion-MNIST is on this machine."""
-    tiny = ["--set", "optim.steps=1", "--set", "optim.batch_size=2", "--set", "train.precision=float32"]
+def training_commands(card: Path, work: Path, precision: str = "float32") -> list[list[str]]:
+    """What makes a card from the mutated one, a step each at `precision` (a card that validates must train too): a
+    1-step `distill`, an `rl` step under the tiny judge, a LoRA `train` on it as the parent, composed onto it as a
+    serving card that generates with the LoRA; and its `eval` where Fashion-MNIST is on this machine."""
+    tiny = ["--set", "optim.steps=1", "--set", "optim.batch_size=2", "--set", f"train.precision={precision}"]
     commands = [
         ["distill", str(card), "--steps", "1", *tiny, "--no-eval", "--out", str(work / "student"), "--run-dir",
          str(work / "runs" / "distill"), "--overwrite", "--json"],
@@ -631,12 +643,17 @@ def fuzz(cases: int, seed: int, on_case=None) -> dict:
             root = Path(tmp) / f"case{case}"
             shutil.copytree(seeds, root)
             description = mutate(rng, root)
-            outcome, detail = run_case(runner, app, root / description.split(":")[0], Path(tmp) / "out", control)
+            drawn = random.Random(f"{seed}/{case}")  # apart from `rng`, so a seed mutates the cards it always did
+            variant = (drawn.choice(VARIANTS), drawn.choice(TRAIN_PRECISIONS))
+            outcome, detail = run_case(runner, app, root / description.split(":")[0], Path(tmp) / "out", control,
+                                       variant)
             counts[outcome] += 1
             if outcome not in ("rejected", "ran", "check_failed"):
-                print(f"case {case} {outcome}: {description} → {detail}", file=sys.stderr, flush=True)
+                print(f"case {case} {outcome}: {description} [{' '.join(variant[0])}, trained at {variant[1]}] → "
+                      f"{detail}", file=sys.stderr, flush=True)
             if outcome not in ("rejected", "ran") and len(details[outcome]) < 20:  # check_failed's, to read
-                details[outcome].append(f"{description} → {detail}"[:2000])
+                details[outcome].append(f"{description} [{' '.join(variant[0])}, trained at {variant[1]}] → "
+                                        f"{detail}"[:2000])
             shutil.rmtree(root, ignore_errors=True)
             shutil.rmtree(Path(tmp) / "runs", ignore_errors=True)  # each case's training starts afresh
             if on_case:
