@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 __all__ = ["CardtoolError", "BadInput", "RunFailed", "OutOfMemory", "CardNotFound", "AmbiguousCard", "Problem",
-           "CardValidationError", "as_cardtool_error", "escaped_surrogates", "said_as_cardtool_errors", "write_remedy"]
+           "CardValidationError", "as_cardtool_error", "disk_said", "escaped_surrogates", "said_as_cardtool_errors",
+           "write_remedy"]
 
 
 class CardtoolError(Exception):
@@ -78,11 +79,21 @@ class OutOfMemory(RunFailed):
             raise failed from None
 
 
+# the errnos of a disk that refuses more writes (full, over quota, past the file-size limit, mounted read-only): the
+# user can do something about each, which the message says (`disk_said`)
+WRITES_REFUSED = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+
+
+def disk_said(error: OSError) -> str:
+    """`error`'s reason as a message says it: its text, and for a disk that refuses writes what to do about it
+    (`write_remedy`) — 'No space left on device — free space on its disk'."""
+    reason = error.strerror or str(error)
+    return f"{reason} — {write_remedy(error)}" if error.errno in WRITES_REFUSED else reason
+
+
 def write_remedy(error: OSError) -> str:
     """What to do about a write that failed with `error`, by its errno: free space for a full disk, raise the
     file-size limit for EFBIG, make the folder writable for a refusal — else look at the disk."""
-    import errno
-
     return {errno.ENOSPC: "free space on its disk", errno.EDQUOT: "free space within your disk quota",
             errno.EFBIG: "raise the file-size limit (ulimit -f)", errno.EACCES: "make its folder writable",
             errno.EPERM: "make its folder writable", errno.EROFS: "put it on a writable file system"}.get(
@@ -180,7 +191,7 @@ def said_as_cardtool_errors(call):
 def _os_failure(error: OSError) -> CardtoolError:
     where = f"{error.filename}: " if error.filename else ""
     failure = BadInput if error.errno in (errno.ENAMETOOLONG, errno.ELOOP) else RunFailed
-    return failure(f"{where}{error.strerror or error}")
+    return failure(f"{where}{disk_said(error)}")
 
 
 def _symlink_loop(error: BaseException) -> OSError | None:

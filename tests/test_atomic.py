@@ -252,3 +252,20 @@ def test_a_folder_a_peer_removes_between_its_making_and_the_proof_is_made_again(
     monkeypatch.setattr(tempfile, "NamedTemporaryFile", peer_removes_it_first)
     assert writable_folder(tmp_path / "runs" / "distill", "the run folder", keep=False) == tmp_path / "runs" / "distill"
     assert removed == [tmp_path / "runs" / "distill"] and not (tmp_path / "runs").exists(), "made, proven, removed"
+
+
+def test_a_folder_on_a_full_disk_is_refused_with_what_to_do(tmp_path, monkeypatch):
+    import errno
+    import tempfile
+
+    from cardtool.atomic import writable_folder
+    from cardtool.errors import BadInput
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", full)
+    with pytest.raises(BadInput, match=r"^cannot write to the run folder .*run: No space left on device — free space "
+                                       r"on its disk$"):
+        writable_folder(tmp_path / "run", "the run folder", keep=False)
+    assert not (tmp_path / "run").exists()

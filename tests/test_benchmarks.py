@@ -376,3 +376,36 @@ def test_kill_fuzzer_stops_a_command_finishes_it_and_compares_every_file(tmp_pat
     (tmp_path / "b" / ".card.123.tmp" / "w.safetensors").write_text("")
     assert _files(tmp_path / "a")["card/card.yaml"] != _files(tmp_path / "b")["card/card.yaml"]
     assert ".card.123.tmp/w.safetensors" in _files(tmp_path / "b")
+
+
+def test_disk_fuzzer_fails_a_write_and_judges_what_the_failed_run_left(tmp_path, monkeypatch):
+    """The kernel refuses writes past a file-size limit; a failed run that left half a file, a temporary or a
+    traceback, or that said it succeeded without its files, is told from one that left only what the run without a
+    limit writes and was finished by a rerun."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import fuzz_disk
+
+    failing = fuzz_disk._failed
+
+    def leaving(args, where, env, preexec):
+        done = failing(args, where, env, preexec)
+        if where.name == "0":
+            (where / "soup").mkdir(exist_ok=True)
+            (where / "soup" / "transformer.safetensors").write_bytes(b"half")
+        elif where.name == "1":
+            (where / "soup").mkdir(exist_ok=True)
+            (where / "soup" / ".card.yaml.1-0.tmp").write_text("")
+        elif where.name == "2":
+            done.stderr += "Traceback (most recent call last):\n"
+        elif where.name == "3":
+            done.returncode, done.stderr = 0, ""
+        return done
+
+    monkeypatch.setattr(fuzz_disk, "_failed", leaving)
+    report = fuzz_disk.fuzz(["merge"], 5, 1, ["fsize"], tmp_path / "scratch")
+    cases = report["cases"]
+    assert [c["outcome"] for c in cases] == ["partial", "stray", "traceback", "silent", "ok"], cases
+    assert cases[0]["detail"] == "soup/transformer.safetensors" and "soup/card.yaml" in cases[3]["detail"]
+    # the last run, left as it was: the write refused, said with what to do, then the rerun finished it
+    assert cases[4]["failed_exit"] == 1 and cases[4]["said"].startswith(
+        "error soup: File too large — raise the file-size limit (ulimit -f)"), cases[4]

@@ -115,9 +115,41 @@ def test_a_disk_failing_mid_run_is_a_message_not_a_traceback_and_keeps_what_was_
     assert result.exit_code == 1, result.output
     error = json.loads(result.stdout)["error"]
     assert error["kind"] == "failed" and "No space left on device" in error["message"] and "out" in error["message"]
-    assert "the 2 images written before it are kept" in error["message"]
+    assert "No space left on device — free space on its disk; the 2 images written before it are kept: the same " \
+        "command with --skip-existing makes the rest" in error["message"]
     assert [image["path"] for image in error["partial"]["images"]] == [str(p) for p in written]
     assert all(p.is_file() for p in written)
+
+
+@pytest.mark.parametrize(("count", "out", "said"), [
+    (0, "out", "no image was written before it"),
+    (1, "out", "the 1 image written before it is kept: the same command with --skip-existing makes the rest"),
+    (3, None, "the 3 images made before it are kept (out=None: none is written)"),
+])
+def test_a_generation_a_failure_stops_says_what_it_keeps_in_words(count, out, said):
+    from cardtool.core.sampling.generate import _kept_before
+
+    assert _kept_before(count, out) == said
+
+
+@pytest.mark.parametrize(("code", "said"), [
+    (errno.ENOSPC, "out/x.png: No space left on device — free space on its disk"),
+    (errno.EFBIG, "out/x.png: File too large — raise the file-size limit (ulimit -f)"),
+    (errno.EROFS, "out/x.png: Read-only file system — put it on a writable file system"),
+    (errno.EACCES, "out/x.png: Permission denied"),  # a read refused too: no advice that could be wrong
+    (errno.EIO, "out/x.png: Input/output error"),
+])
+def test_a_disk_refusing_writes_mid_command_says_what_to_do(code, said):
+    """Any command's failing write the CLI reports (a merged card's weights, a run folder made once the disk is
+    full) names the remedy of a full disk, a quota, a file-size limit or a read-only mount, as training's do."""
+    import os
+
+    from cardtool.errors import RunFailed, as_cardtool_error
+
+    with pytest.raises(RunFailed) as caught:
+        with as_cardtool_error():
+            raise OSError(code, os.strerror(code), "out/x.png")
+    assert str(caught.value) == said
 
 
 def test_an_unwritable_feature_cache_costs_nothing_but_its_reuse(tmp_path, monkeypatch):

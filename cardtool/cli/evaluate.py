@@ -71,7 +71,7 @@ def eval_command(
 
     with handled(json_):
         from cardtool.core.sampling.adapters import parse_adapter
-        from cardtool.errors import BadInput, RunFailed
+        from cardtool.errors import BadInput, RunFailed, disk_said
 
         if versus is not None:
             given = [name for name, value in (("--record", record), ("--out", out), ("--resume", resume),
@@ -114,7 +114,7 @@ def eval_command(
             try:
                 record_eval(card, report.to_json())
             except OSError as e:  # a full disk: the measured rows are not lost with the record
-                raise RunFailed(f"the eval ran, but recording it failed: {e.filename or card}: {e.strerror or e}; "
+                raise RunFailed(f"the eval ran, but recording it failed: {e.filename or card}: {disk_said(e)}; "
                                 "its report is under 'partial' (--json)", report.to_json()) from None
     if report.rank != 0:  # under torchrun rank 0 reports for every rank
         return

@@ -284,8 +284,11 @@ def test_a_validation_error_prints_each_problem_and_in_json_mode_one_document(ca
 
 
 @pytest.mark.parametrize("error, code, line", [
-    (OSError(errno.ENOSPC, "No space left on device", "/out/a.png"), 1, "error /out/a.png: No space left on device"),
-    (OSError(errno.EROFS, "Read-only file system"), 1, "error Read-only file system"),
+    (OSError(errno.ENOSPC, "No space left on device", "/out/a.png"), 1,
+     "error /out/a.png: No space left on device — free space on its disk"),
+    (OSError(errno.EROFS, "Read-only file system"), 1,
+     "error Read-only file system — put it on a writable file system"),
+    (OSError(errno.EIO, "Input/output error", "/out/a.png"), 1, "error /out/a.png: Input/output error"),
     (OSError("gone"), 1, "error gone"),
     (OSError(errno.ENAMETOOLONG, "File name too long", "x" * 300), 2, f"error {'x' * 300}: File name too long"),
     (OSError(errno.ELOOP, "Too many levels of symbolic links", "/a"), 2, "error /a: Too many levels of symbolic links"),

@@ -111,7 +111,8 @@ def test_a_report_the_disk_cannot_take_is_not_lost(examples, tmp_path, monkeypat
     error = json.loads(result.stdout)["error"]
     report = tmp_path / "run" / "flywheel.json"
     assert error["message"] == f"the flywheel ran, but its report could not be written to {report}: No space left on " \
-                               "device; the report is under 'partial' (--json)", "the system's words, once"
+                               "device — free space on its disk; the report is under 'partial' (--json)", \
+        "the system's words, once, and what to do"
     assert [row["card"] for row in error["partial"]["cards"]] == ["tiny-base", "tiny-base-nft", "tiny-base-nft-1step"]
 
 

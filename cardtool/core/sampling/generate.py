@@ -42,6 +42,7 @@ from cardtool.core.sampling.planning import LOOP, MAX_IMAGES, checked_arguments,
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache, filled_prompts
 from cardtool.errors import BadInput, OutOfMemory, RunFailed, said_as_cardtool_errors
+from cardtool.words import counted
 
 __all__ = ["GenerateReport", "LoadedCard", "control_image", "generate"]
 
@@ -211,7 +212,6 @@ class LoadedCard:
         started, built = time.perf_counter(), instance.build_seconds
         ranks = distributed.ranks(platform.device)
         kept = already_made(paths, tags, requests, ranks) if skip_existing else {}
-        written = "made (out=None: none is written)" if out is None else "written"
         todo = [i for i in range(len(requests)) if i not in kept]
         # on every rank: a reward that cannot read a prompt refuses it on all of them, not on rank 0 alone
         read = free_text_reading(judge, [requests[i].prompt for i in todo]) if judge is not None else None
@@ -232,7 +232,7 @@ class LoadedCard:
                 raise BadInput("--fuse merges the LoRAs of the request's adapter stack; this one has none")
             for number, wave in enumerate(waves):
                 progress = (lambda d, t, before=done: on_step(before + d, total)) if on_step else None
-                with OutOfMemory.raised(f"; the {len(images)} images {written} before it are kept",
+                with OutOfMemory.raised(f"; {_kept_before(len(images) + len(kept), out)}",
                                         {"images": [image.to_json() for image, _, _ in images]}):
                     made = self._make([requests[i] for i in wave], loop, judge, best_of, max_batch, progress, fused,
                                       [latents[i] for i in wave] if latents else None) if wave else []
@@ -250,7 +250,7 @@ class LoadedCard:
                         if paths[i] is not None:
                             save_image(paths[i], image, metadata)
                     except RunFailed as failed:  # the images written before it are kept, and listed
-                        raise RunFailed(f"{failed}; the {len(images)} images written before it are kept",
+                        raise RunFailed(f"{failed}; {_kept_before(len(images) + len(kept), out)}",
                                         {"images": [image.to_json() for image, _, _ in images]}) from None
                     images.append((GeneratedImage(paths[i], metadata, image), request, image))
                     order.append(i)
@@ -354,6 +354,17 @@ def generate(card_ref: str, prompts: str | list[str], *, device: str | None = No
              cache: TextFeatureCache | None = None, precision: str | None = None, **options) -> GenerateReport:
     """One call: load the card, generate (options as `LoadedCard.generate`), done."""
     return LoadedCard(card_ref, device=device, cache=cache, precision=precision).generate(prompts, **options)
+
+
+def _kept_before(count: int, out) -> str:
+    """What a call stopped by a failure keeps of its images, and how to finish it."""
+    are = "is" if count == 1 else "are"
+    if out is None:
+        return f"the {counted(count, 'image')} made before it {are} kept (out=None: none is written)"
+    if not count:
+        return "no image was written before it"
+    return f"the {counted(count, 'image')} written before it {are} kept: the same command with --skip-existing makes " \
+        "the rest"
 
 
 def _selection(judge, best_of: int, fuse: bool) -> dict[str, str]:

@@ -16,7 +16,7 @@ from cardtool.core.sampling.control import ControlImage
 from cardtool.core.sampling.denoise import DenoiseLoop, Request
 from cardtool.core.sampling.images import IMAGE_SUFFIXES, save_png
 from cardtool.core.sampling.planning import LOOP
-from cardtool.errors import BadInput, RunFailed
+from cardtool.errors import BadInput, RunFailed, disk_said
 
 if TYPE_CHECKING:
     import numpy as np
@@ -146,7 +146,7 @@ def save_image(path: Path, pixels, metadata: dict) -> None:
         save_png(path, pixels, metadata)
     except OSError as e:  # the folder passed the probe, so a full disk or a file system that refuses the name
         error = BadInput if e.errno in (errno.ENAMETOOLONG, errno.EINVAL, errno.EILSEQ) else RunFailed
-        raise error(f"cannot write {path}: {e.strerror or e}") from None
+        raise error(f"cannot write {path}: {disk_said(e)}") from None
 
 
 def prompt_slug(prompt: str) -> str:

@@ -24,7 +24,7 @@ from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.source import read_source
 from cardtool.core.training.derived import check_eval_data, parents_digest, recipe_fingerprint
 from cardtool.core.training.recipes import Recipe
-from cardtool.errors import BadInput, CardtoolError, CardValidationError, RunFailed
+from cardtool.errors import BadInput, CardtoolError, CardValidationError, RunFailed, disk_said
 
 __all__ = ["STAGES", "FlywheelRecipe", "FlywheelReport", "flywheel", "flywheel_recipe"]
 
@@ -276,7 +276,7 @@ def flywheel(recipe: FlywheelRecipe, *, command: str, out_dir: Path = Path("card
             write_atomic(run_dir / REPORT, (json.dumps(report.to_json(), indent=1) + "\n").encode())
         except OSError as e:  # a full disk: the cards are written, and the table is not lost with the file
             raise RunFailed(f"the flywheel ran, but its report could not be written to {run_dir / REPORT}: "
-                            f"{e.strerror or e}; the report is under 'partial' (--json)", report.to_json()) from None
+                            f"{disk_said(e)}; the report is under 'partial' (--json)", report.to_json()) from None
     return report
 
 
