@@ -409,3 +409,15 @@ def test_disk_fuzzer_fails_a_write_and_judges_what_the_failed_run_left(tmp_path,
     # the last run, left as it was: the write refused, said with what to do, then the rerun finished it
     assert cases[4]["failed_exit"] == 1 and cases[4]["said"].startswith(
         "error soup: File too large — raise the file-size limit (ulimit -f)"), cases[4]
+    # an eval report is compared by its rows less their timings; one holding some of the rows is what a stopped eval
+    # keeps, one holding a row the unlimited run did not measure is not
+    for folder, pace in (("a", 100.0), ("b", 7.5)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "report.json").write_text(json.dumps({"rows": [
+            {"steps": 1, "fid_fmnist": 1.0, "images_per_second": pace}, {"steps": 2, "fid_fmnist": 0.5}]}))
+    want = fuzz_disk._files(tmp_path / "a")
+    assert fuzz_disk._files(tmp_path / "b") == want
+    first = want["report.json"][5:].split(",")[0]
+    assert fuzz_disk._kept("report.json", f"rows:{first}", want) and fuzz_disk._kept("report.json", "rows:", want)
+    assert not fuzz_disk._kept("report.json", "rows:0123456789abcdef", want)
+    assert not fuzz_disk._kept("one.png", "0123", {"one.png": "4567"})

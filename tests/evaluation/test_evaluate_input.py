@@ -165,6 +165,39 @@ def test_a_record_that_cannot_be_made_is_refused_before_the_eval_or_keeps_its_ro
     assert [row["steps"] for row in error["partial"]["rows"]] == [2], "the measured rows are not lost"
 
 
+def test_a_report_the_disk_stops_taking_keeps_the_rows_measured(examples, tmp_path, monkeypatch):
+    """The report is rewritten after each row; the disk filling after the first leaves that row in the file, and the
+    second, measured but not written, under 'partial' — not lost behind a bare 'No space left on device'."""
+    import errno
+
+    from helpers import write_idx_folder
+    from typer.testing import CliRunner
+
+    from cardtool.cli import app
+    from cardtool.core.evaluation import resume
+
+    writes, real = [], resume.write_atomic
+
+    def full_after_two(path, data, **kwargs):  # the report before any row, then after the first
+        if len(writes) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        writes.append(path)
+        return real(path, data, **kwargs)
+
+    monkeypatch.setattr(resume, "write_atomic", full_after_two)
+    out = tmp_path / "report.json"
+    result = CliRunner().invoke(app, ["eval", str(examples / "tiny-base"), "--judge", str(examples / "tiny-judge"),
+                                      "--per-class", "1", "--steps", "1", "--steps", "2", "--data",
+                                      str(write_idx_folder(tmp_path / "idx")), "--out", str(out), "--json"])
+    assert result.exit_code == 1, result.output
+    error = json.loads(result.stdout)["error"]
+    assert error["message"] == f"cannot write the report to {out}: No space left on device — free space on its disk; " \
+        f"the 2 rows so far are under 'partial' (--json), and the same command with --resume measures those {out} " \
+        "does not hold"
+    assert [row["steps"] for row in error["partial"]["rows"]] == [1, 2]
+    assert [row["steps"] for row in json.loads(out.read_text())["rows"]] == [1], "the file holds the first row"
+
+
 def test_off_a_terminal_each_row_logs_progress_lines(examples, tmp_path, monkeypatch):
     """A log gets lines inside a row (a 10,000-image row takes minutes), each with the row's own count and the time left
     at the row's pace; a new row starts its count again."""

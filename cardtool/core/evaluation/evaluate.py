@@ -48,7 +48,7 @@ from cardtool.core.sampling.instance import ModelInstance
 from cardtool.core.sampling.planning import MAX_IMAGES, MissingControl, plan_requests, unguided_warning
 from cardtool.core.sampling.sampler import sample
 from cardtool.core.sampling.text_cache import TextFeatureCache, filled_prompts
-from cardtool.errors import BadInput, OutOfMemory, said_as_cardtool_errors
+from cardtool.errors import BadInput, OutOfMemory, RunFailed, disk_said, said_as_cardtool_errors
 from cardtool.words import counted
 
 __all__ = ["EvalRow", "EvalReport", "checked_per_class", "evaluate"]
@@ -300,7 +300,13 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
         if out is not None and ranks.main:
             document = report.to_json()
             document["rows"] += [saved[key] for key in keys[reached:] if restored[key] is not None]
-            write_report(out, document, ident)
+            try:
+                write_report(out, document, ident)
+            except OSError as e:  # a full disk: the rows measured are not lost with the file
+                done = f"; the {counted(len(report.rows), 'row')} so far {'is' if len(report.rows) == 1 else 'are'} " \
+                       f"under 'partial' (--json), and the same command with --resume measures those {out} does " \
+                       "not hold" if report.rows else ""
+                raise RunFailed(f"cannot write the report to {out}: {disk_said(e)}{done}", report.to_json()) from None
 
     save(0)
     stopping = stop_requests(ranks.world == 1) if stop is None else contextlib.nullcontext(stop)
