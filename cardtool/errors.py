@@ -11,6 +11,11 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+try:  # imported with this module: once memory has run out, an import may find no room to load it
+    import resource
+except ImportError:  # not a POSIX system
+    resource = None
+
 __all__ = ["CardtoolError", "BadInput", "RunFailed", "OutOfMemory", "CardNotFound", "AmbiguousCard", "Problem",
            "CardValidationError", "as_cardtool_error", "disk_said", "escaped_surrogates", "said_as_cardtool_errors",
            "write_remedy"]
@@ -56,13 +61,25 @@ class OutOfMemory(RunFailed):
     ADVICE = ("ask for less at once: a lower --max-batch for generate, eval and workflows, a smaller optim.batch_size "
               "or more --micro-batches for training (--resume continues from its last checkpoint)")
 
+    SIGNS = ("can't allocate memory", "cannot allocate memory", "out of memory")  # torch's, ENOMEM's, CUDA's
+    # what an allocation refused by an address-space limit (`ulimit -v`, as shared clusters set) looks like besides:
+    # torch's library not mapped at import, oneDNN's kernel not made, a thread without room for its stack
+    LIMIT_SIGNS = ("failed to map segment from shared object", "could not create a primitive", "can't start new thread")
+
     @classmethod
     def of(cls, error: BaseException, kept: str = "", partial: dict | None = None) -> OutOfMemory | None:
         """The error `error` is, when it is an allocation that failed (`kept`: what the work keeps), else None."""
         text = str(error)
-        if not (isinstance(error, MemoryError) or "can't allocate memory" in text or "out of memory" in text.lower()):
+        limit = address_space_limit()
+        signs = cls.SIGNS + (cls.LIMIT_SIGNS if limit is not None else ())
+        # CPython's SystemError ("error return without exception set") is what an import starved by a limit can raise
+        starved = isinstance(error, MemoryError) or limit is not None and isinstance(error, SystemError)
+        if not (starved or any(sign in text.lower() for sign in signs)):
             return None
         detail = text.strip().splitlines()[0][:200] if text.strip() else type(error).__name__
+        if limit is not None:
+            return cls(f"out of memory ({detail}) within this process's memory limit of {limit >> 20:,} MiB (ulimit "
+                       f"-v): raise the limit, or {cls.ADVICE}{kept}", partial)
         return cls(f"out of memory ({detail}); {cls.ADVICE}{kept}", partial)
 
     @classmethod
@@ -72,7 +89,7 @@ class OutOfMemory(RunFailed):
         other error as it is."""
         try:
             yield
-        except (MemoryError, RuntimeError) as error:
+        except (MemoryError, RuntimeError, ImportError, SystemError) as error:
             failed = cls.of(error, kept, partial)
             if failed is None:
                 raise
@@ -89,6 +106,14 @@ def disk_said(error: OSError) -> str:
     (`write_remedy`) — 'No space left on device — free space on its disk'."""
     reason = error.strerror or str(error)
     return f"{reason} — {write_remedy(error)}" if error.errno in WRITES_REFUSED else reason
+
+
+def address_space_limit() -> int | None:
+    """The bytes of address space this process may map (`ulimit -v`), None where it is unlimited."""
+    if resource is None:
+        return None
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    return None if limit == resource.RLIM_INFINITY else limit
 
 
 def write_remedy(error: OSError) -> str:
@@ -152,12 +177,12 @@ class CardValidationError(CardtoolError):
 def as_cardtool_error() -> Iterator[None]:
     """Within the block, the machine's errors as cardtool's own, each with its message: a path no file system holds,
     whose links go round in a circle or that holds a NUL byte or a lone surrogate is the request's (BadInput); any
-    other OSError the disk's (RunFailed: full, read-only, a path that vanished mid-run); an allocation that failed
-    OutOfMemory. Anything else as it is."""
+    other OSError the disk's (RunFailed: full, read-only, a path that vanished mid-run); an allocation that failed —
+    a library a memory limit left no room to load too — OutOfMemory. Anything else as it is."""
     try:
         yield
     except OSError as error:
-        raise _os_failure(error) from error
+        raise (OutOfMemory.of(error) if error.errno == errno.ENOMEM else _os_failure(error)) from error
     except UnicodeEncodeError as error:  # Python's file calls, given a path with a lone surrogate in it
         if not isinstance(error.object, str) or not 0xD800 <= ord(error.object[error.start]) <= 0xDFFF:
             raise
@@ -167,7 +192,8 @@ def as_cardtool_error() -> Iterator[None]:
         if str(error) != "embedded null byte":  # Python's file calls, given a path with a NUL in it
             raise
         raise BadInput("a path holds a NUL byte, which no file name can") from error
-    except (MemoryError, RuntimeError) as error:
+    # ImportError and SystemError: an import a memory limit (ulimit -v) starved, as torch's can be
+    except (MemoryError, RuntimeError, ImportError, SystemError) as error:
         loop = _symlink_loop(error)
         if loop is not None:
             raise _os_failure(loop) from error

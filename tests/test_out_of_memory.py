@@ -4,6 +4,7 @@ a traceback; the waves written before it are kept. Any other error is not taken 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from helpers import EXAMPLE_CARDS
@@ -94,3 +95,61 @@ def test_a_training_run_out_of_memory_names_its_step_and_last_checkpoint(tmp_pat
     assert error["kind"] == "failed" and error["message"].startswith("out of memory (CUDA out of memory.")
     assert f"at step 3, the last good checkpoint is {tmp_path / 'run'}" in error["message"], error["message"]
     assert error["partial"]["step"] == 3
+
+
+@pytest.mark.parametrize(("error", "limited", "said"), [
+    (ImportError("libtorch_cpu.so: failed to map segment from shared object"), True,
+     "libtorch_cpu.so: failed to map segment from shared object"),
+    (RuntimeError("could not create a primitive"), True, "could not create a primitive"),
+    (SystemError("error return without exception set"), True, "error return without exception set"),
+    (OSError(12, "Cannot allocate memory", "/lib/x"), False, "[Errno 12] Cannot allocate memory: '/lib/x'"),
+    (MemoryError(), True, "MemoryError"),
+    (ImportError("libtorch_cpu.so: failed to map segment from shared object"), False, None),  # no limit: not taken
+    (SystemError("error return without exception set"), False, None),
+    (ImportError("No module named 'torch'"), True, None),
+    (OSError(28, "No space left on device"), True, None),
+])
+def test_a_memory_limit_s_failures_are_said_as_out_of_memory_with_the_limit(monkeypatch, error, limited, said):
+    """Under `ulimit -v` (as shared clusters set) torch's import fails to map its library, oneDNN fails to make a
+    kernel, an import starved of memory raises CPython's SystemError: each is out of memory, with the limit named; the
+    same texts without a limit, or a module that is not there, are not taken for one."""
+    from cardtool import errors
+    from cardtool.errors import OutOfMemory, as_cardtool_error
+
+    monkeypatch.setattr(errors, "address_space_limit", lambda: 650 << 20 if limited else None)
+    with pytest.raises(Exception) as caught:
+        with as_cardtool_error():
+            raise error
+    if said is None:
+        assert not isinstance(caught.value, OutOfMemory)
+        return
+    assert isinstance(caught.value, OutOfMemory)
+    limit = " within this process's memory limit of 650 MiB (ulimit -v): raise the limit, or" if limited else ";"
+    assert str(caught.value).startswith(f"out of memory ({said}){limit} ask for less at once"), str(caught.value)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads the process's size from /proc")
+def test_a_memory_limit_too_small_for_torch_is_one_line_and_exit_1(tmp_path):
+    """A command run under an address-space limit that leaves torch no room to load: the CLI is up, torch's import
+    fails — one error line (no traceback, no teardown noise) and exit 1; the JSON document says kind `failed`."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import re, resource, sys\n"
+        "from cardtool.cli import main\n"
+        "size = int(re.search(r'VmSize:\\s+(\\d+) kB', open('/proc/self/status').read())[1]) * 1024\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (size + (256 << 20), resource.RLIM_INFINITY))\n"
+        f"sys.argv = ['cardtool', 'generate', {str(EXAMPLE_CARDS / 'tiny-base')!r}, '-p', 'a bag', '--steps', '1',\n"
+        f"            '--out', {str(tmp_path / 'out')!r}, '--json']\n"
+        "main()\n")
+    # room for numpy's work (one BLAS thread's buffers: OpenBLAS exits the process when it finds none), not for
+    # libtorch_cpu.so (434 MB in torch 2.13's CPU wheel)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 1, done.stderr[-3000:]
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error out of memory (") and "(ulimit -v)" in lines[0], lines[:20]
+    assert json.loads(done.stdout)["error"]["kind"] == "failed"
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

@@ -199,10 +199,11 @@ def main() -> None:
         sys.stderr = _Output(sys.stderr)
     code = 0
     try:
-        from cardtool.cli.output import keep_plausible_terminal_sizes
+        from cardtool.cli import output
         from cardtool.core.interrupt import hold_ctrl_c_in_imports
 
-        keep_plausible_terminal_sizes()
+        output.OUT_OF_MEMORY = False  # this command's to set, not an earlier one's in the same process (a test's)
+        output.keep_plausible_terminal_sizes()
         hold_ctrl_c_in_imports("torch")
         _working_folder_exists()
         app()
@@ -222,5 +223,12 @@ def main() -> None:
         from cardtool.core.distributed import end_process
 
         end_process(code)
+    if getattr(sys.modules.get("cardtool.cli.output"), "OUT_OF_MEMORY", False):
+        # memory ran out and was said: the interpreter's teardown would find no room either, and print hundreds of
+        # "Exception ignored … MemoryError" after the message
+        import os
+
+        sys.stderr.flush()
+        os._exit(code if isinstance(code, int) else 1)
     raise SystemExit(code)
 

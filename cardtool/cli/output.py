@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import typer
 
-from cardtool.errors import CardtoolError, CardValidationError, as_cardtool_error, escaped_surrogates
+from cardtool.errors import CardtoolError, CardValidationError, OutOfMemory, as_cardtool_error, escaped_surrogates
 from cardtool.words import counted  # noqa: F401 - the commands take it from here
 
 __all__ = ["LateProgress", "console", "emit_json", "handled", "printable", "quoted_prompt", "say", "warn"]
@@ -217,6 +217,9 @@ def error_json(error: CardtoolError) -> dict:
                       **({"partial": error.partial} if error.partial is not None else {})}}
 
 
+OUT_OF_MEMORY = False  # a command said it ran out of memory: the exit skips the interpreter's teardown (`cli.main`)
+
+
 @contextmanager
 def handled(json_mode: bool) -> Iterator[None]:
     """Turn cardtool's own errors into a message (and a JSON error document) and its exit code."""
@@ -226,12 +229,19 @@ def handled(json_mode: bool) -> Iterator[None]:
     except CardtoolError as error:
         if json_mode:
             emit_json(error_json(error))
-        from rich.markup import escape
-
-        err = console(stderr=True)
         lines = error.problems if isinstance(error, CardValidationError) else [error]
-        for line in lines:
-            err.print(f"[red]error[/red] {escape(printable(str(line)))}")
+        try:
+            from rich.markup import escape
+
+            err = console(stderr=True)
+            for line in lines:
+                err.print(f"[red]error[/red] {escape(printable(str(line)))}")
+        except Exception:  # noqa: BLE001 - memory ran out (a `ulimit -v` that torch filled): Rich's import fails
+            # with MemoryError, ENOMEM, even CPython's SystemError; the message must still be said: a plain line fits
+            sys.stderr.write("".join(f"error {printable(str(line))}\n" for line in lines))
+        if isinstance(error, OutOfMemory):
+            global OUT_OF_MEMORY
+            OUT_OF_MEMORY = True
         raise typer.Exit(error.exit_code) from None
 
 
