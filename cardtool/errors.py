@@ -63,8 +63,10 @@ class OutOfMemory(RunFailed):
 
     SIGNS = ("can't allocate memory", "cannot allocate memory", "out of memory")  # torch's, ENOMEM's, CUDA's
     # what an allocation refused by an address-space limit (`ulimit -v`, as shared clusters set) looks like besides:
-    # torch's library not mapped at import, oneDNN's kernel not made, a thread without room for its stack
-    LIMIT_SIGNS = ("failed to map segment from shared object", "could not create a primitive", "can't start new thread")
+    # torch's library not mapped at import, oneDNN's kernel not made, a thread without room for its stack, a weights
+    # file safetensors could not map
+    LIMIT_SIGNS = ("failed to map segment from shared object", "could not create a primitive", "can't start new thread",
+                   "unable to mmap")
 
     @classmethod
     def of(cls, error: BaseException, kept: str = "", partial: dict | None = None) -> OutOfMemory | None:

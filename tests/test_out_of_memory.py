@@ -153,3 +153,33 @@ def test_a_memory_limit_too_small_for_torch_is_one_line_and_exit_1(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error out of memory (") and "(ulimit -v)" in lines[0], lines[:20]
     assert json.loads(done.stdout)["error"]["kind"] == "failed"
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize(("error", "limited", "kind"), [
+    (MemoryError("Cannot allocate memory"), False, "failed"),
+    (RuntimeError("unable to mmap 90868376 bytes from file <model.safetensors>: Cannot allocate memory (12)"), True,
+     "failed"),
+    (OSError("Unable to load weights from this folder"), True, "bad_input"),  # a broken folder is the request's
+])
+def test_a_text_encoder_memory_cannot_hold_is_out_of_memory_not_bad_input(tmp_path, monkeypatch, error, limited, kind):
+    """transformers raises many kinds for a broken encoder folder, each said as bad input (exit 2); memory running out
+    while it loads is out of memory (exit 1) with what to do — it said 'cannot load the text encoder' and exit 2."""
+    from cardtool import errors
+    from cardtool.backends import builders, hf_encoder
+
+    def starved(*args, **kwargs):
+        raise error
+
+    builders._hf_encoder.cache_clear()
+    monkeypatch.setattr(hf_encoder, "HFTextEncoder", starved)
+    monkeypatch.setattr(errors, "address_space_limit", lambda: 1100 << 20 if limited else None)
+    result = CliRunner().invoke(app, ["generate", str(EXAMPLE_CARDS / "tiny-base"), "-p", "a bag no cache holds",
+                                      "--steps", "1", "--out", str(tmp_path / "out"), "--json"])
+    builders._hf_encoder.cache_clear()
+    document = json.loads(result.stdout)["error"]
+    assert (result.exit_code, document["kind"]) == ((1, "failed") if kind == "failed" else (2, "bad_input")), document
+    if kind == "failed":
+        assert document["message"].startswith("out of memory (") and "(it ran out loading the text encoder in " in \
+            document["message"], document["message"]
+    else:
+        assert document["message"].startswith("cannot load the text encoder in ")

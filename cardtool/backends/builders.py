@@ -14,7 +14,7 @@ from cardtool.backends.platform import Platform
 from cardtool.backends.precision import LOW_PRECISIONS, kernel_variant, weights_dtype
 from cardtool.backends.vae_config import ConvVAEConfig
 from cardtool.backends.wan_config import CONTROLNET_BLOCKS, WanDiTConfig
-from cardtool.errors import BadInput
+from cardtool.errors import BadInput, OutOfMemory
 from cardtool.files import file_stamp
 from cardtool.paths import opened_by_utf8_name
 
@@ -165,7 +165,11 @@ def _hf_encoder(source: str, stamps: tuple, max_length: int, device: str, dtype)
     try:
         return HFTextEncoder(Path(source), max_length, device, dtype)
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds for a broken folder; all are bad input
-        raise BadInput(f"cannot load the text encoder in {source}: {type(e).__name__}: {str(e)[:300]}")
+        # but memory running out while it loads (a MemoryError, an mmap or a library a `ulimit -v` left no room for)
+        starved = OutOfMemory.of(e, f" (it ran out loading the text encoder in {source})")
+        if starved is not None:
+            raise starved from None
+        raise BadInput(f"cannot load the text encoder in {source}: {type(e).__name__}: {str(e)[:300]}") from None
 
 
 def fashion_cnn_torch(config: dict, weights: Path | None, source: Path | None, platform: Platform, precision: str):
