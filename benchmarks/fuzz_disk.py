@@ -76,6 +76,11 @@ def can_mount(scratch: Path) -> bool:
     return True
 
 
+def runnable(name: str) -> bool:
+    """Whether this machine can run COMMANDS[name]: an eval's real images are Fashion-MNIST's."""
+    return name != "eval" or bool(os.environ.get("CARDTOOL_DATA")) or Path(FASHION_MNIST).is_dir()
+
+
 def _files(folder: Path) -> dict[str, str]:
     """fuzz_kills' digests of the files under `folder`; an eval report's as `rows:` and a digest of each row less its
     timings (a resumed eval's report also counts the rows it kept)."""
@@ -146,8 +151,8 @@ def fuzz(names: list[str], rounds: int, seed: int, modes: list[str], root: Path)
     details: list[dict] = []
     for name in names:
         args, finish = COMMANDS[name]
-        if name == "eval" and not (os.environ.get("CARDTOOL_DATA") or Path(FASHION_MNIST).is_dir()):
-            continue  # its real images are Fashion-MNIST's
+        if not runnable(name):
+            continue
         reference = root / name / "reference"
         reference.mkdir(parents=True)
         env = {**os.environ, "CARDTOOL_PATH": str(cards), "CARDTOOL_CACHE": str(reference / "cache")}

@@ -421,3 +421,23 @@ def test_disk_fuzzer_fails_a_write_and_judges_what_the_failed_run_left(tmp_path,
     assert fuzz_disk._kept("report.json", f"rows:{first}", want) and fuzz_disk._kept("report.json", "rows:", want)
     assert not fuzz_disk._kept("report.json", "rows:0123456789abcdef", want)
     assert not fuzz_disk._kept("one.png", "0123", {"one.png": "4567"})
+
+
+def test_memory_limits_benchmark_runs_a_command_under_each_limit_and_names_the_outcome(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from memory_limits import measure, outcome
+
+    for threads in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):  # a many-core machine's thread stacks alone would
+        monkeypatch.setenv(threads, "1")  # fill 300 MiB before torch is reached
+    report = measure(["merge"], [300, 65536], 120, tmp_path)  # the second: room for any machine's threads
+    low, high = report["runs"]
+    assert (low["outcome"], low["exit"], high["outcome"], high["exit"]) == ("said", 1, "ran", 0), report
+    assert low["said"].startswith("error out of memory (") and "memory limit of 300 MiB (ulimit -v)" in low["said"]
+    assert report["counts"] == {"said": 1, "ran": 1}
+    # how each kind of end is told apart
+    assert outcome(1, "error out of memory (x)\n") == "said" and outcome(2, "error cannot load x\n") == "said"
+    assert outcome(1, "Traceback (most recent call last):\n  …\nMemoryError\n") == "traceback"
+    assert outcome(1, "error out of memory (x)\nException ignored in: <…>\nMemoryError\n") == "noise"
+    assert outcome(-6, "terminate called after throwing an instance of 'std::bad_alloc'\n") == "killed"
+    assert outcome(1, "libgomp: Thread creation failed: Resource temporarily unavailable\n") == "killed"
+    assert outcome(0, "") == "ran"
