@@ -4,6 +4,7 @@ a traceback; the waves written before it are kept. Any other error is not taken 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -183,3 +184,24 @@ def test_a_text_encoder_memory_cannot_hold_is_out_of_memory_not_bad_input(tmp_pa
             document["message"], document["message"]
     else:
         assert document["message"].startswith("cannot load the text encoder in ")
+
+
+@pytest.mark.parametrize(("limited", "preset", "threads"), [(True, None, "1"), (True, "4", "4"), (False, None, None)])
+def test_under_a_memory_limit_openblas_starts_no_threads(monkeypatch, limited, preset, threads):
+    """scipy's OpenBLAS (imported by transformers) spun for ever when `ulimit -v` left no room for its threads'
+    stacks: under a limit the CLI asks for one thread, unless the user set a count; without one it sets nothing."""
+    import sys
+
+    import cardtool.cli as cli
+    from cardtool import errors
+
+    for name in ("stdout", "stderr", "meta_path"):  # main wraps the streams and adds a finder: the test's come back
+        monkeypatch.setattr(sys, name, getattr(sys, name) if name != "meta_path" else list(sys.meta_path))
+    monkeypatch.setattr(errors, "address_space_limit", lambda: 1000 << 20 if limited else None)
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", preset or "")  # recorded, so what main sets is undone after
+    if preset is None:
+        monkeypatch.delenv("OPENBLAS_NUM_THREADS")
+    monkeypatch.setattr(sys, "argv", ["cardtool", "--version"])
+    with pytest.raises(SystemExit):
+        cli.main()
+    assert os.environ.get("OPENBLAS_NUM_THREADS") == threads

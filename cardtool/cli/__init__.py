@@ -183,9 +183,22 @@ def _interrupted(error: BaseException) -> bool:
     return False
 
 
+def _one_blas_thread_under_a_memory_limit() -> None:
+    """Under an address-space limit (`ulimit -v`) an OpenBLAS that cannot start its threads spins for ever — scipy's,
+    which transformers imports with the text encoder, hung `generate` at 1,000 MiB. One thread each starts none; the
+    numpy and scipy work cardtool does is small. A count the user set is kept."""
+    import os
+
+    from cardtool.errors import address_space_limit
+
+    if address_space_limit() is not None:
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
 def main() -> None:
     import sys
 
+    _one_blas_thread_under_a_memory_limit()
     closed = sys.stdout is None
     if closed:
         sys.stdout = _reopened(1)
