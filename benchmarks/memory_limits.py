@@ -69,6 +69,8 @@ def measure(names: list[str], limits: list[int], timeout: float, root: Path) -> 
             counts[kind] = counts.get(kind, 0) + 1
             last = next((line for line in reversed(stderr.splitlines()) if line.strip()), "")
             row = {"command": name, "limit_mib": megabytes, "exit": code, "outcome": kind, "said": last[:300]}
+            if kind in CARDTOOL_FAULTS:  # where it happened: the traceback's frames, its source lines left out
+                row["detail"] = "\n".join(line for line in stderr.splitlines() if not line.startswith("    "))[-3000:]
             rows.append(row)
             print(json.dumps(row, ensure_ascii=False), flush=True)
     return {"limits_mib": limits, "counts": counts, "runs": rows}

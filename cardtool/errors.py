@@ -61,7 +61,8 @@ class OutOfMemory(RunFailed):
     ADVICE = ("ask for less at once: a lower --max-batch for generate, eval and workflows, a smaller optim.batch_size "
               "or more --micro-batches for training (--resume continues from its last checkpoint)")
 
-    SIGNS = ("can't allocate memory", "cannot allocate memory", "out of memory")  # torch's, ENOMEM's, CUDA's
+    # torch's allocator's, ENOMEM's, CUDA's, C++'s (torch's extensions re-raise it as an ImportError or MemoryError)
+    SIGNS = ("can't allocate memory", "cannot allocate memory", "out of memory", "std::bad_alloc")
     # what an allocation refused by an address-space limit (`ulimit -v`, as shared clusters set) looks like besides:
     # torch's library not mapped at import, oneDNN's kernel not made, a thread without room for its stack, a weights
     # file safetensors could not map

@@ -105,6 +105,7 @@ def test_a_training_run_out_of_memory_names_its_step_and_last_checkpoint(tmp_pat
     (SystemError("error return without exception set"), True, "error return without exception set"),
     (OSError(12, "Cannot allocate memory", "/lib/x"), False, "[Errno 12] Cannot allocate memory: '/lib/x'"),
     (MemoryError(), True, "MemoryError"),
+    (ImportError("std::bad_alloc"), False, "std::bad_alloc"),  # C++'s, re-raised by an extension's import
     (ImportError("libtorch_cpu.so: failed to map segment from shared object"), False, None),  # no limit: not taken
     (SystemError("error return without exception set"), False, None),
     (ImportError("No module named 'torch'"), True, None),
