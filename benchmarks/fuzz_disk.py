@@ -27,7 +27,6 @@ import math
 import os
 import random
 import resource
-import shutil
 import signal
 import subprocess
 import sys
@@ -39,13 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fuzz_kills  # noqa: E402 - beside this script, not a package
 from fuzz_kills import TIMEOUT, _run  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 # fuzz_kills' commands, and an eval that writes its report (and FID's reference features, its floors to the cache)
 COMMANDS = {**fuzz_kills.COMMANDS, "eval": (["eval", "tiny-base", "--steps", "1", "--steps", "2", "--steps", "4",
                                              "--per-class", "4", "--judge", "tiny-judge", "--out", "report.json"],
                                             "--resume")}
-_TIMING = ("images_per_second", "seconds")
-FASHION_MNIST = "/usr/share/datasets/fashion-mnist"  # an eval report's, which no two runs share
+_TIMING = ("images_per_second", "seconds")  # an eval report's, which no two runs share
+FASHION_MNIST = "/usr/share/datasets/fashion-mnist"  # where Debian's dataset-fashion-mnist puts it
 BAD = ("traceback", "exit", "silent", "stray", "partial", "rerun_failed", "differs")
 TEMPORARY_SUFFIX = ".tmp"
 
@@ -145,8 +143,7 @@ def judge(code: int, stderr: str, left: dict[str, str], want: dict[str, str], st
 
 def fuzz(names: list[str], rounds: int, seed: int, modes: list[str], root: Path) -> dict:
     rng = random.Random(seed)
-    cards = root / "cards"
-    shutil.copytree(REPO / "examples" / "cards", cards, ignore=shutil.ignore_patterns("*.py"))
+    cards = fuzz_kills.example_cards(root)
     counts: dict[str, int] = {}
     details: list[dict] = []
     for name in names:

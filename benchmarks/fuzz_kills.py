@@ -106,10 +106,16 @@ def _stopped(args: list[str], where: Path, env: dict, delay: float, signum: int)
     return process.returncode, stderr
 
 
-def fuzz(names: list[str], rounds: int, seed: int, signals: list[int], root: Path) -> dict:
-    rng = random.Random(seed)
+def example_cards(root: Path) -> Path:
+    """The tiny example cards copied to `root/cards`, the folder the commands find them in (CARDTOOL_PATH)."""
     cards = root / "cards"
     shutil.copytree(REPO / "examples" / "cards", cards, ignore=shutil.ignore_patterns("*.py"))
+    return cards
+
+
+def fuzz(names: list[str], rounds: int, seed: int, signals: list[int], root: Path) -> dict:
+    rng = random.Random(seed)
+    cards = example_cards(root)
     counts: dict[str, int] = {}
     details: list[dict] = []
     for name in names:

@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import resource
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fuzz_disk import COMMANDS, runnable  # noqa: E402 - beside this script, not a package
+from fuzz_kills import example_cards  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 CARDTOOL_FAULTS = ("traceback", "noise")
 
 
@@ -47,8 +46,7 @@ def outcome(code: int, stderr: str) -> str:
 
 
 def measure(names: list[str], limits: list[int], timeout: float, root: Path) -> dict:
-    cards = root / "cards"
-    shutil.copytree(REPO / "examples" / "cards", cards, ignore=shutil.ignore_patterns("*.py"))
+    cards = example_cards(root)
     rows, counts = [], {}
     for name in names:
         args, _ = COMMANDS[name]
