@@ -39,8 +39,9 @@ def parity(card: str | os.PathLike | None = None, *, device: str | None = None, 
            on_progress: Callable[[int, int], None] | None = None) -> ParityReport:
     """`cardtool parity [--card CARD] [--device D] [--op OP]`: a row per cell and dtype compared, `ok` when all
     passed, and with a card what of it no row compared (`unchecked`). A failed row is a finding, not an error:
-    BadInput is for an unknown device, op or card. `on_progress(done, total)` follows the checks: each kernel cell
-    and dtype, and each part of the card's (a component, the generation, the adapters, the contract)."""
+    BadInput is for an unknown device, op or card. `on_progress(done, total)` follows the checks in two counts: each
+    kernel cell and dtype, then each part of the card's (a component, the generation, the adapters, the contract) —
+    one count over both made the time left of a part that takes seconds from checks that take milliseconds."""
     from cardtool.backends.builtin import OPS
     from cardtool.backends.parity import parity_checks, run_parity
     from cardtool.backends.registry import KERNELS
@@ -57,17 +58,20 @@ def parity(card: str | os.PathLike | None = None, *, device: str | None = None, 
         from cardtool.core.evaluation.card_parity import card_parity, card_parts, unchecked
 
         loaded = load_card(card)
-    done, total = 0, len(parity_checks(platform, op)) + (len(card_parts(loaded, platform)) if loaded is not None else 0)
 
-    def one_more() -> None:
-        nonlocal done
-        done += 1
-        if on_progress:
-            on_progress(done, total)
+    def counted(total: int) -> Callable[[], None]:
+        done = 0
 
-    report = ParityReport(platform, run_parity(platform, op, one_more))
+        def one_more() -> None:
+            nonlocal done
+            done += 1
+            if on_progress:
+                on_progress(done, total)
+        return one_more
+
+    report = ParityReport(platform, run_parity(platform, op, counted(len(parity_checks(platform, op)))))
     if loaded is not None:
-        found = card_parity(loaded, platform, one_more)
+        found = card_parity(loaded, platform, counted(len(card_parts(loaded, platform))))
         report.rows += found
         report.unchecked = unchecked(loaded, platform, found)
     return report
