@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fuzz_kills  # noqa: E402 - beside this script, not a package
-from fuzz_kills import TIMEOUT, _run  # noqa: E402
+from fuzz_kills import TIMEOUT, _run, report_and_exit  # noqa: E402
 
 # fuzz_kills' commands, and an eval that writes its report (and FID's reference features, its floors to the cache)
 COMMANDS = {**fuzz_kills.COMMANDS, "eval": (["eval", "tiny-base", "--steps", "1", "--steps", "2", "--steps", "4",
@@ -222,13 +222,7 @@ def main() -> None:
                              "CAP_SYS_ADMIN); use --mode fsize")
         modes = {"fsize": ["fsize"], "full": ["full"], "all": ["fsize", "full"] if mountable else ["fsize"]}[args.mode]
         report = fuzz(args.commands, args.rounds, args.seed, modes, Path(scratch))
-    print(json.dumps(report["counts"]))
-    if args.out:
-        from cardtool.atomic import write_atomic
-
-        write_atomic(args.out, (json.dumps(report, indent=1, ensure_ascii=False) + "\n").encode())
-    if any(report["counts"].get(bad) for bad in BAD):
-        raise SystemExit(1)
+    report_and_exit(report, args.out, BAD)
 
 
 if __name__ == "__main__":

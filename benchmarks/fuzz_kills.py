@@ -169,6 +169,17 @@ def fuzz(names: list[str], rounds: int, seed: int, signals: list[int], root: Pat
     return {"seed": seed, "rounds": rounds, "counts": counts, "cases": details}
 
 
+def report_and_exit(report: dict, out: Path | None, bad: tuple[str, ...]) -> None:
+    """A fuzzer's end: its counts printed, its report written to `out` (atomically), exit 1 if any `bad` outcome."""
+    print(json.dumps(report["counts"]))
+    if out:
+        from cardtool.atomic import write_atomic
+
+        write_atomic(out, (json.dumps(report, indent=1, ensure_ascii=False) + "\n").encode())
+    if any(report["counts"].get(kind) for kind in bad):
+        raise SystemExit(1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="Stops per command.")
@@ -181,13 +192,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         report = fuzz(args.commands, args.rounds, args.seed, signals[args.signal], Path(scratch))
-    print(json.dumps(report["counts"]))
-    if args.out:
-        from cardtool.atomic import write_atomic
-
-        write_atomic(args.out, (json.dumps(report, indent=1) + "\n").encode())
-    if any(report["counts"].get(bad) for bad in BAD):
-        raise SystemExit(1)
+    report_and_exit(report, args.out, BAD)
 
 
 if __name__ == "__main__":

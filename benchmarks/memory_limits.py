@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fuzz_disk import COMMANDS, runnable  # noqa: E402 - beside this script, not a package
-from fuzz_kills import example_cards  # noqa: E402
+from fuzz_kills import example_cards, report_and_exit  # noqa: E402
 
 CARDTOOL_FAULTS = ("traceback", "noise")
 
@@ -83,13 +83,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         report = measure(args.commands, args.limits, args.timeout, Path(scratch))
-    print(json.dumps(report["counts"]))
-    if args.out:
-        from cardtool.atomic import write_atomic
-
-        write_atomic(args.out, (json.dumps(report, indent=1, ensure_ascii=False) + "\n").encode())
-    if any(report["counts"].get(fault) for fault in CARDTOOL_FAULTS):
-        raise SystemExit(1)
+    report_and_exit(report, args.out, CARDTOOL_FAULTS)
 
 
 if __name__ == "__main__":

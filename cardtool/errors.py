@@ -185,7 +185,8 @@ def as_cardtool_error() -> Iterator[None]:
     try:
         yield
     except OSError as error:
-        raise (OutOfMemory.of(error) if error.errno == errno.ENOMEM else _os_failure(error)) from error
+        starved = OutOfMemory.of(error) if error.errno == errno.ENOMEM else None
+        raise (starved or _os_failure(error)) from error
     except UnicodeEncodeError as error:  # Python's file calls, given a path with a lone surrogate in it
         if not isinstance(error.object, str) or not 0xD800 <= ord(error.object[error.start]) <= 0xDFFF:
             raise

@@ -110,6 +110,7 @@ def test_a_training_run_out_of_memory_names_its_step_and_last_checkpoint(tmp_pat
     (SystemError("error return without exception set"), False, None),
     (ImportError("No module named 'torch'"), True, None),
     (OSError(28, "No space left on device"), True, None),
+    (OSError(12, "an ENOMEM worded otherwise"), False, None),  # said as the disk's error, as any other OSError
 ])
 def test_a_memory_limit_s_failures_are_said_as_out_of_memory_with_the_limit(monkeypatch, error, limited, said):
     """Under `ulimit -v` (as shared clusters set) torch's import fails to map its library, oneDNN fails to make a
@@ -123,6 +124,7 @@ def test_a_memory_limit_s_failures_are_said_as_out_of_memory_with_the_limit(monk
         with as_cardtool_error():
             raise error
     if said is None:
+        assert isinstance(caught.value, type(error) if not isinstance(error, OSError) else errors.RunFailed)
         assert not isinstance(caught.value, OutOfMemory)
         return
     assert isinstance(caught.value, OutOfMemory)
