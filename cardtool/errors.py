@@ -17,8 +17,8 @@ except ImportError:  # not a POSIX system
     resource = None
 
 __all__ = ["CardtoolError", "BadInput", "RunFailed", "OutOfMemory", "CardNotFound", "AmbiguousCard", "Problem",
-           "CardValidationError", "as_cardtool_error", "disk_said", "escaped_surrogates", "said_as_cardtool_errors",
-           "write_remedy"]
+           "CardValidationError", "as_cardtool_error", "disk_said", "escaped_surrogates", "raise_if_the_machines",
+           "said_as_cardtool_errors", "write_remedy"]
 
 
 class CardtoolError(Exception):
@@ -102,13 +102,23 @@ class OutOfMemory(RunFailed):
 # the errnos of a disk that refuses more writes (full, over quota, past the file-size limit, mounted read-only): the
 # user can do something about each, which the message says (`disk_said`)
 WRITES_REFUSED = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+# the errnos of a process that may open no more files (its own limit, `ulimit -n`; the system's table)
+FILES_REFUSED = (errno.EMFILE, errno.ENFILE)
 
 
 def disk_said(error: OSError) -> str:
-    """`error`'s reason as a message says it: its text, and for a disk that refuses writes what to do about it
-    (`write_remedy`) — 'No space left on device — free space on its disk'."""
+    """`error`'s reason as a message says it: its text, and for a disk that refuses writes or a process that may open
+    no more files what to do about it (`write_remedy`) — 'No space left on device — free space on its disk'."""
     reason = error.strerror or str(error)
-    return f"{reason} — {write_remedy(error)}" if error.errno in WRITES_REFUSED else reason
+    return f"{reason} — {write_remedy(error)}" if error.errno in WRITES_REFUSED + FILES_REFUSED else reason
+
+
+def raise_if_the_machines(error: OSError) -> None:
+    """Raise `error` again where the machine refused it — no more files may be opened, no memory to map — not the
+    file it was reading, which a caller that says why a file is unusable (a card invalid, bad input) would blame; the
+    CLI then says the machine's error with its remedy (exit 1)."""
+    if error.errno in (*FILES_REFUSED, errno.ENOMEM):
+        raise error
 
 
 def address_space_limit() -> int | None:
@@ -121,8 +131,14 @@ def address_space_limit() -> int | None:
 
 def write_remedy(error: OSError) -> str:
     """What to do about a write that failed with `error`, by its errno: free space for a full disk, raise the
-    file-size limit for EFBIG, make the folder writable for a refusal — else look at the disk."""
-    return {errno.ENOSPC: "free space on its disk", errno.EDQUOT: "free space within your disk quota",
+    file-size limit for EFBIG, make the folder writable for a refusal, raise the open-file limit — else look at the
+    disk."""
+    if error.errno == errno.EMFILE:
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0] if resource is not None else None
+        now = f", now {limit:,}" if limit is not None and limit != resource.RLIM_INFINITY else ""
+        return f"raise the open-file limit (ulimit -n{now})"
+    return {errno.ENFILE: "close files elsewhere: the system's table of open files is full",
+            errno.ENOSPC: "free space on its disk", errno.EDQUOT: "free space within your disk quota",
             errno.EFBIG: "raise the file-size limit (ulimit -f)", errno.EACCES: "make its folder writable",
             errno.EPERM: "make its folder writable", errno.EROFS: "put it on a writable file system"}.get(
         error.errno, "fix the disk")

@@ -7,6 +7,8 @@ import os
 import stat
 from pathlib import Path
 
+from cardtool.errors import raise_if_the_machines
+
 __all__ = ["file_stamp", "is_regular_file", "parse_json", "read_json_object", "read_small_file",
            "read_small_file_bytes", "read_stream", "unlistable"]
 
@@ -48,6 +50,7 @@ def read_small_file_bytes(path: Path, limit: int, *, pipe: bool = False) -> tupl
         with path.open("rb") as f:
             return _bounded(f.read(limit + 1), str(path), limit)
     except OSError as e:
+        raise_if_the_machines(e)
         return b"", f"cannot read {path}: {e.strerror}"
 
 
@@ -85,6 +88,8 @@ def _not_a_file(path: Path) -> str:
             return f"is a link to {os.readlink(path)}, which does not exist"
         return "does not exist"
     except (OSError, ValueError) as e:
+        if isinstance(e, OSError):
+            raise_if_the_machines(e)
         return f"cannot be read: {getattr(e, 'strerror', None) or e}"
     return "is not a regular file (a folder, a device or a pipe)"
 

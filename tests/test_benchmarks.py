@@ -423,9 +423,11 @@ def test_disk_fuzzer_fails_a_write_and_judges_what_the_failed_run_left(tmp_path,
     assert not fuzz_disk._kept("one.png", "0123", {"one.png": "4567"})
 
 
-def test_memory_limits_benchmark_runs_a_command_under_each_limit_and_names_the_outcome(tmp_path, monkeypatch):
+def test_machine_limits_benchmark_runs_a_command_under_each_limit_and_names_the_outcome(tmp_path, monkeypatch):
+    import resource
+
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    from memory_limits import measure, outcome
+    from machine_limits import measure, outcome
 
     for threads in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):  # a many-core machine's thread stacks alone would
         monkeypatch.setenv(threads, "1")  # fill 300 MiB before torch is reached
@@ -434,6 +436,9 @@ def test_memory_limits_benchmark_runs_a_command_under_each_limit_and_names_the_o
     assert (low["outcome"], low["exit"], high["outcome"], high["exit"]) == ("said", 1, "ran", 0), report
     assert low["said"].startswith("error out of memory (") and "memory limit of 300 MiB (ulimit -v)" in low["said"]
     assert report["counts"] == {"said": 1, "ran": 1}
+    files = measure(["merge"], [resource.getrlimit(resource.RLIMIT_NOFILE)[0]], 120, tmp_path / "files", "files")
+    assert (files["resource"], files["counts"], files["runs"][0]["limit_files"]) == \
+        ("files", {"ran": 1}, resource.getrlimit(resource.RLIMIT_NOFILE)[0]), files
     # how each kind of end is told apart
     assert outcome(1, "error out of memory (x)\n") == "said" and outcome(2, "error cannot load x\n") == "said"
     assert outcome(1, "Traceback (most recent call last):\n  …\nMemoryError\n") == "traceback"

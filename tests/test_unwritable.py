@@ -4,6 +4,7 @@ message (exit 1, error kind `failed`), never a traceback."""
 from __future__ import annotations
 
 import errno
+import os
 import json
 
 import pytest
@@ -138,18 +139,76 @@ def test_a_generation_a_failure_stops_says_what_it_keeps_in_words(count, out, sa
     (errno.EROFS, "out/x.png: Read-only file system — put it on a writable file system"),
     (errno.EACCES, "out/x.png: Permission denied"),  # a read refused too: no advice that could be wrong
     (errno.EIO, "out/x.png: Input/output error"),
+    (errno.EMFILE, "out/x.png: Too many open files — raise the open-file limit (ulimit -n, now 64)"),
+    (errno.ENFILE, "out/x.png: Too many open files in system — close files elsewhere: the system's table of open "
+                   "files is full"),
 ])
-def test_a_disk_refusing_writes_mid_command_says_what_to_do(code, said):
+def test_a_disk_refusing_writes_mid_command_says_what_to_do(monkeypatch, code, said):
     """Any command's failing write the CLI reports (a merged card's weights, a run folder made once the disk is
     full) names the remedy of a full disk, a quota, a file-size limit or a read-only mount, as training's do."""
-    import os
-
+    from cardtool import errors
     from cardtool.errors import RunFailed, as_cardtool_error
 
+    monkeypatch.setattr(errors, "resource", _Limits(nofile=64))
     with pytest.raises(RunFailed) as caught:
         with as_cardtool_error():
             raise OSError(code, os.strerror(code), "out/x.png")
     assert str(caught.value) == said
+
+
+class _Limits:
+    """The resource module with RLIMIT_NOFILE's soft limit at `nofile`."""
+
+    RLIMIT_NOFILE, RLIM_INFINITY = object(), -1
+
+    def __init__(self, nofile):
+        self.nofile = nofile
+
+    def getrlimit(self, which):
+        assert which is self.RLIMIT_NOFILE
+        return self.nofile, self.RLIM_INFINITY
+
+
+@pytest.mark.parametrize("code", [errno.EMFILE, errno.ENFILE, errno.ENOMEM])
+@pytest.mark.parametrize("where", ["manifest", "weights", "listing"])
+def test_a_file_the_machine_would_not_open_is_its_error_not_a_broken_card(tmp_path, monkeypatch, code, where):
+    """A card read when the process may open no more files (or map no more memory) was said to be invalid — 'cannot
+    read: Too many open files', exit 2, the card blamed; it is the machine's error with its remedy (exit 1)."""
+    import shutil
+    from pathlib import Path
+
+    from cardtool.core.cards import source, weight_files
+
+    shutil.copytree(EXAMPLES / "tiny-base", tmp_path / "tiny-base")
+    real_open, real_stat = Path.open, Path.stat
+
+    def refused(path, *args, **kwargs):
+        if where == "manifest" and path.name == "card.yaml" or where == "weights" and path.suffix == ".safetensors":
+            raise OSError(code, os.strerror(code), str(path))
+        return real_open(path, *args, **kwargs)
+
+    def unstatable(path, *args, **kwargs):
+        if path.name == "card.yaml" and path.parent.name == "tiny-base":
+            raise OSError(code, os.strerror(code), str(path))
+        return real_stat(path, *args, **kwargs)
+
+    source._cache.clear()
+    monkeypatch.setattr(weight_files, "_header_cache", {}, raising=False)
+    if where == "listing":
+        monkeypatch.setenv("CARDTOOL_PATH", str(tmp_path))
+        monkeypatch.setattr(Path, "stat", unstatable)
+        args = ["cards", "list", "--json"]
+    else:
+        monkeypatch.setattr(Path, "open", refused)
+        args = ["cards", "validate", str(tmp_path / "tiny-base"), "--json"]
+    result = CliRunner().invoke(app, args)
+    source._cache.clear()
+    document = json.loads(result.stdout)
+    assert result.exit_code == 1, result.output
+    said = {errno.EMFILE: "raise the open-file limit (ulimit -n", errno.ENFILE: "the system's table of open files",
+            errno.ENOMEM: "out of memory"}[code]
+    assert "error" in document, document
+    assert document["error"]["kind"] == "failed" and said in document["error"]["message"], document
 
 
 def test_an_unwritable_feature_cache_costs_nothing_but_its_reuse(tmp_path, monkeypatch):
@@ -242,3 +301,30 @@ def test_an_eval_refused_after_its_reports_folder_is_proven_writable_leaves_none
                                       "--out", str(tmp_path / "new" / "reports" / "r.json")])
     assert result.exit_code == 2 and "card 'tiny-base' is not a reward" in result.output, result.output
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("spare", [0, 1, 3])
+def test_a_command_out_of_file_handles_says_the_limit_in_one_line(tmp_path, spare):
+    """Under an open-file limit (`ulimit -n`) a few handles above what the started process holds, generate either
+    runs or says the limit and its remedy in one line (exit 1): the text encoder's loader said 'cannot load the text
+    encoder' as bad input (exit 2), a card's manifest was 'invalid'."""
+    import subprocess
+    import sys
+
+    script = (
+        "import os, resource, sys\n"
+        "from cardtool.cli import main\n"
+        f"held = len(os.listdir('/proc/self/fd')) - 1 + {spare}\n"  # less the listing's own handle, closed again
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (held, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+        f"sys.argv = ['cardtool', 'generate', {str(EXAMPLES / 'tiny-base')!r}, '-p', 'a bag', '--steps', '1', "
+        f"'--out', {str(tmp_path / 'out.png')!r}]\n"
+        "main()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "CARDTOOL_CACHE": str(tmp_path / "cache")})
+    if done.returncode == 0:
+        assert (tmp_path / "out.png").is_file()
+        return
+    lines = done.stderr.splitlines()
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert len(lines) == 1 and "Too many open files — raise the open-file limit (ulimit -n, now " in lines[0], lines
+    assert not (tmp_path / "out.png").exists()

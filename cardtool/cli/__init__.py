@@ -183,6 +183,20 @@ def _interrupted(error: BaseException) -> bool:
     return False
 
 
+def _machine_refused(error: Exception):
+    """`error` as cardtool's error where it is the machine's (`as_cardtool_error`: an open-file limit, memory), else
+    None. Said without Rich: what failed to load may be Rich's own import."""
+    from cardtool.errors import CardtoolError, as_cardtool_error
+
+    try:
+        with as_cardtool_error():
+            raise error
+    except CardtoolError as said:
+        return said if isinstance(error, (OSError, MemoryError, ImportError, SystemError)) else None
+    except Exception:  # noqa: BLE001 - not the machine's: raised as it is by the caller
+        return None
+
+
 def _one_blas_thread_under_a_memory_limit() -> None:
     """Under an address-space limit (`ulimit -v`) an OpenBLAS that cannot start its threads spins for ever — scipy's,
     which transformers imports with the text encoder, hung `generate` at 1,000 MiB. One thread each starts none; the
@@ -225,9 +239,14 @@ def main() -> None:
     except KeyboardInterrupt:  # Ctrl-C outside a command's own handling: the exit a shell gives, no traceback
         code = 130
     except Exception as error:
-        if not _interrupted(error):
-            raise
-        code = 130
+        if _interrupted(error):
+            code = 130
+        else:  # before a command's own handling: an import the machine refused (no file handle, no memory)
+            failed = _machine_refused(error)
+            if failed is None:
+                raise
+            sys.stderr.write(f"error {failed}\n")
+            code = failed.exit_code
     sys.stdout.flush()  # a --json document is still buffered: its write error shows only now
     if getattr(out, "failed", None) is not None:
         sys.stderr.write(f"error cannot write standard output: {out.failed}\n")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cardtool.errors import BadInput
+from cardtool.errors import BadInput, raise_if_the_machines
 from cardtool.files import unlistable
 from cardtool.paths import home_expanded
 
@@ -111,6 +111,8 @@ def read_idx(path: Path) -> np.ndarray:
                                f"{MAX_IDX_BYTES:,} an IDX file read here may hold: {_HOW}")
             data = _read_at_most(f, math.prod(shape) + 1)  # no further: a small gzip can inflate to gigabytes
     except (OSError, EOFError, struct.error, zlib.error) as e:  # zlib's: gzip data damaged past its header
+        if isinstance(e, OSError):
+            raise_if_the_machines(e)
         raise BadInput(f"cannot read {path}: {e}: {_HOW}") from None
     if len(data) != math.prod(shape):
         state = "is truncated" if len(data) < math.prod(shape) else "holds more bytes than its shape"

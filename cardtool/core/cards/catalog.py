@@ -10,7 +10,7 @@ from cardtool.core.cards.discovery import Entry, bare_name, locate, manifest_in,
 from cardtool.core.cards.lineage import lineage, missing_parent_problems
 from cardtool.core.cards.loader import Card, load_card
 from cardtool.core.cards.source import MANIFEST_NAMES, display_path, peek_id
-from cardtool.errors import BadInput, CardValidationError, Problem
+from cardtool.errors import BadInput, CardValidationError, Problem, raise_if_the_machines
 
 __all__ = ["CardSummary", "ValidationResult", "list_cards", "validate_paths"]
 
@@ -101,6 +101,7 @@ def _validated(paths: list[str], checksums: bool) -> list[ValidationResult]:
         except CardValidationError as e:
             results.append(ValidationResult(display_path(target), _declared_id(target), e.problems))
         except OSError as e:  # a card this user may not read (another's, on a team disk): that card fails, not all
+            raise_if_the_machines(e)
             where = display_path(e.filename) if e.filename else display_path(target)
             results.append(ValidationResult(display_path(target), None, [Problem(
                 where, 1, 1, "", f"cannot read {where}: {e.strerror or e}", "ask its owner for read access")]))

@@ -13,7 +13,7 @@ from cardtool.backends.component_config import config_problems
 from cardtool.backends.registry import COMPONENTS
 from cardtool.core.cards.loops import LOOP_KINDS
 from cardtool.core.cards.weight_files import FLOAT_DTYPES, read_header
-from cardtool.errors import BadInput, Problem
+from cardtool.errors import BadInput, Problem, raise_if_the_machines
 
 __all__ = ["component_problems", "few", "loop_problems", "tensor_problems"]
 
@@ -90,6 +90,7 @@ def _source_weights_problems(source) -> list[str]:
     try:
         files = sorted(source.glob("*.safetensors")) if source.is_dir() else []
     except OSError as e:
+        raise_if_the_machines(e)
         return [f"cannot list {source}: {e.strerror}"]
     return [f"{source}: {reason}" for path in files if (reason := read_header(path)[1])]
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cardtool.core.cards.source import MANIFEST_NAMES, display_path, peek_id, read_source
-from cardtool.errors import AmbiguousCard, BadInput, CardNotFound, CardValidationError
+from cardtool.errors import AmbiguousCard, BadInput, CardNotFound, CardValidationError, raise_if_the_machines
 from cardtool.files import unlistable
 from cardtool.paths import home_expanded
 
@@ -164,6 +164,7 @@ def scan(roots: list[Root], *, ids_only: bool = False) -> list[Entry]:
                 seen.add(folder.resolve())
                 entries.append(Entry(None, file or folder / MANIFEST_NAMES[0], root.origin, e))
             except OSError as e:  # a folder this user may not read (another's, on a team disk): that card only
+                raise_if_the_machines(e)
                 seen.add(folder.resolve())
                 file = file or folder / MANIFEST_NAMES[0]
                 entries.append(Entry(None, file, root.origin, CardValidationError.at(

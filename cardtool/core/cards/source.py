@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cardtool.errors import CardValidationError, Problem
+from cardtool.errors import CardValidationError, Problem, raise_if_the_machines
 from cardtool.paths import unnamable
 
 __all__ = ["CONTROL_CHARACTERS", "MANIFEST_NAMES", "Source", "display_path", "peek_id", "plain_value_problems",
@@ -113,6 +113,7 @@ def read_source(file: Path) -> Source:
             raise CardValidationError.at(shown, 1, 1, "", f"not a YAML or TOML file: it is {kind}", fix)
         raise CardValidationError.at(shown, 1, 1, "", f"not UTF-8 text ({e.reason})", "save it as UTF-8")
     except OSError as e:
+        raise_if_the_machines(e)
         raise CardValidationError.at(shown, 1, 1, "", f"cannot read: {e.strerror}", "check the path")
     source = _read_toml(file, text) if file.suffix == ".toml" else _read_yaml(file, text)
     if not isinstance(source.data, dict):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from cardtool.atomic import write_atomic
 from cardtool.cache import NoCacheFolder, cache_dir
+from cardtool.errors import raise_if_the_machines
 from cardtool.files import file_stamp, parse_json, read_small_file
 
 __all__ = ["PICKLE_SUFFIXES", "FLOAT_DTYPES", "RAW_VIEWS", "format_problem", "non_finite_tensors", "read_header",
@@ -64,6 +65,8 @@ def read_header(path: Path) -> tuple[Header, str | None]:
     try:
         info = path.stat()
     except (OSError, ValueError) as e:
+        if isinstance(e, OSError):
+            raise_if_the_machines(e)
         return {}, f"cannot read '{path.name}': {getattr(e, 'strerror', None) or e}"
     if not stat.S_ISREG(info.st_mode):
         return {}, f"'{path.name}' is not a regular file"
@@ -85,6 +88,7 @@ def _parse_header(path: Path, size: int) -> tuple[Header, str | None]:
             f.seek(8)
             raw = f.read(length)
     except OSError as e:
+        raise_if_the_machines(e)
         return {}, f"cannot read '{name}': {e.strerror}"
     try:
         document = json.loads(raw.decode("utf-8"))

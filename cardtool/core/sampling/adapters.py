@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from cardtool.errors import BadInput
+from cardtool.errors import BadInput, raise_if_the_machines
 from cardtool.files import file_stamp
 
 __all__ = ["AdapterUse", "Loaded", "AdapterStore", "parse_adapter", "stack_record"]
@@ -139,6 +139,7 @@ def _stamp(name: str, card, path: Path) -> tuple[int, int, int, int]:
     try:
         return file_stamp(path)
     except OSError as e:
+        raise_if_the_machines(e)
         raise BadInput(f"adapter '{name}' of card '{card.id}': cannot read {path}: {e.strerror}") from None
 
 

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cardtool.errors import BadInput
+from cardtool.errors import BadInput, raise_if_the_machines
 from cardtool.files import parse_json
 
 __all__ = ["Like", "read_like", "unlike"]
@@ -47,6 +47,8 @@ def read_like(path: Path | str) -> Like:
         raise BadInput(f"--like {path}: not a PNG; a generation's settings are recorded in the PNG cardtool writes "
                        "(a JPEG or another format made from it keeps none)") from None
     except Exception as e:  # noqa: BLE001 - PIL's many errors for a damaged image
+        if isinstance(e, OSError):
+            raise_if_the_machines(e)
         raise BadInput(f"--like {path}: not a readable image ({type(e).__name__}: {e})"[:300]) from None
     if "cardtool" not in metadata or "card" not in metadata:
         raise BadInput(f"--like {path}: not an image cardtool made (its PNG records no card and settings)")

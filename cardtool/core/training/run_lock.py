@@ -11,7 +11,7 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-from cardtool.errors import BadInput
+from cardtool.errors import BadInput, raise_if_the_machines
 
 __all__ = ["LOCK", "run_claimed"]
 
@@ -35,6 +35,7 @@ def run_claimed(run_dir: Path, claim: bool = True) -> Iterator[None]:
     try:  # never through a link: the lock is truncated and rewritten, which would clobber the file it points to
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     except OSError as e:
+        raise_if_the_machines(e)
         if path.is_symlink():
             raise BadInput(f"{path} is a link; {remedy}") from None
         raise BadInput(f"cannot open {path}, the run's lock ({e.strerror or e}); {remedy}") from None
