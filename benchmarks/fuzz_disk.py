@@ -1,12 +1,12 @@
 """Fuzz write failures: each command that writes (fuzz_kills' commands: images, cards, checkpoints, a workflow's
-outputs; and an eval's report) runs where the kernel refuses its writes past a random point — `fsize`, a file-size
-limit of a random number of bytes (`ulimit -f`: a write past it fails with EFBIG, in our code, torch's and
-safetensors' alike), or `full`, its folder on a tmpfs of a random size and number of files (ENOSPC; root only, where
-the kernel lets it mount one). The failed run must end as an error (exit 1, or 2 where a refusal came first) or
-succeed where only a cache write failed — never a traceback — and leave no temporary and no file that is not the
-uninterrupted run's, byte for byte (an eval report's rows, its timings set aside). Then, with the limit lifted as a
-user would free the space, the same command finished (`--resume`, `--skip-existing`) must leave what the
-uninterrupted run leaves.
+outputs; an eval's report; a composed and an imported card) runs where the kernel refuses its writes past a random
+point — `fsize`, a file-size limit of a random number of bytes (`ulimit -f`: a write past it fails with EFBIG, in our
+code, torch's and safetensors' alike), or `full`, its folder on a tmpfs of a random size and number of files
+(ENOSPC; root only, where the kernel lets it mount one). The failed run must end as an error (exit 1, or 2 where a
+refusal came first) or succeed where only a cache write failed — never a traceback — and leave no temporary and no
+file that is not the uninterrupted run's, byte for byte (an eval report's rows, its timings set aside). Then, with the
+limit lifted as a user would free the space, the same command finished (`--resume`, `--skip-existing`) must leave what
+the uninterrupted run leaves.
 
 Outcomes per round: `ok` (failed cleanly, then finished to the same files), `passed` (the command needed no more than
 the limit let it write, or only a cache write failed: the same files without a rerun), and the failures the target is
@@ -38,10 +38,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fuzz_kills  # noqa: E402 - beside this script, not a package
 from fuzz_kills import TIMEOUT, _run, report_and_exit  # noqa: E402
 
-# fuzz_kills' commands, and an eval that writes its report (and FID's reference features, its floors to the cache)
-COMMANDS = {**fuzz_kills.COMMANDS, "eval": (["eval", "tiny-base", "--steps", "1", "--steps", "2", "--steps", "4",
-                                             "--per-class", "4", "--judge", "tiny-judge", "--out", "report.json"],
-                                            "--resume")}
+# fuzz_kills' commands; an eval that writes its report (and FID's reference features, its floors to the cache); the
+# card writers that start from another's files, made unlimited first (`prepared`): a serving card composed of an
+# adapter card, a card imported from diffusers' layout ({root}: the scratch folder)
+COMMANDS = {**fuzz_kills.COMMANDS,
+            "eval": (["eval", "tiny-base", "--steps", "1", "--steps", "2", "--steps", "4", "--per-class", "4",
+                      "--judge", "tiny-judge", "--out", "report.json"], "--resume"),
+            "compose": (["cards", "compose", "tiny-base", "tiny-rl-lora", "--id", "tiny-served", "--out", "served"],
+                        None),
+            "import": (["cards", "import", "{root}/tiny-hf", "--base", "tiny-base", "--id", "tiny-imported", "--out",
+                        "imported"], None)}
 _TIMING = ("images_per_second", "seconds")  # an eval report's, which no two runs share
 FASHION_MNIST = "/usr/share/datasets/fashion-mnist"  # where Debian's dataset-fashion-mnist puts it
 BAD = ("traceback", "exit", "silent", "stray", "partial", "rerun_failed", "differs")
@@ -72,6 +78,28 @@ def can_mount(scratch: Path) -> bool:
         return False
     subprocess.run(["umount", str(probe)], check=False, capture_output=True)
     return True
+
+
+def prepared(root: Path, names: list[str]) -> Path:
+    """fuzz_kills' example cards under `root/cards`, with what compose and import start from where `names` holds
+    them: tiny-rl's LoRA on tiny-base among the cards, tiny-distilled in diffusers' layout beside them
+    (`root/tiny-hf`)."""
+    cards = fuzz_kills.example_cards(root)
+    if not {"compose", "import"} & set(names):
+        return cards
+    env = {**os.environ, "CARDTOOL_PATH": str(cards), "CARDTOOL_CACHE": str(root / "cache")}
+    for args in (["cards", "extract-lora", "tiny-base", "tiny-rl", "--rank", "4", "--id", "tiny-rl-lora", "--out",
+                  str(cards / "tiny-rl-lora")],
+                 ["cards", "export", "tiny-distilled", "--format", "hf", "--out", str(root / "tiny-hf")]):
+        done = _run(args, root, env)
+        if done.returncode:
+            raise SystemExit(f"cannot prepare {args[:2]}: {done.stderr[-2000:]}")
+    return cards
+
+
+def arguments(name: str, root: Path) -> list[str]:
+    """COMMANDS[name]'s arguments, {root} the scratch folder."""
+    return [arg.replace("{root}", str(root)) for arg in COMMANDS[name][0]]
 
 
 def runnable(name: str) -> bool:
@@ -143,11 +171,11 @@ def judge(code: int, stderr: str, left: dict[str, str], want: dict[str, str], st
 
 def fuzz(names: list[str], rounds: int, seed: int, modes: list[str], root: Path) -> dict:
     rng = random.Random(seed)
-    cards = fuzz_kills.example_cards(root)
+    cards = prepared(root, names)
     counts: dict[str, int] = {}
     details: list[dict] = []
     for name in names:
-        args, finish = COMMANDS[name]
+        args, finish = arguments(name, root), COMMANDS[name][1]
         if not runnable(name):
             continue
         reference = root / name / "reference"

@@ -22,8 +22,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fuzz_disk import COMMANDS, runnable  # noqa: E402 - beside this script, not a package
-from fuzz_kills import example_cards, report_and_exit  # noqa: E402
+from fuzz_disk import COMMANDS, arguments, prepared, runnable  # noqa: E402 - beside this script, not a package
+from fuzz_kills import report_and_exit  # noqa: E402
 
 CARDTOOL_FAULTS = ("traceback", "noise")
 
@@ -54,10 +54,10 @@ def outcome(code: int, stderr: str) -> str:
 
 
 def measure(names: list[str], limits: list[int], timeout: float, root: Path, kind: str = "memory") -> dict:
-    cards = example_cards(root)
+    cards = prepared(root, names)
     rows, counts = [], {}
     for name in names:
-        args, _ = COMMANDS[name]
+        args = arguments(name, root)
         if not runnable(name):
             continue
         for limit in limits:

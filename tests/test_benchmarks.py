@@ -446,3 +446,16 @@ def test_machine_limits_benchmark_runs_a_command_under_each_limit_and_names_the_
     assert outcome(-6, "terminate called after throwing an instance of 'std::bad_alloc'\n") == "killed"
     assert outcome(1, "libgomp: Thread creation failed: Resource temporarily unavailable\n") == "killed"
     assert outcome(0, "") == "ran"
+
+
+def test_disk_fuzzer_imports_a_card_from_the_diffusers_folder_it_prepared(tmp_path, monkeypatch):
+    """compose and import start from files no example card holds: the fuzzer makes them first, without a limit."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import fuzz_disk
+
+    assert fuzz_disk.arguments("import", tmp_path)[2] == f"{tmp_path}/tiny-hf"
+    report = fuzz_disk.fuzz(["import"], 1, 3, ["fsize"], tmp_path / "scratch")
+    assert (tmp_path / "scratch" / "cards" / "tiny-rl-lora" / "card.yaml").is_file()
+    case = report["cases"][0]
+    assert case["outcome"] in ("ok", "passed"), case
+    assert case["outcome"] == "passed" or case["said"].startswith("error imported: File too large — raise"), case

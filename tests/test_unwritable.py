@@ -4,8 +4,8 @@ message (exit 1, error kind `failed`), never a traceback."""
 from __future__ import annotations
 
 import errno
-import os
 import json
+import os
 
 import pytest
 from helpers import REPO, write_idx_folder
