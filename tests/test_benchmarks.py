@@ -408,7 +408,7 @@ def test_disk_fuzzer_fails_a_write_and_judges_what_the_failed_run_left(tmp_path,
     assert cases[0]["detail"] == "soup/transformer.safetensors" and "soup/card.yaml" in cases[3]["detail"]
     # the last run, left as it was: the write refused, said with what to do, then the rerun finished it
     assert cases[4]["failed_exit"] == 1 and cases[4]["said"].startswith(
-        "error soup: File too large — raise the file-size limit (ulimit -f)"), cases[4]
+        "error soup/transformer.safetensors: File too large — raise the file-size limit (ulimit -f)"), cases[4]
     # an eval report is compared by its rows less their timings; one holding some of the rows is what a stopped eval
     # keeps, one holding a row the unlimited run did not measure is not
     for folder, pace in (("a", 100.0), ("b", 7.5)):

@@ -328,3 +328,42 @@ def test_a_command_out_of_file_handles_says_the_limit_in_one_line(tmp_path, spar
     assert done.returncode == 1, done.stderr[-3000:]
     assert len(lines) == 1 and "Too many open files — raise the open-file limit (ulimit -n, now " in lines[0], lines
     assert not (tmp_path / "out.png").exists()
+
+
+@pytest.mark.parametrize(("failing", "named"), [
+    ("save_tensors", "x/transformer.safetensors"),  # safetensors' write
+    ("copyfile", "x/adapters/tiny-rl.safetensors"),  # a copy: the error names its source first
+    ("card.yaml", "x/card.yaml"),  # a write whose error names no file
+])
+def test_a_card_write_the_disk_refuses_names_the_file_in_the_card_folder(tmp_path, monkeypatch, failing, named):
+    """A merged card's weights past `ulimit -f` said 'soup: File too large', the folder alone; it names the file, in
+    the folder asked for (not the staging one), so the limit it needs can be seen."""
+    import shutil
+    from pathlib import Path
+
+    from cardtool.core.cards import writer
+    from cardtool.errors import RunFailed, as_cardtool_error
+
+    def refused(*args, **kwargs):
+        raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+
+    def refused_copy(source, target):
+        error = OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+        error.filename, error.filename2 = str(source), str(target)
+        raise error
+
+    real_write = Path.write_text
+    if failing == "save_tensors":
+        monkeypatch.setattr(writer, "save_tensors", refused)
+    elif failing == "copyfile":
+        monkeypatch.setattr(shutil, "copyfile", refused_copy)
+    else:
+        monkeypatch.setattr(Path, "write_text", lambda p, *a, **k: refused() if p.name == "card.yaml" else
+                            real_write(p, *a, **k))
+    adapter = tmp_path / "lora.safetensors"
+    adapter.write_bytes(b"")
+    with pytest.raises(RunFailed) as caught, as_cardtool_error():
+        writer.write_card(tmp_path / "x", {"id": "x"}, {"transformer.safetensors": {}},
+                          copies={"adapters/tiny-rl.safetensors": adapter})
+    assert str(caught.value) == f"{tmp_path / named}: File too large — raise the file-size limit (ulimit -f)"
+    assert not (tmp_path / "x").exists() and [p.name for p in tmp_path.iterdir()] == ["lora.safetensors"]

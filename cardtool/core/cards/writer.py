@@ -36,34 +36,42 @@ def write_card(folder: Path, manifest: dict, weights: dict[str, dict], *, copies
     _recover(folder)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
+    writing = staging  # what a failed write names (a file's write error carries no name)
     try:
         dtype = storage and getattr(torch, storage)
         for rel, state in weights.items():
+            writing = staging / rel
             (staging / rel).parent.mkdir(parents=True, exist_ok=True)
             stored = {k: (v.to(dtype) if dtype and v.is_floating_point() else v).detach().contiguous().cpu()
                       for k, v in state.items()}
             save_tensors(staging / rel, stored, (metadata or {}).get(rel))
             os.chmod(staging / rel, 0o644)  # safetensors writes 0600: a card shared on a team disk must be readable
         for rel, source in (copies or {}).items():
+            writing = staging / rel
             (staging / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(source, staging / rel)
         for section in ("components", "adapters"):
             for entry in manifest.get(section, {}).values():
                 if entry and entry.get("weights"):  # an inherited entry set to null is removed
                     entry["sha256"] = sha256_file(staging / entry["weights"])
+        writing = staging / "card.yaml"
         (staging / "card.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False, allow_unicode=True, width=110))
         try:  # a card that would not load is never put in place
             load_card(staging, checksums=True)
         except CardValidationError as e:  # located in the folder the user named, not the staging one
             raise CardValidationError([dataclasses.replace(p, file=p.file.replace(staging.name, folder.name))
                                        for p in e.problems]) from None
+        writing = staging
         for path in sorted(staging.rglob("*"), reverse=True):  # files, then the folders holding them
             synced(path)
         synced(staging)
         _swap(staging, folder, overwrite)
         synced(folder.parent)  # a power loss after this leaves the whole new card, not a folder of empty files
-    except OSError as e:  # a full disk, say: named by the card folder asked for, not by the staging one
-        raise OSError(e.errno, e.strerror, str(folder)) from None
+    except OSError as e:  # a full disk, say: named in the card folder asked for, not in the staging one
+        named = [Path(os.fsdecode(name)) for name in (e.filename, e.filename2) if name]  # a copy's: source, target
+        failed = next((path for path in named if path.is_relative_to(staging)), writing)
+        where = folder / failed.relative_to(staging) if failed.is_relative_to(staging) else folder
+        raise OSError(e.errno, e.strerror, str(where)) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return load_card(folder)
