@@ -1,6 +1,7 @@
 """Fuzz interruptions: each command that writes (images, cards, checkpoints, a workflow's outputs) is stopped at a
-random moment — SIGKILL (an OOM kill, a lost node), SIGTERM (a scheduler's preemption), SIGINT (Ctrl-C) or SIGHUP (the
-terminal closed) — then run again as a user would finish it (`--resume` for a training run, `--skip-existing` for
+random moment — SIGKILL (an OOM kill, a lost node), SIGTERM (a scheduler's preemption), SIGINT (Ctrl-C), SIGHUP (the
+terminal closed), SIGXCPU (a CPU-time limit's warning) or SIGUSR1 (Slurm's warning, where a job asks for one) — then
+run again as a user would finish it (`--resume` for a training run, `--skip-existing` for
 images), and what it leaves must be what an uninterrupted run leaves, file for file, with no temporary left behind.
 
 Every run of a command works in a folder of its own with the same relative paths, so the cards' recorded commands
@@ -11,7 +12,7 @@ again without it: the same files), and the failures the target is zero of: `diff
 `rerun_failed` (the run to finish it exited non-zero), `traceback` (on either run's stderr), `exit` (the stopped run
 exited with neither 0, the signal's death, nor 128 + the signal).
 
-    python benchmarks/fuzz_kills.py --rounds 3 --seed 0 [--signal kill|term|int|hup|all] [--out fuzz-kills.json]
+    python benchmarks/fuzz_kills.py --rounds 3 --seed 0 [--signal kill|term|int|hup|xcpu|usr1|all] [--out F.json]
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import json
 import os
 import random
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -89,9 +91,11 @@ def _run(args: list[str], where: Path, env: dict) -> subprocess.CompletedProcess
 
 def _heeding() -> None:
     """In the command's process: SIGINT and SIGHUP as a terminal's job gets them. A fuzzer started in the background
-    (`nohup … &`) passes them on ignored, and the command rightly keeps them so: no stop would be tried."""
+    (`nohup … &`) passes them on ignored, and the command rightly keeps them so: no stop would be tried. No core file:
+    a SIGXCPU before the command's handlers are in place dumps one, which is not a file the command writes."""
     for signum in (signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, signal.SIG_DFL)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
 def _stopped(args: list[str], where: Path, env: dict, delay: float, signum: int) -> tuple[int, str]:
@@ -184,7 +188,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="Stops per command.")
     parser.add_argument("--seed", type=int, default=0)
-    signals = {"kill": [signal.SIGKILL], "term": [signal.SIGTERM], "int": [signal.SIGINT], "hup": [signal.SIGHUP]}
+    signals = {"kill": [signal.SIGKILL], "term": [signal.SIGTERM], "int": [signal.SIGINT], "hup": [signal.SIGHUP],
+               "xcpu": [signal.SIGXCPU], "usr1": [signal.SIGUSR1]}
     signals["all"] = [s for kind in signals.values() for s in kind]
     parser.add_argument("--signal", choices=list(signals), default="all")
     parser.add_argument("--commands", nargs="+", choices=list(COMMANDS), default=list(COMMANDS))

@@ -106,14 +106,16 @@ def fashion_mnist():
 
 @pytest.fixture
 def interactive_signals():
-    """SIGINT, SIGTERM and SIGHUP handled as in a terminal's foreground process — Python's KeyboardInterrupt and the
-    default exit — even where the test runner ignores them (pytest-xdist's workers ignore SIGINT); restored after."""
+    """SIGINT, SIGTERM, SIGHUP and a batch system's warnings handled as in a terminal's foreground process — Python's
+    KeyboardInterrupt and the default exit — even where the test runner ignores them (pytest-xdist's workers ignore
+    SIGINT); restored after."""
     import signal
 
-    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGXCPU,
+                                               signal.SIGUSR1)}
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    for s in before.keys() - {signal.SIGINT}:
+        signal.signal(s, signal.SIG_DFL)
     yield
     for s, handler in before.items():
         signal.signal(s, handler)

@@ -458,4 +458,4 @@ def test_disk_fuzzer_imports_a_card_from_the_diffusers_folder_it_prepared(tmp_pa
     assert (tmp_path / "scratch" / "cards" / "tiny-rl-lora" / "card.yaml").is_file()
     case = report["cases"][0]
     assert case["outcome"] in ("ok", "passed"), case
-    assert case["outcome"] == "passed" or case["said"].startswith("error imported: File too large — raise"), case
+    assert case["outcome"] == "passed" or case["said"].startswith("error imported/"), case

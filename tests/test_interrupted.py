@@ -196,6 +196,23 @@ def test_the_first_signal_asks_and_a_second_acts_at_once(interactive_signals):
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_a_cpu_time_limits_repeated_warnings_ask_once_and_a_ctrl_c_still_acts_at_once(interactive_signals):
+    """Past `ulimit -t`'s soft limit the kernel sends SIGXCPU every CPU second until the hard limit's SIGKILL: the
+    repeats must not end the step in flight as a second Ctrl-C would (SIGXCPU's default dumps core), and a user's
+    Ctrl-C after them still does."""
+    from cardtool.core.interrupt import Interrupted, stop_requests
+
+    with pytest.raises(KeyboardInterrupt), stop_requests() as caught:
+        for _ in range(3):
+            os.kill(os.getpid(), signal.SIGXCPU)
+        assert caught == [signal.SIGXCPU] * 3
+        os.kill(os.getpid(), signal.SIGINT)
+        raise AssertionError("a Ctrl-C after the warnings did not stop the block")
+    assert signal.getsignal(signal.SIGXCPU) is signal.SIG_IGN  # past the soft limit: the next would end the process
+    stopped = Interrupted.after(signal.SIGXCPU, "step 3 of 9")
+    assert (str(stopped), stopped.exit_code) == ("SIGXCPU (the CPU-time limit, ulimit -t) after step 3 of 9", 152)
+
+
 def test_disabled_or_off_the_main_thread_the_handlers_stay_as_they_were(interactive_signals):
     """Under torchrun (disabled: the ranks must stop together) and in a worker thread (Python installs handlers only
     on the main thread) nothing is caught."""
@@ -359,3 +376,41 @@ except KeyboardInterrupt:
                                        "os.environ['OTHER_RAN_ON'] = '1'\n")
     done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert done.stdout == "True\nFalse\n", done.stderr[-2000:]
+
+
+def test_a_run_past_its_cpu_time_limit_checkpoints_and_exits_152_not_with_a_core_dump(tmp_path):
+    """Under `ulimit -t` (a login node's, SGE's s_cpu) the kernel warns with SIGXCPU, whose default ends the process
+    and dumps core, every CPU second until the hard limit: training stopped there lost every step since its last
+    checkpoint. It checkpoints the finished step and exits 152 (128 + SIGXCPU), and `--resume` continues."""
+    import resource
+    import subprocess
+    import sys
+
+    from helpers import REPO
+    from safetensors import safe_open
+
+    def children_cpu() -> float:  # every child's this process has waited for, so far
+        used = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return used.ru_utime + used.ru_stime
+
+    before = children_cpu()
+    subprocess.run([sys.executable, "-c", "import cardtool.cli, torch, transformers"], check=True)
+    soft = int(children_cpu() - before) + 4  # the imports (what this machine's take), then a few CPU seconds
+    recipe = REPO / "examples" / "recipes" / "fashion-bold.yaml"
+    train = [sys.executable, "-m", "cardtool", "train", "--recipe", str(recipe),
+             "--data", str(REPO / "examples" / "images"), "--set", f"parents=[{EXAMPLE_CARDS / 'tiny-base'}]",
+             "--set", "data.transform=none", "--set", "model.adapter=mine", "--set", "card.id=tiny-mine", "--set",
+             "optim.steps=1000000", "--set", "optim.batch_size=2", "--set", "train.checkpoint_every=1000000", "--set",
+             "train.precision=float32", "--out", str(tmp_path / "mine"), "--run-dir", str(tmp_path / "run"), "--json"]
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_CPU, (soft, soft + 120))
+
+    done = subprocess.run(train, capture_output=True, text=True, timeout=300, preexec_fn=limited,
+                          env={**os.environ, "CARDTOOL_CACHE": str(tmp_path / "cache")})
+    assert done.returncode == 152, done.stderr[-2000:]
+    error = json.loads(done.stdout)["error"]
+    assert error["kind"] == "interrupted" and error["message"].startswith("SIGXCPU (the CPU-time limit, ulimit -t) "
+                                                                          "after step "), error
+    with safe_open(str(tmp_path / "run" / "checkpoint.safetensors"), framework="pt") as f:
+        assert int(f.metadata()["step"]) == error["partial"]["step"] > 0

@@ -1,7 +1,9 @@
 """Ctrl-C, SIGTERM and SIGHUP during long work: the unit in flight finishes and is kept — a training step and its
 checkpoint, a generation wave and its PNGs, an eval row, a workflow step — and the command stops with exit 128 + the
 signal, instead of losing everything since the last thing it saved. (SIGHUP: the terminal or SSH session the command
-ran in closed; a command started under `nohup` ignores it, and keeps ignoring it here.)"""
+ran in closed; a command started under `nohup` ignores it, and keeps ignoring it here.) So do the warnings a batch
+system gives before it kills a job: SIGXCPU, a CPU-time limit's (`ulimit -t`; SGE's s_cpu, LSF's CPULIMIT), and
+SIGUSR1, the one Slurm sends where a job asks for it (`--signal=USR1@120`)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,16 @@ from cardtool.errors import RunFailed
 
 __all__ = ["Interrupted", "hold_ctrl_c_in_imports", "stop_requests"]
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else []))  # none on Windows
+# SIGHUP, SIGXCPU and SIGUSR1: none on Windows
+SIGNALS = (signal.SIGINT, signal.SIGTERM, *(getattr(signal, name) for name in ("SIGHUP", "SIGXCPU", "SIGUSR1")
+                                            if hasattr(signal, name)))
+# the kernel sends SIGXCPU again for each CPU second past the soft limit, and SIGKILL at the hard one: its repeats are
+# not a user's second request to stop at once
+REPEATED = tuple(getattr(signal, name) for name in ("SIGXCPU",) if hasattr(signal, name))
+# what a signal a user did not send by hand means, for the message
+MEANING = {getattr(signal, name): meaning for name, meaning in (("SIGXCPU", "the CPU-time limit, ulimit -t"),
+                                                                 ("SIGUSR1", "the batch system's warning"))
+           if hasattr(signal, name)}
 
 
 class Interrupted(RunFailed):
@@ -30,14 +41,16 @@ class Interrupted(RunFailed):
     @classmethod
     def after(cls, signum: int, done: str, partial: dict | None = None) -> Interrupted:
         """The stop a caught signal asked for, once `done` (e.g. "2 of 5 rows") is finished and kept."""
-        return cls(f"{signal.Signals(signum).name} after {done}", signum, partial)
+        meaning = f" ({MEANING[signum]})" if signum in MEANING else ""
+        return cls(f"{signal.Signals(signum).name}{meaning} after {done}", signum, partial)
 
 
 @contextmanager
 def stop_requests(enabled: bool = True) -> Iterator[list[int]]:
-    """A list that receives the number of a SIGINT, SIGTERM or SIGHUP that arrives inside the block, for the loop to
-    act on at its next boundary (a step, a wave, a row). The first signal only asks: a second one acts at once, as it
-    would have without this (the handlers in place before are restored on the first). Off the main thread, where Python
+    """A list that receives the number of each signal of SIGNALS that arrives inside the block, for the loop to act on
+    at its next boundary (a step, a wave, a row). The first signal only asks: a second one acts at once, as it would
+    have without this (the handlers in place before are restored on the first) — but for SIGXCPU's repeats (once
+    caught, it stays ignored after the block: the process is past its soft limit). Off the main thread, where Python
     cannot install handlers, or with `enabled` false (under torchrun, whose ranks must stop together), nothing
     changes."""
     caught: list[int] = []
@@ -50,7 +63,8 @@ def stop_requests(enabled: bool = True) -> Iterator[list[int]]:
     def ask(signum, frame):
         caught.append(signum)
         for s, handler in previous.items():
-            signal.signal(s, handler)
+            if s not in REPEATED:
+                signal.signal(s, handler)
 
     for s in previous:
         signal.signal(s, ask)
@@ -58,7 +72,9 @@ def stop_requests(enabled: bool = True) -> Iterator[list[int]]:
         yield caught
     finally:
         for s, handler in previous.items():
-            signal.signal(s, handler)
+            # past the CPU-time limit the next second's SIGXCPU would kill the process (and dump core) while it says
+            # what it kept: from then on, the hard limit's SIGKILL is the only end the kernel has left to give
+            signal.signal(s, signal.SIG_IGN if s in REPEATED and s in caught else handler)
 
 
 class _Held:
