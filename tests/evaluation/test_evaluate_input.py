@@ -198,6 +198,45 @@ def test_a_report_the_disk_stops_taking_keeps_the_rows_measured(examples, tmp_pa
     assert [row["steps"] for row in json.loads(out.read_text())["rows"]] == [1], "the file holds the first row"
 
 
+@pytest.mark.parametrize("during", [1, 2])  # another eval's write while this one measures its first row, or its second
+def test_a_report_another_process_writes_meanwhile_is_left_as_it_wrote_it(examples, tmp_path, monkeypatch, during):
+    """Two evals given one --out (a CI matrix's, say) each rewrote the report after its own rows, the last write
+    winning: one run's results were silently gone. The run that finds the file changed since its last write stops,
+    leaving the other's report as it is and its own rows under 'partial'."""
+    from helpers import write_idx_folder
+    from typer.testing import CliRunner
+
+    from cardtool.cli import app
+    from cardtool.core.evaluation import evaluate as evaluate_module
+
+    out, measured = tmp_path / "report.json", []
+    theirs = b'{"rows": [], "identity": {"card": "another"}}\n'
+    real = evaluate_module._measure_row
+
+    def another_process_writes(*args, **kwargs):
+        measured.append(True)
+        if len(measured) == during:
+            out.write_bytes(theirs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate_module, "_measure_row", another_process_writes)
+    result = CliRunner().invoke(app, ["eval", str(examples / "tiny-base"), "--judge", str(examples / "tiny-judge"),
+                                      "--per-class", "1", "--steps", "1", "--steps", "2", "--data",
+                                      str(write_idx_folder(tmp_path / "idx")), "--out", str(out), "--json"])
+    assert result.exit_code == 1, result.output
+    error = json.loads(result.stdout)["error"]
+    assert error["message"].startswith(f"{out} was written by another process while this eval ran") and \
+        error["message"].endswith("give this eval another --out"), error["message"]
+    assert [row["steps"] for row in error["partial"]["rows"]] == [1, 2][:during]
+    assert out.read_bytes() == theirs
+    # and an eval whose report no one else writes is not stopped by its own writes
+    monkeypatch.setattr(evaluate_module, "_measure_row", real)
+    alone = CliRunner().invoke(app, ["eval", str(examples / "tiny-base"), "--judge", str(examples / "tiny-judge"),
+                                     "--per-class", "1", "--steps", "1", "--steps", "2", "--data",
+                                     str(tmp_path / "idx"), "--out", str(tmp_path / "alone.json"), "--json"])
+    assert alone.exit_code == 0 and len(json.loads((tmp_path / "alone.json").read_text())["rows"]) == 2
+
+
 def test_off_a_terminal_each_row_logs_progress_lines(examples, tmp_path, monkeypatch):
     """A log gets lines inside a row (a 10,000-image row takes minutes), each with the row's own count and the time left
     at the row's pace; a new row starts its count again."""

@@ -39,7 +39,7 @@ from cardtool.core.evaluation.metrics import (
 )
 from cardtool.core.evaluation.paired import precision_differences
 from cardtool.core.evaluation.reference import cached_floors, reference_features
-from cardtool.core.evaluation.resume import ROW_SETTINGS, identity, previous_rows, write_report
+from cardtool.core.evaluation.resume import ROW_SETTINGS, identity, previous_rows, report_stamp, write_report
 from cardtool.core.evaluation.reward import FashionJudge, reward_card
 from cardtool.core.interrupt import Interrupted, stop_requests
 from cardtool.core.prompts import class_prompt
@@ -264,6 +264,7 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     if out is not None and not resume:
         _refuse_dropping(out, ident, {_settings(p, plans[(g, k)][0]) for (p, _), g, k in cells})
     kept_floors, kept_rows = _previous(out, ident, ranks) if resume else ({}, [])
+    seen = report_stamp(out) if out is not None and ranks.main else None  # what this run may write over
     if _floors_kept(kept_floors):
         report.floors, report.kid_floors = kept_floors["floors"], kept_floors["kid_floors"]
         report.manifold_floors = kept_floors["manifold_floors"]
@@ -297,15 +298,23 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
     def save(reached: int) -> None:
         """The report so far, and the kept rows of the cells after the first `reached`: a run stopped before it
         reaches them loses none."""
+        nonlocal seen
         if out is not None and ranks.main:
             document = report.to_json()
             document["rows"] += [saved[key] for key in keys[reached:] if restored[key] is not None]
+            so_far = f"the {counted(len(report.rows), 'row')} so far {'is' if len(report.rows) == 1 else 'are'} " \
+                     "under 'partial' (--json)"
+            if report_stamp(out) != seen:  # another eval given the same --out: neither silently loses the other's
+                measured = f"; {so_far}" if report.rows else ""
+                raise RunFailed(f"{out} was written by another process while this eval ran (another eval with the "
+                                f"same --out?) and is left as it wrote it{measured}: give this eval another --out",
+                                report.to_json())
             try:
                 write_report(out, document, ident)
+                seen = report_stamp(out)
             except OSError as e:  # a full disk: the rows measured are not lost with the file
-                done = f"; the {counted(len(report.rows), 'row')} so far {'is' if len(report.rows) == 1 else 'are'} " \
-                       f"under 'partial' (--json), and the same command with --resume measures those {out} does " \
-                       "not hold" if report.rows else ""
+                done = f"; {so_far}, and the same command with --resume measures those {out} does not hold" \
+                    if report.rows else ""
                 raise RunFailed(f"cannot write the report to {out}: {disk_said(e)}{done}", report.to_json()) from None
 
     save(0)

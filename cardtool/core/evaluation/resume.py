@@ -10,9 +10,9 @@ from pathlib import Path
 
 from cardtool.atomic import write_atomic
 from cardtool.errors import BadInput
-from cardtool.files import parse_json, read_small_file
+from cardtool.files import file_stamp, parse_json, read_small_file
 
-__all__ = ["ROW_SETTINGS", "identity", "previous_rows", "write_report"]
+__all__ = ["ROW_SETTINGS", "identity", "previous_rows", "report_stamp", "write_report"]
 
 ROW_SETTINGS = ("precision", "steps", "guidance", "guidance_interval", "shift", "solver")  # what tells rows apart
 _MEASURED = ("fid_fmnist", "kid", "kid_std", "images_per_second")
@@ -63,6 +63,15 @@ def previous_rows(path: Path, expected: dict) -> tuple[dict, list[dict]]:
                     for k in _JUDGED)]
     floors = {k: report[k] for k in ("floors", "kid_floors", "manifold_floors") if isinstance(report.get(k), dict)}
     return floors, rows
+
+
+def report_stamp(path: Path) -> tuple | None:
+    """The report file's `file_stamp`, None where there is none: each write replaces the file (a new inode), so a
+    stamp that moved between two of this run's writes is another process's write."""
+    try:
+        return file_stamp(path)
+    except FileNotFoundError:
+        return None
 
 
 def write_report(path: Path, document: dict, ident: dict) -> None:
