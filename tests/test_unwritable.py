@@ -334,6 +334,7 @@ def test_a_command_out_of_file_handles_says_the_limit_in_one_line(tmp_path, spar
     ("save_tensors", "x/transformer.safetensors"),  # safetensors' write
     ("copyfile", "x/adapters/tiny-rl.safetensors"),  # a copy: the error names its source first
     ("card.yaml", "x/card.yaml"),  # a write whose error names no file
+    ("README.md", "x/README.md"),  # a text the command made (an export's model card): said in the folder too
 ])
 def test_a_card_write_the_disk_refuses_names_the_file_in_the_card_folder(tmp_path, monkeypatch, failing, named):
     """A merged card's weights past `ulimit -f` said 'soup: File too large', the folder alone; it names the file, in
@@ -358,12 +359,12 @@ def test_a_card_write_the_disk_refuses_names_the_file_in_the_card_folder(tmp_pat
     elif failing == "copyfile":
         monkeypatch.setattr(shutil, "copyfile", refused_copy)
     else:
-        monkeypatch.setattr(Path, "write_text", lambda p, *a, **k: refused() if p.name == "card.yaml" else
+        monkeypatch.setattr(Path, "write_text", lambda p, *a, **k: refused() if p.name == failing else
                             real_write(p, *a, **k))
     adapter = tmp_path / "lora.safetensors"
     adapter.write_bytes(b"")
     with pytest.raises(RunFailed) as caught, as_cardtool_error():
         writer.write_card(tmp_path / "x", {"id": "x"}, {"transformer.safetensors": {}},
-                          copies={"adapters/tiny-rl.safetensors": adapter})
+                          copies={"adapters/tiny-rl.safetensors": adapter}, texts={"README.md": "# x\n"})
     assert str(caught.value) == f"{tmp_path / named}: File too large — raise the file-size limit (ulimit -f)"
     assert not (tmp_path / "x").exists() and [p.name for p in tmp_path.iterdir()] == ["lora.safetensors"]

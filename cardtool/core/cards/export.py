@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import tempfile
 from pathlib import Path
 
 import yaml
@@ -80,15 +79,10 @@ def export_card(card_ref: str, out: Path, *, fmt: str = "hf", overwrite: bool = 
     summary, report = m.recipe.metrics.get("eval"), card.folder / EVAL_REPORT
     if isinstance(summary, dict) and summary.get("report") == EVAL_REPORT and is_regular_file(report):
         copies[EVAL_REPORT] = report  # the full table the recorded summary is checked against
-    with tempfile.TemporaryDirectory() as tmp:
-        extra = {"README.md": _readme(card, dit_config.text_mask),
-                 "transformer/config.json": json.dumps(config, indent=2) + "\n"}
-        for rel, text in extra.items():
-            (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
-            (Path(tmp) / rel).write_text(text, encoding="utf-8")
-            copies[rel] = Path(tmp) / rel
-        return write_card(Path(out), manifest, {TRANSFORMER: state}, copies=copies, storage="float32",
-                          overwrite=overwrite)
+    texts = {"README.md": _readme(card, dit_config.text_mask),
+             "transformer/config.json": json.dumps(config, indent=2) + "\n"}
+    return write_card(Path(out), manifest, {TRANSFORMER: state}, copies=copies, texts=texts, storage="float32",
+                      overwrite=overwrite)
 
 
 def front_matter(card: Card) -> dict:

@@ -21,16 +21,16 @@ __all__ = ["card_folder", "card_folder_usable", "replaceable", "same_folder", "u
 
 def write_card(folder: Path, manifest: dict, weights: dict[str, dict], *, copies: dict[str, Path] | None = None,
                storage: str | None = "float32", overwrite: bool = False,
-               metadata: dict[str, dict] | None = None) -> Card:
+               metadata: dict[str, dict] | None = None, texts: dict[str, str] | None = None) -> Card:
     """Write `manifest` (components/adapters naming files in `weights` or `copies`) into `folder`.
 
     `weights` maps a relative file name to a state dict of torch tensors, stored at `storage` precision
     (floating tensors only; None keeps each tensor's dtype), with the header `metadata` given for that name (a LoRA's
-    rank and alpha); `copies` maps a relative name to an existing file copied as is."""
+    rank and alpha); `copies` maps a relative name to an existing file copied as is, `texts` to a file's text."""
     import torch
 
     folder = Path(folder)
-    for rel in [*weights, *(copies or {})]:
+    for rel in [*weights, *(copies or {}), *(texts or {})]:
         _check_inside(rel)
     staging = card_folder_usable(folder, str(manifest.get("id")), overwrite) / f".{folder.name}.tmp-{os.getpid()}"
     _recover(folder)
@@ -50,6 +50,10 @@ def write_card(folder: Path, manifest: dict, weights: dict[str, dict], *, copies
             writing = staging / rel
             (staging / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(source, staging / rel)
+        for rel, text in (texts or {}).items():
+            writing = staging / rel
+            (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+            (staging / rel).write_text(text, encoding="utf-8")
         for section in ("components", "adapters"):
             for entry in manifest.get(section, {}).values():
                 if entry and entry.get("weights"):  # an inherited entry set to null is removed
