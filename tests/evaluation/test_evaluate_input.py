@@ -524,3 +524,25 @@ def test_each_rows_progress_line_states_the_rows_measurements(examples, tmp_path
                                    row["manifold_precision"], row["manifold_recall"], row["mean_reward"]],
                                   rel=0, abs=0.0051)  # as rounded to two to four decimals
     assert per_second == pytest.approx(row["images_per_second"], rel=0, abs=0.51)
+
+
+def test_a_report_removed_while_the_eval_runs_is_written_again(examples, tmp_path, monkeypatch):
+    """A report removed mid-run (someone clearing a stale one) holds no other eval's rows: the run writes it again."""
+    from helpers import write_idx_folder
+    from typer.testing import CliRunner
+
+    from cardtool.cli import app
+    from cardtool.core.evaluation import evaluate as evaluate_module
+
+    out, real = tmp_path / "report.json", evaluate_module._measure_row
+
+    def removed(*args, **kwargs):
+        out.unlink(missing_ok=True)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate_module, "_measure_row", removed)
+    result = CliRunner().invoke(app, ["eval", str(examples / "tiny-base"), "--judge", str(examples / "tiny-judge"),
+                                      "--per-class", "1", "--steps", "1", "--steps", "2", "--data",
+                                      str(write_idx_folder(tmp_path / "idx")), "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    assert [row["steps"] for row in json.loads(out.read_text())["rows"]] == [1, 2]

@@ -304,7 +304,8 @@ def evaluate(card_ref: str, *, judge: str = "fashion-classifier", steps: list[in
             document["rows"] += [saved[key] for key in keys[reached:] if restored[key] is not None]
             so_far = f"the {counted(len(report.rows), 'row')} so far {'is' if len(report.rows) == 1 else 'are'} " \
                      "under 'partial' (--json)"
-            if report_stamp(out) != seen:  # another eval given the same --out: neither silently loses the other's
+            now = report_stamp(out)  # gone is no one's loss; another file there is another eval's (the same --out)
+            if now is not None and now != seen:
                 measured = f"; {so_far}" if report.rows else ""
                 raise RunFailed(f"{out} was written by another process while this eval ran (another eval with the "
                                 f"same --out?) and is left as it wrote it{measured}: give this eval another --out",
