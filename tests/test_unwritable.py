@@ -169,11 +169,19 @@ class _Limits:
         return self.nofile, self.RLIM_INFINITY
 
 
-@pytest.mark.parametrize("code", [errno.EMFILE, errno.ENFILE, errno.ENOMEM])
+def test_an_open_file_limit_said_without_a_count_where_there_is_none(monkeypatch):
+    from cardtool import errors
+
+    monkeypatch.setattr(errors, "resource", _Limits(nofile=_Limits.RLIM_INFINITY))
+    assert errors.write_remedy(OSError(errno.EMFILE, "x")) == "raise the open-file limit (ulimit -n)"
+
+
+@pytest.mark.parametrize("code", [errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EACCES])
 @pytest.mark.parametrize("where", ["manifest", "weights", "listing"])
 def test_a_file_the_machine_would_not_open_is_its_error_not_a_broken_card(tmp_path, monkeypatch, code, where):
     """A card read when the process may open no more files (or map no more memory) was said to be invalid — 'cannot
-    read: Too many open files', exit 2, the card blamed; it is the machine's error with its remedy (exit 1)."""
+    read: Too many open files', exit 2, the card blamed; it is the machine's error with its remedy (exit 1). A file
+    this user may not read is still that card's problem (EACCES), the others listed as before."""
     import shutil
     from pathlib import Path
 
@@ -204,6 +212,11 @@ def test_a_file_the_machine_would_not_open_is_its_error_not_a_broken_card(tmp_pa
     result = CliRunner().invoke(app, args)
     source._cache.clear()
     document = json.loads(result.stdout)
+    if code == errno.EACCES:
+        cards = document["results"] if where != "listing" else document["cards"]
+        mine = [c for c in cards if "tiny-base" in json.dumps(c)]
+        assert "error" not in document and mine and "Permission denied" in json.dumps(mine), document
+        return
     assert result.exit_code == 1, result.output
     said = {errno.EMFILE: "raise the open-file limit (ulimit -n", errno.ENFILE: "the system's table of open files",
             errno.ENOMEM: "out of memory"}[code]
