@@ -416,3 +416,33 @@ def test_a_run_past_its_cpu_time_limit_checkpoints_and_exits_152_not_with_a_core
                                                                           "after step "), error
     with safe_open(str(tmp_path / "run" / "checkpoint.safetensors"), framework="pt") as f:
         assert int(f.metadata()["step"]) == error["partial"]["step"] > 0
+
+
+@pytest.mark.parametrize("name", ["SIGXCPU", "SIGUSR1"])
+def test_a_batch_systems_warning_outside_long_work_ends_the_command_in_one_line(tmp_path, name):
+    """Before (or between) the units a stop can keep, SIGXCPU and SIGUSR1 end the command as their defaults would —
+    but with one line saying so and exit 128 + the signal, and no core dump (SIGXCPU's default writes one, gigabytes
+    for a torch process where `ulimit -c` allows)."""
+    import resource
+    import subprocess
+    import sys
+
+    script = (
+        "import os, signal, sys, time\n"
+        "import cardtool.cli as cli\n"
+        f"def warned(): os.kill(os.getpid(), signal.{name}); time.sleep(30)\n"
+        "cli._working_folder_exists = warned\n"
+        "sys.argv = ['cardtool', 'cards', 'list']\n"
+        "cli.main()\n")
+
+    def cores_allowed():
+        resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          preexec_fn=cores_allowed)
+    signum = getattr(signal, name)
+    assert done.returncode == 128 + signum, (done.returncode, done.stderr[-2000:])
+    meaning = {"SIGXCPU": "the CPU-time limit, ulimit -t", "SIGUSR1": "the batch system's warning"}[name]
+    assert done.stderr.splitlines() == [f"error {name} ({meaning}) before the work reached a point it could stop at; "
+                                        "what was saved is kept"]
+    assert not list(tmp_path.iterdir())  # no core file (where the kernel writes them into the working folder)

@@ -227,11 +227,12 @@ def main() -> None:
     code = 0
     try:
         from cardtool.cli import output
-        from cardtool.core.interrupt import hold_ctrl_c_in_imports
+        from cardtool.core.interrupt import end_warned_outside_work, hold_ctrl_c_in_imports
 
         output.OUT_OF_MEMORY = False  # this command's to set, not an earlier one's in the same process (a test's)
         output.keep_plausible_terminal_sizes()
         hold_ctrl_c_in_imports("torch")
+        end_warned_outside_work()
         _working_folder_exists()
         app()
     except SystemExit as done:

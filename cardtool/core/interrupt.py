@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 from cardtool.errors import RunFailed
 
-__all__ = ["Interrupted", "hold_ctrl_c_in_imports", "stop_requests"]
+__all__ = ["Interrupted", "end_warned_outside_work", "hold_ctrl_c_in_imports", "stop_requests"]
 
 # SIGHUP, SIGXCPU and SIGUSR1: none on Windows
 SIGNALS = (signal.SIGINT, signal.SIGTERM, *(getattr(signal, name) for name in ("SIGHUP", "SIGXCPU", "SIGUSR1")
@@ -75,6 +75,29 @@ def stop_requests(enabled: bool = True) -> Iterator[list[int]]:
             # past the CPU-time limit the next second's SIGXCPU would kill the process (and dump core) while it says
             # what it kept: from then on, the hard limit's SIGKILL is the only end the kernel has left to give
             signal.signal(s, signal.SIG_IGN if s in REPEATED and s in caught else handler)
+
+
+def end_warned_outside_work() -> None:
+    """Outside long work a batch system's warning (SIGXCPU, SIGUSR1) ends the process as its default would, but said
+    in one line, with the exit a shell gives (128 + the signal) and without SIGXCPU's core dump (a torch process's
+    runs to gigabytes where `ulimit -c` allows it): nothing is in flight that a stop could keep — what was saved stays
+    saved, and a write cut short is a temporary the next run clears. `stop_requests` takes the signals over inside
+    long work. A signal the process was told to ignore stays ignored."""
+    for signum in MEANING:
+        if signal.getsignal(signum) is signal.SIG_DFL:
+            signal.signal(signum, _end)
+
+
+def _end(signum, frame) -> None:
+    import os
+
+    said = f"error {signal.Signals(signum).name} ({MEANING[signum]}) before the work reached a point it could stop " \
+           "at; what was saved is kept\n"
+    try:
+        os.write(2, said.encode())
+    except OSError:  # a closed standard error costs only the message
+        pass
+    os._exit(128 + signum)  # no unwinding: the signal's own end, said
 
 
 class _Held:
