@@ -348,6 +348,7 @@ def test_a_command_out_of_file_handles_says_the_limit_in_one_line(tmp_path, spar
     ("copyfile", "x/adapters/tiny-rl.safetensors"),  # a copy: the error names its source first
     ("card.yaml", "x/card.yaml"),  # a write whose error names no file
     ("README.md", "x/README.md"),  # a text the command made (an export's model card): said in the folder too
+    ("synced", "x"),  # flushing the whole card to disk: the card folder
 ])
 def test_a_card_write_the_disk_refuses_names_the_file_in_the_card_folder(tmp_path, monkeypatch, failing, named):
     """A merged card's weights past `ulimit -f` said 'soup: File too large', the folder alone; it names the file, in
@@ -371,6 +372,9 @@ def test_a_card_write_the_disk_refuses_names_the_file_in_the_card_folder(tmp_pat
         monkeypatch.setattr(writer, "save_tensors", refused)
     elif failing == "copyfile":
         monkeypatch.setattr(shutil, "copyfile", refused_copy)
+    elif failing == "synced":  # past the check that the staged card loads (this manifest would not)
+        monkeypatch.setattr(writer, "load_card", lambda *args, **kwargs: None)
+        monkeypatch.setattr(writer, "synced", refused)
     else:
         monkeypatch.setattr(Path, "write_text", lambda p, *a, **k: refused() if p.name == failing else
                             real_write(p, *a, **k))
