@@ -165,15 +165,24 @@ def test_a_record_that_cannot_be_made_is_refused_before_the_eval_or_keeps_its_ro
     assert [row["steps"] for row in error["partial"]["rows"]] == [2], "the measured rows are not lost"
 
 
+def _two_rows(examples, tmp_path, out):
+    """`eval` of tiny-base's rows at 1 and 2 steps (one image a class) with --out and --json, through the CLI."""
+    from helpers import write_idx_folder
+    from typer.testing import CliRunner
+
+    from cardtool.cli import app
+
+    data = tmp_path / "idx" if (tmp_path / "idx").is_dir() else write_idx_folder(tmp_path / "idx")
+    return CliRunner().invoke(app, ["eval", str(examples / "tiny-base"), "--judge", str(examples / "tiny-judge"),
+                                    "--per-class", "1", "--steps", "1", "--steps", "2", "--data", str(data),
+                                    "--out", str(out), "--json"])
+
+
 def test_a_report_the_disk_stops_taking_keeps_the_rows_measured(examples, tmp_path, monkeypatch):
     """The report is rewritten after each row; the disk filling after the first leaves that row in the file, and the
     second, measured but not written, under 'partial' — not lost behind a bare 'No space left on device'."""
     import errno
 
-    from helpers import write_idx_folder
-    from typer.testing import CliRunner
-
-    from cardtool.cli import app
     from cardtool.core.evaluation import resume
 
     writes, real = [], resume.write_atomic
@@ -186,9 +195,7 @@ def test_a_report_the_disk_stops_taking_keeps_the_rows_measured(examples, tmp_pa
 
     monkeypatch.setattr(resume, "write_atomic", full_after_two)
     out = tmp_path / "report.json"
-    result = CliRunner().invoke(app, ["eval", str(examples / "tiny-base"), "--judge", str(examples / "tiny-judge"),
-                                      "--per-class", "1", "--steps", "1", "--steps", "2", "--data",
-                                      str(write_idx_folder(tmp_path / "idx")), "--out", str(out), "--json"])
+    result = _two_rows(examples, tmp_path, out)
     assert result.exit_code == 1, result.output
     error = json.loads(result.stdout)["error"]
     assert error["message"] == f"cannot write the report to {out}: No space left on device — free space on its disk; " \
@@ -203,12 +210,6 @@ def test_a_report_another_process_writes_meanwhile_is_left_as_it_wrote_it(exampl
     """Two evals given one --out (a CI matrix's, say) each rewrote the report after its own rows, the last write
     winning: one run's results were silently gone. The run that finds the file changed since its last write stops,
     leaving the other's report as it is and its own rows under 'partial'."""
-    from helpers import write_idx_folder
-    from typer.testing import CliRunner
-
-    from cardtool.cli import app
-    from cardtool.core.evaluation import evaluate as evaluate_module
-
     out, measured = tmp_path / "report.json", []
     theirs = b'{"rows": [], "identity": {"card": "another"}}\n'
     real = evaluate_module._measure_row
@@ -220,9 +221,7 @@ def test_a_report_another_process_writes_meanwhile_is_left_as_it_wrote_it(exampl
         return real(*args, **kwargs)
 
     monkeypatch.setattr(evaluate_module, "_measure_row", another_process_writes)
-    result = CliRunner().invoke(app, ["eval", str(examples / "tiny-base"), "--judge", str(examples / "tiny-judge"),
-                                      "--per-class", "1", "--steps", "1", "--steps", "2", "--data",
-                                      str(write_idx_folder(tmp_path / "idx")), "--out", str(out), "--json"])
+    result = _two_rows(examples, tmp_path, out)
     assert result.exit_code == 1, result.output
     error = json.loads(result.stdout)["error"]
     assert error["message"].startswith(f"{out} was written by another process while this eval ran") and \
@@ -231,9 +230,7 @@ def test_a_report_another_process_writes_meanwhile_is_left_as_it_wrote_it(exampl
     assert out.read_bytes() == theirs
     # and an eval whose report no one else writes is not stopped by its own writes
     monkeypatch.setattr(evaluate_module, "_measure_row", real)
-    alone = CliRunner().invoke(app, ["eval", str(examples / "tiny-base"), "--judge", str(examples / "tiny-judge"),
-                                     "--per-class", "1", "--steps", "1", "--steps", "2", "--data",
-                                     str(tmp_path / "idx"), "--out", str(tmp_path / "alone.json"), "--json"])
+    alone = _two_rows(examples, tmp_path, tmp_path / "alone.json")
     assert alone.exit_code == 0 and len(json.loads((tmp_path / "alone.json").read_text())["rows"]) == 2
 
 
@@ -528,12 +525,6 @@ def test_each_rows_progress_line_states_the_rows_measurements(examples, tmp_path
 
 def test_a_report_removed_while_the_eval_runs_is_written_again(examples, tmp_path, monkeypatch):
     """A report removed mid-run (someone clearing a stale one) holds no other eval's rows: the run writes it again."""
-    from helpers import write_idx_folder
-    from typer.testing import CliRunner
-
-    from cardtool.cli import app
-    from cardtool.core.evaluation import evaluate as evaluate_module
-
     out, real = tmp_path / "report.json", evaluate_module._measure_row
 
     def removed(*args, **kwargs):
@@ -541,8 +532,6 @@ def test_a_report_removed_while_the_eval_runs_is_written_again(examples, tmp_pat
         return real(*args, **kwargs)
 
     monkeypatch.setattr(evaluate_module, "_measure_row", removed)
-    result = CliRunner().invoke(app, ["eval", str(examples / "tiny-base"), "--judge", str(examples / "tiny-judge"),
-                                      "--per-class", "1", "--steps", "1", "--steps", "2", "--data",
-                                      str(write_idx_folder(tmp_path / "idx")), "--out", str(out), "--json"])
+    result = _two_rows(examples, tmp_path, out)
     assert result.exit_code == 0, result.output
     assert [row["steps"] for row in json.loads(out.read_text())["rows"]] == [1, 2]
