@@ -414,7 +414,8 @@ def test_a_run_past_its_cpu_time_limit_checkpoints_and_exits_152_not_with_a_core
     soft = int(children_cpu() - before) + 4
 
     def limited():
-        resource.setrlimit(resource.RLIMIT_CPU, (soft, soft + 120))
+        hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+        resource.setrlimit(resource.RLIMIT_CPU, (soft, soft + 120 if hard == resource.RLIM_INFINITY else hard))
 
     done = subprocess.run(train(1000000, "mine"), capture_output=True, text=True, timeout=300, preexec_fn=limited,
                           env=env)
@@ -443,8 +444,9 @@ def test_a_batch_systems_warning_outside_long_work_ends_the_command_in_one_line(
         "sys.argv = ['cardtool', 'cards', 'list']\n"
         "cli.main()\n")
 
-    def cores_allowed():
-        resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    def cores_allowed():  # as far as this machine lets a process raise its own
+        hard = resource.getrlimit(resource.RLIMIT_CORE)[1]
+        resource.setrlimit(resource.RLIMIT_CORE, (hard, hard))
 
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=tmp_path,
                           preexec_fn=cores_allowed)
