@@ -209,17 +209,8 @@ def fuzz(names: list[str], rounds: int, seed: int, modes: list[str], root: Path)
                     missing = sorted(set(want) - set(_files(where)))
                     outcome, detail = ("silent", ", ".join(missing[:5])) if missing else ("passed", "")
                 elif not outcome:
-                    again = _run([*args, finish] if finish else args, where, env)
-                    if again.returncode == 2 and finish == "--resume" and "no run has started" in again.stderr:
-                        again = _run(args, where, env)
-                    if "Traceback" in again.stderr:
-                        outcome, detail = "traceback", again.stderr[-1500:]
-                    elif again.returncode:
-                        outcome, detail = "rerun_failed", f"exit {again.returncode}: {again.stderr[-600:]}"
-                    else:
-                        got = _files(where)
-                        differing = sorted(f for f in {*want, *got} if want.get(f) != got.get(f))
-                        outcome, detail = ("differs", ", ".join(differing[:5])) if differing else ("ok", "")
+                    again, _ = fuzz_kills.finish_run(args, finish, where, env)
+                    outcome, detail = fuzz_kills.judge_finished(again, where, want, _files)
             finally:
                 if mode == "full":
                     subprocess.run(["umount", str(where)], check=False, capture_output=True)

@@ -89,6 +89,36 @@ def _run(args: list[str], where: Path, env: dict) -> subprocess.CompletedProcess
                           text=True, timeout=TIMEOUT)
 
 
+def finish_run(args: list[str], finish: str | None, where: Path, env: dict) -> tuple[subprocess.CompletedProcess, bool]:
+    """The command run again as a user finishes it (`finish`: --resume, --skip-existing), and whether it had to start
+    over: `--resume` refuses a folder no run started in (stopped before it began), which the same command without it
+    then runs. A card the first run wrote before it stopped is refused as existing: nothing left to do."""
+    again = _run([*args, finish] if finish else args, where, env)
+    if again.returncode == 2 and finish == "--resume" and "no run has started" in again.stderr:
+        return _run(args, where, env), True
+    if again.returncode == 2 and "already exists" in again.stderr:  # written before the signal came
+        return subprocess.CompletedProcess(again.args, 0, "", ""), False
+    return again, False
+
+
+def judge_finished(again: subprocess.CompletedProcess, where: Path, want: dict[str, str], files,
+                   done: str = "ok") -> tuple[str, str]:
+    """(outcome, detail) of the run that finished a stopped or failed one: `done` where it left the uninterrupted
+    run's files (`files(where)` against `want`), else traceback, rerun_failed, stray (a temporary left) or differs."""
+    if "Traceback" in again.stderr:
+        return "traceback", again.stderr[-1500:]
+    if again.returncode:
+        return "rerun_failed", f"exit {again.returncode}: {again.stderr[-600:]}"
+    got = files(where)
+    stray = sorted(f for f in got if f not in want and any(p.startswith(".") for p in Path(f).parts))
+    differing = sorted({f for f in {*want, *got} if want.get(f) != got.get(f)} - set(stray))
+    if stray:
+        return "stray", ", ".join(stray[:5])
+    if differing:
+        return "differs", ", ".join(differing[:5])
+    return done, ""
+
+
 def _heeding() -> None:
     """In the command's process: SIGINT and SIGHUP as a terminal's job gets them. A fuzzer started in the background
     (`nohup … &`) passes them on ignored, and the command rightly keeps them so: no stop would be tried. No core file:
@@ -146,23 +176,8 @@ def fuzz(names: list[str], rounds: int, seed: int, signals: list[int], root: Pat
             elif "Traceback" in stderr:
                 outcome, detail = "traceback", stderr[-1200:]
             else:
-                again = _run([*args, finish] if finish else args, where, env)
-                if again.returncode == 2 and finish == "--resume" and "no run has started" in again.stderr:
-                    outcome, again = "restarted", _run(args, where, env)
-                elif again.returncode == 2 and "already exists" in again.stderr:  # written before the signal came
-                    again = subprocess.CompletedProcess(again.args, 0, "", "")
-                if "Traceback" in again.stderr:
-                    outcome, detail = "traceback", again.stderr[-1200:]
-                elif again.returncode:
-                    outcome, detail = "rerun_failed", f"exit {again.returncode}: {again.stderr[-600:]}"
-                else:
-                    got = _files(where)
-                    stray = sorted(f for f in got if f not in want and any(p.startswith(".") for p in Path(f).parts))
-                    differing = sorted({f for f in {*want, *got} if want.get(f) != got.get(f)} - set(stray))
-                    if stray:
-                        outcome, detail = "stray", ", ".join(stray[:5])
-                    elif differing:
-                        outcome, detail = "differs", ", ".join(differing[:5])
+                again, restarted = finish_run(args, finish, where, env)
+                outcome, detail = judge_finished(again, where, want, _files, "restarted" if restarted else "ok")
             counts[outcome] = counts.get(outcome, 0) + 1
             row = {"command": name, "round": k, "signal": signal.Signals(signum).name, "after_s": round(delay, 2),
                    "of_s": round(seconds, 2), "stopped_exit": code, "outcome": outcome}
