@@ -198,7 +198,7 @@ def writable_folder(folder: Path | str, what: str, *, keep: bool = True) -> Path
     a check before work that may yet be refused leaves no empty folders; the write itself makes them."""
     import tempfile
 
-    from cardtool.errors import BadInput, disk_said
+    from cardtool.errors import BadInput, creating_said
 
     folder, made = Path(folder), []
     try:  # inside: a name too long for the file system fails even the exists()
@@ -215,7 +215,7 @@ def writable_folder(folder: Path | str, what: str, *, keep: bool = True) -> Path
                     raise
     except OSError as e:
         blocking = next((p for p in reversed(folder.parents) if p.is_file()), None)  # the outermost: the first met
-        why = f"{blocking} is a file, not a folder" if blocking is not None else disk_said(e)
+        why = f"{blocking} is a file, not a folder" if blocking is not None else creating_said(e, folder)
         raise BadInput(f"cannot write to {what} {folder}: {why}") from None
     finally:  # also where the proof failed
         for path in made:

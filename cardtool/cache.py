@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from cardtool.atomic import TEMPORARY
-from cardtool.errors import BadInput
+from cardtool.errors import BadInput, creating_said
 from cardtool.paths import home_expanded
 
 __all__ = ["DEFAULT_LIMIT", "NoCacheFolder", "cache_dir", "clear", "limit", "parse_size", "problem", "prune", "usage"]
@@ -161,7 +161,7 @@ def problem(root: Path | None = None) -> str | None:
         # root passes os.access everywhere, and a read-only mount or /proc refuses it anyway: try
         os.rmdir(tempfile.mkdtemp(prefix=".cardtool-probe-", dir=folder))
     except OSError as e:  # a name too long, a folder on the way that cannot be searched, or the try refused
-        return f"{root} cannot be written ({e.strerror or e})"
+        return f"{root} cannot be written ({creating_said(e, folder) if e.strerror else e})"
     return None
 
 

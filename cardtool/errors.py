@@ -113,6 +113,17 @@ def disk_said(error: OSError) -> str:
     return f"{reason} — {write_remedy(error)}" if error.errno in WRITES_REFUSED + FILES_REFUSED else reason
 
 
+def creating_said(error: OSError, folder: Path) -> str:
+    """`disk_said` for a failure to create a file or folder in `folder`, except that "No such file or directory"
+    where the folder (or the nearest of its parents that exists) is there says what happened: its file system creates
+    nothing (/proc answers every new name with ENOENT)."""
+    if error.errno == errno.ENOENT:
+        there = next((p for p in (folder, *folder.parents) if p.exists()), None)
+        if there is not None and there.is_dir():
+            return f"{error.strerror} — nothing new can be made in {there}: choose a folder on another file system"
+    return disk_said(error)
+
+
 def raise_if_the_machines(error: OSError) -> None:
     """Raise `error` again where the machine refused it — no more files may be opened, no memory to map — not the
     file it was reading, which a caller that says why a file is unusable (a card invalid, bad input) would blame; the

@@ -99,6 +99,18 @@ def test_an_output_folder_that_is_a_file_is_named(tmp_path):
     assert below.exit_code == 2 and f"{tmp_path / 'taken'} is a file, not a folder" in below.output, below.output
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+@pytest.mark.parametrize("out", ["/proc/a.png", "/proc/cardtool-new/a.png"])
+def test_a_folder_whose_file_system_makes_nothing_new_is_said_so(out):
+    """/proc answers every new name with ENOENT: 'No such file or directory' alone, about a folder that is there,
+    read as a bug; the message says nothing new can be made there."""
+    result = CliRunner().invoke(app, ["generate", str(EXAMPLES / "tiny-base"), "-p", "a bag", "--steps", "1",
+                                      "--out", out])
+    assert result.exit_code == 2, result.output
+    assert f"cannot write to the output folder {os.path.dirname(out)}: No such file or directory — nothing new can " \
+           "be made in /proc: choose a folder on another file system" in result.output, result.output
+
+
 def test_a_disk_failing_mid_run_is_a_message_not_a_traceback_and_keeps_what_was_written(tmp_path, monkeypatch):
     from cardtool.core.sampling import outputs
 

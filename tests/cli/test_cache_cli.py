@@ -199,7 +199,12 @@ def test_a_cache_that_cannot_be_written_is_said_once_by_generate_and_by_info(tmp
     assert cache("info")[1]["problem"] is None and sorted(tmp_path.iterdir()) == before, "info leaves nothing there"
     # a folder that os.access calls writable for root, where nothing can be made
     monkeypatch.setenv("CARDTOOL_CACHE", "/proc/cardtool-cache")
-    assert cache("info")[1]["problem"].startswith("/proc/cardtool-cache cannot be written (")
+    assert cache("info")[1]["problem"] == ("/proc/cardtool-cache cannot be written (No such file or directory — "
+                                           "nothing new can be made in /proc: choose a folder on another file system)")
+    made = CliRunner().invoke(app, ["generate", card, "-p", "a bag c", "--steps", "1", "--out", str(tmp_path / "c.png"),
+                                    "--json"])
+    assert made.exit_code == 0 and [w for w in json.loads(made.stdout)["warnings"]
+                                    if "nothing new can be made in /proc" in w], made.output
 
 
 def test_info_for_people_counts_in_decimal_units_and_warns_of_a_cache_it_cannot_write(tmp_path, monkeypatch):

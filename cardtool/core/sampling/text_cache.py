@@ -19,6 +19,7 @@ import numpy as np
 
 from cardtool.atomic import write_atomic
 from cardtool.cache import NoCacheFolder, cache_dir, limit, prune
+from cardtool.errors import creating_said
 
 __all__ = ["TextFeatureCache", "cache_dir", "encode_prompts", "filled_prompts", "filled_warning"]
 
@@ -89,8 +90,9 @@ class TextFeatureCache:
             try:
                 write_atomic(self.root / key[:2] / f"{key}.npz", buffer.getvalue())
             except OSError as e:  # an unwritable cache costs a later process the encoding, never this one its run
+                why = creating_said(e, self.root / key[:2]) if e.strerror else e
                 self.problem = (f"encoded prompts are not kept on disk: the cache {self.root.parent} cannot be "
-                                f"written ({e.strerror or e}); set CARDTOOL_CACHE to a writable folder")
+                                f"written ({why}); set CARDTOOL_CACHE to a writable folder")
                 self.root = None
                 return entry
             self._written += buffer.tell()
