@@ -1,5 +1,7 @@
 """What each command that writes (fuzz_disk's commands) does under a limit of the machine's, as shared clusters and
-batch systems set them: address space (`ulimit -v`, MiB) or open files (`ulimit -n`). Run once per limit, its outcome
+batch systems set them: address space (`ulimit -v`, MiB), open files (`ulimit -n`) or tasks — processes and threads,
+as a container's `--pids-limit`, systemd's `TasksMax` or a login node's `ulimit -u` cap them (here a pids cgroup: as
+root, where the kernel lets it make one). Run once per limit, its outcome
 is `ran` (exit 0), `said` (exit 1 or 2 with one `error` line and nothing else Python printed: out of memory or out of
 file handles, with the limit named), `traceback`, `noise` (a message, then Python's "Exception ignored" lines),
 `killed` (the process died without a word from cardtool: a C++ abort inside torch, libgomp or OpenBLAS failing to start
@@ -8,6 +10,7 @@ happen in native code before Python can speak — this measures how often.
 
     python benchmarks/machine_limits.py --limits 700 800 900 1100 1400 [--commands generate eval …] [--out F.json]
     python benchmarks/machine_limits.py --resource files --limits 5 6 8 12
+    python benchmarks/machine_limits.py --resource processes --limits 1 2 3 4 6
 """
 
 from __future__ import annotations
@@ -28,16 +31,45 @@ from fuzz_kills import report_and_exit  # noqa: E402
 CARDTOOL_FAULTS = ("traceback", "noise")
 
 
-# each limit: the kernel's resource, a --limits value in its units, the row's key for it
+# each limit: the kernel's resource (None: a pids cgroup's), a --limits value in its units, the row's key for it
 RESOURCES = {"memory": (resource.RLIMIT_AS, lambda mib: mib << 20, "limit_mib"),
-             "files": (resource.RLIMIT_NOFILE, lambda count: count, "limit_files")}
+             "files": (resource.RLIMIT_NOFILE, lambda count: count, "limit_files"),
+             "processes": (None, lambda count: count, "limit_tasks")}
+PIDS_CGROUPS = (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup"))  # cgroup v1's pids hierarchy, v2's unified one
 
 
-def _limited(kind: str, value: int):
+def pids_cgroup() -> Path:
+    """A new pids cgroup for the runs, or exit saying why there is none. The kernel counts every task a run starts
+    in it — its threads, its children's — and refuses the one past pids.max with EAGAIN, as under `ulimit -u`."""
+    for hierarchy in PIDS_CGROUPS:
+        if (hierarchy / "cgroup.procs").exists() and (hierarchy.name == "pids" or "pids" in _text(
+                hierarchy / "cgroup.subtree_control").split()):
+            group = hierarchy / f"cardtool-limits-{os.getpid()}"
+            try:
+                group.mkdir()
+            except OSError as e:
+                raise SystemExit(f"cannot make a pids cgroup in {hierarchy}: {e.strerror} (run as root)") from None
+            return group
+    raise SystemExit("no pids cgroup controller on this machine (/sys/fs/cgroup/pids or cgroup v2's pids)")
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def _limited(kind: str, value: int, group: Path | None = None):
     which, units, _ = RESOURCES[kind]
 
     def apply() -> None:
-        resource.setrlimit(which, (units(value), units(value)))
+        if which is None:  # the child joins the cgroup before it execs: everything it starts counts
+            (group / "cgroup.procs").write_text("0")
+        else:
+            resource.setrlimit(which, (units(value), units(value)))
+    if which is None:
+        (group / "pids.max").write_text(str(units(value)))
     return apply
 
 
@@ -55,6 +87,15 @@ def outcome(code: int, stderr: str) -> str:
 
 def measure(names: list[str], limits: list[int], timeout: float, root: Path, kind: str = "memory") -> dict:
     cards = prepared(root, names)
+    group = pids_cgroup() if kind == "processes" else None
+    try:
+        return _measured(names, limits, timeout, root, kind, cards, group)
+    finally:
+        if group is not None:
+            group.rmdir()  # its runs have ended: an empty cgroup is removed
+
+
+def _measured(names, limits, timeout, root, kind, cards, group) -> dict:
     rows, counts = [], {}
     for name in names:
         args = arguments(name, root)
@@ -67,7 +108,7 @@ def measure(names: list[str], limits: list[int], timeout: float, root: Path, kin
             try:
                 done = subprocess.run([sys.executable, "-m", "cardtool", *args], cwd=where, env=env,
                                       capture_output=True, text=True, timeout=timeout,
-                                      preexec_fn=_limited(kind, limit))
+                                      preexec_fn=_limited(kind, limit, group))
                 code, stderr, ended = done.returncode, done.stderr, outcome(done.returncode, done.stderr)
             except subprocess.TimeoutExpired as stopped:
                 code, ended = None, "hang"
@@ -86,13 +127,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--resource", choices=list(RESOURCES), default="memory")
     parser.add_argument("--limits", type=int, nargs="+", help="MiB each for memory (default 700 800 900 1100 "
-                        "1400), open files each for files (default 5 6 8 12)")
+                        "1400), open files each for files (default 5 6 8 12), tasks for processes (default 1 2 3 4 6)")
     parser.add_argument("--commands", nargs="+", choices=list(COMMANDS), default=list(COMMANDS))
     parser.add_argument("--timeout", type=float, default=120.0, help="Seconds before a run counts as a hang.")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
-        limits = args.limits or {"memory": [700, 800, 900, 1100, 1400], "files": [5, 6, 8, 12]}[args.resource]
+        limits = args.limits or {"memory": [700, 800, 900, 1100, 1400], "files": [5, 6, 8, 12],
+                                 "processes": [1, 2, 3, 4, 6]}[args.resource]
         report = measure(args.commands, limits, args.timeout, Path(scratch), args.resource)
     report_and_exit(report, args.out, CARDTOOL_FAULTS)
 

@@ -124,6 +124,21 @@ def creating_said(error: OSError, folder: Path) -> str:
     return disk_said(error)
 
 
+def threads_refused(error: BaseException, doing: str = "") -> RunFailed | None:
+    """RunFailed saying that the machine refused a thread (`doing`: in what), where `error` is that refusal —
+    Python's `can't start new thread`, or the panic of a Rust thread pool that could not start (pyo3's
+    PanicException, which is not an Exception) — else None. Under a limit on tasks, not the request's fault."""
+    text = str(error)
+    python = isinstance(error, RuntimeError) and "can't start new thread" in text
+    rust = type(error).__name__ == "PanicException" and ("ThreadPoolBuildError" in text or "Resource temporarily"
+                                                         in text)
+    if not (python or rust):
+        return None
+    detail = "can't start new thread" if python else "Resource temporarily unavailable"
+    return RunFailed(f"{doing}the machine refused a new thread ({detail}) — raise its limit on processes and threads "
+                     "(ulimit -u; a container's --pids-limit), or start fewer: OMP_NUM_THREADS=1")
+
+
 def raise_if_the_machines(error: OSError) -> None:
     """Raise `error` again where the machine refused it — no more files may be opened, no memory to map — not the
     file it was reading, which a caller that says why a file is unusable (a card invalid, bad input) would blame; the
@@ -228,7 +243,7 @@ def as_cardtool_error() -> Iterator[None]:
         loop = _symlink_loop(error)
         if loop is not None:
             raise _os_failure(loop) from error
-        failed = OutOfMemory.of(error)
+        failed = OutOfMemory.of(error) or threads_refused(error)
         if failed is None:
             raise
         raise failed from error

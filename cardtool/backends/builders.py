@@ -14,7 +14,7 @@ from cardtool.backends.platform import Platform
 from cardtool.backends.precision import LOW_PRECISIONS, kernel_variant, weights_dtype
 from cardtool.backends.vae_config import ConvVAEConfig
 from cardtool.backends.wan_config import CONTROLNET_BLOCKS, WanDiTConfig
-from cardtool.errors import FILES_REFUSED, BadInput, OutOfMemory, RunFailed, disk_said
+from cardtool.errors import FILES_REFUSED, BadInput, OutOfMemory, RunFailed, disk_said, threads_refused
 from cardtool.files import file_stamp
 from cardtool.paths import opened_by_utf8_name
 
@@ -171,6 +171,9 @@ def _hf_encoder(source: str, stamps: tuple, max_length: int, device: str, dtype)
             raise starved from None
         if isinstance(e, OSError) and e.errno in FILES_REFUSED:  # the machine's, not the folder's
             raise RunFailed(f"cannot load the text encoder in {source}: {disk_said(e)}") from None
+        refused = threads_refused(e, f"loading the text encoder in {source}, ")
+        if refused is not None:
+            raise refused from None
         raise BadInput(f"cannot load the text encoder in {source}: {type(e).__name__}: {str(e)[:300]}") from None
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from cardtool.errors import RunFailed
+from cardtool.errors import RunFailed, threads_refused
 
 __all__ = ["HFTextEncoder"]
 
@@ -48,6 +48,11 @@ class HFTextEncoder:
         except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception
             raise RunFailed(f"the text encoder's tokenizer in {self.folder} cannot encode the prompts: "
                             f"{type(e).__name__}: {str(e)[:200]}") from None
+        except BaseException as e:  # its thread pool, refused a thread, panics
+            refused = threads_refused(e, "encoding the prompts, ")
+            if refused is None:
+                raise
+            raise refused from None
         if tokens["input_ids"].shape[1] != self.max_length:  # shorter than the special tokens: not truncated at all
             raise RunFailed(f"the text encoder's tokenizer in {self.folder} cannot fit a prompt in max_length "
                             f"{self.max_length} (it made {tokens['input_ids'].shape[1]} tokens); raise max_length")

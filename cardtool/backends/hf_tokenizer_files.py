@@ -170,7 +170,7 @@ def _tokenizer_json(path: Path, kind: str | None, vocab_size: int | None) -> tup
     tokenizer.no_padding()
     tokenizer.no_truncation()
     try:
-        encodings = tokenizer.encode_batch(list(PROBES))
+        encodings = [tokenizer.encode(probe) for probe in PROBES]  # not encode_batch: no thread pool for a few
     except Exception as e:  # noqa: BLE001 - as above
         return {}, None, [f"{path} cannot encode text such as {PROBES[1]!r}: {str(e)[:200]}"]
     top = max(max(e.ids, default=0) for e in encodings)

@@ -7,6 +7,7 @@ from typer.core import TyperGroup
 
 from cardtool import __version__
 from cardtool.cli import cache, cards, distill, evaluate, flywheel, generate, parity, platform, rl, train, workflow
+from cardtool.task_limit import fit_thread_pools
 
 _UsageError = typer.BadParameter.__base__  # click's UsageError, from the click that typer carries
 
@@ -213,6 +214,7 @@ def main() -> None:
     import sys
 
     _one_blas_thread_under_a_memory_limit()
+    fit_thread_pools()
     closed = sys.stdout is None
     if closed:
         sys.stdout = _reopened(1)
@@ -248,6 +250,14 @@ def main() -> None:
                 raise
             sys.stderr.write(f"error {failed}\n")
             code = failed.exit_code
+    except BaseException as error:  # a Rust library's panic (pyo3's PanicException): one that is a refused thread
+        from cardtool.errors import threads_refused
+
+        refused = threads_refused(error)
+        if refused is None:
+            raise
+        sys.stderr.write(f"error {refused}\n")
+        code = refused.exit_code
     sys.stdout.flush()  # a --json document is still buffered: its write error shows only now
     if getattr(out, "failed", None) is not None:
         sys.stderr.write(f"error cannot write standard output: {out.failed}\n")
