@@ -439,6 +439,12 @@ def test_machine_limits_benchmark_runs_a_command_under_each_limit_and_names_the_
     files = measure(["merge"], [resource.getrlimit(resource.RLIMIT_NOFILE)[0]], 120, tmp_path / "files", "files")
     assert (files["resource"], files["counts"], files["runs"][0]["limit_files"]) == \
         ("files", {"ran": 1}, resource.getrlimit(resource.RLIMIT_NOFILE)[0]), files
+    try:  # one task, the process alone: every pool fitted to it (as root, where a pids cgroup can be made)
+        tasks = measure(["merge"], [1], 120, tmp_path / "tasks", "processes")
+    except SystemExit as no_cgroup:
+        print(f"processes not measured: {no_cgroup}")
+    else:
+        assert (tasks["counts"], tasks["runs"][0]["limit_tasks"]) == ({"ran": 1}, 1), tasks
     # how each kind of end is told apart
     assert outcome(1, "error out of memory (x)\n") == "said" and outcome(2, "error cannot load x\n") == "said"
     assert outcome(1, "Traceback (most recent call last):\n  …\nMemoryError\n") == "traceback"
@@ -446,6 +452,21 @@ def test_machine_limits_benchmark_runs_a_command_under_each_limit_and_names_the_
     assert outcome(-6, "terminate called after throwing an instance of 'std::bad_alloc'\n") == "killed"
     assert outcome(1, "libgomp: Thread creation failed: Resource temporarily unavailable\n") == "killed"
     assert outcome(0, "") == "ran"
+
+
+def test_cpu_quota_benchmark_times_both_pool_settings_under_each_quota(tmp_path):
+    out = tmp_path / "quota.json"
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "cpu_quota.py"), "--quotas", "1", "--rounds",
+                           "1", "--out", str(out), "--", "platform", "detect"], capture_output=True, text=True,
+                          timeout=300)
+    if done.returncode and "cgroup" in done.stderr:
+        pytest.skip(done.stderr.strip())
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert report["command"] == ["platform", "detect"] and [r["quota_cores"] for r in report["rows"]] == [None, 1.0]
+    for row in report["rows"]:
+        assert row["fitted"] > 0 and row["a thread a core"] > 0
+        assert row["speedup"] == round(row["a thread a core"] / row["fitted"], 2)
 
 
 def test_disk_fuzzer_imports_a_card_from_the_diffusers_folder_it_prepared(tmp_path, monkeypatch):

@@ -7,7 +7,7 @@ from typer.core import TyperGroup
 
 from cardtool import __version__
 from cardtool.cli import cache, cards, distill, evaluate, flywheel, generate, parity, platform, rl, train, workflow
-from cardtool.task_limit import fit_thread_pools
+from cardtool.thread_pools import fit_thread_pools
 
 _UsageError = typer.BadParameter.__base__  # click's UsageError, from the click that typer carries
 

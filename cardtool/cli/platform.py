@@ -19,11 +19,13 @@ DeviceOption = Annotated[str | None, typer.Option("--device", help="Override the
 def detect_command(device: DeviceOption = None, json_: JsonOption = False) -> None:
     """The device and arch this process would run on, the fallback chains, and why."""
     from cardtool.backends.platform import Platform
+    from cardtool.thread_pools import cpu_threads
 
     with handled(json_):
         platform = Platform.detect(device)
+    threads, why = cpu_threads()
     if json_:
-        emit_json(platform.to_json())
+        emit_json({**platform.to_json(), "threads": {"count": threads, "why": why}})
         return
     out = console()
     from rich.markup import escape
@@ -31,6 +33,7 @@ def detect_command(device: DeviceOption = None, json_: JsonOption = False) -> No
     out.print(f"[bold]{platform.device}[/bold] / [bold]{platform.arch}[/bold]  {escape(platform.name)}")
     out.print("kernel chain:    " + " → ".join("/".join(c) for c in platform.kernel_chain()), markup=False)
     out.print("component chain: " + " → ".join(platform.component_chain()), markup=False)
+    out.print(f"CPU threads:     {threads} ({why})", markup=False)
     for reason in platform.why:
         out.print(f"  because {reason}", markup=False)
 

@@ -1,6 +1,6 @@
-"""A limit on tasks (a container's --pids-limit, systemd's TasksMax, `ulimit -u`): the CLI fits the libraries' thread
-pools under it, and a thread the machine still refuses is said in one line (exit 1), not a panic's traceback or
-the text encoder's folder blamed as bad input."""
+"""A CPU quota (a container's --cpus) and a limit on tasks (a container's --pids-limit, systemd's TasksMax, `ulimit
+-u`): the CLI fits the libraries' thread pools to both, and a thread the machine still refuses is said in one line
+(exit 1), not a panic's traceback or the text encoder's folder blamed as bad input."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from helpers import REPO
 
-from cardtool import task_limit
+from cardtool import thread_pools
 from cardtool.errors import RunFailed, threads_refused
 
 POOLS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TOKENIZERS_PARALLELISM",
@@ -37,53 +37,139 @@ def test_the_room_is_the_least_left_under_any_pids_limit_on_the_way_up(tmp_path,
     own = tmp_path / "cgroup"
     mount = tmp_path / "fs" / ("pids" if layout == "v1" else "")
     own.write_text("9:name=systemd:/\n8:pids:/job/step\n" if layout == "v1" else "0::/job/step\n")
-    monkeypatch.setattr(task_limit, "_OWN", own)
-    monkeypatch.setattr(task_limit, "_CGROUPS", tmp_path / "fs")
-    monkeypatch.setattr(task_limit, "_user_room", lambda: None)
+    monkeypatch.setattr(thread_pools, "_OWN", own)
+    monkeypatch.setattr(thread_pools, "_CGROUPS", tmp_path / "fs")
+    monkeypatch.setattr(thread_pools, "_user_room", lambda: None)
     _cgroup(mount, "/job/step", "max", 3)  # no limit of its own
     _cgroup(mount, "/job", "40", 31)  # the job's: 9 left
-    assert task_limit.task_room() == 9
+    assert thread_pools.task_room() == 9
     _cgroup(mount, "/job/step", "12", 3)
-    assert task_limit.task_room() == 9, "the tighter one above decides"
+    assert thread_pools.task_room() == 9, "the tighter one above decides"
     _cgroup(mount, "/job/step", "5", 3)
-    assert task_limit.task_room() == 2
+    assert thread_pools.task_room() == 2
     _cgroup(mount, "/job/step", "3", 3)
-    assert task_limit.task_room() == 0
+    assert thread_pools.task_room() == 0
     own.write_text("8:pids:/elsewhere\n" if layout == "v1" else "0::/elsewhere\n")  # a container's own, as the root
     _cgroup(mount, "/", "7", 2)
-    assert task_limit.task_room() == 5
+    assert thread_pools.task_room() == 5
     own.write_text("4:memory:/x\n")
-    assert task_limit.task_room() is None, "no pids controller: nothing limits"
+    assert thread_pools.task_room() is None, "no pids controller: nothing limits"
 
 
 def test_the_users_tasks_are_counted_with_their_threads():
-    before = task_limit.tasks_of(os.getuid())
+    before = thread_pools.tasks_of(os.getuid())
     held, started = threading.Event(), []
     for _ in range(3):
         started.append(threading.Thread(target=held.wait))
         started[-1].start()
     try:
-        assert task_limit.tasks_of(os.getuid()) >= before + 3  # other processes of the user may start meanwhile
+        assert thread_pools.tasks_of(os.getuid()) >= before + 3  # other processes of the user may start meanwhile
     finally:
         held.set()
         for thread in started:
             thread.join()
-    assert task_limit.tasks_of(2**31 - 7) == 0
+    assert thread_pools.tasks_of(2**31 - 7) == 0
+
+
+def test_a_users_limit_counts_for_a_user_the_kernel_holds_to_it(monkeypatch):
+    import resource
+
+    limits = {resource.RLIMIT_NPROC: (100, 100)}
+    monkeypatch.setattr(resource, "getrlimit", lambda which: limits[which])
+    monkeypatch.setattr(thread_pools, "tasks_of", lambda uid: {4242: 37}[uid])
+    monkeypatch.setattr(os, "getuid", lambda: 4242)
+    assert thread_pools._user_room() == 63
+    limits[resource.RLIMIT_NPROC] = (thread_pools._COUNTED + 1, resource.RLIM_INFINITY)  # a default: not counted
+    assert thread_pools._user_room() is None
+    limits[resource.RLIMIT_NPROC] = (resource.RLIM_INFINITY, resource.RLIM_INFINITY)
+    assert thread_pools._user_room() is None
+    limits[resource.RLIMIT_NPROC] = (100, 100)
+    monkeypatch.setattr(os, "getuid", lambda: 0)
+    assert thread_pools._user_room() is None, "root is not held to it"
+
+
+@pytest.mark.parametrize("layout", ["v1", "v2"])
+def test_the_quota_is_the_least_on_the_way_up(tmp_path, monkeypatch, layout):
+    own, fs = tmp_path / "cgroup", tmp_path / "fs"
+    monkeypatch.setattr(thread_pools, "_OWN", own)
+    monkeypatch.setattr(thread_pools, "_CGROUPS", fs)
+    mount = fs / "cpu,cpuacct" if layout == "v1" else fs
+    own.write_text("3:cpu,cpuacct:/pod/box\n2:pids:/\n" if layout == "v1" else "0::/pod/box\n")
+
+    def quota(path: str, cores: float | None) -> None:
+        folder = mount / path.lstrip("/")
+        folder.mkdir(parents=True, exist_ok=True)
+        if layout == "v1":
+            (folder / "cpu.cfs_quota_us").write_text(f"{-1 if cores is None else int(cores * 50_000)}\n")
+            (folder / "cpu.cfs_period_us").write_text("50000\n")
+        else:
+            (folder / "cpu.max").write_text(f"{'max' if cores is None else int(cores * 100_000)} 100000\n")
+
+    quota("/pod/box", None)
+    assert thread_pools.cpu_quota() is None
+    quota("/pod", 2.5)
+    assert thread_pools.cpu_quota() == 2.5
+    quota("/pod/box", 0.5)
+    assert thread_pools.cpu_quota() == 0.5
+    quota("/pod/box", 4)
+    assert thread_pools.cpu_quota() == 2.5, "the pod's quota holds the box inside it"
+
+
+def test_the_pools_are_fitted_to_the_quota_and_the_room(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(8)), raising=False)
+    monkeypatch.setattr(thread_pools, "task_room", lambda: None)
+    threads = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+    for quota, each in ((None, None), (8.0, None), (16.0, None), (7.9, None), (6.5, 7), (2.0, 2), (0.5, 1),
+                        (0.01, 1)):
+        monkeypatch.setattr(thread_pools, "cpu_quota", lambda quota=quota: quota)
+        environ = {}
+        assert thread_pools.fit_thread_pools(environ) == each, quota
+        assert environ == ({} if each is None else dict.fromkeys(threads, str(each))), "Rayon and the loader kept"
+    monkeypatch.setattr(thread_pools, "task_room", lambda: 5)  # and both: the tighter decides
+    monkeypatch.setattr(thread_pools, "cpu_quota", lambda: 4.0)
+    assert thread_pools.fit_thread_pools({}) == 2
+
+
+def test_platform_detect_says_how_many_threads_and_why(monkeypatch):
+    from typer.testing import CliRunner
+
+    from cardtool.cli import app
+
+    monkeypatch.setattr(thread_pools, "_FITTED", [])
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(8)), raising=False)
+    monkeypatch.setattr(thread_pools, "cpu_quota", lambda: 2.5)
+    monkeypatch.setattr(thread_pools, "task_room", lambda: None)
+    assert thread_pools.cpu_threads({}) == (8, "a thread a core this process may run on")
+    assert thread_pools.cpu_threads({"OMP_NUM_THREADS": "3"}) == (3, "OMP_NUM_THREADS")
+    assert thread_pools.cpu_threads({"OMP_NUM_THREADS": "x"})[0] == 8, "one torch would not take: the default"
+    environ = {}
+    thread_pools.fit_thread_pools(environ)
+    assert thread_pools.cpu_threads(environ) == (3, "a CPU quota of 2.5 cores")
+    monkeypatch.setattr(thread_pools, "_FITTED", [])
+    environ = {"OMP_NUM_THREADS": "5"}
+    thread_pools.fit_thread_pools(environ)
+    assert thread_pools.cpu_threads(environ) == (5, "OMP_NUM_THREADS"), "the user's count, and the user's reason"
+    monkeypatch.setenv("OMP_NUM_THREADS", "6")
+    shown = json.loads(CliRunner().invoke(app, ["platform", "detect", "--device", "cpu", "--json"]).stdout)
+    assert shown["threads"] == {"count": 6, "why": "OMP_NUM_THREADS"}
+    people = CliRunner().invoke(app, ["platform", "detect", "--device", "cpu"], env={"COLUMNS": "1000"})
+    assert "CPU threads:     6 (OMP_NUM_THREADS)" in people.stdout.splitlines(), people.stdout
 
 
 def test_the_pools_are_fitted_only_where_the_room_is_short(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(8)), raising=False)
+    monkeypatch.setattr(thread_pools, "cpu_quota", lambda: None)
     # 8 cores: 3·7 (OpenMP, two OpenBLAS) + 8 (Rayon) + 4 (the loader) + 3 = 36 tasks unfitted
     for room, each in ((None, None), (1_000, None), (36, None), (35, 8), (12, 4), (5, 2), (2, 1), (0, 1)):
-        monkeypatch.setattr(task_limit, "task_room", lambda room=room: room)
+        monkeypatch.setattr(thread_pools, "task_room", lambda room=room: room)
         environ = {}
-        assert task_limit.fit_thread_pools(environ) == each, room
+        assert thread_pools.fit_thread_pools(environ) == each, room
         expected = {} if each is None else {"OMP_NUM_THREADS": str(each), "MKL_NUM_THREADS": str(each),
                                             "OPENBLAS_NUM_THREADS": str(each), "TOKENIZERS_PARALLELISM": "false",
                                             "HF_DEACTIVATE_ASYNC_LOAD": "1"}
         assert environ == expected, room
     environ = {"OMP_NUM_THREADS": "3"}
-    task_limit.fit_thread_pools(environ)
+    thread_pools.fit_thread_pools(environ)
     assert environ["OMP_NUM_THREADS"] == "3" and environ["OPENBLAS_NUM_THREADS"] == "1", "the user's count is kept"
 
 
@@ -158,9 +244,9 @@ def test_the_cli_says_a_panic_that_escaped_everything_else_in_one_line(monkeypat
     assert capsys.readouterr().err.startswith("error the machine refused a new thread (Resource temporarily ")
 
 
-def _pids_cgroup() -> Path | None:
-    """A new pids cgroup (v1's pids hierarchy), where this process may make one: as root, on Linux."""
-    hierarchy = Path("/sys/fs/cgroup/pids")
+def _new_cgroup(controller: str) -> Path | None:
+    """A new cgroup in `controller`'s v1 hierarchy, where this process may make one: as root, on Linux."""
+    hierarchy = Path("/sys/fs/cgroup") / controller
     if not (hierarchy / "cgroup.procs").exists():
         return None
     group = hierarchy / f"cardtool-test-{os.getpid()}"
@@ -174,7 +260,7 @@ def _pids_cgroup() -> Path | None:
 def test_generate_runs_in_a_cgroup_that_allows_it_no_thread_at_all(tmp_path):
     """One task: the process itself. Before the fit, OpenBLAS, tokenizers' Rayon pool and transformers' loader each
     failed here (a panic's traceback; the text encoder 'bad input', exit 2; libgomp ending the process)."""
-    group = _pids_cgroup()
+    group = _new_cgroup("pids")
     if group is None:
         pytest.skip("needs a pids cgroup this process may make (root, cgroup v1)")
     try:
@@ -187,6 +273,28 @@ def test_generate_runs_in_a_cgroup_that_allows_it_no_thread_at_all(tmp_path):
                               preexec_fn=lambda: (group / "cgroup.procs").write_text("0"))
         assert done.returncode == 0, done.stderr
         assert (tmp_path / "a.png").is_file()
+    finally:
+        group.rmdir()
+
+
+def test_torch_takes_as_many_threads_as_the_quota_has_cores():
+    """Under half a core's quota torch took a thread a core: they spun through OpenMP's barriers on a budget spent
+    within each period (a float32 product 15 times slower with 2 threads than with 1 on this machine)."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: a thread a core is already one")
+    group = _new_cgroup("cpu")
+    if group is None:
+        pytest.skip("needs a cpu cgroup this process may make (root, cgroup v1)")
+    try:
+        (group / "cpu.cfs_period_us").write_text("100000")
+        (group / "cpu.cfs_quota_us").write_text("50000")
+        script = ("from cardtool.thread_pools import fit_thread_pools\nfit_thread_pools()\n"
+                  "import torch\nprint(torch.get_num_threads())\n")
+        env = {k: v for k, v in os.environ.items() if k not in POOLS}
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env,
+                              preexec_fn=lambda: (group / "cgroup.procs").write_text("0"))
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == ["1"]
     finally:
         group.rmdir()
 
