@@ -4,11 +4,10 @@ tasks (processes and threads).
 Every library cardtool loads starts a pool of a thread a core at its first use — OpenMP for torch, OpenBLAS for numpy
 and again for scipy, the tokenizers' Rayon pool, transformers' loader — counting the cores it may run on, not the CPU
 time it may use. Under a CPU quota (a container's `--cpus`, Kubernetes' `limits.cpu`, a Slurm job's cgroup) more
-OpenMP threads than the quota's cores spin through their barriers on a budget that runs out every period: on this
-machine half a core's quota made a float32 product 15 times slower with 2 threads than with 1. Under a limit on
-tasks (a container's `--pids-limit`, systemd's `TasksMax`, a login node's `ulimit -u`) a pool past it ends the
-process with a message of its own (libgomp, OpenBLAS) or panics (Rayon). The CLI sizes the pools to both before any
-of them loads.
+OpenMP threads than the quota's cores spin through their barriers on a budget that runs out every period
+(`benchmarks/cpu_quota.py`). Under a limit on tasks (a container's `--pids-limit`, systemd's `TasksMax`, a login
+node's `ulimit -u`) a pool past it ends the process with a message of its own (libgomp, OpenBLAS) or panics (Rayon).
+The CLI sizes the pools to both before any of them loads.
 """
 
 from __future__ import annotations

@@ -279,7 +279,7 @@ def test_generate_runs_in_a_cgroup_that_allows_it_no_thread_at_all(tmp_path):
 
 def test_torch_takes_as_many_threads_as_the_quota_has_cores():
     """Under half a core's quota torch took a thread a core: they spun through OpenMP's barriers on a budget spent
-    within each period (a float32 product 15 times slower with 2 threads than with 1 on this machine)."""
+    within each period (`generate` 1.5 times slower with 2 threads than with 1 on a 2-core machine)."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one core: a thread a core is already one")
     group = _new_cgroup("cpu")
