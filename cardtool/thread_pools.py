@@ -36,13 +36,13 @@ def fit_thread_pools(environ=os.environ) -> int | None:
     before any of them loads, a value the user set kept. The count set, or None where nothing needed fitting."""
     cores = _cores()
     quota, room = cpu_quota(), task_room()
-    # a core's part its own thread, as the JVM counts a quota's processors: at 1.5 cores of 2, two threads were as
-    # fast as one (`benchmarks/cpu_quota.py`), at 1 and 0.5 one was 1.2 and 1.5 times faster than two
+    # a core's part its own thread, as the JVM counts a quota's processors: under 1.5 cores of 2 one thread was 4%
+    # slower than two, under 1 and 0.5 two were 1.32 and 1.28 times slower than one (`benchmarks/cpu_quota.py`)
     each = cores if quota is None else max(1, min(cores, math.ceil(quota)))
-    # OpenMP and two OpenBLAS pools start a thread a core less than the pool's size; Rayon and transformers' loader
-    # (at most 4) as many as theirs; the main thread and two spare for what else runs
-    short = room is not None and room < 3 * (cores - 1) + cores + min(4, cores) + 3
-    if short:  # with Rayon's pool and the loader's workers off: 3·(each − 1) + 3
+    # new tasks: OpenMP and two OpenBLAS pools a thread a core less than the pool's size, Rayon and transformers'
+    # loader (at most 4) as many as theirs, and two spare for what else runs (the room counts this process already)
+    short = room is not None and room < 3 * (cores - 1) + cores + min(4, cores) + 2
+    if short:  # with Rayon's pool and the loader's workers off: 3·(each − 1) + 2 ≤ room
         each = max(1, min(each, (room + 1) // 3))
     if each == cores and not short:
         return None
