@@ -59,10 +59,11 @@ def fit_thread_pools(environ=os.environ) -> int | None:
 
 def cpu_threads(environ=os.environ) -> tuple[int, str]:
     """The threads torch's CPU pool takes in this process, and why that many: OMP_NUM_THREADS as the user set it or
-    as `fit_thread_pools` did, else a thread a core this process may run on."""
+    as `fit_thread_pools` did (torch takes no more than the machine's cores), else a thread a core this process may
+    run on."""
     value = environ.get("OMP_NUM_THREADS", "")
     if value.strip().isdigit() and int(value) > 0:
-        return int(value), " and ".join(_FITTED) if _FITTED else "OMP_NUM_THREADS"
+        return min(int(value), os.cpu_count() or 1), " and ".join(_FITTED) if _FITTED else "OMP_NUM_THREADS"
     return _cores(), "a thread a core this process may run on"
 
 

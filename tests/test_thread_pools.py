@@ -137,11 +137,13 @@ def test_platform_detect_says_how_many_threads_and_why(monkeypatch):
 
     monkeypatch.setattr(thread_pools, "_FITTED", [])
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(8)), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
     monkeypatch.setattr(thread_pools, "cpu_quota", lambda: 2.5)
     monkeypatch.setattr(thread_pools, "task_room", lambda: None)
     assert thread_pools.cpu_threads({}) == (8, "a thread a core this process may run on")
     assert thread_pools.cpu_threads({"OMP_NUM_THREADS": "3"}) == (3, "OMP_NUM_THREADS")
     assert thread_pools.cpu_threads({"OMP_NUM_THREADS": "x"})[0] == 8, "one torch would not take: the default"
+    assert thread_pools.cpu_threads({"OMP_NUM_THREADS": "100000"})[0] == 8, "torch takes no more than the cores"
     environ = {}
     thread_pools.fit_thread_pools(environ)
     assert thread_pools.cpu_threads(environ) == (3, "a CPU quota of 2.5 cores")
