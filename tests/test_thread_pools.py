@@ -54,6 +54,11 @@ def test_the_room_is_the_least_left_under_any_pids_limit_on_the_way_up(tmp_path,
     assert thread_pools.task_room() == 5
     own.write_text("4:memory:/x\n")
     assert thread_pools.task_room() is None, "no pids controller: nothing limits"
+    own.write_text("not a cgroup line\n" + ("8:pids:/a:b\n" if layout == "v1" else "0::/a:b\n"))  # ':' in a name
+    _cgroup(mount, "/a:b", "6", 4)
+    assert thread_pools.task_room() == 2
+    own.unlink()  # no /proc: nothing known, nothing limits
+    assert thread_pools.task_room() is None and thread_pools.cpu_quota() is None
 
 
 def test_the_users_tasks_are_counted_with_their_threads():
@@ -143,10 +148,18 @@ def test_platform_detect_says_how_many_threads_and_why(monkeypatch):
     assert thread_pools.cpu_threads({}) == (8, "a thread a core this process may run on")
     assert thread_pools.cpu_threads({"OMP_NUM_THREADS": "3"}) == (3, "OMP_NUM_THREADS")
     assert thread_pools.cpu_threads({"OMP_NUM_THREADS": "x"})[0] == 8, "one torch would not take: the default"
+    assert thread_pools.cpu_threads({"OMP_NUM_THREADS": "0"})[0] == 8
+    assert thread_pools.cpu_threads({"OMP_NUM_THREADS": "1"}) == (1, "OMP_NUM_THREADS")
     assert thread_pools.cpu_threads({"OMP_NUM_THREADS": "100000"})[0] == 8, "torch takes no more than the cores"
     environ = {}
     thread_pools.fit_thread_pools(environ)
     assert thread_pools.cpu_threads(environ) == (3, "a CPU quota of 2.5 cores")
+    monkeypatch.setattr(thread_pools, "_FITTED", [])
+    monkeypatch.setattr(thread_pools, "cpu_quota", lambda: 8.0)  # a quota of every core: only the tasks say why
+    monkeypatch.setattr(thread_pools, "task_room", lambda: 6)
+    environ = {}
+    thread_pools.fit_thread_pools(environ)
+    assert thread_pools.cpu_threads(environ) == (2, "a limit on tasks with room for 6 more")
     monkeypatch.setattr(thread_pools, "_FITTED", [])
     environ = {"OMP_NUM_THREADS": "5"}
     thread_pools.fit_thread_pools(environ)
