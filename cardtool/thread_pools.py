@@ -24,7 +24,8 @@ except ImportError:  # not on Windows
 __all__ = ["cpu_quota", "cpu_threads", "fit_thread_pools", "task_room"]
 
 _CGROUPS = Path("/sys/fs/cgroup")
-_OWN = Path("/proc/self/cgroup")
+_PROC = Path("/proc")
+_OWN = _PROC / "self" / "cgroup"
 _COUNTED = 16_384  # a per-user limit above this is a default, not a cap anyone sized: its tasks are not counted
 _FITTED: list[str] = []  # why fit_thread_pools sized the pools in this process, where it did
 
@@ -149,7 +150,7 @@ def tasks_of(uid: int) -> int:
     """The tasks (threads) of the processes whose real user is `uid`, as RLIMIT_NPROC counts them."""
     running = 0
     try:
-        entries = list(os.scandir("/proc"))
+        entries = list(os.scandir(_PROC))
     except OSError:  # no /proc, or no handle left to list it: nothing counted
         return 0
     for entry in entries:

@@ -61,19 +61,25 @@ def test_the_room_is_the_least_left_under_any_pids_limit_on_the_way_up(tmp_path,
     assert thread_pools.task_room() is None and thread_pools.cpu_quota() is None
 
 
-def test_the_users_tasks_are_counted_with_their_threads():
-    before = thread_pools.tasks_of(os.getuid())
+def test_the_users_tasks_are_counted_with_their_threads(tmp_path, monkeypatch):
     held, started = threading.Event(), []
     for _ in range(3):
         started.append(threading.Thread(target=held.wait))
         started[-1].start()
-    try:
-        assert thread_pools.tasks_of(os.getuid()) >= before + 3  # other processes of the user may start meanwhile
+    try:  # this process's threads at least, whatever else the user runs
+        assert thread_pools.tasks_of(os.getuid()) >= threading.active_count()
     finally:
         held.set()
         for thread in started:
             thread.join()
     assert thread_pools.tasks_of(2**31 - 7) == 0
+    for pid, uid, threads in (("10", 1000, 5), ("11", 1000, 1), ("12", 0, 40), ("13", 1001, 7)):  # real, effective …
+        (tmp_path / pid).mkdir()
+        (tmp_path / pid / "status").write_text(f"Name:\tx\nUid:\t{uid}\t0\t0\t0\nThreads:\t{threads}\n")
+    (tmp_path / "14").mkdir()  # a process that ended while /proc was listed: no status
+    (tmp_path / "self").mkdir()
+    monkeypatch.setattr(thread_pools, "_PROC", tmp_path)
+    assert [thread_pools.tasks_of(uid) for uid in (1000, 0, 1001, 5)] == [6, 40, 7, 0], "by the real user"
 
 
 def test_a_users_limit_counts_for_a_user_the_kernel_holds_to_it(monkeypatch):
