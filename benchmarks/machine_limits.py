@@ -1,12 +1,12 @@
 """What each command that writes (fuzz_disk's commands) does under a limit of the machine's, as shared clusters and
 batch systems set them: address space (`ulimit -v`, MiB), open files (`ulimit -n`) or tasks — processes and threads,
 as a container's `--pids-limit`, systemd's `TasksMax` or a login node's `ulimit -u` cap them (here a pids cgroup: as
-root, where the kernel lets it make one). Run once per limit, its outcome
-is `ran` (exit 0), `said` (exit 1 or 2 with one `error` line and nothing else Python printed: out of memory or out of
-file handles, with the limit named), `traceback`, `noise` (a message, then Python's "Exception ignored" lines),
-`killed` (the process died without a word from cardtool: a C++ abort inside torch, libgomp or OpenBLAS failing to start
-a thread and exiting) or `hang` (past --timeout). The first three are cardtool's to keep at zero; `killed` and `hang`
-happen in native code before Python can speak — this measures how often.
+root, where the kernel lets it make one). Run once per limit, its outcome is `ran` (exit 0), `said` (exit 1 or 2
+with one `error` line and nothing else Python printed: out of memory, out of file handles or a thread refused, with
+the limit named), `traceback`, `noise` (a message, then Python's "Exception ignored" lines), `killed` (the process
+died without a word from cardtool: a C++ abort inside torch, libgomp or OpenBLAS failing to start a thread and
+exiting) or `hang` (past --timeout). The first three are cardtool's to keep at zero; `killed` and `hang` happen in
+native code before Python can speak — this measures how often.
 
     python benchmarks/machine_limits.py --limits 700 800 900 1100 1400 [--commands generate eval …] [--out F.json]
     python benchmarks/machine_limits.py --resource files --limits 5 6 8 12
