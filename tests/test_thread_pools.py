@@ -127,6 +127,7 @@ def test_the_quota_is_the_least_on_the_way_up(tmp_path, monkeypatch, layout):
 
 
 def test_the_pools_are_fitted_to_the_quota_and_the_room(monkeypatch):
+    monkeypatch.setattr(thread_pools, "_FITTED", [])  # why this process fitted its own: kept as it is
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(8)), raising=False)
     monkeypatch.setattr(thread_pools, "task_room", lambda: None)
     threads = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -178,6 +179,7 @@ def test_platform_detect_says_how_many_threads_and_why(monkeypatch):
 
 
 def test_the_pools_are_fitted_only_where_the_room_is_short(monkeypatch):
+    monkeypatch.setattr(thread_pools, "_FITTED", [])  # why this process fitted its own: kept as it is
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(8)), raising=False)
     monkeypatch.setattr(thread_pools, "cpu_quota", lambda: None)
     # 8 cores: 3·7 (OpenMP, two OpenBLAS) + 8 (Rayon) + 4 (the loader) + 2 = 35 new tasks unfitted
