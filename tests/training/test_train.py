@@ -483,6 +483,58 @@ def test_a_folder_taken_during_the_run_keeps_the_trained_weights(tmp_path, data)
     assert card.manifest.recipe.metrics["steps"] == 6
 
 
+def test_a_run_folder_removed_mid_run_is_made_again_with_its_lock(tmp_path, data):
+    """Someone removes a training run's folder: the next checkpoint makes it again — and the run's lock with it, so a
+    second run started there is still refused; a second run that took the folder meanwhile stops this one."""
+    import fcntl
+    import shutil
+
+    from cardtool.core.training.run_lock import LOCK, run_claimed
+    from cardtool.errors import RunFailed
+
+    run_dir, seen = tmp_path / "run", []
+
+    def held_by_another(path):
+        fd = os.open(path, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+
+    def remove_at_step_2(entry):
+        if entry["step"] == 2:
+            shutil.rmtree(run_dir)
+        if entry["step"] == 4:  # the checkpoints of steps 2 and 3 made it again
+            seen.append(((run_dir / LOCK).read_text().strip(), held_by_another(run_dir / LOCK)))
+            with pytest.raises(BadInput, match="is in use by another run"), run_claimed(run_dir):
+                pass
+
+    recipe = tiny("fashion-vae", ["train.checkpoint_every=1", "train.log_every=1"])
+    card = train(recipe, command="c", out=tmp_path / "vae", run_dir=run_dir, data=str(data), on_log=remove_at_step_2)
+    assert card.manifest.recipe.metrics["steps"] == 6 and seen == [(str(os.getpid()), True)]
+
+    other, claims = tmp_path / "other", []
+
+    def taken_at_step_2(entry):
+        if entry["step"] == 2:  # another run's claim (its own open file: flock holds it against this run's)
+            shutil.rmtree(other)
+            other.mkdir()
+            claims.append(os.open(other / LOCK, os.O_RDWR | os.O_CREAT))
+            fcntl.flock(claims[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.write(claims[-1], b"4242\n")
+
+    try:
+        with pytest.raises(RunFailed, match=r"is in use by another run \(process 4242\) \(its folder was removed and "
+                                            r"made again during this run\)"):
+            train(recipe, command="c", out=tmp_path / "vae2", run_dir=other, data=str(data), on_log=taken_at_step_2)
+    finally:
+        for fd in claims:
+            os.close(fd)
+
+
 def test_resume_after_a_kill_gives_the_same_final_weights(tmp_path, data):
     uninterrupted = train(tiny("fashion-vae"), command="c", out=tmp_path / "a", run_dir=tmp_path / "ra",
                           data=str(data))

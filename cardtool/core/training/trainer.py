@@ -30,7 +30,7 @@ from cardtool.core.interrupt import Interrupted, stop_requests
 from cardtool.core.sampling.denoise import NonFiniteImages
 from cardtool.core.training.parallel import Parallel
 from cardtool.core.training.recipes import Recipe
-from cardtool.core.training.run_lock import LOCK, run_claimed
+from cardtool.core.training.run_lock import LOCK, keep_held, run_claimed
 from cardtool.errors import BadInput, OutOfMemory, RunFailed, write_remedy
 from cardtool.files import is_regular_file, parse_json
 from cardtool.paths import opened_by_utf8_name
@@ -420,6 +420,7 @@ def _save(path: Path, recipe: Recipe, step: int, loss: float, seconds: float, mo
         kept = f"the previous checkpoint is kept — {write_remedy(e)} and continue with --resume" if path.is_file() \
             else f"there is no earlier checkpoint — {write_remedy(e)} and start the run again"
         raise RunFailed(f"cannot write the checkpoint of step {step} to {path}: {e.strerror or e}; {kept}") from None
+    keep_held(path.parent)  # a run folder removed mid-run was made again by this write: its lock too
 
 
 def checkpoint_metadata(path: Path) -> dict[str, str]:
