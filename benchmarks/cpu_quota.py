@@ -18,6 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine_limits import new_cgroup  # noqa: E402 - beside this script, not a package
+
 DEFAULT = ["generate", "fashion-base", "-p", "a bag", "-n", "8", "--steps", "20", "--out", "{scratch}/out"]
 POOLS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
@@ -26,20 +29,17 @@ def cpu_cgroup(quota: float | None) -> Path | None:
     """A new cgroup holding this quota (cores a period), or None for none; exits saying why there is none."""
     if quota is None:
         return None
-    for hierarchy, v2 in ((Path("/sys/fs/cgroup/cpu"), False), (Path("/sys/fs/cgroup"), True)):
-        if (hierarchy / "cgroup.procs").exists() and (not v2 or (hierarchy / "cgroup.subtree_control").exists()):
-            group = hierarchy / f"cardtool-quota-{os.getpid()}-{quota}"
-            try:
-                group.mkdir()
-                if v2:
-                    (group / "cpu.max").write_text(f"{int(quota * 100_000)} 100000")
-                else:
-                    (group / "cpu.cfs_period_us").write_text("100000")
-                    (group / "cpu.cfs_quota_us").write_text(str(int(quota * 100_000)))
-            except OSError as e:
-                raise SystemExit(f"cannot make a cpu cgroup in {hierarchy}: {e.strerror} (run as root)") from None
-            return group
-    raise SystemExit("no cpu cgroup controller on this machine")
+    group, v2 = new_cgroup("cpu", f"cardtool-quota-{os.getpid()}-{quota}")
+    try:
+        if v2:
+            (group / "cpu.max").write_text(f"{int(quota * 100_000)} 100000")
+        else:
+            (group / "cpu.cfs_period_us").write_text("100000")
+            (group / "cpu.cfs_quota_us").write_text(str(int(quota * 100_000)))
+    except OSError as e:
+        group.rmdir()
+        raise SystemExit(f"cannot set the quota of {group}: {e.strerror}") from None
+    return group
 
 
 def timed(args: list[str], group: Path | None, env: dict) -> float:

@@ -35,22 +35,29 @@ CARDTOOL_FAULTS = ("traceback", "noise")
 RESOURCES = {"memory": (resource.RLIMIT_AS, lambda mib: mib << 20, "limit_mib"),
              "files": (resource.RLIMIT_NOFILE, lambda count: count, "limit_files"),
              "processes": (None, lambda count: count, "limit_tasks")}
-PIDS_CGROUPS = (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup"))  # cgroup v1's pids hierarchy, v2's unified one
 
 
-def pids_cgroup() -> Path:
-    """A new pids cgroup for the runs, or exit saying why there is none. The kernel counts every task a run starts
-    in it — its threads, its children's — and refuses the one past pids.max with EAGAIN, as under `ulimit -u`."""
-    for hierarchy in PIDS_CGROUPS:
-        if (hierarchy / "cgroup.procs").exists() and (hierarchy.name == "pids" or "pids" in _text(
+def new_cgroup(controller: str, name: str) -> tuple[Path, bool]:
+    """A new cgroup `name` under `controller` — cgroup v1's hierarchy of that name, or v2's unified tree where it
+    enables the controller — and whether it is v2's; exit saying why there is none (as root, where the kernel lets
+    this process make one)."""
+    for hierarchy, v2 in ((Path("/sys/fs/cgroup") / controller, False), (Path("/sys/fs/cgroup"), True)):
+        if (hierarchy / "cgroup.procs").exists() and (not v2 or controller in _text(
                 hierarchy / "cgroup.subtree_control").split()):
-            group = hierarchy / f"cardtool-limits-{os.getpid()}"
+            group = hierarchy / name
             try:
                 group.mkdir()
             except OSError as e:
-                raise SystemExit(f"cannot make a pids cgroup in {hierarchy}: {e.strerror} (run as root)") from None
-            return group
-    raise SystemExit("no pids cgroup controller on this machine (/sys/fs/cgroup/pids or cgroup v2's pids)")
+                raise SystemExit(f"cannot make a {controller} cgroup in {hierarchy}: {e.strerror} (run as root)") \
+                    from None
+            return group, v2
+    raise SystemExit(f"no {controller} cgroup controller on this machine (/sys/fs/cgroup/{controller} or cgroup v2's)")
+
+
+def pids_cgroup() -> Path:
+    """A new pids cgroup for the runs. The kernel counts every task a run starts in it — its threads, its
+    children's — and refuses the one past pids.max with EAGAIN, as under `ulimit -u`."""
+    return new_cgroup("pids", f"cardtool-limits-{os.getpid()}")[0]
 
 
 def _text(path: Path) -> str:
